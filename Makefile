@@ -1,0 +1,32 @@
+# sandstream: local stack, lint and tests. Everything runs against the real stack
+# (Kafka KRaft broker, PostgreSQL 15, Podman API) that `make stack` starts; see README.md.
+
+PY := .venv/bin/python
+
+.PHONY: setup stack up down lint test bench soak
+
+setup:  ## install Debian packages and the virtualenv (idempotent)
+	bash compose/bootstrap.sh
+
+stack: setup  ## start Kafka, PostgreSQL and the Podman service (idempotent)
+	$(PY) -m services.stack up
+
+up: setup  ## the whole system: stack plus sandstream's own services
+	.venv/bin/sandstream up
+
+down:  ## stop what `make stack` started
+	$(PY) -m services.stack down
+
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+	.venv/bin/mypy
+
+test: stack lint
+	.venv/bin/pytest -q -m "not soak"
+
+bench: stack
+	$(PY) -m services.bench
+
+soak: stack
+	.venv/bin/pytest -q -m soak

@@ -1,0 +1,424 @@
+"""An in-memory, deterministic driver for race tests of the executor and the processor.
+
+It behaves like the Podman driver (one runtime per generation, a workspace per incarnation,
+idempotent launch, stop/delete safe when absent, a watch stream that starts with a full
+listing) and adds hooks a test drives explicitly:
+
+- ``block(op, key)`` holds every call of ``op`` on ``key`` at its start until the returned
+  handle's ``release()``; ``await handle.entered()`` waits until a call is being held;
+- ``fail(op, key, reason, retryable)`` makes the next call (or ``times`` calls) raise
+  :class:`DriverError` after any block;
+- ``inject(observation)`` pushes any observation into every watch stream;
+- ``runtime_exited(key, generation, exit_code)`` lets a runtime finish on its own;
+- ``reconnect_watchers()`` makes every watch stream list everything again, like a watcher that
+  lost its event stream;
+- ``calls`` records every call in order.
+
+Nothing here reads the wall clock or randomness unless a ``clock`` is given: runtime ids,
+observation ids and timestamps follow from the order of calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Final, Literal
+from uuid import UUID
+
+from drivers.protocol import (
+    DriverError,
+    LaunchResult,
+    LaunchSpec,
+    OpResult,
+    RuntimeInfo,
+    WatchObservation,
+)
+from events.observations import ObservedState, RuntimeRemoved, RuntimeSnapshot, RuntimeState
+
+FakeOp = Literal["launch", "stop", "delete", "get", "list"]
+FAKE_EPOCH: Final = datetime(2025, 1, 1, tzinfo=UTC)
+SIGTERM_EXIT_CODE: Final = 143  # what a stopped runtime with an init process exits with
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One recorded driver call."""
+
+    op: FakeOp
+    key: str | None
+    generation: int | None = None
+    spec: LaunchSpec | None = None
+    timeout: float | None = None
+    sandbox_id: UUID | None = None
+
+
+class BlockHandle:
+    """Holds calls of one operation on one key until ``release()``."""
+
+    def __init__(self, op: FakeOp, key: str | None) -> None:
+        self.op = op
+        self.key = key
+        self.held = 0  # calls that reached the block (including ones already released)
+        self._gate = asyncio.Event()
+        self._entered = asyncio.Event()
+
+    @property
+    def released(self) -> bool:
+        return self._gate.is_set()
+
+    def release(self) -> None:
+        """Let every held call, and every later one, continue."""
+        self._gate.set()
+
+    async def entered(self, timeout: float = 5.0) -> None:
+        """Wait until at least one call is held here (fails after ``timeout`` seconds)."""
+        await asyncio.wait_for(self._entered.wait(), timeout)
+
+    async def _hold(self) -> None:
+        self.held += 1
+        self._entered.set()
+        await self._gate.wait()
+
+
+@dataclass(slots=True)
+class _Failure:
+    reason: str
+    retryable: bool
+    observed: ObservedState | None
+    remaining: int | None  # None: until cleared
+
+
+@dataclass(slots=True)
+class _Runtime:
+    key: str
+    sandbox_id: UUID
+    generation: int
+    identity: str
+    runtime_id: str
+    state: RuntimeState
+    exit_code: int | None = None
+    changed_seq: int = 0  # the sequence number of the last state change
+    changed_at: datetime = FAKE_EPOCH
+
+    def info(self) -> RuntimeInfo:
+        return RuntimeInfo(
+            key=self.key,
+            sandbox_id=self.sandbox_id,
+            generation=self.generation,
+            state=self.state,
+            exit_code=self.exit_code,
+            runtime_id=self.runtime_id,
+            identity=self.identity,
+        )
+
+
+class _Relist:
+    """Marker in a watcher queue: list everything again."""
+
+
+class _Closed:
+    """Marker in a watcher queue: the driver closed."""
+
+
+_Item = WatchObservation | _Relist | _Closed
+
+
+class FakeDriver:
+    """The in-memory driver. ``auto_observe=False`` leaves watch streams to ``inject`` alone."""
+
+    def __init__(
+        self,
+        *,
+        actor: str = "fake-watcher",
+        auto_observe: bool = True,
+        stop_exit_code: int = SIGTERM_EXIT_CODE,
+        clock: Callable[[], datetime] | None = None,
+    ) -> None:
+        self.actor = actor
+        self.auto_observe = auto_observe
+        self.stop_exit_code = stop_exit_code
+        self.clock = clock
+        self.calls: builtins.list[Call] = []
+        self._runtimes: dict[str, dict[int, _Runtime]] = {}
+        self._workspaces: set[tuple[str, UUID]] = set()
+        self._blocks: dict[tuple[FakeOp, str | None], BlockHandle] = {}
+        self._failures: dict[tuple[FakeOp, str | None], deque[_Failure]] = {}
+        self._watchers: builtins.list[asyncio.Queue[_Item]] = []
+        self._pending: builtins.list[WatchObservation] = []
+        self._seq = 0
+        self._closed = False
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def block(self, op: FakeOp, key: str | None = None) -> BlockHandle:
+        """Hold calls of ``op`` on ``key`` (None: any key) until the handle is released."""
+        handle = self._blocks.get((op, key))
+        if handle is None or handle.released:
+            handle = self._blocks[(op, key)] = BlockHandle(op, key)
+        return handle
+
+    def fail(
+        self,
+        op: FakeOp,
+        key: str | None,
+        reason: str,
+        retryable: bool,
+        *,
+        times: int | None = 1,
+        observed: ObservedState | None = None,
+    ) -> None:
+        """Make the next ``times`` calls (None: all, until ``clear_failures``) of ``op`` fail.
+
+        ``observed`` defaults to the state the fake is in when the call fails.
+        """
+        if times is not None and times < 1:
+            raise ValueError("times must be at least 1 (or None)")
+        failure = _Failure(reason, retryable, observed, times)
+        self._failures.setdefault((op, key), deque()).append(failure)
+
+    def clear_failures(self) -> None:
+        self._failures.clear()
+
+    def inject(self, observation: WatchObservation) -> None:
+        """Deliver ``observation`` to every watch stream (or to the next one, if none runs)."""
+        if self._watchers:
+            for queue in self._watchers:
+                queue.put_nowait(observation)
+        else:
+            self._pending.append(observation)
+
+    def reconnect_watchers(self) -> None:
+        """Every watch stream lists everything again (source="list"), as after a reconnect."""
+        for queue in self._watchers:
+            queue.put_nowait(_Relist())
+
+    def runtime_exited(self, key: str, generation: int, exit_code: int = 0) -> None:
+        """The runtime's process ended on its own (it completed or crashed)."""
+        runtime = self._runtimes.get(key, {}).get(generation)
+        if runtime is None:
+            raise KeyError(f"no runtime {key} generation {generation}")
+        self._set_state(runtime, "exited", exit_code)
+
+    def calls_for(self, op: FakeOp | None = None, key: str | None = None) -> builtins.list[Call]:
+        return [
+            c for c in self.calls if (op is None or c.op == op) and (key is None or c.key == key)
+        ]
+
+    def has_workspace(self, key: str, sandbox_id: UUID | None = None) -> bool:
+        return any(k == key and sandbox_id in (None, s) for k, s in self._workspaces)
+
+    @property
+    def watcher_count(self) -> int:
+        return len(self._watchers)
+
+    # -- the protocol ------------------------------------------------------------------------
+
+    async def launch(self, spec: LaunchSpec) -> LaunchResult:
+        await self._enter(Call("launch", spec.key, spec.generation, spec=spec))
+        self._maybe_fail("launch", spec.key, spec.generation)
+        runtimes = self._runtimes.setdefault(spec.key, {})
+        newer = [g for g in runtimes if g > spec.generation]
+        if newer:
+            raise DriverError(
+                f"launch of generation {spec.generation} superseded: "
+                f"generation {max(newer)} of {spec.key} exists",
+                retryable=False,
+                observed=runtimes[max(newer)].state,
+            )
+        for generation in sorted(g for g in runtimes if g < spec.generation):
+            self._remove(runtimes[generation])
+        current = runtimes.get(spec.generation)
+        if current is not None and (
+            current.identity != spec.identity or current.sandbox_id != spec.sandbox_id
+        ):
+            self._remove(current)  # launched for another intent: converge to this one
+            current = None
+        if current is not None:
+            if current.state == "running":
+                return LaunchResult(current.runtime_id, spec.generation, spec.identity, False)
+            self._set_state(current, "running", None)
+            return LaunchResult(current.runtime_id, spec.generation, spec.identity, True)
+        self._workspaces.add((spec.key, spec.sandbox_id))
+        runtime = _Runtime(
+            key=spec.key,
+            sandbox_id=spec.sandbox_id,
+            generation=spec.generation,
+            identity=spec.identity,
+            runtime_id=f"fake-{spec.key}-g{spec.generation}-{self._next_seq()}",
+            state="created",
+        )
+        runtimes[spec.generation] = runtime
+        self._set_state(runtime, "created", None)
+        self._set_state(runtime, "running", None)
+        return LaunchResult(runtime.runtime_id, spec.generation, spec.identity, True)
+
+    async def stop(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
+        await self._enter(Call("stop", key, generation, timeout=timeout))
+        self._maybe_fail("stop", key, generation)
+        runtime = self._runtimes.get(key, {}).get(generation)
+        if runtime is None:
+            return OpResult("already_absent")
+        if runtime.state == "running":
+            self._set_state(runtime, "exited", self.stop_exit_code)
+        return OpResult("succeeded", runtime.runtime_id, runtime.exit_code)
+
+    async def delete(self, key: str, sandbox_id: UUID | None = None) -> bool:
+        await self._enter(Call("delete", key, sandbox_id=sandbox_id))
+        self._maybe_fail("delete", key, None)
+        runtimes = self._runtimes.get(key, {})
+        doomed = [r for r in runtimes.values() if sandbox_id in (None, r.sandbox_id)]
+        for runtime in sorted(doomed, key=lambda r: r.generation):
+            self._remove(runtime)
+        if not runtimes:
+            self._runtimes.pop(key, None)
+        workspaces = {(k, s) for k, s in self._workspaces if k == key and sandbox_id in (None, s)}
+        self._workspaces -= workspaces
+        return bool(doomed or workspaces)
+
+    async def get(self, key: str) -> builtins.list[RuntimeInfo]:
+        await self._enter(Call("get", key))
+        self._maybe_fail("get", key, None)
+        return [r.info() for _, r in sorted(self._runtimes.get(key, {}).items())]
+
+    async def list(self) -> builtins.list[RuntimeInfo]:
+        await self._enter(Call("list", None))
+        self._maybe_fail("list", None, None)
+        return [r.info() for r in self._all()]
+
+    async def watch(self) -> AsyncIterator[WatchObservation]:
+        if self._closed:
+            return
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        # Subscribe and list with no await in between: nothing falls between the two.
+        self._watchers.append(queue)
+        listing = self._listing()
+        pending, self._pending = self._pending, []
+        try:
+            for observation in [*listing, *pending]:
+                yield observation
+            while True:
+                item = await queue.get()
+                if isinstance(item, _Closed):
+                    return
+                if isinstance(item, _Relist):
+                    for observation in self._listing():
+                        yield observation
+                    continue
+                yield item
+        finally:
+            self._watchers.remove(queue)
+
+    async def close(self) -> None:
+        self._closed = True
+        for queue in self._watchers:
+            queue.put_nowait(_Closed())
+        for handle in self._blocks.values():
+            handle.release()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _now(self) -> datetime:
+        if self.clock is not None:
+            return self.clock()
+        return FAKE_EPOCH + timedelta(milliseconds=self._seq)
+
+    async def _enter(self, call: Call) -> None:
+        self.calls.append(call)
+        for block_key in ((call.op, call.key), (call.op, None)):
+            handle = self._blocks.get(block_key)
+            if handle is not None and not handle.released:
+                await handle._hold()
+
+    def _maybe_fail(self, op: FakeOp, key: str | None, generation: int | None) -> None:
+        for failure_key in ((op, key), (op, None)):
+            queue = self._failures.get(failure_key)
+            if not queue:
+                continue
+            failure = queue[0]
+            if failure.remaining is not None:
+                failure.remaining -= 1
+                if failure.remaining == 0:
+                    queue.popleft()
+            observed = failure.observed or self._observed(key, generation)
+            raise DriverError(failure.reason, retryable=failure.retryable, observed=observed)
+
+    def _observed(self, key: str | None, generation: int | None) -> ObservedState | None:
+        if key is None:
+            return None
+        runtimes = self._runtimes.get(key, {})
+        if generation is None:
+            generation = max(runtimes, default=None)
+        runtime = runtimes.get(generation) if generation is not None else None
+        return runtime.state if runtime is not None else "absent"
+
+    def _all(self) -> builtins.list[_Runtime]:
+        return [r for key in sorted(self._runtimes) for _, r in sorted(self._runtimes[key].items())]
+
+    def _set_state(self, runtime: _Runtime, state: RuntimeState, exit_code: int | None) -> None:
+        runtime.state, runtime.exit_code = state, exit_code
+        runtime.changed_seq = seq = self._next_seq()
+        runtime.changed_at = self._now()
+        if self.auto_observe:
+            self._publish(
+                RuntimeSnapshot(
+                    type="RuntimeSnapshot",
+                    observation_id=f"fake:{runtime.runtime_id}:{seq}:{state}",
+                    key=runtime.key,
+                    generation=runtime.generation,
+                    occurred_at=runtime.changed_at,
+                    actor=self.actor,
+                    state=state,
+                    exit_code=exit_code,
+                    runtime_id=runtime.runtime_id,
+                    source="watch",
+                )
+            )
+
+    def _remove(self, runtime: _Runtime) -> None:
+        if runtime.state == "running":
+            self._set_state(runtime, "exited", self.stop_exit_code)
+        del self._runtimes[runtime.key][runtime.generation]
+        seq = self._next_seq()
+        if self.auto_observe:
+            self._publish(
+                RuntimeRemoved(
+                    type="RuntimeRemoved",
+                    observation_id=f"fake:{runtime.runtime_id}:{seq}:removed",
+                    key=runtime.key,
+                    generation=runtime.generation,
+                    occurred_at=self._now(),
+                    actor=self.actor,
+                    runtime_id=runtime.runtime_id,
+                    source="watch",
+                )
+            )
+
+    def _publish(self, observation: WatchObservation) -> None:
+        for queue in self._watchers:
+            queue.put_nowait(observation)
+
+    def _listing(self) -> builtins.list[WatchObservation]:
+        return [
+            RuntimeSnapshot(
+                type="RuntimeSnapshot",
+                # Stable across listings while the runtime's state is unchanged.
+                observation_id=f"fake-list:{r.runtime_id}:{r.changed_seq}:{r.state}",
+                key=r.key,
+                generation=r.generation,
+                occurred_at=r.changed_at,  # when it entered this state
+                actor=self.actor,
+                state=r.state,
+                exit_code=r.exit_code,
+                runtime_id=r.runtime_id,
+                source="list",
+            )
+            for r in self._all()
+        ]

@@ -1,0 +1,224 @@
+"""The driver protocol: what the executor and the watchers need from a container backend.
+
+A driver runs one runtime (a container, a pod) per generation of a sandbox and keeps the
+sandbox's workspace across generations of one incarnation. It stamps the key, the incarnation
+id, the generation and the runtime identity on the runtime object itself, so everything it
+reports can be matched to the generation it describes.
+
+Failures are exceptions: every operation raises :class:`DriverError` (with ``retryable`` and,
+where the driver could tell, the state the backend was left in); the result types describe
+successes only.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Literal, Protocol, TypeAlias, runtime_checkable
+from uuid import UUID
+
+from events.common import SandboxSpec
+from events.decided import SandboxCreated, SandboxStarting
+from events.observations import (
+    DriverOperationResult,
+    ObservedState,
+    Operation,
+    OperationOutcome,
+    RuntimeRemoved,
+    RuntimeSnapshot,
+    RuntimeState,
+)
+
+IDENTITY_ENV = "SANDSTREAM_IDENTITY"
+WORKSPACE_PATH = "/workspace"
+
+# Labels stamped on every runtime (and, except identity and generation, on every workspace).
+LABEL_MANAGED_BY = "io.sandstream.managed-by"
+MANAGED_BY = "sandstream"
+LABEL_KEY = "io.sandstream.key"
+LABEL_SANDBOX_ID = "io.sandstream.sandbox-id"
+LABEL_GENERATION = "io.sandstream.generation"
+LABEL_IDENTITY = "io.sandstream.identity"
+
+# What watch() yields: snapshots and removals of runtimes (never DriverOperationResult, which
+# the executor derives from the results of its own calls).
+WatchObservation: TypeAlias = RuntimeSnapshot | RuntimeRemoved
+
+StopOutcome = Literal["succeeded", "already_absent"]
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSpec:
+    """Everything needed to launch one generation of one sandbox."""
+
+    key: str
+    sandbox_id: UUID
+    generation: int
+    identity: str  # passed to the runtime as SANDSTREAM_IDENTITY and the identity label
+    spec: SandboxSpec
+
+    @classmethod
+    def from_event(cls, event: SandboxCreated | SandboxStarting) -> LaunchSpec:
+        """The launch intent of a decided event (create, start, restart)."""
+        return cls(
+            key=event.key,
+            sandbox_id=event.sandbox_id,
+            generation=event.generation,
+            identity=event.identity,
+            spec=event.spec,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchResult:
+    """The generation's runtime runs (or has been started) with ``identity``."""
+
+    runtime_id: str
+    generation: int
+    identity: str
+    started: bool  # False when it was already running (an idempotent repeat)
+
+
+@dataclass(frozen=True, slots=True)
+class OpResult:
+    """The result of a stop: ``already_absent`` when no runtime of that generation exists."""
+
+    outcome: StopOutcome
+    runtime_id: str | None = None
+    exit_code: int | None = None  # of the stopped runtime, when known
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeInfo:
+    """One runtime of a sandbox, as read from the backend (labels and state)."""
+
+    key: str
+    sandbox_id: UUID
+    generation: int
+    state: RuntimeState  # created / running / exited
+    exit_code: int | None  # set when exited
+    runtime_id: str
+    identity: str | None
+
+
+class DriverError(Exception):
+    """An operation failed. ``observed`` is the backend state afterwards, when the driver knows it.
+
+    ``retryable`` is True for transient trouble (backend unreachable, timeouts, conflicts) and
+    False for failures a retry cannot fix (missing image, a superseded generation, bad spec).
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        retryable: bool,
+        observed: ObservedState | None = None,
+        exit_code: int | None = None,
+    ) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retryable = retryable
+        self.observed = observed
+        self.exit_code = exit_code
+
+    def __repr__(self) -> str:
+        return (
+            f"DriverError({self.reason!r}, retryable={self.retryable}, "
+            f"observed={self.observed!r}, exit_code={self.exit_code!r})"
+        )
+
+
+@runtime_checkable
+class Driver(Protocol):
+    """One container backend. Implementations: PodmanDriver, FakeDriver (Kubernetes: later)."""
+
+    async def launch(self, spec: LaunchSpec) -> LaunchResult:
+        """Create and start the runtime of (key, sandbox_id, generation); idempotent.
+
+        Removes the runtimes of older generations of the key first (stopping them). If this
+        generation's runtime runs, returns at once (``started=False``); if it exists but is not
+        running, starts it. A newer generation's runtime makes the launch fail (not retryable).
+        """
+        ...
+
+    async def stop(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
+        """Stop this generation's runtime, keeping it and the workspace.
+
+        Already stopped: ``succeeded``; no such runtime: ``already_absent``. ``timeout`` is the
+        grace period between SIGTERM and SIGKILL (default: the driver's stop timeout).
+        """
+        ...
+
+    async def delete(self, key: str, sandbox_id: UUID | None = None) -> bool:
+        """Remove every runtime of the key and its workspace; True if anything existed.
+
+        With ``sandbox_id``, only that incarnation's runtimes and workspace: a slow delete of
+        an old incarnation can then never touch a re-created sandbox of the same name.
+        """
+        ...
+
+    async def get(self, key: str) -> builtins.list[RuntimeInfo]:
+        """The runtimes of one key, oldest generation first."""
+        ...
+
+    async def list(self) -> builtins.list[RuntimeInfo]:
+        """Every runtime this driver manages, by key then generation."""
+        ...
+
+    def watch(self) -> AsyncIterator[WatchObservation]:
+        """Observations of runtimes, forever: a full listing (source="list"), then changes.
+
+        After a broken stream the watcher reconnects and lists again, so a restarted or
+        reconnected watcher re-syncs. Duplicates are possible; they share an observation_id.
+        """
+        ...
+
+    async def close(self) -> None:
+        """Release connections; watchers end."""
+        ...
+
+
+def operation_result(
+    *,
+    operation: Operation,
+    key: str,
+    generation: int,
+    observation_id: str,
+    occurred_at: datetime,
+    actor: str,
+    result: LaunchResult | OpResult | bool | DriverError,
+) -> DriverOperationResult:
+    """The observation the executor appends for one driver call (a result or a DriverError).
+
+    ``bool`` is the result of delete: False (nothing existed) is ``already_absent``.
+    """
+    outcome: OperationOutcome = "succeeded"
+    retryable, reason, observed, identity, exit_code = False, None, None, None, None
+    match result:
+        case DriverError():
+            outcome, retryable, reason = "failed", result.retryable, result.reason
+            observed, exit_code = result.observed, result.exit_code
+        case LaunchResult():
+            identity = result.identity
+        case OpResult():
+            outcome, exit_code = result.outcome, result.exit_code
+        case bool():
+            outcome = "succeeded" if result else "already_absent"
+    return DriverOperationResult(
+        type="DriverOperationResult",
+        observation_id=observation_id,
+        key=key,
+        generation=generation,
+        occurred_at=occurred_at,
+        actor=actor,
+        operation=operation,
+        outcome=outcome,
+        retryable=retryable,
+        reason=reason,
+        identity=identity,
+        observed=observed,
+        exit_code=exit_code,
+    )

@@ -1,0 +1,1 @@
+"""Message schemas, topic conventions and (de)serialization of sandstream's Kafka log."""

@@ -1,0 +1,76 @@
+"""Commands: what producers ask for, published on the commands topic keyed by sandbox name."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from events.common import (
+    SCHEMA_VERSION,
+    Actor,
+    CommandId,
+    ProviderName,
+    SandboxName,
+    SandboxSpec,
+    Strict,
+    Timestamp,
+)
+
+
+class CommandBase(Strict):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    # Idempotency key: a retry with the same id gets the first outcome back.
+    command_id: CommandId
+    key: SandboxName
+    occurred_at: Timestamp
+    actor: Actor
+
+
+class VersionedCommand(CommandBase):
+    # Client optimistic concurrency: a mismatch is rejected (ABORTED), never retried.
+    expected_version: Annotated[int, Field(ge=0)] | None = None
+
+
+class CreateSandbox(CommandBase):
+    type: Literal["CreateSandbox"]
+    spec: SandboxSpec
+    providers: list[ProviderName] = Field(default_factory=list, max_length=64)
+
+
+class StartSandbox(VersionedCommand):
+    type: Literal["StartSandbox"]
+
+
+class StopSandbox(VersionedCommand):
+    type: Literal["StopSandbox"]
+
+
+class RestartSandbox(VersionedCommand):
+    type: Literal["RestartSandbox"]
+
+
+class DeleteSandbox(VersionedCommand):
+    type: Literal["DeleteSandbox"]
+
+
+class AttachProvider(VersionedCommand):
+    type: Literal["AttachProvider"]
+    provider: ProviderName
+
+
+class DetachProvider(VersionedCommand):
+    type: Literal["DetachProvider"]
+    provider: ProviderName
+
+
+Command = Annotated[
+    CreateSandbox
+    | StartSandbox
+    | StopSandbox
+    | RestartSandbox
+    | DeleteSandbox
+    | AttachProvider
+    | DetachProvider,
+    Field(discriminator="type"),
+]

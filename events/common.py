@@ -1,0 +1,95 @@
+"""Shared building blocks of every message: strict base model, names, phases, causes."""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated, Final
+
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+)
+
+SCHEMA_VERSION: Final = 1
+
+# A sandbox name is the partition key of every message about it, a container-name fragment
+# and a Kubernetes object name, so it follows the DNS-label rules.
+SANDBOX_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+SandboxName = Annotated[str, StringConstraints(pattern=SANDBOX_NAME_PATTERN)]
+CommandId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
+ProviderName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,128}$")]
+Actor = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+Generation = Annotated[int, Field(ge=1)]
+Timestamp = AwareDatetime
+
+_LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,251}[A-Za-z0-9])?$")
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class Phase(StrEnum):
+    PROVISIONING = "Provisioning"
+    STARTING = "Starting"
+    READY = "Ready"
+    STOPPING = "Stopping"
+    STOPPED = "Stopped"
+    COMPLETED = "Completed"
+    ERROR = "Error"
+    DELETING = "Deleting"
+    DELETED = "Deleted"  # the tombstone: never listed by default, never resurrected
+
+
+LIVE_PHASES = tuple(p for p in Phase if p is not Phase.DELETED)
+
+
+class Strict(BaseModel):
+    """Base of every wire model: unknown fields are errors, instances are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False, str_strip_whitespace=False)
+
+
+def _check_keys(mapping: dict[str, str], pattern: re.Pattern[str], what: str) -> dict[str, str]:
+    for key in mapping:
+        if not pattern.fullmatch(key):
+            raise ValueError(f"invalid {what} name {key!r}")
+    return mapping
+
+
+class SandboxSpec(Strict):
+    image: Annotated[str, StringConstraints(min_length=1, max_length=500)]
+    command: list[Annotated[str, StringConstraints(max_length=10_000)]] = Field(
+        default_factory=list, max_length=256
+    )
+    env: dict[str, Annotated[str, StringConstraints(max_length=10_000)]] = Field(
+        default_factory=dict, max_length=256
+    )
+    labels: dict[str, Annotated[str, StringConstraints(max_length=253)]] = Field(
+        default_factory=dict, max_length=64
+    )
+    # Grace period between SIGTERM and SIGKILL when the runtime is stopped or deleted;
+    # None means the driver's default.
+    stop_timeout_seconds: Annotated[int, Field(ge=0, le=3600)] | None = None
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        return _check_keys(value, _ENV_KEY, "environment variable")
+
+    @field_validator("labels")
+    @classmethod
+    def _label_names(cls, value: dict[str, str]) -> dict[str, str]:
+        return _check_keys(value, _LABEL_KEY, "label")
+
+
+class Cause(Strict):
+    """The input record a decided event or history entry came from."""
+
+    topic: str
+    partition: Annotated[int, Field(ge=0)]
+    offset: Annotated[int, Field(ge=0)]
+    message_type: str
+    command_id: CommandId | None = None

@@ -1,0 +1,1 @@
+"""The lifecycle rules (a pure fold) and their projection into PostgreSQL."""

@@ -1,0 +1,494 @@
+"""The lifecycle rules of a sandbox: one pure function ``decide(state, message, cause)``.
+
+No I/O, no clock, no randomness: identities and timestamps come from the message and its log
+coordinates, so replaying the same inputs in the same order yields the same events. ``evolve``
+applies a decided event to a row; ``decide`` uses it, and so does the rebuild from the log.
+
+The two tables below are the whole state machine (docs/state-machine.md shows the same):
+``COMMAND_TABLE`` says which commands each phase admits, ``OBSERVATION_TABLE`` what each kind of
+observation of the *current* generation does in each phase. Anything not in the tables changes
+nothing and is recorded as ignored.
+"""
+
+# The one-letter names A/I/R keep the transition table readable at a glance.
+# ruff: noqa: E741
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from datetime import datetime
+from enum import Enum
+from typing import Final, Literal, assert_never
+from uuid import UUID, uuid5
+
+from events.commands import (
+    AttachProvider,
+    Command,
+    CreateSandbox,
+    DeleteSandbox,
+    DetachProvider,
+    RestartSandbox,
+    StartSandbox,
+    StopSandbox,
+)
+from events.common import Cause, Phase, SandboxSpec
+from events.decided import (
+    DecidedEvent,
+    ProviderAttached,
+    ProviderDetached,
+    SandboxCompleted,
+    SandboxCreated,
+    SandboxDeleted,
+    SandboxDeleting,
+    SandboxFailed,
+    SandboxOperationFailed,
+    SandboxReady,
+    SandboxStarting,
+    SandboxStopped,
+    SandboxStopping,
+)
+from events.observations import (
+    DriverOperationResult,
+    Observation,
+    ObservedState,
+    RuntimeRemoved,
+    RuntimeSnapshot,
+)
+from events.outcomes import Code, CommandOutcome
+
+Message = Command | Observation
+Disposition = Literal["applied", "idempotent", "rejected", "ignored", "duplicate"]
+
+_SANDBOX_NS: Final = UUID("6f1c9a52-4d3b-4a8e-9a57-0d5b1e0c7a11")
+_IDENTITY_NS: Final = UUID("0b7d3e8c-2f41-4c55-8f0e-6a2d9c4b1e22")
+_EVENT_NS: Final = UUID("9e4a1f6d-7c28-4b93-a1d5-3f8e2b6c0d33")
+
+P = Phase
+
+
+@dataclass(frozen=True, slots=True)
+class Sandbox:
+    """One row of the read model: a live sandbox, or the tombstone of a deleted one."""
+
+    key: str
+    sandbox_id: UUID
+    phase: Phase
+    generation: int
+    version: int
+    spec: SandboxSpec
+    providers: tuple[str, ...]
+    identity: str
+    exit_code: int | None
+    reason: str | None
+    created_at: datetime
+    updated_at: datetime
+
+    @property
+    def tombstoned(self) -> bool:
+        return self.phase is P.DELETED
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    state: Sandbox | None
+    events: tuple[DecidedEvent, ...]
+    disposition: Disposition
+    reason: str
+    outcome: CommandOutcome | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands: which phase admits what.
+#   ADMIT       the command is accepted and changes the row (one event, version + 1)
+#   IDEMPOTENT  accepted, the row already is what the command asks for: no event, no new version
+#   REJECT      FAILED_PRECONDITION, with a message naming the current phase
+
+
+class Admission(Enum):
+    ADMIT = "admit"
+    IDEMPOTENT = "idempotent"
+    REJECT = "reject"
+
+
+A, I, R = Admission.ADMIT, Admission.IDEMPOTENT, Admission.REJECT
+PHASE_COLUMNS: Final = (
+    P.PROVISIONING, P.STARTING, P.READY, P.STOPPING, P.STOPPED, P.COMPLETED, P.ERROR, P.DELETING,
+)  # fmt: skip
+COMMAND_TABLE: Final[dict[str, tuple[Admission, ...]]] = {
+    #                 Provisioning Starting Ready Stopping Stopped Completed Error Deleting
+    "StartSandbox":   (I,          I,       I,    R,       A,      A,        A,    R),
+    "StopSandbox":    (A,          A,       A,    I,       I,      A,        A,    R),
+    "RestartSandbox": (A,          A,       A,    A,       A,      A,        A,    R),
+    "DeleteSandbox":  (A,          A,       A,    A,       A,      A,        A,    I),
+    "AttachProvider": (A,          A,       A,    A,       A,      A,        A,    R),
+    "DetachProvider": (A,          A,       A,    A,       A,      A,        A,    R),
+}  # fmt: skip
+# CreateSandbox: admitted when the name is free or tombstoned (a new incarnation at a higher
+# generation), ALREADY_EXISTS otherwise. Every other command on a free or tombstoned name:
+# NOT_FOUND.
+
+_VERB = {
+    "StartSandbox": "start",
+    "StopSandbox": "stop",
+    "RestartSandbox": "restart",
+    "DeleteSandbox": "delete",
+    "AttachProvider": "attach a provider",
+    "DetachProvider": "detach a provider",
+}
+
+
+def admission(command_type: str, phase: Phase) -> Admission:
+    return COMMAND_TABLE[command_type][PHASE_COLUMNS.index(phase)]
+
+
+def admitting_phases(command_type: str) -> list[Phase]:
+    row = COMMAND_TABLE[command_type]
+    return [p for p, a in zip(PHASE_COLUMNS, row, strict=True) if a is A]
+
+
+# ---------------------------------------------------------------------------------------------
+# Observations of the current generation: what they do in each phase.
+# Older generations are stale, newer than issued are unknown: both ignored before this table.
+
+ObservationKind = Literal[
+    "created", "running", "exited_ok", "exited_error", "removed",
+    "launch_succeeded", "launch_failed",
+    "stop_succeeded", "stop_absent", "stop_failed",
+    "delete_succeeded", "delete_absent", "delete_failed",
+]  # fmt: skip
+FOLLOW_OBSERVED: Final = "follow observed"  # the phase the backend was seen in after a failure
+Target = Phase | Literal["follow observed"]
+
+_LAUNCHING: dict[ObservationKind, Target] = {
+    "running": P.READY,
+    "launch_succeeded": P.READY,
+    "exited_ok": P.COMPLETED,
+    "exited_error": P.ERROR,
+    "removed": P.ERROR,
+    "launch_failed": P.ERROR,
+}
+OBSERVATION_TABLE: Final[dict[Phase, dict[ObservationKind, Target]]] = {
+    P.PROVISIONING: _LAUNCHING,
+    P.STARTING: _LAUNCHING,
+    P.READY: {"exited_ok": P.COMPLETED, "exited_error": P.ERROR, "removed": P.ERROR},
+    P.STOPPING: {
+        "exited_ok": P.STOPPED,
+        "exited_error": P.STOPPED,
+        "removed": P.STOPPED,
+        "stop_succeeded": P.STOPPED,
+        "stop_absent": P.STOPPED,
+        "stop_failed": FOLLOW_OBSERVED,
+    },
+    # Stopped: snapshots that describe the stop itself only confirm it. Only an accepted
+    # start, restart or delete leaves Stopped.
+    P.STOPPED: {},
+    P.COMPLETED: {},
+    P.ERROR: {"running": P.READY},
+    # Deleting is monotonic: ordinary snapshots change nothing, removal tombstones.
+    P.DELETING: {
+        "removed": P.DELETED,
+        "delete_succeeded": P.DELETED,
+        "delete_absent": P.DELETED,
+        "delete_failed": FOLLOW_OBSERVED,
+    },
+}
+
+_OBSERVED_PHASE: dict[ObservedState, Phase] = {
+    "running": P.READY,
+    "created": P.STOPPED,  # exists, not running: a start recovers it
+    "exited": P.STOPPED,
+    "absent": P.DELETED,
+}
+
+
+def observation_kind(obs: Observation) -> ObservationKind:
+    match obs:
+        case RuntimeSnapshot(state="exited"):
+            return "exited_ok" if obs.exit_code == 0 else "exited_error"
+        case RuntimeSnapshot(state="running"):
+            return "running"
+        case RuntimeSnapshot():
+            return "created"
+        case RuntimeRemoved():
+            return "removed"
+        case DriverOperationResult(operation=op, outcome=outcome):
+            suffix = {"succeeded": "succeeded", "failed": "failed", "already_absent": "absent"}
+            kind = f"{op}_{suffix[outcome]}"
+            return "launch_failed" if kind == "launch_absent" else kind  # type: ignore[return-value]
+    assert_never(obs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Deterministic identities
+
+
+def sandbox_id_for(key: str, generation: int, command_id: str) -> UUID:
+    """A new incarnation's id: distinct from every earlier incarnation's by its generation."""
+    return uuid5(_SANDBOX_NS, f"{key}/{generation}/{command_id}")
+
+
+def identity_for(sandbox_id: UUID, generation: int, command_id: str) -> str:
+    """The runtime identity of a generation; drivers bind credentials to exactly this value."""
+    return "rid-" + uuid5(_IDENTITY_NS, f"{sandbox_id}/{generation}/{command_id}").hex
+
+
+def event_id_for(cause: Cause) -> UUID:
+    return uuid5(_EVENT_NS, f"{cause.topic}/{cause.partition}/{cause.offset}")
+
+
+# ---------------------------------------------------------------------------------------------
+# evolve: apply one decided event to a row (used live and by the rebuild from the log)
+
+
+def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
+    if isinstance(event, SandboxCreated):
+        return Sandbox(
+            key=event.key,
+            sandbox_id=event.sandbox_id,
+            phase=P.PROVISIONING,
+            generation=event.generation,
+            version=event.version,
+            spec=event.spec,
+            providers=tuple(sorted(set(event.providers))),
+            identity=event.identity,
+            exit_code=None,
+            reason=None,
+            created_at=event.occurred_at,
+            updated_at=event.occurred_at,
+        )
+    if state is None:
+        raise ValueError(f"{event.type} for {event.key!r} before SandboxCreated")
+    base = replace(state, version=event.version, generation=event.generation,
+                   updated_at=event.occurred_at)  # fmt: skip
+    match event:
+        case SandboxStarting():
+            return replace(base, phase=P.STARTING, spec=event.spec, identity=event.identity,
+                           exit_code=None, reason=None)  # fmt: skip
+        case SandboxReady():
+            return replace(base, phase=P.READY, exit_code=None, reason=None)
+        case SandboxStopping():
+            return replace(base, phase=P.STOPPING)
+        case SandboxStopped():
+            return replace(base, phase=P.STOPPED, reason=None)
+        case SandboxCompleted():
+            return replace(base, phase=P.COMPLETED, exit_code=event.exit_code, reason=None)
+        case SandboxFailed():
+            return replace(base, phase=P.ERROR, exit_code=event.exit_code, reason=event.reason)
+        case SandboxOperationFailed():
+            return replace(base, phase=event.phase, exit_code=event.exit_code,
+                           reason=event.reason)  # fmt: skip
+        case SandboxDeleting():
+            return replace(base, phase=P.DELETING)
+        case SandboxDeleted():
+            return replace(base, phase=P.DELETED)
+        case ProviderAttached():
+            return replace(base, providers=tuple(sorted({*state.providers, event.provider})))
+        case ProviderDetached():
+            return replace(base, providers=tuple(p for p in state.providers
+                                                 if p != event.provider))  # fmt: skip
+    raise ValueError(f"unexpected event {event.type}")
+
+
+# ---------------------------------------------------------------------------------------------
+# decide
+
+
+def decide(state: Sandbox | None, message: Message, cause: Cause) -> Decision:
+    """The new row, the decided events and the outcome of one input message."""
+    if isinstance(message, RuntimeSnapshot | RuntimeRemoved | DriverOperationResult):
+        return _decide_observation(state, message, cause)
+    return _decide_command(state, message, cause)
+
+
+def _emit(state: Sandbox | None, event: DecidedEvent) -> tuple[Sandbox, tuple[DecidedEvent, ...]]:
+    return evolve(state, event), (event,)
+
+
+def _common(state: Sandbox, message: Message, cause: Cause, generation: int | None = None) -> dict:  # type: ignore[type-arg]
+    return {
+        "event_id": event_id_for(cause),
+        "key": state.key,
+        "sandbox_id": state.sandbox_id,
+        "version": state.version + 1,
+        "generation": state.generation if generation is None else generation,
+        "occurred_at": message.occurred_at,
+        "actor": message.actor,
+        "cause": cause,
+    }
+
+
+def _outcome(command: Command, code: Code, message: str, state: Sandbox | None) -> CommandOutcome:
+    live = state
+    return CommandOutcome(
+        command_id=command.command_id,
+        key=command.key,
+        command_type=command.type,
+        status="accepted" if code is Code.OK else "rejected",
+        code=code,
+        message=message,
+        sandbox_id=live.sandbox_id if live else None,
+        phase=live.phase if live else None,
+        generation=live.generation if live else None,
+        version=live.version if live else None,
+        identity=live.identity if live else None,
+    )
+
+
+def _reject(state: Sandbox | None, command: Command, code: Code, why: str) -> Decision:
+    return Decision(state, (), "rejected", why, _outcome(command, code, why, state))
+
+
+def _decide_command(state: Sandbox | None, command: Command, cause: Cause) -> Decision:
+    if isinstance(command, CreateSandbox):
+        return _create(state, command, cause)
+    if state is None or state.tombstoned:
+        return _reject(state, command, Code.NOT_FOUND, f"sandbox {command.key!r} not found")
+    expected = command.expected_version
+    if expected is not None and expected != state.version:
+        why = (
+            f"expected version {expected} but sandbox {command.key!r} is at version {state.version}"
+        )
+        return _reject(state, command, Code.ABORTED, why)
+
+    verb = _VERB[command.type]
+    rule = admission(command.type, state.phase)
+    if rule is R:
+        allowed = ", ".join(p.value for p in admitting_phases(command.type))
+        why = f"sandbox must be {allowed} to {verb} (current phase: {state.phase.value})"
+        return _reject(state, command, Code.FAILED_PRECONDITION, why)
+    if isinstance(command, AttachProvider | DetachProvider):
+        attached = command.provider in state.providers
+        if attached == isinstance(command, AttachProvider):
+            rule = I
+    if rule is I:
+        why = f"nothing to do: sandbox {command.key!r} is {state.phase.value}"
+        if isinstance(command, AttachProvider | DetachProvider):
+            why = f"nothing to do: provider {command.provider!r} is already " + (
+                "attached" if isinstance(command, AttachProvider) else "detached"
+            )
+        return Decision(state, (), "idempotent", why, _outcome(command, Code.OK, why, state))
+
+    common = _common(state, command, cause)
+    event: DecidedEvent
+    match command:
+        case StartSandbox() | RestartSandbox():
+            generation = state.generation + 1
+            event = SandboxStarting(
+                type="SandboxStarting",
+                **(common | {"generation": generation}),
+                reason="start" if isinstance(command, StartSandbox) else "restart",
+                previous_generation=state.generation,
+                spec=state.spec,
+                identity=identity_for(state.sandbox_id, generation, command.command_id),
+            )
+        case StopSandbox():
+            event = SandboxStopping(type="SandboxStopping", **common)
+        case DeleteSandbox():
+            event = SandboxDeleting(type="SandboxDeleting", **common)
+        case AttachProvider():
+            event = ProviderAttached(type="ProviderAttached", **common, provider=command.provider)
+        case DetachProvider():
+            event = ProviderDetached(type="ProviderDetached", **common, provider=command.provider)
+        case _:
+            raise AssertionError(command)
+    new_state, events = _emit(state, event)
+    why = f"{command.type} accepted: sandbox {command.key!r} is {new_state.phase.value}"
+    return Decision(new_state, events, "applied", why, _outcome(command, Code.OK, why, new_state))
+
+
+def _create(state: Sandbox | None, command: CreateSandbox, cause: Cause) -> Decision:
+    if state is not None and not state.tombstoned:
+        why = f"sandbox {command.key!r} already exists (phase: {state.phase.value})"
+        return _reject(state, command, Code.ALREADY_EXISTS, why)
+    # A re-create after delete starts above the tombstone's generation, so nothing of the old
+    # incarnation can ever match the new one.
+    generation = state.generation + 1 if state is not None else 1
+    version = state.version + 1 if state is not None else 1
+    sandbox_id = sandbox_id_for(command.key, generation, command.command_id)
+    event = SandboxCreated(
+        type="SandboxCreated",
+        event_id=event_id_for(cause),
+        key=command.key,
+        sandbox_id=sandbox_id,
+        version=version,
+        generation=generation,
+        occurred_at=command.occurred_at,
+        actor=command.actor,
+        cause=cause,
+        spec=command.spec,
+        providers=sorted(set(command.providers)),
+        identity=identity_for(sandbox_id, generation, command.command_id),
+    )
+    new_state, events = _emit(state, event)
+    why = f"sandbox {command.key!r} created at generation {generation}"
+    return Decision(new_state, events, "applied", why, _outcome(command, Code.OK, why, new_state))
+
+
+def _ignore(state: Sandbox | None, why: str) -> Decision:
+    return Decision(state, (), "ignored", why)
+
+
+def _decide_observation(state: Sandbox | None, obs: Observation, cause: Cause) -> Decision:
+    what = f"{obs.type}({observation_kind(obs)}) of generation {obs.generation}"
+    if state is None:
+        return _ignore(state, f"unknown sandbox: {what}")
+    if state.tombstoned:
+        return _ignore(state, f"tombstoned at generation {state.generation}: {what}")
+    if obs.generation < state.generation:
+        return _ignore(state, f"stale: {what}, current generation is {state.generation}")
+    if obs.generation > state.generation:
+        return _ignore(state, f"unknown generation: {what}, newest issued is {state.generation}")
+
+    kind = observation_kind(obs)
+    target = OBSERVATION_TABLE[state.phase].get(kind)
+    if target is None:
+        return _ignore(state, f"no effect in phase {state.phase.value}: {what}")
+    event = _observation_event(state, obs, kind, target, _common(state, obs, cause))
+    new_state, events = _emit(state, event)
+    why = f"{what}: {state.phase.value} -> {new_state.phase.value}"
+    return Decision(new_state, events, "applied", why)
+
+
+def _observation_event(
+    state: Sandbox,
+    obs: Observation,
+    kind: ObservationKind,
+    target: Target,
+    common: dict,  # type: ignore[type-arg]
+) -> DecidedEvent:
+    exit_code = getattr(obs, "exit_code", None)
+    if target == FOLLOW_OBSERVED:
+        # A failed stop or delete: the row follows what the backend looks like now.
+        assert isinstance(obs, DriverOperationResult)
+        phase = _OBSERVED_PHASE[obs.observed] if obs.observed else P.ERROR
+        if phase is P.DELETED and obs.operation != "delete":
+            phase = P.STOPPED  # a stop that finds nothing left has stopped it
+        if phase is P.DELETED:
+            return SandboxDeleted(type="SandboxDeleted", **common)
+        return SandboxOperationFailed(
+            type="SandboxOperationFailed",
+            **common,
+            operation=obs.operation,
+            phase=phase,
+            reason=obs.reason or f"{obs.operation} failed",
+            exit_code=exit_code,
+        )
+    match target:
+        case P.READY:
+            return SandboxReady(type="SandboxReady", **common)
+        case P.STOPPED:
+            return SandboxStopped(type="SandboxStopped", **common)
+        case P.COMPLETED:
+            return SandboxCompleted(type="SandboxCompleted", **common, exit_code=exit_code or 0)
+        case P.DELETED:
+            return SandboxDeleted(type="SandboxDeleted", **common)
+        case P.ERROR:
+            reasons = {
+                "exited_error": f"runtime exited with code {exit_code}"
+                if exit_code is not None
+                else "runtime exited with an unknown code",
+                "removed": "runtime removed outside sandstream",
+            }
+            reason = getattr(obs, "reason", None) or reasons.get(kind, f"{kind.replace('_', ' ')}")
+            return SandboxFailed(type="SandboxFailed", **common, reason=reason, exit_code=exit_code)
+    raise AssertionError(f"no event leads to {target}")

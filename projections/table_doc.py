@@ -1,0 +1,88 @@
+"""Render the transition tables of ``projections.lifecycle`` as Markdown.
+
+docs/state-machine.md embeds this output between markers; a test keeps the two in step, and
+``python -m projections.table_doc --write`` refreshes the document.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from projections.lifecycle import (
+    COMMAND_TABLE,
+    FOLLOW_OBSERVED,
+    OBSERVATION_TABLE,
+    PHASE_COLUMNS,
+    Admission,
+)
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "state-machine.md"
+BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
+KINDS = [
+    "created", "running", "exited_ok", "exited_error", "removed",
+    "launch_succeeded", "launch_failed",
+    "stop_succeeded", "stop_absent", "stop_failed",
+    "delete_succeeded", "delete_absent", "delete_failed",
+]  # fmt: skip
+_CELL = {Admission.ADMIT: "**admit**", Admission.IDEMPOTENT: "idempotent", Admission.REJECT: "—"}
+
+
+def render() -> str:
+    head = "| command | " + " | ".join(p.value for p in PHASE_COLUMNS) + " |"
+    rule = "|---" * (len(PHASE_COLUMNS) + 1) + "|"
+    lines = ["### Commands by phase", "", head, rule]
+    for command, row in COMMAND_TABLE.items():
+        lines.append(f"| {command} | " + " | ".join(_CELL[a] for a in row) + " |")
+    lines += [
+        "",
+        "— is a rejection with FAILED_PRECONDITION. CreateSandbox is admitted only when the name "
+        "is free or tombstoned (ALREADY_EXISTS otherwise); every other command on a free or "
+        "tombstoned name is NOT_FOUND; a client `expected_version` that differs from the row's "
+        "version is ABORTED before any of this.",
+        "",
+        "### Observations of the current generation by phase",
+        "",
+        "| observation | " + " | ".join(p.value for p in PHASE_COLUMNS) + " |",
+        rule,
+    ]
+    for kind in KINDS:
+        cells = []
+        for phase in PHASE_COLUMNS:
+            target = OBSERVATION_TABLE[phase].get(kind)  # type: ignore[call-overload]
+            if target is None:
+                cells.append("·")
+            elif target == FOLLOW_OBSERVED:
+                cells.append("observed phase")
+            else:
+                cells.append(f"→ {target.value}")
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "· changes nothing (recorded as ignored, no new version). Observations of an older "
+        "generation (stale), of a generation newer than any issued (unknown), of an unknown "
+        "sandbox or of a tombstone are ignored before this table is consulted.",
+    ]
+    return "\n".join(lines)
+
+
+def embedded(text: str) -> str:
+    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+
+
+def main() -> int:
+    text = DOC.read_text()
+    current = embedded(text)
+    if "--write" in sys.argv:
+        before, rest = text.split(BEGIN, 1)
+        after = rest.split(END, 1)[1]
+        DOC.write_text(f"{before}{BEGIN}\n{render()}\n{END}{after}")
+        return 0
+    if current != render():
+        print("docs/state-machine.md is stale: run python -m projections.table_doc --write")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

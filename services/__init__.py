@@ -1,0 +1,1 @@
+"""The imperative shell of sandstream: processor, executor, API, CLI and tools."""

@@ -1,0 +1,92 @@
+"""One settings object for ports, paths and credentials.
+
+Every value has a local default (the embedded stack that `make up` starts) and can be
+overridden by an environment variable named ``SANDSTREAM_<FIELD>`` (e.g.
+``SANDSTREAM_KAFKA_BOOTSTRAP``).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from events import topics as names
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SANDSTREAM_", frozen=True)
+
+    # Runtime state (Kafka data, logs, pid files, sockets, tokens) and download cache.
+    state_dir: Path = PROJECT_ROOT / ".sandstream"
+    cache_dir: Path = PROJECT_ROOT / ".cache"
+
+    # Kafka
+    kafka_version: str = "4.1.1"
+    kafka_bootstrap: str = "127.0.0.1:19092"
+    kafka_controller_port: int = 19093
+    kafka_heap: str = "384m"
+    kafka_partitions: int = Field(default=12, ge=1)
+    topic_commands: str = names.COMMANDS
+    topic_observations: str = names.OBSERVATIONS
+    topic_events: str = names.EVENTS
+    topic_deadletter: str = names.DEADLETTER
+    # How long a consumer that died without leaving (SIGKILL) keeps its partitions.
+    kafka_session_timeout_ms: int = Field(default=10_000, ge=1000)
+    processor_group: str = "sandstream-processor"
+    executor_group: str = "sandstream-executor"
+
+    # PostgreSQL
+    pg_host: str = "127.0.0.1"
+    pg_port: int = 5432
+    pg_user: str = "sandstream"
+    pg_password: str = "sandstream"
+    pg_database: str = "sandstream"
+    pg_schema: str = "public"  # tests and the rebuild tool use schemas of their own
+    pg_cluster_version: str = "15"
+    pg_cluster_name: str = "main"
+
+    # Podman
+    podman_socket: Path | None = None
+    sandbox_image: str = "localhost/sandstream-base:1"
+    stop_timeout_seconds: int = Field(default=10, ge=0)
+
+    # API
+    api_host: str = "127.0.0.1"
+    api_port: int = 8787
+
+    @property
+    def pg_dsn(self) -> str:
+        return (
+            f"postgresql://{self.pg_user}:{self.pg_password}"
+            f"@{self.pg_host}:{self.pg_port}/{self.pg_database}"
+        )
+
+    @cached_property
+    def podman_socket_path(self) -> Path:
+        return self.podman_socket or self.state_dir / "podman" / "podman.sock"
+
+    @property
+    def podman_url(self) -> str:
+        return f"unix://{self.podman_socket_path}"
+
+    @property
+    def containers_conf(self) -> Path:
+        return PROJECT_ROOT / "compose" / "podman" / "containers.conf"
+
+    @property
+    def topics(self) -> tuple[str, str, str, str]:
+        return (
+            self.topic_commands,
+            self.topic_observations,
+            self.topic_events,
+            self.topic_deadletter,
+        )
+
+
+def load_settings() -> Settings:
+    return Settings()

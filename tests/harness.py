@@ -1,0 +1,189 @@
+"""Isolated environments on the real stack: fresh topics, a fresh schema, running processors.
+
+Each environment gets its own topic names, consumer groups and PostgreSQL schema, so tests can
+run against the one local Kafka and PostgreSQL without seeing each other's data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import asyncpg
+from aiokafka import AIOKafkaProducer, ConsumerRecord
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from events.codec import encode
+from events.log_reader import read_to_end
+from events.publisher import CommandPublisher
+from services.migrations import apply_migrations
+from services.processor import Processor, connect_pool
+from services.settings import PROJECT_ROOT, Settings
+
+T = TypeVar("T")
+
+
+async def eventually(
+    probe: Callable[[], Awaitable[T]],
+    check: Callable[[T], bool],
+    timeout: float = 30.0,
+    interval: float = 0.05,
+    what: str = "condition",
+) -> T:
+    """Poll ``probe`` until ``check`` holds, then return its value; fail at the deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = await probe()
+        if check(value):
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {value!r}")
+        await asyncio.sleep(interval)
+
+
+@dataclass
+class Env:
+    settings: Settings
+    pool: asyncpg.Pool[asyncpg.Record]
+    processors: list[tuple[Processor, asyncio.Event, asyncio.Task[None]]] = field(
+        default_factory=list
+    )
+
+    def env_vars(self) -> dict[str, str]:
+        """Environment for a subprocess that should use this environment's settings."""
+        s = self.settings
+        return {
+            **os.environ,
+            "SANDSTREAM_TOPIC_COMMANDS": s.topic_commands,
+            "SANDSTREAM_TOPIC_OBSERVATIONS": s.topic_observations,
+            "SANDSTREAM_TOPIC_EVENTS": s.topic_events,
+            "SANDSTREAM_TOPIC_DEADLETTER": s.topic_deadletter,
+            "SANDSTREAM_PG_SCHEMA": s.pg_schema,
+            "SANDSTREAM_PROCESSOR_GROUP": s.processor_group,
+            "SANDSTREAM_EXECUTOR_GROUP": s.executor_group,
+            "SANDSTREAM_KAFKA_PARTITIONS": str(s.kafka_partitions),
+            "SANDSTREAM_KAFKA_SESSION_TIMEOUT_MS": str(s.kafka_session_timeout_ms),
+        }
+
+    async def start_processor(self, name: str = "p1", **kwargs: Any) -> Processor:
+        processor = Processor(self.settings, self.pool, name=name, **kwargs)
+        await processor.start()
+        stop = asyncio.Event()
+        task = asyncio.create_task(processor.run(stop))
+        self.processors.append((processor, stop, task))
+        return processor
+
+    async def stop_processor(self, processor: Processor) -> None:
+        for entry in list(self.processors):
+            if entry[0] is processor:
+                _, stop, task = entry
+                stop.set()
+                await task
+                await processor.stop()
+                self.processors.remove(entry)
+
+    def spawn_processor(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "services.processor"],
+            cwd=PROJECT_ROOT,
+            env=self.env_vars(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+
+    async def publisher(self) -> CommandPublisher:
+        return CommandPublisher(self.settings.kafka_bootstrap, topic=self.settings.topic_commands)
+
+    async def produce(self, topic: str, records: list[tuple[bytes | None, bytes | None]]) -> None:
+        producer = AIOKafkaProducer(
+            bootstrap_servers=self.settings.kafka_bootstrap, enable_idempotence=True, acks="all"
+        )
+        await producer.start()
+        try:
+            futures = [await producer.send(topic, value=v, key=k) for k, v in records]
+            await asyncio.gather(*futures)
+        finally:
+            await producer.stop()
+
+    async def observe(self, *observations: Any) -> None:
+        await self.produce(
+            self.settings.topic_observations,
+            [(o.key.encode(), encode(o)) for o in observations],
+        )
+
+    async def read_topic(self, topic: str) -> list[ConsumerRecord[bytes, bytes]]:
+        """Every record currently in ``topic``, in partition then offset order."""
+        s = self.settings
+        records = [r async for r in read_to_end(s.kafka_bootstrap, topic, s.kafka_partitions)]
+        return sorted(records, key=lambda r: (r.partition, r.offset))
+
+    async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        async with self.pool.acquire() as conn:
+            return list(await conn.fetch(query, *args))
+
+    async def fetchval(self, query: str, *args: Any) -> Any:
+        async with self.pool.acquire() as conn:
+            return await conn.fetchval(query, *args)
+
+    async def wait_applied(self, count: int, timeout: float = 60.0) -> int:
+        """Wait until ``count`` input records are in the history."""
+        return int(
+            await eventually(
+                lambda: self.fetchval("SELECT count(*) FROM history"),
+                lambda n: n >= count,
+                timeout=timeout,
+                what=f"{count} history rows",
+            )
+        )
+
+
+@asynccontextmanager
+async def isolated_env(partitions: int = 4) -> AsyncIterator[Env]:
+    suffix = uuid.uuid4().hex[:10]
+    settings = Settings().model_copy(
+        update={
+            "topic_commands": f"t{suffix}.commands",
+            "topic_observations": f"t{suffix}.observations",
+            "topic_events": f"t{suffix}.events",
+            "topic_deadletter": f"t{suffix}.deadletter",
+            "pg_schema": f"t_{suffix}",
+            "processor_group": f"processor-{suffix}",
+            "executor_group": f"executor-{suffix}",
+            "kafka_partitions": partitions,
+            "kafka_session_timeout_ms": 2000,
+        }
+    )
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics(
+            [NewTopic(t, num_partitions=partitions, replication_factor=1) for t in settings.topics]
+        )
+    finally:
+        await admin.close()
+    await apply_migrations(settings.pg_dsn, schema=settings.pg_schema)
+    pool = await connect_pool(settings)
+    env = Env(settings, pool)
+    try:
+        yield env
+    finally:
+        for processor, stop, task in list(env.processors):
+            stop.set()
+            await asyncio.wait_for(task, 30)
+            await processor.stop()
+        await pool.execute(f"DROP SCHEMA {settings.pg_schema} CASCADE")
+        await pool.close()
+        admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+        await admin.start()
+        try:
+            await admin.delete_topics(list(settings.topics))
+        finally:
+            await admin.close()

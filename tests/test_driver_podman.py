@@ -1,0 +1,515 @@
+"""The Podman driver against the real Podman API service of the local stack (no mocks).
+
+These tests fail (never skip) when the service or the sandbox image is missing: run
+`make stack` (or `.venv/bin/python -m services.stack up`) first. Every test uses its own
+sandbox names and removes what it created.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import pytest
+from podman import PodmanClient
+
+from drivers.podman import (
+    PodmanDriver,
+    container_name,
+    observation_from_event,
+    volume_name,
+)
+from drivers.protocol import (
+    IDENTITY_ENV,
+    LABEL_GENERATION,
+    LABEL_KEY,
+    LABEL_MANAGED_BY,
+    Driver,
+    DriverError,
+    LaunchSpec,
+    RuntimeInfo,
+    WatchObservation,
+)
+from events.common import SandboxSpec
+from events.observations import RuntimeRemoved, RuntimeSnapshot
+from services.settings import Settings
+
+STOP_TIMEOUT = 10.0
+WAIT = 20.0  # deadline of every wait on the backend
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+async def eventually(
+    probe: Callable[[], Any], check: Callable[[Any], bool], what: str, timeout: float = WAIT
+) -> Any:
+    """Poll ``probe`` (sync or async) until ``check`` holds; fail at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if check(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {value!r}")
+        await asyncio.sleep(0.05)
+
+
+class Watcher:
+    """Runs ``driver.watch()`` in a task and keeps everything it yields.
+
+    Create it with ``await Watcher.started(driver)``: it returns once the event stream is
+    open, so every later change of the backend is seen as an event.
+    """
+
+    def __init__(self, driver: PodmanDriver) -> None:
+        self.seen: list[WatchObservation] = []
+        self._task = asyncio.create_task(self._run(driver))
+
+    @classmethod
+    async def started(cls, driver: PodmanDriver) -> Watcher:
+        before = driver.connected_watchers
+        watcher = cls(driver)
+        await eventually(lambda: driver.connected_watchers, lambda n: n > before, "event stream")
+        return watcher
+
+    async def _run(self, driver: PodmanDriver) -> None:
+        async for observation in driver.watch():
+            self.seen.append(observation)
+
+    def of(self, key: str) -> list[WatchObservation]:
+        return [o for o in self.seen if o.key == key]
+
+    async def wait_for(
+        self, predicate: Callable[[WatchObservation], bool], what: str, start: int = 0
+    ) -> WatchObservation:
+        """The first observation from index ``start`` on that matches, within the deadline."""
+
+        def probe() -> list[WatchObservation]:
+            if self._task.done():
+                self._task.result()  # surface the watcher's crash
+                raise AssertionError("the watcher ended")
+            return [o for o in self.seen[start:] if predicate(o)]
+
+        found: list[WatchObservation] = await eventually(probe, bool, what)
+        return found[0]
+
+    async def wait_snapshot(
+        self, key: str, generation: int, state: str, source: str = "watch", start: int = 0
+    ) -> RuntimeSnapshot:
+        found = await self.wait_for(
+            snapshot(key, generation, state, source), f"{key} g{generation} {state}", start
+        )
+        assert isinstance(found, RuntimeSnapshot)
+        return found
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+def snapshot(key: str, generation: int, state: str, source: str = "watch") -> Any:
+    def match(o: WatchObservation) -> bool:
+        return isinstance(o, RuntimeSnapshot) and (o.key, o.generation, o.state, o.source) == (
+            key,
+            generation,
+            state,
+            source,
+        )
+
+    return match
+
+
+def removed(key: str, generation: int) -> Any:
+    def match(o: WatchObservation) -> bool:
+        return isinstance(o, RuntimeRemoved) and (o.key, o.generation) == (key, generation)
+
+    return match
+
+
+def spec_for(
+    settings: Settings,
+    key: str,
+    generation: int,
+    command: list[str],
+    sandbox_id: uuid.UUID | None = None,
+) -> LaunchSpec:
+    return LaunchSpec(
+        key=key,
+        sandbox_id=sandbox_id or uuid.uuid5(uuid.NAMESPACE_DNS, key),
+        generation=generation,
+        identity=f"rid-{key}-{generation}",
+        spec=SandboxSpec(image=settings.sandbox_image, command=command, env={"GREETING": "hi"}),
+    )
+
+
+SLEEPER = ["sh", "-c", "echo hi > /workspace/f; sleep 3600"]
+
+
+# -- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def podman(settings: Settings) -> Iterator[PodmanClient]:
+    """A plain client for looking behind the driver's back (and checking the stack is up)."""
+    with PodmanClient(base_url=settings.podman_url, timeout=30) as client:
+        try:
+            client.ping()
+        except Exception as exc:
+            pytest.fail(f"no Podman API at {settings.podman_url} ({exc}): run `make stack`")
+        if not client.images.exists(settings.sandbox_image):
+            pytest.fail(f"sandbox image {settings.sandbox_image} missing: run `make stack`")
+        yield client
+
+
+@pytest.fixture
+async def driver(settings: Settings, podman: PodmanClient) -> AsyncIterator[PodmanDriver]:
+    drv = PodmanDriver(settings=settings, stop_timeout=STOP_TIMEOUT)
+    yield drv
+    await drv.close()
+
+
+@pytest.fixture
+async def keys(driver: PodmanDriver) -> AsyncIterator[Callable[[], str]]:
+    """Fresh sandbox names; everything of them is deleted afterwards."""
+    made: list[str] = []
+
+    def new_key() -> str:
+        made.append(f"drv-{uuid.uuid4().hex[:10]}")
+        return made[-1]
+
+    yield new_key
+    failures = []
+    for key in made:
+        try:
+            await driver.delete(key)
+        except DriverError as exc:
+            failures.append(f"{key}: {exc}")
+    assert not failures, f"cleanup failed: {failures}"
+
+
+def containers_of(podman: PodmanClient, key: str) -> list[str]:
+    found = podman.containers.list(all=True, filters=[f"label={LABEL_KEY}={key}"])
+    return sorted(c.name for c in found)
+
+
+def volumes_of(podman: PodmanClient, key: str) -> list[str]:
+    # One label filter: Podman 4.3 ORs several on volumes.
+    return sorted(v.name for v in podman.volumes.list(filters=[f"label={LABEL_KEY}={key}"]))
+
+
+# -- the tests ----------------------------------------------------------------------------------
+
+
+def test_podman_driver_implements_the_protocol(driver: PodmanDriver) -> None:
+    assert isinstance(driver, Driver)
+
+
+async def test_sandbox_lifecycle_launch_stop_relaunch_delete(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings, podman: PodmanClient
+) -> None:
+    key = keys()
+    watcher = await Watcher.started(driver)
+    try:
+        # launch generation 1: running, labelled, with the identity in env and label
+        spec1 = spec_for(settings, key, 1, SLEEPER)
+        result = await driver.launch(spec1)
+        assert result.started and result.generation == 1 and result.identity == spec1.identity
+        [info] = await eventually(lambda: driver.get(key), lambda r: len(r) == 1, "gen 1 listed")
+        assert info == RuntimeInfo(
+            key=key,
+            sandbox_id=spec1.sandbox_id,
+            generation=1,
+            state="running",
+            exit_code=None,
+            runtime_id=result.runtime_id,
+            identity=spec1.identity,
+        )
+        assert info in await driver.list()
+        assert containers_of(podman, key) == [container_name(key, 1)]
+        code, out = await driver.exec(key, 1, ["sh", "-c", f"echo ${IDENTITY_ENV} $GREETING"])
+        assert (code, out.strip()) == (0, f"{spec1.identity} hi")
+
+        created = await watcher.wait_for(snapshot(key, 1, "created"), "created gen 1")
+        running = await watcher.wait_for(snapshot(key, 1, "running"), "running gen 1")
+        assert created.runtime_id == running.runtime_id == result.runtime_id
+        assert running.actor == "podman-watcher" and running.occurred_at.tzinfo is not None
+
+        # launching the same generation again changes nothing
+        again = await driver.launch(spec1)
+        assert (again.runtime_id, again.started) == (result.runtime_id, False)
+        assert containers_of(podman, key) == [container_name(key, 1)]
+
+        # stop: with an init process SIGTERM ends it well before the stop timeout
+        began = time.monotonic()
+        stopped = await driver.stop(key, 1)
+        took = time.monotonic() - began
+        print(f"stop with init took {took:.2f}s (stop timeout {STOP_TIMEOUT}s)")
+        assert stopped.outcome == "succeeded" and stopped.runtime_id == result.runtime_id
+        assert took < STOP_TIMEOUT
+        exited = await watcher.wait_snapshot(key, 1, "exited")
+        assert exited.exit_code == stopped.exit_code == 143  # catatonit: 128 + SIGTERM
+        [info] = await driver.get(key)
+        assert (info.state, info.exit_code) == ("exited", 143)
+        assert (await driver.stop(key, 1)).outcome == "succeeded"  # already stopped
+
+        # generation 2 on the same workspace; generation 1 is removed first
+        mark = len(watcher.seen)
+        spec2 = spec_for(settings, key, 2, ["sh", "-c", "sleep 3600"])
+        result2 = await driver.launch(spec2)
+        assert result2.started and result2.runtime_id != result.runtime_id
+        assert await driver.exec(key, 2, ["cat", "/workspace/f"]) == (0, "hi\n")
+        assert [(i.generation, i.state) for i in await driver.get(key)] == [(2, "running")]
+        assert containers_of(podman, key) == [container_name(key, 2)]
+        assert volumes_of(podman, key) == [volume_name(key, spec1.sandbox_id)]
+        await watcher.wait_for(removed(key, 1), "gen 1 removed", start=mark)
+        await watcher.wait_for(snapshot(key, 2, "created"), "created gen 2", start=mark)
+        await watcher.wait_for(snapshot(key, 2, "running"), "running gen 2", start=mark)
+
+        # delete: runtimes and workspace gone, observed as removed; a second delete finds nothing
+        mark = len(watcher.seen)
+        assert await driver.delete(key) is True
+        assert containers_of(podman, key) == [] and volumes_of(podman, key) == []
+        assert await driver.get(key) == []
+        await watcher.wait_for(removed(key, 2), "gen 2 removed", start=mark)
+        assert await driver.delete(key) is False
+        assert (await driver.stop(key, 2)).outcome == "already_absent"
+    finally:
+        await watcher.stop()
+
+
+async def test_a_slow_stop_of_one_sandbox_does_not_delay_another(
+    settings: Settings, podman: PodmanClient, keys: Callable[[], str]
+) -> None:
+    """A runtime that ignores SIGTERM takes the whole stop timeout before SIGKILL; the driver
+    keeps serving other sandboxes meanwhile."""
+    slow_timeout = 5.0
+    driver = PodmanDriver(settings=settings, stop_timeout=slow_timeout)
+    stubborn, other = keys(), keys()
+    try:
+        ignore_term = ["sh", "-c", "trap '' TERM; sleep 3600"]
+        await driver.launch(spec_for(settings, stubborn, 1, ignore_term))
+        began = time.monotonic()
+        slow_delete = asyncio.create_task(driver.delete(stubborn))
+        await eventually(
+            lambda: podman.containers.get(container_name(stubborn, 1)).attrs["State"]["Status"],
+            lambda status: status == "stopping",
+            "the stubborn sandbox to be stopping",
+        )
+        await driver.launch(spec_for(settings, other, 1, SLEEPER))
+        assert (await driver.stop(other, 1)).exit_code == 143
+        assert not slow_delete.done()  # the other sandbox was served meanwhile
+        # Cancelling the caller does not cancel Podman's stop: the key stays taken until it
+        # ends, so the next delete waits for it and then finds nothing left.
+        slow_delete.cancel()
+        assert await asyncio.wait_for(driver.delete(stubborn), slow_timeout + WAIT) is False
+        took = time.monotonic() - began
+        print(f"delete of a SIGTERM-ignoring sandbox took {took:.2f}s (timeout {slow_timeout}s)")
+        assert took >= slow_timeout - 0.5
+    finally:
+        await driver.close()
+
+
+async def test_launch_starts_an_existing_stopped_generation(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings
+) -> None:
+    key = keys()
+    spec = spec_for(settings, key, 1, SLEEPER)
+    first = await driver.launch(spec)
+    await driver.stop(key, 1, timeout=5)
+    assert [i.state for i in await driver.get(key)] == ["exited"]
+    again = await driver.launch(spec)
+    assert (again.runtime_id, again.started) == (first.runtime_id, True)
+    assert [i.state for i in await driver.get(key)] == ["running"]
+
+
+async def test_launch_of_an_older_generation_is_superseded(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings
+) -> None:
+    key = keys()
+    await driver.launch(spec_for(settings, key, 3, SLEEPER))
+    with pytest.raises(DriverError) as failure:
+        await driver.launch(spec_for(settings, key, 2, SLEEPER))
+    assert not failure.value.retryable and failure.value.observed == "running"
+    assert "superseded" in failure.value.reason
+    assert [i.generation for i in await driver.get(key)] == [3]
+
+
+async def test_stop_and_delete_of_unknown_sandboxes(
+    driver: PodmanDriver, keys: Callable[[], str]
+) -> None:
+    key = keys()
+    assert (await driver.stop(key, 1)).outcome == "already_absent"
+    assert await driver.delete(key) is False
+    assert await driver.get(key) == []
+
+
+async def test_missing_image_fails_without_retry(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings
+) -> None:
+    key = keys()
+    spec = spec_for(settings, key, 1, SLEEPER)
+    bad = LaunchSpec(
+        spec.key, spec.sandbox_id, 1, spec.identity, SandboxSpec(image="localhost/no-such:0")
+    )
+    with pytest.raises(DriverError) as failure:
+        await driver.launch(bad)
+    assert not failure.value.retryable and "image not known" in failure.value.reason
+    assert failure.value.observed == "absent"
+
+
+async def test_runtime_that_ends_on_its_own_reports_its_exit_code(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings
+) -> None:
+    key = keys()
+    watcher = await Watcher.started(driver)
+    try:
+        await driver.launch(spec_for(settings, key, 1, ["sh", "-c", "exit 3"]))
+        died = await watcher.wait_snapshot(key, 1, "exited")
+        assert died.exit_code == 3
+        [info] = await driver.get(key)
+        assert (info.state, info.exit_code) == ("exited", 3)
+        # A command that does not exist: with catatonit as PID 1 the start succeeds and the
+        # runtime then exits 1 ("catatonit: failed to exec pid1"), not 127, no start error.
+        key2 = keys()
+        await driver.launch(spec_for(settings, key2, 1, ["no-such-command"]))
+        died = await watcher.wait_snapshot(key2, 1, "exited")
+        assert died.exit_code == 1
+    finally:
+        await watcher.stop()
+
+
+async def test_delete_of_an_old_incarnation_keeps_the_new_one(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings, podman: PodmanClient
+) -> None:
+    key = keys()
+    old, new = uuid.uuid4(), uuid.uuid4()
+    await driver.launch(spec_for(settings, key, 1, SLEEPER, sandbox_id=old))
+    await driver.launch(spec_for(settings, key, 2, ["sleep", "3600"], sandbox_id=new))
+    assert volumes_of(podman, key) == sorted([volume_name(key, old), volume_name(key, new)])
+    assert await driver.delete(key, sandbox_id=old) is True  # only the old workspace is left
+    assert volumes_of(podman, key) == [volume_name(key, new)]
+    assert [(i.generation, i.state) for i in await driver.get(key)] == [(2, "running")]
+    assert await driver.exec(key, 2, ["ls", "/workspace"]) == (0, "")  # a fresh workspace
+
+
+async def test_delete_touches_only_its_own_sandbox(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings, podman: PodmanClient
+) -> None:
+    """Regression: Podman 4.3 ORs label filters on volumes; a delete must not follow it."""
+    doomed, bystander = keys(), keys()
+    await driver.launch(spec_for(settings, doomed, 1, SLEEPER))
+    await driver.stop(doomed, 1)  # its volume would be free to remove
+    spec = spec_for(settings, bystander, 1, SLEEPER)
+    await driver.launch(spec)
+    await driver.stop(bystander, 1)  # ... and so would this one
+    assert await driver.delete(doomed) is True
+    assert volumes_of(podman, bystander) == [volume_name(bystander, spec.sandbox_id)]
+    assert containers_of(podman, bystander) == [container_name(bystander, 1)]
+
+
+async def test_unmanaged_containers_are_ignored(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings, podman: PodmanClient
+) -> None:
+    key, stranger_key = keys(), keys()
+    watcher = await Watcher.started(driver)
+    # Our labels except managed-by: it must not be mistaken for a sandbox.
+    stranger = podman.containers.create(
+        settings.sandbox_image,
+        command=["sleep", "3600"],
+        name=f"stranger-{stranger_key}",
+        labels={LABEL_KEY: stranger_key, LABEL_GENERATION: "1"},
+        init=True,
+    )
+    try:
+        await asyncio.to_thread(stranger.start)
+        # The stranger's events precede ours in the stream: once ours is seen, so were they.
+        await driver.launch(spec_for(settings, key, 1, SLEEPER))
+        await watcher.wait_for(snapshot(key, 1, "running"), "our sandbox running")
+        assert watcher.of(stranger_key) == []
+        assert all(i.key != stranger_key for i in await driver.list())
+        assert await driver.get(stranger_key) == []
+        # A fresh watcher's listing skips it too.
+        fresh = await Watcher.started(driver)
+        try:
+            await fresh.wait_for(snapshot(key, 1, "running", "list"), "listing of ours")
+            assert fresh.of(stranger_key) == []
+        finally:
+            await fresh.stop()
+    finally:
+        await watcher.stop()
+        await asyncio.to_thread(stranger.remove, force=True)
+
+
+async def test_watcher_lists_again_after_a_reconnect(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings
+) -> None:
+    key = keys()
+    result = await driver.launch(spec_for(settings, key, 1, SLEEPER))
+    watcher = await Watcher.started(driver)
+    try:
+        listed = await watcher.wait_for(snapshot(key, 1, "running", "list"), "first listing")
+        assert listed.runtime_id == result.runtime_id
+        mark = len(watcher.seen)
+        driver.reconnect_watchers()
+        relisted = await watcher.wait_for(
+            snapshot(key, 1, "running", "list"), "listing after reconnect", start=mark
+        )
+        # The same unchanged runtime: the same observation id, recognisable as a duplicate.
+        assert relisted.observation_id == listed.observation_id
+        # ... and the new event stream works.
+        mark = len(watcher.seen)
+        await driver.stop(key, 1)
+        await watcher.wait_for(snapshot(key, 1, "exited"), "exit after reconnect", start=mark)
+    finally:
+        await watcher.stop()
+
+
+# -- event mapping, on events as Podman 4.3 sends them -------------------------------------------
+
+
+def _event(action: str, labels: dict[str, str], exit_code: str = "0") -> dict[str, Any]:
+    cid = "0f6f9a53fe4e245ecc8ee63591529deba04922003b6d2c5f5718823dc6506345"
+    attributes = {"containerExitCode": exit_code, "image": "localhost/x:1", "name": "n", **labels}
+    return {
+        "status": action,
+        "id": cid,
+        "from": "localhost/x:1",
+        "Type": "container",
+        "Action": action,
+        "Actor": {"ID": cid, "Attributes": attributes},
+        "scope": "local",
+        "time": 1795973588,
+        "timeNano": 1795973588034922508,
+    }
+
+
+OURS = {LABEL_MANAGED_BY: "sandstream", LABEL_KEY: "box-1", LABEL_GENERATION: "4"}
+
+
+def test_event_mapping() -> None:
+    died = observation_from_event(_event("died", OURS, "143"))
+    assert isinstance(died, RuntimeSnapshot)
+    assert (died.key, died.generation, died.state, died.exit_code) == ("box-1", 4, "exited", 143)
+    assert died.occurred_at.isoformat() == "2026-11-29T17:33:08.034922+00:00"
+    again = observation_from_event(_event("died", OURS, "143"))
+    assert again is not None and again.observation_id == died.observation_id  # deterministic
+    no_code = _event("died", OURS)
+    del no_code["Actor"]["Attributes"]["containerExitCode"]
+    lacking = observation_from_event(no_code)  # the watcher then inspects the container
+    assert isinstance(lacking, RuntimeSnapshot) and lacking.exit_code is None
+    start = observation_from_event(_event("start", OURS))
+    assert isinstance(start, RuntimeSnapshot) and start.exit_code is None
+    assert isinstance(observation_from_event(_event("remove", OURS)), RuntimeRemoved)
+    for ignored in ("init", "cleanup", "kill", "exec", "exec_died", "attach"):
+        assert observation_from_event(_event(ignored, OURS)) is None
+    assert observation_from_event(_event("start", {LABEL_KEY: "box-1"})) is None
+    bad_generation = {**OURS, LABEL_GENERATION: "zero"}
+    assert observation_from_event(_event("start", bad_generation)) is None

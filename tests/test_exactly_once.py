@@ -1,0 +1,153 @@
+"""Exactly-once under crashes, rebalances and zombies, on real Kafka and PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+
+import pytest
+import workload
+from harness import Env, eventually, isolated_env
+
+from projections.store import SANDBOX_COLUMNS, sandbox_from_record
+from services.processor import Processor
+from services.rebuild import rebuild_and_compare
+
+
+async def publish(env: Env, inputs: list[workload.Command]) -> None:
+    async with await env.publisher() as pub:
+        await pub.publish_many(inputs)
+
+
+async def assert_applied_exactly_once(env: Env, inputs: list[workload.Command]) -> None:
+    """Every input offset is in the history once, rows match the pure fold and the log."""
+    per_partition = await env.fetch(
+        'SELECT partition, count(*) AS n, count(DISTINCT "offset") AS distinct_offsets, '
+        'min("offset") AS lo, max("offset") AS hi FROM history GROUP BY partition'
+    )
+    assert sum(r["n"] for r in per_partition) == len(inputs)
+    for r in per_partition:
+        assert r["n"] == r["distinct_offsets"] == r["hi"] - r["lo"] + 1, dict(r)  # no gap, no dup
+        assert r["lo"] == 0
+    live = {
+        r["key"]: sandbox_from_record(r)
+        for r in await env.fetch(f"SELECT {SANDBOX_COLUMNS} FROM sandboxes")
+    }
+    assert live == workload.expected_rows(inputs)
+    distinct_ids = {c.command_id for c in inputs}
+    assert await env.fetchval("SELECT count(*) FROM command_outcomes") == len(distinct_ids)
+    report = await rebuild_and_compare(env.settings)
+    assert report.equal, report.differences[:5]
+    assert report.rebuilt == len(live)
+
+
+async def run_with_kills(env: Env, inputs: list[workload.Command], kills: int, seed: int) -> None:
+    rng = random.Random(seed)
+    await publish(env, inputs)
+    for _ in range(kills):
+        proc = env.spawn_processor()
+        # Kill at a random point: before it joined, mid-batch, or between batches.
+        await asyncio.sleep(rng.uniform(0.5, 4.0))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    proc = env.spawn_processor()
+    try:
+        await env.wait_applied(len(inputs), timeout=240)
+        await wait_outbox_drained(env)  # including what a killed processor left unpublished
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+async def wait_outbox_drained(env: Env) -> None:
+    await eventually(
+        lambda: env.fetchval(
+            "SELECT count(*) FROM outbox o LEFT JOIN outbox_cursor c USING (partition) "
+            "WHERE o.id > coalesce(c.published_id, 0)"
+        ),
+        lambda n: n == 0,
+        what="outbox published",
+    )
+
+
+async def test_sigkill_at_random_points_applies_every_input_exactly_once() -> None:
+    inputs = workload.commands(count=3000, keys=150, seed=7)
+    async with isolated_env(partitions=4) as env:
+        await run_with_kills(env, inputs, kills=4, seed=7)
+        await assert_applied_exactly_once(env, inputs)
+
+
+@pytest.mark.soak
+async def test_soak_sigkill_many_times() -> None:
+    inputs = workload.commands(count=30_000, keys=2000, seed=11)
+    async with isolated_env(partitions=12) as env:
+        await run_with_kills(env, inputs, kills=20, seed=11)
+        await assert_applied_exactly_once(env, inputs)
+
+
+async def test_two_processors_with_forced_rebalances_apply_exactly_once() -> None:
+    inputs = workload.commands(count=3000, keys=150, seed=3)
+    async with isolated_env(partitions=4) as env:
+        first = await env.start_processor("p1", max_records=200)
+        await publish(env, inputs)
+        for _ in range(3):  # join and leave repeatedly while p1 is consuming
+            second = await env.start_processor("p2", max_records=200)
+            await eventually(
+                lambda p=second: _assignment(p), bool, what="p2 to be assigned partitions"
+            )
+            await env.stop_processor(second)
+        await env.wait_applied(len(inputs), timeout=120)
+        await wait_outbox_drained(env)
+        await env.stop_processor(first)
+        await assert_applied_exactly_once(env, inputs)
+
+
+async def test_a_zombie_writer_is_fenced_and_writes_nothing() -> None:
+    inputs = workload.commands(count=60, keys=5, seed=5)
+    async with isolated_env(partitions=1) as env:
+        await publish(env, inputs)
+        records = await env.read_topic(env.settings.topic_commands)
+        owner = Processor(env.settings, env.pool, name="owner")
+        zombie = Processor(env.settings, env.pool, name="zombie")
+        for p in (owner, zombie):
+            p.producer = await _started_producer(env)
+        try:
+            # Both believe they own partition 0 and race on the same records.
+            applied = await asyncio.gather(
+                owner.process_partition(0, records[:40]), zombie.process_partition(0, records[:40])
+            )
+            assert sorted(applied) == [0, 40]
+            # A zombie still holding an old batch after the owner moved on writes nothing.
+            assert await zombie.process_partition(0, records[:30]) == 0
+            # Overlapping batches apply only what is new.
+            assert await owner.process_partition(0, records[30:]) == 20
+        finally:
+            for p in (owner, zombie):
+                assert p.producer is not None
+                await p.producer.stop()
+        assert await env.fetchval("SELECT count(*) FROM history") == 60
+        assert (
+            await env.fetchval(
+                "SELECT next_offset FROM input_offsets WHERE topic = $1",
+                env.settings.topic_commands,
+            )
+            == 60
+        )
+        await wait_outbox_drained(env)
+        await assert_applied_exactly_once(env, inputs)
+
+
+async def _started_producer(env: Env):  # type: ignore[no-untyped-def]
+    from aiokafka import AIOKafkaProducer
+
+    producer = AIOKafkaProducer(
+        bootstrap_servers=env.settings.kafka_bootstrap, enable_idempotence=True, acks="all"
+    )
+    await producer.start()
+    return producer
+
+
+async def _assignment(processor: Processor) -> set[object]:
+    assert processor.consumer is not None
+    return set(processor.consumer.assignment())

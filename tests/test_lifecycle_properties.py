@@ -1,0 +1,395 @@
+"""Properties of the lifecycle core under random interleavings (hypothesis, stateful).
+
+A state machine sends random commands and observations about a few sandbox names through
+``projections.fold.fold`` one message at a time: retries with the same command id, reused ids,
+stale and unknown generations, observations after deletion, failed driver results with random
+observed states. After every step it checks the invariants of the state model; it also folds
+the same inputs in random batch splits, replays them from scratch (decoded from their JSON) and
+rebuilds the rows from the decided events alone, and all of these must agree exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from typing import Any, get_args
+from uuid import UUID
+
+import factories as f
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from events.codec import COMMANDS, OBSERVATIONS, decode, encode
+from events.commands import (
+    Command,
+    CreateSandbox,
+    DeleteSandbox,
+    RestartSandbox,
+    StartSandbox,
+)
+from events.common import Cause, Phase
+from events.decided import DecidedEvent, SandboxCreated
+from events.observations import (
+    DriverOperationResult,
+    ObservedState,
+    Operation,
+    OperationOutcome,
+    RuntimeRemoved,
+    RuntimeSnapshot,
+)
+from events.outcomes import CommandOutcome
+from projections.fold import fold
+from projections.lifecycle import (
+    COMMAND_TABLE,
+    Admission,
+    Decision,
+    Message,
+    Sandbox,
+    admission,
+    evolve,
+)
+
+P = Phase
+KEYS = ("a", "b", "c")
+PROVIDERS = ("gh", "gl", "aws")
+OBSERVATION_TYPES = (RuntimeSnapshot, RuntimeRemoved, DriverOperationResult)
+
+keys = st.sampled_from(KEYS)
+# Mostly the current generation; sometimes stale (older) or unknown (newer than issued).
+generation_deltas = st.sampled_from([0, 0, 0, 0, 0, 0, -1, -2, 1, 2])
+exit_codes = st.sampled_from([0, 0, 1, 137, None])
+observed_states = st.sampled_from((None, *get_args(ObservedState)))
+
+
+def dumps(events: list[DecidedEvent]) -> list[dict[str, Any]]:
+    return [e.model_dump() for e in events]
+
+
+def live(states: dict[str, Sandbox | None]) -> dict[str, Sandbox]:
+    return {k: v for k, v in states.items() if v is not None}
+
+
+def is_observation(message: Message) -> bool:
+    return isinstance(message, OBSERVATION_TYPES)
+
+
+class LifecycleMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.causes = f.Causes()
+        self.inputs: list[tuple[Cause, Message]] = []
+        # The live fold, one message at a time.
+        self.states: dict[str, Sandbox | None] = {}
+        self.outcomes: dict[str, CommandOutcome] = {}
+        self.events: list[DecidedEvent] = []
+        # The same inputs folded in batches whose boundaries hypothesis chooses (``flush``).
+        self.pending: list[tuple[Cause, Message]] = []
+        self.b_states: dict[str, Sandbox | None] = {}
+        self.b_outcomes: dict[str, CommandOutcome] = {}
+        self.b_events: list[DecidedEvent] = []
+        # Bookkeeping for the invariants.
+        self.commands: dict[str, list[Command]] = defaultdict(list)  # by key
+        self.first_outcome: dict[str, CommandOutcome] = {}
+        self.incarnations: dict[str, set[UUID]] = defaultdict(set)
+        self.serial = 0
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def command_id(self, key: str) -> str:
+        self.serial += 1
+        return f"{key}-c{self.serial}"
+
+    def generation(self, key: str, delta: int) -> int:
+        state = self.states.get(key)
+        return max(1, (state.generation if state else 1) + delta)
+
+    def send(self, message: Message) -> Decision:
+        cause = self.causes(message)
+        prev = self.states.get(message.key)
+        batch = fold(self.states, self.outcomes, [(cause, message)])
+        (step,) = batch.steps
+        decision = step.decision
+        self.states = batch.states
+        self.outcomes.update(batch.outcomes)
+        self.events.extend(decision.events)
+        self.inputs.append((cause, message))
+        self.pending.append((cause, message))
+        if not is_observation(message):
+            self.commands[message.key].append(message)  # type: ignore[arg-type]
+        self.check_step(prev, message, decision)
+        return decision
+
+    # -- the per-step invariants --------------------------------------------------------------
+
+    def check_step(self, prev: Sandbox | None, message: Message, d: Decision) -> None:
+        new = d.state
+        events = d.events
+        assert len(events) <= 1
+        assert all(e.key == message.key for e in events)
+
+        # Version bumps by exactly the number of events, and nothing changes without one.
+        before = prev.version if prev else 0
+        assert (new.version if new else 0) == before + len(events)
+        assert [e.version for e in events] == list(range(before + 1, before + 1 + len(events)))
+        if not events:
+            assert new is prev
+        else:
+            assert d.disposition == "applied"
+            assert new == evolve(prev, events[-1])
+
+        # Generation never decreases; identity changes only with a new generation.
+        if prev is not None:
+            assert new is not None
+            assert new.generation >= prev.generation
+            if new.identity != prev.identity:
+                assert new.generation > prev.generation
+
+        # Outcomes: commands always have one, observations never; duplicates repeat the first.
+        command_id = getattr(message, "command_id", None)
+        if command_id is None:
+            assert d.outcome is None
+            assert d.disposition in ("applied", "ignored")
+            assert d.reason
+        elif d.disposition == "duplicate":
+            assert d.outcome == self.first_outcome[command_id]
+            assert not events
+        else:
+            assert command_id not in self.first_outcome
+            assert d.outcome is not None and d.outcome.command_id == command_id
+            self.first_outcome[command_id] = d.outcome
+            assert d.outcome.accepted == (d.disposition in ("applied", "idempotent"))
+            assert len(events) == (1 if d.disposition == "applied" else 0)
+            if new is not None and d.outcome.accepted:
+                assert d.outcome.version == new.version
+                assert d.outcome.identity == new.identity
+
+        # A new incarnation only through an accepted create, with a never-seen sandbox_id, at a
+        # higher generation than the tombstone: no resurrection.
+        if new is not None and (prev is None or new.sandbox_id != prev.sandbox_id):
+            assert isinstance(message, CreateSandbox) and d.disposition == "applied"
+            assert isinstance(events[0], SandboxCreated)
+            assert new.sandbox_id not in self.incarnations[message.key]
+            self.incarnations[message.key].add(new.sandbox_id)
+        if prev is not None and prev.tombstoned and new is not None and not new.tombstoned:
+            assert isinstance(message, CreateSandbox) and d.disposition == "applied"
+            assert new.generation > prev.generation
+            assert new.sandbox_id != prev.sandbox_id
+            assert new.phase is P.PROVISIONING
+
+        if prev is None or new is None:
+            return
+        # The tombstone is only reached from Deleting.
+        if new.tombstoned and not prev.tombstoned:
+            assert prev.phase is P.DELETING, (prev.phase, message)
+        # Stopped only leaves through an accepted start, restart or delete.
+        if prev.phase is P.STOPPED and new.phase is not P.STOPPED:
+            assert isinstance(message, StartSandbox | RestartSandbox | DeleteSandbox), message
+            assert d.disposition == "applied"
+        # Deleting only leaves to Deleted, or through a failed delete result.
+        if prev.phase is P.DELETING and new.phase is not P.DELETING:
+            assert new.phase is P.DELETED or (
+                isinstance(message, DriverOperationResult)
+                and message.operation == "delete"
+                and message.outcome == "failed"
+            ), message
+        # Observations never touch another generation than the row's.
+        if events and is_observation(message):
+            assert message.generation == prev.generation == new.generation  # type: ignore[union-attr]
+
+    @invariant()
+    def rebuild_from_the_log(self) -> None:
+        rows: dict[str, Sandbox] = {}
+        for event in self.events:
+            state = rows.get(event.key)
+            assert event.version == (state.version if state else 0) + 1
+            rows[event.key] = evolve(state, event)
+        assert rows == live(self.states)
+
+    # -- commands -----------------------------------------------------------------------------
+
+    @rule(key=keys, providers=st.lists(st.sampled_from(PROVIDERS), max_size=3))
+    def create(self, key: str, providers: list[str]) -> None:
+        self.send(f.create(key, command_id=self.command_id(key), providers=providers))
+
+    @rule(
+        command_type=st.sampled_from(list(COMMAND_TABLE)),
+        key=keys,
+        provider=st.sampled_from(PROVIDERS),
+        version=st.sampled_from(["none", "none", "none", "exact", "off"]),
+        off=st.sampled_from([-2, -1, 1, 2]),
+    )
+    def command(self, command_type: str, key: str, provider: str, version: str, off: int) -> None:
+        state = self.states.get(key)
+        current = state.version if state else 0
+        expected = {"none": None, "exact": current, "off": max(0, current + off)}[version]
+        kw: dict[str, Any] = {"command_id": self.command_id(key), "expected_version": expected}
+        if command_type in ("AttachProvider", "DetachProvider"):
+            kw["provider"] = provider
+        d = self.send(f.VERSIONED_COMMANDS[command_type](key, **kw))
+        if version == "off" and expected != current and d.outcome is not None:
+            assert d.outcome.code.value in ("ABORTED", "NOT_FOUND")
+
+    @rule(key=keys, choice=st.integers(0, 5), version=st.booleans())
+    def act(self, key: str, choice: int, version: bool) -> None:
+        """A command the row admits (or a create when the name is free): drives deep paths."""
+        state = self.states.get(key)
+        if state is None or state.tombstoned:
+            self.send(f.create(key, command_id=self.command_id(key)))
+            return
+        admitted = [c for c in COMMAND_TABLE if admission(c, state.phase) is Admission.ADMIT]
+        if not admitted:  # Deleting
+            self.progress(key)
+            return
+        command_type = admitted[choice % len(admitted)]
+        kw: dict[str, Any] = {"command_id": self.command_id(key)}
+        if version:
+            kw["expected_version"] = state.version
+        if command_type == "AttachProvider":
+            kw["provider"] = PROVIDERS[choice % len(PROVIDERS)]
+        if command_type == "DetachProvider":
+            kw["provider"] = (state.providers or PROVIDERS)[0]
+        d = self.send(f.VERSIONED_COMMANDS[command_type](key, **kw))
+        assert d.outcome is not None and d.outcome.accepted
+
+    @precondition(lambda self: any(self.commands.values()))
+    @rule(data=st.data())
+    def retry(self, data: st.DataObject) -> None:
+        """The exact same command again (a producer retry or a redelivery)."""
+        key = data.draw(st.sampled_from(sorted(k for k, v in self.commands.items() if v)))
+        command = data.draw(st.sampled_from(self.commands[key]))
+        d = self.send(command)
+        assert d.disposition == "duplicate"
+
+    @precondition(lambda self: any(self.commands.values()))
+    @rule(data=st.data(), command_type=st.sampled_from(["CreateSandbox", *COMMAND_TABLE]))
+    def reuse_id(self, data: st.DataObject, command_type: str) -> None:
+        """A different command that reuses an id: the first outcome stands, nothing happens."""
+        key = data.draw(st.sampled_from(sorted(k for k, v in self.commands.items() if v)))
+        old = data.draw(st.sampled_from(self.commands[key]))
+        d = self.send(f.COMMAND_BUILDERS[command_type](key, command_id=old.command_id))
+        assert d.disposition == "duplicate"
+
+    # -- observations -------------------------------------------------------------------------
+
+    @rule(
+        key=keys,
+        delta=generation_deltas,
+        state=st.sampled_from(["created", "running", "exited"]),
+        exit_code=exit_codes,
+    )
+    def snapshot(self, key: str, delta: int, state: Any, exit_code: int | None) -> None:
+        gen = self.generation(key, delta)
+        self.send(f.snapshot(key, gen, state, exit_code=exit_code if state == "exited" else None))
+
+    @rule(key=keys, delta=generation_deltas)
+    def removed(self, key: str, delta: int) -> None:
+        self.send(f.removed(key, self.generation(key, delta)))
+
+    @rule(
+        key=keys,
+        delta=generation_deltas,
+        operation=st.sampled_from(get_args(Operation)),
+        outcome=st.sampled_from(get_args(OperationOutcome)),
+        observed=observed_states,
+        exit_code=exit_codes,
+    )
+    def driver_result(
+        self,
+        key: str,
+        delta: int,
+        operation: Operation,
+        outcome: OperationOutcome,
+        observed: ObservedState | None,
+        exit_code: int | None,
+    ) -> None:
+        gen = self.generation(key, delta)
+        reason = "driver error" if outcome == "failed" else None
+        self.send(
+            f.result(
+                key, gen, operation, outcome, observed=observed, reason=reason, exit_code=exit_code
+            )
+        )
+
+    @rule(key=keys, ok=st.booleans(), observed=observed_states)
+    def progress(self, key: str, ok: bool = True, observed: ObservedState | None = None) -> None:
+        """What the executor and watcher report for the row's current intent, good or bad."""
+        state = self.states.get(key)
+        if state is None:
+            return
+        gen = state.generation
+        operations: dict[Phase, Operation] = {
+            P.PROVISIONING: "launch",
+            P.STARTING: "launch",
+            P.STOPPING: "stop",
+            P.DELETING: "delete",
+        }
+        operation = operations.get(state.phase)
+        if operation is None:
+            self.send(f.exited(key, gen, 0) if ok else f.running(key, gen))
+        elif ok:
+            self.send(f.result(key, gen, operation, "succeeded"))
+        else:
+            self.send(f.failed(key, gen, operation, observed=observed))
+
+    # -- batches and replay -------------------------------------------------------------------
+
+    @rule()
+    def flush(self) -> None:
+        """Fold the inputs since the last flush as one batch; it must agree with the live fold."""
+        batch = fold(self.b_states, self.b_outcomes, self.pending)
+        self.pending = []
+        self.b_states = batch.states
+        self.b_outcomes.update(batch.outcomes)
+        self.b_events.extend(e for s in batch.steps for e in s.decision.events)
+        assert live(self.b_states) == live(self.states)
+        assert self.b_outcomes == self.outcomes
+        assert dumps(self.b_events) == dumps(self.events)
+
+    def teardown(self) -> None:
+        self.flush()
+        # Replay everything from scratch, decoded from the wire form: identical results.
+        replayed = []
+        for cause, message in self.inputs:
+            adapter: Any = OBSERVATIONS if is_observation(message) else COMMANDS
+            replayed.append((cause, decode(adapter, encode(message))))
+        again = fold({}, {}, replayed)
+        assert dumps([e for s in again.steps for e in s.decision.events]) == dumps(self.events)
+        assert live(again.states) == live(self.states)
+        assert again.outcomes == self.outcomes
+        assert [s.decision.disposition for s in again.steps] == [
+            s.decision.disposition for s in fold({}, {}, self.inputs).steps
+        ]
+
+
+MODERATE = settings(
+    max_examples=int(os.environ.get("SANDSTREAM_HYPOTHESIS_EXAMPLES", "300")),
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestLifecycleMachine = LifecycleMachine.TestCase
+TestLifecycleMachine.settings = MODERATE
+
+
+@pytest.mark.soak
+def test_lifecycle_machine_soak(request: pytest.FixtureRequest) -> None:
+    """Many more and longer runs: ``pytest -m soak`` (skipped unless soak tests are selected)."""
+    if "soak" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("soak test: select it with -m soak")
+    run_state_machine_as_test(
+        LifecycleMachine,
+        settings=settings(
+            max_examples=3000,
+            stateful_step_count=120,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
