@@ -23,7 +23,7 @@ lint: setup
 	.venv/bin/mypy
 
 test: stack lint
-	.venv/bin/pytest -q -m "not soak"
+	.venv/bin/pytest -q
 
 bench: stack
 	$(PY) -m services.bench

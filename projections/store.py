@@ -44,23 +44,6 @@ def sandbox_from_record(r: Any) -> Sandbox:
     )
 
 
-def sandbox_params(s: Sandbox) -> tuple[Any, ...]:
-    return (
-        s.key,
-        s.sandbox_id,
-        s.phase.value,
-        s.generation,
-        s.version,
-        s.spec.model_dump_json(),
-        list(s.providers),
-        s.identity,
-        s.exit_code,
-        s.reason,
-        s.created_at,
-        s.updated_at,
-    )
-
-
 async def load_sandboxes(conn: Connection, keys: Iterable[str]) -> dict[str, Sandbox]:
     rows = await conn.fetch(
         f"SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE key = ANY($1::text[])", list(keys)
@@ -86,24 +69,27 @@ async def load_outcomes(
     }
 
 
-async def lock_offsets(conn: Connection, partition: int, topics: Sequence[str]) -> dict[str, int]:
-    """Lock the partition's offset rows (creating them at 0) and return the next offsets.
+TopicPartitionKey = tuple[str, int]
 
-    Every writer of a partition takes these locks first, in the same order, so writers of one
-    partition are serialized and a stale one sees offsets it cannot go below.
+
+async def lock_offsets(
+    conn: Connection, partitions: Iterable[TopicPartitionKey]
+) -> dict[TopicPartitionKey, int]:
+    """Lock the offset rows of the given input partitions (creating them at 0), in one trip.
+
+    Every writer takes these row locks first, in (topic, partition) order, so writers of one
+    partition are serialized and a stale one sees the offsets it can no longer go below.
     """
-    await conn.executemany(
-        "INSERT INTO input_offsets (topic, partition, next_offset) VALUES ($1, $2, 0) "
-        "ON CONFLICT DO NOTHING",
-        [(t, partition) for t in topics],
-    )
+    pairs = sorted(set(partitions))
     rows = await conn.fetch(
-        "SELECT topic, next_offset FROM input_offsets WHERE partition = $1 AND topic = ANY($2) "
-        "ORDER BY topic FOR UPDATE",
-        partition,
-        list(topics),
+        "INSERT INTO input_offsets (topic, partition, next_offset) "
+        "SELECT t, p, 0 FROM unnest($1::text[], $2::int[]) AS u(t, p) ORDER BY t, p "
+        "ON CONFLICT (topic, partition) DO UPDATE SET next_offset = input_offsets.next_offset "
+        "RETURNING topic, partition, next_offset",
+        [t for t, _ in pairs],
+        [p for _, p in pairs],
     )
-    return {r["topic"]: r["next_offset"] for r in rows}
+    return {(r["topic"], r["partition"]): r["next_offset"] for r in rows}
 
 
 async def stored_offsets(conn: Connection, topics: Sequence[str]) -> dict[tuple[str, int], int]:
@@ -132,14 +118,9 @@ class HistoryRow:
     occurred_at: datetime | None
 
 
-HISTORY_COLUMNS = (
-    "key", "topic", "partition", "offset", "message_type", "command_id", "disposition", "reason",
-    "phase", "generation", "version", "event_types", "message", "occurred_at",
-)  # fmt: skip
-
-
 @dataclass(frozen=True, slots=True)
 class OutboxRecord:
+    partition: int  # the input partition it came from: the publish cursor is per partition
     topic: str
     key: bytes | None
     value: bytes
@@ -147,93 +128,103 @@ class OutboxRecord:
 
 @dataclass(frozen=True, slots=True)
 class BatchWrite:
-    partition: int
-    sandboxes: Sequence[Sandbox]
+    sandboxes: Sequence[tuple[int, Sandbox]]  # (input partition, row)
     history: Sequence[HistoryRow]
     outcomes: Sequence[CommandOutcome]
     outbox: Sequence[OutboxRecord]
-    next_offsets: Mapping[str, int]
+    next_offsets: Mapping[TopicPartitionKey, int]
+
+
+def _columns(rows: Sequence[tuple[Any, ...]], width: int) -> list[list[Any]]:
+    """Row tuples as one list per column, for ``unnest`` (one round trip for any row count)."""
+    return [list(c) for c in zip(*rows, strict=True)] if rows else [[] for _ in range(width)]
+
+
+# The whole batch is one statement (one round trip whatever its size): data-modifying CTEs, one
+# per table, each inserting from unnest() of column arrays. Multi-valued columns travel as jsonb
+# because unnest() cannot take ragged 2-D arrays. Offsets only move forward, and the NOTIFY
+# (delivered at commit) wakes outcome waiters and watchers.
+_WRITE_BATCH = f"""
+WITH upserted AS (
+    INSERT INTO sandboxes ({SANDBOX_COLUMNS}, partition, change_seq)
+    SELECT k, i, ph, g, v, sp, ARRAY(SELECT jsonb_array_elements_text(pr)), id, ec, r, ca, ua,
+           pa, nextval('sandbox_changes')
+    FROM unnest($1::text[], $2::uuid[], $3::text[], $4::int[], $5::bigint[], $6::jsonb[],
+                $7::jsonb[], $8::text[], $9::int[], $10::text[], $11::timestamptz[],
+                $12::timestamptz[], $13::int[])
+         AS u(k, i, ph, g, v, sp, pr, id, ec, r, ca, ua, pa)
+    ON CONFLICT (key) DO UPDATE SET sandbox_id = EXCLUDED.sandbox_id, phase = EXCLUDED.phase,
+        generation = EXCLUDED.generation, version = EXCLUDED.version, spec = EXCLUDED.spec,
+        providers = EXCLUDED.providers, identity = EXCLUDED.identity,
+        exit_code = EXCLUDED.exit_code, reason = EXCLUDED.reason,
+        created_at = EXCLUDED.created_at, updated_at = EXCLUDED.updated_at,
+        partition = EXCLUDED.partition, change_seq = EXCLUDED.change_seq
+    RETURNING 1
+), recorded AS (
+    INSERT INTO history (key, topic, partition, "offset", message_type, command_id,
+                         disposition, reason, phase, generation, version, event_types, message,
+                         occurred_at)
+    SELECT k, t, p, o, mt, c, d, r, ph, g, v, ARRAY(SELECT jsonb_array_elements_text(e)), m, oa
+    FROM unnest($14::text[], $15::text[], $16::int[], $17::bigint[], $18::text[], $19::text[],
+                $20::text[], $21::text[], $22::text[], $23::int[], $24::bigint[], $25::jsonb[],
+                $26::jsonb[], $27::timestamptz[])
+         AS u(k, t, p, o, mt, c, d, r, ph, g, v, e, m, oa)
+    RETURNING 1
+), decided AS (
+    INSERT INTO command_outcomes (command_id, key, command_type, status, code, message, outcome)
+    SELECT * FROM unnest($28::text[], $29::text[], $30::text[], $31::text[], $32::text[],
+                         $33::text[], $34::jsonb[])
+    ON CONFLICT DO NOTHING
+    RETURNING 1
+), queued AS (
+    INSERT INTO outbox (partition, topic, key, value)
+    SELECT p, t, k, v FROM unnest($35::int[], $36::text[], $37::bytea[], $38::bytea[])
+         WITH ORDINALITY AS u(p, t, k, v, n) ORDER BY n
+    RETURNING id
+), moved AS (
+    UPDATE input_offsets o SET next_offset = u.n, updated_at = now()
+    FROM unnest($39::text[], $40::int[], $41::bigint[]) AS u(t, p, n)
+    WHERE o.topic = u.t AND o.partition = u.p AND o.next_offset <= u.n
+    RETURNING 1
+)
+SELECT ARRAY(SELECT id FROM queued ORDER BY id) AS ids, pg_notify($42, '') AS notified,
+       (SELECT count(*) FROM upserted) + (SELECT count(*) FROM recorded)
+       + (SELECT count(*) FROM decided) + (SELECT count(*) FROM moved) AS written
+"""
 
 
 async def write_batch(conn: Connection, batch: BatchWrite) -> list[int]:
-    """Write a decided batch; the caller holds the offset locks and the transaction.
-
-    Returns the outbox ids, in order.
-    """
-    if batch.sandboxes:
-        await conn.executemany(
-            f"INSERT INTO sandboxes ({SANDBOX_COLUMNS}, partition, change_seq) "
-            "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, "
-            "nextval('sandbox_changes')) "
-            "ON CONFLICT (key) DO UPDATE SET sandbox_id = EXCLUDED.sandbox_id, "
-            "phase = EXCLUDED.phase, generation = EXCLUDED.generation, "
-            "version = EXCLUDED.version, spec = EXCLUDED.spec, providers = EXCLUDED.providers, "
-            "identity = EXCLUDED.identity, exit_code = EXCLUDED.exit_code, "
-            "reason = EXCLUDED.reason, created_at = EXCLUDED.created_at, "
-            "updated_at = EXCLUDED.updated_at, partition = EXCLUDED.partition, "
-            "change_seq = EXCLUDED.change_seq",
-            [(*sandbox_params(s), batch.partition) for s in batch.sandboxes],
-        )
-    if batch.history:
-        await conn.copy_records_to_table(
-            "history",
-            columns=HISTORY_COLUMNS,
-            records=[
-                (
-                    h.key,
-                    h.topic,
-                    h.partition,
-                    h.offset,
-                    h.message_type,
-                    h.command_id,
-                    h.disposition,
-                    h.reason,
-                    h.phase,
-                    h.generation,
-                    h.version,
-                    h.event_types,
-                    h.message,
-                    h.occurred_at,
-                )
-                for h in batch.history
-            ],
-        )
-    if batch.outcomes:
-        await conn.executemany(
-            "INSERT INTO command_outcomes (command_id, key, command_type, status, code, message, "
-            "outcome) VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
-            [
-                (
-                    o.command_id,
-                    o.key,
-                    o.command_type,
-                    o.status,
-                    o.code.value,
-                    o.message,
-                    o.model_dump_json(),
-                )
-                for o in batch.outcomes
-            ],
-        )
-    ids: list[int] = []
-    if batch.outbox:
-        rows = await conn.fetch(
-            "INSERT INTO outbox (partition, topic, key, value) "
-            "SELECT $1, t, k, v FROM unnest($2::text[], $3::bytea[], $4::bytea[]) "
-            "WITH ORDINALITY AS u(t, k, v, n) ORDER BY n RETURNING id",
-            batch.partition,
-            [o.topic for o in batch.outbox],
-            [o.key for o in batch.outbox],
-            [o.value for o in batch.outbox],
-        )
-        ids = sorted(r["id"] for r in rows)
-    await conn.executemany(
-        "UPDATE input_offsets SET next_offset = $3, updated_at = now() "
-        "WHERE topic = $1 AND partition = $2 AND next_offset <= $3",
-        [(t, batch.partition, o) for t, o in batch.next_offsets.items()],
+    """Write a decided batch in one statement; the caller holds the offset locks and the
+    transaction. Returns the outbox ids, in order."""
+    sandboxes = [
+        (s.key, s.sandbox_id, s.phase.value, s.generation, s.version, s.spec.model_dump_json(),
+         to_json(list(s.providers)), s.identity, s.exit_code, s.reason, s.created_at,
+         s.updated_at, partition)
+        for partition, s in batch.sandboxes
+    ]  # fmt: skip
+    history = [
+        (h.key, h.topic, h.partition, h.offset, h.message_type, h.command_id, h.disposition,
+         h.reason, h.phase, h.generation, h.version, to_json(h.event_types), h.message,
+         h.occurred_at)
+        for h in batch.history
+    ]  # fmt: skip
+    outcomes = [
+        (o.command_id, o.key, o.command_type, o.status, o.code.value, o.message,
+         o.model_dump_json())
+        for o in batch.outcomes
+    ]  # fmt: skip
+    outbox = [(o.partition, o.topic, o.key, o.value) for o in batch.outbox]
+    offsets = [(t, p, n) for (t, p), n in sorted(batch.next_offsets.items())]
+    ids = await conn.fetchval(
+        _WRITE_BATCH,
+        *_columns(sandboxes, 13),
+        *_columns(history, 14),
+        *_columns(outcomes, 7),
+        *_columns(outbox, 4),
+        *_columns(offsets, 3),
+        CHANGES_CHANNEL,
     )
-    await conn.execute("SELECT pg_notify($1, $2)", CHANGES_CHANNEL, str(batch.partition))
-    return ids
+    return list(ids)
 
 
 async def unpublished_outbox(conn: Connection, partition: int) -> list[tuple[int, OutboxRecord]]:
@@ -243,16 +234,19 @@ async def unpublished_outbox(conn: Connection, partition: int) -> list[tuple[int
         "WHERE o.partition = $1 AND o.id > coalesce(c.published_id, 0) ORDER BY o.id",
         partition,
     )
-    return [(r["id"], OutboxRecord(r["topic"], r["key"], r["value"])) for r in rows]
+    return [(r["id"], OutboxRecord(partition, r["topic"], r["key"], r["value"])) for r in rows]
 
 
-async def mark_published(conn: Connection, partition: int, up_to_id: int) -> None:
+async def mark_published(conn: Connection, up_to: Mapping[int, int]) -> None:
+    """Move the publish cursors forward: ``up_to`` maps input partition to outbox id."""
+    items = sorted(up_to.items())
     await conn.execute(
-        "INSERT INTO outbox_cursor (partition, published_id) VALUES ($1, $2) "
+        "INSERT INTO outbox_cursor (partition, published_id) "
+        "SELECT * FROM unnest($1::int[], $2::bigint[]) "
         "ON CONFLICT (partition) DO UPDATE SET published_id = "
         "GREATEST(outbox_cursor.published_id, EXCLUDED.published_id)",
-        partition,
-        up_to_id,
+        [p for p, _ in items],
+        [i for _, i in items],
     )
 
 

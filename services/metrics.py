@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 INPUTS = Counter(
     "sandstream_inputs_total", "Input records recorded by the processor", ["disposition"]
@@ -22,3 +22,23 @@ DRIVER_CALLS = Counter(
     "Driver operations run by the executor",
     ["operation", "outcome"],
 )
+
+# The HTTP API (services/api.py)
+API_REQUESTS = Counter(
+    "sandstream_api_requests_total",
+    "HTTP requests by method, route template and status",
+    ["method", "route", "status"],
+)
+API_REQUEST_SECONDS = Histogram(
+    "sandstream_api_request_seconds",
+    "HTTP request time by method and route template (watch streams: their whole life)",
+    ["method", "route"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+)
+API_COMMANDS = Counter(
+    "sandstream_api_commands_total",
+    "Commands received by the API: published, retry (answered from a stored outcome), "
+    "unavailable (Kafka did not acknowledge)",
+    ["type", "result"],
+)
+API_WATCHERS = Gauge("sandstream_api_watch_streams", "Open /v1/watch streams")

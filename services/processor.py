@@ -1,20 +1,23 @@
 """The lifecycle processor: Kafka in, PostgreSQL rows out, exactly once, then the outbox out.
 
-For each partition number of a polled batch (commands and observations are co-partitioned),
-one transaction locks the partition's offset rows, drops records below the stored offsets
-(redeliveries, or a zombie's stale batch), folds the rest through the pure core, and writes
-rows, history, outcomes, outbox and the new offsets. After commit the partition's unpublished
-outbox records are sent to Kafka and the publish cursor moves; a crash in between republishes.
+For each poll (commands and observations are co-partitioned: partition p of both topics is
+always assigned together), one transaction locks the offset rows of the polled partitions,
+drops records below the stored offsets (redeliveries, or a zombie's stale batch), folds the
+rest through the pure core, and writes rows, history, outcomes, outbox and the new offsets.
+After commit the new outbox records are sent to Kafka and the per-partition publish cursors
+move; a crash in between leaves them unpublished, and whoever is assigned the partition next
+publishes them before anything else.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import logging
 import signal
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -90,67 +93,38 @@ def merge_topics(
 
 
 def plan_batch(
-    partition: int,
-    items: Sequence[Parsed | Rejected],
-    result: BatchResult,
-    settings: Settings,
+    items: Sequence[Parsed | Rejected], result: BatchResult, settings: Settings
 ) -> BatchWrite:
-    """Turn a folded batch into the rows to write (pure)."""
+    """Turn a folded batch into the rows to write (pure).
+
+    ``items`` are the batch's records in fold order; ``result`` the fold of the parsed ones.
+    """
     history: list[HistoryRow] = []
     outbox: list[OutboxRecord] = []
-    next_offsets: dict[str, int] = {}
+    next_offsets: dict[tuple[str, int], int] = {}
     steps = iter(result.steps)
-    changed: dict[str, Sandbox] = {}
+    changed: dict[str, tuple[int, Sandbox]] = {}
     for item in items:
         record = item.record
-        next_offsets[record.topic] = max(next_offsets.get(record.topic, 0), record.offset + 1)
+        p = record.partition
+        tp = (record.topic, p)
+        next_offsets[tp] = max(next_offsets.get(tp, 0), record.offset + 1)
         if isinstance(item, Rejected):
-            key_text, _ = printable(record.key)
-            value_text, encoding = printable(record.value)
-            letter = DeadLetter(
-                reason=item.reason,
-                source=SourceRecord(
-                    topic=record.topic,
-                    partition=record.partition,
-                    offset=record.offset,
-                    timestamp=record_time(record),
-                ),
-                key=key_text,
-                value=value_text,
-                value_encoding=encoding,
-            )
-            outbox.append(OutboxRecord(settings.topic_deadletter, record.key, encode(letter)))
-            history.append(
-                HistoryRow(
-                    key=key_text,
-                    topic=record.topic,
-                    partition=record.partition,
-                    offset=record.offset,
-                    message_type=None,
-                    command_id=None,
-                    disposition="dead-lettered",
-                    reason=item.reason,
-                    phase=None,
-                    generation=None,
-                    version=None,
-                    event_types=[],
-                    message=None,
-                    occurred_at=record_time(record),
-                )
-            )
+            history.append(_dead_letter_history(item))
+            outbox.append(_dead_letter(item, settings.topic_deadletter))
             continue
         step = next(steps)
         d = step.decision
         state = d.state
         for event in d.events:
-            outbox.append(OutboxRecord(settings.topic_events, event.key.encode(), encode(event)))
+            outbox.append(OutboxRecord(p, settings.topic_events, event.key.encode(), encode(event)))
         if d.events and state is not None:
-            changed[state.key] = state
+            changed[state.key] = (p, state)
         history.append(
             HistoryRow(
                 key=step.message.key,
                 topic=record.topic,
-                partition=record.partition,
+                partition=p,
                 offset=record.offset,
                 message_type=step.message.type,
                 command_id=step.cause.command_id,
@@ -164,15 +138,42 @@ def plan_batch(
                 occurred_at=step.message.occurred_at,
             )
         )
-    first_outcomes = [o for o in result.outcomes.values()]
     return BatchWrite(
-        partition=partition,
         sandboxes=list(changed.values()),
         history=history,
-        outcomes=first_outcomes,
+        outcomes=list(result.outcomes.values()),
         outbox=outbox,
         next_offsets=next_offsets,
     )
+
+
+def _dead_letter(item: Rejected, topic: str) -> OutboxRecord:
+    record = item.record
+    key_text, _ = printable(record.key)
+    value_text, encoding = printable(record.value)
+    letter = DeadLetter(
+        reason=item.reason,
+        source=SourceRecord(
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            timestamp=record_time(record),
+        ),
+        key=key_text,
+        value=value_text,
+        value_encoding=encoding,
+    )
+    return OutboxRecord(record.partition, topic, record.key, encode(letter))
+
+
+def _dead_letter_history(item: Rejected) -> HistoryRow:
+    record = item.record
+    return HistoryRow(
+        key=printable(record.key)[0], topic=record.topic, partition=record.partition,
+        offset=record.offset, message_type=None, command_id=None, disposition="dead-lettered",
+        reason=item.reason, phase=None, generation=None, version=None, event_types=[],
+        message=None, occurred_at=record_time(record),
+    )  # fmt: skip
 
 
 @dataclass
@@ -184,7 +185,12 @@ class Processor:
     name: str = "processor"
     consumer: AIOKafkaConsumer | None = None
     producer: AIOKafkaProducer | None = None
-    _locks: dict[int, asyncio.Lock] = field(default_factory=lambda: defaultdict(asyncio.Lock))
+    # Serializes applying and publishing with the sweep a rebalance triggers.
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _last_lag_commit: float = 0.0
+    _in_flight: set[asyncio.Task[None]] = field(default_factory=set)
+    _publish_failure: Exception | None = None
+    _conn: Any = None
 
     @property
     def input_topics(self) -> list[str]:
@@ -215,10 +221,15 @@ class Processor:
         await self.consumer.start()
 
     async def stop(self) -> None:
+        with contextlib.suppress(Exception):  # what is not acknowledged stays in the outbox
+            await self.drain()
         if self.consumer is not None:
             await self.consumer.stop()
         if self.producer is not None:
             await self.producer.stop()
+        if self._conn is not None:
+            await self.pool.release(self._conn)
+            self._conn = None
 
     async def run(self, stop: asyncio.Event) -> None:
         assert self.consumer is not None
@@ -229,76 +240,120 @@ class Processor:
             if batch:
                 await self.process(batch)
 
-    async def process(
-        self, batch: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]
-    ) -> None:
+    async def process(self, batch: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]) -> int:
+        """Apply one poll's records exactly once; returns how many were applied."""
         by_partition: dict[int, list[list[ConsumerRecord[bytes, bytes]]]] = defaultdict(list)
         for tp, records in batch.items():
-            by_partition[tp.partition].append(records)
-        await asyncio.gather(
-            *(self.process_partition(p, merge_topics(rs)) for p, rs in by_partition.items())
-        )
+            if records:  # getmany can report a partition with nothing new
+                by_partition[tp.partition].append(records)
+        if not by_partition:
+            return 0
+        merged = {p: merge_topics(rs) for p, rs in by_partition.items()}
+        applied = await self.process_records(merged)
         await self._commit_to_kafka(batch)
+        return applied
 
     async def process_partition(
         self, partition: int, records: Sequence[ConsumerRecord[bytes, bytes]]
     ) -> int:
-        """Apply one partition's records exactly once; returns how many were applied."""
-        async with self._locks[partition]:
-            applied = await self._apply(partition, records)
-            await self.publish_pending(partition)
+        return await self.process_records({partition: records})
+
+    async def process_records(
+        self, by_partition: Mapping[int, Sequence[ConsumerRecord[bytes, bytes]]]
+    ) -> int:
+        async with self._lock:
+            self._raise_publish_failure()
+            applied, outbox = await self._apply(by_partition)
+            await self._publish(outbox)
             return applied
 
-    async def _apply(self, partition: int, records: Sequence[ConsumerRecord[bytes, bytes]]) -> int:
+    async def _apply(
+        self, by_partition: Mapping[int, Sequence[ConsumerRecord[bytes, bytes]]]
+    ) -> tuple[int, list[tuple[int, OutboxRecord]]]:
         started = asyncio.get_running_loop().time()
-        async with self.pool.acquire() as conn, conn.transaction():
-            offsets = await lock_offsets(conn, partition, self.input_topics)
-            fresh = [r for r in records if r.offset >= offsets.get(r.topic, 0)]
+        records = [r for p in sorted(by_partition) for r in by_partition[p]]
+        if self._conn is None:  # a connection of its own: no pool round trips per batch
+            self._conn = await self.pool.acquire()
+        conn = self._conn
+        async with conn.transaction():
+            offsets = await lock_offsets(
+                conn, {(t, p) for p in by_partition for t in self.input_topics}
+            )
+            fresh = [r for r in records if r.offset >= offsets[(r.topic, r.partition)]]
             if len(fresh) < len(records):
                 metrics.FENCED.inc(len(records) - len(fresh))
             if not fresh:
-                return 0
+                return 0, []
             items = [parse(r, self.settings.topic_commands) for r in fresh]
             parsed = [i for i in items if isinstance(i, Parsed)]
             keys = {p.message.key for p in parsed}
-            command_ids = {
-                (p.message.key, p.cause.command_id) for p in parsed if p.cause.command_id
-            }
+            idents = {(p.message.key, p.cause.command_id) for p in parsed if p.cause.command_id}
             states: dict[str, Sandbox | None] = dict(await load_sandboxes(conn, keys))
-            outcomes = await load_outcomes(conn, command_ids)
+            outcomes = await load_outcomes(conn, idents)
             result = fold(states, outcomes, ((p.cause, p.message) for p in parsed))
-            plan = plan_batch(partition, items, result, self.settings)
-            await write_batch(conn, plan)
+            plan = plan_batch(items, result, self.settings)
+            ids = await write_batch(conn, plan)
         for h in plan.history:
             metrics.INPUTS.labels(h.disposition).inc()
         metrics.BATCH_SECONDS.observe(asyncio.get_running_loop().time() - started)
-        return len(fresh)
+        return len(fresh), list(zip(ids, plan.outbox, strict=True))
+
+    async def _publish(self, records: Sequence[tuple[int, OutboxRecord]]) -> None:
+        """Hand outbox records to the producer in commit order; acks are awaited off the path.
+
+        The producer keeps per-partition order, so the next batch may be applied while these
+        are in flight; the cursors move only once every record up to them is acknowledged.
+        """
+        if not records:
+            return
+        assert self.producer is not None
+        futures = [
+            await self.producer.send(rec.topic, value=rec.value, key=rec.key) for _, rec in records
+        ]
+        up_to: dict[int, int] = {}
+        for outbox_id, rec in records:
+            up_to[rec.partition] = max(up_to.get(rec.partition, 0), outbox_id)
+        task = asyncio.create_task(self._confirm(futures, up_to))
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
+
+    async def _confirm(self, futures: list[asyncio.Future[Any]], up_to: dict[int, int]) -> None:
+        try:
+            await asyncio.gather(*futures)
+            async with self.pool.acquire() as conn:
+                await mark_published(conn, up_to)
+            metrics.PUBLISHED.inc(len(futures))
+        except Exception as exc:  # surfaced by the next batch: the processor must restart
+            self._publish_failure = exc
+
+    def _raise_publish_failure(self) -> None:
+        if self._publish_failure is not None:
+            raise RuntimeError("publishing the outbox failed") from self._publish_failure
+
+    async def drain(self) -> None:
+        """Wait until every handed-over outbox record is acknowledged and its cursor moved."""
+        while self._in_flight:
+            await asyncio.gather(*list(self._in_flight))
+        self._raise_publish_failure()
 
     async def publish_pending(self, partition: int) -> int:
-        """Send the partition's unpublished outbox records in order, then move the cursor."""
-        assert self.producer is not None
+        """Publish what a previous owner of the partition committed but did not send."""
         async with self.pool.acquire() as conn:
             pending = await unpublished_outbox(conn, partition)
-            if not pending:
-                return 0
-            futures = [
-                await self.producer.send(rec.topic, value=rec.value, key=rec.key)
-                for _, rec in pending
-            ]
-            await asyncio.gather(*futures)
-            await mark_published(conn, partition, pending[-1][0])
-        metrics.PUBLISHED.inc(len(pending))
+        await self._publish(pending)
+        await self.drain()
         return len(pending)
 
     async def on_assigned(self, assigned: set[TopicPartition]) -> None:
         """Resume each assigned partition from the offsets stored with the rows."""
         assert self.consumer is not None
-        async with self.pool.acquire() as conn:
-            stored = await stored_offsets(conn, self.input_topics)
-        for tp in assigned:
-            self.consumer.seek(tp, stored.get((tp.topic, tp.partition), 0))
-        for p in sorted({tp.partition for tp in assigned}):
-            async with self._locks[p]:
+        async with self._lock:
+            await self.drain()  # our own in-flight records are not "left behind"
+            async with self.pool.acquire() as conn:
+                stored = await stored_offsets(conn, self.input_topics)
+            for tp in assigned:
+                self.consumer.seek(tp, stored.get((tp.topic, tp.partition), 0))
+            for p in sorted({tp.partition for tp in assigned}):
                 await self.publish_pending(p)
         log.info("%s assigned partitions %s", self.name, sorted({tp.partition for tp in assigned}))
 
@@ -308,6 +363,10 @@ class Processor:
         # PostgreSQL holds the authoritative offsets; this commit only lets Kafka tooling
         # show the group's lag.
         assert self.consumer is not None
+        now = asyncio.get_running_loop().time()
+        if now - self._last_lag_commit < 1.0:
+            return
+        self._last_lag_commit = now
         offsets = {tp: records[-1].offset + 1 for tp, records in batch.items() if records}
         try:
             await self.consumer.commit(offsets)
@@ -335,7 +394,7 @@ async def connect_pool(settings: Settings, **kwargs: Any) -> asyncpg.Pool[asyncp
 
 async def serve(settings: Settings, stop: asyncio.Event, name: str = "processor") -> None:
     pool = await connect_pool(settings)
-    processor = Processor(settings, pool, name=name)
+    processor = Processor(settings, pool, name=name, max_records=settings.processor_max_records)
     try:
         await processor.start()
         await processor.run(stop)

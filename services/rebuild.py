@@ -63,7 +63,7 @@ async def rebuild_and_compare(settings: Settings, keep_schema: bool = False) -> 
     try:
         async with conn.transaction():
             for partition_rows in _chunks(list(rebuilt.values()), 1000):
-                write = BatchWrite(-1, partition_rows, [], [], [], {})
+                write = BatchWrite([(-1, r) for r in partition_rows], [], [], [], {})
                 await write_batch(conn, write)
         fresh = await conn.fetch(f"SELECT {SANDBOX_COLUMNS} FROM {schema}.sandboxes")
         live_rows = await conn.fetch(

@@ -38,6 +38,7 @@ class Settings(BaseSettings):
     # How long a consumer that died without leaving (SIGKILL) keeps its partitions.
     kafka_session_timeout_ms: int = Field(default=10_000, ge=1000)
     processor_group: str = "sandstream-processor"
+    processor_max_records: int = Field(default=5000, ge=1)  # per poll, across partitions
     executor_group: str = "sandstream-executor"
 
     # PostgreSQL
@@ -47,6 +48,8 @@ class Settings(BaseSettings):
     pg_password: str = "sandstream"
     pg_database: str = "sandstream"
     pg_schema: str = "public"  # tests and the rebuild tool use schemas of their own
+    # TLS costs a third of the processor's time on loopback; turn it on for remote servers.
+    pg_sslmode: str = "disable"
     pg_cluster_version: str = "15"
     pg_cluster_name: str = "main"
 
@@ -55,15 +58,26 @@ class Settings(BaseSettings):
     sandbox_image: str = "localhost/sandstream-base:1"
     stop_timeout_seconds: int = Field(default=10, ge=0)
 
+    # Executor and reconciler (services/executor.py, services/watcher.py)
+    executor_concurrency: int = Field(default=64, ge=1)  # driver calls in flight at once
+    executor_retry_seconds: float = Field(default=600, ge=0)  # retry transient failures this long
+    reconcile_interval_seconds: float = Field(default=30, gt=0)
+
     # API
     api_host: str = "127.0.0.1"
     api_port: int = 8787
+    # Where clients (the CLI) reach the API; default http://{api_host}:{api_port}.
+    api_url: str | None = None
+    # Tokens file, admin token and pid file of `sandstream up` (default: state_dir).
+    run_dir: Path | None = None
+    # /readyz fails while the processor is more input records than this behind Kafka.
+    readiness_max_lag: int = Field(default=1000, ge=0)
 
     @property
     def pg_dsn(self) -> str:
         return (
             f"postgresql://{self.pg_user}:{self.pg_password}"
-            f"@{self.pg_host}:{self.pg_port}/{self.pg_database}"
+            f"@{self.pg_host}:{self.pg_port}/{self.pg_database}?sslmode={self.pg_sslmode}"
         )
 
     @cached_property
@@ -73,6 +87,31 @@ class Settings(BaseSettings):
     @property
     def podman_url(self) -> str:
         return f"unix://{self.podman_socket_path}"
+
+    @property
+    def api_base_url(self) -> str:
+        if self.api_url:
+            return self.api_url.rstrip("/")
+        host = "127.0.0.1" if self.api_host in ("0.0.0.0", "::", "") else self.api_host
+        return f"http://{host}:{self.api_port}"
+
+    @property
+    def run_path(self) -> Path:
+        return self.run_dir or self.state_dir
+
+    @property
+    def tokens_file(self) -> Path:
+        """Hashed API tokens (names, scopes, sha256), mode 0600."""
+        return self.run_path / "tokens.json"
+
+    @property
+    def admin_token_file(self) -> Path:
+        """The plaintext admin token, written once by `sandstream up`, mode 0600."""
+        return self.run_path / "admin.token"
+
+    @property
+    def up_pid_file(self) -> Path:
+        return self.run_path / "up.pid"
 
     @property
     def containers_conf(self) -> Path:
@@ -86,6 +125,15 @@ class Settings(BaseSettings):
             self.topic_events,
             self.topic_deadletter,
         )
+
+
+    def as_env(self) -> dict[str, str]:
+        """These settings as SANDSTREAM_* variables, for a child process to load the same."""
+        return {
+            f"SANDSTREAM_{name.upper()}": str(value)
+            for name, value in self.model_dump().items()
+            if value is not None
+        }
 
 
 def load_settings() -> Settings:

@@ -59,19 +59,7 @@ class Env:
 
     def env_vars(self) -> dict[str, str]:
         """Environment for a subprocess that should use this environment's settings."""
-        s = self.settings
-        return {
-            **os.environ,
-            "SANDSTREAM_TOPIC_COMMANDS": s.topic_commands,
-            "SANDSTREAM_TOPIC_OBSERVATIONS": s.topic_observations,
-            "SANDSTREAM_TOPIC_EVENTS": s.topic_events,
-            "SANDSTREAM_TOPIC_DEADLETTER": s.topic_deadletter,
-            "SANDSTREAM_PG_SCHEMA": s.pg_schema,
-            "SANDSTREAM_PROCESSOR_GROUP": s.processor_group,
-            "SANDSTREAM_EXECUTOR_GROUP": s.executor_group,
-            "SANDSTREAM_KAFKA_PARTITIONS": str(s.kafka_partitions),
-            "SANDSTREAM_KAFKA_SESSION_TIMEOUT_MS": str(s.kafka_session_timeout_ms),
-        }
+        return {**os.environ, **self.settings.as_env()}
 
     async def start_processor(self, name: str = "p1", **kwargs: Any) -> Processor:
         processor = Processor(self.settings, self.pool, name=name, **kwargs)
@@ -90,11 +78,11 @@ class Env:
                 await processor.stop()
                 self.processors.remove(entry)
 
-    def spawn_processor(self) -> subprocess.Popen[bytes]:
+    def spawn_processor(self, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             [sys.executable, "-m", "services.processor"],
             cwd=PROJECT_ROOT,
-            env=self.env_vars(),
+            env=env or self.env_vars(),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )

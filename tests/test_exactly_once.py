@@ -43,15 +43,34 @@ async def assert_applied_exactly_once(env: Env, inputs: list[workload.Command]) 
 
 
 async def run_with_kills(env: Env, inputs: list[workload.Command], kills: int, seed: int) -> None:
+    """Publish while processors are SIGKILLed at random points, then let one finish."""
     rng = random.Random(seed)
-    await publish(env, inputs)
-    for _ in range(kills):
-        proc = env.spawn_processor()
-        # Kill at a random point: before it joined, mid-batch, or between batches.
-        await asyncio.sleep(rng.uniform(0.5, 4.0))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    proc = env.spawn_processor()
+    size = -(-len(inputs) // (kills + 1))
+    chunks = [inputs[i : i + size] for i in range(0, len(inputs), size)]  # log order = input order
+    # Small polls make every run span many batches, so kills land between and inside them.
+    env_vars = {**env.env_vars(), "SANDSTREAM_PROCESSOR_MAX_RECORDS": "50"}
+    progress_at_kill = []
+    for chunk in chunks[:-1]:
+        await publish(env, chunk)
+        proc = env.spawn_processor(env_vars)
+        try:
+            # Kill once it has applied something, after a random extra delay.
+            before = await env.fetchval("SELECT count(*) FROM history")
+            await eventually(
+                lambda b=before: env.fetchval("SELECT count(*) FROM history"),
+                lambda n, b=before: n > b,
+                timeout=60,
+                what="the processor to apply something",
+            )
+            await asyncio.sleep(rng.uniform(0.0, 0.5))  # the random kill point, not a wait
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        progress_at_kill.append(await env.fetchval("SELECT count(*) FROM history"))
+    await publish(env, chunks[-1])
+    # Some kills must have hit mid-run for the test to mean anything.
+    assert any(0 < n < len(inputs) for n in progress_at_kill), progress_at_kill
+    proc = env.spawn_processor(env_vars)
     try:
         await env.wait_applied(len(inputs), timeout=240)
         await wait_outbox_drained(env)  # including what a killed processor left unpublished
@@ -124,8 +143,7 @@ async def test_a_zombie_writer_is_fenced_and_writes_nothing() -> None:
             assert await owner.process_partition(0, records[30:]) == 20
         finally:
             for p in (owner, zombie):
-                assert p.producer is not None
-                await p.producer.stop()
+                await p.stop()
         assert await env.fetchval("SELECT count(*) FROM history") == 60
         assert (
             await env.fetchval(

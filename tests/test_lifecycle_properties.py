@@ -380,10 +380,8 @@ TestLifecycleMachine.settings = MODERATE
 
 
 @pytest.mark.soak
-def test_lifecycle_machine_soak(request: pytest.FixtureRequest) -> None:
-    """Many more and longer runs: ``pytest -m soak`` (skipped unless soak tests are selected)."""
-    if "soak" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("soak test: select it with -m soak")
+def test_lifecycle_machine_soak() -> None:
+    """Many more and longer runs: ``make soak`` (soak tests are deselected by default)."""
     run_state_machine_as_test(
         LifecycleMachine,
         settings=settings(

@@ -1,0 +1,259 @@
+"""Benchmarks (``make bench``): figures printed, never asserted.
+
+- processor throughput: one processor drains a pre-filled log of commands and observations;
+- command-to-row latency: commands paced at a fixed rate, each timed from send until its
+  outcome row is committed (seen through the processor's per-batch NOTIFY);
+- the driver figures of ``services.bench_drivers`` (stop latency, unrelated-sandbox delay).
+
+Each run uses its own topics and PostgreSQL schema and removes them afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from events.codec import encode
+from events.commands import CreateSandbox, StopSandbox
+from events.common import SandboxSpec
+from events.observations import RuntimeSnapshot
+from events.topics import CHANGES_CHANNEL
+from services.migrations import apply_migrations
+from services.processor import Processor, connect_pool
+from services.settings import Settings
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+SPEC = SandboxSpec(image="localhost/sandstream-base:1", command=["sleep", "3600"])
+
+
+@asynccontextmanager
+async def scratch(
+    settings: Settings,
+) -> AsyncIterator[tuple[Settings, asyncpg.Pool[asyncpg.Record]]]:
+    """Fresh topics and a fresh schema, removed afterwards."""
+    suffix = uuid.uuid4().hex[:8]
+    s = settings.model_copy(
+        update={
+            "topic_commands": f"bench{suffix}.commands",
+            "topic_observations": f"bench{suffix}.observations",
+            "topic_events": f"bench{suffix}.events",
+            "topic_deadletter": f"bench{suffix}.deadletter",
+            "pg_schema": f"bench_{suffix}",
+            "processor_group": f"bench-{suffix}",
+        }
+    )
+    admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics(
+            [NewTopic(t, s.kafka_partitions, replication_factor=1) for t in s.topics]
+        )
+    finally:
+        await admin.close()
+    await apply_migrations(s.pg_dsn, schema=s.pg_schema)
+    pool = await connect_pool(s)
+    try:
+        yield s, pool
+    finally:
+        await pool.execute(f"DROP SCHEMA {s.pg_schema} CASCADE")
+        await pool.close()
+        admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap)
+        await admin.start()
+        try:
+            await admin.delete_topics(list(s.topics))
+        finally:
+            await admin.close()
+
+
+def lifecycle_messages(keys: int) -> tuple[list[tuple[str, bytes, bytes]], int]:
+    """Per key: create, running, stop, exited — 4 messages, every one a state change."""
+    out: list[tuple[str, bytes, bytes]] = []
+    for phase in range(4):
+        for k in range(keys):
+            key = f"bench-{k}"
+            at = T0 + timedelta(milliseconds=phase)
+            common = {"key": key, "occurred_at": at, "actor": "bench"}
+            message: CreateSandbox | StopSandbox | RuntimeSnapshot
+            topic = "commands"
+            if phase == 0:
+                message = CreateSandbox(
+                    type="CreateSandbox", command_id=f"c-{k}", spec=SPEC, **common
+                )
+            elif phase == 2:
+                message = StopSandbox(type="StopSandbox", command_id=f"s-{k}", **common)
+            else:
+                topic = "observations"
+                message = RuntimeSnapshot(
+                    type="RuntimeSnapshot",
+                    observation_id=f"o{phase}-{k}",
+                    generation=1,
+                    state="running" if phase == 1 else "exited",
+                    exit_code=None if phase == 1 else 143,
+                    **common,
+                )
+            out.append((topic, key.encode(), encode(message)))
+    return out, len(out)
+
+
+async def produce_all(settings: Settings, records: Sequence[tuple[str, bytes, bytes]]) -> None:
+    producer = AIOKafkaProducer(
+        bootstrap_servers=settings.kafka_bootstrap,
+        enable_idempotence=True,
+        acks="all",
+        linger_ms=20,
+        max_batch_size=512 * 1024,
+    )
+    await producer.start()
+    topics = {"commands": settings.topic_commands, "observations": settings.topic_observations}
+    try:
+        for start in range(0, len(records), 20_000):
+            futures = [
+                await producer.send(topics[t], value=v, key=k)
+                for t, k, v in records[start : start + 20_000]
+            ]
+            await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+
+
+async def throughput(settings: Settings, keys: int, max_records: int) -> None:
+    async with scratch(settings) as (s, pool):
+        records, total = lifecycle_messages(keys)
+        await produce_all(s, records)
+        processor = Processor(s, pool, max_records=max_records, name="bench")
+        await processor.start()
+        stop = asyncio.Event()
+        started = time.perf_counter()
+        task = asyncio.create_task(processor.run(stop))
+        while await pool.fetchval("SELECT count(*) FROM history") < total:
+            await asyncio.sleep(0.05)
+        elapsed = time.perf_counter() - started
+        stop.set()
+        await task
+        await processor.stop()
+        print(
+            f"throughput  {total:>7} msgs  max_records={max_records:<6} "
+            f"{elapsed:6.2f} s  {total / elapsed:>9,.0f} msgs/s  (includes group join)"
+        )
+
+
+async def latency(settings: Settings, rate: int, seconds: float) -> None:
+    """Commands paced at ``rate``/s against a processor running in its own process."""
+    async with scratch(settings) as (s, pool):
+        profile = ["-m", "cProfile", "-o", os.environ["BENCH_PROFILE"]] if os.environ.get("BENCH_PROFILE") else []
+        processor = subprocess.Popen(
+            [sys.executable, *profile, "-m", "services.processor"],
+            env={**os.environ, **s.as_env()},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            await _paced_commands(s, pool, rate, seconds)
+        finally:
+            processor.terminate()
+            processor.wait(30)
+
+
+async def _paced_commands(
+    s: Settings, pool: asyncpg.Pool[asyncpg.Record], rate: int, seconds: float
+) -> None:
+    sent: dict[str, float] = {}
+    done: dict[str, float] = {}
+    woken = asyncio.Event()
+    listener = await asyncpg.connect(s.pg_dsn, server_settings={"search_path": s.pg_schema})
+    await listener.add_listener(CHANGES_CHANNEL, lambda *_: woken.set())
+    finished = asyncio.Event()
+
+    async def collect() -> None:
+        while not finished.is_set():
+            await woken.wait()
+            woken.clear()
+            seen_at = time.perf_counter()
+            pending = [c for c in sent if c not in done]
+            rows = await pool.fetch(
+                "SELECT command_id FROM command_outcomes WHERE command_id = ANY($1)", pending
+            )
+            for r in rows:
+                done.setdefault(r["command_id"], seen_at)
+
+    producer = AIOKafkaProducer(
+        bootstrap_servers=s.kafka_bootstrap, enable_idempotence=True, acks="all", linger_ms=0
+    )
+    await producer.start()
+    collector = asyncio.create_task(collect())
+    # Warm up: wait until the processor has joined and applied a first command.
+    warm = CreateSandbox(type="CreateSandbox", command_id="warm", key="warm", spec=SPEC,
+                         occurred_at=T0, actor="bench")  # fmt: skip
+    await producer.send_and_wait(s.topic_commands, value=encode(warm), key=b"warm")
+    sent["warm"] = time.perf_counter()
+    while "warm" not in done:
+        await asyncio.sleep(0.05)
+    count = int(rate * seconds)
+    commands = [
+        CreateSandbox(type="CreateSandbox", command_id=f"lat-{i}", key=f"lat-{i}", spec=SPEC,
+                      occurred_at=T0, actor="bench")
+        for i in range(count)
+    ]  # fmt: skip
+    payloads = [encode(c) for c in commands]
+    begin = time.perf_counter()
+    for i, command in enumerate(commands):
+        delay = begin + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        sent[command.command_id] = time.perf_counter()
+        await producer.send(s.topic_commands, value=payloads[i], key=command.key.encode())
+    await producer.flush()
+    achieved = count / (time.perf_counter() - begin)
+    deadline = time.perf_counter() + 30
+    while len(done) < len(sent) and time.perf_counter() < deadline:
+        await asyncio.sleep(0.05)
+    finished.set()
+    woken.set()
+    await collector
+    await producer.stop()
+    await listener.close()
+    ms = sorted((done[c] - sent[c]) * 1000 for c in done if c != "warm")
+    q = statistics.quantiles(ms, n=100)
+    print(
+        f"latency     {len(ms)}/{count} commands at {rate}/s (sent {achieved:,.0f}/s)  "
+        f"p50 {q[49]:.1f} ms  p95 {q[94]:.1f} ms  p99 {q[98]:.1f} ms  max {ms[-1]:.1f} ms"
+    )
+
+
+async def run(which: str, quick: bool) -> None:
+    settings = Settings()
+    print(f"sandstream benchmarks  (partitions={settings.kafka_partitions}, one processor)")
+    if which in ("all", "processor"):
+        keys = 5_000 if quick else 25_000
+        for max_records in (1000, 5000):
+            await throughput(settings, keys, max_records)
+        await latency(settings, rate=1000, seconds=5 if quick else 15)
+    if which in ("all", "drivers"):
+        from services import bench_drivers
+
+        await bench_drivers.main(settings)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("which", nargs="?", default="all", choices=["all", "processor", "drivers"])
+    parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke check")
+    args = parser.parse_args()
+    asyncio.run(run(args.which, args.quick))
+
+
+if __name__ == "__main__":
+    main()
