@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from events.commands import CommandBase
 from events.common import Cause
 from events.outcomes import CommandOutcome
 from projections.lifecycle import Decision, Message, Sandbox, decide
@@ -44,7 +45,7 @@ def fold(
     result = BatchResult(states=dict(states))
     for cause, message in inputs:
         state = result.states.get(message.key)
-        command_id = getattr(message, "command_id", None)
+        command_id = message.command_id if isinstance(message, CommandBase) else None
         first = None
         if command_id is not None:
             ident = (message.key, command_id)

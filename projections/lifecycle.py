@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from datetime import datetime
 from enum import Enum
-from typing import Final, Literal, assert_never
+from typing import Any, Final, Literal, assert_never
 from uuid import UUID, uuid5
 
 from events.commands import (
@@ -258,34 +258,41 @@ def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
         )
     if state is None:
         raise ValueError(f"{event.type} for {event.key!r} before SandboxCreated")
-    base = replace(state, version=event.version, generation=event.generation,
-                   updated_at=event.occurred_at)  # fmt: skip
+    return replace(
+        state,
+        version=event.version,
+        generation=event.generation,
+        updated_at=event.occurred_at,
+        **_changes(state, event),
+    )
+
+
+def _changes(state: Sandbox, event: DecidedEvent) -> dict[str, Any]:
+    """The fields an event sets besides version, generation and updated_at."""
     match event:
         case SandboxStarting():
-            return replace(base, phase=P.STARTING, spec=event.spec, identity=event.identity,
-                           exit_code=None, reason=None)  # fmt: skip
+            return {"phase": P.STARTING, "spec": event.spec, "identity": event.identity,
+                    "exit_code": None, "reason": None}  # fmt: skip
         case SandboxReady():
-            return replace(base, phase=P.READY, exit_code=None, reason=None)
+            return {"phase": P.READY, "exit_code": None, "reason": None}
         case SandboxStopping():
-            return replace(base, phase=P.STOPPING)
+            return {"phase": P.STOPPING}
         case SandboxStopped():
-            return replace(base, phase=P.STOPPED, reason=None)
+            return {"phase": P.STOPPED, "reason": None}
         case SandboxCompleted():
-            return replace(base, phase=P.COMPLETED, exit_code=event.exit_code, reason=None)
+            return {"phase": P.COMPLETED, "exit_code": event.exit_code, "reason": None}
         case SandboxFailed():
-            return replace(base, phase=P.ERROR, exit_code=event.exit_code, reason=event.reason)
+            return {"phase": P.ERROR, "exit_code": event.exit_code, "reason": event.reason}
         case SandboxOperationFailed():
-            return replace(base, phase=event.phase, exit_code=event.exit_code,
-                           reason=event.reason)  # fmt: skip
+            return {"phase": event.phase, "exit_code": event.exit_code, "reason": event.reason}
         case SandboxDeleting():
-            return replace(base, phase=P.DELETING)
+            return {"phase": P.DELETING}
         case SandboxDeleted():
-            return replace(base, phase=P.DELETED)
+            return {"phase": P.DELETED}
         case ProviderAttached():
-            return replace(base, providers=tuple(sorted({*state.providers, event.provider})))
+            return {"providers": tuple(sorted({*state.providers, event.provider}))}
         case ProviderDetached():
-            return replace(base, providers=tuple(p for p in state.providers
-                                                 if p != event.provider))  # fmt: skip
+            return {"providers": tuple(p for p in state.providers if p != event.provider)}
     raise ValueError(f"unexpected event {event.type}")
 
 

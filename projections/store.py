@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -141,16 +140,17 @@ def _columns(rows: Sequence[tuple[Any, ...]], width: int) -> list[list[Any]]:
 
 
 # The whole batch is one statement (one round trip whatever its size): data-modifying CTEs, one
-# per table, each inserting from unnest() of column arrays. Multi-valued columns travel as jsonb
-# because unnest() cannot take ragged 2-D arrays. Offsets only move forward, and the NOTIFY
+# per table, each inserting from unnest() of column arrays. Multi-valued columns (provider names,
+# event types: neither can contain a comma) travel comma-joined, because unnest() cannot take
+# ragged 2-D arrays. Offsets only move forward, and the NOTIFY
 # (delivered at commit) wakes outcome waiters and watchers.
 _WRITE_BATCH = f"""
 WITH upserted AS (
     INSERT INTO sandboxes ({SANDBOX_COLUMNS}, partition, change_seq)
-    SELECT k, i, ph, g, v, sp, ARRAY(SELECT jsonb_array_elements_text(pr)), id, ec, r, ca, ua,
-           pa, nextval('sandbox_changes')
+    SELECT k, i, ph, g, v, sp, string_to_array(pr, ','), id, ec, r, ca, ua, pa,
+           nextval('sandbox_changes')
     FROM unnest($1::text[], $2::uuid[], $3::text[], $4::int[], $5::bigint[], $6::jsonb[],
-                $7::jsonb[], $8::text[], $9::int[], $10::text[], $11::timestamptz[],
+                $7::text[], $8::text[], $9::int[], $10::text[], $11::timestamptz[],
                 $12::timestamptz[], $13::int[])
          AS u(k, i, ph, g, v, sp, pr, id, ec, r, ca, ua, pa)
     ON CONFLICT (key) DO UPDATE SET sandbox_id = EXCLUDED.sandbox_id, phase = EXCLUDED.phase,
@@ -164,10 +164,10 @@ WITH upserted AS (
     INSERT INTO history (key, topic, partition, "offset", message_type, command_id,
                          disposition, reason, phase, generation, version, event_types, message,
                          occurred_at)
-    SELECT k, t, p, o, mt, c, d, r, ph, g, v, ARRAY(SELECT jsonb_array_elements_text(e)), m, oa
+    SELECT k, t, p, o, mt, c, d, r, ph, g, v, string_to_array(e, ','), m, oa
     FROM unnest($14::text[], $15::text[], $16::int[], $17::bigint[], $18::text[], $19::text[],
-                $20::text[], $21::text[], $22::text[], $23::int[], $24::bigint[], $25::jsonb[],
-                $26::jsonb[], $27::timestamptz[])
+                $20::text[], $21::text[], $22::text[], $23::int[], $24::bigint[], $25::text[],
+                $26::json[], $27::timestamptz[])
          AS u(k, t, p, o, mt, c, d, r, ph, g, v, e, m, oa)
     RETURNING 1
 ), decided AS (
@@ -198,13 +198,13 @@ async def write_batch(conn: Connection, batch: BatchWrite) -> list[int]:
     transaction. Returns the outbox ids, in order."""
     sandboxes = [
         (s.key, s.sandbox_id, s.phase.value, s.generation, s.version, s.spec.model_dump_json(),
-         to_json(list(s.providers)), s.identity, s.exit_code, s.reason, s.created_at,
+         ",".join(s.providers), s.identity, s.exit_code, s.reason, s.created_at,
          s.updated_at, partition)
         for partition, s in batch.sandboxes
     ]  # fmt: skip
     history = [
         (h.key, h.topic, h.partition, h.offset, h.message_type, h.command_id, h.disposition,
-         h.reason, h.phase, h.generation, h.version, to_json(h.event_types), h.message,
+         h.reason, h.phase, h.generation, h.version, ",".join(h.event_types), h.message,
          h.occurred_at)
         for h in batch.history
     ]  # fmt: skip
@@ -248,7 +248,3 @@ async def mark_published(conn: Connection, up_to: Mapping[int, int]) -> None:
         [p for p, _ in items],
         [i for _, i in items],
     )
-
-
-def to_json(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), sort_keys=True)

@@ -16,7 +16,7 @@ import contextlib
 import heapq
 import logging
 import signal
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -29,6 +29,7 @@ from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import KafkaError
 
 from events.codec import COMMANDS, OBSERVATIONS, DecodeError, check_key, decode, encode, printable
+from events.commands import CommandBase
 from events.common import Cause
 from events.deadletter import DeadLetter, SourceRecord
 from projections.fold import BatchResult, fold
@@ -80,7 +81,7 @@ def parse(record: ConsumerRecord[bytes, bytes], commands_topic: str) -> Parsed |
         partition=record.partition,
         offset=record.offset,
         message_type=message.type,
-        command_id=getattr(message, "command_id", None),
+        command_id=message.command_id if isinstance(message, CommandBase) else None,
     )
     return Parsed(record, cause, message)
 
@@ -293,8 +294,8 @@ class Processor:
             result = fold(states, outcomes, ((p.cause, p.message) for p in parsed))
             plan = plan_batch(items, result, self.settings)
             ids = await write_batch(conn, plan)
-        for h in plan.history:
-            metrics.INPUTS.labels(h.disposition).inc()
+        for disposition, count in Counter(h.disposition for h in plan.history).items():
+            metrics.INPUTS.labels(disposition).inc(count)
         metrics.BATCH_SECONDS.observe(asyncio.get_running_loop().time() - started)
         return len(fresh), list(zip(ids, plan.outbox, strict=True))
 
