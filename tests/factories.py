@@ -14,7 +14,7 @@ import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from events.commands import (
     AttachProvider,
@@ -149,82 +149,53 @@ def _base(key: str, command_id: str | None, actor: str, occurred_at: datetime) -
             "occurred_at": occurred_at}  # fmt: skip
 
 
-def start(
-    key: str = KEY,
-    *,
-    command_id: str | None = None,
-    expected_version: int | None = None,
-    actor: str = USER,
-    occurred_at: datetime = T0,
-) -> StartSandbox:
-    base = _base(key, command_id, actor, occurred_at)
-    return StartSandbox(type="StartSandbox", expected_version=expected_version, **base)
+M = TypeVar("M", StartSandbox, StopSandbox, RestartSandbox, DeleteSandbox)
+P = TypeVar("P", AttachProvider, DetachProvider)
 
 
-def stop(
-    key: str = KEY,
-    *,
-    command_id: str | None = None,
-    expected_version: int | None = None,
-    actor: str = USER,
-    occurred_at: datetime = T0,
-) -> StopSandbox:
-    base = _base(key, command_id, actor, occurred_at)
-    return StopSandbox(type="StopSandbox", expected_version=expected_version, **base)
+def _lifecycle(model: type[M]) -> Callable[..., M]:
+    """A builder ``f(key, *, command_id, expected_version, actor, occurred_at)`` for ``model``."""
+
+    def build(
+        key: str = KEY,
+        *,
+        command_id: str | None = None,
+        expected_version: int | None = None,
+        actor: str = USER,
+        occurred_at: datetime = T0,
+    ) -> M:
+        base = _base(key, command_id, actor, occurred_at)
+        return model(type=model.__name__, expected_version=expected_version, **base)
+
+    return build
 
 
-def restart(
-    key: str = KEY,
-    *,
-    command_id: str | None = None,
-    expected_version: int | None = None,
-    actor: str = USER,
-    occurred_at: datetime = T0,
-) -> RestartSandbox:
-    base = _base(key, command_id, actor, occurred_at)
-    return RestartSandbox(type="RestartSandbox", expected_version=expected_version, **base)
+def _provider(model: type[P]) -> Callable[..., P]:
+    """A builder ``f(key, provider, *, command_id, ...)`` for attach or detach."""
+
+    def build(
+        key: str = KEY,
+        provider: str = "github",
+        *,
+        command_id: str | None = None,
+        expected_version: int | None = None,
+        actor: str = USER,
+        occurred_at: datetime = T0,
+    ) -> P:
+        base = _base(key, command_id, actor, occurred_at)
+        return model(
+            type=model.__name__, provider=provider, expected_version=expected_version, **base
+        )
+
+    return build
 
 
-def delete(
-    key: str = KEY,
-    *,
-    command_id: str | None = None,
-    expected_version: int | None = None,
-    actor: str = USER,
-    occurred_at: datetime = T0,
-) -> DeleteSandbox:
-    base = _base(key, command_id, actor, occurred_at)
-    return DeleteSandbox(type="DeleteSandbox", expected_version=expected_version, **base)
-
-
-def attach(
-    key: str = KEY,
-    provider: str = "github",
-    *,
-    command_id: str | None = None,
-    expected_version: int | None = None,
-    actor: str = USER,
-    occurred_at: datetime = T0,
-) -> AttachProvider:
-    base = _base(key, command_id, actor, occurred_at)
-    return AttachProvider(
-        type="AttachProvider", provider=provider, expected_version=expected_version, **base
-    )
-
-
-def detach(
-    key: str = KEY,
-    provider: str = "github",
-    *,
-    command_id: str | None = None,
-    expected_version: int | None = None,
-    actor: str = USER,
-    occurred_at: datetime = T0,
-) -> DetachProvider:
-    base = _base(key, command_id, actor, occurred_at)
-    return DetachProvider(
-        type="DetachProvider", provider=provider, expected_version=expected_version, **base
-    )
+start = _lifecycle(StartSandbox)
+stop = _lifecycle(StopSandbox)
+restart = _lifecycle(RestartSandbox)
+delete = _lifecycle(DeleteSandbox)
+attach = _provider(AttachProvider)
+detach = _provider(DetachProvider)
 
 
 # Builders of the versioned commands by type name (table-driven tests): ``f(key, **kw)``.
