@@ -12,7 +12,8 @@ listing) and adds hooks a test drives explicitly:
 - ``runtime_exited(key, generation, exit_code)`` lets a runtime finish on its own;
 - ``reconnect_watchers()`` makes every watch stream list everything again, like a watcher that
   lost its event stream;
-- ``calls`` records every call in order.
+- ``calls`` records every call in order, with the grace period a stop or delete used (the
+  caller's timeout, else the sandbox's ``stop_timeout_seconds``, else the fake's default).
 
 Nothing here reads the wall clock or randomness unless a ``clock`` is given: runtime ids,
 observation ids and timestamps follow from the order of calls.
@@ -52,8 +53,12 @@ class Call:
     key: str | None
     generation: int | None = None
     spec: LaunchSpec | None = None
-    timeout: float | None = None
+    timeout: float | None = None  # as passed by the caller
     sandbox_id: UUID | None = None
+    # The grace period a stop or delete used: the caller's timeout, else the sandbox's own
+    # stop_timeout_seconds, else the driver's default (for a delete: the longest of its
+    # runtimes'); None when there was nothing to stop.
+    grace: float | None = None
 
 
 class BlockHandle:
@@ -101,6 +106,7 @@ class _Runtime:
     runtime_id: str
     state: RuntimeState
     exit_code: int | None = None
+    stop_timeout: int | None = None  # the spec's stop_timeout_seconds
     changed_seq: int = 0  # the sequence number of the last state change
     changed_at: datetime = FAKE_EPOCH
 
@@ -137,8 +143,10 @@ class FakeDriver:
         auto_observe: bool = True,
         stop_exit_code: int = SIGTERM_EXIT_CODE,
         clock: Callable[[], datetime] | None = None,
+        stop_timeout: float = 10.0,
     ) -> None:
         self.actor = actor
+        self.stop_timeout = stop_timeout  # the default grace period, like PodmanDriver's
         self.auto_observe = auto_observe
         self.stop_exit_code = stop_exit_code
         self.clock = clock
@@ -208,6 +216,13 @@ class FakeDriver:
             c for c in self.calls if (op is None or c.op == op) and (key is None or c.key == key)
         ]
 
+    def stop_timeout_of(self, key: str, generation: int) -> int | None:
+        """The stop_timeout_seconds the runtime was launched with (None: the default)."""
+        runtime = self._runtimes.get(key, {}).get(generation)
+        if runtime is None:
+            raise KeyError(f"no runtime {key} generation {generation}")
+        return runtime.stop_timeout
+
     def has_workspace(self, key: str, sandbox_id: UUID | None = None) -> bool:
         return any(k == key and sandbox_id in (None, s) for k, s in self._workspaces)
 
@@ -250,6 +265,7 @@ class FakeDriver:
             identity=spec.identity,
             runtime_id=f"fake-{spec.key}-g{spec.generation}-{self._next_seq()}",
             state="created",
+            stop_timeout=spec.spec.stop_timeout_seconds,
         )
         runtimes[spec.generation] = runtime
         self._set_state(runtime, "created", None)
@@ -257,7 +273,9 @@ class FakeDriver:
         return LaunchResult(runtime.runtime_id, spec.generation, spec.identity, True)
 
     async def stop(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
-        await self._enter(Call("stop", key, generation, timeout=timeout))
+        runtime = self._runtimes.get(key, {}).get(generation)
+        grace = self._grace(runtime, timeout) if runtime is not None else None
+        await self._enter(Call("stop", key, generation, timeout=timeout, grace=grace))
         self._maybe_fail("stop", key, generation)
         runtime = self._runtimes.get(key, {}).get(generation)
         if runtime is None:
@@ -267,7 +285,13 @@ class FakeDriver:
         return OpResult("succeeded", runtime.runtime_id, runtime.exit_code)
 
     async def delete(self, key: str, sandbox_id: UUID | None = None) -> bool:
-        await self._enter(Call("delete", key, sandbox_id=sandbox_id))
+        graces = [
+            self._grace(r, None)
+            for r in self._runtimes.get(key, {}).values()
+            if sandbox_id in (None, r.sandbox_id)
+        ]
+        grace = max(graces, default=None)
+        await self._enter(Call("delete", key, sandbox_id=sandbox_id, grace=grace))
         self._maybe_fail("delete", key, None)
         runtimes = self._runtimes.get(key, {})
         doomed = [r for r in runtimes.values() if sandbox_id in (None, r.sandbox_id)]
@@ -320,6 +344,13 @@ class FakeDriver:
             handle.release()
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _grace(self, runtime: _Runtime, timeout: float | None) -> float:
+        if timeout is not None:
+            return timeout
+        if runtime.stop_timeout is not None:
+            return float(runtime.stop_timeout)
+        return self.stop_timeout
 
     def _next_seq(self) -> int:
         self._seq += 1

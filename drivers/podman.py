@@ -8,7 +8,9 @@ the default one) and the event stream is read by a dedicated thread feeding an
 Naming (see docs/drivers.md):
 
 - container ``sandstream-<key>-g<generation>``, labelled with ``io.sandstream.managed-by``,
-  ``.key``, ``.sandbox-id``, ``.generation`` and ``.identity``; env ``SANDSTREAM_IDENTITY``;
+  ``.key``, ``.sandbox-id``, ``.generation`` and ``.identity`` (and ``.stop-timeout`` when
+  the spec sets ``stop_timeout_seconds``: stop and delete use it as the grace period); env
+  ``SANDSTREAM_IDENTITY``;
 - volume ``sandstream-<key>-<first 12 hex of sandbox_id>`` at ``/workspace``, kept across stop
   and start of one incarnation, removed on delete; a re-created sandbox gets a new one;
 - ``init=True`` (catatonit as PID 1), so SIGTERM stops the sandbox promptly.
@@ -44,6 +46,7 @@ from drivers.protocol import (
     LABEL_KEY,
     LABEL_MANAGED_BY,
     LABEL_SANDBOX_ID,
+    LABEL_STOP_TIMEOUT,
     MANAGED_BY,
     WORKSPACE_PATH,
     DriverError,
@@ -86,6 +89,7 @@ _STATES: Final[Mapping[str, RuntimeState]] = {
     "removing": "exited",
 }
 _KEY = re.compile(SANDBOX_NAME_PATTERN)
+LABEL_PREFIX: Final = "io.sandstream."
 # Errors a retry cannot fix, as Podman 4.3 words them (it answers most failures with a 500).
 _PERMANENT = ("image not known", "invalid reference format", "executable file not found")
 
@@ -99,15 +103,21 @@ def volume_name(key: str, sandbox_id: UUID) -> str:
 
 
 def runtime_labels(spec: LaunchSpec) -> dict[str, str]:
-    """The sandbox's own labels, then ours (which win)."""
-    return {
-        **spec.spec.labels,
-        LABEL_MANAGED_BY: MANAGED_BY,
-        LABEL_KEY: spec.key,
-        LABEL_SANDBOX_ID: str(spec.sandbox_id),
-        LABEL_GENERATION: str(spec.generation),
-        LABEL_IDENTITY: spec.identity,
-    }
+    """The sandbox's own labels, then ours. Ours win: the sandbox's labels under our prefix
+    (``io.sandstream.``) are dropped, so a spec cannot forge a marker or a stop timeout."""
+    labels = {k: v for k, v in spec.spec.labels.items() if not k.startswith(LABEL_PREFIX)}
+    labels.update(
+        {
+            LABEL_MANAGED_BY: MANAGED_BY,
+            LABEL_KEY: spec.key,
+            LABEL_SANDBOX_ID: str(spec.sandbox_id),
+            LABEL_GENERATION: str(spec.generation),
+            LABEL_IDENTITY: spec.identity,
+        }
+    )
+    if spec.spec.stop_timeout_seconds is not None:
+        labels[LABEL_STOP_TIMEOUT] = str(spec.spec.stop_timeout_seconds)
+    return labels
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +126,15 @@ class _Labels:
     sandbox_id: UUID | None
     generation: int
     identity: str | None
+    stop_timeout: int | None = None  # the sandbox's own grace period, if its spec set one
+
+
+def _stop_timeout_label(value: str | None) -> int | None:
+    try:
+        seconds = int(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and seconds >= 0 else None
 
 
 def parse_labels(labels: Mapping[str, str] | None) -> _Labels | None:
@@ -133,7 +152,13 @@ def parse_labels(labels: Mapping[str, str] | None) -> _Labels | None:
         sandbox_id: UUID | None = UUID(labels.get(LABEL_SANDBOX_ID, ""))
     except ValueError:
         sandbox_id = None
-    return _Labels(key, sandbox_id, generation, labels.get(LABEL_IDENTITY))
+    return _Labels(
+        key,
+        sandbox_id,
+        generation,
+        labels.get(LABEL_IDENTITY),
+        _stop_timeout_label(labels.get(LABEL_STOP_TIMEOUT)),
+    )
 
 
 def _parse_time(value: object) -> datetime | None:
@@ -164,6 +189,7 @@ class _Container:
     info: RuntimeInfo
     since: datetime | None  # when it entered its current state
     name: str | None
+    stop_timeout: int | None = None  # from the stop-timeout label, if any
 
 
 def _container(attrs: Mapping[str, Any]) -> _Container | None:
@@ -198,7 +224,12 @@ def _container(attrs: Mapping[str, Any]) -> _Container | None:
         runtime_id=str(attrs.get("Id", "")),
         identity=labels.identity,
     )
-    return _Container(info, since[state] or created, str(name).lstrip("/") if name else None)
+    return _Container(
+        info,
+        since[state] or created,
+        str(name).lstrip("/") if name else None,
+        labels.stop_timeout,
+    )
 
 
 def snapshot_from_list(container: _Container, *, actor: str = ACTOR) -> RuntimeSnapshot:
@@ -317,6 +348,7 @@ class PodmanDriver:
         reconnect_delay: float = 0.2,
         max_reconnect_delay: float = 5.0,
         max_workers: int = 64,
+        init: bool = True,
     ) -> None:
         settings = settings or load_settings()
         self.base_url = base_url or settings.podman_url
@@ -324,6 +356,9 @@ class PodmanDriver:
             settings.stop_timeout_seconds if stop_timeout is None else stop_timeout
         )
         self.actor = actor
+        # An init process (catatonit) as PID 1 forwards SIGTERM to the entrypoint, which a
+        # PID 1 without a handler would ignore. Off only to measure the difference (bench).
+        self.init = init
         self._request_timeout = request_timeout
         self._reconnect_delay = reconnect_delay
         self._max_reconnect_delay = max_reconnect_delay
@@ -346,9 +381,8 @@ class PodmanDriver:
         )
 
     async def stop(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
-        grace = self.stop_timeout if timeout is None else timeout
         return await self._call(
-            self._stop_sync, key, generation, grace, key=key, generation=generation, what="stop"
+            self._stop_sync, key, generation, timeout, key=key, generation=generation, what="stop"
         )
 
     async def delete(self, key: str, sandbox_id: UUID | None = None) -> bool:
@@ -614,12 +648,12 @@ class PodmanDriver:
         for container in existing:
             info = container.info
             if info.generation < spec.generation:
-                self._stop_and_remove_sync(info.runtime_id, self.stop_timeout)
+                self._stop_and_remove_sync(info.runtime_id, self._grace(container))
             elif info.identity != spec.identity or info.sandbox_id != spec.sandbox_id:
                 # Launched for another intent (cannot happen through the processor, which mints
                 # identity and generation together): converge to the persisted identity.
                 log.warning("replacing %s: it has another identity or incarnation", info.runtime_id)
-                self._stop_and_remove_sync(info.runtime_id, self.stop_timeout)
+                self._stop_and_remove_sync(info.runtime_id, self._grace(container))
             else:
                 current = info
         if current is None:
@@ -656,8 +690,10 @@ class PodmanDriver:
             "hostname": spec.key,
             "labels": runtime_labels(spec),
             "environment": {**spec.spec.env, IDENTITY_ENV: spec.identity},
-            "init": True,
-            "stop_timeout": math.ceil(self.stop_timeout),
+            "init": self.init,
+            # Podman's own default for `podman stop` by hand; sandstream always passes the
+            # grace period explicitly (see _grace).
+            "stop_timeout": math.ceil(self._spec_grace(spec)),
             "volumes": {volume: {"bind": WORKSPACE_PATH, "mode": "rw"}},
         }
         if spec.spec.command:
@@ -677,11 +713,25 @@ class PodmanDriver:
             )
         return container.info.runtime_id
 
-    def _stop_sync(self, key: str, generation: int, grace: float) -> OpResult:
+    def _spec_grace(self, spec: LaunchSpec) -> float:
+        seconds = spec.spec.stop_timeout_seconds
+        return self.stop_timeout if seconds is None else float(seconds)
+
+    def _grace(self, container: _Container, timeout: float | None = None) -> float:
+        """The grace period for stopping ``container``: the caller's, else the sandbox's own
+        (its stop-timeout label), else the driver's."""
+        if timeout is not None:
+            return timeout
+        if container.stop_timeout is not None:
+            return float(container.stop_timeout)
+        return self.stop_timeout
+
+    def _stop_sync(self, key: str, generation: int, timeout: float | None) -> OpResult:
         found = self._list_sync(key, generation=generation)
         if not found:
             return OpResult("already_absent")
         info = found[-1].info
+        grace = self._grace(found[-1], timeout)
         if info.state == "running" and not self._stop_container_sync(info.runtime_id, grace):
             return OpResult("already_absent")
         exit_code = self._exit_code_sync(info.runtime_id) if info.state != "created" else None
@@ -690,7 +740,7 @@ class PodmanDriver:
     def _delete_sync(self, key: str, sandbox_id: UUID | None) -> bool:
         containers = self._list_sync(key, sandbox_id)
         for container in containers:
-            self._stop_and_remove_sync(container.info.runtime_id, self.stop_timeout)
+            self._stop_and_remove_sync(container.info.runtime_id, self._grace(container))
         volumes = self._volumes_sync(key, sandbox_id)
         client = self._client()
         for volume in volumes:

@@ -41,6 +41,9 @@ LABEL_KEY = "io.sandstream.key"
 LABEL_SANDBOX_ID = "io.sandstream.sandbox-id"
 LABEL_GENERATION = "io.sandstream.generation"
 LABEL_IDENTITY = "io.sandstream.identity"
+# Only when the sandbox's spec sets stop_timeout_seconds: the grace period (whole seconds)
+# that stop and delete use for this runtime when the caller passes no explicit timeout.
+LABEL_STOP_TIMEOUT = "io.sandstream.stop-timeout"
 
 # What watch() yields: snapshots and removals of runtimes (never DriverOperationResult, which
 # the executor derives from the results of its own calls).
@@ -148,12 +151,16 @@ class Driver(Protocol):
         """Stop this generation's runtime, keeping it and the workspace.
 
         Already stopped: ``succeeded``; no such runtime: ``already_absent``. ``timeout`` is the
-        grace period between SIGTERM and SIGKILL (default: the driver's stop timeout).
+        grace period between SIGTERM and SIGKILL (default: the sandbox's own
+        ``stop_timeout_seconds`` when its spec set one, else the driver's stop timeout).
         """
         ...
 
     async def delete(self, key: str, sandbox_id: UUID | None = None) -> bool:
         """Remove every runtime of the key and its workspace; True if anything existed.
+
+        Each running runtime is stopped first with its own grace period (the sandbox's
+        ``stop_timeout_seconds``, else the driver's stop timeout).
 
         With ``sandbox_id``, only that incarnation's runtimes and workspace: a slow delete of
         an old incarnation can then never touch a re-created sandbox of the same name.

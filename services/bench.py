@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -153,18 +152,19 @@ async def throughput(settings: Settings, keys: int, max_records: int) -> None:
 async def latency(settings: Settings, rate: int, seconds: float) -> None:
     """Commands paced at ``rate``/s against a processor running in its own process."""
     async with scratch(settings) as (s, pool):
-        profile = ["-m", "cProfile", "-o", os.environ["BENCH_PROFILE"]] if os.environ.get("BENCH_PROFILE") else []
-        processor = subprocess.Popen(
-            [sys.executable, *profile, "-m", "services.processor"],
+        processor = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "services.processor",
             env={**os.environ, **s.as_env()},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
         )
         try:
             await _paced_commands(s, pool, rate, seconds)
         finally:
             processor.terminate()
-            processor.wait(30)
+            await asyncio.wait_for(processor.wait(), 30)
 
 
 async def _paced_commands(

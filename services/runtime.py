@@ -1,7 +1,12 @@
 """The control plane's own services in one process: processor, executor, watcher, reconciler.
 
-``sandstream up`` runs this next to the HTTP API; tests run it against isolated topics and
-schemas with the fake or the Podman driver.
+``DriverSide`` is the part that touches a container backend (executor + watcher + reconciler):
+``python -m services.executor`` runs it alone with the Podman driver. ``ControlPlane`` is a
+processor plus a ``DriverSide``: ``sandstream up`` runs it next to the HTTP API; tests run it
+against isolated topics and schemas with the fake or the Podman driver.
+
+A component that dies takes the whole set down (``stopping`` is set): a half-running control
+plane would look healthy while it no longer applies or executes anything.
 """
 
 from __future__ import annotations
@@ -20,95 +25,163 @@ from drivers.protocol import Driver
 from services.executor import Executor, RetryPolicy
 from services.processor import Processor, connect_pool
 from services.settings import Settings
-from services.watcher import run_reconciler, run_watcher
+from services.watcher import Reconciler, Watcher
 
 log = logging.getLogger("sandstream.runtime")
 
+# How long stop() waits for a component's task before cancelling it. The executor's own
+# shutdown grace (for driver calls in flight) is shorter, so it drains within this.
+STOP_TIMEOUT = 30.0
+
 
 @dataclass
-class ControlPlane:
+class _Tasks:
+    """Named tasks sharing one stop event; a crash of one sets it."""
+
+    stop_event: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self._ended)
+        self.tasks.append(task)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s crashed: %r; stopping", task.get_name(), task.exception())
+            self.stop_event.set()
+
+    async def finish(self, cancel_first: tuple[str, ...] = ()) -> None:
+        """Set the stop event and wait for every task (cancelling ``cancel_first`` ones,
+        which wait on something other than the event, and any that overstay)."""
+        self.stop_event.set()
+        for task in self.tasks:
+            if task.get_name() in cancel_first:
+                task.cancel()
+        for task in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(task, timeout=STOP_TIMEOUT)
+        failed = [t for t in self.tasks if not t.cancelled() and t.exception() is not None]
+        self.tasks.clear()
+        for task in failed:
+            log.error("%s ended with %r", task.get_name(), task.exception())
+
+
+@dataclass
+class DriverSide:
+    """Executor + watcher + reconciler around one driver.
+
+    ``None`` settings-backed knobs default to the ``Settings`` values
+    (``executor_concurrency``, ``executor_retry_seconds``, ``reconcile_interval_seconds``).
+    ``watch=False`` runs no watcher (tests of the reconcile loop alone).
+    """
+
     settings: Settings
     driver: Driver
     pool: asyncpg.Pool[asyncpg.Record]
-    reconcile_interval: float = 30.0
-    executor_concurrency: int = 16
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-    owns_pool: bool = False
-    processor: Processor | None = None
+    reconcile_interval: float | None = None
+    executor_concurrency: int | None = None
+    retry: RetryPolicy | None = None
+    watch: bool = True
     executor: Executor | None = None
+    watcher: Watcher | None = None
+    reconciler: Reconciler | None = None
     _producer: AIOKafkaProducer | None = None
-    _stop: asyncio.Event = field(default_factory=asyncio.Event)
-    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _tasks: _Tasks = field(default_factory=_Tasks)
 
-    async def start(self) -> None:
-        self.processor = Processor(self.settings, self.pool)
+    @property
+    def stopping(self) -> asyncio.Event:
+        return self._tasks.stop_event
+
+    async def start(self, tasks: _Tasks | None = None) -> None:
+        if tasks is not None:
+            self._tasks = tasks
+        interval = self.reconcile_interval or self.settings.reconcile_interval_seconds
         self.executor = Executor(
-            self.settings,
-            self.driver,
-            max_concurrency=self.executor_concurrency,
-            retry=self.retry,
+            self.settings, self.driver, max_concurrency=self.executor_concurrency, retry=self.retry
         )
         self._producer = AIOKafkaProducer(
             bootstrap_servers=self.settings.kafka_bootstrap, enable_idempotence=True, acks="all"
         )
         await self._producer.start()
-        await self.processor.start()
         await self.executor.start()
-        self._spawn("processor", self.processor.run(self._stop))
-        self._spawn("executor", self.executor.run(self._stop))
-        self._spawn("watcher", run_watcher(self.driver, self._producer, self.settings, self._stop))
-        self._spawn(
-            "reconciler",
-            run_reconciler(
-                self.driver,
-                self.pool,
-                self._producer,
-                self.settings,
-                self._stop,
-                self.reconcile_interval,
-            ),
+        self.watcher = Watcher(self.driver, self._producer, self.settings)
+        self.reconciler = Reconciler(
+            self.driver, self.pool, self._producer, self.settings, interval
         )
+        stop = self._tasks.stop_event
+        self._tasks.spawn("executor", self.executor.run(stop))
+        if self.watch:
+            self._tasks.spawn("watcher", self.watcher.run(stop))
+        self._tasks.spawn("reconciler", self.reconciler.run(stop))
 
-    def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro, name=name)
-        task.add_done_callback(self._crashed)
-        self._tasks.append(task)
+    async def close(self) -> None:
+        """Release what ``start`` opened (after the tasks have ended)."""
+        if self.executor is not None:
+            await self.executor.stop()
+        if self._producer is not None:
+            await self._producer.stop()
 
-    def _crashed(self, task: asyncio.Task[None]) -> None:
-        # A component that dies takes the whole process down: a half-running control plane
-        # would look healthy while it no longer applies or executes anything.
-        if not task.cancelled() and task.exception() is not None:
-            log.error("%s crashed: %r; stopping", task.get_name(), task.exception())
-            self._stop.set()
+    async def stop(self) -> None:
+        # The watcher waits on the driver's stream, not on the stop event: cancel it.
+        await self._tasks.finish(cancel_first=("watcher",))
+        await self.close()
+
+
+@dataclass
+class ControlPlane:
+    """Processor + DriverSide in one process."""
+
+    settings: Settings
+    driver: Driver
+    pool: asyncpg.Pool[asyncpg.Record]
+    reconcile_interval: float | None = None
+    executor_concurrency: int | None = None
+    retry: RetryPolicy | None = None
+    watch: bool = True
+    owns_pool: bool = False
+    processor: Processor | None = None
+    driver_side: DriverSide | None = None
+    _tasks: _Tasks = field(default_factory=_Tasks)
+
+    @property
+    def executor(self) -> Executor | None:
+        return self.driver_side.executor if self.driver_side else None
+
+    @property
+    def reconciler(self) -> Reconciler | None:
+        return self.driver_side.reconciler if self.driver_side else None
+
+    async def start(self) -> None:
+        self.processor = Processor(self.settings, self.pool)
+        await self.processor.start()
+        self._tasks.spawn("processor", self.processor.run(self._tasks.stop_event))
+        self.driver_side = DriverSide(
+            self.settings,
+            self.driver,
+            self.pool,
+            reconcile_interval=self.reconcile_interval,
+            executor_concurrency=self.executor_concurrency,
+            retry=self.retry,
+            watch=self.watch,
+        )
+        await self.driver_side.start(self._tasks)
 
     @property
     def stopping(self) -> asyncio.Event:
-        return self._stop
+        return self._tasks.stop_event
 
     async def wait(self) -> None:
-        await self._stop.wait()
+        await self._tasks.stop_event.wait()
 
     async def stop(self) -> None:
-        self._stop.set()
-        # The watcher waits on the driver's stream; cancel what does not notice the flag.
-        for task in self._tasks:
-            if task.get_name() == "watcher":
-                task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(task, timeout=30)
-        if self.executor is not None:
-            await self.executor.stop()
+        await self._tasks.finish(cancel_first=("watcher",))
+        if self.driver_side is not None:
+            await self.driver_side.close()
         if self.processor is not None:
             await self.processor.stop()
-        if self._producer is not None:
-            await self._producer.stop()
         if self.owns_pool:
             await self.pool.close()
-        failed = [t for t in self._tasks if not t.cancelled() and t.exception() is not None]
-        self._tasks.clear()
-        for task in failed:
-            log.error("%s ended with %r", task.get_name(), task.exception())
 
 
 async def open_control_plane(settings: Settings, driver: Driver, **kwargs: Any) -> ControlPlane:
@@ -116,3 +189,23 @@ async def open_control_plane(settings: Settings, driver: Driver, **kwargs: Any) 
     plane = ControlPlane(settings, driver, pool, owns_pool=True, **kwargs)
     await plane.start()
     return plane
+
+
+async def serve_driver_side(settings: Settings, stop: asyncio.Event) -> None:
+    """Executor + watcher + reconciler with the Podman driver until ``stop`` (or a crash)."""
+    from drivers.podman import PodmanDriver
+
+    pool = await connect_pool(settings)
+    driver = PodmanDriver(settings=settings)
+    side = DriverSide(settings, driver, pool)
+    try:
+        await side.start()
+        waiter = asyncio.ensure_future(stop.wait())
+        crashed = asyncio.ensure_future(side.stopping.wait())
+        await asyncio.wait([waiter, crashed], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        crashed.cancel()
+    finally:
+        await side.stop()
+        await driver.close()
+        await pool.close()

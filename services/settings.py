@@ -126,7 +126,6 @@ class Settings(BaseSettings):
             self.topic_deadletter,
         )
 
-
     def as_env(self) -> dict[str, str]:
         """These settings as SANDSTREAM_* variables, for a child process to load the same."""
         return {

@@ -1,9 +1,11 @@
 """Driver watchers and the reconcile loop: what the runtime really did, as observations.
 
-Both only report; the processor decides. The reconcile loop compares the driver's listing with
-the phase rows and reports a runtime that vanished behind sandstream's back (RuntimeRemoved)
-and an orphan runtime carrying our marker but no live row (a snapshot the processor records
-as ignored), never fixing anything itself.
+Both only report; the processor decides. The watcher forwards the driver's watch stream (a
+full listing, then changes; after a reconnect a listing again). The reconcile loop compares the
+driver's listing with the phase rows and reports a runtime that vanished behind sandstream's
+back (``RuntimeRemoved``, which moves a Ready row to Error and a Stopping one to Stopped) and
+an orphan runtime carrying our marker but no live row (a snapshot the processor records as
+ignored). It never stops, removes or starts anything itself.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from uuid import UUID
 
 import asyncpg
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 
 from drivers.protocol import Driver, RuntimeInfo
 from events.codec import encode
@@ -29,7 +32,11 @@ from services.settings import Settings
 log = logging.getLogger("sandstream.watcher")
 
 # Phases in which the current generation's runtime must exist; its absence is news.
+# (Provisioning and Starting: the launch may not have created it yet. Stopped, Completed,
+# Error: nothing needs it any more; a start launches a new generation.)
 EXPECTS_RUNTIME = (Phase.READY, Phase.STOPPING)
+# Phases in which a launch may still be removing the older generations' runtimes.
+LAUNCHING = (Phase.PROVISIONING, Phase.STARTING)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,15 +52,29 @@ def reconcile(
 ) -> list[Observation]:
     """Observations for the differences between the rows and the runtime listing (pure).
 
+    - *vanished*: a row that needs its current generation's runtime (Ready, Stopping) and no
+      such runtime in the listing → ``RuntimeRemoved`` of that generation;
+    - *orphan*: a runtime with no live row of its key, of another incarnation than the row,
+      or of an older generation than the row's (unless a launch, which removes those, is in
+      flight) → a ``RuntimeSnapshot`` of it, which the processor records as ignored.
+
     Read the rows before listing the runtimes: a runtime launched after the rows were read is
-    then at worst reported as an orphan of a newer generation, which the processor ignores.
+    then at worst reported as an orphan of a newer generation, which the processor ignores or
+    (when it is the current one by then) takes as the truth it is.
+    Observation ids are deterministic, so repeated passes repeat the same ids.
     """
     by_key = {r.key: r for r in rows}
-    present = {(rt.key, rt.generation) for rt in runtimes}
+    runtimes = list(runtimes)
+    present = {(rt.key, rt.sandbox_id, rt.generation) for rt in runtimes}
     out: list[Observation] = []
     for rt in runtimes:
         row = by_key.get(rt.key)
-        if row is None or row.sandbox_id != rt.sandbox_id:
+        orphan = (
+            row is None
+            or row.sandbox_id != rt.sandbox_id
+            or (rt.generation < row.generation and row.phase not in LAUNCHING)
+        )
+        if orphan:
             out.append(
                 RuntimeSnapshot(
                     type="RuntimeSnapshot",
@@ -69,7 +90,10 @@ def reconcile(
                 )
             )
     for row in by_key.values():
-        if row.phase in EXPECTS_RUNTIME and (row.key, row.generation) not in present:
+        if (
+            row.phase in EXPECTS_RUNTIME
+            and (row.key, row.sandbox_id, row.generation) not in present
+        ):
             out.append(
                 RuntimeRemoved(
                     type="RuntimeRemoved",
@@ -95,17 +119,113 @@ async def publish(producer: AIOKafkaProducer, topic: str, observation: Observati
     await producer.send_and_wait(topic, value=encode(observation), key=observation.key.encode())
 
 
+async def publish_until_sent(
+    producer: AIOKafkaProducer, topic: str, observation: Observation, stop: asyncio.Event
+) -> bool:
+    """Publish, retrying Kafka errors with back-off until sent (True) or ``stop`` (False)."""
+    delay = 0.2
+    while True:
+        try:
+            await publish(producer, topic, observation)
+            return True
+        except KafkaError as exc:
+            log.warning("publishing %s failed, retrying: %s", observation.observation_id, exc)
+        if await _wait(stop, delay):
+            return False
+        delay = min(delay * 2, 5.0)
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> bool:
+    """Sleep ``seconds`` unless ``stop`` is set first; returns whether it is set."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    return stop.is_set()
+
+
+@dataclass
+class Watcher:
+    """Forwards the driver's watch stream to the observations topic until ``stop``.
+
+    If the stream ends or fails (it should not: drivers reconnect on their own), a new one is
+    opened after a back-off; it starts with a full listing, so nothing is lost.
+    """
+
+    driver: Driver
+    producer: AIOKafkaProducer
+    settings: Settings
+    forwarded: int = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        delay = 0.2
+        while not stop.is_set():
+            stream = self.driver.watch()
+            try:
+                async for observation in stream:
+                    if not await publish_until_sent(
+                        self.producer, self.settings.topic_observations, observation, stop
+                    ):
+                        return
+                    self.forwarded += 1
+                    delay = 0.2
+                    if stop.is_set():
+                        return
+                log.warning("driver watch stream ended; reopening in %.1fs", delay)
+            except Exception:
+                log.exception("driver watch stream failed; reopening in %.1fs", delay)
+            finally:
+                with contextlib.suppress(Exception):
+                    await stream.aclose()  # type: ignore[attr-defined]
+            if await _wait(stop, delay):
+                return
+            delay = min(delay * 2, 5.0)
+
+
+@dataclass
+class Reconciler:
+    """Every ``interval`` seconds: read the live rows, list the runtimes, report differences.
+
+    Each difference is reported once per process (by observation id): a vanished runtime
+    stays vanished, and an orphan is audit, not an alarm to repeat every pass.
+    """
+
+    driver: Driver
+    pool: asyncpg.Pool[asyncpg.Record]
+    producer: AIOKafkaProducer
+    settings: Settings
+    interval: float
+    clock: Clock = utcnow
+    passes: int = 0  # completed passes (tests wait on it)
+    reported: set[str] = field(default_factory=set)
+
+    async def run_once(self) -> list[Observation]:
+        """One pass; returns what it reported (new differences only)."""
+        rows = await live_rows(self.pool)
+        runtimes = await self.driver.list()
+        sent = []
+        for observation in reconcile(rows, runtimes, self.clock()):
+            if observation.observation_id in self.reported:
+                continue
+            await publish(self.producer, self.settings.topic_observations, observation)
+            self.reported.add(observation.observation_id)
+            sent.append(observation)
+            log.info("reconcile: reported %s", observation.observation_id)
+        self.passes += 1
+        return sent
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.run_once()
+            except Exception:
+                log.exception("reconcile pass failed; next pass in %ss", self.interval)
+            if await _wait(stop, self.interval):
+                return
+
+
 async def run_watcher(
     driver: Driver, producer: AIOKafkaProducer, settings: Settings, stop: asyncio.Event
 ) -> None:
-    """Forward the driver's watch stream to the observations topic until ``stop``."""
-    stream = driver.watch()
-    try:
-        while not stop.is_set():
-            observation = await stream.__anext__()
-            await publish(producer, settings.topic_observations, observation)
-    finally:
-        await stream.aclose()  # type: ignore[attr-defined]
+    await Watcher(driver, producer, settings).run(stop)
 
 
 async def run_reconciler(
@@ -117,17 +237,4 @@ async def run_reconciler(
     interval: float,
     clock: Clock = utcnow,
 ) -> None:
-    """Every ``interval`` seconds report differences, each one once per process."""
-    reported: set[str] = set()
-    while not stop.is_set():
-        try:
-            rows = await live_rows(pool)
-            runtimes = await driver.list()
-            for observation in reconcile(rows, runtimes, clock()):
-                if observation.observation_id not in reported:
-                    reported.add(observation.observation_id)
-                    await publish(producer, settings.topic_observations, observation)
-        except Exception:
-            log.exception("reconcile pass failed; next pass in %ss", interval)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=interval)
+    await Reconciler(driver, pool, producer, settings, interval, clock).run(stop)

@@ -114,6 +114,32 @@ async def test_launch_replaces_older_generations_and_restarts_a_stopped_one() ->
     assert not failure.value.retryable and failure.value.observed == "running"
 
 
+async def test_the_stop_timeout_of_a_sandbox_is_recorded_and_used() -> None:
+    driver = FakeDriver(stop_timeout=10)
+    patient = LaunchSpec(
+        "slow", SID, 1, "rid-slow-1",
+        SandboxSpec(image="localhost/sandstream-base:1", stop_timeout_seconds=30),
+    )  # fmt: skip
+    await driver.launch(patient)
+    await driver.launch(spec("plain"))
+    assert driver.stop_timeout_of("slow", 1) == 30
+    assert driver.stop_timeout_of("plain", 1) is None
+    await driver.stop("slow", 1)  # no timeout given: the sandbox's own
+    await driver.stop("plain", 1)  # ... or the driver's default
+    await driver.stop("slow", 1, timeout=2)  # an explicit one wins
+    await driver.delete("slow")
+    await driver.delete("plain")
+    await driver.delete("plain")  # nothing left to stop
+    assert [(c.op, c.key, c.timeout, c.grace) for c in driver.calls if c.op != "launch"] == [
+        ("stop", "slow", None, 30),
+        ("stop", "plain", None, 10),
+        ("stop", "slow", 2, 2),
+        ("delete", "slow", None, 30),
+        ("delete", "plain", None, 10),
+        ("delete", "plain", None, None),
+    ]
+
+
 async def test_stop_and_delete_when_absent() -> None:
     driver = FakeDriver()
     assert await driver.stop("box", 1) == OpResult("already_absent")

@@ -21,6 +21,7 @@ from drivers.podman import (
     PodmanDriver,
     container_name,
     observation_from_event,
+    runtime_labels,
     volume_name,
 )
 from drivers.protocol import (
@@ -28,6 +29,7 @@ from drivers.protocol import (
     LABEL_GENERATION,
     LABEL_KEY,
     LABEL_MANAGED_BY,
+    LABEL_STOP_TIMEOUT,
     Driver,
     DriverError,
     LaunchSpec,
@@ -513,3 +515,99 @@ def test_event_mapping() -> None:
     assert observation_from_event(_event("start", {LABEL_KEY: "box-1"})) is None
     bad_generation = {**OURS, LABEL_GENERATION: "zero"}
     assert observation_from_event(_event("start", bad_generation)) is None
+
+
+# -- per-sandbox stop timeout ---------------------------------------------------------------------
+
+IGNORE_TERM = ["sh", "-c", "trap '' TERM; while true; do sleep 1; done"]
+
+
+def stubborn_spec(
+    settings: Settings, key: str, generation: int, stop_timeout: int | None
+) -> LaunchSpec:
+    spec = spec_for(settings, key, generation, IGNORE_TERM)
+    return LaunchSpec(
+        spec.key,
+        spec.sandbox_id,
+        generation,
+        spec.identity,
+        spec.spec.model_copy(update={"stop_timeout_seconds": stop_timeout}),
+    )
+
+
+async def timed(coro: Any) -> tuple[Any, float]:
+    began = time.monotonic()
+    result = await coro
+    return result, time.monotonic() - began
+
+
+async def test_a_sandbox_stop_timeout_is_used_by_stop_and_delete(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings, podman: PodmanClient
+) -> None:
+    """The spec's stop_timeout_seconds is the container's StopTimeout and a label; stop and
+    delete without an explicit timeout use it (the driver's default is 10 s here)."""
+    key = keys()
+    await driver.launch(stubborn_spec(settings, key, 1, stop_timeout=1))
+    attrs = podman.containers.get(container_name(key, 1)).attrs
+    assert attrs["Config"]["StopTimeout"] == 1
+    assert attrs["Config"]["Labels"][LABEL_STOP_TIMEOUT] == "1"
+
+    stopped, took = await timed(driver.stop(key, 1))
+    print(f"stop with the sandbox's 1 s grace took {took:.2f}s")
+    assert stopped.exit_code == 137  # SIGTERM ignored (even under catatonit): killed
+    assert 0.8 <= took < STOP_TIMEOUT - 3
+
+    await driver.launch(stubborn_spec(settings, key, 1, stop_timeout=1))  # start it again
+    deleted, took = await timed(driver.delete(key))
+    assert deleted is True and 0.8 <= took < STOP_TIMEOUT - 3
+
+    # An explicit timeout still wins over the sandbox's own.
+    key2 = keys()
+    await driver.launch(stubborn_spec(settings, key2, 1, stop_timeout=30))
+    _, took = await timed(driver.stop(key2, 1, timeout=0))
+    assert took < 5
+
+
+async def test_without_a_sandbox_stop_timeout_the_driver_default_applies(
+    keys: Callable[[], str], settings: Settings, podman: PodmanClient
+) -> None:
+    driver = PodmanDriver(settings=settings, stop_timeout=2)
+    try:
+        key = keys()
+        await driver.launch(stubborn_spec(settings, key, 1, stop_timeout=None))
+        attrs = podman.containers.get(container_name(key, 1)).attrs
+        assert attrs["Config"]["StopTimeout"] == 2
+        assert LABEL_STOP_TIMEOUT not in attrs["Config"]["Labels"]
+        _, took = await timed(driver.delete(key))
+        assert 1.8 <= took < 8
+    finally:
+        await driver.close()
+
+
+def test_a_spec_cannot_forge_our_labels() -> None:
+    spec = LaunchSpec(
+        key="box",
+        sandbox_id=uuid.uuid4(),
+        generation=2,
+        identity="rid",
+        spec=SandboxSpec(
+            image="x",
+            labels={
+                "team": "a",
+                LABEL_STOP_TIMEOUT: "0",
+                LABEL_MANAGED_BY: "someone-else",
+                "io.sandstream.other": "y",
+            },
+        ),
+    )
+    labels = runtime_labels(spec)
+    assert labels["team"] == "a" and labels[LABEL_MANAGED_BY] == "sandstream"
+    assert LABEL_STOP_TIMEOUT not in labels and "io.sandstream.other" not in labels
+    with_timeout = LaunchSpec(
+        spec.key,
+        spec.sandbox_id,
+        2,
+        "rid",
+        spec.spec.model_copy(update={"stop_timeout_seconds": 7}),
+    )
+    assert runtime_labels(with_timeout)[LABEL_STOP_TIMEOUT] == "7"

@@ -1,56 +1,348 @@
-"""The whole pipeline with the fake driver: deterministic races on real Kafka and PostgreSQL."""
+"""The whole pipeline with the fake driver: deterministic races on real Kafka and PostgreSQL.
+
+The fake driver holds or fails operations on request (``block``, ``fail``), so each race is
+set up exactly instead of hoped for; waits poll to a deadline and fail with the last value.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import factories as f
 from harness import Env, eventually, isolated_env
+from pipeline_support import command, history, phase, row, wait_phase
 
 from drivers.fake import FakeDriver
+from events.publisher import CommandPublisher
+from services.executor import Executor, RetryPolicy
 from services.runtime import ControlPlane
+
+FAST_RETRY = RetryPolicy(first_delay=0.01, max_delay=0.05, give_up_after=5.0)
 
 
 @asynccontextmanager
-async def pipeline(driver: FakeDriver) -> AsyncIterator[tuple[Env, ControlPlane]]:
+async def pipeline(
+    driver: FakeDriver, **plane_args: Any
+) -> AsyncIterator[tuple[Env, ControlPlane, CommandPublisher]]:
+    plane_args.setdefault("reconcile_interval", 3600)
+    plane_args.setdefault("retry", FAST_RETRY)
     async with isolated_env() as env:
-        plane = ControlPlane(env.settings, driver, env.pool, reconcile_interval=3600)
+        plane = ControlPlane(env.settings, driver, env.pool, **plane_args)
         await plane.start()
         try:
-            yield env, plane
+            async with await env.publisher() as pub:
+                yield env, plane, pub
         finally:
             await plane.stop()
 
 
-async def phase(env: Env, key: str) -> str | None:
-    return await env.fetchval("SELECT phase FROM sandboxes WHERE key = $1", key)
+def executor_of(plane: ControlPlane) -> Executor:
+    assert plane.executor is not None
+    return plane.executor
 
 
-async def wait_phase(env: Env, key: str, expected: str, timeout: float = 30) -> None:
-    await eventually(lambda: phase(env, key), lambda p: p == expected, timeout=timeout,
-                     what=f"{key} to be {expected}")  # fmt: skip
+async def driver_results(env: Env, key: str) -> list[dict[str, Any]]:
+    return [h for h in await history(env, key) if h["message_type"] == "DriverOperationResult"]
+
+
+# -- scenario 3: head-of-line ---------------------------------------------------------------------
 
 
 async def test_a_blocked_delete_of_a_does_not_delay_b() -> None:
     driver = FakeDriver()
-    async with pipeline(driver) as (env, _), await env.publisher() as pub:
-        for key in ("a", "b"):
-            await pub.publish(f.create(key))
+    async with pipeline(driver) as (env, _, pub):
+        await command(env, pub, f.create("a"))
         await wait_phase(env, "a", "Ready")
-        await wait_phase(env, "b", "Ready")
 
         held = driver.block("delete", "a")
-        await pub.publish(f.delete("a"))
+        await command(env, pub, f.delete("a"))
         await held.entered()
-        await pub.publish(f.stop("b", command_id="stop-b"))
-        await wait_phase(env, "b", "Stopped")
-        await pub.publish(f.delete("b"))
+
+        # B lives a whole life while A's delete is held in the driver.
+        await command(env, pub, f.create("b"))
+        await wait_phase(env, "b", "Ready", generation=1)
+        await command(env, pub, f.stop("b"))
+        await wait_phase(env, "b", "Stopped", generation=1)
+        await command(env, pub, f.start("b"))
+        await wait_phase(env, "b", "Ready", generation=2)
+        await command(env, pub, f.restart("b"))
+        await wait_phase(env, "b", "Ready", generation=3)
+        await command(env, pub, f.delete("b"))
         await wait_phase(env, "b", "Deleted")
-        # B went all the way to its tombstone while A's delete is still held in the driver.
         assert await phase(env, "a") == "Deleting"
-        assert not held.released
+        assert not held.released and held.held == 1
 
         held.release()
         await wait_phase(env, "a", "Deleted")
-        assert driver.calls_for("delete", "a") and not await driver.list()
+        assert len(driver.calls_for("delete", "a")) == 1
+        assert await driver.list() == []
+
+
+# -- ordering and concurrency ---------------------------------------------------------------------
+
+
+async def test_intents_are_serial_per_sandbox() -> None:
+    """A restart accepted while the stop is still in the driver waits for it."""
+    driver = FakeDriver()
+    async with pipeline(driver) as (env, plane, pub):
+        executor = executor_of(plane)
+        await command(env, pub, f.create("a"))
+        await wait_phase(env, "a", "Ready")
+        held = driver.block("stop", "a")
+        await command(env, pub, f.stop("a"))
+        await held.entered()
+        await command(env, pub, f.restart("a"))  # admitted in Stopping: launch generation 2
+        await eventually(
+            lambda: asyncio.sleep(0, executor.pending("a")),
+            lambda n: n == 2,
+            what="the launch queued behind the held stop",
+        )
+        assert [(c.op, c.generation) for c in driver.calls_for(key="a")] == [
+            ("launch", 1),
+            ("stop", 1),
+        ]
+        held.release()
+        await wait_phase(env, "a", "Ready", generation=2)
+        assert [(c.op, c.generation) for c in driver.calls_for(key="a")] == [
+            ("launch", 1),
+            ("stop", 1),
+            ("launch", 2),
+        ]
+
+
+async def test_concurrency_across_sandboxes_is_bounded() -> None:
+    driver = FakeDriver()
+    async with pipeline(driver, executor_concurrency=2) as (env, plane, pub):
+        executor = executor_of(plane)
+        held = driver.block("launch")  # every key
+        keys = ["c1", "c2", "c3"]
+        for key in keys:
+            await command(env, pub, f.create(key))
+        # Two calls are in the driver, the third waits for a slot (not for the driver).
+        await eventually(
+            lambda: asyncio.sleep(0, (held.held, executor.running, executor.waiting)),
+            lambda state: state == (2, 2, 1),
+            what="two launches held, one waiting for a slot",
+        )
+        assert len(driver.calls_for("launch")) == 2
+        held.release()
+        for key in keys:
+            await wait_phase(env, key, "Ready")
+        assert len(driver.calls_for("launch")) == 3
+        assert (executor.running, executor.waiting) == (0, 0)
+
+
+async def test_superseded_intents_are_skipped() -> None:
+    """Queued behind a held launch: a stop, then a delete of the same incarnation. The stop
+    is pointless once the delete follows it, and is never run."""
+    driver = FakeDriver()
+    async with pipeline(driver) as (env, plane, pub):
+        executor = executor_of(plane)
+        held = driver.block("launch", "s")
+        await command(env, pub, f.create("s"))
+        await held.entered()
+        await command(env, pub, f.stop("s"))
+        await command(env, pub, f.delete("s"))
+        await eventually(
+            lambda: asyncio.sleep(0, executor.pending("s")),
+            lambda n: n == 3,
+            what="stop and delete queued behind the launch",
+        )
+        held.release()
+        await wait_phase(env, "s", "Deleted")
+        assert [c.op for c in driver.calls_for(key="s")] == ["launch", "delete"]
+        assert await driver.list() == []
+
+
+# -- failures and retries -------------------------------------------------------------------------
+
+
+async def test_a_retryable_failure_is_retried_until_it_succeeds() -> None:
+    driver = FakeDriver()
+    driver.fail("launch", "r", "podman: connection refused", retryable=True, times=2)
+    async with pipeline(driver) as (env, _, pub):
+        await command(env, pub, f.create("r"))
+        await wait_phase(env, "r", "Ready")
+        assert len(driver.calls_for("launch", "r")) == 3
+        # One result for the intent: the success; the failed attempts stay in the executor.
+        # (Ready may come from the watcher's snapshot first: wait for the result too.)
+        [result] = await eventually(
+            lambda: driver_results(env, "r"), bool, what="the launch result recorded"
+        )
+        assert result["message"]["outcome"] == "succeeded"
+        assert result["disposition"] == "applied"
+
+
+async def test_a_non_retryable_failure_is_reported_at_once() -> None:
+    driver = FakeDriver()
+    driver.fail("launch", "n", "podman: image not known", retryable=False)
+    async with pipeline(driver) as (env, _, pub):
+        await command(env, pub, f.create("n"))
+        failed = await wait_phase(env, "n", "Error")
+        assert "image not known" in failed["reason"]
+        assert len(driver.calls_for("launch", "n")) == 1
+        [result] = await driver_results(env, "n")
+        assert (result["message"]["outcome"], result["message"]["retryable"]) == ("failed", False)
+
+
+async def test_retries_give_up_and_the_row_follows_the_observed_state() -> None:
+    driver = FakeDriver()
+    policy = RetryPolicy(first_delay=0.01, max_delay=0.02, give_up_after=0.2)
+    async with pipeline(driver, retry=policy) as (env, _, pub):
+        await command(env, pub, f.create("g"))
+        await wait_phase(env, "g", "Ready")
+        driver.fail("stop", "g", "podman: timeout", retryable=True, times=None)
+        await command(env, pub, f.stop("g"))
+        # The failed stop left it running: the row follows the backend back to Ready.
+        after = await wait_row_reason(env, "g", "gave up after")
+        assert after["phase"] == "Ready"
+        assert len(driver.calls_for("stop", "g")) > 2
+
+
+async def test_a_later_intent_ends_the_retries_of_an_earlier_one() -> None:
+    driver = FakeDriver()
+    patient = RetryPolicy(first_delay=0.5, max_delay=5.0, give_up_after=600)
+    driver.fail("launch", "l", "podman: connection refused", retryable=True, times=None)
+    async with pipeline(driver, retry=patient) as (env, _, pub):
+        await command(env, pub, f.create("l"))
+        await eventually(
+            lambda: asyncio.sleep(0, len(driver.calls_for("launch", "l"))),
+            lambda n: n >= 2,
+            what="the launch being retried",
+        )
+        await command(env, pub, f.delete("l"))
+        await wait_phase(env, "l", "Deleted", timeout=5)  # not 10 minutes of retries
+        results = await driver_results(env, "l")
+        launch = next(r for r in results if r["message"]["operation"] == "launch")
+        assert "a later intent of the sandbox is queued" in launch["message"]["reason"]
+        assert launch["disposition"] == "ignored"  # the row was Deleting by then
+
+
+async def wait_row_reason(env: Env, key: str, text: str) -> dict[str, Any]:
+    found = await eventually(
+        lambda: row(env, key),
+        lambda r: r is not None and text in (r["reason"] or ""),
+        what=f"{key} reason containing {text!r}",
+    )
+    assert found is not None
+    return found
+
+
+# -- redelivery and rebalances --------------------------------------------------------------------
+
+
+async def test_a_redelivered_launch_does_not_launch_twice() -> None:
+    """A second executor group reads the whole log again (as after a crash before any
+    commit): the driver is asked again, nothing new is started, the rows do not move."""
+    driver = FakeDriver()
+    async with isolated_env() as env:
+        plane = ControlPlane(env.settings, driver, env.pool, reconcile_interval=3600)
+        await plane.start()
+        try:
+            async with await env.publisher() as pub:
+                await command(env, pub, f.create("x"))
+                await command(env, pub, f.create("y"))
+                await wait_phase(env, "x", "Ready")
+                await wait_phase(env, "y", "Ready", generation=1)
+                await command(env, pub, f.restart("y"))
+                await wait_phase(env, "y", "Ready", generation=2)
+        finally:
+            await plane.stop()
+        before = await driver.list()
+        launches = len(driver.calls_for("launch"))
+        rows_before = [await row(env, k) for k in ("x", "y")]
+
+        await env.start_processor()
+        again = Executor(
+            env.settings.model_copy(update={"executor_group": env.settings.executor_group + "-2"}),
+            driver,
+            retry=FAST_RETRY,
+        )
+        await again.start()
+        stop = asyncio.Event()
+        task = asyncio.create_task(again.run(stop))
+        try:
+            await eventually(
+                lambda: driver_results(env, "x"),
+                lambda rs: len(rs) == 2,
+                what="the redelivered launch of x reported",
+            )
+            # y's log: launch g1, launch g2 (restart). The replay reports at least the launch
+            # of generation 2 (the launch of generation 1 is skipped as superseded when both
+            # are queued together, or else fails as superseded in the driver).
+            await eventually(
+                lambda: driver_results(env, "y"),
+                lambda rs: any(r["message"]["generation"] == 2 for r in rs[2:]),
+                what="the redelivered launch of y generation 2 reported",
+            )
+        finally:
+            stop.set()
+            await task
+            await again.stop()
+        assert len(driver.calls_for("launch")) > launches  # it was asked again ...
+        assert await driver.list() == before  # ... and started nothing new
+        assert [await row(env, k) for k in ("x", "y")] == rows_before
+        redelivered = (await driver_results(env, "x"))[-1]
+        assert redelivered["disposition"] == "ignored"
+
+
+async def test_an_intent_in_flight_during_a_rebalance_is_not_lost_or_doubled() -> None:
+    """A second executor joins while the first holds a launch in the driver: the first
+    drops what it had queued, commits below the held launch and gives partitions away; the
+    held launch still completes and reports; every sandbox ends with exactly one runtime."""
+    driver = FakeDriver()
+    async with isolated_env() as env:
+        await env.start_processor()
+        first = Executor(env.settings, driver, retry=FAST_RETRY, revoke_grace=0.2)
+        second = Executor(env.settings, driver, retry=FAST_RETRY)
+        stop = asyncio.Event()
+        await first.start()
+        tasks = [asyncio.create_task(first.run(stop))]
+        try:
+            async with await env.publisher() as pub:
+                held = driver.block("launch", "held")
+                await command(env, pub, f.create("held"))
+                await held.entered()
+                others = [f"k{i}" for i in range(6)]
+                for key in others:
+                    await command(env, pub, f.create(key))
+                for key in others:
+                    await wait_phase(env, key, "Ready")
+                runtimes_before = {r.key: r.runtime_id for r in await driver.list()}
+
+                await second.start()
+                tasks.append(asyncio.create_task(second.run(stop)))
+                await eventually(
+                    lambda: asyncio.sleep(0, (len(first._owned), len(second._owned))),
+                    lambda owned: owned[0] > 0 and owned[1] > 0 and sum(owned) == 4,
+                    what="the partitions shared by both executors",
+                )
+                held.release()
+                await wait_phase(env, "held", "Ready")
+                # More work after the rebalance flows through whichever executor owns it.
+                for key in others:
+                    await command(env, pub, f.stop(key))
+                for key in others:
+                    await wait_phase(env, key, "Stopped")
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+            await first.stop()
+            await second.stop()
+        runtimes = {r.key: r.runtime_id for r in await driver.list()}
+        assert sorted(runtimes) == sorted(["held", *others])
+        assert {k: runtimes[k] for k in others} == runtimes_before  # nothing launched anew
+        # Offsets are committed below the oldest unfinished intent of each partition (at the
+        # latest when it is revoked): launches in other partitions than the held one's were
+        # never run again; those after it in its partition may be (idempotently).
+        partition = {h["key"]: h["partition"] for h in await env.fetch(
+            "SELECT key, partition FROM history WHERE message_type = 'CreateSandbox'")}  # fmt: skip
+        for key in others:
+            runs = len(driver.calls_for("launch", key))
+            assert runs == 1 or (runs == 2 and partition[key] == partition["held"]), key
+        assert len(driver.calls_for("launch", "held")) in (1, 2)
+        [applied] = [r for r in await driver_results(env, "held") if r["disposition"] == "applied"]
+        assert applied["message"]["outcome"] == "succeeded"

@@ -1,0 +1,254 @@
+"""Helpers for the pipeline tests of the executor, the watchers and the reconcile loop.
+
+Rows, history and outcomes are read from the isolated environment's schema; waits poll to a
+deadline and then fail with the last value seen (never a bare sleep). The Podman helpers look
+behind the driver's back with a plain client, and ``PodmanKeys`` hands out unique sandbox
+names and force-removes everything of them afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+from harness import Env, eventually
+from podman import PodmanClient
+
+from drivers.protocol import LABEL_KEY
+from events.codec import encode
+from events.commands import Command
+from events.common import SandboxSpec
+from events.observations import Observation
+from events.outcomes import CommandOutcome
+from events.publisher import CommandPublisher, await_outcome
+from services.settings import Settings
+
+# An entrypoint that ignores SIGTERM even with an init process: the shell traps it away and
+# its children inherit the ignored disposition. Only SIGKILL (after the grace period) ends it.
+IGNORE_TERM = ["sh", "-c", "trap '' TERM; while true; do sleep 1; done"]
+SLEEPER = ["sh", "-c", "exec sleep 3600"]
+
+
+async def row(env: Env, key: str) -> dict[str, Any] | None:
+    rows = await env.fetch(
+        "SELECT key, sandbox_id, phase, generation, version, identity, reason, exit_code "
+        "FROM sandboxes WHERE key = $1",
+        key,
+    )
+    return dict(rows[0]) if rows else None
+
+
+async def phase(env: Env, key: str) -> str | None:
+    found = await row(env, key)
+    return found["phase"] if found else None
+
+
+async def wait_row(
+    env: Env,
+    key: str,
+    check: Callable[[dict[str, Any]], bool],
+    what: str,
+    timeout: float = 30.0,
+) -> dict[str, Any]:
+    found = await eventually(
+        lambda: row(env, key),
+        lambda r: r is not None and check(r),
+        timeout=timeout,
+        what=f"{key}: {what}",
+    )
+    assert found is not None
+    return found
+
+
+async def wait_phase(
+    env: Env, key: str, expected: str, timeout: float = 30.0, generation: int | None = None
+) -> dict[str, Any]:
+    def check(r: dict[str, Any]) -> bool:
+        return bool(r["phase"] == expected and generation in (None, r["generation"]))
+
+    what = f"phase {expected}" + (f" at generation {generation}" if generation else "")
+    return await wait_row(env, key, check, what, timeout)
+
+
+async def history(env: Env, key: str) -> list[dict[str, Any]]:
+    rows = await env.fetch(
+        'SELECT topic, partition, "offset", message_type, disposition, reason, phase, '
+        "generation, version, message FROM history WHERE key = $1 ORDER BY id",
+        key,
+    )
+    out = [dict(r) for r in rows]
+    for h in out:
+        if isinstance(h["message"], str):
+            h["message"] = json.loads(h["message"])
+    return out
+
+
+async def command(
+    env: Env, pub: CommandPublisher, cmd: Command, timeout: float = 15.0
+) -> CommandOutcome:
+    """Publish ``cmd`` and return its outcome once decided; fails if it was not accepted."""
+    await pub.publish(cmd)
+    outcome = await await_outcome(env.pool, cmd.command_id, timeout=timeout, key=cmd.key)
+    assert outcome is not None, f"no outcome for {cmd.type} of {cmd.key} within {timeout}s"
+    assert outcome.status == "accepted", outcome
+    return outcome
+
+
+async def produce_raw(
+    env: Env, records: list[tuple[bytes, bytes]], topic: str | None = None
+) -> list[tuple[int, int]]:
+    """Append raw (key, value) records in order; their (partition, offset)s."""
+    producer = AIOKafkaProducer(
+        bootstrap_servers=env.settings.kafka_bootstrap, enable_idempotence=True, acks="all"
+    )
+    await producer.start()
+    try:
+        placed = []
+        for key, value in records:
+            meta = await producer.send_and_wait(
+                topic or env.settings.topic_observations, value=value, key=key
+            )
+            placed.append((meta.partition, meta.offset))
+        return placed
+    finally:
+        await producer.stop()
+
+
+async def observations_of(env: Env, key: str) -> list[tuple[Observation, bytes]]:
+    """Every observation of ``key`` now in the observations topic, in order, with its bytes."""
+    from events.codec import OBSERVATIONS, decode
+
+    out = []
+    for record in await env.read_topic(env.settings.topic_observations):
+        if record.key == key.encode() and record.value is not None:
+            out.append((decode(OBSERVATIONS, record.value), record.value))
+    return out
+
+
+async def wait_history_at(
+    env: Env, placed: list[tuple[int, int]], timeout: float = 30.0
+) -> list[dict[str, Any]]:
+    """The history rows of observations at ``placed`` (partition, offset), once all exist."""
+    topic = env.settings.topic_observations
+    partitions = [p for p, _ in placed]
+    offsets = [o for _, o in placed]
+
+    async def probe() -> list[dict[str, Any]]:
+        rows = await env.fetch(
+            'SELECT partition, "offset", message_type, disposition, reason, phase, version '
+            'FROM history WHERE topic = $1 AND (partition, "offset") IN '
+            '(SELECT * FROM unnest($2::int[], $3::bigint[])) ORDER BY "offset"',
+            topic,
+            partitions,
+            offsets,
+        )
+        return [dict(r) for r in rows]
+
+    found: list[dict[str, Any]] = await eventually(
+        probe, lambda rows: len(rows) == len(placed), timeout=timeout, what="replayed history"
+    )
+    return found
+
+
+def encode_all(observations: list[Observation]) -> list[tuple[bytes, bytes]]:
+    return [(o.key.encode(), encode(o)) for o in observations]
+
+
+# -- Podman ---------------------------------------------------------------------------------
+
+
+def sandbox_spec(
+    settings: Settings, command: list[str], stop_timeout: int | None = None
+) -> SandboxSpec:
+    return SandboxSpec(
+        image=settings.sandbox_image, command=command, stop_timeout_seconds=stop_timeout
+    )
+
+
+def podman_client(settings: Settings) -> PodmanClient:
+    return PodmanClient(base_url=settings.podman_url, timeout=60)
+
+
+def containers_of(client: PodmanClient, key: str) -> list[dict[str, str]]:
+    """Name and status of every container labelled with ``key`` (ours or not)."""
+    found = client.containers.list(all=True, filters=[f"label={LABEL_KEY}={key}"])
+    return sorted(
+        ({"name": c.name, "status": c.attrs.get("State", ""), "id": c.id} for c in found),
+        key=lambda c: c["name"],
+    )
+
+
+def volumes_of(client: PodmanClient, key: str) -> list[str]:
+    return sorted(v.name for v in client.volumes.list(filters=[f"label={LABEL_KEY}={key}"]))
+
+
+def status_of(client: PodmanClient, name: str) -> str | None:
+    try:
+        return str(client.containers.get(name).attrs["State"]["Status"])
+    except Exception:
+        return None
+
+
+def wait_podman(
+    probe: Callable[[], Any], check: Callable[[Any], bool], what: str, timeout: float = 30.0
+) -> Any:
+    """Poll a blocking Podman probe until ``check`` holds (final check at the deadline)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if check(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {value!r}")
+        time.sleep(0.05)
+
+
+async def await_podman(
+    client: PodmanClient,
+    probe: Callable[[PodmanClient], Any],
+    check: Callable[[Any], bool],
+    what: str,
+    timeout: float = 30.0,
+) -> Any:
+    """``wait_podman`` for async tests: polls in a thread, the event loop keeps running."""
+    return await asyncio.to_thread(wait_podman, lambda: probe(client), check, what, timeout)
+
+
+class PodmanKeys:
+    """Unique sandbox names; ``cleanup()`` force-removes their containers and volumes."""
+
+    def __init__(self, client: PodmanClient, prefix: str) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.made: list[str] = []
+
+    def __call__(self) -> str:
+        self.made.append(f"{self.prefix}-{uuid.uuid4().hex[:10]}")
+        return self.made[-1]
+
+    def cleanup(self) -> None:
+        for key in self.made:
+            for container in containers_of(self.client, key):
+                remove_now(self.client, container["id"])
+            for name in volumes_of(self.client, key):
+                self.client.volumes.remove(name, force=True)
+        leftovers = {
+            k: [c["name"] for c in containers_of(self.client, k)] + volumes_of(self.client, k)
+            for k in self.made
+        }
+        assert not any(leftovers.values()), f"cleanup left {leftovers}"
+
+
+def remove_now(client: PodmanClient, container_id: str) -> None:
+    """``podman rm -f --time 0``: SIGKILL at once (a plain force-remove waits out the
+    container's stop timeout first)."""
+    response = client.api.delete(
+        f"/containers/{container_id}", params={"force": True, "timeout": 0, "volumes": True}
+    )
+    if response.status_code != 404:
+        response.raise_for_status()

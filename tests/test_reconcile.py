@@ -1,0 +1,253 @@
+"""The reconcile loop: the pure ``reconcile()`` and, on real Podman, Kafka and PostgreSQL, a
+runtime removed behind sandstream's back and an orphan runtime with our marker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import factories as f
+import pytest
+from harness import eventually, isolated_env
+from pipeline_support import (
+    SLEEPER,
+    PodmanKeys,
+    command,
+    containers_of,
+    history,
+    podman_client,
+    remove_now,
+    sandbox_spec,
+    volumes_of,
+    wait_phase,
+)
+from podman import PodmanClient
+
+from drivers.podman import PodmanDriver, container_name
+from drivers.protocol import LaunchSpec, RuntimeInfo
+from events.common import Phase
+from events.observations import RuntimeRemoved, RuntimeSnapshot
+from services.runtime import ControlPlane
+from services.settings import Settings
+from services.watcher import LiveRow, reconcile
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+SID = uuid.UUID("00000000-0000-4000-8000-0000000000aa")
+OTHER = uuid.UUID("00000000-0000-4000-8000-0000000000bb")
+
+
+def live(key: str, generation: int, phase: Phase, sandbox_id: uuid.UUID = SID) -> LiveRow:
+    return LiveRow(key, sandbox_id, generation, phase)
+
+
+def runtime(
+    key: str, generation: int, state: str = "running", sandbox_id: uuid.UUID = SID
+) -> RuntimeInfo:
+    return RuntimeInfo(
+        key=key,
+        sandbox_id=sandbox_id,
+        generation=generation,
+        state=state,  # type: ignore[arg-type]
+        exit_code=143 if state == "exited" else None,
+        runtime_id=f"rt-{key}-{generation}-{sandbox_id.hex[-2:]}",
+        identity=None,
+    )
+
+
+def kinds(observations: list[Any]) -> list[tuple[str, str, int]]:
+    return [
+        ("vanished" if isinstance(o, RuntimeRemoved) else "orphan", o.key, o.generation)
+        for o in observations
+    ]
+
+
+# -- the pure function ----------------------------------------------------------------------------
+
+
+def test_nothing_to_report_when_rows_and_runtimes_agree() -> None:
+    rows = [live("a", 1, Phase.READY), live("b", 3, Phase.STOPPED), live("c", 2, Phase.STOPPING)]
+    runtimes = [runtime("a", 1), runtime("b", 3, "exited"), runtime("c", 2)]
+    assert reconcile(rows, runtimes, NOW) == []
+
+
+@pytest.mark.parametrize("phase", [Phase.READY, Phase.STOPPING])
+def test_a_runtime_that_vanished_is_reported_removed(phase: Phase) -> None:
+    [observation] = reconcile([live("a", 2, phase)], [], NOW)
+    assert isinstance(observation, RuntimeRemoved)
+    assert (observation.key, observation.generation, observation.source) == ("a", 2, "reconcile")
+    assert observation.actor == "reconciler" and observation.occurred_at == NOW
+    assert observation.observation_id == f"reconcile:vanished:{SID}:2"  # deterministic
+
+
+@pytest.mark.parametrize(
+    "phase",
+    [
+        Phase.PROVISIONING,
+        Phase.STARTING,
+        Phase.STOPPED,
+        Phase.COMPLETED,
+        Phase.ERROR,
+        Phase.DELETING,
+    ],
+)
+def test_no_runtime_is_news_only_where_one_is_needed(phase: Phase) -> None:
+    # Launching: not created yet. Stopped/Completed/Error: not needed. Deleting: on its way out.
+    assert reconcile([live("a", 1, phase)], [], NOW) == []
+
+
+def test_a_runtime_of_another_generation_does_not_count_as_present() -> None:
+    # The row is Ready at generation 3, the only runtime is generation 2 (a leftover).
+    found = reconcile([live("a", 3, Phase.READY)], [runtime("a", 2)], NOW)
+    assert sorted(kinds(found)) == [("orphan", "a", 2), ("vanished", "a", 3)]
+
+
+def test_orphans_are_reported_as_snapshots() -> None:
+    rows = [live("b", 5, Phase.READY), live("c", 4, Phase.STARTING)]
+    runtimes = [
+        runtime("a", 1),  # no row at all
+        runtime("b", 5),  # current: fine
+        runtime("b", 2, "exited", sandbox_id=OTHER),  # an older incarnation's leftover
+        runtime("c", 3),  # older generation, but a launch (which removes it) is in flight
+        runtime("c", 4),
+    ]
+    found = reconcile(rows, runtimes, NOW)
+    assert kinds(found) == [("orphan", "a", 1), ("orphan", "b", 2)]
+    snapshot = found[1]
+    assert isinstance(snapshot, RuntimeSnapshot)
+    assert (snapshot.state, snapshot.exit_code, snapshot.source) == ("exited", 143, "reconcile")
+    assert snapshot.runtime_id == runtime("b", 2, sandbox_id=OTHER).runtime_id
+    # Same listing, same ids: a repeated pass is recognisable.
+    assert [o.observation_id for o in reconcile(rows, runtimes, NOW)] == [
+        o.observation_id for o in found
+    ]
+
+
+def test_an_old_generation_of_a_settled_row_is_an_orphan() -> None:
+    found = reconcile([live("a", 3, Phase.STOPPED)], [runtime("a", 2), runtime("a", 3)], NOW)
+    assert kinds(found) == [("orphan", "a", 2)]
+
+
+# -- on the pipeline ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def podman(settings: Settings) -> Any:
+    with podman_client(settings) as client:
+        try:
+            client.ping()
+        except Exception as exc:
+            pytest.fail(f"no Podman API at {settings.podman_url} ({exc}): run `make stack`")
+        yield client
+
+
+async def test_a_container_removed_while_no_watcher_ran_is_found_by_the_reconcile_loop(
+    podman: PodmanClient,
+) -> None:
+    keys = PodmanKeys(podman, "recon")
+    key = keys()
+    try:
+        async with isolated_env() as env, await env.publisher() as pub:
+            driver = PodmanDriver(settings=env.settings, stop_timeout=5)
+            try:
+                plane = ControlPlane(env.settings, driver, env.pool, reconcile_interval=3600)
+                await plane.start()
+                try:
+                    spec = sandbox_spec(env.settings, SLEEPER)
+                    await command(env, pub, f.create(key, sandbox_spec=spec))
+                    await wait_phase(env, key, "Ready")
+                finally:
+                    await plane.stop()
+
+                # Behind sandstream's back, while nothing of it runs: `podman rm -f`.
+                [container] = containers_of(podman, key)
+                await asyncio.to_thread(remove_now, podman, container["id"])
+
+                # A new control plane: its watcher lists nothing of the key (and so reports
+                # nothing); the reconcile loop notices the Ready row without a runtime.
+                plane = ControlPlane(env.settings, driver, env.pool, reconcile_interval=0.5)
+                await plane.start()
+                try:
+                    failed = await wait_phase(env, key, "Error")
+                    assert failed["reason"] == "runtime removed outside sandstream"
+                    removals = [
+                        (h["message"]["source"], h["message"]["actor"], h["disposition"])
+                        for h in await history(env, key)
+                        if h["message_type"] == "RuntimeRemoved"
+                    ]
+                    assert removals == [("reconcile", "reconciler", "applied")]
+
+                    # The reconciler only reported it; recovering is a user's command.
+                    await command(env, pub, f.delete(key))
+                    await wait_phase(env, key, "Deleted")
+                    assert volumes_of(podman, key) == []
+                finally:
+                    await plane.stop()
+            finally:
+                await driver.close()
+    finally:
+        await asyncio.to_thread(keys.cleanup)
+
+
+async def test_an_orphan_runtime_is_reported_and_recorded_but_never_removed(
+    podman: PodmanClient,
+) -> None:
+    keys = PodmanKeys(podman, "orphan")
+    orphan = keys()
+    try:
+        async with isolated_env() as env:
+            driver = PodmanDriver(settings=env.settings, stop_timeout=5)
+            try:
+                # Our labels, no row: e.g. left behind by a lost database or another install.
+                await driver.launch(
+                    LaunchSpec(
+                        key=orphan,
+                        sandbox_id=uuid.uuid4(),
+                        generation=7,
+                        identity="rid-orphan",
+                        spec=sandbox_spec(env.settings, SLEEPER),
+                    )
+                )
+                plane = ControlPlane(env.settings, driver, env.pool, reconcile_interval=0.3)
+                await plane.start()
+                try:
+                    reconciler = plane.reconciler
+                    assert reconciler is not None
+
+                    def from_reconciler(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+                        return [r for r in rows if r["message"]["source"] == "reconcile"]
+
+                    rows = await eventually(
+                        lambda: history(env, orphan),
+                        lambda rows: len(from_reconciler(rows)) == 1,
+                        what="the orphan reported by the reconcile loop",
+                    )
+                    [reported] = from_reconciler(rows)
+                    assert reported["message_type"] == "RuntimeSnapshot"
+                    assert reported["message"]["generation"] == 7
+                    assert reported["disposition"] == "ignored"
+                    assert reported["reason"].startswith("unknown sandbox")
+                    # The watcher's listing of it was ignored the same way.
+                    assert {r["disposition"] for r in rows} == {"ignored"}
+
+                    # Two more passes: still there, still running, reported once only.
+                    passes = reconciler.passes
+                    await eventually(
+                        lambda: asyncio.sleep(0, reconciler.passes),
+                        lambda n: n >= passes + 2,
+                        what="two more reconcile passes",
+                    )
+                    [container] = containers_of(podman, orphan)
+                    assert (container["name"], container["status"]) == (
+                        container_name(orphan, 7),
+                        "running",
+                    )
+                    assert len(from_reconciler(await history(env, orphan))) == 1
+                finally:
+                    await plane.stop()
+            finally:
+                await driver.close()
+    finally:
+        await asyncio.to_thread(keys.cleanup)
