@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -64,6 +63,7 @@ from events.decided import (
 )
 from events.observations import DriverOperationResult, Operation
 from services import metrics
+from services.entrypoint import run_until_signalled
 from services.settings import Settings
 
 log = logging.getLogger("sandstream.executor")
@@ -509,17 +509,7 @@ def main() -> None:
     (``python -m services.executor``); settings come from ``SANDSTREAM_*`` variables."""
     from services.runtime import serve_driver_side
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    settings = Settings()
-
-    async def _run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await serve_driver_side(settings, stop)
-
-    asyncio.run(_run())
+    run_until_signalled(serve_driver_side)
 
 
 if __name__ == "__main__":

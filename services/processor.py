@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import heapq
 import logging
-import signal
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from projections.store import (
     write_batch,
 )
 from services import metrics
+from services.entrypoint import run_until_signalled
 from services.settings import Settings
 
 log = logging.getLogger("sandstream.processor")
@@ -406,17 +406,7 @@ async def serve(settings: Settings, stop: asyncio.Event, name: str = "processor"
 
 def main() -> None:
     """Run one processor until SIGINT/SIGTERM (``python -m services.processor``)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    settings = Settings()
-
-    async def _run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await serve(settings, stop)
-
-    asyncio.run(_run())
+    run_until_signalled(serve)
 
 
 if __name__ == "__main__":
