@@ -1,0 +1,148 @@
+"""The HTTP API on the real stack for tests: an isolated environment, the control plane with a
+driver (or none), and the API served by uvicorn on an ephemeral port in the test's loop.
+
+Import it as ``import apikit`` (pytest puts ``tests/`` on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+from harness import Env, eventually, isolated_env
+
+from drivers.protocol import Driver
+from events.publisher import CommandPublisher
+from services.api import create_app, start_api
+from services.auth import READ, WRITE, TokenStore
+from services.runtime import ControlPlane
+
+ADMIN = "sst_test-admin"
+READER = "sst_test-reader"
+WRITER = "sst_test-writer"
+
+
+def tokens() -> TokenStore:
+    return TokenStore.of(admin=(ADMIN, READ, WRITE), reader=(READER, READ), writer=(WRITER, WRITE))
+
+
+def unique(prefix: str = "sb") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class Api:
+    env: Env
+    url: str
+    app: FastAPI
+    plane: ControlPlane | None
+
+    def client(self, token: str | None = ADMIN, **kwargs: Any) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=60, **kwargs)
+
+    async def commands_published(self) -> int:
+        """Records in the commands topic (to prove that nothing was published)."""
+        return len(await self.env.read_topic(self.env.settings.topic_commands))
+
+    async def phase(self, name: str) -> str | None:
+        value = await self.env.fetchval("SELECT phase FROM sandboxes WHERE key = $1", name)
+        return str(value) if value is not None else None
+
+    async def wait_phase(self, name: str, phase: str, timeout: float = 30) -> None:
+        await eventually(lambda: self.phase(name), lambda p: p == phase, timeout=timeout,
+                         what=f"{name} to be {phase}")  # fmt: skip
+
+
+@asynccontextmanager
+async def running_api(
+    driver: Driver | None,
+    *,
+    partitions: int = 4,
+    poll_interval: float = 1.0,
+    publish_timeout: float | None = None,
+    settings_update: dict[str, Any] | None = None,
+    topic_override: str | None = None,
+) -> AsyncIterator[Api]:
+    """The API over a fresh environment; with ``driver=None`` no processor runs at all."""
+    async with isolated_env(partitions) as env:
+        if settings_update:
+            env.settings = env.settings.model_copy(update=settings_update)
+        plane = None
+        if driver is not None:
+            plane = ControlPlane(env.settings, driver, env.pool, reconcile_interval=3600)
+            await plane.start()
+        publisher = CommandPublisher(
+            env.settings.kafka_bootstrap, topic=topic_override or env.settings.topic_commands
+        )
+        await publisher.__aenter__()
+        extra = {} if publish_timeout is None else {"publish_timeout": publish_timeout}
+        app = create_app(
+            env.settings, env.pool, publisher, tokens(), poll_interval=poll_interval, **extra
+        )
+        server = await start_api(app, "127.0.0.1", 0, access_log=False)
+        try:
+            yield Api(env, server.url, app, plane)
+        finally:
+            await server.stop()
+            await publisher.__aexit__()
+            if plane is not None:
+                await plane.stop()
+
+
+@dataclass(frozen=True)
+class Event:
+    event: str
+    id: int | None
+    data: dict[str, Any]
+
+
+async def read_events(
+    client: httpx.AsyncClient,
+    until: Callable[[list[Event]], bool],
+    *,
+    params: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 30,
+) -> list[Event]:
+    """Server-sent events of /v1/watch until ``until(events)`` holds; then the stream is closed."""
+    events: list[Event] = []
+    async with asyncio.timeout(timeout):
+        async with client.stream("GET", "/v1/watch", params=params, headers=headers) as response:
+            assert response.status_code == 200, await response.aread()
+            assert response.headers["content-type"].startswith("text/event-stream")
+            kind, event_id, data = "message", None, []
+            async for line in response.aiter_lines():
+                if line == "":
+                    if data:
+                        events.append(Event(kind, event_id, json.loads("\n".join(data))))
+                        if until(events):
+                            return events
+                    kind, event_id, data = "message", None, []
+                elif line.startswith(":"):
+                    continue
+                else:
+                    field, _, value = line.partition(":")
+                    value = value.removeprefix(" ")
+                    if field == "event":
+                        kind = value
+                    elif field == "id":
+                        event_id = int(value)
+                    elif field == "data":
+                        data.append(value)
+    return events
+
+
+def rows(events: list[Event]) -> list[dict[str, Any]]:
+    return [e.data for e in events if e.event == "sandbox"]
+
+
+def create_body(name: str, **spec: Any) -> dict[str, Any]:
+    return {"name": name, "spec": {"image": "registry.example/agent:1", **spec}}

@@ -1,0 +1,302 @@
+"""The `sandstream` command against a real `sandstream up`: the README session and more.
+
+`sandstream up` runs as a subprocess (the real console script) with this module's own topics,
+schema, run directory (tokens, pid file) and an ephemeral API port, so the whole pipeline runs
+with the real Podman driver. Every CLI call is a subprocess too, exactly as a person types it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import stat
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from apikit import unique
+from harness import eventually, isolated_env
+
+from drivers.podman import PodmanDriver
+from services.settings import PROJECT_ROOT, load_settings
+
+SANDSTREAM = str(PROJECT_ROOT / ".venv" / "bin" / "sandstream")
+IMAGE = load_settings().sandbox_image
+
+
+@dataclass(frozen=True)
+class Result:
+    code: int
+    out: str
+    err: str
+
+
+@dataclass
+class Up:
+    proc: asyncio.subprocess.Process
+    url: str
+    env: dict[str, str]
+    run_dir: Path
+    log: Path
+    banner: str
+    names: list[str] = field(default_factory=list)
+
+    async def cli(self, *args: str, timeout: float = 120, **env: str) -> Result:
+        proc = await asyncio.create_subprocess_exec(
+            SANDSTREAM,
+            *args,
+            env={**self.env, "SANDSTREAM_API_URL": self.url, **env},
+            cwd=PROJECT_ROOT,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        assert proc.returncode is not None
+        return Result(proc.returncode, out.decode(), err.decode())
+
+    def name(self, prefix: str) -> str:
+        self.names.append(unique(prefix))
+        return self.names[-1]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def up(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Up]:
+    async with isolated_env() as env:
+        run_dir = tmp_path_factory.mktemp("run")
+        variables = {
+            **env.env_vars(),
+            "SANDSTREAM_RUN_DIR": str(run_dir),
+            "SANDSTREAM_API_PORT": "0",
+            "COLUMNS": "200",
+        }
+        for inherited in ("SANDSTREAM_TOKEN", "SANDSTREAM_TOKEN_FILE", "SANDSTREAM_API_URL"):
+            variables.pop(inherited, None)
+        log = run_dir / "up.log"
+        with log.open("wb") as log_file:
+            proc = await asyncio.create_subprocess_exec(
+                SANDSTREAM, "up", env=variables, cwd=PROJECT_ROOT,
+                stdout=asyncio.subprocess.PIPE, stderr=log_file,
+            )  # fmt: skip
+        assert proc.stdout is not None
+        banner: list[str] = []
+        url = None
+        try:
+            async with asyncio.timeout(120):
+                while url is None:
+                    line = (await proc.stdout.readline()).decode()
+                    assert line, f"`sandstream up` ended early:\n{''.join(banner)}{log.read_text()}"
+                    banner.append(line)
+                    if match := re.match(r"^\s+API\s+(http://\S+)", line):
+                        url = match.group(1)
+                while "Ctrl-C" not in banner[-1]:
+                    banner.append((await proc.stdout.readline()).decode())
+            running = Up(proc, url, variables, run_dir, log, "".join(banner))
+            yield running
+        finally:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.wait_for(proc.wait(), 60)
+            driver = PodmanDriver(settings=env.settings)
+            try:
+                for name in running.names if url else []:
+                    await driver.delete(name)
+            finally:
+                await driver.close()
+
+
+def lines(text: str) -> list[str]:
+    return [line.rstrip() for line in text.splitlines()]
+
+
+async def test_up_prints_where_the_api_and_the_token_are(up: Up) -> None:
+    assert "sandstream is up" in up.banner
+    assert f"API         {up.url}" in up.banner
+    admin = up.run_dir / "admin.token"
+    tokens = up.run_dir / "tokens.json"
+    assert f"token       {admin}  (new admin token)" in up.banner
+    assert f"tokens      {tokens}" in up.banner
+    for path in (admin, tokens):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    value = admin.read_text().strip()
+    stored = tokens.read_text()
+    assert value not in stored  # only its hash
+    assert json.loads(stored)["tokens"][0]["scopes"] == ["sandbox:read", "sandbox:write"]
+
+
+async def test_the_readme_session(up: Up) -> None:
+    name = up.name("readme")
+    r = await up.cli("sandbox", "create", name, "--image", IMAGE, "--label", "team=research",
+                     "--", "sleep", "3600")  # fmt: skip
+    assert (r.code, lines(r.out)) == (0, [f"✓ Created sandbox {name} (generation 1)"]), r.err
+
+    r = await up.cli("sandbox", "list")
+    assert r.code == 0
+    table = lines(r.out)
+    assert table[0].split() == ["NAME", "PHASE", "GENERATION", "AGE"]
+    assert [row.split()[:3] for row in table[1:]] == [[name, "Ready", "1"]]
+
+    r = await up.cli("sandbox", "list", "-o", "json", "--label", "team=research")
+    listed = json.loads(r.out)
+    assert [(s["name"], s["phase"], s["labels"]) for s in listed] == [
+        (name, "Ready", {"team": "research"})
+    ]
+
+    r = await up.cli("sandbox", "get", name)
+    assert r.code == 0
+    assert ["Phase", "Ready"] in [row.split() for row in lines(r.out)]
+    assert "Command     sleep 3600" in r.out
+
+    r = await up.cli("sandbox", "stop", name)
+    assert (r.code, lines(r.out)) == (0, [f"✓ Stopped sandbox {name} (generation 1)"]), r.err
+    r = await up.cli("sandbox", "start", name)
+    assert (r.code, lines(r.out)) == (0, [f"✓ Started sandbox {name} (generation 2)"]), r.err
+
+    r = await up.cli("sandbox", "history", name)
+    assert r.code == 0
+    table = lines(r.out)
+    assert table[0].split() == ["TIME", "INPUT", "BY", "RESULT", "PHASE", "GEN", "VER", "REASON"]
+    assert any(re.search(r"^\S+\s+Stop\s+admin\s+applied\s+Stopping\s+1\s+3\s", row)
+               for row in table), r.out  # fmt: skip
+    assert any(" ignored " in row and "no effect in phase" in row for row in table)
+    r = await up.cli("sandbox", "history", name, "-o", "json")
+    history = json.loads(r.out)
+    applied = [h for h in history if h["disposition"] == "applied"]
+    # (Whether the executor's result or the watcher's snapshot moved the row is a race.)
+    assert [h["phase"] for h in applied] == [
+        "Provisioning", "Ready", "Stopping", "Stopped", "Starting", "Ready",
+    ]  # fmt: skip
+    assert [h["message_type"] for h in applied][0::2] == [
+        "CreateSandbox", "StopSandbox", "StartSandbox",
+    ]  # fmt: skip
+
+    r = await up.cli("sandbox", "delete", name)
+    assert (r.code, lines(r.out)) == (0, [f"✓ Deleted sandbox {name}"]), r.err
+    r = await up.cli("sandbox", "list", "-o", "json")
+    assert name not in [s["name"] for s in json.loads(r.out)]
+    r = await up.cli("sandbox", "get", name)
+    assert (r.code, r.err.strip()) == (1, f"✗ sandbox {name!r} not found")
+
+
+async def test_rejections_and_failures_exit_non_zero_with_the_reason(up: Up) -> None:
+    ghost = up.name("ghost")
+    r = await up.cli("sandbox", "stop", ghost)
+    assert r.code == 1
+    assert r.err.strip() == f"✗ rejected: sandbox {ghost!r} not found (NOT_FOUND)"
+
+    r = await up.cli("sandbox", "create", "Not_A_Name", "--image", IMAGE)
+    assert r.code == 1 and "✗ field 'name': must be a DNS label" in r.err
+
+    r = await up.cli("sandbox", "create", "x", "--image", IMAGE, "--label", "novalue")
+    assert r.code == 2 and "expected --label as KEY=VALUE" in r.err
+
+    broken = up.name("broken")
+    r = await up.cli("sandbox", "create", broken, "--image", "localhost/no-such-image:1")
+    assert r.code == 1
+    assert r.err.startswith(f"✗ sandbox {broken} is Error: ") and "(generation 1)" in r.err
+
+    r = await up.cli("sandbox", "create", broken, "--image", IMAGE)
+    assert r.code == 1 and "(ALREADY_EXISTS)" in r.err and "phase: Error" in r.err
+
+    r = await up.cli("sandbox", "stop", broken, "--expected-version", "1")
+    assert r.code == 1 and "(ABORTED)" in r.err
+    r = await up.cli("sandbox", "delete", broken, "-o", "json")
+    assert r.code == 0 and json.loads(r.out)["phase"] == "Deleted"
+
+
+async def test_a_wait_that_runs_out_exits_3_and_a_repeat_stop_waits_again(up: Up) -> None:
+    name = up.name("stubborn")
+    # The shell ignores SIGTERM: the stop takes the whole stop timeout, then SIGKILL.
+    r = await up.cli("sandbox", "create", name, "--image", IMAGE, "--stop-timeout", "2", "--",
+                     "sh", "-c", "trap '' TERM; touch /tmp/trapped; "
+                     "while true; do sleep 1; done")  # fmt: skip
+    assert r.code == 0, r.err
+    driver = PodmanDriver(settings=load_settings())
+    try:  # only once the trap is set is a stop slow
+        await eventually(lambda: driver.exec(name, 1, ["test", "-f", "/tmp/trapped"]),
+                         lambda result: result[0] == 0, what="the trap")  # fmt: skip
+    finally:
+        await driver.close()
+    r = await up.cli("sandbox", "stop", name, "--timeout", "0.5")
+    assert r.code == 3
+    assert f"✗ timed out waiting for sandbox {name} to be Stopped" in r.err
+    r = await up.cli("sandbox", "stop", name, "-o", "json")  # idempotent: waits for Stopped
+    assert r.code == 0, r.err
+    assert json.loads(r.out)["phase"] == "Stopped"
+    r = await up.cli("sandbox", "restart", name, "--no-wait")
+    assert r.code == 0 and "RestartSandbox accepted" in r.out
+    r = await up.cli("sandbox", "delete", name)
+    assert r.code == 0, r.err
+
+
+async def test_watch_status_and_json_output(up: Up) -> None:
+    name = up.name("watched")
+    r = await up.cli("sandbox", "create", name, "--image", IMAGE, "-o", "json", "--",
+                     "sleep", "3600")  # fmt: skip
+    created = json.loads(r.out)
+    assert (created["name"], created["phase"], created["generation"]) == (name, "Ready", 1)
+
+    r = await up.cli("sandbox", "watch", name, "--timeout", "1", "-o", "json")
+    assert r.code == 0, r.err
+    events = [json.loads(line) for line in r.out.splitlines()]
+    assert [(e["name"], e["phase"]) for e in events] == [(name, "Ready")]
+
+    r = await up.cli("sandbox", "watch", name, "--timeout", "1")
+    assert r.code == 0
+    assert re.search(rf"{name}\s+Ready\s+gen 1\s+v2\s+#\d+", r.out), r.out
+
+    r = await up.cli("status")
+    assert r.code == 0, r.err
+    status = {row.split()[0]: row.split()[1:] for row in lines(r.out)}
+    assert status["API"] == [up.url, "ready"]
+    assert status["kafka"][0] == status["postgres"][0] == status["processor"][0] == "ok"
+    r = await up.cli("status", "-o", "json")
+    assert json.loads(r.out)["ready"] is True
+    assert json.loads(r.out)["sandboxes"]["Ready"] >= 1
+
+    r = await up.cli("sandbox", "delete", name)
+    assert r.code == 0, r.err
+
+
+async def test_tokens_scopes_and_connection_errors(up: Up) -> None:
+    r = await up.cli("token", "create", "ci-reader", "--scope", "sandbox:read")
+    assert r.code == 0, r.err
+    token = r.out.strip()
+    assert token.startswith("sst_") and token not in (up.run_dir / "tokens.json").read_text()
+
+    r = await up.cli("sandbox", "create", up.name("denied"), "--image", IMAGE,
+                     SANDSTREAM_TOKEN=token)  # fmt: skip
+    assert r.code == 1 and "token 'ci-reader' lacks the scope sandbox:write" in r.err
+    r = await up.cli("sandbox", "list", SANDSTREAM_TOKEN=token)
+    assert r.code == 0
+    r = await up.cli("--token", "sst_wrong", "sandbox", "list")
+    assert r.code == 1 and "✗ invalid bearer token" in r.err
+
+    r = await up.cli("sandbox", "list", SANDSTREAM_TOKEN_FILE=str(up.run_dir / "missing"))
+    assert r.code == 1 and "no API token" in r.err
+    r = await up.cli("--url", "http://127.0.0.1:9", "sandbox", "list")
+    assert r.code == 1 and "cannot reach the API at http://127.0.0.1:9" in r.err
+
+
+async def test_a_second_up_refuses_to_start(up: Up) -> None:
+    r = await up.cli("up", timeout=60)
+    assert r.code == 1
+    assert f"sandstream up is already running (pid {up.proc.pid})" in r.err
+
+
+async def test_down_keep_stack_stops_a_running_up_cleanly(up: Up) -> None:
+    # Last in this module: it ends the `up` the other tests used.
+    r = await up.cli("down", "--keep-stack", timeout=90)
+    assert r.code == 0, r.err
+    assert r.out.strip() == f"sandstream: stopped `up` (pid {up.proc.pid})"
+    assert await asyncio.wait_for(up.proc.wait(), 30) == 0
+    log = up.log.read_text()
+    assert "SIGTERM received: stopping" in log
+    assert "stopped. The stack (Kafka, PostgreSQL, Podman) is still running" in log
+    assert "Traceback" not in log, log
+    assert not (up.run_dir / "up.pid").exists()
+    r = await up.cli("down", "--keep-stack")
+    assert (r.code, r.out.strip()) == (0, "sandstream: `up` not running")
