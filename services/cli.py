@@ -765,6 +765,45 @@ def down_command(
     raise typer.Exit(down(settings_of(ctx), keep_stack=keep_stack))
 
 
+@app.command("rebuild")
+def rebuild_command(
+    ctx: typer.Context,
+    keep_schema: Annotated[
+        bool, typer.Option("--keep-schema", help="keep the rebuilt schema for inspection")
+    ] = False,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Rebuild the rows from sandbox.events into a fresh schema and compare with the live rows.
+
+    Talks to Kafka and PostgreSQL directly (settings from SANDSTREAM_* variables); exits 1 when
+    the rebuilt rows differ from the live ones.
+    """
+    import asyncio
+
+    from services.rebuild import rebuild_and_compare
+
+    report = asyncio.run(rebuild_and_compare(settings_of(ctx), keep_schema=keep_schema))
+    if output is Output.json:
+        print_json(
+            {
+                "equal": report.equal,
+                "rebuilt": report.rebuilt,
+                "live": report.live,
+                "schema": report.schema if keep_schema else None,
+                "differences": report.differences,
+            }
+        )
+    else:
+        mark = "✓" if report.equal else "✗"
+        out.print(f"{mark} rebuilt {report.rebuilt} rows from the log, {report.live} live rows")
+        for line in report.differences:
+            out.print(f"  differs: {line}")
+        if keep_schema:
+            out.print(f"  rebuilt rows kept in schema {report.schema}")
+    if not report.equal:
+        raise typer.Exit(EXIT_FAILED)
+
+
 @token_app.command("create")
 def token_create(
     ctx: typer.Context,

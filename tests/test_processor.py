@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
+from pathlib import Path
 
 import factories as f
 from harness import Env, eventually, isolated_env
@@ -79,6 +82,17 @@ async def test_commands_and_observations_flow_into_rows_history_outcomes_and_eve
         assert all(r.key == b"demo" for r in events)
         report = await rebuild_and_compare(env.settings)
         assert report.equal, report.differences
+
+        # The same check as a command, as an operator would run it.
+        cli = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).with_name("sandstream")), "rebuild", "-o", "json",
+            env=env.env_vars(), stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        stdout, _ = await cli.communicate()
+        assert cli.returncode == 0
+        assert json.loads(stdout) | {"schema": None} == {
+            "equal": True, "rebuilt": 1, "live": 1, "schema": None, "differences": [],
+        }  # fmt: skip
 
 
 async def test_malformed_records_go_to_the_dead_letter_topic_and_valid_ones_apply() -> None:
