@@ -177,16 +177,19 @@ async def _paced_commands(
     await listener.add_listener(CHANGES_CHANNEL, lambda *_: woken.set())
     finished = asyncio.Event()
 
+    pending: set[str] = set()  # sent, outcome not seen yet (kept small: no scans of `sent`)
+
     async def collect() -> None:
         while not finished.is_set():
             await woken.wait()
             woken.clear()
             seen_at = time.perf_counter()
-            pending = [c for c in sent if c not in done]
             rows = await pool.fetch(
-                "SELECT command_id FROM command_outcomes WHERE command_id = ANY($1)", pending
+                "SELECT command_id FROM command_outcomes WHERE command_id = ANY($1)",
+                list(pending),
             )
             for r in rows:
+                pending.discard(r["command_id"])
                 done.setdefault(r["command_id"], seen_at)
 
     producer = AIOKafkaProducer(
@@ -199,6 +202,7 @@ async def _paced_commands(
                          occurred_at=T0, actor="bench")  # fmt: skip
     await producer.send_and_wait(s.topic_commands, value=encode(warm), key=b"warm")
     sent["warm"] = time.perf_counter()
+    pending.add("warm")
     while "warm" not in done:
         await asyncio.sleep(0.05)
     count = int(rate * seconds)
@@ -214,6 +218,7 @@ async def _paced_commands(
         if delay > 0:
             await asyncio.sleep(delay)
         sent[command.command_id] = time.perf_counter()
+        pending.add(command.command_id)
         await producer.send(s.topic_commands, value=payloads[i], key=command.key.encode())
     await producer.flush()
     achieved = count / (time.perf_counter() - begin)
