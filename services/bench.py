@@ -16,65 +16,23 @@ import os
 import statistics
 import sys
 import time
-import uuid
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
 from aiokafka import AIOKafkaProducer
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from events.codec import encode
 from events.commands import CreateSandbox, StopSandbox
 from events.common import SandboxSpec
 from events.observations import RuntimeSnapshot
 from events.topics import CHANGES_CHANNEL
-from services.migrations import apply_migrations
-from services.processor import Processor, connect_pool
+from services.isolation import isolated
+from services.processor import Processor
 from services.settings import Settings
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 SPEC = SandboxSpec(image="localhost/sandstream-base:1", command=["sleep", "3600"])
-
-
-@asynccontextmanager
-async def scratch(
-    settings: Settings,
-) -> AsyncIterator[tuple[Settings, asyncpg.Pool[asyncpg.Record]]]:
-    """Fresh topics and a fresh schema, removed afterwards."""
-    suffix = uuid.uuid4().hex[:8]
-    s = settings.model_copy(
-        update={
-            "topic_commands": f"bench{suffix}.commands",
-            "topic_observations": f"bench{suffix}.observations",
-            "topic_events": f"bench{suffix}.events",
-            "topic_deadletter": f"bench{suffix}.deadletter",
-            "pg_schema": f"bench_{suffix}",
-            "processor_group": f"bench-{suffix}",
-        }
-    )
-    admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics(
-            [NewTopic(t, s.kafka_partitions, replication_factor=1) for t in s.topics]
-        )
-    finally:
-        await admin.close()
-    await apply_migrations(s.pg_dsn, schema=s.pg_schema)
-    pool = await connect_pool(s)
-    try:
-        yield s, pool
-    finally:
-        await pool.execute(f"DROP SCHEMA {s.pg_schema} CASCADE")
-        await pool.close()
-        admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap)
-        await admin.start()
-        try:
-            await admin.delete_topics(list(s.topics))
-        finally:
-            await admin.close()
 
 
 def lifecycle_messages(keys: int) -> tuple[list[tuple[str, bytes, bytes]], int]:
@@ -129,7 +87,7 @@ async def produce_all(settings: Settings, records: Sequence[tuple[str, bytes, by
 
 
 async def throughput(settings: Settings, keys: int, max_records: int) -> None:
-    async with scratch(settings) as (s, pool):
+    async with isolated(settings, "bench") as (s, pool):
         records, total = lifecycle_messages(keys)
         await produce_all(s, records)
         processor = Processor(s, pool, max_records=max_records, name="bench")
@@ -151,7 +109,7 @@ async def throughput(settings: Settings, keys: int, max_records: int) -> None:
 
 async def latency(settings: Settings, rate: int, seconds: float) -> None:
     """Commands paced at ``rate``/s against a processor running in its own process."""
-    async with scratch(settings) as (s, pool):
+    async with isolated(settings, "bench") as (s, pool):
         processor = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",

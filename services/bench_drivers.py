@@ -25,13 +25,11 @@ import statistics
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from uuid import UUID
 
 import asyncpg
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from drivers.fake import FakeDriver
 from drivers.protocol import LABEL_KEY, Driver, LaunchResult, LaunchSpec, OpResult, RuntimeInfo
@@ -40,8 +38,7 @@ from events.commands import Command, CreateSandbox, DeleteSandbox, StartSandbox,
 from events.common import SandboxSpec
 from events.publisher import CommandPublisher
 from events.topics import CHANGES_CHANNEL
-from services.migrations import apply_migrations
-from services.processor import connect_pool
+from services.isolation import isolated
 from services.runtime import ControlPlane
 from services.settings import Settings
 
@@ -75,47 +72,6 @@ def percentile(ordered: Sequence[float], p: float) -> float:
 
 
 # -- plumbing ---------------------------------------------------------------------------------
-
-
-@asynccontextmanager
-async def scratch(
-    settings: Settings,
-) -> AsyncIterator[tuple[Settings, asyncpg.Pool[asyncpg.Record]]]:
-    """Own topics, consumer groups and schema; removed afterwards."""
-    suffix = uuid.uuid4().hex[:8]
-    s = settings.model_copy(
-        update={
-            "topic_commands": f"benchd{suffix}.commands",
-            "topic_observations": f"benchd{suffix}.observations",
-            "topic_events": f"benchd{suffix}.events",
-            "topic_deadletter": f"benchd{suffix}.deadletter",
-            "pg_schema": f"benchd_{suffix}",
-            "processor_group": f"benchd-processor-{suffix}",
-            "executor_group": f"benchd-executor-{suffix}",
-            "kafka_partitions": 4,
-        }
-    )
-    admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics(
-            [NewTopic(t, s.kafka_partitions, replication_factor=1) for t in s.topics]
-        )
-    finally:
-        await admin.close()
-    await apply_migrations(s.pg_dsn, schema=s.pg_schema)
-    pool = await connect_pool(s)
-    try:
-        yield s, pool
-    finally:
-        await pool.execute(f"DROP SCHEMA {s.pg_schema} CASCADE")
-        await pool.close()
-        admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap)
-        await admin.start()
-        try:
-            await admin.delete_topics(list(s.topics))
-        finally:
-            await admin.close()
 
 
 class Rows:
@@ -230,7 +186,7 @@ async def stop_latency(
         command=PID1_IGNORES_TERM,
         stop_timeout_seconds=stop_timeout,
     )
-    async with scratch(settings) as (s, pool):
+    async with isolated(settings, "benchd", kafka_partitions=4) as (s, pool):
         driver = _InitSplit(
             PodmanDriver(settings=s, stop_timeout=stop_timeout),
             PodmanDriver(settings=s, stop_timeout=stop_timeout, init=False),
@@ -281,7 +237,7 @@ def _force_remove(settings: Settings, keys: Sequence[str]) -> None:
 async def unrelated_delay(settings: Settings, held_for: float = 30.0) -> tuple[Figures, float]:
     driver = FakeDriver()
     spec = SandboxSpec(image=settings.sandbox_image, command=["sleep", "3600"])
-    async with scratch(settings) as (s, pool):
+    async with isolated(settings, "benchd", kafka_partitions=4) as (s, pool):
         plane = ControlPlane(s, driver, pool, reconcile_interval=3600)
         rows = await Rows.open(s, pool)
         await plane.start()

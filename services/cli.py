@@ -446,68 +446,38 @@ def _command_body(command_id: str | None, expected_version: int | None) -> dict[
     return body
 
 
-@sandbox_app.command("stop")
-def stop(
-    ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help="the sandbox name")],
-    command_id: CommandIdOpt = None,
-    expected_version: ExpectedVersionOpt = None,
-    timeout: TimeoutOpt = 120.0,
-    no_wait: NoWaitOpt = False,
-    output: OutputOpt = Output.table,
-) -> None:
-    """Stop a sandbox (its workspace is kept) and wait until it is Stopped."""
-    _lifecycle(ctx, "stop", name, "POST", f"/v1/sandboxes/{name}:stop",
-               _command_body(command_id, expected_version),
-               timeout=timeout, no_wait=no_wait, output=output)  # fmt: skip
+def _register_lifecycle(verb: str, method: str, suffix: str, doc: str) -> None:
+    """Register `sandstream sandbox VERB NAME`: send the command, wait for its phase."""
+
+    def command(
+        ctx: typer.Context,
+        name: Annotated[str, typer.Argument(help="the sandbox name")],
+        command_id: CommandIdOpt = None,
+        expected_version: ExpectedVersionOpt = None,
+        timeout: TimeoutOpt = 120.0,
+        no_wait: NoWaitOpt = False,
+        output: OutputOpt = Output.table,
+    ) -> None:
+        _lifecycle(ctx, verb, name, method, f"/v1/sandboxes/{name}{suffix}",
+                   _command_body(command_id, expected_version),
+                   timeout=timeout, no_wait=no_wait, output=output)  # fmt: skip
+
+    command.__doc__ = doc
+    sandbox_app.command(verb)(command)
 
 
-@sandbox_app.command("start")
-def start(
-    ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help="the sandbox name")],
-    command_id: CommandIdOpt = None,
-    expected_version: ExpectedVersionOpt = None,
-    timeout: TimeoutOpt = 120.0,
-    no_wait: NoWaitOpt = False,
-    output: OutputOpt = Output.table,
-) -> None:
-    """Start a stopped sandbox (a new generation) and wait until it is Ready."""
-    _lifecycle(ctx, "start", name, "POST", f"/v1/sandboxes/{name}:start",
-               _command_body(command_id, expected_version),
-               timeout=timeout, no_wait=no_wait, output=output)  # fmt: skip
-
-
-@sandbox_app.command("restart")
-def restart(
-    ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help="the sandbox name")],
-    command_id: CommandIdOpt = None,
-    expected_version: ExpectedVersionOpt = None,
-    timeout: TimeoutOpt = 120.0,
-    no_wait: NoWaitOpt = False,
-    output: OutputOpt = Output.table,
-) -> None:
-    """Restart a sandbox (a new generation) and wait until it is Ready."""
-    _lifecycle(ctx, "restart", name, "POST", f"/v1/sandboxes/{name}:restart",
-               _command_body(command_id, expected_version),
-               timeout=timeout, no_wait=no_wait, output=output)  # fmt: skip
-
-
-@sandbox_app.command("delete")
-def delete(
-    ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help="the sandbox name")],
-    command_id: CommandIdOpt = None,
-    expected_version: ExpectedVersionOpt = None,
-    timeout: TimeoutOpt = 120.0,
-    no_wait: NoWaitOpt = False,
-    output: OutputOpt = Output.table,
-) -> None:
-    """Delete a sandbox (runtime and workspace) and wait until it is gone."""
-    _lifecycle(ctx, "delete", name, "DELETE", f"/v1/sandboxes/{name}",
-               _command_body(command_id, expected_version),
-               timeout=timeout, no_wait=no_wait, output=output)  # fmt: skip
+_register_lifecycle(
+    "stop", "POST", ":stop", "Stop a sandbox (its workspace is kept) and wait until it is Stopped."
+)
+_register_lifecycle(
+    "start", "POST", ":start", "Start a stopped sandbox (a new generation) and wait until Ready."
+)
+_register_lifecycle(
+    "restart", "POST", ":restart", "Restart a sandbox (a new generation) and wait until Ready."
+)
+_register_lifecycle(
+    "delete", "DELETE", "", "Delete a sandbox (runtime and workspace) and wait until it is gone."
+)
 
 
 @sandbox_app.command("list")

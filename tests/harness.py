@@ -10,7 +10,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -18,13 +17,12 @@ from typing import Any, TypeVar
 
 import asyncpg
 from aiokafka import AIOKafkaProducer, ConsumerRecord
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from events.codec import encode
 from events.log_reader import read_to_end
 from events.publisher import CommandPublisher
-from services.migrations import apply_migrations
-from services.processor import Processor, connect_pool
+from services.isolation import isolated
+from services.processor import Processor
 from services.settings import PROJECT_ROOT, Settings
 
 T = TypeVar("T")
@@ -135,43 +133,14 @@ class Env:
 
 @asynccontextmanager
 async def isolated_env(partitions: int = 4) -> AsyncIterator[Env]:
-    suffix = uuid.uuid4().hex[:10]
-    settings = Settings().model_copy(
-        update={
-            "topic_commands": f"t{suffix}.commands",
-            "topic_observations": f"t{suffix}.observations",
-            "topic_events": f"t{suffix}.events",
-            "topic_deadletter": f"t{suffix}.deadletter",
-            "pg_schema": f"t_{suffix}",
-            "processor_group": f"processor-{suffix}",
-            "executor_group": f"executor-{suffix}",
-            "kafka_partitions": partitions,
-            "kafka_session_timeout_ms": 2000,
-        }
-    )
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics(
-            [NewTopic(t, num_partitions=partitions, replication_factor=1) for t in settings.topics]
-        )
-    finally:
-        await admin.close()
-    await apply_migrations(settings.pg_dsn, schema=settings.pg_schema)
-    pool = await connect_pool(settings)
-    env = Env(settings, pool)
-    try:
-        yield env
-    finally:
-        for processor, stop, task in list(env.processors):
-            stop.set()
-            await asyncio.wait_for(task, 30)
-            await processor.stop()
-        await pool.execute(f"DROP SCHEMA {settings.pg_schema} CASCADE")
-        await pool.close()
-        admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
-        await admin.start()
+    """A test environment of its own on the local stack (short session timeouts for crashes)."""
+    overrides = {"kafka_partitions": partitions, "kafka_session_timeout_ms": 2000}
+    async with isolated(Settings(), "t", **overrides) as (settings, pool):
+        env = Env(settings, pool)
         try:
-            await admin.delete_topics(list(settings.topics))
+            yield env
         finally:
-            await admin.close()
+            for processor, stop, task in list(env.processors):
+                stop.set()
+                await asyncio.wait_for(task, 30)
+                await processor.stop()
