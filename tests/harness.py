@@ -7,6 +7,7 @@ run against the one local Kafka and PostgreSQL without seeing each other's data.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import subprocess
 import sys
@@ -29,17 +30,20 @@ T = TypeVar("T")
 
 
 async def eventually(
-    probe: Callable[[], Awaitable[T]],
+    probe: Callable[[], Awaitable[T] | T],
     check: Callable[[T], bool],
     timeout: float = 30.0,
     interval: float = 0.05,
     what: str = "condition",
 ) -> T:
-    """Poll ``probe`` until ``check`` holds, then return its value; fail at the deadline."""
+    """Poll ``probe`` (sync or async) until ``check`` holds, then return its value; fail at
+    the deadline with the last value seen."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
-        value = await probe()
+        value = probe()
+        if inspect.isawaitable(value):
+            value = await value
         if check(value):
             return value
         if loop.time() > deadline:

@@ -170,10 +170,6 @@ def sandbox_spec(
     )
 
 
-def podman_client(settings: Settings) -> PodmanClient:
-    return PodmanClient(base_url=settings.podman_url, timeout=60)
-
-
 def containers_of(client: PodmanClient, key: str) -> list[dict[str, str]]:
     """Name and status of every container labelled with ``key`` (ours or not)."""
     found = client.containers.list(all=True, filters=[f"label={LABEL_KEY}={key}"])

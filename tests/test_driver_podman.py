@@ -11,9 +11,10 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import harness
 import pytest
 from podman import PodmanClient
 
@@ -50,17 +51,7 @@ WAIT = 20.0  # deadline of every wait on the backend
 async def eventually(
     probe: Callable[[], Any], check: Callable[[Any], bool], what: str, timeout: float = WAIT
 ) -> Any:
-    """Poll ``probe`` (sync or async) until ``check`` holds; fail at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if check(value):
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {value!r}")
-        await asyncio.sleep(0.05)
+    return await harness.eventually(probe, check, timeout=timeout, what=what)
 
 
 class Watcher:
@@ -156,19 +147,6 @@ SLEEPER = ["sh", "-c", "echo hi > /workspace/f; sleep 3600"]
 
 
 # -- fixtures -----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def podman(settings: Settings) -> Iterator[PodmanClient]:
-    """A plain client for looking behind the driver's back (and checking the stack is up)."""
-    with PodmanClient(base_url=settings.podman_url, timeout=30) as client:
-        try:
-            client.ping()
-        except Exception as exc:
-            pytest.fail(f"no Podman API at {settings.podman_url} ({exc}): run `make stack`")
-        if not client.images.exists(settings.sandbox_image):
-            pytest.fail(f"sandbox image {settings.sandbox_image} missing: run `make stack`")
-        yield client
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 import factories as f
-import pytest
 from harness import Env, isolated_env
 from pipeline_support import (
     IGNORE_TERM,
@@ -30,7 +29,6 @@ from pipeline_support import (
     history,
     observations_of,
     phase,
-    podman_client,
     produce_raw,
     row,
     sandbox_spec,
@@ -69,18 +67,6 @@ class Pipeline:
     @property
     def settings(self) -> Settings:
         return self.env.settings
-
-
-@pytest.fixture(scope="module")
-def podman(settings: Settings) -> Any:
-    with podman_client(settings) as client:
-        try:
-            client.ping()
-        except Exception as exc:
-            pytest.fail(f"no Podman API at {settings.podman_url} ({exc}): run `make stack`")
-        if not client.images.exists(settings.sandbox_image):
-            pytest.fail(f"sandbox image {settings.sandbox_image} missing: run `make stack`")
-        yield client
 
 
 @asynccontextmanager

@@ -18,7 +18,6 @@ from pipeline_support import (
     command,
     containers_of,
     history,
-    podman_client,
     remove_now,
     sandbox_spec,
     volumes_of,
@@ -31,7 +30,6 @@ from drivers.protocol import LaunchSpec, RuntimeInfo
 from events.common import Phase
 from events.observations import RuntimeRemoved, RuntimeSnapshot
 from services.runtime import ControlPlane
-from services.settings import Settings
 from services.watcher import LiveRow, reconcile
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
@@ -131,16 +129,6 @@ def test_an_old_generation_of_a_settled_row_is_an_orphan() -> None:
 
 
 # -- on the pipeline ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def podman(settings: Settings) -> Any:
-    with podman_client(settings) as client:
-        try:
-            client.ping()
-        except Exception as exc:
-            pytest.fail(f"no Podman API at {settings.podman_url} ({exc}): run `make stack`")
-        yield client
 
 
 async def test_a_container_removed_while_no_watcher_ran_is_found_by_the_reconcile_loop(
