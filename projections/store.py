@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeAlias
+from uuid import UUID
 
 import asyncpg
 
@@ -71,24 +73,86 @@ async def load_outcomes(
 TopicPartitionKey = tuple[str, int]
 
 
-async def lock_offsets(
-    conn: Connection, partitions: Iterable[TopicPartitionKey]
-) -> dict[TopicPartitionKey, int]:
-    """Lock the offset rows of the given input partitions (creating them at 0), in one trip.
+# Lock the batch's offset rows (creating them at 0) and, in the same round trip, read its rows
+# and known outcomes. Every writer takes these row locks first, in (topic, partition) order, so
+# writers of one partition are serialized and a stale one sees the offsets it can no longer go
+# below. The reads use the statement's snapshot, taken before the lock was granted: the caller
+# may trust them only if the locked offsets are the ones it saw committed last (nobody wrote
+# these partitions since); otherwise it must read again under the lock (load_sandboxes/outcomes).
+_LOCK_AND_LOAD = """
+WITH locked AS (
+    INSERT INTO input_offsets (topic, partition, next_offset)
+    SELECT t, p, 0 FROM unnest($1::text[], $2::int[]) AS u(t, p) ORDER BY t, p
+    ON CONFLICT (topic, partition) DO UPDATE SET next_offset = input_offsets.next_offset
+    RETURNING topic, partition, next_offset
+)
+SELECT 'offset' AS kind, topic, partition, next_offset, NULL::json AS body FROM locked
+UNION ALL
+SELECT 'row', NULL, NULL, NULL, json_build_object(
+    'key', key, 'sandbox_id', sandbox_id, 'phase', phase, 'generation', generation,
+    'version', version, 'spec', spec, 'providers', providers, 'identity', identity,
+    'exit_code', exit_code, 'reason', reason, 'created_at', created_at,
+    'updated_at', updated_at)
+FROM sandboxes WHERE key = ANY($3::text[])
+UNION ALL
+SELECT 'outcome', NULL, NULL, NULL, outcome::json FROM command_outcomes
+WHERE (key, command_id) IN (SELECT * FROM unnest($4::text[], $5::text[]))
+"""
 
-    Every writer takes these row locks first, in (topic, partition) order, so writers of one
-    partition are serialized and a stale one sees the offsets it can no longer go below.
-    """
+
+@dataclass(frozen=True, slots=True)
+class Locked:
+    offsets: dict[TopicPartitionKey, int]
+    sandboxes: dict[str, Sandbox]
+    outcomes: dict[tuple[str, str], CommandOutcome]
+
+
+async def lock_and_load(
+    conn: Connection,
+    partitions: Iterable[TopicPartitionKey],
+    keys: Iterable[str],
+    idents: Iterable[tuple[str, str]],
+) -> Locked:
+    """Lock the offsets and read rows and outcomes in one round trip (see above for when the
+    rows and outcomes may be trusted)."""
     pairs = sorted(set(partitions))
-    rows = await conn.fetch(
-        "INSERT INTO input_offsets (topic, partition, next_offset) "
-        "SELECT t, p, 0 FROM unnest($1::text[], $2::int[]) AS u(t, p) ORDER BY t, p "
-        "ON CONFLICT (topic, partition) DO UPDATE SET next_offset = input_offsets.next_offset "
-        "RETURNING topic, partition, next_offset",
+    wanted = list(idents)
+    records = await conn.fetch(
+        _LOCK_AND_LOAD,
         [t for t, _ in pairs],
         [p for _, p in pairs],
+        list(keys),
+        [k for k, _ in wanted],
+        [c for _, c in wanted],
     )
-    return {(r["topic"], r["partition"]): r["next_offset"] for r in rows}
+    locked = Locked({}, {}, {})
+    for r in records:
+        if r["kind"] == "offset":
+            locked.offsets[(r["topic"], r["partition"])] = r["next_offset"]
+        elif r["kind"] == "row":
+            sandbox = _sandbox_from_json(json.loads(r["body"]))
+            locked.sandboxes[sandbox.key] = sandbox
+        else:
+            outcome = CommandOutcome.model_validate_json(r["body"])
+            locked.outcomes[(outcome.key, outcome.command_id)] = outcome
+    return locked
+
+
+def _sandbox_from_json(d: dict[str, Any]) -> Sandbox:
+    return Sandbox(
+        key=d["key"],
+        sandbox_id=UUID(d["sandbox_id"]),
+        phase=Phase(d["phase"]),
+        generation=d["generation"],
+        version=d["version"],
+        spec=SandboxSpec.model_validate(d["spec"]),
+        providers=tuple(d["providers"]),
+        identity=d["identity"],
+        exit_code=d["exit_code"],
+        reason=d["reason"],
+        created_at=datetime.fromisoformat(d["created_at"]),
+        updated_at=datetime.fromisoformat(d["updated_at"]),
+    )
 
 
 async def stored_offsets(conn: Connection, topics: Sequence[str]) -> dict[tuple[str, int], int]:

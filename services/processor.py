@@ -39,7 +39,7 @@ from projections.store import (
     OutboxRecord,
     load_outcomes,
     load_sandboxes,
-    lock_offsets,
+    lock_and_load,
     mark_published,
     stored_offsets,
     unpublished_outbox,
@@ -63,6 +63,10 @@ class Parsed:
 class Rejected:
     record: ConsumerRecord[bytes, bytes]
     reason: str
+
+
+def _tp(record: ConsumerRecord[bytes, bytes]) -> tuple[str, int]:
+    return (record.topic, record.partition)
 
 
 def record_time(record: ConsumerRecord[bytes, bytes]) -> datetime:
@@ -192,6 +196,9 @@ class Processor:
     _in_flight: set[asyncio.Task[None]] = field(default_factory=set)
     _publish_failure: Exception | None = None
     _conn: Any = None
+    # The offsets this processor last saw committed, per input partition: while they are
+    # still what the lock returns, nobody else wrote those partitions in between.
+    _committed: dict[tuple[str, int], int] = field(default_factory=dict)
 
     @property
     def input_topics(self) -> list[str]:
@@ -276,28 +283,38 @@ class Processor:
         if self._conn is None:  # a connection of its own: no pool round trips per batch
             self._conn = await self.pool.acquire()
         conn = self._conn
+        # Parse first, so the lock and the reads share one round trip.
+        all_items = [parse(r, self.settings.topic_commands) for r in records]
+        all_parsed = [i for i in all_items if isinstance(i, Parsed)]
+        keys = {p.message.key for p in all_parsed}
+        idents = {(p.message.key, p.cause.command_id) for p in all_parsed if p.cause.command_id}
+        partitions = {(t, p) for p in by_partition for t in self.input_topics}
         async with conn.transaction():
-            offsets = await lock_offsets(
-                conn, {(t, p) for p in by_partition for t in self.input_topics}
-            )
-            fresh = [r for r in records if r.offset >= offsets[(r.topic, r.partition)]]
-            if len(fresh) < len(records):
-                metrics.FENCED.inc(len(records) - len(fresh))
-            if not fresh:
+            locked = await lock_and_load(conn, partitions, keys, idents)
+            offsets = locked.offsets
+            states: dict[str, Sandbox | None] = dict(locked.sandboxes)
+            outcomes = locked.outcomes
+            if any(self._committed.get(tp) != offset for tp, offset in offsets.items()):
+                # Someone else wrote these partitions since our last batch (or this is our
+                # first): the reads above may predate it, so read again under the lock.
+                states = dict(await load_sandboxes(conn, keys))
+                outcomes = await load_outcomes(conn, idents)
+            items = [i for i in all_items if i.record.offset >= offsets[_tp(i.record)]]
+            if len(items) < len(all_items):
+                metrics.FENCED.inc(len(all_items) - len(items))
+            if not items:
+                self._committed.update(offsets)
                 return 0, []
-            items = [parse(r, self.settings.topic_commands) for r in fresh]
             parsed = [i for i in items if isinstance(i, Parsed)]
-            keys = {p.message.key for p in parsed}
-            idents = {(p.message.key, p.cause.command_id) for p in parsed if p.cause.command_id}
-            states: dict[str, Sandbox | None] = dict(await load_sandboxes(conn, keys))
-            outcomes = await load_outcomes(conn, idents)
             result = fold(states, outcomes, ((p.cause, p.message) for p in parsed))
             plan = plan_batch(items, result, self.settings)
             ids = await write_batch(conn, plan)
+        self._committed.update(offsets)
+        self._committed.update(plan.next_offsets)
         for disposition, count in Counter(h.disposition for h in plan.history).items():
             metrics.INPUTS.labels(disposition).inc(count)
         metrics.BATCH_SECONDS.observe(asyncio.get_running_loop().time() - started)
-        return len(fresh), list(zip(ids, plan.outbox, strict=True))
+        return len(items), list(zip(ids, plan.outbox, strict=True))
 
     async def _publish(self, records: Sequence[tuple[int, OutboxRecord]]) -> None:
         """Hand outbox records to the producer in commit order; acks are awaited off the path.
@@ -350,6 +367,7 @@ class Processor:
         assert self.consumer is not None
         async with self._lock:
             await self.drain()  # our own in-flight records are not "left behind"
+            self._committed.clear()  # read rows under the lock until we commit again
             async with self.pool.acquire() as conn:
                 stored = await stored_offsets(conn, self.input_topics)
             for tp in assigned:

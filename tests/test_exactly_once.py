@@ -6,6 +6,7 @@ import asyncio
 import random
 import signal
 
+import factories as f
 import pytest
 import workload
 from harness import Env, eventually, isolated_env
@@ -169,3 +170,49 @@ async def _started_producer(env: Env):  # type: ignore[no-untyped-def]
 async def _assignment(processor: Processor) -> set[object]:
     assert processor.consumer is not None
     return set(processor.consumer.assignment())
+
+
+async def test_a_write_committed_while_waiting_for_the_lock_is_read_before_deciding() -> None:
+    """The lock and the row reads share one statement whose snapshot predates the lock; when
+    another writer committed in between, the processor must read the rows again."""
+    async with isolated_env(partitions=1) as env:
+        inputs = [
+            f.create("x", command_id="c0"),
+            f.attach("x", "p1", command_id="c1"),
+            f.attach("x", "p2", command_id="c2"),
+        ]
+        await publish(env, inputs)
+        records = await env.read_topic(env.settings.topic_commands)
+        processor = Processor(env.settings, env.pool, name="late-reader")
+        processor.producer = await _started_producer(env)
+        commands = env.settings.topic_commands
+        try:
+            assert await processor.process_partition(0, records[:1]) == 1
+            async with env.pool.acquire() as other, other.transaction():
+                # Another writer holds the partition and applies c1 itself...
+                await other.execute(
+                    "SELECT 1 FROM input_offsets WHERE topic = $1 AND partition = 0 FOR UPDATE",
+                    commands,
+                )
+                blocked = asyncio.create_task(processor.process_partition(0, records[1:]))
+                await eventually(
+                    lambda: env.fetchval(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                        "AND query LIKE '%input_offsets%'"
+                    ),
+                    lambda n: n >= 1,
+                    what="the processor to wait for the offset lock",
+                )
+                await other.execute(
+                    "UPDATE sandboxes SET providers = '{p1}', version = 2 WHERE key = 'x'"
+                )
+                await other.execute(
+                    "UPDATE input_offsets SET next_offset = 2 WHERE topic = $1 AND partition = 0",
+                    commands,
+                )
+            # ...and commits after the processor's statement took its snapshot.
+            assert await blocked == 1  # c1 is fenced, c2 applied on the row as committed
+        finally:
+            await processor.stop()
+        row = (await env.fetch("SELECT providers, version FROM sandboxes WHERE key = 'x'"))[0]
+        assert (list(row["providers"]), row["version"]) == (["p1", "p2"], 3)
