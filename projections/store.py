@@ -29,20 +29,30 @@ SANDBOX_COLUMNS = (
 
 
 def sandbox_from_record(r: Any) -> Sandbox:
+    """A row from a database record, or from its JSON form (``json_build_object`` of it)."""
+    spec, sandbox_id = r["spec"], r["sandbox_id"]
     return Sandbox(
         key=r["key"],
-        sandbox_id=r["sandbox_id"],
+        sandbox_id=sandbox_id if isinstance(sandbox_id, UUID) else UUID(sandbox_id),
         phase=Phase(r["phase"]),
         generation=r["generation"],
         version=r["version"],
-        spec=SandboxSpec.model_validate_json(r["spec"]),
+        spec=(
+            SandboxSpec.model_validate_json(spec)
+            if isinstance(spec, str)
+            else SandboxSpec.model_validate(spec)
+        ),
         providers=tuple(r["providers"]),
         identity=r["identity"],
         exit_code=r["exit_code"],
         reason=r["reason"],
-        created_at=r["created_at"],
-        updated_at=r["updated_at"],
+        created_at=_timestamp(r["created_at"]),
+        updated_at=_timestamp(r["updated_at"]),
     )
+
+
+def _timestamp(value: datetime | str) -> datetime:
+    return value if isinstance(value, datetime) else datetime.fromisoformat(value)
 
 
 async def load_sandboxes(conn: Connection, keys: Iterable[str]) -> dict[str, Sandbox]:
@@ -130,29 +140,12 @@ async def lock_and_load(
         if r["kind"] == "offset":
             locked.offsets[(r["topic"], r["partition"])] = r["next_offset"]
         elif r["kind"] == "row":
-            sandbox = _sandbox_from_json(json.loads(r["body"]))
+            sandbox = sandbox_from_record(json.loads(r["body"]))
             locked.sandboxes[sandbox.key] = sandbox
         else:
             outcome = CommandOutcome.model_validate_json(r["body"])
             locked.outcomes[(outcome.key, outcome.command_id)] = outcome
     return locked
-
-
-def _sandbox_from_json(d: dict[str, Any]) -> Sandbox:
-    return Sandbox(
-        key=d["key"],
-        sandbox_id=UUID(d["sandbox_id"]),
-        phase=Phase(d["phase"]),
-        generation=d["generation"],
-        version=d["version"],
-        spec=SandboxSpec.model_validate(d["spec"]),
-        providers=tuple(d["providers"]),
-        identity=d["identity"],
-        exit_code=d["exit_code"],
-        reason=d["reason"],
-        created_at=datetime.fromisoformat(d["created_at"]),
-        updated_at=datetime.fromisoformat(d["updated_at"]),
-    )
 
 
 async def stored_offsets(conn: Connection, topics: Sequence[str]) -> dict[tuple[str, int], int]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -190,20 +189,6 @@ def status_of(client: PodmanClient, name: str) -> str | None:
         return None
 
 
-def wait_podman(
-    probe: Callable[[], Any], check: Callable[[Any], bool], what: str, timeout: float = 30.0
-) -> Any:
-    """Poll a blocking Podman probe until ``check`` holds (final check at the deadline)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if check(value):
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {value!r}")
-        time.sleep(0.05)
-
-
 async def await_podman(
     client: PodmanClient,
     probe: Callable[[PodmanClient], Any],
@@ -211,8 +196,10 @@ async def await_podman(
     what: str,
     timeout: float = 30.0,
 ) -> Any:
-    """``wait_podman`` for async tests: polls in a thread, the event loop keeps running."""
-    return await asyncio.to_thread(wait_podman, lambda: probe(client), check, what, timeout)
+    """Poll a blocking Podman probe (in a thread) until ``check`` holds; fail at the deadline."""
+    return await eventually(
+        lambda: asyncio.to_thread(probe, client), check, timeout=timeout, what=what
+    )
 
 
 class PodmanKeys:

@@ -96,7 +96,7 @@ async def test_intents_are_serial_per_sandbox() -> None:
         await held.entered()
         await command(env, pub, f.restart("a"))  # admitted in Stopping: launch generation 2
         await eventually(
-            lambda: asyncio.sleep(0, executor.pending("a")),
+            lambda: executor.pending("a"),
             lambda n: n == 2,
             what="the launch queued behind the held stop",
         )
@@ -123,7 +123,7 @@ async def test_concurrency_across_sandboxes_is_bounded() -> None:
             await command(env, pub, f.create(key))
         # Two calls are in the driver, the third waits for a slot (not for the driver).
         await eventually(
-            lambda: asyncio.sleep(0, (held.held, executor.running, executor.waiting)),
+            lambda: (held.held, executor.running, executor.waiting),
             lambda state: state == (2, 2, 1),
             what="two launches held, one waiting for a slot",
         )
@@ -147,7 +147,7 @@ async def test_superseded_intents_are_skipped() -> None:
         await command(env, pub, f.stop("s"))
         await command(env, pub, f.delete("s"))
         await eventually(
-            lambda: asyncio.sleep(0, executor.pending("s")),
+            lambda: executor.pending("s"),
             lambda n: n == 3,
             what="stop and delete queued behind the launch",
         )
@@ -209,7 +209,7 @@ async def test_a_later_intent_ends_the_retries_of_an_earlier_one() -> None:
     async with pipeline(driver, retry=patient) as (env, _, pub):
         await command(env, pub, f.create("l"))
         await eventually(
-            lambda: asyncio.sleep(0, len(driver.calls_for("launch", "l"))),
+            lambda: len(driver.calls_for("launch", "l")),
             lambda n: n >= 2,
             what="the launch being retried",
         )
@@ -316,7 +316,7 @@ async def test_an_intent_in_flight_during_a_rebalance_is_not_lost_or_doubled() -
                 await second.start()
                 tasks.append(asyncio.create_task(second.run(stop)))
                 await eventually(
-                    lambda: asyncio.sleep(0, (len(first._owned), len(second._owned))),
+                    lambda: (len(first._owned), len(second._owned)),
                     lambda owned: owned[0] > 0 and owned[1] > 0 and sum(owned) == 4,
                     what="the partitions shared by both executors",
                 )

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 import factories as f
-from harness import Env, isolated_env
+from harness import Env, eventually, isolated_env
 from pipeline_support import (
     IGNORE_TERM,
     PodmanKeys,
@@ -166,15 +166,13 @@ async def test_full_lifecycle_on_podman(podman: PodmanClient) -> None:
 
 async def wait_file(driver: PodmanDriver, key: str, generation: int) -> str:
     """The content of /workspace/born once the entrypoint wrote it."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 15
-    while True:
-        code, out = await driver.exec(key, generation, ["cat", "/workspace/born"])
-        if code == 0 and out.strip():
-            return out.strip()
-        if loop.time() > deadline:
-            raise AssertionError(f"/workspace/born of {key} g{generation}: {code} {out!r}")
-        await asyncio.sleep(0.05)
+    _, out = await eventually(
+        lambda: driver.exec(key, generation, ["cat", "/workspace/born"]),
+        lambda result: result[0] == 0 and bool(result[1].strip()),
+        timeout=15,
+        what=f"/workspace/born of {key} g{generation}",
+    )
+    return str(out).strip()
 
 
 # -- scenario 3: delete head-of-line -------------------------------------------------------------
@@ -278,20 +276,21 @@ async def wait_watched(
 ) -> list[bytes]:
     """The recorded observations ``keep`` selects, once they include each of ``kinds``
     (for ``generation``, if given)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 20
-    while True:
-        chosen = [(o, raw) for o, raw in await observations_of(env, key) if keep(o)]
-        seen = {
+
+    async def chosen() -> list[tuple[Any, bytes]]:
+        return [(o, raw) for o, raw in await observations_of(env, key) if keep(o)]
+
+    def seen(found: list[tuple[Any, bytes]]) -> set[str]:
+        return {
             "removed" if isinstance(o, RuntimeRemoved) else o.state
-            for o, _ in chosen
+            for o, _ in found
             if generation in (None, o.generation)
         }
-        if kinds <= seen:
-            return [raw for _, raw in chosen]
-        if loop.time() > deadline:
-            raise AssertionError(f"watcher reported {seen} for {key}, wanted {kinds}")
-        await asyncio.sleep(0.1)
+
+    found = await eventually(
+        chosen, lambda found: kinds <= seen(found), timeout=20, what=f"{kinds} for {key}"
+    )
+    return [raw for _, raw in found]
 
 
 def decode_observation(raw: bytes) -> Observation:

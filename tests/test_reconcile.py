@@ -223,7 +223,7 @@ async def test_an_orphan_runtime_is_reported_and_recorded_but_never_removed(
                     # Two more passes: still there, still running, reported once only.
                     passes = reconciler.passes
                     await eventually(
-                        lambda: asyncio.sleep(0, reconciler.passes),
+                        lambda: reconciler.passes,
                         lambda n: n >= passes + 2,
                         what="two more reconcile passes",
                     )
