@@ -184,8 +184,10 @@ class Watcher:
 class Reconciler:
     """Every ``interval`` seconds: read the live rows, list the runtimes, report differences.
 
-    Each difference is reported once per process (by observation id): a vanished runtime
-    stays vanished, and an orphan is audit, not an alarm to repeat every pass.
+    Each difference is reported once while it lasts (by observation id): a vanished runtime
+    stays vanished, and an orphan is audit, not an alarm to repeat every pass. Only the
+    differences of the latest pass are remembered, so the memory is bounded by them, and one
+    that goes away and comes back is reported again.
     """
 
     driver: Driver
@@ -201,14 +203,20 @@ class Reconciler:
         """One pass; returns what it reported (new differences only)."""
         rows = await live_rows(self.pool)
         runtimes = await self.driver.list()
+        current = reconcile(rows, runtimes, self.clock())
+        still = {o.observation_id for o in current} & self.reported
         sent = []
-        for observation in reconcile(rows, runtimes, self.clock()):
-            if observation.observation_id in self.reported:
+        for observation in current:
+            if observation.observation_id in still:
                 continue
             await publish(self.producer, self.settings.topic_observations, observation)
-            self.reported.add(observation.observation_id)
+            still.add(observation.observation_id)
             sent.append(observation)
-            log.info("reconcile: reported %s", observation.observation_id)
+            # Orphans are often another sandstream's containers on the same host: audit only.
+            orphan = isinstance(observation, RuntimeSnapshot)
+            log.log(logging.DEBUG if orphan else logging.INFO, "reconcile: reported %s",
+                    observation.observation_id)  # fmt: skip
+        self.reported = still
         self.passes += 1
         return sent
 
