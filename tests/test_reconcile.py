@@ -11,6 +11,7 @@ from typing import Any
 
 import factories as f
 import pytest
+from aiokafka import AIOKafkaProducer
 from harness import eventually, isolated_env
 from pipeline_support import (
     SLEEPER,
@@ -25,12 +26,13 @@ from pipeline_support import (
 )
 from podman import PodmanClient
 
+from drivers.fake import FakeDriver
 from drivers.podman import PodmanDriver, container_name
 from drivers.protocol import LaunchSpec, RuntimeInfo
 from events.common import Phase
 from events.observations import RuntimeRemoved, RuntimeSnapshot
 from services.runtime import ControlPlane
-from services.watcher import LiveRow, reconcile
+from services.watcher import LiveRow, Reconciler, reconcile
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 SID = uuid.UUID("00000000-0000-4000-8000-0000000000aa")
@@ -239,3 +241,34 @@ async def test_an_orphan_runtime_is_reported_and_recorded_but_never_removed(
                 await driver.close()
     finally:
         await asyncio.to_thread(keys.cleanup)
+
+
+async def test_a_difference_is_reported_once_while_it_lasts_and_again_when_it_returns() -> None:
+    """The reconciler remembers only the latest pass's differences: bounded memory, and a
+    runtime that vanishes, comes back and vanishes again is news again."""
+    async with isolated_env() as env:
+        driver = FakeDriver()
+        launch = LaunchSpec(key="gone", sandbox_id=SID, generation=1, identity="rid-1",
+                            spec=sandbox_spec(env.settings, SLEEPER))  # fmt: skip
+        await env.pool.execute(
+            "INSERT INTO sandboxes (key, sandbox_id, phase, generation, version, spec, "
+            "providers, identity, created_at, updated_at, partition, change_seq) "
+            "VALUES ('gone', $1, 'Ready', 1, 2, $2, '{}', 'rid-1', now(), now(), 0, 1)",
+            SID,
+            launch.spec.model_dump_json(),
+        )
+        producer = AIOKafkaProducer(bootstrap_servers=env.settings.kafka_bootstrap)
+        await producer.start()
+        try:
+            reconciler = Reconciler(driver, env.pool, producer, env.settings, interval=3600)
+            first = await reconciler.run_once()  # no runtime for a Ready row: vanished
+            assert [o.type for o in first] == ["RuntimeRemoved"]
+            assert await reconciler.run_once() == []  # still gone: not news
+            await driver.launch(launch)
+            assert await reconciler.run_once() == []  # back: nothing to report
+            assert reconciler.reported == set()  # and nothing remembered
+            await driver.delete("gone")
+            again = await reconciler.run_once()  # gone again: news again
+            assert [o.observation_id for o in again] == [o.observation_id for o in first]
+        finally:
+            await producer.stop()
