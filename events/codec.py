@@ -73,10 +73,6 @@ def encode(message: BaseModel) -> bytes:
     return message.model_dump_json().encode()
 
 
-def key_bytes(key: str) -> bytes:
-    return key.encode()
-
-
 def printable(raw: bytes | None) -> tuple[str | None, str]:
     """A raw payload as text for a dead-letter record, and the encoding used."""
     if raw is None:

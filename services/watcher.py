@@ -228,21 +228,3 @@ class Reconciler:
                 log.exception("reconcile pass failed; next pass in %ss", self.interval)
             if await _wait(stop, self.interval):
                 return
-
-
-async def run_watcher(
-    driver: Driver, producer: AIOKafkaProducer, settings: Settings, stop: asyncio.Event
-) -> None:
-    await Watcher(driver, producer, settings).run(stop)
-
-
-async def run_reconciler(
-    driver: Driver,
-    pool: asyncpg.Pool[asyncpg.Record],
-    producer: AIOKafkaProducer,
-    settings: Settings,
-    stop: asyncio.Event,
-    interval: float,
-    clock: Clock = utcnow,
-) -> None:
-    await Reconciler(driver, pool, producer, settings, interval, clock).run(stop)
