@@ -55,48 +55,17 @@ def _timestamp(value: datetime | str) -> datetime:
     return value if isinstance(value, datetime) else datetime.fromisoformat(value)
 
 
-async def load_sandboxes(conn: Connection, keys: Iterable[str]) -> dict[str, Sandbox]:
-    rows = await conn.fetch(
-        f"SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE key = ANY($1::text[])", list(keys)
-    )
-    return {r["key"]: sandbox_from_record(r) for r in rows}
-
-
-async def load_outcomes(
-    conn: Connection, idents: Iterable[tuple[str, str]]
-) -> dict[tuple[str, str], CommandOutcome]:
-    """Known outcomes by (sandbox key, command id)."""
-    pairs = list(idents)
-    if not pairs:
-        return {}
-    rows = await conn.fetch(
-        "SELECT key, command_id, outcome FROM command_outcomes "
-        "WHERE (key, command_id) IN (SELECT * FROM unnest($1::text[], $2::text[]))",
-        [k for k, _ in pairs],
-        [c for _, c in pairs],
-    )
-    return {
-        (r["key"], r["command_id"]): CommandOutcome.model_validate_json(r["outcome"]) for r in rows
-    }
-
-
 TopicPartitionKey = tuple[str, int]
 
 
-# Lock the batch's offset rows (creating them at 0) and, in the same round trip, read its rows
-# and known outcomes. Every writer takes these row locks first, in (topic, partition) order, so
-# writers of one partition are serialized and a stale one sees the offsets it can no longer go
-# below. The reads use the statement's snapshot, taken before the lock was granted: the caller
-# may trust them only if the locked offsets are the ones it saw committed last (nobody wrote
-# these partitions since); otherwise it must read again under the lock (load_sandboxes/outcomes).
-_LOCK_AND_LOAD = """
-WITH locked AS (
-    INSERT INTO input_offsets (topic, partition, next_offset)
-    SELECT t, p, 0 FROM unnest($1::text[], $2::int[]) AS u(t, p) ORDER BY t, p
-    ON CONFLICT (topic, partition) DO UPDATE SET next_offset = input_offsets.next_offset
-    RETURNING topic, partition, next_offset
-)
-SELECT 'offset' AS kind, topic, partition, next_offset, NULL::json AS body FROM locked
+# The batch's offsets, rows and known outcomes in one round trip and one snapshot. Nothing is
+# locked: every writer commits rows and offsets together, so what this returns is consistent,
+# and the write (below) only succeeds if none of these offsets moved since.
+_READ_BATCH = """
+SELECT 'offset' AS kind, u.t AS topic, u.p AS partition, coalesce(o.next_offset, 0) AS next_offset,
+       NULL::json AS body
+FROM unnest($1::text[], $2::int[]) AS u(t, p)
+LEFT JOIN input_offsets o ON o.topic = u.t AND o.partition = u.p
 UNION ALL
 SELECT 'row', NULL, NULL, NULL, json_build_object(
     'key', key, 'sandbox_id', sandbox_id, 'phase', phase, 'generation', generation,
@@ -111,41 +80,40 @@ WHERE (key, command_id) IN (SELECT * FROM unnest($4::text[], $5::text[]))
 
 
 @dataclass(frozen=True, slots=True)
-class Locked:
-    offsets: dict[TopicPartitionKey, int]
+class BatchRead:
+    offsets: dict[TopicPartitionKey, int]  # next offset per (topic, partition); 0 if none yet
     sandboxes: dict[str, Sandbox]
-    outcomes: dict[tuple[str, str], CommandOutcome]
+    outcomes: dict[tuple[str, str], CommandOutcome]  # by (sandbox key, command id)
 
 
-async def lock_and_load(
+async def read_batch(
     conn: Connection,
     partitions: Iterable[TopicPartitionKey],
     keys: Iterable[str],
     idents: Iterable[tuple[str, str]],
-) -> Locked:
-    """Lock the offsets and read rows and outcomes in one round trip (see above for when the
-    rows and outcomes may be trusted)."""
+) -> BatchRead:
+    """The offsets of ``partitions`` and the rows and outcomes a batch needs, as of one moment."""
     pairs = sorted(set(partitions))
     wanted = list(idents)
     records = await conn.fetch(
-        _LOCK_AND_LOAD,
+        _READ_BATCH,
         [t for t, _ in pairs],
         [p for _, p in pairs],
         list(keys),
         [k for k, _ in wanted],
         [c for _, c in wanted],
     )
-    locked = Locked({}, {}, {})
+    read = BatchRead({}, {}, {})
     for r in records:
         if r["kind"] == "offset":
-            locked.offsets[(r["topic"], r["partition"])] = r["next_offset"]
+            read.offsets[(r["topic"], r["partition"])] = r["next_offset"]
         elif r["kind"] == "row":
             sandbox = sandbox_from_record(json.loads(r["body"]))
-            locked.sandboxes[sandbox.key] = sandbox
+            read.sandboxes[sandbox.key] = sandbox
         else:
             outcome = CommandOutcome.model_validate_json(r["body"])
-            locked.outcomes[(outcome.key, outcome.command_id)] = outcome
-    return locked
+            read.outcomes[(outcome.key, outcome.command_id)] = outcome
+    return read
 
 
 async def stored_offsets(conn: Connection, topics: Sequence[str]) -> dict[tuple[str, int], int]:
@@ -188,7 +156,14 @@ class BatchWrite:
     history: Sequence[HistoryRow]
     outcomes: Sequence[CommandOutcome]
     outbox: Sequence[OutboxRecord]
-    next_offsets: Mapping[TopicPartitionKey, int]
+    # Compare-and-set of the input offsets: every (topic, partition) the batch was decided on,
+    # from the offset it was read at to its new one (unchanged where no record of it was new).
+    offsets: Mapping[TopicPartitionKey, tuple[int, int]]
+
+
+class OffsetsMoved(Exception):
+    """Another writer committed offsets of the batch's partitions after they were read: the
+    batch was decided on stale rows and nothing of it was written."""
 
 
 def _columns(rows: Sequence[tuple[Any, ...]], width: int) -> list[list[Any]]:
@@ -196,20 +171,38 @@ def _columns(rows: Sequence[tuple[Any, ...]], width: int) -> list[list[Any]]:
     return [list(c) for c in zip(*rows, strict=True)] if rows else [[] for _ in range(width)]
 
 
-# The whole batch is one statement (one round trip whatever its size): data-modifying CTEs, one
-# per table, each inserting from unnest() of column arrays. Multi-valued columns (provider names,
-# event types: neither can contain a comma) travel comma-joined, because unnest() cannot take
-# ragged 2-D arrays. Offsets only move forward, and the NOTIFY
-# (delivered at commit) wakes outcome waiters and watchers.
+# The whole batch is one statement, so one round trip and one implicit transaction whatever its
+# size: data-modifying CTEs, one per table, each inserting from unnest() of column arrays.
+# Multi-valued columns (provider names, event types: neither can contain a comma) travel
+# comma-joined, because unnest() cannot take ragged 2-D arrays.
+#
+# `moved` runs first (every other CTE waits for `fence`): it moves each offset only if it still
+# is the value the batch was read at, taking the offset row locks, so writers of one partition
+# are serialized. A writer that lost a race (or a zombie after a rebalance) moves fewer rows
+# than it expected and offsets_fence() aborts the whole statement: nothing is written. Offsets
+# only move forward (never below what was read). The NOTIFY (delivered at commit) wakes
+# outcome waiters and watchers.
 _WRITE_BATCH = f"""
-WITH upserted AS (
+WITH moved AS (
+    INSERT INTO input_offsets AS o (topic, partition, next_offset)
+    SELECT t, p, n FROM unnest($1::text[], $2::int[], $3::bigint[], $4::bigint[])
+         AS u(t, p, e, n) ORDER BY t, p
+    ON CONFLICT (topic, partition) DO UPDATE SET next_offset = EXCLUDED.next_offset,
+        updated_at = now()
+    WHERE o.next_offset = (SELECT e FROM unnest($1::text[], $2::int[], $3::bigint[]) AS x(t, p, e)
+                           WHERE x.t = o.topic AND x.p = o.partition)
+    RETURNING 1
+), fence AS (
+    SELECT offsets_fence((SELECT count(*) FROM moved), cardinality($1::text[])) AS ok
+), upserted AS (
     INSERT INTO sandboxes ({SANDBOX_COLUMNS}, partition, change_seq)
     SELECT k, i, ph, g, v, sp, string_to_array(pr, ','), id, ec, r, ca, ua, pa,
            nextval('sandbox_changes')
-    FROM unnest($1::text[], $2::uuid[], $3::text[], $4::int[], $5::bigint[], $6::jsonb[],
-                $7::text[], $8::text[], $9::int[], $10::text[], $11::timestamptz[],
-                $12::timestamptz[], $13::int[])
+    FROM unnest($5::text[], $6::uuid[], $7::text[], $8::int[], $9::bigint[], $10::jsonb[],
+                $11::text[], $12::text[], $13::int[], $14::text[], $15::timestamptz[],
+                $16::timestamptz[], $17::int[])
          AS u(k, i, ph, g, v, sp, pr, id, ec, r, ca, ua, pa)
+    WHERE (SELECT ok FROM fence)
     ON CONFLICT (key) DO UPDATE SET sandbox_id = EXCLUDED.sandbox_id, phase = EXCLUDED.phase,
         generation = EXCLUDED.generation, version = EXCLUDED.version, spec = EXCLUDED.spec,
         providers = EXCLUDED.providers, identity = EXCLUDED.identity,
@@ -222,37 +215,38 @@ WITH upserted AS (
                          disposition, reason, phase, generation, version, event_types, message,
                          occurred_at)
     SELECT k, t, p, o, mt, c, d, r, ph, g, v, string_to_array(e, ','), m, oa
-    FROM unnest($14::text[], $15::text[], $16::int[], $17::bigint[], $18::text[], $19::text[],
-                $20::text[], $21::text[], $22::text[], $23::int[], $24::bigint[], $25::text[],
-                $26::json[], $27::timestamptz[])
+    FROM unnest($18::text[], $19::text[], $20::int[], $21::bigint[], $22::text[], $23::text[],
+                $24::text[], $25::text[], $26::text[], $27::int[], $28::bigint[], $29::text[],
+                $30::json[], $31::timestamptz[])
          AS u(k, t, p, o, mt, c, d, r, ph, g, v, e, m, oa)
+    WHERE (SELECT ok FROM fence)
     RETURNING 1
 ), decided AS (
     INSERT INTO command_outcomes (command_id, key, command_type, status, code, message, outcome)
-    SELECT * FROM unnest($28::text[], $29::text[], $30::text[], $31::text[], $32::text[],
-                         $33::text[], $34::jsonb[])
+    SELECT * FROM unnest($32::text[], $33::text[], $34::text[], $35::text[], $36::text[],
+                         $37::text[], $38::jsonb[])
+    WHERE (SELECT ok FROM fence)
     ON CONFLICT DO NOTHING
     RETURNING 1
 ), queued AS (
     INSERT INTO outbox (partition, topic, key, value)
-    SELECT p, t, k, v FROM unnest($35::int[], $36::text[], $37::bytea[], $38::bytea[])
-         WITH ORDINALITY AS u(p, t, k, v, n) ORDER BY n
+    SELECT p, t, k, v FROM unnest($39::int[], $40::text[], $41::bytea[], $42::bytea[])
+         WITH ORDINALITY AS u(p, t, k, v, n)
+    WHERE (SELECT ok FROM fence)
+    ORDER BY n
     RETURNING id
-), moved AS (
-    UPDATE input_offsets o SET next_offset = u.n, updated_at = now()
-    FROM unnest($39::text[], $40::int[], $41::bigint[]) AS u(t, p, n)
-    WHERE o.topic = u.t AND o.partition = u.p AND o.next_offset <= u.n
-    RETURNING 1
 )
-SELECT ARRAY(SELECT id FROM queued ORDER BY id) AS ids, pg_notify($42, '') AS notified,
+SELECT ARRAY(SELECT id FROM queued ORDER BY id) AS ids, pg_notify($43, '') AS notified,
        (SELECT count(*) FROM upserted) + (SELECT count(*) FROM recorded)
-       + (SELECT count(*) FROM decided) + (SELECT count(*) FROM moved) AS written
+       + (SELECT count(*) FROM decided) AS written
 """
 
 
 async def write_batch(conn: Connection, batch: BatchWrite) -> list[int]:
-    """Write a decided batch in one statement; the caller holds the offset locks and the
-    transaction. Returns the outbox ids, in order."""
+    """Write a decided batch atomically, in one statement; returns the outbox ids in order.
+
+    Raises OffsetsMoved (and writes nothing) if the offsets are no longer those it was read at.
+    """
     sandboxes = [
         (s.key, s.sandbox_id, s.phase.value, s.generation, s.version, s.spec.model_dump_json(),
          ",".join(s.providers), s.identity, s.exit_code, s.reason, s.created_at,
@@ -271,16 +265,20 @@ async def write_batch(conn: Connection, batch: BatchWrite) -> list[int]:
         for o in batch.outcomes
     ]  # fmt: skip
     outbox = [(o.partition, o.topic, o.key, o.value) for o in batch.outbox]
-    offsets = [(t, p, n) for (t, p), n in sorted(batch.next_offsets.items())]
-    ids = await conn.fetchval(
-        _WRITE_BATCH,
-        *_columns(sandboxes, 13),
-        *_columns(history, 14),
-        *_columns(outcomes, 7),
-        *_columns(outbox, 4),
-        *_columns(offsets, 3),
-        CHANGES_CHANNEL,
-    )
+    offsets = [(t, p, e, n) for (t, p), (e, n) in sorted(batch.offsets.items())]
+    try:
+        ids = await conn.fetchval(
+            _WRITE_BATCH,
+            *_columns(offsets, 4),
+            *_columns(sandboxes, 13),
+            *_columns(history, 14),
+            *_columns(outcomes, 7),
+            *_columns(outbox, 4),
+            CHANGES_CHANNEL,
+        )
+    except (asyncpg.SerializationError, asyncpg.DeadlockDetectedError) as exc:
+        # Two writers of one partition can also deadlock on its offset rows: the same race.
+        raise OffsetsMoved(str(exc)) from exc
     return list(ids)
 
 

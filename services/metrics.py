@@ -11,10 +11,14 @@ FENCED = Counter(
     "sandstream_fenced_records_total",
     "Records skipped because PostgreSQL already holds a later offset (redelivery or zombie)",
 )
+WRITE_CONFLICTS = Counter(
+    "sandstream_write_conflicts_total",
+    "Batches decided again because another writer moved their offsets after they were read",
+)
 PUBLISHED = Counter("sandstream_outbox_published_total", "Outbox records sent to Kafka")
 BATCH_SECONDS = Histogram(
     "sandstream_batch_seconds",
-    "Time to decide and commit one partition batch",
+    "Time to read, decide and commit one poll's batch",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
 DRIVER_CALLS = Counter(

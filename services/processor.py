@@ -1,12 +1,14 @@
 """The lifecycle processor: Kafka in, PostgreSQL rows out, exactly once, then the outbox out.
 
 For each poll (commands and observations are co-partitioned: partition p of both topics is
-always assigned together), one transaction locks the offset rows of the polled partitions,
-drops records below the stored offsets (redeliveries, or a zombie's stale batch), folds the
-rest through the pure core, and writes rows, history, outcomes, outbox and the new offsets.
-After commit the new outbox records are sent to Kafka and the per-partition publish cursors
-move; a crash in between leaves them unpublished, and whoever is assigned the partition next
-publishes them before anything else.
+always assigned together), one statement reads the stored offsets of the polled partitions with
+the rows and outcomes the records need; records below the stored offsets are dropped
+(redeliveries, or a zombie's stale batch), the rest fold through the pure core, and one more
+statement writes rows, history, outcomes, outbox and the new offsets, atomically and only if
+the offsets are still those it read (else the poll is decided again). After commit the new
+outbox records are sent to Kafka and the per-partition publish cursors move; a crash in
+between leaves them unpublished, and whoever is assigned the partition next publishes them
+before anything else.
 """
 
 from __future__ import annotations
@@ -36,11 +38,10 @@ from projections.lifecycle import Message, Sandbox
 from projections.store import (
     BatchWrite,
     HistoryRow,
+    OffsetsMoved,
     OutboxRecord,
-    load_outcomes,
-    load_sandboxes,
-    lock_and_load,
     mark_published,
+    read_batch,
     stored_offsets,
     unpublished_outbox,
     write_batch,
@@ -98,11 +99,15 @@ def merge_topics(
 
 
 def plan_batch(
-    items: Sequence[Parsed | Rejected], result: BatchResult, settings: Settings
+    items: Sequence[Parsed | Rejected],
+    result: BatchResult,
+    read_offsets: Mapping[tuple[str, int], int],
+    settings: Settings,
 ) -> BatchWrite:
     """Turn a folded batch into the rows to write (pure).
 
-    ``items`` are the batch's records in fold order; ``result`` the fold of the parsed ones.
+    ``items`` are the batch's records in fold order; ``result`` the fold of the parsed ones;
+    ``read_offsets`` the offsets they were decided at, which the write compares and sets.
     """
     history: list[HistoryRow] = []
     outbox: list[OutboxRecord] = []
@@ -148,7 +153,7 @@ def plan_batch(
         history=history,
         outcomes=list(result.outcomes.values()),
         outbox=outbox,
-        next_offsets=next_offsets,
+        offsets={tp: (at, next_offsets.get(tp, at)) for tp, at in read_offsets.items()},
     )
 
 
@@ -193,12 +198,14 @@ class Processor:
     # Serializes applying and publishing with the sweep a rebalance triggers.
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _last_lag_commit: float = 0.0
-    _in_flight: set[asyncio.Task[None]] = field(default_factory=set)
+    # Outbox batches handed to the producer, in commit order, until acknowledged.
+    _unconfirmed: asyncio.Queue[tuple[list[asyncio.Future[Any]], dict[int, int]]] = field(
+        default_factory=asyncio.Queue
+    )
+    _confirmer: asyncio.Task[None] | None = None
     _publish_failure: Exception | None = None
-    _conn: Any = None
-    # The offsets this processor last saw committed, per input partition: while they are
-    # still what the lock returns, nobody else wrote those partitions in between.
-    _committed: dict[tuple[str, int], int] = field(default_factory=dict)
+    _conn: Any = None  # the batches' connection
+    _cursor_conn: Any = None  # the confirmer's connection
 
     @property
     def input_topics(self) -> list[str]:
@@ -220,6 +227,7 @@ class Processor:
             auto_offset_reset="earliest",
             partition_assignment_strategy=(RangePartitionAssignor,),
             max_partition_fetch_bytes=4 * 1024 * 1024,
+            fetch_max_wait_ms=self.settings.processor_fetch_max_wait_ms,
             fetch_max_bytes=16 * 1024 * 1024,
             client_id=self.name,
             session_timeout_ms=self.settings.kafka_session_timeout_ms,
@@ -235,9 +243,14 @@ class Processor:
             await self.consumer.stop()
         if self.producer is not None:
             await self.producer.stop()
-        if self._conn is not None:
-            await self.pool.release(self._conn)
-            self._conn = None
+        if self._confirmer is not None:
+            self._confirmer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._confirmer
+        for conn in (self._conn, self._cursor_conn):
+            if conn is not None:
+                await self.pool.release(conn)
+        self._conn = self._cursor_conn = None
 
     async def run(self, stop: asyncio.Event) -> None:
         assert self.consumer is not None
@@ -245,8 +258,56 @@ class Processor:
             batch = await self.consumer.getmany(
                 timeout_ms=self.poll_timeout_ms, max_records=self.max_records
             )
-            if batch:
+            if not batch:
+                continue
+            try:
                 await self.process(batch)
+            except Exception as exc:
+                if not database_gone(exc):
+                    raise
+                log.warning("%s lost PostgreSQL (%s); resuming once it is back", self.name, exc)
+                await self._resume_after_database_loss(stop)
+
+    async def _resume_after_database_loss(self, stop: asyncio.Event) -> None:
+        """Start over from what PostgreSQL holds, as after a rebalance.
+
+        Whether the last write committed is unknown, so every assigned partition goes back to
+        its stored offsets (what committed is then skipped as a redelivery), and everything
+        above the publish cursors is published again (at least once, as after a crash).
+        """
+        assert self.consumer is not None
+        await self._forget_connections()
+        delay = 0.2
+        while not stop.is_set():
+            try:
+                await self.on_assigned(set(self.consumer.assignment()))
+            except Exception as exc:
+                if not database_gone(exc):
+                    raise
+                log.info("%s: PostgreSQL still unavailable (%s); retrying in %.1fs",
+                         self.name, exc, delay)  # fmt: skip
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            log.info("%s resumed from the offsets stored in PostgreSQL", self.name)
+            return
+
+    async def _forget_connections(self) -> None:
+        """Drop the dead connections and the acknowledgements still awaited on them."""
+        if self._confirmer is not None:
+            self._confirmer.cancel()
+            with contextlib.suppress(BaseException):
+                await self._confirmer
+        self._confirmer = None
+        self._unconfirmed = asyncio.Queue()
+        self._publish_failure = None
+        for conn in (self._conn, self._cursor_conn):
+            # A closed connection goes back to its pool by itself (which then opens a new
+            # one); terminating one that still looks alive does the same.
+            with contextlib.suppress(asyncpg.InterfaceError):
+                conn.terminate()
+        self._conn = self._cursor_conn = None
 
     async def process(self, batch: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]) -> int:
         """Apply one poll's records exactly once; returns how many were applied."""
@@ -282,35 +343,31 @@ class Processor:
         records = [r for p in sorted(by_partition) for r in by_partition[p]]
         if self._conn is None:  # a connection of its own: no pool round trips per batch
             self._conn = await self.pool.acquire()
-        conn = self._conn
-        # Parse first, so the lock and the reads share one round trip.
         all_items = [parse(r, self.settings.topic_commands) for r in records]
         all_parsed = [i for i in all_items if isinstance(i, Parsed)]
         keys = {p.message.key for p in all_parsed}
         idents = {(p.message.key, p.cause.command_id) for p in all_parsed if p.cause.command_id}
         partitions = {(t, p) for p in by_partition for t in self.input_topics}
-        async with conn.transaction():
-            locked = await lock_and_load(conn, partitions, keys, idents)
-            offsets = locked.offsets
-            states: dict[str, Sandbox | None] = dict(locked.sandboxes)
-            outcomes = locked.outcomes
-            if any(self._committed.get(tp) != offset for tp, offset in offsets.items()):
-                # Someone else wrote these partitions since our last batch (or this is our
-                # first): the reads above may predate it, so read again under the lock.
-                states = dict(await load_sandboxes(conn, keys))
-                outcomes = await load_outcomes(conn, idents)
-            items = [i for i in all_items if i.record.offset >= offsets[_tp(i.record)]]
+        # Optimistic: read, decide, then write only if no other writer moved these partitions'
+        # offsets in between (two round trips in all). Whoever loses the race reads again; its
+        # records below the winner's offsets are then skipped.
+        while True:
+            read = await read_batch(self._conn, partitions, keys, idents)
+            items = [i for i in all_items if i.record.offset >= read.offsets[_tp(i.record)]]
             if len(items) < len(all_items):
                 metrics.FENCED.inc(len(all_items) - len(items))
             if not items:
-                self._committed.update(offsets)
                 return 0, []
             parsed = [i for i in items if isinstance(i, Parsed)]
-            result = fold(states, outcomes, ((p.cause, p.message) for p in parsed))
-            plan = plan_batch(items, result, self.settings)
-            ids = await write_batch(conn, plan)
-        self._committed.update(offsets)
-        self._committed.update(plan.next_offsets)
+            result = fold(read.sandboxes, read.outcomes, ((p.cause, p.message) for p in parsed))
+            plan = plan_batch(items, result, read.offsets, self.settings)
+            try:
+                ids = await write_batch(self._conn, plan)
+            except OffsetsMoved as exc:
+                metrics.WRITE_CONFLICTS.inc()
+                log.info("%s: another writer moved the offsets, deciding again: %s", self.name, exc)
+                continue
+            break
         for disposition, count in Counter(h.disposition for h in plan.history).items():
             metrics.INPUTS.labels(disposition).inc(count)
         metrics.BATCH_SECONDS.observe(asyncio.get_running_loop().time() - started)
@@ -320,7 +377,8 @@ class Processor:
         """Hand outbox records to the producer in commit order; acks are awaited off the path.
 
         The producer keeps per-partition order, so the next batch may be applied while these
-        are in flight; the cursors move only once every record up to them is acknowledged.
+        are in flight. The confirmer awaits the handed-over batches in the same order and moves
+        the publish cursors only past records that are all acknowledged.
         """
         if not records:
             return
@@ -331,18 +389,33 @@ class Processor:
         up_to: dict[int, int] = {}
         for outbox_id, rec in records:
             up_to[rec.partition] = max(up_to.get(rec.partition, 0), outbox_id)
-        task = asyncio.create_task(self._confirm(futures, up_to))
-        self._in_flight.add(task)
-        task.add_done_callback(self._in_flight.discard)
+        self._unconfirmed.put_nowait((futures, up_to))
+        if self._confirmer is None or self._confirmer.done():
+            self._confirmer = asyncio.create_task(self._confirm_in_order())
 
-    async def _confirm(self, futures: list[asyncio.Future[Any]], up_to: dict[int, int]) -> None:
-        try:
-            await asyncio.gather(*futures)
-            async with self.pool.acquire() as conn:
-                await mark_published(conn, up_to)
-            metrics.PUBLISHED.inc(len(futures))
-        except Exception as exc:  # surfaced by the next batch: the processor must restart
-            self._publish_failure = exc
+    async def _confirm_in_order(self) -> None:
+        """Await handed-over batches in order; one cursor write for all that are ready."""
+        while True:
+            futures, up_to = await self._unconfirmed.get()
+            batches = [(futures, up_to)]
+            while not self._unconfirmed.empty():
+                batches.append(self._unconfirmed.get_nowait())
+            try:
+                if self._publish_failure is None:  # after a failure no cursor may move again
+                    cursors: dict[int, int] = {}
+                    for futures, up_to in batches:
+                        await asyncio.gather(*futures)
+                        for partition, outbox_id in up_to.items():
+                            cursors[partition] = max(cursors.get(partition, 0), outbox_id)
+                    if self._cursor_conn is None:
+                        self._cursor_conn = await self.pool.acquire()
+                    await mark_published(self._cursor_conn, cursors)
+                    metrics.PUBLISHED.inc(sum(len(f) for f, _ in batches))
+            except Exception as exc:  # surfaced by the next batch: the processor must restart
+                self._publish_failure = exc
+            finally:
+                for _ in batches:
+                    self._unconfirmed.task_done()
 
     def _raise_publish_failure(self) -> None:
         if self._publish_failure is not None:
@@ -350,8 +423,7 @@ class Processor:
 
     async def drain(self) -> None:
         """Wait until every handed-over outbox record is acknowledged and its cursor moved."""
-        while self._in_flight:
-            await asyncio.gather(*list(self._in_flight))
+        await self._unconfirmed.join()
         self._raise_publish_failure()
 
     async def publish_pending(self, partition: int) -> int:
@@ -367,7 +439,6 @@ class Processor:
         assert self.consumer is not None
         async with self._lock:
             await self.drain()  # our own in-flight records are not "left behind"
-            self._committed.clear()  # read rows under the lock until we commit again
             async with self.pool.acquire() as conn:
                 stored = await stored_offsets(conn, self.input_topics)
             for tp in assigned:
@@ -391,6 +462,21 @@ class Processor:
             await self.consumer.commit(offsets)
         except (KafkaError, AssertionError) as exc:
             log.debug("lag commit skipped: %s", exc)
+
+
+def database_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a lost or refused PostgreSQL connection."""
+    while exc is not None:
+        if isinstance(
+            exc,
+            OSError
+            | asyncpg.PostgresConnectionError
+            | asyncpg.InterfaceError
+            | asyncpg.exceptions.OperatorInterventionError,  # shutdown, restart, terminate
+        ):
+            return True
+        exc = exc.__cause__  # type: ignore[assignment]
+    return False
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]

@@ -39,6 +39,10 @@ class Settings(BaseSettings):
     kafka_session_timeout_ms: int = Field(default=10_000, ge=1000)
     processor_group: str = "sandstream-processor"
     processor_max_records: int = Field(default=5000, ge=1)  # per poll, across partitions
+    # How long the broker may hold the processor's fetch when nothing is new. A partition whose
+    # records are still buffered is left out of the fetch in flight, so its next records wait
+    # for that fetch to return: a long wait shows up as latency at moderate rates.
+    processor_fetch_max_wait_ms: int = Field(default=100, ge=0, le=500)
     executor_group: str = "sandstream-executor"
 
     # PostgreSQL

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import signal
 
@@ -12,6 +13,7 @@ import workload
 from harness import Env, eventually, isolated_env
 
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record
+from services import metrics
 from services.processor import Processor
 from services.rebuild import rebuild_and_compare
 
@@ -157,6 +159,76 @@ async def test_a_zombie_writer_is_fenced_and_writes_nothing() -> None:
         await assert_applied_exactly_once(env, inputs)
 
 
+async def test_the_processor_resumes_after_postgresql_ends_its_sessions(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """As in a database restart: the processor waits for PostgreSQL, goes back to the stored
+    offsets, and every input is still applied exactly once."""
+    caplog.set_level(logging.INFO, logger="sandstream.processor")
+    inputs = workload.commands(count=600, keys=40, seed=13)
+    async with isolated_env(partitions=4) as env:
+        processor = await env.start_processor("p1", max_records=50)
+        [(_, _, task)] = env.processors
+        await publish(env, inputs[:300])
+        await env.wait_applied(300)
+        await wait_outbox_drained(env)
+        sessions = [c.get_server_pid() for c in (processor._conn, processor._cursor_conn)]
+        terminated = await env.fetch(
+            "SELECT pg_terminate_backend(pid) AS done FROM unnest($1::int[]) AS pid", sessions
+        )
+        assert [r["done"] for r in terminated] == [True, True]
+        await publish(env, inputs[300:])
+        await env.wait_applied(len(inputs))
+        await wait_outbox_drained(env)
+        assert not task.done()
+        assert "lost PostgreSQL" in caplog.text
+        assert "resumed from the offsets stored in PostgreSQL" in caplog.text
+        await env.stop_processor(processor)
+        await assert_applied_exactly_once(env, inputs)
+
+
+class HeldProducer:
+    """A producer whose acknowledgements the test gives, in any order."""
+
+    def __init__(self) -> None:
+        self.sent: list[asyncio.Future[None]] = []
+
+    async def send(self, topic: str, value: bytes, key: bytes | None) -> asyncio.Future[None]:
+        self.sent.append(asyncio.get_running_loop().create_future())
+        return self.sent[-1]
+
+    async def stop(self) -> None:
+        return None
+
+
+async def test_a_publish_cursor_moves_only_past_records_that_are_all_acknowledged() -> None:
+    """A later batch's acknowledgement that comes back first must not move the cursor over
+    an earlier batch still in flight: a crash then would lose the earlier batch's events."""
+    async with isolated_env(partitions=1) as env:
+        await publish(env, [f.create("a", command_id="c1"), f.create("b", command_id="c2")])
+        records = await env.read_topic(env.settings.topic_commands)
+        processor = Processor(env.settings, env.pool, name="held-acks")
+        producer = HeldProducer()
+        processor.producer = producer  # type: ignore[assignment]
+        cursor = "SELECT published_id FROM outbox_cursor WHERE partition = 0"
+        try:
+            assert await processor.process_partition(0, records[:1]) == 1
+            assert await processor.process_partition(0, records[1:]) == 1
+            first, second = producer.sent  # one SandboxCreated each
+            second.set_result(None)
+            with pytest.raises(TimeoutError):  # the first batch is still unacknowledged
+                await asyncio.wait_for(processor.drain(), timeout=0.5)
+            assert await env.fetchval(cursor) is None
+            first.set_result(None)
+            await processor.drain()
+            assert await env.fetchval(cursor) == await env.fetchval("SELECT max(id) FROM outbox")
+        finally:
+            for future in producer.sent:
+                if not future.done():
+                    future.set_result(None)
+            await processor.stop()
+
+
 async def _started_producer(env: Env):  # type: ignore[no-untyped-def]
     from aiokafka import AIOKafkaProducer
 
@@ -167,14 +239,19 @@ async def _started_producer(env: Env):  # type: ignore[no-untyped-def]
     return producer
 
 
+def conflicts_so_far() -> float:
+    return metrics.WRITE_CONFLICTS._value.get()  # type: ignore[attr-defined,no-any-return]
+
+
 async def _assignment(processor: Processor) -> set[object]:
     assert processor.consumer is not None
     return set(processor.consumer.assignment())
 
 
-async def test_a_write_committed_while_waiting_for_the_lock_is_read_before_deciding() -> None:
-    """The lock and the row reads share one statement whose snapshot predates the lock; when
-    another writer committed in between, the processor must read the rows again."""
+async def test_a_write_committed_after_the_read_makes_the_batch_decided_again() -> None:
+    """The processor reads the rows, decides, then writes only if the offsets are still those it
+    read; when another writer committed in between, nothing of the stale decision is written
+    and the batch is read and decided again on the committed row."""
     async with isolated_env(partitions=1) as env:
         inputs = [
             f.create("x", command_id="c0"),
@@ -188,6 +265,7 @@ async def test_a_write_committed_while_waiting_for_the_lock_is_read_before_decid
         commands = env.settings.topic_commands
         try:
             assert await processor.process_partition(0, records[:1]) == 1
+            conflicts = conflicts_so_far()
             async with env.pool.acquire() as other, other.transaction():
                 # Another writer holds the partition and applies c1 itself...
                 await other.execute(
@@ -201,7 +279,7 @@ async def test_a_write_committed_while_waiting_for_the_lock_is_read_before_decid
                         "AND query LIKE '%input_offsets%'"
                     ),
                     lambda n: n >= 1,
-                    what="the processor to wait for the offset lock",
+                    what="the processor's write to wait for the offset row lock",
                 )
                 await other.execute(
                     "UPDATE sandboxes SET providers = '{p1}', version = 2 WHERE key = 'x'"
@@ -210,8 +288,10 @@ async def test_a_write_committed_while_waiting_for_the_lock_is_read_before_decid
                     "UPDATE input_offsets SET next_offset = 2 WHERE topic = $1 AND partition = 0",
                     commands,
                 )
-            # ...and commits after the processor's statement took its snapshot.
+            # ...and commits after the processor read and decided on the older row.
             assert await blocked == 1  # c1 is fenced, c2 applied on the row as committed
+            assert await env.fetchval("SELECT count(*) FROM history") == 2  # c0, c2: no c1
+            assert conflicts_so_far() == conflicts + 1
         finally:
             await processor.stop()
         row = (await env.fetch("SELECT providers, version FROM sandboxes WHERE key = 'x'"))[0]
