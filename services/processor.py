@@ -48,6 +48,7 @@ from projections.store import (
 )
 from services import metrics
 from services.entrypoint import run_until_signalled
+from services.row_cache import RowCache
 from services.settings import Settings
 
 log = logging.getLogger("sandstream.processor")
@@ -205,7 +206,11 @@ class Processor:
     _confirmer: asyncio.Task[None] | None = None
     _publish_failure: Exception | None = None
     _conn: Any = None  # the batches' connection
+    _rows: RowCache = field(init=False)
     _cursor_conn: Any = None  # the confirmer's connection
+
+    def __post_init__(self) -> None:
+        self._rows = RowCache(self.settings.processor_row_cache)
 
     @property
     def input_topics(self) -> list[str]:
@@ -302,6 +307,7 @@ class Processor:
         self._confirmer = None
         self._unconfirmed = asyncio.Queue()
         self._publish_failure = None
+        self._rows.clear()
         for conn in (self._conn, self._cursor_conn):
             # A closed connection goes back to its pool by itself (which then opens a new
             # one); terminating one that still looks alive does the same.
@@ -345,29 +351,39 @@ class Processor:
             self._conn = await self.pool.acquire()
         all_items = [parse(r, self.settings.topic_commands) for r in records]
         all_parsed = [i for i in all_items if isinstance(i, Parsed)]
-        keys = {p.message.key for p in all_parsed}
+        where = {p.message.key: p.record.partition for p in all_parsed}
         idents = {(p.message.key, p.cause.command_id) for p in all_parsed if p.cause.command_id}
         partitions = {(t, p) for p in by_partition for t in self.input_topics}
         # Optimistic: read, decide, then write only if no other writer moved these partitions'
         # offsets in between (two round trips in all). Whoever loses the race reads again; its
         # records below the winner's offsets are then skipped.
         while True:
-            read = await read_batch(self._conn, partitions, keys, idents)
+            cached = self._rows.lookup((p, key) for key, p in where.items())
+            read = await read_batch(self._conn, partitions, where.keys() - cached, idents)
+            if self._rows.check(read.offsets) & {where[key] for key in cached}:
+                continue  # cached rows of a partition someone else wrote: read them instead
             items = [i for i in all_items if i.record.offset >= read.offsets[_tp(i.record)]]
             if len(items) < len(all_items):
                 metrics.FENCED.inc(len(all_items) - len(items))
             if not items:
                 return 0, []
             parsed = [i for i in items if isinstance(i, Parsed)]
-            result = fold(read.sandboxes, read.outcomes, ((p.cause, p.message) for p in parsed))
+            states = {**read.sandboxes, **cached}
+            result = fold(states, read.outcomes, ((p.cause, p.message) for p in parsed))
             plan = plan_batch(items, result, read.offsets, self.settings)
             try:
                 ids = await write_batch(self._conn, plan)
             except OffsetsMoved as exc:
                 metrics.WRITE_CONFLICTS.inc()
                 log.info("%s: another writer moved the offsets, deciding again: %s", self.name, exc)
+                self._rows.clear()
                 continue
             break
+        committed = {tp: new for tp, (_, new) in plan.offsets.items()}
+        self._rows.remember(
+            ((where[key], key, row) for key, row in result.states.items() if key in where),
+            committed,
+        )
         for disposition, count in Counter(h.disposition for h in plan.history).items():
             metrics.INPUTS.labels(disposition).inc(count)
         metrics.BATCH_SECONDS.observe(asyncio.get_running_loop().time() - started)
@@ -439,6 +455,7 @@ class Processor:
         assert self.consumer is not None
         async with self._lock:
             await self.drain()  # our own in-flight records are not "left behind"
+            self._rows.clear()  # rows are read again until this processor writes them
             async with self.pool.acquire() as conn:
                 stored = await stored_offsets(conn, self.input_topics)
             for tp in assigned:

@@ -42,6 +42,8 @@ class Settings(BaseSettings):
     # How long the broker may hold the processor's fetch when nothing is new. A partition whose
     # records are still buffered is left out of the fetch in flight, so its next records wait
     # for that fetch to return: a long wait shows up as latency at moderate rates.
+    # Rows the processor keeps from its own writes, so later batches need not read them back.
+    processor_row_cache: int = Field(default=20_000, ge=0)
     processor_fetch_max_wait_ms: int = Field(default=100, ge=0, le=500)
     executor_group: str = "sandstream-executor"
 

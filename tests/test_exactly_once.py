@@ -6,6 +6,7 @@ import asyncio
 import logging
 import random
 import signal
+from typing import Any
 
 import factories as f
 import pytest
@@ -248,21 +249,42 @@ async def _assignment(processor: Processor) -> set[object]:
     return set(processor.consumer.assignment())
 
 
+async def _create_and_two_attaches(env: Env, name: str) -> tuple[list[Any], Processor]:
+    """c0 creates x, c1 and c2 attach p1 and p2; a processor (not consuming) to apply them."""
+    await publish(
+        env,
+        [
+            f.create("x", command_id="c0"),
+            f.attach("x", "p1", command_id="c1"),
+            f.attach("x", "p2", command_id="c2"),
+        ],
+    )
+    records = await env.read_topic(env.settings.topic_commands)
+    processor = Processor(env.settings, env.pool, name=name)
+    processor.producer = await _started_producer(env)
+    return records, processor
+
+
+async def _apply_c1_as_another_writer(env: Env, other: Any) -> None:
+    await other.execute("UPDATE sandboxes SET providers = '{p1}', version = 2 WHERE key = 'x'")
+    await other.execute(
+        "UPDATE input_offsets SET next_offset = 2 WHERE topic = $1 AND partition = 0",
+        env.settings.topic_commands,
+    )
+
+
+async def _assert_c1_and_c2_applied_once(env: Env) -> None:
+    row = (await env.fetch("SELECT providers, version FROM sandboxes WHERE key = 'x'"))[0]
+    assert (list(row["providers"]), row["version"]) == (["p1", "p2"], 3)
+    assert await env.fetchval("SELECT count(*) FROM history") == 2  # c0, c2: c1 was not theirs
+
+
 async def test_a_write_committed_after_the_read_makes_the_batch_decided_again() -> None:
     """The processor reads the rows, decides, then writes only if the offsets are still those it
     read; when another writer committed in between, nothing of the stale decision is written
     and the batch is read and decided again on the committed row."""
     async with isolated_env(partitions=1) as env:
-        inputs = [
-            f.create("x", command_id="c0"),
-            f.attach("x", "p1", command_id="c1"),
-            f.attach("x", "p2", command_id="c2"),
-        ]
-        await publish(env, inputs)
-        records = await env.read_topic(env.settings.topic_commands)
-        processor = Processor(env.settings, env.pool, name="late-reader")
-        processor.producer = await _started_producer(env)
-        commands = env.settings.topic_commands
+        records, processor = await _create_and_two_attaches(env, "late-reader")
         try:
             assert await processor.process_partition(0, records[:1]) == 1
             conflicts = conflicts_so_far()
@@ -270,7 +292,7 @@ async def test_a_write_committed_after_the_read_makes_the_batch_decided_again() 
                 # Another writer holds the partition and applies c1 itself...
                 await other.execute(
                     "SELECT 1 FROM input_offsets WHERE topic = $1 AND partition = 0 FOR UPDATE",
-                    commands,
+                    env.settings.topic_commands,
                 )
                 blocked = asyncio.create_task(processor.process_partition(0, records[1:]))
                 await eventually(
@@ -281,18 +303,29 @@ async def test_a_write_committed_after_the_read_makes_the_batch_decided_again() 
                     lambda n: n >= 1,
                     what="the processor's write to wait for the offset row lock",
                 )
-                await other.execute(
-                    "UPDATE sandboxes SET providers = '{p1}', version = 2 WHERE key = 'x'"
-                )
-                await other.execute(
-                    "UPDATE input_offsets SET next_offset = 2 WHERE topic = $1 AND partition = 0",
-                    commands,
-                )
+                await _apply_c1_as_another_writer(env, other)
             # ...and commits after the processor read and decided on the older row.
             assert await blocked == 1  # c1 is fenced, c2 applied on the row as committed
-            assert await env.fetchval("SELECT count(*) FROM history") == 2  # c0, c2: no c1
             assert conflicts_so_far() == conflicts + 1
         finally:
             await processor.stop()
-        row = (await env.fetch("SELECT providers, version FROM sandboxes WHERE key = 'x'"))[0]
-        assert (list(row["providers"]), row["version"]) == (["p1", "p2"], 3)
+        await _assert_c1_and_c2_applied_once(env)
+
+
+async def test_rows_kept_from_an_earlier_batch_are_not_used_once_another_writer_moved_on() -> None:
+    """The processor keeps the rows it wrote; a write by anyone else moves the partition's
+    offsets, and the next batch must then read the row rather than use the kept one."""
+    async with isolated_env(partitions=1) as env:
+        records, processor = await _create_and_two_attaches(env, "cached")
+        try:
+            assert await processor.process_partition(0, records[:1]) == 1
+            assert len(processor._rows) == 1
+            conflicts = conflicts_so_far()
+            # Another writer applies c1 and commits before the processor's next read.
+            async with env.pool.acquire() as other, other.transaction():
+                await _apply_c1_as_another_writer(env, other)
+            assert await processor.process_partition(0, records[1:]) == 1  # c2 only
+            assert conflicts_so_far() == conflicts  # found at the read, not at the write
+        finally:
+            await processor.stop()
+        await _assert_c1_and_c2_applied_once(env)
