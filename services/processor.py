@@ -250,11 +250,11 @@ class Processor:
             await self.producer.stop()
         if self._confirmer is not None:
             self._confirmer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._confirmer
+            await asyncio.wait([self._confirmer])
         for conn in (self._conn, self._cursor_conn):
-            if conn is not None:
-                await self.pool.release(conn)
+            if conn is not None:  # one whose session was lost is back in its pool already
+                with contextlib.suppress(asyncpg.InterfaceError):
+                    await self.pool.release(conn)
         self._conn = self._cursor_conn = None
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -302,8 +302,7 @@ class Processor:
         """Drop the dead connections and the acknowledgements still awaited on them."""
         if self._confirmer is not None:
             self._confirmer.cancel()
-            with contextlib.suppress(BaseException):
-                await self._confirmer
+            await asyncio.wait([self._confirmer])  # its end, without its CancelledError
         self._confirmer = None
         self._unconfirmed = asyncio.Queue()
         self._publish_failure = None
