@@ -209,7 +209,6 @@ WITH moved AS (
         exit_code = EXCLUDED.exit_code, reason = EXCLUDED.reason,
         created_at = EXCLUDED.created_at, updated_at = EXCLUDED.updated_at,
         partition = EXCLUDED.partition, change_seq = EXCLUDED.change_seq
-    RETURNING 1
 ), recorded AS (
     INSERT INTO history (key, topic, partition, "offset", message_type, command_id,
                          disposition, reason, phase, generation, version, event_types, message,
@@ -220,14 +219,12 @@ WITH moved AS (
                 $30::json[], $31::timestamptz[])
          AS u(k, t, p, o, mt, c, d, r, ph, g, v, e, m, oa)
     WHERE (SELECT ok FROM fence)
-    RETURNING 1
 ), decided AS (
     INSERT INTO command_outcomes (command_id, key, command_type, status, code, message, outcome)
     SELECT * FROM unnest($32::text[], $33::text[], $34::text[], $35::text[], $36::text[],
                          $37::text[], $38::jsonb[])
     WHERE (SELECT ok FROM fence)
     ON CONFLICT DO NOTHING
-    RETURNING 1
 ), queued AS (
     INSERT INTO outbox (partition, topic, key, value)
     SELECT p, t, k, v FROM unnest($39::int[], $40::text[], $41::bytea[], $42::bytea[])
@@ -236,9 +233,7 @@ WITH moved AS (
     ORDER BY n
     RETURNING id
 )
-SELECT ARRAY(SELECT id FROM queued ORDER BY id) AS ids, pg_notify($43, '') AS notified,
-       (SELECT count(*) FROM upserted) + (SELECT count(*) FROM recorded)
-       + (SELECT count(*) FROM decided) AS written
+SELECT ARRAY(SELECT id FROM queued ORDER BY id) AS ids, pg_notify($43, '')
 """
 
 
