@@ -22,6 +22,16 @@ if TYPE_CHECKING:
     )
 
 
+# A lost or refused PostgreSQL connection (as opposed to a bad statement): the server went away,
+# restarts, or ended the session. Callers wait and retry, or answer "unavailable".
+CONNECTION_ERRORS: tuple[type[Exception], ...] = (
+    OSError,  # refused, reset, timed out
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,  # the connection is closed (or was released when it closed)
+    asyncpg.exceptions.OperatorInterventionError,  # shutdown, starting up, terminated
+)
+
+
 SANDBOX_COLUMNS = (
     "key, sandbox_id, phase, generation, version, spec, providers, identity, exit_code, reason, "
     "created_at, updated_at"

@@ -49,6 +49,7 @@ from events.common import (
 )
 from events.outcomes import Code, CommandOutcome
 from events.publisher import CommandPublisher, new_command_id, now
+from projections.store import CONNECTION_ERRORS
 from services import metrics, readmodel
 from services.auth import READ, WRITE, Principal, TokenStore
 from services.readmodel import (
@@ -437,9 +438,6 @@ def create_app(
         "reads come from the PostgreSQL projection. Errors are `{code, message}`.",
         lifespan=lifespan,
     )
-    app.state.settings = settings
-    app.state.pool = pool
-    app.state.publisher = publisher
     app.state.tokens = tokens
     app.state.feed = feed
     app.add_middleware(MetricsMiddleware)
@@ -723,16 +721,22 @@ def create_app(
         checks: dict[str, Check] = {}
         ends: dict[tuple[str, int], int] | None = None
         stored: dict[tuple[str, int], int] | None = None
-        try:
-            ends = await asyncio.wait_for(probe.end_offsets(topics), 5.0)
+        # Both probes at once: a dead backend costs its timeout once, not twice.
+        kafka, postgres = await asyncio.gather(
+            asyncio.wait_for(probe.end_offsets(topics), 5.0),
+            asyncio.wait_for(readmodel.stored_input_offsets(pool, topics), 5.0),
+            return_exceptions=True,
+        )
+        if isinstance(kafka, BaseException):
+            checks["kafka"] = Check(ok=False, detail=f"{type(kafka).__name__}: {kafka}")
+        else:
+            ends = kafka
             checks["kafka"] = Check(ok=True, detail=settings.kafka_bootstrap)
-        except Exception as exc:
-            checks["kafka"] = Check(ok=False, detail=f"{type(exc).__name__}: {exc}")
-        try:
-            stored = await asyncio.wait_for(readmodel.stored_input_offsets(pool, topics), 5.0)
+        if isinstance(postgres, BaseException):
+            checks["postgres"] = Check(ok=False, detail=f"{type(postgres).__name__}: {postgres}")
+        else:
+            stored = postgres
             checks["postgres"] = Check(ok=True, detail=f"schema {settings.pg_schema}")
-        except Exception as exc:
-            checks["postgres"] = Check(ok=False, detail=f"{type(exc).__name__}: {exc}")
         lag = None
         if ends is not None and stored is not None:
             lag = sum(max(0, end - stored.get(tp, 0)) for tp, end in ends.items())
@@ -805,7 +809,8 @@ async def _watch_stream(
                     for row in rows:
                         yield _sse("sandbox", row.model_dump_json(), row.change_seq)
                         last_sent = loop.time()
-                    cursor = rows[-1].change_seq if len(rows) == 500 else horizon
+                    full = len(rows) == readmodel.CHANGES_PAGE  # more may follow the page
+                    cursor = rows[-1].change_seq if full else horizon
                 live_only = False  # the first replay (a list) is over: deletions are news
             now_ = loop.time()
             if deadline is not None and now_ >= deadline:
@@ -876,13 +881,17 @@ def _install_error_handlers(app: FastAPI) -> None:
             message = f"method {request.method} is not allowed on {request.url.path}"
         return error_response(exc.status_code, code, message, getattr(exc, "headers", None))
 
-    unavailable = (OSError, asyncpg.InterfaceError, asyncpg.CannotConnectNowError, TimeoutError)
+    async def unavailable(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("%s %s: backend unavailable: %r", request.method, request.url.path, exc)
+        return error_response(503, "UNAVAILABLE", f"backend unavailable: {type(exc).__name__}")
+
+    # Registered per class, so they are answered inside the app (and counted as 503 by the
+    # metrics middleware); a handler for Exception runs outside it and re-raises.
+    for connection_error in CONNECTION_ERRORS:
+        app.add_exception_handler(connection_error, unavailable)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        if isinstance(exc, unavailable):
-            log.warning("%s %s: backend unavailable: %r", request.method, request.url.path, exc)
-            return error_response(503, "UNAVAILABLE", f"backend unavailable: {type(exc).__name__}")
         log.exception("%s %s failed", request.method, request.url.path)
         return error_response(500, "INTERNAL", "internal error (see the server log)")
 

@@ -36,6 +36,7 @@ from events.deadletter import DeadLetter, SourceRecord
 from projections.fold import BatchResult, fold
 from projections.lifecycle import Message, Sandbox
 from projections.store import (
+    CONNECTION_ERRORS,
     BatchWrite,
     HistoryRow,
     OffsetsMoved,
@@ -483,13 +484,7 @@ class Processor:
 def database_gone(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) is a lost or refused PostgreSQL connection."""
     while exc is not None:
-        if isinstance(
-            exc,
-            OSError
-            | asyncpg.PostgresConnectionError
-            | asyncpg.InterfaceError
-            | asyncpg.exceptions.OperatorInterventionError,  # shutdown, restart, terminate
-        ):
+        if isinstance(exc, CONNECTION_ERRORS):
             return True
         exc = exc.__cause__  # type: ignore[assignment]
     return False

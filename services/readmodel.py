@@ -17,7 +17,7 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any, Literal, TypeAlias
+from typing import Any, Final, Literal, TypeAlias
 from uuid import UUID
 
 import asyncpg
@@ -401,7 +401,6 @@ class ChangeFeed:
         self._changed = asyncio.Event()
         self._closed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.listening = False
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._listen(), name="change-feed")
@@ -438,7 +437,6 @@ class ChangeFeed:
                 async with self.pool.acquire() as conn:
                     conn.add_termination_listener(_setter(lost))
                     await conn.add_listener(CHANGES_CHANNEL, self._notify)
-                    self.listening = True
                     delay = 0.5
                     try:
                         while not self._closed.is_set() and not lost.is_set():
@@ -447,7 +445,6 @@ class ChangeFeed:
                             if conn.is_closed():
                                 break
                     finally:
-                        self.listening = False
                         if not conn.is_closed():
                             await conn.remove_listener(CHANGES_CHANNEL, self._notify)
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
@@ -458,6 +455,9 @@ class ChangeFeed:
             delay = min(delay * 2, 10.0)
 
 
+CHANGES_PAGE: Final = 500  # rows per read of the change feed
+
+
 async def changes_after(
     pool: Pool,
     cursor: int,
@@ -465,7 +465,7 @@ async def changes_after(
     *,
     names: Sequence[str] = (),
     live_only: bool = False,
-    limit: int = 500,
+    limit: int = CHANGES_PAGE,
 ) -> list[SandboxView]:
     """Rows changed after ``cursor`` up to ``horizon``, in change order."""
     records = await pool.fetch(

@@ -13,15 +13,19 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import apikit
+import asyncpg
 import factories as f
+import httpx
 import pytest
 import pytest_asyncio
 from apikit import ADMIN, READER, WRITER, Api, create_body, read_events, rows, unique
 from harness import eventually
 
 from drivers.fake import FakeDriver
+from events.publisher import CommandPublisher
 from events.topics import CHANGES_CHANNEL
-from services import auth, readmodel
+from services import auth, metrics, readmodel
+from services.api import create_app
 from services.settings import Settings
 
 
@@ -73,8 +77,11 @@ async def test_healthz_readyz_and_metrics(api: Api) -> None:
     await create_ready(api, unique("metrics"))
     async with api.client(token=None) as c:
         assert (await c.get("/healthz")).json() == {"status": "ok"}
-        ready = await eventually(lambda: c.get("/readyz"), lambda r: r.status_code == 200,
-                                 what="readiness")  # fmt: skip
+        ready = await eventually(
+            lambda: c.get("/readyz"),
+            lambda r: r.status_code == 200 and r.json()["lag"] == 0,
+            what="readiness with nothing left to apply",
+        )
         body = ready.json()
         assert body["status"] == "ready" and body["lag"] == 0
         assert {k: v["ok"] for k, v in body["checks"].items()} == {
@@ -254,6 +261,26 @@ async def test_a_publish_kafka_does_not_acknowledge_is_503_and_says_how_to_retry
     body = r.json()
     assert body["code"] == "UNAVAILABLE" and body["command_id"] == "c-503"
     assert "retry with the same command_id 'c-503'" in body["message"]
+
+
+async def test_an_unreachable_postgresql_is_503_json_and_counted_as_503(settings: Settings) -> None:
+    # A pool that cannot connect (nothing listens on port 1): every read fails to connect.
+    down = settings.model_copy(update={"pg_port": 1})
+    pool = await asyncpg.create_pool(down.pg_dsn, min_size=0)
+    assert pool is not None
+    publisher = CommandPublisher(settings.kafka_bootstrap, topic=settings.topic_commands)
+    app = create_app(down, pool, publisher, apikit.tokens())
+    counted = metrics.API_REQUESTS.labels("GET", "/v1/sandboxes", "503")
+    before = counted._value.get()
+    try:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as c:
+            r = await c.get("/v1/sandboxes", headers={"Authorization": f"Bearer {ADMIN}"})
+    finally:
+        await pool.close()
+    assert r.status_code == 503
+    assert r.json()["code"] == "UNAVAILABLE"
+    assert counted._value.get() == before + 1
 
 
 # --------------------------------------------------------------------------- outcome errors
@@ -526,15 +553,15 @@ async def test_watch_replays_then_follows_and_resumes_from_a_cursor(api: Api) ->
         ids = [e.id for e in resumed if e.event == "sandbox"]
         assert all(i is not None and i > cursor for i in ids)
         assert ids == sorted(ids)
-        # The deletion is delivered as a change (the tombstone row).
-        assert rows(resumed)[-1]["phase"] in ("Deleted", "Ready")
+        # The deletion is delivered as a change (the tombstone row), and it was the last one.
+        assert (rows(resumed)[-1]["name"], rows(resumed)[-1]["phase"]) == (a, "Deleted")
 
         # ?cursor= alone resumes the same way.
         again = await read_events(c, caught_up, params={"name": [a, b], "cursor": cursor})
         assert [e.id for e in again if e.event == "sandbox"] == ids
 
-        # A fresh watch (no cursor) skips tombstones unless asked for them.
-        fresh = await read_events(c, lambda ev: True, params={"name": [a, b]})
+        # A fresh watch (no cursor) skips tombstones unless asked for them: read it to its end.
+        fresh = await read_events(c, lambda ev: False, params={"name": [a, b], "timeout": 1})
         assert [r["name"] for r in rows(fresh)] == [b]
         tombs = await read_events(c, lambda ev: len(rows(ev)) == 2,
                                   params={"name": [a, b], "include_deleted": "true"})  # fmt: skip
