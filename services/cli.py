@@ -23,6 +23,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from services.auth import TokenFileError, read_token_value
 from services.settings import Settings, load_settings
 
 EXIT_FAILED = 1
@@ -97,13 +98,13 @@ class Client:
         token = conn.token
         if not token and need_token:
             path = conn.token_file or settings.admin_token_file
+            hint = "Pass --token, set SANDSTREAM_TOKEN or --token-file, or run `sandstream up`"
             try:
-                token = path.read_text(encoding="utf-8").strip()
+                token = read_token_value(path)
             except OSError as exc:
-                fail(
-                    f"no API token: cannot read {path} ({exc.strerror}). Pass --token, set "
-                    "SANDSTREAM_TOKEN or --token-file, or run `sandstream up` (it writes one)."
-                )
+                fail(f"no API token: cannot read {path} ({exc.strerror}). {hint} (it writes one).")
+            except TokenFileError as exc:
+                fail(f"no API token: {exc}. {hint} (it writes one).")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=30.0)
 
@@ -130,6 +131,16 @@ class Client:
         if response.status_code not in ok:
             raise ApiFailure.of(response)
         return response
+
+    def pages(self, path: str, params: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The items of a paginated GET, following ``next_page_token`` to the end."""
+        params = dict(params)
+        while True:
+            page = self.request("GET", path, params=params).json()
+            yield from page["items"]
+            if not page.get("next_page_token"):
+                return
+            params["page_token"] = page["next_page_token"]
 
     def events(
         self, params: dict[str, Any], read_timeout: float
@@ -302,6 +313,8 @@ def _submit(
             params={"sandbox": name, "wait": f"{wait:.3f}"},
             timeout=wait + 30,
         ).json()
+    if outcome["status"] == "rejected":  # decided after the first wait ran out
+        fail(f"rejected: {outcome['message']} ({outcome['code']})")
     return outcome
 
 
@@ -491,17 +504,10 @@ def list_(
     output: OutputOpt = Output.table,
 ) -> None:
     """List sandboxes: NAME, PHASE, GENERATION, AGE."""
-    client = client_of(ctx)
-    items: list[dict[str, Any]] = []
     params: dict[str, Any] = {"phase": phase, "label": label, "limit": 500}
     if all_:
         params["include_deleted"] = "true"
-    while True:
-        page = client.request("GET", "/v1/sandboxes", params=params).json()
-        items += page["items"]
-        if not page.get("next_page_token"):
-            break
-        params["page_token"] = page["next_page_token"]
+    items = list(client_of(ctx).pages("/v1/sandboxes", params))
     if output is Output.json:
         print_json(items)
         return
@@ -561,15 +567,7 @@ def history(
     output: OutputOpt = Output.table,
 ) -> None:
     """Every input about a sandbox in order: applied, rejected and ignored, with the reason."""
-    client = client_of(ctx)
-    items: list[dict[str, Any]] = []
-    params: dict[str, Any] = {"limit": 1000}
-    while True:
-        page = client.request("GET", f"/v1/sandboxes/{name}/history", params=params).json()
-        items += page["items"]
-        if not page.get("next_page_token"):
-            break
-        params["page_token"] = page["next_page_token"]
+    items = list(client_of(ctx).pages(f"/v1/sandboxes/{name}/history", {"limit": 1000}))
     if output is Output.json:
         print_json(items)
         return
@@ -670,16 +668,9 @@ def status(ctx: typer.Context, output: OutputOpt = Output.table) -> None:
     counts: dict[str, int] | None = None
     note = ""
     try:
-        with_token = client_of(ctx)
         counts = {}
-        params: dict[str, Any] = {"limit": 500}
-        while True:
-            page = with_token.request("GET", "/v1/sandboxes", params=params).json()
-            for item in page["items"]:
-                counts[item["phase"]] = counts.get(item["phase"], 0) + 1
-            if not page.get("next_page_token"):
-                break
-            params["page_token"] = page["next_page_token"]
+        for item in client_of(ctx).pages("/v1/sandboxes", {"limit": 500}):
+            counts[item["phase"]] = counts.get(item["phase"], 0) + 1
     except CliError as exc:
         note = exc.message
     is_ready = ready.get("status") == "ready"

@@ -12,16 +12,19 @@ import json
 import re
 import signal
 import stat
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import pytest
 import pytest_asyncio
 from apikit import unique
 from harness import eventually, isolated_env
 
 from drivers.podman import PodmanDriver
+from services.cli import EXIT_FAILED, CliError, _submit
 from services.settings import PROJECT_ROOT, load_settings
 
 SANDSTREAM = str(PROJECT_ROOT / ".venv" / "bin" / "sandstream")
@@ -300,3 +303,27 @@ async def test_down_keep_stack_stops_a_running_up_cleanly(up: Up) -> None:
     assert not (up.run_dir / "up.pid").exists()
     r = await up.cli("down", "--keep-stack")
     assert (r.code, r.out.strip()) == (0, "sandstream: `up` not running")
+
+
+class _Replies:
+    """Stands in for the API client: answers each request with the next body, in order."""
+
+    def __init__(self, *bodies: dict[str, object]) -> None:
+        self.bodies = list(bodies)
+        self.paths: list[str] = []
+
+    def request(self, method: str, path: str, **_: object) -> httpx.Response:
+        self.paths.append(f"{method} {path}")
+        return httpx.Response(200, json=self.bodies.pop(0))
+
+
+def test_a_rejection_decided_after_the_first_wait_fails_the_command() -> None:
+    why = "sandbox must be Ready to stop (current phase: Deleting)"
+    pending = {"command_id": "c-1", "status": "pending", "code": None, "message": "pending"}
+    rejected = pending | {"status": "rejected", "code": "FAILED_PRECONDITION", "message": why}
+    client = _Replies(pending, rejected)
+    with pytest.raises(CliError) as failed:
+        _submit(client, "POST", "/v1/sandboxes/x:stop", {}, "x", time.monotonic() + 30)  # type: ignore[arg-type]
+    assert failed.value.code == EXIT_FAILED
+    assert failed.value.message == f"rejected: {why} (FAILED_PRECONDITION)"
+    assert client.paths == ["POST /v1/sandboxes/x:stop", "GET /v1/commands/c-1"]
