@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 from aiokafka.errors import KafkaError
 
 from events.publisher import CommandPublisher
@@ -120,7 +121,11 @@ def up(settings: Settings, *, start_stack: bool = True) -> int:
                 print(f"sandstream up: the stack did not come up: {exc}", file=sys.stderr)
                 return 1
         schema = None if settings.pg_schema == "public" else settings.pg_schema
-        asyncio.run(apply_migrations(settings.pg_dsn, schema=schema))
+        try:
+            asyncio.run(apply_migrations(settings.pg_dsn, schema=schema))
+        except (OSError, asyncpg.PostgresError) as exc:
+            print(f"sandstream up: cannot migrate PostgreSQL: {exc!r}", file=sys.stderr)
+            return 1
         try:
             tokens = ensure_tokens(settings)
         except TokenFileError as exc:
@@ -192,7 +197,7 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
         if why != "signal":
             log.error("the %s stopped unexpectedly; stopping everything", why)
             code = 1
-    except (OSError, KafkaError, TokenFileError) as exc:
+    except (OSError, KafkaError, TokenFileError, asyncpg.PostgresError, RuntimeError) as exc:
         log.error("startup failed: %r", exc)
         code = 1
     finally:
