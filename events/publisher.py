@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 
 from events.codec import encode
 from events.commands import Command
+from events.observations import Observation
 from events.outcomes import CommandOutcome
 from events.topics import CHANGES_CHANNEL, COMMANDS, record_key
+
+_log = logging.getLogger("sandstream.publisher")
 
 
 def new_command_id() -> str:
@@ -100,3 +105,31 @@ async def await_outcome(
                     await asyncio.wait_for(woken.wait(), timeout=min(remaining, 0.5))
         finally:
             await conn.remove_listener(CHANGES_CHANNEL, _wake)
+
+
+async def publish_observation(
+    producer: AIOKafkaProducer, topic: str, observation: Observation
+) -> None:
+    """Send one observation, keyed by its sandbox, and wait for the broker's acknowledgement."""
+    await producer.send_and_wait(topic, value=encode(observation), key=observation.key.encode())
+
+
+async def publish_until_sent(
+    producer: AIOKafkaProducer,
+    topic: str,
+    observation: Observation,
+    stop: asyncio.Event | None = None,
+) -> bool:
+    """Publish, retrying Kafka errors with back-off until sent (True) or ``stop`` (False)."""
+    delay = 0.2
+    while True:
+        try:
+            await publish_observation(producer, topic, observation)
+            return True
+        except KafkaError as exc:
+            _log.warning("publishing %s failed, retrying: %s", observation.observation_id, exc)
+        with contextlib.suppress(TimeoutError):  # the back-off, cut short by ``stop``
+            await asyncio.wait_for((stop or asyncio.Event()).wait(), timeout=delay)
+        if stop is not None and stop.is_set():
+            return False
+        delay = min(delay * 2, 5.0)

@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from uuid import UUID
@@ -53,7 +53,7 @@ from drivers.protocol import (
     OpResult,
     operation_result,
 )
-from events.codec import EVENTS, DecodeError, decode, encode
+from events.codec import EVENTS, DecodeError, decode
 from events.decided import (
     DecidedEvent,
     SandboxCreated,
@@ -62,6 +62,7 @@ from events.decided import (
     SandboxStopping,
 )
 from events.observations import DriverOperationResult, Operation
+from events.publisher import publish_until_sent
 from services import metrics
 from services.entrypoint import run_until_signalled
 from services.settings import Settings
@@ -127,13 +128,12 @@ class RetryPolicy:
     """Exponential back-off for retryable driver failures.
 
     Attempts continue while the next one would start within ``give_up_after`` seconds of the
-    first (0: never retry); ``max_attempts`` (if set) caps them as well.
+    first (0: never retry).
     """
 
     first_delay: float = 0.5
     max_delay: float = 10.0
     give_up_after: float = 600.0
-    max_attempts: int | None = None
 
     def delay(self, attempt: int) -> float:
         """The pause after failed attempt number ``attempt`` (1-based)."""
@@ -141,8 +141,6 @@ class RetryPolicy:
 
     def next_delay(self, attempt: int, elapsed: float) -> float | None:
         """The pause before another attempt, or None when it is time to give up."""
-        if self.max_attempts is not None and attempt >= self.max_attempts:
-            return None
         delay = self.delay(attempt)
         return delay if elapsed + delay <= self.give_up_after else None
 
@@ -183,7 +181,6 @@ class Executor:
     revoke_grace: float = 5.0
     shutdown_grace: float = 10.0
     clock: Clock = utcnow
-    on_result: Callable[[DriverOperationResult], Awaitable[None]] | None = None
     consumer: AIOKafkaConsumer | None = None
     producer: AIOKafkaProducer | None = None
     running: int = 0  # driver calls in progress (each holds a concurrency slot)
@@ -196,6 +193,7 @@ class Executor:
     _slots: asyncio.Semaphore | None = None
     _closing: bool = False
     _drained: bool = False
+    _crashed: BaseException | None = None  # a worker's unexpected error: run() raises it
 
     def __post_init__(self) -> None:
         if self.max_concurrency is None:
@@ -231,6 +229,10 @@ class Executor:
         next_commit = loop.time() + self.commit_interval
         try:
             while not stop.is_set():
+                if self._crashed is not None:
+                    # Its intent stays uncommitted (the partition could not move on): stop
+                    # loudly, a restart redelivers it.
+                    raise RuntimeError("an executor worker failed") from self._crashed
                 batch = await self.consumer.getmany(timeout_ms=100, max_records=1000)
                 for tp, records in batch.items():
                     for record in records:
@@ -269,10 +271,6 @@ class Executor:
 
     # -- introspection (tests, health) -------------------------------------------------------
 
-    @property
-    def busy_keys(self) -> set[str]:
-        return set(self._workers)
-
     def pending(self, key: str) -> int:
         """Intents of ``key`` queued or being executed (retries included) here."""
         return len(self._queues.get(key, ())) + (1 if key in self._active else 0)
@@ -299,7 +297,14 @@ class Executor:
         if news is not None:
             news.set()
         if key not in self._workers:
-            self._workers[key] = asyncio.create_task(self._work(key), name=f"executor:{key}")
+            worker = asyncio.create_task(self._work(key), name=f"executor:{key}")
+            worker.add_done_callback(self._worker_ended)
+            self._workers[key] = worker
+
+    def _worker_ended(self, worker: asyncio.Task[None]) -> None:
+        if not worker.cancelled() and (exc := worker.exception()) is not None:
+            log.error("%s failed: %r", worker.get_name(), exc, exc_info=exc)
+            self._crashed = self._crashed or exc
 
     def _current(self, item: _Item) -> bool:
         """Whether ``item`` is still this executor's to run (not revoked, not shutting down)."""
@@ -331,7 +336,11 @@ class Executor:
                 try:
                     result = await self._execute(item, queue)
                     if result is not None:
-                        await self._report_until_sent(result)
+                        # The driver call happened: losing its result would leave the row
+                        # waiting forever, so it is retried until sent.
+                        await publish_until_sent(
+                            self.producer, self.settings.topic_observations, result
+                        )
                         item.progress.finish(item.offset)
                 finally:
                     del self._active[key]
@@ -354,7 +363,9 @@ class Executor:
         attempt = 0
         while True:
             attempt += 1
-            result = await self._call(intent)
+            result = await self._call(item)
+            if result is None:
+                return None  # revoked or shutting down while it waited for a slot
             if not isinstance(result, DriverError) or not result.retryable:
                 break
             if not self._current(item):
@@ -389,15 +400,20 @@ class Executor:
             result=result,
         )
 
-    async def _call(self, intent: Intent) -> CallResult:
+    async def _call(self, item: _Item) -> CallResult | None:
         """One driver call inside a concurrency slot; every failure comes back as a
-        DriverError (an unexpected exception is a non-retryable one)."""
+        DriverError (an unexpected exception is a non-retryable one). None, and no call,
+        if the intent stopped being this executor's while it waited for the slot."""
         assert self._slots is not None
         self.waiting += 1
         try:
             await self._slots.acquire()
         finally:
             self.waiting -= 1
+        if not self._current(item):
+            self._slots.release()
+            return None
+        intent = item.intent
         self.running += 1
         try:
             event = intent.event
@@ -418,26 +434,6 @@ class Executor:
         finally:
             self.running -= 1
             self._slots.release()
-
-    async def _report_until_sent(self, result: DriverOperationResult) -> None:
-        # The driver call happened; losing its result would leave the row waiting forever.
-        delay = 0.2
-        while True:
-            try:
-                await self.report(result)
-                return
-            except KafkaError as exc:
-                log.warning("reporting %s failed, retrying: %s", result.observation_id, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-
-    async def report(self, result: DriverOperationResult) -> None:
-        assert self.producer is not None
-        await self.producer.send_and_wait(
-            self.settings.topic_observations, value=encode(result), key=result.key.encode()
-        )
-        if self.on_result is not None:
-            await self.on_result(result)
 
     # -- offsets and rebalances --------------------------------------------------------------
 
@@ -466,8 +462,9 @@ class Executor:
         gone = {tp: p for tp in revoked if (p := self._owned.pop(tp, None)) is not None}
         if not gone:
             return
-        for news in self._news.values():
-            news.set()  # retry back-offs of revoked intents give up (unreported)
+        for key, item in self._active.items():
+            if item.tp in gone and (news := self._news.get(key)) is not None:
+                news.set()  # the retry back-off of a revoked intent gives up (unreported)
         if not await _until_idle(list(gone.values()), self.revoke_grace):
             log.warning("revoke: driver calls of %s still running; their results will follow",
                         sorted(tp.partition for tp in gone))  # fmt: skip

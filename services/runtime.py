@@ -73,7 +73,6 @@ class DriverSide:
 
     ``None`` settings-backed knobs default to the ``Settings`` values
     (``executor_concurrency``, ``executor_retry_seconds``, ``reconcile_interval_seconds``).
-    ``watch=False`` runs no watcher (tests of the reconcile loop alone).
     """
 
     settings: Settings
@@ -82,7 +81,6 @@ class DriverSide:
     reconcile_interval: float | None = None
     executor_concurrency: int | None = None
     retry: RetryPolicy | None = None
-    watch: bool = True
     executor: Executor | None = None
     watcher: Watcher | None = None
     reconciler: Reconciler | None = None
@@ -111,8 +109,7 @@ class DriverSide:
         )
         stop = self._tasks.stop_event
         self._tasks.spawn("executor", self.executor.run(stop))
-        if self.watch:
-            self._tasks.spawn("watcher", self.watcher.run(stop))
+        self._tasks.spawn("watcher", self.watcher.run(stop))
         self._tasks.spawn("reconciler", self.reconciler.run(stop))
 
     async def close(self) -> None:
@@ -138,7 +135,6 @@ class ControlPlane:
     reconcile_interval: float | None = None
     executor_concurrency: int | None = None
     retry: RetryPolicy | None = None
-    watch: bool = True
     owns_pool: bool = False
     processor: Processor | None = None
     driver_side: DriverSide | None = None
@@ -163,7 +159,6 @@ class ControlPlane:
             reconcile_interval=self.reconcile_interval,
             executor_concurrency=self.executor_concurrency,
             retry=self.retry,
-            watch=self.watch,
         )
         await self.driver_side.start(self._tasks)
 

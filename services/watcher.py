@@ -20,12 +20,11 @@ from uuid import UUID
 
 import asyncpg
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
 
 from drivers.protocol import Driver, RuntimeInfo
-from events.codec import encode
 from events.common import Phase
 from events.observations import Observation, RuntimeRemoved, RuntimeSnapshot
+from events.publisher import publish_observation, publish_until_sent
 from services.executor import Clock, utcnow
 from services.settings import Settings
 
@@ -115,26 +114,6 @@ async def live_rows(pool: asyncpg.Pool[asyncpg.Record]) -> list[LiveRow]:
     return [LiveRow(r["key"], r["sandbox_id"], r["generation"], Phase(r["phase"])) for r in rows]
 
 
-async def publish(producer: AIOKafkaProducer, topic: str, observation: Observation) -> None:
-    await producer.send_and_wait(topic, value=encode(observation), key=observation.key.encode())
-
-
-async def publish_until_sent(
-    producer: AIOKafkaProducer, topic: str, observation: Observation, stop: asyncio.Event
-) -> bool:
-    """Publish, retrying Kafka errors with back-off until sent (True) or ``stop`` (False)."""
-    delay = 0.2
-    while True:
-        try:
-            await publish(producer, topic, observation)
-            return True
-        except KafkaError as exc:
-            log.warning("publishing %s failed, retrying: %s", observation.observation_id, exc)
-        if await _wait(stop, delay):
-            return False
-        delay = min(delay * 2, 5.0)
-
-
 async def _wait(stop: asyncio.Event, seconds: float) -> bool:
     """Sleep ``seconds`` unless ``stop`` is set first; returns whether it is set."""
     with contextlib.suppress(TimeoutError):
@@ -153,7 +132,6 @@ class Watcher:
     driver: Driver
     producer: AIOKafkaProducer
     settings: Settings
-    forwarded: int = 0
 
     async def run(self, stop: asyncio.Event) -> None:
         delay = 0.2
@@ -165,7 +143,6 @@ class Watcher:
                         self.producer, self.settings.topic_observations, observation, stop
                     ):
                         return
-                    self.forwarded += 1
                     delay = 0.2
                     if stop.is_set():
                         return
@@ -209,7 +186,7 @@ class Reconciler:
         for observation in current:
             if observation.observation_id in still:
                 continue
-            await publish(self.producer, self.settings.topic_observations, observation)
+            await publish_observation(self.producer, self.settings.topic_observations, observation)
             still.add(observation.observation_id)
             sent.append(observation)
             # Orphans are often another sandstream's containers on the same host: audit only.

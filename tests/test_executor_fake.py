@@ -144,6 +144,26 @@ async def test_concurrency_across_sandboxes_is_bounded() -> None:
         assert (executor.running, executor.waiting) == (0, 0)
 
 
+async def test_a_call_still_waiting_for_a_slot_at_shutdown_is_not_made() -> None:
+    """Shutdown leaves queued intents to the next executor; one that was waiting for a
+    concurrency slot is queued too, and must not reach the driver once it gets the slot."""
+    driver = FakeDriver()
+    async with pipeline(driver, executor_concurrency=1) as (env, plane, pub):
+        executor = executor_of(plane)
+        held = driver.block("launch", "a")
+        await command(env, pub, f.create("a"))
+        await held.entered()
+        await command(env, pub, f.create("b"))
+        await eventually(lambda: executor.waiting, lambda n: n == 1, what="b waiting for a slot")
+        draining = asyncio.create_task(executor.drain(grace=30))
+        await eventually(lambda: executor._closing, bool, what="the executor to be closing")
+        held.release()
+        await asyncio.wait_for(draining, 30)
+        assert len(driver.calls_for("launch", "a")) == 1
+        assert driver.calls_for("launch", "b") == []
+        assert (executor.running, executor.waiting) == (0, 0)
+
+
 async def test_superseded_intents_are_skipped() -> None:
     """Queued behind a held launch: a stop, then a delete of the same incarnation. The stop
     is pointless once the delete follows it, and is never run."""
