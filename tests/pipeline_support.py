@@ -29,7 +29,9 @@ from services.settings import Settings
 
 # An entrypoint that ignores SIGTERM even with an init process: the shell traps it away and
 # its children inherit the ignored disposition. Only SIGKILL (after the grace period) ends it.
-IGNORE_TERM = ["sh", "-c", "trap '' TERM; while true; do sleep 1; done"]
+# TRAPPED appears once the trap is set: only from then on is a stop slow.
+TRAPPED = "/tmp/trapped"
+IGNORE_TERM = ["sh", "-c", f"trap '' TERM; touch {TRAPPED}; while true; do sleep 1; done"]
 SLEEPER = ["sh", "-c", "exec sleep 3600"]
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import harness
 import pytest
+from pipeline_support import IGNORE_TERM, TRAPPED
 from podman import PodmanClient
 
 from drivers.podman import (
@@ -497,8 +498,6 @@ def test_event_mapping() -> None:
 
 # -- per-sandbox stop timeout ---------------------------------------------------------------------
 
-IGNORE_TERM = ["sh", "-c", "trap '' TERM; while true; do sleep 1; done"]
-
 
 def stubborn_spec(
     settings: Settings, key: str, generation: int, stop_timeout: int | None
@@ -510,6 +509,16 @@ def stubborn_spec(
         generation,
         spec.identity,
         spec.spec.model_copy(update={"stop_timeout_seconds": stop_timeout}),
+    )
+
+
+async def launch_stubborn(driver: PodmanDriver, spec: LaunchSpec) -> None:
+    """Launch, then wait until its shell ignores SIGTERM: a stop sent earlier would be quick."""
+    await driver.launch(spec)
+    await harness.eventually(
+        lambda: driver.exec(spec.key, spec.generation, ["test", "-f", TRAPPED]),
+        lambda result: result[0] == 0,
+        what="the entrypoint to trap SIGTERM",
     )
 
 
@@ -525,7 +534,7 @@ async def test_a_sandbox_stop_timeout_is_used_by_stop_and_delete(
     """The spec's stop_timeout_seconds is the container's StopTimeout and a label; stop and
     delete without an explicit timeout use it (the driver's default is 10 s here)."""
     key = keys()
-    await driver.launch(stubborn_spec(settings, key, 1, stop_timeout=1))
+    await launch_stubborn(driver, stubborn_spec(settings, key, 1, stop_timeout=1))
     attrs = podman.containers.get(container_name(key, 1)).attrs
     assert attrs["Config"]["StopTimeout"] == 1
     assert attrs["Config"]["Labels"][LABEL_STOP_TIMEOUT] == "1"
@@ -535,13 +544,14 @@ async def test_a_sandbox_stop_timeout_is_used_by_stop_and_delete(
     assert stopped.exit_code == 137  # SIGTERM ignored (even under catatonit): killed
     assert 0.8 <= took < STOP_TIMEOUT - 3
 
-    await driver.launch(stubborn_spec(settings, key, 1, stop_timeout=1))  # start it again
+    # A new generation (a fresh container: the marker of the stopped one would be stale).
+    await launch_stubborn(driver, stubborn_spec(settings, key, 2, stop_timeout=1))
     deleted, took = await timed(driver.delete(key))
     assert deleted is True and 0.8 <= took < STOP_TIMEOUT - 3
 
     # An explicit timeout still wins over the sandbox's own.
     key2 = keys()
-    await driver.launch(stubborn_spec(settings, key2, 1, stop_timeout=30))
+    await launch_stubborn(driver, stubborn_spec(settings, key2, 1, stop_timeout=30))
     _, took = await timed(driver.stop(key2, 1, timeout=0))
     assert took < 5
 
@@ -552,7 +562,7 @@ async def test_without_a_sandbox_stop_timeout_the_driver_default_applies(
     driver = PodmanDriver(settings=settings, stop_timeout=2)
     try:
         key = keys()
-        await driver.launch(stubborn_spec(settings, key, 1, stop_timeout=None))
+        await launch_stubborn(driver, stubborn_spec(settings, key, 1, stop_timeout=None))
         attrs = podman.containers.get(container_name(key, 1)).attrs
         assert attrs["Config"]["StopTimeout"] == 2
         assert LABEL_STOP_TIMEOUT not in attrs["Config"]["Labels"]

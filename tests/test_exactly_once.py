@@ -54,26 +54,29 @@ async def run_with_kills(env: Env, inputs: list[workload.Command], kills: int, s
     # Small polls make every run span many batches, so kills land between and inside them.
     env_vars = {**env.env_vars(), "SANDSTREAM_PROCESSOR_MAX_RECORDS": "50"}
     progress_at_kill = []
+    published = 0
     for chunk in chunks[:-1]:
         await publish(env, chunk)
+        published += len(chunk)
         proc = env.spawn_processor(env_vars)
         try:
-            # Kill once it has applied something, after a random extra delay.
+            # Kill at a random point of progress: once it has applied up to a random record
+            # of what is pending (it keeps working while that is being observed).
             before = await env.fetchval("SELECT count(*) FROM history")
+            target = rng.randint(before + 1, published)
             await eventually(
-                lambda b=before: env.fetchval("SELECT count(*) FROM history"),
-                lambda n, b=before: n > b,
+                lambda: env.fetchval("SELECT count(*) FROM history"),
+                lambda n, t=target: n >= t,
                 timeout=60,
-                what="the processor to apply something",
+                what=f"the processor to apply {target} inputs",
             )
-            await asyncio.sleep(rng.uniform(0.0, 0.5))  # the random kill point, not a wait
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-        progress_at_kill.append(await env.fetchval("SELECT count(*) FROM history"))
+        progress_at_kill.append((await env.fetchval("SELECT count(*) FROM history"), published))
     await publish(env, chunks[-1])
-    # Some kills must have hit mid-run for the test to mean anything.
-    assert any(0 < n < len(inputs) for n in progress_at_kill), progress_at_kill
+    # Some kills must have hit before the processor caught up for the test to mean anything.
+    assert any(n < pending for n, pending in progress_at_kill), progress_at_kill
     proc = env.spawn_processor(env_vars)
     try:
         await env.wait_applied(len(inputs), timeout=240)
