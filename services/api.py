@@ -800,7 +800,7 @@ async def _watch_stream(
         last_sent = loop.time()
         while not feed.closed:
             mark = feed.mark()
-            horizon = await readmodel.current_horizon(pool)
+            horizon = await feed.horizon(mark)
             if horizon is not None:
                 while horizon > cursor:
                     rows = await readmodel.changes_after(

@@ -401,6 +401,9 @@ class ChangeFeed:
         self._changed = asyncio.Event()
         self._closed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # The horizon query in flight, and the mark that was current when it began.
+        self._horizon: asyncio.Future[int | None] | None = None
+        self._horizon_mark: asyncio.Event | None = None
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._listen(), name="change-feed")
@@ -420,6 +423,19 @@ class ChangeFeed:
     def mark(self) -> asyncio.Event:
         """Take before reading; ``wait(mark)`` then returns on any later change."""
         return self._changed
+
+    async def horizon(self, mark: asyncio.Event) -> int | None:
+        """The change horizon (``change_horizon``) as of ``mark`` or later.
+
+        Watchers woken by one change share one query: a query in flight is reused if it began
+        while ``mark`` was the current mark, hence after every change notified before it.
+        """
+        if self._horizon is None or self._horizon.done() or self._horizon_mark is not mark:
+            self._horizon_mark = mark
+            self._horizon = asyncio.ensure_future(current_horizon(self.pool))
+            # Its error reaches the watchers awaiting it; none left is not an unhandled error.
+            self._horizon.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return await asyncio.shield(self._horizon)  # one watcher leaving cancels nothing
 
     async def wait(self, mark: asyncio.Event, timeout: float | None = None) -> None:
         with contextlib.suppress(TimeoutError):

@@ -11,6 +11,7 @@ import asyncio
 import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import apikit
 import asyncpg
@@ -19,7 +20,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from apikit import ADMIN, READER, WRITER, Api, create_body, read_events, rows, unique
-from harness import eventually
+from harness import eventually, isolated_env
 
 from drivers.fake import FakeDriver
 from events.publisher import CommandPublisher
@@ -566,6 +567,27 @@ async def test_watch_replays_then_follows_and_resumes_from_a_cursor(api: Api) ->
         tombs = await read_events(c, lambda ev: len(rows(ev)) == 2,
                                   params={"name": [a, b], "include_deleted": "true"})  # fmt: skip
         assert {r["name"]: r["phase"] for r in rows(tombs)} == {a: "Deleted", b: "Ready"}
+
+
+async def test_watchers_woken_together_share_one_horizon_query(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    queries: list[int] = []
+    real = readmodel.current_horizon
+
+    async def counted(pool: Any) -> int | None:
+        queries.append(1)
+        return await real(pool)
+
+    monkeypatch.setattr(readmodel, "current_horizon", counted)
+    async with isolated_env() as env:
+        feed = readmodel.ChangeFeed(env.pool)
+        mark = feed.mark()
+        first, second = await asyncio.gather(feed.horizon(mark), feed.horizon(mark))
+        assert first == second and len(queries) == 1
+        feed._notify()  # a change after it: the next mark needs a query of its own
+        await feed.horizon(feed.mark())
+        assert len(queries) == 2
 
 
 async def test_watch_ends_at_its_timeout(api: Api) -> None:
