@@ -37,6 +37,7 @@ from drivers.protocol import (
     OpResult,
     RuntimeInfo,
     WatchObservation,
+    grace_period,
 )
 from events.observations import ObservedState, RuntimeRemoved, RuntimeSnapshot, RuntimeState
 
@@ -346,11 +347,7 @@ class FakeDriver:
     # -- internals ---------------------------------------------------------------------------
 
     def _grace(self, runtime: _Runtime, timeout: float | None) -> float:
-        if timeout is not None:
-            return timeout
-        if runtime.stop_timeout is not None:
-            return float(runtime.stop_timeout)
-        return self.stop_timeout
+        return grace_period(timeout, runtime.stop_timeout, self.stop_timeout)
 
     def _next_seq(self) -> int:
         self._seq += 1

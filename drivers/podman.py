@@ -55,6 +55,7 @@ from drivers.protocol import (
     OpResult,
     RuntimeInfo,
     WatchObservation,
+    grace_period,
 )
 from events.common import SANDBOX_NAME_PATTERN
 from events.observations import ObservedState, RuntimeRemoved, RuntimeSnapshot, RuntimeState
@@ -693,7 +694,9 @@ class PodmanDriver:
             "init": self.init,
             # Podman's own default for `podman stop` by hand; sandstream always passes the
             # grace period explicitly (see _grace).
-            "stop_timeout": math.ceil(self._spec_grace(spec)),
+            "stop_timeout": math.ceil(
+                grace_period(None, spec.spec.stop_timeout_seconds, self.stop_timeout)
+            ),
             "volumes": {volume: {"bind": WORKSPACE_PATH, "mode": "rw"}},
         }
         if spec.spec.command:
@@ -713,18 +716,9 @@ class PodmanDriver:
             )
         return container.info.runtime_id
 
-    def _spec_grace(self, spec: LaunchSpec) -> float:
-        seconds = spec.spec.stop_timeout_seconds
-        return self.stop_timeout if seconds is None else float(seconds)
-
     def _grace(self, container: _Container, timeout: float | None = None) -> float:
-        """The grace period for stopping ``container``: the caller's, else the sandbox's own
-        (its stop-timeout label), else the driver's."""
-        if timeout is not None:
-            return timeout
-        if container.stop_timeout is not None:
-            return float(container.stop_timeout)
-        return self.stop_timeout
+        """The grace period for stopping ``container`` (its own is its stop-timeout label)."""
+        return grace_period(timeout, container.stop_timeout, self.stop_timeout)
 
     def _stop_sync(self, key: str, generation: int, timeout: float | None) -> OpResult:
         found = self._list_sync(key, generation=generation)

@@ -188,6 +188,14 @@ class Driver(Protocol):
         ...
 
 
+def grace_period(requested: float | None, sandbox: float | None, driver_default: float) -> float:
+    """The grace period between SIGTERM and SIGKILL: the caller's, else the sandbox's own
+    (``spec.stop_timeout_seconds``), else the driver's default."""
+    if requested is not None:
+        return requested
+    return driver_default if sandbox is None else float(sandbox)
+
+
 def operation_result(
     *,
     operation: Operation,
