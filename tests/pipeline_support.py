@@ -11,20 +11,23 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from harness import Env, eventually
+from harness import Env, eventually, isolated_env
 from podman import PodmanClient
 
-from drivers.protocol import LABEL_KEY
+from drivers.podman import PodmanDriver
+from drivers.protocol import LABEL_KEY, Driver
 from events.codec import encode
 from events.commands import Command
 from events.common import SandboxSpec
 from events.observations import Observation
 from events.outcomes import CommandOutcome
 from events.publisher import CommandPublisher, await_outcome
+from services.runtime import ControlPlane
 from services.settings import Settings
 
 # An entrypoint that ignores SIGTERM even with an init process: the shell traps it away and
@@ -237,3 +240,35 @@ def remove_now(client: PodmanClient, container_id: str) -> None:
     )
     if response.status_code != 404:
         response.raise_for_status()
+
+
+DRIVER_STOP_TIMEOUT = 5.0  # the Podman driver's default grace period in these tests
+
+
+@asynccontextmanager
+async def podman_env(
+    podman: PodmanClient, prefix: str
+) -> AsyncIterator[tuple[Env, PodmanDriver, PodmanKeys]]:
+    """An isolated environment with a Podman driver, and unique sandbox names whose containers
+    and volumes are force-removed afterwards."""
+    keys = PodmanKeys(podman, prefix)
+    try:
+        async with isolated_env() as env:
+            driver = PodmanDriver(settings=env.settings, stop_timeout=DRIVER_STOP_TIMEOUT)
+            try:
+                yield env, driver, keys
+            finally:
+                await driver.close()
+    finally:
+        await asyncio.to_thread(keys.cleanup)
+
+
+@asynccontextmanager
+async def running_plane(env: Env, driver: Driver, **plane_args: Any) -> AsyncIterator[ControlPlane]:
+    """A started control plane (processor, executor, watcher, reconciler), stopped afterwards."""
+    plane = ControlPlane(env.settings, driver, env.pool, **plane_args)
+    await plane.start()
+    try:
+        yield plane
+    finally:
+        await plane.stop()

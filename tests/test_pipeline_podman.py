@@ -21,6 +21,7 @@ from typing import Any, TypeGuard
 import factories as f
 from harness import Env, eventually, isolated_env
 from pipeline_support import (
+    DRIVER_STOP_TIMEOUT,
     IGNORE_TERM,
     PodmanKeys,
     await_podman,
@@ -29,8 +30,10 @@ from pipeline_support import (
     history,
     observations_of,
     phase,
+    podman_env,
     produce_raw,
     row,
+    running_plane,
     sandbox_spec,
     status_of,
     volumes_of,
@@ -46,7 +49,6 @@ from events.publisher import CommandPublisher
 from services.runtime import ControlPlane
 from services.settings import PROJECT_ROOT, Settings
 
-DRIVER_STOP_TIMEOUT = 5.0
 # Writes the identity of the generation that first ran into the workspace, once; then idles.
 FIRST_BORN = [
     "sh",
@@ -73,21 +75,13 @@ class Pipeline:
 async def podman_pipeline(
     podman: PodmanClient, prefix: str, **plane_args: Any
 ) -> AsyncIterator[Pipeline]:
-    keys = PodmanKeys(podman, prefix)
-    try:
-        async with isolated_env() as env:
-            driver = PodmanDriver(settings=env.settings, stop_timeout=DRIVER_STOP_TIMEOUT)
-            plane_args.setdefault("reconcile_interval", 3600)
-            plane = ControlPlane(env.settings, driver, env.pool, **plane_args)
-            await plane.start()
-            try:
-                async with await env.publisher() as pub:
-                    yield Pipeline(env, plane, driver, pub, podman, keys)
-            finally:
-                await plane.stop()
-                await driver.close()
-    finally:
-        await asyncio.to_thread(keys.cleanup)
+    plane_args.setdefault("reconcile_interval", 3600)
+    async with (
+        podman_env(podman, prefix) as (env, driver, keys),
+        running_plane(env, driver, **plane_args) as plane,
+        await env.publisher() as pub,
+    ):
+        yield Pipeline(env, plane, driver, pub, podman, keys)
 
 
 def names(client: PodmanClient, key: str) -> list[str]:

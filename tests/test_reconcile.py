@@ -15,11 +15,12 @@ from aiokafka import AIOKafkaProducer
 from harness import eventually, isolated_env
 from pipeline_support import (
     SLEEPER,
-    PodmanKeys,
     command,
     containers_of,
     history,
+    podman_env,
     remove_now,
+    running_plane,
     sandbox_spec,
     volumes_of,
     wait_phase,
@@ -27,11 +28,10 @@ from pipeline_support import (
 from podman import PodmanClient
 
 from drivers.fake import FakeDriver
-from drivers.podman import PodmanDriver, container_name
+from drivers.podman import container_name
 from drivers.protocol import LaunchSpec, RuntimeInfo
 from events.common import Phase
 from events.observations import RuntimeRemoved, RuntimeSnapshot
-from services.runtime import ControlPlane
 from services.watcher import LiveRow, Reconciler, reconcile
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
@@ -136,111 +136,83 @@ def test_an_old_generation_of_a_settled_row_is_an_orphan() -> None:
 async def test_a_container_removed_while_no_watcher_ran_is_found_by_the_reconcile_loop(
     podman: PodmanClient,
 ) -> None:
-    keys = PodmanKeys(podman, "recon")
-    key = keys()
-    try:
-        async with isolated_env() as env, await env.publisher() as pub:
-            driver = PodmanDriver(settings=env.settings, stop_timeout=5)
-            try:
-                plane = ControlPlane(env.settings, driver, env.pool, reconcile_interval=3600)
-                await plane.start()
-                try:
-                    spec = sandbox_spec(env.settings, SLEEPER)
-                    await command(env, pub, f.create(key, sandbox_spec=spec))
-                    await wait_phase(env, key, "Ready")
-                finally:
-                    await plane.stop()
+    async with podman_env(podman, "recon") as (env, driver, keys), await env.publisher() as pub:
+        key = keys()
+        async with running_plane(env, driver, reconcile_interval=3600):
+            spec = sandbox_spec(env.settings, SLEEPER)
+            await command(env, pub, f.create(key, sandbox_spec=spec))
+            await wait_phase(env, key, "Ready")
 
-                # Behind sandstream's back, while nothing of it runs: `podman rm -f`.
-                [container] = containers_of(podman, key)
-                await asyncio.to_thread(remove_now, podman, container["id"])
+        # Behind sandstream's back, while nothing of it runs: `podman rm -f`.
+        [container] = containers_of(podman, key)
+        await asyncio.to_thread(remove_now, podman, container["id"])
 
-                # A new control plane: its watcher lists nothing of the key (and so reports
-                # nothing); the reconcile loop notices the Ready row without a runtime.
-                plane = ControlPlane(env.settings, driver, env.pool, reconcile_interval=0.5)
-                await plane.start()
-                try:
-                    failed = await wait_phase(env, key, "Error")
-                    assert failed["reason"] == "runtime removed outside sandstream"
-                    removals = [
-                        (h["message"]["source"], h["message"]["actor"], h["disposition"])
-                        for h in await history(env, key)
-                        if h["message_type"] == "RuntimeRemoved"
-                    ]
-                    assert removals == [("reconcile", "reconciler", "applied")]
+        # A new control plane: its watcher lists nothing of the key (and so reports
+        # nothing); the reconcile loop notices the Ready row without a runtime.
+        async with running_plane(env, driver, reconcile_interval=0.5):
+            failed = await wait_phase(env, key, "Error")
+            assert failed["reason"] == "runtime removed outside sandstream"
+            removals = [
+                (h["message"]["source"], h["message"]["actor"], h["disposition"])
+                for h in await history(env, key)
+                if h["message_type"] == "RuntimeRemoved"
+            ]
+            assert removals == [("reconcile", "reconciler", "applied")]
 
-                    # The reconciler only reported it; recovering is a user's command.
-                    await command(env, pub, f.delete(key))
-                    await wait_phase(env, key, "Deleted")
-                    assert volumes_of(podman, key) == []
-                finally:
-                    await plane.stop()
-            finally:
-                await driver.close()
-    finally:
-        await asyncio.to_thread(keys.cleanup)
+            # The reconciler only reported it; recovering is a user's command.
+            await command(env, pub, f.delete(key))
+            await wait_phase(env, key, "Deleted")
+            assert volumes_of(podman, key) == []
 
 
 async def test_an_orphan_runtime_is_reported_and_recorded_but_never_removed(
     podman: PodmanClient,
 ) -> None:
-    keys = PodmanKeys(podman, "orphan")
-    orphan = keys()
-    try:
-        async with isolated_env() as env:
-            driver = PodmanDriver(settings=env.settings, stop_timeout=5)
-            try:
-                # Our labels, no row: e.g. left behind by a lost database or another install.
-                await driver.launch(
-                    LaunchSpec(
-                        key=orphan,
-                        sandbox_id=uuid.uuid4(),
-                        generation=7,
-                        identity="rid-orphan",
-                        spec=sandbox_spec(env.settings, SLEEPER),
-                    )
-                )
-                plane = ControlPlane(env.settings, driver, env.pool, reconcile_interval=0.3)
-                await plane.start()
-                try:
-                    reconciler = plane.reconciler
-                    assert reconciler is not None
+    async with podman_env(podman, "orphan") as (env, driver, keys):
+        orphan = keys()
+        # Our labels, no row: e.g. left behind by a lost database or another install.
+        await driver.launch(
+            LaunchSpec(
+                key=orphan,
+                sandbox_id=uuid.uuid4(),
+                generation=7,
+                identity="rid-orphan",
+                spec=sandbox_spec(env.settings, SLEEPER),
+            )
+        )
+        async with running_plane(env, driver, reconcile_interval=0.3) as plane:
+            reconciler = plane.reconciler
+            assert reconciler is not None
 
-                    def from_reconciler(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-                        return [r for r in rows if r["message"]["source"] == "reconcile"]
+            def from_reconciler(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+                return [r for r in rows if r["message"]["source"] == "reconcile"]
 
-                    rows = await eventually(
-                        lambda: history(env, orphan),
-                        lambda rows: len(from_reconciler(rows)) == 1,
-                        what="the orphan reported by the reconcile loop",
-                    )
-                    [reported] = from_reconciler(rows)
-                    assert reported["message_type"] == "RuntimeSnapshot"
-                    assert reported["message"]["generation"] == 7
-                    assert reported["disposition"] == "ignored"
-                    assert reported["reason"].startswith("unknown sandbox")
-                    # The watcher's listing of it was ignored the same way.
-                    assert {r["disposition"] for r in rows} == {"ignored"}
+            rows = await eventually(
+                lambda: history(env, orphan),
+                lambda rows: len(from_reconciler(rows)) == 1,
+                what="the orphan reported by the reconcile loop",
+            )
+            [reported] = from_reconciler(rows)
+            assert reported["message_type"] == "RuntimeSnapshot"
+            assert reported["message"]["generation"] == 7
+            assert reported["disposition"] == "ignored"
+            assert reported["reason"].startswith("unknown sandbox")
+            # The watcher's listing of it was ignored the same way.
+            assert {r["disposition"] for r in rows} == {"ignored"}
 
-                    # Two more passes: still there, still running, reported once only.
-                    passes = reconciler.passes
-                    await eventually(
-                        lambda: reconciler.passes,
-                        lambda n: n >= passes + 2,
-                        what="two more reconcile passes",
-                    )
-                    [container] = containers_of(podman, orphan)
-                    assert (container["name"], container["status"]) == (
-                        container_name(orphan, 7),
-                        "running",
-                    )
-                    assert len(from_reconciler(await history(env, orphan))) == 1
-                finally:
-                    await plane.stop()
-            finally:
-                await driver.close()
-    finally:
-        await asyncio.to_thread(keys.cleanup)
+            # Two more passes: still there, still running, reported once only.
+            passes = reconciler.passes
+            await eventually(
+                lambda: reconciler.passes,
+                lambda n: n >= passes + 2,
+                what="two more reconcile passes",
+            )
+            [container] = containers_of(podman, orphan)
+            assert (container["name"], container["status"]) == (
+                container_name(orphan, 7),
+                "running",
+            )
+            assert len(from_reconciler(await history(env, orphan))) == 1
 
 
 async def test_a_difference_is_reported_once_while_it_lasts_and_again_when_it_returns() -> None:
