@@ -9,13 +9,13 @@ setup:  ## install Debian packages and the virtualenv (idempotent)
 	bash compose/bootstrap.sh
 
 stack: setup  ## start Kafka, PostgreSQL and the Podman service (idempotent)
-	$(PY) -m services.stack up
+	$(PY) -m services.localstack up
 
 up: setup  ## the whole system: stack plus sandstream's own services
 	.venv/bin/sandstream up
 
 down:  ## stop what `make stack` started
-	$(PY) -m services.stack down
+	$(PY) -m services.localstack down
 
 lint: setup
 	.venv/bin/ruff check .

@@ -59,7 +59,6 @@ from drivers.protocol import (
 )
 from events.common import SANDBOX_NAME_PATTERN
 from events.observations import ObservedState, RuntimeRemoved, RuntimeSnapshot, RuntimeState
-from services.settings import Settings, load_settings
 
 log = logging.getLogger("sandstream.drivers.podman")
 
@@ -333,6 +332,8 @@ def _describe(exc: BaseException) -> str:
 # Errors from the podman package and the HTTP stack under it (requests' exceptions are
 # OSErrors, and so are socket errors): these become DriverErrors; anything else is a bug.
 _BACKEND_ERRORS: Final = (PodmanError, OSError)
+# Seconds a stop waits after SIGTERM before SIGKILL, unless the caller or the sandbox says.
+DEFAULT_STOP_TIMEOUT: Final = 10.0
 
 
 class PodmanDriver:
@@ -340,10 +341,9 @@ class PodmanDriver:
 
     def __init__(
         self,
-        base_url: str | None = None,
+        base_url: str,
         *,
-        stop_timeout: float | None = None,
-        settings: Settings | None = None,
+        stop_timeout: float = DEFAULT_STOP_TIMEOUT,
         actor: str = ACTOR,
         request_timeout: float = 60.0,
         reconnect_delay: float = 0.2,
@@ -351,11 +351,8 @@ class PodmanDriver:
         max_workers: int = 64,
         init: bool = True,
     ) -> None:
-        settings = settings or load_settings()
-        self.base_url = base_url or settings.podman_url
-        self.stop_timeout = float(
-            settings.stop_timeout_seconds if stop_timeout is None else stop_timeout
-        )
+        self.base_url = base_url
+        self.stop_timeout = float(stop_timeout)
         self.actor = actor
         # An init process (catatonit) as PID 1 forwards SIGTERM to the entrypoint, which a
         # PID 1 without a handler would ignore. Off only to measure the difference (bench).

@@ -1,1 +1,21 @@
-"""The imperative shell of sandstream: processor, executor, API, CLI and tools."""
+"""sandstream's running roles and its tools, one package per role. Each may import the lower
+layers (events, projections, drivers) and, of services/, only what this list names:
+
+- ``common``: settings, metrics, the PostgreSQL pool, migrations, task supervision, the process
+  entry point. Imports nothing else of services/.
+- ``processor``: the lifecycle processor (consumer loop, batch apply, row cache, rebuild).
+  Imports common.
+- ``executor``: intents to driver calls, the driver watcher, the reconcile loop, drivers built
+  from the settings. Imports common.
+- ``api``: the HTTP API (app assembly, one router per resource, auth, read-model queries).
+  Imports common.
+- ``localstack``: the local stack (Kafka, PostgreSQL, Podman) and isolated test environments.
+  Imports common.
+- ``up``: the one-process local default (control plane + API; ``up``/``down``). Imports
+  common, processor, executor, api, localstack.
+- ``cli``: the ``sandstream`` command, one module per command group. Imports common, api,
+  processor, up.
+- ``bench``: the benchmarks. Imports common, processor, executor, api, up, localstack.
+
+``tests/test_house.py`` holds the same table and fails when an import breaks it.
+"""

@@ -20,9 +20,10 @@ from harness import Env, eventually, isolated_env
 
 from drivers.protocol import Driver
 from events.publisher import CommandPublisher
-from services.api import create_app, start_api
-from services.auth import READ, WRITE, TokenStore
-from services.runtime import ControlPlane
+from services.api.app import create_app
+from services.api.auth import READ, WRITE, TokenStore
+from services.api.server import start_api
+from services.up.control_plane import ControlPlane
 
 ADMIN = "sst_test-admin"
 READER = "sst_test-reader"

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from podman import PodmanClient
 
-from services.settings import Settings, load_settings
+from services.common.settings import Settings, load_settings
 
 
 @pytest.fixture(scope="session")

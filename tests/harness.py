@@ -22,9 +22,9 @@ from aiokafka import AIOKafkaProducer, ConsumerRecord
 from events.codec import encode
 from events.log_reader import read_to_end
 from events.publisher import CommandPublisher
-from services.isolation import isolated
-from services.processor import Processor
-from services.settings import PROJECT_ROOT, Settings
+from services.common.settings import PROJECT_ROOT, Settings
+from services.localstack.isolation import isolated
+from services.processor.consumer import Processor
 
 T = TypeVar("T")
 

@@ -26,9 +26,11 @@ from events.commands import Command
 from events.common import SandboxSpec
 from events.observations import Observation
 from events.outcomes import CommandOutcome
-from events.publisher import CommandPublisher, await_outcome
-from services.runtime import ControlPlane
-from services.settings import Settings
+from events.publisher import CommandPublisher
+from services.api.readmodel import await_outcome
+from services.common.settings import Settings
+from services.executor.backends import podman_driver
+from services.up.control_plane import ControlPlane
 
 # An entrypoint that ignores SIGTERM even with an init process: the shell traps it away and
 # its children inherit the ignored disposition. Only SIGKILL (after the grace period) ends it.
@@ -254,7 +256,7 @@ async def podman_env(
     keys = PodmanKeys(podman, prefix)
     try:
         async with isolated_env() as env:
-            driver = PodmanDriver(settings=env.settings, stop_timeout=DRIVER_STOP_TIMEOUT)
+            driver = podman_driver(env.settings, stop_timeout=DRIVER_STOP_TIMEOUT)
             try:
                 yield env, driver, keys
             finally:

@@ -25,9 +25,10 @@ from harness import eventually, isolated_env
 from drivers.fake import FakeDriver
 from events.publisher import CommandPublisher
 from events.topics import CHANGES_CHANNEL
-from services import auth, metrics, readmodel
-from services.api import create_app
-from services.settings import Settings
+from services.api import auth, readmodel
+from services.api.app import create_app
+from services.common import metrics
+from services.common.settings import Settings
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

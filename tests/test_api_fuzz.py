@@ -27,8 +27,8 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from drivers.fake import FakeDriver
-from services.api import create_app
-from services.settings import Settings
+from services.api.app import create_app
+from services.common.settings import Settings
 
 # schemathesis' own strategies trip a Hypothesis deprecation warning; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")

@@ -23,9 +23,10 @@ import pytest_asyncio
 from apikit import unique
 from harness import eventually, isolated_env
 
-from drivers.podman import PodmanDriver
-from services.cli import EXIT_FAILED, CliError, _submit
-from services.settings import PROJECT_ROOT, load_settings
+from services.cli.client import EXIT_FAILED, CliError
+from services.cli.sandbox import _submit
+from services.common.settings import PROJECT_ROOT, load_settings
+from services.executor.backends import podman_driver
 
 SANDSTREAM = str(PROJECT_ROOT / ".venv" / "bin" / "sandstream")
 IMAGE = load_settings().sandbox_image
@@ -103,7 +104,7 @@ async def up(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Up]:
             if proc.returncode is None:
                 proc.send_signal(signal.SIGTERM)
                 await asyncio.wait_for(proc.wait(), 60)
-            driver = PodmanDriver(settings=env.settings)
+            driver = podman_driver(env.settings)
             try:
                 for name in running.names if url else []:
                     await driver.delete(name)
@@ -217,7 +218,7 @@ async def test_a_wait_that_runs_out_exits_3_and_a_repeat_stop_waits_again(up: Up
                      "sh", "-c", "trap '' TERM; touch /tmp/trapped; "
                      "while true; do sleep 1; done")  # fmt: skip
     assert r.code == 0, r.err
-    driver = PodmanDriver(settings=load_settings())
+    driver = podman_driver(load_settings())
     try:  # only once the trap is set is a stop slow
         await eventually(lambda: driver.exec(name, 1, ["test", "-f", "/tmp/trapped"]),
                          lambda result: result[0] == 0, what="the trap")  # fmt: skip

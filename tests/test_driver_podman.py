@@ -1,7 +1,7 @@
 """The Podman driver against the real Podman API service of the local stack (no mocks).
 
 These tests fail (never skip) when the service or the sandbox image is missing: run
-`make stack` (or `.venv/bin/python -m services.stack up`) first. Every test uses its own
+`make stack` (or `.venv/bin/python -m services.localstack.stack up`) first. Every test uses its own
 sandbox names and removes what it created.
 """
 
@@ -40,7 +40,7 @@ from drivers.protocol import (
 )
 from events.common import SandboxSpec
 from events.observations import RuntimeRemoved, RuntimeSnapshot
-from services.settings import Settings
+from services.common.settings import Settings
 
 STOP_TIMEOUT = 10.0
 WAIT = 20.0  # deadline of every wait on the backend
@@ -152,7 +152,7 @@ SLEEPER = ["sh", "-c", "echo hi > /workspace/f; sleep 3600"]
 
 @pytest.fixture
 async def driver(settings: Settings, podman: PodmanClient) -> AsyncIterator[PodmanDriver]:
-    drv = PodmanDriver(settings=settings, stop_timeout=STOP_TIMEOUT)
+    drv = PodmanDriver(settings.podman_url, stop_timeout=STOP_TIMEOUT)
     yield drv
     await drv.close()
 
@@ -272,7 +272,7 @@ async def test_a_slow_stop_of_one_sandbox_does_not_delay_another(
     """A runtime that ignores SIGTERM takes the whole stop timeout before SIGKILL; the driver
     keeps serving other sandboxes meanwhile."""
     slow_timeout = 5.0
-    driver = PodmanDriver(settings=settings, stop_timeout=slow_timeout)
+    driver = PodmanDriver(settings.podman_url, stop_timeout=slow_timeout)
     stubborn, other = keys(), keys()
     try:
         ignore_term = ["sh", "-c", "trap '' TERM; sleep 3600"]
@@ -559,7 +559,7 @@ async def test_a_sandbox_stop_timeout_is_used_by_stop_and_delete(
 async def test_without_a_sandbox_stop_timeout_the_driver_default_applies(
     keys: Callable[[], str], settings: Settings, podman: PodmanClient
 ) -> None:
-    driver = PodmanDriver(settings=settings, stop_timeout=2)
+    driver = PodmanDriver(settings.podman_url, stop_timeout=2)
     try:
         key = keys()
         await launch_stubborn(driver, stubborn_spec(settings, key, 1, stop_timeout=None))

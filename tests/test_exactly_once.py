@@ -14,9 +14,9 @@ import workload
 from harness import Env, eventually, isolated_env
 
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record
-from services import metrics
-from services.processor import Processor
-from services.rebuild import rebuild_and_compare
+from services.common import metrics
+from services.processor.consumer import Processor
+from services.processor.rebuild import rebuild_and_compare
 
 
 async def publish(env: Env, inputs: list[workload.Command]) -> None:

@@ -17,8 +17,8 @@ from pipeline_support import command, history, phase, row, wait_phase
 
 from drivers.fake import FakeDriver
 from events.publisher import CommandPublisher
-from services.executor import Executor, RetryPolicy
-from services.runtime import ControlPlane
+from services.executor.executor import Executor, RetryPolicy
+from services.up.control_plane import ControlPlane
 
 FAST_RETRY = RetryPolicy(first_delay=0.01, max_delay=0.05, give_up_after=5.0)
 

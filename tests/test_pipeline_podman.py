@@ -46,8 +46,8 @@ from drivers.podman import PodmanDriver, container_name
 from events.codec import OBSERVATIONS, decode
 from events.observations import Observation, RuntimeRemoved, RuntimeSnapshot
 from events.publisher import CommandPublisher
-from services.runtime import ControlPlane
-from services.settings import PROJECT_ROOT, Settings
+from services.common.settings import PROJECT_ROOT, Settings
+from services.up.control_plane import ControlPlane
 
 # Writes the identity of the generation that first ran into the workspace, once; then idles.
 FIRST_BORN = [

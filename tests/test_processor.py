@@ -11,8 +11,8 @@ import factories as f
 from harness import Env, eventually, isolated_env
 
 from events.codec import EVENTS, decode, encode
-from events.publisher import await_outcome
-from services.rebuild import rebuild_and_compare
+from services.api.readmodel import await_outcome
+from services.processor.rebuild import rebuild_and_compare
 
 
 async def row(env: Env, key: str) -> dict[str, object] | None:

@@ -32,7 +32,7 @@ from drivers.podman import container_name
 from drivers.protocol import LaunchSpec, RuntimeInfo
 from events.common import Phase
 from events.observations import RuntimeRemoved, RuntimeSnapshot
-from services.watcher import LiveRow, Reconciler, reconcile
+from services.executor.reconcile import LiveRow, Reconciler, reconcile
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 SID = uuid.UUID("00000000-0000-4000-8000-0000000000aa")

@@ -6,7 +6,7 @@ import factories as f
 
 from events.common import Cause
 from projections.lifecycle import Sandbox, decide
-from services.row_cache import RowCache
+from services.processor.row_cache import RowCache
 
 
 def row(key: str) -> Sandbox:

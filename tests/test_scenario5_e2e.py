@@ -16,13 +16,13 @@ import factories as f
 from apikit import create_body, unique
 from harness import eventually
 
-from drivers.podman import PodmanDriver
-from services.settings import load_settings
+from services.common.settings import load_settings
+from services.executor.backends import podman_driver
 
 
 async def test_a_stop_time_snapshot_after_stopped_does_not_move_the_row() -> None:
     name = unique("s5")
-    driver = PodmanDriver(settings=load_settings())
+    driver = podman_driver(load_settings())
     try:
         async with apikit.running_api(driver) as api, api.client() as c:
             settings = api.env.settings

@@ -15,7 +15,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from podman import PodmanClient
 from podman.domain.containers import Container
 
-from services.settings import Settings
+from services.common.settings import Settings
 
 
 async def test_project_topics_exist_with_configured_partitions(settings: Settings) -> None:

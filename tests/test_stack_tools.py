@@ -8,9 +8,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from services import stack_config as cfg
-from services.migrations import MigrationError, apply_migrations, discover_migrations
-from services.settings import Settings
+from services.common.migrations import MigrationError, apply_migrations, discover_migrations
+from services.common.settings import Settings
+from services.localstack import config as cfg
 
 
 def test_server_properties_render_from_settings(tmp_path: Path) -> None:

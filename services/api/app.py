@@ -1,0 +1,67 @@
+"""The HTTP API, assembled: one router per resource, dependencies and error handlers declared
+once (see the package docstring for what each module holds).
+
+``create_app(settings, pool, publisher, tokens)`` builds the FastAPI application. Commands go
+to Kafka through the gateway; reads only query PostgreSQL; nothing here calls a driver.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from events.publisher import CommandPublisher
+from services.api.auth import TokenStore
+from services.api.deps import ApiState, Pool
+from services.api.gateway import PUBLISH_TIMEOUT, CommandGateway
+from services.api.handlers import install_error_handlers
+from services.api.middleware import MetricsMiddleware
+from services.api.probe import KafkaProbe
+from services.api.readmodel import ChangeFeed
+from services.api.routes import commands, history, operations, sandboxes, watch
+from services.common.settings import Settings
+
+
+def create_app(
+    settings: Settings,
+    pool: Pool,
+    publisher: CommandPublisher,
+    tokens: TokenStore,
+    *,
+    poll_interval: float = 1.0,
+    publish_timeout: float = PUBLISH_TIMEOUT,
+) -> FastAPI:
+    feed = ChangeFeed(pool, poll_interval=poll_interval)
+    probe = KafkaProbe(settings, publisher)
+    gateway = CommandGateway(
+        pool, publisher, feed, poll_interval=poll_interval, publish_timeout=publish_timeout
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await feed.start()
+        try:
+            yield
+        finally:
+            await feed.close()
+            await probe.close()
+
+    app = FastAPI(
+        title="sandstream",
+        version="1",
+        summary="Control plane for agent sandboxes: commands in, phases out.",
+        description="Commands are published to Kafka and decided by the lifecycle processor; "
+        "reads come from the PostgreSQL projection. Errors are `{code, message}`.",
+        lifespan=lifespan,
+    )
+    app.state.tokens = tokens
+    app.state.feed = feed
+    app.state.api = ApiState(settings, pool, feed, gateway, probe)
+    app.add_middleware(MetricsMiddleware)
+    install_error_handlers(app)
+    # The order of inclusion is the order of the paths in the OpenAPI document.
+    for module in (commands, sandboxes, history, watch, operations):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,112 @@
+"""Dependencies declared once: the bearer-token check with its scope, the query-parameter
+check, and the application's shared state (pool, publisher, change feed, gateway)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeAlias
+
+import asyncpg
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from services.api.auth import READ, WRITE, Principal, TokenStore
+from services.api.errors import ApiError
+from services.api.gateway import CommandGateway
+from services.api.probe import KafkaProbe
+from services.api.readmodel import ChangeFeed
+from services.common.settings import Settings
+
+Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
+
+_bearer = HTTPBearer(
+    auto_error=False,
+    description="A token from the tokens file; `sandstream up` writes an admin token.",
+)
+
+
+def check_auth(request: Request, scope: str, credentials: str | None) -> Principal:
+    tokens: TokenStore = request.app.state.tokens
+    challenge = {"WWW-Authenticate": 'Bearer realm="sandstream"'}
+    if not credentials:
+        raise ApiError(401, "UNAUTHENTICATED", "missing bearer token (Authorization: Bearer "
+                       "<token>)", challenge)  # fmt: skip
+    principal = tokens.authenticate(credentials)
+    if principal is None:
+        raise ApiError(401, "UNAUTHENTICATED", "invalid bearer token", challenge)
+    if scope not in principal.scopes:
+        raise ApiError(
+            403, "PERMISSION_DENIED", f"token {principal.name!r} lacks the scope {scope}"
+        )
+    return principal
+
+
+def bearer_value(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, value = header.partition(" ")
+    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+
+
+def _known_query(route: Any) -> frozenset[str]:
+    known: frozenset[str] | None = getattr(route, "_sandstream_query", None)
+    if known is None:
+        names: set[str] = set()
+        pending = [route.dependant]
+        while pending:
+            dependant = pending.pop()
+            names.update(p.alias for p in dependant.query_params)
+            pending.extend(dependant.dependencies)
+        known = frozenset(names)
+        route._sandstream_query = known
+    return known
+
+
+def check_query(request: Request) -> None:
+    """Unknown query parameters are errors, not ignored: ``?lable=x`` must not list everything."""
+    route = request.scope.get("route")
+    if route is None or not hasattr(route, "dependant"):
+        return
+    unknown = sorted(set(request.query_params) - _known_query(route))
+    if unknown:
+        names = ", ".join(repr(u) for u in unknown)
+        raise ApiError(422, "INVALID_ARGUMENT", f"unknown query parameter {names}")
+
+
+def require(scope: str) -> Callable[..., Awaitable[Principal]]:
+    async def dependency(
+        request: Request,
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    ) -> Principal:
+        principal = check_auth(request, scope, credentials.credentials if credentials else None)
+        check_query(request)
+        return principal
+
+    return dependency
+
+
+Reader = Annotated[Principal, Depends(require(READ))]
+Writer = Annotated[Principal, Depends(require(WRITE))]
+
+
+# ---------------------------------------------------------------------------------------------
+# The application's shared state
+
+
+@dataclass(frozen=True, slots=True)
+class ApiState:
+    """What the routes share: set once by ``create_app`` on ``app.state.api``."""
+
+    settings: Settings
+    pool: Pool
+    feed: ChangeFeed
+    gateway: CommandGateway
+    probe: KafkaProbe
+
+
+def api_state(request: Request) -> ApiState:
+    state: ApiState = request.app.state.api
+    return state
+
+
+State = Annotated[ApiState, Depends(api_state)]

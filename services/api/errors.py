@@ -1,0 +1,93 @@
+"""The API's errors: every one is JSON ``{"code": ..., "message": ...}``, naming the field or
+the phase; malformed requests are answered after authentication."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Final
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from events.common import SANDBOX_NAME_PATTERN
+from events.outcomes import Code
+
+log = logging.getLogger("sandstream.api")
+
+STATUS_OF: Final[dict[Code, int]] = {
+    Code.OK: 200,
+    Code.NOT_FOUND: 404,
+    Code.ALREADY_EXISTS: 409,
+    Code.ABORTED: 409,
+    Code.FAILED_PRECONDITION: 412,
+    Code.INVALID_ARGUMENT: 422,
+}
+
+# Friendlier words for the patterns of the wire types than "should match pattern '^...$'".
+_PATTERN_WORDS: Final = {
+    SANDBOX_NAME_PATTERN: "must be a DNS label: 1-63 lowercase letters, digits or '-', "
+    "starting and ending with a letter or digit",
+    r"^[A-Za-z0-9._:-]{1,128}$": "must be 1-128 characters from A-Z a-z 0-9 . _ : -",
+    r"^[A-Za-z0-9._-]{1,128}$": "must be 1-128 characters from A-Z a-z 0-9 . _ -",
+}
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, code: str, message: str, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = headers
+
+
+class ErrorBody(BaseModel):
+    code: str = Field(description="NOT_FOUND, ALREADY_EXISTS, FAILED_PRECONDITION, ...")
+    message: str = Field(description="what went wrong, naming the field or the phase")
+
+
+def error_response(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None, **extra: Any
+) -> JSONResponse:
+    return JSONResponse({"code": code, "message": message, **extra}, status, headers=headers)
+
+
+_BODY_MODELS: Final = frozenset({"CreateSandboxRequest", "LifecycleRequest"})
+
+
+def _where(loc: tuple[Any, ...] | list[Any]) -> str:
+    parts = list(loc)
+    source = parts.pop(0) if parts and parts[0] in ("body", "query", "path", "header") else "body"
+    if source == "body" and len(parts) > 1 and parts[0] in _BODY_MODELS:
+        parts = parts[1:]
+    name = ".".join(str(p) for p in parts)
+    if source == "body":
+        return f"field {name!r}" if name else "request body"
+    return f"{source} parameter {name!r}"
+
+
+def describe_validation(errors: list[Any], limit: int = 5) -> str:
+    """One line naming each offending field, e.g. ``field 'spec.image': Field required``."""
+    parts = []
+    for item in errors[:limit]:
+        kind = item.get("type", "")
+        msg = str(item.get("msg", "invalid"))
+        if kind == "json_invalid":
+            parts.append(f"request body is not valid JSON: {item.get('ctx', {}).get('error', msg)}")
+            continue
+        if kind == "string_pattern_mismatch":
+            pattern = str((item.get("ctx") or {}).get("pattern"))
+            msg = _PATTERN_WORDS.get(pattern, msg)
+        elif tuple(item.get("loc", ())) == ("body",):
+            if kind == "missing":
+                parts.append("request body is required")
+            else:
+                parts.append(f"request body must be a JSON object ({msg})")
+            continue
+        msg = msg.removeprefix("Value error, ")
+        parts.append(f"{_where(item.get('loc', ()))}: {msg}")
+    if len(errors) > limit:
+        parts.append(f"and {len(errors) - limit} more")
+    return "; ".join(parts) or "invalid request"

@@ -1,0 +1,94 @@
+"""Commands in: publish once, answer retries with the first outcome, wait for the outcome.
+
+The HTTP routes (and any other door into the API, such as a gRPC front) hand a built command
+to ``CommandGateway.submit``; nothing else in the API publishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Final, TypeAlias
+
+import asyncpg
+from aiokafka.errors import KafkaError
+
+from events.commands import Command
+from events.outcomes import CommandOutcome
+from events.publisher import CommandPublisher
+from services.api import readmodel
+from services.api.readmodel import ChangeFeed
+from services.common import metrics
+
+log = logging.getLogger("sandstream.api")
+
+PUBLISH_TIMEOUT: Final = 15.0
+Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
+
+
+class PublishFailed(Exception):
+    """Kafka did not acknowledge the command: it may still be applied."""
+
+    def __init__(self, command: Command, cause: BaseException) -> None:
+        super().__init__(
+            f"Kafka did not acknowledge the command ({type(cause).__name__}); it may still be "
+            f"applied: retry with the same command_id {command.command_id!r}"
+        )
+        self.command_id = command.command_id
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """What became of a submitted command: its outcome, or None while it is pending."""
+
+    outcome: CommandOutcome | None
+    retry: bool  # the command id was known: nothing was published again
+
+
+class CommandGateway:
+    def __init__(
+        self,
+        pool: Pool,
+        publisher: CommandPublisher,
+        feed: ChangeFeed,
+        *,
+        poll_interval: float = 1.0,
+        publish_timeout: float = PUBLISH_TIMEOUT,
+    ) -> None:
+        self.pool = pool
+        self.publisher = publisher
+        self.feed = feed
+        self.poll_interval = poll_interval
+        self.publish_timeout = publish_timeout
+
+    async def wait_outcome(
+        self, command_id: str, key: str | None, timeout: float
+    ) -> CommandOutcome | None:
+        """The command's outcome once decided; None if ``timeout`` passes first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            mark = self.feed.mark()
+            outcome = await readmodel.get_outcome(self.pool, command_id, key)
+            remaining = deadline - loop.time()
+            if outcome is not None or remaining <= 0:
+                return outcome
+            await self.feed.wait(mark, min(remaining, self.poll_interval))
+
+    async def submit(self, command: Command, wait: float | None) -> Submitted:
+        """Publish ``command`` unless its id is known, then wait up to ``wait`` seconds for the
+        outcome. Raises ``PublishFailed`` when Kafka does not acknowledge it."""
+        known = await readmodel.get_outcome(self.pool, command.command_id, command.key)
+        if known is not None:  # a retry: the first outcome stands, nothing is published again
+            metrics.API_COMMANDS.labels(command.type, "retry").inc()
+            return Submitted(known, retry=True)
+        try:
+            await asyncio.wait_for(self.publisher.publish(command), self.publish_timeout)
+        except (KafkaError, TimeoutError) as exc:
+            metrics.API_COMMANDS.labels(command.type, "unavailable").inc()
+            log.warning("publishing %s %s failed: %r", command.type, command.command_id, exc)
+            raise PublishFailed(command, exc) from exc
+        metrics.API_COMMANDS.labels(command.type, "published").inc()
+        outcome = await self.wait_outcome(command.command_id, command.key, wait) if wait else None
+        return Submitted(outcome, retry=False)

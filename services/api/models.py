@@ -1,0 +1,105 @@
+"""Request and response bodies of the API that are not read-model views, and the shared
+parameter and response declarations of its routes."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final
+
+from fastapi import Body, Path, Query
+from pydantic import BaseModel, ConfigDict, Field
+
+from events.common import SANDBOX_NAME_PATTERN, CommandId, ProviderName, SandboxName, SandboxSpec
+from services.api.errors import ErrorBody
+from services.api.readmodel import CommandStatus
+
+MAX_WAIT: Final = 60.0  # seconds a command request may wait for its outcome
+
+
+class SandboxSpecRequest(SandboxSpec):
+    """The spec as a request carries it: JSON types are not coerced (``"3"`` is no integer)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class CreateSandboxRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: SandboxName = Field(description="the sandbox name: a DNS label, unique among live ones")
+    spec: SandboxSpecRequest
+    providers: list[ProviderName] = Field(default_factory=list, max_length=64)
+    command_id: CommandId | None = Field(
+        default=None, description="idempotency key; a retry with the same id gets the same outcome"
+    )
+
+
+class LifecycleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    command_id: CommandId | None = Field(
+        default=None, description="idempotency key; a retry with the same id gets the same outcome"
+    )
+    expected_version: int | None = Field(
+        default=None,
+        ge=0,
+        description="reject with ABORTED (409) unless the row is at this version",
+    )
+
+
+class HealthBody(BaseModel):
+    status: str
+
+
+class Check(BaseModel):
+    ok: bool
+    detail: str
+
+
+class ReadyBody(BaseModel):
+    status: str
+    checks: dict[str, Check]
+    lag: int | None = Field(description="records the processor has still to apply")
+    max_lag: int
+
+
+def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    described = {
+        401: "missing or invalid token",
+        403: "the token lacks the scope",
+        404: "no such sandbox (NOT_FOUND)",
+        409: "ALREADY_EXISTS, or ABORTED (expected_version mismatch)",
+        412: "FAILED_PRECONDITION: the phase does not admit the command",
+        422: "INVALID_ARGUMENT: the request names the offending field",
+        503: "UNAVAILABLE: Kafka or PostgreSQL cannot be reached",
+    }
+    return {c: {"model": ErrorBody, "description": described[c]} for c in codes}
+
+
+COMMAND_RESPONSES = {
+    202: {"model": CommandStatus, "description": "published; the outcome is pending"},
+    **responses(401, 403, 404, 409, 412, 422, 503),
+}
+
+WaitQuery = Annotated[
+    float | None,
+    Query(
+        ge=0,
+        le=MAX_WAIT,
+        description="seconds to wait for the outcome; without it the answer is 202 at once",
+    ),
+]
+# OpenAPI 3.1: the schema of an event stream describes one event.
+SSE_EVENT_SCHEMA: Final = {
+    "type": "object",
+    "properties": {
+        "event": {"type": "string", "enum": ["sandbox", "bookmark"]},
+        "id": {"type": "string", "pattern": "^[0-9]+$", "description": "the change_seq"},
+        "data": {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "description": "a SandboxView (event: sandbox) or {cursor} (event: bookmark)",
+        },
+        "retry": {"type": "integer"},
+    },
+}
+NamePath = Annotated[str, Path(pattern=SANDBOX_NAME_PATTERN, description="the sandbox name")]
+LifecycleBody = Annotated[LifecycleRequest | None, Body()]

@@ -1,0 +1,166 @@
+"""Commands: create, stop, start, restart, delete, and a command's outcome by id.
+
+Commands are built here (``occurred_at`` is the time at this edge, ``actor`` the token's name)
+and handed to the gateway; the answer is 202 once Kafka acknowledged them, or with
+``?wait=<seconds>`` the command's outcome.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Query
+from fastapi.responses import JSONResponse
+
+from events.commands import (
+    Command,
+    CreateSandbox,
+    DeleteSandbox,
+    RestartSandbox,
+    StartSandbox,
+    StopSandbox,
+)
+from events.common import SANDBOX_NAME_PATTERN, SandboxSpec
+from events.outcomes import CommandOutcome
+from events.publisher import new_command_id, now
+from services.api import readmodel
+from services.api.deps import Reader, State, Writer
+from services.api.errors import STATUS_OF, error_response
+from services.api.gateway import CommandGateway, PublishFailed
+from services.api.models import (
+    COMMAND_RESPONSES,
+    CreateSandboxRequest,
+    LifecycleBody,
+    LifecycleRequest,
+    NamePath,
+    WaitQuery,
+    responses,
+)
+from services.api.readmodel import CommandStatus
+
+router = APIRouter()
+
+
+def outcome_response(outcome: CommandOutcome, created: bool) -> JSONResponse:
+    status = STATUS_OF[outcome.code]
+    headers = {}
+    if created and outcome.accepted:
+        status = 201
+        headers["Location"] = f"/v1/sandboxes/{outcome.key}"
+    body = readmodel.command_status(outcome).model_dump(mode="json")
+    return JSONResponse(body, status, headers=headers)
+
+
+async def submit(gateway: CommandGateway, command: Command, wait: float | None) -> JSONResponse:
+    created = isinstance(command, CreateSandbox)
+    try:
+        submitted = await gateway.submit(command, wait)
+    except PublishFailed as exc:
+        return error_response(503, "UNAVAILABLE", str(exc), command_id=exc.command_id)
+    if submitted.outcome is not None:
+        return outcome_response(submitted.outcome, created)
+    body = readmodel.pending_status(
+        command.command_id, command.key, command.type, "published; the outcome is pending"
+    )
+    return JSONResponse(
+        body.model_dump(mode="json"),
+        202,
+        headers={"Location": f"/v1/commands/{command.command_id}"},
+    )
+
+
+@router.post(
+    "/v1/sandboxes",
+    status_code=201,
+    response_model=CommandStatus,
+    responses=COMMAND_RESPONSES,
+    summary="Create a sandbox",
+    tags=["commands"],
+)
+async def create_sandbox(
+    body: CreateSandboxRequest, principal: Writer, state: State, wait: WaitQuery = None
+) -> JSONResponse:
+    command = CreateSandbox(
+        type="CreateSandbox",
+        command_id=body.command_id or new_command_id(),
+        key=body.name,
+        occurred_at=now(),
+        actor=principal.name,
+        spec=SandboxSpec.model_validate(body.spec.model_dump()),
+        providers=body.providers,
+    )
+    return await submit(state.gateway, command, wait)
+
+
+def lifecycle(kind: type[StartSandbox | StopSandbox | RestartSandbox | DeleteSandbox]) -> Any:
+    """The handler of one lifecycle command on a named sandbox."""
+    type_name = kind.__name__
+
+    async def handler(
+        name: NamePath,
+        principal: Writer,
+        state: State,
+        body: LifecycleBody = None,
+        wait: WaitQuery = None,
+    ) -> JSONResponse:
+        request = body or LifecycleRequest()
+        command = kind(
+            type=type_name,
+            command_id=request.command_id or new_command_id(),
+            key=name,
+            occurred_at=now(),
+            actor=principal.name,
+            expected_version=request.expected_version,
+        )
+        return await submit(state.gateway, command, wait)
+
+    handler.__name__ = f"{type_name[:-7].lower()}_sandbox"
+    return handler
+
+
+for _verb, _kind in (("stop", StopSandbox), ("start", StartSandbox), ("restart", RestartSandbox)):
+    router.post(
+        f"/v1/sandboxes/{{name}}:{_verb}",
+        response_model=CommandStatus,
+        responses=COMMAND_RESPONSES,
+        summary=f"{_verb.capitalize()} a sandbox",
+        tags=["commands"],
+    )(lifecycle(_kind))
+router.delete(
+    "/v1/sandboxes/{name}",
+    response_model=CommandStatus,
+    responses=COMMAND_RESPONSES,
+    summary="Delete a sandbox",
+    tags=["commands"],
+)(lifecycle(DeleteSandbox))
+
+
+@router.get(
+    "/v1/commands/{command_id}",
+    response_model=CommandStatus,
+    responses=responses(401, 403, 422, 503),
+    summary="A command's outcome (pending until the processor decided it)",
+    tags=["commands"],
+)
+async def get_command(
+    command_id: Annotated[str, Path(pattern=r"^[A-Za-z0-9._:-]{1,128}$")],
+    principal: Reader,
+    state: State,
+    sandbox: Annotated[
+        str | None,
+        Query(pattern=SANDBOX_NAME_PATTERN, description="the sandbox the command was for"),
+    ] = None,
+    wait: WaitQuery = None,
+) -> CommandStatus:
+    if wait:
+        outcome = await state.gateway.wait_outcome(command_id, sandbox, wait)
+    else:
+        outcome = await readmodel.get_outcome(state.pool, command_id, sandbox)
+    if outcome is not None:
+        return readmodel.command_status(outcome)
+    return readmodel.pending_status(
+        command_id,
+        sandbox or "",
+        "",
+        "no outcome recorded: not decided yet (or never published)",
+    )

@@ -1,0 +1,133 @@
+"""The watch: row changes as server-sent events, resumable from a cursor (a change_seq)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Annotated, Final, TypeAlias
+
+import asyncpg
+from fastapi import APIRouter, Header, Query
+from fastapi.responses import StreamingResponse
+
+from events.common import SANDBOX_NAME_PATTERN
+from services.api import readmodel
+from services.api.deps import Reader, State
+from services.api.errors import ApiError
+from services.api.models import SSE_EVENT_SCHEMA, responses
+from services.api.readmodel import ChangeFeed
+from services.common import metrics
+
+log = logging.getLogger("sandstream.api")
+
+HEARTBEAT: Final = 15.0  # seconds between watch bookmarks when nothing changes
+Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
+
+router = APIRouter()
+
+
+@router.get(
+    "/v1/watch",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "description": "server-sent events: `event: sandbox` with the row as data and "
+            "`id:` its change_seq; `event: bookmark` every 15 s",
+            "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
+        },
+        **responses(401, 403, 422),
+    },
+    summary="Follow row changes as server-sent events, resumable from a cursor",
+    tags=["sandboxes"],
+)
+async def watch(
+    principal: Reader,
+    state: State,
+    cursor: Annotated[
+        int | None,
+        Query(ge=0, le=2**63 - 1, description="resume after this change_seq (an event id)"),
+    ] = None,
+    name: Annotated[
+        list[Annotated[str, Query(pattern=SANDBOX_NAME_PATTERN)]],
+        Query(description="only these sandboxes (repeatable)"),
+    ] = [],  # noqa: B006
+    include_deleted: Annotated[
+        bool, Query(description="without a cursor: also replay tombstones")
+    ] = False,
+    timeout: Annotated[
+        float | None, Query(gt=0, le=86400, description="end the stream after this many s")
+    ] = None,
+    last_event_id: Annotated[
+        str | None, Header(alias="Last-Event-ID", description="overrides cursor")
+    ] = None,
+) -> StreamingResponse:
+    start = cursor
+    if last_event_id is not None and last_event_id.strip():
+        try:
+            start = int(last_event_id)
+            if start < 0:
+                raise ValueError
+        except ValueError:
+            raise ApiError(
+                422,
+                "INVALID_ARGUMENT",
+                "header 'Last-Event-ID': must be a non-negative integer (an event id)",
+            ) from None
+    return StreamingResponse(
+        watch_stream(state.pool, state.feed, start, name, include_deleted, timeout),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+def _sse(event: str, data: str, event_id: int | None = None) -> str:
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}event: {event}\ndata: {data}\n\n"
+
+
+async def watch_stream(
+    pool: Pool,
+    feed: ChangeFeed,
+    start: int | None,
+    names: list[str],
+    include_deleted: bool,
+    timeout: float | None,
+) -> AsyncIterator[str]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout if timeout else None
+    metrics.API_WATCHERS.inc()
+    try:
+        yield ": sandstream watch\nretry: 2000\n\n"
+        cursor = start or 0
+        live_only = start is None and not include_deleted  # the first replay is a list
+        last_sent = loop.time()
+        while not feed.closed:
+            mark = feed.mark()
+            horizon = await feed.horizon(mark)
+            if horizon is not None:
+                while horizon > cursor:
+                    rows = await readmodel.changes_after(
+                        pool, cursor, horizon, names=names, live_only=live_only
+                    )
+                    for row in rows:
+                        yield _sse("sandbox", row.model_dump_json(), row.change_seq)
+                        last_sent = loop.time()
+                    full = len(rows) == readmodel.CHANGES_PAGE  # more may follow the page
+                    cursor = rows[-1].change_seq if full else horizon
+                live_only = False  # the first replay (a list) is over: deletions are news
+            now_ = loop.time()
+            if deadline is not None and now_ >= deadline:
+                return
+            if now_ - last_sent >= HEARTBEAT:
+                yield _sse("bookmark", json.dumps({"cursor": cursor}), cursor)
+                last_sent = now_
+            wait = min(feed.poll_interval, HEARTBEAT - (now_ - last_sent))
+            if deadline is not None:
+                wait = min(wait, deadline - now_)
+            await feed.wait(mark, max(wait, 0.001))
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        log.warning("watch stream ended: %r", exc)
+    finally:
+        metrics.API_WATCHERS.dec()

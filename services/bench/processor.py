@@ -1,0 +1,228 @@
+"""Benchmarks (``make bench``): figures printed, never asserted.
+
+- processor throughput: one processor drains a pre-filled log of commands and observations;
+- command-to-row latency: commands paced at a fixed rate, each timed from send until its
+  outcome row is committed (seen through the processor's per-batch NOTIFY);
+- the driver figures of ``services.bench.drivers`` (stop latency, unrelated-sandbox delay).
+
+Each run uses its own topics and PostgreSQL schema and removes them afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+from aiokafka import AIOKafkaProducer
+
+from events.codec import encode
+from events.commands import CreateSandbox, StopSandbox
+from events.common import SandboxSpec
+from events.observations import RuntimeSnapshot
+from events.topics import CHANGES_CHANNEL
+from services.common.settings import Settings
+from services.localstack.isolation import isolated
+from services.processor.consumer import Processor
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+SPEC = SandboxSpec(image="localhost/sandstream-base:1", command=["sleep", "3600"])
+
+
+def lifecycle_messages(keys: int) -> tuple[list[tuple[str, bytes, bytes]], int]:
+    """Per key: create, running, stop, exited — 4 messages, every one a state change."""
+    out: list[tuple[str, bytes, bytes]] = []
+    for phase in range(4):
+        for k in range(keys):
+            key = f"bench-{k}"
+            at = T0 + timedelta(milliseconds=phase)
+            common = {"key": key, "occurred_at": at, "actor": "bench"}
+            message: CreateSandbox | StopSandbox | RuntimeSnapshot
+            topic = "commands"
+            if phase == 0:
+                message = CreateSandbox(
+                    type="CreateSandbox", command_id=f"c-{k}", spec=SPEC, **common
+                )
+            elif phase == 2:
+                message = StopSandbox(type="StopSandbox", command_id=f"s-{k}", **common)
+            else:
+                topic = "observations"
+                message = RuntimeSnapshot(
+                    type="RuntimeSnapshot",
+                    observation_id=f"o{phase}-{k}",
+                    generation=1,
+                    state="running" if phase == 1 else "exited",
+                    exit_code=None if phase == 1 else 143,
+                    **common,
+                )
+            out.append((topic, key.encode(), encode(message)))
+    return out, len(out)
+
+
+async def produce_all(settings: Settings, records: Sequence[tuple[str, bytes, bytes]]) -> None:
+    producer = AIOKafkaProducer(
+        bootstrap_servers=settings.kafka_bootstrap,
+        enable_idempotence=True,
+        acks="all",
+        linger_ms=20,
+        max_batch_size=512 * 1024,
+    )
+    await producer.start()
+    topics = {"commands": settings.topic_commands, "observations": settings.topic_observations}
+    try:
+        for start in range(0, len(records), 20_000):
+            futures = [
+                await producer.send(topics[t], value=v, key=k)
+                for t, k, v in records[start : start + 20_000]
+            ]
+            await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+
+
+async def throughput(settings: Settings, keys: int, max_records: int) -> None:
+    async with isolated(settings, "bench") as (s, pool):
+        records, total = lifecycle_messages(keys)
+        await produce_all(s, records)
+        processor = Processor(s, pool, max_records=max_records, name="bench")
+        await processor.start()
+        stop = asyncio.Event()
+        task = asyncio.create_task(processor.run(stop))
+        # The clock starts at the first committed batch: the group join is not throughput.
+        while not (first := await applied(pool)):
+            await asyncio.sleep(0.01)
+        started = time.perf_counter()
+        while await applied(pool) < total:
+            await asyncio.sleep(0.05)
+        elapsed = time.perf_counter() - started
+        stop.set()
+        await task
+        await processor.stop()
+        measured = total - first
+        print(
+            f"throughput  {measured:>7} msgs  max_records={max_records:<6} "
+            f"{elapsed:6.2f} s  {measured / elapsed:>9,.0f} msgs/s"
+        )
+
+
+async def applied(pool: asyncpg.Pool[asyncpg.Record]) -> int:
+    """Inputs recorded so far (the offsets sum to it, and are cheaper to read than history)."""
+    return int(await pool.fetchval("SELECT coalesce(sum(next_offset), 0) FROM input_offsets"))
+
+
+async def latency(settings: Settings, rate: int, seconds: float) -> None:
+    """Commands paced at ``rate``/s against a processor running in its own process."""
+    async with isolated(settings, "bench") as (s, _):
+        processor = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "services.processor",
+            env={**os.environ, **s.as_env()},
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        try:
+            await _paced_commands(s, rate, seconds)
+        finally:
+            processor.terminate()
+            await asyncio.wait_for(processor.wait(), 30)
+
+
+async def _paced_commands(s: Settings, rate: int, seconds: float) -> None:
+    sent: dict[str, float] = {}
+    done: dict[str, float] = {}
+    woken = asyncio.Event()
+    listener = await asyncpg.connect(s.pg_dsn, server_settings={"search_path": s.pg_schema})
+    await listener.add_listener(CHANGES_CHANNEL, lambda *_: woken.set())
+    # Its own connection, not the pool's: a pool connection is reset (a round trip) per use.
+    reader = await asyncpg.connect(s.pg_dsn, server_settings={"search_path": s.pg_schema})
+    finished = asyncio.Event()
+
+    pending: set[str] = set()  # sent, outcome not seen yet (kept small: no scans of `sent`)
+
+    async def collect() -> None:
+        while not finished.is_set():
+            await woken.wait()
+            woken.clear()
+            seen_at = time.perf_counter()
+            rows = await reader.fetch(
+                "SELECT command_id FROM command_outcomes WHERE command_id = ANY($1)",
+                list(pending),
+            )
+            for r in rows:
+                pending.discard(r["command_id"])
+                done.setdefault(r["command_id"], seen_at)
+
+    producer = AIOKafkaProducer(
+        bootstrap_servers=s.kafka_bootstrap, enable_idempotence=True, acks="all", linger_ms=0
+    )
+    await producer.start()
+    collector = asyncio.create_task(collect())
+    # Warm up: wait until the processor has joined and applied a first command.
+    warm = CreateSandbox(type="CreateSandbox", command_id="warm", key="warm", spec=SPEC,
+                         occurred_at=T0, actor="bench")  # fmt: skip
+    await producer.send_and_wait(s.topic_commands, value=encode(warm), key=b"warm")
+    sent["warm"] = time.perf_counter()
+    pending.add("warm")
+    while "warm" not in done:
+        await asyncio.sleep(0.05)
+    count = int(rate * seconds)
+    commands = [
+        CreateSandbox(type="CreateSandbox", command_id=f"lat-{i}", key=f"lat-{i}", spec=SPEC,
+                      occurred_at=T0, actor="bench")
+        for i in range(count)
+    ]  # fmt: skip
+    payloads = [encode(c) for c in commands]
+    begin = time.perf_counter()
+    for i, command in enumerate(commands):
+        delay = begin + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        sent[command.command_id] = time.perf_counter()
+        pending.add(command.command_id)
+        await producer.send(s.topic_commands, value=payloads[i], key=command.key.encode())
+    await producer.flush()
+    achieved = count / (time.perf_counter() - begin)
+    deadline = time.perf_counter() + 30
+    while len(done) < len(sent) and time.perf_counter() < deadline:
+        await asyncio.sleep(0.05)
+    finished.set()
+    woken.set()
+    await collector
+    await producer.stop()
+    await listener.close()
+    await reader.close()
+    ms = sorted((done[c] - sent[c]) * 1000 for c in done if c != "warm")
+    q = statistics.quantiles(ms, n=100)
+    print(
+        f"latency     {len(ms)}/{count} commands at {rate}/s (sent {achieved:,.0f}/s)  "
+        f"p50 {q[49]:.1f} ms  p95 {q[94]:.1f} ms  p99 {q[98]:.1f} ms  max {ms[-1]:.1f} ms"
+    )
+
+
+async def run(which: str, quick: bool) -> None:
+    settings = Settings()
+    print(f"sandstream benchmarks  (partitions={settings.kafka_partitions}, one processor)")
+    if which in ("all", "processor"):
+        keys = 5_000 if quick else 25_000
+        for max_records in (1000, 5000):
+            await throughput(settings, keys, max_records)
+        await latency(settings, rate=1000, seconds=5 if quick else 15)
+    if which in ("all", "drivers"):
+        from services.bench import drivers as bench_drivers
+
+        await bench_drivers.main(settings)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("which", nargs="?", default="all", choices=["all", "processor", "drivers"])
+    parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke check")
+    args = parser.parse_args()
+    asyncio.run(run(args.which, args.quick))

@@ -1,0 +1,64 @@
+"""The `sandstream` command: a client of the HTTP API, plus `up` and `down` for the local stack.
+
+Connection: ``--url`` (or SANDSTREAM_API_URL; default from the settings' API host and port) and
+a token from ``--token`` / SANDSTREAM_TOKEN, else ``--token-file`` / SANDSTREAM_TOKEN_FILE,
+else the admin token file that `sandstream up` writes. Exit codes: 0 done, 1 rejected or
+failed (the message says why), 2 usage error, 3 timed out waiting.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from services.cli import operations, sandbox, tokens
+from services.cli.client import CliError, Connection
+from services.cli.render import err
+from services.common.settings import load_settings
+
+app = typer.Typer(
+    name="sandstream",
+    help="Control plane for agent sandboxes.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(sandbox.app, name="sandbox")
+app.add_typer(tokens.app, name="token")
+for _name, _command in operations.COMMANDS:
+    app.command(_name)(_command)
+
+
+@app.callback()
+def root(
+    ctx: typer.Context,
+    url: Annotated[
+        str | None,
+        typer.Option("--url", envvar="SANDSTREAM_API_URL", help="API URL", show_default=False),
+    ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option("--token", envvar="SANDSTREAM_TOKEN", help="API token", show_default=False),
+    ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--token-file",
+            envvar="SANDSTREAM_TOKEN_FILE",
+            help="file holding the API token (default: the admin token `up` writes)",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    ctx.obj = {"settings": load_settings(), "connection": Connection(url, token, token_file)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        app(args=argv, prog_name="sandstream", standalone_mode=True)
+    except CliError as exc:
+        err.print(f"✗ {exc.message}", markup=False)
+        sys.exit(exc.code)

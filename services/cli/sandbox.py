@@ -1,0 +1,458 @@
+"""`sandstream sandbox ...`: create, inspect and control sandboxes; lifecycle commands wait for
+the phase they asked for."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from services.cli.client import (
+    EXIT_TIMEOUT,
+    MAX_SERVER_WAIT,
+    ApiFailure,
+    Client,
+    StreamBroken,
+    client_of,
+    fail,
+)
+from services.cli.render import (
+    Output,
+    OutputOpt,
+    age,
+    clock,
+    dash,
+    err,
+    out,
+    print_json,
+    print_table,
+)
+
+app = typer.Typer(help="Create, inspect and control sandboxes.", no_args_is_help=True)
+
+TimeoutOpt = Annotated[
+    float, typer.Option("--timeout", min=0.1, help="seconds to wait for the phase asked for")
+]
+NoWaitOpt = Annotated[
+    bool, typer.Option("--no-wait", help="return once the command is accepted, without waiting")
+]
+CommandIdOpt = Annotated[
+    str | None, typer.Option("--command-id", help="idempotency key (a retry gets the outcome)")
+]
+ExpectedVersionOpt = Annotated[
+    int | None,
+    typer.Option("--expected-version", min=0, help="fail (ABORTED) unless at this version"),
+]
+
+
+def pairs(values: list[str], what: str) -> dict[str, str]:
+    result: dict[str, str] = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"expected {what} as KEY=VALUE, got {item!r}")
+        result[key] = value
+    return result
+
+
+# Lifecycle commands: submit, then wait for the phase asked for
+
+
+@dataclass(frozen=True)
+class Goal:
+    verb: str  # shown while waiting: "Creating"
+    done: str  # shown when done: "Created"
+    phase: str  # the phase asked for
+
+
+GOALS = {
+    "create": Goal("Creating", "Created", "Ready"),
+    "stop": Goal("Stopping", "Stopped", "Stopped"),
+    "start": Goal("Starting", "Started", "Ready"),
+    "restart": Goal("Restarting", "Restarted", "Ready"),
+    "delete": Goal("Deleting", "Deleted", "Deleted"),
+}
+SETTLED = ("Ready", "Stopped", "Completed", "Error", "Deleted")
+
+
+def _submit(
+    client: Client,
+    method: str,
+    path: str,
+    body: dict[str, Any],
+    name: str,
+    deadline: float,
+) -> dict[str, Any]:
+    """Send a command and return its decided outcome (waiting for it), or fail."""
+    wait = max(0.0, min(MAX_SERVER_WAIT, deadline - time.monotonic()))
+    response = client.request(
+        method,
+        path,
+        json_body=body,
+        params={"wait": f"{wait:.3f}"},
+        timeout=wait + 30,
+        ok=(200, 201, 202),
+    )
+    outcome: dict[str, Any] = response.json()
+    while outcome["status"] == "pending":
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            fail(
+                f"timed out waiting for the outcome of command {outcome['command_id']}",
+                EXIT_TIMEOUT,
+            )
+        wait = min(MAX_SERVER_WAIT, remaining)
+        outcome = client.request(
+            "GET",
+            f"/v1/commands/{outcome['command_id']}",
+            params={"sandbox": name, "wait": f"{wait:.3f}"},
+            timeout=wait + 30,
+        ).json()
+    if outcome["status"] == "rejected":  # decided after the first wait ran out
+        fail(f"rejected: {outcome['message']} ({outcome['code']})")
+    return outcome
+
+
+def _verdict(goal: Goal, row: dict[str, Any], outcome: dict[str, Any]) -> bool | str:
+    """True: reached; a string: failed, why; False: keep waiting."""
+    if row["version"] < (outcome.get("version") or 0):
+        return False  # older than the decision
+    phase = row["phase"]
+    if goal.phase == "Ready" and row["generation"] < (outcome.get("generation") or 0):
+        return False
+    if phase == goal.phase:
+        return True
+    if phase in SETTLED:
+        why = f"sandbox {row['name']} is {phase}"
+        if row.get("reason"):
+            why += f": {row['reason']}"
+        elif phase in ("Completed", "Error") and row.get("exit_code") is not None:
+            why += f" (exit code {row['exit_code']})"
+        return why + f" (generation {row['generation']})"
+    return False
+
+
+def _await_phase(
+    client: Client, goal: Goal, name: str, outcome: dict[str, Any], deadline: float
+) -> dict[str, Any]:
+    """Follow the sandbox's changes until it reaches the goal; the row it reached."""
+    last: dict[str, Any] | None = None
+    with err.status(f"{goal.verb} sandbox {name}…") as status:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                phase = last["phase"] if last else "unknown"
+                fail(
+                    f"timed out waiting for sandbox {name} to be {goal.phase} "
+                    f"(current phase: {phase})",
+                    EXIT_TIMEOUT,
+                )
+            params = {
+                "name": name,
+                "include_deleted": "true",
+                "timeout": f"{max(remaining, 0.001):.3f}",
+            }
+            try:
+                for event, _, data in client.events(params, read_timeout=remaining + 30):
+                    if event != "sandbox":
+                        continue
+                    last = data
+                    status.update(f"{goal.verb} sandbox {name}… ({data['phase']})")
+                    verdict = _verdict(goal, data, outcome)
+                    if verdict is True:
+                        return data
+                    if isinstance(verdict, str):
+                        fail(verdict)
+            except StreamBroken:
+                time.sleep(0.2)  # the API went away for a moment: follow again
+
+
+def _lifecycle(
+    ctx: typer.Context,
+    kind: str,
+    name: str,
+    method: str,
+    path: str,
+    body: dict[str, Any],
+    *,
+    timeout: float,
+    no_wait: bool,
+    output: Output,
+) -> None:
+    client = client_of(ctx)
+    goal = GOALS[kind]
+    deadline = time.monotonic() + timeout
+    try:
+        with err.status(f"{goal.verb} sandbox {name}…"):
+            outcome = _submit(client, method, path, body, name, deadline)
+    except ApiFailure as exc:
+        if exc.body and exc.body.get("status") == "rejected":
+            fail(f"rejected: {exc.message} ({exc.api_code})")
+        raise
+    if no_wait:
+        if output is Output.json:
+            print_json(outcome)
+        else:
+            out.print(f"✓ {outcome['message']}")
+        return
+    row = _await_phase(client, goal, name, outcome, deadline)
+    if output is Output.json:
+        print_json(row)
+    elif kind == "delete":
+        out.print(f"✓ Deleted sandbox {name}")
+    else:
+        out.print(f"✓ {goal.done} sandbox {name} (generation {row['generation']})")
+
+
+# ---------------------------------------------------------------------------------------------
+# sandbox commands
+
+
+@app.command("create")
+def create(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="the sandbox name (a DNS label)")],
+    image: Annotated[str, typer.Option("--image", help="container image", show_default=False)],
+    command: Annotated[
+        list[str] | None, typer.Argument(help="the command to run (after --)", show_default=False)
+    ] = None,
+    label: Annotated[list[str], typer.Option("--label", help="KEY=VALUE (repeatable)")] = [],  # noqa: B006
+    env: Annotated[list[str], typer.Option("--env", help="KEY=VALUE (repeatable)")] = [],  # noqa: B006
+    provider: Annotated[
+        list[str], typer.Option("--provider", help="credential provider (repeatable)")
+    ] = [],  # noqa: B006
+    stop_timeout: Annotated[
+        int | None, typer.Option("--stop-timeout", min=0, help="seconds from SIGTERM to SIGKILL")
+    ] = None,
+    command_id: CommandIdOpt = None,
+    timeout: TimeoutOpt = 120.0,
+    no_wait: NoWaitOpt = False,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Create a sandbox and wait until it is Ready."""
+    spec: dict[str, Any] = {
+        "image": image,
+        "command": list(command or []),
+        "env": pairs(env, "--env"),
+        "labels": pairs(label, "--label"),
+    }
+    if stop_timeout is not None:
+        spec["stop_timeout_seconds"] = stop_timeout
+    body: dict[str, Any] = {"name": name, "spec": spec, "providers": provider}
+    if command_id:
+        body["command_id"] = command_id
+    _lifecycle(ctx, "create", name, "POST", "/v1/sandboxes", body,
+               timeout=timeout, no_wait=no_wait, output=output)  # fmt: skip
+
+
+def _command_body(command_id: str | None, expected_version: int | None) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    if command_id:
+        body["command_id"] = command_id
+    if expected_version is not None:
+        body["expected_version"] = expected_version
+    return body
+
+
+def _register_lifecycle(verb: str, method: str, suffix: str, doc: str) -> None:
+    """Register `sandstream sandbox VERB NAME`: send the command, wait for its phase."""
+
+    def command(
+        ctx: typer.Context,
+        name: Annotated[str, typer.Argument(help="the sandbox name")],
+        command_id: CommandIdOpt = None,
+        expected_version: ExpectedVersionOpt = None,
+        timeout: TimeoutOpt = 120.0,
+        no_wait: NoWaitOpt = False,
+        output: OutputOpt = Output.table,
+    ) -> None:
+        _lifecycle(ctx, verb, name, method, f"/v1/sandboxes/{name}{suffix}",
+                   _command_body(command_id, expected_version),
+                   timeout=timeout, no_wait=no_wait, output=output)  # fmt: skip
+
+    command.__doc__ = doc
+    app.command(verb)(command)
+
+
+_register_lifecycle(
+    "stop", "POST", ":stop", "Stop a sandbox (its workspace is kept) and wait until it is Stopped."
+)
+_register_lifecycle(
+    "start", "POST", ":start", "Start a stopped sandbox (a new generation) and wait until Ready."
+)
+_register_lifecycle(
+    "restart", "POST", ":restart", "Restart a sandbox (a new generation) and wait until Ready."
+)
+_register_lifecycle(
+    "delete", "DELETE", "", "Delete a sandbox (runtime and workspace) and wait until it is gone."
+)
+
+
+@app.command("list")
+def list_(
+    ctx: typer.Context,
+    phase: Annotated[list[str], typer.Option("--phase", help="only this phase (repeatable)")] = [],  # noqa: B006
+    label: Annotated[
+        list[str], typer.Option("--label", help="KEY=VALUE or KEY (repeatable, ANDed)")
+    ] = [],  # noqa: B006
+    all_: Annotated[bool, typer.Option("--all", "-a", help="include deleted (tombstones)")] = False,
+    output: OutputOpt = Output.table,
+) -> None:
+    """List sandboxes: NAME, PHASE, GENERATION, AGE."""
+    params: dict[str, Any] = {"phase": phase, "label": label, "limit": 500}
+    if all_:
+        params["include_deleted"] = "true"
+    items = list(client_of(ctx).pages("/v1/sandboxes", params))
+    if output is Output.json:
+        print_json(items)
+        return
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for column in ("NAME", "PHASE", "GENERATION", "AGE"):
+        table.add_column(column, no_wrap=True)
+    for item in items:
+        table.add_row(item["name"], item["phase"], str(item["generation"]), age(item["created_at"]))
+    if not items:
+        err.print("no sandboxes")
+        return
+    print_table(table)
+
+
+@app.command("get")
+def get(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="the sandbox name")],
+    output: OutputOpt = Output.table,
+) -> None:
+    """Show one sandbox."""
+    row = client_of(ctx).request("GET", f"/v1/sandboxes/{name}").json()
+    if output is Output.json:
+        print_json(row)
+        return
+    spec = row["spec"]
+    conditions = ", ".join(f"{c['type']}={c['status']}" for c in row["conditions"])
+    fields = [
+        ("Name", row["name"]),
+        ("ID", row["id"]),
+        ("Phase", row["phase"]),
+        ("Generation", row["generation"]),
+        ("Version", row["version"]),
+        ("Image", spec["image"]),
+        ("Command", " ".join(spec["command"]) or "(image default)"),
+        ("Env", ", ".join(sorted(spec["env"])) or "-"),
+        ("Labels", ", ".join(f"{k}={v}" for k, v in sorted(row["labels"].items())) or "-"),
+        ("Providers", ", ".join(row["providers"]) or "-"),
+        ("Conditions", conditions),
+        ("Exit code", dash(row["exit_code"])),
+        ("Reason", dash(row["reason"])),
+        ("Created", f"{row['created_at']} ({age(row['created_at'])} ago)"),
+        ("Updated", row["updated_at"]),
+    ]
+    table = Table(box=None, show_header=False, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in fields:
+        table.add_row(key, str(value))
+    print_table(table)
+
+
+@app.command("history")
+def history(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="the sandbox name")],
+    output: OutputOpt = Output.table,
+) -> None:
+    """Every input about a sandbox in order: applied, rejected and ignored, with the reason."""
+    items = list(client_of(ctx).pages(f"/v1/sandboxes/{name}/history", {"limit": 1000}))
+    if output is Output.json:
+        print_json(items)
+        return
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for column in ("TIME", "INPUT", "BY", "RESULT", "PHASE", "GEN", "VER", "REASON"):
+        table.add_column(column, no_wrap=column != "REASON")
+    for item in items:
+        message = item.get("message") or {}
+        table.add_row(
+            clock(item["occurred_at"]),
+            _input_label(item),
+            dash(message.get("actor")),
+            item["disposition"],
+            dash(item["phase"]),
+            dash(item["generation"]),
+            dash(item["version"]),
+            item["reason"],
+        )
+    print_table(table)
+
+
+def _input_label(item: dict[str, Any]) -> str:
+    message = item.get("message") or {}
+    kind = item.get("message_type") or "?"
+    if kind == "RuntimeSnapshot":
+        state, code = message.get("state"), message.get("exit_code")
+        if state == "exited" and code is not None:
+            return f"Snapshot(exited {code})"
+        return f"Snapshot({state})"
+    if kind == "DriverOperationResult":
+        return f"Result({message.get('operation')} {message.get('outcome')})"
+    if kind == "RuntimeRemoved":
+        return "Removed"
+    return kind.removesuffix("Sandbox") if kind != "CreateSandbox" else "Create"
+
+
+@app.command("watch")
+def watch(
+    ctx: typer.Context,
+    names: Annotated[
+        list[str] | None, typer.Argument(help="only these sandboxes", show_default=False)
+    ] = None,
+    cursor: Annotated[
+        int | None, typer.Option("--cursor", min=0, help="resume after this change (event id)")
+    ] = None,
+    timeout: Annotated[
+        float | None, typer.Option("--timeout", min=0.1, help="stop after this many seconds")
+    ] = None,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Follow sandbox changes as they happen (the current state first, unless --cursor)."""
+    client = client_of(ctx)
+    deadline = time.monotonic() + timeout if timeout else None
+    position = cursor
+    while True:
+        params: dict[str, Any] = {"name": names or []}
+        if position is not None:
+            params["cursor"] = position
+        remaining = None
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            params["timeout"] = f"{max(remaining, 0.001):.3f}"
+        try:
+            for event, event_id, data in client.events(params, read_timeout=(remaining or 0) + 60):
+                if event_id is not None:
+                    position = event_id
+                if event != "sandbox":
+                    continue
+                if output is Output.json:
+                    print(json.dumps(data), flush=True)
+                else:
+                    extra = f"  {data['reason']}" if data.get("reason") else ""
+                    out.print(
+                        f"{clock(data['updated_at'])}  {data['name']:<24} {data['phase']:<12} "
+                        f"gen {data['generation']:<3} v{data['version']:<4} #{event_id}{extra}"
+                    )
+        except StreamBroken as exc:
+            err.print(f"watch: connection lost ({exc}); resuming after #{position}")
+            time.sleep(0.5)
+            continue
+        if deadline is None:
+            err.print(f"watch: the server ended the stream; resuming after #{position}")
+            continue
+        return
+
+
+# ---------------------------------------------------------------------------------------------

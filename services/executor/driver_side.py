@@ -1,0 +1,98 @@
+"""The part of the control plane that touches a container backend: executor + watcher +
+reconciler around one driver, sharing one stop event (a crash of one stops all three).
+
+``python -m services.executor`` runs it alone with the Podman driver (``serve_driver_side``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import asyncpg
+from aiokafka import AIOKafkaProducer
+
+from drivers.protocol import Driver
+from services.common.database import connect_pool
+from services.common.settings import Settings
+from services.common.tasks import Tasks
+from services.executor.backends import podman_driver
+from services.executor.executor import Executor, RetryPolicy
+from services.executor.reconcile import Reconciler
+from services.executor.watcher import Watcher
+
+
+@dataclass
+class DriverSide:
+    """Executor + watcher + reconciler around one driver.
+
+    ``None`` settings-backed knobs default to the ``Settings`` values
+    (``executor_concurrency``, ``executor_retry_seconds``, ``reconcile_interval_seconds``).
+    """
+
+    settings: Settings
+    driver: Driver
+    pool: asyncpg.Pool[asyncpg.Record]
+    reconcile_interval: float | None = None
+    executor_concurrency: int | None = None
+    retry: RetryPolicy | None = None
+    executor: Executor | None = None
+    watcher: Watcher | None = None
+    reconciler: Reconciler | None = None
+    _producer: AIOKafkaProducer | None = None
+    _tasks: Tasks = field(default_factory=Tasks)
+
+    @property
+    def stopping(self) -> asyncio.Event:
+        return self._tasks.stop_event
+
+    async def start(self, tasks: Tasks | None = None) -> None:
+        if tasks is not None:
+            self._tasks = tasks
+        interval = self.reconcile_interval or self.settings.reconcile_interval_seconds
+        self.executor = Executor(
+            self.settings, self.driver, max_concurrency=self.executor_concurrency, retry=self.retry
+        )
+        self._producer = AIOKafkaProducer(
+            bootstrap_servers=self.settings.kafka_bootstrap, enable_idempotence=True, acks="all"
+        )
+        await self._producer.start()
+        await self.executor.start()
+        self.watcher = Watcher(self.driver, self._producer, self.settings)
+        self.reconciler = Reconciler(
+            self.driver, self.pool, self._producer, self.settings, interval
+        )
+        stop = self._tasks.stop_event
+        self._tasks.spawn("executor", self.executor.run(stop))
+        self._tasks.spawn("watcher", self.watcher.run(stop))
+        self._tasks.spawn("reconciler", self.reconciler.run(stop))
+
+    async def close(self) -> None:
+        """Release what ``start`` opened (after the tasks have ended)."""
+        if self.executor is not None:
+            await self.executor.stop()
+        if self._producer is not None:
+            await self._producer.stop()
+
+    async def stop(self) -> None:
+        # The watcher waits on the driver's stream, not on the stop event: cancel it.
+        await self._tasks.finish(cancel_first=("watcher",))
+        await self.close()
+
+
+async def serve_driver_side(settings: Settings, stop: asyncio.Event) -> None:
+    """Executor + watcher + reconciler with the Podman driver until ``stop`` (or a crash)."""
+    pool = await connect_pool(settings)
+    driver = podman_driver(settings)
+    side = DriverSide(settings, driver, pool)
+    try:
+        await side.start()
+        waiter = asyncio.ensure_future(stop.wait())
+        crashed = asyncio.ensure_future(side.stopping.wait())
+        await asyncio.wait([waiter, crashed], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        crashed.cancel()
+    finally:
+        await side.stop()
+        await driver.close()
+        await pool.close()

@@ -1,0 +1,164 @@
+"""The reconcile loop: compares the driver's listing with the phase rows and reports the
+differences as observations.
+
+It reports a runtime that vanished behind sandstream's back (``RuntimeRemoved``, which moves a
+Ready row to Error and a Stopping one to Stopped) and an orphan runtime carrying our marker but
+no live row (a snapshot the processor records as ignored). It never stops, removes or starts
+anything itself: the processor decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from uuid import UUID
+
+import asyncpg
+from aiokafka import AIOKafkaProducer
+
+from drivers.protocol import Driver, RuntimeInfo
+from events.common import Phase
+from events.observations import Observation, RuntimeRemoved, RuntimeSnapshot
+from events.publisher import publish_observation
+from services.common.settings import Settings
+from services.common.tasks import stopped_within
+from services.executor.clock import Clock, utcnow
+
+log = logging.getLogger("sandstream.reconcile")
+
+
+# Phases in which the current generation's runtime must exist; its absence is news.
+# (Provisioning and Starting: the launch may not have created it yet. Stopped, Completed,
+# Error: nothing needs it any more; a start launches a new generation.)
+EXPECTS_RUNTIME = (Phase.READY, Phase.STOPPING)
+# Phases in which a launch may still be removing the older generations' runtimes.
+LAUNCHING = (Phase.PROVISIONING, Phase.STARTING)
+
+
+@dataclass(frozen=True, slots=True)
+class LiveRow:
+    key: str
+    sandbox_id: UUID
+    generation: int
+    phase: Phase
+
+
+def reconcile(
+    rows: Iterable[LiveRow], runtimes: Iterable[RuntimeInfo], now: datetime
+) -> list[Observation]:
+    """Observations for the differences between the rows and the runtime listing (pure).
+
+    - *vanished*: a row that needs its current generation's runtime (Ready, Stopping) and no
+      such runtime in the listing → ``RuntimeRemoved`` of that generation;
+    - *orphan*: a runtime with no live row of its key, of another incarnation than the row,
+      or of an older generation than the row's (unless a launch, which removes those, is in
+      flight) → a ``RuntimeSnapshot`` of it, which the processor records as ignored.
+
+    Read the rows before listing the runtimes: a runtime launched after the rows were read is
+    then at worst reported as an orphan of a newer generation, which the processor ignores or
+    (when it is the current one by then) takes as the truth it is.
+    Observation ids are deterministic, so repeated passes repeat the same ids.
+    """
+    by_key = {r.key: r for r in rows}
+    runtimes = list(runtimes)
+    present = {(rt.key, rt.sandbox_id, rt.generation) for rt in runtimes}
+    out: list[Observation] = []
+    for rt in runtimes:
+        row = by_key.get(rt.key)
+        orphan = (
+            row is None
+            or row.sandbox_id != rt.sandbox_id
+            or (rt.generation < row.generation and row.phase not in LAUNCHING)
+        )
+        if orphan:
+            out.append(
+                RuntimeSnapshot(
+                    type="RuntimeSnapshot",
+                    observation_id=f"reconcile:orphan:{rt.runtime_id}:{rt.state}",
+                    key=rt.key,
+                    generation=rt.generation,
+                    occurred_at=now,
+                    actor="reconciler",
+                    state=rt.state,
+                    exit_code=rt.exit_code,
+                    runtime_id=rt.runtime_id,
+                    source="reconcile",
+                )
+            )
+    for row in by_key.values():
+        if (
+            row.phase in EXPECTS_RUNTIME
+            and (row.key, row.sandbox_id, row.generation) not in present
+        ):
+            out.append(
+                RuntimeRemoved(
+                    type="RuntimeRemoved",
+                    observation_id=f"reconcile:vanished:{row.sandbox_id}:{row.generation}",
+                    key=row.key,
+                    generation=row.generation,
+                    occurred_at=now,
+                    actor="reconciler",
+                    source="reconcile",
+                )
+            )
+    return out
+
+
+async def live_rows(pool: asyncpg.Pool[asyncpg.Record]) -> list[LiveRow]:
+    rows = await pool.fetch(
+        "SELECT key, sandbox_id, generation, phase FROM sandboxes WHERE phase <> 'Deleted'"
+    )
+    return [LiveRow(r["key"], r["sandbox_id"], r["generation"], Phase(r["phase"])) for r in rows]
+
+
+@dataclass
+class Reconciler:
+    """Every ``interval`` seconds: read the live rows, list the runtimes, report differences.
+
+    Each difference is reported once while it lasts (by observation id): a vanished runtime
+    stays vanished, and an orphan is audit, not an alarm to repeat every pass. Only the
+    differences of the latest pass are remembered, so the memory is bounded by them, and one
+    that goes away and comes back is reported again.
+    """
+
+    driver: Driver
+    pool: asyncpg.Pool[asyncpg.Record]
+    producer: AIOKafkaProducer
+    settings: Settings
+    interval: float
+    clock: Clock = utcnow
+    passes: int = 0  # completed passes (tests wait on it)
+    reported: set[str] = field(default_factory=set)
+
+    async def run_once(self) -> list[Observation]:
+        """One pass; returns what it reported (new differences only)."""
+        rows = await live_rows(self.pool)
+        runtimes = await self.driver.list()
+        current = reconcile(rows, runtimes, self.clock())
+        still = {o.observation_id for o in current} & self.reported
+        sent = []
+        for observation in current:
+            if observation.observation_id in still:
+                continue
+            await publish_observation(self.producer, self.settings.topic_observations, observation)
+            still.add(observation.observation_id)
+            sent.append(observation)
+            # Orphans are often another sandstream's containers on the same host: audit only.
+            orphan = isinstance(observation, RuntimeSnapshot)
+            log.log(logging.DEBUG if orphan else logging.INFO, "reconcile: reported %s",
+                    observation.observation_id)  # fmt: skip
+        self.reported = still
+        self.passes += 1
+        return sent
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.run_once()
+            except Exception:
+                log.exception("reconcile pass failed; next pass in %ss", self.interval)
+            if await stopped_within(stop, self.interval):
+                return

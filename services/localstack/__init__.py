@@ -1,0 +1,5 @@
+"""The local stack for people running sandstream on one machine and for the tests: Kafka
+(KRaft), PostgreSQL and Podman started idempotently (``python -m services.localstack
+up|down|status``), and isolated environments (own topics and schema) for tests and benchmarks.
+Not used by the running roles. Imports services.common only.
+"""

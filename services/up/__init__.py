@@ -1,0 +1,4 @@
+"""The one-process local default: ``sandstream up`` starts the local stack, then the processor,
+executor, watcher, reconciler (``control_plane``) and the HTTP API in one process; ``down``
+stops it. Imports the role packages it assembles and services.localstack.
+"""

@@ -1,0 +1,87 @@
+"""The control plane's own roles in one process: processor, executor, watcher, reconciler.
+
+``ControlPlane`` is a processor plus a ``DriverSide`` (services/executor/driver_side.py):
+``sandstream up`` runs it next to the HTTP API; tests run it against isolated topics and
+schemas with the fake or the Podman driver.
+
+A component that dies takes the whole set down (``stopping`` is set): a half-running control
+plane would look healthy while it no longer applies or executes anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+
+from drivers.protocol import Driver
+from services.common.database import connect_pool
+from services.common.settings import Settings
+from services.common.tasks import Tasks
+from services.executor.driver_side import DriverSide
+from services.executor.executor import Executor, RetryPolicy
+from services.executor.reconcile import Reconciler
+from services.processor.consumer import Processor
+
+
+@dataclass
+class ControlPlane:
+    """Processor + DriverSide in one process."""
+
+    settings: Settings
+    driver: Driver
+    pool: asyncpg.Pool[asyncpg.Record]
+    reconcile_interval: float | None = None
+    executor_concurrency: int | None = None
+    retry: RetryPolicy | None = None
+    owns_pool: bool = False
+    processor: Processor | None = None
+    driver_side: DriverSide | None = None
+    _tasks: Tasks = field(default_factory=Tasks)
+
+    @property
+    def executor(self) -> Executor | None:
+        return self.driver_side.executor if self.driver_side else None
+
+    @property
+    def reconciler(self) -> Reconciler | None:
+        return self.driver_side.reconciler if self.driver_side else None
+
+    async def start(self) -> None:
+        self.processor = Processor(self.settings, self.pool)
+        await self.processor.start()
+        self._tasks.spawn("processor", self.processor.run(self._tasks.stop_event))
+        self.driver_side = DriverSide(
+            self.settings,
+            self.driver,
+            self.pool,
+            reconcile_interval=self.reconcile_interval,
+            executor_concurrency=self.executor_concurrency,
+            retry=self.retry,
+        )
+        await self.driver_side.start(self._tasks)
+
+    @property
+    def stopping(self) -> asyncio.Event:
+        return self._tasks.stop_event
+
+    async def wait(self) -> None:
+        await self._tasks.stop_event.wait()
+
+    async def stop(self) -> None:
+        await self._tasks.finish(cancel_first=("watcher",))
+        if self.driver_side is not None:
+            await self.driver_side.close()
+        if self.processor is not None:
+            await self.processor.stop()
+        if self.owns_pool:
+            await self.pool.close()
+
+
+async def open_control_plane(settings: Settings, driver: Driver, **kwargs: Any) -> ControlPlane:
+    pool = await connect_pool(settings)
+    plane = ControlPlane(settings, driver, pool, owns_pool=True, **kwargs)
+    await plane.start()
+    return plane

@@ -1,0 +1,275 @@
+"""`sandstream up` and `sandstream down`: the whole local control plane in one foreground process.
+
+``up`` brings the stack up (Kafka, PostgreSQL, Podman; idempotent), applies the migrations,
+creates the API tokens if missing, then runs the control plane (processor, executor with the
+Podman driver, watcher, reconciler) and the HTTP API in one event loop, logging to the
+terminal until Ctrl-C or SIGTERM, which stop everything cleanly. The stack keeps running.
+``down`` stops a running ``up`` (through its pid file) and then the stack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+from aiokafka.errors import KafkaError
+
+from events.publisher import CommandPublisher
+from services.api.app import create_app
+from services.api.auth import TokenFileError, TokenSetup, TokenStore, ensure_tokens
+from services.api.server import bind, start_api
+from services.common.migrations import apply_migrations
+from services.common.settings import Settings
+from services.localstack import stack
+
+log = logging.getLogger("sandstream.up")
+
+STOP_WAIT = 60.0  # how long `down` waits for a running `up` to finish
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    logging.basicConfig(
+        level=level,
+        format="%(asctime)s %(levelname)-5s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+    for noisy in ("aiokafka", "kafka"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def shown(path: Path) -> str:
+    """A path relative to the working directory when it is below it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The pid file: "pid start-time"; the start time guards against a reused pid
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot); None if it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state is field 3
+    return None if fields[0] in ("Z", "X") else fields[19]  # field 22: starttime
+
+
+def running_up(settings: Settings) -> int | None:
+    """The pid of a running `sandstream up` of these settings, if there is one."""
+    try:
+        pid_text, started = settings.up_pid_file.read_text().split()
+        pid = int(pid_text)
+    except (OSError, ValueError):
+        return None
+    return pid if _start_time(pid) == started else None
+
+
+def _claim_pid_file(settings: Settings) -> bool:
+    path = settings.up_pid_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if running_up(settings) is not None:
+        return False
+    path.unlink(missing_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:  # another `up` claimed it just now
+        return False
+    with os.fdopen(fd, "w") as out:
+        out.write(f"{os.getpid()} {_start_time(os.getpid())}\n")
+    return True
+
+
+def _release_pid_file(settings: Settings) -> None:
+    if running_up(settings) == os.getpid():
+        settings.up_pid_file.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# up
+
+
+def up(settings: Settings, *, start_stack: bool = True) -> int:
+    """Run the control plane and the API in the foreground; the process exit code."""
+    configure_logging()
+    if not _claim_pid_file(settings):
+        print(
+            f"sandstream up is already running (pid {running_up(settings)}); "
+            "`sandstream down` stops it",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        if start_stack:
+            try:
+                stack.up(settings)
+            except stack.StackError as exc:
+                print(f"sandstream up: the stack did not come up: {exc}", file=sys.stderr)
+                return 1
+        schema = None if settings.pg_schema == "public" else settings.pg_schema
+        try:
+            asyncio.run(apply_migrations(settings.pg_dsn, schema=schema))
+        except (OSError, asyncpg.PostgresError) as exc:
+            print(f"sandstream up: cannot migrate PostgreSQL: {exc!r}", file=sys.stderr)
+            return 1
+        try:
+            tokens = ensure_tokens(settings)
+        except TokenFileError as exc:
+            print(f"sandstream up: {exc}", file=sys.stderr)
+            return 1
+        return asyncio.run(_serve(settings, tokens))
+    finally:
+        _release_pid_file(settings)
+
+
+@dataclass
+class _Signals:
+    stop: asyncio.Event
+    count: int = 0
+
+    def received(self, signum: int) -> None:
+        self.count += 1
+        if self.count == 1:
+            log.info("%s received: stopping (again to force)", signal.Signals(signum).name)
+            self.stop.set()
+        else:
+            log.warning("forced exit")
+            os._exit(130)
+
+
+async def _serve(settings: Settings, tokens: TokenSetup) -> int:
+    from services.common.database import connect_pool
+    from services.executor.backends import podman_driver
+    from services.up.control_plane import open_control_plane
+
+    loop = asyncio.get_running_loop()
+    signals = _Signals(asyncio.Event())
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, signals.received, sig)
+    try:
+        sock = bind(settings.api_host, settings.api_port)
+    except OSError as exc:
+        print(
+            f"sandstream up: cannot listen on {settings.api_host}:{settings.api_port}: "
+            f"{exc.strerror}; set SANDSTREAM_API_PORT to use another port",
+            file=sys.stderr,
+        )
+        return 1
+
+    driver = podman_driver(settings)
+    plane = None
+    pool = None
+    publisher = CommandPublisher(settings.kafka_bootstrap, topic=settings.topic_commands)
+    api = None
+    code = 0
+    try:
+        started = time.monotonic()
+        plane = await open_control_plane(settings, driver)
+        pool = await connect_pool(settings)
+        await publisher.__aenter__()
+        app = create_app(settings, pool, publisher, TokenStore.from_file(tokens.tokens_file))
+        api = await start_api(app, settings.api_host, settings.api_port, sock=sock)
+        _banner(settings, api.url, tokens, time.monotonic() - started)
+
+        waiters: dict[asyncio.Future[Any], str] = {
+            asyncio.ensure_future(signals.stop.wait()): "signal",
+            asyncio.ensure_future(plane.stopping.wait()): "control plane",
+            asyncio.ensure_future(asyncio.shield(api.task)): "api",
+        }
+        done, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        why = waiters[next(iter(done))]
+        if why != "signal":
+            log.error("the %s stopped unexpectedly; stopping everything", why)
+            code = 1
+    except (OSError, KafkaError, TokenFileError, asyncpg.PostgresError, RuntimeError) as exc:
+        log.error("startup failed: %r", exc)
+        code = 1
+    finally:
+        log.info("stopping the API, processor, executor and watcher")
+        if api is not None:
+            await api.stop()
+        else:
+            sock.close()
+        if plane is not None:
+            await plane.stop()
+        with contextlib.suppress(Exception):
+            await publisher.__aexit__()
+        if pool is not None:
+            await pool.close()
+        await driver.close()
+        log.info(
+            "stopped. The stack (Kafka, PostgreSQL, Podman) is still running; "
+            "`sandstream down` stops it"
+        )
+    return code
+
+
+def _banner(settings: Settings, url: str, tokens: TokenSetup, seconds: float) -> None:
+    token_line = shown(tokens.admin_token_file)
+    if tokens.created:
+        token_line += "  (new admin token)"
+    elif not tokens.admin_token_file.exists():
+        token_line = (
+            f"(none: {shown(tokens.admin_token_file)} was removed; "
+            "`sandstream token create NAME` makes a new one)"
+        )
+    lines = [
+        f"sandstream is up ({seconds:.1f}s)",
+        f"  API         {url}   (OpenAPI: {url}/docs)",
+        f"  token       {token_line}",
+        f"  tokens      {shown(tokens.tokens_file)}",
+        f"  driver      podman ({shown(settings.podman_socket_path)})",
+        "  Ctrl-C stops sandstream; the stack keeps running (`sandstream down` stops it)",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# down
+
+
+def stop_running_up(settings: Settings, timeout: float = STOP_WAIT) -> int | None:
+    """SIGTERM a running `up` and wait for it to end; its pid, or None if none ran."""
+    pid = running_up(settings)
+    if pid is None:
+        return None
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while _start_time(pid) is not None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"sandstream up (pid {pid}) did not stop within {timeout:.0f}s")
+        time.sleep(0.1)
+    return pid
+
+
+def down(settings: Settings, *, keep_stack: bool = False) -> int:
+    try:
+        pid = stop_running_up(settings)
+    except TimeoutError as exc:
+        print(f"sandstream down: {exc}", file=sys.stderr)
+        return 1
+    print(f"sandstream: stopped `up` (pid {pid})" if pid else "sandstream: `up` not running")
+    if not keep_stack:
+        try:
+            stack.down(settings)
+        except stack.StackError as exc:
+            print(f"sandstream down: {exc}", file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,149 @@
+"""The house rules of the layout: imports run one way (events <- projections <- drivers <-
+services), each role package of services/ imports only the packages it is allowed to, and no
+module imports itself back through others. An AST walk, so function-level imports count too."""
+
+from __future__ import annotations
+
+import ast
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.common.settings import PROJECT_ROOT
+
+LAYERS = ("events", "projections", "drivers", "services")
+
+# What each role package of services/ may import besides the lower layers (and itself).
+# README's layout table and each package docstring say the same in words.
+ALLOWED: dict[str, set[str]] = {
+    "common": set(),
+    "processor": {"common"},
+    "executor": {"common"},
+    "api": {"common"},
+    "localstack": {"common"},
+    "up": {"common", "processor", "executor", "api", "localstack"},
+    "cli": {"common", "api", "processor", "up"},
+    "bench": {"common", "processor", "executor", "api", "up", "localstack"},
+}
+# Libraries a lower layer must not reach for: events/ holds schemas and Kafka helpers only.
+FORBIDDEN_LIBRARIES = {"events": {"asyncpg", "fastapi", "podman"}}
+
+
+def modules() -> Iterator[tuple[str, Path]]:
+    for layer in LAYERS:
+        for path in sorted((PROJECT_ROOT / layer).rglob("*.py")):
+            parts = path.relative_to(PROJECT_ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            yield name, path
+
+
+def imports_of(name: str, path: Path) -> set[str]:
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            # ``from services.api import readmodel`` imports the module services.api.readmodel
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    names = dict(modules())
+    return {
+        name: {i for i in imports_of(name, path) if i in names and i != name}
+        for name, path in names.items()
+    }
+
+
+def test_lower_layers_never_import_higher_ones() -> None:
+    wrong = []
+    for name, path in modules():
+        layer = LAYERS.index(name.split(".")[0])
+        for imported in imports_of(name, path):
+            top = imported.split(".")[0]
+            if top in LAYERS and LAYERS.index(top) > layer:
+                wrong.append(f"{name} imports {imported}")
+            if top in FORBIDDEN_LIBRARIES.get(LAYERS[layer], set()):
+                wrong.append(f"{name} uses {top}")
+    assert wrong == []
+
+
+def test_service_roles_import_only_what_they_may() -> None:
+    wrong = []
+    for name, path in modules():
+        parts = name.split(".")
+        if parts[0] != "services" or len(parts) < 2:
+            continue
+        role = parts[1]
+        assert role in ALLOWED, f"services/{role} is not in the house table"
+        for imported in imports_of(name, path):
+            other = imported.split(".")
+            foreign = other[0] == "services" and len(other) > 1 and other[1] != role
+            if foreign and other[1] not in ALLOWED[role]:
+                wrong.append(f"{name} imports {imported}")
+    assert wrong == []
+
+
+def test_the_role_table_itself_has_no_cycle() -> None:
+    assert find_cycle({role: set(deps) for role, deps in ALLOWED.items()}) is None
+
+
+def test_no_module_imports_itself_back() -> None:
+    assert find_cycle(graph()) is None
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the directed graph, or None (depth-first search with colours)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)) is not None:
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (cycle := visit(node)) is not None:
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_one() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_every_folder_of_code_is_a_package() -> None:
+    folders = {p.parent for _, p in modules()}
+    assert sorted(str(f) for f in folders if not (f / "__init__.py").exists()) == []
+
+
+@pytest.mark.parametrize("package", sorted({n for n, p in modules() if p.name == "__init__.py"}))
+def test_every_package_says_what_it_owns(package: str) -> None:
+    path = PROJECT_ROOT.joinpath(*package.split("."), "__init__.py")
+    doc = ast.get_docstring(ast.parse(path.read_text()))
+    assert doc and len(doc.split()) >= 8, f"{package} needs a docstring saying what it owns"
+
+
+def test_openapi_document_is_current() -> None:
+    from services.api.openapi_export import CHECKED_IN, render
+
+    regenerate = "python -m services.api.openapi_export"
+    assert CHECKED_IN.read_text() == render(), f"docs/openapi.json is stale: run `{regenerate}`"
+    assert json.loads(CHECKED_IN.read_text())["info"]["title"] == "sandstream"
