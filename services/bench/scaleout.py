@@ -1,0 +1,57 @@
+"""Scale-out: two processors in one consumer group, separate processes, on one generated log.
+
+Prints their combined throughput (timed from the first committed batch to the last input
+applied) and how the group shared the partitions out (each process logs its assignment).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import sys
+import time
+
+from services.bench.processor import applied, lifecycle_messages, produce_all
+from services.common.settings import Settings
+from services.localstack.isolation import isolated
+
+ASSIGNED = re.compile(r"(\S+) assigned partitions \[([0-9, ]*)\]")
+
+
+async def two_processors(settings: Settings, keys: int) -> None:
+    async with isolated(settings, "bench") as (s, pool):
+        records, total = lifecycle_messages(keys)
+        await produce_all(s, records)
+        env = {**os.environ, **s.as_env()}
+        procs = [
+            await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "services.processor",
+                env=env,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            for _ in range(2)
+        ]
+        try:
+            while not (first := await applied(pool)):
+                await asyncio.sleep(0.01)
+            started = time.perf_counter()
+            while await applied(pool) < total:
+                await asyncio.sleep(0.05)
+            elapsed = time.perf_counter() - started
+        finally:
+            for proc in procs:
+                proc.terminate()
+            logs = [(await proc.communicate())[1].decode(errors="replace") for proc in procs]
+        shares = []
+        for number, log in enumerate(logs, 1):
+            found = ASSIGNED.findall(log)
+            last = found[-1][1] if found else "?"
+            shares.append(f"process {number}: [{last}] ({len(found)} assignments)")
+        print(
+            f"scale-out   {total - first:>7} inputs  two processors  "
+            f"{(total - first) / elapsed:>9,.0f}/s combined  " + "; ".join(shares)
+        )
