@@ -103,13 +103,7 @@ async def throughput(settings: Settings, keys: int, max_records: int) -> None:
         await processor.start()
         stop = asyncio.Event()
         task = asyncio.create_task(processor.run(stop))
-        # The clock starts at the first committed batch: the group join is not throughput.
-        while not (first := await applied(pool)):
-            await asyncio.sleep(0.01)
-        started = time.perf_counter()
-        while await applied(pool) < total:
-            await asyncio.sleep(0.05)
-        elapsed = time.perf_counter() - started
+        first, elapsed = await timed_drain(pool, total)
         stop.set()
         await task
         await processor.stop()
@@ -119,6 +113,17 @@ async def throughput(settings: Settings, keys: int, max_records: int) -> None:
             f"processor {rate:>9,.0f}/s  ceiling {roof:>9,.0f}/s  "
             f"processor/ceiling {rate / roof:.2f}"
         )
+
+
+async def timed_drain(pool: asyncpg.Pool[asyncpg.Record], total: int) -> tuple[int, float]:
+    """Wait until ``total`` inputs are applied: (inputs in the first committed batch, seconds
+    from it to the last). The clock starts at the first batch: a group join is not throughput."""
+    while not (first := await applied(pool)):
+        await asyncio.sleep(0.01)
+    started = time.perf_counter()
+    while await applied(pool) < total:
+        await asyncio.sleep(0.05)
+    return first, time.perf_counter() - started
 
 
 async def applied(pool: asyncpg.Pool[asyncpg.Record]) -> int:

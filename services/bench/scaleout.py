@@ -10,9 +10,8 @@ import asyncio
 import os
 import re
 import sys
-import time
 
-from services.bench.processor import applied, lifecycle_messages, produce_all
+from services.bench.processor import lifecycle_messages, produce_all, timed_drain
 from services.common.settings import Settings
 from services.localstack.isolation import isolated
 
@@ -36,12 +35,7 @@ async def two_processors(settings: Settings, keys: int) -> None:
             for _ in range(2)
         ]
         try:
-            while not (first := await applied(pool)):
-                await asyncio.sleep(0.01)
-            started = time.perf_counter()
-            while await applied(pool) < total:
-                await asyncio.sleep(0.05)
-            elapsed = time.perf_counter() - started
+            first, elapsed = await timed_drain(pool, total)
         finally:
             for proc in procs:
                 proc.terminate()
