@@ -10,11 +10,13 @@ import subprocess
 import sys
 from typing import Any
 
+import apikit
 import changed_rules
 import factories as f
 import pyarrow.parquet as pq
 from harness import Env, eventually, isolated_env
 
+from drivers.fake import FakeDriver
 from events.codec import encode
 from projections.chain import link
 from projections.lifecycle import Message
@@ -222,3 +224,44 @@ async def test_the_cli_verifies_explains_and_fails_on_a_changed_rule(tmp_path: A
         )
         missing = cli(env, "at", NAME, "--offset", "commands:999")
         assert missing.returncode == 1 and "no input of this sandbox" in missing.stderr
+
+
+async def test_the_http_audit_answers_with_the_actor_the_token_named() -> None:
+    async with apikit.running_api(FakeDriver()) as api:
+        name = apikit.unique("aud")
+        async with api.client() as admin:
+            created = await admin.post("/v1/sandboxes?wait=30", json=apikit.create_body(name))
+            assert created.status_code == 201, created.text
+            await api.wait_phase(name, "Ready")
+            stopped = await admin.post(f"/v1/sandboxes/{name}:stop?wait=30")
+            assert stopped.status_code == 200, stopped.text
+            # The admin token lacks audit:read.
+            denied = await admin.get(f"/v1/audit/sandboxes/{name}/explain")
+            assert denied.status_code == 403 and "audit:read" in denied.json()["message"]
+        async with api.client(apikit.AUDITOR) as auditor:
+            story = (await auditor.get(f"/v1/audit/sandboxes/{name}/explain")).json()
+            commands = [s for s in story["inputs"] if s["input"].startswith("command")]
+            assert [(c["actor"], c["disposition"]) for c in commands] == [
+                ("admin", "applied"), ("admin", "applied"),
+            ]  # fmt: skip
+            assert story["inputs"][0]["driver_calls"][0]["operation"] == "launch"
+            first = story["inputs"][0]
+            at = await auditor.get(
+                f"/v1/audit/sandboxes/{name}/at",
+                params={"topic": "commands", "offset": first["offset"]},
+            )
+            assert at.json()["state"]["phase"] == "Provisioning"
+            bad = await auditor.get(f"/v1/audit/sandboxes/{name}/at", params={"offset": 1})
+            assert bad.status_code == 422
+            exported = await auditor.get("/v1/audit/export", params={"name": name})
+            lines = [json.loads(line) for line in exported.text.splitlines()]
+            count = await api.env.fetchval("SELECT count(*) FROM history WHERE key = $1", name)
+            assert len(lines) == count and exported.headers["content-type"].startswith(
+                "application/x-ndjson"
+            )
+            assert (await auditor.get("/v1/audit/chains")).json()["intact"] is True
+            victim = lines[1]["id"]
+            await api.env.fetch("UPDATE history SET reason = 'edited' WHERE id = $1", victim)
+            chains = (await auditor.get("/v1/audit/chains", params={"name": name})).json()
+            assert chains["intact"] is False
+            assert [b["history_id"] for b in chains["broken"]] == [victim]
