@@ -85,12 +85,13 @@ class Divergence:
     what: str
     recorded: str
     redecided: str
+    against: str = "re-decided"  # what ``redecided`` is: the new decision, or the log's copy
 
     def describe(self) -> str:
         return (
             f"{self.key or '(unkeyed)'} at {self.topic}[{self.partition}]@{self.offset} "
-            f"({self.input}): {self.what}\n    recorded:   {self.recorded}\n"
-            f"    re-decided: {self.redecided}"
+            f"({self.input}): {self.what}\n    {'recorded:':<{len(self.against) + 1}} "
+            f"{self.recorded}\n    {self.against}: {self.redecided}"
         )
 
 
@@ -198,12 +199,12 @@ async def _partition(
     wanted = [e for e in recorded.entries if options.key is None or e.key == options.key]
     first: dict[ChainId, Divergence] = {}
 
-    def diverge(entry: Entry, what: str, was: str, now: str) -> None:
+    def diverge(entry: Entry, what: str, was: str, now: str, against: str = "re-decided") -> None:
         chain = chain_of(entry.key, entry.partition)
         if chain not in first and options.reports(entry):
             first[chain] = Divergence(
                 entry.key, entry.topic, p, entry.offset, entry.message_type or "dead letter",
-                what, was, now,
+                what, was, now, against,
             )  # fmt: skip
 
     # Completeness: every record below the stored offsets was recorded, and every recorded
@@ -243,7 +244,7 @@ async def _partition(
         for entry, item in zip(chunk, items, strict=True):
             if isinstance(item, Parsed) and entry.message != item.record.value.decode():
                 diverge(entry, "the recorded input body differs from the log", entry.message
-                        or "", item.record.value.decode())  # fmt: skip
+                        or "", item.record.value.decode(), "in the log")  # fmt: skip
         parsed = [i for i in items if isinstance(i, Parsed)]
         result = fold(states, outcomes, ((i.cause, i.message) for i in parsed), options.rules)
         plan = plan_batch(items, result, offsets, settings)

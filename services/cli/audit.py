@@ -58,7 +58,7 @@ def _run(settings: Settings, work: Callable[[asyncpg.Connection[Any]], Awaitable
 
 def _say_reach(reach: Reach, output: Output) -> None:
     if output is Output.table:
-        (out if reach.complete else err).print(reach.statement(), markup=False)
+        (out if reach.complete else err).print(reach.statement(), markup=False, soft_wrap=True)
 
 
 @app.command("verify")
@@ -110,6 +110,7 @@ def verify_command(
             f"re-decided {report.inputs} inputs of {report.sandboxes} sandboxes on "
             f"{len(report.partitions)} partitions with {report.rules}",
             markup=False,
+            soft_wrap=True,
         )
         if report.pending:
             out.print(f"{report.pending} newer inputs are not decided yet (not compared)")
@@ -118,25 +119,30 @@ def verify_command(
                 "not verifiable (inputs older than the log): "
                 + ", ".join(sorted(report.not_verifiable)),
                 markup=False,
+                soft_wrap=True,
             )
         for d in report.divergences:
-            out.print(f"✗ divergence: {d.describe()}", markup=False)
+            out.print(f"✗ divergence: {d.describe()}", markup=False, soft_wrap=True)
         unchained = f" ({chains.unchained} older entries unchained)" if chains.unchained else ""
         out.print(
             f"history chains: {chains.chains} chains, {chains.checked} entries"
             + (", intact" if chains.intact else "")
             + unchained,
             markup=False,
+            soft_wrap=True,
         )
         for b in chains.broken:
-            out.print(f"✗ broken link: {b.describe()}", markup=False)
+            out.print(f"✗ broken link: {b.describe()}", markup=False, soft_wrap=True)
         mark = "✓" if report.ok else "✗"
         out.print(
             f"{mark} {len(report.divergences)} divergences, {len(chains.broken)} broken links",
             markup=False,
+            soft_wrap=True,
         )
         if keep_scratch:
-            out.print(f"re-decided record kept in schema {report.scratch}", markup=False)
+            out.print(
+                f"re-decided record kept in schema {report.scratch}", markup=False, soft_wrap=True
+            )
     if not report.ok:
         raise typer.Exit(EXIT_FAILED)
 
@@ -153,10 +159,14 @@ def chain_command(
     """Check the history's hash chains only (fast: PostgreSQL alone). Exits 1 on a broken link."""
     report = _run(settings_of(ctx), lambda conn: check_chains(conn, sandbox))
     for b in report.broken:
-        out.print(f"✗ broken link: {b.describe()}", markup=False)
+        out.print(f"✗ broken link: {b.describe()}", markup=False, soft_wrap=True)
     mark = "✓" if report.intact else "✗"
     unchained = f", {report.unchained} older entries unchained" if report.unchained else ""
-    out.print(f"{mark} {report.chains} chains, {report.checked} entries{unchained}", markup=False)
+    out.print(
+        f"{mark} {report.chains} chains, {report.checked} entries{unchained}",
+        markup=False,
+        soft_wrap=True,
+    )
     if not report.intact:
         raise typer.Exit(EXIT_FAILED)
 
@@ -206,17 +216,18 @@ def at_command(
         return
     _say_reach(reach, output)
     if state is None:
-        out.print(f"{name}: no row as of then", markup=False)
+        out.print(f"{name}: no row as of then", markup=False, soft_wrap=True)
     else:
         out.print(
             f"{name} as of {prefix[-1].entry.topic}@{prefix[-1].entry.offset}: "
             f"{state.phase.value}, generation {state.generation}, version {state.version}, "
             f"incarnation {state.sandbox_id}",
             markup=False,
+            soft_wrap=True,
         )
-    out.print(f"produced by {len(prefix)} inputs:", markup=False)
+    out.print(f"produced by {len(prefix)} inputs:", markup=False, soft_wrap=True)
     for s in prefix:
-        out.print(f"  {_line(s)}", markup=False)
+        out.print(f"  {_line(s)}", markup=False, soft_wrap=True)
 
 
 def _position(settings: Settings, text: str) -> tuple[str, int]:
@@ -299,9 +310,10 @@ def explain_command(
         )
         + f" — {len(story.steps)} inputs since this incarnation was created",
         markup=False,
+        soft_wrap=True,
     )
     for i, s in enumerate(story.steps):
-        out.print(_line(s), markup=False)
+        out.print(_line(s), markup=False, soft_wrap=True)
         for c in story.calls.get(i, []):
             results = ", ".join(
                 f"{r.entry.body.get('outcome')} ({r.entry.topic}@{r.entry.offset})"
@@ -311,9 +323,10 @@ def explain_command(
                 f"      => executor: {c.operation} generation {c.generation}: "
                 + (results or "no result recorded yet"),
                 markup=False,
+                soft_wrap=True,
             )
     if html is not None:
-        out.print(f"page written to {html}", markup=False)
+        out.print(f"page written to {html}", markup=False, soft_wrap=True)
 
 
 @app.command("export")
@@ -336,7 +349,7 @@ def export_command(
         fail("only JSON Lines can go to stdout", 2)
     which = entries.Filter(key=sandbox, since=_utc(since), until=_utc(until), types=types or ())
     reach = asyncio.run(log_reach(settings))
-    err.print(reach.statement(), markup=False)
+    err.print(reach.statement(), markup=False, soft_wrap=True)
 
     async def work(conn: asyncpg.Connection[Any]) -> int:
         total = await entries.count(conn, which)
