@@ -14,6 +14,9 @@ import apikit
 import changed_rules
 import factories as f
 import pyarrow.parquet as pq
+from aiokafka import TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.records_to_delete import RecordsToDelete
 from harness import Env, eventually, isolated_env
 
 from drivers.fake import FakeDriver
@@ -265,3 +268,24 @@ async def test_the_http_audit_answers_with_the_actor_the_token_named() -> None:
             chains = (await auditor.get("/v1/audit/chains", params={"name": name})).json()
             assert chains["intact"] is False
             assert [b["history_id"] for b in chains["broken"]] == [victim]
+
+
+async def test_verify_says_where_retention_cut_the_log_and_does_not_guess() -> None:
+    async with isolated_env() as env:
+        await recorded_run(env)
+        [row] = await env.fetch("SELECT partition FROM sandboxes WHERE key = $1", NAME)
+        tp = TopicPartition(env.settings.topic_observations, row["partition"])
+        admin = AIOKafkaAdminClient(bootstrap_servers=env.settings.kafka_bootstrap)
+        await admin.start()
+        try:
+            await admin.delete_records({tp: RecordsToDelete(before_offset=3)})
+        finally:
+            await admin.close()
+        report = await verify(env.settings)
+        assert not report.reach.complete and report.reach.begins_at(tp.topic, tp.partition) == 3
+        assert f"{tp.topic}[{tp.partition}] from 3" in report.reach.statement()
+        assert report.not_verifiable == {NAME}
+        assert report.divergences == []
+        said = cli(env, "verify")
+        assert "retention has deleted the oldest input records" in said.stderr
+        assert f"not verifiable (inputs older than the log): {NAME}" in said.stdout
