@@ -46,6 +46,7 @@ def canonical(entry: Mapping[str, Any]) -> bytes:
         "event_types": list(entry["event_types"]),
         "message": entry["message"],
         "occurred_at": _utc(occurred) if occurred is not None else None,
+        "sandbox_id": str(entry["sandbox_id"]) if entry["sandbox_id"] is not None else None,
     }
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -80,5 +81,5 @@ def _fields(row: Any) -> dict[str, Any]:
 
 _CONTENT = (
     "key", "topic", "partition", "offset", "message_type", "command_id", "disposition", "reason",
-    "phase", "generation", "version", "event_types", "message", "occurred_at",
+    "phase", "generation", "version", "event_types", "message", "occurred_at", "sandbox_id",
 )  # fmt: skip

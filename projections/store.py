@@ -171,6 +171,7 @@ class HistoryRow:
     event_types: list[str]
     message: str | None
     occurred_at: datetime | None
+    sandbox_id: UUID | None = None  # the incarnation of the row after it
     # The hash chain (projections/chain.py): set by chain_rows just before the write.
     prev_hash: bytes | None = None
     entry_hash: bytes | None = None
@@ -246,12 +247,12 @@ WITH moved AS (
 ), recorded AS (
     INSERT INTO history (key, topic, partition, "offset", message_type, command_id,
                          disposition, reason, phase, generation, version, event_types, message,
-                         occurred_at, prev_hash, entry_hash)
-    SELECT k, t, p, o, mt, c, d, r, ph, g, v, string_to_array(e, ','), m, oa, hp, he
+                         occurred_at, sandbox_id, prev_hash, entry_hash)
+    SELECT k, t, p, o, mt, c, d, r, ph, g, v, string_to_array(e, ','), m, oa, si, hp, he
     FROM unnest($18::text[], $19::text[], $20::int[], $21::bigint[], $22::text[], $23::text[],
                 $24::text[], $25::text[], $26::text[], $27::int[], $28::bigint[], $29::text[],
-                $30::json[], $31::timestamptz[], $44::bytea[], $45::bytea[])
-         AS u(k, t, p, o, mt, c, d, r, ph, g, v, e, m, oa, hp, he)
+                $30::json[], $31::timestamptz[], $44::uuid[], $45::bytea[], $46::bytea[])
+         AS u(k, t, p, o, mt, c, d, r, ph, g, v, e, m, oa, si, hp, he)
     WHERE (SELECT ok FROM fence)
 ), decided AS (
     INSERT INTO command_outcomes (command_id, key, command_type, status, code, message, outcome)
@@ -285,7 +286,7 @@ async def write_batch(conn: Connection, batch: BatchWrite) -> list[int]:
     history = [
         (h.key, h.topic, h.partition, h.offset, h.message_type, h.command_id, h.disposition,
          h.reason, h.phase, h.generation, h.version, ",".join(h.event_types), h.message,
-         h.occurred_at, h.prev_hash, h.entry_hash)
+         h.occurred_at, h.sandbox_id, h.prev_hash, h.entry_hash)
         for h in batch.history
     ]  # fmt: skip
     outcomes = [
@@ -295,7 +296,7 @@ async def write_batch(conn: Connection, batch: BatchWrite) -> list[int]:
     ]  # fmt: skip
     outbox = [(o.partition, o.topic, o.key, o.value) for o in batch.outbox]
     offsets = [(t, p, e, n) for (t, p), (e, n) in sorted(batch.offsets.items())]
-    history_columns = _columns(history, 16)  # the two hash columns go last ($44, $45)
+    history_columns = _columns(history, 17)  # the incarnation and hashes go last ($44-$46)
     try:
         ids = await conn.fetchval(
             _WRITE_BATCH,

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
+from uuid import UUID
 
 import asyncpg
 
@@ -16,7 +17,8 @@ if TYPE_CHECKING:
 
 ENTRY_COLUMNS = (
     'id, key, topic, partition, "offset", message_type, command_id, disposition, reason, phase, '
-    "generation, version, event_types, message, occurred_at, recorded_at, prev_hash, entry_hash"
+    "generation, version, event_types, message, occurred_at, recorded_at, sandbox_id, prev_hash, "
+    "entry_hash"
 )
 
 
@@ -38,6 +40,7 @@ class Entry:
     message: str | None  # the input body, verbatim (None when dead-lettered)
     occurred_at: datetime | None
     recorded_at: datetime
+    sandbox_id: UUID | None
     prev_hash: bytes | None
     entry_hash: bytes | None
 
@@ -60,7 +63,7 @@ class Entry:
             "command_id": self.command_id, "disposition": self.disposition,
             "reason": self.reason, "phase": self.phase, "generation": self.generation,
             "version": self.version, "event_types": self.event_types, "message": self.message,
-            "occurred_at": self.occurred_at,
+            "occurred_at": self.occurred_at, "sandbox_id": self.sandbox_id,
         }  # fmt: skip
 
 

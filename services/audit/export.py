@@ -40,6 +40,7 @@ SCHEMA = pa.schema(
         ("message", pa.string()),
         ("occurred_at", pa.timestamp("us", tz="UTC")),
         ("recorded_at", pa.timestamp("us", tz="UTC")),
+        ("sandbox_id", pa.string()),
         ("prev_hash", pa.string()),
         ("entry_hash", pa.string()),
     ]
@@ -57,6 +58,7 @@ def as_row(e: Entry) -> dict[str, Any]:
         "actor": e.actor, "disposition": e.disposition, "reason": e.reason, "phase": e.phase,
         "generation": e.generation, "version": e.version, "event_types": e.event_types,
         "message": e.message, "occurred_at": e.occurred_at, "recorded_at": e.recorded_at,
+        "sandbox_id": str(e.sandbox_id) if e.sandbox_id is not None else None,
         "prev_hash": e.prev_hash.hex() if e.prev_hash is not None else None,
         "entry_hash": e.entry_hash.hex() if e.entry_hash is not None else None,
     }  # fmt: skip

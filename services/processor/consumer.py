@@ -150,6 +150,7 @@ def plan_batch(
                 event_types=[e.type for e in d.events],
                 message=record.value.decode() if record.value is not None else None,
                 occurred_at=step.message.occurred_at,
+                sandbox_id=state.sandbox_id if state else None,
             )
         )
     return BatchWrite(
