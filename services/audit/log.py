@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import TypeAlias
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
@@ -11,9 +12,14 @@ Record: TypeAlias = "ConsumerRecord[bytes, bytes]"
 
 
 async def read_partition(
-    bootstrap: str, topics: list[str], partition: int, timeout: float = 120.0
+    bootstrap: str,
+    topics: list[str],
+    partition: int,
+    timeout: float = 120.0,
+    start: Mapping[str, int] | None = None,
 ) -> dict[str, list[Record]]:
-    """Every record now in partition ``partition`` of each of ``topics``, in offset order."""
+    """Every record now in partition ``partition`` of each of ``topics``, in offset order
+    (from ``start[topic]`` on where given)."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap,
         enable_auto_commit=False,
@@ -25,11 +31,12 @@ async def read_partition(
         tps = [TopicPartition(t, partition) for t in topics]
         consumer.assign(tps)
         end = await consumer.end_offsets(tps)
-        start = await consumer.beginning_offsets(tps)
+        begin = await consumer.beginning_offsets(tps)
+        first = {tp: max(begin[tp], (start or {}).get(tp.topic, 0)) for tp in tps}
         for tp in tps:
-            consumer.seek(tp, start[tp])
+            consumer.seek(tp, first[tp])
         found: dict[str, list[Record]] = {t: [] for t in topics}
-        needed = {tp for tp in tps if end[tp] > start[tp]}
+        needed = {tp for tp in tps if end[tp] > first[tp]}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while needed:

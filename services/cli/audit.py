@@ -1,4 +1,4 @@
-"""`sandstream audit verify | chain | at | explain | export`: the audit tools.
+"""`sandstream audit verify | chain | at | explain | export | rebuild | diff | promote`.
 
 They talk to Kafka and PostgreSQL directly (settings from SANDSTREAM_* variables), like
 `sandstream rebuild`; the HTTP API serves `at`, `explain`, `chain` and `export` too (scope
@@ -19,7 +19,8 @@ import asyncpg
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from services.audit import entries, export, page, timeline
+from projections.lifecycle import decide
+from services.audit import entries, export, page, shadow, timeline
 from services.audit.chains import check_chains
 from services.audit.reach import Reach, log_reach
 from services.audit.verify import Options, load_rules, verify
@@ -366,4 +367,83 @@ def export_command(
     written = _run(settings, work)
     err.print(
         f"✓ exported {written} inputs ({fmt})" + ("" if str(target) == "-" else f" to {target}")
+    )
+
+
+def _rules_of(spec: str | None) -> tuple[Any, str]:
+    if spec is None:
+        return decide, "projections.lifecycle.decide (this checkout)"
+    try:
+        return load_rules(spec), spec
+    except (ImportError, AttributeError) as exc:
+        fail(f"--rules {spec}: {exc}", 2)
+
+
+@app.command("rebuild")
+def rebuild_command(
+    ctx: typer.Context,
+    shadow_schema: Annotated[
+        str, typer.Option("--shadow", help="the side schema to rebuild into (must be new)")
+    ],
+    rules: Annotated[
+        str | None, typer.Option(help="module[:function] of other rules to decide with")
+    ] = None,
+) -> None:
+    """Rebuild the read model from the log into a side schema while the live one serves."""
+    settings = settings_of(ctx)
+    decide_with, name = _rules_of(rules)
+    _say_reach(asyncio.run(log_reach(settings)), Output.table)
+    try:
+        count = asyncio.run(shadow.build(settings, shadow_schema, decide_with))
+    except shadow.ShadowError as exc:
+        fail(str(exc))
+    out.print(f"✓ re-decided {count} inputs into schema {shadow_schema} with {name}", markup=False)
+    out.print(
+        f"next: `sandstream audit diff {shadow_schema}`, then "
+        f"`sandstream audit promote {shadow_schema}`",
+        markup=False,
+        soft_wrap=True,
+    )
+
+
+@app.command("diff")
+def diff_command(
+    ctx: typer.Context,
+    shadow_schema: Annotated[str, typer.Argument(help="the shadow schema")],
+) -> None:
+    """Compare a shadow with the live read model: decisions, rows, outcomes. Exits 1 if
+    they differ."""
+    settings = settings_of(ctx)
+    found = _run(settings, lambda conn: shadow.diff(conn, settings.pg_schema, shadow_schema))
+    for line in shadow.describe(found):
+        out.print(line, markup=False, soft_wrap=True)
+    if found.ahead:
+        out.print(f"the live read model is {found.ahead} inputs ahead (promote catches up)")
+    mark = "✓ equal" if found.equal else "✗ differs"
+    out.print(f"{mark} over the inputs both have decided", markup=False)
+    if not found.equal:
+        raise typer.Exit(EXIT_FAILED)
+
+
+@app.command("promote")
+def promote_command(
+    ctx: typer.Context,
+    shadow_schema: Annotated[str, typer.Argument(help="the shadow schema")],
+    rules: Annotated[str | None, typer.Option(help="the rules the shadow was rebuilt with")] = None,
+) -> None:
+    """Catch the shadow up and switch it in atomically, the processor fenced meanwhile; the
+    replaced tables are kept in <shadow>_previous."""
+    settings = settings_of(ctx)
+    decide_with, _ = _rules_of(rules)
+    try:
+        found = asyncio.run(shadow.promote(settings, shadow_schema, decide_with))
+    except shadow.ShadowError as exc:
+        fail(str(exc))
+    for line in shadow.describe(found):
+        out.print(line, markup=False, soft_wrap=True)
+    out.print(
+        f"✓ promoted {shadow_schema} into {settings.pg_schema}; the replaced tables are in "
+        f"{shadow_schema}_previous",
+        markup=False,
+        soft_wrap=True,
     )
