@@ -260,17 +260,17 @@ async def _partition(
     report.inputs += len(replayable)
 
     await _compare(out, recorded, replayable, redecided_events, log[settings.topic_events], diverge)
-    keys = {e.key for e in replayable if e.key is not None and e.key in recorded.rows} | {
-        k for k in states if k in {e.key for e in replayable}
-    }
-    report.sandboxes += len(keys)
     last: dict[str, Entry] = {e.key: e for e in replayable if e.key is not None}
-    fresh_rows = await out.fetch(f"SELECT {SANDBOX_COLUMNS} FROM sandboxes")
+    keys = set(last)
+    report.sandboxes += len(keys)
+    fresh_rows = await out.fetch(f"SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE partition = $1", p)
     fresh = {r["key"]: sandbox_from_record(r) for r in fresh_rows}
     fresh_outcomes = {
         (r["key"], r["command_id"]): json.loads(r["outcome"])
         for r in await out.fetch(
-            "SELECT key, command_id, outcome::text AS outcome FROM command_outcomes"
+            "SELECT key, command_id, outcome::text AS outcome FROM command_outcomes "
+            "WHERE key = ANY($1::text[])",
+            sorted(keys),
         )
     }
     for key in sorted(keys):
@@ -285,9 +285,6 @@ async def _partition(
                     json.dumps([mine.get(i) for i in differ]),
                     json.dumps([theirs.get(i) for i in differ]))  # fmt: skip
     report.divergences.extend(first.values())
-    await out.execute(
-        "TRUNCATE sandboxes, history, command_outcomes, outbox, outbox_cursor, input_offsets"
-    )
 
 
 async def _compare(
@@ -299,9 +296,13 @@ async def _compare(
     diverge: Any,
 ) -> None:
     """Entry by entry in decision order: the decision, then the events it published."""
+    if not replayable:
+        return
     fresh = {
         (r["topic"], r["offset"]): entry_from_record(r)
-        for r in await out.fetch(f"SELECT {ENTRY_COLUMNS} FROM history")
+        for r in await out.fetch(
+            f"SELECT {ENTRY_COLUMNS} FROM history WHERE partition = $1", replayable[0].partition
+        )
     }
     published: dict[str, bytes] = {}
     for record in live_events:

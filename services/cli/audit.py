@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -85,9 +85,7 @@ def verify_command(
     )  # fmt: skip
     if rules is not None:
         try:
-            options = Options(
-                **{**_fields(options), "rules": load_rules(rules), "rules_name": rules}
-            )
+            options = replace(options, rules=load_rules(rules), rules_name=rules)
         except (ImportError, AttributeError) as exc:
             fail(f"--rules {rules}: {exc}", 2)
     report = asyncio.run(verify(settings_of(ctx), options))
@@ -146,10 +144,6 @@ def verify_command(
             )
     if not report.ok:
         raise typer.Exit(EXIT_FAILED)
-
-
-def _fields(options: Options) -> dict[str, Any]:
-    return {name: getattr(options, name) for name in Options.__dataclass_fields__}
 
 
 @app.command("chain")

@@ -149,6 +149,23 @@ async def watch_stream(
         metrics.API_WATCHERS.dec()
 
 
+# OpenAPI 3.1: the schema of an event stream describes one event.
+DECIDED_EVENT_SCHEMA: Final = {
+    "type": "object",
+    "properties": {
+        "event": {"type": "string", "enum": ["decided", "gap", "bookmark"]},
+        "id": {"type": "string", "pattern": "^[0-9]+$", "description": "the sequence number"},
+        "data": {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "description": "a decided event (event: decided), {cursor, retained_from, message} "
+            "(event: gap) or {cursor} (event: bookmark)",
+        },
+        "retry": {"type": "integer"},
+    },
+}
+
+
 @router.get(
     "/v1/watch/events",
     response_class=StreamingResponse,
@@ -158,7 +175,7 @@ async def watch_stream(
             "published on the events topic) as data and `id:` its sequence number, in commit "
             "order; `event: gap` when the cursor is older than what is retained; `event: "
             "bookmark` every 15 s",
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            "content": {"text/event-stream": {"schema": DECIDED_EVENT_SCHEMA}},
         },
         **responses(401, 403, 422),
     },
