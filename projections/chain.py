@@ -76,10 +76,10 @@ def chain_rows(rows: Sequence[R], heads: Mapping[ChainId, bytes | None]) -> list
 
 
 def _fields(row: Any) -> dict[str, Any]:
-    return {name: getattr(row, name) for name in _CONTENT}
+    return {name: getattr(row, name) for name in CONTENT_FIELDS}
 
 
-_CONTENT = (
+CONTENT_FIELDS = (
     "key", "topic", "partition", "offset", "message_type", "command_id", "disposition", "reason",
     "phase", "generation", "version", "event_types", "message", "occurred_at", "sandbox_id",
 )  # fmt: skip
