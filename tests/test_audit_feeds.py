@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 from typing import Any
 
 import apikit
@@ -13,6 +15,7 @@ import httpx
 from harness import eventually
 
 from drivers.fake import FakeDriver
+from services.common.settings import PROJECT_ROOT
 
 
 async def sse(
@@ -89,6 +92,16 @@ async def test_history_narrows_to_one_incarnation_and_one_generation() -> None:
             f"/v1/sandboxes/{name}/history", params={"incarnation": old, "page_token": token}
         )
         assert wrong.status_code == 422 and "page_token" in wrong.json()["message"]
+        # The CLI narrows the same way.
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "from services.cli.main import main; main()",
+            "sandbox", "history", name, "--incarnation", old, "-o", "json",
+            cwd=PROJECT_ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "SANDSTREAM_API_URL": api.url, "SANDSTREAM_TOKEN": apikit.ADMIN},
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()
+        assert [e["seq"] for e in json.loads(out)] == [e["seq"] for e in first]
 
 
 async def test_watch_narrows_to_one_incarnation() -> None:
