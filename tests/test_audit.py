@@ -180,8 +180,14 @@ async def test_export_round_trips_as_json_lines_and_parquet(tmp_path: Any) -> No
         jsonl, parquet = tmp_path / "h.jsonl", tmp_path / "h.parquet"
         async with env.pool.acquire() as conn:
             everything = [e async for page in entries.stream(conn, entries.Filter()) for e in page]
-            assert await export.export(conn, entries.Filter(), "jsonl", jsonl, chunk=3) == 11
-            assert await export.export(conn, entries.Filter(), "parquet", parquet, chunk=3) == 11
+            pages: list[int] = []
+            every = entries.Filter()
+            assert await export.export(conn, every, "jsonl", jsonl, pages.append, chunk=3) == 11
+            assert pages == [3, 3, 3, 2]  # written page by page: memory is one page
+            pages.clear()
+            assert await export.export(conn, every, "parquet", parquet, pages.append, chunk=3) == 11
+            assert pages == [3, 3, 3, 2]
+            assert pq.ParquetFile(parquet).num_row_groups == 4
             stops = entries.Filter(key=NAME, types=["StopSandbox"])
             assert await export.export(conn, stops, "jsonl", tmp_path / "s.jsonl") == 2
         lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
