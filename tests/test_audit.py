@@ -4,6 +4,7 @@ trips; the CLI says so with its exit status."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import subprocess
@@ -14,6 +15,7 @@ import apikit
 import changed_rules
 import factories as f
 import pyarrow.parquet as pq
+import workload
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.records_to_delete import RecordsToDelete
@@ -295,3 +297,21 @@ async def test_verify_says_where_retention_cut_the_log_and_does_not_guess() -> N
         said = cli(env, "verify")
         assert "retention has deleted the oldest input records" in said.stderr
         assert f"not verifiable (inputs older than the log): {NAME}" in said.stdout
+
+
+async def test_verify_while_inputs_arrive_finds_no_false_divergence() -> None:
+    inputs = workload.commands(400, keys=16, seed=21)
+    async with isolated_env() as env:
+        await env.start_processor()
+
+        async def load() -> None:
+            for start in range(0, 400, 20):
+                async with await env.publisher() as pub:
+                    await pub.publish_many(inputs[start : start + 20])
+
+        arriving = asyncio.create_task(load())
+        await env.wait_applied(100)
+        report = await verify(env.settings)
+        await arriving
+        assert report.divergences == [], [d.describe() for d in report.divergences]
+        assert report.inputs >= 100 and report.ok
