@@ -29,7 +29,8 @@ from services.cli.render import Output, OutputOpt, err, out, print_json
 from services.common.settings import Settings
 
 app = typer.Typer(
-    help="Audit: verify the record, time travel, explain, export.", no_args_is_help=True
+    help="Audit: verify, hash chains, time travel, explain, export, shadow rebuild.",
+    no_args_is_help=True,
 )
 T = TypeVar("T")
 
