@@ -14,6 +14,7 @@ import asyncpg
 from events.common import Phase, SandboxSpec
 from events.outcomes import CommandOutcome
 from events.topics import CHANGES_CHANNEL
+from projections.chain import ChainId
 from projections.lifecycle import Sandbox
 
 if TYPE_CHECKING:
@@ -86,6 +87,15 @@ FROM sandboxes WHERE key = ANY($3::text[])
 UNION ALL
 SELECT 'outcome', NULL, NULL, NULL, outcome::json FROM command_outcomes
 WHERE (key, command_id) IN (SELECT * FROM unnest($4::text[], $5::text[]))
+UNION ALL
+SELECT 'head', k, NULL, NULL, json_build_object('hash', encode(h.entry_hash, 'hex'))
+FROM unnest($6::text[]) AS k,
+     LATERAL (SELECT entry_hash FROM history WHERE key = k ORDER BY id DESC LIMIT 1) AS h
+UNION ALL
+SELECT 'head', NULL, p, NULL, json_build_object('hash', encode(h.entry_hash, 'hex'))
+FROM unnest($7::int[]) AS p,
+     LATERAL (SELECT entry_hash FROM history WHERE key IS NULL AND partition = p
+              ORDER BY id DESC LIMIT 1) AS h
 """
 
 
@@ -94,6 +104,8 @@ class BatchRead:
     offsets: dict[TopicPartitionKey, int]  # next offset per (topic, partition); 0 if none yet
     sandboxes: dict[str, Sandbox]
     outcomes: dict[tuple[str, str], CommandOutcome]  # by (sandbox key, command id)
+    # The newest entry hash of each history chain asked for (absent: an empty chain).
+    chain_heads: dict[ChainId, bytes | None]
 
 
 async def read_batch(
@@ -101,10 +113,13 @@ async def read_batch(
     partitions: Iterable[TopicPartitionKey],
     keys: Iterable[str],
     idents: Iterable[tuple[str, str]],
+    chains: Iterable[ChainId] = (),
 ) -> BatchRead:
-    """The offsets of ``partitions`` and the rows and outcomes a batch needs, as of one moment."""
+    """The offsets of ``partitions`` and the rows, outcomes and history chain heads a batch
+    needs, as of one moment."""
     pairs = sorted(set(partitions))
     wanted = list(idents)
+    chain_ids = set(chains)
     records = await conn.fetch(
         _READ_BATCH,
         [t for t, _ in pairs],
@@ -112,11 +127,17 @@ async def read_batch(
         list(keys),
         [k for k, _ in wanted],
         [c for _, c in wanted],
+        sorted(k for k, _ in chain_ids if k is not None),
+        sorted(p for k, p in chain_ids if k is None and p is not None),
     )
-    read = BatchRead({}, {}, {})
+    read = BatchRead({}, {}, {}, {})
     for r in records:
         if r["kind"] == "offset":
             read.offsets[(r["topic"], r["partition"])] = r["next_offset"]
+        elif r["kind"] == "head":
+            head = json.loads(r["body"])["hash"]
+            chain = (r["topic"], None) if r["topic"] is not None else (None, r["partition"])
+            read.chain_heads[chain] = bytes.fromhex(head) if head is not None else None
         elif r["kind"] == "row":
             sandbox = sandbox_from_record(json.loads(r["body"]))
             read.sandboxes[sandbox.key] = sandbox
@@ -150,6 +171,10 @@ class HistoryRow:
     event_types: list[str]
     message: str | None
     occurred_at: datetime | None
+    sandbox_id: UUID | None = None  # the incarnation of the row after it
+    # The hash chain (projections/chain.py): set by chain_rows just before the write.
+    prev_hash: bytes | None = None
+    entry_hash: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,12 +247,12 @@ WITH moved AS (
 ), recorded AS (
     INSERT INTO history (key, topic, partition, "offset", message_type, command_id,
                          disposition, reason, phase, generation, version, event_types, message,
-                         occurred_at)
-    SELECT k, t, p, o, mt, c, d, r, ph, g, v, string_to_array(e, ','), m, oa
+                         occurred_at, sandbox_id, prev_hash, entry_hash)
+    SELECT k, t, p, o, mt, c, d, r, ph, g, v, string_to_array(e, ','), m, oa, si, hp, he
     FROM unnest($18::text[], $19::text[], $20::int[], $21::bigint[], $22::text[], $23::text[],
                 $24::text[], $25::text[], $26::text[], $27::int[], $28::bigint[], $29::text[],
-                $30::json[], $31::timestamptz[])
-         AS u(k, t, p, o, mt, c, d, r, ph, g, v, e, m, oa)
+                $30::json[], $31::timestamptz[], $44::uuid[], $45::bytea[], $46::bytea[])
+         AS u(k, t, p, o, mt, c, d, r, ph, g, v, e, m, oa, si, hp, he)
     WHERE (SELECT ok FROM fence)
 ), decided AS (
     INSERT INTO command_outcomes (command_id, key, command_type, status, code, message, outcome)
@@ -261,7 +286,7 @@ async def write_batch(conn: Connection, batch: BatchWrite) -> list[int]:
     history = [
         (h.key, h.topic, h.partition, h.offset, h.message_type, h.command_id, h.disposition,
          h.reason, h.phase, h.generation, h.version, ",".join(h.event_types), h.message,
-         h.occurred_at)
+         h.occurred_at, h.sandbox_id, h.prev_hash, h.entry_hash)
         for h in batch.history
     ]  # fmt: skip
     outcomes = [
@@ -271,15 +296,17 @@ async def write_batch(conn: Connection, batch: BatchWrite) -> list[int]:
     ]  # fmt: skip
     outbox = [(o.partition, o.topic, o.key, o.value) for o in batch.outbox]
     offsets = [(t, p, e, n) for (t, p), (e, n) in sorted(batch.offsets.items())]
+    history_columns = _columns(history, 17)  # the incarnation and hashes go last ($44-$46)
     try:
         ids = await conn.fetchval(
             _WRITE_BATCH,
             *_columns(offsets, 4),
             *_columns(sandboxes, 13),
-            *_columns(history, 14),
+            *history_columns[:14],
             *_columns(outcomes, 7),
             *_columns(outbox, 4),
             CHANGES_CHANNEL,
+            *history_columns[14:],
         )
     except (asyncpg.SerializationError, asyncpg.DeadlockDetectedError) as exc:
         # Two writers of one partition can also deadlock on its offset rows: the same race.

@@ -21,10 +21,11 @@ ALLOWED: dict[str, set[str]] = {
     "common": set(),
     "processor": {"common"},
     "executor": {"common"},
-    "api": {"common"},
+    "audit": {"common", "processor"},
+    "api": {"common", "audit"},
     "localstack": {"common"},
     "up": {"common", "processor", "executor", "api", "localstack"},
-    "cli": {"common", "api", "processor", "up"},
+    "cli": {"common", "api", "processor", "up", "audit"},
     "bench": {"common", "processor", "executor", "api", "up", "localstack"},
 }
 # Libraries a lower layer must not reach for: events/ holds schemas and Kafka helpers only.

@@ -30,7 +30,8 @@ from services.common.settings import Settings
 
 READ: Final = "sandbox:read"
 WRITE: Final = "sandbox:write"
-SCOPES: Final = (READ, WRITE)
+AUDIT: Final = "audit:read"  # the audit routes: whole histories, exports, chain checks
+SCOPES: Final = (READ, WRITE, AUDIT)
 TOKEN_PREFIX: Final = "sst_"
 
 

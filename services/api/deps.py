@@ -11,7 +11,7 @@ import asyncpg
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from services.api.auth import READ, WRITE, Principal, TokenStore
+from services.api.auth import AUDIT, READ, WRITE, Principal, TokenStore
 from services.api.errors import ApiError
 from services.api.gateway import CommandGateway
 from services.api.probe import KafkaProbe
@@ -87,6 +87,7 @@ def require(scope: str) -> Callable[..., Awaitable[Principal]]:
 
 Reader = Annotated[Principal, Depends(require(READ))]
 Writer = Annotated[Principal, Depends(require(WRITE))]
+Auditor = Annotated[Principal, Depends(require(AUDIT))]
 
 
 # ---------------------------------------------------------------------------------------------

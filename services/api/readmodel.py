@@ -105,6 +105,9 @@ class HistoryEntry(BaseModel):
     message: dict[str, Any] | None = Field(description="the input message as recorded")
     occurred_at: datetime | None
     recorded_at: datetime
+    sandbox_id: UUID | None = Field(
+        default=None, description="the incarnation of the row after this input (null: none)"
+    )
 
 
 class HistoryPage(BaseModel):
@@ -295,19 +298,41 @@ async def list_sandboxes(
 
 
 async def history(
-    pool: Pool, name: str, *, limit: int = 100, page_token: str | None = None
+    pool: Pool,
+    name: str,
+    *,
+    limit: int = 100,
+    page_token: str | None = None,
+    incarnation: UUID | None = None,
+    generation: int | None = None,
 ) -> HistoryPage | None:
-    """The history of a name, oldest first; None if the name never had a row or an input."""
-    after = decode_page_token(page_token, "history", {"name": name}) if page_token else 0
+    """The history of a name, oldest first; None if the name never had a row or an input.
+
+    ``incarnation`` keeps the entries that left that incarnation's row behind (from its
+    create on); ``generation`` the observations of that generation and the commands decided
+    while the row was at it.
+    """
+    # Filters that are not set stay out of the token's fingerprint (tokens of before hold).
+    context: dict[str, Any] = {"name": name}
+    if incarnation is not None:
+        context["incarnation"] = str(incarnation)
+    if generation is not None:
+        context["generation"] = generation
+    after = decode_page_token(page_token, "history", context) if page_token else 0
     if not isinstance(after, int) or isinstance(after, bool):
         raise InvalidArgument("page_token", "malformed page token")
     records = await pool.fetch(
         'SELECT id, topic, partition, "offset", message_type, command_id, disposition, reason, '
-        "phase, generation, version, event_types, message, occurred_at, recorded_at "
-        "FROM history WHERE key = $1 AND id > $2 ORDER BY id LIMIT $3",
+        "phase, generation, version, event_types, message, occurred_at, recorded_at, sandbox_id "
+        "FROM history WHERE key = $1 AND id > $2 "
+        "AND ($4::uuid IS NULL OR sandbox_id = $4) "
+        "AND ($5::int IS NULL OR coalesce((message->>'generation')::int, generation) = $5) "
+        "ORDER BY id LIMIT $3",
         name,
         after,
         limit + 1,
+        incarnation,
+        generation,
     )
     if not records and after == 0 and not await sandbox_exists(pool, name):
         return None
@@ -328,12 +353,13 @@ async def history(
             message=json.loads(r["message"]) if r["message"] is not None else None,
             occurred_at=r["occurred_at"],
             recorded_at=r["recorded_at"],
+            sandbox_id=r["sandbox_id"],
         )
         for r in records[:limit]
     ]
     token = None
     if len(records) > limit:
-        token = encode_page_token("history", {"name": name}, items[-1].seq)
+        token = encode_page_token("history", context, items[-1].seq)
     return HistoryPage(name=name, items=items, next_page_token=token)
 
 
@@ -481,17 +507,24 @@ async def changes_after(
     names: Sequence[str] = (),
     live_only: bool = False,
     limit: int = CHANGES_PAGE,
+    incarnation: UUID | None = None,
+    generation: int | None = None,
 ) -> list[SandboxView]:
-    """Rows changed after ``cursor`` up to ``horizon``, in change order."""
+    """Rows changed after ``cursor`` up to ``horizon``, in change order (optionally only one
+    incarnation's, or only while at one generation)."""
     records = await pool.fetch(
         f"SELECT {_ROW} FROM sandboxes WHERE change_seq > $1 AND change_seq <= $2 "
         "AND (cardinality($3::text[]) = 0 OR key = ANY($3::text[])) "
-        "AND (NOT $4 OR phase <> 'Deleted') ORDER BY change_seq LIMIT $5",
+        "AND (NOT $4 OR phase <> 'Deleted') "
+        "AND ($6::uuid IS NULL OR sandbox_id = $6) AND ($7::int IS NULL OR generation = $7) "
+        "ORDER BY change_seq LIMIT $5",
         cursor,
         horizon,
         list(names),
         live_only,
         limit,
+        incarnation,
+        generation,
     )
     return [sandbox_view(r) for r in records]
 

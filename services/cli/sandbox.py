@@ -363,10 +363,21 @@ def get(
 def history(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="the sandbox name")],
+    incarnation: Annotated[
+        str | None, typer.Option(help="only this incarnation (a sandbox id)", show_default=False)
+    ] = None,
+    generation: Annotated[
+        int | None, typer.Option(min=1, help="only inputs about this generation")
+    ] = None,
     output: OutputOpt = Output.table,
 ) -> None:
     """Every input about a sandbox in order: applied, rejected and ignored, with the reason."""
-    items = list(client_of(ctx).pages(f"/v1/sandboxes/{name}/history", {"limit": 1000}))
+    params: dict[str, Any] = {"limit": 1000}
+    if incarnation is not None:
+        params["incarnation"] = incarnation
+    if generation is not None:
+        params["generation"] = generation
+    items = list(client_of(ctx).pages(f"/v1/sandboxes/{name}/history", params))
     if output is Output.json:
         print_json(items)
         return
