@@ -14,7 +14,6 @@ Each run uses its own topics and PostgreSQL schema and removes them afterwards.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -255,42 +254,3 @@ async def _note_arrivals(
         for records in batch.values():
             for record in records:
                 arrived.setdefault(json.loads(record.value)["command_id"], seen_at)
-
-
-async def run(which: str, quick: bool) -> None:
-    settings = Settings()
-    print(f"sandstream benchmarks  (partitions={settings.kafka_partitions}, one processor)")
-    keys = 5_000 if quick else 25_000
-    if which in ("all", "processor"):
-        for max_records in (1000, 5000):
-            await throughput(settings, keys, max_records)
-        await latency(settings, rate=1000, seconds=5 if quick else 15)
-    if which in ("all", "scaleout"):
-        from services.bench.scaleout import two_processors
-
-        await two_processors(settings, keys)
-    if which in ("all", "rebuild"):
-        from services.bench.rebuild import rebuild_figures
-
-        await rebuild_figures(settings, 25_000 if quick else 250_000)
-    if which == "profile":
-        from services.bench.profile import profile
-
-        await profile(settings, keys, settings.state_dir / "bench" / "processor.prof")
-    if which in ("all", "drivers"):
-        from services.bench import drivers as bench_drivers
-
-        await bench_drivers.main(settings)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument(
-        "which",
-        nargs="?",
-        default="all",
-        choices=["all", "processor", "scaleout", "rebuild", "profile", "drivers"],
-    )
-    parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke check")
-    args = parser.parse_args()
-    asyncio.run(run(args.which, args.quick))
