@@ -7,12 +7,14 @@ layers (events, projections, drivers) and, of services/, only what this list nam
   Imports common.
 - ``executor``: intents to driver calls, the driver watcher, the reconcile loop, drivers built
   from the settings. Imports common.
+- ``scheduler``: brings time into the log: publishes DeadlineDue when a deadline or expiry
+  recorded in a row falls due. Imports common.
 - ``api``: the HTTP API (app assembly, one router per resource, auth, read-model queries).
   Imports common.
 - ``localstack``: the local stack (Kafka, PostgreSQL, Podman) and isolated test environments.
   Imports common.
 - ``up``: the one-process local default (control plane + API; ``up``/``down``). Imports
-  common, processor, executor, api, localstack.
+  common, processor, executor, scheduler, api, localstack.
 - ``cli``: the ``sandstream`` command, one module per command group. Imports common, api,
   processor, up.
 - ``bench``: the benchmarks. Imports common, processor, executor, api, up, localstack.

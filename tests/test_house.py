@@ -21,9 +21,10 @@ ALLOWED: dict[str, set[str]] = {
     "common": set(),
     "processor": {"common"},
     "executor": {"common"},
+    "scheduler": {"common"},
     "api": {"common"},
     "localstack": {"common"},
-    "up": {"common", "processor", "executor", "api", "localstack"},
+    "up": {"common", "processor", "executor", "scheduler", "api", "localstack"},
     "cli": {"common", "api", "processor", "up"},
     "bench": {"common", "processor", "executor", "api", "up", "localstack"},
 }

@@ -370,7 +370,12 @@ class Processor:
                 return 0, []
             parsed = [i for i in items if isinstance(i, Parsed)]
             states = {**read.sandboxes, **cached}
-            result = fold(states, read.outcomes, ((p.cause, p.message) for p in parsed))
+            result = fold(
+                states,
+                read.outcomes,
+                ((p.cause, p.message) for p in parsed),
+                self.settings.lifecycle_limits,
+            )
             plan = plan_batch(items, result, read.offsets, self.settings)
             try:
                 ids = await write_batch(self._conn, plan)
