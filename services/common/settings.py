@@ -93,7 +93,7 @@ class Settings(BaseSettings):
     # /readyz fails while the processor is more input records than this behind Kafka.
     readiness_max_lag: int = Field(default=1000, ge=0)
 
-    @cached_property
+    @property
     def lifecycle_limits(self) -> Limits:
         """The deadlines the processor records (see projections.lifecycle.Limits)."""
         return Limits(

@@ -94,6 +94,7 @@ class Scheduler:
     batch: int = 1000
     producer: AIOKafkaProducer | None = None
     published: int = 0  # DeadlineDue messages sent since start
+    rounds: int = 0  # rounds completed since start
     _sent: set[str] = field(default_factory=set)  # ids sent for rows still due
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _listener: Any = None
@@ -138,6 +139,7 @@ class Scheduler:
                      message.generation, message.due_at.isoformat())  # fmt: skip
         # Forget what is no longer due: those rows moved on.
         self._sent &= {m.observation_id for m in due}
+        self.rounds += 1
         return len(fresh)
 
     async def next_due(self) -> datetime | None:
