@@ -233,3 +233,34 @@ def test_a_provisioning_timeout_of_an_ephemeral_sandbox_deletes_it() -> None:
     due_at = h.row().deadline.due_at  # type: ignore[union-attr]
     d = h.send(f.due(deadline="launch", due_at=due_at))
     assert [e.type for e in d.events] == ["SandboxTimedOut", "SandboxDeleting"]
+
+
+# ---------------------------------------------------------------------------------------------
+# What the scheduler publishes for a due row (pure)
+
+
+def _record(**kw: object) -> dict[str, object]:
+    return {"key": "s", "generation": 2, "version": 7, "deadline": None, "expires_at": None,
+            "held": False, **kw}  # fmt: skip
+
+
+def test_the_scheduler_names_the_deadline_exactly_and_skips_a_held_expiry() -> None:
+    from events.common import Deadline
+    from services.scheduler.scheduler import due_messages
+
+    now = f.at(100)
+    deadline = Deadline(kind="stop", due_at=f.at(90))
+    (due,) = due_messages(_record(deadline=deadline.model_dump_json()), now)
+    assert (due.deadline, due.due_at, due.generation, due.occurred_at) == ("stop", f.at(90), 2, now)
+    assert due.observation_id == f"deadline:s:2:stop:{f.at(90).isoformat()}:v7"
+    (ttl,) = due_messages(_record(expires_at=f.at(99)), now)
+    assert (ttl.deadline, ttl.due_at) == ("ttl", f.at(99))
+    assert due_messages(_record(expires_at=f.at(99), held=True), now) == []
+    assert due_messages(_record(expires_at=f.at(101)), now) == []  # not due yet
+    # The same row read again (a restarted scheduler) gives the same id; a new version, a new one.
+    assert due_messages(_record(expires_at=f.at(99)), f.at(200))[0].observation_id == (
+        ttl.observation_id
+    )
+    assert due_messages(_record(expires_at=f.at(99), version=8), now)[0].observation_id != (
+        ttl.observation_id
+    )

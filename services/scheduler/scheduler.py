@@ -28,6 +28,7 @@ from events.common import Deadline, DeadlineKind
 from events.observations import DeadlineDue
 from events.publisher import publish_until_sent
 from events.topics import CHANGES_CHANNEL
+from projections.store import CONNECTION_ERRORS
 from services.common import metrics
 from services.common.database import connect_pool
 from services.common.settings import Settings
@@ -41,14 +42,15 @@ MIN_ROUND_SECONDS = 0.1
 _DUE = """
 SELECT key, generation, version, deadline, expires_at, hold IS NOT NULL AS held
 FROM sandboxes
-WHERE phase <> 'Deleted' AND (deadline_at <= $1 OR expires_at <= $1)
+WHERE phase <> 'Deleted' AND (deadline_at <= $1 OR (expires_at <= $1 AND hold IS NULL))
 ORDER BY least(deadline_at, expires_at), key
 LIMIT $2
 """
 _NEXT = """
 SELECT least(
     (SELECT min(deadline_at) FROM sandboxes WHERE phase <> 'Deleted' AND deadline_at > $1),
-    (SELECT min(expires_at) FROM sandboxes WHERE phase <> 'Deleted' AND expires_at > $1))
+    (SELECT min(expires_at) FROM sandboxes
+     WHERE phase <> 'Deleted' AND expires_at > $1 AND hold IS NULL))
 """
 
 
@@ -149,9 +151,13 @@ class Scheduler:
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             self._changed.clear()
-            await self.round(stop)
             wait = self.settings.scheduler_poll_seconds
-            upcoming = await self.next_due()
+            try:
+                await self.round(stop)
+                upcoming = await self.next_due()
+            except CONNECTION_ERRORS as exc:  # PostgreSQL restarts: try again next round
+                log.warning("scheduler: PostgreSQL unavailable (%s); retrying", exc)
+                upcoming = None
             if upcoming is not None:
                 wait = min(wait, max(0.0, (upcoming - self.clock()).total_seconds()))
             await _first_of(stop, self._changed, wait)
