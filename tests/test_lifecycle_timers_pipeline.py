@@ -27,6 +27,7 @@ from pipeline_support import (
     command,
     containers_of,
     history,
+    observations_of,
     podman_env,
     running_plane,
     sandbox_spec,
@@ -38,11 +39,13 @@ from podman import PodmanClient
 
 from drivers.fake import FakeDriver
 from drivers.podman import container_name
-from events.codec import EVENTS, OBSERVATIONS, decode
+from drivers.protocol import LaunchSpec
+from events.codec import EVENTS, OBSERVATIONS, decode, encode
 from events.publisher import now
 from services.api.readmodel import await_outcome
 from services.common.settings import PROJECT_ROOT
 from services.executor.backends import podman_driver
+from services.executor.executor import Executor
 from services.processor.rebuild import rebuild_and_compare
 from services.scheduler.scheduler import Scheduler
 
@@ -176,6 +179,8 @@ async def test_a_stop_outliving_grace_plus_margin_is_escalated_to_a_kill(
 
 
 async def test_a_delete_that_does_not_finish_is_retried_visibly_with_back_off() -> None:
+    """The delete hangs in the driver: the row counts the retries, each waits longer, and the
+    executor does not pile a second delete onto the one still running."""
     driver = FakeDriver()
     async with fast_env(stop_timeout_seconds=0) as env:
         async with running_plane(env, driver, with_scheduler=True), await env.publisher() as pub:
@@ -196,7 +201,7 @@ async def test_a_delete_that_does_not_finish_is_retried_visibly_with_back_off() 
             await wait_phase(env, "slow", "Deleted", timeout=WAIT)
         retries = [e for e in await events_of(env, "slow") if e == "SandboxDeleteRetried"]
         assert len(retries) >= 2
-        assert len(driver.calls_for("delete", "slow")) >= 2  # asked again, not only recorded
+        assert len(driver.calls_for("delete", "slow")) == 1
         # Each retry's deadline is further out than the one before (back-off).
         records = await env.read_topic(env.settings.topic_events)
         decided = [decode(EVENTS, r.value) for r in records if r.key == b"slow"]
@@ -366,3 +371,41 @@ async def test_a_hold_survives_restarts_and_the_rebuild_and_defers_expiry() -> N
                 await command(env, pub, f.release("held", occurred_at=now()))
                 await wait_phase(env, "held", "Deleted", timeout=WAIT)  # the deferred expiry
         assert row["phase"] == "Ready"
+
+
+async def test_a_delete_retry_with_no_delete_under_way_deletes_again() -> None:
+    """The executor runs a SandboxDeleteRetried as a delete when it has none of that
+    incarnation queued or running (after a restart, say), and reports its result."""
+    driver = FakeDriver()
+    async with isolated_env() as env:
+        h = f.Harness()
+        h.send(f.create("again"), f.running("again"), f.delete("again"))
+        pending = h.row("again").deadline
+        assert pending is not None
+        h.send(f.due("again", "delete", pending.due_at))
+        retried = h.events("again")[-1]
+        assert retried.type == "SandboxDeleteRetried"
+        await driver.launch(LaunchSpec.from_event(h.events("again")[0]))  # type: ignore[arg-type]
+        await env.produce(env.settings.topic_events, [(b"again", encode(retried))])
+        executor = Executor(env.settings, driver)
+        await executor.start()
+        stop = asyncio.Event()
+        task = asyncio.create_task(executor.run(stop))
+        try:
+            found = await eventually(
+                lambda: observations_of(env, "again"),
+                bool,
+                timeout=WAIT,
+                what="the delete's result",
+            )
+        finally:
+            stop.set()
+            await task
+            await executor.stop()
+        (result, _), *_ = found
+        assert (result.type, result.operation, result.outcome) == (
+            "DriverOperationResult",
+            "delete",
+            "succeeded",
+        )
+        assert await driver.get("again") == []

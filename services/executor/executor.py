@@ -29,6 +29,9 @@ appends the result to the observations topic, where the processor decides what i
   escalated (SandboxStopEscalated): the kill runs at once, beside the key's queue, since the
   stop it forces may be the call the queue is waiting for. It reports no result of its own:
   the stop under way (or the watcher) reports the runtime's end.
+- **A retried delete is not run twice.** SandboxDeleteRetried asks for the delete again; while
+  a delete of that incarnation is queued or running here (retrying, or hung in the driver) it
+  is redundant and skipped, so it can never cut the running one's retries short.
 - **Shutdown.** ``run`` returns after draining: queued intents are left for the next executor,
   running calls get ``shutdown_grace`` seconds to finish and report, and offsets are committed.
 """
@@ -297,6 +300,10 @@ class Executor:
         intent = intent_of(event)
         if intent is None:
             return
+        if isinstance(event, SandboxDeleteRetried) and self._deleting(event.key, event.sandbox_id):
+            log.info("delete retry %d of %s skipped: its delete is still queued or running",
+                     event.deadline.attempt, event.key)  # fmt: skip
+            return
         progress.pending.add(record.offset)
         key = intent.key
         self._queues.setdefault(key, deque()).append(_Item(tp, record.offset, intent, progress))
@@ -307,6 +314,16 @@ class Executor:
             worker = asyncio.create_task(self._work(key), name=f"executor:{key}")
             worker.add_done_callback(self._worker_ended)
             self._workers[key] = worker
+
+    def _deleting(self, key: str, sandbox_id: UUID) -> bool:
+        """Whether a delete of this incarnation is queued or running here."""
+        items = [*self._queues.get(key, ()), *([self._active[key]] if key in self._active else [])]
+        return any(
+            i.intent.operation == "delete"
+            and i.intent.sandbox_id == sandbox_id
+            and self._current(i)
+            for i in items
+        )
 
     def _worker_ended(self, worker: asyncio.Task[None]) -> None:
         if not worker.cancelled() and (exc := worker.exception()) is not None:
