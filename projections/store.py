@@ -11,7 +11,7 @@ from uuid import UUID
 
 import asyncpg
 
-from events.common import Phase, SandboxSpec
+from events.common import Deadline, Hold, Phase, SandboxSpec
 from events.outcomes import CommandOutcome
 from events.topics import CHANGES_CHANNEL
 from projections.chain import ChainId
@@ -35,7 +35,7 @@ CONNECTION_ERRORS: tuple[type[Exception], ...] = (
 
 SANDBOX_COLUMNS = (
     "key, sandbox_id, phase, generation, version, spec, providers, identity, exit_code, reason, "
-    "created_at, updated_at"
+    "created_at, updated_at, deadline, expires_at, on_expiry, on_exit, hold"
 )
 
 
@@ -59,6 +59,20 @@ def sandbox_from_record(r: Any) -> Sandbox:
         reason=r["reason"],
         created_at=_timestamp(r["created_at"]),
         updated_at=_timestamp(r["updated_at"]),
+        deadline=_json_model(Deadline, r["deadline"]),
+        expires_at=_timestamp(r["expires_at"]) if r["expires_at"] is not None else None,
+        on_expiry=r["on_expiry"],
+        on_exit=r["on_exit"],
+        hold=_json_model(Hold, r["hold"]),
+    )
+
+
+def _json_model(model: Any, value: Any) -> Any:
+    """A jsonb column (text from asyncpg, an object inside json_build_object), or None."""
+    if value is None:
+        return None
+    return (
+        model.model_validate_json(value) if isinstance(value, str) else model.model_validate(value)
     )
 
 
@@ -82,7 +96,8 @@ SELECT 'row', NULL, NULL, NULL, json_build_object(
     'key', key, 'sandbox_id', sandbox_id, 'phase', phase, 'generation', generation,
     'version', version, 'spec', spec, 'providers', providers, 'identity', identity,
     'exit_code', exit_code, 'reason', reason, 'created_at', created_at,
-    'updated_at', updated_at)
+    'updated_at', updated_at, 'deadline', deadline, 'expires_at', expires_at,
+    'on_expiry', on_expiry, 'on_exit', on_exit, 'hold', hold)
 FROM sandboxes WHERE key = ANY($3::text[])
 UNION ALL
 SELECT 'outcome', NULL, NULL, NULL, outcome::json FROM command_outcomes
@@ -230,20 +245,24 @@ WITH moved AS (
 ), fence AS (
     SELECT offsets_fence((SELECT count(*) FROM moved), cardinality($1::text[])) AS ok
 ), upserted AS (
-    INSERT INTO sandboxes ({SANDBOX_COLUMNS}, partition, change_seq)
-    SELECT k, i, ph, g, v, sp, string_to_array(pr, ','), id, ec, r, ca, ua, pa,
-           nextval('sandbox_changes')
+    INSERT INTO sandboxes ({SANDBOX_COLUMNS}, partition, change_seq, deadline_at)
+    SELECT k, i, ph, g, v, sp, string_to_array(pr, ','), id, ec, r, ca, ua, dl, ea, oe, ox, hd,
+           pa, nextval('sandbox_changes'), (dl->>'due_at')::timestamptz
     FROM unnest($5::text[], $6::uuid[], $7::text[], $8::int[], $9::bigint[], $10::jsonb[],
                 $11::text[], $12::text[], $13::int[], $14::text[], $15::timestamptz[],
-                $16::timestamptz[], $17::int[])
-         AS u(k, i, ph, g, v, sp, pr, id, ec, r, ca, ua, pa)
+                $16::timestamptz[], $17::int[], $47::jsonb[], $48::timestamptz[], $49::text[],
+                $50::text[], $51::jsonb[])
+         AS u(k, i, ph, g, v, sp, pr, id, ec, r, ca, ua, pa, dl, ea, oe, ox, hd)
     WHERE (SELECT ok FROM fence)
     ON CONFLICT (key) DO UPDATE SET sandbox_id = EXCLUDED.sandbox_id, phase = EXCLUDED.phase,
         generation = EXCLUDED.generation, version = EXCLUDED.version, spec = EXCLUDED.spec,
         providers = EXCLUDED.providers, identity = EXCLUDED.identity,
         exit_code = EXCLUDED.exit_code, reason = EXCLUDED.reason,
         created_at = EXCLUDED.created_at, updated_at = EXCLUDED.updated_at,
-        partition = EXCLUDED.partition, change_seq = EXCLUDED.change_seq
+        partition = EXCLUDED.partition, change_seq = EXCLUDED.change_seq,
+        deadline = EXCLUDED.deadline, deadline_at = EXCLUDED.deadline_at,
+        expires_at = EXCLUDED.expires_at, on_expiry = EXCLUDED.on_expiry,
+        on_exit = EXCLUDED.on_exit, hold = EXCLUDED.hold
 ), recorded AS (
     INSERT INTO history (key, topic, partition, "offset", message_type, command_id,
                          disposition, reason, phase, generation, version, event_types, message,
@@ -283,6 +302,11 @@ async def write_batch(conn: Connection, batch: BatchWrite) -> list[int]:
          s.updated_at, partition)
         for partition, s in batch.sandboxes
     ]  # fmt: skip
+    timers = [
+        (s.deadline.model_dump_json() if s.deadline else None, s.expires_at, s.on_expiry,
+         s.on_exit, s.hold.model_dump_json() if s.hold else None)
+        for _, s in batch.sandboxes
+    ]  # fmt: skip
     history = [
         (h.key, h.topic, h.partition, h.offset, h.message_type, h.command_id, h.disposition,
          h.reason, h.phase, h.generation, h.version, ",".join(h.event_types), h.message,
@@ -307,6 +331,7 @@ async def write_batch(conn: Connection, batch: BatchWrite) -> list[int]:
             *_columns(outbox, 4),
             CHANGES_CHANNEL,
             *history_columns[14:],
+            *_columns(timers, 5),  # the rows' timers ($47-$51)
         )
     except (asyncpg.SerializationError, asyncpg.DeadlockDetectedError) as exc:
         # Two writers of one partition can also deadlock on its offset rows: the same race.

@@ -11,9 +11,12 @@ from pathlib import Path
 
 from projections.lifecycle import (
     COMMAND_TABLE,
+    DEADLINE_TABLE,
     FOLLOW_OBSERVED,
     OBSERVATION_TABLE,
     PHASE_COLUMNS,
+    PHASE_DEADLINES,
+    REFUSED_WHILE_HELD,
     Admission,
 )
 
@@ -62,6 +65,27 @@ def render() -> str:
         "· changes nothing (recorded as ignored, no new version). Observations of an older "
         "generation (stale), of a generation newer than any issued (unknown), of an unknown "
         "sandbox or of a tombstone are ignored before this table is consulted.",
+        "",
+        "### Holds",
+        "",
+        "A held sandbox refuses "
+        + ", ".join(REFUSED_WHILE_HELD)
+        + " in every phase (FAILED_PRECONDITION naming who holds it, since when and why); "
+        "its time to live and its completion policy wait until it is released.",
+        "",
+        "### Deadlines",
+        "",
+        "| phase | deadline |",
+        "|---|---|",
+        *(f"| {phase.value} | {kind} |" for phase, kind in PHASE_DEADLINES.items()),
+        "",
+        "| DeadlineDue | what it does |",
+        "|---|---|",
+        *(f"| {kind} | {effect} |" for kind, effect in DEADLINE_TABLE.items()),
+        "",
+        "A DeadlineDue acts only when it names exactly the deadline the row holds (kind and "
+        "due time; for ttl the row's expires_at) at the row's generation; anything else, "
+        "including a repeat, is ignored.",
     ]
     return "\n".join(lines)
 

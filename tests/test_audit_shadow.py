@@ -12,16 +12,18 @@ from harness import Env, isolated_env
 from test_exactly_once import assert_applied_exactly_once, publish
 
 from events.common import Cause
-from projections.lifecycle import Decision, Message, Sandbox, decide
+from projections.lifecycle import DEFAULT_LIMITS, Decision, Limits, Message, Sandbox, decide
 from services.audit import shadow
 from services.audit.verify import verify
 
 
-def no_stops(state: Sandbox | None, message: Message, cause: Cause) -> Decision:
+def no_stops(
+    state: Sandbox | None, message: Message, cause: Cause, limits: Limits = DEFAULT_LIMITS
+) -> Decision:
     """Changed rules: every stop of an existing sandbox is refused."""
     if message.type == "StopSandbox" and state is not None and not state.tombstoned:
         return Decision(state, (), "rejected", "stops are not allowed under these rules", None)
-    return decide(state, message, cause)
+    return decide(state, message, cause, limits)
 
 
 async def drop(env: Env, *schemas: str) -> None:

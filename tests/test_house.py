@@ -22,9 +22,10 @@ ALLOWED: dict[str, set[str]] = {
     "processor": {"common"},
     "executor": {"common"},
     "audit": {"common", "processor"},
+    "scheduler": {"common"},
     "api": {"common", "audit"},
     "localstack": {"common"},
-    "up": {"common", "processor", "executor", "api", "localstack"},
+    "up": {"common", "processor", "executor", "scheduler", "api", "localstack"},
     "cli": {"common", "api", "processor", "up", "audit"},
     "bench": {"common", "processor", "executor", "api", "up", "localstack"},
 }

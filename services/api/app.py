@@ -20,7 +20,15 @@ from services.api.handlers import install_error_handlers
 from services.api.middleware import MetricsMiddleware
 from services.api.probe import KafkaProbe
 from services.api.readmodel import ChangeFeed
-from services.api.routes import audit, commands, history, operations, sandboxes, watch
+from services.api.routes import (
+    audit,
+    commands,
+    history,
+    lifecycle,
+    operations,
+    sandboxes,
+    watch,
+)
 from services.common.settings import Settings
 
 
@@ -62,6 +70,6 @@ def create_app(
     app.add_middleware(MetricsMiddleware)
     install_error_handlers(app)
     # The order of inclusion is the order of the paths in the OpenAPI document.
-    for module in (commands, sandboxes, history, watch, audit, operations):
+    for module in (commands, lifecycle, sandboxes, history, watch, audit, operations):
         app.include_router(module.router)
     return app

@@ -16,14 +16,14 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Final, Literal, TypeAlias
 from uuid import UUID
 
 import asyncpg
 from pydantic import BaseModel, Field
 
-from events.common import Phase, SandboxSpec
+from events.common import Deadline, ExitPolicy, ExpiryPolicy, Hold, Phase, SandboxSpec
 from events.outcomes import Code, CommandOutcome
 from events.topics import CHANGES_CHANNEL
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record
@@ -75,6 +75,19 @@ class SandboxView(BaseModel):
     created_at: datetime
     updated_at: datetime
     change_seq: int = Field(description="position of this row's last change in the watch feed")
+    deadline: Deadline | None = Field(
+        default=None, description="the current phase's deadline (Provisioning, Starting, ...)"
+    )
+    expires_at: datetime | None = Field(
+        default=None, description="when the time to live ends (then on_expiry applies)"
+    )
+    on_expiry: ExpiryPolicy = "stop"
+    on_exit: ExitPolicy = Field(
+        default="keep", description="delete: deleted once its main process ended"
+    )
+    hold: Hold | None = Field(
+        default=None, description="an operator's hold: start and restart are refused"
+    )
 
 
 class SandboxList(BaseModel):
@@ -185,6 +198,11 @@ def sandbox_view(record: Any) -> SandboxView:
         created_at=s.created_at,
         updated_at=s.updated_at,
         change_seq=record["change_seq"],
+        deadline=s.deadline,
+        expires_at=s.expires_at,
+        on_expiry=s.on_expiry,
+        on_exit=s.on_exit,
+        hold=s.hold,
     )
 
 
@@ -588,3 +606,36 @@ async def await_outcome(
                     await asyncio.wait_for(woken.wait(), timeout=min(remaining, 0.5))
         finally:
             await conn.remove_listener(CHANGES_CHANNEL, _wake)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sandboxes that need an operator's attention (status, metrics)
+
+
+class Attention(BaseModel):
+    as_of: datetime = Field(description="the API's clock when counted")
+    past_deadline: int = Field(
+        description="live sandboxes whose phase deadline or expiry has passed (not yet acted on)"
+    )
+    held: int
+    expiring_soon: int = Field(description="expiring within expiring_within_seconds")
+    expiring_within_seconds: float
+
+
+async def attention(pool: Pool, now: datetime, soon_seconds: float) -> Attention:
+    record = await pool.fetchrow(
+        "SELECT count(*) FILTER (WHERE deadline_at <= $1 OR (expires_at <= $1 AND hold IS NULL))"
+        " AS past_deadline, count(*) FILTER (WHERE hold IS NOT NULL) AS held, "
+        "count(*) FILTER (WHERE expires_at > $1 AND expires_at <= $1 + $2::interval) "
+        "AS expiring_soon FROM sandboxes WHERE phase <> 'Deleted'",
+        now,
+        timedelta(seconds=soon_seconds),
+    )
+    assert record is not None
+    return Attention(
+        as_of=now,
+        past_deadline=record["past_deadline"],
+        held=record["held"],
+        expiring_soon=record["expiring_soon"],
+        expiring_within_seconds=soon_seconds,
+    )

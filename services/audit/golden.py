@@ -107,7 +107,13 @@ def replay(inputs: Sequence[Input], rules: Rules = decide, chunk: int = 500) -> 
     for start in range(0, len(inputs), chunk):
         items = [parse(i.record(), COMMANDS) for i in inputs[start : start + chunk]]
         parsed = [i for i in items if isinstance(i, Parsed)]
-        result = fold(states, outcomes, ((p.cause, p.message) for p in parsed), rules)
+        result = fold(
+            states,
+            outcomes,
+            ((p.cause, p.message) for p in parsed),
+            rules,
+            settings.lifecycle_limits,
+        )
         touched = {(i.record.topic, i.record.partition) for i in items}
         plan = plan_batch(items, result, {tp: offsets.get(tp, 0) for tp in touched}, settings)
         rows = chain_rows(plan.history, heads)

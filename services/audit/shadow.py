@@ -83,7 +83,13 @@ async def apply(
     if not todo:
         return
     fresh = [i for i in todo if isinstance(i, Parsed)]
-    result = fold(read.sandboxes, read.outcomes, ((i.cause, i.message) for i in fresh), rules)
+    result = fold(
+        read.sandboxes,
+        read.outcomes,
+        ((i.cause, i.message) for i in fresh),
+        rules,
+        settings.lifecycle_limits,
+    )
     plan = plan_batch(todo, result, read.offsets, settings)
     await write_batch(out, replace(plan, history=chain_rows(plan.history, read.chain_heads)))
 

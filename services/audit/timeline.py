@@ -19,7 +19,7 @@ from events.commands import CommandBase
 from events.common import Cause
 from events.decided import DecidedEvent
 from projections.fold import Rules, fold
-from projections.lifecycle import Sandbox, decide
+from projections.lifecycle import DEFAULT_LIMITS, Limits, Sandbox, decide
 from services.audit.entries import Entry
 
 # The decided events that carry an intent, and the driver operation the executor runs for it.
@@ -54,7 +54,12 @@ class Step:
         )
 
 
-def replay(entries: Sequence[Entry], commands_topic: str, rules: Rules = decide) -> list[Step]:
+def replay(
+    entries: Sequence[Entry],
+    commands_topic: str,
+    rules: Rules = decide,
+    limits: Limits = DEFAULT_LIMITS,
+) -> list[Step]:
     """Decide one sandbox's recorded inputs again, in their recorded order, from nothing."""
     states: dict[str, Sandbox | None] = {}
     outcomes: dict[Any, Any] = {}
@@ -73,7 +78,7 @@ def replay(entries: Sequence[Entry], commands_topic: str, rules: Rules = decide)
             message_type=message.type,
             command_id=message.command_id if isinstance(message, CommandBase) else None,
         )
-        result = fold(states, outcomes, [(cause, message)], rules)
+        result = fold(states, outcomes, [(cause, message)], rules, limits)
         states, outcomes = result.states, {**outcomes, **result.outcomes}
         d = result.steps[0].decision
         steps.append(Step(entry, d.state, d.events, d.disposition, d.reason))

@@ -68,8 +68,8 @@ class Options:
 
 
 def load_rules(spec: str) -> Rules:
-    """``module`` or ``module:function``: a ``decide(state, message, cause)`` of other rules,
-    e.g. a release's projections/lifecycle.py saved under another module name."""
+    """``module`` or ``module:function``: a ``decide(state, message, cause, limits)`` of other
+    rules, e.g. a release's projections/lifecycle.py saved under another module name."""
     module_name, _, attribute = spec.partition(":")
     rules: Rules = getattr(importlib.import_module(module_name), attribute or "decide")
     return rules
@@ -256,7 +256,13 @@ async def _partition(
                 diverge(entry, "the recorded input body differs from the log", entry.message
                         or "", item.record.value.decode(), "in the log")  # fmt: skip
         parsed = [i for i in items if isinstance(i, Parsed)]
-        result = fold(states, outcomes, ((i.cause, i.message) for i in parsed), options.rules)
+        result = fold(
+            states,
+            outcomes,
+            ((i.cause, i.message) for i in parsed),
+            options.rules,
+            settings.lifecycle_limits,
+        )
         plan = plan_batch(items, result, offsets, settings)
         plan = replace(plan, history=chain_rows(plan.history, heads))
         await write_batch(out, plan)

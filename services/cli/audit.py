@@ -172,7 +172,7 @@ def _steps(settings: Settings, name: str) -> tuple[list[timeline.Step], Reach]:
     if not found:
         fail(f"sandbox {name!r} has no recorded inputs")
     reach = asyncio.run(log_reach(settings, {e.partition for e in found}))
-    return timeline.replay(found, settings.topic_commands), reach
+    return timeline.replay(found, settings.topic_commands, limits=settings.lifecycle_limits), reach
 
 
 @app.command("at")

@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 
 from services.cli import audit, operations, sandbox, tokens
+from services.cli import lifecycle as _lifecycle  # noqa: F401  (sandbox hold/release/extend)
 from services.cli.client import CliError, Connection
 from services.cli.render import err
 from services.common.settings import load_settings

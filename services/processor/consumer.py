@@ -378,7 +378,12 @@ class Processor:
                 return 0, []
             parsed = [i for i in items if isinstance(i, Parsed)]
             states = {**read.sandboxes, **cached}
-            result = fold(states, read.outcomes, ((p.cause, p.message) for p in parsed))
+            result = fold(
+                states,
+                read.outcomes,
+                ((p.cause, p.message) for p in parsed),
+                limits=self.settings.lifecycle_limits,
+            )
             plan = plan_batch(items, result, read.offsets, self.settings)
             plan = replace(plan, history=chain_rows(plan.history, read.chain_heads))
             try:

@@ -2,8 +2,9 @@
 
 ``up`` brings the stack up (Kafka, PostgreSQL, Podman; idempotent), applies the migrations,
 creates the API tokens if missing, then runs the control plane (processor, executor with the
-Podman driver, watcher, reconciler) and the HTTP API in one event loop, logging to the
-terminal until Ctrl-C or SIGTERM, which stop everything cleanly. The stack keeps running.
+Podman driver, watcher, reconciler, deadline scheduler) and the HTTP API in one event loop,
+logging to the terminal until Ctrl-C or SIGTERM, which stop everything cleanly. The stack keeps
+running.
 ``down`` stops a running ``up`` (through its pid file) and then the stack.
 """
 
@@ -179,7 +180,7 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
     code = 0
     try:
         started = time.monotonic()
-        plane = await open_control_plane(settings, driver)
+        plane = await open_control_plane(settings, driver, with_scheduler=True)
         pool = await connect_pool(settings)
         await publisher.__aenter__()
         app = create_app(settings, pool, publisher, TokenStore.from_file(tokens.tokens_file))
@@ -202,7 +203,7 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
         log.error("startup failed: %r", exc)
         code = 1
     finally:
-        log.info("stopping the API, processor, executor and watcher")
+        log.info("stopping the API, processor, executor, watcher and scheduler")
         if api is not None:
             await api.stop()
         else:

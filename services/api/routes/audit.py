@@ -118,7 +118,9 @@ async def _steps(state: State, name: str) -> list[timeline.Step]:
         found = await entries.of_sandbox(conn, name)
     if not found:
         raise ApiError(404, "NOT_FOUND", f"sandbox {name!r} has no recorded inputs")
-    return timeline.replay(found, state.settings.topic_commands)
+    return timeline.replay(
+        found, state.settings.topic_commands, limits=state.settings.lifecycle_limits
+    )
 
 
 @router.get(
