@@ -10,7 +10,16 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from events.common import SCHEMA_VERSION, Actor, Generation, SandboxName, Strict, Timestamp
+from events.common import (
+    SCHEMA_VERSION,
+    Actor,
+    Generation,
+    Int32,
+    SandboxName,
+    Strict,
+    Text,
+    Timestamp,
+)
 
 RuntimeState = Literal["created", "running", "exited"]
 ObservedState = Literal["created", "running", "exited", "absent"]
@@ -21,7 +30,7 @@ OperationOutcome = Literal["succeeded", "failed", "already_absent"]
 
 class ObservationBase(Strict):
     schema_version: Literal[1] = SCHEMA_VERSION
-    observation_id: Annotated[str, Field(min_length=1, max_length=200)]
+    observation_id: Annotated[Text, Field(min_length=1, max_length=200)]
     key: SandboxName
     generation: Generation
     occurred_at: Timestamp
@@ -31,14 +40,14 @@ class ObservationBase(Strict):
 class RuntimeSnapshot(ObservationBase):
     type: Literal["RuntimeSnapshot"]
     state: RuntimeState
-    exit_code: int | None = None
-    runtime_id: str | None = None
+    exit_code: Int32 | None = None  # an `integer` column
+    runtime_id: Text | None = None
     source: Source = "watch"
 
 
 class RuntimeRemoved(ObservationBase):
     type: Literal["RuntimeRemoved"]
-    runtime_id: str | None = None
+    runtime_id: Text | None = None
     source: Source = "watch"
 
 
@@ -47,11 +56,11 @@ class DriverOperationResult(ObservationBase):
     operation: Operation
     outcome: OperationOutcome
     retryable: bool = False
-    reason: str | None = None
-    identity: str | None = None
+    reason: Text | None = None
+    identity: Text | None = None
     # What the backend looked like after a failed operation, so the row can follow it.
     observed: ObservedState | None = None
-    exit_code: int | None = None
+    exit_code: Int32 | None = None  # an `integer` column
 
 
 Observation = Annotated[

@@ -8,7 +8,14 @@ from typing import Annotated, Any, Final
 from fastapi import Body, Path, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from events.common import SANDBOX_NAME_PATTERN, CommandId, ProviderName, SandboxName, SandboxSpec
+from events.common import (
+    INT64_MAX,
+    SANDBOX_NAME_PATTERN,
+    CommandId,
+    ProviderName,
+    SandboxName,
+    SandboxSpec,
+)
 from services.api.errors import ErrorBody
 from services.api.readmodel import CommandStatus
 
@@ -41,6 +48,7 @@ class LifecycleRequest(BaseModel):
     expected_version: int | None = Field(
         default=None,
         ge=0,
+        le=INT64_MAX,  # a `bigint` column
         description="reject with ABORTED (409) unless the row is at this version",
     )
 
