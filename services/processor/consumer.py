@@ -90,8 +90,12 @@ def record_time(record: ConsumerRecord[bytes, bytes]) -> datetime:
 
 
 def parse(
-    record: ConsumerRecord[bytes, bytes], commands_topic: str, partitions: int
+    record: ConsumerRecord[bytes, bytes],
+    commands_topic: str,
+    partitions: int,
+    placed: dict[str, int] | None = None,
 ) -> Parsed | Rejected:
+    """Decode and check one record; ``placed`` memoizes each key's partition over a batch."""
     adapter: Any = COMMANDS if record.topic == commands_topic else OBSERVATIONS
     try:
         message: Message = decode(adapter, record.value)
@@ -100,7 +104,10 @@ def parse(
         return Rejected(record, exc.reason)
     # Per-sandbox order rests on every record of a sandbox being in one partition; a producer
     # with another partitioner would split it (and its updates would race).
-    expected = partition_for(message.key.encode(), partitions)
+    placed = {} if placed is None else placed
+    expected = placed.get(message.key)
+    if expected is None:
+        expected = placed[message.key] = partition_for(message.key.encode(), partitions)
     if record.partition != expected:
         return Rejected(
             record,
@@ -480,9 +487,9 @@ class Processor:
         started = asyncio.get_running_loop().time()
         if self._conn is None:  # a connection of its own: no pool round trips per batch
             self._conn = await self.pool.acquire()
-        n = self.settings.kafka_partitions
+        n, placed = self.settings.kafka_partitions, dict[str, int]()
         all_items: list[Parsed | Rejected] = (
-            [parse(r, self.settings.topic_commands, n) for r in records]
+            [parse(r, self.settings.topic_commands, n, placed) for r in records]
             if dead_letter is None
             else [Rejected(r, dead_letter) for r in records]
         )
