@@ -64,6 +64,18 @@ async def dead_letters(env: Env, count: int) -> list[dict[str, Any]]:
     return [json.loads(r.value) for r in records]
 
 
+async def run_cli(env: Env, *args: str) -> tuple[int, str, str]:
+    """``sandstream ARGS`` from this checkout, with the environment's settings."""
+    cli = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "from services.cli.main import main; main()", *args,
+        cwd=PROJECT_ROOT, env=env.env_vars(),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await cli.communicate()
+    assert cli.returncode is not None
+    return cli.returncode, out.decode(), err.decode()
+
+
 def alive(env: Env) -> bool:
     return all(not task.done() for _, _, task in env.processors)
 
@@ -197,9 +209,7 @@ async def test_a_batch_postgresql_refuses_is_split_and_only_the_culprit_is_dead_
         assert letter["source"]["offset"] == 2 and "the poison row is refused" in letter["reason"]
 
 
-async def test_a_record_that_cannot_be_stored_at_all_stops_only_its_partition_until_skipped() -> (
-    None
-):
+async def test_a_record_that_cannot_be_stored_stops_only_its_partition_until_skipped() -> None:
     async with apikit.running_api(FakeDriver(), partitions=2) as api:
         env = api.env
         s = env.settings
@@ -241,16 +251,20 @@ async def test_a_record_that_cannot_be_stored_at_all_stops_only_its_partition_un
         assert await api.phase(after) is None  # behind the stopped record, in order
         assert api.plane is not None and not api.plane.stopping.is_set()
 
-        cli = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", "from services.cli.main import main; main()",
-            "processor", "skip", "--topic", s.topic_commands, "--partition", str(p),
-            "--offset", "0", "--reason", "test poison",
-            cwd=PROJECT_ROOT, env=env.env_vars(),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        out, err = await cli.communicate()
-        assert cli.returncode == 0, err.decode()
-        assert "skipped" in out.decode()
+        where = ["--topic", s.topic_commands, "--partition", str(p), "--offset", "0"]
+        # Retry: the processor tries the record again, and stops again (the cause is still there).
+        first = await env.fetchval("SELECT stopped_at FROM stopped_partitions")
+        code, _, err = await run_cli(env, "processor", "retry", *where)
+        assert code == 0, err
+        await eventually(
+            lambda: env.fetchval("SELECT stopped_at FROM stopped_partitions"),
+            lambda at: at is not None and at > first,
+            what="the retried record to stop its partition again",
+        )
+        assert await api.phase(after) is None
+        code, out, err = await run_cli(env, "processor", "skip", *where, "--reason", "test poison")
+        assert code == 0, err
+        assert "skipped" in out
         await eventually(lambda: api.phase(after), lambda ph: ph is not None, what=after)
         history = await history_of(env, s.topic_commands)
         skipped = [h for h in history.values() if h["partition"] == p and h["offset"] == 0]
@@ -265,14 +279,8 @@ async def test_a_record_that_cannot_be_stored_at_all_stops_only_its_partition_un
                 lambda: c.get("/readyz"), lambda r: r.status_code == 200, what="ready again"
             )
         # Skipping twice is refused, plainly.
-        again = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", "from services.cli.main import main; main()",
-            "processor", "skip", "--topic", s.topic_commands, "--partition", str(p),
-            "--offset", "0", cwd=PROJECT_ROOT, env=env.env_vars(),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        _, err = await again.communicate()
-        assert again.returncode == 1 and "is not stopped at offset 0" in err.decode()
+        code, _, err = await run_cli(env, "processor", "skip", *where)
+        assert code == 1 and "is not stopped at offset 0" in err
 
 
 # ------------------------------------------------------------------ 2. one sandbox, one partition
@@ -407,14 +415,8 @@ async def test_rebuild_says_plainly_that_the_events_topic_no_longer_starts_at_of
         await delete_first(env, env.settings.topic_events, 0, 1)
         with pytest.raises(LogTruncated, match="partition 0 starts at offset 1"):
             await rebuild_and_compare(env.settings)
-        cli = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", "from services.cli.main import main; main()", "rebuild",
-            cwd=PROJECT_ROOT, env=env.env_vars(),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        _, err = await cli.communicate()
-        assert cli.returncode == 1
-        text = err.decode()
+        code, _, text = await run_cli(env, "rebuild")
+        assert code == 1
         assert "cannot rebuild" in text and "no longer starts at offset 0" in text, text
         assert "Traceback" not in text
 
