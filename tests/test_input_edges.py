@@ -120,6 +120,9 @@ async def test_the_api_answers_422_naming_the_field_for_what_postgresql_cannot_s
             r = await c.post(f"/v1/sandboxes/{name}:stop", json={"expected_version": 2**63})
             assert r.status_code == 422 and "field 'expected_version'" in r.json()["message"]
             assert await api.commands_published() == before
+            # A filter PostgreSQL could not even compare with is refused too (was a 500).
+            r = await c.get("/v1/sandboxes", params={"label": "team=\x00"})
+            assert r.status_code == 422 and "query parameter 'label'" in r.json()["message"]
             # The processor behind it is alive and applies the next valid command.
             r = await c.post("/v1/sandboxes", json=apikit.create_body(name), params={"wait": 30})
             assert r.status_code in (200, 201), r.text
