@@ -73,6 +73,13 @@ def encode(message: BaseModel) -> bytes:
     return message.model_dump_json().encode()
 
 
+def storable(text: str) -> str:
+    """``text`` with what PostgreSQL text cannot hold (NUL, lone surrogates) escaped, for
+    history columns that record a refused record's key or the reason it was refused."""
+    text = text.replace("\x00", "\\x00")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def printable(raw: bytes | None) -> tuple[str | None, str]:
     """A raw payload as text for a dead-letter record, and the encoding used."""
     if raw is None:

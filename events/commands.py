@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from events.common import (
+    INT64_MAX,
     SCHEMA_VERSION,
     Actor,
     CommandId,
@@ -33,7 +34,7 @@ class CommandBase(Strict):
 
 class VersionedCommand(CommandBase):
     # Client optimistic concurrency: a mismatch is rejected (ABORTED), never retried.
-    expected_version: Annotated[int, Field(ge=0)] | None = None
+    expected_version: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
 
 
 class CreateSandbox(CommandBase):

@@ -7,6 +7,7 @@ from enum import StrEnum
 from typing import Annotated, Final, Literal
 
 from pydantic import (
+    AfterValidator,
     AwareDatetime,
     BaseModel,
     ConfigDict,
@@ -17,14 +18,36 @@ from pydantic import (
 
 SCHEMA_VERSION: Final = 1
 
+# The widest values the PostgreSQL columns hold (`integer`, `bigint`): a larger one in a message
+# is a schema error, not a write that fails later.
+INT32_MAX: Final = 2**31 - 1
+INT64_MAX: Final = 2**63 - 1
+
+
+def storable_text(value: str) -> str:
+    """Refuse what PostgreSQL cannot store: text and jsonb hold no NUL (U+0000), and a lone
+    surrogate has no UTF-8 encoding."""
+    if "\x00" in value:
+        raise ValueError("must not contain the NUL character (U+0000)")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must not contain a lone surrogate (not encodable as UTF-8)") from None
+    return value
+
+
+# Every free-text field of a message: whatever it holds ends up in a text or jsonb column.
+Text = Annotated[str, AfterValidator(storable_text)]
+Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX)]
+
 # A sandbox name is the partition key of every message about it, a container-name fragment
 # and a Kubernetes object name, so it follows the DNS-label rules.
 SANDBOX_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 SandboxName = Annotated[str, StringConstraints(pattern=SANDBOX_NAME_PATTERN)]
 CommandId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
 ProviderName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,128}$")]
-Actor = Annotated[str, StringConstraints(min_length=1, max_length=200)]
-Generation = Annotated[int, Field(ge=1)]
+Actor = Annotated[Text, StringConstraints(min_length=1, max_length=200)]
+Generation = Annotated[int, Field(ge=1, le=INT32_MAX)]  # an `integer` column
 Timestamp = AwareDatetime
 
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,251}[A-Za-z0-9])?$")
@@ -60,14 +83,14 @@ def _check_keys(mapping: dict[str, str], pattern: re.Pattern[str], what: str) ->
 
 
 class SandboxSpec(Strict):
-    image: Annotated[str, StringConstraints(min_length=1, max_length=500)]
-    command: list[Annotated[str, StringConstraints(max_length=10_000)]] = Field(
+    image: Annotated[Text, StringConstraints(min_length=1, max_length=500)]
+    command: list[Annotated[Text, StringConstraints(max_length=10_000)]] = Field(
         default_factory=list, max_length=256
     )
-    env: dict[str, Annotated[str, StringConstraints(max_length=10_000)]] = Field(
+    env: dict[str, Annotated[Text, StringConstraints(max_length=10_000)]] = Field(
         default_factory=dict, max_length=256
     )
-    labels: dict[str, Annotated[str, StringConstraints(max_length=253)]] = Field(
+    labels: dict[str, Annotated[Text, StringConstraints(max_length=253)]] = Field(
         default_factory=dict, max_length=64
     )
     # Grace period between SIGTERM and SIGKILL when the runtime is stopped or deleted;

@@ -15,8 +15,10 @@ from events.common import (
     Actor,
     DeadlineKind,
     Generation,
+    Int32,
     SandboxName,
     Strict,
+    Text,
     Timestamp,
 )
 
@@ -29,7 +31,7 @@ OperationOutcome = Literal["succeeded", "failed", "already_absent"]
 
 class ObservationBase(Strict):
     schema_version: Literal[1] = SCHEMA_VERSION
-    observation_id: Annotated[str, Field(min_length=1, max_length=200)]
+    observation_id: Annotated[Text, Field(min_length=1, max_length=200)]
     key: SandboxName
     generation: Generation
     occurred_at: Timestamp
@@ -39,14 +41,14 @@ class ObservationBase(Strict):
 class RuntimeSnapshot(ObservationBase):
     type: Literal["RuntimeSnapshot"]
     state: RuntimeState
-    exit_code: int | None = None
-    runtime_id: str | None = None
+    exit_code: Int32 | None = None  # an `integer` column
+    runtime_id: Text | None = None
     source: Source = "watch"
 
 
 class RuntimeRemoved(ObservationBase):
     type: Literal["RuntimeRemoved"]
-    runtime_id: str | None = None
+    runtime_id: Text | None = None
     source: Source = "watch"
 
 
@@ -55,11 +57,11 @@ class DriverOperationResult(ObservationBase):
     operation: Operation
     outcome: OperationOutcome
     retryable: bool = False
-    reason: str | None = None
-    identity: str | None = None
+    reason: Text | None = None
+    identity: Text | None = None
     # What the backend looked like after a failed operation, so the row can follow it.
     observed: ObservedState | None = None
-    exit_code: int | None = None
+    exit_code: Int32 | None = None  # an `integer` column
 
 
 class DeadlineDue(ObservationBase):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeAlias
 from uuid import UUID
@@ -209,6 +209,19 @@ class BatchWrite:
     # Compare-and-set of the input offsets: every (topic, partition) the batch was decided on,
     # from the offset it was read at to its new one (unchanged where no record of it was new).
     offsets: Mapping[TopicPartitionKey, tuple[int, int]]
+    # Compare-and-set of the rows: the stored version each written row was decided from, by
+    # key (absent: no stored row). A row not at that version aborts the write.
+    decided_from: Mapping[str, int] = field(default_factory=dict)
+
+
+class RowVersionMoved(Exception):
+    """A sandbox row was not at the version the batch was decided from: written meanwhile by
+    a writer of another partition, which the one-partition-per-sandbox rule forbids. Nothing of
+    the batch was written."""
+
+
+# The SQLSTATE rows_fence() raises (compose/migrations/0004_input_edges.sql).
+ROW_VERSION_MOVED = "SSV01"
 
 
 class OffsetsMoved(Exception):
@@ -244,25 +257,34 @@ WITH moved AS (
     RETURNING 1
 ), fence AS (
     SELECT offsets_fence((SELECT count(*) FROM moved), cardinality($1::text[])) AS ok
-), upserted AS (
+), inserted AS (
+    -- New rows (decided from no stored row): one that exists by now is not overwritten.
     INSERT INTO sandboxes ({SANDBOX_COLUMNS}, partition, change_seq, deadline_at)
     SELECT k, i, ph, g, v, sp, string_to_array(pr, ','), id, ec, r, ca, ua, dl, ea, oe, ox, hd,
            pa, nextval('sandbox_changes'), (dl->>'due_at')::timestamptz
     FROM unnest($5::text[], $6::uuid[], $7::text[], $8::int[], $9::bigint[], $10::jsonb[],
                 $11::text[], $12::text[], $13::int[], $14::text[], $15::timestamptz[],
                 $16::timestamptz[], $17::int[], $47::jsonb[], $48::timestamptz[], $49::text[],
-                $50::text[], $51::jsonb[])
-         AS u(k, i, ph, g, v, sp, pr, id, ec, r, ca, ua, pa, dl, ea, oe, ox, hd)
-    WHERE (SELECT ok FROM fence)
-    ON CONFLICT (key) DO UPDATE SET sandbox_id = EXCLUDED.sandbox_id, phase = EXCLUDED.phase,
-        generation = EXCLUDED.generation, version = EXCLUDED.version, spec = EXCLUDED.spec,
-        providers = EXCLUDED.providers, identity = EXCLUDED.identity,
-        exit_code = EXCLUDED.exit_code, reason = EXCLUDED.reason,
-        created_at = EXCLUDED.created_at, updated_at = EXCLUDED.updated_at,
-        partition = EXCLUDED.partition, change_seq = EXCLUDED.change_seq,
-        deadline = EXCLUDED.deadline, deadline_at = EXCLUDED.deadline_at,
-        expires_at = EXCLUDED.expires_at, on_expiry = EXCLUDED.on_expiry,
-        on_exit = EXCLUDED.on_exit, hold = EXCLUDED.hold
+                $50::text[], $51::jsonb[], $52::bigint[])
+         AS u(k, i, ph, g, v, sp, pr, id, ec, r, ca, ua, pa, dl, ea, oe, ox, hd, b)
+    WHERE (SELECT ok FROM fence) AND b IS NULL
+    ON CONFLICT (key) DO NOTHING
+    RETURNING 1
+), updated AS (
+    -- Stored rows, only at the version they were decided from (re-checked after a row lock).
+    UPDATE sandboxes s SET sandbox_id = u.i, phase = u.ph, generation = u.g, version = u.v,
+        spec = u.sp, providers = string_to_array(u.pr, ','), identity = u.id,
+        exit_code = u.ec, reason = u.r, created_at = u.ca, updated_at = u.ua,
+        partition = u.pa, change_seq = nextval('sandbox_changes'),
+        deadline = u.dl, deadline_at = (u.dl->>'due_at')::timestamptz, expires_at = u.ea,
+        on_expiry = u.oe, on_exit = u.ox, hold = u.hd
+    FROM unnest($5::text[], $6::uuid[], $7::text[], $8::int[], $9::bigint[], $10::jsonb[],
+                $11::text[], $12::text[], $13::int[], $14::text[], $15::timestamptz[],
+                $16::timestamptz[], $17::int[], $47::jsonb[], $48::timestamptz[], $49::text[],
+                $50::text[], $51::jsonb[], $52::bigint[])
+         AS u(k, i, ph, g, v, sp, pr, id, ec, r, ca, ua, pa, dl, ea, oe, ox, hd, b)
+    WHERE (SELECT ok FROM fence) AND u.b IS NOT NULL AND s.key = u.k AND s.version = u.b
+    RETURNING 1
 ), recorded AS (
     INSERT INTO history (key, topic, partition, "offset", message_type, command_id,
                          disposition, reason, phase, generation, version, event_types, message,
@@ -287,7 +309,9 @@ WITH moved AS (
     ORDER BY n
     RETURNING id
 )
-SELECT ARRAY(SELECT id FROM queued ORDER BY id) AS ids, pg_notify($43, '')
+SELECT ARRAY(SELECT id FROM queued ORDER BY id) AS ids, pg_notify($43, ''),
+       rows_fence((SELECT count(*) FROM inserted) + (SELECT count(*) FROM updated),
+                  cardinality($5::text[]))
 """
 
 
@@ -321,6 +345,7 @@ async def write_batch(conn: Connection, batch: BatchWrite) -> list[int]:
     outbox = [(o.partition, o.topic, o.key, o.value) for o in batch.outbox]
     offsets = [(t, p, e, n) for (t, p), (e, n) in sorted(batch.offsets.items())]
     history_columns = _columns(history, 17)  # the incarnation and hashes go last ($44-$46)
+    bases = [batch.decided_from.get(s.key) for _, s in batch.sandboxes]
     try:
         ids = await conn.fetchval(
             _WRITE_BATCH,
@@ -332,10 +357,15 @@ async def write_batch(conn: Connection, batch: BatchWrite) -> list[int]:
             CHANGES_CHANNEL,
             *history_columns[14:],
             *_columns(timers, 5),  # the rows' timers ($47-$51)
+            bases,  # the version each row was decided from ($52)
         )
     except (asyncpg.SerializationError, asyncpg.DeadlockDetectedError) as exc:
         # Two writers of one partition can also deadlock on its offset rows: the same race.
         raise OffsetsMoved(str(exc)) from exc
+    except asyncpg.PostgresError as exc:
+        if exc.sqlstate == ROW_VERSION_MOVED:
+            raise RowVersionMoved(str(exc)) from exc
+        raise
     return list(ids)
 
 

@@ -1,5 +1,6 @@
-"""Fuzz the HTTP API from its own OpenAPI document (schemathesis): no 5xx, ever, and every
-answer is one the document declares, in the declared shape.
+"""Fuzz the HTTP API from its own OpenAPI document (schemathesis): no 5xx, ever, every
+answer is one the document declares, in the declared shape, and afterwards the control plane
+behind it is alive and has applied everything the fuzz got published.
 
 The API runs with the whole pipeline behind it (real Kafka and PostgreSQL, the fake driver) in
 a thread of its own, because schemathesis calls it synchronously. Waits and watch streams are
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,6 +54,7 @@ class ServerThread:
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
+        self.plane_stopping: asyncio.Event | None = None  # set once a control-plane task died
         self._thread = threading.Thread(target=self._run, name="fuzz-api", daemon=True)
 
     def start(self) -> None:
@@ -73,6 +76,8 @@ class ServerThread:
         self._stop = asyncio.Event()
         async with apikit.running_api(FakeDriver(), poll_interval=0.2) as api:
             self.url = api.url
+            assert api.plane is not None
+            self.plane_stopping = api.plane.stopping
             self._ready.set()
             await self._stop.wait()
 
@@ -84,13 +89,18 @@ class ServerThread:
 
 
 @pytest.fixture(scope="module")
-def fuzz_server() -> Iterator[str]:
+def fuzz_thread() -> Iterator[ServerThread]:
     server = ServerThread()
     server.start()
     try:
-        yield server.url
+        yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(fuzz_thread: ServerThread) -> str:
+    return fuzz_thread.url
 
 
 def openapi_document() -> dict[str, Any]:
@@ -141,3 +151,20 @@ def test_the_api_never_fails_with_a_server_error(case: Any, fuzz_server: str) ->
                 query["timeout"] = 0.2
     response = case.call(base_url=fuzz_server, timeout=30)
     case.validate_response(response, checks=CHECKS)
+
+
+def test_after_the_fuzz_the_control_plane_is_alive_and_its_lag_drains_to_zero(
+    fuzz_thread: ServerThread,
+) -> None:
+    """Runs after the fuzz (pytest keeps the file's order): whatever it got published, the
+    processor applied, and no control-plane task died on it."""
+    deadline = time.monotonic() + 60
+    while True:
+        ready = httpx.get(f"{fuzz_thread.url}/readyz", timeout=30)
+        if ready.json().get("lag") == 0:
+            break
+        assert time.monotonic() < deadline, f"lag did not drain: {ready.json()}"
+        time.sleep(0.1)
+    assert ready.status_code == 200, ready.json()
+    assert fuzz_thread.plane_stopping is not None and not fuzz_thread.plane_stopping.is_set()
+    assert httpx.get(f"{fuzz_thread.url}/healthz", timeout=30).status_code == 200

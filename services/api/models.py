@@ -9,6 +9,7 @@ from fastapi import Body, Path, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from events.common import (
+    INT64_MAX,
     SANDBOX_NAME_PATTERN,
     CommandId,
     ExitPolicy,
@@ -60,6 +61,7 @@ class LifecycleRequest(BaseModel):
     expected_version: int | None = Field(
         default=None,
         ge=0,
+        le=INT64_MAX,  # a `bigint` column
         description="reject with ABORTED (409) unless the row is at this version",
     )
 

@@ -23,7 +23,15 @@ from uuid import UUID
 import asyncpg
 from pydantic import BaseModel, Field
 
-from events.common import Deadline, ExitPolicy, ExpiryPolicy, Hold, Phase, SandboxSpec
+from events.common import (
+    Deadline,
+    ExitPolicy,
+    ExpiryPolicy,
+    Hold,
+    Phase,
+    SandboxSpec,
+    storable_text,
+)
 from events.outcomes import Code, CommandOutcome
 from events.topics import CHANGES_CHANNEL
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record
@@ -242,6 +250,10 @@ def parse_label_filters(values: Sequence[str]) -> tuple[dict[str, str], list[str
     equal: dict[str, str] = {}
     present: list[str] = []
     for item in values:
+        try:
+            storable_text(item)  # PostgreSQL cannot compare with what it cannot hold
+        except ValueError as exc:
+            raise InvalidArgument("label", str(exc)) from None
         key, sep, value = item.partition("=")
         if not key:
             raise InvalidArgument("label", f"expected key=value or key, got {item!r}")

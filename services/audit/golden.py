@@ -93,11 +93,17 @@ def _bytes(value: dict[str, str] | str | None) -> bytes | None:
     return base64.b64decode(value["base64"]) if isinstance(value, dict) else value.encode()
 
 
-def replay(inputs: Sequence[Input], rules: Rules = decide, chunk: int = 500) -> list[str]:
+def replay(
+    inputs: Sequence[Input], rules: Rules = decide, partitions: int = 12, chunk: int = 500
+) -> list[str]:
     """The expected lines: each input's history entry, then the rows and the outcomes."""
     # The default topic names: ids and hashes do not depend on where the run was recorded.
     settings = Settings().model_copy(
-        update={"topic_events": EVENTS, "topic_deadletter": DEADLETTER}
+        update={
+            "topic_events": EVENTS,
+            "topic_deadletter": DEADLETTER,
+            "kafka_partitions": partitions,
+        }
     )
     states: dict[str, Sandbox | None] = {}
     outcomes: dict[Any, Any] = {}
@@ -105,7 +111,10 @@ def replay(inputs: Sequence[Input], rules: Rules = decide, chunk: int = 500) -> 
     offsets: dict[tuple[str, int], int] = {}
     history: list[HistoryRow] = []
     for start in range(0, len(inputs), chunk):
-        items = [parse(i.record(), COMMANDS) for i in inputs[start : start + chunk]]
+        items = [
+            parse(i.record(), COMMANDS, settings.kafka_partitions)
+            for i in inputs[start : start + chunk]
+        ]
         parsed = [i for i in items if isinstance(i, Parsed)]
         result = fold(
             states,
@@ -167,16 +176,26 @@ def load_inputs(name: str, directory: Path = GOLDEN_DIR) -> list[Input]:
     return [Input.from_json(json.loads(line)) for line in path.read_text().splitlines() if line]
 
 
+def fixture_partitions(name: str, directory: Path = GOLDEN_DIR) -> int:
+    """The input topics' partition count of the recorded run (``NAME.meta.json``): the
+    processor checks every record's partition against it, so a replay must use the same."""
+    meta = directory / f"{name}.meta.json"
+    return int(json.loads(meta.read_text())["partitions"]) if meta.exists() else 12
+
+
 def expected_lines(name: str, directory: Path = GOLDEN_DIR) -> list[str]:
     return (directory / f"{name}.expected.jsonl").read_text().splitlines()
 
 
-def write_fixture(name: str, inputs: Iterable[Input], directory: Path = GOLDEN_DIR) -> int:
+def write_fixture(
+    name: str, inputs: Iterable[Input], partitions: int, directory: Path = GOLDEN_DIR
+) -> int:
     directory.mkdir(parents=True, exist_ok=True)
     listed = list(inputs)
     log = "".join(json.dumps(i.to_json(), sort_keys=True) + "\n" for i in listed)
     (directory / f"{name}.log.jsonl").write_text(log)
-    expected = replay(listed)
+    (directory / f"{name}.meta.json").write_text(json.dumps({"partitions": partitions}) + "\n")
+    expected = replay(listed, partitions=partitions)
     (directory / f"{name}.expected.jsonl").write_text("\n".join(expected) + "\n")
     return len(listed)
 
@@ -192,7 +211,7 @@ class Difference:
 def check(name: str, directory: Path = GOLDEN_DIR, rules: Rules = decide) -> Difference | None:
     """The first line where today's replay differs from the fixture (None: identical)."""
     want = expected_lines(name, directory)
-    got = replay(load_inputs(name, directory), rules)
+    got = replay(load_inputs(name, directory), rules, fixture_partitions(name, directory))
     for n in range(max(len(want), len(got))):
         a = want[n] if n < len(want) else None
         b = got[n] if n < len(got) else None
@@ -230,7 +249,10 @@ async def recorded_inputs(settings: Settings) -> list[Input]:
         if r is None:
             raise RuntimeError(f"{e.topic}[{e.partition}]@{e.offset} is no longer in the log")
         inputs.append(Input(roles[e.topic], e.partition, e.offset, r.timestamp, r.key, r.value))
-    replayed = [json.loads(line)["history"] for line in replay(inputs)[: len(entries)]]
+    replayed = [
+        json.loads(line)["history"]
+        for line in replay(inputs, partitions=settings.kafka_partitions)[: len(entries)]
+    ]
     for e, again in zip(entries, replayed, strict=True):
         recorded = (e.disposition, e.reason, e.phase, e.generation, e.version, e.event_types)
         now = (again["disposition"], again["reason"], again["phase"], again["generation"],
@@ -246,12 +268,14 @@ async def recorded_inputs(settings: Settings) -> list[Input]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["record"] and len(args) == 2:
-        inputs = asyncio.run(recorded_inputs(Settings()))
-        print(f"recorded {write_fixture(args[1], inputs)} inputs as tests/golden/{args[1]}")
+        settings = Settings()
+        inputs = asyncio.run(recorded_inputs(settings))
+        count = write_fixture(args[1], inputs, settings.kafka_partitions)
+        print(f"recorded {count} inputs as tests/golden/{args[1]}")
         return 0
     if args == ["regenerate"]:
         for name in fixture_names():
-            write_fixture(name, load_inputs(name))
+            write_fixture(name, load_inputs(name), fixture_partitions(name))
             print(f"regenerated tests/golden/{name}.expected.jsonl: review `git diff tests/golden`")
         return 0
     if args == ["check"]:

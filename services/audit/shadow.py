@@ -90,7 +90,7 @@ async def apply(
         rules,
         settings.lifecycle_limits,
     )
-    plan = plan_batch(todo, result, read.offsets, settings)
+    plan = plan_batch(todo, result, read.offsets, settings, read.sandboxes)
     await write_batch(out, replace(plan, history=chain_rows(plan.history, read.chain_heads)))
 
 
@@ -118,7 +118,10 @@ async def replay_partition(
             f"{e.topic}[{p}]@{e.offset} is recorded but no longer in the log (retention): "
             "a shadow cannot be rebuilt from the log alone"
         )
-    items = [parse(records[(e.topic, e.offset)], settings.topic_commands) for e in entries]
+    items = [
+        parse(records[(e.topic, e.offset)], settings.topic_commands, settings.kafka_partitions)
+        for e in entries
+    ]
     for start in range(0, len(items), CHUNK):
         await apply(out, settings, items[start : start + CHUNK], rules)
     return len(items)

@@ -250,7 +250,10 @@ async def _partition(
     redecided_events: dict[tuple[str, int], list[tuple[str, bytes]]] = defaultdict(list)
     for start in range(0, len(replayable), CHUNK):
         chunk = replayable[start : start + CHUNK]
-        items = [parse(by_position[(e.topic, e.offset)], commands) for e in chunk]
+        items = [
+            parse(by_position[(e.topic, e.offset)], commands, settings.kafka_partitions)
+            for e in chunk
+        ]
         for entry, item in zip(chunk, items, strict=True):
             if isinstance(item, Parsed) and entry.message != item.record.value.decode():
                 diverge(entry, "the recorded input body differs from the log", entry.message
@@ -263,7 +266,7 @@ async def _partition(
             options.rules,
             settings.lifecycle_limits,
         )
-        plan = plan_batch(items, result, offsets, settings)
+        plan = plan_batch(items, result, offsets, settings, states)
         plan = replace(plan, history=chain_rows(plan.history, heads))
         await write_batch(out, plan)
         states, outcomes = result.states, {**outcomes, **result.outcomes}

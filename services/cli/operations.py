@@ -100,9 +100,13 @@ def rebuild_command(
     """
     import asyncio
 
+    from events.log_reader import LogTruncated
     from services.processor.rebuild import rebuild_and_compare
 
-    report = asyncio.run(rebuild_and_compare(settings_of(ctx), keep_schema=keep_schema))
+    try:
+        report = asyncio.run(rebuild_and_compare(settings_of(ctx), keep_schema=keep_schema))
+    except LogTruncated as exc:  # said plainly: the log cannot be replayed
+        raise CliError(f"cannot rebuild: {exc}") from None
     if output is Output.json:
         print_json(
             {

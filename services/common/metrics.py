@@ -15,6 +15,17 @@ WRITE_CONFLICTS = Counter(
     "sandstream_write_conflicts_total",
     "Batches decided again because another writer moved their offsets after they were read",
 )
+ROW_VERSION_CONFLICTS = Counter(
+    "sandstream_row_version_conflicts_total",
+    "Batches decided again because a sandbox row was not at the version they were decided "
+    "from (a sandbox written from two partitions: should stay 0)",
+)
+STOPPED_PARTITIONS = Gauge(
+    "sandstream_processor_stopped_partition_offset",
+    "Input partitions this processor stopped at a record PostgreSQL refuses to store even as "
+    "a dead letter: the record's offset (absent when none is stopped)",
+    ["topic", "partition"],
+)
 PUBLISHED = Counter("sandstream_outbox_published_total", "Outbox records sent to Kafka")
 BATCH_SECONDS = Histogram(
     "sandstream_batch_seconds",

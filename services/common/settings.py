@@ -32,6 +32,10 @@ class Settings(BaseSettings):
     kafka_controller_port: int = 19093
     kafka_heap: str = "384m"
     kafka_partitions: int = Field(default=12, ge=1)
+    # retention.ms set on the project topics when they are created: -1 keeps them forever,
+    # which replays (rebuild, a fresh processor) and the audit need; tiered storage can move
+    # old segments to object storage instead (docs/operations.md).
+    kafka_retention_ms: int = Field(default=-1, ge=-1)
     topic_commands: str = names.COMMANDS
     topic_observations: str = names.OBSERVATIONS
     topic_events: str = names.EVENTS

@@ -113,6 +113,12 @@ def render_server_properties(template: str, settings: Settings) -> str:
     )
 
 
+def topic_configs(settings: Settings) -> dict[str, str]:
+    """Configs every project topic is created with: retention explicit (forever by default),
+    never left to the broker's default, since a replay needs the log from offset 0."""
+    return {"retention.ms": str(settings.kafka_retention_ms), "retention.bytes": "-1"}
+
+
 def kafka_java_command(settings: Settings, main_class: str, *args: str) -> list[str]:
     paths = kafka_paths(settings)
     return [

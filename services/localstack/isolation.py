@@ -17,6 +17,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from services.common.database import connect_pool
 from services.common.migrations import apply_migrations
 from services.common.settings import Settings
+from services.localstack.config import topic_configs
 
 
 def isolated_settings(base: Settings, prefix: str, **overrides: Any) -> Settings:
@@ -45,7 +46,10 @@ async def isolated(
     await admin.start()
     try:
         await admin.create_topics(
-            [NewTopic(t, settings.kafka_partitions, replication_factor=1) for t in topics]
+            [
+                NewTopic(t, settings.kafka_partitions, 1, topic_configs=topic_configs(settings))
+                for t in topics
+            ]
         )
     finally:
         await admin.close()

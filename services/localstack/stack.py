@@ -347,7 +347,12 @@ async def _create_topics(settings: Settings) -> list[str]:
         missing = [t for t in settings.topics if t not in existing]
         if missing:
             response = await admin.create_topics(
-                [NewTopic(t, settings.kafka_partitions, 1) for t in missing]
+                [
+                    NewTopic(
+                        t, settings.kafka_partitions, 1, topic_configs=cfg.topic_configs(settings)
+                    )
+                    for t in missing
+                ]
             )
             for topic, code, message in response.topic_errors:
                 if code not in (0, TOPIC_ALREADY_EXISTS):

@@ -29,19 +29,31 @@ from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import KafkaError
 
-from events.codec import COMMANDS, OBSERVATIONS, DecodeError, check_key, decode, encode, printable
+from events.codec import (
+    COMMANDS,
+    OBSERVATIONS,
+    DecodeError,
+    check_key,
+    decode,
+    encode,
+    printable,
+    storable,
+)
 from events.commands import CommandBase
 from events.common import Cause
 from events.deadletter import DeadLetter, SourceRecord
+from events.topics import partition_for
 from projections.chain import chain_of, chain_rows
 from projections.fold import BatchResult, fold
 from projections.lifecycle import Message, Sandbox
+from projections.stopped import record_stop, stopped_partitions
 from projections.store import (
     CONNECTION_ERRORS,
     BatchWrite,
     HistoryRow,
     OffsetsMoved,
     OutboxRecord,
+    RowVersionMoved,
     mark_published,
     read_batch,
     stored_offsets,
@@ -78,13 +90,32 @@ def record_time(record: ConsumerRecord[bytes, bytes]) -> datetime:
     return datetime.fromtimestamp(record.timestamp / 1000, tz=UTC)
 
 
-def parse(record: ConsumerRecord[bytes, bytes], commands_topic: str) -> Parsed | Rejected:
+def parse(
+    record: ConsumerRecord[bytes, bytes],
+    commands_topic: str,
+    partitions: int,
+    placed: dict[str, int] | None = None,
+) -> Parsed | Rejected:
+    """Decode and check one record; ``placed`` memoizes each key's partition over a batch."""
     adapter: Any = COMMANDS if record.topic == commands_topic else OBSERVATIONS
     try:
         message: Message = decode(adapter, record.value)
         check_key(record.key, message.key)
     except DecodeError as exc:
         return Rejected(record, exc.reason)
+    # Per-sandbox order rests on every record of a sandbox being in one partition; a producer
+    # with another partitioner would split it (and its updates would race).
+    placed = {} if placed is None else placed
+    expected = placed.get(message.key)
+    if expected is None:
+        expected = placed[message.key] = partition_for(message.key.encode(), partitions)
+    if record.partition != expected:
+        return Rejected(
+            record,
+            f"record is on partition {record.partition} but key {message.key!r} belongs on "
+            f"partition {expected} of {partitions} (Kafka's default partitioner: "
+            "murmur2(key) & 0x7fffffff % partitions; see docs/architecture.md)",
+        )
     cause = Cause(
         topic=record.topic,
         partition=record.partition,
@@ -107,11 +138,13 @@ def plan_batch(
     result: BatchResult,
     read_offsets: Mapping[tuple[str, int], int],
     settings: Settings,
+    decided_from: Mapping[str, Sandbox | None] | None = None,
 ) -> BatchWrite:
     """Turn a folded batch into the rows to write (pure).
 
     ``items`` are the batch's records in fold order; ``result`` the fold of the parsed ones;
-    ``read_offsets`` the offsets they were decided at, which the write compares and sets.
+    ``read_offsets`` the offsets they were decided at, which the write compares and sets;
+    ``decided_from`` the stored rows they were decided from, whose versions it compares too.
     """
     history: list[HistoryRow] = []
     outbox: list[OutboxRecord] = []
@@ -159,12 +192,20 @@ def plan_batch(
         outcomes=list(result.outcomes.values()),
         outbox=outbox,
         offsets={tp: (at, next_offsets.get(tp, at)) for tp, at in read_offsets.items()},
+        decided_from={
+            key: row.version
+            for key, row in (decided_from or {}).items()
+            if row is not None and key in changed
+        },
     )
 
 
 def history_key(item: Parsed | Rejected) -> str | None:
     """The key an item's history entry is recorded under."""
-    return item.message.key if isinstance(item, Parsed) else printable(item.record.key)[0]
+    if isinstance(item, Parsed):
+        return item.message.key
+    key = printable(item.record.key)[0]
+    return None if key is None else storable(key)  # as _dead_letter_history stores it
 
 
 def _dead_letter(item: Rejected, topic: str) -> OutboxRecord:
@@ -188,12 +229,35 @@ def _dead_letter(item: Rejected, topic: str) -> OutboxRecord:
 
 def _dead_letter_history(item: Rejected) -> HistoryRow:
     record = item.record
+    key = printable(record.key)[0]
     return HistoryRow(
-        key=printable(record.key)[0], topic=record.topic, partition=record.partition,
-        offset=record.offset, message_type=None, command_id=None, disposition="dead-lettered",
-        reason=item.reason, phase=None, generation=None, version=None, event_types=[],
-        message=None, occurred_at=record_time(record),
+        key=None if key is None else storable(key), topic=record.topic,
+        partition=record.partition, offset=record.offset, message_type=None, command_id=None,
+        disposition="dead-lettered", reason=storable(item.reason), phase=None, generation=None,
+        version=None, event_types=[], message=None, occurred_at=record_time(record),
     )  # fmt: skip
+
+
+# SQLSTATE classes of a write refused for what the records hold (data exceptions, integrity
+# constraints, a trigger's RAISE, program limits), as opposed to the server's state.
+_REFUSED_CLASSES = ("22", "23", "P0", "54")
+
+
+class WriteRefused(Exception):
+    """PostgreSQL refused a batch for what one of its records holds."""
+
+
+def refused_for_content(exc: BaseException) -> bool:
+    return isinstance(exc, asyncpg.PostgresError) and str(exc.sqlstate)[:2] in _REFUSED_CLASSES
+
+
+class InputsLost(RuntimeError):
+    """An input partition no longer starts where the processor left it: records it never
+    applied were deleted (retention), so going on would silently skip decided inputs."""
+
+
+class PartitionCountChanged(RuntimeError):
+    """An input topic's partition count is not the one the log was partitioned with."""
 
 
 @dataclass
@@ -217,6 +281,11 @@ class Processor:
     _conn: Any = None  # the batches' connection
     _rows: RowCache = field(init=False)
     _cursor_conn: Any = None  # the confirmer's connection
+    # Partitions stopped at a record PostgreSQL refused even as a dead letter: partition ->
+    # (topic, offset). Paused until an operator skips or retries the record.
+    _stopped: dict[int, tuple[str, int]] = field(default_factory=dict)
+    _last_stop_check: float = 0.0
+    _inputs_lost: InputsLost | None = None  # found on assignment, raised by run()
 
     def __post_init__(self) -> None:
         self._rows = RowCache(self.settings.processor_row_cache)
@@ -234,6 +303,10 @@ class Processor:
             max_batch_size=256 * 1024,
         )
         await self.producer.start()
+        for topic in self.input_topics:  # waits for the topic's metadata
+            self._check_partition_count(topic, len(await self.producer.partitions_for(topic)))
+        async with self.pool.acquire() as conn:
+            await self._check_stored_partitioning(conn)
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=self.settings.kafka_bootstrap,
             group_id=self.settings.processor_group,
@@ -246,6 +319,8 @@ class Processor:
             client_id=self.name,
             session_timeout_ms=self.settings.kafka_session_timeout_ms,
             heartbeat_interval_ms=max(300, self.settings.kafka_session_timeout_ms // 4),
+            # Fresh metadata often enough to notice a changed partition count soon.
+            metadata_max_age_ms=5000,
         )
         self.consumer.subscribe(self.input_topics, listener=_Rebalance(self))
         await self.consumer.start()
@@ -269,18 +344,51 @@ class Processor:
     async def run(self, stop: asyncio.Event) -> None:
         assert self.consumer is not None
         while not stop.is_set():
+            for topic in self.input_topics:
+                found = self.consumer.partitions_for_topic(topic)
+                if found is not None:
+                    self._check_partition_count(topic, len(found))
             batch = await self.consumer.getmany(
                 timeout_ms=self.poll_timeout_ms, max_records=self.max_records
             )
-            if not batch:
-                continue
+            if self._inputs_lost is not None:  # found by the assignment inside getmany
+                raise self._inputs_lost
             try:
+                if self._stopped:
+                    await self._resume_released()
+                if not batch:
+                    continue
                 await self.process(batch)
             except Exception as exc:
                 if not database_gone(exc):
                     raise
                 log.warning("%s lost PostgreSQL (%s); resuming once it is back", self.name, exc)
                 await self._resume_after_database_loss(stop)
+
+    def _check_partition_count(self, topic: str, found: int) -> None:
+        expected = self.settings.kafka_partitions
+        if found != expected:
+            raise PartitionCountChanged(
+                f"input topic {topic} has {found} partitions but the log is partitioned into "
+                f"{expected} (SANDSTREAM_KAFKA_PARTITIONS): every sandbox lives in partition "
+                f"murmur2(key) % {expected}, and another count would move sandboxes between "
+                "partitions and break their order. Refusing to run; restore the partition "
+                "count (see docs/operations.md)"
+            )
+
+    async def _check_stored_partitioning(self, conn: Any) -> None:
+        """The stored rows were written from the partitions the configured count implies."""
+        rows = await conn.fetch("SELECT key, partition FROM sandboxes LIMIT 100")
+        n = self.settings.kafka_partitions
+        for r in rows:
+            if r["partition"] != partition_for(r["key"].encode(), n):
+                raise PartitionCountChanged(
+                    f"sandbox {r['key']!r} was written from partition {r['partition']}, but "
+                    f"with {n} partitions (SANDSTREAM_KAFKA_PARTITIONS) it belongs on "
+                    f"{partition_for(r['key'].encode(), n)}: the input topics' partition count "
+                    "changed since the rows were written. Refusing to run (see "
+                    "docs/operations.md)"
+                )
 
     async def _resume_after_database_loss(self, stop: asyncio.Event) -> None:
         """Start over from what PostgreSQL holds, as after a rebalance.
@@ -346,23 +454,60 @@ class Processor:
     ) -> int:
         async with self._lock:
             self._raise_publish_failure()
-            applied, outbox = await self._apply(by_partition)
+            if self._inputs_lost is not None:  # a batch fetched while it was found
+                raise self._inputs_lost
+            records = [r for p in sorted(by_partition) for r in by_partition[p]]
+            applied, outbox = await self._apply(records)
             await self._publish(outbox)
             return applied
 
     async def _apply(
-        self, by_partition: Mapping[int, Sequence[ConsumerRecord[bytes, bytes]]]
+        self, records: Sequence[ConsumerRecord[bytes, bytes]]
+    ) -> tuple[int, list[tuple[int, OutboxRecord]]]:
+        """Apply ``records`` (partition by partition, each in order) exactly once.
+
+        A write PostgreSQL refuses for what a record holds is split in two, each half applied
+        in order, until the record(s) causing it are found: each is dead-lettered with the
+        database's message. A record whose dead letter is refused too stops its partition.
+        """
+        records = [r for r in records if r.partition not in self._stopped]
+        if not records:
+            return 0, []
+        try:
+            return await self._apply_once(records)
+        except WriteRefused as exc:
+            if len(records) > 1:
+                half = len(records) // 2
+                first = await self._apply(records[:half])
+                second = await self._apply(records[half:])
+                return first[0] + second[0], first[1] + second[1]
+            refusal = str(exc)
+        reason = f"PostgreSQL refused to store it: {refusal}"
+        log.warning("%s: dead-lettering %s[%d]@%d: %s", self.name, records[0].topic,
+                    records[0].partition, records[0].offset, reason)  # fmt: skip
+        try:
+            return await self._apply_once(records, dead_letter=reason)
+        except WriteRefused as exc:
+            await self._stop_partition(records[0], f"{reason}; its dead letter too: {exc}")
+            return 0, []
+
+    async def _apply_once(
+        self, records: Sequence[ConsumerRecord[bytes, bytes]], dead_letter: str | None = None
     ) -> tuple[int, list[tuple[int, OutboxRecord]]]:
         started = asyncio.get_running_loop().time()
-        records = [r for p in sorted(by_partition) for r in by_partition[p]]
         if self._conn is None:  # a connection of its own: no pool round trips per batch
             self._conn = await self.pool.acquire()
-        all_items = [parse(r, self.settings.topic_commands) for r in records]
+        n, placed = self.settings.kafka_partitions, dict[str, int]()
+        all_items: list[Parsed | Rejected] = (
+            [parse(r, self.settings.topic_commands, n, placed) for r in records]
+            if dead_letter is None
+            else [Rejected(r, dead_letter) for r in records]
+        )
         all_parsed = [i for i in all_items if isinstance(i, Parsed)]
         where = {p.message.key: p.record.partition for p in all_parsed}
         idents = {(p.message.key, p.cause.command_id) for p in all_parsed if p.cause.command_id}
         chains = {chain_of(history_key(i), i.record.partition) for i in all_items}
-        partitions = {(t, p) for p in by_partition for t in self.input_topics}
+        partitions = {(t, r.partition) for r in records for t in self.input_topics}
         # Optimistic: read, decide, then write only if no other writer moved these partitions'
         # offsets in between (two round trips in all). Whoever loses the race reads again; its
         # records below the winner's offsets are then skipped.
@@ -384,7 +529,7 @@ class Processor:
                 ((p.cause, p.message) for p in parsed),
                 limits=self.settings.lifecycle_limits,
             )
-            plan = plan_batch(items, result, read.offsets, self.settings)
+            plan = plan_batch(items, result, read.offsets, self.settings, states)
             plan = replace(plan, history=chain_rows(plan.history, read.chain_heads))
             try:
                 ids = await write_batch(self._conn, plan)
@@ -393,6 +538,17 @@ class Processor:
                 log.info("%s: another writer moved the offsets, deciding again: %s", self.name, exc)
                 self._rows.clear()
                 continue
+            except RowVersionMoved as exc:
+                # Only a sandbox written from two partitions gets here: loud, and decided
+                # again from the stored row, so no update is lost.
+                metrics.ROW_VERSION_CONFLICTS.inc()
+                log.error("%s: %s; deciding the batch again from the stored rows", self.name, exc)
+                self._rows.clear()
+                continue
+            except Exception as exc:
+                if database_gone(exc) or not refused_for_content(exc):
+                    raise
+                raise WriteRefused(str(exc)) from exc
             break
         committed = {tp: new for tp, (_, new) in plan.offsets.items()}
         self._rows.remember(
@@ -465,6 +621,52 @@ class Processor:
         await self.drain()
         return len(pending)
 
+    async def _stop_partition(self, record: ConsumerRecord[bytes, bytes], reason: str) -> None:
+        """Stop one partition at ``record``, visibly; the others and the process go on."""
+        p, key = record.partition, printable(record.key)[0]
+        async with self.pool.acquire() as conn:
+            await record_stop(conn, record.topic, p, record.offset,
+                              None if key is None else storable(key), storable(reason))  # fmt: skip
+        self._pause(p, record.topic, record.offset)
+        log.error("%s: partition %d stopped at %s offset %d, which PostgreSQL refuses to store "
+                  "even as a dead letter (%s); skip it with `sandstream processor skip --topic "
+                  "%s --partition %d --offset %d`", self.name, p, record.topic, record.offset,
+                  reason, record.topic, p, record.offset)  # fmt: skip
+
+    def _pause(self, partition: int, topic: str, offset: int) -> None:
+        self._stopped[partition] = (topic, offset)
+        metrics.STOPPED_PARTITIONS.labels(topic, str(partition)).set(offset)
+        if self.consumer is not None:
+            tps = [tp for tp in self.consumer.assignment() if tp.partition == partition]
+            self.consumer.pause(*tps)
+
+    def _unpause(self, partition: int) -> None:
+        topic, _ = self._stopped.pop(partition)
+        with contextlib.suppress(KeyError):
+            metrics.STOPPED_PARTITIONS.remove(topic, str(partition))
+
+    async def _resume_released(self) -> None:
+        """Resume the stopped partitions an operator skipped or released (checked each second)."""
+        assert self.consumer is not None
+        now = asyncio.get_running_loop().time()
+        if now - self._last_stop_check < 1.0:
+            return
+        self._last_stop_check = now
+        async with self._lock:
+            async with self.pool.acquire() as conn:
+                still = {s.partition for s in await stopped_partitions(conn, self.input_topics)}
+                stored = await stored_offsets(conn, self.input_topics)
+            released = [p for p in self._stopped if p not in still]
+            for p in released:
+                self._unpause(p)
+                tps = [tp for tp in self.consumer.assignment() if tp.partition == p]
+                for tp in tps:
+                    self.consumer.seek(tp, stored.get((tp.topic, p), 0))
+                self.consumer.resume(*tps)
+                log.info("%s: partition %d resumed", self.name, p)
+            if released:
+                self._rows.clear()
+
     async def on_assigned(self, assigned: set[TopicPartition]) -> None:
         """Resume each assigned partition from the offsets stored with the rows."""
         assert self.consumer is not None
@@ -473,8 +675,30 @@ class Processor:
             self._rows.clear()  # rows are read again until this processor writes them
             async with self.pool.acquire() as conn:
                 stored = await stored_offsets(conn, self.input_topics)
+                stopped = await stopped_partitions(conn, self.input_topics)
+            starts = await self.consumer.beginning_offsets(list(assigned)) if assigned else {}
             for tp in assigned:
                 self.consumer.seek(tp, stored.get((tp.topic, tp.partition), 0))
+            lost = sorted(
+                f"{tp.topic} partition {tp.partition} starts at offset {start} but the "
+                f"processor has applied it up to {stored.get((tp.topic, tp.partition), 0)}"
+                for tp, start in starts.items()
+                if start > stored.get((tp.topic, tp.partition), 0)
+            )
+            if lost:
+                self._inputs_lost = InputsLost(
+                    f"input records were deleted before they were applied ({'; '.join(lost)}): "
+                    "the topics' retention is shorter than the processor's lag. Refusing to "
+                    "skip them silently; see docs/operations.md"
+                )
+                log.error("%s: %s", self.name, self._inputs_lost)
+                self.consumer.pause(*assigned)  # nothing more until it stops
+            mine = {tp.partition for tp in assigned}
+            for p in list(self._stopped):
+                self._unpause(p)
+            for s in stopped:  # a stopped partition stays stopped across owners and restarts
+                if s.partition in mine:
+                    self._pause(s.partition, s.topic, s.offset)
             for p in sorted({tp.partition for tp in assigned}):
                 await self.publish_pending(p)
         log.info("%s assigned partitions %s", self.name, sorted({tp.partition for tp in assigned}))

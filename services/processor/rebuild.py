@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import asyncpg
 
 from events.codec import EVENTS, decode
-from events.log_reader import read_to_end
+from events.log_reader import LogTruncated, read_to_end
 from projections.lifecycle import Sandbox, evolve
 from projections.store import SANDBOX_COLUMNS, BatchWrite, sandbox_from_record, write_batch
 from services.common.migrations import apply_migrations
@@ -22,7 +22,10 @@ from services.common.settings import Settings
 
 
 async def fold_events_topic(settings: Settings) -> dict[str, Sandbox]:
-    """Read the events topic from the beginning to its current end and fold it."""
+    """Read the events topic from the beginning to its current end and fold it.
+
+    Raises LogTruncated if the topic no longer starts at offset 0 (retention deleted its
+    oldest events): folding what is left would produce wrong rows, not a rebuild."""
     rows: dict[str, Sandbox] = {}
     topic, partitions = settings.topic_events, settings.kafka_partitions
     async for record in read_to_end(settings.kafka_bootstrap, topic, partitions):
@@ -97,7 +100,10 @@ def _chunks(items: list[Sandbox], size: int) -> list[list[Sandbox]]:
 
 
 def main() -> None:
-    report = asyncio.run(rebuild_and_compare(Settings()))
+    try:
+        report = asyncio.run(rebuild_and_compare(Settings()))
+    except LogTruncated as exc:
+        raise SystemExit(f"cannot rebuild: {exc}") from None
     print(f"rebuilt {report.rebuilt} rows, live {report.live} rows")
     for line in report.differences:
         print("DIFF", line)

@@ -1,4 +1,5 @@
-"""Operations: liveness, readiness (Kafka, PostgreSQL, the processor's lag) and metrics."""
+"""Operations: liveness, readiness (Kafka, PostgreSQL, the processor's lag and stopped
+partitions) and metrics."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from events.publisher import now
+from projections.stopped import StoppedPartition, stopped_partitions
 from projections.store import CONNECTION_ERRORS
 from services.api import readmodel
 from services.api.deps import State
@@ -29,7 +31,7 @@ async def healthz() -> HealthBody:
     response_model=ReadyBody,
     responses={503: {"model": ReadyBody, "description": "not ready (see checks)"}},
     tags=["operations"],
-    summary="Readiness: Kafka, PostgreSQL and the processor's lag",
+    summary="Readiness: Kafka, PostgreSQL, the processor's lag and stopped partitions",
 )
 async def readyz(state: State) -> JSONResponse:
     topics = [state.settings.topic_commands, state.settings.topic_observations]
@@ -37,9 +39,10 @@ async def readyz(state: State) -> JSONResponse:
     ends: dict[tuple[str, int], int] | None = None
     stored: dict[tuple[str, int], int] | None = None
     # Both probes at once: a dead backend costs its timeout once, not twice.
-    kafka, postgres = await asyncio.gather(
+    kafka, postgres, stopped = await asyncio.gather(
         asyncio.wait_for(state.probe.end_offsets(topics), 5.0),
         asyncio.wait_for(readmodel.stored_input_offsets(state.pool, topics), 5.0),
+        asyncio.wait_for(_stopped(state, topics), 5.0),
         return_exceptions=True,
     )
     if isinstance(kafka, BaseException):
@@ -61,6 +64,10 @@ async def readyz(state: State) -> JSONResponse:
         )
     else:
         checks["processor_lag"] = Check(ok=False, detail="unknown: needs Kafka and PostgreSQL")
+    if isinstance(stopped, list) and stopped:
+        # A partition stopped at a record PostgreSQL refuses: named until an operator acts.
+        detail = "; ".join(s.describe() for s in stopped)
+        checks["stopped_partitions"] = Check(ok=False, detail=detail)
     ready = all(c.ok for c in checks.values())
     body = ReadyBody(
         status="ready" if ready else "not ready",
@@ -72,6 +79,11 @@ async def readyz(state: State) -> JSONResponse:
         return JSONResponse(body, 200)
     failing = "; ".join(f"{k}: {c.detail}" for k, c in checks.items() if not c.ok)
     return JSONResponse({"code": "UNAVAILABLE", "message": f"not ready: {failing}", **body}, 503)
+
+
+async def _stopped(state: State, topics: list[str]) -> list[StoppedPartition]:
+    async with state.pool.acquire() as conn:
+        return await stopped_partitions(conn, topics)
 
 
 @router.get(
