@@ -58,6 +58,7 @@ from projections.store import (
 from services.common import metrics
 from services.common.database import connect_pool
 from services.common.entrypoint import run_until_signalled
+from services.common.log_identity import check_log_identity, log_identity_of, read_log_identity
 from services.common.settings import Settings
 from services.processor.row_cache import RowCache
 
@@ -243,6 +244,9 @@ class Processor:
 
     async def start(self) -> None:
         self._owned = set()
+        # Refuse another log than the stored offsets belong to before joining the group.
+        identity = await read_log_identity(self.settings.kafka_bootstrap, self.input_topics)
+        await check_log_identity(self.pool, identity)
         self.producer = self._new_producer()
         await self.producer.start()
         self.consumer = AIOKafkaConsumer(
@@ -529,6 +533,10 @@ class Processor:
         partitions = {tp.partition for tp in assigned}
         async with self._lock:
             self._owned = set()  # owned again only once sought and republished
+            # The broker may have been replaced since the last assignment.
+            await check_log_identity(
+                self.pool, await log_identity_of(self.consumer._client, self.input_topics)
+            )
             await self.drain()  # our own in-flight records are not "left behind"
             self._rows.clear()  # rows are read again until this processor writes them
             async with self.pool.acquire() as conn:

@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from services.api import readmodel
 from services.api.deps import State
 from services.api.models import Check, HealthBody, ReadyBody
+from services.common.log_identity import differences, recorded_identity
 
 router = APIRouter()
 
@@ -25,7 +26,7 @@ async def healthz() -> HealthBody:
     response_model=ReadyBody,
     responses={503: {"model": ReadyBody, "description": "not ready (see checks)"}},
     tags=["operations"],
-    summary="Readiness: Kafka, PostgreSQL and the processor's lag",
+    summary="Readiness: Kafka, PostgreSQL, the log's identity and the processor's lag",
 )
 async def readyz(state: State) -> JSONResponse:
     topics = [state.settings.topic_commands, state.settings.topic_observations]
@@ -33,9 +34,10 @@ async def readyz(state: State) -> JSONResponse:
     ends: dict[tuple[str, int], int] | None = None
     stored: dict[tuple[str, int], int] | None = None
     # Both probes at once: a dead backend costs its timeout once, not twice.
-    kafka, postgres = await asyncio.gather(
+    kafka, postgres, log_differences = await asyncio.gather(
         asyncio.wait_for(state.probe.end_offsets(topics), 5.0),
         asyncio.wait_for(readmodel.stored_input_offsets(state.pool, topics), 5.0),
+        asyncio.wait_for(_log_differences(state, topics), 5.0),
         return_exceptions=True,
     )
     if isinstance(kafka, BaseException):
@@ -48,6 +50,16 @@ async def readyz(state: State) -> JSONResponse:
     else:
         stored = postgres
         checks["postgres"] = Check(ok=True, detail=f"schema {state.settings.pg_schema}")
+    if isinstance(log_differences, BaseException):
+        checks["log"] = Check(ok=False, detail=f"unknown: {type(log_differences).__name__}")
+    elif log_differences:
+        checks["log"] = Check(
+            ok=False,
+            detail="not the log the stored offsets belong to (`sandstream log adopt` after a "
+            "replaced log): " + "; ".join(log_differences),
+        )
+    else:
+        checks["log"] = Check(ok=True, detail="the log the stored offsets belong to")
     lag = None
     if ends is not None and stored is not None:
         lag = sum(max(0, end - stored.get(tp, 0)) for tp, end in ends.items())
@@ -79,3 +91,10 @@ async def readyz(state: State) -> JSONResponse:
 )
 async def get_metrics() -> Response:
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _log_differences(state: State, topics: list[str]) -> list[str]:
+    current = await state.probe.log_identity(topics)
+    async with state.pool.acquire() as conn:
+        recorded = await recorded_identity(conn, topics)
+    return differences(recorded, current)
