@@ -287,6 +287,7 @@ class Processor:
         while not stop.is_set():
             try:
                 self._raise_assign_failure()
+                self._raise_publish_failure()  # noticed when idle too, not only by a batch
                 batch = await self.consumer.getmany(
                     timeout_ms=self.poll_timeout_ms, max_records=self.max_records
                 )

@@ -60,6 +60,13 @@ async def readyz(state: State) -> JSONResponse:
         )
     else:
         checks["log"] = Check(ok=True, detail="the log the stored offsets belong to")
+    if state.down is not None:
+        down = state.down()
+        checks["control_plane"] = Check(
+            ok=not down,
+            detail="; ".join(f"{part} restarting after {error}" for part, error in down.items())
+            or "processor and driver side running",
+        )
     lag = None
     if ends is not None and stored is not None:
         lag = sum(max(0, end - stored.get(tp, 0)) for tp, end in ends.items())
