@@ -59,14 +59,19 @@ async def test_the_processor_rides_out_a_send_that_fails_while_kafka_is_gone(
     later = workload.commands(count=300, keys=100, seed=32)
     async with (
         broker_behind_proxy(tmp_path) as (base, proxy),
-        isolated_env(partitions=2, base=base, kafka_request_timeout_ms=2000) as env,
+        isolated_env(
+            partitions=2, base=base, kafka_request_timeout_ms=2000, kafka_session_timeout_ms=60_000
+        ) as env,
     ):
         try:
-            await publish(env, inputs)  # fetched at once, applied 20 at a time
+            await publish(env, inputs)
             await env.produce(env.settings.topic_commands, [(b"x", b"not json")])
-            processor = await env.start_processor("p1", max_records=20)
+            # The first fetch holds all of it; applied five records per poll, the dead letter
+            # (last in its partition) comes after the cut, and the long session timeout keeps
+            # the consumer handing out what it holds while the coordinator is unreachable.
+            processor = await env.start_processor("p1", max_records=5)
             [(_, _, task)] = env.processors
-            await env.wait_applied(100)
+            await env.wait_applied(20)
             await proxy.cut()
             await eventually(
                 lambda: task.done() or "lost Kafka" in caplog.text,

@@ -53,6 +53,14 @@ async def recreate_input_topics(env: Env) -> None:
         await admin.close()
 
 
+async def sandstream(env: Env, *args: str) -> subprocess.CompletedProcess[str]:
+    return await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", "from services.cli.main import main; main()", *args],
+        cwd=PROJECT_ROOT, env=env.env_vars(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
 async def test_a_processor_refuses_a_recreated_input_log_until_an_operator_adopts_it() -> None:
     async with isolated_env(partitions=2) as env:
         await publish(env, [f.create("a", command_id="c1"), f.create("b", command_id="c2")])
@@ -69,13 +77,11 @@ async def test_a_processor_refuses_a_recreated_input_log_until_an_operator_adopt
         assert "topic id" in str(caught.value)
         assert await env.fetchval("SELECT count(*) FROM history") == 2  # c3 not dropped
 
-        adopt = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, "-c", "from services.cli.main import main; main()",
-             "log", "adopt", "--reason", "test re-created the topics"],
-            cwd=PROJECT_ROOT, env=env.env_vars(), capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        shown = await sandstream(env, "log", "show")
+        assert shown.returncode == 1 and "topic id" in shown.stdout, shown
+        adopt = await sandstream(env, "log", "adopt", "--reason", "test re-created the topics")
         assert adopt.returncode == 0, adopt.stderr
+        assert (await sandstream(env, "log", "show")).returncode == 0
         adoption = (await env.fetch("SELECT reason, old_offsets FROM log_adoptions"))[0]
         assert adoption["reason"] == "test re-created the topics"
 

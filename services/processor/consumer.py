@@ -229,6 +229,10 @@ class Processor:
         self._rows = RowCache(self.settings.processor_row_cache)
 
     @property
+    def _drain_timeout(self) -> float:
+        return self.settings.kafka_request_timeout_ms / 1000
+
+    @property
     def input_topics(self) -> list[str]:
         return [self.settings.topic_commands, self.settings.topic_observations]
 
@@ -267,8 +271,10 @@ class Processor:
         await self.consumer.start()
 
     async def stop(self) -> None:
-        with contextlib.suppress(Exception):  # what is not acknowledged stays in the outbox
-            await self.drain()
+        # What is not acknowledged stays in the outbox (sends to an unreachable broker would
+        # otherwise be awaited for as long as it is gone).
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.drain(), timeout=self._drain_timeout)
         if self.consumer is not None:
             await self.consumer.stop()
         if self.producer is not None:
@@ -556,7 +562,7 @@ class Processor:
         partitions = {tp.partition for tp in revoked}
         async with self._lock:
             try:
-                await self.drain()
+                await asyncio.wait_for(self.drain(), timeout=self._drain_timeout)
             except Exception as exc:  # what is not acknowledged stays for the next owner
                 log.warning("%s: outbox not all acknowledged at revoke (%r)", self.name, exc)
             finally:
