@@ -379,14 +379,42 @@ async def unpublished_outbox(conn: Connection, partition: int) -> list[tuple[int
     return [(r["id"], OutboxRecord(partition, r["topic"], r["key"], r["value"])) for r in rows]
 
 
-async def mark_published(conn: Connection, up_to: Mapping[int, int]) -> None:
-    """Move the publish cursors forward: ``up_to`` maps input partition to outbox id."""
-    items = sorted(up_to.items())
-    await conn.execute(
-        "INSERT INTO outbox_cursor (partition, published_id) "
-        "SELECT * FROM unnest($1::int[], $2::bigint[]) "
-        "ON CONFLICT (partition) DO UPDATE SET published_id = "
-        "GREATEST(outbox_cursor.published_id, EXCLUDED.published_id)",
-        [p for p, _ in items],
-        [i for _, i in items],
-    )
+# The cursor of a partition moves over the outbox ids a publisher had acknowledged, but never
+# past an id of that partition it did not send (a record another owner committed and did not
+# publish): it stops below the first such gap, so nothing committed is ever skipped.
+_MARK_PUBLISHED = """
+WITH acked AS (
+    SELECT * FROM unnest($1::int[], $2::bigint[]) AS a(p, id)
+), cur AS (
+    SELECT ps.p, coalesce(c.published_id, 0) AS at
+    FROM (SELECT DISTINCT p FROM acked) ps LEFT JOIN outbox_cursor c ON c.partition = ps.p
+), gap AS (
+    SELECT cur.p, min(o.id) AS first_missing
+    FROM cur JOIN outbox o ON o.partition = cur.p AND o.id > cur.at
+    WHERE NOT EXISTS (SELECT 1 FROM acked a WHERE a.p = o.partition AND a.id = o.id)
+    GROUP BY cur.p
+), target AS (
+    SELECT cur.p, max(a.id) AS to_id
+    FROM cur JOIN acked a ON a.p = cur.p AND a.id > cur.at
+    LEFT JOIN gap g ON g.p = cur.p
+    WHERE g.first_missing IS NULL OR a.id < g.first_missing
+    GROUP BY cur.p
+), moved AS (
+    INSERT INTO outbox_cursor (partition, published_id) SELECT p, to_id FROM target
+    ON CONFLICT (partition) DO UPDATE SET published_id =
+        GREATEST(outbox_cursor.published_id, EXCLUDED.published_id)
+)
+SELECT g.p AS partition, g.first_missing FROM gap g
+WHERE g.first_missing < (SELECT max(a.id) FROM acked a WHERE a.p = g.p)
+"""
+
+
+async def mark_published(conn: Connection, acked: Mapping[int, Sequence[int]]) -> dict[int, int]:
+    """Move the publish cursors over acknowledged outbox ids (``acked``: input partition to
+    ids). Returns, per partition whose cursor had to stop early, the first id below the
+    acknowledged ones that was never acknowledged (it must be published again)."""
+    items = [(p, i) for p, ids in sorted(acked.items()) for i in ids]
+    if not items:
+        return {}
+    rows = await conn.fetch(_MARK_PUBLISHED, [p for p, _ in items], [i for _, i in items])
+    return {r["partition"]: r["first_missing"] for r in rows}

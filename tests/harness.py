@@ -147,10 +147,13 @@ class Env:
 
 
 @asynccontextmanager
-async def isolated_env(partitions: int = 4) -> AsyncIterator[Env]:
-    """A test environment of its own on the local stack (short session timeouts for crashes)."""
-    overrides = {"kafka_partitions": partitions, "kafka_session_timeout_ms": 2000}
-    async with isolated(Settings(), "t", **overrides) as (settings, pool):
+async def isolated_env(
+    partitions: int = 4, base: Settings | None = None, **more: Any
+) -> AsyncIterator[Env]:
+    """A test environment of its own on the local stack (short session timeouts for crashes);
+    ``base`` to use another broker, ``more`` to override more settings."""
+    overrides = {"kafka_partitions": partitions, "kafka_session_timeout_ms": 2000, **more}
+    async with isolated(base or Settings(), "t", **overrides) as (settings, pool):
         env = Env(settings, pool)
         try:
             yield env

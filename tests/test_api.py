@@ -87,7 +87,7 @@ async def test_healthz_readyz_and_metrics(api: Api) -> None:
         body = ready.json()
         assert body["status"] == "ready" and body["lag"] == 0
         assert {k: v["ok"] for k, v in body["checks"].items()} == {
-            "kafka": True, "postgres": True, "processor_lag": True,
+            "kafka": True, "postgres": True, "log": True, "processor_lag": True,
         }  # fmt: skip
         metrics = await c.get("/metrics")
     assert metrics.status_code == 200

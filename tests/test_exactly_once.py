@@ -112,7 +112,7 @@ async def test_soak_sigkill_many_times() -> None:
         await assert_applied_exactly_once(env, inputs)
 
 
-async def test_two_processors_with_forced_rebalances_apply_exactly_once() -> None:
+async def test_two_processors_with_forced_rebalances_record_every_input_exactly_once() -> None:
     inputs = workload.commands(count=3000, keys=150, seed=3)
     async with isolated_env(partitions=4) as env:
         first = await env.start_processor("p1", max_records=200)
@@ -129,7 +129,7 @@ async def test_two_processors_with_forced_rebalances_apply_exactly_once() -> Non
         await assert_applied_exactly_once(env, inputs)
 
 
-async def test_a_zombie_writer_is_fenced_and_writes_nothing() -> None:
+async def test_a_second_writer_of_a_partition_writes_no_input_twice() -> None:
     inputs = workload.commands(count=60, keys=5, seed=5)
     async with isolated_env(partitions=1) as env:
         await publish(env, inputs)
@@ -144,7 +144,7 @@ async def test_a_zombie_writer_is_fenced_and_writes_nothing() -> None:
                 owner.process_partition(0, records[:40]), zombie.process_partition(0, records[:40])
             )
             assert sorted(applied) == [0, 40]
-            # A zombie still holding an old batch after the owner moved on writes nothing.
+            # A writer still holding an old batch after the owner moved on writes none of it.
             assert await zombie.process_partition(0, records[:30]) == 0
             # Overlapping batches apply only what is new.
             assert await owner.process_partition(0, records[30:]) == 20

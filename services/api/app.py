@@ -7,7 +7,7 @@ to Kafka through the gateway; reads only query PostgreSQL; nothing here calls a 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -40,6 +40,7 @@ def create_app(
     *,
     poll_interval: float = 1.0,
     publish_timeout: float = PUBLISH_TIMEOUT,
+    down: Callable[[], dict[str, str]] | None = None,
 ) -> FastAPI:
     feed = ChangeFeed(pool, poll_interval=poll_interval)
     probe = KafkaProbe(settings, publisher)
@@ -66,7 +67,7 @@ def create_app(
     )
     app.state.tokens = tokens
     app.state.feed = feed
-    app.state.api = ApiState(settings, pool, feed, gateway, probe)
+    app.state.api = ApiState(settings, pool, feed, gateway, probe, down)
     app.add_middleware(MetricsMiddleware)
     install_error_handlers(app)
     # The order of inclusion is the order of the paths in the OpenAPI document.

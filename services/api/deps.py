@@ -103,6 +103,8 @@ class ApiState:
     feed: ChangeFeed
     gateway: CommandGateway
     probe: KafkaProbe
+    # Under `sandstream up`: the control plane's parts now down (restarting), with their error.
+    down: Callable[[], dict[str, str]] | None = None
 
 
 def api_state(request: Request) -> ApiState:

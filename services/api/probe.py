@@ -1,4 +1,5 @@
-"""The readiness probe of Kafka: the input topics' end offsets, from a group-less consumer."""
+"""The readiness probe of Kafka: the input topics' end offsets and the log's identity, from a
+group-less consumer."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from events.publisher import CommandPublisher
+from services.common.log_identity import LogIdentity, log_identity_of
 from services.common.settings import Settings
 
 
@@ -20,7 +22,15 @@ class KafkaProbe:
         self._consumer: AIOKafkaConsumer | None = None
         self._lock = asyncio.Lock()
 
-    async def end_offsets(self, topics: list[str]) -> dict[tuple[str, int], int]:
+    async def log_identity(self, topics: list[str]) -> LogIdentity:
+        consumer = await self._started()
+        try:
+            return await log_identity_of(consumer._client, topics)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _started(self) -> AIOKafkaConsumer:
         async with self._lock:
             if self._consumer is None:
                 consumer = AIOKafkaConsumer(
@@ -35,7 +45,10 @@ class KafkaProbe:
                     await consumer.stop()
                     raise
                 self._consumer = consumer
-            consumer = self._consumer
+            return self._consumer
+
+    async def end_offsets(self, topics: list[str]) -> dict[tuple[str, int], int]:
+        consumer = await self._started()
         try:
             partitions = []
             for topic in topics:

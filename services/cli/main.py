@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from services.cli import audit, operations, processor, sandbox, tokens
+from services.cli import audit, log, operations, processor, sandbox, tokens
 from services.cli import lifecycle as _lifecycle  # noqa: F401  (sandbox hold/release/extend)
 from services.cli.client import CliError, Connection
 from services.cli.render import err
@@ -31,6 +31,7 @@ app.add_typer(sandbox.app, name="sandbox")
 app.add_typer(tokens.app, name="token")
 app.add_typer(audit.app, name="audit")
 app.add_typer(processor.app, name="processor")
+app.add_typer(log.app, name="log")
 for _name, _command in operations.COMMANDS:
     app.command(_name)(_command)
 

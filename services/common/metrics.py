@@ -27,6 +27,18 @@ STOPPED_PARTITIONS = Gauge(
     ["topic", "partition"],
 )
 PUBLISHED = Counter("sandstream_outbox_published_total", "Outbox records sent to Kafka")
+OUTBOX_GAPS = Counter(
+    "sandstream_outbox_gaps_total",
+    "Publish cursors stopped below an outbox record committed by another owner and not sent",
+)
+TASK_RESTARTS = Counter(
+    "sandstream_task_restarts_total",
+    "Long-running tasks of `sandstream up` restarted after they crashed",
+    ["task"],
+)
+TASK_UP = Gauge(
+    "sandstream_task_up", "Whether a supervised long-running task is running (1) or not", ["task"]
+)
 BATCH_SECONDS = Histogram(
     "sandstream_batch_seconds",
     "Time to read, decide and commit one poll's batch",

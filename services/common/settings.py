@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     topic_deadletter: str = names.DEADLETTER
     # How long a consumer that died without leaving (SIGKILL) keeps its partitions.
     kafka_session_timeout_ms: int = Field(default=10_000, ge=1000)
+    # How long a Kafka request (a send's acknowledgement included) may take before it fails;
+    # the processor then backs off and resumes from PostgreSQL instead of stopping.
+    kafka_request_timeout_ms: int = Field(default=40_000, ge=1000)
     processor_group: str = "sandstream-processor"
     processor_max_records: int = Field(default=5000, ge=1)  # per poll, across partitions
     # How long the broker may hold the processor's fetch when nothing is new. A partition whose

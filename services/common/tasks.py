@@ -1,19 +1,32 @@
-"""Named long-running tasks of one process sharing a stop event: a crash of one stops them all."""
+"""Named long-running tasks of one process sharing a stop event.
+
+A plain task that crashes stops them all (a half-running set would look healthy while doing
+nothing). A supervised one (``supervise``) is started again instead, with a bounded back-off,
+and reported meanwhile: logged, counted (``sandstream_task_restarts_total``), shown as down
+(``sandstream_task_up``) and listed by ``down()`` (which ``/readyz`` shows under ``sandstream up``).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
+
+from services.common import metrics
 
 log = logging.getLogger("sandstream.tasks")
 
 # How long stop() waits for a component's task before cancelling it. The executor's own
 # shutdown grace (for driver calls in flight) is shorter, so it drains within this.
 STOP_TIMEOUT = 30.0
+# Back-off of a supervised task between a crash and its next start; back to the first value
+# once a start ran this long.
+RESTART_FIRST, RESTART_MAX, RESTART_RESET = 1.0, 30.0, 60.0
+
+Run = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
 
 
 @dataclass
@@ -22,11 +35,47 @@ class Tasks:
 
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # Supervised tasks that are not running now, with the error that ended their last run.
+    failures: dict[str, str] = field(default_factory=dict)
 
     def spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro, name=name)
         task.add_done_callback(self._ended)
         self.tasks.append(task)
+
+    def supervise(self, name: str, run: Run, *, first_delay: float = RESTART_FIRST) -> None:
+        """Run ``run(stop_event)`` until the stop event; start it again after a crash.
+
+        ``run`` builds what it needs afresh each time (a new processor, new clients), runs
+        until the event is set, and releases everything before it returns or raises."""
+        self.spawn(name, self._supervised(name, run, first_delay))
+
+    async def _supervised(self, name: str, run: Run, first_delay: float) -> None:
+        loop = asyncio.get_running_loop()
+        delay = first_delay
+        while not self.stop_event.is_set():
+            started = loop.time()
+            metrics.TASK_UP.labels(name).set(1)
+            self.failures.pop(name, None)
+            try:
+                await run(self.stop_event)
+            except Exception as exc:
+                if loop.time() - started > RESTART_RESET:
+                    delay = first_delay
+                metrics.TASK_UP.labels(name).set(0)
+                metrics.TASK_RESTARTS.labels(name).inc()
+                self.failures[name] = repr(exc)
+                log.error("%s crashed: %r; starting it again in %.1fs", name, exc, delay,
+                          exc_info=exc)  # fmt: skip
+                if await stopped_within(self.stop_event, delay):
+                    return
+                delay = min(delay * 2, RESTART_MAX)
+                continue
+            return
+
+    def down(self) -> dict[str, str]:
+        """Supervised tasks waiting to be started again, with the error that ended them."""
+        return dict(self.failures)
 
     def _ended(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:

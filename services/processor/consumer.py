@@ -9,6 +9,14 @@ the offsets are still those it read (else the poll is decided again). After comm
 outbox records are sent to Kafka and the per-partition publish cursors move; a crash in
 between leaves them unpublished, and whoever is assigned the partition next publishes them
 before anything else.
+
+Ownership: when a partition is revoked the processor first finishes the batch it is applying
+and waits for its outbox records to be acknowledged, then forgets the partition; a batch polled
+before the revoke is applied only for partitions still owned. The publish cursors move only
+over outbox ids that were acknowledged, and never past one of the partition that was not (a
+gap another owner left is published again). A failure inside the assignment callback (which
+aiokafka would log and swallow) is raised by the poll loop. Losing PostgreSQL or Kafka is ridden
+out in place: back off, then resume from the offsets and cursors stored in PostgreSQL.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, KafkaTimeoutError
 
 from events.codec import (
     COMMANDS,
@@ -63,6 +71,7 @@ from projections.store import (
 from services.common import metrics
 from services.common.database import connect_pool
 from services.common.entrypoint import run_until_signalled
+from services.common.log_identity import check_log_identity, log_identity_of, read_log_identity
 from services.common.settings import Settings
 from services.processor.row_cache import RowCache
 
@@ -273,7 +282,7 @@ class Processor:
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _last_lag_commit: float = 0.0
     # Outbox batches handed to the producer, in commit order, until acknowledged.
-    _unconfirmed: asyncio.Queue[tuple[list[asyncio.Future[Any]], dict[int, int]]] = field(
+    _unconfirmed: asyncio.Queue[tuple[list[asyncio.Future[Any]], dict[int, list[int]]]] = field(
         default_factory=asyncio.Queue
     )
     _confirmer: asyncio.Task[None] | None = None
@@ -286,22 +295,39 @@ class Processor:
     _stopped: dict[int, tuple[str, int]] = field(default_factory=dict)
     _last_stop_check: float = 0.0
     _inputs_lost: InputsLost | None = None  # found on assignment, raised by run()
+    # Partitions this processor owns (assigned and resumed); None when driven directly
+    # (process_partition without a consumer), which owns whatever it is given.
+    _owned: set[int] | None = None
+    _assign_failure: BaseException | None = None  # raised from the poll loop
+    _gaps: set[int] = field(default_factory=set)  # partitions whose cursor stopped at a gap
 
     def __post_init__(self) -> None:
         self._rows = RowCache(self.settings.processor_row_cache)
 
     @property
+    def _drain_timeout(self) -> float:
+        return self.settings.kafka_request_timeout_ms / 1000
+
+    @property
     def input_topics(self) -> list[str]:
         return [self.settings.topic_commands, self.settings.topic_observations]
 
-    async def start(self) -> None:
-        self.producer = AIOKafkaProducer(
+    def _new_producer(self) -> AIOKafkaProducer:
+        return AIOKafkaProducer(
             bootstrap_servers=self.settings.kafka_bootstrap,
             enable_idempotence=True,
             acks="all",
             linger_ms=2,
             max_batch_size=256 * 1024,
+            request_timeout_ms=self.settings.kafka_request_timeout_ms,
         )
+
+    async def start(self) -> None:
+        self._owned = set()
+        # Refuse another log than the stored offsets belong to before joining the group.
+        identity = await read_log_identity(self.settings.kafka_bootstrap, self.input_topics)
+        await check_log_identity(self.pool, identity)
+        self.producer = self._new_producer()
         await self.producer.start()
         for topic in self.input_topics:  # waits for the topic's metadata
             self._check_partition_count(topic, len(await self.producer.partitions_for(topic)))
@@ -317,6 +343,7 @@ class Processor:
             fetch_max_wait_ms=self.settings.processor_fetch_max_wait_ms,
             fetch_max_bytes=16 * 1024 * 1024,
             client_id=self.name,
+            request_timeout_ms=self.settings.kafka_request_timeout_ms,
             session_timeout_ms=self.settings.kafka_session_timeout_ms,
             heartbeat_interval_ms=max(300, self.settings.kafka_session_timeout_ms // 4),
             # Fresh metadata often enough to notice a changed partition count soon.
@@ -326,8 +353,10 @@ class Processor:
         await self.consumer.start()
 
     async def stop(self) -> None:
-        with contextlib.suppress(Exception):  # what is not acknowledged stays in the outbox
-            await self.drain()
+        # What is not acknowledged stays in the outbox (sends to an unreachable broker would
+        # otherwise be awaited for as long as it is gone).
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.drain(), timeout=self._drain_timeout)
         if self.consumer is not None:
             await self.consumer.stop()
         if self.producer is not None:
@@ -344,26 +373,31 @@ class Processor:
     async def run(self, stop: asyncio.Event) -> None:
         assert self.consumer is not None
         while not stop.is_set():
-            for topic in self.input_topics:
-                found = self.consumer.partitions_for_topic(topic)
-                if found is not None:
-                    self._check_partition_count(topic, len(found))
-            batch = await self.consumer.getmany(
-                timeout_ms=self.poll_timeout_ms, max_records=self.max_records
-            )
-            if self._inputs_lost is not None:  # found by the assignment inside getmany
-                raise self._inputs_lost
             try:
+                self._raise_assign_failure()
+                self._raise_publish_failure()  # noticed when idle too, not only by a batch
+                for topic in self.input_topics:
+                    found = self.consumer.partitions_for_topic(topic)
+                    if found is not None:
+                        self._check_partition_count(topic, len(found))
+                batch = await self.consumer.getmany(
+                    timeout_ms=self.poll_timeout_ms, max_records=self.max_records
+                )
+                if self._inputs_lost is not None:  # found by the assignment inside getmany
+                    raise self._inputs_lost
                 if self._stopped:
                     await self._resume_released()
-                if not batch:
-                    continue
-                await self.process(batch)
+                if batch:
+                    self._raise_assign_failure()  # a failed callback ran during the poll
+                    await self.process(batch)
+                elif self._gaps:
+                    await self.republish_gaps()
             except Exception as exc:
-                if not database_gone(exc):
+                lost = backend_lost(exc)
+                if lost is None:
                     raise
-                log.warning("%s lost PostgreSQL (%s); resuming once it is back", self.name, exc)
-                await self._resume_after_database_loss(stop)
+                log.warning("%s lost %s (%r); resuming once it is back", self.name, lost, exc)
+                await self._resume(stop, restart_producer=lost == "Kafka")
 
     def _check_partition_count(self, topic: str, found: int) -> None:
         expected = self.settings.kafka_partitions
@@ -390,30 +424,53 @@ class Processor:
                     "docs/operations.md)"
                 )
 
-    async def _resume_after_database_loss(self, stop: asyncio.Event) -> None:
+    async def _resume(self, stop: asyncio.Event, *, restart_producer: bool) -> None:
         """Start over from what PostgreSQL holds, as after a rebalance.
 
-        Whether the last write committed is unknown, so every assigned partition goes back to
-        its stored offsets (what committed is then skipped as a redelivery), and everything
-        above the publish cursors is published again (at least once, as after a crash).
+        Whether the last write committed (or the last records were sent) is unknown, so every
+        assigned partition goes back to its stored offsets (what committed is then skipped as
+        a redelivery), and everything above the publish cursors is published again (at least
+        once, as after a crash). Retries with a bounded back-off, one log line per attempt.
         """
         assert self.consumer is not None
         await self._forget_connections()
+        producer_ok = not restart_producer
         delay = 0.2
         while not stop.is_set():
             try:
+                if not producer_ok:
+                    await self._restart_producer()
+                    producer_ok = True
                 await self.on_assigned(set(self.consumer.assignment()))
             except Exception as exc:
-                if not database_gone(exc):
+                lost = backend_lost(exc)
+                if lost is None:
                     raise
-                log.info("%s: PostgreSQL still unavailable (%s); retrying in %.1fs",
-                         self.name, exc, delay)  # fmt: skip
+                if lost == "Kafka":
+                    producer_ok = False
+                log.info("%s: %s still unavailable (%r); retrying in %.1fs",
+                         self.name, lost, exc, delay)  # fmt: skip
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=delay)
                 delay = min(delay * 2, 5.0)
                 continue
             log.info("%s resumed from the offsets stored in PostgreSQL", self.name)
             return
+
+    async def _restart_producer(self) -> None:
+        """A new idempotent producer: the old one's sequence state is unknown after errors."""
+        old, self.producer = self.producer, None
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(old.stop(), timeout=5.0)
+        producer = self._new_producer()
+        try:
+            await producer.start()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await producer.stop()
+            raise
+        self.producer = producer
 
     async def _forget_connections(self) -> None:
         """Drop the dead connections and the acknowledgements still awaited on them."""
@@ -423,6 +480,7 @@ class Processor:
         self._confirmer = None
         self._unconfirmed = asyncio.Queue()
         self._publish_failure = None
+        self._assign_failure = None
         self._rows.clear()
         for conn in (self._conn, self._cursor_conn):
             # A closed connection goes back to its pool by itself (which then opens a new
@@ -454,8 +512,15 @@ class Processor:
     ) -> int:
         async with self._lock:
             self._raise_publish_failure()
+            await self._republish_gaps()
             if self._inputs_lost is not None:  # a batch fetched while it was found
                 raise self._inputs_lost
+            if self._owned is not None:  # revoked while this batch waited for the lock
+                dropped = [p for p in by_partition if p not in self._owned]
+                if dropped:
+                    log.info("%s: dropping polled records of partitions %s it no longer owns",
+                             self.name, dropped)  # fmt: skip
+                    by_partition = {p: r for p, r in by_partition.items() if p in self._owned}
             records = [r for p in sorted(by_partition) for r in by_partition[p]]
             applied, outbox = await self._apply(records)
             await self._publish(outbox)
@@ -569,35 +634,42 @@ class Processor:
         """
         if not records:
             return
-        assert self.producer is not None
+        if self.producer is None:
+            raise KafkaTimeoutError("no producer (being restarted)")
         futures = [
             await self.producer.send(rec.topic, value=rec.value, key=rec.key) for _, rec in records
         ]
-        up_to: dict[int, int] = {}
+        sent: dict[int, list[int]] = defaultdict(list)
         for outbox_id, rec in records:
-            up_to[rec.partition] = max(up_to.get(rec.partition, 0), outbox_id)
-        self._unconfirmed.put_nowait((futures, up_to))
+            sent[rec.partition].append(outbox_id)
+        self._unconfirmed.put_nowait((futures, sent))
         if self._confirmer is None or self._confirmer.done():
             self._confirmer = asyncio.create_task(self._confirm_in_order())
 
     async def _confirm_in_order(self) -> None:
         """Await handed-over batches in order; one cursor write for all that are ready."""
         while True:
-            futures, up_to = await self._unconfirmed.get()
-            batches = [(futures, up_to)]
+            futures, sent = await self._unconfirmed.get()
+            batches = [(futures, sent)]
             while not self._unconfirmed.empty():
                 batches.append(self._unconfirmed.get_nowait())
             try:
                 if self._publish_failure is None:  # after a failure no cursor may move again
-                    cursors: dict[int, int] = {}
-                    for futures, up_to in batches:
+                    acked: dict[int, list[int]] = defaultdict(list)
+                    for futures, sent in batches:
                         await asyncio.gather(*futures)
-                        for partition, outbox_id in up_to.items():
-                            cursors[partition] = max(cursors.get(partition, 0), outbox_id)
+                        for partition, ids in sent.items():
+                            acked[partition] += ids
                     if self._cursor_conn is None:
                         self._cursor_conn = await self.pool.acquire()
-                    await mark_published(self._cursor_conn, cursors)
+                    gaps = await mark_published(self._cursor_conn, acked)
                     metrics.PUBLISHED.inc(sum(len(f) for f, _ in batches))
+                    if gaps:
+                        metrics.OUTBOX_GAPS.inc(len(gaps))
+                        log.error("%s: outbox records %s (partition: first id) were committed "
+                                  "by another owner and not published; publishing them again",
+                                  self.name, gaps)  # fmt: skip
+                        self._gaps.update(gaps)
             except Exception as exc:  # surfaced by the next batch: the processor must restart
                 self._publish_failure = exc
             finally:
@@ -612,6 +684,17 @@ class Processor:
         """Wait until every handed-over outbox record is acknowledged and its cursor moved."""
         await self._unconfirmed.join()
         self._raise_publish_failure()
+
+    async def republish_gaps(self) -> None:
+        """Publish again (from the cursor) the partitions whose cursor stopped at a gap."""
+        async with self._lock:
+            await self._republish_gaps()
+
+    async def _republish_gaps(self) -> None:
+        while self._gaps:
+            partition = self._gaps.pop()
+            if self._owned is None or partition in self._owned:
+                await self.publish_pending(partition)
 
     async def publish_pending(self, partition: int) -> int:
         """Publish what a previous owner of the partition committed but did not send."""
@@ -670,7 +753,13 @@ class Processor:
     async def on_assigned(self, assigned: set[TopicPartition]) -> None:
         """Resume each assigned partition from the offsets stored with the rows."""
         assert self.consumer is not None
+        partitions = {tp.partition for tp in assigned}
         async with self._lock:
+            self._owned = set()  # owned again only once sought and republished
+            # The broker may have been replaced since the last assignment.
+            await check_log_identity(
+                self.pool, await log_identity_of(self.consumer._client, self.input_topics)
+            )
             await self.drain()  # our own in-flight records are not "left behind"
             self._rows.clear()  # rows are read again until this processor writes them
             async with self.pool.acquire() as conn:
@@ -699,9 +788,31 @@ class Processor:
             for s in stopped:  # a stopped partition stays stopped across owners and restarts
                 if s.partition in mine:
                     self._pause(s.partition, s.topic, s.offset)
-            for p in sorted({tp.partition for tp in assigned}):
+            for p in sorted(partitions):
                 await self.publish_pending(p)
-        log.info("%s assigned partitions %s", self.name, sorted({tp.partition for tp in assigned}))
+            self._owned = partitions
+            self._assign_failure = None
+        log.info("%s assigned partitions %s", self.name, sorted(partitions))
+
+    async def on_revoked(self, revoked: set[TopicPartition]) -> None:
+        """Finish the batch in hand and see its outbox acknowledged, then let the partitions go:
+        the next owner finds their cursors past everything this processor published."""
+        partitions = {tp.partition for tp in revoked}
+        async with self._lock:
+            try:
+                await asyncio.wait_for(self.drain(), timeout=self._drain_timeout)
+            except Exception as exc:  # what is not acknowledged stays for the next owner
+                log.warning("%s: outbox not all acknowledged at revoke (%r)", self.name, exc)
+            finally:
+                if self._owned is not None:
+                    self._owned -= partitions
+                self._rows.clear()
+        log.info("%s released partitions %s", self.name, sorted(partitions))
+
+    def _raise_assign_failure(self) -> None:
+        if self._assign_failure is not None:
+            failure, self._assign_failure = self._assign_failure, None
+            raise AssignmentFailed("resuming the assigned partitions failed") from failure
 
     async def _commit_to_kafka(
         self, batch: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]
@@ -720,6 +831,29 @@ class Processor:
             log.debug("lag commit skipped: %s", exc)
 
 
+class AssignmentFailed(RuntimeError):
+    """The rebalance callback could not seek or republish the assigned partitions."""
+
+
+def kafka_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a Kafka client error: broker down or restarting,
+    a send not acknowledged in time."""
+    while exc is not None:
+        if isinstance(exc, KafkaError):
+            return True
+        exc = exc.__cause__  # type: ignore[assignment]
+    return False
+
+
+def backend_lost(exc: BaseException) -> str | None:
+    """Which backend ``exc`` says was lost ("PostgreSQL" or "Kafka"), or None for a bug."""
+    if database_gone(exc):
+        return "PostgreSQL"
+    if kafka_gone(exc):
+        return "Kafka"
+    return None
+
+
 def database_gone(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) is a lost or refused PostgreSQL connection."""
     while exc is not None:
@@ -733,11 +867,19 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
     def __init__(self, processor: Processor) -> None:
         self.processor = processor
 
+    # aiokafka logs and swallows an exception raised here: keep it for the poll loop.
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        return None
+        try:
+            await self.processor.on_revoked(revoked)
+        except Exception as exc:
+            self.processor._assign_failure = exc
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        await self.processor.on_assigned(assigned)
+        try:
+            await self.processor.on_assigned(assigned)
+        except Exception as exc:
+            log.error("%s: resuming partitions failed: %r", self.processor.name, exc)
+            self.processor._assign_failure = exc
 
 
 async def serve(settings: Settings, stop: asyncio.Event, name: str = "processor") -> None:

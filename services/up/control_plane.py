@@ -6,8 +6,11 @@ the deadline scheduler (services/scheduler/):
 ``sandstream up`` runs it next to the HTTP API; tests run it against isolated topics and
 schemas with the fake or the Podman driver.
 
-A component that dies takes the whole set down (``stopping`` is set): a half-running control
-plane would look healthy while it no longer applies or executes anything.
+By default a component that dies takes the whole set down (``stopping`` is set): a
+half-running control plane would look healthy while it no longer applies or executes anything.
+``supervised=True`` (``sandstream up``) instead starts a crashed part again with a bounded
+back-off (the processor; the driver side as a whole) and reports it (``down()``, metrics,
+``/readyz``), so that one crash does not take the API down with it.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class ControlPlane:
     # The deadline scheduler: on in `sandstream up`; tests that publish messages stamped with
     # a fixed past time leave it off (every deadline of theirs would be long due).
     with_scheduler: bool = False
+    supervised: bool = False
     processor: Processor | None = None
     driver_side: DriverSide | None = None
     scheduler: Scheduler | None = None
@@ -57,10 +61,50 @@ class ControlPlane:
         return self.driver_side.reconciler if self.driver_side else None
 
     async def start(self) -> None:
+        if self.supervised:
+            self._tasks.supervise("processor", self._run_processor)
+            self._tasks.supervise("driver side", self._run_driver_side)
+            if self.with_scheduler:
+                self._tasks.supervise("scheduler", self._run_scheduler)
+            return
         self.processor = Processor(self.settings, self.pool)
         await self.processor.start()
         self._tasks.spawn("processor", self.processor.run(self._tasks.stop_event))
-        self.driver_side = DriverSide(
+        self.driver_side = self._new_driver_side()
+        await self.driver_side.start(self._tasks)
+        if self.with_scheduler:
+            self.scheduler = Scheduler(self.settings, self.pool)
+            await self.scheduler.start()
+            self._tasks.spawn("scheduler", self.scheduler.run(self._tasks.stop_event))
+
+    async def _run_scheduler(self, stop: asyncio.Event) -> None:
+        scheduler = self.scheduler = Scheduler(self.settings, self.pool)
+        await scheduler.start()
+        try:
+            await scheduler.run(stop)
+        finally:
+            await scheduler.stop()
+
+    async def _run_processor(self, stop: asyncio.Event) -> None:
+        processor = self.processor = Processor(self.settings, self.pool)
+        try:
+            await processor.start()
+            await processor.run(stop)
+        finally:
+            await processor.stop()
+
+    async def _run_driver_side(self, stop: asyncio.Event) -> None:
+        side = self.driver_side = self._new_driver_side()
+        try:
+            await side.start()
+            await _first_of(stop, side.stopping)
+            if not stop.is_set():
+                raise RuntimeError("a driver-side task (executor, watcher, reconciler) crashed")
+        finally:
+            await side.stop()
+
+    def _new_driver_side(self) -> DriverSide:
+        return DriverSide(
             self.settings,
             self.driver,
             self.pool,
@@ -68,11 +112,10 @@ class ControlPlane:
             executor_concurrency=self.executor_concurrency,
             retry=self.retry,
         )
-        await self.driver_side.start(self._tasks)
-        if self.with_scheduler:
-            self.scheduler = Scheduler(self.settings, self.pool)
-            await self.scheduler.start()
-            self._tasks.spawn("scheduler", self.scheduler.run(self._tasks.stop_event))
+
+    def down(self) -> dict[str, str]:
+        """Supervised parts waiting to be started again after a crash, with their error."""
+        return self._tasks.down()
 
     @property
     def stopping(self) -> asyncio.Event:
@@ -83,6 +126,10 @@ class ControlPlane:
 
     async def stop(self) -> None:
         await self._tasks.finish(cancel_first=("watcher",))
+        if self.supervised:  # each part released what it opened
+            if self.owns_pool:
+                await self.pool.close()
+            return
         if self.driver_side is not None:
             await self.driver_side.close()
         if self.scheduler is not None:
@@ -98,3 +145,12 @@ async def open_control_plane(settings: Settings, driver: Driver, **kwargs: Any) 
     plane = ControlPlane(settings, driver, pool, owns_pool=True, **kwargs)
     await plane.start()
     return plane
+
+
+async def _first_of(*events: asyncio.Event) -> None:
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()

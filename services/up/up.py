@@ -28,6 +28,7 @@ from events.publisher import CommandPublisher
 from services.api.app import create_app
 from services.api.auth import TokenFileError, TokenSetup, TokenStore, ensure_tokens
 from services.api.server import bind, start_api
+from services.common.log_filter import rate_limit_kafka_logs
 from services.common.migrations import apply_migrations
 from services.common.settings import Settings
 from services.localstack import stack
@@ -47,6 +48,7 @@ def configure_logging(level: int = logging.INFO) -> None:
     )
     for noisy in ("aiokafka", "kafka"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    rate_limit_kafka_logs()
 
 
 def shown(path: Path) -> str:
@@ -180,10 +182,12 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
     code = 0
     try:
         started = time.monotonic()
-        plane = await open_control_plane(settings, driver, with_scheduler=True)
+        plane = await open_control_plane(settings, driver, with_scheduler=True, supervised=True)
         pool = await connect_pool(settings)
         await publisher.__aenter__()
-        app = create_app(settings, pool, publisher, TokenStore.from_file(tokens.tokens_file))
+        app = create_app(
+            settings, pool, publisher, TokenStore.from_file(tokens.tokens_file), down=plane.down
+        )
         api = await start_api(app, settings.api_host, settings.api_port, sock=sock)
         _banner(settings, api.url, tokens, time.monotonic() - started)
 

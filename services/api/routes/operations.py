@@ -17,6 +17,7 @@ from services.api import readmodel
 from services.api.deps import State
 from services.api.models import Check, HealthBody, ReadyBody
 from services.common import metrics
+from services.common.log_identity import differences, recorded_identity
 
 router = APIRouter()
 
@@ -31,7 +32,8 @@ async def healthz() -> HealthBody:
     response_model=ReadyBody,
     responses={503: {"model": ReadyBody, "description": "not ready (see checks)"}},
     tags=["operations"],
-    summary="Readiness: Kafka, PostgreSQL, the processor's lag and stopped partitions",
+    summary="Readiness: Kafka, PostgreSQL, the log's identity, the processor's lag and "
+    "stopped partitions",
 )
 async def readyz(state: State) -> JSONResponse:
     topics = [state.settings.topic_commands, state.settings.topic_observations]
@@ -39,10 +41,11 @@ async def readyz(state: State) -> JSONResponse:
     ends: dict[tuple[str, int], int] | None = None
     stored: dict[tuple[str, int], int] | None = None
     # Both probes at once: a dead backend costs its timeout once, not twice.
-    kafka, postgres, stopped = await asyncio.gather(
+    kafka, postgres, stopped, log_differences = await asyncio.gather(
         asyncio.wait_for(state.probe.end_offsets(topics), 5.0),
         asyncio.wait_for(readmodel.stored_input_offsets(state.pool, topics), 5.0),
         asyncio.wait_for(_stopped(state, topics), 5.0),
+        asyncio.wait_for(_log_differences(state, topics), 5.0),
         return_exceptions=True,
     )
     if isinstance(kafka, BaseException):
@@ -55,6 +58,23 @@ async def readyz(state: State) -> JSONResponse:
     else:
         stored = postgres
         checks["postgres"] = Check(ok=True, detail=f"schema {state.settings.pg_schema}")
+    if isinstance(log_differences, BaseException):
+        checks["log"] = Check(ok=False, detail=f"unknown: {type(log_differences).__name__}")
+    elif log_differences:
+        checks["log"] = Check(
+            ok=False,
+            detail="not the log the stored offsets belong to (`sandstream log adopt` after a "
+            "replaced log): " + "; ".join(log_differences),
+        )
+    else:
+        checks["log"] = Check(ok=True, detail="the log the stored offsets belong to")
+    if state.down is not None:
+        down = state.down()
+        checks["control_plane"] = Check(
+            ok=not down,
+            detail="; ".join(f"{part} restarting after {error}" for part, error in down.items())
+            or "processor and driver side running",
+        )
     lag = None
     if ends is not None and stored is not None:
         lag = sum(max(0, end - stored.get(tp, 0)) for tp, end in ends.items())
@@ -102,3 +122,10 @@ async def get_metrics(state: State) -> Response:
         for name in ("past_deadline", "held", "expiring_soon"):
             metrics.SANDBOXES_ATTENTION.labels(name).set(getattr(counts, name))
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _log_differences(state: State, topics: list[str]) -> list[str]:
+    current = await state.probe.log_identity(topics)
+    async with state.pool.acquire() as conn:
+        recorded = await recorded_identity(conn, topics)
+    return differences(recorded, current)

@@ -1,0 +1,60 @@
+"""A single-node Kafka of one's own, for tests that must lose their broker.
+
+The shared local broker is never stopped for a test; a test that needs a broker to go away
+starts this one from the same jars (the cache dir) with its own state dir and ports. It can
+advertise another address than it listens on (a TCP proxy the test controls, to cut every
+client connection at once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+
+from services.common.settings import Settings
+from services.localstack import config as cfg
+from services.localstack import stack
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def start(settings: Settings, *, advertised: str | None = None) -> subprocess.Popen[bytes]:
+    """Start a broker listening on ``settings.kafka_bootstrap`` (and its controller port) with
+    its data under ``settings.state_dir``; clients are told to connect to ``advertised``."""
+    paths = cfg.kafka_paths(settings)
+    paths.home.mkdir(parents=True, exist_ok=True)
+    stack._resolve_kafka_libs(settings)
+    properties = cfg.render_server_properties(cfg.KAFKA_PROPERTIES_TEMPLATE.read_text(), settings)
+    if advertised is not None:
+        properties = properties.replace(
+            f"advertised.listeners=PLAINTEXT://{settings.kafka_bootstrap}",
+            f"advertised.listeners=PLAINTEXT://{advertised}",
+        )
+    paths.properties.write_text(properties)
+    stack._format_kafka_storage(settings)
+    return stack._spawn(
+        cfg.kafka_java_command(settings, "kafka.Kafka", str(paths.properties)),
+        log=paths.log,
+        pidfile=paths.pid,
+    )
+
+
+def wait_ready(settings: Settings, proc: subprocess.Popen[bytes]) -> None:
+    """Block until the broker answers a metadata request at ``settings.kafka_bootstrap``."""
+    stack._wait_kafka(settings, proc)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)

@@ -1,0 +1,48 @@
+"""A TCP proxy the test controls: ``cut()`` drops every connection and refuses new ones until
+``restore()``, as a broker restart or a network failure does to its clients."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+
+class TcpProxy:
+    def __init__(self, port: int, target_port: int, host: str = "127.0.0.1") -> None:
+        self.host, self.port, self.target_port = host, port, target_port
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    @property
+    def is_cut(self) -> bool:
+        return self._server is None
+
+    async def restore(self) -> None:
+        if self._server is None:
+            self._server = await asyncio.start_server(self._serve, self.host, self.port)
+
+    async def cut(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        for writer in list(self._writers):
+            writer.transport.abort()  # a reset, not a polite close
+        self._writers.clear()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(self.host, self.target_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers.update((writer, up_writer))
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, OSError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        self._writers.discard(writer)
+        writer.transport.abort()
