@@ -253,6 +253,14 @@ class FakeDriver:
         ):
             self._remove(current)  # launched for another intent: converge to this one
             current = None
+        if current is not None and current.state == "exited":
+            raise DriverError(
+                f"generation {spec.generation} of {spec.key} already ran and exited: a launch "
+                "never starts it again",
+                retryable=False,
+                observed="exited",
+                exit_code=current.exit_code,
+            )
         if current is not None:
             if current.state == "running":
                 return LaunchResult(current.runtime_id, spec.generation, spec.identity, False)

@@ -59,6 +59,15 @@ def _check_keys(mapping: dict[str, str], pattern: re.Pattern[str], what: str) ->
     return mapping
 
 
+class SandboxResources(Strict):
+    """Resource limits of a sandbox's runtime; None means the driver's default
+    (docs/drivers.md)."""
+
+    memory_mib: Annotated[int, Field(ge=6, le=1_048_576)] | None = None
+    cpu_millicores: Annotated[int, Field(ge=10, le=1_024_000)] | None = None
+    pids: Annotated[int, Field(ge=8, le=65_536)] | None = None
+
+
 class SandboxSpec(Strict):
     image: Annotated[str, StringConstraints(min_length=1, max_length=500)]
     command: list[Annotated[str, StringConstraints(max_length=10_000)]] = Field(
@@ -73,6 +82,10 @@ class SandboxSpec(Strict):
     # Grace period between SIGTERM and SIGKILL when the runtime is stopped or deleted;
     # None means the driver's default.
     stop_timeout_seconds: Annotated[int, Field(ge=0, le=3600)] | None = None
+    resources: SandboxResources | None = None
+    # The root filesystem is read-only unless the image needs to write to it (None: the
+    # driver's default, read-only); /workspace and the tmpfs mounts stay writable.
+    read_only_root: bool | None = None
 
     @field_validator("env")
     @classmethod

@@ -8,17 +8,30 @@ from typing import Annotated, Any, Final
 from fastapi import Body, Path, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from events.common import SANDBOX_NAME_PATTERN, CommandId, ProviderName, SandboxName, SandboxSpec
+from events.common import (
+    SANDBOX_NAME_PATTERN,
+    CommandId,
+    ProviderName,
+    SandboxName,
+    SandboxResources,
+    SandboxSpec,
+)
 from services.api.errors import ErrorBody
 from services.api.readmodel import CommandStatus
 
 MAX_WAIT: Final = 60.0  # seconds a command request may wait for its outcome
 
 
+class SandboxResourcesRequest(SandboxResources):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
 class SandboxSpecRequest(SandboxSpec):
     """The spec as a request carries it: JSON types are not coerced (``"3"`` is no integer)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    resources: SandboxResourcesRequest | None = None
 
 
 class CreateSandboxRequest(BaseModel):
