@@ -13,10 +13,19 @@ from typing import Any
 
 import factories as f
 from harness import Env, eventually, isolated_env
-from pipeline_support import command, history, phase, row, wait_phase
+from pipeline_support import (
+    caught_up,
+    command,
+    history,
+    phase,
+    rewind_group,
+    row,
+    wait_phase,
+)
 
 from drivers.fake import FakeDriver
 from events.publisher import CommandPublisher
+from services.executor.driver_side import DriverSide
 from services.executor.executor import Executor, RetryPolicy
 from services.up.control_plane import ControlPlane
 
@@ -263,9 +272,10 @@ async def wait_row_reason(env: Env, key: str, text: str) -> dict[str, Any]:
 # -- redelivery and rebalances --------------------------------------------------------------------
 
 
-async def test_a_redelivered_launch_does_not_launch_twice() -> None:
-    """A second executor group reads the whole log again (as after a crash before any
-    commit): the driver is asked again, nothing new is started, the rows do not move."""
+async def test_a_replayed_log_calls_no_driver_for_what_the_rows_moved_past() -> None:
+    """An executor whose group committed offset is old (as after a crash long ago) reads the
+    log again: every intent is checked against its row, and none the rows moved past reaches
+    the driver or reports a result."""
     driver = FakeDriver()
     async with isolated_env() as env:
         plane = ControlPlane(env.settings, driver, env.pool, reconcile_interval=3600)
@@ -274,48 +284,74 @@ async def test_a_redelivered_launch_does_not_launch_twice() -> None:
             async with await env.publisher() as pub:
                 await command(env, pub, f.create("x"))
                 await command(env, pub, f.create("y"))
+                await command(env, pub, f.create("z"))
                 await wait_phase(env, "x", "Ready")
                 await wait_phase(env, "y", "Ready", generation=1)
+                await wait_phase(env, "z", "Ready")
                 await command(env, pub, f.restart("y"))
                 await wait_phase(env, "y", "Ready", generation=2)
+                await command(env, pub, f.stop("x"))
+                await wait_phase(env, "x", "Stopped")
+                await command(env, pub, f.delete("z"))
+                await wait_phase(env, "z", "Deleted")
         finally:
             await plane.stop()
         before = await driver.list()
-        launches = len(driver.calls_for("launch"))
-        rows_before = [await row(env, k) for k in ("x", "y")]
+        calls = len(driver.calls)
+        rows_before = [await row(env, k) for k in ("x", "y", "z")]
+        results_before = [len(await driver_results(env, k)) for k in ("x", "y", "z")]
 
         await env.start_processor()
-        again = Executor(
-            env.settings.model_copy(update={"executor_group": env.settings.executor_group + "-2"}),
-            driver,
-            retry=FAST_RETRY,
-        )
+        await rewind_group(env.settings, env.settings.executor_group)
+        again = Executor(env.settings, driver, env.pool, retry=FAST_RETRY)
         await again.start()
         stop = asyncio.Event()
         task = asyncio.create_task(again.run(stop))
         try:
             await eventually(
-                lambda: driver_results(env, "x"),
-                lambda rs: len(rs) == 2,
-                what="the redelivered launch of x reported",
-            )
-            # y's log: launch g1, launch g2 (restart). The replay reports at least the launch
-            # of generation 2 (the launch of generation 1 is skipped as superseded when both
-            # are queued together, or else fails as superseded in the driver).
-            await eventually(
-                lambda: driver_results(env, "y"),
-                lambda rs: any(r["message"]["generation"] == 2 for r in rs[2:]),
-                what="the redelivered launch of y generation 2 reported",
+                lambda: caught_up(env.settings, env.settings.executor_group),
+                bool,
+                what="the old executor group committed the end of the log again",
             )
         finally:
             stop.set()
             await task
             await again.stop()
-        assert len(driver.calls_for("launch")) > launches  # it was asked again ...
-        assert await driver.list() == before  # ... and started nothing new
-        assert [await row(env, k) for k in ("x", "y")] == rows_before
-        redelivered = (await driver_results(env, "x"))[-1]
-        assert redelivered["disposition"] == "ignored"
+        assert again.dropped >= 4  # launch x, stop x, launch y g2, delete z (+ launch y g1, z)
+        assert len(driver.calls) == calls  # no driver call at all
+        assert await driver.list() == before
+        assert [await row(env, k) for k in ("x", "y", "z")] == rows_before
+        assert [len(await driver_results(env, k)) for k in ("x", "y", "z")] == results_before
+
+
+async def test_a_new_executor_group_starts_at_the_end_and_the_reconciler_picks_up() -> None:
+    """Commands decided while no executor ran: a new group does not replay the log, and the
+    reconcile loop hands the executor what the rows still want, once."""
+    driver = FakeDriver()
+    async with isolated_env() as env:
+        await env.start_processor()
+        async with await env.publisher() as pub:
+            await command(env, pub, f.create("early"))
+            await command(env, pub, f.create("gone"))
+            await command(env, pub, f.delete("gone"))
+            assert await phase(env, "early") == "Provisioning"
+            assert await phase(env, "gone") == "Deleting"
+            side = DriverSide(
+                env.settings, driver, env.pool, reconcile_interval=0.3, retry=FAST_RETRY
+            )
+            await side.start()
+            try:
+                await wait_phase(env, "early", "Ready")
+                await wait_phase(env, "gone", "Deleted")
+                await command(env, pub, f.create("late"))  # decided after the group joined
+                await wait_phase(env, "late", "Ready")
+                assert side.reconciler is not None and side.reconciler.picked_up == 2
+            finally:
+                await side.stop()
+        assert len(driver.calls_for("launch", "early")) == 1
+        assert len(driver.calls_for("delete", "gone")) == 1
+        assert len(driver.calls_for("launch", "gone")) == 0  # its launch was never replayed
+        assert len(driver.calls_for("launch", "late")) == 1
 
 
 async def test_an_intent_in_flight_during_a_rebalance_is_not_lost_or_doubled() -> None:
@@ -325,8 +361,8 @@ async def test_an_intent_in_flight_during_a_rebalance_is_not_lost_or_doubled() -
     driver = FakeDriver()
     async with isolated_env() as env:
         await env.start_processor()
-        first = Executor(env.settings, driver, retry=FAST_RETRY, revoke_grace=0.2)
-        second = Executor(env.settings, driver, retry=FAST_RETRY)
+        first = Executor(env.settings, driver, env.pool, retry=FAST_RETRY, revoke_grace=0.2)
+        second = Executor(env.settings, driver, env.pool, retry=FAST_RETRY)
         stop = asyncio.Event()
         await first.start()
         tasks = [asyncio.create_task(first.run(stop))]

@@ -66,6 +66,9 @@ class Settings(BaseSettings):
 
     # Executor and reconciler (services/executor.py, services/watcher.py)
     executor_concurrency: int = Field(default=64, ge=1)  # driver calls in flight at once
+    # Slow calls (stop, delete, a restart's launch: they may wait out a grace period) run in
+    # their caller's own lane, at most this many at once per caller (token name).
+    executor_slow_per_caller: int = Field(default=16, ge=1)
     executor_retry_seconds: float = Field(default=600, ge=0)  # retry transient failures this long
     reconcile_interval_seconds: float = Field(default=30, gt=0)
 
