@@ -389,7 +389,8 @@ class PodmanDriver:
         request_timeout: float = 60.0,
         reconnect_delay: float = 0.2,
         max_reconnect_delay: float = 5.0,
-        max_workers: int = 64,
+        max_workers: int = 1024,
+        read_workers: int = 8,
         init: bool = True,
         limits: SandboxResources = DEFAULT_LIMITS,
     ) -> None:
@@ -403,10 +404,14 @@ class PodmanDriver:
         self._request_timeout = request_timeout
         self._reconnect_delay = reconnect_delay
         self._max_reconnect_delay = max_reconnect_delay
-        # Podman calls block their thread (a stop for up to the stop timeout): an own pool, so
-        # slow stops of some sandboxes cannot use up the loop's default executor and delay
-        # calls for the others (or anything else in the process).
+        # Podman calls block their thread (a stop for up to the grace period): pools of our
+        # own, so slow stops cannot use up the loop's default executor. Launch, stop and
+        # delete get a thread each (the executor bounds them: shared slots for fast calls, a
+        # lane per caller for slow ones), so a sandbox waiting out its grace period holds no
+        # thread another one needs; reads (list, get, the watcher's listing, exec) have their
+        # own small pool and never queue behind lifecycle calls.
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="podman-call")
+        self._reads = ThreadPoolExecutor(read_workers, thread_name_prefix="podman-read")
         self._local = threading.local()
         self._clients: builtins.list[PodmanClient] = []
         self._clients_lock = threading.Lock()
@@ -500,6 +505,7 @@ class PodmanDriver:
         for client in clients:
             client.close()  # type: ignore[no-untyped-call]
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._reads.shutdown(wait=False, cancel_futures=True)
 
     # -- extras ------------------------------------------------------------------------------
 
@@ -536,8 +542,8 @@ class PodmanDriver:
         return lock
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a blocking call in the driver's pool (like asyncio.to_thread, own threads)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """Run a blocking read in the driver's read pool (like asyncio.to_thread)."""
+        return await asyncio.get_running_loop().run_in_executor(self._reads, fn, *args)
 
     def _client(self) -> PodmanClient:
         """One client per worker thread (a requests session is not meant to be shared)."""

@@ -413,3 +413,36 @@ async def test_an_intent_in_flight_during_a_rebalance_is_not_lost_or_doubled() -
         assert [r["message"]["outcome"] for r in results] == ["succeeded"] * len(results) != []
         for result in results:
             assert_confirms_ready(result)
+
+
+async def test_a_restart_overtaken_by_a_stop_is_dropped_and_still_stops_the_older_generation() -> (
+    None
+):
+    """The caller's slow lane (one wide) is busy, so y's restart waits; a stop of y is decided
+    meanwhile. The restart's launch is dropped (the row is Stopping generation 2), generation
+    1 is stopped instead of left running, and y ends Stopped with no generation 2 runtime."""
+    driver = FakeDriver()
+    async with isolated_env() as env:
+        settings = env.settings.model_copy(update={"executor_slow_per_caller": 1})
+        plane = ControlPlane(settings, driver, env.pool, reconcile_interval=3600, retry=FAST_RETRY)
+        await plane.start()
+        try:
+            async with await env.publisher() as pub:
+                await command(env, pub, f.create("blocker"))
+                await command(env, pub, f.create("y"))
+                await wait_phase(env, "blocker", "Ready")
+                await wait_phase(env, "y", "Ready")
+                held = driver.block("stop", "blocker")
+                await command(env, pub, f.stop("blocker"))
+                await held.entered()  # the caller's lane is taken
+                await command(env, pub, f.restart("y"))
+                await command(env, pub, f.stop("y"))
+                await wait_phase(env, "y", "Stopping", generation=2)
+                held.release()
+                await wait_phase(env, "y", "Stopped", generation=2)
+                assert plane.executor is not None and plane.executor.dropped == 1
+        finally:
+            await plane.stop()
+        assert [c.generation for c in driver.calls_for("launch", "y")] == [1]
+        assert [c.generation for c in driver.calls_for("stop", "y")] == [1, 2]
+        assert [(i.generation, i.state) for i in await driver.get("y")] == [(1, "exited")]

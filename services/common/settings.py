@@ -79,6 +79,9 @@ class Settings(BaseSettings):
     api_url: str | None = None
     # Tokens file, admin token and pid file of `sandstream up` (default: state_dir).
     run_dir: Path | None = None
+    # The longest grace period (stop_timeout_seconds) a create may ask for, unless its token
+    # sets its own max_stop_timeout_seconds (tokens file).
+    api_max_stop_timeout_seconds: int = Field(default=600, ge=0, le=3600)
     # /readyz fails while the processor is more input records than this behind Kafka.
     readiness_max_lag: int = Field(default=1000, ge=0)
 

@@ -25,7 +25,7 @@ from events.outcomes import CommandOutcome
 from events.publisher import new_command_id, now
 from services.api import readmodel
 from services.api.deps import Reader, State, Writer
-from services.api.errors import STATUS_OF, error_response
+from services.api.errors import STATUS_OF, ApiError, error_response
 from services.api.gateway import CommandGateway, PublishFailed
 from services.api.models import (
     COMMAND_RESPONSES,
@@ -80,6 +80,16 @@ async def submit(gateway: CommandGateway, command: Command, wait: float | None) 
 async def create_sandbox(
     body: CreateSandboxRequest, principal: Writer, state: State, wait: WaitQuery = None
 ) -> JSONResponse:
+    cap = principal.max_stop_timeout
+    cap = state.settings.api_max_stop_timeout_seconds if cap is None else cap
+    asked = body.spec.stop_timeout_seconds
+    if asked is not None and asked > cap:
+        raise ApiError(
+            422,
+            "INVALID_ARGUMENT",
+            f"field 'spec.stop_timeout_seconds': at most {cap} seconds for token "
+            f"{principal.name!r} (asked for {asked})",
+        )
     command = CreateSandbox(
         type="CreateSandbox",
         command_id=body.command_id or new_command_id(),
