@@ -78,8 +78,10 @@ def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     described = {
         401: "missing or invalid token",
         403: "the token lacks the scope",
-        404: "no such sandbox (NOT_FOUND)",
-        409: "ALREADY_EXISTS, or ABORTED (expected_version mismatch)",
+        404: "NOT_FOUND: no such sandbox (or command)",
+        409: "ALREADY_EXISTS, ABORTED (expected_version mismatch), or IDEMPOTENCY_CONFLICT "
+        "(the command_id was first used for another request)",
+        413: "PAYLOAD_TOO_LARGE: the body or the command is above the limit",
         412: "FAILED_PRECONDITION: the phase does not admit the command",
         422: "INVALID_ARGUMENT: the request names the offending field",
         503: "UNAVAILABLE: Kafka or PostgreSQL cannot be reached",
@@ -89,7 +91,7 @@ def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 COMMAND_RESPONSES = {
     202: {"model": CommandStatus, "description": "published; the outcome is pending"},
-    **responses(401, 403, 404, 409, 412, 422, 503),
+    **responses(401, 403, 404, 409, 412, 413, 422, 503),
 }
 
 WaitQuery = Annotated[

@@ -79,6 +79,9 @@ class Settings(BaseSettings):
     api_url: str | None = None
     # Tokens file, admin token and pid file of `sandstream up` (default: state_dir).
     run_dir: Path | None = None
+    # Request bodies above this are refused (413) unread; it stays below Kafka's message size
+    # limit (1 MiB), so an accepted command always fits in a record.
+    api_max_body_bytes: int = Field(default=512 * 1024, ge=1024)
     # The longest grace period (stop_timeout_seconds) a create may ask for, unless its token
     # sets its own max_stop_timeout_seconds (tokens file).
     api_max_stop_timeout_seconds: int = Field(default=600, ge=0, le=3600)

@@ -67,13 +67,13 @@ async def watch(
     if last_event_id is not None and last_event_id.strip():
         try:
             start = int(last_event_id)
-            if start < 0:
+            if not 0 <= start <= 2**63 - 1:
                 raise ValueError
         except ValueError:
             raise ApiError(
                 422,
                 "INVALID_ARGUMENT",
-                "header 'Last-Event-ID': must be a non-negative integer (an event id)",
+                "header 'Last-Event-ID': must be a non-negative integer below 2^63 (an event id)",
             ) from None
     return StreamingResponse(
         watch_stream(state.pool, state.feed, start, name, include_deleted, timeout),
