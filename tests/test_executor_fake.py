@@ -12,6 +12,8 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import factories as f
+from aiokafka import TopicPartition
+from aiokafka.partitioner import DefaultPartitioner
 from harness import Env, eventually, isolated_env
 from pipeline_support import (
     caught_up,
@@ -25,8 +27,10 @@ from pipeline_support import (
 
 from drivers.fake import FakeDriver
 from events.publisher import CommandPublisher
+from events.topics import record_key
+from services.common.settings import Settings
 from services.executor.driver_side import DriverSide
-from services.executor.executor import Executor, RetryPolicy
+from services.executor.executor import Executor, PartitionProgress, RetryPolicy
 from services.up.control_plane import ControlPlane
 
 FAST_RETRY = RetryPolicy(first_delay=0.01, max_delay=0.05, give_up_after=5.0)
@@ -446,3 +450,14 @@ async def test_a_restart_overtaken_by_a_stop_is_dropped_and_still_stops_the_olde
         assert [c.generation for c in driver.calls_for("launch", "y")] == [1]
         assert [c.generation for c in driver.calls_for("stop", "y")] == [1, 2]
         assert [(i.generation, i.state) for i in await driver.get("y")] == [(1, "exited")]
+
+
+def test_an_executor_picks_up_only_sandboxes_of_its_own_partitions() -> None:
+    """The reconcile loop runs in every executor process; a row is picked up only by the
+    executor that owns its partition (the one the producer's partitioner chose)."""
+    settings = Settings().model_copy(update={"kafka_partitions": 4, "topic_events": "ev"})
+    executor = Executor(settings, FakeDriver(), None)  # type: ignore[arg-type]
+    executor._owned = {TopicPartition("ev", 2): PartitionProgress()}
+    for key in [f"sb-{i}" for i in range(40)]:
+        chosen = DefaultPartitioner()(record_key(key), [0, 1, 2, 3], [0, 1, 2, 3])
+        assert executor.owns(key) == (chosen == 2), key

@@ -50,6 +50,7 @@ from uuid import UUID
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
+from aiokafka.partitioner import murmur2
 from pydantic import ValidationError
 
 from drivers.protocol import (
@@ -71,6 +72,7 @@ from events.decided import (
 )
 from events.observations import DriverOperationResult, Operation
 from events.publisher import publish_until_sent
+from events.topics import record_key
 from projections.lifecycle import Sandbox
 from projections.store import CONNECTION_ERRORS
 from services.common import metrics
@@ -381,14 +383,24 @@ class Executor:
     def pick_up(self, row: Sandbox) -> bool:
         """Queue what a progressing row still wants (the reconcile loop calls this for rows
         that stayed unchanged in a progressing phase for a whole pass). Nothing is queued
-        while the sandbox has intents here: they will act on the row."""
+        while the sandbox has intents here (they will act on the row), nor for a sandbox whose
+        partition another executor owns."""
         intent = intent_of_row(row)
-        if intent is None or self._closing or self.pending(row.key):
+        if intent is None or self._closing or self.pending(row.key) or not self.owns(row.key):
             return False
         log.info("picking up %s of %s generation %d from its %s row",
                  intent.operation, row.key, row.generation, row.phase)  # fmt: skip
         self._add(_Item(intent))
         return True
+
+    def owns(self, key: str) -> bool:
+        """Whether ``key``'s partition of the events topic is assigned here: only its owner
+        may act on a sandbox (another executor of the group serves the others)."""
+        topic = self.settings.topic_events
+        known = self.consumer.partitions_for_topic(topic) if self.consumer else None
+        count = len(known) if known else self.settings.kafka_partitions
+        partition = (murmur2(record_key(key)) & 0x7FFFFFFF) % count  # the default partitioner
+        return TopicPartition(topic, partition) in self._owned
 
     def _add(self, item: _Item) -> None:
         key = item.intent.key
