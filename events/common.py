@@ -82,10 +82,12 @@ class SandboxSpec(Strict):
     # Grace period between SIGTERM and SIGKILL when the runtime is stopped or deleted;
     # None means the driver's default.
     stop_timeout_seconds: Annotated[int, Field(ge=0, le=3600)] | None = None
-    resources: SandboxResources | None = None
+    # Left out of the JSON while unset, so specs without them serialize as before (byte-identical
+    # events on replay, readable by a version that does not know them).
+    resources: SandboxResources | None = Field(default=None, exclude_if=lambda v: v is None)
     # The root filesystem is read-only unless the image needs to write to it (None: the
     # driver's default, read-only); /workspace and the tmpfs mounts stay writable.
-    read_only_root: bool | None = None
+    read_only_root: bool | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @field_validator("env")
     @classmethod

@@ -135,8 +135,7 @@ async def test_create_with_wait_returns_201_and_the_row(api: Api) -> None:
     assert (row["name"], row["phase"], row["generation"], row["version"]) == (name, "Ready", 1, 2)
     assert row["spec"] == {
         "image": "registry.example/agent:1", "command": ["sleep", "60"], "env": {"A": "1"},
-        "labels": {"team": "ml"}, "stop_timeout_seconds": 3, "resources": None,
-        "read_only_root": None,
+        "labels": {"team": "ml"}, "stop_timeout_seconds": 3,
     }  # fmt: skip
     assert outcome["identity"] == row["identity"]  # the identity the create minted
     assert row["labels"] == {"team": "ml"}

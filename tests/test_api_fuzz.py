@@ -25,6 +25,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.config import SchemathesisConfig
+from schemathesis.core.parameters import ParameterLocation
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     negative_data_rejection,
@@ -155,7 +156,22 @@ def test_the_api_never_fails_with_a_server_error(case: Any, fuzz_server: str) ->
             if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout > 0.2:
                 query["timeout"] = 0.2
     response = case.call(base_url=fuzz_server, timeout=30)
-    case.validate_response(response, checks=CHECKS)
+    checks = CHECKS
+    if only_query_is_negative(case):
+        # A query string carries strings only: a "type" mutation of a string parameter
+        # (``label=0.0``) is still a valid value, so acceptance proves nothing. Such cases
+        # still must not 5xx and must answer as documented; tests/test_api.py and
+        # tests/test_api_hostile.py pin the 422s of malformed query parameters.
+        checks = [c for c in CHECKS if c is not negative_data_rejection]
+    case.validate_response(response, checks=checks)
+
+
+def only_query_is_negative(case: Any) -> bool:
+    meta = case.meta
+    if meta is None or not meta.generation.mode.is_negative:
+        return False
+    negative = {loc for loc, info in meta.components.items() if info.mode.is_negative}
+    return negative == {ParameterLocation.QUERY}
 
 
 def test_the_pipeline_still_decides_commands_after_the_fuzzing(fuzz_server: str) -> None:

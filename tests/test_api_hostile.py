@@ -177,3 +177,24 @@ async def test_the_processor_survives_what_the_api_refused(api: Api) -> None:
         r = await c.post("/v1/sandboxes", params={"wait": 30}, json=create_body(name))
         assert r.status_code == 201, r.text
     await api.wait_phase(name, "Ready")
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"image": "busy\x00box"}, "field 'spec.image'"),
+        ({"image": "busybox", "command": ["sh", "-c", "\x00"]}, "field 'spec.command'"),
+        ({"image": "busybox", "env": {"A": "x\x00"}}, "field 'spec.env'"),
+        ({"image": "busybox", "labels": {"team": "\x00"}}, "field 'spec.labels'"),
+    ],
+)
+async def test_a_nul_in_a_spec_is_422_and_never_reaches_the_processor(
+    api: Api, spec: dict[str, Any], field: str
+) -> None:
+    before = await api.commands_published()
+    async with api.client() as c:
+        r = await c.post("/v1/sandboxes", json={"name": unique(), "spec": spec})
+    assert r.status_code == 422, r.text
+    assert r.json()["message"].startswith(field), r.json()["message"]
+    assert "NUL" in r.json()["message"]
+    assert await api.commands_published() == before

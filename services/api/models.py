@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Final
 
 from fastapi import Body, Path, Query
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from events.common import (
     SANDBOX_NAME_PATTERN,
@@ -26,12 +26,32 @@ class SandboxResourcesRequest(SandboxResources):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
+def _no_nul(value: Any) -> None:
+    if isinstance(value, str) and "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    if isinstance(value, list):
+        for item in value:
+            _no_nul(item)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _no_nul(key)
+            _no_nul(item)
+
+
 class SandboxSpecRequest(SandboxSpec):
-    """The spec as a request carries it: JSON types are not coerced (``"3"`` is no integer)."""
+    """The spec as a request carries it: JSON types are not coerced (``"3"`` is no integer),
+    and no string has a NUL character (PostgreSQL's text and jsonb cannot store one: the
+    processor would have to dead-letter the command)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    resources: SandboxResourcesRequest | None = None
+    @field_validator("image", "command", "env", "labels")
+    @classmethod
+    def _storable(cls, value: Any) -> Any:
+        _no_nul(value)
+        return value
+
+    resources: SandboxResourcesRequest | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CreateSandboxRequest(BaseModel):
@@ -54,6 +74,7 @@ class LifecycleRequest(BaseModel):
     expected_version: int | None = Field(
         default=None,
         ge=0,
+        le=2**63 - 1,
         description="reject with ABORTED (409) unless the row is at this version",
     )
 
