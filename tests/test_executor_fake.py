@@ -7,9 +7,12 @@ set up exactly instead of hoped for; waits poll to a deadline and fail with the 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from typing import Any
+from uuid import UUID
 
 import factories as f
 from aiokafka import TopicPartition
@@ -26,11 +29,20 @@ from pipeline_support import (
 )
 
 from drivers.fake import FakeDriver
+from events.common import Phase, SandboxSpec
+from events.observations import Operation
 from events.publisher import CommandPublisher
 from events.topics import record_key
+from projections.lifecycle import Sandbox
 from services.common.settings import Settings
 from services.executor.driver_side import DriverSide
-from services.executor.executor import Executor, PartitionProgress, RetryPolicy
+from services.executor.executor import (
+    Executor,
+    Intent,
+    PartitionProgress,
+    RetryPolicy,
+    unwanted,
+)
 from services.up.control_plane import ControlPlane
 
 FAST_RETRY = RetryPolicy(first_delay=0.01, max_delay=0.05, give_up_after=5.0)
@@ -461,3 +473,40 @@ def test_an_executor_picks_up_only_sandboxes_of_its_own_partitions() -> None:
     for key in [f"sb-{i}" for i in range(40)]:
         chosen = DefaultPartitioner()(record_key(key), [0, 1, 2, 3], [0, 1, 2, 3])
         assert executor.owns(key) == (chosen == 2), key
+
+
+def test_the_row_decides_which_intents_are_still_wanted() -> None:
+    """``unwanted`` (pure): each operation against the rows that want it and those that moved
+    past it."""
+    sid, other = uuid.uuid4(), uuid.uuid4()
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    spec = SandboxSpec(image="busybox")
+
+    def row(phase: Phase, generation: int = 2, sandbox_id: UUID = sid) -> Sandbox:
+        return Sandbox("k", sandbox_id, phase, generation, 5, spec, (), "id", None, None, now, now)
+
+    def intent(operation: Operation, generation: int = 2) -> Intent:
+        return Intent(operation, "k", sid, generation, "r", "alice")
+
+    wanted = [
+        ("launch", row(Phase.PROVISIONING)),
+        ("launch", row(Phase.STARTING)),
+        ("stop", row(Phase.STOPPING)),
+        ("delete", row(Phase.DELETING)),
+        ("delete", row(Phase.DELETING, generation=3)),  # a delete covers every generation
+    ]
+    for operation, current in wanted:
+        assert unwanted(intent(operation), current) is None, (operation, current.phase)
+    moved_past = [
+        ("launch", row(Phase.READY)),  # launched already
+        ("launch", row(Phase.STOPPED)),  # stopped: never resurrected
+        ("launch", row(Phase.STARTING, generation=3)),  # a newer start
+        ("stop", row(Phase.STOPPED)),
+        ("stop", row(Phase.STOPPING, generation=3)),
+        ("delete", row(Phase.DELETED)),  # the tombstone
+        ("delete", row(Phase.DELETING, sandbox_id=other)),  # a re-created name
+        ("launch", row(Phase.PROVISIONING, sandbox_id=other)),
+        ("launch", None),
+    ]
+    for operation, maybe in moved_past:
+        assert unwanted(intent(operation), maybe) is not None, (operation, maybe)

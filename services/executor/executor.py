@@ -131,7 +131,10 @@ def intent_of_row(row: Sandbox, actor: str = "reconciler") -> Intent | None:
     match row.phase:
         case Phase.PROVISIONING | Phase.STARTING:
             spec = LaunchSpec(row.key, row.sandbox_id, row.generation, row.identity, row.spec)
-            return replace(base, launch=spec)
+            if row.phase is Phase.PROVISIONING:
+                return replace(base, launch=spec)
+            # A start or restart: generations of one incarnation count up one at a time.
+            return replace(base, launch=spec, previous_generation=row.generation - 1)
         case Phase.STOPPING:
             return replace(base, operation="stop")
         case Phase.DELETING:
@@ -548,8 +551,8 @@ class Executor:
             if not self._current(item):
                 return None
             why = await self._unwanted(item)
-            if why is None and not self._current(item):
-                return None
+            if not self._current(item):
+                return None  # revoked or shutting down meanwhile: left for the next owner
             if why is not None:
                 await self._dropped(item.intent, why)
                 return Dropped(why)
