@@ -57,7 +57,10 @@ async def test_a_hundred_stuck_deletes_of_one_caller_do_not_starve_another_calle
         image="busybox", labels={IGNORES_SIGTERM: "true"}, stop_timeout_seconds=STUCK_FOR
     )
     async with isolated_env() as env:
-        plane = ControlPlane(env.settings, driver, env.pool, reconcile_interval=3600)
+        # The hostile caller's lane is narrower than the default (a per-caller setting).
+        lane = 5
+        settings = env.settings.model_copy(update={"executor_slow_callers": {HOSTILE: lane}})
+        plane = ControlPlane(settings, driver, env.pool, reconcile_interval=3600)
         await plane.start()
         try:
             async with await env.publisher() as pub:
@@ -73,7 +76,6 @@ async def test_a_hundred_stuck_deletes_of_one_caller_do_not_starve_another_calle
                     await pub.publish(f.delete(key, actor=HOSTILE))
                 executor = plane.executor
                 assert executor is not None
-                lane = env.settings.executor_slow_per_caller
                 await eventually(
                     lambda: deleting(env, stuck), lambda n: n == 100, what="100 rows Deleting"
                 )

@@ -7,6 +7,7 @@ overridden by an environment variable named ``SANDSTREAM_<FIELD>`` (e.g.
 
 from __future__ import annotations
 
+import json
 from functools import cached_property
 from pathlib import Path
 
@@ -69,6 +70,8 @@ class Settings(BaseSettings):
     # Slow calls (stop, delete, a restart's launch: they may wait out a grace period) run in
     # their caller's own lane, at most this many at once per caller (token name).
     executor_slow_per_caller: int = Field(default=16, ge=1)
+    # Per caller (token name) exceptions to it, e.g. SANDSTREAM_EXECUTOR_SLOW_CALLERS='{"ci": 4}'.
+    executor_slow_callers: dict[str, int] = Field(default_factory=dict)
     executor_retry_seconds: float = Field(default=600, ge=0)  # retry transient failures this long
     reconcile_interval_seconds: float = Field(default=30, gt=0)
 
@@ -144,10 +147,15 @@ class Settings(BaseSettings):
     def as_env(self) -> dict[str, str]:
         """These settings as SANDSTREAM_* variables, for a child process to load the same."""
         return {
-            f"SANDSTREAM_{name.upper()}": str(value)
+            f"SANDSTREAM_{name.upper()}": _env_value(value)
             for name, value in self.model_dump().items()
             if value is not None
         }
+
+
+def _env_value(value: object) -> str:
+    """Mappings as JSON, which is how pydantic-settings reads them back."""
+    return json.dumps(value) if isinstance(value, dict) else str(value)
 
 
 def load_settings() -> Settings:

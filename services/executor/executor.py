@@ -534,7 +534,8 @@ class Executor:
             return self._slots
         lane = self._lanes.get(intent.actor)
         if lane is None:
-            lane = self._lanes[intent.actor] = asyncio.Semaphore(self.slow_per_caller)
+            width = self.settings.executor_slow_callers.get(intent.actor, self.slow_per_caller)
+            lane = self._lanes[intent.actor] = asyncio.Semaphore(max(1, width))
         return lane
 
     async def _call(self, item: _Item) -> CallResult | Dropped | None:
