@@ -13,7 +13,11 @@ listing) and adds hooks a test drives explicitly:
 - ``reconnect_watchers()`` makes every watch stream list everything again, like a watcher that
   lost its event stream;
 - ``calls`` records every call in order, with the grace period a stop or delete used (the
-  caller's timeout, else the sandbox's ``stop_timeout_seconds``, else the fake's default).
+  caller's timeout, else the sandbox's ``stop_timeout_seconds``, else the fake's default);
+- ``real_grace=True``: a running runtime whose spec carries the label ``IGNORES_SIGTERM``
+  (``"true"``) makes a stop or delete really wait out its grace period (asyncio time, no
+  thread), then it is killed (exit 137): slow sandboxes with real timing, for head-of-line
+  tests and benchmarks.
 
 Nothing here reads the wall clock or randomness unless a ``clock`` is given: runtime ids,
 observation ids and timestamps follow from the order of calls.
@@ -44,6 +48,9 @@ from events.observations import ObservedState, RuntimeRemoved, RuntimeSnapshot, 
 FakeOp = Literal["launch", "stop", "kill", "delete", "get", "list"]
 FAKE_EPOCH: Final = datetime(2025, 1, 1, tzinfo=UTC)
 SIGTERM_EXIT_CODE: Final = 143  # what a stopped runtime with an init process exits with
+SIGKILL_EXIT_CODE: Final = 137  # what a runtime killed after its grace period exits with
+# A spec label that makes the runtime ignore SIGTERM (with real_grace=True).
+IGNORES_SIGTERM: Final = "fake.sandstream/ignores-sigterm"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +115,7 @@ class _Runtime:
     state: RuntimeState
     exit_code: int | None = None
     stop_timeout: int | None = None  # the spec's stop_timeout_seconds
+    ignores_sigterm: bool = False
     changed_seq: int = 0  # the sequence number of the last state change
     changed_at: datetime = FAKE_EPOCH
 
@@ -145,8 +153,10 @@ class FakeDriver:
         stop_exit_code: int = SIGTERM_EXIT_CODE,
         clock: Callable[[], datetime] | None = None,
         stop_timeout: float = 10.0,
+        real_grace: bool = False,
     ) -> None:
         self.actor = actor
+        self.real_grace = real_grace
         self.stop_timeout = stop_timeout  # the default grace period, like PodmanDriver's
         self.auto_observe = auto_observe
         self.stop_exit_code = stop_exit_code
@@ -253,6 +263,14 @@ class FakeDriver:
         ):
             self._remove(current)  # launched for another intent: converge to this one
             current = None
+        if current is not None and current.state == "exited":
+            raise DriverError(
+                f"generation {spec.generation} of {spec.key} already ran and exited: a launch "
+                "never starts it again",
+                retryable=False,
+                observed="exited",
+                exit_code=current.exit_code,
+            )
         if current is not None:
             if current.state == "running":
                 return LaunchResult(current.runtime_id, spec.generation, spec.identity, False)
@@ -267,6 +285,7 @@ class FakeDriver:
             runtime_id=f"fake-{spec.key}-g{spec.generation}-{self._next_seq()}",
             state="created",
             stop_timeout=spec.spec.stop_timeout_seconds,
+            ignores_sigterm=spec.spec.labels.get(IGNORES_SIGTERM) == "true",
         )
         runtimes[spec.generation] = runtime
         self._set_state(runtime, "created", None)
@@ -282,7 +301,7 @@ class FakeDriver:
         if runtime is None:
             return OpResult("already_absent")
         if runtime.state == "running":
-            self._set_state(runtime, "exited", self.stop_exit_code)
+            self._set_state(runtime, "exited", await self._terminate(runtime, timeout))
         return OpResult("succeeded", runtime.runtime_id, runtime.exit_code)
 
     async def kill(self, key: str, generation: int) -> OpResult:
@@ -307,12 +326,21 @@ class FakeDriver:
         runtimes = self._runtimes.get(key, {})
         doomed = [r for r in runtimes.values() if sandbox_id in (None, r.sandbox_id)]
         for runtime in sorted(doomed, key=lambda r: r.generation):
+            if runtime.state == "running":
+                self._set_state(runtime, "exited", await self._terminate(runtime, None))
             self._remove(runtime)
         if not runtimes:
             self._runtimes.pop(key, None)
         workspaces = {(k, s) for k, s in self._workspaces if k == key and sandbox_id in (None, s)}
         self._workspaces -= workspaces
         return bool(doomed or workspaces)
+
+    async def _terminate(self, runtime: _Runtime, timeout: float | None) -> int:
+        """SIGTERM; a runtime that ignores it (with real_grace) is killed after its grace."""
+        if not (self.real_grace and runtime.ignores_sigterm):
+            return self.stop_exit_code
+        await asyncio.sleep(self._grace(runtime, timeout))
+        return SIGKILL_EXIT_CODE
 
     async def get(self, key: str) -> builtins.list[RuntimeInfo]:
         await self._enter(Call("get", key))

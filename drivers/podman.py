@@ -13,7 +13,10 @@ Naming (see docs/drivers.md):
   ``SANDSTREAM_IDENTITY``;
 - volume ``sandstream-<key>-<first 12 hex of sandbox_id>`` at ``/workspace``, kept across stop
   and start of one incarnation, removed on delete; a re-created sandbox gets a new one;
-- ``init=True`` (catatonit as PID 1), so SIGTERM stops the sandbox promptly.
+- ``init=True`` (catatonit as PID 1), so SIGTERM stops the sandbox promptly;
+- confined by default: memory, CPU and pids limits (the spec's ``resources``, else the
+  driver's defaults), no new privileges, every capability dropped, a read-only root with
+  writable tmpfs mounts (unless the spec sets ``read_only_root=False``), no core dumps.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from drivers.protocol import (
     WatchObservation,
     grace_period,
 )
-from events.common import SANDBOX_NAME_PATTERN
+from events.common import SANDBOX_NAME_PATTERN, SandboxResources, SandboxSpec
 from events.observations import ObservedState, RuntimeRemoved, RuntimeSnapshot, RuntimeState
 
 log = logging.getLogger("sandstream.drivers.podman")
@@ -334,6 +337,44 @@ def _describe(exc: BaseException) -> str:
 _BACKEND_ERRORS: Final = (PodmanError, OSError)
 # Seconds a stop waits after SIGTERM before SIGKILL, unless the caller or the sandbox says.
 DEFAULT_STOP_TIMEOUT: Final = 10.0
+# A sandbox's limits when its spec sets none (SandboxSpec.resources).
+DEFAULT_LIMITS: Final = SandboxResources(memory_mib=1024, cpu_millicores=1000, pids=512)
+TMPFS_PATHS: Final = ("/tmp", "/var/tmp", "/run")
+CPU_PERIOD_US: Final = 100_000  # the CFS period the CPU quota is a share of
+# Set explicitly because passing any ulimit replaces the service's default_ulimits (and
+# limits above the machine's hard limits make runc fail).
+ULIMITS: Final = (
+    {"Name": "core", "Soft": 0, "Hard": 0},
+    {"Name": "nofile", "Soft": 1024, "Hard": 1024},
+    {"Name": "nproc", "Soft": 1024, "Hard": 1024},
+)
+
+
+def confinement(spec: SandboxSpec, defaults: SandboxResources = DEFAULT_LIMITS) -> dict[str, Any]:
+    """The create arguments that confine a runtime: limits and privileges."""
+    own = spec.resources or SandboxResources()
+    memory = own.memory_mib or defaults.memory_mib
+    cpu = own.cpu_millicores or defaults.cpu_millicores
+    pids = own.pids or defaults.pids
+    args: dict[str, Any] = {
+        "no_new_privileges": True,
+        "cap_drop": ["ALL"],
+        "read_only": spec.read_only_root is not False,
+        # Writable scratch space on a read-only root (the API does not add it by itself).
+        "mounts": [
+            {"type": "tmpfs", "source": "tmpfs", "target": path, "size": "64m"}
+            for path in TMPFS_PATHS
+        ],
+        "ulimits": [dict(u) for u in ULIMITS],
+    }
+    if memory is not None:
+        args["mem_limit"] = memory * 1024 * 1024
+    if cpu is not None:
+        args["cpu_period"] = CPU_PERIOD_US
+        args["cpu_quota"] = cpu * CPU_PERIOD_US // 1000
+    if pids is not None:
+        args["pids_limit"] = pids
+    return args
 
 
 class PodmanDriver:
@@ -348,8 +389,10 @@ class PodmanDriver:
         request_timeout: float = 60.0,
         reconnect_delay: float = 0.2,
         max_reconnect_delay: float = 5.0,
-        max_workers: int = 64,
+        max_workers: int = 1024,
+        read_workers: int = 8,
         init: bool = True,
+        limits: SandboxResources = DEFAULT_LIMITS,
     ) -> None:
         self.base_url = base_url
         self.stop_timeout = float(stop_timeout)
@@ -357,13 +400,18 @@ class PodmanDriver:
         # An init process (catatonit) as PID 1 forwards SIGTERM to the entrypoint, which a
         # PID 1 without a handler would ignore. Off only to measure the difference (bench).
         self.init = init
+        self.limits = limits
         self._request_timeout = request_timeout
         self._reconnect_delay = reconnect_delay
         self._max_reconnect_delay = max_reconnect_delay
-        # Podman calls block their thread (a stop for up to the stop timeout): an own pool, so
-        # slow stops of some sandboxes cannot use up the loop's default executor and delay
-        # calls for the others (or anything else in the process).
+        # Podman calls block their thread (a stop for up to the grace period): pools of our
+        # own, so slow stops cannot use up the loop's default executor. Launch, stop and
+        # delete get a thread each (the executor bounds them: shared slots for fast calls, a
+        # lane per caller for slow ones), so a sandbox waiting out its grace period holds no
+        # thread another one needs; reads (list, get, the watcher's listing, exec) have their
+        # own small pool and never queue behind lifecycle calls.
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="podman-call")
+        self._reads = ThreadPoolExecutor(read_workers, thread_name_prefix="podman-read")
         self._local = threading.local()
         self._clients: builtins.list[PodmanClient] = []
         self._clients_lock = threading.Lock()
@@ -464,6 +512,7 @@ class PodmanDriver:
         for client in clients:
             client.close()  # type: ignore[no-untyped-call]
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._reads.shutdown(wait=False, cancel_futures=True)
 
     # -- extras ------------------------------------------------------------------------------
 
@@ -500,8 +549,8 @@ class PodmanDriver:
         return lock
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a blocking call in the driver's pool (like asyncio.to_thread, own threads)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """Run a blocking read in the driver's read pool (like asyncio.to_thread)."""
+        return await asyncio.get_running_loop().run_in_executor(self._reads, fn, *args)
 
     def _client(self) -> PodmanClient:
         """One client per worker thread (a requests session is not meant to be shared)."""
@@ -661,6 +710,16 @@ class PodmanDriver:
                 self._stop_and_remove_sync(info.runtime_id, self._grace(container))
             else:
                 current = info
+        if current is not None and current.state == "exited":
+            # It ran and was stopped (or ended): starting it again would resurrect a
+            # generation the row has moved past. A new run is a new generation (start).
+            raise DriverError(
+                f"generation {spec.generation} of {spec.key} already ran and exited: a launch "
+                "never starts it again",
+                retryable=False,
+                observed="exited",
+                exit_code=current.exit_code,
+            )
         if current is None:
             runtime_id = self._create_sync(spec)
             started = True
@@ -702,6 +761,7 @@ class PodmanDriver:
                 grace_period(None, spec.spec.stop_timeout_seconds, self.stop_timeout)
             ),
             "volumes": {volume: {"bind": WORKSPACE_PATH, "mode": "rw"}},
+            **confinement(spec.spec, self.limits),
         }
         if spec.spec.command:
             args["command"] = builtins.list(spec.spec.command)

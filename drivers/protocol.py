@@ -142,9 +142,10 @@ class Driver(Protocol):
         """Create and start the runtime of (key, sandbox_id, generation); idempotent.
 
         Removes the runtimes of older generations of the key first (stopping them). If this
-        generation's runtime runs, returns at once (``started=False``); if it exists but is not
-        running, starts it. A newer generation's runtime makes the launch fail (not retryable).
-        """
+        generation's runtime runs, returns at once (``started=False``); if it was created but
+        never started, starts it; if it ran and exited, the launch fails (not retryable): a
+        generation never runs twice. A newer generation's runtime makes the launch fail (not
+        retryable)."""
         ...
 
     async def stop(self, key: str, generation: int, timeout: float | None = None) -> OpResult:

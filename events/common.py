@@ -82,6 +82,15 @@ def _check_keys(mapping: dict[str, str], pattern: re.Pattern[str], what: str) ->
     return mapping
 
 
+class SandboxResources(Strict):
+    """Resource limits of a sandbox's runtime; None means the driver's default
+    (docs/drivers.md)."""
+
+    memory_mib: Annotated[int, Field(ge=6, le=1_048_576)] | None = None
+    cpu_millicores: Annotated[int, Field(ge=10, le=1_024_000)] | None = None
+    pids: Annotated[int, Field(ge=8, le=65_536)] | None = None
+
+
 class SandboxSpec(Strict):
     image: Annotated[Text, StringConstraints(min_length=1, max_length=500)]
     command: list[Annotated[Text, StringConstraints(max_length=10_000)]] = Field(
@@ -96,6 +105,12 @@ class SandboxSpec(Strict):
     # Grace period between SIGTERM and SIGKILL when the runtime is stopped or deleted;
     # None means the driver's default.
     stop_timeout_seconds: Annotated[int, Field(ge=0, le=3600)] | None = None
+    # Left out of the JSON while unset, so specs without them serialize as before (byte-identical
+    # events on replay, readable by a version that does not know them).
+    resources: SandboxResources | None = Field(default=None, exclude_if=lambda v: v is None)
+    # The root filesystem is read-only unless the image needs to write to it (None: the
+    # driver's default, read-only); /workspace and the tmpfs mounts stay writable.
+    read_only_root: bool | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @field_validator("env")
     @classmethod

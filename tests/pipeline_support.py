@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from harness import Env, eventually, isolated_env
 from podman import PodmanClient
 
@@ -274,3 +274,50 @@ async def running_plane(env: Env, driver: Driver, **plane_args: Any) -> AsyncIte
         yield plane
     finally:
         await plane.stop()
+
+
+async def rewind_group(settings: Settings, group: str, offset: int = 0) -> None:
+    """Commit ``offset`` on every partition of the events topic (``kafka_partitions`` of
+    them) for ``group``: an executor of
+    that group then resumes as if it had crashed long ago (an old committed offset)."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=settings.kafka_bootstrap, group_id=group, enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        tps = [TopicPartition(settings.topic_events, p) for p in range(settings.kafka_partitions)]
+        consumer.assign(tps)
+        await consumer.commit({tp: offset for tp in tps})
+    finally:
+        await consumer.stop()
+
+
+async def caught_up(settings: Settings, group: str) -> bool:
+    """Whether ``group`` has committed the end of every partition of the events topic."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=settings.kafka_bootstrap, group_id=group, enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        tps = [TopicPartition(settings.topic_events, p) for p in range(settings.kafka_partitions)]
+        ends = await consumer.end_offsets(tps)
+        for tp in tps:
+            if (await consumer.committed(tp) or 0) < ends[tp]:
+                return False
+        return True
+    finally:
+        await consumer.stop()
+
+
+async def group_started(settings: Settings, group: str) -> bool:
+    """Whether ``group`` has a committed offset on every partition of the events topic (an
+    executor of a new group commits its starting position once it is assigned)."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=settings.kafka_bootstrap, group_id=group, enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        tps = [TopicPartition(settings.topic_events, p) for p in range(settings.kafka_partitions)]
+        return all([await consumer.committed(tp) is not None for tp in tps])
+    finally:
+        await consumer.stop()

@@ -137,6 +137,7 @@ async def test_create_with_wait_returns_201_and_the_row(api: Api) -> None:
         "image": "registry.example/agent:1", "command": ["sleep", "60"], "env": {"A": "1"},
         "labels": {"team": "ml"}, "stop_timeout_seconds": 3,
     }  # fmt: skip
+    assert outcome["identity"] == row["identity"]  # the identity the create minted
     assert row["labels"] == {"team": "ml"}
     assert {c["type"]: c["status"] for c in row["conditions"]} == {
         "Ready": "True", "Progressing": "False", "Failed": "False",
@@ -166,7 +167,7 @@ async def test_without_wait_202_then_the_command_status_follows(api: Api) -> Non
         narrowed = await c.get(f"/v1/commands/{command_id}", params={"sandbox": name})
         assert narrowed.json() == status.json()
         other = await c.get(f"/v1/commands/{command_id}", params={"sandbox": "someone-else"})
-        assert other.json()["status"] == "pending"
+        assert other.status_code == 404 and other.json()["code"] == "NOT_FOUND"
 
 
 async def test_lifecycle_commands_with_wait(api: Api) -> None:
@@ -249,7 +250,8 @@ async def test_a_wait_that_times_out_returns_202_pending(idle_api: Api) -> None:
         status = await c.get(f"/v1/commands/{r.json()['command_id']}", params={"wait": 0.2})
         assert status.status_code == 200 and status.json()["status"] == "pending"
         never = await c.get("/v1/commands/never-published")
-        assert never.json()["status"] == "pending" and never.json()["code"] is None
+        assert never.status_code == 404 and never.json()["code"] == "NOT_FOUND"
+        assert "neither decided nor published" in never.json()["message"]
 
 
 async def test_a_publish_kafka_does_not_acknowledge_is_503_and_says_how_to_retry() -> None:

@@ -1,6 +1,9 @@
-"""Fuzz the HTTP API from its own OpenAPI document (schemathesis): no 5xx, ever, every
-answer is one the document declares, in the declared shape, and afterwards the control plane
-behind it is alive and has applied everything the fuzz got published.
+"""Fuzz the HTTP API from its own OpenAPI document (schemathesis): no 5xx, ever, and every
+answer is one the document declares, in the declared shape; afterwards the control plane behind
+it is alive, has applied everything the fuzz got published, and still decides commands.
+Strings include NUL and other control characters and integers go beyond int64 (schemathesis'
+defaults); the hand-picked hostile cases (a NUL in a label filter, forged page tokens,
+oversized bodies, reused idempotency keys) are in tests/test_api_hostile.py.
 
 The API runs with the whole pipeline behind it (real Kafka and PostgreSQL, the fake driver) in
 a thread of its own, because schemathesis calls it synchronously. Waits and watch streams are
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +25,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
+from schemathesis.config import SchemathesisConfig
+from schemathesis.core.parameters import ParameterLocation
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     negative_data_rejection,
@@ -35,7 +41,9 @@ from services.common.settings import Settings
 # schemathesis' own strategies trip a Hypothesis deprecation warning; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")
 
-EXAMPLES = 25  # per operation
+# Per operation. Random on every run (a failure prints the seed that reproduces it with
+# ``@seed``): a fixed set of cases would never look anywhere new.
+EXAMPLES = 60
 CHECKS = [
     not_a_server_error,
     status_code_conformance,
@@ -111,7 +119,15 @@ def openapi_document() -> dict[str, Any]:
 
 # (schemathesis' lazy ``from_fixture`` does not work with this pytest version, so the schema
 # is built at import; the served document is checked to be the same one below.)
-schema = schemathesis.openapi.from_dict(openapi_document())
+# Invalid data must be refused with a 4xx: schemathesis' list plus 413 (a body above the
+# API's limit is refused unread), without its "5xx" (never acceptable here).
+REJECTIONS = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429"]
+schema = schemathesis.openapi.from_dict(
+    openapi_document(),
+    config=SchemathesisConfig.from_dict(
+        {"checks": {"negative_data_rejection": {"expected-statuses": REJECTIONS}}}
+    ),
+)
 
 
 @schema.auth()
@@ -136,7 +152,6 @@ def test_the_served_openapi_document_is_the_fuzzed_one(fuzz_server: str) -> None
     max_examples=EXAMPLES,
     deadline=None,
     suppress_health_check=list(HealthCheck),
-    derandomize=True,  # the same cases on every run: a failure here is never a flake
     database=None,
 )
 def test_the_api_never_fails_with_a_server_error(case: Any, fuzz_server: str) -> None:
@@ -150,7 +165,22 @@ def test_the_api_never_fails_with_a_server_error(case: Any, fuzz_server: str) ->
             if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout > 0.2:
                 query["timeout"] = 0.2
     response = case.call(base_url=fuzz_server, timeout=30)
-    case.validate_response(response, checks=CHECKS)
+    checks = CHECKS
+    if only_query_is_negative(case):
+        # A query string carries strings only: a "type" mutation of a string parameter
+        # (``label=0.0``) is still a valid value, so acceptance proves nothing. Such cases
+        # still must not 5xx and must answer as documented; tests/test_api.py and
+        # tests/test_api_hostile.py pin the 422s of malformed query parameters.
+        checks = [c for c in CHECKS if c is not negative_data_rejection]
+    case.validate_response(response, checks=checks)
+
+
+def only_query_is_negative(case: Any) -> bool:
+    meta = case.meta
+    if meta is None or not meta.generation.mode.is_negative:
+        return False
+    negative = {loc for loc, info in meta.components.items() if info.mode.is_negative}
+    return negative == {ParameterLocation.QUERY}
 
 
 def test_after_the_fuzz_the_control_plane_is_alive_and_its_lag_drains_to_zero(
@@ -168,3 +198,29 @@ def test_after_the_fuzz_the_control_plane_is_alive_and_its_lag_drains_to_zero(
     assert ready.status_code == 200, ready.json()
     assert fuzz_thread.plane_stopping is not None and not fuzz_thread.plane_stopping.is_set()
     assert httpx.get(f"{fuzz_thread.url}/healthz", timeout=30).status_code == 200
+
+
+def test_the_pipeline_still_decides_commands_after_the_fuzzing(fuzz_server: str) -> None:
+    """Runs after the fuzzing (pytest keeps the file's order): nothing it sent killed the
+    processor or the executor."""
+    name = f"alive-{uuid.uuid4().hex[:8]}"
+    headers = {"Authorization": f"Bearer {apikit.ADMIN}"}
+    body = {"name": name, "spec": {"image": "registry.example/agent:1"}}
+    created = httpx.post(
+        f"{fuzz_server}/v1/sandboxes", params={"wait": 30}, json=body, headers=headers, timeout=60
+    )
+    assert created.status_code == 201, created.text
+    row = harness_eventually_ready(fuzz_server, name, headers)
+    assert row["phase"] == "Ready"
+
+
+def harness_eventually_ready(url: str, name: str, headers: dict[str, str]) -> dict[str, Any]:
+    """Poll the sandbox until Ready (the API runs in another thread: a blocking poll)."""
+    deadline = time.monotonic() + 30
+    while True:
+        row: dict[str, Any] = httpx.get(
+            f"{url}/v1/sandboxes/{name}", headers=headers, timeout=30
+        ).json()
+        if row.get("phase") == "Ready" or time.monotonic() > deadline:
+            return row
+        time.sleep(0.1)  # polling a condition with a deadline, not synchronising on time

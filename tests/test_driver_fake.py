@@ -100,13 +100,15 @@ async def test_launch_is_idempotent_and_recorded() -> None:
     assert driver.has_workspace("box", SID)
 
 
-async def test_launch_replaces_older_generations_and_restarts_a_stopped_one() -> None:
+async def test_launch_replaces_older_generations_and_never_restarts_a_stopped_one() -> None:
     driver = FakeDriver()
     await driver.launch(spec(generation=1))
     stopped = await driver.stop("box", 1)
     assert stopped == OpResult("succeeded", stopped.runtime_id, 143)
-    restarted = await driver.launch(spec(generation=1))
-    assert restarted.started  # it existed, stopped: started again
+    with pytest.raises(DriverError) as again:
+        await driver.launch(spec(generation=1))  # a redelivered launch after the stop
+    assert not again.value.retryable and again.value.observed == "exited"
+    assert [(i.generation, i.state) for i in await driver.get("box")] == [(1, "exited")]
     await driver.launch(spec(generation=2))
     assert [(i.generation, i.state) for i in await driver.get("box")] == [(2, "running")]
     with pytest.raises(DriverError) as failure:

@@ -20,6 +20,7 @@ from pipeline_support import IGNORE_TERM, TRAPPED
 from podman import PodmanClient
 
 from drivers.podman import (
+    DEFAULT_LIMITS,
     PodmanDriver,
     container_name,
     observation_from_event,
@@ -38,7 +39,7 @@ from drivers.protocol import (
     RuntimeInfo,
     WatchObservation,
 )
-from events.common import SandboxSpec
+from events.common import SandboxResources, SandboxSpec
 from events.observations import RuntimeRemoved, RuntimeSnapshot
 from services.common.settings import Settings
 
@@ -298,17 +299,57 @@ async def test_a_slow_stop_of_one_sandbox_does_not_delay_another(
         await driver.close()
 
 
-async def test_launch_starts_an_existing_stopped_generation(
+async def test_a_repeated_launch_never_starts_a_stopped_generation_again(
     driver: PodmanDriver, keys: Callable[[], str], settings: Settings
 ) -> None:
     key = keys()
     spec = spec_for(settings, key, 1, SLEEPER)
     first = await driver.launch(spec)
     await driver.stop(key, 1, timeout=5)
-    assert [i.state for i in await driver.get(key)] == ["exited"]
-    again = await driver.launch(spec)
-    assert (again.runtime_id, again.started) == (first.runtime_id, True)
-    assert [i.state for i in await driver.get(key)] == ["running"]
+    [stopped] = await driver.get(key)
+    assert stopped.state == "exited"
+    with pytest.raises(DriverError) as failure:
+        await driver.launch(spec)  # a redelivered launch after the stop
+    assert not failure.value.retryable and failure.value.observed == "exited"
+    assert "never starts it again" in failure.value.reason
+    assert await driver.get(key) == [stopped]
+    assert stopped.runtime_id == first.runtime_id
+
+
+async def test_limits_and_confinement_are_applied(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings, podman: PodmanClient
+) -> None:
+    key = keys()
+    limited = SandboxSpec(
+        image=settings.sandbox_image,
+        command=["sh", "-c", "sleep 3600"],
+        resources=SandboxResources(memory_mib=64, cpu_millicores=250, pids=40),
+    )
+    await driver.launch(LaunchSpec(key, uuid.uuid4(), 1, "id-1", limited))
+    host = podman.containers.get(container_name(key, 1)).attrs["HostConfig"]
+    assert (host["Memory"], host["PidsLimit"]) == (64 * 1024 * 1024, 40)
+    assert host["CpuQuota"] * 1000 // host["CpuPeriod"] == 250
+    assert host["ReadonlyRootfs"] is True
+    assert "no-new-privileges" in host["SecurityOpt"]
+    assert {"Name": "RLIMIT_CORE", "Soft": 0, "Hard": 0} in host["Ulimits"]
+    # From inside: no capabilities, a read-only root, a writable workspace and /tmp, no cores.
+    probe = "grep CapEff /proc/self/status; ulimit -c; touch /root/x 2>&1; "
+    probe += "touch /workspace/w /tmp/t && echo writable"
+    _, out = await driver.exec(key, 1, ["sh", "-c", probe])
+    assert "CapEff:\t0000000000000000" in out, out
+    assert "\n0\n" in out and "Read-only file system" in out and "writable" in out, out
+
+    # Without resources: the driver's defaults; read_only_root=False keeps the root writable.
+    plain_key = keys()
+    plain = SandboxSpec(
+        image=settings.sandbox_image, command=["sleep", "3600"], read_only_root=False
+    )
+    await driver.launch(LaunchSpec(plain_key, uuid.uuid4(), 1, "id-2", plain))
+    host = podman.containers.get(container_name(plain_key, 1)).attrs["HostConfig"]
+    assert host["Memory"] == DEFAULT_LIMITS.memory_mib * 1024 * 1024  # type: ignore[operator]
+    assert host["PidsLimit"] == DEFAULT_LIMITS.pids
+    assert host["ReadonlyRootfs"] is False
+    assert (await driver.exec(plain_key, 1, ["touch", "/root/x"]))[0] == 0
 
 
 async def test_launch_of_an_older_generation_is_superseded(

@@ -7,17 +7,42 @@ set up exactly instead of hoped for; waits poll to a deadline and fail with the 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from typing import Any
+from uuid import UUID
 
 import factories as f
+from aiokafka import TopicPartition
+from aiokafka.partitioner import DefaultPartitioner
 from harness import Env, eventually, isolated_env
-from pipeline_support import command, history, phase, row, wait_phase
+from pipeline_support import (
+    caught_up,
+    command,
+    history,
+    phase,
+    rewind_group,
+    row,
+    wait_phase,
+)
 
 from drivers.fake import FakeDriver
+from events.common import Phase, SandboxSpec
+from events.observations import Operation
 from events.publisher import CommandPublisher
-from services.executor.executor import Executor, RetryPolicy
+from events.topics import record_key
+from projections.lifecycle import Sandbox
+from services.common.settings import Settings
+from services.executor.driver_side import DriverSide
+from services.executor.executor import (
+    Executor,
+    Intent,
+    PartitionProgress,
+    RetryPolicy,
+    unwanted,
+)
 from services.up.control_plane import ControlPlane
 
 FAST_RETRY = RetryPolicy(first_delay=0.01, max_delay=0.05, give_up_after=5.0)
@@ -263,9 +288,10 @@ async def wait_row_reason(env: Env, key: str, text: str) -> dict[str, Any]:
 # -- redelivery and rebalances --------------------------------------------------------------------
 
 
-async def test_a_redelivered_launch_does_not_launch_twice() -> None:
-    """A second executor group reads the whole log again (as after a crash before any
-    commit): the driver is asked again, nothing new is started, the rows do not move."""
+async def test_a_replayed_log_calls_no_driver_for_what_the_rows_moved_past() -> None:
+    """An executor whose group committed offset is old (as after a crash long ago) reads the
+    log again: every intent is checked against its row, and none the rows moved past reaches
+    the driver or reports a result."""
     driver = FakeDriver()
     async with isolated_env() as env:
         plane = ControlPlane(env.settings, driver, env.pool, reconcile_interval=3600)
@@ -274,48 +300,74 @@ async def test_a_redelivered_launch_does_not_launch_twice() -> None:
             async with await env.publisher() as pub:
                 await command(env, pub, f.create("x"))
                 await command(env, pub, f.create("y"))
+                await command(env, pub, f.create("z"))
                 await wait_phase(env, "x", "Ready")
                 await wait_phase(env, "y", "Ready", generation=1)
+                await wait_phase(env, "z", "Ready")
                 await command(env, pub, f.restart("y"))
                 await wait_phase(env, "y", "Ready", generation=2)
+                await command(env, pub, f.stop("x"))
+                await wait_phase(env, "x", "Stopped")
+                await command(env, pub, f.delete("z"))
+                await wait_phase(env, "z", "Deleted")
         finally:
             await plane.stop()
         before = await driver.list()
-        launches = len(driver.calls_for("launch"))
-        rows_before = [await row(env, k) for k in ("x", "y")]
+        calls = len(driver.calls)
+        rows_before = [await row(env, k) for k in ("x", "y", "z")]
+        results_before = [len(await driver_results(env, k)) for k in ("x", "y", "z")]
 
         await env.start_processor()
-        again = Executor(
-            env.settings.model_copy(update={"executor_group": env.settings.executor_group + "-2"}),
-            driver,
-            retry=FAST_RETRY,
-        )
+        await rewind_group(env.settings, env.settings.executor_group)
+        again = Executor(env.settings, driver, env.pool, retry=FAST_RETRY)
         await again.start()
         stop = asyncio.Event()
         task = asyncio.create_task(again.run(stop))
         try:
             await eventually(
-                lambda: driver_results(env, "x"),
-                lambda rs: len(rs) == 2,
-                what="the redelivered launch of x reported",
-            )
-            # y's log: launch g1, launch g2 (restart). The replay reports at least the launch
-            # of generation 2 (the launch of generation 1 is skipped as superseded when both
-            # are queued together, or else fails as superseded in the driver).
-            await eventually(
-                lambda: driver_results(env, "y"),
-                lambda rs: any(r["message"]["generation"] == 2 for r in rs[2:]),
-                what="the redelivered launch of y generation 2 reported",
+                lambda: caught_up(env.settings, env.settings.executor_group),
+                bool,
+                what="the old executor group committed the end of the log again",
             )
         finally:
             stop.set()
             await task
             await again.stop()
-        assert len(driver.calls_for("launch")) > launches  # it was asked again ...
-        assert await driver.list() == before  # ... and started nothing new
-        assert [await row(env, k) for k in ("x", "y")] == rows_before
-        redelivered = (await driver_results(env, "x"))[-1]
-        assert redelivered["disposition"] == "ignored"
+        assert again.dropped >= 4  # launch x, stop x, launch y g2, delete z (+ launch y g1, z)
+        assert len(driver.calls) == calls  # no driver call at all
+        assert await driver.list() == before
+        assert [await row(env, k) for k in ("x", "y", "z")] == rows_before
+        assert [len(await driver_results(env, k)) for k in ("x", "y", "z")] == results_before
+
+
+async def test_a_new_executor_group_starts_at_the_end_and_the_reconciler_picks_up() -> None:
+    """Commands decided while no executor ran: a new group does not replay the log, and the
+    reconcile loop hands the executor what the rows still want, once."""
+    driver = FakeDriver()
+    async with isolated_env() as env:
+        await env.start_processor()
+        async with await env.publisher() as pub:
+            await command(env, pub, f.create("early"))
+            await command(env, pub, f.create("gone"))
+            await command(env, pub, f.delete("gone"))
+            assert await phase(env, "early") == "Provisioning"
+            assert await phase(env, "gone") == "Deleting"
+            side = DriverSide(
+                env.settings, driver, env.pool, reconcile_interval=0.3, retry=FAST_RETRY
+            )
+            await side.start()
+            try:
+                await wait_phase(env, "early", "Ready")
+                await wait_phase(env, "gone", "Deleted")
+                await command(env, pub, f.create("late"))  # decided after the group joined
+                await wait_phase(env, "late", "Ready")
+                assert side.reconciler is not None and side.reconciler.picked_up == 2
+            finally:
+                await side.stop()
+        assert len(driver.calls_for("launch", "early")) == 1
+        assert len(driver.calls_for("delete", "gone")) == 1
+        assert len(driver.calls_for("launch", "gone")) == 0  # its launch was never replayed
+        assert len(driver.calls_for("launch", "late")) == 1
 
 
 async def test_an_intent_in_flight_during_a_rebalance_is_not_lost_or_doubled() -> None:
@@ -325,8 +377,8 @@ async def test_an_intent_in_flight_during_a_rebalance_is_not_lost_or_doubled() -
     driver = FakeDriver()
     async with isolated_env() as env:
         await env.start_processor()
-        first = Executor(env.settings, driver, retry=FAST_RETRY, revoke_grace=0.2)
-        second = Executor(env.settings, driver, retry=FAST_RETRY)
+        first = Executor(env.settings, driver, env.pool, retry=FAST_RETRY, revoke_grace=0.2)
+        second = Executor(env.settings, driver, env.pool, retry=FAST_RETRY)
         stop = asyncio.Event()
         await first.start()
         tasks = [asyncio.create_task(first.run(stop))]
@@ -377,3 +429,84 @@ async def test_an_intent_in_flight_during_a_rebalance_is_not_lost_or_doubled() -
         assert [r["message"]["outcome"] for r in results] == ["succeeded"] * len(results) != []
         for result in results:
             assert_confirms_ready(result)
+
+
+async def test_a_restart_overtaken_by_a_stop_is_dropped_and_still_stops_the_older_generation() -> (
+    None
+):
+    """The caller's slow lane (one wide) is busy, so y's restart waits; a stop of y is decided
+    meanwhile. The restart's launch is dropped (the row is Stopping generation 2), generation
+    1 is stopped instead of left running, and y ends Stopped with no generation 2 runtime."""
+    driver = FakeDriver()
+    async with isolated_env() as env:
+        settings = env.settings.model_copy(update={"executor_slow_per_caller": 1})
+        plane = ControlPlane(settings, driver, env.pool, reconcile_interval=3600, retry=FAST_RETRY)
+        await plane.start()
+        try:
+            async with await env.publisher() as pub:
+                await command(env, pub, f.create("blocker"))
+                await command(env, pub, f.create("y"))
+                await wait_phase(env, "blocker", "Ready")
+                await wait_phase(env, "y", "Ready")
+                held = driver.block("stop", "blocker")
+                await command(env, pub, f.stop("blocker"))
+                await held.entered()  # the caller's lane is taken
+                await command(env, pub, f.restart("y"))
+                await command(env, pub, f.stop("y"))
+                await wait_phase(env, "y", "Stopping", generation=2)
+                held.release()
+                await wait_phase(env, "y", "Stopped", generation=2)
+                assert plane.executor is not None and plane.executor.dropped == 1
+        finally:
+            await plane.stop()
+        assert [c.generation for c in driver.calls_for("launch", "y")] == [1]
+        assert [c.generation for c in driver.calls_for("stop", "y")] == [1, 2]
+        assert [(i.generation, i.state) for i in await driver.get("y")] == [(1, "exited")]
+
+
+def test_an_executor_picks_up_only_sandboxes_of_its_own_partitions() -> None:
+    """The reconcile loop runs in every executor process; a row is picked up only by the
+    executor that owns its partition (the one the producer's partitioner chose)."""
+    settings = Settings().model_copy(update={"kafka_partitions": 4, "topic_events": "ev"})
+    executor = Executor(settings, FakeDriver(), None)  # type: ignore[arg-type]
+    executor._owned = {TopicPartition("ev", 2): PartitionProgress()}
+    for key in [f"sb-{i}" for i in range(40)]:
+        chosen = DefaultPartitioner()(record_key(key), [0, 1, 2, 3], [0, 1, 2, 3])
+        assert executor.owns(key) == (chosen == 2), key
+
+
+def test_the_row_decides_which_intents_are_still_wanted() -> None:
+    """``unwanted`` (pure): each operation against the rows that want it and those that moved
+    past it."""
+    sid, other = uuid.uuid4(), uuid.uuid4()
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    spec = SandboxSpec(image="busybox")
+
+    def row(phase: Phase, generation: int = 2, sandbox_id: UUID = sid) -> Sandbox:
+        return Sandbox("k", sandbox_id, phase, generation, 5, spec, (), "id", None, None, now, now)
+
+    def intent(operation: Operation, generation: int = 2) -> Intent:
+        return Intent(operation, "k", sid, generation, "r", "alice")
+
+    wanted = [
+        ("launch", row(Phase.PROVISIONING)),
+        ("launch", row(Phase.STARTING)),
+        ("stop", row(Phase.STOPPING)),
+        ("delete", row(Phase.DELETING)),
+        ("delete", row(Phase.DELETING, generation=3)),  # a delete covers every generation
+    ]
+    for operation, current in wanted:
+        assert unwanted(intent(operation), current) is None, (operation, current.phase)
+    moved_past = [
+        ("launch", row(Phase.READY)),  # launched already
+        ("launch", row(Phase.STOPPED)),  # stopped: never resurrected
+        ("launch", row(Phase.STARTING, generation=3)),  # a newer start
+        ("stop", row(Phase.STOPPED)),
+        ("stop", row(Phase.STOPPING, generation=3)),
+        ("delete", row(Phase.DELETED)),  # the tombstone
+        ("delete", row(Phase.DELETING, sandbox_id=other)),  # a re-created name
+        ("launch", row(Phase.PROVISIONING, sandbox_id=other)),
+        ("launch", None),
+    ]
+    for operation, maybe in moved_past:
+        assert unwanted(intent(operation), maybe) is not None, (operation, maybe)

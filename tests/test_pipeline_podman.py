@@ -27,6 +27,7 @@ from pipeline_support import (
     await_podman,
     command,
     containers_of,
+    group_started,
     history,
     observations_of,
     phase,
@@ -362,6 +363,14 @@ async def test_executor_crash_mid_operation_leaks_and_duplicates_nothing(
             await env.start_processor()
             executor = ExecutorProcess(env, tmp_path)
             executor.start()
+            # A new group starts at the end of the events topic: wait until it has joined
+            # (committed its starting offsets) before deciding anything for it.
+            await eventually(
+                lambda: group_started(env.settings, env.settings.executor_group),
+                bool,
+                timeout=60,
+                what="the executor group's starting offsets",
+            )
             try:
                 await crash_scenarios(env, pub, podman, keys, executor)
             except BaseException:

@@ -16,6 +16,7 @@ from events.publisher import CommandPublisher
 from services.api.auth import TokenStore
 from services.api.deps import ApiState, Pool
 from services.api.gateway import PUBLISH_TIMEOUT, CommandGateway
+from services.api.guard import GuardMiddleware
 from services.api.handlers import install_error_handlers
 from services.api.middleware import MetricsMiddleware
 from services.api.probe import KafkaProbe
@@ -68,6 +69,8 @@ def create_app(
     app.state.tokens = tokens
     app.state.feed = feed
     app.state.api = ApiState(settings, pool, feed, gateway, probe, down)
+    # Last added runs first: metrics see every answer, the guard's 401/403/413 included.
+    app.add_middleware(GuardMiddleware, max_body_bytes=settings.api_max_body_bytes)
     app.add_middleware(MetricsMiddleware)
     install_error_handlers(app)
     # The order of inclusion is the order of the paths in the OpenAPI document.

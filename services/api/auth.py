@@ -6,6 +6,9 @@ its scopes and the sha256 of its value::
     {"tokens": [{"name": "admin", "sha256": "<hex>", "scopes": ["sandbox:read", ...],
                  "created_at": "2026-01-01T00:00:00+00:00"}]}
 
+A token may also carry ``"max_stop_timeout_seconds": N``: the longest grace period its
+creates may ask for (default: ``settings.api_max_stop_timeout_seconds``).
+
 The plaintext exists once: ``ensure_tokens`` (called by ``sandstream up``) writes the admin
 token to ``settings.admin_token_file`` (mode 0600) when it creates the tokens file, and
 ``add_token`` returns a new token's value to its caller. A request's token is hashed and
@@ -45,6 +48,7 @@ class Principal:
 
     name: str
     scopes: frozenset[str]
+    max_stop_timeout: int | None = None  # this token's cap on stop_timeout_seconds, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +57,7 @@ class StoredToken:
     sha256: str
     scopes: frozenset[str]
     created_at: str | None = None
+    max_stop_timeout: int | None = None
 
 
 def hash_token(value: str) -> str:
@@ -102,7 +107,9 @@ class TokenStore:
         for token in self._tokens:  # no early exit: the time taken does not depend on a match
             if hmac.compare_digest(digest, token.sha256) and found is None:
                 found = token
-        return Principal(found.name, found.scopes) if found is not None else None
+        if found is None:
+            return None
+        return Principal(found.name, found.scopes, found.max_stop_timeout)
 
 
 def _stamp(path: Path) -> tuple[int, int] | None:
@@ -136,7 +143,15 @@ def read_tokens(path: Path) -> list[StoredToken]:
             digest = str(entry["sha256"]).lower()
             if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
                 raise TokenFileError(f"{path}: token {entry['name']!r} has a malformed sha256")
-            tokens.append(StoredToken(str(entry["name"]), digest, scopes, entry.get("created_at")))
+            cap = entry.get("max_stop_timeout_seconds")
+            if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 0):
+                raise TokenFileError(
+                    f"{path}: token {entry['name']!r}: max_stop_timeout_seconds must be a "
+                    "non-negative integer"
+                )
+            tokens.append(
+                StoredToken(str(entry["name"]), digest, scopes, entry.get("created_at"), cap)
+            )
         return tokens
     except FileNotFoundError:
         raise TokenFileError(

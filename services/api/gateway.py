@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from typing import Final, TypeAlias
 
 import asyncpg
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 
 from events.commands import Command
 from events.outcomes import CommandOutcome
 from events.publisher import CommandPublisher
-from services.api import readmodel
+from services.api import idempotency, readmodel
+from services.api.idempotency import IdempotencyConflict
 from services.api.readmodel import ChangeFeed
 from services.common import metrics
 
@@ -36,6 +37,16 @@ class PublishFailed(Exception):
             f"applied: retry with the same command_id {command.command_id!r}"
         )
         self.command_id = command.command_id
+
+
+class CommandTooLarge(Exception):
+    """The command does not fit in a Kafka record: retrying cannot help."""
+
+    def __init__(self, command: Command) -> None:
+        super().__init__(
+            f"command {command.command_id!r} is too large for a Kafka record: make its spec "
+            "smaller (env, command, labels)"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,17 +89,33 @@ class CommandGateway:
 
     async def submit(self, command: Command, wait: float | None) -> Submitted:
         """Publish ``command`` unless its id is known, then wait up to ``wait`` seconds for the
-        outcome. Raises ``PublishFailed`` when Kafka does not acknowledge it."""
+        outcome. Raises ``IdempotencyConflict`` when its id was first used for another request,
+        ``CommandTooLarge`` when it cannot fit in a record, ``PublishFailed`` when Kafka does
+        not acknowledge it."""
+        first = await idempotency.record(self.pool, command)
         known = await readmodel.get_outcome(self.pool, command.command_id, command.key)
-        if known is not None:  # a retry: the first outcome stands, nothing is published again
+        if known is not None and known.command_type != command.type:
+            # Decided before the API recorded the id (published by another producer).
+            raise IdempotencyConflict(
+                command.command_id,
+                idempotency.Recorded(known.key, known.command_type, "", "", True),
+            )
+        if known is not None or (first is not None and first.published):
+            # A retry: the first outcome stands (or is on its way); nothing is published again.
             metrics.API_COMMANDS.labels(command.type, "retry").inc()
+            if known is None and wait:
+                known = await self.wait_outcome(command.command_id, command.key, wait)
             return Submitted(known, retry=True)
         try:
             await asyncio.wait_for(self.publisher.publish(command), self.publish_timeout)
+        except MessageSizeTooLargeError as exc:
+            metrics.API_COMMANDS.labels(command.type, "too_large").inc()
+            raise CommandTooLarge(command) from exc
         except (KafkaError, TimeoutError) as exc:
             metrics.API_COMMANDS.labels(command.type, "unavailable").inc()
             log.warning("publishing %s %s failed: %r", command.type, command.command_id, exc)
             raise PublishFailed(command, exc) from exc
+        await idempotency.mark_published(self.pool, command.command_id)
         metrics.API_COMMANDS.labels(command.type, "published").inc()
         outcome = await self.wait_outcome(command.command_id, command.key, wait) if wait else None
         return Submitted(outcome, retry=False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Final
 
 from fastapi import Body, Path, Query
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from events.common import (
     INT64_MAX,
@@ -17,6 +17,7 @@ from events.common import (
     HoldReason,
     ProviderName,
     SandboxName,
+    SandboxResources,
     SandboxSpec,
     TTLSeconds,
 )
@@ -26,10 +27,36 @@ from services.api.readmodel import CommandStatus
 MAX_WAIT: Final = 60.0  # seconds a command request may wait for its outcome
 
 
+class SandboxResourcesRequest(SandboxResources):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+def _no_nul(value: Any) -> None:
+    if isinstance(value, str) and "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    if isinstance(value, list):
+        for item in value:
+            _no_nul(item)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _no_nul(key)
+            _no_nul(item)
+
+
 class SandboxSpecRequest(SandboxSpec):
-    """The spec as a request carries it: JSON types are not coerced (``"3"`` is no integer)."""
+    """The spec as a request carries it: JSON types are not coerced (``"3"`` is no integer),
+    and no string has a NUL character (PostgreSQL's text and jsonb cannot store one: the
+    processor would have to dead-letter the command)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    @field_validator("image", "command", "env", "labels")
+    @classmethod
+    def _storable(cls, value: Any) -> Any:
+        _no_nul(value)
+        return value
+
+    resources: SandboxResourcesRequest | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CreateSandboxRequest(BaseModel):
@@ -86,8 +113,10 @@ def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     described = {
         401: "missing or invalid token",
         403: "the token lacks the scope",
-        404: "no such sandbox (NOT_FOUND)",
-        409: "ALREADY_EXISTS, or ABORTED (expected_version mismatch)",
+        404: "NOT_FOUND: no such sandbox (or command)",
+        409: "ALREADY_EXISTS, ABORTED (expected_version mismatch), or IDEMPOTENCY_CONFLICT "
+        "(the command_id was first used for another request)",
+        413: "PAYLOAD_TOO_LARGE: the body or the command is above the limit",
         412: "FAILED_PRECONDITION: the phase does not admit the command",
         422: "INVALID_ARGUMENT: the request names the offending field",
         503: "UNAVAILABLE: Kafka or PostgreSQL cannot be reached",
@@ -97,7 +126,7 @@ def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 COMMAND_RESPONSES = {
     202: {"model": CommandStatus, "description": "published; the outcome is pending"},
-    **responses(401, 403, 404, 409, 412, 422, 503),
+    **responses(401, 403, 404, 409, 412, 413, 422, 503),
 }
 
 WaitQuery = Annotated[

@@ -30,7 +30,6 @@ from events.common import (
     Hold,
     Phase,
     SandboxSpec,
-    storable_text,
 )
 from events.outcomes import Code, CommandOutcome
 from events.topics import CHANGES_CHANNEL
@@ -148,6 +147,11 @@ class CommandStatus(BaseModel):
     phase: Phase | None = Field(default=None, description="the phase right after the decision")
     generation: int | None = None
     version: int | None = None
+    identity: str | None = Field(
+        default=None,
+        description="the runtime identity of the sandbox's generation right after the decision "
+        "(for create, start and restart: the one the command minted)",
+    )
 
 
 def command_status(outcome: CommandOutcome) -> CommandStatus:
@@ -162,6 +166,7 @@ def command_status(outcome: CommandOutcome) -> CommandStatus:
         phase=outcome.phase,
         generation=outcome.generation,
         version=outcome.version,
+        identity=outcome.identity,
     )
 
 
@@ -228,6 +233,25 @@ def encode_page_token(scope: str, filters: Any, after: str | int) -> str:
     return base64.urlsafe_b64encode(body.encode()).decode().rstrip("=")
 
 
+INT64_MAX: Final = 2**63 - 1
+
+
+def plain_text(field: str, value: str) -> str:
+    """``value`` if PostgreSQL can take it as text (no NUL character), else InvalidArgument."""
+    if "\x00" in value:
+        raise InvalidArgument(field, "must not contain NUL characters")
+    return value
+
+
+def page_position(field: str, value: Any, kind: type[str] | type[int]) -> Any:
+    """A decoded page token's position, checked: a NUL-free name or an int64 sequence number."""
+    if kind is str and isinstance(value, str) and "\x00" not in value and len(value) <= 253:
+        return value
+    if kind is int and type(value) is int and 0 <= value <= INT64_MAX:
+        return value
+    raise InvalidArgument(field, "malformed page token")
+
+
 def decode_page_token(token: str, scope: str, filters: Any) -> Any:
     try:
         padded = token + "=" * (-len(token) % 4)
@@ -250,11 +274,7 @@ def parse_label_filters(values: Sequence[str]) -> tuple[dict[str, str], list[str
     equal: dict[str, str] = {}
     present: list[str] = []
     for item in values:
-        try:
-            storable_text(item)  # PostgreSQL cannot compare with what it cannot hold
-        except ValueError as exc:
-            raise InvalidArgument("label", str(exc)) from None
-        key, sep, value = item.partition("=")
+        key, sep, value = plain_text("label", item).partition("=")
         if not key:
             raise InvalidArgument("label", f"expected key=value or key, got {item!r}")
         if sep:
@@ -301,8 +321,8 @@ async def list_sandboxes(
     deleted_ok = include_deleted or Phase.DELETED.value in wanted
     filters = {"phase": wanted, "eq": equal, "has": present, "deleted": deleted_ok}
     after = decode_page_token(page_token, "sandboxes", filters) if page_token else None
-    if after is not None and not isinstance(after, str):
-        raise InvalidArgument("page_token", "malformed page token")
+    if after is not None:
+        after = page_position("page_token", after, str)
     async with pool.acquire() as conn:
         cursor = await change_horizon(conn)
         records = await conn.fetch(
@@ -349,8 +369,7 @@ async def history(
     if generation is not None:
         context["generation"] = generation
     after = decode_page_token(page_token, "history", context) if page_token else 0
-    if not isinstance(after, int) or isinstance(after, bool):
-        raise InvalidArgument("page_token", "malformed page token")
+    after = page_position("page_token", after, int)
     records = await pool.fetch(
         'SELECT id, topic, partition, "offset", message_type, command_id, disposition, reason, '
         "phase, generation, version, event_types, message, occurred_at, recorded_at, sandbox_id "

@@ -9,7 +9,11 @@
     sandbox B is stopped and started over and over; each command is timed from publish to the
     row reaching its phase. Target: p99 < 100 ms.
 
-Both run the whole pipeline (processor + executor + watcher) on the real Kafka and PostgreSQL,
+(c) Starvation: one caller deletes 100 sandboxes that ignore SIGTERM, each with an hour of
+    grace (fake driver with real timing); while all 100 are stuck, another caller's creates
+    (to Ready) and stops (to Stopped) are timed. Same target as (b).
+
+All run the whole pipeline (processor + executor + watcher) on the real Kafka and PostgreSQL,
 with their own topics and schema, removed afterwards. ``main(settings)`` prints a small table;
 ``python -m services.bench drivers`` runs it alone.
 """
@@ -30,7 +34,7 @@ from uuid import UUID
 
 import asyncpg
 
-from drivers.fake import FakeDriver
+from drivers.fake import IGNORES_SIGTERM, FakeDriver
 from drivers.protocol import LABEL_KEY, Driver, LaunchResult, LaunchSpec, OpResult, RuntimeInfo
 from drivers.protocol import WatchObservation as _Watch
 from events.commands import Command, CreateSandbox, DeleteSandbox, StartSandbox, StopSandbox
@@ -118,13 +122,13 @@ class Rows:
                 await asyncio.wait_for(changed.wait(), min(remaining, 0.5))
 
 
-def _cmd(kind: type[Command], key: str, **extra: object) -> Command:
+def _cmd(kind: type[Command], key: str, actor: str = "bench", **extra: object) -> Command:
     return kind(
         type=kind.__name__,
         command_id=uuid.uuid4().hex,
         key=key,
         occurred_at=T0,
-        actor="bench",
+        actor=actor,
         **extra,
     )
 
@@ -274,6 +278,54 @@ async def unrelated_delay(settings: Settings, held_for: float = 30.0) -> tuple[F
     return Figures(f"B stop/start while A's delete is held {held_for:.0f} s", samples), a_after
 
 
+# -- (c) another caller's latency while 100 sandboxes are stuck in their grace period --------
+
+
+async def starvation(settings: Settings, stuck: int = 100, rounds: int = 20) -> list[Figures]:
+    driver = FakeDriver(real_grace=True)
+    stubborn = SandboxSpec(
+        image=settings.sandbox_image, labels={IGNORES_SIGTERM: "true"}, stop_timeout_seconds=3600
+    )
+    plain = SandboxSpec(image=settings.sandbox_image, command=["sleep", "3600"])
+    keys = [f"stuck-{i}" for i in range(stuck)]
+    async with isolated(settings, "benchd", kafka_partitions=4) as (s, pool):
+        plane = ControlPlane(s, driver, pool, reconcile_interval=3600)
+        rows = await Rows.open(s, pool)
+        await plane.start()
+        creates: list[float] = []
+        stops: list[float] = []
+        try:
+            async with CommandPublisher(s.kafka_bootstrap, topic=s.topic_commands) as pub:
+                for key in keys:
+                    await pub.publish(_cmd(CreateSandbox, key, "hostile", spec=stubborn))
+                for key in keys:
+                    await rows.until(key, "Ready")
+                for key in keys:
+                    await pub.publish(_cmd(DeleteSandbox, key, "hostile"))
+                for key in keys:
+                    await rows.until(key, "Deleting")
+                for i in range(rounds):
+                    key = f"other-{i}"
+                    create = _cmd(CreateSandbox, key, "alice", spec=plain)
+                    creates.append(await timed(pub, rows, create, "Ready"))
+                    stops.append(await timed(pub, rows, _cmd(StopSandbox, key, "alice"), "Stopped"))
+                still = await pool.fetchval(
+                    "SELECT count(*) FROM sandboxes WHERE phase = 'Deleting'"
+                )
+                if still != stuck:
+                    raise RuntimeError(f"all {stuck} should still be Deleting, {still} are")
+        finally:
+            if plane.executor is not None:
+                plane.executor.shutdown_grace = 0.5
+            await plane.stop()
+            await rows.close()
+            await driver.close()
+    return [
+        Figures(f"create→Ready while {stuck} deletes are stuck", creates),
+        Figures(f"stop→Stopped while {stuck} deletes are stuck", stops),
+    ]
+
+
 # -- entry points ------------------------------------------------------------------------------
 
 
@@ -288,3 +340,6 @@ async def main(settings: Settings, held_for: float = 30.0) -> None:
     figures, a_after = await unrelated_delay(settings, held_for)
     print(figures.line("ms", "target p99 < 100 ms"))
     print(f"  {'A tombstoned after its delete was released':<44} {a_after * 1000:6.1f} ms")
+    print("(c) another caller while one caller's 100 SIGTERM-ignoring deletes wait out 1 h")
+    for figures in await starvation(settings):
+        print(figures.line("ms", "target p99 < 100 ms"))

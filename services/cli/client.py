@@ -68,7 +68,11 @@ class Client:
         params: Any = None,
         timeout: float | None = None,
         ok: tuple[int, ...] = (200,),
+        transport_errors: bool = False,
     ) -> httpx.Response:
+        """One request; ``ApiFailure`` for a status not in ``ok``. A connection failure or a
+        timeout fails the command, or with ``transport_errors`` raises ``httpx.TransportError``
+        for the caller to retry."""
         try:
             response = self.http.request(
                 method,
@@ -78,6 +82,8 @@ class Client:
                 timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
             )
         except httpx.TransportError as exc:
+            if transport_errors:
+                raise
             fail(f"cannot reach the API at {self.url} ({exc}); is `sandstream up` running?")
         if response.status_code not in ok:
             raise ApiFailure.of(response)

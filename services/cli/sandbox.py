@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+import httpx
 import typer
 from rich.table import Table
 
@@ -51,7 +53,11 @@ CommandIdOpt = Annotated[
 ]
 ExpectedVersionOpt = Annotated[
     int | None,
-    typer.Option("--expected-version", min=0, help="fail (ABORTED) unless at this version"),
+    typer.Option(
+        "--expected-version",
+        min=0,
+        help="fail (ABORTED) unless at this version (restart: the version read first)",
+    ),
 ]
 
 
@@ -93,16 +99,34 @@ def _submit(
     name: str,
     deadline: float,
 ) -> dict[str, Any]:
-    """Send a command and return its decided outcome (waiting for it), or fail."""
-    wait = max(0.0, min(MAX_SERVER_WAIT, deadline - time.monotonic()))
-    response = client.request(
-        method,
-        path,
-        json_body=body,
-        params={"wait": f"{wait:.3f}"},
-        timeout=wait + 30,
-        ok=(200, 201, 202),
-    )
+    """Send a command and return its decided outcome (waiting for it), or fail.
+
+    A request that times out, cannot connect or gets a 503 is sent again, unchanged (the same
+    command_id, the same expected_version), until the deadline: the API answers a repeat with
+    the first outcome, so a retry never runs a command twice."""
+    delay = 0.5
+    while True:
+        wait = max(0.0, min(MAX_SERVER_WAIT, deadline - time.monotonic()))
+        try:
+            response = client.request(
+                method,
+                path,
+                json_body=body,
+                params={"wait": f"{wait:.3f}"},
+                timeout=wait + 30,
+                ok=(200, 201, 202),
+                transport_errors=True,
+            )
+            break
+        except (httpx.TransportError, ApiFailure) as exc:
+            if isinstance(exc, ApiFailure) and exc.status != 503:
+                raise
+            if time.monotonic() + delay >= deadline:
+                if isinstance(exc, ApiFailure):
+                    raise
+                fail(f"cannot reach the API at {client.url} ({exc}); is `sandstream up` running?")
+            time.sleep(delay)  # back-off before sending the same command again
+            delay = min(delay * 2, 5.0)
     outcome: dict[str, Any] = response.json()
     while outcome["status"] == "pending":
         remaining = deadline - time.monotonic()
@@ -263,19 +287,35 @@ def create(
     if ttl is not None:
         body["ttl_seconds"] = duration_seconds(ttl, "--ttl")
     body["on_expiry"], body["on_exit"] = on_expiry.value, on_exit.value
-    if command_id:
-        body["command_id"] = command_id
+    body["command_id"] = command_id or f"cli-{uuid.uuid4().hex}"  # the same on every retry
     _lifecycle(ctx, "create", name, "POST", "/v1/sandboxes", body,
                timeout=timeout, no_wait=no_wait, output=output)  # fmt: skip
 
 
+# Commands that mint a new generation each time they are applied: run twice, they restart
+# twice. By default the CLI sends the version it read as expected_version, so a command that
+# was applied after all (its answer lost) cannot be applied a second time.
+NOT_IDEMPOTENT = frozenset({"restart"})
+
+
 def _command_body(command_id: str | None, expected_version: int | None) -> dict[str, Any]:
-    body: dict[str, Any] = {}
-    if command_id:
-        body["command_id"] = command_id
+    # The id is chosen here, once: every retry of this invocation sends the same one.
+    body: dict[str, Any] = {"command_id": command_id or f"cli-{uuid.uuid4().hex}"}
     if expected_version is not None:
         body["expected_version"] = expected_version
     return body
+
+
+def _seen_version(ctx: typer.Context, name: str) -> int | None:
+    """The sandbox's current version, or None when it does not exist (the command is then
+    rejected with NOT_FOUND by the API as usual)."""
+    try:
+        row = client_of(ctx).request("GET", f"/v1/sandboxes/{name}").json()
+    except ApiFailure as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return int(row["version"])
 
 
 def _register_lifecycle(verb: str, method: str, suffix: str, doc: str) -> None:
@@ -290,6 +330,8 @@ def _register_lifecycle(verb: str, method: str, suffix: str, doc: str) -> None:
         no_wait: NoWaitOpt = False,
         output: OutputOpt = Output.table,
     ) -> None:
+        if expected_version is None and verb in NOT_IDEMPOTENT:
+            expected_version = _seen_version(ctx, name)
         _lifecycle(ctx, verb, name, method, f"/v1/sandboxes/{name}{suffix}",
                    _command_body(command_id, expected_version),
                    timeout=timeout, no_wait=no_wait, output=output)  # fmt: skip

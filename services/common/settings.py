@@ -7,6 +7,7 @@ overridden by an environment variable named ``SANDSTREAM_<FIELD>`` (e.g.
 
 from __future__ import annotations
 
+import json
 from functools import cached_property
 from pathlib import Path
 
@@ -74,6 +75,11 @@ class Settings(BaseSettings):
 
     # Executor and reconciler (services/executor.py, services/watcher.py)
     executor_concurrency: int = Field(default=64, ge=1)  # driver calls in flight at once
+    # Slow calls (stop, delete, a restart's launch: they may wait out a grace period) run in
+    # their caller's own lane, at most this many at once per caller (token name).
+    executor_slow_per_caller: int = Field(default=16, ge=1)
+    # Per caller (token name) exceptions to it, e.g. SANDSTREAM_EXECUTOR_SLOW_CALLERS='{"ci": 4}'.
+    executor_slow_callers: dict[str, int] = Field(default_factory=dict)
     executor_retry_seconds: float = Field(default=600, ge=0)  # retry transient failures this long
     reconcile_interval_seconds: float = Field(default=30, gt=0)
 
@@ -97,6 +103,12 @@ class Settings(BaseSettings):
     api_url: str | None = None
     # Tokens file, admin token and pid file of `sandstream up` (default: state_dir).
     run_dir: Path | None = None
+    # Request bodies above this are refused (413) unread; it stays below Kafka's message size
+    # limit (1 MiB), so an accepted command always fits in a record.
+    api_max_body_bytes: int = Field(default=512 * 1024, ge=1024)
+    # The longest grace period (stop_timeout_seconds) a create may ask for, unless its token
+    # sets its own max_stop_timeout_seconds (tokens file).
+    api_max_stop_timeout_seconds: int = Field(default=600, ge=0, le=3600)
     # /readyz fails while the processor is more input records than this behind Kafka.
     readiness_max_lag: int = Field(default=1000, ge=0)
 
@@ -167,10 +179,15 @@ class Settings(BaseSettings):
     def as_env(self) -> dict[str, str]:
         """These settings as SANDSTREAM_* variables, for a child process to load the same."""
         return {
-            f"SANDSTREAM_{name.upper()}": str(value)
+            f"SANDSTREAM_{name.upper()}": _env_value(value)
             for name, value in self.model_dump().items()
             if value is not None
         }
+
+
+def _env_value(value: object) -> str:
+    """Mappings as JSON, which is how pydantic-settings reads them back."""
+    return json.dumps(value) if isinstance(value, dict) else str(value)
 
 
 def load_settings() -> Settings:

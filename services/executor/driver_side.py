@@ -51,7 +51,11 @@ class DriverSide:
             self._tasks = tasks
         interval = self.reconcile_interval or self.settings.reconcile_interval_seconds
         self.executor = Executor(
-            self.settings, self.driver, max_concurrency=self.executor_concurrency, retry=self.retry
+            self.settings,
+            self.driver,
+            self.pool,
+            max_concurrency=self.executor_concurrency,
+            retry=self.retry,
         )
         self._producer = AIOKafkaProducer(
             bootstrap_servers=self.settings.kafka_bootstrap, enable_idempotence=True, acks="all"
@@ -60,7 +64,12 @@ class DriverSide:
         await self.executor.start()
         self.watcher = Watcher(self.driver, self._producer, self.settings)
         self.reconciler = Reconciler(
-            self.driver, self.pool, self._producer, self.settings, interval
+            self.driver,
+            self.pool,
+            self._producer,
+            self.settings,
+            interval,
+            pickup=self.executor.pick_up,
         )
         stop = self._tasks.stop_event
         self._tasks.spawn("executor", self.executor.run(stop))

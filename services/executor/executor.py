@@ -4,20 +4,28 @@ It consumes the events topic, and for each intent (launch, stop, delete) calls t
 appends the result to the observations topic, where the processor decides what it means.
 
 - **Serial per sandbox, concurrent across sandboxes, bounded.** Each key has its own queue and
-  worker task, so a 30-second delete of A never delays B; at most ``max_concurrency`` driver
-  calls run at once (a call waiting for a slot holds nothing else up; a retry waiting out its
-  back-off holds no slot).
+  worker task, so a 30-second delete of A never delays B. Fast calls (a create's launch) share
+  ``max_concurrency`` slots; slow ones (stop, delete, a start's or restart's launch, which may
+  wait out a grace period) run in their caller's own lane, ``slow_per_caller`` at once per
+  actor, so one caller's stuck sandboxes never hold a slot anyone else needs. Waiting for a
+  slot or a lane, or a retry back-off, holds nothing else up.
 - **The poll loop never waits for the driver.** It only decodes and enqueues; driver calls run
   in the workers, so a slow call cannot get the consumer evicted from its group.
+- **The row is the truth, the intent a hint.** Right before every driver call the sandbox's
+  current row is read; an intent the row no longer wants (another incarnation, another
+  generation, a phase past it) is dropped (logged at debug, no call, no result). So
+  redelivered or replayed intents have no side effects: a stopped runtime is never started
+  again, a deleted one never re-created.
 - **Offsets.** Per partition the committed offset is the oldest intent not yet finished (its
-  result reported), so a crash redelivers exactly the unfinished intents and what follows them.
-  Drivers are idempotent (a launch of a generation that already runs does not start it again,
-  stop and delete are safe on absence), so a redelivered intent converges instead of
-  duplicating a runtime.
+  result reported, or dropped), so a crash redelivers exactly the unfinished intents and what
+  follows them; the row check drops those the rows moved past. A new group starts at the end
+  of the topic; the reconcile loop hands it what rows decided earlier still want
+  (``pick_up``).
 - **Retries.** A failure the driver calls retryable is retried with exponential back-off for
   up to ``RetryPolicy.give_up_after`` seconds; a later intent of the same sandbox ends the
   retries at once (the failure is reported, and the later intent runs). A non-retryable
-  failure is reported at once. Every intent gets exactly one reported result.
+  failure is reported at once. Every intent that reaches the driver gets exactly one
+  reported result.
 - **Superseded intents are skipped.** A queued launch or stop followed in the same sandbox's
   queue by a delete of that incarnation, or by a launch of a newer generation, is not run: its
   result would be stale for the processor anyway (this keeps a replayed backlog cheap).
@@ -42,12 +50,14 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Final
 from uuid import UUID
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
+from aiokafka.partitioner import murmur2
 from pydantic import ValidationError
 
 from drivers.protocol import (
@@ -59,6 +69,7 @@ from drivers.protocol import (
     operation_result,
 )
 from events.codec import EVENTS, DecodeError, decode
+from events.common import Phase
 from events.decided import (
     DecidedEvent,
     SandboxCreated,
@@ -71,9 +82,13 @@ from events.decided import (
 )
 from events.observations import DriverOperationResult, Operation
 from events.publisher import publish_until_sent
+from events.topics import record_key
+from projections.lifecycle import Sandbox
+from projections.store import CONNECTION_ERRORS
 from services.common import metrics
 from services.common.settings import Settings
 from services.executor.clock import Clock, utcnow
+from services.executor.rows import Pool, read_row
 
 log = logging.getLogger("sandstream.executor")
 
@@ -82,32 +97,94 @@ CallResult = LaunchResult | OpResult | bool | DriverError
 
 @dataclass(frozen=True, slots=True)
 class Intent:
+    """One driver operation for one sandbox: from a decided event, or from a row the reconcile
+    loop found still waiting for it (``pickup``)."""
+
     operation: Operation
-    event: DecidedEvent
-
-    @property
-    def key(self) -> str:
-        return self.event.key
-
-    @property
-    def sandbox_id(self) -> UUID:
-        return self.event.sandbox_id
-
-    @property
-    def generation(self) -> int:
-        return self.event.generation
+    key: str
+    sandbox_id: UUID
+    generation: int
+    result_id: str  # the observation id of its result
+    actor: str  # whose command it serves: the lane it runs in when slow
+    launch: LaunchSpec | None = None
+    previous_generation: int | None = None  # a start's or restart's older generation
+    cleanup: bool = False  # a stop after a timed-out launch: wanted while the row is Error
 
 
 def intent_of(event: DecidedEvent) -> Intent | None:
     """The driver operation a decided event asks for, if any."""
+    base = Intent(
+        "launch", event.key, event.sandbox_id, event.generation, f"result:{event.event_id}",
+        event.actor,
+    )  # fmt: skip
     match event:
-        case SandboxCreated() | SandboxStarting():
-            return Intent("launch", event)
-        case SandboxStopping() | SandboxTimedOut():  # a timed-out launch: clean up its runtime
-            return Intent("stop", event)
+        case SandboxCreated():
+            return replace(base, launch=LaunchSpec.from_event(event))
+        case SandboxStarting():
+            return replace(
+                base,
+                launch=LaunchSpec.from_event(event),
+                previous_generation=event.previous_generation,
+            )
+        case SandboxStopping():
+            return replace(base, operation="stop")
+        case SandboxTimedOut():  # a timed-out launch: clean up its runtime if it came up
+            return replace(base, operation="stop", cleanup=True)
         case SandboxDeleting() | SandboxDeleteRetried():
-            return Intent("delete", event)
+            return replace(base, operation="delete")
     return None
+
+
+def intent_of_row(row: Sandbox, actor: str = "reconciler") -> Intent | None:
+    """What a row in a progressing phase still wants done (the reconcile loop's pick-up)."""
+    base = Intent(
+        "launch", row.key, row.sandbox_id, row.generation,
+        f"result:row:{row.sandbox_id}:{row.version}", actor,
+    )  # fmt: skip
+    match row.phase:
+        case Phase.PROVISIONING | Phase.STARTING:
+            spec = LaunchSpec(row.key, row.sandbox_id, row.generation, row.identity, row.spec)
+            if row.phase is Phase.PROVISIONING:
+                return replace(base, launch=spec)
+            # A start or restart: generations of one incarnation count up one at a time.
+            return replace(base, launch=spec, previous_generation=row.generation - 1)
+        case Phase.STOPPING:
+            return replace(base, operation="stop")
+        case Phase.DELETING:
+            return replace(base, operation="delete")
+    return None
+
+
+# What the row must look like for each operation to still be wanted.
+WANTED_PHASES: Final[dict[Operation, tuple[Phase, ...]]] = {
+    "launch": (Phase.PROVISIONING, Phase.STARTING),
+    "stop": (Phase.STOPPING,),
+    "delete": (Phase.DELETING,),
+}
+# The cleanup stop of a timed-out launch (the row went to Error; a runtime that came up late
+# moves it to Ready): wanted at that generation until the row moves on.
+CLEANUP_PHASES: Final = (Phase.ERROR, Phase.READY, Phase.STOPPING)
+
+
+def unwanted(intent: Intent, row: Sandbox | None) -> str | None:
+    """Why the row no longer wants ``intent`` (None: it does). The row is the truth, the
+    intent only a hint: a redelivered or replayed intent the row has moved past is dropped."""
+    if row is None:
+        return "no row"
+    if row.sandbox_id != intent.sandbox_id:
+        return f"the name now belongs to incarnation {row.sandbox_id} ({row.phase})"
+    if intent.operation != "delete" and row.generation != intent.generation:
+        return f"the row is at generation {row.generation}"
+    wanted = CLEANUP_PHASES if intent.cleanup else WANTED_PHASES[intent.operation]
+    if row.phase not in wanted:
+        return f"the row is {row.phase} (version {row.version})"
+    return None
+
+
+def is_slow(intent: Intent) -> bool:
+    """Operations that may wait out a grace period (stop, delete, a launch replacing an older
+    generation): they run in their caller's lane, never in the shared slots."""
+    return intent.operation != "launch" or intent.previous_generation is not None
 
 
 def supersedes(later: Intent, earlier: Intent) -> bool:
@@ -124,6 +201,13 @@ def supersedes(later: Intent, earlier: Intent) -> bool:
     if later.operation == "delete":
         return True
     return later.operation == "launch" and later.generation > earlier.generation
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """An intent the row no longer wants: finished without a driver call or a result."""
+
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -168,32 +252,43 @@ class PartitionProgress:
 
 @dataclass(eq=False)
 class _Item:
-    tp: TopicPartition
-    offset: int
     intent: Intent
-    progress: PartitionProgress
+    tp: TopicPartition | None = None  # None: picked up from a row, not from the log
+    offset: int = -1
+    progress: PartitionProgress | None = None
+
+    def finish(self) -> None:
+        if self.progress is not None:
+            self.progress.finish(self.offset)
 
 
 @dataclass
 class Executor:
     settings: Settings
     driver: Driver
+    pool: Pool  # the rows: read before every driver call
     max_concurrency: int | None = None  # default: settings.executor_concurrency
+    slow_per_caller: int | None = None  # default: settings.executor_slow_per_caller
     retry: RetryPolicy | None = None  # default: give up after settings.executor_retry_seconds
     commit_interval: float = 0.5
     revoke_grace: float = 5.0
     shutdown_grace: float = 10.0
+    assign_timeout: float = 30.0  # start() waits this long for the first assignment
     clock: Clock = utcnow
     consumer: AIOKafkaConsumer | None = None
     producer: AIOKafkaProducer | None = None
-    running: int = 0  # driver calls in progress (each holds a concurrency slot)
-    waiting: int = 0  # driver calls waiting for a slot
+    running: int = 0  # driver calls in progress (in a shared slot or a caller's lane)
+    waiting: int = 0  # driver calls waiting for a slot or a lane
+    dropped: int = 0  # intents dropped because their row no longer wants them
+    skipped: int = 0  # intents skipped because a later one in the queue supersedes them
     _queues: dict[str, deque[_Item]] = field(default_factory=dict)
     _workers: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     _news: dict[str, asyncio.Event] = field(default_factory=dict)  # set when a key gets work
     _owned: dict[TopicPartition, PartitionProgress] = field(default_factory=dict)
     _active: dict[str, _Item] = field(default_factory=dict)  # the intent each worker runs
     _slots: asyncio.Semaphore | None = None
+    _lanes: dict[str, asyncio.Semaphore] = field(default_factory=dict)  # per caller (actor)
+    _assigned: asyncio.Event = field(default_factory=asyncio.Event)
     _closing: bool = False
     _drained: bool = False
     _crashed: BaseException | None = None  # a worker's unexpected error: run() raises it
@@ -202,12 +297,17 @@ class Executor:
     def __post_init__(self) -> None:
         if self.max_concurrency is None:
             self.max_concurrency = self.settings.executor_concurrency
+        if self.slow_per_caller is None:
+            self.slow_per_caller = self.settings.executor_slow_per_caller
         if self.retry is None:
             self.retry = RetryPolicy(give_up_after=self.settings.executor_retry_seconds)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Connect and join the group; returns once partitions are assigned (or after
+        ``assign_timeout``), so a new group's starting position is fixed before anything
+        is decided after it."""
         assert self.max_concurrency is not None
         self._slots = asyncio.Semaphore(self.max_concurrency)
         self.producer = AIOKafkaProducer(
@@ -218,13 +318,17 @@ class Executor:
             bootstrap_servers=self.settings.kafka_bootstrap,
             group_id=self.settings.executor_group,
             enable_auto_commit=False,
-            auto_offset_reset="earliest",
+            # A new group starts at the end: what was decided before it joined is the reconcile
+            # loop's to pick up from the rows (never a replay of the whole log).
+            auto_offset_reset="latest",
             session_timeout_ms=self.settings.kafka_session_timeout_ms,
             heartbeat_interval_ms=max(300, self.settings.kafka_session_timeout_ms // 4),
             client_id="executor",
         )
         self.consumer.subscribe([self.settings.topic_events], listener=_Rebalance(self))
         await self.consumer.start()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._assigned.wait(), self.assign_timeout)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Poll and dispatch until ``stop``, then drain (see the module docstring)."""
@@ -305,8 +409,33 @@ class Executor:
                      event.deadline.attempt, event.key)  # fmt: skip
             return
         progress.pending.add(record.offset)
-        key = intent.key
-        self._queues.setdefault(key, deque()).append(_Item(tp, record.offset, intent, progress))
+        self._add(_Item(intent, tp, record.offset, progress))
+
+    def pick_up(self, row: Sandbox) -> bool:
+        """Queue what a progressing row still wants (the reconcile loop calls this for rows
+        that stayed unchanged in a progressing phase for a whole pass). Nothing is queued
+        while the sandbox has intents here (they will act on the row), nor for a sandbox whose
+        partition another executor owns."""
+        intent = intent_of_row(row)
+        if intent is None or self._closing or self.pending(row.key) or not self.owns(row.key):
+            return False
+        log.info("picking up %s of %s generation %d from its %s row",
+                 intent.operation, row.key, row.generation, row.phase)  # fmt: skip
+        self._add(_Item(intent))
+        return True
+
+    def owns(self, key: str) -> bool:
+        """Whether ``key``'s partition of the events topic is assigned here: only its owner
+        may act on a sandbox (another executor of the group serves the others)."""
+        topic = self.settings.topic_events
+        known = self.consumer.partitions_for_topic(topic) if self.consumer else None
+        count = len(known) if known else self.settings.kafka_partitions
+        partition = (murmur2(record_key(key)) & 0x7FFFFFFF) % count  # the default partitioner
+        return TopicPartition(topic, partition) in self._owned
+
+    def _add(self, item: _Item) -> None:
+        key = item.intent.key
+        self._queues.setdefault(key, deque()).append(item)
         news = self._news.get(key)
         if news is not None:
             news.set()
@@ -332,7 +461,9 @@ class Executor:
 
     def _current(self, item: _Item) -> bool:
         """Whether ``item`` is still this executor's to run (not revoked, not shutting down)."""
-        return not self._closing and self._owned.get(item.tp) is item.progress
+        if self._closing:
+            return False
+        return item.tp is None or self._owned.get(item.tp) is item.progress
 
     async def _kill(self, event: DecidedEvent, offset: int, progress: PartitionProgress) -> None:
         """Kill the runtime of the event's generation now, outside the key's queue."""
@@ -365,26 +496,32 @@ class Executor:
                     None,
                 )
                 if later is not None:
-                    log.info("%s of %s generation %d skipped: superseded by %s at offset %d",
+                    log.info("%s of %s generation %d skipped: superseded by a later %s",
                              item.intent.operation, key, item.intent.generation,
-                             later.intent.operation, later.offset)  # fmt: skip
-                    item.progress.finish(item.offset)
+                             later.intent.operation)  # fmt: skip
+                    self.skipped += 1
+                    item.finish()
                     continue
-                item.progress.running.add(item.offset)
+                if item.progress is not None:
+                    item.progress.running.add(item.offset)
                 self._active[key] = item
                 try:
                     result = await self._execute(item, queue)
-                    if result is not None:
+                    if isinstance(result, Dropped):
+                        self.dropped += 1
+                        item.finish()
+                    elif result is not None:
                         # The driver call happened: losing its result would leave the row
                         # waiting forever, so it is retried until sent.
                         await publish_until_sent(
                             self.producer, self.settings.topic_observations, result
                         )
-                        item.progress.finish(item.offset)
+                        item.finish()
                 finally:
                     del self._active[key]
-                    item.progress.running.discard(item.offset)
-                    item.progress.changed.set()
+                    if item.progress is not None:
+                        item.progress.running.discard(item.offset)
+                        item.progress.changed.set()
         finally:
             if self._workers.get(key) is asyncio.current_task():
                 del self._workers[key]
@@ -392,9 +529,12 @@ class Executor:
                 if not queue:
                     self._queues.pop(key, None)
 
-    async def _execute(self, item: _Item, queue: deque[_Item]) -> DriverOperationResult | None:
+    async def _execute(
+        self, item: _Item, queue: deque[_Item]
+    ) -> DriverOperationResult | Dropped | None:
         """Call the driver, retrying transient failures; None when abandoned unreported
-        (shutdown or revoke: the intent stays uncommitted and is redelivered)."""
+        (shutdown or revoke: the intent stays uncommitted and is redelivered), ``Dropped``
+        when the row no longer wants it."""
         assert self.retry is not None
         intent = item.intent
         loop = asyncio.get_running_loop()
@@ -403,8 +543,8 @@ class Executor:
         while True:
             attempt += 1
             result = await self._call(item)
-            if result is None:
-                return None  # revoked or shutting down while it waited for a slot
+            if result is None or isinstance(result, Dropped):
+                return result
             if not isinstance(result, DriverError) or not result.retryable:
                 break
             if not self._current(item):
@@ -433,46 +573,99 @@ class Executor:
             operation=intent.operation,
             key=intent.key,
             generation=intent.generation,
-            observation_id=f"result:{intent.event.event_id}",
+            observation_id=intent.result_id,
             occurred_at=self.clock(),
             actor="executor",
             result=result,
         )
 
-    async def _call(self, item: _Item) -> CallResult | None:
-        """One driver call inside a concurrency slot; every failure comes back as a
-        DriverError (an unexpected exception is a non-retryable one). None, and no call,
-        if the intent stopped being this executor's while it waited for the slot."""
-        assert self._slots is not None
+    def _lane(self, intent: Intent) -> asyncio.Semaphore:
+        """Where the call waits its turn: a shared slot, or its caller's own lane when it may
+        wait out a grace period (so slow sandboxes of one caller never hold the others up)."""
+        assert self._slots is not None and self.slow_per_caller is not None
+        if not is_slow(intent):
+            return self._slots
+        lane = self._lanes.get(intent.actor)
+        if lane is None:
+            width = self.settings.executor_slow_callers.get(intent.actor, self.slow_per_caller)
+            lane = self._lanes[intent.actor] = asyncio.Semaphore(max(1, width))
+        return lane
+
+    async def _call(self, item: _Item) -> CallResult | Dropped | None:
+        """One driver call in its slot or lane, if the row still wants it; every failure comes
+        back as a DriverError (an unexpected exception is a non-retryable one). None, and no
+        call, if the intent stopped being this executor's while it waited for the slot."""
+        lane = self._lane(item.intent)
         self.waiting += 1
         try:
-            await self._slots.acquire()
+            await lane.acquire()
         finally:
             self.waiting -= 1
-        if not self._current(item):
-            self._slots.release()
-            return None
-        intent = item.intent
-        self.running += 1
         try:
-            event = intent.event
+            if not self._current(item):
+                return None
+            why = await self._unwanted(item)
+            if not self._current(item):
+                return None  # revoked or shutting down meanwhile: left for the next owner
+            if why is not None:
+                await self._dropped(item.intent, why)
+                return Dropped(why)
+            self.running += 1
+            try:
+                return await self._driver_call(item.intent)
+            finally:
+                self.running -= 1
+        finally:
+            lane.release()
+
+    async def _driver_call(self, intent: Intent) -> CallResult:
+        try:
             match intent.operation:
                 case "launch":
-                    assert isinstance(event, SandboxCreated | SandboxStarting)
-                    return await self.driver.launch(LaunchSpec.from_event(event))
+                    assert intent.launch is not None
+                    return await self.driver.launch(intent.launch)
                 case "stop":
-                    return await self.driver.stop(event.key, event.generation)
+                    return await self.driver.stop(intent.key, intent.generation)
                 case "delete":
-                    return await self.driver.delete(event.key, event.sandbox_id)
+                    return await self.driver.delete(intent.key, intent.sandbox_id)
             raise AssertionError(intent.operation)
         except DriverError as exc:
             return exc
         except Exception as exc:
             log.exception("%s of %s: unexpected driver error", intent.operation, intent.key)
             return DriverError(f"unexpected driver error: {exc!r}", retryable=False)
-        finally:
-            self.running -= 1
-            self._slots.release()
+
+    async def _unwanted(self, item: _Item) -> str | None:
+        """Read the row (retrying while PostgreSQL is unreachable) and judge the intent."""
+        delay = 0.2
+        while True:
+            try:
+                return unwanted(item.intent, await read_row(self.pool, item.intent.key))
+            except CONNECTION_ERRORS as exc:
+                if not self._current(item):
+                    return "no longer this executor's"
+                log.warning("cannot read the row of %s (%s); again in %.1fs",
+                            item.intent.key, exc, delay)  # fmt: skip
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _dropped(self, intent: Intent, why: str) -> None:
+        log.debug("%s of %s generation %d dropped: %s",
+                  intent.operation, intent.key, intent.generation, why)  # fmt: skip
+        # A start or restart overtaken by a stop of its own generation may never have run:
+        # it still owes the older generation its stop, which would otherwise keep running.
+        if intent.operation == "launch" and intent.previous_generation is not None:
+            row = await read_row(self.pool, intent.key)
+            if (
+                row is not None
+                and (row.sandbox_id, row.generation) == (intent.sandbox_id, intent.generation)
+                and row.phase in (Phase.STOPPING, Phase.STOPPED)
+            ):
+                older = replace(intent, operation="stop", generation=intent.previous_generation)
+                result = await self._driver_call(older)
+                if isinstance(result, DriverError):
+                    log.warning("stopping generation %d of %s failed: %s",
+                                intent.previous_generation, intent.key, result.reason)  # fmt: skip
 
     # -- offsets and rebalances --------------------------------------------------------------
 
@@ -492,9 +685,27 @@ class Executor:
             chosen[tp].committed = offset
 
     async def on_assigned(self, assigned: set[TopicPartition]) -> None:
+        assert self.consumer is not None
+        fresh = []
         for tp in assigned:
             self._owned.setdefault(tp, PartitionProgress())
+            if await self.consumer.committed(tp) is None:
+                fresh.append(tp)
+        if fresh:
+            # Fix a new group's position at the end now (not at its first fetch, which may
+            # come after more was decided) and commit it, so a restart resumes from there.
+            ends = await self.consumer.end_offsets(fresh)
+            for tp in fresh:
+                self.consumer.seek(tp, ends[tp])
+                self._owned[tp].highest_seen = ends[tp] - 1
+            try:
+                await self.consumer.commit({tp: ends[tp] for tp in fresh})
+                for tp in fresh:
+                    self._owned[tp].committed = ends[tp]
+            except KafkaError as exc:
+                log.warning("committing the starting offsets failed (will retry): %s", exc)
         log.info("executor assigned %s", sorted(tp.partition for tp in assigned))
+        self._assigned.set()
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
         """Drop the queued intents of ``revoked``, let running ones finish, commit."""

@@ -5,13 +5,19 @@ It reports a runtime that vanished behind sandstream's back (``RuntimeRemoved``,
 Ready row to Error and a Stopping one to Stopped) and an orphan runtime carrying our marker but
 no live row (a snapshot the processor records as ignored). It never stops, removes or starts
 anything itself: the processor decides.
+
+It also hands the executor what the log can no longer deliver: a row that stays in a
+progressing phase (Provisioning, Starting, Stopping, Deleting) at the same version for a whole
+pass is passed to ``pickup`` (``Executor.pick_up``), which queues what the row wants unless
+the executor already has intents of that sandbox. This is how a new executor group, which
+starts at the end of the events topic, catches up with what was decided before it joined.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from uuid import UUID
@@ -23,6 +29,8 @@ from drivers.protocol import Driver, RuntimeInfo
 from events.common import Phase
 from events.observations import Observation, RuntimeRemoved, RuntimeSnapshot
 from events.publisher import publish_observation
+from projections.lifecycle import Sandbox
+from projections.store import SANDBOX_COLUMNS, sandbox_from_record
 from services.common.settings import Settings
 from services.common.tasks import stopped_within
 from services.executor.clock import Clock, utcnow
@@ -114,6 +122,17 @@ async def live_rows(pool: asyncpg.Pool[asyncpg.Record]) -> list[LiveRow]:
     return [LiveRow(r["key"], r["sandbox_id"], r["generation"], Phase(r["phase"])) for r in rows]
 
 
+PROGRESSING = (Phase.PROVISIONING, Phase.STARTING, Phase.STOPPING, Phase.DELETING)
+
+
+async def progressing_rows(pool: asyncpg.Pool[asyncpg.Record]) -> list[Sandbox]:
+    records = await pool.fetch(
+        f"SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE phase = ANY($1::text[])",
+        [p.value for p in PROGRESSING],
+    )
+    return [sandbox_from_record(r) for r in records]
+
+
 @dataclass
 class Reconciler:
     """Every ``interval`` seconds: read the live rows, list the runtimes, report differences.
@@ -132,9 +151,24 @@ class Reconciler:
     clock: Clock = utcnow
     passes: int = 0  # completed passes (tests wait on it)
     reported: set[str] = field(default_factory=set)
+    pickup: Callable[[Sandbox], bool] | None = None  # the executor's pick_up
+    picked_up: int = 0
+    _progressing: set[tuple[str, UUID, int]] = field(default_factory=set)  # the last pass's
+
+    async def pick_up_stuck(self) -> None:
+        """Hand the executor each row still progressing at the version the last pass saw."""
+        if self.pickup is None:
+            return
+        rows = await progressing_rows(self.pool)
+        now = {(r.key, r.sandbox_id, r.version) for r in rows}
+        for row in rows:
+            if (row.key, row.sandbox_id, row.version) in self._progressing and self.pickup(row):
+                self.picked_up += 1
+        self._progressing = now
 
     async def run_once(self) -> list[Observation]:
         """One pass; returns what it reported (new differences only)."""
+        await self.pick_up_stuck()
         rows = await live_rows(self.pool)
         runtimes = await self.driver.list()
         current = reconcile(rows, runtimes, self.clock())

@@ -23,10 +23,11 @@ from events.commands import (
 from events.common import SANDBOX_NAME_PATTERN, SandboxSpec
 from events.outcomes import CommandOutcome
 from events.publisher import new_command_id, now
-from services.api import readmodel
+from services.api import idempotency, readmodel
 from services.api.deps import Reader, State, Writer
-from services.api.errors import STATUS_OF, error_response
-from services.api.gateway import CommandGateway, PublishFailed
+from services.api.errors import STATUS_OF, ApiError, error_response
+from services.api.gateway import CommandGateway, CommandTooLarge, PublishFailed
+from services.api.idempotency import IdempotencyConflict
 from services.api.models import (
     COMMAND_RESPONSES,
     CreateSandboxRequest,
@@ -57,6 +58,10 @@ async def submit(gateway: CommandGateway, command: Command, wait: float | None) 
         submitted = await gateway.submit(command, wait)
     except PublishFailed as exc:
         return error_response(503, "UNAVAILABLE", str(exc), command_id=exc.command_id)
+    except IdempotencyConflict as exc:
+        return error_response(409, "IDEMPOTENCY_CONFLICT", str(exc), command_id=exc.command_id)
+    except CommandTooLarge as exc:
+        return error_response(413, "PAYLOAD_TOO_LARGE", str(exc))
     if submitted.outcome is not None:
         return outcome_response(submitted.outcome, created)
     body = readmodel.pending_status(
@@ -80,6 +85,16 @@ async def submit(gateway: CommandGateway, command: Command, wait: float | None) 
 async def create_sandbox(
     body: CreateSandboxRequest, principal: Writer, state: State, wait: WaitQuery = None
 ) -> JSONResponse:
+    cap = principal.max_stop_timeout
+    cap = state.settings.api_max_stop_timeout_seconds if cap is None else cap
+    asked = body.spec.stop_timeout_seconds
+    if asked is not None and asked > cap:
+        raise ApiError(
+            422,
+            "INVALID_ARGUMENT",
+            f"field 'spec.stop_timeout_seconds': at most {cap} seconds for token "
+            f"{principal.name!r} (asked for {asked})",
+        )
     command = CreateSandbox(
         type="CreateSandbox",
         command_id=body.command_id or new_command_id(),
@@ -141,8 +156,8 @@ router.delete(
 @router.get(
     "/v1/commands/{command_id}",
     response_model=CommandStatus,
-    responses=responses(401, 403, 422, 503),
-    summary="A command's outcome (pending until the processor decided it)",
+    responses=responses(401, 403, 404, 422, 503),
+    summary="A command's outcome (pending until the processor decided it; 404 if never seen)",
     tags=["commands"],
 )
 async def get_command(
@@ -161,9 +176,15 @@ async def get_command(
         outcome = await readmodel.get_outcome(state.pool, command_id, sandbox)
     if outcome is not None:
         return readmodel.command_status(outcome)
+    known = await idempotency.recorded(state.pool, command_id)
+    if known is None or not known.published or sandbox not in (None, known.key):
+        raise ApiError(
+            404,
+            "NOT_FOUND",
+            f"command {command_id!r} is not known"
+            + (f" for sandbox {sandbox!r}" if sandbox else "")
+            + ": neither decided nor published through this API",
+        )
     return readmodel.pending_status(
-        command_id,
-        sandbox or "",
-        "",
-        "no outcome recorded: not decided yet (or never published)",
+        command_id, known.key, known.command_type, "published; the outcome is pending"
     )

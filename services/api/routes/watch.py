@@ -227,13 +227,13 @@ def _resume_point(cursor: int | None, last_event_id: str | None) -> int | None:
         return cursor
     try:
         start = int(last_event_id)
-        if start < 0:
+        if not 0 <= start <= 2**63 - 1:
             raise ValueError
     except ValueError:
         raise ApiError(
             422,
             "INVALID_ARGUMENT",
-            "header 'Last-Event-ID': must be a non-negative integer (an event id)",
+            "header 'Last-Event-ID': must be a non-negative integer below 2^63 (an event id)",
         ) from None
     return start
 

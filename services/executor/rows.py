@@ -1,0 +1,18 @@
+"""The executor's read of a sandbox's current row: the truth it checks every intent against."""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+import asyncpg
+
+from projections.lifecycle import Sandbox
+from projections.store import SANDBOX_COLUMNS, sandbox_from_record
+
+Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
+
+
+async def read_row(pool: Pool, key: str) -> Sandbox | None:
+    """The row of ``key`` (live or its tombstone); None if the name never had one."""
+    record = await pool.fetchrow(f"SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE key = $1", key)
+    return sandbox_from_record(record) if record is not None else None

@@ -1,0 +1,200 @@
+"""The API against a hostile client, on the real stack: every malformed input is a clear 4xx
+naming what is wrong, never a 5xx, and nothing is published for it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import apikit
+import pytest
+import pytest_asyncio
+from apikit import Api, create_body, unique
+
+from drivers.fake import FakeDriver
+from services.api import readmodel
+
+# The filters a plain list's page token is bound to.
+LIST_FILTERS = {"phase": [], "eq": {}, "has": [], "deleted": False}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def api() -> AsyncIterator[Api]:
+    async with apikit.running_api(
+        FakeDriver(), settings_update={"api_max_stop_timeout_seconds": 30}
+    ) as running:
+        yield running
+
+
+async def test_a_create_asking_for_more_grace_than_its_token_may_is_refused(api: Api) -> None:
+    before = await api.commands_published()
+    async with api.client() as c:
+        r = await c.post("/v1/sandboxes", json=create_body(unique(), stop_timeout_seconds=31))
+        assert r.status_code == 422, r.text
+        assert r.json()["code"] == "INVALID_ARGUMENT"
+        assert "spec.stop_timeout_seconds" in r.json()["message"]
+        assert "at most 30 seconds" in r.json()["message"]
+        body = create_body(unique(), stop_timeout_seconds=30)
+        ok = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+        assert ok.status_code == 201, ok.text
+    assert await api.commands_published() == before + 1
+
+
+# -- authentication first, bodies bounded ---------------------------------------------------------
+
+
+async def test_an_unauthenticated_request_is_refused_before_its_body_is_looked_at(
+    api: Api,
+) -> None:
+    huge = b"{" * (api.env.settings.api_max_body_bytes + 1)
+    async with api.client(token=None) as anonymous, api.client(token="sst_wrong") as wrong:
+        for client in (anonymous, wrong):
+            r = await client.post("/v1/sandboxes", content=huge)
+            assert r.status_code == 401 and r.json()["code"] == "UNAUTHENTICATED", r.text
+    async with api.client(token=apikit.READER) as reader:
+        r = await reader.post("/v1/sandboxes", content=huge)
+        assert r.status_code == 403 and r.json()["code"] == "PERMISSION_DENIED", r.text
+
+
+async def test_a_body_above_the_limit_is_413_declared_or_streamed(api: Api) -> None:
+    limit = api.env.settings.api_max_body_bytes
+    before = await api.commands_published()
+
+    async def chunked() -> AsyncIterator[bytes]:
+        for _ in range(limit // 1000 + 2):
+            yield b" " * 1000
+
+    async with api.client() as c:
+        declared = await c.post("/v1/sandboxes", content=b" " * (limit + 1))
+        streamed = await c.post("/v1/sandboxes", content=chunked())
+    for r in (declared, streamed):
+        assert r.status_code == 413, r.text
+        assert r.json()["code"] == "PAYLOAD_TOO_LARGE"
+        assert f"larger than {limit} bytes" in r.json()["message"]
+    assert await api.commands_published() == before
+
+
+async def test_an_oversized_command_is_413_not_a_retryable_503() -> None:
+    """With the body limit raised above Kafka's record size, a command too large for a record
+    is refused as such (retrying cannot help), and nothing is published."""
+    async with apikit.running_api(
+        FakeDriver(), settings_update={"api_max_body_bytes": 4 * 1024 * 1024}
+    ) as big:
+        before = await big.commands_published()
+        env = {f"V{i}": "x" * 9000 for i in range(200)}  # ~1.8 MB: above a 1 MiB record
+        async with big.client() as c:
+            r = await c.post("/v1/sandboxes", json=create_body(unique(), env=env))
+        assert r.status_code == 413, r.text
+        assert r.json()["code"] == "PAYLOAD_TOO_LARGE"
+        assert "too large for a Kafka record" in r.json()["message"]
+        assert await big.commands_published() == before
+
+
+# -- malformed parameters and page tokens ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "params", "headers", "field"),
+    [
+        ("/v1/sandboxes", {"label": "team=a\x00b"}, {}, "query parameter 'label'"),
+        ("/v1/sandboxes", {"label": "te\x00am"}, {}, "query parameter 'label'"),
+        (
+            "/v1/sandboxes",
+            {"page_token": readmodel.encode_page_token("sandboxes", LIST_FILTERS, "a\x00b")},
+            {},
+            "query parameter 'page_token'",
+        ),
+        (
+            "/v1/sandboxes",
+            {"page_token": readmodel.encode_page_token("sandboxes", LIST_FILTERS, 2**64)},
+            {},
+            "query parameter 'page_token'",
+        ),
+        (
+            "/v1/sandboxes/nobody/history",
+            {"page_token": readmodel.encode_page_token("history", {"name": "nobody"}, 2**63)},
+            {},
+            "query parameter 'page_token'",
+        ),
+        (
+            "/v1/sandboxes/nobody/history",
+            {"page_token": readmodel.encode_page_token("history", {"name": "nobody"}, "\x00")},
+            {},
+            "query parameter 'page_token'",
+        ),
+        ("/v1/watch", {"timeout": 0.2}, {"Last-Event-ID": str(2**63)}, "header 'Last-Event-ID'"),
+        ("/v1/watch", {"cursor": str(2**63)}, {}, "query parameter 'cursor'"),
+    ],
+)
+async def test_a_malformed_parameter_or_page_token_is_422_naming_it(
+    api: Api, path: str, params: dict[str, Any], headers: dict[str, str], field: str
+) -> None:
+    async with api.client() as c:
+        r = await c.get(path, params=params, headers=headers)
+    assert r.status_code == 422, r.text
+    assert r.json()["code"] == "INVALID_ARGUMENT"
+    assert r.json()["message"].startswith(field), r.json()["message"]
+
+
+# -- idempotency keys -----------------------------------------------------------------------------
+
+
+async def test_a_command_id_names_one_request_even_across_incarnations(api: Api) -> None:
+    name = unique("idem")
+    key = f"create-{name}"
+    body = create_body(name) | {"command_id": key}
+    other_body = create_body(name, command=["sleep", "1"]) | {"command_id": key}
+    async with api.client() as c:
+        first = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+        assert first.status_code == 201, first.text
+        published = await api.commands_published()
+
+        conflict = await c.post("/v1/sandboxes", params={"wait": 30}, json=other_body)
+        assert conflict.status_code == 409, conflict.text
+        assert conflict.json()["code"] == "IDEMPOTENCY_CONFLICT"
+        assert conflict.json()["command_id"] == key and repr(key) in conflict.json()["message"]
+        # The same id for another sandbox, or by another caller, is another request too.
+        elsewhere = create_body(unique("idem")) | {"command_id": key}
+        assert (await c.post("/v1/sandboxes", json=elsewhere)).status_code == 409
+        async with api.client(token=apikit.WRITER) as writer:
+            assert (await writer.post("/v1/sandboxes", json=body)).status_code == 409
+
+        # A new incarnation of the name: the key still names the first request.
+        await c.delete(f"/v1/sandboxes/{name}", params={"wait": 30})
+        await api.wait_phase(name, "Deleted")
+        assert (await c.post("/v1/sandboxes", json=other_body)).status_code == 409
+        again = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+        assert (again.status_code, again.json()) == (201, first.json())
+        assert await api.phase(name) == "Deleted"  # the retry did not re-create it
+        assert await api.commands_published() == published + 1  # the delete only
+
+
+async def test_the_processor_survives_what_the_api_refused(api: Api) -> None:
+    """After every hostile request above, the pipeline still decides commands."""
+    assert api.plane is not None and not api.plane.stopping.is_set()
+    name = unique("alive")
+    async with api.client() as c:
+        r = await c.post("/v1/sandboxes", params={"wait": 30}, json=create_body(name))
+        assert r.status_code == 201, r.text
+    await api.wait_phase(name, "Ready")
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"image": "busy\x00box"}, "field 'spec.image'"),
+        ({"image": "busybox", "command": ["sh", "-c", "\x00"]}, "field 'spec.command.2'"),
+        ({"image": "busybox", "env": {"A": "x\x00"}}, "field 'spec.env.A'"),
+        ({"image": "busybox", "labels": {"team": "\x00"}}, "field 'spec.labels.team'"),
+    ],
+)
+async def test_a_nul_in_a_spec_is_422_and_never_reaches_the_processor(
+    api: Api, spec: dict[str, Any], field: str
+) -> None:
+    before = await api.commands_published()
+    async with api.client() as c:
+        r = await c.post("/v1/sandboxes", json={"name": unique(), "spec": spec})
+    assert r.status_code == 422, r.text
+    assert r.json()["message"].startswith(field), r.json()["message"]
+    assert "NUL" in r.json()["message"]
+    assert await api.commands_published() == before
