@@ -250,7 +250,9 @@ async def test_the_http_audit_answers_with_the_actor_the_token_named() -> None:
             denied = await admin.get(f"/v1/audit/sandboxes/{name}/explain")
             assert denied.status_code == 403 and "audit:read" in denied.json()["message"]
         async with api.client(apikit.AUDITOR) as auditor:
-            story = (await auditor.get(f"/v1/audit/sandboxes/{name}/explain")).json()
+            answer = await auditor.get(f"/v1/audit/sandboxes/{name}/explain")
+            assert answer.status_code == 200, answer.text
+            story = answer.json()
             commands = [s for s in story["inputs"] if s["input"].startswith("command")]
             assert [(c["actor"], c["disposition"]) for c in commands] == [
                 ("admin", "applied"), ("admin", "applied"),

@@ -42,6 +42,7 @@ from drivers.podman import container_name
 from drivers.protocol import LaunchSpec
 from events.codec import EVENTS, OBSERVATIONS, decode, encode
 from events.publisher import now
+from projections.store import BatchWrite, write_batch
 from services.api.readmodel import await_outcome
 from services.common.settings import PROJECT_ROOT
 from services.executor.backends import podman_driver
@@ -386,9 +387,12 @@ async def test_a_delete_retry_with_no_delete_under_way_deletes_again() -> None:
         retried = h.events("again")[-1]
         assert retried.type == "SandboxDeleteRetried"
         await driver.launch(LaunchSpec.from_event(h.events("again")[0]))  # type: ignore[arg-type]
+        # The executor acts only on what the row still wants: the row is Deleting.
+        async with env.pool.acquire() as conn:
+            await write_batch(conn, BatchWrite([(0, h.row("again"))], [], [], [], {}))
+        executor = Executor(env.settings, driver, env.pool)
+        await executor.start()  # a new group starts at the end of the events: produce after
         await env.produce(env.settings.topic_events, [(b"again", encode(retried))])
-        executor = Executor(env.settings, driver)
-        await executor.start()
         stop = asyncio.Event()
         task = asyncio.create_task(executor.run(stop))
         try:

@@ -10,7 +10,7 @@ from typing import Any, Final
 
 from starlette.requests import Request
 
-from services.api.auth import READ, WRITE
+from services.api.auth import AUDIT, READ, WRITE
 from services.api.deps import bearer_value, check_auth
 from services.api.errors import ApiError, error_response
 
@@ -19,6 +19,17 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 READ_METHODS: Final = frozenset({"GET", "HEAD"})
+# Resources whose routes ask for scopes of their own (the routes check them again, exactly).
+SCOPED_PREFIXES: Final = (("/v1/audit/", AUDIT, AUDIT),)
+
+
+def gate_scope(method: str, path: str) -> str:
+    """The scope a request must hold to be let through the gate (before its body is read)."""
+    reading = method in READ_METHODS
+    for prefix, read_scope, write_scope in SCOPED_PREFIXES:
+        if path.startswith(prefix):
+            return read_scope if reading else write_scope
+    return READ if reading else WRITE
 
 
 class GuardMiddleware:
@@ -32,9 +43,7 @@ class GuardMiddleware:
             return
         request = Request(scope)
         try:
-            check_auth(
-                request, READ if request.method in READ_METHODS else WRITE, bearer_value(request)
-            )
+            check_auth(request, gate_scope(request.method, request.url.path), bearer_value(request))
         except ApiError as denied:
             await _answer(scope, receive, send, denied)
             return
