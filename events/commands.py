@@ -64,6 +64,23 @@ class DetachProvider(VersionedCommand):
     provider: ProviderName
 
 
+class ProviderRotation(Strict):
+    """One provider whose applied values were replaced, and the revision that replaced them."""
+
+    provider: ProviderName
+    revision: Annotated[int, Field(ge=1)]
+
+
+class RotateCredentials(CommandBase):
+    """Credentials of providers attached to this sandbox rotated: restart it once for all of
+    them (``restart``), or let the new values wait for its next start. Carries names and
+    revisions only, never a value."""
+
+    type: Literal["RotateCredentials"]
+    rotations: list[ProviderRotation] = Field(min_length=1, max_length=64)
+    restart: bool = True
+
+
 Command = Annotated[
     CreateSandbox
     | StartSandbox
@@ -71,6 +88,7 @@ Command = Annotated[
     | RestartSandbox
     | DeleteSandbox
     | AttachProvider
-    | DetachProvider,
+    | DetachProvider
+    | RotateCredentials,
     Field(discriminator="type"),
 ]

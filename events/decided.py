@@ -118,6 +118,36 @@ class ProviderDetached(EventBase):
     provider: ProviderName
 
 
+class AgentRestarted(EventBase):
+    """Credentials of attached providers rotated and the sandbox was running: a new generation.
+
+    Intent: like SandboxStarting, remove the older generations' runtimes and launch this one
+    (which reads the current values at launch).
+    """
+
+    type: Literal["AgentRestarted"]
+    providers: list[ProviderName]
+    previous_generation: Generation
+    spec: SandboxSpec
+    identity: str
+
+
+class AgentRestartSkipped(EventBase):
+    """A rotation did not restart the sandbox, and why (the row changes only its version)."""
+
+    type: Literal["AgentRestartSkipped"]
+    providers: list[ProviderName]
+    reason: str
+
+
+class AgentRestartFailed(EventBase):
+    """The launch of a rotation restart failed (after the executor's retries): Error."""
+
+    type: Literal["AgentRestartFailed"]
+    reason: str
+    exit_code: int | None = None
+
+
 DecidedEvent = Annotated[
     SandboxCreated
     | SandboxStarting
@@ -130,6 +160,9 @@ DecidedEvent = Annotated[
     | SandboxDeleting
     | SandboxDeleted
     | ProviderAttached
-    | ProviderDetached,
+    | ProviderDetached
+    | AgentRestarted
+    | AgentRestartSkipped
+    | AgentRestartFailed,
     Field(discriminator="type"),
 ]

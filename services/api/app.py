@@ -19,8 +19,9 @@ from services.api.gateway import PUBLISH_TIMEOUT, CommandGateway
 from services.api.handlers import install_error_handlers
 from services.api.middleware import MetricsMiddleware
 from services.api.probe import KafkaProbe
+from services.api.providers import ProviderService
 from services.api.readmodel import ChangeFeed
-from services.api.routes import commands, history, operations, sandboxes, watch
+from services.api.routes import commands, history, operations, providers, sandboxes, watch
 from services.common.settings import Settings
 
 
@@ -59,9 +60,10 @@ def create_app(
     app.state.tokens = tokens
     app.state.feed = feed
     app.state.api = ApiState(settings, pool, feed, gateway, probe)
+    app.state.providers = ProviderService(settings, pool, gateway)
     app.add_middleware(MetricsMiddleware)
     install_error_handlers(app)
     # The order of inclusion is the order of the paths in the OpenAPI document.
-    for module in (commands, sandboxes, history, watch, operations):
+    for module in (commands, sandboxes, history, watch, operations, providers):
         app.include_router(module.router)
     return app

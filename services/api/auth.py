@@ -30,7 +30,11 @@ from services.common.settings import Settings
 
 READ: Final = "sandbox:read"
 WRITE: Final = "sandbox:write"
-SCOPES: Final = (READ, WRITE)
+# Providers: reading shows names, key names and fingerprints (never values); writing sets
+# values, deletes providers, and is needed (with sandbox:write) to attach or detach one.
+PROVIDER_READ: Final = "provider:read"
+PROVIDER_WRITE: Final = "provider:write"
+SCOPES: Final = (READ, WRITE, PROVIDER_READ, PROVIDER_WRITE)
 TOKEN_PREFIX: Final = "sst_"
 
 

@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from services.cli import operations, sandbox, tokens
+from services.cli import operations, providers, sandbox, tokens
 from services.cli.client import CliError, Connection
 from services.cli.render import err
 from services.common.settings import load_settings
@@ -28,6 +28,8 @@ app = typer.Typer(
 )
 app.add_typer(sandbox.app, name="sandbox")
 app.add_typer(tokens.app, name="token")
+app.add_typer(providers.app, name="provider")
+app.command("provider-sync")(providers.provider_sync)
 for _name, _command in operations.COMMANDS:
     app.command(_name)(_command)
 

@@ -17,6 +17,7 @@ from services.common.database import connect_pool
 from services.common.settings import Settings
 from services.common.tasks import Tasks
 from services.executor.backends import podman_driver
+from services.executor.credentials import LaunchCredentials
 from services.executor.executor import Executor, RetryPolicy
 from services.executor.reconcile import Reconciler
 from services.executor.watcher import Watcher
@@ -51,7 +52,11 @@ class DriverSide:
             self._tasks = tasks
         interval = self.reconcile_interval or self.settings.reconcile_interval_seconds
         self.executor = Executor(
-            self.settings, self.driver, max_concurrency=self.executor_concurrency, retry=self.retry
+            self.settings,
+            self.driver,
+            max_concurrency=self.executor_concurrency,
+            retry=self.retry,
+            credentials=LaunchCredentials(self.settings, self.pool),
         )
         self._producer = AIOKafkaProducer(
             bootstrap_servers=self.settings.kafka_bootstrap, enable_idempotence=True, acks="all"

@@ -53,6 +53,7 @@ from drivers.protocol import (
 )
 from events.codec import EVENTS, DecodeError, decode
 from events.decided import (
+    AgentRestarted,
     DecidedEvent,
     SandboxCreated,
     SandboxDeleting,
@@ -64,6 +65,7 @@ from events.publisher import publish_until_sent
 from services.common import metrics
 from services.common.settings import Settings
 from services.executor.clock import Clock, utcnow
+from services.executor.credentials import CredentialSource
 
 log = logging.getLogger("sandstream.executor")
 
@@ -91,7 +93,7 @@ class Intent:
 def intent_of(event: DecidedEvent) -> Intent | None:
     """The driver operation a decided event asks for, if any."""
     match event:
-        case SandboxCreated() | SandboxStarting():
+        case SandboxCreated() | SandboxStarting() | AgentRestarted():
             return Intent("launch", event)
         case SandboxStopping():
             return Intent("stop", event)
@@ -174,6 +176,9 @@ class Executor:
     revoke_grace: float = 5.0
     shutdown_grace: float = 10.0
     clock: Clock = utcnow
+    # The attached providers' values for a launch (services/executor/credentials.py); None:
+    # launches get no provider values (tests of the executor alone).
+    credentials: CredentialSource | None = None
     consumer: AIOKafkaConsumer | None = None
     producer: AIOKafkaProducer | None = None
     running: int = 0  # driver calls in progress (each holds a concurrency slot)
@@ -412,8 +417,9 @@ class Executor:
             event = intent.event
             match intent.operation:
                 case "launch":
-                    assert isinstance(event, SandboxCreated | SandboxStarting)
-                    return await self.driver.launch(LaunchSpec.from_event(event))
+                    assert isinstance(event, SandboxCreated | SandboxStarting | AgentRestarted)
+                    secrets = await self.credentials(event.key) if self.credentials else {}
+                    return await self.driver.launch(LaunchSpec.from_event(event, secrets))
                 case "stop":
                     return await self.driver.stop(event.key, event.generation)
                 case "delete":
