@@ -21,7 +21,7 @@ from harness import Env, eventually, isolated_env
 from drivers.protocol import Driver
 from events.publisher import CommandPublisher
 from services.api.app import create_app
-from services.api.auth import READ, WRITE, TokenStore
+from services.api.auth import READ, SCOPES, WRITE, TokenStore
 from services.api.server import start_api
 from services.up.control_plane import ControlPlane
 
@@ -31,7 +31,7 @@ WRITER = "sst_test-writer"
 
 
 def tokens() -> TokenStore:
-    return TokenStore.of(admin=(ADMIN, READ, WRITE), reader=(READER, READ), writer=(WRITER, WRITE))
+    return TokenStore.of(admin=(ADMIN, *SCOPES), reader=(READER, READ), writer=(WRITER, WRITE))
 
 
 def unique(prefix: str = "sb") -> str:
