@@ -12,8 +12,11 @@ from pathlib import Path
 from projections.lifecycle import (
     COMMAND_TABLE,
     FOLLOW_OBSERVED,
+    NO_RESTART,
     OBSERVATION_TABLE,
     PHASE_COLUMNS,
+    RESTART,
+    ROTATION_TABLE,
     Admission,
 )
 
@@ -62,6 +65,27 @@ def render() -> str:
         "· changes nothing (recorded as ignored, no new version). Observations of an older "
         "generation (stale), of a generation newer than any issued (unknown), of an unknown "
         "sandbox or of a tombstone are ignored before this table is consulted.",
+        "",
+        "### Credential rotation (RotateCredentials) by phase",
+        "",
+        "| phase | a rotation of an attached provider |",
+        "|---|---|",
+    ]
+    for phase in PHASE_COLUMNS:
+        action = ROTATION_TABLE[phase]
+        cell = (
+            "**restart**: AgentRestarted, a new generation"
+            if action == RESTART
+            else (f"skip: AgentRestartSkipped ({action})")
+        )
+        lines.append(f"| {phase.value} | {cell} |")
+    lines += [
+        "",
+        "One command per sandbox names every rotated provider it has attached, so it restarts "
+        "once per update. Providers it has not attached: idempotent, nothing recorded but the "
+        f"input. With `restart: false` every phase skips ({NO_RESTART}). A held sandbox "
+        "(`projections.lifecycle.held`, for issue 14) skips. A failed launch of a rotation "
+        "restart (Starting) is AgentRestartFailed → Error.",
     ]
     return "\n".join(lines)
 

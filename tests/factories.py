@@ -22,7 +22,9 @@ from events.commands import (
     CreateSandbox,
     DeleteSandbox,
     DetachProvider,
+    ProviderRotation,
     RestartSandbox,
+    RotateCredentials,
     StartSandbox,
     StopSandbox,
 )
@@ -196,6 +198,25 @@ restart = _lifecycle(RestartSandbox)
 delete = _lifecycle(DeleteSandbox)
 attach = _provider(AttachProvider)
 detach = _provider(DetachProvider)
+
+
+def rotate(
+    key: str = KEY,
+    rotations: dict[str, int] | None = None,
+    *,
+    restart: bool = True,
+    command_id: str | None = None,
+    actor: str = "alice",
+    occurred_at: datetime | None = None,
+) -> RotateCredentials:
+    """Providers of ``rotations`` (name -> revision; default github@2) rotated."""
+    return RotateCredentials(
+        type="RotateCredentials",
+        **_base(key, command_id, actor, occurred_at or at()),
+        rotations=[ProviderRotation(provider=p, revision=r)
+                   for p, r in sorted((rotations or {"github": 2}).items())],
+        restart=restart,
+    )  # fmt: skip
 
 
 # Builders of the versioned commands by type name (table-driven tests): ``f(key, **kw)``.
