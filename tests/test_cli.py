@@ -23,6 +23,7 @@ import pytest_asyncio
 from apikit import unique
 from harness import eventually, isolated_env
 
+from services.api.auth import SCOPES
 from services.cli.client import EXIT_FAILED, CliError
 from services.cli.sandbox import _submit
 from services.common.settings import PROJECT_ROOT, load_settings
@@ -128,7 +129,7 @@ async def test_up_prints_where_the_api_and_the_token_are(up: Up) -> None:
     value = admin.read_text().strip()
     stored = tokens.read_text()
     assert value not in stored  # only its hash
-    assert json.loads(stored)["tokens"][0]["scopes"] == ["sandbox:read", "sandbox:write"]
+    assert json.loads(stored)["tokens"][0]["scopes"] == sorted(SCOPES)  # every scope
 
 
 async def test_the_readme_session(up: Up) -> None:
