@@ -9,6 +9,8 @@ capped so the run stays short.
 from __future__ import annotations
 
 import asyncio
+import base64
+import secrets
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +20,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
+from pydantic import SecretStr
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -71,7 +74,9 @@ class ServerThread:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        async with apikit.running_api(FakeDriver(), poll_interval=0.2) as api:
+        # A credentials key, as `sandstream up` creates one: provider writes are fuzzed too.
+        key = {"credentials_key": SecretStr(base64.b64encode(secrets.token_bytes(32)).decode())}
+        async with apikit.running_api(FakeDriver(), poll_interval=0.2, settings_update=key) as api:
             self.url = api.url
             self._ready.set()
             await self._stop.wait()

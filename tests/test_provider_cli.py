@@ -21,6 +21,7 @@ from typer.testing import CliRunner, Result
 from drivers.fake import FakeDriver
 from services.cli.main import app
 
+
 def said(result: Result) -> str:
     """What the command printed, and the error it failed with (``main`` prints that)."""
     return result.output + (str(result.exception) if result.exception else "")
