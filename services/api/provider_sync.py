@@ -52,8 +52,8 @@ def read_directory(root: Path) -> dict[str, dict[str, str]]:
         for file in sorted(folder.iterdir()):
             if file.name.startswith(".") or not file.is_file():
                 continue
-            if not _KEY.fullmatch(file.name):
-                log.warning("skipping %s/%s: not a key name", folder.name, file.name)
+            if not _KEY.fullmatch(file.name) or file.name.startswith(providers.RESERVED_PREFIX):
+                log.warning("skipping %s/%s: not a key name, or reserved", folder.name, file.name)
                 continue
             values[file.name] = file.read_text()
         found[folder.name] = values

@@ -19,6 +19,9 @@ from projections.lifecycle import Sandbox
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record
 from services.common.credentials import Sealed, Vault
 
+# Variables sandstream sets itself (SANDSTREAM_IDENTITY): a provider cannot override them.
+RESERVED_PREFIX = "SANDSTREAM_"
+
 Conn: TypeAlias = Any  # an asyncpg connection or pool connection proxy
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
 SALT_BYTES = 32

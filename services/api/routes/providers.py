@@ -176,6 +176,15 @@ async def _update(
     restart: bool,
     create: bool | None,
 ) -> Receipt:
+    for update in updates:
+        reserved = sorted(k for k in update.values if k.startswith(providers.RESERVED_PREFIX))
+        if reserved:
+            raise ApiError(
+                422,
+                "INVALID_ARGUMENT",
+                f"credentials: {', '.join(reserved)} of provider {update.name!r}: names starting "
+                f"with {providers.RESERVED_PREFIX} are reserved",
+            )
     try:
         return await service(request).update(
             updates, actor=principal.name, restart=restart, create=create
