@@ -8,10 +8,13 @@ import base64
 import os
 import stat
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 from pydantic import SecretStr
 
+from drivers.protocol import LaunchSpec
+from events.common import SandboxSpec
 from services.common.credentials import CredentialKeyError, Vault, create_key_file, load_key
 from services.common.settings import Settings
 
@@ -67,3 +70,8 @@ def test_values_are_bound_to_provider_and_key_and_fingerprints_to_the_salt() -> 
     assert fp == vault.fingerprint("p", "API_KEY", "value")
     assert fp != Vault(bytes(32), b"salt-two").fingerprint("p", "API_KEY", "value")
     assert "salt-one" not in repr(vault) and str(bytes(32)) not in repr(vault)
+
+
+def test_a_launch_spec_never_shows_its_values() -> None:
+    spec = LaunchSpec("k", UUID(int=1), 1, "rid-1", SandboxSpec(image="i"), {"K": "sekrit-value"})
+    assert "sekrit-value" not in repr(spec) and "sekrit-value" not in str(spec)
