@@ -41,7 +41,7 @@ from drivers.protocol import (
 )
 from events.observations import ObservedState, RuntimeRemoved, RuntimeSnapshot, RuntimeState
 
-FakeOp = Literal["launch", "stop", "delete", "get", "list"]
+FakeOp = Literal["launch", "stop", "kill", "delete", "get", "list"]
 FAKE_EPOCH: Final = datetime(2025, 1, 1, tzinfo=UTC)
 SIGTERM_EXIT_CODE: Final = 143  # what a stopped runtime with an init process exits with
 
@@ -283,6 +283,16 @@ class FakeDriver:
             return OpResult("already_absent")
         if runtime.state == "running":
             self._set_state(runtime, "exited", self.stop_exit_code)
+        return OpResult("succeeded", runtime.runtime_id, runtime.exit_code)
+
+    async def kill(self, key: str, generation: int) -> OpResult:
+        await self._enter(Call("kill", key, generation))
+        self._maybe_fail("kill", key, generation)
+        runtime = self._runtimes.get(key, {}).get(generation)
+        if runtime is None:
+            return OpResult("already_absent")
+        if runtime.state == "running":
+            self._set_state(runtime, "exited", 137)
         return OpResult("succeeded", runtime.runtime_id, runtime.exit_code)
 
     async def delete(self, key: str, sandbox_id: UUID | None = None) -> bool:

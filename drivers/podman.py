@@ -401,6 +401,13 @@ class PodmanDriver:
             self._stop_sync, key, generation, timeout, key=key, generation=generation, what="stop"
         )
 
+    async def kill(self, key: str, generation: int) -> OpResult:
+        # Not exclusive: the key's lock may be held by the very stop this kill is forcing.
+        return await self._call(
+            self._kill_sync, key, generation, key=key, generation=generation, what="kill",
+            exclusive=False,
+        )  # fmt: skip
+
     async def delete(self, key: str, sandbox_id: UUID | None = None) -> bool:
         return await self._call(
             self._delete_sync, key, sandbox_id, key=key, generation=None, what="delete"
@@ -777,6 +784,33 @@ class PodmanDriver:
             return OpResult("already_absent")
         exit_code = self._exit_code_sync(info.runtime_id) if info.state != "created" else None
         return OpResult("succeeded", info.runtime_id, exit_code)
+
+    def _kill_sync(self, key: str, generation: int) -> OpResult:
+        found = self._list_sync(key, generation=generation)
+        if not found:
+            return OpResult("already_absent")
+        info = found[-1].info
+        if info.state == "running":
+            response = self._client().api.post(
+                f"/containers/{info.runtime_id}/kill",
+                params={"signal": "SIGKILL"},
+                timeout=self._request_timeout,
+            )
+            if response.status_code == 404:
+                return OpResult("already_absent")
+            # Refused when it stopped in between ("container state improper"): that is fine.
+            if response.status_code != 204 and self._running_sync(info.runtime_id):
+                response.raise_for_status()
+                raise APIError(f"unexpected status {response.status_code} from kill")
+        return OpResult("succeeded", info.runtime_id, self._exit_code_sync(info.runtime_id))
+
+    def _running_sync(self, runtime_id: str) -> bool:
+        try:
+            attrs = self._client().containers.get(runtime_id).attrs
+        except NotFound:
+            return False
+        container = _container(attrs)
+        return container is not None and container.info.state == "running"
 
     def _delete_sync(self, key: str, sandbox_id: UUID | None) -> bool:
         containers = self._list_sync(key, sandbox_id)

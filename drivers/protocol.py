@@ -165,6 +165,15 @@ class Driver(Protocol):
         """
         ...
 
+    async def kill(self, key: str, generation: int) -> OpResult:
+        """Kill this generation's runtime at once (SIGKILL), keeping it and the workspace.
+
+        Not queued behind the key's other calls: it is how a stop that outlived its grace
+        period is forced (a stop under way then returns too). Not running any more:
+        ``succeeded``; no such runtime: ``already_absent``.
+        """
+        ...
+
     async def delete(self, key: str, sandbox_id: UUID | None = None) -> bool:
         """Remove every runtime of the key and its workspace; True if anything existed.
 

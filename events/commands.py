@@ -10,11 +10,15 @@ from events.common import (
     SCHEMA_VERSION,
     Actor,
     CommandId,
+    ExitPolicy,
+    ExpiryPolicy,
+    HoldReason,
     ProviderName,
     SandboxName,
     SandboxSpec,
     Strict,
     Timestamp,
+    TTLSeconds,
 )
 
 
@@ -36,6 +40,10 @@ class CreateSandbox(CommandBase):
     type: Literal["CreateSandbox"]
     spec: SandboxSpec
     providers: list[ProviderName] = Field(default_factory=list, max_length=64)
+    # Time to live from this command's occurred_at; None: lives until deleted.
+    ttl_seconds: TTLSeconds | None = None
+    on_expiry: ExpiryPolicy = "stop"
+    on_exit: ExitPolicy = "keep"
 
 
 class StartSandbox(VersionedCommand):
@@ -81,6 +89,24 @@ class RotateCredentials(CommandBase):
     restart: bool = True
 
 
+class HoldSandbox(VersionedCommand):
+    """Quarantine: start and restart are refused (stop and delete are not) until released."""
+
+    type: Literal["HoldSandbox"]
+    reason: HoldReason
+
+
+class ReleaseSandbox(VersionedCommand):
+    type: Literal["ReleaseSandbox"]
+
+
+class ExtendSandbox(VersionedCommand):
+    """Set the time to live anew: the sandbox expires ``ttl_seconds`` after this command."""
+
+    type: Literal["ExtendSandbox"]
+    ttl_seconds: TTLSeconds
+
+
 Command = Annotated[
     CreateSandbox
     | StartSandbox
@@ -89,6 +115,9 @@ Command = Annotated[
     | DeleteSandbox
     | AttachProvider
     | DetachProvider
-    | RotateCredentials,
+    | RotateCredentials
+    | HoldSandbox
+    | ReleaseSandbox
+    | ExtendSandbox,
     Field(discriminator="type"),
 ]

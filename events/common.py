@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Annotated, Final
+from typing import Annotated, Final, Literal
 
 from pydantic import (
     AwareDatetime,
@@ -83,6 +83,34 @@ class SandboxSpec(Strict):
     @classmethod
     def _label_names(cls, value: dict[str, str]) -> dict[str, str]:
         return _check_keys(value, _LABEL_KEY, "label")
+
+
+# Lifecycle timers and policies (operator features): kept in the row, decided in the fold.
+DeadlineKind = Literal["launch", "stop", "delete", "ttl"]
+ExpiryPolicy = Literal["stop", "delete"]  # what a sandbox's time to live ending does
+ExitPolicy = Literal["keep", "delete"]  # what becomes of a sandbox whose main process ended
+TTLSeconds = Annotated[int, Field(ge=1, le=10 * 365 * 24 * 3600)]
+HoldReason = Annotated[str, StringConstraints(min_length=1, max_length=500)]
+
+
+class Deadline(Strict):
+    """The deadline of the current phase: when it falls due, the scheduler says so on the log.
+
+    ``launch`` guards Provisioning and Starting, ``stop`` guards Stopping (grace period plus a
+    margin), ``delete`` guards Deleting (``attempt`` counts the retries so far).
+    """
+
+    kind: Literal["launch", "stop", "delete"]
+    due_at: Timestamp
+    attempt: Annotated[int, Field(ge=0)] = 0
+
+
+class Hold(Strict):
+    """An operator's hold: who placed it, why, and when. Start and restart are refused."""
+
+    by: Actor
+    reason: HoldReason
+    since: Timestamp
 
 
 class Cause(Strict):

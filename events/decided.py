@@ -16,7 +16,11 @@ from events.common import (
     SCHEMA_VERSION,
     Actor,
     Cause,
+    Deadline,
+    ExitPolicy,
+    ExpiryPolicy,
     Generation,
+    Hold,
     Phase,
     ProviderName,
     SandboxName,
@@ -46,6 +50,10 @@ class SandboxCreated(EventBase):
     spec: SandboxSpec
     providers: list[ProviderName]
     identity: str
+    deadline: Deadline | None = None
+    expires_at: Timestamp | None = None
+    on_expiry: ExpiryPolicy = "stop"
+    on_exit: ExitPolicy = "keep"
 
 
 class SandboxStarting(EventBase):
@@ -59,6 +67,7 @@ class SandboxStarting(EventBase):
     previous_generation: Generation
     spec: SandboxSpec
     identity: str
+    deadline: Deadline | None = None
 
 
 class SandboxReady(EventBase):
@@ -69,6 +78,7 @@ class SandboxStopping(EventBase):
     """Stop accepted. Intent: stop this generation's runtime, keeping the workspace."""
 
     type: Literal["SandboxStopping"]
+    deadline: Deadline | None = None
 
 
 class SandboxStopped(EventBase):
@@ -100,6 +110,7 @@ class SandboxDeleting(EventBase):
     """Delete accepted. Intent: remove every runtime of the sandbox and its workspace."""
 
     type: Literal["SandboxDeleting"]
+    deadline: Deadline | None = None
 
 
 class SandboxDeleted(EventBase):
@@ -130,6 +141,7 @@ class AgentRestarted(EventBase):
     previous_generation: Generation
     spec: SandboxSpec
     identity: str
+    deadline: Deadline | None = None  # the launch deadline, as SandboxStarting's
 
 
 class AgentRestartSkipped(EventBase):
@@ -148,6 +160,57 @@ class AgentRestartFailed(EventBase):
     exit_code: int | None = None
 
 
+# -- Operator lifecycle: deadlines, time to live, holds. Each follows a DeadlineDue observation
+# or an operator's command; the ones with an intent say so.
+
+
+class SandboxTimedOut(EventBase):
+    """Provisioning or Starting outlived its deadline: Error (``reason`` ProvisioningTimeout).
+
+    Intent: clean up, i.e. stop this generation's runtime if it came up after all.
+    """
+
+    type: Literal["SandboxTimedOut"]
+    reason: str
+
+
+class SandboxStopEscalated(EventBase):
+    """Stopping outlived the grace period plus a margin. Intent: kill this generation's runtime
+    at once (the stop under way is not waited for)."""
+
+    type: Literal["SandboxStopEscalated"]
+
+
+class SandboxDeleteRetried(EventBase):
+    """Deleting outlived its deadline: the delete is asked for again (``deadline.attempt``), and
+    the next deadline is further out (back-off). Intent: delete, as SandboxDeleting."""
+
+    type: Literal["SandboxDeleteRetried"]
+    deadline: Deadline
+
+
+class SandboxExpired(EventBase):
+    """The time to live ended. What it does follows as its own event in the same decision
+    (SandboxStopping or SandboxDeleting) when the phase admits it."""
+
+    type: Literal["SandboxExpired"]
+    policy: ExpiryPolicy
+
+
+class SandboxExtended(EventBase):
+    type: Literal["SandboxExtended"]
+    expires_at: Timestamp
+
+
+class SandboxHeld(EventBase):
+    type: Literal["SandboxHeld"]
+    hold: Hold
+
+
+class SandboxReleased(EventBase):
+    type: Literal["SandboxReleased"]
+
+
 DecidedEvent = Annotated[
     SandboxCreated
     | SandboxStarting
@@ -163,6 +226,13 @@ DecidedEvent = Annotated[
     | ProviderDetached
     | AgentRestarted
     | AgentRestartSkipped
-    | AgentRestartFailed,
+    | AgentRestartFailed
+    | SandboxTimedOut
+    | SandboxStopEscalated
+    | SandboxDeleteRetried
+    | SandboxExpired
+    | SandboxExtended
+    | SandboxHeld
+    | SandboxReleased,
     Field(discriminator="type"),
 ]

@@ -10,7 +10,15 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from events.common import SCHEMA_VERSION, Actor, Generation, SandboxName, Strict, Timestamp
+from events.common import (
+    SCHEMA_VERSION,
+    Actor,
+    DeadlineKind,
+    Generation,
+    SandboxName,
+    Strict,
+    Timestamp,
+)
 
 RuntimeState = Literal["created", "running", "exited"]
 ObservedState = Literal["created", "running", "exited", "absent"]
@@ -54,7 +62,20 @@ class DriverOperationResult(ObservationBase):
     exit_code: int | None = None
 
 
+class DeadlineDue(ObservationBase):
+    """The scheduler's word that a deadline recorded in the row has passed: time on the log.
+
+    ``deadline`` and ``due_at`` name the deadline exactly as the row held it when the scheduler
+    read it, so a repeat (a restarted scheduler catching up) or a deadline the row no longer
+    holds changes nothing. ``generation`` is the row's: an older one is stale.
+    """
+
+    type: Literal["DeadlineDue"]
+    deadline: DeadlineKind
+    due_at: Timestamp
+
+
 Observation = Annotated[
-    RuntimeSnapshot | RuntimeRemoved | DriverOperationResult,
+    RuntimeSnapshot | RuntimeRemoved | DriverOperationResult | DeadlineDue,
     Field(discriminator="type"),
 ]

@@ -7,15 +7,17 @@ outcome is not decided again; it is recorded as a duplicate and its first outcom
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from events.commands import CommandBase
 from events.common import Cause
 from events.outcomes import CommandOutcome
-from projections.lifecycle import Decision, Message, Sandbox, decide
+from projections.lifecycle import DEFAULT_LIMITS, Decision, Limits, Message, Sandbox, decide
 
 OutcomeKey = tuple[str, str]  # (sandbox key, command id)
+# The rules: today's ``decide``, or another release's for "would these rules rewrite history?"
+Rules = Callable[[Sandbox | None, Message, Cause, Limits], Decision]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,8 @@ def fold(
     states: Mapping[str, Sandbox | None],
     outcomes: Mapping[OutcomeKey, CommandOutcome],
     inputs: Iterable[tuple[Cause, Message]],
+    rules: Rules = decide,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> BatchResult:
     """Decide every input in order, starting from the given rows and known outcomes."""
     result = BatchResult(states=dict(states))
@@ -54,7 +58,7 @@ def fold(
             why = f"duplicate command id {command_id!r}: first outcome {first.code.value} stands"
             decision = Decision(state, (), "duplicate", why, first)
         else:
-            decision = decide(state, message, cause)
+            decision = rules(state, message, cause, limits)
             if decision.outcome is not None:
                 outcome = decision.outcome
                 result.outcomes[(outcome.key, outcome.command_id)] = outcome

@@ -4,10 +4,15 @@ No I/O, no clock, no randomness: identities and timestamps come from the message
 coordinates, so replaying the same inputs in the same order yields the same events. ``evolve``
 applies a decided event to a row; ``decide`` uses it, and so does the rebuild from the log.
 
-The two tables below are the whole state machine (docs/state-machine.md shows the same):
+The tables below are the whole state machine (docs/state-machine.md shows the same):
 ``COMMAND_TABLE`` says which commands each phase admits, ``OBSERVATION_TABLE`` what each kind of
-observation of the *current* generation does in each phase. Anything not in the tables changes
-nothing and is recorded as ignored.
+observation of the *current* generation does in each phase, ``PHASE_DEADLINES`` and
+``DEADLINE_TABLE`` which phases carry a deadline and what its falling due does. Anything not in
+the tables changes nothing and is recorded as ignored.
+
+Time enters only through the log: a deadline is recorded in the row (computed from the
+message's ``occurred_at`` and the ``Limits`` the processor is configured with), and only a
+``DeadlineDue`` message naming exactly that deadline acts on it.
 """
 
 # The one-letter names A/I/R keep the transition table readable at a glance.
@@ -15,8 +20,8 @@ nothing and is recorded as ignored.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from datetime import datetime
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
 from enum import Enum
 from typing import Any, Final, Literal, assert_never
 from uuid import UUID, uuid5
@@ -27,12 +32,24 @@ from events.commands import (
     CreateSandbox,
     DeleteSandbox,
     DetachProvider,
+    ExtendSandbox,
+    HoldSandbox,
+    ReleaseSandbox,
     RestartSandbox,
     RotateCredentials,
     StartSandbox,
     StopSandbox,
 )
-from events.common import Cause, Phase, SandboxSpec
+from events.common import (
+    Cause,
+    Deadline,
+    DeadlineKind,
+    ExitPolicy,
+    ExpiryPolicy,
+    Hold,
+    Phase,
+    SandboxSpec,
+)
 from events.decided import (
     AgentRestarted,
     AgentRestartFailed,
@@ -43,15 +60,23 @@ from events.decided import (
     SandboxCompleted,
     SandboxCreated,
     SandboxDeleted,
+    SandboxDeleteRetried,
     SandboxDeleting,
+    SandboxExpired,
+    SandboxExtended,
     SandboxFailed,
+    SandboxHeld,
     SandboxOperationFailed,
     SandboxReady,
+    SandboxReleased,
     SandboxStarting,
+    SandboxStopEscalated,
     SandboxStopped,
     SandboxStopping,
+    SandboxTimedOut,
 )
 from events.observations import (
+    DeadlineDue,
     DriverOperationResult,
     Observation,
     ObservedState,
@@ -86,10 +111,38 @@ class Sandbox:
     reason: str | None
     created_at: datetime
     updated_at: datetime
+    # Operator lifecycle (deadlines, time to live, completion policy, hold).
+    deadline: Deadline | None = field(default=None, kw_only=True)
+    expires_at: datetime | None = field(default=None, kw_only=True)
+    on_expiry: ExpiryPolicy = field(default="stop", kw_only=True)
+    on_exit: ExitPolicy = field(default="keep", kw_only=True)
+    hold: Hold | None = field(default=None, kw_only=True)
 
     @property
     def tombstoned(self) -> bool:
         return self.phase is P.DELETED
+
+
+def is_held(sandbox: Sandbox | None) -> bool:
+    """Whether an operator holds the sandbox: start, restart, expiry, the completion policy and
+    credential rotation all leave a held sandbox alone."""
+    return sandbox is not None and sandbox.hold is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """How long each guarded phase may last (seconds; None: no deadline). The processor's
+    configuration: the deadlines it computes travel in the decided events, so the rebuild from
+    the log reproduces them whatever the configuration is then."""
+
+    launch_seconds: float | None = 300.0
+    stop_grace_seconds: float = 10.0  # the driver's grace when the spec sets none
+    stop_margin_seconds: float | None = 30.0
+    delete_seconds: float | None = 120.0  # the first retry; each further one waits twice as long
+    delete_backoff_max_seconds: float = 1800.0
+
+
+DEFAULT_LIMITS: Final = Limits()
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +179,14 @@ COMMAND_TABLE: Final[dict[str, tuple[Admission, ...]]] = {
     "DeleteSandbox":  (A,          A,       A,    A,       A,      A,        A,    I),
     "AttachProvider": (A,          A,       A,    A,       A,      A,        A,    R),
     "DetachProvider": (A,          A,       A,    A,       A,      A,        A,    R),
+    "HoldSandbox":    (A,          A,       A,    A,       A,      A,        A,    R),
+    "ReleaseSandbox": (A,          A,       A,    A,       A,      A,        A,    R),
+    "ExtendSandbox":  (A,          A,       A,    A,       A,      A,        A,    R),
 }  # fmt: skip
+# A held sandbox refuses these (FAILED_PRECONDITION naming who holds it and why) in every
+# phase; stop and delete stay admitted. Hold on a held and release on an unheld sandbox are
+# idempotent.
+REFUSED_WHILE_HELD: Final = ("StartSandbox", "RestartSandbox")
 # CreateSandbox: admitted when the name is free or tombstoned (a new incarnation at a higher
 # generation), ALREADY_EXISTS otherwise. Every other command on a free or tombstoned name:
 # NOT_FOUND.
@@ -138,6 +198,9 @@ _VERB = {
     "DeleteSandbox": "delete",
     "AttachProvider": "attach a provider",
     "DetachProvider": "detach a provider",
+    "HoldSandbox": "hold",
+    "ReleaseSandbox": "release",
+    "ExtendSandbox": "extend",
 }
 
 
@@ -219,6 +282,8 @@ def observation_kind(obs: Observation) -> ObservationKind:
             suffix = {"succeeded": "succeeded", "failed": "failed", "already_absent": "absent"}
             kind = f"{op}_{suffix[outcome]}"
             return "launch_failed" if kind == "launch_absent" else kind  # type: ignore[return-value]
+        case DeadlineDue():
+            raise ValueError("a deadline is decided by DEADLINE_TABLE, not OBSERVATION_TABLE")
     assert_never(obs)
 
 
@@ -248,11 +313,9 @@ ROTATION_RESTART: Final = "restarting for rotated credentials: "
 
 
 def held(state: Sandbox) -> bool:
-    """Whether a hold keeps ``state`` from being restarted by a rotation.
-
-    The hook for holds (issue 14): nothing is held until holds exist.
-    """
-    return False
+    """Whether a hold keeps ``state`` from being restarted by a rotation (an operator's hold:
+    the new values wait for the release and the next start)."""
+    return is_held(state)
 
 
 def rotation_action(state: Sandbox, restart: bool) -> str:
@@ -278,8 +341,10 @@ def identity_for(sandbox_id: UUID, generation: int, command_id: str) -> str:
     return "rid-" + uuid5(_IDENTITY_NS, f"{sandbox_id}/{generation}/{command_id}").hex
 
 
-def event_id_for(cause: Cause) -> UUID:
-    return uuid5(_EVENT_NS, f"{cause.topic}/{cause.partition}/{cause.offset}")
+def event_id_for(cause: Cause, index: int = 0) -> UUID:
+    """The id of the ``index``-th event decided on the input at ``cause``."""
+    suffix = f"/{index}" if index else ""
+    return uuid5(_EVENT_NS, f"{cause.topic}/{cause.partition}/{cause.offset}{suffix}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,6 +366,10 @@ def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
             reason=None,
             created_at=event.occurred_at,
             updated_at=event.occurred_at,
+            deadline=event.deadline,
+            expires_at=event.expires_at,
+            on_expiry=event.on_expiry,
+            on_exit=event.on_exit,
         )
     if state is None:
         raise ValueError(f"{event.type} for {event.key!r} before SandboxCreated")
@@ -316,37 +385,59 @@ def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
 def _changes(state: Sandbox, event: DecidedEvent) -> dict[str, Any]:
     """The fields an event sets besides version, generation and updated_at."""
     match event:
+        # A phase change sets the new phase's deadline (None for phases without one).
         case SandboxStarting():
             return {"phase": P.STARTING, "spec": event.spec, "identity": event.identity,
-                    "exit_code": None, "reason": None}  # fmt: skip
+                    "exit_code": None, "reason": None, "deadline": event.deadline}  # fmt: skip
         case SandboxReady():
-            return {"phase": P.READY, "exit_code": None, "reason": None}
+            return {"phase": P.READY, "exit_code": None, "reason": None, "deadline": None}
         case SandboxStopping():
-            return {"phase": P.STOPPING}
+            return {"phase": P.STOPPING, "deadline": event.deadline}
         case SandboxStopped():
-            return {"phase": P.STOPPED, "reason": None}
+            return {"phase": P.STOPPED, "reason": None, "deadline": None}
         case SandboxCompleted():
-            return {"phase": P.COMPLETED, "exit_code": event.exit_code, "reason": None}
+            return {"phase": P.COMPLETED, "exit_code": event.exit_code, "reason": None,
+                    "deadline": None}  # fmt: skip
         case SandboxFailed():
-            return {"phase": P.ERROR, "exit_code": event.exit_code, "reason": event.reason}
+            return {"phase": P.ERROR, "exit_code": event.exit_code, "reason": event.reason,
+                    "deadline": None}  # fmt: skip
         case SandboxOperationFailed():
-            return {"phase": event.phase, "exit_code": event.exit_code, "reason": event.reason}
+            return {"phase": event.phase, "exit_code": event.exit_code, "reason": event.reason,
+                    "deadline": None}  # fmt: skip
         case SandboxDeleting():
-            return {"phase": P.DELETING}
+            return {"phase": P.DELETING, "deadline": event.deadline}
         case SandboxDeleted():
-            return {"phase": P.DELETED}
+            return {"phase": P.DELETED, "deadline": None}
         case ProviderAttached():
             return {"providers": tuple(sorted({*state.providers, event.provider}))}
         case ProviderDetached():
             return {"providers": tuple(p for p in state.providers if p != event.provider)}
         case AgentRestarted():
             return {"phase": P.STARTING, "spec": event.spec, "identity": event.identity,
-                    "exit_code": None,
+                    "exit_code": None, "deadline": event.deadline,
                     "reason": ROTATION_RESTART + ", ".join(event.providers)}  # fmt: skip
         case AgentRestartSkipped():
             return {}
         case AgentRestartFailed():
-            return {"phase": P.ERROR, "exit_code": event.exit_code, "reason": event.reason}
+            return {"phase": P.ERROR, "exit_code": event.exit_code, "reason": event.reason,
+                    "deadline": None}  # fmt: skip
+        case SandboxTimedOut():
+            return {"phase": P.ERROR, "exit_code": None, "reason": event.reason, "deadline": None}
+        case SandboxStopEscalated():
+            return {"reason": "StopTimeout: the stop outlived its grace period; killing",
+                    "deadline": None}  # fmt: skip
+        case SandboxDeleteRetried():
+            attempt = event.deadline.attempt
+            return {"reason": f"DeleteTimeout: not deleted yet; retry {attempt}",
+                    "deadline": event.deadline}  # fmt: skip
+        case SandboxExpired():
+            return {"expires_at": None, "reason": f"Expired: time to live ended ({event.policy})"}
+        case SandboxExtended():
+            return {"expires_at": event.expires_at}
+        case SandboxHeld():
+            return {"hold": event.hold}
+        case SandboxReleased():
+            return {"hold": None}
     raise ValueError(f"unexpected event {event.type}")
 
 
@@ -354,20 +445,26 @@ def _changes(state: Sandbox, event: DecidedEvent) -> dict[str, Any]:
 # decide
 
 
-def decide(state: Sandbox | None, message: Message, cause: Cause) -> Decision:
+def decide(
+    state: Sandbox | None, message: Message, cause: Cause, limits: Limits = DEFAULT_LIMITS
+) -> Decision:
     """The new row, the decided events and the outcome of one input message."""
+    if isinstance(message, DeadlineDue):
+        return _decide_deadline(state, message, cause, limits)
     if isinstance(message, RuntimeSnapshot | RuntimeRemoved | DriverOperationResult):
-        return _decide_observation(state, message, cause)
-    return _decide_command(state, message, cause)
+        return _decide_observation(state, message, cause, limits)
+    return _decide_command(state, message, cause, limits)
 
 
 def _emit(state: Sandbox | None, event: DecidedEvent) -> tuple[Sandbox, tuple[DecidedEvent, ...]]:
     return evolve(state, event), (event,)
 
 
-def _common(state: Sandbox, message: Message, cause: Cause, generation: int | None = None) -> dict:  # type: ignore[type-arg]
+def _common(
+    state: Sandbox, message: Message, cause: Cause, generation: int | None = None, index: int = 0
+) -> dict:  # type: ignore[type-arg]
     return {
-        "event_id": event_id_for(cause),
+        "event_id": event_id_for(cause, index),
         "key": state.key,
         "sandbox_id": state.sandbox_id,
         "version": state.version + 1,
@@ -399,13 +496,15 @@ def _reject(state: Sandbox | None, command: Command, code: Code, why: str) -> De
     return Decision(state, (), "rejected", why, _outcome(command, code, why, state))
 
 
-def _decide_command(state: Sandbox | None, command: Command, cause: Cause) -> Decision:
+def _decide_command(
+    state: Sandbox | None, command: Command, cause: Cause, limits: Limits
+) -> Decision:
     if isinstance(command, CreateSandbox):
-        return _create(state, command, cause)
+        return _create(state, command, cause, limits)
     if state is None or state.tombstoned:
         return _reject(state, command, Code.NOT_FOUND, f"sandbox {command.key!r} not found")
     if isinstance(command, RotateCredentials):
-        return _rotate(state, command, cause)
+        return _rotate(state, command, cause, limits)
     expected = command.expected_version
     if expected is not None and expected != state.version:
         why = (
@@ -419,6 +518,18 @@ def _decide_command(state: Sandbox | None, command: Command, cause: Cause) -> De
         allowed = ", ".join(p.value for p in admitting_phases(command.type))
         why = f"sandbox must be {allowed} to {verb} (current phase: {state.phase.value})"
         return _reject(state, command, Code.FAILED_PRECONDITION, why)
+    if command.type in REFUSED_WHILE_HELD and state.hold is not None:
+        hold = state.hold
+        why = (
+            f"sandbox {command.key!r} is held by {hold.by} since {hold.since.isoformat()}: "
+            f"{hold.reason} (release it to {verb})"
+        )
+        return _reject(state, command, Code.FAILED_PRECONDITION, why)
+    held = state.hold is not None
+    if isinstance(command, HoldSandbox | ReleaseSandbox) and held == isinstance(
+        command, HoldSandbox
+    ):
+        rule = I
     if isinstance(command, AttachProvider | DetachProvider):
         attached = command.provider in state.providers
         if attached == isinstance(command, AttachProvider):
@@ -429,9 +540,16 @@ def _decide_command(state: Sandbox | None, command: Command, cause: Cause) -> De
             why = f"nothing to do: provider {command.provider!r} is already " + (
                 "attached" if isinstance(command, AttachProvider) else "detached"
             )
+        if isinstance(command, HoldSandbox | ReleaseSandbox):
+            why = f"nothing to do: sandbox {command.key!r} is " + (
+                f"already held by {state.hold.by}: {state.hold.reason}"
+                if state.hold is not None
+                else "not held"
+            )
         return Decision(state, (), "idempotent", why, _outcome(command, Code.OK, why, state))
 
     common = _common(state, command, cause)
+    at = command.occurred_at
     event: DecidedEvent
     match command:
         case StartSandbox() | RestartSandbox():
@@ -443,11 +561,22 @@ def _decide_command(state: Sandbox | None, command: Command, cause: Cause) -> De
                 previous_generation=state.generation,
                 spec=state.spec,
                 identity=identity_for(state.sandbox_id, generation, command.command_id),
+                deadline=launch_deadline(at, limits),
             )
         case StopSandbox():
-            event = SandboxStopping(type="SandboxStopping", **common)
+            deadline = stop_deadline(state.spec, at, limits)
+            event = SandboxStopping(type="SandboxStopping", **common, deadline=deadline)
         case DeleteSandbox():
-            event = SandboxDeleting(type="SandboxDeleting", **common)
+            deadline = delete_deadline(state.spec, at, limits)
+            event = SandboxDeleting(type="SandboxDeleting", **common, deadline=deadline)
+        case HoldSandbox():
+            hold = Hold(by=command.actor, reason=command.reason, since=at)
+            event = SandboxHeld(type="SandboxHeld", **common, hold=hold)
+        case ReleaseSandbox():
+            event = SandboxReleased(type="SandboxReleased", **common)
+        case ExtendSandbox():
+            expires_at = at + timedelta(seconds=command.ttl_seconds)
+            event = SandboxExtended(type="SandboxExtended", **common, expires_at=expires_at)
         case AttachProvider():
             event = ProviderAttached(type="ProviderAttached", **common, provider=command.provider)
         case DetachProvider():
@@ -459,7 +588,9 @@ def _decide_command(state: Sandbox | None, command: Command, cause: Cause) -> De
     return Decision(new_state, events, "applied", why, _outcome(command, Code.OK, why, new_state))
 
 
-def _create(state: Sandbox | None, command: CreateSandbox, cause: Cause) -> Decision:
+def _create(
+    state: Sandbox | None, command: CreateSandbox, cause: Cause, limits: Limits
+) -> Decision:
     if state is not None and not state.tombstoned:
         why = f"sandbox {command.key!r} already exists (phase: {state.phase.value})"
         return _reject(state, command, Code.ALREADY_EXISTS, why)
@@ -481,13 +612,21 @@ def _create(state: Sandbox | None, command: CreateSandbox, cause: Cause) -> Deci
         spec=command.spec,
         providers=sorted(set(command.providers)),
         identity=identity_for(sandbox_id, generation, command.command_id),
+        deadline=launch_deadline(command.occurred_at, limits),
+        expires_at=(
+            command.occurred_at + timedelta(seconds=command.ttl_seconds)
+            if command.ttl_seconds is not None
+            else None
+        ),
+        on_expiry=command.on_expiry,
+        on_exit=command.on_exit,
     )
     new_state, events = _emit(state, event)
     why = f"sandbox {command.key!r} created at generation {generation}"
     return Decision(new_state, events, "applied", why, _outcome(command, Code.OK, why, new_state))
 
 
-def _rotate(state: Sandbox, command: RotateCredentials, cause: Cause) -> Decision:
+def _rotate(state: Sandbox, command: RotateCredentials, cause: Cause, limits: Limits) -> Decision:
     named = sorted({r.provider for r in command.rotations})
     attached = [p for p in named if p in state.providers]
     if not attached:
@@ -505,6 +644,7 @@ def _rotate(state: Sandbox, command: RotateCredentials, cause: Cause) -> Decisio
             previous_generation=state.generation,
             spec=state.spec,
             identity=identity_for(state.sandbox_id, generation, command.command_id),
+            deadline=launch_deadline(command.occurred_at, limits),
         )
         why = f"restart for rotated {', '.join(attached)}: generation {generation}"
     else:
@@ -520,7 +660,9 @@ def _ignore(state: Sandbox | None, why: str) -> Decision:
     return Decision(state, (), "ignored", why)
 
 
-def _decide_observation(state: Sandbox | None, obs: Observation, cause: Cause) -> Decision:
+def _decide_observation(
+    state: Sandbox | None, obs: Observation, cause: Cause, limits: Limits
+) -> Decision:
     what = f"{obs.type}({observation_kind(obs)}) of generation {obs.generation}"
     if state is None:
         return _ignore(state, f"unknown sandbox: {what}")
@@ -537,6 +679,7 @@ def _decide_observation(state: Sandbox | None, obs: Observation, cause: Cause) -
         return _ignore(state, f"no effect in phase {state.phase.value}: {what}")
     event = _observation_event(state, obs, kind, target, _common(state, obs, cause))
     new_state, events = _emit(state, event)
+    new_state, events = _on_exit(new_state, events, obs, cause, limits)
     why = f"{what}: {state.phase.value} -> {new_state.phase.value}"
     return Decision(new_state, events, "applied", why)
 
@@ -593,3 +736,165 @@ def _observation_event(
             reason = getattr(obs, "reason", None) or reasons.get(kind, f"{kind.replace('_', ' ')}")
             return SandboxFailed(type="SandboxFailed", **common, reason=reason, exit_code=exit_code)
     raise AssertionError(f"no event leads to {target}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Deadlines, time to live, completion policy (operator lifecycle)
+
+# Which phases carry a deadline, of which kind. Entering one records it in the row (computed
+# from the entering message's occurred_at and the Limits); leaving it clears it.
+PHASE_DEADLINES: Final[dict[Phase, Literal["launch", "stop", "delete"]]] = {
+    P.PROVISIONING: "launch",
+    P.STARTING: "launch",
+    P.STOPPING: "stop",
+    P.DELETING: "delete",
+}
+# What a DeadlineDue naming exactly the row's deadline does (anything else is ignored: stale
+# generation, a deadline the row no longer holds, a repeat). The ttl deadline is the row's
+# expires_at, in any live phase.
+DEADLINE_TABLE: Final[dict[DeadlineKind, str]] = {
+    "launch": "→ Error, reason ProvisioningTimeout; intent: stop the runtime if it came up "
+    "(then the completion policy applies)",
+    "stop": "stays Stopping, deadline cleared; intent: kill the runtime now (forced)",
+    "delete": "stays Deleting, the delete is asked for again; the next deadline is twice as "
+    "far out (up to a ceiling), and `reason` counts the retries",
+    "ttl": "SandboxExpired, then the policy: stop (when the phase admits a stop) or delete "
+    "(when it admits a delete); deferred while held",
+}
+# The completion policy on_exit=delete: a sandbox whose main process ended (SandboxCompleted,
+# SandboxFailed, SandboxTimedOut) is deleted in the same decision, unless it is held.
+EXIT_EVENTS: Final = (SandboxCompleted, SandboxFailed, SandboxTimedOut)
+PROVISIONING_TIMEOUT: Final = "ProvisioningTimeout"
+
+
+def _after(at: datetime, seconds: float) -> datetime:
+    return at + timedelta(seconds=seconds)
+
+
+def launch_deadline(at: datetime, limits: Limits) -> Deadline | None:
+    if limits.launch_seconds is None:
+        return None
+    return Deadline(kind="launch", due_at=_after(at, limits.launch_seconds))
+
+
+def stop_deadline(spec: SandboxSpec, at: datetime, limits: Limits) -> Deadline | None:
+    """The grace period (the sandbox's, else the driver's) plus the margin."""
+    if limits.stop_margin_seconds is None:
+        return None
+    grace = limits.stop_grace_seconds
+    if spec.stop_timeout_seconds is not None:
+        grace = spec.stop_timeout_seconds
+    return Deadline(kind="stop", due_at=_after(at, grace + limits.stop_margin_seconds))
+
+
+def delete_deadline(
+    spec: SandboxSpec, at: datetime, limits: Limits, attempt: int = 0
+) -> Deadline | None:
+    """A delete stops running runtimes first (grace period), then waits with back-off."""
+    if limits.delete_seconds is None:
+        return None
+    grace = limits.stop_grace_seconds
+    if spec.stop_timeout_seconds is not None:
+        grace = spec.stop_timeout_seconds
+    wait = min(limits.delete_seconds * 2**attempt, limits.delete_backoff_max_seconds)
+    return Deadline(kind="delete", due_at=_after(at, grace + wait), attempt=attempt)
+
+
+def _then(
+    state: Sandbox,
+    events: tuple[DecidedEvent, ...],
+    message: Message,
+    cause: Cause,
+    make: Any,
+) -> tuple[Sandbox, tuple[DecidedEvent, ...]]:
+    """Decide one more event on the same input: ``make(common)`` builds it."""
+    event = make(_common(state, message, cause, index=len(events)))
+    return evolve(state, event), (*events, event)
+
+
+def _delete_now(
+    state: Sandbox,
+    events: tuple[DecidedEvent, ...],
+    message: Message,
+    cause: Cause,
+    limits: Limits,
+) -> tuple[Sandbox, tuple[DecidedEvent, ...]]:
+    deadline = delete_deadline(state.spec, message.occurred_at, limits)
+    return _then(
+        state,
+        events,
+        message,
+        cause,
+        lambda c: SandboxDeleting(type="SandboxDeleting", **c, deadline=deadline),
+    )
+
+
+def _on_exit(
+    state: Sandbox,
+    events: tuple[DecidedEvent, ...],
+    message: Message,
+    cause: Cause,
+    limits: Limits,
+) -> tuple[Sandbox, tuple[DecidedEvent, ...]]:
+    """The completion policy, once the main process's end is recorded."""
+    if state.on_exit != "delete" or is_held(state) or not isinstance(events[-1], EXIT_EVENTS):
+        return state, events
+    return _delete_now(state, events, message, cause, limits)
+
+
+def _decide_deadline(
+    state: Sandbox | None, due: DeadlineDue, cause: Cause, limits: Limits
+) -> Decision:
+    what = f"DeadlineDue({due.deadline} at {due.due_at.isoformat()}) of generation {due.generation}"
+    if state is None:
+        return _ignore(state, f"unknown sandbox: {what}")
+    if state.tombstoned:
+        return _ignore(state, f"tombstoned at generation {state.generation}: {what}")
+    if due.generation < state.generation:
+        return _ignore(state, f"stale: {what}, current generation is {state.generation}")
+    if due.generation > state.generation:
+        return _ignore(state, f"unknown generation: {what}, newest issued is {state.generation}")
+    at = due.occurred_at
+    events: tuple[DecidedEvent, ...]
+    if due.deadline == "ttl":
+        if state.expires_at != due.due_at:
+            return _ignore(state, f"not pending: {what}, the row expires at {state.expires_at}")
+        if state.hold is not None:
+            return _ignore(state, f"held by {state.hold.by}: {what} deferred until released")
+        policy = state.on_expiry
+        new_state, events = _emit(
+            state,
+            SandboxExpired(type="SandboxExpired", **_common(state, due, cause), policy=policy),
+        )
+        if policy == "delete" and admission("DeleteSandbox", new_state.phase) is A:
+            new_state, events = _delete_now(new_state, events, due, cause, limits)
+        elif policy == "stop" and admission("StopSandbox", new_state.phase) is A:
+            deadline = stop_deadline(new_state.spec, at, limits)
+            new_state, events = _then(
+                new_state,
+                events,
+                due,
+                cause,
+                lambda c: SandboxStopping(type="SandboxStopping", **c, deadline=deadline),
+            )
+    else:
+        pending = state.deadline
+        if pending is None or (pending.kind, pending.due_at) != (due.deadline, due.due_at):
+            return _ignore(state, f"not pending: {what}, the row's deadline is {pending}")
+        common = _common(state, due, cause)
+        event: DecidedEvent
+        match pending.kind:
+            case "launch":
+                event = SandboxTimedOut(
+                    type="SandboxTimedOut", **common, reason=PROVISIONING_TIMEOUT
+                )
+            case "stop":
+                event = SandboxStopEscalated(type="SandboxStopEscalated", **common)
+            case "delete":
+                again = delete_deadline(state.spec, at, limits, pending.attempt + 1)
+                assert again is not None  # pending exists, so delete deadlines are on
+                event = SandboxDeleteRetried(type="SandboxDeleteRetried", **common, deadline=again)
+        new_state, events = _emit(state, event)
+        new_state, events = _on_exit(new_state, events, due, cause, limits)
+    why = f"{what}: {state.phase.value} -> {new_state.phase.value} ({events[0].type})"
+    return Decision(new_state, events, "applied", why)

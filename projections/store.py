@@ -11,9 +11,10 @@ from uuid import UUID
 
 import asyncpg
 
-from events.common import Phase, SandboxSpec
+from events.common import Deadline, Hold, Phase, SandboxSpec
 from events.outcomes import CommandOutcome
 from events.topics import CHANGES_CHANNEL
+from projections.chain import ChainId
 from projections.lifecycle import Sandbox
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ CONNECTION_ERRORS: tuple[type[Exception], ...] = (
 
 SANDBOX_COLUMNS = (
     "key, sandbox_id, phase, generation, version, spec, providers, identity, exit_code, reason, "
-    "created_at, updated_at"
+    "created_at, updated_at, deadline, expires_at, on_expiry, on_exit, hold"
 )
 
 
@@ -58,6 +59,20 @@ def sandbox_from_record(r: Any) -> Sandbox:
         reason=r["reason"],
         created_at=_timestamp(r["created_at"]),
         updated_at=_timestamp(r["updated_at"]),
+        deadline=_json_model(Deadline, r["deadline"]),
+        expires_at=_timestamp(r["expires_at"]) if r["expires_at"] is not None else None,
+        on_expiry=r["on_expiry"],
+        on_exit=r["on_exit"],
+        hold=_json_model(Hold, r["hold"]),
+    )
+
+
+def _json_model(model: Any, value: Any) -> Any:
+    """A jsonb column (text from asyncpg, an object inside json_build_object), or None."""
+    if value is None:
+        return None
+    return (
+        model.model_validate_json(value) if isinstance(value, str) else model.model_validate(value)
     )
 
 
@@ -81,11 +96,21 @@ SELECT 'row', NULL, NULL, NULL, json_build_object(
     'key', key, 'sandbox_id', sandbox_id, 'phase', phase, 'generation', generation,
     'version', version, 'spec', spec, 'providers', providers, 'identity', identity,
     'exit_code', exit_code, 'reason', reason, 'created_at', created_at,
-    'updated_at', updated_at)
+    'updated_at', updated_at, 'deadline', deadline, 'expires_at', expires_at,
+    'on_expiry', on_expiry, 'on_exit', on_exit, 'hold', hold)
 FROM sandboxes WHERE key = ANY($3::text[])
 UNION ALL
 SELECT 'outcome', NULL, NULL, NULL, outcome::json FROM command_outcomes
 WHERE (key, command_id) IN (SELECT * FROM unnest($4::text[], $5::text[]))
+UNION ALL
+SELECT 'head', k, NULL, NULL, json_build_object('hash', encode(h.entry_hash, 'hex'))
+FROM unnest($6::text[]) AS k,
+     LATERAL (SELECT entry_hash FROM history WHERE key = k ORDER BY id DESC LIMIT 1) AS h
+UNION ALL
+SELECT 'head', NULL, p, NULL, json_build_object('hash', encode(h.entry_hash, 'hex'))
+FROM unnest($7::int[]) AS p,
+     LATERAL (SELECT entry_hash FROM history WHERE key IS NULL AND partition = p
+              ORDER BY id DESC LIMIT 1) AS h
 """
 
 
@@ -94,6 +119,8 @@ class BatchRead:
     offsets: dict[TopicPartitionKey, int]  # next offset per (topic, partition); 0 if none yet
     sandboxes: dict[str, Sandbox]
     outcomes: dict[tuple[str, str], CommandOutcome]  # by (sandbox key, command id)
+    # The newest entry hash of each history chain asked for (absent: an empty chain).
+    chain_heads: dict[ChainId, bytes | None]
 
 
 async def read_batch(
@@ -101,10 +128,13 @@ async def read_batch(
     partitions: Iterable[TopicPartitionKey],
     keys: Iterable[str],
     idents: Iterable[tuple[str, str]],
+    chains: Iterable[ChainId] = (),
 ) -> BatchRead:
-    """The offsets of ``partitions`` and the rows and outcomes a batch needs, as of one moment."""
+    """The offsets of ``partitions`` and the rows, outcomes and history chain heads a batch
+    needs, as of one moment."""
     pairs = sorted(set(partitions))
     wanted = list(idents)
+    chain_ids = set(chains)
     records = await conn.fetch(
         _READ_BATCH,
         [t for t, _ in pairs],
@@ -112,11 +142,17 @@ async def read_batch(
         list(keys),
         [k for k, _ in wanted],
         [c for _, c in wanted],
+        sorted(k for k, _ in chain_ids if k is not None),
+        sorted(p for k, p in chain_ids if k is None and p is not None),
     )
-    read = BatchRead({}, {}, {})
+    read = BatchRead({}, {}, {}, {})
     for r in records:
         if r["kind"] == "offset":
             read.offsets[(r["topic"], r["partition"])] = r["next_offset"]
+        elif r["kind"] == "head":
+            head = json.loads(r["body"])["hash"]
+            chain = (r["topic"], None) if r["topic"] is not None else (None, r["partition"])
+            read.chain_heads[chain] = bytes.fromhex(head) if head is not None else None
         elif r["kind"] == "row":
             sandbox = sandbox_from_record(json.loads(r["body"]))
             read.sandboxes[sandbox.key] = sandbox
@@ -150,6 +186,10 @@ class HistoryRow:
     event_types: list[str]
     message: str | None
     occurred_at: datetime | None
+    sandbox_id: UUID | None = None  # the incarnation of the row after it
+    # The hash chain (projections/chain.py): set by chain_rows just before the write.
+    prev_hash: bytes | None = None
+    entry_hash: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,29 +245,33 @@ WITH moved AS (
 ), fence AS (
     SELECT offsets_fence((SELECT count(*) FROM moved), cardinality($1::text[])) AS ok
 ), upserted AS (
-    INSERT INTO sandboxes ({SANDBOX_COLUMNS}, partition, change_seq)
-    SELECT k, i, ph, g, v, sp, string_to_array(pr, ','), id, ec, r, ca, ua, pa,
-           nextval('sandbox_changes')
+    INSERT INTO sandboxes ({SANDBOX_COLUMNS}, partition, change_seq, deadline_at)
+    SELECT k, i, ph, g, v, sp, string_to_array(pr, ','), id, ec, r, ca, ua, dl, ea, oe, ox, hd,
+           pa, nextval('sandbox_changes'), (dl->>'due_at')::timestamptz
     FROM unnest($5::text[], $6::uuid[], $7::text[], $8::int[], $9::bigint[], $10::jsonb[],
                 $11::text[], $12::text[], $13::int[], $14::text[], $15::timestamptz[],
-                $16::timestamptz[], $17::int[])
-         AS u(k, i, ph, g, v, sp, pr, id, ec, r, ca, ua, pa)
+                $16::timestamptz[], $17::int[], $47::jsonb[], $48::timestamptz[], $49::text[],
+                $50::text[], $51::jsonb[])
+         AS u(k, i, ph, g, v, sp, pr, id, ec, r, ca, ua, pa, dl, ea, oe, ox, hd)
     WHERE (SELECT ok FROM fence)
     ON CONFLICT (key) DO UPDATE SET sandbox_id = EXCLUDED.sandbox_id, phase = EXCLUDED.phase,
         generation = EXCLUDED.generation, version = EXCLUDED.version, spec = EXCLUDED.spec,
         providers = EXCLUDED.providers, identity = EXCLUDED.identity,
         exit_code = EXCLUDED.exit_code, reason = EXCLUDED.reason,
         created_at = EXCLUDED.created_at, updated_at = EXCLUDED.updated_at,
-        partition = EXCLUDED.partition, change_seq = EXCLUDED.change_seq
+        partition = EXCLUDED.partition, change_seq = EXCLUDED.change_seq,
+        deadline = EXCLUDED.deadline, deadline_at = EXCLUDED.deadline_at,
+        expires_at = EXCLUDED.expires_at, on_expiry = EXCLUDED.on_expiry,
+        on_exit = EXCLUDED.on_exit, hold = EXCLUDED.hold
 ), recorded AS (
     INSERT INTO history (key, topic, partition, "offset", message_type, command_id,
                          disposition, reason, phase, generation, version, event_types, message,
-                         occurred_at)
-    SELECT k, t, p, o, mt, c, d, r, ph, g, v, string_to_array(e, ','), m, oa
+                         occurred_at, sandbox_id, prev_hash, entry_hash)
+    SELECT k, t, p, o, mt, c, d, r, ph, g, v, string_to_array(e, ','), m, oa, si, hp, he
     FROM unnest($18::text[], $19::text[], $20::int[], $21::bigint[], $22::text[], $23::text[],
                 $24::text[], $25::text[], $26::text[], $27::int[], $28::bigint[], $29::text[],
-                $30::json[], $31::timestamptz[])
-         AS u(k, t, p, o, mt, c, d, r, ph, g, v, e, m, oa)
+                $30::json[], $31::timestamptz[], $44::uuid[], $45::bytea[], $46::bytea[])
+         AS u(k, t, p, o, mt, c, d, r, ph, g, v, e, m, oa, si, hp, he)
     WHERE (SELECT ok FROM fence)
 ), decided AS (
     INSERT INTO command_outcomes (command_id, key, command_type, status, code, message, outcome)
@@ -258,10 +302,15 @@ async def write_batch(conn: Connection, batch: BatchWrite) -> list[int]:
          s.updated_at, partition)
         for partition, s in batch.sandboxes
     ]  # fmt: skip
+    timers = [
+        (s.deadline.model_dump_json() if s.deadline else None, s.expires_at, s.on_expiry,
+         s.on_exit, s.hold.model_dump_json() if s.hold else None)
+        for _, s in batch.sandboxes
+    ]  # fmt: skip
     history = [
         (h.key, h.topic, h.partition, h.offset, h.message_type, h.command_id, h.disposition,
          h.reason, h.phase, h.generation, h.version, ",".join(h.event_types), h.message,
-         h.occurred_at)
+         h.occurred_at, h.sandbox_id, h.prev_hash, h.entry_hash)
         for h in batch.history
     ]  # fmt: skip
     outcomes = [
@@ -271,15 +320,18 @@ async def write_batch(conn: Connection, batch: BatchWrite) -> list[int]:
     ]  # fmt: skip
     outbox = [(o.partition, o.topic, o.key, o.value) for o in batch.outbox]
     offsets = [(t, p, e, n) for (t, p), (e, n) in sorted(batch.offsets.items())]
+    history_columns = _columns(history, 17)  # the incarnation and hashes go last ($44-$46)
     try:
         ids = await conn.fetchval(
             _WRITE_BATCH,
             *_columns(offsets, 4),
             *_columns(sandboxes, 13),
-            *_columns(history, 14),
+            *history_columns[:14],
             *_columns(outcomes, 7),
             *_columns(outbox, 4),
             CHANGES_CHANNEL,
+            *history_columns[14:],
+            *_columns(timers, 5),  # the rows' timers ($47-$51)
         )
     except (asyncpg.SerializationError, asyncpg.DeadlockDetectedError) as exc:
         # Two writers of one partition can also deadlock on its offset rows: the same race.

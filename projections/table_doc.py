@@ -11,10 +11,14 @@ from pathlib import Path
 
 from projections.lifecycle import (
     COMMAND_TABLE,
+    DEADLINE_TABLE,
     FOLLOW_OBSERVED,
+    HELD,
     NO_RESTART,
     OBSERVATION_TABLE,
     PHASE_COLUMNS,
+    PHASE_DEADLINES,
+    REFUSED_WHILE_HELD,
     RESTART,
     ROTATION_TABLE,
     Admission,
@@ -66,6 +70,27 @@ def render() -> str:
         "generation (stale), of a generation newer than any issued (unknown), of an unknown "
         "sandbox or of a tombstone are ignored before this table is consulted.",
         "",
+        "### Holds",
+        "",
+        "A held sandbox refuses "
+        + ", ".join(REFUSED_WHILE_HELD)
+        + " in every phase (FAILED_PRECONDITION naming who holds it, since when and why); "
+        "its time to live and its completion policy wait until it is released.",
+        "",
+        "### Deadlines",
+        "",
+        "| phase | deadline |",
+        "|---|---|",
+        *(f"| {phase.value} | {kind} |" for phase, kind in PHASE_DEADLINES.items()),
+        "",
+        "| DeadlineDue | what it does |",
+        "|---|---|",
+        *(f"| {kind} | {effect} |" for kind, effect in DEADLINE_TABLE.items()),
+        "",
+        "A DeadlineDue acts only when it names exactly the deadline the row holds (kind and "
+        "due time; for ttl the row's expires_at) at the row's generation; anything else, "
+        "including a repeat, is ignored.",
+        "",
         "### Credential rotation (RotateCredentials) by phase",
         "",
         "| phase | a rotation of an attached provider |",
@@ -83,9 +108,9 @@ def render() -> str:
         "",
         "One command per sandbox names every rotated provider it has attached, so it restarts "
         "once per update. Providers it has not attached: idempotent, nothing recorded but the "
-        f"input. With `restart: false` every phase skips ({NO_RESTART}). A held sandbox "
-        "(`projections.lifecycle.held`, for issue 14) skips. A failed launch of a rotation "
-        "restart (Starting) is AgentRestartFailed → Error.",
+        f"input. With `restart: false` every phase skips ({NO_RESTART}); a held sandbox skips in "
+        f"every phase ({HELD}). A failed launch of a rotation restart (Starting) is "
+        "AgentRestartFailed → Error.",
     ]
     return "\n".join(lines)
 

@@ -7,14 +7,18 @@ layers (events, projections, drivers) and, of services/, only what this list nam
   Imports common.
 - ``executor``: intents to driver calls, the driver watcher, the reconcile loop, drivers built
   from the settings. Imports common.
+- ``audit``: the audit tools (re-deciding the log to verify the record, the history's hash
+  chains, time travel, explain, export). Imports common, processor.
+- ``scheduler``: brings time into the log: publishes DeadlineDue when a deadline or expiry
+  recorded in a row falls due. Imports common.
 - ``api``: the HTTP API (app assembly, one router per resource, auth, read-model queries).
-  Imports common.
+  Imports common, audit.
 - ``localstack``: the local stack (Kafka, PostgreSQL, Podman) and isolated test environments.
   Imports common.
 - ``up``: the one-process local default (control plane + API; ``up``/``down``). Imports
-  common, processor, executor, api, localstack.
+  common, processor, executor, scheduler, api, localstack.
 - ``cli``: the ``sandstream`` command, one module per command group. Imports common, api,
-  processor, up.
+  processor, up, audit.
 - ``bench``: the benchmarks. Imports common, processor, executor, api, up, localstack.
 
 ``tests/test_house.py`` holds the same table and fails when an import breaks it.

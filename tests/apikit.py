@@ -21,17 +21,23 @@ from harness import Env, eventually, isolated_env
 from drivers.protocol import Driver
 from events.publisher import CommandPublisher
 from services.api.app import create_app
-from services.api.auth import READ, SCOPES, WRITE, TokenStore
+from services.api.auth import AUDIT, READ, SCOPES, WRITE, TokenStore
 from services.api.server import start_api
 from services.up.control_plane import ControlPlane
 
 ADMIN = "sst_test-admin"
 READER = "sst_test-reader"
 WRITER = "sst_test-writer"
+AUDITOR = "sst_test-auditor"
 
 
 def tokens() -> TokenStore:
-    return TokenStore.of(admin=(ADMIN, *SCOPES), reader=(READER, READ), writer=(WRITER, WRITE))
+    return TokenStore.of(
+        admin=(ADMIN, *(s for s in SCOPES if s != AUDIT)),
+        reader=(READER, READ),
+        writer=(WRITER, WRITE),
+        auditor=(AUDITOR, AUDIT),
+    )
 
 
 def unique(prefix: str = "sb") -> str:

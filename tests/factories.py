@@ -22,7 +22,10 @@ from events.commands import (
     CreateSandbox,
     DeleteSandbox,
     DetachProvider,
+    ExtendSandbox,
+    HoldSandbox,
     ProviderRotation,
+    ReleaseSandbox,
     RestartSandbox,
     RotateCredentials,
     StartSandbox,
@@ -31,6 +34,7 @@ from events.commands import (
 from events.common import Cause, Phase, SandboxSpec
 from events.decided import DecidedEvent
 from events.observations import (
+    DeadlineDue,
     DriverOperationResult,
     Observation,
     ObservedState,
@@ -97,7 +101,9 @@ class Causes:
 
 
 def topic_for(message: Message) -> str:
-    is_observation = isinstance(message, RuntimeSnapshot | RuntimeRemoved | DriverOperationResult)
+    is_observation = isinstance(
+        message, RuntimeSnapshot | RuntimeRemoved | DriverOperationResult | DeadlineDue
+    )
     return OBSERVATIONS_TOPIC if is_observation else COMMANDS_TOPIC
 
 
@@ -134,6 +140,7 @@ def create(
     providers: Iterable[str] = (),
     actor: str = USER,
     occurred_at: datetime = T0,
+    **lifecycle: Any,  # ttl_seconds, on_expiry, on_exit
 ) -> CreateSandbox:
     return CreateSandbox(
         type="CreateSandbox",
@@ -143,6 +150,7 @@ def create(
         actor=actor,
         spec=sandbox_spec or spec(image),
         providers=list(providers),
+        **lifecycle,
     )
 
 
@@ -151,7 +159,7 @@ def _base(key: str, command_id: str | None, actor: str, occurred_at: datetime) -
             "occurred_at": occurred_at}  # fmt: skip
 
 
-M = TypeVar("M", StartSandbox, StopSandbox, RestartSandbox, DeleteSandbox)
+M = TypeVar("M", StartSandbox, StopSandbox, RestartSandbox, DeleteSandbox, ReleaseSandbox)
 P = TypeVar("P", AttachProvider, DetachProvider)
 
 
@@ -198,6 +206,56 @@ restart = _lifecycle(RestartSandbox)
 delete = _lifecycle(DeleteSandbox)
 attach = _provider(AttachProvider)
 detach = _provider(DetachProvider)
+release = _lifecycle(ReleaseSandbox)
+
+
+def hold(
+    key: str = KEY,
+    reason: str = "investigating",
+    *,
+    command_id: str | None = None,
+    expected_version: int | None = None,
+    actor: str = USER,
+    occurred_at: datetime = T0,
+) -> HoldSandbox:
+    base = _base(key, command_id, actor, occurred_at)
+    return HoldSandbox(type="HoldSandbox", reason=reason, expected_version=expected_version, **base)
+
+
+def extend(
+    key: str = KEY,
+    ttl_seconds: int = 60,
+    *,
+    command_id: str | None = None,
+    expected_version: int | None = None,
+    actor: str = USER,
+    occurred_at: datetime = T0,
+) -> ExtendSandbox:
+    base = _base(key, command_id, actor, occurred_at)
+    return ExtendSandbox(
+        type="ExtendSandbox", ttl_seconds=ttl_seconds, expected_version=expected_version, **base
+    )
+
+
+def due(
+    key: str = KEY,
+    deadline: str = "launch",
+    due_at: datetime = T0,
+    *,
+    generation: int = 1,
+    occurred_at: datetime | None = None,
+) -> DeadlineDue:
+    """The scheduler's message that a deadline of the row fell due."""
+    return DeadlineDue(
+        type="DeadlineDue",
+        observation_id=f"deadline:{key}:{generation}:{deadline}:{due_at.isoformat()}",
+        key=key,
+        generation=generation,
+        occurred_at=occurred_at or due_at,
+        actor="scheduler",
+        deadline=deadline,  # type: ignore[arg-type]
+        due_at=due_at,
+    )
 
 
 def rotate(
@@ -227,6 +285,9 @@ VERSIONED_COMMANDS: dict[str, Callable[..., Command]] = {
     "DeleteSandbox": delete,
     "AttachProvider": attach,
     "DetachProvider": detach,
+    "HoldSandbox": hold,
+    "ReleaseSandbox": release,
+    "ExtendSandbox": extend,
 }
 COMMAND_BUILDERS: dict[str, Callable[..., Command]] = {
     "CreateSandbox": create,

@@ -103,6 +103,17 @@ class Env:
         finally:
             await producer.stop()
 
+    async def produce_to(
+        self, topic: str, partition: int, key: bytes | None, value: bytes | None
+    ) -> None:
+        """One record to one partition (a golden log's record where it was recorded)."""
+        producer = AIOKafkaProducer(bootstrap_servers=self.settings.kafka_bootstrap, acks="all")
+        await producer.start()
+        try:
+            await producer.send_and_wait(topic, value=value, key=key, partition=partition)
+        finally:
+            await producer.stop()
+
     async def observe(self, *observations: Any) -> None:
         await self.produce(
             self.settings.topic_observations,

@@ -140,7 +140,7 @@ def test_the_api_never_fails_with_a_server_error(case: Any, fuzz_server: str) ->
         # Bound how long one case may take: waits for outcomes, watch streams.
         if isinstance(query.get("wait"), int | float) and not isinstance(query["wait"], bool):
             query["wait"] = min(float(query["wait"]), 0.2)
-        if case.path == "/v1/watch":
+        if case.path in ("/v1/watch", "/v1/watch/events"):
             timeout = query.get("timeout")
             if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout > 0.2:
                 query["timeout"] = 0.2

@@ -266,6 +266,42 @@ async def test_watch_status_and_json_output(up: Up) -> None:
     assert r.code == 0, r.err
 
 
+async def test_ttl_hold_release_extend_and_the_scheduler_inside_up(up: Up) -> None:
+    """The operator lifecycle from the command line; the expiry at the end is the scheduler
+    that `sandstream up` runs, with the real Podman driver."""
+    name = up.name("ops")
+    r = await up.cli("sandbox", "create", name, "--image", IMAGE, "--ttl", "1h", "--",
+                     "sleep", "3600")  # fmt: skip
+    assert r.code == 0, r.err
+    r = await up.cli("sandbox", "get", name)
+    fields = {row.split()[0]: " ".join(row.split()[1:]) for row in lines(r.out) if row.strip()}
+    assert fields["Expires"].endswith("(then stop)") and fields["Held"] == "no"
+
+    r = await up.cli("sandbox", "hold", name, "--reason", "incident 9")
+    assert r.code == 0 and f"Held sandbox {name}: incident 9" in r.out, r.err
+    r = await up.cli("sandbox", "restart", name)
+    assert r.code == 1 and "held by admin" in r.err and "incident 9" in r.err, r.err
+    r = await up.cli("status", "-o", "json")
+    assert json.loads(r.out)["attention"]["held"] >= 1
+    r = await up.cli("status")
+    assert re.search(r"^attention\s+\d+ past their deadline, [1-9]\d* held", r.out, re.M), r.out
+    r = await up.cli("sandbox", "release", name)
+    assert r.code == 0 and f"Released sandbox {name}" in r.out, r.err
+
+    r = await up.cli("sandbox", "extend", name, "--ttl", "soon")
+    assert r.code == 2 and "expected a positive duration" in r.err
+    r = await up.cli("sandbox", "extend", name, "--ttl", "1s")
+    assert r.code == 0, r.err
+
+    async def phase() -> str:
+        got = await up.cli("sandbox", "get", name, "-o", "json")
+        return str(json.loads(got.out)["phase"])
+
+    await eventually(phase, lambda p: p == "Stopped", timeout=60, what="the ttl to stop it")
+    r = await up.cli("sandbox", "history", name)
+    assert "Deadline(ttl)" in r.out and "applied" in r.out
+
+
 async def test_tokens_scopes_and_connection_errors(up: Up) -> None:
     r = await up.cli("token", "create", "ci-reader", "--scope", "sandbox:read")
     assert r.code == 0, r.err

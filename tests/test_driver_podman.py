@@ -599,3 +599,28 @@ def test_a_spec_cannot_forge_our_labels() -> None:
         spec.spec.model_copy(update={"stop_timeout_seconds": 7}),
     )
     assert runtime_labels(with_timeout)[LABEL_STOP_TIMEOUT] == "7"
+
+
+# -- forced kill ---------------------------------------------------------------------------------
+
+
+async def test_kill_forces_a_stop_under_way(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings, podman: PodmanClient
+) -> None:
+    """A stop waiting out a 600 s grace period on an entrypoint that ignores SIGTERM ends as
+    soon as the runtime is killed: kill is not queued behind it."""
+    key = keys()
+    await launch_stubborn(driver, stubborn_spec(settings, key, 1, stop_timeout=600))
+    stopping = asyncio.create_task(driver.stop(key, 1))
+    await eventually(
+        lambda: podman.containers.get(container_name(key, 1)).attrs["State"]["Status"],
+        lambda status: status == "stopping",
+        what="the stop to be under way",
+    )
+    killed = await asyncio.wait_for(driver.kill(key, 1), WAIT)
+    assert killed.outcome == "succeeded"
+    stopped = await asyncio.wait_for(stopping, WAIT)  # not the 600 s grace period
+    assert stopped.outcome == "succeeded" and stopped.exit_code == 137
+    assert containers_of(podman, key) == [container_name(key, 1)]  # kept, as a stop keeps it
+    assert (await driver.kill(key, 1)).outcome == "succeeded"  # no longer running
+    assert (await driver.kill(keys(), 1)).outcome == "already_absent"

@@ -21,10 +21,12 @@ ALLOWED: dict[str, set[str]] = {
     "common": set(),
     "processor": {"common"},
     "executor": {"common"},
-    "api": {"common"},
+    "audit": {"common", "processor"},
+    "scheduler": {"common"},
+    "api": {"common", "audit"},
     "localstack": {"common"},
-    "up": {"common", "processor", "executor", "api", "localstack"},
-    "cli": {"common", "api", "processor", "up"},
+    "up": {"common", "processor", "executor", "scheduler", "api", "localstack"},
+    "cli": {"common", "api", "processor", "up", "audit"},
     "bench": {"common", "processor", "executor", "api", "up", "localstack"},
 }
 # Libraries a lower layer must not reach for: events/ holds schemas and Kafka helpers only.

@@ -6,12 +6,18 @@ stale and unknown generations, observations after deletion, failed driver result
 observed states. After every step it checks the invariants of the state model; it also folds
 the same inputs in random batch splits, replays them from scratch (decoded from their JSON) and
 rebuilds the rows from the decided events alone, and all of these must agree exactly.
+
+Time arrives as the scheduler's DeadlineDue messages: for the row's deadline or expiry, for
+deadlines it no longer holds, for other generations, and always twice (a restarted scheduler
+catching up): the repeat must change nothing. Holds must keep start, restart, expiry and the
+completion policy away.
 """
 
 from __future__ import annotations
 
 import os
 from collections import defaultdict
+from datetime import timedelta
 from typing import Any, get_args
 from uuid import UUID
 
@@ -36,8 +42,9 @@ from events.commands import (
     StartSandbox,
 )
 from events.common import Cause, Phase
-from events.decided import DecidedEvent, SandboxCreated
+from events.decided import DecidedEvent, SandboxCreated, SandboxDeleting, SandboxStopping
 from events.observations import (
+    DeadlineDue,
     DriverOperationResult,
     ObservedState,
     Operation,
@@ -49,18 +56,22 @@ from events.outcomes import CommandOutcome
 from projections.fold import fold
 from projections.lifecycle import (
     COMMAND_TABLE,
+    EXIT_EVENTS,
+    PHASE_DEADLINES,
+    REFUSED_WHILE_HELD,
     Admission,
     Decision,
     Message,
     Sandbox,
     admission,
     evolve,
+    is_held,
 )
 
 P = Phase
 KEYS = ("a", "b", "c")
 PROVIDERS = ("gh", "gl", "aws")
-OBSERVATION_TYPES = (RuntimeSnapshot, RuntimeRemoved, DriverOperationResult)
+OBSERVATION_TYPES = (RuntimeSnapshot, RuntimeRemoved, DriverOperationResult, DeadlineDue)
 
 keys = st.sampled_from(KEYS)
 # Mostly the current generation; sometimes stale (older) or unknown (newer than issued).
@@ -132,7 +143,8 @@ class LifecycleMachine(RuleBasedStateMachine):
     def check_step(self, prev: Sandbox | None, message: Message, d: Decision) -> None:
         new = d.state
         events = d.events
-        assert len(events) <= 1
+        # One event per input, except an expiry or a process end followed by its policy's.
+        assert len(events) <= (2 if is_observation(message) else 1)
         assert all(e.key == message.key for e in events)
 
         # Version bumps by exactly the number of events, and nothing changes without one.
@@ -143,7 +155,10 @@ class LifecycleMachine(RuleBasedStateMachine):
             assert new is prev
         else:
             assert d.disposition == "applied"
-            assert new == evolve(prev, events[-1])
+            folded = prev
+            for event in events:
+                folded = evolve(folded, event)
+            assert new == folded
 
         # Generation never decreases; identity changes only with a new generation.
         if prev is not None:
@@ -167,6 +182,14 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.first_outcome[command_id] = d.outcome
             assert d.outcome.accepted == (d.disposition in ("applied", "idempotent"))
             assert len(events) == (1 if d.disposition == "applied" else 0)
+            # A hold refuses start and restart, whatever the phase.
+            if prev is not None and is_held(prev) and message.type in REFUSED_WHILE_HELD:
+                assert not d.outcome.accepted
+                if d.outcome.code.value == "FAILED_PRECONDITION":
+                    hold = prev.hold
+                    assert hold is not None
+                    phase_refuses = admission(message.type, prev.phase) is Admission.REJECT
+                    assert phase_refuses or hold.by in d.outcome.message
             if new is not None and d.outcome.accepted:
                 assert d.outcome.version == new.version
                 assert d.outcome.identity == new.identity
@@ -186,12 +209,37 @@ class LifecycleMachine(RuleBasedStateMachine):
 
         if prev is None or new is None:
             return
+        # The deadline of the row is always the one of its phase (all limits are on here).
+        if not new.tombstoned:
+            kind = PHASE_DEADLINES.get(new.phase)
+            # (A stop that was escalated to a kill has no further deadline.)
+            allowed = {kind, None} if new.phase is P.STOPPING else {kind}
+            assert (new.deadline.kind if new.deadline else None) in allowed, new
+        # Time acts only on the deadline the row holds; a repeat changes nothing.
+        if isinstance(message, DeadlineDue) and events:
+            if message.deadline == "ttl":
+                assert prev.expires_at == message.due_at and not is_held(prev)
+            else:
+                assert prev.deadline is not None
+                assert (prev.deadline.kind, prev.deadline.due_at) == (
+                    message.deadline,
+                    message.due_at,
+                )
+        # A held sandbox is never deleted or stopped by a policy.
+        if is_held(prev) and is_observation(message):
+            assert not any(isinstance(e, SandboxDeleting | SandboxStopping) for e in events)
+        # The completion policy deletes once the end is recorded, never otherwise.
+        if any(isinstance(e, SandboxDeleting) for e in events) and is_observation(message):
+            assert isinstance(message, DeadlineDue) or (
+                prev.on_exit == "delete" and isinstance(events[0], EXIT_EVENTS)
+            )
         # The tombstone is only reached from Deleting.
         if new.tombstoned and not prev.tombstoned:
             assert prev.phase is P.DELETING, (prev.phase, message)
         # Stopped only leaves through an accepted start, restart or delete.
         if prev.phase is P.STOPPED and new.phase is not P.STOPPED:
-            assert isinstance(message, StartSandbox | RestartSandbox | DeleteSandbox), message
+            expired = isinstance(message, DeadlineDue) and message.deadline == "ttl"
+            assert expired or isinstance(message, StartSandbox | RestartSandbox | DeleteSandbox)
             assert d.disposition == "applied"
         # Deleting only leaves to Deleted, or through a failed delete result.
         if prev.phase is P.DELETING and new.phase is not P.DELETING:
@@ -215,9 +263,26 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     # -- commands -----------------------------------------------------------------------------
 
-    @rule(key=keys, providers=st.lists(st.sampled_from(PROVIDERS), max_size=3))
-    def create(self, key: str, providers: list[str]) -> None:
-        self.send(f.create(key, command_id=self.command_id(key), providers=providers))
+    @rule(
+        key=keys,
+        providers=st.lists(st.sampled_from(PROVIDERS), max_size=3),
+        ttl=st.sampled_from([None, None, 1, 60]),
+        on_expiry=st.sampled_from(["stop", "delete"]),
+        on_exit=st.sampled_from(["keep", "delete"]),
+    )
+    def create(
+        self, key: str, providers: list[str], ttl: int | None, on_expiry: str, on_exit: str
+    ) -> None:
+        self.send(
+            f.create(
+                key,
+                command_id=self.command_id(key),
+                providers=providers,
+                ttl_seconds=ttl,
+                on_expiry=on_expiry,
+                on_exit=on_exit,
+            )
+        )
 
     @rule(
         command_type=st.sampled_from(list(COMMAND_TABLE)),
@@ -244,7 +309,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         if state is None or state.tombstoned:
             self.send(f.create(key, command_id=self.command_id(key)))
             return
-        admitted = [c for c in COMMAND_TABLE if admission(c, state.phase) is Admission.ADMIT]
+        admitted = [
+            c
+            for c in COMMAND_TABLE
+            if admission(c, state.phase) is Admission.ADMIT
+            and not (is_held(state) and c in REFUSED_WHILE_HELD)
+        ]
         if not admitted:  # Deleting
             self.progress(key)
             return
@@ -338,6 +408,29 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.send(f.result(key, gen, operation, "succeeded"))
         else:
             self.send(f.failed(key, gen, operation, observed=observed))
+
+    @rule(
+        key=keys,
+        delta=generation_deltas,
+        which=st.sampled_from(["phase", "phase", "ttl", "ttl", "other"]),
+        late=st.sampled_from([0.0, 1.0, 3600.0]),
+    )
+    def deadline_due(self, key: str, delta: int, which: str, late: float) -> None:
+        """The scheduler says a deadline fell due, then says it again (a restarted scheduler)."""
+        state = self.states.get(key)
+        gen = self.generation(key, delta)
+        kind: str = "launch"
+        due_at = f.at(12345)  # "other": a deadline the row never held
+        if state is not None and which == "phase" and state.deadline is not None:
+            kind, due_at = state.deadline.kind, state.deadline.due_at
+        if state is not None and which == "ttl" and state.expires_at is not None:
+            kind, due_at = "ttl", state.expires_at
+        message = f.due(
+            key, kind, due_at, generation=gen, occurred_at=due_at + timedelta(seconds=late)
+        )
+        self.send(message)
+        again = self.send(message)
+        assert again.disposition == "ignored" and not again.events
 
     # -- batches and replay -------------------------------------------------------------------
 

@@ -16,9 +16,12 @@ from events.decided import (
     SandboxCreated,
     SandboxDeleted,
     SandboxDeleting,
+    SandboxExtended,
     SandboxFailed,
+    SandboxHeld,
     SandboxOperationFailed,
     SandboxReady,
+    SandboxReleased,
     SandboxStarting,
     SandboxStopped,
     SandboxStopping,
@@ -53,6 +56,9 @@ VERBS = {
     "DeleteSandbox": "delete",
     "AttachProvider": "attach a provider",
     "DetachProvider": "detach a provider",
+    "HoldSandbox": "hold",
+    "ReleaseSandbox": "release",
+    "ExtendSandbox": "extend",
 }
 ADMITTED_EVENT = {
     "StartSandbox": (SandboxStarting, P.STARTING),
@@ -61,6 +67,9 @@ ADMITTED_EVENT = {
     "DeleteSandbox": (SandboxDeleting, P.DELETING),
     "AttachProvider": (ProviderAttached, None),  # None: the phase does not change
     "DetachProvider": (ProviderDetached, None),
+    "HoldSandbox": (SandboxHeld, None),
+    "ReleaseSandbox": (SandboxReleased, None),
+    "ExtendSandbox": (SandboxExtended, None),
 }
 TARGET_EVENT = {
     P.READY: SandboxReady,
@@ -71,9 +80,12 @@ TARGET_EVENT = {
 }
 
 
-def row_in(phase: Phase, key: str = f.KEY) -> Sandbox:
+def row_in(phase: Phase, key: str = f.KEY, *, held: bool = False) -> Sandbox:
     """A row in ``phase`` reached through real messages; its one provider is ``github``."""
-    return f.harness_in(phase, key).row(key)
+    h = f.harness_in(phase, key)
+    if held and phase is not P.DELETING and phase is not P.DELETED:
+        h.send(f.hold(key))
+    return h.row(key)
 
 
 def command_for(command_type: str, key: str = f.KEY, **kw: object) -> Command:
@@ -114,7 +126,7 @@ def test_command_table_covers_every_live_phase() -> None:
 
 @pytest.mark.parametrize(("command_type", "phase", "rule"), CELLS)
 def test_command_cell(command_type: str, phase: Phase, rule: Admission) -> None:
-    state = row_in(phase)
+    state = row_in(phase, held=command_type == "ReleaseSandbox")
     command = command_for(command_type)
     decision = run(state, command)
     outcome = decision.outcome
@@ -290,7 +302,7 @@ def test_expected_version_mismatch_is_aborted(command_type: str) -> None:
 
 @pytest.mark.parametrize("command_type", list(COMMAND_TABLE))
 def test_expected_version_match_is_accepted(command_type: str) -> None:
-    state = row_in(P.READY)
+    state = row_in(P.READY, held=command_type == "ReleaseSandbox")
     decision = run(state, command_for(command_type, expected_version=state.version))
     assert decision.outcome is not None and decision.outcome.accepted
     admitted = COMMAND_TABLE[command_type][PHASE_COLUMNS.index(P.READY)] is Admission.ADMIT

@@ -21,7 +21,7 @@ from events.commands import ProviderRotation, RotateCredentials
 from events.common import Phase
 from events.decided import AgentRestarted, AgentRestartFailed, AgentRestartSkipped
 from projections.credentials import classify, plan, rotation_command_id
-from projections.lifecycle import NO_RESTART, RESTART, ROTATION_TABLE, rotation_action
+from projections.lifecycle import HELD, NO_RESTART, RESTART, ROTATION_TABLE, rotation_action
 
 P = Phase
 RUNNING = {P.PROVISIONING, P.STARTING, P.READY}
@@ -182,3 +182,15 @@ def test_a_rotation_restarts_each_running_attached_sandbox_exactly_once(
         assert h.row(key) == before[key]
     # The rows rebuilt from the events alone agree with the folded ones.
     assert h.rebuilt() == {k: v for k, v in h.states.items() if v is not None}
+
+
+def test_a_held_sandbox_is_skipped_and_restarts_again_once_released() -> None:
+    h = f.harness_in(P.READY, providers=["p"])
+    h.send(f.hold(key=f.KEY))
+    (event,) = h.send(rotate(f.KEY, {"p": 2})).events
+    assert isinstance(event, AgentRestartSkipped) and event.reason == HELD
+    assert plan({"p": 2}, [h.row()], True)[0].reason == HELD
+    assert h.row().generation == 1
+    h.send(f.release(key=f.KEY))
+    (event,) = h.send(rotate(f.KEY, {"p": 3})).events
+    assert isinstance(event, AgentRestarted) and h.row().generation == 2

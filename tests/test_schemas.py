@@ -37,6 +37,9 @@ def all_commands() -> list[Command]:
         f.attach(provider="gh"),
         f.detach(provider="gh", expected_version=9),
         f.rotate(rotations={"gh": 2, "aws": 5}, restart=False),
+        f.hold(reason="incident 42"),
+        f.release(expected_version=2),
+        f.extend(ttl_seconds=3600),
     ]
 
 
@@ -53,6 +56,7 @@ def all_observations() -> list[Observation]:
             observed="running",
             exit_code=1,
         ),
+        f.due(deadline="ttl", due_at=f.at(60), occurred_at=f.at(61)),
     ]
 
 
@@ -68,6 +72,14 @@ def all_events() -> list[DecidedEvent]:
     h.send(f.create("rot", providers=["gh"]), f.running("rot"), f.stop("rot"))
     h.send(f.stopped("rot"), f.rotate("rot", {"gh": 2}), f.start("rot"), f.running("rot", 2))
     h.send(f.rotate("rot", {"gh": 3}), f.failed("rot", 3, "launch"))
+    # The operator lifecycle: hold, extend, every deadline, expiry.
+    h.send(f.create(key="t", ttl_seconds=5, on_exit="delete"), f.hold(key="t"))
+    h.send(f.release(key="t"), f.extend(key="t", ttl_seconds=9, occurred_at=f.at(1)))
+    h.send(f.due("t", "launch", h.row("t").deadline.due_at))  # type: ignore[union-attr]
+    h.send(f.due("t", "delete", h.row("t").deadline.due_at))  # type: ignore[union-attr]
+    h.send(f.create(key="u", ttl_seconds=5), f.running(key="u"))
+    h.send(f.due("u", "ttl", h.row("u").expires_at))  # type: ignore[arg-type]
+    h.send(f.due("u", "stop", h.row("u").deadline.due_at))  # type: ignore[union-attr]
     return h.events()
 
 

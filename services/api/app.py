@@ -21,7 +21,16 @@ from services.api.middleware import MetricsMiddleware
 from services.api.probe import KafkaProbe
 from services.api.providers import ProviderService
 from services.api.readmodel import ChangeFeed
-from services.api.routes import commands, history, operations, providers, sandboxes, watch
+from services.api.routes import (
+    audit,
+    commands,
+    history,
+    lifecycle,
+    operations,
+    providers,
+    sandboxes,
+    watch,
+)
 from services.common.settings import Settings
 
 
@@ -64,6 +73,6 @@ def create_app(
     app.add_middleware(MetricsMiddleware)
     install_error_handlers(app)
     # The order of inclusion is the order of the paths in the OpenAPI document.
-    for module in (commands, sandboxes, history, watch, operations, providers):
+    for module in (commands, lifecycle, sandboxes, history, watch, audit, operations, providers):
         app.include_router(module.router)
     return app

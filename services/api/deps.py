@@ -12,6 +12,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from services.api.auth import (
+    AUDIT,
     PROVIDER_READ,
     PROVIDER_WRITE,
     READ,
@@ -94,6 +95,7 @@ def require(scope: str) -> Callable[..., Awaitable[Principal]]:
 
 Reader = Annotated[Principal, Depends(require(READ))]
 Writer = Annotated[Principal, Depends(require(WRITE))]
+Auditor = Annotated[Principal, Depends(require(AUDIT))]
 ProviderReader = Annotated[Principal, Depends(require(PROVIDER_READ))]
 ProviderWriter = Annotated[Principal, Depends(require(PROVIDER_WRITE))]
 

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from projections.store import CONNECTION_ERRORS
-from services.api.auth import READ, WRITE
+from services.api.auth import AUDIT, READ, WRITE
 from services.api.deps import bearer_value, check_auth
 from services.api.errors import ApiError, describe_validation, error_response
 from services.api.readmodel import InvalidArgument
@@ -35,6 +35,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if not request.url.path.startswith("/v1/"):
             return None
         scope = READ if request.method == "GET" else WRITE
+        if request.url.path.startswith("/v1/audit/"):
+            scope = AUDIT
         try:
             check_auth(request, scope, bearer_value(request))
         except ApiError as denied:

@@ -8,7 +8,17 @@ from typing import Annotated, Any, Final
 from fastapi import Body, Path, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from events.common import SANDBOX_NAME_PATTERN, CommandId, ProviderName, SandboxName, SandboxSpec
+from events.common import (
+    SANDBOX_NAME_PATTERN,
+    CommandId,
+    ExitPolicy,
+    ExpiryPolicy,
+    HoldReason,
+    ProviderName,
+    SandboxName,
+    SandboxSpec,
+    TTLSeconds,
+)
 from services.api.errors import ErrorBody
 from services.api.readmodel import CommandStatus
 
@@ -29,6 +39,15 @@ class CreateSandboxRequest(BaseModel):
     providers: list[ProviderName] = Field(default_factory=list, max_length=64)
     command_id: CommandId | None = Field(
         default=None, description="idempotency key; a retry with the same id gets the same outcome"
+    )
+    ttl_seconds: TTLSeconds | None = Field(
+        default=None,
+        description="time to live from now; without it the server's default (if any) applies",
+    )
+    on_expiry: ExpiryPolicy = Field(default="stop", description="what the end of the ttl does")
+    on_exit: ExitPolicy = Field(
+        default="keep",
+        description="delete: delete the sandbox once its main process ended (Completed, Error)",
     )
 
 
@@ -103,3 +122,11 @@ SSE_EVENT_SCHEMA: Final = {
 }
 NamePath = Annotated[str, Path(pattern=SANDBOX_NAME_PATTERN, description="the sandbox name")]
 LifecycleBody = Annotated[LifecycleRequest | None, Body()]
+
+
+class HoldRequest(LifecycleRequest):
+    reason: HoldReason = Field(description="why it is held (shown to whoever tries to start it)")
+
+
+class ExtendRequest(LifecycleRequest):
+    ttl_seconds: TTLSeconds = Field(description="the sandbox expires this long from now")

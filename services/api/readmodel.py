@@ -16,14 +16,14 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Final, Literal, TypeAlias
 from uuid import UUID
 
 import asyncpg
 from pydantic import BaseModel, Field
 
-from events.common import Phase, SandboxSpec
+from events.common import Deadline, ExitPolicy, ExpiryPolicy, Hold, Phase, SandboxSpec
 from events.outcomes import Code, CommandOutcome
 from events.topics import CHANGES_CHANNEL
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record
@@ -75,6 +75,19 @@ class SandboxView(BaseModel):
     created_at: datetime
     updated_at: datetime
     change_seq: int = Field(description="position of this row's last change in the watch feed")
+    deadline: Deadline | None = Field(
+        default=None, description="the current phase's deadline (Provisioning, Starting, ...)"
+    )
+    expires_at: datetime | None = Field(
+        default=None, description="when the time to live ends (then on_expiry applies)"
+    )
+    on_expiry: ExpiryPolicy = "stop"
+    on_exit: ExitPolicy = Field(
+        default="keep", description="delete: deleted once its main process ended"
+    )
+    hold: Hold | None = Field(
+        default=None, description="an operator's hold: start and restart are refused"
+    )
 
 
 class SandboxList(BaseModel):
@@ -105,6 +118,9 @@ class HistoryEntry(BaseModel):
     message: dict[str, Any] | None = Field(description="the input message as recorded")
     occurred_at: datetime | None
     recorded_at: datetime
+    sandbox_id: UUID | None = Field(
+        default=None, description="the incarnation of the row after this input (null: none)"
+    )
 
 
 class HistoryPage(BaseModel):
@@ -182,6 +198,11 @@ def sandbox_view(record: Any) -> SandboxView:
         created_at=s.created_at,
         updated_at=s.updated_at,
         change_seq=record["change_seq"],
+        deadline=s.deadline,
+        expires_at=s.expires_at,
+        on_expiry=s.on_expiry,
+        on_exit=s.on_exit,
+        hold=s.hold,
     )
 
 
@@ -295,19 +316,41 @@ async def list_sandboxes(
 
 
 async def history(
-    pool: Pool, name: str, *, limit: int = 100, page_token: str | None = None
+    pool: Pool,
+    name: str,
+    *,
+    limit: int = 100,
+    page_token: str | None = None,
+    incarnation: UUID | None = None,
+    generation: int | None = None,
 ) -> HistoryPage | None:
-    """The history of a name, oldest first; None if the name never had a row or an input."""
-    after = decode_page_token(page_token, "history", {"name": name}) if page_token else 0
+    """The history of a name, oldest first; None if the name never had a row or an input.
+
+    ``incarnation`` keeps the entries that left that incarnation's row behind (from its
+    create on); ``generation`` the observations of that generation and the commands decided
+    while the row was at it.
+    """
+    # Filters that are not set stay out of the token's fingerprint (tokens of before hold).
+    context: dict[str, Any] = {"name": name}
+    if incarnation is not None:
+        context["incarnation"] = str(incarnation)
+    if generation is not None:
+        context["generation"] = generation
+    after = decode_page_token(page_token, "history", context) if page_token else 0
     if not isinstance(after, int) or isinstance(after, bool):
         raise InvalidArgument("page_token", "malformed page token")
     records = await pool.fetch(
         'SELECT id, topic, partition, "offset", message_type, command_id, disposition, reason, '
-        "phase, generation, version, event_types, message, occurred_at, recorded_at "
-        "FROM history WHERE key = $1 AND id > $2 ORDER BY id LIMIT $3",
+        "phase, generation, version, event_types, message, occurred_at, recorded_at, sandbox_id "
+        "FROM history WHERE key = $1 AND id > $2 "
+        "AND ($4::uuid IS NULL OR sandbox_id = $4) "
+        "AND ($5::int IS NULL OR coalesce((message->>'generation')::int, generation) = $5) "
+        "ORDER BY id LIMIT $3",
         name,
         after,
         limit + 1,
+        incarnation,
+        generation,
     )
     if not records and after == 0 and not await sandbox_exists(pool, name):
         return None
@@ -328,12 +371,13 @@ async def history(
             message=json.loads(r["message"]) if r["message"] is not None else None,
             occurred_at=r["occurred_at"],
             recorded_at=r["recorded_at"],
+            sandbox_id=r["sandbox_id"],
         )
         for r in records[:limit]
     ]
     token = None
     if len(records) > limit:
-        token = encode_page_token("history", {"name": name}, items[-1].seq)
+        token = encode_page_token("history", context, items[-1].seq)
     return HistoryPage(name=name, items=items, next_page_token=token)
 
 
@@ -481,17 +525,24 @@ async def changes_after(
     names: Sequence[str] = (),
     live_only: bool = False,
     limit: int = CHANGES_PAGE,
+    incarnation: UUID | None = None,
+    generation: int | None = None,
 ) -> list[SandboxView]:
-    """Rows changed after ``cursor`` up to ``horizon``, in change order."""
+    """Rows changed after ``cursor`` up to ``horizon``, in change order (optionally only one
+    incarnation's, or only while at one generation)."""
     records = await pool.fetch(
         f"SELECT {_ROW} FROM sandboxes WHERE change_seq > $1 AND change_seq <= $2 "
         "AND (cardinality($3::text[]) = 0 OR key = ANY($3::text[])) "
-        "AND (NOT $4 OR phase <> 'Deleted') ORDER BY change_seq LIMIT $5",
+        "AND (NOT $4 OR phase <> 'Deleted') "
+        "AND ($6::uuid IS NULL OR sandbox_id = $6) AND ($7::int IS NULL OR generation = $7) "
+        "ORDER BY change_seq LIMIT $5",
         cursor,
         horizon,
         list(names),
         live_only,
         limit,
+        incarnation,
+        generation,
     )
     return [sandbox_view(r) for r in records]
 
@@ -555,3 +606,36 @@ async def await_outcome(
                     await asyncio.wait_for(woken.wait(), timeout=min(remaining, 0.5))
         finally:
             await conn.remove_listener(CHANGES_CHANNEL, _wake)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sandboxes that need an operator's attention (status, metrics)
+
+
+class Attention(BaseModel):
+    as_of: datetime = Field(description="the API's clock when counted")
+    past_deadline: int = Field(
+        description="live sandboxes whose phase deadline or expiry has passed (not yet acted on)"
+    )
+    held: int
+    expiring_soon: int = Field(description="expiring within expiring_within_seconds")
+    expiring_within_seconds: float
+
+
+async def attention(pool: Pool, now: datetime, soon_seconds: float) -> Attention:
+    record = await pool.fetchrow(
+        "SELECT count(*) FILTER (WHERE deadline_at <= $1 OR (expires_at <= $1 AND hold IS NULL))"
+        " AS past_deadline, count(*) FILTER (WHERE hold IS NOT NULL) AS held, "
+        "count(*) FILTER (WHERE expires_at > $1 AND expires_at <= $1 + $2::interval) "
+        "AS expiring_soon FROM sandboxes WHERE phase <> 'Deleted'",
+        now,
+        timedelta(seconds=soon_seconds),
+    )
+    assert record is not None
+    return Attention(
+        as_of=now,
+        past_deadline=record["past_deadline"],
+        held=record["held"],
+        expiring_soon=record["expiring_soon"],
+        expiring_within_seconds=soon_seconds,
+    )

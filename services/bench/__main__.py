@@ -1,5 +1,5 @@
-"""``python -m services.bench [all|processor|drivers] [--quick]``: the benchmarks."""
+"""``python -m services.bench``: see services/bench/main.py."""
 
-from services.bench.processor import main
+from services.bench.main import main
 
 main()

@@ -155,6 +155,9 @@ class _InitSplit:
     async def stop(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
         return await self._for(key).stop(key, generation, timeout)
 
+    async def kill(self, key: str, generation: int) -> OpResult:
+        return await self._for(key).kill(key, generation)
+
     async def delete(self, key: str, sandbox_id: UUID | None = None) -> bool:
         return await self._for(key).delete(key, sandbox_id)
 

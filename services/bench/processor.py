@@ -3,6 +3,10 @@
 - processor throughput: one processor drains a pre-filled log of commands and observations;
 - command-to-row latency: commands paced at a fixed rate, each timed from send until its
   outcome row is committed (seen through the processor's per-batch NOTIFY);
+- beside each, a reference measured in the same run: the ceiling projector
+  (``services.bench.ceiling``) on the same log, Kafka's own produce-to-consume latency;
+- scale-out (two processor processes), rebuild of a 1,000,000-input log, a cProfile by stage
+  (``python -m services.bench profile``, not part of ``all``);
 - the driver figures of ``services.bench.drivers`` (stop latency, unrelated-sandbox delay).
 
 Each run uses its own topics and PostgreSQL schema and removes them afterwards.
@@ -10,8 +14,8 @@ Each run uses its own topics and PostgreSQL schema and removes them afterwards.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import json
 import os
 import statistics
 import sys
@@ -20,13 +24,14 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from events.codec import encode
 from events.commands import CreateSandbox, StopSandbox
 from events.common import SandboxSpec
 from events.observations import RuntimeSnapshot
 from events.topics import CHANGES_CHANNEL
+from services.bench import ceiling
 from services.common.settings import Settings
 from services.localstack.isolation import isolated
 from services.processor.consumer import Processor
@@ -87,28 +92,37 @@ async def produce_all(settings: Settings, records: Sequence[tuple[str, bytes, by
 
 
 async def throughput(settings: Settings, keys: int, max_records: int) -> None:
+    """The ceiling projector, then the processor, on one generated log; prints both and the
+    ratio (absolute figures move 2x between runs here; the ratio is what to steer by)."""
     async with isolated(settings, "bench") as (s, pool):
         records, total = lifecycle_messages(keys)
         await produce_all(s, records)
+        roof = await ceiling.drain(s, total, max_records=max_records)
         processor = Processor(s, pool, max_records=max_records, name="bench")
         await processor.start()
         stop = asyncio.Event()
         task = asyncio.create_task(processor.run(stop))
-        # The clock starts at the first committed batch: the group join is not throughput.
-        while not (first := await applied(pool)):
-            await asyncio.sleep(0.01)
-        started = time.perf_counter()
-        while await applied(pool) < total:
-            await asyncio.sleep(0.05)
-        elapsed = time.perf_counter() - started
+        first, elapsed = await timed_drain(pool, total)
         stop.set()
         await task
         await processor.stop()
-        measured = total - first
+        rate = (total - first) / elapsed
         print(
-            f"throughput  {measured:>7} msgs  max_records={max_records:<6} "
-            f"{elapsed:6.2f} s  {measured / elapsed:>9,.0f} msgs/s"
+            f"throughput  {total:>7} inputs  max_records={max_records:<6} "
+            f"processor {rate:>9,.0f}/s  ceiling {roof:>9,.0f}/s  "
+            f"processor/ceiling {rate / roof:.2f}"
         )
+
+
+async def timed_drain(pool: asyncpg.Pool[asyncpg.Record], total: int) -> tuple[int, float]:
+    """Wait until ``total`` inputs are applied: (inputs in the first committed batch, seconds
+    from it to the last). The clock starts at the first batch: a group join is not throughput."""
+    while not (first := await applied(pool)):
+        await asyncio.sleep(0.01)
+    started = time.perf_counter()
+    while await applied(pool) < total:
+        await asyncio.sleep(0.05)
+    return first, time.perf_counter() - started
 
 
 async def applied(pool: asyncpg.Pool[asyncpg.Record]) -> int:
@@ -164,6 +178,11 @@ async def _paced_commands(s: Settings, rate: int, seconds: float) -> None:
     )
     await producer.start()
     collector = asyncio.create_task(collect())
+    # Kafka's own produce -> consume latency at the same rate, in the same run: a plain
+    # consumer of the commands topic notes when each command arrives.
+    arrived: dict[str, float] = {}
+    kafka_reader = await _tail_reader(s)
+    tail = asyncio.create_task(_note_arrivals(kafka_reader, arrived, finished))
     # Warm up: wait until the processor has joined and applied a first command.
     warm = CreateSandbox(type="CreateSandbox", command_id="warm", key="warm", spec=SPEC,
                          occurred_at=T0, actor="bench")  # fmt: skip
@@ -195,34 +214,43 @@ async def _paced_commands(s: Settings, rate: int, seconds: float) -> None:
     finished.set()
     woken.set()
     await collector
+    await tail
+    await kafka_reader.stop()
     await producer.stop()
     await listener.close()
     await reader.close()
     ms = sorted((done[c] - sent[c]) * 1000 for c in done if c != "warm")
-    q = statistics.quantiles(ms, n=100)
+    kafka_ms = sorted((arrived[c] - sent[c]) * 1000 for c in arrived if c in sent and c != "warm")
+    q, k = statistics.quantiles(ms, n=100), statistics.quantiles(kafka_ms, n=100)
     print(
         f"latency     {len(ms)}/{count} commands at {rate}/s (sent {achieved:,.0f}/s)  "
-        f"p50 {q[49]:.1f} ms  p95 {q[94]:.1f} ms  p99 {q[98]:.1f} ms  max {ms[-1]:.1f} ms"
+        f"command->row p50 {q[49]:.1f} ms  p99 {q[98]:.1f} ms  max {ms[-1]:.1f} ms  |  "
+        f"Kafka alone p50 {k[49]:.1f} ms  p99 {k[98]:.1f} ms  |  p99 ratio {q[98] / k[98]:.1f}"
     )
 
 
-async def run(which: str, quick: bool) -> None:
-    settings = Settings()
-    print(f"sandstream benchmarks  (partitions={settings.kafka_partitions}, one processor)")
-    if which in ("all", "processor"):
-        keys = 5_000 if quick else 25_000
-        for max_records in (1000, 5000):
-            await throughput(settings, keys, max_records)
-        await latency(settings, rate=1000, seconds=5 if quick else 15)
-    if which in ("all", "drivers"):
-        from services.bench import drivers as bench_drivers
+async def _tail_reader(s: Settings) -> AIOKafkaConsumer:
+    """A group-less consumer of the commands topic, positioned at its end."""
+    reader = AIOKafkaConsumer(
+        bootstrap_servers=s.kafka_bootstrap,
+        enable_auto_commit=False,
+        fetch_max_wait_ms=s.processor_fetch_max_wait_ms,
+    )
+    await reader.start()
+    parts = [TopicPartition(s.topic_commands, p) for p in range(s.kafka_partitions)]
+    reader.assign(parts)
+    await reader.seek_to_end(*parts)
+    for tp in parts:  # resolve the end offsets now, before anything is sent
+        await reader.position(tp)
+    return reader
 
-        await bench_drivers.main(settings)
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("which", nargs="?", default="all", choices=["all", "processor", "drivers"])
-    parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke check")
-    args = parser.parse_args()
-    asyncio.run(run(args.which, args.quick))
+async def _note_arrivals(
+    reader: AIOKafkaConsumer, arrived: dict[str, float], finished: asyncio.Event
+) -> None:
+    while not finished.is_set():
+        batch = await reader.getmany(timeout_ms=100)
+        seen_at = time.perf_counter()
+        for records in batch.values():
+            for record in records:
+                arrived.setdefault(json.loads(record.value)["command_id"], seen_at)

@@ -14,7 +14,8 @@ from typing import Annotated
 
 import typer
 
-from services.cli import operations, providers, sandbox, tokens
+from services.cli import audit, operations, providers, sandbox, tokens
+from services.cli import lifecycle as _lifecycle  # noqa: F401  (sandbox hold/release/extend)
 from services.cli.client import CliError, Connection
 from services.cli.render import err
 from services.common.settings import load_settings
@@ -28,6 +29,7 @@ app = typer.Typer(
 )
 app.add_typer(sandbox.app, name="sandbox")
 app.add_typer(tokens.app, name="token")
+app.add_typer(audit.app, name="audit")
 app.add_typer(providers.app, name="provider")
 app.command("provider-sync")(providers.provider_sync)
 for _name, _command in operations.COMMANDS:

@@ -22,9 +22,15 @@ def status(ctx: typer.Context, output: OutputOpt = Output.table) -> None:
             counts[item["phase"]] = counts.get(item["phase"], 0) + 1
     except CliError as exc:
         note = exc.message
+    attention: dict[str, Any] | None = None
+    if counts is not None:
+        attention = client_of(ctx).request("GET", "/v1/attention").json()
     is_ready = ready.get("status") == "ready"
     if output is Output.json:
-        print_json({"url": client.url, "ready": is_ready, **ready, "sandboxes": counts})
+        print_json(
+            {"url": client.url, "ready": is_ready, **ready, "sandboxes": counts,
+             "attention": attention}
+        )  # fmt: skip
     else:
         out.print(f"{'API':<12} {client.url}  {'ready' if is_ready else 'NOT READY'}")
         labels = {"processor_lag": "processor"}
@@ -35,6 +41,13 @@ def status(ctx: typer.Context, output: OutputOpt = Output.table) -> None:
             total = sum(counts.values())
             detail = ", ".join(f"{n} {p}" for p, n in sorted(counts.items()))
             out.print(f"{'sandboxes':<12} {total} live" + (f": {detail}" if detail else ""))
+        if attention is not None:
+            soon = attention["expiring_within_seconds"]
+            out.print(
+                f"{'attention':<12} {attention['past_deadline']} past their deadline, "
+                f"{attention['held']} held, {attention['expiring_soon']} expiring within "
+                f"{soon:.0f}s"
+            )
         else:
             out.print(f"{'sandboxes':<12} unknown ({note})")
     if not is_ready:

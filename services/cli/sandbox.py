@@ -20,6 +20,12 @@ from services.cli.client import (
     client_of,
     fail,
 )
+from services.cli.lifecycle_options import (
+    ExitChoice,
+    ExpiryChoice,
+    duration_seconds,
+    lifecycle_fields,
+)
 from services.cli.render import (
     Output,
     OutputOpt,
@@ -228,6 +234,17 @@ def create(
     stop_timeout: Annotated[
         int | None, typer.Option("--stop-timeout", min=0, help="seconds from SIGTERM to SIGKILL")
     ] = None,
+    ttl: Annotated[
+        str | None,
+        typer.Option("--ttl", help="time to live, e.g. 90s, 30m, 2h, 7d (default: the server's)"),
+    ] = None,
+    on_expiry: Annotated[
+        ExpiryChoice, typer.Option("--on-expiry", help="what the end of the ttl does")
+    ] = ExpiryChoice.stop,
+    on_exit: Annotated[
+        ExitChoice,
+        typer.Option("--on-exit", help="delete: delete it once its main process ended"),
+    ] = ExitChoice.keep,
     command_id: CommandIdOpt = None,
     timeout: TimeoutOpt = 120.0,
     no_wait: NoWaitOpt = False,
@@ -243,6 +260,9 @@ def create(
     if stop_timeout is not None:
         spec["stop_timeout_seconds"] = stop_timeout
     body: dict[str, Any] = {"name": name, "spec": spec, "providers": provider}
+    if ttl is not None:
+        body["ttl_seconds"] = duration_seconds(ttl, "--ttl")
+    body["on_expiry"], body["on_exit"] = on_expiry.value, on_exit.value
     if command_id:
         body["command_id"] = command_id
     _lifecycle(ctx, "create", name, "POST", "/v1/sandboxes", body,
@@ -350,6 +370,7 @@ def get(
         ("Reason", dash(row["reason"])),
         ("Created", f"{row['created_at']} ({age(row['created_at'])} ago)"),
         ("Updated", row["updated_at"]),
+        *lifecycle_fields(row),
     ]
     table = Table(box=None, show_header=False, pad_edge=False)
     table.add_column(style="bold")
@@ -363,10 +384,21 @@ def get(
 def history(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="the sandbox name")],
+    incarnation: Annotated[
+        str | None, typer.Option(help="only this incarnation (a sandbox id)", show_default=False)
+    ] = None,
+    generation: Annotated[
+        int | None, typer.Option(min=1, help="only inputs about this generation")
+    ] = None,
     output: OutputOpt = Output.table,
 ) -> None:
     """Every input about a sandbox in order: applied, rejected and ignored, with the reason."""
-    items = list(client_of(ctx).pages(f"/v1/sandboxes/{name}/history", {"limit": 1000}))
+    params: dict[str, Any] = {"limit": 1000}
+    if incarnation is not None:
+        params["incarnation"] = incarnation
+    if generation is not None:
+        params["generation"] = generation
+    items = list(client_of(ctx).pages(f"/v1/sandboxes/{name}/history", params))
     if output is Output.json:
         print_json(items)
         return
@@ -400,6 +432,8 @@ def _input_label(item: dict[str, Any]) -> str:
         return f"Result({message.get('operation')} {message.get('outcome')})"
     if kind == "RuntimeRemoved":
         return "Removed"
+    if kind == "DeadlineDue":
+        return f"Deadline({message.get('deadline')})"
     return kind.removesuffix("Sandbox") if kind != "CreateSandbox" else "Create"
 
 

@@ -17,7 +17,7 @@ def token_create(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="who uses the token (commands' actor)")],
     scope: Annotated[
-        list[str], typer.Option("--scope", help="sandbox:read and/or sandbox:write")
+        list[str], typer.Option("--scope", help="sandbox:read, sandbox:write, audit:read")
     ] = ["sandbox:read"],  # noqa: B006
 ) -> None:
     """Add a token to the tokens file and print it (once: only its hash is stored)."""

@@ -46,3 +46,16 @@ API_COMMANDS = Counter(
     ["type", "result"],
 )
 API_WATCHERS = Gauge("sandstream_api_watch_streams", "Open /v1/watch streams")
+
+# Operator lifecycle: the scheduler, and the counts `status` shows (set when /metrics is read)
+DEADLINES_FIRED = Counter(
+    "sandstream_deadlines_published_total",
+    "DeadlineDue messages the scheduler published, by deadline kind",
+    ["deadline"],
+)
+SANDBOXES_ATTENTION = Gauge(
+    "sandstream_sandboxes_attention",
+    "Live sandboxes past a deadline (past_deadline), held, or expiring within "
+    "expiring_soon_seconds (expiring_soon)",
+    ["state"],
+)

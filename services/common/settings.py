@@ -14,6 +14,7 @@ from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from events import topics as names
+from projections.lifecycle import Limits
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,6 +76,18 @@ class Settings(BaseSettings):
     credentials_key: SecretStr | None = None
     # `sandstream up` also runs the provider-sync controller on this directory when set.
     provider_sync_dir: Path | None = None
+    # Operator lifecycle (the processor records the deadlines; the scheduler says when they
+    # fall due). 0 turns a deadline off.
+    launch_timeout_seconds: float = Field(default=300, ge=0)  # Provisioning/Starting
+    stop_margin_seconds: float = Field(default=30, ge=0)  # Stopping: grace period + this
+    delete_retry_seconds: float = Field(default=120, ge=0)  # Deleting: first retry, then x2
+    delete_retry_max_seconds: float = Field(default=1800, ge=0)
+    # Time to live of a sandbox created without one (None: lives until deleted).
+    default_ttl_seconds: int | None = Field(default=None, ge=1)
+    # The scheduler looks for due deadlines at least this often (and on every change).
+    scheduler_poll_seconds: float = Field(default=5.0, gt=0)
+    # `status` and the metrics count sandboxes expiring within this many seconds.
+    expiring_soon_seconds: float = Field(default=3600, ge=0)
 
     # API
     api_host: str = "127.0.0.1"
@@ -85,6 +98,17 @@ class Settings(BaseSettings):
     run_dir: Path | None = None
     # /readyz fails while the processor is more input records than this behind Kafka.
     readiness_max_lag: int = Field(default=1000, ge=0)
+
+    @property
+    def lifecycle_limits(self) -> Limits:
+        """The deadlines the processor records (see projections.lifecycle.Limits)."""
+        return Limits(
+            launch_seconds=self.launch_timeout_seconds or None,
+            stop_grace_seconds=float(self.stop_timeout_seconds),
+            stop_margin_seconds=self.stop_margin_seconds or None,
+            delete_seconds=self.delete_retry_seconds or None,
+            delete_backoff_max_seconds=self.delete_retry_max_seconds,
+        )
 
     @property
     def pg_dsn(self) -> str:

@@ -25,6 +25,13 @@ appends the result to the observations topic, where the processor decides what i
   gets them from the committed offset), running ones get ``revoke_grace`` seconds to finish,
   and the offsets are committed before the partitions go. A call still running after that
   finishes and reports anyway (results are observations: the processor sorts them out).
+- **Forced kills jump the queue.** A stop that outlived its grace period plus a margin is
+  escalated (SandboxStopEscalated): the kill runs at once, beside the key's queue, since the
+  stop it forces may be the call the queue is waiting for. It reports no result of its own:
+  the stop under way (or the watcher) reports the runtime's end.
+- **A retried delete is not run twice.** SandboxDeleteRetried asks for the delete again; while
+  a delete of that incarnation is queued or running here (retrying, or hung in the driver) it
+  is redundant and skipped, so it can never cut the running one's retries short.
 - **Shutdown.** ``run`` returns after draining: queued intents are left for the next executor,
   running calls get ``shutdown_grace`` seconds to finish and report, and offsets are committed.
 """
@@ -56,9 +63,12 @@ from events.decided import (
     AgentRestarted,
     DecidedEvent,
     SandboxCreated,
+    SandboxDeleteRetried,
     SandboxDeleting,
     SandboxStarting,
+    SandboxStopEscalated,
     SandboxStopping,
+    SandboxTimedOut,
 )
 from events.observations import DriverOperationResult, Operation
 from events.publisher import publish_until_sent
@@ -95,9 +105,9 @@ def intent_of(event: DecidedEvent) -> Intent | None:
     match event:
         case SandboxCreated() | SandboxStarting() | AgentRestarted():
             return Intent("launch", event)
-        case SandboxStopping():
+        case SandboxStopping() | SandboxTimedOut():  # a timed-out launch: clean up its runtime
             return Intent("stop", event)
-        case SandboxDeleting():
+        case SandboxDeleting() | SandboxDeleteRetried():
             return Intent("delete", event)
     return None
 
@@ -192,6 +202,7 @@ class Executor:
     _closing: bool = False
     _drained: bool = False
     _crashed: BaseException | None = None  # a worker's unexpected error: run() raises it
+    _kills: set[asyncio.Task[None]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.max_concurrency is None:
@@ -259,9 +270,9 @@ class Executor:
         """Release everything; call after ``run`` returned (or instead of it)."""
         if not self._drained and self.consumer is not None:
             await self.drain(grace=0)
-        for task in self._workers.values():
+        for task in [*self._workers.values(), *self._kills]:
             task.cancel()
-        await asyncio.gather(*self._workers.values(), return_exceptions=True)
+        await asyncio.gather(*self._workers.values(), *self._kills, return_exceptions=True)
         if self.consumer is not None:
             await self.consumer.stop()
         if self.producer is not None:
@@ -285,8 +296,18 @@ class Executor:
         except (DecodeError, ValidationError) as exc:
             log.error("skipping undecodable event at %s:%d: %s", tp, record.offset, exc)
             return
+        if isinstance(event, SandboxStopEscalated):
+            progress.pending.add(record.offset)
+            kill = asyncio.create_task(self._kill(event, record.offset, progress))
+            self._kills.add(kill)
+            kill.add_done_callback(self._kills.discard)
+            return
         intent = intent_of(event)
         if intent is None:
+            return
+        if isinstance(event, SandboxDeleteRetried) and self._deleting(event.key, event.sandbox_id):
+            log.info("delete retry %d of %s skipped: its delete is still queued or running",
+                     event.deadline.attempt, event.key)  # fmt: skip
             return
         progress.pending.add(record.offset)
         key = intent.key
@@ -299,6 +320,16 @@ class Executor:
             worker.add_done_callback(self._worker_ended)
             self._workers[key] = worker
 
+    def _deleting(self, key: str, sandbox_id: UUID) -> bool:
+        """Whether a delete of this incarnation is queued or running here."""
+        items = [*self._queues.get(key, ()), *([self._active[key]] if key in self._active else [])]
+        return any(
+            i.intent.operation == "delete"
+            and i.intent.sandbox_id == sandbox_id
+            and self._current(i)
+            for i in items
+        )
+
     def _worker_ended(self, worker: asyncio.Task[None]) -> None:
         if not worker.cancelled() and (exc := worker.exception()) is not None:
             log.error("%s failed: %r", worker.get_name(), exc, exc_info=exc)
@@ -307,6 +338,21 @@ class Executor:
     def _current(self, item: _Item) -> bool:
         """Whether ``item`` is still this executor's to run (not revoked, not shutting down)."""
         return not self._closing and self._owned.get(item.tp) is item.progress
+
+    async def _kill(self, event: DecidedEvent, offset: int, progress: PartitionProgress) -> None:
+        """Kill the runtime of the event's generation now, outside the key's queue."""
+        progress.running.add(offset)
+        try:
+            result = await self.driver.kill(event.key, event.generation)
+            metrics.DRIVER_CALLS.labels("kill", "ok").inc()
+            log.warning("killed %s generation %d: its stop outlived the grace period (%s)",
+                        event.key, event.generation, result.outcome)  # fmt: skip
+        except Exception as exc:
+            metrics.DRIVER_CALLS.labels("kill", "failed").inc()
+            log.error("kill of %s generation %d failed: %r", event.key, event.generation, exc)
+        finally:
+            progress.running.discard(offset)
+            progress.finish(offset)
 
     # -- one sandbox's worker ----------------------------------------------------------------
 

@@ -19,7 +19,7 @@ import heapq
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -33,6 +33,7 @@ from events.codec import COMMANDS, OBSERVATIONS, DecodeError, check_key, decode,
 from events.commands import CommandBase
 from events.common import Cause
 from events.deadletter import DeadLetter, SourceRecord
+from projections.chain import chain_of, chain_rows
 from projections.fold import BatchResult, fold
 from projections.lifecycle import Message, Sandbox
 from projections.store import (
@@ -149,6 +150,7 @@ def plan_batch(
                 event_types=[e.type for e in d.events],
                 message=record.value.decode() if record.value is not None else None,
                 occurred_at=step.message.occurred_at,
+                sandbox_id=state.sandbox_id if state else None,
             )
         )
     return BatchWrite(
@@ -158,6 +160,11 @@ def plan_batch(
         outbox=outbox,
         offsets={tp: (at, next_offsets.get(tp, at)) for tp, at in read_offsets.items()},
     )
+
+
+def history_key(item: Parsed | Rejected) -> str | None:
+    """The key an item's history entry is recorded under."""
+    return item.message.key if isinstance(item, Parsed) else printable(item.record.key)[0]
 
 
 def _dead_letter(item: Rejected, topic: str) -> OutboxRecord:
@@ -354,13 +361,14 @@ class Processor:
         all_parsed = [i for i in all_items if isinstance(i, Parsed)]
         where = {p.message.key: p.record.partition for p in all_parsed}
         idents = {(p.message.key, p.cause.command_id) for p in all_parsed if p.cause.command_id}
+        chains = {chain_of(history_key(i), i.record.partition) for i in all_items}
         partitions = {(t, p) for p in by_partition for t in self.input_topics}
         # Optimistic: read, decide, then write only if no other writer moved these partitions'
         # offsets in between (two round trips in all). Whoever loses the race reads again; its
         # records below the winner's offsets are then skipped.
         while True:
             cached = self._rows.lookup((p, key) for key, p in where.items())
-            read = await read_batch(self._conn, partitions, where.keys() - cached, idents)
+            read = await read_batch(self._conn, partitions, where.keys() - cached, idents, chains)
             if self._rows.check(read.offsets) & {where[key] for key in cached}:
                 continue  # cached rows of a partition someone else wrote: read them instead
             items = [i for i in all_items if i.record.offset >= read.offsets[_tp(i.record)]]
@@ -370,8 +378,14 @@ class Processor:
                 return 0, []
             parsed = [i for i in items if isinstance(i, Parsed)]
             states = {**read.sandboxes, **cached}
-            result = fold(states, read.outcomes, ((p.cause, p.message) for p in parsed))
+            result = fold(
+                states,
+                read.outcomes,
+                ((p.cause, p.message) for p in parsed),
+                limits=self.settings.lifecycle_limits,
+            )
             plan = plan_batch(items, result, read.offsets, self.settings)
+            plan = replace(plan, history=chain_rows(plan.history, read.chain_heads))
             try:
                 ids = await write_batch(self._conn, plan)
             except OffsetsMoved as exc:

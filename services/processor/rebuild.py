@@ -58,13 +58,8 @@ async def rebuild_and_compare(settings: Settings, keep_schema: bool = False) -> 
     """Fold the log into a fresh schema, then compare it with the live rows."""
     rebuilt = await fold_events_topic(settings)
     schema = f"rebuild_{uuid.uuid4().hex[:12]}"
-    await apply_migrations(settings.pg_dsn, schema=schema)
-    conn = await asyncpg.connect(settings.pg_dsn, server_settings={"search_path": schema})
+    conn = await write_rows(settings, schema, rebuilt)
     try:
-        async with conn.transaction():
-            for partition_rows in _chunks(list(rebuilt.values()), 1000):
-                write = BatchWrite([(-1, r) for r in partition_rows], [], [], [], {})
-                await write_batch(conn, write)
         fresh = await conn.fetch(f"SELECT {SANDBOX_COLUMNS} FROM {schema}.sandboxes")
         live_rows = await conn.fetch(
             f"SELECT {SANDBOX_COLUMNS} FROM {_quote(settings.pg_schema)}.sandboxes"
@@ -78,6 +73,19 @@ async def rebuild_and_compare(settings: Settings, keep_schema: bool = False) -> 
         if not keep_schema:
             await conn.execute(f"DROP SCHEMA {schema} CASCADE")
         await conn.close()
+
+
+async def write_rows(
+    settings: Settings, schema: str, rows: dict[str, Sandbox]
+) -> asyncpg.Connection[asyncpg.Record]:
+    """Write ``rows`` into a fresh schema (all migrations applied); the open connection."""
+    await apply_migrations(settings.pg_dsn, schema=schema)
+    conn = await asyncpg.connect(settings.pg_dsn, server_settings={"search_path": schema})
+    async with conn.transaction():
+        for partition_rows in _chunks(list(rows.values()), 1000):
+            write = BatchWrite([(-1, r) for r in partition_rows], [], [], [], {})
+            await write_batch(conn, write)
+    return conn
 
 
 def _quote(identifier: str) -> str:

@@ -1,6 +1,8 @@
-"""The control plane's own roles in one process: processor, executor, watcher, reconciler.
+"""The control plane's own roles in one process: processor, executor, watcher, reconciler,
+scheduler.
 
-``ControlPlane`` is a processor plus a ``DriverSide`` (services/executor/driver_side.py):
+``ControlPlane`` is a processor plus a ``DriverSide`` (services/executor/driver_side.py) plus
+the deadline scheduler (services/scheduler/):
 ``sandstream up`` runs it next to the HTTP API; tests run it against isolated topics and
 schemas with the fake or the Podman driver.
 
@@ -24,6 +26,7 @@ from services.executor.driver_side import DriverSide
 from services.executor.executor import Executor, RetryPolicy
 from services.executor.reconcile import Reconciler
 from services.processor.consumer import Processor
+from services.scheduler.scheduler import Scheduler
 
 
 @dataclass
@@ -37,8 +40,12 @@ class ControlPlane:
     executor_concurrency: int | None = None
     retry: RetryPolicy | None = None
     owns_pool: bool = False
+    # The deadline scheduler: on in `sandstream up`; tests that publish messages stamped with
+    # a fixed past time leave it off (every deadline of theirs would be long due).
+    with_scheduler: bool = False
     processor: Processor | None = None
     driver_side: DriverSide | None = None
+    scheduler: Scheduler | None = None
     _tasks: Tasks = field(default_factory=Tasks)
 
     @property
@@ -62,6 +69,10 @@ class ControlPlane:
             retry=self.retry,
         )
         await self.driver_side.start(self._tasks)
+        if self.with_scheduler:
+            self.scheduler = Scheduler(self.settings, self.pool)
+            await self.scheduler.start()
+            self._tasks.spawn("scheduler", self.scheduler.run(self._tasks.stop_event))
 
     @property
     def stopping(self) -> asyncio.Event:
@@ -74,6 +85,8 @@ class ControlPlane:
         await self._tasks.finish(cancel_first=("watcher",))
         if self.driver_side is not None:
             await self.driver_side.close()
+        if self.scheduler is not None:
+            await self.scheduler.stop()
         if self.processor is not None:
             await self.processor.stop()
         if self.owns_pool:

@@ -2,8 +2,9 @@
 
 ``up`` brings the stack up (Kafka, PostgreSQL, Podman; idempotent), applies the migrations,
 creates the API tokens if missing, then runs the control plane (processor, executor with the
-Podman driver, watcher, reconciler) and the HTTP API in one event loop, logging to the
-terminal until Ctrl-C or SIGTERM, which stop everything cleanly. The stack keeps running.
+Podman driver, watcher, reconciler, deadline scheduler) and the HTTP API in one event loop,
+logging to the terminal until Ctrl-C or SIGTERM, which stop everything cleanly. The stack keeps
+running.
 ``down`` stops a running ``up`` (through its pid file) and then the stack.
 """
 
@@ -184,7 +185,7 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
     code = 0
     try:
         started = time.monotonic()
-        plane = await open_control_plane(settings, driver)
+        plane = await open_control_plane(settings, driver, with_scheduler=True)
         pool = await connect_pool(settings)
         await publisher.__aenter__()
         app = create_app(settings, pool, publisher, TokenStore.from_file(tokens.tokens_file))
@@ -212,7 +213,7 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
         log.error("startup failed: %r", exc)
         code = 1
     finally:
-        log.info("stopping the API, processor, executor and watcher")
+        log.info("stopping the API, processor, executor, watcher and scheduler")
         if sync_task is not None:
             sync_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -88,6 +88,9 @@ async def create_sandbox(
         actor=principal.name,
         spec=SandboxSpec.model_validate(body.spec.model_dump()),
         providers=body.providers,
+        ttl_seconds=body.ttl_seconds or state.settings.default_ttl_seconds,
+        on_expiry=body.on_expiry,
+        on_exit=body.on_exit,
     )
     return await submit(state.gateway, command, wait)
 

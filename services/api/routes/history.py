@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Annotated
+from uuid import UUID
 
 from fastapi import APIRouter, Query
 
@@ -28,8 +29,22 @@ async def get_history(
     state: State,
     limit: Annotated[int, Query(ge=1, le=readmodel.MAX_HISTORY_PAGE)] = 100,
     page_token: Annotated[str | None, Query(max_length=2000)] = None,
+    incarnation: Annotated[
+        UUID | None, Query(description="only this incarnation (a sandbox_id)")
+    ] = None,
+    generation: Annotated[
+        int | None,
+        Query(ge=1, le=2**31 - 1, description="only inputs about this generation"),
+    ] = None,
 ) -> HistoryPage:
-    page = await readmodel.history(state.pool, name, limit=limit, page_token=page_token)
+    page = await readmodel.history(
+        state.pool,
+        name,
+        limit=limit,
+        page_token=page_token,
+        incarnation=incarnation,
+        generation=generation,
+    )
     if page is None:
         raise ApiError(404, "NOT_FOUND", f"sandbox {name!r} not found")
     return page

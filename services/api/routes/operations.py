@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from events.publisher import now
+from projections.store import CONNECTION_ERRORS
 from services.api import readmodel
 from services.api.deps import State
 from services.api.models import Check, HealthBody, ReadyBody
+from services.common import metrics
 
 router = APIRouter()
 
@@ -77,5 +81,12 @@ async def readyz(state: State) -> JSONResponse:
     summary="Prometheus metrics",
     responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
 )
-async def get_metrics() -> Response:
+async def get_metrics(state: State) -> Response:
+    # The attention gauges are counted when read (one indexed query): rows are the truth.
+    with contextlib.suppress(*CONNECTION_ERRORS, TimeoutError):
+        counts = await asyncio.wait_for(
+            readmodel.attention(state.pool, now(), state.settings.expiring_soon_seconds), 5.0
+        )
+        for name in ("past_deadline", "held", "expiring_soon"):
+            metrics.SANDBOXES_ATTENTION.labels(name).set(getattr(counts, name))
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

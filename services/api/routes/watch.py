@@ -6,14 +6,16 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Annotated, Final, TypeAlias
+from uuid import UUID
 
 import asyncpg
 from fastapi import APIRouter, Header, Query
 from fastapi.responses import StreamingResponse
 
 from events.common import SANDBOX_NAME_PATTERN
-from services.api import readmodel
+from services.api import decided_feed, readmodel
 from services.api.deps import Reader, State
 from services.api.errors import ApiError
 from services.api.models import SSE_EVENT_SCHEMA, responses
@@ -56,6 +58,12 @@ async def watch(
     include_deleted: Annotated[
         bool, Query(description="without a cursor: also replay tombstones")
     ] = False,
+    incarnation: Annotated[
+        UUID | None, Query(description="only this incarnation's row (a sandbox_id)")
+    ] = None,
+    generation: Annotated[
+        int | None, Query(ge=1, le=2**31 - 1, description="only while at this generation")
+    ] = None,
     timeout: Annotated[
         float | None, Query(gt=0, le=86400, description="end the stream after this many s")
     ] = None,
@@ -63,23 +71,28 @@ async def watch(
         str | None, Header(alias="Last-Event-ID", description="overrides cursor")
     ] = None,
 ) -> StreamingResponse:
-    start = cursor
-    if last_event_id is not None and last_event_id.strip():
-        try:
-            start = int(last_event_id)
-            if start < 0:
-                raise ValueError
-        except ValueError:
-            raise ApiError(
-                422,
-                "INVALID_ARGUMENT",
-                "header 'Last-Event-ID': must be a non-negative integer (an event id)",
-            ) from None
+    start = _resume_point(cursor, last_event_id)
     return StreamingResponse(
-        watch_stream(state.pool, state.feed, start, name, include_deleted, timeout),
+        watch_stream(
+            state.pool,
+            state.feed,
+            start,
+            name,
+            include_deleted,
+            timeout,
+            Narrow(incarnation, generation),
+        ),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Narrow:
+    """One incarnation (sandbox id) and/or one generation."""
+
+    incarnation: UUID | None = None
+    generation: int | None = None
 
 
 def _sse(event: str, data: str, event_id: int | None = None) -> str:
@@ -94,7 +107,9 @@ async def watch_stream(
     names: list[str],
     include_deleted: bool,
     timeout: float | None,
+    narrow: Narrow | None = None,
 ) -> AsyncIterator[str]:
+    narrow = narrow or Narrow()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout if timeout else None
     metrics.API_WATCHERS.inc()
@@ -109,8 +124,9 @@ async def watch_stream(
             if horizon is not None:
                 while horizon > cursor:
                     rows = await readmodel.changes_after(
-                        pool, cursor, horizon, names=names, live_only=live_only
-                    )
+                        pool, cursor, horizon, names=names, live_only=live_only,
+                        incarnation=narrow.incarnation, generation=narrow.generation,
+                    )  # fmt: skip
                     for row in rows:
                         yield _sse("sandbox", row.model_dump_json(), row.change_seq)
                         last_sent = loop.time()
@@ -129,5 +145,146 @@ async def watch_stream(
             await feed.wait(mark, max(wait, 0.001))
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         log.warning("watch stream ended: %r", exc)
+    finally:
+        metrics.API_WATCHERS.dec()
+
+
+# OpenAPI 3.1: the schema of an event stream describes one event.
+DECIDED_EVENT_SCHEMA: Final = {
+    "type": "object",
+    "properties": {
+        "event": {"type": "string", "enum": ["decided", "gap", "bookmark"]},
+        "id": {"type": "string", "pattern": "^[0-9]+$", "description": "the sequence number"},
+        "data": {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "description": "a decided event (event: decided), {cursor, retained_from, message} "
+            "(event: gap) or {cursor} (event: bookmark)",
+        },
+        "retry": {"type": "integer"},
+    },
+}
+
+
+@router.get(
+    "/v1/watch/events",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "description": "server-sent events: `event: decided` with a decided event (as "
+            "published on the events topic) as data and `id:` its sequence number, in commit "
+            "order; `event: gap` when the cursor is older than what is retained; `event: "
+            "bookmark` every 15 s",
+            "content": {"text/event-stream": {"schema": DECIDED_EVENT_SCHEMA}},
+        },
+        **responses(401, 403, 422),
+    },
+    summary="Follow every decided event in order, resumable from a cursor",
+    tags=["sandboxes"],
+)
+async def watch_events(
+    principal: Reader,
+    state: State,
+    cursor: Annotated[
+        int | None,
+        Query(ge=0, le=2**63 - 1, description="resume after this sequence number (an event id)"),
+    ] = None,
+    name: Annotated[
+        list[Annotated[str, Query(pattern=SANDBOX_NAME_PATTERN)]],
+        Query(description="only these sandboxes (repeatable)"),
+    ] = [],  # noqa: B006
+    incarnation: Annotated[
+        UUID | None, Query(description="only this incarnation's events (a sandbox_id)")
+    ] = None,
+    generation: Annotated[
+        int | None, Query(ge=1, le=2**31 - 1, description="only events at this generation")
+    ] = None,
+    timeout: Annotated[
+        float | None, Query(gt=0, le=86400, description="end the stream after this many s")
+    ] = None,
+    last_event_id: Annotated[
+        str | None, Header(alias="Last-Event-ID", description="overrides cursor")
+    ] = None,
+) -> StreamingResponse:
+    start = _resume_point(cursor, last_event_id)
+    return StreamingResponse(
+        decided_stream(
+            state.pool,
+            state.feed,
+            state.settings.topic_events,
+            start or 0,
+            name,
+            Narrow(incarnation, generation),
+            timeout,
+        ),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+def _resume_point(cursor: int | None, last_event_id: str | None) -> int | None:
+    if last_event_id is None or not last_event_id.strip():
+        return cursor
+    try:
+        start = int(last_event_id)
+        if start < 0:
+            raise ValueError
+    except ValueError:
+        raise ApiError(
+            422,
+            "INVALID_ARGUMENT",
+            "header 'Last-Event-ID': must be a non-negative integer (an event id)",
+        ) from None
+    return start
+
+
+async def decided_stream(
+    pool: Pool,
+    feed: ChangeFeed,
+    topic: str,
+    cursor: int,
+    names: list[str],
+    narrow: Narrow,
+    timeout: float | None,
+) -> AsyncIterator[str]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout if timeout else None
+    metrics.API_WATCHERS.inc()
+    try:
+        yield ": sandstream decided events\nretry: 2000\n\n"
+        oldest = await decided_feed.retained_from(pool, topic)
+        if oldest is not None and cursor < oldest - 1:
+            gap = {"cursor": cursor, "retained_from": oldest,
+                   "message": f"events after {cursor} and before {oldest} are no longer "
+                   "retained (outbox housekeeping); the stream is complete from "
+                   f"{oldest} on"}  # fmt: skip
+            yield _sse("gap", json.dumps(gap), oldest - 1)
+            cursor = oldest - 1
+        last_sent = loop.time()
+        while not feed.closed:
+            mark = feed.mark()
+            horizon = await decided_feed.event_horizon(pool)
+            while horizon is not None and horizon > cursor:
+                found = await decided_feed.events_after(
+                    pool, topic, cursor, horizon, names=names,
+                    incarnation=narrow.incarnation, generation=narrow.generation,
+                )  # fmt: skip
+                for event in found:
+                    yield _sse("decided", event.body, event.seq)
+                    last_sent = loop.time()
+                full = len(found) == decided_feed.EVENTS_PAGE
+                cursor = found[-1].seq if full else horizon
+            now_ = loop.time()
+            if deadline is not None and now_ >= deadline:
+                return
+            if now_ - last_sent >= HEARTBEAT:
+                yield _sse("bookmark", json.dumps({"cursor": cursor}), cursor)
+                last_sent = now_
+            wait = min(feed.poll_interval, HEARTBEAT - (now_ - last_sent))
+            if deadline is not None:
+                wait = min(wait, deadline - now_)
+            await feed.wait(mark, max(wait, 0.001))
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        log.warning("decided-event stream ended: %r", exc)
     finally:
         metrics.API_WATCHERS.dec()

@@ -1,0 +1,84 @@
+"""The feed of decided events, from the outbox: every event the processor decided, in commit
+order (per sandbox: version order), each with its outbox id as the cursor.
+
+Outbox ids are drawn inside the processor's write statements, which all hold a write lock on
+the sandboxes table from their start (the same argument as the row change feed's horizon in
+readmodel.py): read the id sequence, wait for the writers of that moment to end, and every id
+up to it is committed or rolled back.
+
+The outbox may be pruned by housekeeping (docs/operations.md): a cursor below the oldest
+retained id is answered with a gap notice saying from where the feed is complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from services.api.readmodel import Pool, _writers
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    seq: int  # the outbox id: the cursor
+    body: str  # the event as published on the events topic
+
+
+async def event_horizon(pool: Pool, timeout: float = 2.0) -> int | None:
+    """The highest outbox id below which every id is committed (None: not known yet)."""
+    async with pool.acquire() as conn:
+        row = await conn.fetchrow("SELECT last_value, is_called FROM outbox_id_seq")
+        assert row is not None
+        last = int(row["last_value"]) if row["is_called"] else 0
+        writers = await _writers(conn)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        delay = 0.002
+        while writers:
+            if loop.time() > deadline:
+                return None
+            await asyncio.sleep(delay)  # a writer's commit does not notify before its lock goes
+            delay = min(delay * 2, 0.05)
+            writers = await _writers(conn, writers)
+    return last
+
+
+async def retained_from(pool: Pool, topic: str) -> int | None:
+    """The oldest outbox id still kept for ``topic`` (None: none kept)."""
+    value: Any = await pool.fetchval("SELECT min(id) FROM outbox WHERE topic = $1", topic)
+    return int(value) if value is not None else None
+
+
+EVENTS_PAGE = 500
+
+
+async def events_after(
+    pool: Pool,
+    topic: str,
+    cursor: int,
+    horizon: int,
+    *,
+    names: Sequence[str] = (),
+    incarnation: UUID | None = None,
+    generation: int | None = None,
+    limit: int = EVENTS_PAGE,
+) -> list[Decided]:
+    records = await pool.fetch(
+        "SELECT id, body FROM (SELECT id, key, convert_from(value, 'UTF8') AS body FROM outbox "
+        "WHERE topic = $1 AND id > $2 AND id <= $3) AS o "
+        "WHERE (cardinality($4::text[]) = 0 OR convert_from(key, 'UTF8') = ANY($4::text[])) "
+        "AND ($5::uuid IS NULL OR (body::json->>'sandbox_id')::uuid = $5) "
+        "AND ($6::int IS NULL OR (body::json->>'generation')::int = $6) "
+        "ORDER BY id LIMIT $7",
+        topic,
+        cursor,
+        horizon,
+        list(names),
+        incarnation,
+        generation,
+        limit,
+    )
+    return [Decided(r["id"], r["body"]) for r in records]

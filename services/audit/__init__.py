@@ -1,0 +1,14 @@
+"""The audit tooling: prove the record is complete and unaltered, and explain it.
+
+- ``entries``: the recorded history (one entry per input with its decision), read in order.
+- ``reach``: how far back the input topics still reach (retention) and what that means.
+- ``chains``: the hash chain of each sandbox's history checked link by link.
+- ``verify``: every recorded input re-decided from the log into a scratch schema with today's
+  (or pinned) rules, compared with what was recorded; the first divergence per sandbox.
+- ``timeline``: a sandbox's state as of a time or an input (``at``) and the causal chain of
+  its current incarnation (``explain``); ``page`` renders the latter as a self-contained page.
+- ``export``: every input and decision as JSON Lines or Parquet, streamed in bounded memory.
+
+Imports common and processor (to re-decide exactly as the processor does: its parser and its
+batch planner).
+"""

@@ -1,0 +1,273 @@
+"""Golden logs: recorded input logs of real runs, replayed through today's rules in CI.
+
+A fixture is two files in ``tests/golden/``:
+
+- ``NAME.log.jsonl``: the input records of a real run in the order the processor decided them
+  (topic role, partition, offset, record timestamp, key and value bytes as recorded);
+- ``NAME.expected.jsonl``: what they must produce, one line per history entry (decision,
+  resulting phase/generation/version/incarnation, events, chain hash), then the final rows and
+  the command outcomes.
+
+The replay is the processor's own path (parse, fold, batch planning, hash chain) with the
+default topic names, so event ids and hashes do not depend on where the run was recorded.
+
+Recording (``record``) reads a live environment's history and log, replays it, and refuses if
+the replay does not reproduce the run's decisions. ``regenerate`` rewrites every expected file
+with today's rules: the deliberate step after changing an intended rule, whose diff is then
+reviewed. ``check`` is what the test runs.
+
+    python -m services.audit.golden record NAME      # from the environment's settings
+    python -m services.audit.golden regenerate
+    python -m services.audit.golden check
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+from aiokafka import ConsumerRecord
+
+from events.topics import COMMANDS, DEADLETTER, EVENTS, OBSERVATIONS
+from projections.chain import ChainId, chain_of, chain_rows
+from projections.fold import Rules, fold
+from projections.lifecycle import Sandbox, decide
+from projections.store import HistoryRow
+from services.audit.entries import ENTRY_COLUMNS, entry_from_record
+from services.audit.log import read_partition
+from services.common.settings import PROJECT_ROOT, Settings
+from services.processor.consumer import Parsed, parse, plan_batch
+
+GOLDEN_DIR = PROJECT_ROOT / "tests" / "golden"
+ROLES = {"commands": COMMANDS, "observations": OBSERVATIONS}
+
+
+@dataclass(frozen=True, slots=True)
+class Input:
+    role: str  # commands | observations
+    partition: int
+    offset: int
+    timestamp: int  # the record's timestamp (ms): a dead letter records it
+    key: bytes | None
+    value: bytes | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"role": self.role, "partition": self.partition, "offset": self.offset,
+                "timestamp": self.timestamp, "key": _text(self.key),
+                "value": _text(self.value)}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Input:
+        return cls(d["role"], d["partition"], d["offset"], d["timestamp"], _bytes(d["key"]),
+                   _bytes(d["value"]))  # fmt: skip
+
+    def record(self) -> ConsumerRecord[bytes, bytes]:
+        return ConsumerRecord(
+            topic=ROLES[self.role], partition=self.partition, offset=self.offset,
+            timestamp=self.timestamp, timestamp_type=0, key=self.key, value=self.value,
+            checksum=None, serialized_key_size=len(self.key or b""),
+            serialized_value_size=len(self.value or b""), headers=(),
+        )  # fmt: skip
+
+
+def _text(raw: bytes | None) -> dict[str, str] | str | None:
+    """Bytes as text when they are UTF-8, else as {"base64": ...}: exact either way."""
+    if raw is None:
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return {"base64": base64.b64encode(raw).decode()}
+
+
+def _bytes(value: dict[str, str] | str | None) -> bytes | None:
+    if value is None:
+        return None
+    return base64.b64decode(value["base64"]) if isinstance(value, dict) else value.encode()
+
+
+def replay(inputs: Sequence[Input], rules: Rules = decide, chunk: int = 500) -> list[str]:
+    """The expected lines: each input's history entry, then the rows and the outcomes."""
+    # The default topic names: ids and hashes do not depend on where the run was recorded.
+    settings = Settings().model_copy(
+        update={"topic_events": EVENTS, "topic_deadletter": DEADLETTER}
+    )
+    states: dict[str, Sandbox | None] = {}
+    outcomes: dict[Any, Any] = {}
+    heads: dict[ChainId, bytes | None] = {}
+    offsets: dict[tuple[str, int], int] = {}
+    history: list[HistoryRow] = []
+    for start in range(0, len(inputs), chunk):
+        items = [parse(i.record(), COMMANDS) for i in inputs[start : start + chunk]]
+        parsed = [i for i in items if isinstance(i, Parsed)]
+        result = fold(
+            states,
+            outcomes,
+            ((p.cause, p.message) for p in parsed),
+            rules,
+            settings.lifecycle_limits,
+        )
+        touched = {(i.record.topic, i.record.partition) for i in items}
+        plan = plan_batch(items, result, {tp: offsets.get(tp, 0) for tp in touched}, settings)
+        rows = chain_rows(plan.history, heads)
+        heads.update({chain_of(h.key, h.partition): h.entry_hash for h in rows})
+        offsets.update({tp: new for tp, (_, new) in plan.offsets.items()})
+        states, outcomes = result.states, {**outcomes, **result.outcomes}
+        history.extend(rows)
+    lines = [json.dumps({"history": _history(h)}, sort_keys=True) for h in history]
+    lines += [
+        json.dumps({"row": _row(s)}, sort_keys=True)
+        for _, s in sorted(states.items())
+        if s is not None
+    ]
+    lines += [
+        json.dumps({"outcome": o.model_dump(mode="json")}, sort_keys=True)
+        for _, o in sorted(outcomes.items())
+    ]
+    return lines
+
+
+def _history(h: HistoryRow) -> dict[str, Any]:
+    return {
+        "key": h.key, "at": f"{h.topic}[{h.partition}]@{h.offset}", "input": h.message_type,
+        "disposition": h.disposition, "reason": h.reason, "phase": h.phase,
+        "generation": h.generation, "version": h.version, "events": h.event_types,
+        "sandbox_id": str(h.sandbox_id) if h.sandbox_id else None,
+        "hash": h.entry_hash.hex() if h.entry_hash else None,
+    }  # fmt: skip
+
+
+def _row(s: Sandbox) -> dict[str, Any]:
+    return {
+        "key": s.key, "sandbox_id": str(s.sandbox_id), "phase": s.phase.value,
+        "generation": s.generation, "version": s.version, "identity": s.identity,
+        "providers": list(s.providers), "exit_code": s.exit_code, "reason": s.reason,
+        "spec": s.spec.model_dump(mode="json"), "created_at": s.created_at.isoformat(),
+        "updated_at": s.updated_at.isoformat(),
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures on disk
+
+
+def fixture_names(directory: Path = GOLDEN_DIR) -> list[str]:
+    return sorted(p.name.removesuffix(".log.jsonl") for p in directory.glob("*.log.jsonl"))
+
+
+def load_inputs(name: str, directory: Path = GOLDEN_DIR) -> list[Input]:
+    path = directory / f"{name}.log.jsonl"
+    return [Input.from_json(json.loads(line)) for line in path.read_text().splitlines() if line]
+
+
+def expected_lines(name: str, directory: Path = GOLDEN_DIR) -> list[str]:
+    return (directory / f"{name}.expected.jsonl").read_text().splitlines()
+
+
+def write_fixture(name: str, inputs: Iterable[Input], directory: Path = GOLDEN_DIR) -> int:
+    directory.mkdir(parents=True, exist_ok=True)
+    listed = list(inputs)
+    log = "".join(json.dumps(i.to_json(), sort_keys=True) + "\n" for i in listed)
+    (directory / f"{name}.log.jsonl").write_text(log)
+    expected = replay(listed)
+    (directory / f"{name}.expected.jsonl").write_text("\n".join(expected) + "\n")
+    return len(listed)
+
+
+@dataclass(frozen=True, slots=True)
+class Difference:
+    fixture: str
+    line: int  # 1-based line of the expected file
+    expected: str | None
+    replayed: str | None
+
+
+def check(name: str, directory: Path = GOLDEN_DIR, rules: Rules = decide) -> Difference | None:
+    """The first line where today's replay differs from the fixture (None: identical)."""
+    want = expected_lines(name, directory)
+    got = replay(load_inputs(name, directory), rules)
+    for n in range(max(len(want), len(got))):
+        a = want[n] if n < len(want) else None
+        b = got[n] if n < len(got) else None
+        if a != b:
+            return Difference(name, n + 1, a, b)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Recording from a live environment
+
+
+async def recorded_inputs(settings: Settings) -> list[Input]:
+    """The environment's inputs in decision order, with their exact bytes from the log.
+
+    Refuses when the replay of them would not reproduce the run's recorded decisions."""
+    conn = await asyncpg.connect(
+        settings.pg_dsn, server_settings={"search_path": settings.pg_schema}
+    )
+    try:
+        entries = [
+            entry_from_record(r)
+            for r in await conn.fetch(f"SELECT {ENTRY_COLUMNS} FROM history ORDER BY id")
+        ]
+    finally:
+        await conn.close()
+    roles = {settings.topic_commands: "commands", settings.topic_observations: "observations"}
+    records: dict[tuple[str, int, int], Any] = {}
+    for p in sorted({e.partition for e in entries}):
+        found = await read_partition(settings.kafka_bootstrap, list(roles), p)
+        records.update({(r.topic, p, r.offset): r for rs in found.values() for r in rs})
+    inputs = []
+    for e in entries:
+        r = records.get((e.topic, e.partition, e.offset))
+        if r is None:
+            raise RuntimeError(f"{e.topic}[{e.partition}]@{e.offset} is no longer in the log")
+        inputs.append(Input(roles[e.topic], e.partition, e.offset, r.timestamp, r.key, r.value))
+    replayed = [json.loads(line)["history"] for line in replay(inputs)[: len(entries)]]
+    for e, again in zip(entries, replayed, strict=True):
+        recorded = (e.disposition, e.reason, e.phase, e.generation, e.version, e.event_types)
+        now = (again["disposition"], again["reason"], again["phase"], again["generation"],
+               again["version"], again["events"])  # fmt: skip
+        if recorded != now:
+            raise RuntimeError(
+                f"today's rules do not reproduce {e.topic}[{e.partition}]@{e.offset}: "
+                f"recorded {recorded}, replayed {now}"
+            )
+    return inputs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["record"] and len(args) == 2:
+        inputs = asyncio.run(recorded_inputs(Settings()))
+        print(f"recorded {write_fixture(args[1], inputs)} inputs as tests/golden/{args[1]}")
+        return 0
+    if args == ["regenerate"]:
+        for name in fixture_names():
+            write_fixture(name, load_inputs(name))
+            print(f"regenerated tests/golden/{name}.expected.jsonl: review `git diff tests/golden`")
+        return 0
+    if args == ["check"]:
+        failed = 0
+        for name in fixture_names():
+            difference = check(name)
+            failed += difference is not None
+            print(
+                f"{name}: " + ("ok" if difference is None else f"differs at line {difference.line}")
+            )
+        return 1 if failed else 0
+    print(
+        "usage: python -m services.audit.golden record NAME | regenerate | check", file=sys.stderr
+    )
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

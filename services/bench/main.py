@@ -1,0 +1,45 @@
+"""``python -m services.bench [all|processor|scaleout|rebuild|profile|drivers] [--quick]``:
+the benchmarks, each printed beside its same-run reference (see docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from services.bench import drivers as bench_drivers
+from services.bench.processor import latency, throughput
+from services.bench.profile import profile
+from services.bench.rebuild import rebuild_figures
+from services.bench.scaleout import two_processors
+from services.common.settings import Settings
+
+
+async def run(which: str, quick: bool) -> None:
+    settings = Settings()
+    print(f"sandstream benchmarks  (partitions={settings.kafka_partitions}, one processor)")
+    keys = 5_000 if quick else 25_000
+    if which in ("all", "processor"):
+        for max_records in (1000, 5000):
+            await throughput(settings, keys, max_records)
+        await latency(settings, rate=1000, seconds=5 if quick else 15)
+    if which in ("all", "scaleout"):
+        await two_processors(settings, keys)
+    if which in ("all", "rebuild"):
+        await rebuild_figures(settings, 25_000 if quick else 250_000)
+    if which == "profile":
+        await profile(settings, keys, settings.state_dir / "bench" / "processor.prof")
+    if which in ("all", "drivers"):
+        await bench_drivers.main(settings)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m services.bench", description=__doc__)
+    parser.add_argument(
+        "which",
+        nargs="?",
+        default="all",
+        choices=["all", "processor", "scaleout", "rebuild", "profile", "drivers"],
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke check")
+    args = parser.parse_args()
+    asyncio.run(run(args.which, args.quick))

@@ -1,0 +1,9 @@
+"""The scheduler: brings time into the log. It watches the deadlines and expiry times recorded
+in the rows and, when one falls due, publishes a DeadlineDue observation to the sandbox's
+partition; the processor's fold decides what that means. Ids are deterministic and the fold
+acts only on the deadline the row still holds, so a restarted scheduler catching up (or two of
+them) never makes anything happen twice.
+
+``python -m services.scheduler`` runs it alone; ``sandstream up`` runs it in the control plane.
+Imports services.common only.
+"""

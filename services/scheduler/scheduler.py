@@ -1,0 +1,184 @@
+"""Publish a DeadlineDue for every deadline of a live row that has passed.
+
+Each round reads the due rows (one indexed query), publishes what it has not published for
+that row version yet, then sleeps until the next recorded deadline, a change of the rows
+(NOTIFY) or ``scheduler_poll_seconds``, whichever comes first. The wall clock is read here and
+only here; the fold sees the time as the message's ``occurred_at``.
+
+A message per (row version, deadline) is enough: if the fold acts on it, the row changes and
+the deadline is gone; if the fold ignores it (the row moved on in between), the version
+changed and the next round publishes anew if it is still due. After a restart everything due is
+published again, and the fold ignores what it already acted on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import asyncpg
+from aiokafka import AIOKafkaProducer
+
+from events.common import Deadline, DeadlineKind
+from events.observations import DeadlineDue
+from events.publisher import publish_until_sent
+from events.topics import CHANGES_CHANNEL
+from projections.store import CONNECTION_ERRORS
+from services.common import metrics
+from services.common.database import connect_pool
+from services.common.settings import Settings
+
+log = logging.getLogger("sandstream.scheduler")
+
+ACTOR = "scheduler"
+# At most this often, however many changes are notified: a round is one query.
+MIN_ROUND_SECONDS = 0.1
+
+_DUE = """
+SELECT key, generation, version, deadline, expires_at, hold IS NOT NULL AS held
+FROM sandboxes
+WHERE phase <> 'Deleted' AND (deadline_at <= $1 OR (expires_at <= $1 AND hold IS NULL))
+ORDER BY least(deadline_at, expires_at), key
+LIMIT $2
+"""
+_NEXT = """
+SELECT least(
+    (SELECT min(deadline_at) FROM sandboxes WHERE phase <> 'Deleted' AND deadline_at > $1),
+    (SELECT min(expires_at) FROM sandboxes
+     WHERE phase <> 'Deleted' AND expires_at > $1 AND hold IS NULL))
+"""
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def deadline_due(
+    key: str, generation: int, version: int, kind: DeadlineKind, due_at: datetime, now: datetime
+) -> DeadlineDue:
+    """The message for one due deadline; its id names the row version it was read at."""
+    return DeadlineDue(
+        type="DeadlineDue",
+        observation_id=f"deadline:{key}:{generation}:{kind}:{due_at.isoformat()}:v{version}",
+        key=key,
+        generation=generation,
+        occurred_at=now,
+        actor=ACTOR,
+        deadline=kind,
+        due_at=due_at,
+    )
+
+
+def due_messages(record: Any, now: datetime) -> list[DeadlineDue]:
+    """What one due row calls for (pure): its phase deadline, its expiry unless held."""
+    out = []
+    key, generation, version = record["key"], record["generation"], record["version"]
+    if record["deadline"] is not None:
+        deadline = Deadline.model_validate_json(record["deadline"])
+        if deadline.due_at <= now:
+            out.append(deadline_due(key, generation, version, deadline.kind, deadline.due_at, now))
+    expires_at = record["expires_at"]
+    if expires_at is not None and expires_at <= now and not record["held"]:
+        out.append(deadline_due(key, generation, version, "ttl", expires_at, now))
+    return out
+
+
+@dataclass
+class Scheduler:
+    settings: Settings
+    pool: asyncpg.Pool[asyncpg.Record]
+    clock: Callable[[], datetime] = utcnow
+    batch: int = 1000
+    producer: AIOKafkaProducer | None = None
+    published: int = 0  # DeadlineDue messages sent since start
+    rounds: int = 0  # rounds completed since start
+    _sent: set[str] = field(default_factory=set)  # ids sent for rows still due
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _listener: Any = None
+
+    async def start(self) -> None:
+        self.producer = AIOKafkaProducer(
+            bootstrap_servers=self.settings.kafka_bootstrap, enable_idempotence=True, acks="all"
+        )
+        await self.producer.start()
+        self._listener = await self.pool.acquire()
+        await self._listener.add_listener(CHANGES_CHANNEL, self._notified)
+
+    async def stop(self) -> None:
+        if self._listener is not None:
+            with contextlib.suppress(Exception):
+                await self._listener.remove_listener(CHANGES_CHANNEL, self._notified)
+                await self.pool.release(self._listener)
+            self._listener = None
+        if self.producer is not None:
+            await self.producer.stop()
+
+    def _notified(self, *_: object) -> None:
+        self._changed.set()
+
+    async def round(self, stop: asyncio.Event | None = None) -> int:
+        """Publish what is due and not yet published for its row version; returns how many."""
+        assert self.producer is not None
+        now = self.clock()
+        records = await self.pool.fetch(_DUE, now, self.batch)
+        due = [m for r in records for m in due_messages(r, now)]
+        fresh = [m for m in due if m.observation_id not in self._sent]
+        for message in fresh:
+            sent = await publish_until_sent(
+                self.producer, self.settings.topic_observations, message, stop
+            )
+            if not sent:
+                break
+            self._sent.add(message.observation_id)
+            self.published += 1
+            metrics.DEADLINES_FIRED.labels(message.deadline).inc()
+            log.info("%s of %s (generation %d) due at %s", message.deadline, message.key,
+                     message.generation, message.due_at.isoformat())  # fmt: skip
+        # Forget what is no longer due: those rows moved on.
+        self._sent &= {m.observation_id for m in due}
+        self.rounds += 1
+        return len(fresh)
+
+    async def next_due(self) -> datetime | None:
+        value: datetime | None = await self.pool.fetchval(_NEXT, self.clock())
+        return value
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self._changed.clear()
+            wait = self.settings.scheduler_poll_seconds
+            try:
+                await self.round(stop)
+                upcoming = await self.next_due()
+            except CONNECTION_ERRORS as exc:  # PostgreSQL restarts: try again next round
+                log.warning("scheduler: PostgreSQL unavailable (%s); retrying", exc)
+                upcoming = None
+            if upcoming is not None:
+                wait = min(wait, max(0.0, (upcoming - self.clock()).total_seconds()))
+            await _first_of(stop, self._changed, wait)
+            await _first_of(stop, asyncio.Event(), MIN_ROUND_SECONDS)
+
+
+async def _first_of(stop: asyncio.Event, changed: asyncio.Event, timeout: float) -> None:
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(changed.wait())]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
+async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    pool = await connect_pool(settings)
+    scheduler = Scheduler(settings, pool)
+    try:
+        await scheduler.start()
+        await scheduler.run(stop)
+    finally:
+        await scheduler.stop()
+        await pool.close()

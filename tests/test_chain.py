@@ -1,0 +1,63 @@
+"""The history's hash chain, pure: every content field is covered, chains continue from their
+heads, unkeyed entries chain per partition."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import UTC, datetime, timedelta, timezone
+from uuid import UUID
+
+import pytest
+
+from projections.chain import CONTENT_FIELDS, chain_of, chain_rows, link
+from projections.store import HistoryRow
+
+
+def entry(key: str | None = "a", offset: int = 0, partition: int = 0) -> HistoryRow:
+    return HistoryRow(
+        key=key, topic="sandbox.commands", partition=partition, offset=offset,
+        message_type="StopSandbox", command_id="c", disposition="applied", reason="why",
+        phase="Stopping", generation=1, version=3, event_types=["SandboxStopping"],
+        message='{"type": "StopSandbox"}', occurred_at=datetime(2026, 1, 1, tzinfo=UTC),
+        sandbox_id=UUID(int=1),
+    )  # fmt: skip
+
+
+CHANGED = {
+    "key": "b", "topic": "sandbox.observations", "partition": 1, "offset": 1,
+    "message_type": "StartSandbox", "command_id": "d", "disposition": "rejected",
+    "reason": "other", "phase": "Ready", "generation": 2, "version": 4,
+    "event_types": [], "message": '{"type": "StartSandbox"}',
+    "occurred_at": datetime(2026, 1, 1, 0, 0, 1, tzinfo=UTC), "sandbox_id": UUID(int=2),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", CONTENT_FIELDS)
+def test_every_content_field_is_covered_by_the_hash(name: str) -> None:
+    original = entry()
+    altered = dataclasses.replace(original, **{name: CHANGED[name]})
+    content = {n: getattr(original, n) for n in CONTENT_FIELDS}
+    assert link(None, content) != link(None, content | {name: getattr(altered, name)})
+
+
+def test_the_same_instant_in_another_zone_hashes_the_same() -> None:
+    here = entry()
+    assert here.occurred_at is not None
+    there = dataclasses.replace(
+        here, occurred_at=here.occurred_at.astimezone(timezone(timedelta(hours=2)))
+    )
+    assert chain_rows([here], {}) == [
+        dataclasses.replace(r, occurred_at=here.occurred_at) for r in chain_rows([there], {})
+    ]
+
+
+def test_chains_continue_from_their_heads_and_unkeyed_entries_chain_per_partition() -> None:
+    head = b"h" * 32
+    rows = chain_rows(
+        [entry("a", 0), entry(None, 1, partition=3), entry("a", 2), entry(None, 3, partition=4)],
+        {chain_of("a", 0): head},
+    )
+    assert rows[0].prev_hash == head
+    assert rows[2].prev_hash == rows[0].entry_hash
+    assert rows[1].prev_hash is None and rows[3].prev_hash is None  # two chains, by partition
+    assert len({r.entry_hash for r in rows}) == 4
