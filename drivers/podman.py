@@ -16,7 +16,13 @@ Naming (see docs/drivers.md):
 - ``init=True`` (catatonit as PID 1), so SIGTERM stops the sandbox promptly;
 - confined by default: memory, CPU and pids limits (the spec's ``resources``, else the
   driver's defaults), no new privileges, every capability dropped, a read-only root with
-  writable tmpfs mounts (unless the spec sets ``read_only_root=False``), no core dumps.
+  writable tmpfs mounts (unless the spec sets ``read_only_root=False``, or the sandbox has
+  provider credentials: Podman 4.3 cannot mount secrets into a read-only root), no core dumps.
+- the attached providers' values as Podman secrets ``sandstream-<key>-g<generation>--<NAME>``,
+  created for the generation and removed with its container. They are mounted as files under
+  ``/run/secrets/sandstream/`` and a ``/bin/sh`` wrapper exports each as an environment
+  variable before it execs the command: Podman before 5.3 shows the values of ``type=env``
+  secrets in ``podman inspect`` (containers/podman#23788), mounted ones it does not.
 """
 
 from __future__ import annotations
@@ -99,6 +105,19 @@ _PERMANENT = ("image not known", "invalid reference format", "executable file no
 
 def container_name(key: str, generation: int) -> str:
     return f"sandstream-{key}-g{generation}"
+
+
+def secret_prefix(key: str, generation: int) -> str:
+    return container_name(key, generation) + "--"
+
+
+SECRETS_DIR: Final = "/run/secrets/sandstream"
+# Exports every mounted secret file as a variable named after it, then runs the command.
+# (``$(cat ...)`` drops trailing newlines of a value.)
+_EXPORT_SECRETS: Final = (
+    f'for f in {SECRETS_DIR}/*; do [ -f "$f" ] || continue; '
+    'export "${f##*/}=$(cat "$f")"; done; exec "$@"'
+)
 
 
 def volume_name(key: str, sandbox_id: UUID) -> str:
@@ -703,11 +722,13 @@ class PodmanDriver:
             info = container.info
             if info.generation < spec.generation:
                 self._stop_and_remove_sync(info.runtime_id, self._grace(container))
+                self._remove_secrets_sync(info.key, info.generation)
             elif info.identity != spec.identity or info.sandbox_id != spec.sandbox_id:
                 # Launched for another intent (cannot happen through the processor, which mints
                 # identity and generation together): converge to the persisted identity.
                 log.warning("replacing %s: it has another identity or incarnation", info.runtime_id)
                 self._stop_and_remove_sync(info.runtime_id, self._grace(container))
+                self._remove_secrets_sync(info.key, info.generation)
             else:
                 current = info
         if current is not None and current.state == "exited":
@@ -765,6 +786,8 @@ class PodmanDriver:
         }
         if spec.spec.command:
             args["command"] = builtins.list(spec.spec.command)
+        if spec.secrets:
+            self._add_secrets_sync(spec, args)
         try:
             return str(client.containers.create(spec.spec.image, **args).id)
         except APIError as exc:
@@ -779,6 +802,37 @@ class PodmanDriver:
                 retryable=False,
             )
         return container.info.runtime_id
+
+    def _add_secrets_sync(self, spec: LaunchSpec, args: dict[str, Any]) -> None:
+        """Create this generation's secrets and the wrapper that exports them (see the module
+        docstring); the command becomes the image's entrypoint and command, or the spec's."""
+        client = self._client()
+        prefix = secret_prefix(spec.key, spec.generation)
+        self._remove_secrets_sync(spec.key, spec.generation)  # left by an interrupted launch
+        mounts = []
+        for env_name, value in sorted(spec.secrets.items()):
+            client.secrets.create(prefix + env_name, value.encode())
+            mounts.append(
+                {"source": prefix + env_name, "target": f"{SECRETS_DIR}/{env_name}", "mode": 0o400}
+            )
+        config = client.images.get(spec.spec.image).attrs.get("Config") or {}
+        argv = builtins.list(config.get("Entrypoint") or []) + builtins.list(
+            spec.spec.command or config.get("Cmd") or []
+        )
+        args["secrets"] = mounts
+        # Podman 4.3 mounts secrets before the tmpfs mounts, and cannot create their target in
+        # a read-only root: a sandbox with credentials gets a writable root (docs/drivers.md).
+        args["read_only"] = False
+        args["entrypoint"] = ["/bin/sh", "-c", _EXPORT_SECRETS, "sandstream-env"]
+        args["command"] = argv
+
+    def _remove_secrets_sync(self, key: str, generation: int) -> None:
+        client = self._client()
+        prefix = secret_prefix(key, generation)
+        for secret in client.secrets.list():
+            if str(secret.name).startswith(prefix):
+                with contextlib.suppress(NotFound):
+                    client.secrets.remove(secret.id)
 
     def _grace(self, container: _Container, timeout: float | None = None) -> float:
         """The grace period for stopping ``container`` (its own is its stop-timeout label)."""
@@ -826,6 +880,7 @@ class PodmanDriver:
         containers = self._list_sync(key, sandbox_id)
         for container in containers:
             self._stop_and_remove_sync(container.info.runtime_id, self._grace(container))
+            self._remove_secrets_sync(container.info.key, container.info.generation)
         volumes = self._volumes_sync(key, sandbox_id)
         client = self._client()
         for volume in volumes:

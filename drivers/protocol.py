@@ -13,14 +13,14 @@ successes only.
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal, Protocol, TypeAlias, runtime_checkable
 from uuid import UUID
 
 from events.common import SandboxSpec
-from events.decided import SandboxCreated, SandboxStarting
+from events.decided import AgentRestarted, SandboxCreated, SandboxStarting
 from events.observations import (
     DriverOperationResult,
     ObservedState,
@@ -61,16 +61,25 @@ class LaunchSpec:
     generation: int
     identity: str  # passed to the runtime as SANDSTREAM_IDENTITY and the identity label
     spec: SandboxSpec
+    # The attached providers' values (environment name -> value), read from PostgreSQL for
+    # this launch. A driver hands them over without putting them on the runtime object (no
+    # label, no plain env) and removes them with the runtime. Never in a repr.
+    secrets: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_event(cls, event: SandboxCreated | SandboxStarting) -> LaunchSpec:
-        """The launch intent of a decided event (create, start, restart)."""
+    def from_event(
+        cls,
+        event: SandboxCreated | SandboxStarting | AgentRestarted,
+        secrets: Mapping[str, str] | None = None,
+    ) -> LaunchSpec:
+        """The launch intent of a decided event (create, start, restart, rotation restart)."""
         return cls(
             key=event.key,
             sandbox_id=event.sandbox_id,
             generation=event.generation,
             identity=event.identity,
             spec=event.spec,
+            secrets=dict(secrets or {}),
         )
 
 

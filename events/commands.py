@@ -73,6 +73,23 @@ class DetachProvider(VersionedCommand):
     provider: ProviderName
 
 
+class ProviderRotation(Strict):
+    """One provider whose applied values were replaced, and the revision that replaced them."""
+
+    provider: ProviderName
+    revision: Annotated[int, Field(ge=1)]
+
+
+class RotateCredentials(CommandBase):
+    """Credentials of providers attached to this sandbox rotated: restart it once for all of
+    them (``restart``), or let the new values wait for its next start. Carries names and
+    revisions only, never a value."""
+
+    type: Literal["RotateCredentials"]
+    rotations: list[ProviderRotation] = Field(min_length=1, max_length=64)
+    restart: bool = True
+
+
 class HoldSandbox(VersionedCommand):
     """Quarantine: start and restart are refused (stop and delete are not) until released."""
 
@@ -99,6 +116,7 @@ Command = Annotated[
     | DeleteSandbox
     | AttachProvider
     | DetachProvider
+    | RotateCredentials
     | HoldSandbox
     | ReleaseSandbox
     | ExtendSandbox,

@@ -129,6 +129,37 @@ class ProviderDetached(EventBase):
     provider: ProviderName
 
 
+class AgentRestarted(EventBase):
+    """Credentials of attached providers rotated and the sandbox was running: a new generation.
+
+    Intent: like SandboxStarting, remove the older generations' runtimes and launch this one
+    (which reads the current values at launch).
+    """
+
+    type: Literal["AgentRestarted"]
+    providers: list[ProviderName]
+    previous_generation: Generation
+    spec: SandboxSpec
+    identity: str
+    deadline: Deadline | None = None  # the launch deadline, as SandboxStarting's
+
+
+class AgentRestartSkipped(EventBase):
+    """A rotation did not restart the sandbox, and why (the row changes only its version)."""
+
+    type: Literal["AgentRestartSkipped"]
+    providers: list[ProviderName]
+    reason: str
+
+
+class AgentRestartFailed(EventBase):
+    """The launch of a rotation restart failed (after the executor's retries): Error."""
+
+    type: Literal["AgentRestartFailed"]
+    reason: str
+    exit_code: int | None = None
+
+
 # -- Operator lifecycle: deadlines, time to live, holds. Each follows a DeadlineDue observation
 # or an operator's command; the ones with an intent say so.
 
@@ -193,6 +224,9 @@ DecidedEvent = Annotated[
     | SandboxDeleted
     | ProviderAttached
     | ProviderDetached
+    | AgentRestarted
+    | AgentRestartSkipped
+    | AgentRestartFailed
     | SandboxTimedOut
     | SandboxStopEscalated
     | SandboxDeleteRetried

@@ -36,6 +36,7 @@ from events.commands import (
     HoldSandbox,
     ReleaseSandbox,
     RestartSandbox,
+    RotateCredentials,
     StartSandbox,
     StopSandbox,
 )
@@ -50,6 +51,9 @@ from events.common import (
     SandboxSpec,
 )
 from events.decided import (
+    AgentRestarted,
+    AgentRestartFailed,
+    AgentRestartSkipped,
     DecidedEvent,
     ProviderAttached,
     ProviderDetached,
@@ -284,6 +288,46 @@ def observation_kind(obs: Observation) -> ObservationKind:
 
 
 # ---------------------------------------------------------------------------------------------
+# Credential rotation (RotateCredentials): what a rotation of attached providers does to a
+# sandbox in each phase. RESTART starts a new generation once for all the providers the command
+# names (AgentRestarted, a launch intent that reads the current values); any other entry is the
+# reason recorded with AgentRestartSkipped (the new values apply at the next start). A command
+# naming only providers the sandbox has not attached changes nothing (idempotent).
+
+RESTART: Final = "restart"
+ROTATION_TABLE: Final[dict[Phase, str]] = {
+    P.PROVISIONING: RESTART,
+    P.STARTING: RESTART,
+    P.READY: RESTART,
+    P.STOPPING: "stopping: the new values apply at its next start",
+    P.STOPPED: "stopped: the new values apply at its next start",
+    P.COMPLETED: "completed: the new values apply at its next start",
+    P.ERROR: "in error: the new values apply at its next start",
+    P.DELETING: "being deleted",
+}
+NO_RESTART: Final = "restart not requested (no-restart): the new values apply at the next start"
+HELD: Final = "held: the new values apply at its next start"
+# The row's reason while a rotation restart is in flight; a failed launch then is an
+# AgentRestartFailed rather than a plain SandboxFailed.
+ROTATION_RESTART: Final = "restarting for rotated credentials: "
+
+
+def held(state: Sandbox) -> bool:
+    """Whether a hold keeps ``state`` from being restarted by a rotation (an operator's hold:
+    the new values wait for the release and the next start)."""
+    return is_held(state)
+
+
+def rotation_action(state: Sandbox, restart: bool) -> str:
+    """RESTART, or why not: the one rule for the processor and for an update's receipt."""
+    if not restart:
+        return NO_RESTART
+    if held(state):
+        return HELD
+    return ROTATION_TABLE[state.phase]
+
+
+# ---------------------------------------------------------------------------------------------
 # Deterministic identities
 
 
@@ -368,6 +412,15 @@ def _changes(state: Sandbox, event: DecidedEvent) -> dict[str, Any]:
             return {"providers": tuple(sorted({*state.providers, event.provider}))}
         case ProviderDetached():
             return {"providers": tuple(p for p in state.providers if p != event.provider)}
+        case AgentRestarted():
+            return {"phase": P.STARTING, "spec": event.spec, "identity": event.identity,
+                    "exit_code": None, "deadline": event.deadline,
+                    "reason": ROTATION_RESTART + ", ".join(event.providers)}  # fmt: skip
+        case AgentRestartSkipped():
+            return {}
+        case AgentRestartFailed():
+            return {"phase": P.ERROR, "exit_code": event.exit_code, "reason": event.reason,
+                    "deadline": None}  # fmt: skip
         case SandboxTimedOut():
             return {"phase": P.ERROR, "exit_code": None, "reason": event.reason, "deadline": None}
         case SandboxStopEscalated():
@@ -450,6 +503,8 @@ def _decide_command(
         return _create(state, command, cause, limits)
     if state is None or state.tombstoned:
         return _reject(state, command, Code.NOT_FOUND, f"sandbox {command.key!r} not found")
+    if isinstance(command, RotateCredentials):
+        return _rotate(state, command, cause, limits)
     expected = command.expected_version
     if expected is not None and expected != state.version:
         why = (
@@ -571,6 +626,36 @@ def _create(
     return Decision(new_state, events, "applied", why, _outcome(command, Code.OK, why, new_state))
 
 
+def _rotate(state: Sandbox, command: RotateCredentials, cause: Cause, limits: Limits) -> Decision:
+    named = sorted({r.provider for r in command.rotations})
+    attached = [p for p in named if p in state.providers]
+    if not attached:
+        why = f"nothing to do: {', '.join(named)} not attached to sandbox {command.key!r}"
+        return Decision(state, (), "idempotent", why, _outcome(command, Code.OK, why, state))
+    action = rotation_action(state, command.restart)
+    common = _common(state, command, cause)
+    event: DecidedEvent
+    if action == RESTART:
+        generation = state.generation + 1
+        event = AgentRestarted(
+            type="AgentRestarted",
+            **(common | {"generation": generation}),
+            providers=attached,
+            previous_generation=state.generation,
+            spec=state.spec,
+            identity=identity_for(state.sandbox_id, generation, command.command_id),
+            deadline=launch_deadline(command.occurred_at, limits),
+        )
+        why = f"restart for rotated {', '.join(attached)}: generation {generation}"
+    else:
+        event = AgentRestartSkipped(
+            type="AgentRestartSkipped", **common, providers=attached, reason=action
+        )
+        why = f"restart skipped for rotated {', '.join(attached)}: {action}"
+    new_state, events = _emit(state, event)
+    return Decision(new_state, events, "applied", why, _outcome(command, Code.OK, why, new_state))
+
+
 def _ignore(state: Sandbox | None, why: str) -> Decision:
     return Decision(state, (), "ignored", why)
 
@@ -632,6 +717,15 @@ def _observation_event(
             return SandboxCompleted(type="SandboxCompleted", **common, exit_code=exit_code or 0)
         case P.DELETED:
             return SandboxDeleted(type="SandboxDeleted", **common)
+        case P.ERROR if (
+            kind == "launch_failed"
+            and state.phase is P.STARTING
+            and (state.reason or "").startswith(ROTATION_RESTART)
+        ):
+            reason = getattr(obs, "reason", None) or "launch failed"
+            return AgentRestartFailed(
+                type="AgentRestartFailed", **common, reason=reason, exit_code=exit_code
+            )
         case P.ERROR:
             reasons = {
                 "exited_error": f"runtime exited with code {exit_code}"

@@ -13,10 +13,14 @@ from projections.lifecycle import (
     COMMAND_TABLE,
     DEADLINE_TABLE,
     FOLLOW_OBSERVED,
+    HELD,
+    NO_RESTART,
     OBSERVATION_TABLE,
     PHASE_COLUMNS,
     PHASE_DEADLINES,
     REFUSED_WHILE_HELD,
+    RESTART,
+    ROTATION_TABLE,
     Admission,
 )
 
@@ -86,6 +90,27 @@ def render() -> str:
         "A DeadlineDue acts only when it names exactly the deadline the row holds (kind and "
         "due time; for ttl the row's expires_at) at the row's generation; anything else, "
         "including a repeat, is ignored.",
+        "",
+        "### Credential rotation (RotateCredentials) by phase",
+        "",
+        "| phase | a rotation of an attached provider |",
+        "|---|---|",
+    ]
+    for phase in PHASE_COLUMNS:
+        action = ROTATION_TABLE[phase]
+        cell = (
+            "**restart**: AgentRestarted, a new generation"
+            if action == RESTART
+            else (f"skip: AgentRestartSkipped ({action})")
+        )
+        lines.append(f"| {phase.value} | {cell} |")
+    lines += [
+        "",
+        "One command per sandbox names every rotated provider it has attached, so it restarts "
+        "once per update. Providers it has not attached: idempotent, nothing recorded but the "
+        f"input. With `restart: false` every phase skips ({NO_RESTART}); a held sandbox skips in "
+        f"every phase ({HELD}). A failed launch of a rotation restart (Starting) is "
+        "AgentRestartFailed → Error.",
     ]
     return "\n".join(lines)
 

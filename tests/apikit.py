@@ -21,7 +21,7 @@ from harness import Env, eventually, isolated_env
 from drivers.protocol import Driver
 from events.publisher import CommandPublisher
 from services.api.app import create_app
-from services.api.auth import AUDIT, READ, WRITE, TokenStore
+from services.api.auth import AUDIT, READ, SCOPES, WRITE, TokenStore
 from services.api.server import start_api
 from services.up.control_plane import ControlPlane
 
@@ -33,7 +33,7 @@ AUDITOR = "sst_test-auditor"
 
 def tokens() -> TokenStore:
     return TokenStore.of(
-        admin=(ADMIN, READ, WRITE),
+        admin=(ADMIN, *(s for s in SCOPES if s != AUDIT)),
         reader=(READER, READ),
         writer=(WRITER, WRITE),
         auditor=(AUDITOR, AUDIT),

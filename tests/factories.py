@@ -24,8 +24,10 @@ from events.commands import (
     DetachProvider,
     ExtendSandbox,
     HoldSandbox,
+    ProviderRotation,
     ReleaseSandbox,
     RestartSandbox,
+    RotateCredentials,
     StartSandbox,
     StopSandbox,
 )
@@ -254,6 +256,25 @@ def due(
         deadline=deadline,  # type: ignore[arg-type]
         due_at=due_at,
     )
+
+
+def rotate(
+    key: str = KEY,
+    rotations: dict[str, int] | None = None,
+    *,
+    restart: bool = True,
+    command_id: str | None = None,
+    actor: str = "alice",
+    occurred_at: datetime | None = None,
+) -> RotateCredentials:
+    """Providers of ``rotations`` (name -> revision; default github@2) rotated."""
+    return RotateCredentials(
+        type="RotateCredentials",
+        **_base(key, command_id, actor, occurred_at or at()),
+        rotations=[ProviderRotation(provider=p, revision=r)
+                   for p, r in sorted((rotations or {"github": 2}).items())],
+        restart=restart,
+    )  # fmt: skip
 
 
 # Builders of the versioned commands by type name (table-driven tests): ``f(key, **kw)``.

@@ -668,7 +668,7 @@ def test_tokens_file_is_private_hashed_reloaded_and_refused_when_open(tmp_path: 
     store = auth.TokenStore.from_file(setup.tokens_file)
     admin = store.authenticate(value)
     assert admin is not None and admin.name == "admin"
-    assert admin.scopes == {auth.READ, auth.WRITE, auth.AUDIT}
+    assert admin.scopes == set(auth.SCOPES)  # every scope, audit and providers included
     assert store.authenticate(value + "x") is None and store.authenticate("") is None
 
     reader = auth.add_token(setup.tokens_file, "ci", (auth.READ,))

@@ -13,6 +13,8 @@ capped so the run stays short.
 from __future__ import annotations
 
 import asyncio
+import base64
+import secrets
 import threading
 import time
 import uuid
@@ -24,6 +26,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
+from pydantic import SecretStr
 from schemathesis.checks import not_a_server_error
 from schemathesis.config import SchemathesisConfig
 from schemathesis.core.parameters import ParameterLocation
@@ -82,7 +85,9 @@ class ServerThread:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        async with apikit.running_api(FakeDriver(), poll_interval=0.2) as api:
+        # A credentials key, as `sandstream up` creates one: provider writes are fuzzed too.
+        key = {"credentials_key": SecretStr(base64.b64encode(secrets.token_bytes(32)).decode())}
+        async with apikit.running_api(FakeDriver(), poll_interval=0.2, settings_update=key) as api:
             self.url = api.url
             assert api.plane is not None
             self.plane_stopping = api.plane.stopping

@@ -36,6 +36,7 @@ def all_commands() -> list[Command]:
         f.delete(),
         f.attach(provider="gh"),
         f.detach(provider="gh", expected_version=9),
+        f.rotate(rotations={"gh": 2, "aws": 5}, restart=False),
         f.hold(reason="incident 42"),
         f.release(expected_version=2),
         f.extend(ttl_seconds=3600),
@@ -67,6 +68,10 @@ def all_events() -> list[DecidedEvent]:
     h.send(f.stop(), f.stopped(), f.start(), f.exited(generation=2, exit_code=0))
     h.send(f.restart(), f.exited(generation=3, exit_code=2))
     h.send(f.delete(), f.removed(generation=3))
+    # Credential rotation: a skip (Stopped), a restart, and the restart's failed launch.
+    h.send(f.create("rot", providers=["gh"]), f.running("rot"), f.stop("rot"))
+    h.send(f.stopped("rot"), f.rotate("rot", {"gh": 2}), f.start("rot"), f.running("rot", 2))
+    h.send(f.rotate("rot", {"gh": 3}), f.failed("rot", 3, "launch"))
     # The operator lifecycle: hold, extend, every deadline, expiry.
     h.send(f.create(key="t", ttl_seconds=5, on_exit="delete"), f.hold(key="t"))
     h.send(f.release(key="t"), f.extend(key="t", ttl_seconds=9, occurred_at=f.at(1)))

@@ -20,6 +20,7 @@ from services.api.guard import GuardMiddleware
 from services.api.handlers import install_error_handlers
 from services.api.middleware import MetricsMiddleware
 from services.api.probe import KafkaProbe
+from services.api.providers import ProviderService
 from services.api.readmodel import ChangeFeed
 from services.api.routes import (
     audit,
@@ -27,6 +28,7 @@ from services.api.routes import (
     history,
     lifecycle,
     operations,
+    providers,
     sandboxes,
     watch,
 )
@@ -71,9 +73,10 @@ def create_app(
     app.state.api = ApiState(settings, pool, feed, gateway, probe, down)
     # Last added runs first: metrics see every answer, the guard's 401/403/413 included.
     app.add_middleware(GuardMiddleware, max_body_bytes=settings.api_max_body_bytes)
+    app.state.providers = ProviderService(settings, pool, gateway)
     app.add_middleware(MetricsMiddleware)
     install_error_handlers(app)
     # The order of inclusion is the order of the paths in the OpenAPI document.
-    for module in (commands, lifecycle, sandboxes, history, watch, audit, operations):
+    for module in (commands, lifecycle, sandboxes, history, watch, audit, operations, providers):
         app.include_router(module.router)
     return app

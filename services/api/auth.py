@@ -34,7 +34,11 @@ from services.common.settings import Settings
 READ: Final = "sandbox:read"
 WRITE: Final = "sandbox:write"
 AUDIT: Final = "audit:read"  # the audit routes: whole histories, exports, chain checks
-SCOPES: Final = (READ, WRITE, AUDIT)
+# Providers: reading shows names, key names and fingerprints (never values); writing sets
+# values, deletes providers, and is needed (with sandbox:write) to attach or detach one.
+PROVIDER_READ: Final = "provider:read"
+PROVIDER_WRITE: Final = "provider:write"
+SCOPES: Final = (READ, WRITE, AUDIT, PROVIDER_READ, PROVIDER_WRITE)
 TOKEN_PREFIX: Final = "sst_"
 
 

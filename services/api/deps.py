@@ -11,7 +11,15 @@ import asyncpg
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from services.api.auth import AUDIT, READ, WRITE, Principal, TokenStore
+from services.api.auth import (
+    AUDIT,
+    PROVIDER_READ,
+    PROVIDER_WRITE,
+    READ,
+    WRITE,
+    Principal,
+    TokenStore,
+)
 from services.api.errors import ApiError
 from services.api.gateway import CommandGateway
 from services.api.probe import KafkaProbe
@@ -88,6 +96,8 @@ def require(scope: str) -> Callable[..., Awaitable[Principal]]:
 Reader = Annotated[Principal, Depends(require(READ))]
 Writer = Annotated[Principal, Depends(require(WRITE))]
 Auditor = Annotated[Principal, Depends(require(AUDIT))]
+ProviderReader = Annotated[Principal, Depends(require(PROVIDER_READ))]
+ProviderWriter = Annotated[Principal, Depends(require(PROVIDER_WRITE))]
 
 
 # ---------------------------------------------------------------------------------------------

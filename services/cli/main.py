@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from services.cli import audit, log, operations, processor, sandbox, tokens
+from services.cli import audit, log, operations, processor, providers, sandbox, tokens
 from services.cli import lifecycle as _lifecycle  # noqa: F401  (sandbox hold/release/extend)
 from services.cli.client import CliError, Connection
 from services.cli.render import err
@@ -32,6 +32,8 @@ app.add_typer(tokens.app, name="token")
 app.add_typer(audit.app, name="audit")
 app.add_typer(processor.app, name="processor")
 app.add_typer(log.app, name="log")
+app.add_typer(providers.app, name="provider")
+app.command("provider-sync")(providers.provider_sync)
 for _name, _command in operations.COMMANDS:
     app.command(_name)(_command)
 

@@ -11,7 +11,7 @@ import json
 from functools import cached_property
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from events import topics as names
@@ -83,6 +83,12 @@ class Settings(BaseSettings):
     executor_retry_seconds: float = Field(default=600, ge=0)  # retry transient failures this long
     reconcile_interval_seconds: float = Field(default=30, gt=0)
 
+    # Providers: the AES-GCM key of the credential values (32 bytes). `sandstream up` creates
+    # the file once (mode 0600); SANDSTREAM_CREDENTIALS_KEY (base64) supplies it instead.
+    credentials_key_file: Path | None = None
+    credentials_key: SecretStr | None = None
+    # `sandstream up` also runs the provider-sync controller on this directory when set.
+    provider_sync_dir: Path | None = None
     # Operator lifecycle (the processor records the deadlines; the scheduler says when they
     # fall due). 0 turns a deadline off.
     launch_timeout_seconds: float = Field(default=300, ge=0)  # Provisioning/Starting
@@ -164,6 +170,10 @@ class Settings(BaseSettings):
         return self.run_path / "up.pid"
 
     @property
+    def credentials_key_path(self) -> Path:
+        return self.credentials_key_file or self.state_dir / "credentials.key"
+
+    @property
     def containers_conf(self) -> Path:
         return PROJECT_ROOT / "compose" / "podman" / "containers.conf"
 
@@ -181,7 +191,9 @@ class Settings(BaseSettings):
         return {
             f"SANDSTREAM_{name.upper()}": _env_value(value)
             for name, value in self.model_dump().items()
-            if value is not None
+            # The key itself is never copied into a child's environment from here: a child
+            # inherits SANDSTREAM_CREDENTIALS_KEY if it was set, or reads the key file.
+            if value is not None and name != "credentials_key"
         }
 
 

@@ -17,6 +17,7 @@ from services.common.database import connect_pool
 from services.common.settings import Settings
 from services.common.tasks import Tasks
 from services.executor.backends import podman_driver
+from services.executor.credentials import LaunchCredentials
 from services.executor.executor import Executor, RetryPolicy
 from services.executor.reconcile import Reconciler
 from services.executor.watcher import Watcher
@@ -56,6 +57,7 @@ class DriverSide:
             self.pool,
             max_concurrency=self.executor_concurrency,
             retry=self.retry,
+            credentials=LaunchCredentials(self.settings, self.pool),
         )
         self._producer = AIOKafkaProducer(
             bootstrap_servers=self.settings.kafka_bootstrap, enable_idempotence=True, acks="all"

@@ -71,6 +71,7 @@ from drivers.protocol import (
 from events.codec import EVENTS, DecodeError, decode
 from events.common import Phase
 from events.decided import (
+    AgentRestarted,
     DecidedEvent,
     SandboxCreated,
     SandboxDeleteRetried,
@@ -88,6 +89,7 @@ from projections.store import CONNECTION_ERRORS
 from services.common import metrics
 from services.common.settings import Settings
 from services.executor.clock import Clock, utcnow
+from services.executor.credentials import CredentialSource
 from services.executor.rows import Pool, read_row
 
 log = logging.getLogger("sandstream.executor")
@@ -120,7 +122,7 @@ def intent_of(event: DecidedEvent) -> Intent | None:
     match event:
         case SandboxCreated():
             return replace(base, launch=LaunchSpec.from_event(event))
-        case SandboxStarting():
+        case SandboxStarting() | AgentRestarted():
             return replace(
                 base,
                 launch=LaunchSpec.from_event(event),
@@ -275,6 +277,9 @@ class Executor:
     shutdown_grace: float = 10.0
     assign_timeout: float = 30.0  # start() waits this long for the first assignment
     clock: Clock = utcnow
+    # The attached providers' values for a launch (services/executor/credentials.py); None:
+    # launches get no provider values (tests of the executor alone).
+    credentials: CredentialSource | None = None
     consumer: AIOKafkaConsumer | None = None
     producer: AIOKafkaProducer | None = None
     running: int = 0  # driver calls in progress (in a shared slot or a caller's lane)
@@ -623,7 +628,9 @@ class Executor:
             match intent.operation:
                 case "launch":
                     assert intent.launch is not None
-                    return await self.driver.launch(intent.launch)
+                    # The values are read now, from PostgreSQL: they never travel in the log.
+                    secrets = await self.credentials(intent.key) if self.credentials else {}
+                    return await self.driver.launch(replace(intent.launch, secrets=secrets))
                 case "stop":
                     return await self.driver.stop(intent.key, intent.generation)
                 case "delete":

@@ -27,7 +27,9 @@ from aiokafka.errors import KafkaError
 from events.publisher import CommandPublisher
 from services.api.app import create_app
 from services.api.auth import TokenFileError, TokenSetup, TokenStore, ensure_tokens
+from services.api.provider_sync import ProviderSync
 from services.api.server import bind, start_api
+from services.common.credentials import create_key_file
 from services.common.log_filter import rate_limit_kafka_logs
 from services.common.migrations import apply_migrations
 from services.common.settings import Settings
@@ -135,6 +137,8 @@ def up(settings: Settings, *, start_stack: bool = True) -> int:
         except TokenFileError as exc:
             print(f"sandstream up: {exc}", file=sys.stderr)
             return 1
+        if settings.credentials_key is None and create_key_file(settings.credentials_key_path):
+            log.info("created the credentials key %s (mode 0600)", settings.credentials_key_path)
         return asyncio.run(_serve(settings, tokens))
     finally:
         _release_pid_file(settings)
@@ -179,6 +183,7 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
     pool = None
     publisher = CommandPublisher(settings.kafka_bootstrap, topic=settings.topic_commands)
     api = None
+    sync_task: asyncio.Future[None] | None = None
     code = 0
     try:
         started = time.monotonic()
@@ -190,12 +195,17 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
         )
         api = await start_api(app, settings.api_host, settings.api_port, sock=sock)
         _banner(settings, api.url, tokens, time.monotonic() - started)
+        if settings.provider_sync_dir is not None:
+            sync = ProviderSync(app.state.providers, settings.provider_sync_dir)
+            sync_task = asyncio.ensure_future(sync.run(signals.stop))
 
         waiters: dict[asyncio.Future[Any], str] = {
             asyncio.ensure_future(signals.stop.wait()): "signal",
             asyncio.ensure_future(plane.stopping.wait()): "control plane",
             asyncio.ensure_future(asyncio.shield(api.task)): "api",
         }
+        if sync_task is not None:
+            waiters[asyncio.ensure_future(asyncio.shield(sync_task))] = "provider sync"
         done, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:
             task.cancel()
@@ -208,6 +218,10 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
         code = 1
     finally:
         log.info("stopping the API, processor, executor, watcher and scheduler")
+        if sync_task is not None:
+            sync_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await sync_task
         if api is not None:
             await api.stop()
         else:

@@ -1,0 +1,356 @@
+"""Providers: create, list, get, update credentials (one or several), delete; and attach or
+detach a provider on a sandbox. Responses carry key names, fingerprints and times only."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Path, Query, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from events.commands import AttachProvider, DetachProvider
+from events.common import CommandId, ProviderName
+from events.publisher import new_command_id, now
+from services.api.auth import PROVIDER_WRITE, Principal
+from services.api.deps import ProviderReader, ProviderWriter, State, Writer
+from services.api.errors import ApiError
+from services.api.models import COMMAND_RESPONSES, NamePath, WaitQuery, responses
+from services.api.providers import ProviderService, Receipt
+from services.api.readmodel import CommandStatus
+from services.api.routes.commands import submit
+from services.common import providers
+from services.common.credentials import CredentialKeyError
+from services.common.providers import ProviderExists, ProviderInfo, ProviderMissing, Update
+
+router = APIRouter()
+
+EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")]
+SecretValue = Annotated[str, StringConstraints(max_length=65_536)]
+ProviderType = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
+Credentials = Annotated[
+    dict[EnvName, SecretValue],
+    Field(max_length=256, description="key (the environment variable) -> value; write-only"),
+]
+ProviderPath = Annotated[str, Path(pattern=r"^[A-Za-z0-9._-]{1,128}$", description="provider")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class CreateProviderRequest(_Strict):
+    name: ProviderName
+    type: ProviderType = "generic"
+    credentials: Credentials = Field(default_factory=dict)
+
+
+class UpdateCredentialsRequest(_Strict):
+    credentials: Credentials
+    no_restart: bool = Field(
+        default=False, description="apply without restarting anyone (they apply at next start)"
+    )
+
+
+class ProviderValues(_Strict):
+    name: ProviderName
+    type: ProviderType | None = None
+    credentials: Credentials
+
+
+class UpdateProvidersRequest(_Strict):
+    providers: list[ProviderValues] = Field(min_length=1, max_length=256)
+    no_restart: bool = False
+    create_missing: bool = Field(default=False, description="create providers that do not exist")
+
+
+class AttachRequest(_Strict):
+    provider: ProviderName
+    command_id: CommandId | None = None
+    expected_version: int | None = Field(default=None, ge=0)
+
+
+class KeyView(BaseModel):
+    name: str
+    fingerprint: str = Field(description="HMAC-SHA256 of the value under this installation's salt")
+    updated_at: datetime
+
+
+class ProviderView(BaseModel):
+    name: str
+    type: str
+    revision: int
+    created_at: datetime
+    updated_at: datetime
+    keys: list[KeyView]
+
+
+class ProviderList(BaseModel):
+    items: list[ProviderView]
+
+
+class ProviderChangeView(BaseModel):
+    name: str
+    revision: int
+    created: bool
+    baseline: list[str] = Field(description="keys seen for the first time: restart nothing")
+    rotated: list[str] = Field(description="keys whose applied value was replaced")
+    removed: list[str]
+    unchanged: list[str]
+
+
+class SandboxActionView(BaseModel):
+    sandbox: str
+    providers: list[str]
+    action: Literal["restart", "skip"]
+    reason: str
+    command_id: str
+
+
+class UpdateReceipt(BaseModel):
+    providers: list[ProviderChangeView]
+    sandboxes: list[SandboxActionView] = Field(
+        description="what the update does to every attached live sandbox (as of the update; "
+        "the history records what was decided)"
+    )
+    restart: bool
+    unsent: list[str] = Field(description="restart commands Kafka did not acknowledge")
+
+
+class DeleteResult(BaseModel):
+    name: str
+    detached: list[str]
+
+
+def service(request: Request) -> ProviderService:
+    found: ProviderService = request.app.state.providers
+    return found
+
+
+def view(info: ProviderInfo) -> ProviderView:
+    return ProviderView(
+        name=info.name,
+        type=info.type,
+        revision=info.revision,
+        created_at=info.created_at,
+        updated_at=info.updated_at,
+        keys=[KeyView(name=k.name, fingerprint=k.fingerprint, updated_at=k.updated_at)
+              for k in info.keys],
+    )  # fmt: skip
+
+
+def receipt_view(receipt: Receipt) -> UpdateReceipt:
+    return UpdateReceipt(
+        providers=[
+            ProviderChangeView(
+                name=a.change.provider,
+                revision=a.revision,
+                created=a.created,
+                baseline=a.change.of("baseline"),
+                rotated=a.change.of("rotated"),
+                removed=a.change.of("removed"),
+                unchanged=a.change.of("unchanged"),
+            )
+            for a in receipt.applied
+        ],
+        sandboxes=[
+            SandboxActionView(
+                sandbox=line.sandbox,
+                providers=list(line.providers),
+                action=line.action,
+                reason=line.reason,
+                command_id=line.command_id,
+            )
+            for line in receipt.sandboxes
+        ],
+        restart=receipt.restart,
+        unsent=receipt.unsent,
+    )
+
+
+async def _update(
+    request: Request,
+    principal: Principal,
+    updates: list[Update],
+    restart: bool,
+    create: bool | None,
+) -> Receipt:
+    for update in updates:
+        reserved = sorted(k for k in update.values if k.startswith(providers.RESERVED_PREFIX))
+        if reserved:
+            raise ApiError(
+                422,
+                "INVALID_ARGUMENT",
+                f"credentials: {', '.join(reserved)} of provider {update.name!r}: names starting "
+                f"with {providers.RESERVED_PREFIX} are reserved",
+            )
+    try:
+        return await service(request).update(
+            updates, actor=principal.name, restart=restart, create=create
+        )
+    except CredentialKeyError as exc:
+        raise ApiError(503, "UNAVAILABLE", f"credentials key: {exc}") from exc
+    except ProviderMissing as exc:
+        raise ApiError(404, "NOT_FOUND", str(exc)) from exc
+    except ProviderExists as exc:
+        raise ApiError(409, "ALREADY_EXISTS", str(exc)) from exc
+
+
+PROVIDER_RESPONSES = responses(401, 403, 404, 409, 422, 503)
+
+
+@router.post(
+    "/v1/providers",
+    status_code=201,
+    response_model=ProviderView,
+    responses=PROVIDER_RESPONSES,
+    summary="Create a provider (its first values are a baseline: nothing restarts)",
+    tags=["providers"],
+)
+async def create_provider(
+    body: CreateProviderRequest, principal: ProviderWriter, state: State, request: Request
+) -> JSONResponse:
+    update = Update(body.name, body.credentials, body.type)
+    await _update(request, principal, [update], restart=True, create=True)
+    async with state.pool.acquire() as conn:
+        info = await providers.get_provider(conn, body.name)
+    assert info is not None
+    return JSONResponse(
+        view(info).model_dump(mode="json"), 201, headers={"Location": f"/v1/providers/{body.name}"}
+    )
+
+
+@router.get(
+    "/v1/providers",
+    response_model=ProviderList,
+    responses=responses(401, 403, 422, 503),
+    summary="List providers",
+    tags=["providers"],
+)
+async def list_providers(principal: ProviderReader, state: State) -> ProviderList:
+    async with state.pool.acquire() as conn:
+        return ProviderList(items=[view(i) for i in await providers.list_providers(conn)])
+
+
+@router.get(
+    "/v1/providers/{provider}",
+    response_model=ProviderView,
+    responses=responses(401, 403, 404, 422, 503),
+    summary="One provider: key names and fingerprints, never values",
+    tags=["providers"],
+)
+async def get_provider(
+    provider: ProviderPath, principal: ProviderReader, state: State
+) -> ProviderView:
+    async with state.pool.acquire() as conn:
+        info = await providers.get_provider(conn, provider)
+    if info is None:
+        raise ApiError(404, "NOT_FOUND", f"provider {provider!r} not found")
+    return view(info)
+
+
+@router.put(
+    "/v1/providers/{provider}/credentials",
+    response_model=UpdateReceipt,
+    responses=PROVIDER_RESPONSES,
+    summary="Replace a provider's credentials; the receipt says what happens to each sandbox",
+    tags=["providers"],
+)
+async def update_credentials(
+    provider: ProviderPath,
+    body: UpdateCredentialsRequest,
+    principal: ProviderWriter,
+    request: Request,
+) -> UpdateReceipt:
+    update = Update(provider, body.credentials)
+    receipt = await _update(request, principal, [update], not body.no_restart, create=False)
+    return receipt_view(receipt)
+
+
+@router.post(
+    "/v1/providers:update",
+    response_model=UpdateReceipt,
+    responses=PROVIDER_RESPONSES,
+    summary="Replace the credentials of several providers at once (a sandbox restarts once)",
+    tags=["providers"],
+)
+async def update_providers(
+    body: UpdateProvidersRequest, principal: ProviderWriter, request: Request
+) -> UpdateReceipt:
+    names = [p.name for p in body.providers]
+    if len(set(names)) != len(names):
+        raise ApiError(422, "INVALID_ARGUMENT", "providers: a provider is named twice")
+    updates = [Update(p.name, p.credentials, p.type) for p in body.providers]
+    create = None if body.create_missing else False
+    receipt = await _update(request, principal, updates, not body.no_restart, create=create)
+    return receipt_view(receipt)
+
+
+@router.delete(
+    "/v1/providers/{provider}",
+    response_model=DeleteResult,
+    responses=PROVIDER_RESPONSES,
+    summary="Delete a provider (refused while attached, unless forced: then detached too)",
+    tags=["providers"],
+)
+async def delete_provider(
+    provider: ProviderPath,
+    principal: ProviderWriter,
+    state: State,
+    request: Request,
+    force: Annotated[bool, Query(description="detach it from every sandbox and delete")] = False,
+) -> DeleteResult:
+    async with state.pool.acquire() as conn:
+        if await providers.get_provider(conn, provider) is None:
+            raise ApiError(404, "NOT_FOUND", f"provider {provider!r} not found")
+        attached = [s.key for s in await providers.attached_sandboxes(conn, [provider])]
+    if attached and not force:
+        raise ApiError(
+            412,
+            "FAILED_PRECONDITION",
+            f"provider {provider!r} is attached to {', '.join(attached)} (force=true detaches it)",
+        )
+    detached = await service(request).detach_everywhere(provider, principal.name) if force else []
+    async with state.pool.acquire() as conn:
+        await providers.delete_provider(conn, provider)
+    return DeleteResult(name=provider, detached=detached)
+
+
+def _attach_handler(kind: type[AttachProvider | DetachProvider]) -> Any:
+    async def handler(
+        name: NamePath, body: AttachRequest, principal: Writer, state: State, wait: WaitQuery = None
+    ) -> JSONResponse:
+        if PROVIDER_WRITE not in principal.scopes:
+            raise ApiError(
+                403,
+                "PERMISSION_DENIED",
+                f"token {principal.name!r} lacks the scope {PROVIDER_WRITE}",
+            )
+        if kind is AttachProvider:
+            async with state.pool.acquire() as conn:
+                if await providers.get_provider(conn, body.provider) is None:
+                    raise ApiError(404, "NOT_FOUND", f"provider {body.provider!r} not found")
+        command = kind(
+            type=kind.__name__,
+            command_id=body.command_id or new_command_id(),
+            key=name,
+            occurred_at=now(),
+            actor=principal.name,
+            expected_version=body.expected_version,
+            provider=body.provider,
+        )
+        return await submit(state.gateway, command, wait)
+
+    handler.__name__ = f"{kind.__name__[:6].lower()}_provider"
+    return handler
+
+
+for _verb, _kind in (("attach", AttachProvider), ("detach", DetachProvider)):
+    router.post(
+        f"/v1/sandboxes/{{name}}:{_verb}",
+        response_model=CommandStatus,
+        responses=COMMAND_RESPONSES,
+        summary=f"{_verb.capitalize()} a provider (needs sandbox:write and provider:write)",
+        tags=["commands"],
+    )(_attach_handler(_kind))

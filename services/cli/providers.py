@@ -1,0 +1,231 @@
+"""`sandstream provider ...`, `sandstream sandbox attach|detach` and `sandstream provider-sync`.
+
+Values come from ``--from-file`` (``KEY=VALUE`` lines, ``#`` comments) or ``--from-env NAME``
+(the value of this process's variable NAME), never from the command line itself, so they stay
+out of shell history and process listings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from services.cli import sandbox
+from services.cli.client import Client, fail
+from services.cli.render import Output, OutputOpt, clock, print_json, print_table
+from services.common.entrypoint import LOG_FORMAT
+from services.common.settings import Settings
+
+app = typer.Typer(help="Credential providers: values in, key names and fingerprints out.")
+
+FromFile = Annotated[
+    Path | None,
+    typer.Option("--from-file", help="KEY=VALUE lines (# comments)", show_default=False),
+]
+FromEnv = Annotated[
+    list[str],
+    typer.Option("--from-env", help="take KEY's value from this environment (repeatable)"),
+]
+NoRestart = Annotated[
+    bool, typer.Option("--no-restart", help="restart no one: values apply at the next start")
+]
+
+
+def read_values(from_file: Path | None, from_env: list[str]) -> dict[str, str]:
+    values: dict[str, str] = {}
+    if from_file is not None:
+        try:
+            text = from_file.read_text()
+        except OSError as exc:
+            fail(f"cannot read {from_file}: {exc.strerror}")
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            key, sep, value = line.partition("=")
+            if not sep or not key.strip():
+                fail(f"{from_file}:{number}: expected KEY=VALUE")  # the line is not shown
+            values[key.strip()] = value
+    for name in from_env:
+        if name not in os.environ:
+            fail(f"--from-env {name}: not set in this environment")
+        values[name] = os.environ[name]
+    return values
+
+
+def _client(ctx: typer.Context) -> Client:
+    return Client(ctx.obj["settings"], ctx.obj["connection"])
+
+
+def _show(provider: dict[str, Any], output: Output) -> None:
+    if output is Output.json:
+        print_json(provider)
+        return
+    table = Table("KEY", "FINGERPRINT", "UPDATED", box=None, pad_edge=False)
+    for key in provider["keys"]:
+        table.add_row(key["name"], key["fingerprint"][:24] + "…", clock(key["updated_at"]))
+    print(f"provider {provider['name']} (type {provider['type']}, revision "
+          f"{provider['revision']})")  # fmt: skip
+    print_table(table)
+
+
+def show_receipt(receipt: dict[str, Any], output: Output) -> None:
+    if output is Output.json:
+        print_json(receipt)
+        return
+    for change in receipt["providers"]:
+        parts = [f"{k} {', '.join(change[k])}" for k in ("baseline", "rotated", "removed")
+                 if change[k]]  # fmt: skip
+        print(f"provider {change['name']} revision {change['revision']}: "
+              + ("; ".join(parts) or "unchanged"))  # fmt: skip
+    if not receipt["sandboxes"]:
+        print("no attached sandbox is affected")
+    else:
+        table = Table("SANDBOX", "PROVIDERS", "ACTION", "WHY", box=None, pad_edge=False)
+        for line in receipt["sandboxes"]:
+            table.add_row(line["sandbox"], ", ".join(line["providers"]), line["action"],
+                          line["reason"])  # fmt: skip
+        print_table(table)
+    if receipt["unsent"]:
+        fail(f"Kafka did not take {len(receipt['unsent'])} restart commands: "
+             + ", ".join(receipt["unsent"]))  # fmt: skip
+
+
+@app.command("create")
+def create(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="the provider name")],
+    type_: Annotated[str, typer.Option("--type", help="the kind of credential")] = "generic",
+    from_file: FromFile = None,
+    from_env: FromEnv = [],  # noqa: B006
+    output: OutputOpt = Output.table,
+) -> None:
+    """Create a provider; its first values are a baseline (nothing restarts)."""
+    body = {"name": name, "type": type_, "credentials": read_values(from_file, from_env)}
+    created = _client(ctx).request("POST", "/v1/providers", json_body=body, ok=(201,)).json()
+    _show(created, output)
+
+
+@app.command("get")
+def get(ctx: typer.Context, name: str, output: OutputOpt = Output.table) -> None:
+    """One provider: key names and fingerprints (never values)."""
+    _show(_client(ctx).request("GET", f"/v1/providers/{name}").json(), output)
+
+
+@app.command("list")
+def list_(ctx: typer.Context, output: OutputOpt = Output.table) -> None:
+    """Every provider."""
+    items = _client(ctx).request("GET", "/v1/providers").json()["items"]
+    if output is Output.json:
+        print_json(items)
+        return
+    table = Table("NAME", "TYPE", "KEYS", "REVISION", "UPDATED", box=None, pad_edge=False)
+    for p in items:
+        table.add_row(p["name"], p["type"], ", ".join(k["name"] for k in p["keys"]),
+                      str(p["revision"]), clock(p["updated_at"]))  # fmt: skip
+    print_table(table) if items else print("no providers")
+
+
+@app.command("update")
+def update(
+    ctx: typer.Context,
+    name: str,
+    from_file: FromFile = None,
+    from_env: FromEnv = [],  # noqa: B006
+    no_restart: NoRestart = False,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Replace a provider's values (keys left out are removed); prints what happens to every
+    attached sandbox."""
+    values = read_values(from_file, from_env)
+    if not values:
+        fail("no values: pass --from-file and/or --from-env")
+    body = {"credentials": values, "no_restart": no_restart}
+    receipt = _client(ctx).request("PUT", f"/v1/providers/{name}/credentials", json_body=body)
+    show_receipt(receipt.json(), output)
+
+
+@app.command("delete")
+def delete(
+    ctx: typer.Context,
+    name: str,
+    force: Annotated[bool, typer.Option("--force", help="detach it everywhere first")] = False,
+) -> None:
+    """Delete a provider (refused while attached unless --force)."""
+    params = {"force": "true"} if force else None
+    result = _client(ctx).request("DELETE", f"/v1/providers/{name}", params=params).json()
+    detached = f" (detached from {', '.join(result['detached'])})" if result["detached"] else ""
+    print(f"✓ Deleted provider {name}{detached}")
+
+
+def _attachment(verb: str, suffix: str) -> None:
+    def command(
+        ctx: typer.Context,
+        name: Annotated[str, typer.Argument(help="the sandbox name")],
+        provider: Annotated[str, typer.Argument(help="the provider name")],
+        output: OutputOpt = Output.table,
+    ) -> None:
+        outcome = (
+            _client(ctx)
+            .request(
+                "POST",
+                f"/v1/sandboxes/{name}{suffix}",
+                json_body={"provider": provider},
+                params={"wait": "30"},
+                ok=(200, 202),
+            )
+            .json()
+        )
+        if output is Output.json:
+            print_json(outcome)
+        elif outcome["status"] == "rejected":
+            fail(f"rejected: {outcome['message']} ({outcome['code']})")
+        else:
+            print(f"✓ {outcome['message']}")
+
+    command.__doc__ = f"{verb.capitalize()} a provider (applies at the sandbox's next start)."
+    sandbox.app.command(verb)(command)
+
+
+_attachment("attach", ":attach")
+_attachment("detach", ":detach")
+
+
+def provider_sync(
+    ctx: typer.Context,
+    directory: Annotated[
+        Path, typer.Option("--dir", help="one folder per provider, a file per key")
+    ],
+    no_restart: NoRestart = False,
+    interval: Annotated[float, typer.Option("--interval", min=0.1, help="seconds")] = 1.0,
+    once: Annotated[bool, typer.Option("--once", help="one reconcile, then exit")] = False,
+) -> None:
+    """Keep providers in step with a directory (the layout of a mounted Kubernetes Secret)."""
+    settings: Settings = ctx.obj["settings"]
+    asyncio.run(_sync(settings, directory, not no_restart, interval, once))
+
+
+async def _sync(settings: Settings, directory: Path, restart: bool, interval: float,
+                once: bool) -> None:  # fmt: skip
+    from services.api.provider_sync import ProviderSync
+    from services.api.providers import open_service
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    async with open_service(settings) as service:
+        sync = ProviderSync(service, directory, restart=restart, interval=interval)
+        if once:
+            receipt = await sync.reconcile()
+            print("nothing changed" if receipt is None else
+                  f"updated {', '.join(a.change.provider for a in receipt.applied)}")  # fmt: skip
+            return
+        await sync.run(stop)

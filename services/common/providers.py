@@ -1,0 +1,229 @@
+"""Providers in PostgreSQL: names, types, revisions, encrypted values and their fingerprints.
+
+Nothing here returns a value except ``launch_environment``, which the executor calls for the
+launch of a generation: the values are read (and decrypted) at launch time, never from the log.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeAlias
+
+import asyncpg
+
+from projections.credentials import ProviderChange, classify
+from projections.lifecycle import Sandbox
+from projections.store import SANDBOX_COLUMNS, sandbox_from_record
+from services.common.credentials import Sealed, Vault
+
+# Variables sandstream sets itself (SANDSTREAM_IDENTITY): a provider cannot override them.
+RESERVED_PREFIX = "SANDSTREAM_"
+
+Conn: TypeAlias = Any  # an asyncpg connection or pool connection proxy
+Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
+SALT_BYTES = 32
+
+
+async def vault(pool: Pool, key: bytes) -> Vault:
+    """The vault of this installation: its key and its salt (made on first use)."""
+    async with pool.acquire() as conn:
+        await conn.execute(
+            "INSERT INTO credential_salt (salt) VALUES ($1) ON CONFLICT DO NOTHING",
+            secrets.token_bytes(SALT_BYTES),
+        )
+        salt = await conn.fetchval("SELECT salt FROM credential_salt")
+    return Vault(key, bytes(salt))
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    name: str
+    fingerprint: str
+    updated_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderInfo:
+    name: str
+    type: str
+    revision: int
+    created_at: datetime
+    updated_at: datetime
+    keys: list[KeyInfo]
+
+    def fingerprints(self) -> dict[str, str]:
+        return {k.name: k.fingerprint for k in self.keys}
+
+
+_SELECT = """
+SELECT p.name, p.type, p.revision, p.created_at, p.updated_at,
+       coalesce(array_agg(c.key ORDER BY c.key) FILTER (WHERE c.key IS NOT NULL), '{}') AS keys,
+       coalesce(array_agg(c.fingerprint ORDER BY c.key) FILTER (WHERE c.key IS NOT NULL), '{}')
+           AS fingerprints,
+       coalesce(array_agg(c.updated_at ORDER BY c.key) FILTER (WHERE c.key IS NOT NULL), '{}')
+           AS key_times
+FROM providers p LEFT JOIN provider_credentials c ON c.provider = p.name
+"""
+
+
+def _info(r: Any) -> ProviderInfo:
+    keys = [
+        KeyInfo(k, f, t)
+        for k, f, t in zip(r["keys"], r["fingerprints"], r["key_times"], strict=True)
+    ]
+    return ProviderInfo(r["name"], r["type"], r["revision"], r["created_at"], r["updated_at"], keys)
+
+
+async def list_providers(conn: Conn, names: Iterable[str] | None = None) -> list[ProviderInfo]:
+    if names is None:
+        rows = await conn.fetch(_SELECT + " GROUP BY p.name ORDER BY p.name")
+    else:
+        rows = await conn.fetch(
+            _SELECT + " WHERE p.name = ANY($1::text[]) GROUP BY p.name ORDER BY p.name",
+            list(names),
+        )
+    return [_info(r) for r in rows]
+
+
+async def get_provider(conn: Conn, name: str) -> ProviderInfo | None:
+    found = await list_providers(conn, [name])
+    return found[0] if found else None
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """The desired values of one provider (all of its keys: keys left out are removed)."""
+
+    name: str
+    values: Mapping[str, str]
+    type: str | None = None  # when creating; None keeps the existing type
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    change: ProviderChange
+    revision: int
+    created: bool
+
+
+class ProviderMissing(LookupError):
+    def __init__(self, name: str) -> None:
+        super().__init__(f"provider {name!r} not found")
+        self.name = name
+
+
+class ProviderExists(Exception):
+    def __init__(self, name: str) -> None:
+        super().__init__(f"provider {name!r} already exists")
+        self.name = name
+
+
+async def apply_updates(
+    conn: Conn,
+    vault: Vault,
+    updates: Iterable[Update],
+    now: datetime,
+    *,
+    create: bool | None = None,
+) -> list[Applied]:
+    """Store the desired values of several providers in one transaction.
+
+    ``create``: True only creates (ProviderExists if one exists), False only updates
+    (ProviderMissing if one does not), None does either (the sync controller).
+    """
+    wanted = sorted(updates, key=lambda u: u.name)
+    results = []
+    async with conn.transaction():
+        for update in wanted:
+            row = await conn.fetchrow(
+                "SELECT type, revision FROM providers WHERE name = $1 FOR UPDATE", update.name
+            )
+            if row is not None and create is True:
+                raise ProviderExists(update.name)
+            if row is None and create is False:
+                raise ProviderMissing(update.name)
+            applied: dict[str, str] = {}
+            if row is not None:
+                applied = {
+                    r["key"]: r["fingerprint"]
+                    for r in await conn.fetch(
+                        "SELECT key, fingerprint FROM provider_credentials WHERE provider = $1",
+                        update.name,
+                    )
+                }
+            desired = {k: vault.fingerprint(update.name, k, v) for k, v in update.values.items()}
+            change = classify(update.name, applied, desired)
+            revision = row["revision"] if row is not None else 0
+            if row is None:
+                revision = 1
+                await conn.execute(
+                    "INSERT INTO providers (name, type, revision, created_at, updated_at) "
+                    "VALUES ($1, $2, 1, $3, $3)",
+                    update.name,
+                    update.type or "generic",
+                    now,
+                )
+            elif change.changed:
+                revision += 1
+                await conn.execute(
+                    "UPDATE providers SET revision = $2, updated_at = $3 WHERE name = $1",
+                    update.name,
+                    revision,
+                    now,
+                )
+            for key in change.of("removed"):
+                await conn.execute(
+                    "DELETE FROM provider_credentials WHERE provider = $1 AND key = $2",
+                    update.name,
+                    key,
+                )
+            for key in change.of("baseline") + change.of("rotated"):
+                sealed = vault.seal(update.name, key, update.values[key])
+                await conn.execute(
+                    """INSERT INTO provider_credentials
+                       (provider, key, nonce, ciphertext, fingerprint, updated_at)
+                       VALUES ($1, $2, $3, $4, $5, $6)
+                       ON CONFLICT (provider, key) DO UPDATE SET nonce = $3, ciphertext = $4,
+                           fingerprint = $5, updated_at = $6""",
+                    update.name,
+                    key,
+                    sealed.nonce,
+                    sealed.ciphertext,
+                    desired[key],
+                    now,
+                )
+            results.append(Applied(change, revision, created=row is None))
+    return results
+
+
+async def delete_provider(conn: Conn, name: str) -> bool:
+    return bool(await conn.fetchval("DELETE FROM providers WHERE name = $1 RETURNING true", name))
+
+
+async def attached_sandboxes(conn: Conn, providers: Iterable[str]) -> list[Sandbox]:
+    """The live sandboxes that have any of ``providers`` attached."""
+    rows = await conn.fetch(
+        f"SELECT {SANDBOX_COLUMNS} FROM sandboxes "
+        "WHERE phase <> 'Deleted' AND providers && $1::text[] ORDER BY key",
+        list(providers),
+    )
+    return [sandbox_from_record(r) for r in rows]
+
+
+async def launch_environment(conn: Conn, vault: Vault, key: str) -> dict[str, str]:
+    """The decrypted values of the providers attached to sandbox ``key`` now, as environment
+    variables. Providers are merged in name order (a later provider's key wins); an attached
+    name with no provider behind it contributes nothing."""
+    rows = await conn.fetch(
+        """SELECT c.provider, c.key, c.nonce, c.ciphertext
+           FROM sandboxes s JOIN provider_credentials c ON c.provider = ANY(s.providers)
+           WHERE s.key = $1 ORDER BY c.provider, c.key""",
+        key,
+    )
+    return {
+        r["key"]: vault.open(r["provider"], r["key"], Sealed(r["nonce"], r["ciphertext"]))
+        for r in rows
+    }

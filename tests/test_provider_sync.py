@@ -1,0 +1,160 @@
+"""The provider-sync controller on the real stack (Kafka, PostgreSQL, Podman), and a rotation
+restart that meets a transient driver failure.
+
+The controller sends one update for every changed provider (a sandbox attached to both restarts
+once), a restarted controller re-sends nothing, and its loop picks up a changed file. The
+restart's first launch fails with a retryable driver error (injected in front of the real
+Podman driver): the executor retries it and the agent comes up on the new values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import secrets
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import apikit
+from apikit import create_body, unique
+from harness import eventually
+from pydantic import SecretStr
+
+from drivers.podman import PodmanDriver
+from drivers.protocol import DriverError, LaunchResult, LaunchSpec, OpResult, RuntimeInfo
+from services.api.provider_sync import ProviderSync
+from services.common.settings import load_settings
+from services.executor.backends import podman_driver
+
+KEY = SecretStr(base64.b64encode(secrets.token_bytes(32)).decode())
+AGENT = ["sh", "-c", "env > /tmp/agent.env; exec sleep 3600"]
+
+
+class FlakyLaunches:
+    """The Podman driver, except that the next ``fail`` launches raise a retryable error."""
+
+    def __init__(self, inner: PodmanDriver) -> None:
+        self.inner = inner
+        self.fail = 0
+        self.attempts: list[tuple[str, int]] = []
+
+    async def launch(self, spec: LaunchSpec) -> LaunchResult:
+        self.attempts.append((spec.key, spec.generation))
+        if self.fail > 0:
+            self.fail -= 1
+            raise DriverError("podman unavailable (injected)", retryable=True)
+        return await self.inner.launch(spec)
+
+    async def stop(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
+        return await self.inner.stop(key, generation, timeout)
+
+    async def delete(self, key: str, sandbox_id: Any = None) -> bool:
+        return await self.inner.delete(key, sandbox_id)
+
+    async def get(self, key: str) -> list[RuntimeInfo]:
+        return await self.inner.get(key)
+
+    async def list(self) -> list[RuntimeInfo]:
+        return await self.inner.list()
+
+    def watch(self) -> AsyncIterator[Any]:
+        return self.inner.watch()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+async def agent_env(driver: PodmanDriver, name: str, generation: int) -> dict[str, str]:
+    code, out = await asyncio.wait_for(driver.exec(name, generation, ["cat", "/tmp/agent.env"]), 30)
+    assert code == 0, out
+    return dict(line.split("=", 1) for line in str(out).splitlines() if "=" in line)
+
+
+def write(root: Path, provider: str, key: str, value: str) -> None:
+    (root / provider).mkdir(exist_ok=True)
+    (root / provider / key).write_text(value)
+
+
+async def test_sync_sends_one_update_a_restarted_controller_nothing_and_a_retry_recovers(
+    tmp_path: Path,
+) -> None:
+    podman = podman_driver(load_settings(), stop_timeout=5)
+    driver = FlakyLaunches(podman)
+    p, q, name = unique("sync-p"), unique("sync-q"), unique("synced")
+    write(tmp_path, p, "API_KEY", "p-one")
+    write(tmp_path, q, "TOKEN", "q-one")
+    (tmp_path / ".hidden").mkdir()  # a mounted Secret's bookkeeping: skipped
+    try:
+        async with apikit.running_api(driver, settings_update={"credentials_key": KEY}) as api:
+            service = api.app.state.providers
+            first = await ProviderSync(service, tmp_path).reconcile()
+            assert first is not None
+            assert {a.change.provider for a in first.applied} == {p, q}
+            assert all(a.created and not a.change.rotated for a in first.applied)
+            assert first.sandboxes == []
+
+            async with api.client() as c:
+                body = create_body(name, command=AGENT)
+                body["spec"]["image"] = api.env.settings.sandbox_image
+                body["providers"] = [p, q]
+                r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+                assert r.status_code == 201, r.text
+                await api.wait_phase(name, "Ready")
+                seen = await agent_env(podman, name, 1)
+                assert (seen["API_KEY"], seen["TOKEN"]) == ("p-one", "q-one")
+
+                # A restarted controller: nothing changed, nothing sent.
+                assert await ProviderSync(service, tmp_path).reconcile() is None
+
+                # Both rotate; the restart's first launch fails transiently.
+                write(tmp_path, p, "API_KEY", "p-two")
+                write(tmp_path, q, "TOKEN", "q-two")
+                driver.fail = 1
+                receipt = await ProviderSync(service, tmp_path).reconcile()
+                assert receipt is not None
+                assert sorted(a.change.provider for a in receipt.applied) == sorted([p, q])
+                (line,) = receipt.sandboxes
+                assert (line.sandbox, line.action, line.providers) == (
+                    name, "restart", tuple(sorted([p, q])),
+                )  # fmt: skip
+                await eventually(
+                    lambda: c.get(f"/v1/sandboxes/{name}"),
+                    lambda resp: (resp.json()["phase"], resp.json()["generation"]) == ("Ready", 2),
+                    what=f"{name} Ready at generation 2 after the retried launch",
+                )
+                assert driver.attempts.count((name, 2)) == 2  # failed once, then succeeded
+                seen = await agent_env(podman, name, 2)
+                assert (seen["API_KEY"], seen["TOKEN"]) == ("p-two", "q-two")
+                history = (await c.get(f"/v1/sandboxes/{name}/history")).json()["items"]
+                restarts = [h for h in history if "AgentRestarted" in h["events"]]
+                assert len(restarts) == 1
+
+                # The controller's loop, with no restart: a changed file is picked up.
+                stop = asyncio.Event()
+                loop = ProviderSync(service, tmp_path, restart=False, interval=0.1)
+                task = asyncio.create_task(loop.run(stop))
+                try:
+                    write(tmp_path, p, "API_KEY", "p-three")
+                    await eventually(
+                        lambda: c.get(f"/v1/providers/{p}"),
+                        lambda resp: resp.json()["revision"] == 3,
+                        what=f"{p} at revision 3",
+                    )
+                finally:
+                    stop.set()
+                    await asyncio.wait_for(task, 10)
+                await eventually(
+                    lambda: c.get(f"/v1/sandboxes/{name}/history"),
+                    lambda resp: any(
+                        "AgentRestartSkipped" in h["events"] for h in resp.json()["items"]
+                    ),
+                    what="the no-restart rotation recorded as skipped",
+                )
+                row = (await c.get(f"/v1/sandboxes/{name}")).json()
+                assert (row["phase"], row["generation"]) == ("Ready", 2)
+                await c.delete(f"/v1/sandboxes/{name}", params={"wait": 30})
+                await api.wait_phase(name, "Deleted")
+    finally:
+        await podman.delete(name)
+        await podman.close()

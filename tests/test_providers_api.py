@@ -1,0 +1,62 @@
+"""The /v1/providers routes' answers to bad input and missing scopes (real PostgreSQL and Kafka;
+no processor is needed: nothing here is attached to a sandbox)."""
+
+from __future__ import annotations
+
+import base64
+import secrets
+
+import apikit
+from apikit import READER, WRITER, unique
+from pydantic import SecretStr
+
+KEY = SecretStr(base64.b64encode(secrets.token_bytes(32)).decode())
+
+
+async def test_bad_input_and_missing_scopes_get_clear_errors_and_change_nothing() -> None:
+    name = unique("api-p")
+    value = f"v-{secrets.token_hex(8)}"
+    async with (
+        apikit.running_api(None, settings_update={"credentials_key": KEY}) as api,
+        api.client() as c,
+    ):
+        created = await c.post("/v1/providers", json={"name": name, "credentials": {"K": value}})
+        assert created.status_code == 201, created.text
+        assert created.headers["location"] == f"/v1/providers/{name}"
+        assert value not in created.text
+
+        again = await c.post("/v1/providers", json={"name": name, "credentials": {}})
+        assert (again.status_code, again.json()["code"]) == (409, "ALREADY_EXISTS")
+
+        bad_key = await c.post("/v1/providers", json={"name": unique("x"),
+                                                     "credentials": {"1BAD": "v"}})  # fmt: skip
+        assert bad_key.status_code == 422 and "credentials" in bad_key.json()["message"]
+
+        reserved = await c.put(f"/v1/providers/{name}/credentials",
+                               json={"credentials": {"SANDSTREAM_IDENTITY": "x"}})  # fmt: skip
+        assert reserved.status_code == 422
+        assert "reserved" in reserved.json()["message"]
+
+        missing = await c.put("/v1/providers/nope/credentials", json={"credentials": {"K": "v"}})
+        assert (missing.status_code, missing.json()["code"]) == (404, "NOT_FOUND")
+        twice = await c.post("/v1/providers:update", json={"providers": [
+            {"name": name, "credentials": {}}, {"name": name, "credentials": {}}]})  # fmt: skip
+        assert twice.status_code == 422 and "twice" in twice.json()["message"]
+
+        got = await c.get(f"/v1/providers/{name}")
+        assert got.json()["revision"] == 1 and [k["name"] for k in got.json()["keys"]] == ["K"]
+        assert value not in got.text
+
+        async with api.client(READER) as reader, api.client(WRITER) as writer:
+            assert (await reader.get("/v1/providers")).status_code == 403
+            denied = await writer.put(f"/v1/providers/{name}/credentials",
+                                      json={"credentials": {"K": "other"}})  # fmt: skip
+            assert denied.status_code == 403 and "provider:write" in denied.json()["message"]
+            attach = await writer.post(f"/v1/sandboxes/{unique('sb')}:attach",
+                                       json={"provider": name})  # fmt: skip
+            assert attach.status_code == 403 and "provider:write" in attach.json()["message"]
+
+        assert (await c.delete("/v1/providers/nope")).status_code == 404
+        deleted = await c.delete(f"/v1/providers/{name}")
+        assert deleted.status_code == 200 and deleted.json() == {"name": name, "detached": []}
+        assert (await c.get(f"/v1/providers/{name}")).status_code == 404
