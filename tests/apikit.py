@@ -21,7 +21,15 @@ from harness import Env, eventually, isolated_env
 from drivers.protocol import Driver
 from events.publisher import CommandPublisher
 from services.api.app import create_app
-from services.api.auth import AUDIT, READ, SCOPES, WRITE, TokenStore
+from services.api.auth import (
+    AUDIT,
+    PROVIDER_READ,
+    PROVIDER_WRITE,
+    READ,
+    SCOPES,
+    WRITE,
+    TokenStore,
+)
 from services.api.server import start_api
 from services.up.control_plane import ControlPlane
 
@@ -29,6 +37,7 @@ ADMIN = "sst_test-admin"
 READER = "sst_test-reader"
 WRITER = "sst_test-writer"
 AUDITOR = "sst_test-auditor"
+KEEPER = "sst_test-keeper"  # provider scopes only
 
 
 def tokens() -> TokenStore:
@@ -37,6 +46,7 @@ def tokens() -> TokenStore:
         reader=(READER, READ),
         writer=(WRITER, WRITE),
         auditor=(AUDITOR, AUDIT),
+        keeper=(KEEPER, PROVIDER_READ, PROVIDER_WRITE),
     )
 
 

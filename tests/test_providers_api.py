@@ -7,7 +7,7 @@ import base64
 import secrets
 
 import apikit
-from apikit import READER, WRITER, unique
+from apikit import KEEPER, READER, WRITER, unique
 from pydantic import SecretStr
 
 KEY = SecretStr(base64.b64encode(secrets.token_bytes(32)).decode())
@@ -60,3 +60,21 @@ async def test_bad_input_and_missing_scopes_get_clear_errors_and_change_nothing(
         deleted = await c.delete(f"/v1/providers/{name}")
         assert deleted.status_code == 200 and deleted.json() == {"name": name, "detached": []}
         assert (await c.get(f"/v1/providers/{name}")).status_code == 404
+
+
+async def test_a_token_with_only_the_provider_scopes_manages_providers() -> None:
+    """The API's front gate lets a request through on the scope its resource asks for, not
+    on sandbox:read or sandbox:write for every path (it once refused such a token)."""
+    name = unique("keeper")
+    async with (
+        apikit.running_api(None, settings_update={"credentials_key": KEY}) as api,
+        api.client(KEEPER) as keeper,
+    ):
+        created = await keeper.post("/v1/providers", json={"name": name, "credentials": {"K": "v"}})
+        assert created.status_code == 201, created.text
+        listed = await keeper.get("/v1/providers")
+        assert listed.status_code == 200, listed.text
+        assert name in listed.text
+        refused = await keeper.get("/v1/sandboxes")
+        assert refused.status_code == 403 and "sandbox:read" in refused.json()["message"]
+        assert (await keeper.delete(f"/v1/providers/{name}")).status_code == 200

@@ -10,7 +10,7 @@ from typing import Any, Final
 
 from starlette.requests import Request
 
-from services.api.auth import AUDIT, READ, WRITE
+from services.api.auth import AUDIT, PROVIDER_READ, PROVIDER_WRITE, READ, WRITE
 from services.api.deps import bearer_value, check_auth
 from services.api.errors import ApiError, error_response
 
@@ -20,7 +20,10 @@ Send = Callable[[Message], Awaitable[None]]
 
 READ_METHODS: Final = frozenset({"GET", "HEAD"})
 # Resources whose routes ask for scopes of their own (the routes check them again, exactly).
-SCOPED_PREFIXES: Final = (("/v1/audit/", AUDIT, AUDIT),)
+SCOPED_PREFIXES: Final = (
+    ("/v1/audit/", AUDIT, AUDIT),
+    ("/v1/providers", PROVIDER_READ, PROVIDER_WRITE),
+)
 
 
 def gate_scope(method: str, path: str) -> str:
