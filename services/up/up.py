@@ -30,6 +30,7 @@ from services.api.auth import TokenFileError, TokenSetup, TokenStore, ensure_tok
 from services.api.server import bind, start_api
 from services.common.migrations import apply_migrations
 from services.common.settings import Settings
+from services.executor.backends import describe_driver
 from services.localstack import stack
 
 log = logging.getLogger("sandstream.up")
@@ -155,7 +156,7 @@ class _Signals:
 
 async def _serve(settings: Settings, tokens: TokenSetup) -> int:
     from services.common.database import connect_pool
-    from services.executor.backends import podman_driver
+    from services.executor.backends import driver_from_settings
     from services.up.control_plane import open_control_plane
 
     loop = asyncio.get_running_loop()
@@ -172,7 +173,12 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
         )
         return 1
 
-    driver = podman_driver(settings)
+    try:
+        driver = driver_from_settings(settings)
+    except ValueError as exc:
+        print(f"sandstream up: {exc}", file=sys.stderr)
+        sock.close()
+        return 1
     plane = None
     pool = None
     publisher = CommandPublisher(settings.kafka_bootstrap, topic=settings.topic_commands)
@@ -236,7 +242,7 @@ def _banner(settings: Settings, url: str, tokens: TokenSetup, seconds: float) ->
         f"  API         {url}   (OpenAPI: {url}/docs)",
         f"  token       {token_line}",
         f"  tokens      {shown(tokens.tokens_file)}",
-        f"  driver      podman ({shown(settings.podman_socket_path)})",
+        f"  driver      {describe_driver(settings, shown)}",
         "  Ctrl-C stops sandstream; the stack keeps running (`sandstream down` stops it)",
     ]
     print("\n".join(lines), flush=True)

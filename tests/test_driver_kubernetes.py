@@ -1,0 +1,341 @@
+"""The Kubernetes driver against a real kube-apiserver (kwok as the node; `make k8s`).
+
+No mocks: Pods, claims, deletions and watch events are the API server's. kwok stands in for
+the kubelet, so Pods reach Running and finish their graceful deletion; container exits are
+written through pods/status as a kubelet would. These tests fail (never skip) when the
+cluster is missing. Every test uses its own sandbox names in this module's own namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from harness import eventually
+from kube_support import (
+    Admin,
+    Keys,
+    admin_client,
+    env_of,
+    namespace,
+    new_driver,
+    phase_of,
+    retrying,
+    wait_pods,
+)
+
+from drivers.kube_objects import (
+    ANNOTATION_LABELS,
+    claim_name,
+    is_label,
+    pod_name,
+    read_pod,
+)
+from drivers.kubernetes import KubernetesDriver, parse_node_selector
+from drivers.protocol import (
+    IDENTITY_ENV,
+    LABEL_GENERATION,
+    LABEL_IDENTITY,
+    LABEL_KEY,
+    LABEL_STOP_TIMEOUT,
+    Driver,
+    DriverError,
+    LaunchSpec,
+    WatchObservation,
+)
+from events.common import SandboxSpec
+from events.observations import RuntimeRemoved, RuntimeSnapshot
+from services.common.settings import Settings
+from services.localstack.kubernetes import restart_apiserver
+
+IMAGE = "registry.example/agent:1"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def admin(settings: Settings) -> AsyncIterator[Admin]:
+    async with admin_client(settings) as a:
+        yield a
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def ns(admin: Admin) -> AsyncIterator[str]:
+    async with namespace(admin, "drv") as name:
+        yield name
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def driver(admin: Admin, ns: str) -> AsyncIterator[KubernetesDriver]:
+    d = new_driver(admin, ns)
+    try:
+        yield d
+    finally:
+        await d.close()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def keys(admin: Admin, ns: str) -> AsyncIterator[Keys]:
+    made = Keys(admin, ns, "k")
+    try:
+        yield made
+    finally:
+        await made.cleanup()
+
+
+def launch_spec(key: str, generation: int = 1, sandbox_id: uuid.UUID | None = None,
+                **spec: Any) -> LaunchSpec:  # fmt: skip
+    return LaunchSpec(
+        key=key,
+        sandbox_id=sandbox_id or uuid.uuid5(uuid.NAMESPACE_DNS, key),
+        generation=generation,
+        identity=f"rid-{key}-{generation}",
+        spec=SandboxSpec(image=IMAGE, command=["sleep", "3600"], **spec),
+    )
+
+
+class Watching:
+    """``driver.watch()`` in a task, keeping what it yields; started once the watch is open."""
+
+    def __init__(self, driver: KubernetesDriver) -> None:
+        self.seen: list[WatchObservation] = []
+        self._task = asyncio.create_task(self._run(driver))
+
+    @classmethod
+    async def started(cls, driver: KubernetesDriver) -> Watching:
+        before = driver.connected_watchers
+        watching = cls(driver)
+        await eventually(lambda: driver.connected_watchers, lambda n: n > before, what="watch")
+        return watching
+
+    async def _run(self, driver: KubernetesDriver) -> None:
+        async for observation in driver.watch():
+            self.seen.append(observation)
+
+    def of(self, key: str) -> list[WatchObservation]:
+        return [o for o in self.seen if o.key == key]
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await self._task
+
+
+def kinds(observations: list[WatchObservation]) -> list[tuple[str, int, str | None]]:
+    out: list[tuple[str, int, str | None]] = []
+    for o in observations:
+        if isinstance(o, RuntimeRemoved):
+            out.append(("removed", o.generation, None))
+        else:
+            assert isinstance(o, RuntimeSnapshot)
+            out.append(
+                (o.state, o.generation, str(o.exit_code) if o.exit_code is not None else None)
+            )
+    return out
+
+
+# -- pure parts -------------------------------------------------------------------------------
+
+
+def test_labels_and_selectors_follow_kubernetes_rules() -> None:
+    assert is_label("team", "a-b_c.d") and is_label("example.com/team", "")
+    assert not is_label("team", "has space") and not is_label("team", "x" * 64)
+    assert not is_label("Bad_Prefix/x", "v")
+    assert parse_node_selector(" disk=ssd, zone=a ") == {"disk": "ssd", "zone": "a"}
+    assert parse_node_selector("") == {}
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+        parse_node_selector("disk")
+
+
+# -- against the API server -------------------------------------------------------------------
+
+
+async def test_launch_makes_one_labelled_pod_and_a_claim_and_is_idempotent(
+    driver: KubernetesDriver, admin: Admin, ns: str, keys: Keys
+) -> None:
+    assert isinstance(driver, Driver)
+    key = keys()
+    spec = launch_spec(key, labels={"team": "blue", "note": "not a label value!"},
+                       stop_timeout_seconds=3, env={"A": "1"})  # fmt: skip
+    result = await driver.launch(spec)
+    assert result.started and result.generation == 1 and result.identity == spec.identity
+
+    (pod,) = await admin.pods(ns, key)
+    assert pod["metadata"]["name"] == pod_name(key, 1) and phase_of(pod) == "Running"
+    labels = pod["metadata"]["labels"]
+    assert labels[LABEL_KEY] == key and labels[LABEL_GENERATION] == "1"
+    assert labels[LABEL_IDENTITY] == spec.identity and labels[LABEL_STOP_TIMEOUT] == "3"
+    assert labels["team"] == "blue" and "note" not in labels  # not a valid label value
+    assert '"note": "not a label value!"' in pod["metadata"]["annotations"][ANNOTATION_LABELS]
+    assert env_of(pod) == {"A": "1", IDENTITY_ENV: spec.identity}
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 3
+    assert pod["spec"]["restartPolicy"] == "Never"
+    claim = claim_name(key, spec.sandbox_id)
+    assert pod["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == claim
+    assert await admin.claims(ns, key) == [claim]
+
+    again = await driver.launch(spec)
+    assert (again.started, again.runtime_id) == (False, result.runtime_id)
+    assert await admin.pod_names(ns, key) == [pod_name(key, 1)]
+    (info,) = await driver.get(key)
+    assert (info.generation, info.state, info.identity) == (1, "running", spec.identity)
+
+
+async def test_stop_removes_the_pod_and_keeps_the_claim_for_the_next_generation(
+    driver: KubernetesDriver, admin: Admin, ns: str, keys: Keys
+) -> None:
+    key = keys()
+    first = launch_spec(key)
+    await driver.launch(first)
+    stopped = await driver.stop(key, 1)
+    assert stopped.outcome == "succeeded"
+    assert await admin.pod_names(ns, key) == [] and await driver.get(key) == []
+    assert await admin.claims(ns, key) == [claim_name(key, first.sandbox_id)]
+    assert (await driver.stop(key, 1)).outcome == "already_absent"
+
+    second = launch_spec(key, generation=2, sandbox_id=first.sandbox_id)
+    assert (await driver.launch(second)).started
+    (pod,) = await admin.pods(ns, key)
+    assert pod["metadata"]["labels"][LABEL_GENERATION] == "2"
+    assert pod["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == claim_name(
+        key, first.sandbox_id
+    )
+    with pytest.raises(DriverError) as superseded:
+        await driver.launch(first)
+    assert not superseded.value.retryable and "superseded" in superseded.value.reason
+    assert superseded.value.observed == "running"
+
+
+async def test_launch_of_a_new_generation_removes_the_old_pod_first(
+    driver: KubernetesDriver, admin: Admin, ns: str, keys: Keys
+) -> None:
+    key = keys()
+    first = launch_spec(key)
+    await driver.launch(first)
+    await driver.launch(launch_spec(key, generation=2, sandbox_id=first.sandbox_id))
+    assert await admin.pod_names(ns, key) == [pod_name(key, 2)]
+
+
+async def test_delete_removes_pods_and_claims_of_the_incarnation(
+    driver: KubernetesDriver, admin: Admin, ns: str, keys: Keys
+) -> None:
+    key = keys()
+    spec = launch_spec(key)
+    await driver.launch(spec)
+    assert await driver.delete(key, uuid.uuid4()) is False  # another incarnation: untouched
+    assert await admin.pod_names(ns, key) == [pod_name(key, 1)]
+    assert await driver.delete(key, spec.sandbox_id) is True
+    assert await admin.pod_names(ns, key) == [] and await admin.claims(ns, key) == []
+    assert await driver.delete(key) is False
+
+
+async def test_watch_lists_then_reports_start_exit_stop_and_removal(
+    driver: KubernetesDriver, admin: Admin, ns: str, keys: Keys
+) -> None:
+    done, running = keys(), keys()
+    await driver.launch(launch_spec(done))
+    watching = await Watching.started(driver)
+    try:
+        await eventually(lambda: watching.of(done), bool, what="the listing of the first")
+        assert watching.of(done)[0].source == "list"
+
+        await driver.launch(launch_spec(running))
+        await admin.exit_pod(ns, pod_name(done, 1), 3)
+        await eventually(lambda: kinds(watching.of(done)), lambda k: ("exited", 1, "3") in k,
+                         what="the exit with its code")  # fmt: skip
+        await eventually(lambda: kinds(watching.of(running)), lambda k: ("running", 1, None) in k,
+                         what="the second running")  # fmt: skip
+
+        assert (await driver.stop(running, 1)).outcome == "succeeded"
+        seen = await eventually(
+            lambda: watching.of(running),
+            lambda obs: any(isinstance(o, RuntimeRemoved) for o in obs),
+            what="the removal",
+        )
+        # The graceful deletion is seen first (still running: the stop in progress), then gone.
+        terminating = [o for o in seen if "terminating" in o.observation_id]
+        assert [kinds([o]) for o in terminating] == [[("running", 1, None)]]
+        assert seen.index(terminating[0]) < len(seen) - 1
+        assert all(o.occurred_at.tzinfo is not None for o in watching.seen)
+        assert len({o.observation_id for o in seen}) == len(seen)
+    finally:
+        await watching.close()
+
+
+async def test_a_broken_watch_resumes_from_its_version_without_listing_again(
+    driver: KubernetesDriver, admin: Admin, ns: str, keys: Keys
+) -> None:
+    key = keys()
+    await driver.launch(launch_spec(key))
+    watching = await Watching.started(driver)
+    try:
+        await eventually(lambda: watching.of(key), bool, what="the listing")
+        driver.reconnect_watchers()
+        await admin.exit_pod(ns, pod_name(key, 1), 0)
+        await eventually(lambda: kinds(watching.of(key)), lambda k: ("exited", 1, "0") in k,
+                         what="the exit after the reconnect")  # fmt: skip
+        assert driver.listings == 1
+        assert [o.source for o in watching.of(key)] == ["list", "watch"]
+    finally:
+        await watching.close()
+
+
+async def test_an_apiserver_restart_is_survived_and_its_410_answered_by_a_relisting(
+    driver: KubernetesDriver, admin: Admin, ns: str, keys: Keys, settings: Settings
+) -> None:
+    exits, stays = keys(), keys()
+    await driver.launch(launch_spec(exits))
+    await driver.launch(launch_spec(stays))
+    watching = await Watching.started(driver)
+    try:
+        await eventually(lambda: watching.of(stays), bool, what="the listing")
+        # A write the Pod watch does not see: the store moves past the watch's version, so the
+        # restarted server's watch cache (which starts at the store's version) has expired it.
+        await admin.core.create_namespaced_config_map(ns, {"metadata": {"name": keys()}})
+        await asyncio.to_thread(restart_apiserver, settings)
+        await retrying(lambda: admin.exit_pod(ns, pod_name(exits, 1), 7), "the exit")
+
+        await eventually(lambda: kinds(watching.of(exits)), lambda k: ("exited", 1, "7") in k,
+                         what="the exit")  # fmt: skip
+        await eventually(lambda: driver.listings, lambda n: n == 2, what="a second listing")
+        await eventually(lambda: driver.connected_watchers, lambda n: n == 1, what="watching")
+        # The relisting reports the untouched sandbox again (same id: it did not change) and
+        # the exit once as a change, whichever of the two saw it first.
+        stays_ids = [o.observation_id for o in watching.of(stays)]
+        assert len(stays_ids) == 2 and len(set(stays_ids)) == 1
+        exited = [o for o in watching.of(exits) if kinds([o])[0][0] == "exited"]
+        assert len(exited) == 1
+    finally:
+        await watching.close()
+
+
+async def test_a_pod_that_never_terminates_delays_no_other_sandbox(
+    admin: Admin, ns: str, keys: Keys
+) -> None:
+    driver = new_driver(admin, ns, removal_margin=60.0)
+    stuck, free = keys(), keys()
+    try:
+        await driver.launch(launch_spec(stuck))
+        await admin.hold(ns, pod_name(stuck, 1))
+        stopping = asyncio.create_task(driver.stop(stuck, 1))
+        await wait_pods(
+            admin, ns, stuck, lambda p: bool(p and p[0]["metadata"].get("deletionTimestamp")),
+            what="its deletion to begin",
+        )  # fmt: skip
+
+        spec = launch_spec(free)
+        assert (await driver.launch(spec)).started
+        assert (await driver.stop(free, 1)).outcome == "succeeded"
+        assert await driver.delete(free) is True
+        assert not stopping.done()  # the stuck stop is still waiting: nobody waited for it
+
+        (info,) = await driver.get(stuck)
+        assert info.state == "running"
+        view = read_pod((await admin.pods(ns, stuck))[0])
+        assert view is not None and view.terminating
+        await admin.release(ns, pod_name(stuck, 1))
+        assert (await asyncio.wait_for(stopping, 30)).outcome == "succeeded"
+    finally:
+        await driver.close()
