@@ -26,7 +26,7 @@ lint: setup
 test: stack k8s lint
 	.venv/bin/pytest -q
 
-bench: stack
+bench: stack k8s
 	$(PY) -m services.bench
 
 soak: stack

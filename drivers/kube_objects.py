@@ -273,6 +273,9 @@ def read_pod(pod: Pod) -> PodView | None:
     if state is None:
         return None
     runtime_state, exit_code, since = state
+    deleting = parse_time(meta.get("deletionTimestamp"))
+    if deleting is not None and runtime_state != "exited":
+        since = deleting  # the stop in progress began then
     info = RuntimeInfo(
         key=key,
         sandbox_id=sandbox_id,
@@ -287,7 +290,7 @@ def read_pod(pod: Pod) -> PodView | None:
         name=str(meta.get("name", "")),
         resource_version=str(meta.get("resourceVersion", "")),
         terminating=meta.get("deletionTimestamp") is not None,
-        since=since or parse_time(meta.get("deletionTimestamp")),
+        since=since,
         stop_timeout=_stop_timeout_label(labels.get(LABEL_STOP_TIMEOUT)),
     )
 

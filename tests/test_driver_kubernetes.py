@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
+import yaml
 from harness import eventually
 from kube_support import (
     Admin,
@@ -27,6 +29,7 @@ from kube_support import (
     retrying,
     wait_pods,
 )
+from kubernetes_asyncio import client
 
 from drivers.kube_objects import (
     ANNOTATION_LABELS,
@@ -49,7 +52,7 @@ from drivers.protocol import (
 )
 from events.common import SandboxSpec
 from events.observations import RuntimeRemoved, RuntimeSnapshot
-from services.common.settings import Settings
+from services.common.settings import PROJECT_ROOT, Settings
 from services.localstack.kubernetes import restart_apiserver
 
 IMAGE = "registry.example/agent:1"
@@ -339,3 +342,59 @@ async def test_a_pod_that_never_terminates_delays_no_other_sandbox(
         assert (await asyncio.wait_for(stopping, 30)).outcome == "succeeded"
     finally:
         await driver.close()
+
+
+async def test_the_role_in_compose_is_all_the_driver_needs(
+    admin: Admin, keys: Keys, tmp_path: Path
+) -> None:
+    """The driver runs a whole lifecycle with the token of compose/kubernetes/rbac.yaml's
+    ServiceAccount (in a namespace of its own), and that token can do nothing elsewhere."""
+    documents = list(
+        yaml.safe_load_all((PROJECT_ROOT / "compose/kubernetes/rbac.yaml").read_text())
+    )
+    assert [d["kind"] for d in documents] == ["ServiceAccount", "Role", "RoleBinding"]
+    async with namespace(admin, "rbac") as ns:
+        for document in documents:
+            document["metadata"]["namespace"] = ns
+            for subject in document.get("subjects", []):
+                subject["namespace"] = ns
+        account, role, binding = documents
+        await admin.core.create_namespaced_service_account(ns, account)
+        rbac = client.RbacAuthorizationV1Api(admin.api)
+        await rbac.create_namespaced_role(ns, role)
+        await rbac.create_namespaced_role_binding(ns, binding)
+        issued = await admin.core.create_namespaced_service_account_token(
+            account["metadata"]["name"], ns, {"spec": {"expirationSeconds": 3600}}
+        )
+        kubeconfig = yaml.safe_load(admin.kubeconfig.read_text())
+        kubeconfig["users"][0]["user"] = {"token": issued.status.token}
+        path = tmp_path / "kubeconfig"
+        path.write_text(yaml.safe_dump(kubeconfig))
+
+        driver = new_driver(admin, ns, kubeconfig=path)
+        key = keys()
+        try:
+            spec = launch_spec(key)
+            assert (await driver.launch(spec)).started
+            watching = await Watching.started(driver)
+            try:
+                await eventually(lambda: watching.of(key), bool, what="the listing")
+            finally:
+                await watching.close()
+            assert [r.generation for r in await driver.list()] == [1]
+            assert (await driver.stop(key, 1)).outcome == "succeeded"
+            assert await driver.claims(key) == [claim_name(key, spec.sandbox_id)]
+            assert (await driver.launch(launch_spec(key, 2, spec.sandbox_id))).started
+            assert await driver.delete(key) is True
+            assert await admin.pod_names(ns, key) == [] and await admin.claims(ns, key) == []
+        finally:
+            await driver.close()
+            await admin.remove_everything_of(ns, key)
+
+        elsewhere = new_driver(admin, "default", kubeconfig=path)
+        try:
+            with pytest.raises(DriverError, match="403") as forbidden:
+                await elsewhere.list()
+            assert not forbidden.value.retryable
+        finally:
+            await elsewhere.close()

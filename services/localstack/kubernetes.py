@@ -218,6 +218,16 @@ def _live_pid(pidfile: Path) -> int | None:
     return pid
 
 
+def _exited(pid: int) -> bool:
+    """The process is gone or a zombie: it has closed its files (and so its ports). Its exe
+    link disappears earlier, while it is still exiting."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
 def _spawn(name: str, settings: Settings, bins: KubeBinaries) -> subprocess.Popen[bytes]:
     p = paths(settings)
     cmd = component_command(name, settings, bins)
@@ -245,7 +255,7 @@ def _stop(name: str, settings: Settings, sig: signal.Signals = signal.SIGTERM) -
         return False
     os.kill(pid, sig)
     deadline = time.monotonic() + STOP_TIMEOUT
-    while _live_pid(pidfile) is not None:
+    while not _exited(pid):
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
             deadline = time.monotonic() + STOP_TIMEOUT
