@@ -35,6 +35,7 @@ from drivers.kube_objects import (
     ANNOTATION_LABELS,
     claim_name,
     is_label,
+    pod_labels,
     pod_name,
     read_pod,
 )
@@ -150,6 +151,54 @@ def test_labels_and_selectors_follow_kubernetes_rules() -> None:
     assert parse_node_selector("") == {}
     with pytest.raises(ValueError, match="expected KEY=VALUE"):
         parse_node_selector("disk")
+
+
+def pod_dict(
+    phase: str, *, terminated: int | None = None, deleting: bool = False, rv: str = "7"
+) -> dict[str, Any]:
+    """A sandstream Pod as the API server sends it (only the fields the driver reads)."""
+    spec = launch_spec("k", 2)
+    meta: dict[str, Any] = {
+        "name": pod_name("k", 2), "uid": "u-1", "resourceVersion": rv,
+        "creationTimestamp": "2026-01-01T00:00:00Z", "labels": pod_labels(spec),
+    }  # fmt: skip
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:01:00Z"
+    state: dict[str, Any] = {"running": {"startedAt": "2026-01-01T00:00:01Z"}}
+    if terminated is not None:
+        state = {"terminated": {"exitCode": terminated, "finishedAt": "2026-01-01T00:02:00Z"}}
+    status = {"phase": phase, "containerStatuses": [{"name": "sandbox", "state": state}]}
+    return {"metadata": meta, "status": status}
+
+
+def test_pod_phases_container_states_and_deletion_map_to_observations() -> None:
+    driver = KubernetesDriver()  # never connects: only its mapping is used
+    known: dict[str, tuple[str, int]] = {}
+    shapes: dict[str, Any] = {}
+
+    def seen(kind: str, pod: dict[str, Any]) -> list[tuple[str, int, str | None]]:
+        return kinds(driver._observe(kind, pod, known, shapes))
+
+    pending = pod_dict("Pending")
+    pending["status"] = {"phase": "Pending"}
+    assert seen("ADDED", pending) == [("created", 2, None)]
+    assert seen("MODIFIED", pod_dict("Running")) == [("running", 2, None)]
+    assert seen("MODIFIED", pod_dict("Running", rv="8")) == []  # nothing the fold knows changed
+    terminating = driver._observe("MODIFIED", pod_dict("Running", deleting=True), known, shapes)
+    assert kinds(terminating) == [("running", 2, None)]  # the stop in progress
+    assert terminating[0].observation_id == "k8s:u-1:7:terminating"
+    assert terminating[0].occurred_at.minute == 1  # since the deletion began
+    # The final status carried the exit: it is reported before the removal.
+    final = driver._observe("DELETED", pod_dict("Failed", terminated=143, rv="9"), known, shapes)
+    assert kinds(final) == [("exited", 2, "143"), ("removed", 2, None)]
+    assert [o.observation_id for o in final] == ["k8s:u-1:9:exited", "k8s:u-1:9:removed"]
+    assert known == {} and shapes == {}
+    succeeded = pod_dict("Succeeded")
+    succeeded["status"] = {"phase": "Succeeded"}
+    assert seen("MODIFIED", succeeded) == [("exited", 2, "0")]
+    foreign = pod_dict("Running")
+    foreign["metadata"]["labels"] = {"app": "web"}
+    assert seen("ADDED", foreign) == []
 
 
 # -- against the API server -------------------------------------------------------------------
@@ -398,3 +447,30 @@ async def test_the_role_in_compose_is_all_the_driver_needs(
             assert not forbidden.value.retryable
         finally:
             await elsewhere.close()
+
+
+async def test_two_drivers_doing_the_same_call_at_once_converge(
+    admin: Admin, ns: str, keys: Keys
+) -> None:
+    """A redelivered intent may run while the first call of it still runs (another executor):
+    both launches, both stops and both deletes succeed, and one of each happened."""
+    first, second = new_driver(admin, ns), new_driver(admin, ns)
+    key = keys()
+    try:
+        spec = launch_spec(key)
+        a, b = await asyncio.gather(first.launch(spec), second.launch(spec))
+        assert a.runtime_id == b.runtime_id and a.started
+        assert await admin.pod_names(ns, key) == [pod_name(key, 1)]
+        assert len(await admin.claims(ns, key)) == 1
+
+        stops = await asyncio.gather(first.stop(key, 1), second.stop(key, 1))
+        assert "succeeded" in {s.outcome for s in stops}
+        assert {s.outcome for s in stops} <= {"succeeded", "already_absent"}
+        assert await admin.pod_names(ns, key) == []
+
+        deletes = await asyncio.gather(first.delete(key), second.delete(key))
+        assert True in deletes
+        assert await admin.claims(ns, key) == []
+    finally:
+        await first.close()
+        await second.close()

@@ -147,7 +147,7 @@ def build(settings: Settings, say: Callable[[str], None]) -> None:
     _check_go()
     started = time.monotonic()
     bins = binaries(settings)
-    say(f"building the missing binaries into {bins.home} (first run: ~12 minutes)")
+    say(f"building the missing binaries into {bins.home} (a first build: ~10 minutes)")
     if not all(bins.kube(c).exists() for c in KUBE_COMMANDS):
         _build_kubernetes(settings, bins, say)
     if not bins.etcd.exists():
@@ -266,9 +266,9 @@ def _go_build(
     one). ``out`` is the binary for one package, the directory for several (named as go names
     them)."""
     started = time.monotonic()
-    names = ", ".join(p.rsplit("/", 1)[-1] for p in packages)
-    say(f"go build {names} (-p {settings.kube_build_jobs}) ...")
     single = len(packages) == 1
+    names = out.name if single else ", ".join(p.rsplit("/", 1)[-1] for p in packages)
+    say(f"go build {names} (-p {settings.kube_build_jobs}) ...")
     out_dir = out.parent if single else out
     scratch = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(scratch, ignore_errors=True)
