@@ -213,12 +213,12 @@ def parse_time(value: object) -> datetime | None:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
-def pod_state(pod: Pod) -> tuple[RuntimeState, int | None, datetime | None] | None:
-    """(state, exit code, since) of the sandbox container; None for a phase we cannot read.
+def pod_state(pod: Pod) -> tuple[RuntimeState, int | None, datetime | None]:
+    """(state, exit code, since) of the sandbox container.
 
     The container's own state wins (a terminated container with its exit code); otherwise the
     Pod phase: Pending is created, Running running, Succeeded exited 0, Failed exited with an
-    unknown code.
+    unknown code, Unknown (the node stopped reporting) running.
     """
     status = pod.get("status") or {}
     for cs in status.get("containerStatuses") or []:
@@ -244,7 +244,9 @@ def pod_state(pod: Pod) -> tuple[RuntimeState, int | None, datetime | None] | No
         return "exited", 0, None
     if phase == "Failed":
         return "exited", None, None
-    return None
+    # Unknown: the node stopped reporting. The container may still run, and the Pod must stay
+    # visible, so that stop and delete remove it.
+    return "running", None, None
 
 
 def _stop_timeout_label(value: object) -> int | None:
@@ -269,10 +271,7 @@ def read_pod(pod: Pod) -> PodView | None:
         return None
     if not _KEY.fullmatch(key) or generation < 1:
         return None
-    state = pod_state(pod)
-    if state is None:
-        return None
-    runtime_state, exit_code, since = state
+    runtime_state, exit_code, since = pod_state(pod)
     deleting = parse_time(meta.get("deletionTimestamp"))
     if deleting is not None and runtime_state != "exited":
         since = deleting  # the stop in progress began then

@@ -25,7 +25,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -206,13 +206,14 @@ class KubernetesDriver:
                             shapes.pop(uid, None)
                             yield removed(key, generation, uid, resource_version=None)
                     known = listed
-                async for kind, pod in self._watch_pods(version):
-                    delay = self.cfg.reconnect_delay
-                    version = str(pod.get("metadata", {}).get("resourceVersion") or version)
-                    if kind == "BOOKMARK":
-                        continue
-                    for observation in self._observe(kind, pod, known, shapes):
-                        yield observation
+                async with contextlib.aclosing(self._watch_pods(version)) as events:
+                    async for kind, pod in events:
+                        delay = self.cfg.reconnect_delay
+                        version = str(pod.get("metadata", {}).get("resourceVersion") or version)
+                        if kind == "BOOKMARK":
+                            continue
+                        for observation in self._observe(kind, pod, known, shapes):
+                            yield observation
                 delay = self.cfg.reconnect_delay  # the server ended the watch: resume at once
             except _Gone:
                 log.info("kubernetes watch: resourceVersion %s expired; listing again", version)
@@ -309,7 +310,13 @@ class KubernetesDriver:
         view = read_pod(created) if created else None
         if view is None:  # the name was taken: by a concurrent launch of ours, or a stranger
             existing = await self._read_pod(manifest["metadata"]["name"])
-            view = read_pod(existing) if existing else None
+            if existing is None:
+                raise DriverError(
+                    f"pod {manifest['metadata']['name']} was taken, then removed, while it was "
+                    "being created",
+                    retryable=True,
+                )
+            view = read_pod(existing)
             if view is None or view.info.generation != spec.generation:
                 raise DriverError(
                     f"pod name {manifest['metadata']['name']} is in use by a pod sandstream "
@@ -384,13 +391,14 @@ class KubernetesDriver:
             remaining = deadline - time.monotonic()
             if current is None or remaining <= 0:
                 raise _Deadline(current)
+            events = self._watch_pods(
+                current.resource_version,
+                field_selector=f"metadata.name={view.name}",
+                timeout_seconds=max(1, math.ceil(remaining)),
+            )
             with contextlib.suppress(_Gone, TimeoutError):
-                async with asyncio.timeout(remaining):
-                    async for kind, pod in self._watch_pods(
-                        current.resource_version,
-                        field_selector=f"metadata.name={view.name}",
-                        timeout_seconds=max(1, math.ceil(remaining)),
-                    ):
+                async with asyncio.timeout(remaining), contextlib.aclosing(events):
+                    async for kind, pod in events:
                         seen = read_pod(pod)
                         if kind == "BOOKMARK" or seen is None or seen.uid != view.uid:
                             continue
@@ -534,7 +542,7 @@ class KubernetesDriver:
         *,
         field_selector: str | None = None,
         timeout_seconds: int | None = None,
-    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    ) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
         """(event type, object) of one watch request from ``version``, until the server ends
         it. Raises _Gone on 410 and ApiStatusError on other error events.
 

@@ -325,3 +325,24 @@ class HoldingDriver:
         finally:
             task.cancel()
             self._queues.remove(queue)
+
+
+async def settled(admin: Admin, ns: str, timeout: float = 120.0) -> None:
+    """Wait until the cluster schedules and runs a Pod again: after an API server restart the
+    scheduler and kwok reconnect with back-offs of their own, and the next test must not pay
+    for them."""
+    name = f"settle-{uuid.uuid4().hex[:8]}"
+    pod = {
+        "metadata": {"name": name},
+        "spec": {"containers": [{"name": "c", "image": "registry.example/probe:1"}]},
+    }
+    await retrying(lambda: admin.core.create_namespaced_pod(ns, pod), "the probe Pod")
+    try:
+        await eventually(
+            lambda: admin.core.read_namespaced_pod(name, ns),
+            lambda p: p.status.phase == "Running",
+            timeout=timeout,
+            what="a probe Pod running after the restart",
+        )
+    finally:
+        await admin.delete_pod_now(ns, name)

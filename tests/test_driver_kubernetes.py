@@ -27,6 +27,7 @@ from kube_support import (
     new_driver,
     phase_of,
     retrying,
+    settled,
     wait_pods,
 )
 from kubernetes_asyncio import client
@@ -361,6 +362,7 @@ async def test_an_apiserver_restart_is_survived_and_its_410_answered_by_a_relist
         assert len(exited) == 1
     finally:
         await watching.close()
+        await settled(admin, ns)
 
 
 async def test_a_pod_that_never_terminates_delays_no_other_sandbox(

@@ -32,6 +32,7 @@ from kube_support import (
     namespace,
     new_driver,
     retrying,
+    settled,
     wait_pods,
 )
 from pipeline_support import command, history, running_plane, wait_phase
@@ -84,6 +85,15 @@ async def pipeline(
             yield env, pub
     finally:
         await driver.close()
+
+
+@asynccontextmanager
+async def settling(admin: Admin, ns: str) -> AsyncIterator[None]:
+    """On the way out, wait until the cluster runs Pods again (after a restart)."""
+    try:
+        yield
+    finally:
+        await settled(admin, ns)
 
 
 async def applied_phases(env: Env, key: str) -> list[str]:
@@ -269,7 +279,7 @@ async def test_an_apiserver_restart_loses_and_repeats_no_transition(
 ) -> None:
     exits, stops, later = keys(), keys(), keys()
     driver = new_driver(admin, ns)
-    async with pipeline(driver) as (env, pub):
+    async with pipeline(driver) as (env, pub), settling(admin, ns):
         for key in (exits, stops):
             await command(env, pub, f.create(key, sandbox_spec=SPEC))
             await wait_phase(env, key, "Ready")
@@ -282,10 +292,11 @@ async def test_an_apiserver_restart_loses_and_repeats_no_transition(
         await command(env, pub, f.stop(stops))
         await command(env, pub, f.create(later, sandbox_spec=SPEC))
 
-        failed = await wait_phase(env, exits, "Error")
+        # (The scheduler and kwok reconnect with back-offs of their own: up to ~15 s seen here.)
+        failed = await wait_phase(env, exits, "Error", timeout=90)
         assert failed["exit_code"] == 7
-        await wait_phase(env, stops, "Stopped")
-        await wait_phase(env, later, "Ready")
+        await wait_phase(env, stops, "Stopped", timeout=90)
+        await wait_phase(env, later, "Ready", timeout=90)
         await eventually(lambda: driver.listings, lambda n: n == 2, what="the relisting")
 
         # The relisting repeats what the watch had reported: ignored, no extra transition.

@@ -24,6 +24,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -219,13 +220,25 @@ def _live_pid(pidfile: Path) -> int | None:
 
 
 def _exited(pid: int) -> bool:
-    """The process is gone or a zombie: it has closed its files (and so its ports). Its exe
-    link disappears earlier, while it is still exiting."""
+    """The process is gone, or a zombie whose threads have all ended: its files (and so its
+    ports) are closed. Its exe link disappears earlier, while it is still exiting, and its main
+    thread turns zombie while the others still run."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        threads = len(os.listdir(f"/proc/{pid}/task"))
     except (OSError, IndexError):
         return True
-    return state in ("Z", "X")
+    return state in ("Z", "X") and threads <= 1
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _spawn(name: str, settings: Settings, bins: KubeBinaries) -> subprocess.Popen[bytes]:
@@ -453,6 +466,11 @@ def up(settings: Settings) -> Path:
 def start_apiserver(settings: Settings) -> None:
     """Start kube-apiserver (unless it runs) and wait for /readyz."""
     if _live_pid(paths(settings).pid("kube-apiserver")) is None:
+        _wait(
+            lambda: _port_free(settings.kube_apiserver_port),
+            what=f"port {settings.kube_apiserver_port} to be free",
+            component="kube-apiserver", settings=settings,
+        )  # fmt: skip
         proc = _spawn("kube-apiserver", settings, binaries(settings))
     else:
         proc = None
