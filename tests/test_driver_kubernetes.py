@@ -200,6 +200,11 @@ def test_pod_phases_container_states_and_deletion_map_to_observations() -> None:
     foreign = pod_dict("Running")
     foreign["metadata"]["labels"] = {"app": "web"}
     assert seen("ADDED", foreign) == []
+    # A node that stopped reporting: the Pod may still run, and stop and delete must see it.
+    lost = pod_dict("Unknown")
+    lost["status"] = {"phase": "Unknown"}
+    view = read_pod(lost)
+    assert view is not None and (view.info.state, view.info.exit_code) == ("running", None)
 
 
 # -- against the API server -------------------------------------------------------------------
