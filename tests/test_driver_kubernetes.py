@@ -37,6 +37,7 @@ from drivers.kube_objects import (
     claim_name,
     is_label,
     pod_labels,
+    pod_manifest,
     pod_name,
     read_pod,
 )
@@ -55,6 +56,7 @@ from drivers.protocol import (
 from events.common import SandboxSpec
 from events.observations import RuntimeRemoved, RuntimeSnapshot
 from services.common.settings import PROJECT_ROOT, Settings
+from services.executor.backends import describe_driver, driver_from_settings
 from services.localstack.kubernetes import restart_apiserver
 
 IMAGE = "registry.example/agent:1"
@@ -152,6 +154,27 @@ def test_labels_and_selectors_follow_kubernetes_rules() -> None:
     assert parse_node_selector("") == {}
     with pytest.raises(ValueError, match="expected KEY=VALUE"):
         parse_node_selector("disk")
+
+
+def test_settings_become_the_drivers_configuration(tmp_path: Path) -> None:
+    settings = Settings(
+        driver="kubernetes", kube_namespace="agents", kube_config=tmp_path / "kc",
+        kube_node_selector="disk=ssd", kube_storage_class="fast", kube_cpu_limit="500m",
+        kube_service_account="sandboxes", stop_timeout_seconds=7,
+    )  # fmt: skip
+    driver = driver_from_settings(settings)
+    assert isinstance(driver, KubernetesDriver)
+    cfg = driver.cfg
+    assert (cfg.namespace, cfg.kubeconfig, cfg.storage_class) == ("agents", tmp_path / "kc", "fast")
+    assert (cfg.node_selector, cfg.cpu_limit, cfg.stop_timeout) == ({"disk": "ssd"}, "500m", 7.0)
+    manifest = pod_manifest(launch_spec("k"), cfg.pod_settings)
+    assert manifest["spec"]["nodeSelector"] == {"disk": "ssd"}
+    assert manifest["spec"]["serviceAccountName"] == "sandboxes"
+    assert manifest["spec"]["containers"][0]["resources"] == {"limits": {"cpu": "500m"}}
+    assert describe_driver(settings) == f"kubernetes (namespace agents, {tmp_path / 'kc'})"
+    with pytest.raises(ValueError, match="node selector"):
+        driver_from_settings(settings.model_copy(update={"kube_node_selector": "ssd"}))
+    assert describe_driver(Settings()).startswith("podman (")
 
 
 def pod_dict(
