@@ -33,7 +33,7 @@ soak: stack
 	.venv/bin/pytest -q -m soak
 
 # -- Kubernetes: a real kube-apiserver with kwok as the node (services/localstack/kubernetes.py).
-# The first run builds it from the Go module proxy (~12 minutes of two cores); the binaries and
+# The first run builds it from the Go module proxy (~10 minutes of two cores); the binaries and
 # Go caches stay in ~/.cache/sandstream/kubernetes, so later runs start in seconds.
 k8s: setup  ## build what is missing and start the local Kubernetes cluster (idempotent)
 	$(PY) -m services.localstack.kubernetes up

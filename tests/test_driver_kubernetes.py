@@ -504,3 +504,33 @@ async def test_two_drivers_doing_the_same_call_at_once_converge(
     finally:
         await first.close()
         await second.close()
+
+
+async def test_a_pod_that_outlasts_its_deadlines_fails_the_call_retryably(
+    admin: Admin, ns: str, keys: Keys
+) -> None:
+    """A stop whose Pod is still terminating past grace + margin, and a launch whose Pod is never
+    scheduled, fail retryably and say what the backend looks like."""
+    driver = new_driver(admin, ns, stop_timeout=0, removal_margin=1.0, launch_timeout=1.0)
+    stuck, nowhere = keys(), keys()
+    try:
+        await driver.launch(launch_spec(stuck))
+        await admin.hold(ns, pod_name(stuck, 1))
+        with pytest.raises(DriverError) as stop_failed:
+            await driver.stop(stuck, 1)
+        assert stop_failed.value.retryable and stop_failed.value.observed == "running"
+        assert "still terminating" in stop_failed.value.reason
+        await admin.release(ns, pod_name(stuck, 1))
+        assert (await driver.stop(stuck, 1)).outcome in ("succeeded", "already_absent")
+
+        unschedulable = new_driver(admin, ns, node_selector={"sandstream.test/no": "node"},
+                                   launch_timeout=1.0)  # fmt: skip
+        try:
+            with pytest.raises(DriverError) as launch_failed:
+                await unschedulable.launch(launch_spec(nowhere))
+            assert launch_failed.value.retryable and launch_failed.value.observed == "created"
+            assert "not running 1s after its creation" in launch_failed.value.reason
+        finally:
+            await unschedulable.close()
+    finally:
+        await driver.close()

@@ -7,11 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from kube_support import admin_client
+from kube_support import START_HINT, admin_client
 
 from services.common.settings import Settings
 from services.localstack import kube_build as kb
-from services.localstack.kubernetes import COMPONENTS, component_command, render_kubeconfig
+from services.localstack.kubernetes import (
+    COMPONENTS,
+    component_command,
+    paths,
+    render_kubeconfig,
+    running,
+    up,
+)
 
 KUBERNETES_GO_MOD = """module k8s.io/kubernetes
 
@@ -87,3 +94,14 @@ async def test_without_a_cluster_the_kubernetes_tests_fail_and_say_how_to_start_
     with pytest.raises(pytest.fail.Exception, match="make k8s"):
         async with admin_client(settings):
             pass
+
+
+def test_up_leaves_a_running_cluster_alone(settings: Settings) -> None:
+    """The tests' cluster is running (or this fails like every Kubernetes test): a second `up`
+    returns its kubeconfig and restarts nothing."""
+    p = paths(settings)
+    if not running(settings):
+        pytest.fail(f"no local Kubernetes cluster: {START_HINT}")
+    before = {name: p.pid(name).read_text() for name in COMPONENTS}
+    assert up(settings) == p.kubeconfig
+    assert {name: p.pid(name).read_text() for name in COMPONENTS} == before

@@ -13,7 +13,7 @@ What is built, each through a small wrapper Go module (a ``require`` plus ``tool
 
 Everything lands in ``settings.kube_home_path`` (binaries, wrapper modules, Go build and module
 caches): a binary present there is never rebuilt, so only the first run on a machine pays for the
-build (about 12 minutes of two cores; docs in README.md).
+build (about 10 minutes of two cores; docs in README.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python -m services.localstack.kubernetes up | down | status | build | env
 
-``up`` builds what is missing (services/localstack/kube_build.py: ~12 minutes on the first run,
+``up`` builds what is missing (services/localstack/kube_build.py: ~10 minutes on the first run,
 cached outside the clone afterwards), then starts etcd, kube-apiserver, kube-controller-manager,
 kube-scheduler and kwok (the fake node: Pods reach Running without a kubelet or containers),
 registers one fake node, creates the ``sandstream-local`` StorageClass (the controller manager's
