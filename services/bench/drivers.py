@@ -288,6 +288,3 @@ async def main(settings: Settings, held_for: float = 30.0) -> None:
     figures, a_after = await unrelated_delay(settings, held_for)
     print(figures.line("ms", "target p99 < 100 ms"))
     print(f"  {'A tombstoned after its delete was released':<44} {a_after * 1000:6.1f} ms")
-    from services.bench import kube
-
-    await kube.main(settings)
