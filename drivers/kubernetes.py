@@ -173,6 +173,12 @@ class KubernetesDriver:
             self._stop, key, generation, timeout, key=key, generation=generation
         )
 
+    async def kill(self, key: str, generation: int) -> OpResult:
+        # Not under the key's lock: it may be held by the very stop this kill is forcing.
+        return await self._call(
+            self._kill, key, generation, key=key, generation=generation, exclusive=False
+        )
+
     async def delete(self, key: str, sandbox_id: UUID | None = None) -> bool:
         return await self._call(self._delete, key, sandbox_id, key=key, generation=None)
 
@@ -335,6 +341,17 @@ class KubernetesDriver:
             return OpResult("already_absent")
         return OpResult("succeeded", view.uid, last.info.exit_code)
 
+    async def _kill(self, key: str, generation: int) -> OpResult:
+        """Delete the generation's Pod with no grace period: the API server removes it at once
+        (a kubelet then SIGKILLs its container), and a stop waiting for it returns too."""
+        views = [v for v in await self._list_views(key) if v.info.generation == generation]
+        if not views:
+            return OpResult("already_absent")
+        last = await self._remove_pod(views[-1], 0.0)
+        if last is None:
+            return OpResult("already_absent")
+        return OpResult("succeeded", views[-1].uid, last.info.exit_code)
+
     async def _delete(self, key: str, sandbox_id: UUID | None) -> bool:
         views = [v for v in await self._list_views(key) if sandbox_id in (None, v.info.sandbox_id)]
         await asyncio.gather(*(self._remove_pod(v, self._grace(v)) for v in views))
@@ -364,9 +381,15 @@ class KubernetesDriver:
         deleted = await self._delete_object("pods", view.name, view.uid, grace=math.ceil(grace))
         if deleted is None:
             return None
+        # Read it back: a delete without grace (or of an unscheduled Pod) removes it at once, and
+        # a watch from the delete's answer would not see that removal again.
+        fresh = await self._read_pod(view.name)
+        current = read_pod(fresh) if fresh else None
+        if current is None or current.uid != view.uid:
+            return read_pod(deleted) or view
         limit = grace + self.cfg.removal_margin
         try:
-            _, last = await self._await_pod(read_pod(deleted) or view, lambda v: v is None, limit)
+            _, last = await self._await_pod(current, lambda v: v is None, limit)
         except _Deadline as exc:
             still = exc.last or view
             raise DriverError(
@@ -629,12 +652,17 @@ class KubernetesDriver:
         return out
 
     async def _call(
-        self, fn: Callable[..., Awaitable[T]], *args: Any, key: str | None, generation: int | None
+        self,
+        fn: Callable[..., Awaitable[T]],
+        *args: Any,
+        key: str | None,
+        generation: int | None,
+        exclusive: bool = True,
     ) -> T:
-        """Run one operation; calls with a ``key`` hold that key's lock. API and transport
-        errors become DriverErrors with the backend state they left (when it can be read)."""
+        """Run one operation; ``exclusive`` calls with a ``key`` hold that key's lock. API and
+        transport errors become DriverErrors with the backend state they left (if readable)."""
         try:
-            if key is None:
+            if key is None or not exclusive:
                 return await fn(*args)
             async with self._lock(key):
                 return await fn(*args)

@@ -289,6 +289,9 @@ class HoldingDriver:
     async def stop(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
         return await self.inner.stop(key, generation, timeout)
 
+    async def kill(self, key: str, generation: int) -> OpResult:
+        return await self.inner.kill(key, generation)
+
     async def delete(self, key: str, sandbox_id: uuid.UUID | None = None) -> bool:
         return await self.inner.delete(key, sandbox_id)
 

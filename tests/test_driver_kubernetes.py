@@ -534,3 +534,24 @@ async def test_a_pod_that_outlasts_its_deadlines_fails_the_call_retryably(
             await unschedulable.close()
     finally:
         await driver.close()
+
+
+async def test_kill_removes_the_pod_at_once_and_is_not_queued_behind_the_key(
+    admin: Admin, ns: str, keys: Keys
+) -> None:
+    """A kill removes the Pod without grace and returns: it neither waits for the key's lock
+    (a stop in progress holds it) nor for a removal it could only miss (the Pod is gone when
+    the delete answers; the old code waited out the whole margin for a watch event)."""
+    driver = new_driver(admin, ns, removal_margin=600.0)
+    key = keys()
+    try:
+        spec = launch_spec(key, stop_timeout_seconds=600)
+        await driver.launch(spec)
+        async with driver._lock(key):  # as a stop in progress holds it
+            killed = await asyncio.wait_for(driver.kill(key, 1), 30)
+        assert killed.outcome == "succeeded" and killed.runtime_id is not None
+        assert await admin.pod_names(ns, key) == []
+        assert await admin.claims(ns, key) == [claim_name(key, spec.sandbox_id)]
+        assert (await driver.kill(key, 1)).outcome == "already_absent"
+    finally:
+        await driver.close()
