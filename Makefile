@@ -3,7 +3,7 @@
 
 PY := .venv/bin/python
 
-.PHONY: setup stack up down lint test bench soak
+.PHONY: setup stack up down lint test bench soak k8s k8s-down
 
 setup:  ## install Debian packages and the virtualenv (idempotent)
 	bash compose/bootstrap.sh
@@ -14,7 +14,8 @@ stack: setup  ## start Kafka, PostgreSQL and the Podman service (idempotent)
 up: setup  ## the whole system: stack plus sandstream's own services
 	.venv/bin/sandstream up
 
-down:  ## stop what `make stack` started
+down:  ## stop what `make stack` and `make k8s` started
+	$(PY) -m services.localstack.kubernetes down
 	$(PY) -m services.localstack down
 
 lint: setup
@@ -22,11 +23,20 @@ lint: setup
 	.venv/bin/ruff format --check .
 	.venv/bin/mypy
 
-test: stack lint
+test: stack k8s lint
 	.venv/bin/pytest -q
 
-bench: stack
+bench: stack k8s
 	$(PY) -m services.bench
 
 soak: stack
 	.venv/bin/pytest -q -m soak
+
+# -- Kubernetes: a real kube-apiserver with kwok as the node (services/localstack/kubernetes.py).
+# The first run builds it from the Go module proxy (~10 minutes of two cores); the binaries and
+# Go caches stay in ~/.cache/sandstream/kubernetes, so later runs start in seconds.
+k8s: setup  ## build what is missing and start the local Kubernetes cluster (idempotent)
+	$(PY) -m services.localstack.kubernetes up
+
+k8s-down:  ## stop the local Kubernetes cluster
+	$(PY) -m services.localstack.kubernetes down

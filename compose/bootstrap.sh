@@ -8,7 +8,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
-PACKAGES=(podman runc catatonit busybox-static postgresql-15 openjdk-17-jre-headless maven)
+PACKAGES=(podman runc catatonit busybox-static postgresql-15 openjdk-17-jre-headless maven openssl)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do

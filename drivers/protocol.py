@@ -145,7 +145,7 @@ class DriverError(Exception):
 
 @runtime_checkable
 class Driver(Protocol):
-    """One container backend. Implementations: PodmanDriver, FakeDriver (Kubernetes: later)."""
+    """One container backend. Implementations: PodmanDriver, KubernetesDriver, FakeDriver."""
 
     async def launch(self, spec: LaunchSpec) -> LaunchResult:
         """Create and start the runtime of (key, sandbox_id, generation); idempotent.

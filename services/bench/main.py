@@ -7,6 +7,7 @@ import argparse
 import asyncio
 
 from services.bench import drivers as bench_drivers
+from services.bench import kube as bench_kube
 from services.bench.processor import latency, throughput
 from services.bench.profile import profile
 from services.bench.rebuild import rebuild_figures
@@ -30,6 +31,7 @@ async def run(which: str, quick: bool) -> None:
         await profile(settings, keys, settings.state_dir / "bench" / "processor.prof")
     if which in ("all", "drivers"):
         await bench_drivers.main(settings)
+        await bench_kube.main(settings)
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -61,6 +62,15 @@ def up_command(
     no_stack: Annotated[
         bool, typer.Option("--no-stack", help="do not start Kafka/PostgreSQL/Podman")
     ] = False,
+    driver: Annotated[
+        str | None, typer.Option("--driver", help="podman (default) or kubernetes")
+    ] = None,
+    kubeconfig: Annotated[
+        Path | None, typer.Option("--kubeconfig", help="kubeconfig of the cluster (kubernetes)")
+    ] = None,
+    namespace: Annotated[
+        str | None, typer.Option("--namespace", help="namespace of the sandbox Pods")
+    ] = None,
 ) -> None:
     """Start the stack, the control plane and the API in the foreground (Ctrl-C stops)."""
     from services.up.up import up
@@ -71,6 +81,14 @@ def up_command(
         update["api_port"] = port
     if host is not None:
         update["api_host"] = host
+    if driver is not None:
+        if driver not in ("podman", "kubernetes"):
+            raise CliError(f"--driver: expected podman or kubernetes, got {driver!r}")
+        update["driver"] = driver
+    if kubeconfig is not None:
+        update["kube_config"] = kubeconfig
+    if namespace is not None:
+        update["kube_namespace"] = namespace
     raise typer.Exit(up(settings.model_copy(update=update), start_stack=not no_stack))
 
 

@@ -8,8 +8,10 @@ overridden by an environment variable named ``SANDSTREAM_<FIELD>`` (e.g.
 from __future__ import annotations
 
 import json
+import os
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -72,6 +74,33 @@ class Settings(BaseSettings):
     podman_socket: Path | None = None
     sandbox_image: str = "localhost/sandstream-base:1"
     stop_timeout_seconds: int = Field(default=10, ge=0)
+
+    # Which driver `sandstream up` and `python -m services.executor` use.
+    driver: Literal["podman", "kubernetes"] = "podman"
+
+    # Kubernetes driver (drivers/kubernetes.py): which cluster, and how Pods are made there.
+    # kube_config None: $KUBECONFIG or ~/.kube/config, else the in-cluster service account.
+    kube_config: Path | None = None
+    kube_context: str | None = None
+    kube_namespace: str = "sandstream"
+    kube_service_account: str | None = None
+    kube_image_pull_policy: str = "IfNotPresent"
+    kube_cpu_limit: str | None = None  # e.g. "1", "500m"
+    kube_memory_limit: str | None = None  # e.g. "512Mi"
+    kube_node_selector: str = ""  # "key=value,key2=value2"
+    kube_storage_class: str | None = None  # None: workspace in an emptyDir (docs/drivers.md)
+    kube_workspace_size: str = "1Gi"
+    # The local cluster (services/localstack/kubernetes.py): binaries and Go caches live in
+    # kube_home (default $XDG_CACHE_HOME/sandstream/kubernetes, outside the clone, so that later
+    # runs on this machine are warm); the running cluster's files under state_dir/kubernetes.
+    kube_home: Path | None = None
+    kube_version: str = "v1.37.2"
+    kube_etcd_version: str = "v3.6.16"
+    kube_kwok_version: str = "v0.8.0"
+    kube_build_jobs: int = Field(default=2, ge=1)
+    kube_apiserver_port: int = 16443
+    kube_etcd_port: int = 16379  # and the next port for etcd's peer listener
+    kube_kwok_port: int = 16247
 
     # Executor and reconciler (services/executor.py, services/watcher.py)
     executor_concurrency: int = Field(default=64, ge=1)  # driver calls in flight at once
@@ -143,6 +172,13 @@ class Settings(BaseSettings):
     @property
     def podman_url(self) -> str:
         return f"unix://{self.podman_socket_path}"
+
+    @property
+    def kube_home_path(self) -> Path:
+        if self.kube_home:
+            return self.kube_home
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        return (Path(xdg) if xdg else Path.home() / ".cache") / "sandstream" / "kubernetes"
 
     @property
     def api_base_url(self) -> str:

@@ -1,14 +1,65 @@
-"""Drivers built from the settings: the one place where ``Settings`` meet a driver's arguments."""
+"""Drivers built from the settings: the one place where ``Settings`` meet a driver's arguments.
+
+``SANDSTREAM_DRIVER`` names the backend (``podman``, the default, or ``kubernetes``); the
+Kubernetes driver's configuration comes from ``SANDSTREAM_KUBE_*``. kubernetes-asyncio is
+imported only when that driver is used.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from drivers.podman import PodmanDriver
+from drivers.protocol import Driver
 from services.common.settings import Settings
+
+if TYPE_CHECKING:
+    from drivers.kubernetes import KubeConfig, KubernetesDriver
 
 
 def podman_driver(settings: Settings, **kwargs: Any) -> PodmanDriver:
     """A Podman driver for the configured API socket and default stop timeout."""
     kwargs.setdefault("stop_timeout", settings.stop_timeout_seconds)
     return PodmanDriver(settings.podman_url, **kwargs)
+
+
+def kube_config(settings: Settings) -> KubeConfig:
+    """The Kubernetes driver's configuration; ValueError names a malformed setting."""
+    from drivers.kubernetes import KubeConfig, parse_node_selector
+
+    return KubeConfig(
+        namespace=settings.kube_namespace,
+        kubeconfig=settings.kube_config,
+        context=settings.kube_context,
+        service_account=settings.kube_service_account,
+        image_pull_policy=settings.kube_image_pull_policy,
+        cpu_limit=settings.kube_cpu_limit,
+        memory_limit=settings.kube_memory_limit,
+        node_selector=parse_node_selector(settings.kube_node_selector),
+        storage_class=settings.kube_storage_class,
+        workspace_size=settings.kube_workspace_size,
+        stop_timeout=float(settings.stop_timeout_seconds),
+    )
+
+
+def kubernetes_driver(settings: Settings) -> KubernetesDriver:
+    from drivers.kubernetes import KubernetesDriver
+
+    return KubernetesDriver(kube_config(settings))
+
+
+def driver_from_settings(settings: Settings) -> Driver:
+    """The driver ``settings.driver`` names; ValueError for a malformed Kubernetes setting."""
+    if settings.driver == "kubernetes":
+        return kubernetes_driver(settings)
+    return podman_driver(settings)
+
+
+def describe_driver(settings: Settings, show: Callable[[Path], str] = str) -> str:
+    """One line for banners: which backend, where (paths through ``show``)."""
+    if settings.driver == "kubernetes":
+        where = show(settings.kube_config) if settings.kube_config else "default kubeconfig"
+        return f"kubernetes (namespace {settings.kube_namespace}, {where})"
+    return f"podman ({show(settings.podman_socket_path)})"

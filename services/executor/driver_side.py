@@ -1,7 +1,8 @@
 """The part of the control plane that touches a container backend: executor + watcher +
 reconciler around one driver, sharing one stop event (a crash of one stops all three).
 
-``python -m services.executor`` runs it alone with the Podman driver (``serve_driver_side``).
+``python -m services.executor`` runs it alone with the driver the settings name
+(``serve_driver_side``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from drivers.protocol import Driver
 from services.common.database import connect_pool
 from services.common.settings import Settings
 from services.common.tasks import Tasks
-from services.executor.backends import podman_driver
+from services.executor.backends import driver_from_settings
 from services.executor.credentials import LaunchCredentials
 from services.executor.executor import Executor, RetryPolicy
 from services.executor.reconcile import Reconciler
@@ -92,9 +93,9 @@ class DriverSide:
 
 
 async def serve_driver_side(settings: Settings, stop: asyncio.Event) -> None:
-    """Executor + watcher + reconciler with the Podman driver until ``stop`` (or a crash)."""
+    """Executor + watcher + reconciler with the settings' driver until ``stop`` (or a crash)."""
     pool = await connect_pool(settings)
-    driver = podman_driver(settings)
+    driver = driver_from_settings(settings)
     side = DriverSide(settings, driver, pool)
     try:
         await side.start()

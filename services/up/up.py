@@ -33,6 +33,7 @@ from services.common.credentials import create_key_file
 from services.common.log_filter import rate_limit_kafka_logs
 from services.common.migrations import apply_migrations
 from services.common.settings import Settings
+from services.executor.backends import describe_driver
 from services.localstack import stack
 
 log = logging.getLogger("sandstream.up")
@@ -161,7 +162,7 @@ class _Signals:
 
 async def _serve(settings: Settings, tokens: TokenSetup) -> int:
     from services.common.database import connect_pool
-    from services.executor.backends import podman_driver
+    from services.executor.backends import driver_from_settings
     from services.up.control_plane import open_control_plane
 
     loop = asyncio.get_running_loop()
@@ -178,7 +179,12 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
         )
         return 1
 
-    driver = podman_driver(settings)
+    try:
+        driver = driver_from_settings(settings)
+    except ValueError as exc:
+        print(f"sandstream up: {exc}", file=sys.stderr)
+        sock.close()
+        return 1
     plane = None
     pool = None
     publisher = CommandPublisher(settings.kafka_bootstrap, topic=settings.topic_commands)
@@ -254,7 +260,7 @@ def _banner(settings: Settings, url: str, tokens: TokenSetup, seconds: float) ->
         f"  API         {url}   (OpenAPI: {url}/docs)",
         f"  token       {token_line}",
         f"  tokens      {shown(tokens.tokens_file)}",
-        f"  driver      podman ({shown(settings.podman_socket_path)})",
+        f"  driver      {describe_driver(settings, shown)}",
         "  Ctrl-C stops sandstream; the stack keeps running (`sandstream down` stops it)",
     ]
     print("\n".join(lines), flush=True)

@@ -1,0 +1,376 @@
+"""Pure half of the Kubernetes driver: the objects it creates and how it reads them back.
+
+Pods and claims are plain JSON dicts (as the API server sends and takes them), so everything
+here is a function from dicts and specs to dicts, states and observations; nothing does I/O.
+The mapping is documented in docs/drivers.md ("Kubernetes mapping").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Final
+from uuid import UUID
+
+from drivers.protocol import (
+    IDENTITY_ENV,
+    LABEL_GENERATION,
+    LABEL_IDENTITY,
+    LABEL_KEY,
+    LABEL_MANAGED_BY,
+    LABEL_SANDBOX_ID,
+    LABEL_STOP_TIMEOUT,
+    MANAGED_BY,
+    WORKSPACE_PATH,
+    LaunchSpec,
+    RuntimeInfo,
+    grace_period,
+)
+from events.common import SANDBOX_NAME_PATTERN
+from events.observations import RuntimeRemoved, RuntimeSnapshot, RuntimeState
+
+Pod = Mapping[str, Any]
+
+ACTOR: Final = "kubernetes-watcher"
+CONTAINER: Final = "sandbox"  # the one container of a sandbox Pod
+WORKSPACE_VOLUME: Final = "workspace"
+# The sandbox's own labels, all of them, as JSON (Kubernetes label values are limited to 63
+# characters of a small alphabet; those that fit are Pod labels as well).
+ANNOTATION_LABELS: Final = "io.sandstream.labels"
+LABEL_PREFIX: Final = "io.sandstream."
+MANAGED_SELECTOR: Final = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+
+_KEY = re.compile(SANDBOX_NAME_PATTERN)
+_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
+_LABEL_PREFIX_PART = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?$")
+
+
+@dataclass(frozen=True)
+class PodSettings:
+    """How the driver shapes every Pod (from the driver's configuration)."""
+
+    stop_timeout: float = 10.0
+    service_account: str | None = None
+    image_pull_policy: str = "IfNotPresent"
+    cpu_limit: str | None = None
+    memory_limit: str | None = None
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    storage_class: str | None = None  # None: the workspace is an emptyDir (lives with the Pod)
+    workspace_size: str = "1Gi"
+
+
+def pod_name(key: str, generation: int) -> str:
+    return f"sandstream-{key}-g{generation}"
+
+
+def claim_name(key: str, sandbox_id: UUID) -> str:
+    return f"sandstream-{key}-{sandbox_id.hex[:12]}"
+
+
+def key_selector(key: str) -> str:
+    return f"{MANAGED_SELECTOR},{LABEL_KEY}={key}"
+
+
+def is_label(key: str, value: str) -> bool:
+    """True when (key, value) is a valid Kubernetes label."""
+    prefix, _, name = key.rpartition("/")
+    return (
+        bool(_LABEL_NAME.fullmatch(name))
+        and (not prefix or bool(_LABEL_PREFIX_PART.fullmatch(prefix)))
+        and bool(_LABEL_VALUE.fullmatch(value))
+    )
+
+
+def pod_labels(spec: LaunchSpec) -> dict[str, str]:
+    """The sandbox's own labels that are valid Kubernetes labels, then ours (ours win; its
+    labels under the reserved prefix are dropped, so a spec cannot forge a marker)."""
+    labels = {
+        k: v
+        for k, v in spec.spec.labels.items()
+        if not k.startswith(LABEL_PREFIX) and is_label(k, v)
+    }
+    labels.update(
+        {
+            LABEL_MANAGED_BY: MANAGED_BY,
+            LABEL_KEY: spec.key,
+            LABEL_SANDBOX_ID: str(spec.sandbox_id),
+            LABEL_GENERATION: str(spec.generation),
+            LABEL_IDENTITY: spec.identity,
+        }
+    )
+    if spec.spec.stop_timeout_seconds is not None:
+        labels[LABEL_STOP_TIMEOUT] = str(spec.spec.stop_timeout_seconds)
+    return labels
+
+
+def claim_manifest(spec: LaunchSpec, settings: PodSettings) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {
+            "name": claim_name(spec.key, spec.sandbox_id),
+            "labels": {
+                LABEL_MANAGED_BY: MANAGED_BY,
+                LABEL_KEY: spec.key,
+                LABEL_SANDBOX_ID: str(spec.sandbox_id),
+            },
+        },
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": settings.storage_class,
+            "resources": {"requests": {"storage": settings.workspace_size}},
+        },
+    }
+
+
+def pod_manifest(spec: LaunchSpec, settings: PodSettings) -> dict[str, Any]:
+    """The Pod of one generation: one container, never restarted, the workspace mounted."""
+    grace = grace_period(None, spec.spec.stop_timeout_seconds, settings.stop_timeout)
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": spec.spec.image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "env": [
+            {"name": k, "value": v}
+            for k, v in {**spec.spec.env, IDENTITY_ENV: spec.identity}.items()
+        ],
+        "volumeMounts": [{"name": WORKSPACE_VOLUME, "mountPath": WORKSPACE_PATH}],
+        "workingDir": WORKSPACE_PATH,
+    }
+    if spec.spec.command:
+        container["command"] = list(spec.spec.command)
+    limits = {"cpu": settings.cpu_limit, "memory": settings.memory_limit}
+    if any(limits.values()):
+        container["resources"] = {"limits": {k: v for k, v in limits.items() if v}}
+    if settings.storage_class is None:
+        workspace: dict[str, Any] = {"name": WORKSPACE_VOLUME, "emptyDir": {}}
+    else:
+        workspace = {
+            "name": WORKSPACE_VOLUME,
+            "persistentVolumeClaim": {"claimName": claim_name(spec.key, spec.sandbox_id)},
+        }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "restartPolicy": "Never",  # an exit is the sandbox's outcome (Completed or Error)
+        "terminationGracePeriodSeconds": math.ceil(grace),
+        "hostname": spec.key,
+        # The sandbox gets no credentials for the cluster it runs in.
+        "automountServiceAccountToken": False,
+        "volumes": [workspace],
+    }
+    if settings.service_account:
+        pod_spec["serviceAccountName"] = settings.service_account
+    if settings.node_selector:
+        pod_spec["nodeSelector"] = dict(settings.node_selector)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pod_name(spec.key, spec.generation),
+            "labels": pod_labels(spec),
+            "annotations": {ANNOTATION_LABELS: json.dumps(spec.spec.labels, sort_keys=True)},
+        },
+        "spec": pod_spec,
+    }
+
+
+# --------------------------------------------------------------------------- reading back
+
+
+@dataclass(frozen=True, slots=True)
+class PodView:
+    """A sandstream Pod as read back: identity from its labels, state from its status."""
+
+    info: RuntimeInfo
+    name: str
+    resource_version: str
+    terminating: bool  # a deletion timestamp is set: the stop is in progress
+    since: datetime | None  # when it entered its current state, if the status says
+    stop_timeout: int | None  # the sandbox's own grace period (its label), if any
+
+    @property
+    def uid(self) -> str:
+        return self.info.runtime_id
+
+
+def _meta(pod: Pod) -> Mapping[str, Any]:
+    meta = pod.get("metadata")
+    return meta if isinstance(meta, Mapping) else {}
+
+
+def parse_time(value: object) -> datetime | None:
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def pod_state(pod: Pod) -> tuple[RuntimeState, int | None, datetime | None]:
+    """(state, exit code, since) of the sandbox container.
+
+    The container's own state wins (a terminated container with its exit code); otherwise the
+    Pod phase: Pending is created, Running running, Succeeded exited 0, Failed exited with an
+    unknown code, Unknown (the node stopped reporting) running.
+    """
+    status = pod.get("status") or {}
+    for cs in status.get("containerStatuses") or []:
+        if cs.get("name") != CONTAINER:
+            continue
+        state = cs.get("state") or {}
+        if "terminated" in state:
+            done = state["terminated"] or {}
+            code = done.get("exitCode")
+            return (
+                "exited",
+                int(code) if code is not None else None,
+                parse_time(done.get("finishedAt")),
+            )
+        if "running" in state and status.get("phase") == "Running":
+            return "running", None, parse_time((state["running"] or {}).get("startedAt"))
+    phase = status.get("phase")
+    if phase == "Pending" or phase is None:
+        return "created", None, parse_time(_meta(pod).get("creationTimestamp"))
+    if phase == "Running":
+        return "running", None, parse_time(status.get("startTime"))
+    if phase == "Succeeded":
+        return "exited", 0, None
+    if phase == "Failed":
+        return "exited", None, None
+    # Unknown: the node stopped reporting. The container may still run, and the Pod must stay
+    # visible, so that stop and delete remove it.
+    return "running", None, None
+
+
+def _stop_timeout_label(value: object) -> int | None:
+    try:
+        seconds = int(str(value)) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and seconds >= 0 else None
+
+
+def read_pod(pod: Pod) -> PodView | None:
+    """The view of one of our Pods; None for a Pod without (valid) sandstream labels."""
+    meta = _meta(pod)
+    labels = meta.get("labels") or {}
+    if labels.get(LABEL_MANAGED_BY) != MANAGED_BY:
+        return None
+    key = str(labels.get(LABEL_KEY, ""))
+    try:
+        generation = int(labels.get(LABEL_GENERATION, ""))
+        sandbox_id = UUID(str(labels.get(LABEL_SANDBOX_ID, "")))
+    except ValueError:
+        return None
+    if not _KEY.fullmatch(key) or generation < 1:
+        return None
+    runtime_state, exit_code, since = pod_state(pod)
+    deleting = parse_time(meta.get("deletionTimestamp"))
+    if deleting is not None and runtime_state != "exited":
+        since = deleting  # the stop in progress began then
+    info = RuntimeInfo(
+        key=key,
+        sandbox_id=sandbox_id,
+        generation=generation,
+        state=runtime_state,
+        exit_code=exit_code,
+        runtime_id=str(meta.get("uid", "")),
+        identity=labels.get(LABEL_IDENTITY),
+    )
+    return PodView(
+        info=info,
+        name=str(meta.get("name", "")),
+        resource_version=str(meta.get("resourceVersion", "")),
+        terminating=meta.get("deletionTimestamp") is not None,
+        since=since,
+        stop_timeout=_stop_timeout_label(labels.get(LABEL_STOP_TIMEOUT)),
+    )
+
+
+def sort_views(views: list[PodView]) -> list[PodView]:
+    return sorted(views, key=lambda v: (v.info.key, v.info.generation, v.uid))
+
+
+# --------------------------------------------------------------------------- observations
+
+# What a watch event changes for the fold: the state, its exit code, and whether the stop is
+# in progress. Events that change none of these (conditions, IPs) are not reported.
+Shape = tuple[RuntimeState, int | None, bool]
+
+
+def shape(view: PodView) -> Shape:
+    return view.info.state, view.info.exit_code, view.terminating
+
+
+def snapshot(
+    view: PodView, *, source: str, actor: str = ACTOR, now: datetime | None = None
+) -> RuntimeSnapshot:
+    """A snapshot of a Pod. A terminating Pod whose container still runs is "running": the
+    stop is in progress (as Podman's "stopping"); it ends in an exit or a removal.
+
+    Ids: ``k8s:<uid>:<resourceVersion>:<state>`` for watch events (a redelivered event repeats
+    its id) and ``k8s-list:<uid>:<resourceVersion>:<state>`` for listings (stable while the
+    Pod is unchanged, so a relisting repeats it)."""
+    info = view.info
+    prefix = "k8s" if source == "watch" else "k8s-list"
+    suffix = "terminating" if view.terminating and info.state != "exited" else info.state
+    return RuntimeSnapshot(
+        type="RuntimeSnapshot",
+        observation_id=f"{prefix}:{info.runtime_id}:{view.resource_version}:{suffix}",
+        key=info.key,
+        generation=info.generation,
+        occurred_at=view.since or now or datetime.now(UTC),
+        actor=actor,
+        state=info.state,
+        exit_code=info.exit_code,
+        runtime_id=info.runtime_id,
+        source="watch" if source == "watch" else "list",
+    )
+
+
+def removed(
+    key: str,
+    generation: int,
+    runtime_id: str,
+    *,
+    resource_version: str | None,
+    actor: str = ACTOR,
+    now: datetime | None = None,
+) -> RuntimeRemoved:
+    """A Pod's deletion (from a watch event) or its absence from a relisting (no version)."""
+    observation_id = (
+        f"k8s:{runtime_id}:{resource_version}:removed"
+        if resource_version
+        else f"k8s-list:{runtime_id}:removed"
+    )
+    return RuntimeRemoved(
+        type="RuntimeRemoved",
+        observation_id=observation_id,
+        key=key,
+        generation=generation,
+        occurred_at=now or datetime.now(UTC),
+        actor=actor,
+        runtime_id=runtime_id,
+        source="watch" if resource_version else "list",
+    )
+
+
+def api_error_message(body: bytes | str | None) -> str:
+    """The ``message`` of a Kubernetes Status body, else the body itself (shortened)."""
+    if body is None:
+        return ""
+    text = body.decode(errors="replace") if isinstance(body, bytes) else body
+    try:
+        status = json.loads(text)
+    except ValueError:
+        return text[:300]
+    if isinstance(status, dict) and status.get("message"):
+        return str(status["message"])
+    return text[:300]
