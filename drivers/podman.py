@@ -39,6 +39,7 @@ from podman import PodmanClient
 from podman.api import prepare_filters
 from podman.errors import APIError, NotFound, PodmanError
 
+from drivers import podman_exec
 from drivers.protocol import (
     IDENTITY_ENV,
     LABEL_GENERATION,
@@ -50,6 +51,7 @@ from drivers.protocol import (
     MANAGED_BY,
     WORKSPACE_PATH,
     DriverError,
+    ExecEvent,
     LaunchResult,
     LaunchSpec,
     OpResult,
@@ -92,6 +94,17 @@ _KEY = re.compile(SANDBOX_NAME_PATTERN)
 LABEL_PREFIX: Final = "io.sandstream."
 # Errors a retry cannot fix, as Podman 4.3 words them (it answers most failures with a 500).
 _PERMANENT = ("image not known", "invalid reference format", "executable file not found")
+
+
+# Resource limits of every sandbox process. Core dumps off (soft and hard limit 0): a crashing
+# agent must not write its memory, secrets included, into the workspace, nor raise the limit.
+# Podman 4.3 drops containers.conf's default_ulimits once a container sets any limit and then
+# uses limits above the machine's hard ones, so nofile and nproc repeat compose/podman's values.
+SANDBOX_ULIMITS: Final[tuple[Mapping[str, Any], ...]] = (
+    {"Name": "core", "Soft": 0, "Hard": 0},
+    {"Name": "nofile", "Soft": 1024, "Hard": 1024},
+    {"Name": "nproc", "Soft": 1024, "Hard": 1024},
+)
 
 
 def container_name(key: str, generation: int) -> str:
@@ -491,6 +504,30 @@ class PodmanDriver:
             exclusive=False,
         )
 
+    async def exec_stream(
+        self,
+        key: str,
+        generation: int,
+        command: builtins.list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        workdir: str | None = None,
+    ) -> AsyncIterator[ExecEvent]:
+        """The ExecDriver capability: Podman's exec API, streamed (see drivers/podman_exec.py)."""
+        found = await self._call(
+            self._list_sync, key, None, generation, key=key, generation=None, what="exec",
+            exclusive=False,
+        )  # fmt: skip
+        if not found or found[-1].info.state != "running":
+            raise DriverError(f"no running runtime of {key} generation {generation}",
+                              retryable=False)  # fmt: skip
+        runtime_id = found[-1].info.runtime_id
+        async for event in podman_exec.exec_stream(
+            self.base_url, runtime_id, command, env=env, workdir=workdir,
+            request_timeout=self._request_timeout,
+        ):  # fmt: skip
+            yield event
+
     # -- plumbing ----------------------------------------------------------------------------
 
     def _lock(self, key: str) -> asyncio.Lock:
@@ -702,6 +739,7 @@ class PodmanDriver:
                 grace_period(None, spec.spec.stop_timeout_seconds, self.stop_timeout)
             ),
             "volumes": {volume: {"bind": WORKSPACE_PATH, "mode": "rw"}},
+            "ulimits": [dict(u) for u in SANDBOX_ULIMITS],
         }
         if spec.spec.command:
             args["command"] = builtins.list(spec.spec.command)
