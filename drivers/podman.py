@@ -28,7 +28,7 @@ import re
 import socket
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -512,7 +512,7 @@ class PodmanDriver:
         *,
         env: Mapping[str, str] | None = None,
         workdir: str | None = None,
-    ) -> AsyncIterator[ExecEvent]:
+    ) -> AsyncGenerator[ExecEvent, None]:
         """The ExecDriver capability: Podman's exec API, streamed (see drivers/podman_exec.py)."""
         found = await self._call(
             self._list_sync, key, None, generation, key=key, generation=None, what="exec",

@@ -15,7 +15,7 @@ import json
 import socket
 import struct
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from typing import Any, Final
 
 from podman import PodmanClient
@@ -97,7 +97,7 @@ async def exec_stream(
     env: Mapping[str, str] | None = None,
     workdir: str | None = None,
     request_timeout: float = 60.0,
-) -> AsyncIterator[ExecEvent]:
+) -> AsyncGenerator[ExecEvent, None]:
     """Run ``command`` in the container ``runtime_id``: its output as it comes, then the exit."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[ExecOutput | _Done] = asyncio.Queue()

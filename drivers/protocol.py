@@ -13,7 +13,7 @@ successes only.
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal, Protocol, TypeAlias, runtime_checkable
@@ -227,7 +227,7 @@ class ExecDriver(Protocol):
         *,
         env: Mapping[str, str] | None = None,
         workdir: str | None = None,
-    ) -> AsyncIterator[ExecEvent]:
+    ) -> AsyncGenerator[ExecEvent, None]:
         """Run ``command`` in the generation's runtime, inside the runtime (never on the host):
         output chunks as they come, then one :class:`ExecExit`.
 
