@@ -157,7 +157,10 @@ def cli_session(cli: Path, endpoint: str, home: Path) -> Iterator[tuple[list[str
     steps = [
         ["gateway", "add", endpoint, "--local", "--name", "sandstream"],
         ["status"],
-        ["sandbox", "create", "--name", name, "--detach", "--no-tty"],
+        # A main process of its own: the CLI's default (an interactive login shell, /bin/bash
+        # -l on a terminal) needs bash and a terminal, which a plain image and sandstream's
+        # terminal-less main processes do not give it.
+        ["sandbox", "create", "--name", name, "--detach", "--no-tty", "--", "sleep", "infinity"],
         ["sandbox", "get", name],
         ["sandbox", "list"],
         ["sandbox", "exec", "--name", name, "--no-tty", "--", "sh", "-c", "echo cli-exec-ok"],
