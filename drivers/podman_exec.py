@@ -60,16 +60,26 @@ def frames(raw: Any) -> Iterator[ExecOutput]:
             return
 
 
-def _shutdown(response: Any) -> None:
-    """Shut the stream's socket down, which wakes the thread blocked reading it."""
+def _socket_of(response: Any) -> socket.socket | None:
     raw = getattr(response, "raw", None)
     connection = getattr(raw, "connection", None) or getattr(raw, "_connection", None)
     sock = getattr(connection, "sock", None)
     if isinstance(sock, socket.socket):
+        return sock
+    # urllib3 may have let go of the connection object: the socket behind the file it reads
+    fp = getattr(getattr(raw, "_fp", None), "fp", None)
+    sock = getattr(getattr(fp, "raw", None), "_sock", None)
+    return sock if isinstance(sock, socket.socket) else None
+
+
+def _shutdown(response: Any) -> None:
+    """Shut the stream's socket down, which wakes the thread blocked reading it. Never close
+    the response here: closing waits for the reading thread's buffer lock (the thread closes
+    it itself once woken)."""
+    sock = _socket_of(response)
+    if sock is not None:
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
-    with contextlib.suppress(Exception):
-        response.close()
 
 
 def _exec_body(

@@ -22,14 +22,14 @@ from drivers.protocol import (
     LaunchSpec,
 )
 from events.common import SandboxSpec
-from services.settings import Settings
+from services.common.settings import Settings
 
 WAIT = 20.0
 
 
 @pytest.fixture
 async def driver(settings: Settings, podman: PodmanClient) -> AsyncIterator[PodmanDriver]:
-    drv = PodmanDriver(settings=settings, stop_timeout=1)
+    drv = PodmanDriver(settings.podman_url, stop_timeout=1)
     yield drv
     await drv.close()
 

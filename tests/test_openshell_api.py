@@ -19,12 +19,13 @@ from pipeline_support import history, podman_env, running_plane
 from podman import PodmanClient
 
 from events.publisher import CommandPublisher
-from services.auth import READ, WRITE, TokenStore
+from services.api.auth import READ, WRITE, TokenStore
+from services.api.gateway import CommandGateway
+from services.api.readmodel import ChangeFeed
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto import openshell_pb2_grpc
 from services.openshell.server import RunningOpenShell, start_openshell
 from services.openshell.service import COMMAND_ID_KEY
-from services.readmodel import ChangeFeed
 
 ADMIN = "sst_admin-token-for-tests"
 READER = "sst_reader-token-for-tests"
@@ -60,8 +61,9 @@ async def gateway(podman: PodmanClient) -> AsyncIterator[Gateway]:
         await feed.start()
         tokens = TokenStore.of(admin=(ADMIN, READ, WRITE), reader=(READER, READ))
         settings = env.settings.model_copy(update={"openshell_port": 0})
+        gateway = CommandGateway(env.pool, pub, feed)
         server = await start_openshell(
-            settings, pool=env.pool, publisher=pub, feed=feed, tokens=tokens, driver=driver
+            settings, pool=env.pool, gateway=gateway, tokens=tokens, driver=driver
         )
         try:
             async with grpc.aio.insecure_channel(server.address) as channel:

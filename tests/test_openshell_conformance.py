@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from services.common.settings import Settings
 from services.openshell.conformance import CLI_ENV, RUNNER_ENV, cli_session, run_suite, running_up
-from services.settings import Settings
 
 RUNS = 2  # twice in a row against one `up`: names, rows and containers of run 1 do not linger
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from events.common import Phase, SandboxSpec
+from services.api.readmodel import SandboxView, conditions
 from services.openshell import mapping
 from services.openshell.mapping import InvalidRequest, new_sandbox
 from services.openshell.proto import generate
 from services.openshell.proto import openshell_pb2 as pb
-from services.readmodel import SandboxView, conditions
 
 OS = pb.SandboxPhase
 IMAGE = "localhost/base:1"

@@ -28,17 +28,19 @@ from typing import Final
 
 import grpc
 
-from services.isolation import isolated
+from services.common.settings import PROJECT_ROOT, Settings, load_settings
+from services.localstack.isolation import isolated
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto import openshell_pb2_grpc
-from services.settings import PROJECT_ROOT, Settings, load_settings
 
 RUNNER_ENV: Final = "OPENSHELL_CONFORMANCE"
 CLI_ENV: Final = "OPENSHELL_CLI"
 UP_TIMEOUT: Final = 120.0
 RUN_TIMEOUT: Final = 600.0
 # `sandstream up` from this checkout (the installed script may belong to another one).
-UP_PROGRAM: Final = "import sys; from services.cli import main; sys.argv[0] = 'sandstream'; main()"
+UP_PROGRAM: Final = (
+    "import sys; from services.cli.main import main; sys.argv[0] = 'sandstream'; main()"
+)
 
 
 def free_port() -> int:

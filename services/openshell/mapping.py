@@ -19,9 +19,9 @@ from typing import Final
 from pydantic import ValidationError
 
 from events.common import SANDBOX_NAME_PATTERN, Phase, SandboxSpec
+from services.api.readmodel import SandboxView
 from services.openshell.proto import datamodel_pb2, openshell_pb2
 from services.openshell.proto.openshell_pb2 import SandboxPhase
-from services.readmodel import SandboxView
 
 DEFAULT_WORKSPACE: Final = "default"
 # The main process of a spec without a command: keeps the sandbox running until stopped.

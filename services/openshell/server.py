@@ -1,8 +1,8 @@
 """The OpenShell-compatible gRPC server (grpcio's asyncio server), in `up` or as its own role.
 
 ``start_openshell`` serves an :class:`OpenShellService` on ``host:port``. ``sandstream up``
-runs it beside the HTTP API and shares its publisher, pool and change feed; ``python -m
-services.openshell`` runs it alone (with its own, and a Podman driver for exec).
+runs it beside the HTTP API and shares its command gateway (the publisher), pool and change
+feed; ``python -m services.openshell`` runs it alone (with its own, and a Podman driver).
 
 Keep-alive: OpenShell's clients ping every 10 s, also on idle connections; grpc-core's default
 policy answers such pings with GOAWAY ("too many pings") after about 40 s, so the server
@@ -20,12 +20,13 @@ from typing import Final
 import grpc
 
 from events.publisher import CommandPublisher
-from services.auth import TokenStore
-from services.entrypoint import run_until_signalled
+from services.api.auth import TokenStore
+from services.api.gateway import CommandGateway
+from services.api.readmodel import ChangeFeed
+from services.common.entrypoint import run_until_signalled
+from services.common.settings import Settings
 from services.openshell.proto import openshell_pb2_grpc
 from services.openshell.service import Authenticator, OpenShellService, Pool
-from services.readmodel import ChangeFeed
-from services.settings import Settings
 
 log = logging.getLogger("sandstream.openshell")
 
@@ -71,8 +72,7 @@ async def start_openshell(
     settings: Settings,
     *,
     pool: Pool,
-    publisher: CommandPublisher,
-    feed: ChangeFeed,
+    gateway: CommandGateway,
     tokens: TokenStore,
     driver: object | None,
     driver_name: str = "podman",
@@ -83,8 +83,7 @@ async def start_openshell(
     check_settings(settings)
     service = OpenShellService(
         pool=pool,
-        publisher=publisher,
-        feed=feed,
+        gateway=gateway,
         auth=Authenticator(tokens, settings.openshell_allow_unauthenticated),
         driver=driver if isinstance(driver, ExecDriver) else None,
         driver_name=driver_name,
@@ -111,11 +110,11 @@ async def start_openshell(
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     """The OpenShell API as its own role: until ``stop`` is set."""
-    from drivers.podman import PodmanDriver
-    from services.processor import connect_pool
+    from services.common.database import connect_pool
+    from services.executor.backends import podman_driver
 
     tokens = TokenStore.from_file(settings.tokens_file)
-    driver = PodmanDriver(settings=settings)
+    driver = podman_driver(settings)
     pool = await connect_pool(settings)
     feed = ChangeFeed(pool)
     try:
@@ -123,8 +122,9 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             settings.kafka_bootstrap, topic=settings.topic_commands
         ) as publisher:
             await feed.start()
+            gateway = CommandGateway(pool, publisher, feed)
             running = await start_openshell(
-                settings, pool=pool, publisher=publisher, feed=feed, tokens=tokens, driver=driver
+                settings, pool=pool, gateway=gateway, tokens=tokens, driver=driver
             )
             log.info("OpenShell API on %s", running.address)
             try:

@@ -1,8 +1,9 @@
 """The servicer of ``openshell.v1.OpenShell``: a second door into the same house.
 
 Commands are built like the HTTP API builds them (a command id, the token's name as actor,
-``occurred_at`` at this edge) and go through the same publisher onto the commands topic; the
-answer waits for the processor's outcome of that command id. Reads come from the projection,
+``occurred_at`` at this edge) and go through the HTTP API's ``CommandGateway`` (the same
+publisher) onto the commands topic; the answer waits for the processor's outcome of that
+command id. Reads come from the projection,
 watches from the change feed that also serves ``/v1/watch``, exec from the driver (inside the
 sandbox). Nothing here keeps state of its own.
 
@@ -23,7 +24,6 @@ from typing import Final, NoReturn, TypeAlias
 
 import asyncpg
 import grpc
-from aiokafka.errors import KafkaError
 
 from drivers.protocol import DriverError, ExecDriver, ExecExit
 from events.commands import (
@@ -35,14 +35,15 @@ from events.commands import (
 )
 from events.common import SANDBOX_NAME_PATTERN, Phase
 from events.outcomes import Code, CommandOutcome
-from events.publisher import CommandPublisher, new_command_id, now
+from events.publisher import new_command_id, now
 from projections.store import SANDBOX_COLUMNS
-from services import readmodel
-from services.auth import READ, WRITE, Principal, TokenStore
+from services.api import readmodel
+from services.api.auth import READ, WRITE, Principal, TokenStore
+from services.api.gateway import CommandGateway, PublishFailed
+from services.api.readmodel import InvalidArgument, SandboxView
 from services.openshell import mapping
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto import sandbox_pb2
-from services.readmodel import ChangeFeed, InvalidArgument, SandboxView
 
 log = logging.getLogger("sandstream.openshell")
 
@@ -51,7 +52,6 @@ Context: TypeAlias = grpc.aio.ServicerContext[object, object]
 
 COMMAND_ID_KEY: Final = "sandstream-command-id"
 LOCAL_PRINCIPAL: Final = Principal("openshell-local", frozenset({READ, WRITE}))
-PUBLISH_TIMEOUT: Final = 15.0
 OUTCOME_WAIT: Final = 30.0  # seconds an RPC waits for the processor to decide its command
 _COMMAND_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -130,8 +130,7 @@ class OpenShellService:
         self,
         *,
         pool: Pool,
-        publisher: CommandPublisher,
-        feed: ChangeFeed,
+        gateway: CommandGateway,
         auth: Authenticator,
         driver: ExecDriver | None,
         driver_name: str,
@@ -139,8 +138,8 @@ class OpenShellService:
         outcome_wait: float = OUTCOME_WAIT,
     ) -> None:
         self.pool = pool
-        self.publisher = publisher
-        self.feed = feed
+        self.gateway = gateway
+        self.feed = gateway.feed
         self.auth = auth
         self.driver = driver
         self.driver_name = driver_name
@@ -167,40 +166,26 @@ class OpenShellService:
             )
         return given
 
-    async def _wait_outcome(self, command_id: str, key: str) -> CommandOutcome | None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.outcome_wait
-        while True:
-            mark = self.feed.mark()
-            outcome = await readmodel.get_outcome(self.pool, command_id, key)
-            remaining = deadline - loop.time()
-            if outcome is not None or remaining <= 0 or self.feed.closed:
-                return outcome
-            await self.feed.wait(mark, min(remaining, self.feed.poll_interval))
-
     async def _submit(self, command: Command, context: Context) -> CommandOutcome:
-        """The command's outcome: the known one for a retried command id, else publish and
-        wait for the processor. Rejections end the RPC with the matching status."""
-        outcome = await readmodel.get_outcome(self.pool, command.command_id, command.key)
+        """The command's outcome, through the HTTP API's gateway: the known one for a retried
+        command id, else published once and awaited. Rejections end the RPC with their status."""
+        try:
+            submitted = await self.gateway.submit(command, self.outcome_wait)
+        except PublishFailed:
+            await _abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                "Kafka did not acknowledge the command; it may still be applied: retry with "
+                f"metadata {COMMAND_ID_KEY}={command.command_id}",
+            )
+        outcome = submitted.outcome
         if outcome is None:
-            try:
-                await asyncio.wait_for(self.publisher.publish(command), PUBLISH_TIMEOUT)
-            except (KafkaError, TimeoutError) as exc:
-                log.warning("publishing %s %s failed: %r", command.type, command.command_id, exc)
-                await _abort(
-                    context,
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"Kafka did not acknowledge the command ({type(exc).__name__}); it may still "
-                    f"be applied: retry with metadata {COMMAND_ID_KEY}={command.command_id}",
-                )
-            outcome = await self._wait_outcome(command.command_id, command.key)
-            if outcome is None:
-                await _abort(
-                    context,
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"the command was published but not decided within {self.outcome_wait:.0f}s; "
-                    f"retry with metadata {COMMAND_ID_KEY}={command.command_id}",
-                )
+            await _abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"the command was published but not decided within {self.outcome_wait:.0f}s; "
+                f"retry with metadata {COMMAND_ID_KEY}={command.command_id}",
+            )
         if not outcome.accepted:
             await _abort(context, STATUS_OF[outcome.code], outcome.message)
         return outcome
