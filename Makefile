@@ -3,7 +3,7 @@
 
 PY := .venv/bin/python
 
-.PHONY: setup stack up down lint test bench soak
+.PHONY: setup stack up down lint test bench soak conformance
 
 setup:  ## install Debian packages and the virtualenv (idempotent)
 	bash compose/bootstrap.sh
@@ -30,3 +30,13 @@ bench: stack
 
 soak: stack
 	.venv/bin/pytest -q -m soak
+
+# OpenShell's conformance runner and CLI (see docs/openshell-compat.md): the shared tools folder
+# next to the checkout has builds; OPENSHELL_CONFORMANCE / OPENSHELL_CLI override.
+OPENSHELL_CONFORMANCE ?= $(abspath $(wildcard ../shared/tools/openshell/openshell-conformance))
+OPENSHELL_CLI ?= $(abspath $(wildcard ../shared/tools/openshell/openshell))
+export OPENSHELL_CONFORMANCE OPENSHELL_CLI
+
+conformance: stack  ## OpenShell's suite twice and its CLI against a `sandstream up` of their own
+	$(PY) -m services.openshell.conformance --runs 2
+	$(PY) -m services.openshell.conformance --cli
