@@ -6,14 +6,19 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
+import grpc
 import pytest
 
 from events.common import Phase, SandboxSpec
+from services.api.auth import READ, WRITE, Principal, TokenStore
 from services.api.readmodel import SandboxView, conditions
+from services.common.settings import Settings
 from services.openshell import mapping
 from services.openshell.mapping import InvalidRequest, new_sandbox
 from services.openshell.proto import generate
 from services.openshell.proto import openshell_pb2 as pb
+from services.openshell.server import OpenShellConfigError, check_settings
+from services.openshell.service import LOCAL_PRINCIPAL, Authenticator
 
 OS = pb.SandboxPhase
 IMAGE = "localhost/base:1"
@@ -208,3 +213,30 @@ def test_the_wire_names_are_openshells() -> None:
     assert pb.SandboxSpec.DESCRIPTOR.fields_by_name["command"].number == 12
     config = service.methods_by_name["GetSandboxConfig"]
     assert config.input_type.full_name == "openshell.sandbox.v1.GetSandboxConfigRequest"
+
+
+# -- auth and settings ---------------------------------------------------------------------------
+
+
+def test_unauthenticated_calls_only_when_allowed_and_credentials_are_always_checked() -> None:
+    tokens = TokenStore.of(admin=("sst_a", READ, WRITE), reader=("sst_r", READ))
+    strict, local = Authenticator(tokens), Authenticator(tokens, allow_unauthenticated=True)
+    assert strict.check({}, READ)[0] == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[index]
+    assert local.check({}, WRITE) == LOCAL_PRINCIPAL
+    assert (
+        local.check({"authorization": "Bearer sst_x"}, READ)[0] == grpc.StatusCode.UNAUTHENTICATED
+    )  # type: ignore[index]
+    assert (
+        local.check({"authorization": "Bearer sst_r"}, WRITE)[0]
+        == grpc.StatusCode.PERMISSION_DENIED
+    )  # type: ignore[index]
+    admin = strict.check({"authorization": "Bearer sst_a"}, WRITE)
+    assert isinstance(admin, Principal) and admin.name == "admin"
+
+
+def test_unauthenticated_calls_are_refused_off_loopback(settings: Settings) -> None:
+    check_settings(settings.model_copy(update={"openshell_allow_unauthenticated": True}))
+    check_settings(settings.model_copy(update={"openshell_host": "0.0.0.0"}))
+    exposed = {"openshell_allow_unauthenticated": True, "openshell_host": "0.0.0.0"}
+    with pytest.raises(OpenShellConfigError, match="loopback"):
+        check_settings(settings.model_copy(update=exposed))
