@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -17,7 +18,7 @@ from services.openshell import mapping
 from services.openshell.mapping import InvalidRequest, new_sandbox
 from services.openshell.proto import generate
 from services.openshell.proto import openshell_pb2 as pb
-from services.openshell.server import OpenShellConfigError, check_settings
+from services.openshell.server import OpenShellConfigError, check_settings, start_openshell
 from services.openshell.service import LOCAL_PRINCIPAL, Authenticator
 
 OS = pb.SandboxPhase
@@ -240,3 +241,26 @@ def test_unauthenticated_calls_are_refused_off_loopback(settings: Settings) -> N
     exposed = {"openshell_allow_unauthenticated": True, "openshell_host": "0.0.0.0"}
     with pytest.raises(OpenShellConfigError, match="loopback"):
         check_settings(settings.model_copy(update=exposed))
+
+
+async def test_a_second_server_on_a_taken_port_fails_to_start(settings: Settings) -> None:
+    idle = SimpleNamespace(feed=None)  # no call reaches the services: only binding is tested
+    first = await start_openshell(
+        settings.model_copy(update={"openshell_port": 0}),
+        pool=None,  # type: ignore[arg-type]
+        gateway=idle,  # type: ignore[arg-type]
+        tokens=TokenStore([]),
+        driver=None,
+    )
+    try:
+        port = int(first.address.rsplit(":", 1)[1])
+        with pytest.raises(OSError, match="SANDSTREAM_OPENSHELL_PORT"):
+            await start_openshell(
+                settings.model_copy(update={"openshell_port": port}),
+                pool=None,  # type: ignore[arg-type]
+                gateway=idle,  # type: ignore[arg-type]
+                tokens=TokenStore([]),
+                driver=None,
+            )
+    finally:
+        await first.stop(0)

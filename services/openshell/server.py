@@ -34,6 +34,9 @@ SERVER_OPTIONS: Final = (
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    # grpc-core binds with SO_REUSEPORT by default: a second `up` would share the port and
+    # get half of the first one's calls instead of failing to start.
+    ("grpc.so_reuseport", 0),
 )
 STOP_GRACE: Final = 5.0  # seconds running calls get to finish when the server stops
 
@@ -97,12 +100,13 @@ async def start_openshell(
         if ":" in host
         else f"{host}:{settings.openshell_port}"
     )
+    hint = "set SANDSTREAM_OPENSHELL_PORT (--openshell-port) or turn it off (--no-openshell)"
     try:
         port = server.add_insecure_port(target)
     except RuntimeError as exc:
-        raise OSError(f"cannot listen on {target}: {exc}") from exc
+        raise OSError(f"OpenShell API: cannot listen on {target} ({exc}); {hint}") from exc
     if port == 0:
-        raise OSError(f"cannot listen on {target}")
+        raise OSError(f"OpenShell API: cannot listen on {target}; {hint}")
     await server.start()
     shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
     return RunningOpenShell(server, f"{shown}:{port}")
