@@ -364,4 +364,8 @@ async def test_exec_timeout_stdin_and_watch_stop_on_terminal(gateway: Gateway) -
     assert await stream.read() is grpc.aio.EOF  # Ready is terminal: the stream ends
     other = pb.ListSandboxesRequest(workspace="elsewhere")
     assert not (await gateway.stub.ListSandboxes(other, metadata=auth())).sandboxes
+    elsewhere = pb.GetSandboxRequest(name=name, workspace="elsewhere")
+    assert await status_of(gateway.stub.GetSandbox(elsewhere, metadata=auth())) == (
+        grpc.StatusCode.NOT_FOUND
+    )
     await gateway.stub.DeleteSandbox(pb.DeleteSandboxRequest(name=name), metadata=auth())
