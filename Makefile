@@ -3,7 +3,7 @@
 
 PY := .venv/bin/python
 
-.PHONY: setup stack up down lint test bench soak k8s k8s-down
+.PHONY: setup stack up down lint test bench soak k8s k8s-down conformance
 
 setup:  ## install Debian packages and the virtualenv (idempotent)
 	bash compose/bootstrap.sh
@@ -40,3 +40,13 @@ k8s: setup  ## build what is missing and start the local Kubernetes cluster (ide
 
 k8s-down:  ## stop the local Kubernetes cluster
 	$(PY) -m services.localstack.kubernetes down
+
+# OpenShell's conformance runner and CLI (see docs/openshell-compat.md): the shared tools folder
+# next to the checkout has builds; OPENSHELL_CONFORMANCE / OPENSHELL_CLI override.
+OPENSHELL_CONFORMANCE ?= $(abspath $(wildcard ../shared/tools/openshell/openshell-conformance))
+OPENSHELL_CLI ?= $(abspath $(wildcard ../shared/tools/openshell/openshell))
+export OPENSHELL_CONFORMANCE OPENSHELL_CLI
+
+conformance: stack  ## OpenShell's suite twice and its CLI against a `sandstream up` of their own
+	$(PY) -m services.openshell.conformance --runs 2
+	$(PY) -m services.openshell.conformance --cli

@@ -37,7 +37,7 @@ import re
 import socket
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -48,6 +48,7 @@ from podman import PodmanClient
 from podman.api import prepare_filters
 from podman.errors import APIError, NotFound, PodmanError
 
+from drivers import podman_exec
 from drivers.protocol import (
     IDENTITY_ENV,
     LABEL_GENERATION,
@@ -59,6 +60,7 @@ from drivers.protocol import (
     MANAGED_BY,
     WORKSPACE_PATH,
     DriverError,
+    ExecEvent,
     LaunchResult,
     LaunchSpec,
     OpResult,
@@ -558,6 +560,30 @@ class PodmanDriver:
             what="exec",
             exclusive=False,
         )
+
+    async def exec_stream(
+        self,
+        key: str,
+        generation: int,
+        command: builtins.list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        workdir: str | None = None,
+    ) -> AsyncGenerator[ExecEvent, None]:
+        """The ExecDriver capability: Podman's exec API, streamed (see drivers/podman_exec.py)."""
+        found = await self._call(
+            self._list_sync, key, None, generation, key=key, generation=None, what="exec",
+            exclusive=False,
+        )  # fmt: skip
+        if not found or found[-1].info.state != "running":
+            raise DriverError(f"no running runtime of {key} generation {generation}",
+                              retryable=False)  # fmt: skip
+        runtime_id = found[-1].info.runtime_id
+        async for event in podman_exec.exec_stream(
+            self.base_url, runtime_id, command, env=env, workdir=workdir,
+            request_timeout=self._request_timeout,
+        ):  # fmt: skip
+            yield event
 
     # -- plumbing ----------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ successes only.
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal, Protocol, TypeAlias, runtime_checkable
@@ -204,6 +204,46 @@ class Driver(Protocol):
 
     async def close(self) -> None:
         """Release connections; watchers end."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ExecOutput:
+    """A chunk of a command's output, as the runtime delivered it."""
+
+    stream: Literal["stdout", "stderr"]
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ExecExit:
+    """The command ended: always the last event of an exec stream."""
+
+    exit_code: int
+
+
+ExecEvent: TypeAlias = ExecOutput | ExecExit
+
+
+@runtime_checkable
+class ExecDriver(Protocol):
+    """A driver that can run a command in a running runtime (an optional capability)."""
+
+    def exec_stream(
+        self,
+        key: str,
+        generation: int,
+        command: builtins.list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        workdir: str | None = None,
+    ) -> AsyncGenerator[ExecEvent, None]:
+        """Run ``command`` in the generation's runtime, inside the runtime (never on the host):
+        output chunks as they come, then one :class:`ExecExit`.
+
+        Raises DriverError when the runtime does not exist or is not running. Leaving the
+        iteration early stops reading; the command itself is not signalled.
+        """
         ...
 
 

@@ -15,8 +15,11 @@ layers (events, projections, drivers) and, of services/, only what this list nam
   Imports common, audit.
 - ``localstack``: the local stack (Kafka, PostgreSQL, Podman) and isolated test environments.
   Imports common.
+- ``openshell``: the OpenShell-compatible gRPC API (a second door beside the HTTP API), its
+  protos, and the runners of OpenShell's conformance suite and CLI. Imports common, api,
+  executor, localstack.
 - ``up``: the one-process local default (control plane + API; ``up``/``down``). Imports
-  common, processor, executor, scheduler, api, localstack.
+  common, processor, executor, scheduler, api, localstack, openshell.
 - ``cli``: the ``sandstream`` command, one module per command group. Imports common, api,
   processor, up, audit.
 - ``bench``: the benchmarks. Imports common, processor, executor, api, up, localstack.

@@ -76,6 +76,7 @@ async def up(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Up]:
             **env.env_vars(),
             "SANDSTREAM_RUN_DIR": str(run_dir),
             "SANDSTREAM_API_PORT": "0",
+            "SANDSTREAM_OPENSHELL_PORT": "0",
             "COLUMNS": "200",
         }
         for inherited in ("SANDSTREAM_TOKEN", "SANDSTREAM_TOKEN_FILE", "SANDSTREAM_API_URL"):

@@ -25,7 +25,8 @@ ALLOWED: dict[str, set[str]] = {
     "scheduler": {"common"},
     "api": {"common", "audit"},
     "localstack": {"common"},
-    "up": {"common", "processor", "executor", "scheduler", "api", "localstack"},
+    "openshell": {"common", "api", "executor", "localstack"},
+    "up": {"common", "processor", "executor", "scheduler", "api", "localstack", "openshell"},
     "cli": {"common", "api", "processor", "up", "audit"},
     "bench": {"common", "processor", "executor", "api", "up", "localstack"},
 }

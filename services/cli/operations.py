@@ -71,12 +71,31 @@ def up_command(
     namespace: Annotated[
         str | None, typer.Option("--namespace", help="namespace of the sandbox Pods")
     ] = None,
+    openshell_port: Annotated[
+        int | None, typer.Option("--openshell-port", help="OpenShell gRPC port (default 8788)")
+    ] = None,
+    no_openshell: Annotated[
+        bool, typer.Option("--no-openshell", help="do not serve OpenShell's gRPC API")
+    ] = False,
+    openshell_unauthenticated: Annotated[
+        bool,
+        typer.Option(
+            "--openshell-allow-unauthenticated",
+            help="accept OpenShell calls without a token (loopback only, for local use)",
+        ),
+    ] = False,
 ) -> None:
     """Start the stack, the control plane and the API in the foreground (Ctrl-C stops)."""
     from services.up.up import up
 
     settings = settings_of(ctx)
     update: dict[str, Any] = {}
+    if openshell_port is not None:
+        update["openshell_port"] = openshell_port
+    if no_openshell:
+        update["openshell_enabled"] = False
+    if openshell_unauthenticated:
+        update["openshell_allow_unauthenticated"] = True
     if port is not None:
         update["api_port"] = port
     if host is not None:

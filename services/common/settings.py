@@ -136,6 +136,13 @@ class Settings(BaseSettings):
     api_port: int = 8787
     # Where clients (the CLI) reach the API; default http://{api_host}:{api_port}.
     api_url: str | None = None
+    # OpenShell-compatible gRPC API (services/openshell/), run by `sandstream up` when enabled.
+    openshell_enabled: bool = True
+    openshell_host: str = "127.0.0.1"
+    openshell_port: int = Field(default=8788, ge=0, le=65535)
+    # Calls without a bearer token act as a local admin: for local use (OpenShell's conformance
+    # suite sends no credentials); refused unless openshell_host is a loopback address.
+    openshell_allow_unauthenticated: bool = False
     # Tokens file, admin token and pid file of `sandstream up` (default: state_dir).
     run_dir: Path | None = None
     # Request bodies above this are refused (413) unread; it stays below Kafka's message size

@@ -35,6 +35,12 @@ from services.common.migrations import apply_migrations
 from services.common.settings import Settings
 from services.executor.backends import describe_driver
 from services.localstack import stack
+from services.openshell.server import (
+    OpenShellConfigError,
+    RunningOpenShell,
+    check_settings,
+    start_openshell,
+)
 
 log = logging.getLogger("sandstream.up")
 
@@ -113,6 +119,11 @@ def _release_pid_file(settings: Settings) -> None:
 def up(settings: Settings, *, start_stack: bool = True) -> int:
     """Run the control plane and the API in the foreground; the process exit code."""
     configure_logging()
+    try:
+        check_settings(settings)
+    except OpenShellConfigError as exc:
+        print(f"sandstream up: {exc}", file=sys.stderr)
+        return 1
     if not _claim_pid_file(settings):
         print(
             f"sandstream up is already running (pid {running_up(settings)}); "
@@ -190,6 +201,7 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
     publisher = CommandPublisher(settings.kafka_bootstrap, topic=settings.topic_commands)
     api = None
     sync_task: asyncio.Future[None] | None = None
+    openshell: RunningOpenShell | None = None
     code = 0
     try:
         started = time.monotonic()
@@ -200,7 +212,16 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
             settings, pool, publisher, TokenStore.from_file(tokens.tokens_file), down=plane.down
         )
         api = await start_api(app, settings.api_host, settings.api_port, sock=sock)
-        _banner(settings, api.url, tokens, time.monotonic() - started)
+        if settings.openshell_enabled:
+            # A second door: the API's command gateway, pool and change feed, the same driver.
+            openshell = await start_openshell(
+                settings,
+                pool=pool,
+                gateway=app.state.api.gateway,
+                tokens=app.state.tokens,
+                driver=driver,
+            )
+        _banner(settings, api.url, tokens, time.monotonic() - started, openshell)
         if settings.provider_sync_dir is not None:
             sync = ProviderSync(app.state.providers, settings.provider_sync_dir)
             sync_task = asyncio.ensure_future(sync.run(signals.stop))
@@ -228,6 +249,8 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
             sync_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await sync_task
+        if openshell is not None:
+            await openshell.stop()
         if api is not None:
             await api.stop()
         else:
@@ -246,7 +269,13 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
     return code
 
 
-def _banner(settings: Settings, url: str, tokens: TokenSetup, seconds: float) -> None:
+def _banner(
+    settings: Settings,
+    url: str,
+    tokens: TokenSetup,
+    seconds: float,
+    openshell: RunningOpenShell | None = None,
+) -> None:
     token_line = shown(tokens.admin_token_file)
     if tokens.created:
         token_line += "  (new admin token)"
@@ -258,12 +287,22 @@ def _banner(settings: Settings, url: str, tokens: TokenSetup, seconds: float) ->
     lines = [
         f"sandstream is up ({seconds:.1f}s)",
         f"  API         {url}   (OpenAPI: {url}/docs)",
+        f"  OpenShell   {_openshell_line(settings, openshell)}",
         f"  token       {token_line}",
         f"  tokens      {shown(tokens.tokens_file)}",
         f"  driver      {describe_driver(settings, shown)}",
         "  Ctrl-C stops sandstream; the stack keeps running (`sandstream down` stops it)",
     ]
     print("\n".join(lines), flush=True)
+
+
+def _openshell_line(settings: Settings, openshell: RunningOpenShell | None) -> str:
+    if openshell is None:
+        return "off"
+    line = f"grpc://{openshell.address}   (OpenShell's gRPC API)"
+    if settings.openshell_allow_unauthenticated:
+        line += "  unauthenticated local calls allowed"
+    return line
 
 
 # ---------------------------------------------------------------------------------------------

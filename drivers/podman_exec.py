@@ -1,0 +1,212 @@
+"""Streamed exec in a Podman container: Podman's exec API, read by a thread into a queue.
+
+``POST /containers/{id}/exec`` creates the exec session, ``POST /exec/{id}/start`` streams the
+output multiplexed in frames (an 8-byte header: stream type, three zero bytes, big-endian
+length), and ``GET /exec/{id}/json`` gives the exit code once the stream has ended. The
+command runs inside the container: nothing is spawned in the calling process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import json
+import socket
+import struct
+import threading
+from collections.abc import AsyncGenerator, Iterator, Mapping
+from typing import Any, Final
+
+from podman import PodmanClient
+
+from drivers.protocol import DriverError, ExecEvent, ExecExit, ExecOutput
+
+_STREAMS: Final = {1: "stdout", 2: "stderr"}
+_HEADER: Final = struct.Struct(">BxxxL")
+
+
+class _Done:
+    """Queue marker: the output ended (``error`` says why, None for a clean end)."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+
+def _read_exact(raw: Any, size: int) -> bytes:
+    """``size`` bytes, fewer only at the end of the stream."""
+    chunks = []
+    while size > 0:
+        chunk = raw.read(size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+def frames(raw: Any) -> Iterator[ExecOutput]:
+    """The frames of a multiplexed exec stream (stdin frames, type 0, are dropped)."""
+    while True:
+        header = _read_exact(raw, _HEADER.size)
+        if len(header) < _HEADER.size:
+            return
+        kind, length = _HEADER.unpack(header)
+        data = _read_exact(raw, length)
+        stream = _STREAMS.get(kind)
+        if stream is not None and data:
+            yield ExecOutput(stream, data)  # type: ignore[arg-type]
+        if len(data) < length:
+            return
+
+
+def _socket_of(response: Any) -> socket.socket | None:
+    raw = getattr(response, "raw", None)
+    connection = getattr(raw, "connection", None) or getattr(raw, "_connection", None)
+    sock = getattr(connection, "sock", None)
+    if isinstance(sock, socket.socket):
+        return sock
+    # urllib3 may have let go of the connection object: the socket behind the file it reads
+    fp = getattr(getattr(raw, "_fp", None), "fp", None)
+    sock = getattr(getattr(fp, "raw", None), "_sock", None)
+    return sock if isinstance(sock, socket.socket) else None
+
+
+def _shutdown(response: Any) -> None:
+    """Shut the stream's socket down, which wakes the thread blocked reading it. Never close
+    the response here: closing waits for the reading thread's buffer lock (the thread closes
+    it itself once woken)."""
+    sock = _socket_of(response)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+def _exec_body(
+    command: builtins.list[str], env: Mapping[str, str] | None, workdir: str | None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "AttachStdin": False,
+        "AttachStdout": True,
+        "AttachStderr": True,
+        "Tty": False,
+        "Cmd": builtins.list(command),
+    }
+    if env:
+        body["Env"] = [f"{k}={v}" for k, v in env.items()]
+    if workdir:
+        body["WorkingDir"] = workdir
+    return body
+
+
+async def exec_stream(
+    base_url: str,
+    runtime_id: str,
+    command: builtins.list[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    workdir: str | None = None,
+    request_timeout: float = 60.0,
+) -> AsyncGenerator[ExecEvent, None]:
+    """Run ``command`` in the container ``runtime_id``: its output as it comes, then the exit."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[ExecOutput | _Done] = asyncio.Queue()
+    started: asyncio.Future[str] = loop.create_future()
+    leaving = threading.Event()
+    holder: dict[str, Any] = {}
+
+    def put(item: ExecOutput | _Done) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def settle(value: str | BaseException) -> None:
+        def _set() -> None:
+            if started.done():
+                return
+            if isinstance(value, BaseException):
+                started.set_exception(value)
+            else:
+                started.set_result(value)
+
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_set)
+
+    def run() -> None:
+        client = PodmanClient(base_url=base_url, timeout=request_timeout)
+        response: Any = None
+        try:
+            created = client.api.post(
+                f"/containers/{runtime_id}/exec",
+                data=json.dumps(_exec_body(command, env, workdir)),
+            )
+            if created.status_code == 404:
+                settle(DriverError(f"exec: no container {runtime_id}", retryable=False))
+                return
+            if created.status_code == 409:
+                settle(DriverError("exec: the runtime is not running", retryable=False))
+                return
+            created.raise_for_status()
+            exec_id = str(created.json()["Id"])
+            # The output may idle for as long as the command likes: no read timeout.
+            response = client.api.post(
+                f"/exec/{exec_id}/start",
+                data=json.dumps({"Detach": False, "Tty": False}),
+                stream=True,
+                timeout=(request_timeout, None),
+            )
+            if response.status_code == 409:
+                settle(DriverError("exec: the runtime is not running", retryable=False))
+                return
+            response.raise_for_status()
+            holder["response"] = response
+            settle(exec_id)
+            if leaving.is_set():
+                return
+            for output in frames(response.raw):
+                if leaving.is_set():
+                    return
+                put(output)
+            put(_Done(None))
+        except Exception as exc:  # every failure goes to the caller
+            if not started.done():
+                settle(exc)
+            put(_Done(exc))
+        finally:
+            if response is not None:
+                with contextlib.suppress(Exception):
+                    response.close()
+            client.close()  # type: ignore[no-untyped-call]
+
+    thread = threading.Thread(target=run, name="podman-exec", daemon=True)
+    thread.start()
+    try:
+        try:
+            exec_id = await started
+        except DriverError:
+            raise
+        except Exception as exc:
+            raise DriverError(f"exec failed: {exc}", retryable=False) from exc
+        while not isinstance(item := await queue.get(), _Done):
+            yield item
+        if item.error is not None:
+            raise DriverError(f"exec output broke off: {item.error}", retryable=True)
+        code = await asyncio.to_thread(_exit_code, base_url, exec_id, request_timeout)
+        yield ExecExit(code)
+    finally:
+        leaving.set()
+        response = holder.get("response")
+        if response is not None:
+            _shutdown(response)
+
+
+def _exit_code(base_url: str, exec_id: str, request_timeout: float) -> int:
+    with PodmanClient(base_url=base_url, timeout=request_timeout) as client:
+        # The stream ends when the process's output closes; the exit is recorded just after.
+        for _ in range(50):
+            info = client.api.get(f"/exec/{exec_id}/json")
+            info.raise_for_status()
+            body = info.json()
+            if not body.get("Running") and body.get("ExitCode") is not None:
+                return int(body["ExitCode"])
+            threading.Event().wait(0.02)
+    raise DriverError(f"exec {exec_id}: no exit code recorded", retryable=True)

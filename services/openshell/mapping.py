@@ -1,0 +1,204 @@
+"""OpenShell's resource model <-> sandstream's: pure functions, no I/O.
+
+See docs/openshell-compat.md for the mapping in prose. Phases: sandstream's Completed (the main
+process ended with 0) is STOPPED, with its exit code, and a tombstone (Deleted) is only ever
+seen by a watch, as DELETING, right before the stream ends. ``metadata.id`` is the
+incarnation's stable id, ``metadata.resource_version`` the row version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Final
+
+from pydantic import ValidationError
+
+from events.common import SANDBOX_NAME_PATTERN, Phase, SandboxSpec
+from services.api.readmodel import SandboxView
+from services.openshell.proto import datamodel_pb2, openshell_pb2
+from services.openshell.proto.openshell_pb2 import SandboxPhase
+
+DEFAULT_WORKSPACE: Final = "default"
+# The main process of a spec without a command: keeps the sandbox running until stopped.
+DEFAULT_COMMAND: Final = ("sleep", "infinity")
+GENERATED_PREFIX: Final = "sandbox-"
+
+PHASES: Final[Mapping[Phase, SandboxPhase.ValueType]] = {
+    Phase.PROVISIONING: SandboxPhase.SANDBOX_PHASE_PROVISIONING,
+    Phase.STARTING: SandboxPhase.SANDBOX_PHASE_STARTING,
+    Phase.READY: SandboxPhase.SANDBOX_PHASE_READY,
+    Phase.STOPPING: SandboxPhase.SANDBOX_PHASE_STOPPING,
+    Phase.STOPPED: SandboxPhase.SANDBOX_PHASE_STOPPED,
+    Phase.COMPLETED: SandboxPhase.SANDBOX_PHASE_STOPPED,
+    Phase.ERROR: SandboxPhase.SANDBOX_PHASE_ERROR,
+    Phase.DELETING: SandboxPhase.SANDBOX_PHASE_DELETING,
+    Phase.DELETED: SandboxPhase.SANDBOX_PHASE_DELETING,
+}
+_NAME = re.compile(SANDBOX_NAME_PATTERN)
+
+
+class InvalidRequest(ValueError):
+    """A request that cannot be mapped: INVALID_ARGUMENT with this message (naming the field)."""
+
+
+def phase_of(phase: Phase) -> SandboxPhase.ValueType:
+    return PHASES[phase]
+
+
+def _millis(moment: datetime) -> int:
+    return int(moment.timestamp() * 1000)
+
+
+def sandbox_message(view: SandboxView) -> openshell_pb2.Sandbox:
+    """The OpenShell resource of a sandstream row."""
+    deleting = view.phase in (Phase.DELETING, Phase.DELETED)
+    metadata = datamodel_pb2.ObjectMeta(
+        id=str(view.id),
+        name=view.name,
+        created_at_ms=_millis(view.created_at),
+        labels=view.labels,
+        resource_version=view.version,
+        workspace=DEFAULT_WORKSPACE,
+        deletion_timestamp_ms=_millis(view.updated_at) if deleting else 0,
+    )
+    spec = openshell_pb2.SandboxSpec(
+        environment=view.spec.env,
+        template=openshell_pb2.SandboxTemplate(image=view.spec.image, labels=view.labels),
+        providers=view.providers,
+        command=view.spec.command,
+    )
+    changed = view.updated_at.isoformat()
+    status = openshell_pb2.SandboxStatus(
+        sandbox_name=view.name,
+        conditions=[
+            openshell_pb2.SandboxCondition(
+                type=c.type,
+                status=c.status,
+                reason=c.reason,
+                message=c.message,
+                last_transition_time=changed,
+            )
+            for c in view.conditions
+        ],
+        phase=phase_of(view.phase),
+    )
+    if view.exit_code is not None and view.phase in (Phase.ERROR, Phase.COMPLETED):
+        status.exit_code = view.exit_code
+    return openshell_pb2.Sandbox(metadata=metadata, spec=spec, status=status)
+
+
+# ---------------------------------------------------------------------------------------------
+# Create requests
+
+
+@dataclass(frozen=True, slots=True)
+class NewSandbox:
+    name: str
+    spec: SandboxSpec
+    providers: list[str]
+
+
+def sandbox_name(requested: str, command_id: str | None) -> str:
+    """The requested name, checked; or a generated one (derived from the command id, when
+    there is one, so that a retry of the same command names the same sandbox)."""
+    if requested:
+        if not _NAME.fullmatch(requested):
+            raise InvalidRequest(
+                f"name {requested!r}: must be a DNS label: 1-63 lowercase letters, digits or "
+                "'-', starting and ending with a letter or digit"
+            )
+        return requested
+    seed = command_id if command_id is not None else uuid.uuid4().hex
+    return GENERATED_PREFIX + hashlib.sha256(seed.encode()).hexdigest()[:10]
+
+
+def _describe(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors()[:5]:
+        where = ".".join(str(p) for p in item["loc"])
+        parts.append(f"{where}: {item['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
+
+
+_FIELDS_OF_SPEC: Final = {"image": "spec.template.image", "command": "spec.command",
+                          "env": "spec.environment", "labels": "labels"}  # fmt: skip
+
+
+def new_sandbox(
+    request: openshell_pb2.CreateSandboxRequest, *, default_image: str, command_id: str | None
+) -> NewSandbox:
+    """The sandstream sandbox a CreateSandbox request asks for; InvalidRequest if it cannot be.
+
+    The spec is checked before a name is generated (a request without a spec names nothing).
+    """
+    if not request.HasField("spec"):
+        raise InvalidRequest("spec: required")
+    spec = request.spec
+    if spec.resource_requirements.HasField("gpu"):
+        gpu = spec.resource_requirements.gpu
+        if gpu.HasField("count") and gpu.count == 0:
+            raise InvalidRequest("spec.resource_requirements.gpu.count: must be at least 1")
+        raise InvalidRequest("spec.resource_requirements.gpu: sandstream's drivers have no GPUs")
+    template = spec.template
+    unsupported = [
+        ("annotations", bool(request.annotations)),
+        ("spec.template.annotations", bool(template.annotations)),
+        ("spec.template.runtime_class_name", bool(template.runtime_class_name)),
+        ("spec.template.agent_socket", bool(template.agent_socket)),
+        ("spec.template.user_namespaces", template.HasField("user_namespaces")),
+    ]
+    for field, given in unsupported:
+        if given:
+            raise InvalidRequest(f"{field}: not supported by sandstream")
+    if request.workspace not in ("", DEFAULT_WORKSPACE):
+        raise InvalidRequest(f"workspace {request.workspace!r}: only {DEFAULT_WORKSPACE!r} exists")
+    labels = {**template.labels, **request.labels}
+    env = {**template.environment, **spec.environment}
+    try:
+        checked = SandboxSpec(
+            image=template.image or default_image,
+            command=list(spec.command) or list(DEFAULT_COMMAND),
+            env=env,
+            labels=labels,
+        )
+    except ValidationError as exc:
+        message = _describe(exc)
+        for ours, theirs in _FIELDS_OF_SPEC.items():
+            message = message.replace(f"{ours}:", f"{theirs}:").replace(f"{ours}.", f"{theirs}.")
+        raise InvalidRequest(message) from None
+    providers = list(spec.providers)
+    for provider in providers:
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", provider):
+            raise InvalidRequest(f"spec.providers: invalid provider name {provider!r}")
+    return NewSandbox(sandbox_name(request.name, command_id), checked, providers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lists
+
+
+def label_filters(selector: str) -> list[str]:
+    """``k1=v1,k2=v2`` (equality, ANDed) as the read model's ``key=value`` filters."""
+    filters = []
+    for part in selector.split(","):
+        term = part.strip()
+        if not term:
+            continue
+        key, sep, value = term.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or "=" in value or key.endswith("!"):
+            raise InvalidRequest(f"label_selector: expected key=value[,key=value], got {term!r}")
+        filters.append(f"{key}={value}")
+    return filters
+
+
+def page(
+    items: list[openshell_pb2.Sandbox], limit: int, offset: int
+) -> list[openshell_pb2.Sandbox]:
+    """OpenShell's limit/offset over the full list (sorted by name); limit 0 means all."""
+    return items[offset : offset + limit] if limit else items[offset:]

@@ -1,0 +1,145 @@
+"""The OpenShell-compatible gRPC server (grpcio's asyncio server), in `up` or as its own role.
+
+``start_openshell`` serves an :class:`OpenShellService` on ``host:port``. ``sandstream up``
+runs it beside the HTTP API and shares its command gateway (the publisher), pool and change
+feed; ``python -m services.openshell`` runs it alone (with its own, and a Podman driver).
+
+Keep-alive: OpenShell's clients ping every 10 s, also on idle connections; grpc-core's default
+policy answers such pings with GOAWAY ("too many pings") after about 40 s, so the server
+accepts pings every 5 s with or without calls and never counts strikes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+from dataclasses import dataclass
+from typing import Final
+
+import grpc
+
+from events.publisher import CommandPublisher
+from services.api.auth import TokenStore
+from services.api.gateway import CommandGateway
+from services.api.readmodel import ChangeFeed
+from services.common.entrypoint import run_until_signalled
+from services.common.settings import Settings
+from services.openshell.proto import openshell_pb2_grpc
+from services.openshell.service import Authenticator, OpenShellService, Pool
+
+log = logging.getLogger("sandstream.openshell")
+
+SERVER_OPTIONS: Final = (
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    # grpc-core binds with SO_REUSEPORT by default: a second `up` would share the port and
+    # get half of the first one's calls instead of failing to start.
+    ("grpc.so_reuseport", 0),
+)
+STOP_GRACE: Final = 5.0  # seconds running calls get to finish when the server stops
+
+
+class OpenShellConfigError(ValueError):
+    """Settings the server refuses to run with."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_settings(settings: Settings) -> None:
+    if settings.openshell_allow_unauthenticated and not is_loopback(settings.openshell_host):
+        raise OpenShellConfigError(
+            "unauthenticated OpenShell calls are for local use only: openshell_host "
+            f"{settings.openshell_host!r} is not a loopback address"
+        )
+
+
+@dataclass
+class RunningOpenShell:
+    server: grpc.aio.Server
+    address: str  # host:port actually bound
+
+    async def stop(self, grace: float = STOP_GRACE) -> None:
+        await self.server.stop(grace)
+
+
+async def start_openshell(
+    settings: Settings,
+    *,
+    pool: Pool,
+    gateway: CommandGateway,
+    tokens: TokenStore,
+    driver: object | None,
+    driver_name: str = "podman",
+) -> RunningOpenShell:
+    """Start serving; raises OpenShellConfigError or OSError (the port is taken)."""
+    from drivers.protocol import ExecDriver
+
+    check_settings(settings)
+    service = OpenShellService(
+        pool=pool,
+        gateway=gateway,
+        auth=Authenticator(tokens, settings.openshell_allow_unauthenticated),
+        driver=driver if isinstance(driver, ExecDriver) else None,
+        driver_name=driver_name,
+        default_image=settings.sandbox_image,
+    )
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    openshell_pb2_grpc.add_OpenShellServicer_to_server(service, server)  # type: ignore[arg-type]
+    host = settings.openshell_host
+    target = (
+        f"[{host}]:{settings.openshell_port}"
+        if ":" in host
+        else f"{host}:{settings.openshell_port}"
+    )
+    hint = "set SANDSTREAM_OPENSHELL_PORT (--openshell-port) or turn it off (--no-openshell)"
+    try:
+        port = server.add_insecure_port(target)
+    except RuntimeError as exc:
+        raise OSError(f"OpenShell API: cannot listen on {target} ({exc}); {hint}") from exc
+    if port == 0:
+        raise OSError(f"OpenShell API: cannot listen on {target}; {hint}")
+    await server.start()
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    return RunningOpenShell(server, f"{shown}:{port}")
+
+
+async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    """The OpenShell API as its own role: until ``stop`` is set."""
+    from services.common.database import connect_pool
+    from services.executor.backends import podman_driver
+
+    tokens = TokenStore.from_file(settings.tokens_file)
+    driver = podman_driver(settings)
+    pool = await connect_pool(settings)
+    feed = ChangeFeed(pool)
+    try:
+        async with CommandPublisher(
+            settings.kafka_bootstrap, topic=settings.topic_commands
+        ) as publisher:
+            await feed.start()
+            gateway = CommandGateway(pool, publisher, feed)
+            running = await start_openshell(
+                settings, pool=pool, gateway=gateway, tokens=tokens, driver=driver
+            )
+            log.info("OpenShell API on %s", running.address)
+            try:
+                await stop.wait()
+            finally:
+                await feed.close()
+                await running.stop()
+    finally:
+        await pool.close()
+        await driver.close()
+
+
+def main() -> None:
+    run_until_signalled(serve)

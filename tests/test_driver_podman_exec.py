@@ -1,0 +1,125 @@
+"""Streamed exec and the core-dump limit of the Podman driver, on the real Podman service.
+
+Fails (never skips) when the service or the sandbox image is missing (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from podman import PodmanClient
+
+from drivers.podman import PodmanDriver
+from drivers.protocol import (
+    DriverError,
+    ExecDriver,
+    ExecEvent,
+    ExecExit,
+    ExecOutput,
+    LaunchSpec,
+)
+from events.common import SandboxSpec
+from services.common.settings import Settings
+
+WAIT = 20.0
+
+
+@pytest.fixture
+async def driver(settings: Settings, podman: PodmanClient) -> AsyncIterator[PodmanDriver]:
+    drv = PodmanDriver(settings.podman_url, stop_timeout=1)
+    yield drv
+    await drv.close()
+
+
+@pytest.fixture
+async def running(
+    driver: PodmanDriver, settings: Settings
+) -> AsyncIterator[Callable[[], asyncio.Future[str]]]:
+    """Launches sandboxes (generation 1, a sleeping main process); deletes them afterwards."""
+    made: list[str] = []
+
+    async def launch() -> str:
+        key = f"exec-{uuid.uuid4().hex[:10]}"
+        made.append(key)
+        spec = SandboxSpec(image=settings.sandbox_image, command=["sleep", "3600"])
+        await driver.launch(LaunchSpec(key, uuid.uuid4(), 1, f"rid-{key}", spec))
+        return key
+
+    yield lambda: asyncio.ensure_future(launch())
+    for key in made:
+        await driver.delete(key)
+
+
+async def collect(stream: AsyncIterator[ExecEvent]) -> list[ExecEvent]:
+    return [event async for event in stream]
+
+
+def joined(events: list[ExecEvent], stream: str) -> bytes:
+    return b"".join(e.data for e in events if isinstance(e, ExecOutput) and e.stream == stream)
+
+
+def test_podman_driver_has_the_exec_capability(driver: PodmanDriver) -> None:
+    assert isinstance(driver, ExecDriver)
+
+
+async def test_exec_streams_stdout_and_stderr_apart_then_the_exit_code(
+    driver: PodmanDriver, running: Callable[[], asyncio.Future[str]]
+) -> None:
+    key = await running()
+    events = await asyncio.wait_for(
+        collect(driver.exec_stream(key, 1, ["sh", "-c", "printf out; printf err >&2; exit 3"])),
+        WAIT,
+    )
+    assert joined(events, "stdout") == b"out"
+    assert joined(events, "stderr") == b"err"
+    assert events[-1] == ExecExit(3)
+    assert sum(isinstance(e, ExecExit) for e in events) == 1
+
+
+async def test_exec_passes_environment_and_working_directory(
+    driver: PodmanDriver, running: Callable[[], asyncio.Future[str]]
+) -> None:
+    key = await running()
+    stream = driver.exec_stream(
+        key, 1, ["sh", "-c", 'echo "$GREETING $(pwd)"'], env={"GREETING": "hi"}, workdir="/tmp"
+    )
+    events = await asyncio.wait_for(collect(stream), WAIT)
+    assert joined(events, "stdout") == b"hi /tmp\n"
+    assert events[-1] == ExecExit(0)
+
+
+async def test_exec_output_arrives_while_the_command_still_runs(
+    driver: PodmanDriver, running: Callable[[], asyncio.Future[str]]
+) -> None:
+    key = await running()
+    stream = driver.exec_stream(key, 1, ["sh", "-c", "echo first; sleep 600"])
+    first = await asyncio.wait_for(anext(stream), WAIT)
+    assert first == ExecOutput("stdout", b"first\n")
+    await asyncio.wait_for(stream.aclose(), WAIT)  # leaving early does not wait for the command
+
+
+async def test_exec_in_a_missing_or_stopped_runtime_is_a_driver_error(
+    driver: PodmanDriver, running: Callable[[], asyncio.Future[str]]
+) -> None:
+    with pytest.raises(DriverError):
+        await collect(driver.exec_stream(f"exec-none-{uuid.uuid4().hex[:6]}", 1, ["true"]))
+    key = await running()
+    await driver.stop(key, 1, timeout=1)
+    with pytest.raises(DriverError, match="no running runtime"):
+        await collect(driver.exec_stream(key, 1, ["true"]))
+
+
+async def test_sandbox_processes_have_core_dumps_off(
+    driver: PodmanDriver, running: Callable[[], asyncio.Future[str]]
+) -> None:
+    key = await running()
+    # The exec'd shell (soft and hard limit) and the main process (PID 1 is the init process).
+    script = "ulimit -c; ulimit -Hc; grep 'Max core file size' /proc/1/limits"
+    events = await asyncio.wait_for(collect(driver.exec_stream(key, 1, ["sh", "-c", script])), WAIT)
+    soft, hard, main = joined(events, "stdout").decode().splitlines()
+    assert (soft, hard) == ("0", "0")
+    assert main.split()[4:6] == ["0", "0"], main
+    assert events[-1] == ExecExit(0)

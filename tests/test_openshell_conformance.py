@@ -1,0 +1,54 @@
+"""OpenShell's own conformance suite and CLI against `sandstream up` (real Kafka, PostgreSQL,
+Podman; an isolated environment of their own).
+
+The tools are OpenShell's builds, not part of this repository: ``OPENSHELL_CONFORMANCE`` and
+``OPENSHELL_CLI`` name them (``.ci/run`` sets both when the shared tools folder has them). A
+variable that is set but names no executable fails the test; an unset one skips it, saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from services.common.settings import Settings
+from services.openshell.conformance import CLI_ENV, RUNNER_ENV, cli_session, run_suite, running_up
+
+RUNS = 2  # twice in a row against one `up`: names, rows and containers of run 1 do not linger
+
+
+def openshell_tool(env_name: str) -> Path:
+    if not os.environ.get(env_name):
+        pytest.skip(f"{env_name} is not set: OpenShell's tool is not available here")
+    path = Path(os.environ[env_name])
+    assert path.is_file() and os.access(path, os.X_OK), f"{env_name}={path}: not an executable"
+    return path
+
+
+async def test_openshell_conformance_suite_passes_twice_in_a_row(
+    settings: Settings, tmp_path: Path
+) -> None:
+    runner = openshell_tool(RUNNER_ENV)
+    async with running_up(settings, tmp_path) as up:
+        codes = []
+        for _ in range(RUNS):
+            codes.append(await asyncio.to_thread(run_suite, runner, up.endpoint))
+    assert codes == [0] * RUNS, f"exit codes {codes}; see the runner's output above"
+
+
+async def test_openshell_cli_session(settings: Settings, tmp_path: Path) -> None:
+    cli = openshell_tool(CLI_ENV)
+    async with running_up(settings, tmp_path) as up:
+        steps = await asyncio.to_thread(
+            lambda: list(cli_session(cli, up.endpoint, tmp_path / "home"))
+        )
+    failed = [(args, code, output) for args, code, output in steps if code != 0]
+    assert not failed, failed
+    outputs = {" ".join(args[:2]): output for args, _, output in steps}
+    assert len(steps) == 9
+    assert "Connected" in outputs["status"]
+    assert "Ready" in outputs["sandbox get"]
+    assert "cli-exec-ok" in outputs["sandbox exec"]
