@@ -78,3 +78,19 @@ async def test_a_token_with_only_the_provider_scopes_manages_providers() -> None
         refused = await keeper.get("/v1/sandboxes")
         assert refused.status_code == 403 and "sandbox:read" in refused.json()["message"]
         assert (await keeper.delete(f"/v1/providers/{name}")).status_code == 200
+
+
+async def test_attach_with_an_expected_version_beyond_int64_is_422_naming_the_field() -> None:
+    """Found by the fuzz run: the value passed the request model and failed the command's
+    schema, a 500."""
+    async with (
+        apikit.running_api(None, settings_update={"credentials_key": KEY}) as api,
+        api.client() as c,
+    ):
+        for verb in ("attach", "detach"):
+            answer = await c.post(
+                f"/v1/sandboxes/{unique('sb')}:{verb}",
+                json={"provider": "p", "expected_version": 2**63},
+            )
+            assert answer.status_code == 422, answer.text
+            assert "expected_version" in answer.json()["message"]

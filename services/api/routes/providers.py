@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from events.commands import AttachProvider, DetachProvider
-from events.common import CommandId, ProviderName
+from events.common import INT64_MAX, CommandId, ProviderName
 from events.publisher import new_command_id, now
 from services.api.auth import PROVIDER_WRITE, Principal
 from services.api.deps import ProviderReader, ProviderWriter, State, Writer
@@ -68,7 +68,7 @@ class UpdateProvidersRequest(_Strict):
 class AttachRequest(_Strict):
     provider: ProviderName
     command_id: CommandId | None = None
-    expected_version: int | None = Field(default=None, ge=0)
+    expected_version: int | None = Field(default=None, ge=0, le=INT64_MAX)  # a `bigint` column
 
 
 class KeyView(BaseModel):
@@ -197,7 +197,7 @@ async def _update(
         raise ApiError(409, "ALREADY_EXISTS", str(exc)) from exc
 
 
-PROVIDER_RESPONSES = responses(401, 403, 404, 409, 422, 503)
+PROVIDER_RESPONSES = responses(401, 403, 404, 409, 413, 422, 503)
 
 
 @router.post(
