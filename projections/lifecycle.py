@@ -660,18 +660,27 @@ def _ignore(state: Sandbox | None, why: str) -> Decision:
     return Decision(state, (), "ignored", why)
 
 
-def _decide_observation(
-    state: Sandbox | None, obs: Observation, cause: Cause, limits: Limits
-) -> Decision:
-    what = f"{obs.type}({observation_kind(obs)}) of generation {obs.generation}"
+def _not_current(state: Sandbox | None, generation: int, what: str) -> Decision | None:
+    """An input about a runtime generation is news only for the live row at that generation:
+    the ignore decision for an unknown or tombstoned sandbox, or another generation."""
     if state is None:
         return _ignore(state, f"unknown sandbox: {what}")
     if state.tombstoned:
         return _ignore(state, f"tombstoned at generation {state.generation}: {what}")
-    if obs.generation < state.generation:
+    if generation < state.generation:
         return _ignore(state, f"stale: {what}, current generation is {state.generation}")
-    if obs.generation > state.generation:
+    if generation > state.generation:
         return _ignore(state, f"unknown generation: {what}, newest issued is {state.generation}")
+    return None
+
+
+def _decide_observation(
+    state: Sandbox | None, obs: Observation, cause: Cause, limits: Limits
+) -> Decision:
+    what = f"{obs.type}({observation_kind(obs)}) of generation {obs.generation}"
+    if (not_current := _not_current(state, obs.generation, what)) is not None:
+        return not_current
+    assert state is not None  # _not_current answered for a missing row
 
     kind = observation_kind(obs)
     target = OBSERVATION_TABLE[state.phase].get(kind)
@@ -846,14 +855,9 @@ def _decide_deadline(
     state: Sandbox | None, due: DeadlineDue, cause: Cause, limits: Limits
 ) -> Decision:
     what = f"DeadlineDue({due.deadline} at {due.due_at.isoformat()}) of generation {due.generation}"
-    if state is None:
-        return _ignore(state, f"unknown sandbox: {what}")
-    if state.tombstoned:
-        return _ignore(state, f"tombstoned at generation {state.generation}: {what}")
-    if due.generation < state.generation:
-        return _ignore(state, f"stale: {what}, current generation is {state.generation}")
-    if due.generation > state.generation:
-        return _ignore(state, f"unknown generation: {what}, newest issued is {state.generation}")
+    if (not_current := _not_current(state, due.generation, what)) is not None:
+        return not_current
+    assert state is not None  # _not_current answered for a missing row
     at = due.occurred_at
     events: tuple[DecidedEvent, ...]
     if due.deadline == "ttl":
