@@ -94,3 +94,15 @@ async def test_attach_with_an_expected_version_beyond_int64_is_422_naming_the_fi
             )
             assert answer.status_code == 422, answer.text
             assert "expected_version" in answer.json()["message"]
+
+
+async def test_a_malformed_provider_request_from_a_provider_token_is_422_not_403() -> None:
+    """A malformed body is answered after authentication, with the scope of the resource: it
+    once asked sandbox:write of every write and refused a provider-only token with a 403."""
+    async with (
+        apikit.running_api(None, settings_update={"credentials_key": KEY}) as api,
+        api.client(KEEPER) as keeper,
+    ):
+        answer = await keeper.post("/v1/providers", json={"name": 5, "credentials": {}})
+        assert answer.status_code == 422, answer.text
+        assert "name" in answer.json()["message"]

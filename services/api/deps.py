@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeAlias
+from typing import Annotated, Any, Final, TypeAlias
 
 import asyncpg
 from fastapi import Depends, Request
@@ -27,6 +27,24 @@ from services.api.readmodel import ChangeFeed
 from services.common.settings import Settings
 
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
+
+READ_METHODS: Final = frozenset({"GET", "HEAD"})
+# Resources whose routes ask for scopes of their own (the routes check them again, exactly).
+SCOPED_PREFIXES: Final = (
+    ("/v1/audit/", AUDIT, AUDIT),
+    ("/v1/providers", PROVIDER_READ, PROVIDER_WRITE),
+)
+
+
+def request_scope(method: str, path: str) -> str:
+    """The scope a request must hold before anything of it is read or validated: the front
+    gate and the answer to a malformed request both ask it (the routes check theirs again)."""
+    reading = method in READ_METHODS
+    for prefix, read_scope, write_scope in SCOPED_PREFIXES:
+        if path.startswith(prefix):
+            return read_scope if reading else write_scope
+    return READ if reading else WRITE
+
 
 _bearer = HTTPBearer(
     auto_error=False,

@@ -6,33 +6,16 @@ Content-Length at once, or as soon as the streamed bytes pass it) and never pars
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, Final
+from typing import Any
 
 from starlette.requests import Request
 
-from services.api.auth import AUDIT, PROVIDER_READ, PROVIDER_WRITE, READ, WRITE
-from services.api.deps import bearer_value, check_auth
+from services.api.deps import READ_METHODS, bearer_value, check_auth, request_scope
 from services.api.errors import ApiError, error_response
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
-
-READ_METHODS: Final = frozenset({"GET", "HEAD"})
-# Resources whose routes ask for scopes of their own (the routes check them again, exactly).
-SCOPED_PREFIXES: Final = (
-    ("/v1/audit/", AUDIT, AUDIT),
-    ("/v1/providers", PROVIDER_READ, PROVIDER_WRITE),
-)
-
-
-def gate_scope(method: str, path: str) -> str:
-    """The scope a request must hold to be let through the gate (before its body is read)."""
-    reading = method in READ_METHODS
-    for prefix, read_scope, write_scope in SCOPED_PREFIXES:
-        if path.startswith(prefix):
-            return read_scope if reading else write_scope
-    return READ if reading else WRITE
 
 
 class GuardMiddleware:
@@ -46,7 +29,9 @@ class GuardMiddleware:
             return
         request = Request(scope)
         try:
-            check_auth(request, gate_scope(request.method, request.url.path), bearer_value(request))
+            check_auth(
+                request, request_scope(request.method, request.url.path), bearer_value(request)
+            )
         except ApiError as denied:
             await _answer(scope, receive, send, denied)
             return

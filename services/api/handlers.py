@@ -11,8 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from projections.store import CONNECTION_ERRORS
-from services.api.auth import AUDIT, READ, WRITE
-from services.api.deps import bearer_value, check_auth
+from services.api.deps import bearer_value, check_auth, request_scope
 from services.api.errors import ApiError, describe_validation, error_response
 from services.api.readmodel import InvalidArgument
 
@@ -34,11 +33,9 @@ def install_error_handlers(app: FastAPI) -> None:
         # an unauthenticated caller learns nothing about the request's shape.
         if not request.url.path.startswith("/v1/"):
             return None
-        scope = READ if request.method == "GET" else WRITE
-        if request.url.path.startswith("/v1/audit/"):
-            scope = AUDIT
         try:
-            check_auth(request, scope, bearer_value(request))
+            check_auth(request, request_scope(request.method, request.url.path),
+                       bearer_value(request))  # fmt: skip
         except ApiError as denied:
             return error_response(denied.status, denied.code, denied.message, denied.headers)
         return None
