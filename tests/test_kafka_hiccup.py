@@ -47,6 +47,11 @@ async def broker_behind_proxy(state_dir: Path) -> AsyncIterator[tuple[Settings, 
         await asyncio.to_thread(private_broker.stop, proc)
 
 
+# In `make soak`, not the default suite: the test needs the consumer's first fetch to hold the
+# whole backlog, which a loaded machine does not always give (it timed out in 2 of ~6 full
+# runs here, and passes alone). Making the dead letter fall after the cut deterministically
+# is open work.
+@pytest.mark.soak
 async def test_the_processor_rides_out_a_send_that_fails_while_kafka_is_gone(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
