@@ -31,6 +31,7 @@ from services.api.auth import (
     TokenStore,
 )
 from services.api.server import start_api
+from services.common.kafka_clients import kafka_client_args
 from services.up.control_plane import ControlPlane
 
 ADMIN = "sst_test-admin"
@@ -97,7 +98,8 @@ async def running_api(
             plane = ControlPlane(env.settings, driver, env.pool, reconcile_interval=3600)
             await plane.start()
         publisher = CommandPublisher(
-            env.settings.kafka_bootstrap, topic=topic_override or env.settings.topic_commands
+            kafka_client_args(env.settings, "api"),
+            topic=topic_override or env.settings.topic_commands,
         )
         await publisher.__aenter__()
         extra = {} if publish_timeout is None else {"publish_timeout": publish_timeout}

@@ -15,6 +15,7 @@ from aiokafka import AIOKafkaProducer
 
 from drivers.protocol import Driver
 from services.common.database import connect_pool
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.common.tasks import Tasks
 from services.executor.backends import driver_from_settings
@@ -61,7 +62,7 @@ class DriverSide:
             credentials=LaunchCredentials(self.settings, self.pool),
         )
         self._producer = AIOKafkaProducer(
-            bootstrap_servers=self.settings.kafka_bootstrap, enable_idempotence=True, acks="all"
+            **kafka_client_args(self.settings, "watcher"), enable_idempotence=True, acks="all"
         )
         await self._producer.start()
         await self.executor.start()

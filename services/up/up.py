@@ -30,6 +30,7 @@ from services.api.auth import TokenFileError, TokenSetup, TokenStore, ensure_tok
 from services.api.provider_sync import ProviderSync
 from services.api.server import bind, start_api
 from services.common.credentials import create_key_file
+from services.common.kafka_clients import kafka_client_args
 from services.common.log_filter import rate_limit_kafka_logs
 from services.common.migrations import apply_migrations
 from services.common.settings import Settings
@@ -198,7 +199,7 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
         return 1
     plane = None
     pool = None
-    publisher = CommandPublisher(settings.kafka_bootstrap, topic=settings.topic_commands)
+    publisher = CommandPublisher(kafka_client_args(settings, "api"), topic=settings.topic_commands)
     api = None
     sync_task: asyncio.Future[None] | None = None
     openshell: RunningOpenShell | None = None
