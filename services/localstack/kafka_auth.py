@@ -43,12 +43,13 @@ from services.common.kafka_clients import (
     SASL_PROTOCOLS,
     TLS_PROTOCOLS,
     Credential,
+    KafkaCredentialsError,
     Role,
     credential,
     default_username,
     load_credentials,
 )
-from services.common.settings import Settings
+from services.common.settings import Settings, load_settings
 from services.localstack.config import kafka_paths
 
 SCRAM_ITERATIONS = 8192
@@ -181,6 +182,30 @@ def _argfile_quote(arg: str) -> str:
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _formatted_marker(settings: Settings) -> Path:
+    return kafka_paths(settings).home / "formatted-with-admin"
+
+
+def storage_problem(settings: Settings) -> str | None:
+    """Why the formatted storage cannot serve these settings (no admin user in it), if so."""
+    if not enabled(settings) or _formatted_marker(settings).exists():
+        return None
+    return (
+        f"kafka: the broker's storage ({kafka_paths(settings).data}) was formatted without "
+        "authentication, so it has no admin user to log in with. Either start over with an "
+        "empty log (`down`, remove that directory, `up`; the log is lost) or keep running "
+        "without authentication (SANDSTREAM_KAFKA_SECURITY_PROTOCOL=PLAINTEXT); "
+        "docs/security.md"
+    )
+
+
+def storage_formatted(settings: Settings) -> None:
+    """Note that the storage was formatted with the admin's credential in it."""
+    if enabled(settings):
+        _formatted_marker(settings).parent.mkdir(parents=True, exist_ok=True)
+        _formatted_marker(settings).write_text(ensure_credentials(settings)["admin"].username)
+
+
 @contextmanager
 def format_command(settings: Settings, cmd: list[str], main_class: str) -> Iterator[list[str]]:
     """The storage format command ``cmd`` with the admin's SCRAM credential added: the main
@@ -237,6 +262,37 @@ def role_grants(settings: Settings) -> list[Grant]:
         ("audit", group, s.processor_group, describe),  # is a processor running?
     ]
     return [Grant(*g) for g in grants]
+
+
+def usernames(settings: Settings) -> dict[Role, str]:
+    """Each role's username: from the credentials where they are readable, else the default."""
+    try:
+        found = load_credentials(settings)
+    except KafkaCredentialsError:
+        found = {}
+    return {r: found[r].username if r in found else default_username(r) for r in ROLES}
+
+
+def acl_commands(settings: Settings) -> list[str]:
+    """The role grants as ``kafka-acls.sh`` commands, for a cluster sandstream does not run."""
+    users = usernames(settings)
+    by_resource: dict[tuple[Role, ResourceType, str], list[str]] = {}
+    for g in role_grants(settings):
+        by_resource.setdefault((g.role, g.resource, g.name), []).append(g.operation.name.title())
+    option = {ResourceType.TOPIC: "--topic", ResourceType.GROUP: "--group"}
+    return [
+        f"kafka-acls.sh --bootstrap-server $BOOTSTRAP --command-config admin.properties --add "
+        f"--allow-principal User:{users[role]} "
+        + " ".join(f"--operation {op}" for op in operations)
+        + f" {option[resource]} {name}"
+        for (role, resource, name), operations in by_resource.items()
+    ]
+
+
+def main() -> None:
+    """Print the ACL commands for the current settings (``python -m
+    services.localstack.kafka_auth``)."""
+    print("\n".join(acl_commands(load_settings())))
 
 
 def _bindings(settings: Settings) -> list[AclBinding]:
@@ -323,3 +379,7 @@ def revoke(settings: Settings) -> None:
     ]
     admin = AdminClient(admin_config(settings))
     _wait_all(admin.delete_acls(filters), "deleting ACL")
+
+
+if __name__ == "__main__":
+    main()

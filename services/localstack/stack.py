@@ -297,6 +297,9 @@ def _format_kafka_storage(settings: Settings) -> None:
     """Format the KRaft storage directory once, with a cluster id kept in the state dir."""
     paths = cfg.kafka_paths(settings)
     if (paths.data / "meta.properties").exists():
+        problem = kafka_auth.storage_problem(settings)
+        if problem:
+            raise StackError(problem)
         return
     if not paths.cluster_id.exists():
         paths.cluster_id.write_text(cfg.new_kafka_cluster_id() + "\n")
@@ -318,6 +321,7 @@ def _format_kafka_storage(settings: Settings) -> None:
         result = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False)
     if result.returncode != 0:
         raise StackError(f"kafka: formatting storage failed\n{_tail(paths.format_log)}")
+    kafka_auth.storage_formatted(settings)
 
 
 def _kafka_answers(settings: Settings) -> bool:
