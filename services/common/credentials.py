@@ -16,13 +16,13 @@ import hashlib
 import hmac
 import os
 import secrets
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from services.common.private_files import read_private
 from services.common.settings import Settings
 
 KEY_BYTES = 32
@@ -60,16 +60,8 @@ def load_key(settings: Settings) -> bytes:
     if settings.credentials_key is not None:
         return _decode(settings.credentials_key.get_secret_value(), "SANDSTREAM_CREDENTIALS_KEY")
     path = settings.credentials_key_path
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError as exc:
-        raise CredentialKeyError(
-            f"{path}: no credentials key (`sandstream up` creates it; or set "
-            "SANDSTREAM_CREDENTIALS_KEY)"
-        ) from exc
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise CredentialKeyError(f"{path}: readable by others (chmod 600 it)")
-    return _decode(path.read_text(), str(path))
+    missing = "no credentials key (`sandstream up` creates it; or set SANDSTREAM_CREDENTIALS_KEY)"
+    return _decode(read_private(path, missing, CredentialKeyError), str(path))
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,12 +11,12 @@ do; services/localstack/kafka_auth.py grants exactly that.
 from __future__ import annotations
 
 import json
-import stat
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from aiokafka.helpers import create_ssl_context
 
+from services.common.private_files import read_private
 from services.common.settings import Settings
 
 Role = Literal[
@@ -71,16 +71,11 @@ def load_credentials(settings: Settings) -> dict[str, Credential]:
         secret = settings.kafka_credentials.get_secret_value()
         return parse_credentials(secret, "SANDSTREAM_KAFKA_CREDENTIALS")
     path = settings.kafka_credentials_path
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError as exc:
-        raise KafkaCredentialsError(
-            f"{path}: no Kafka credentials (the local stack's `up` writes them; or set "
-            "SANDSTREAM_KAFKA_CREDENTIALS)"
-        ) from exc
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise KafkaCredentialsError(f"{path}: readable by others (chmod 600 it)")
-    return parse_credentials(path.read_text(), str(path))
+    missing = (
+        "no Kafka credentials (the local stack's `up` writes them; or set "
+        "SANDSTREAM_KAFKA_CREDENTIALS)"
+    )
+    return parse_credentials(read_private(path, missing, KafkaCredentialsError), str(path))
 
 
 def credential(settings: Settings, role: Role) -> Credential:

@@ -14,7 +14,6 @@ too, so no password is on a command line. docs/security.md and docs/adr/ say why
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 from collections.abc import Iterator, Sequence
@@ -41,14 +40,14 @@ from confluent_kafka.admin import (
 from services.common.kafka_clients import (
     ROLES,
     SASL_PROTOCOLS,
-    TLS_PROTOCOLS,
     Credential,
     KafkaCredentialsError,
     Role,
-    credential,
     default_username,
+    kafka_client_args,
     load_credentials,
 )
+from services.common.private_files import write_private
 from services.common.settings import Settings, load_settings
 from services.localstack.config import kafka_paths
 
@@ -64,17 +63,6 @@ def enabled(settings: Settings) -> bool:
 
 
 # --------------------------------------------------------------------------- secret files
-
-
-def write_private(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text``, readable by its owner only from the first byte on."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.unlink(missing_ok=True)
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    partial.replace(path)
 
 
 def ensure_credentials(settings: Settings) -> dict[str, Credential]:
@@ -312,21 +300,23 @@ def _bindings(settings: Settings) -> list[AclBinding]:
     ]
 
 
+# aiokafka's option names -> librdkafka's
+_CONFLUENT_NAMES = {
+    "bootstrap_servers": "bootstrap.servers",
+    "security_protocol": "security.protocol",
+    "sasl_mechanism": "sasl.mechanism",
+    "sasl_plain_username": "sasl.username",
+    "sasl_plain_password": "sasl.password",
+}
+
+
 def admin_config(settings: Settings, role: Role = "admin") -> dict[str, Any]:
-    """confluent-kafka's client config for ``role`` (it has the admin API aiokafka lacks)."""
-    config: dict[str, Any] = {
-        "bootstrap.servers": settings.kafka_bootstrap,
-        "security.protocol": settings.kafka_security_protocol,
-    }
-    if settings.kafka_security_protocol in TLS_PROTOCOLS and settings.kafka_ssl_cafile:
+    """confluent-kafka's client config for ``role`` (it has the admin API aiokafka lacks): the
+    same connection as ``kafka_client_args`` in librdkafka's words."""
+    args = kafka_client_args(settings, role)
+    config = {name: args[key] for key, name in _CONFLUENT_NAMES.items() if key in args}
+    if "ssl_context" in args and settings.kafka_ssl_cafile:
         config["ssl.ca.location"] = str(settings.kafka_ssl_cafile)
-    if enabled(settings):
-        found = credential(settings, role)
-        config |= {
-            "sasl.mechanism": settings.kafka_sasl_mechanism,
-            "sasl.username": found.username,
-            "sasl.password": found.password,
-        }
     return config
 
 
