@@ -62,7 +62,7 @@ def enabled(settings: Settings) -> bool:
     return settings.kafka_security_protocol in SASL_PROTOCOLS
 
 
-# --------------------------------------------------------------------------- secret files
+# --------------------------------------------------------------------------- passwords
 
 
 def ensure_credentials(settings: Settings) -> dict[str, Credential]:
@@ -130,14 +130,15 @@ def secure_properties(text: str, admin: Credential) -> str:
     )
 
 
-def _jaas_quote(value: str) -> str:
+def _quoted(value: str) -> str:
+    """A double-quoted string as JAAS files and java's argument files read them."""
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def jaas_config(admin: Credential) -> str:
     """The broker's JAAS file: the admin's SCRAM login for inter-broker connections on the
     client listener, PLAIN (with the one accepted user) on the controller listener."""
-    user, password = _jaas_quote(admin.username), _jaas_quote(admin.password)
+    user, password = _quoted(admin.username), _quoted(admin.password)
     return (
         "sasl_plaintext.KafkaServer {\n"
         f"  {SCRAM_LOGIN} required\n    username={user} password={password};\n}};\n"
@@ -164,10 +165,6 @@ def prepare_broker(settings: Settings, properties: str) -> tuple[str, list[str]]
 def with_jvm_options(cmd: list[str], options: Sequence[str]) -> list[str]:
     """``cmd`` (a java command line) with ``options`` right after the java executable."""
     return [cmd[0], *options, *cmd[1:]]
-
-
-def _argfile_quote(arg: str) -> str:
-    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _formatted_marker(settings: Settings) -> Path:
@@ -206,7 +203,7 @@ def format_command(settings: Settings, cmd: list[str], main_class: str) -> Itera
     scram = f"SCRAM-SHA-512=[name={admin.username},password={admin.password}]"
     argfile = kafka_paths(settings).home / "format.args"
     args = [*cmd[at:], "--add-scram", scram]
-    write_private(argfile, "\n".join(_argfile_quote(a) for a in args) + "\n")
+    write_private(argfile, "\n".join(_quoted(a) for a in args) + "\n")
     try:
         yield [*cmd[:at], f"@{argfile}"]
     finally:
