@@ -140,3 +140,19 @@ def test_security_md_lists_the_acl_commands_of_the_default_settings(tmp_path: Pa
     commands = kafka_auth.acl_commands(Settings(state_dir=tmp_path))
     missing = [c for c in commands if c not in doc.splitlines()]
     assert not missing, "docs/security.md lacks: " + "\n".join(missing)
+
+
+def test_every_kafka_client_is_built_through_kafka_client_args() -> None:
+    """A client given ``bootstrap_servers`` by hand would connect without its role's login
+    (and be refused by the broker); only services/common/kafka_clients.py names it."""
+    builder = PROJECT_ROOT / "services" / "common" / "kafka_clients.py"
+    needle = "bootstrap_servers" + "="  # split, so that this line is no hit itself
+    found = [
+        f"{path.relative_to(PROJECT_ROOT)}:{n}"
+        for package in ("events", "projections", "drivers", "services", "tests")
+        for path in sorted((PROJECT_ROOT / package).rglob("*.py"))
+        if path != builder
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if needle in line
+    ]
+    assert not found, "build these through kafka_client_args(settings, role): " + str(found)
