@@ -154,6 +154,16 @@ class Settings(BaseSettings):
     # /readyz fails while the processor is more input records than this behind Kafka.
     readiness_max_lag: int = Field(default=1000, ge=0)
 
+    # Roles run as separate processes (`sandstream processor|executor|watcher|scheduler|api`):
+    # each serves /healthz, /readyz and /metrics here; port 0 picks a free port, which the
+    # process logs and writes to its --port-file.
+    health_host: str = "127.0.0.1"
+    health_port: int = Field(default=0, ge=0, le=65535)
+    # Single-active roles (watcher and reconciler, scheduler) hold a PostgreSQL advisory lock:
+    # a standby tries to take it this often, and the holder checks its connection this often
+    # (and gives the role up when the check fails).
+    lease_check_seconds: float = Field(default=2.0, gt=0)
+
     @property
     def lifecycle_limits(self) -> Limits:
         """The deadlines the processor records (see projections.lifecycle.Limits)."""

@@ -1,0 +1,286 @@
+"""The roles as separate processes (`sandstream processor|executor|watcher|api`) on the real
+stack: real subprocesses, real Kafka, PostgreSQL and Podman, talking to each other only through
+them; each reports itself through its own health endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from harness import Env, eventually, isolated_env
+from pipeline_support import PodmanKeys, containers_of, history
+from podman import PodmanClient
+
+from services.common.entrypoint import EXIT_START_FAILED, EXIT_STOPPED
+from services.common.settings import PROJECT_ROOT
+
+SLEEP = ["sh", "-c", "exec sleep 3600"]
+
+
+@dataclass
+class RoleProcess:
+    """One `sandstream <role>` subprocess with its log and health endpoint's port file."""
+
+    role: list[str]
+    proc: subprocess.Popen[bytes]
+    log: Path
+    port_file: Path
+
+    @property
+    def port(self) -> int | None:
+        try:
+            return int(self.port_file.read_text())
+        except (OSError, ValueError):
+            return None
+
+    async def get(self, path: str) -> httpx.Response | None:
+        """A GET on the health endpoint; None while it does not answer."""
+        if self.port is None:
+            return None
+        try:
+            async with httpx.AsyncClient(timeout=5) as client:
+                return await client.get(f"http://127.0.0.1:{self.port}{path}")
+        except httpx.TransportError:
+            return None
+
+    async def readiness(self) -> dict[str, Any]:
+        """The /readyz body ({} while the endpoint does not answer)."""
+        response = await self.get("/readyz")
+        return response.json() if response is not None else {}
+
+    async def ready(self, timeout: float = 60) -> dict[str, Any]:
+        return await eventually(self.readiness, lambda b: b.get("status") == "ready",
+                                timeout=timeout, what=f"{self.name} ready")  # fmt: skip
+
+    @property
+    def name(self) -> str:
+        return f"{' '.join(self.role)} (pid {self.proc.pid})"
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def terminate(self) -> int:
+        """SIGTERM and wait: the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return f"--- {self.name}:\n" + self.log.read_text(errors="replace")[-3000:]
+        return ""
+
+
+@dataclass
+class Roles:
+    env: Env
+    workdir: Path
+    processes: list[RoleProcess]
+
+    def variables(self) -> dict[str, str]:
+        return {**self.env.env_vars(), "SANDSTREAM_RUN_DIR": str(self.workdir)}
+
+    def start(self, *role: str) -> RoleProcess:
+        n = len(self.processes)
+        log = self.workdir / f"{n}-{role[0]}.log"
+        port_file = self.workdir / f"{n}-{role[0]}.port"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", *role, "--port-file", str(port_file)],
+                cwd=PROJECT_ROOT,
+                env=self.variables(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        process = RoleProcess(list(role), proc, log, port_file)
+        self.processes.append(process)
+        return process
+
+    def run(self, *command: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "services.cli", *command],
+            cwd=PROJECT_ROOT,
+            env=self.variables(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    def logs(self) -> str:
+        return "\n".join(p.tail() for p in self.processes)
+
+    def stop_all(self) -> None:
+        for p in self.processes:
+            if p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait()
+
+
+@asynccontextmanager
+async def roles_env(tmp_path: Path, **settings: Any) -> AsyncIterator[Roles]:
+    """An isolated environment and the role processes a test starts in it (killed at the end,
+    their logs printed when the test failed)."""
+    async with isolated_env(lease_check_seconds=0.5, **settings) as env:
+        roles = Roles(env, tmp_path, [])
+        try:
+            yield roles
+        except BaseException:
+            print(roles.logs())
+            raise
+        finally:
+            roles.stop_all()
+
+
+@pytest.fixture
+def keys(podman: PodmanClient) -> Iterator[PodmanKeys]:
+    made = PodmanKeys(podman, "roles")
+    yield made
+    made.cleanup()
+
+
+def partitions_of(bodies: list[dict[str, Any]]) -> list[list[int]]:
+    return [list(b.get("partitions", [])) for b in bodies]
+
+
+def shared_out(bodies: list[dict[str, Any]], count: int) -> bool:
+    """Every member owns some partitions, none twice, all of them covered."""
+    owned = partitions_of(bodies)
+    flat = [p for ps in owned for p in ps]
+    return all(owned) and sorted(flat) == list(range(count))
+
+
+async def all_ready(processes: list[RoleProcess]) -> list[dict[str, Any]]:
+    return list(await asyncio.gather(*(p.readiness() for p in processes)))
+
+
+async def test_split_roles_share_partitions_and_survive_a_killed_processor(
+    tmp_path: Path, podman: PodmanClient, keys: PodmanKeys
+) -> None:
+    """Two processors, two executors (Podman), one watcher and the API, each its own process:
+    the consumer groups share the partitions out, sandboxes created through the API reach
+    Ready with one launch each; after a SIGKILL of one processor the other takes all the
+    partitions and nothing accepted is lost; SIGTERM stops the others cleanly (exit 0)."""
+    async with roles_env(tmp_path, partitions=4) as roles:
+        prepared = await asyncio.to_thread(roles.run, "prepare")
+        assert prepared.returncode == 0, prepared.stderr
+        processors = [roles.start("processor"), roles.start("processor", "run")]
+        executors = [roles.start("executor"), roles.start("executor")]
+        watcher = roles.start("watcher")
+        api = roles.start("api", "--port", "0")
+
+        for p in [*processors, *executors, watcher, api]:
+            await p.ready()
+        await eventually(lambda: all_ready(processors), lambda b: shared_out(b, 4),
+                         timeout=60, what="the processors sharing 4 partitions")  # fmt: skip
+        await eventually(lambda: all_ready(executors), lambda b: shared_out(b, 4),
+                         timeout=60, what="the executors sharing 4 partitions")  # fmt: skip
+        assert (await watcher.readiness())["active"] is True
+        metrics = await processors[0].get("/metrics")
+        assert metrics is not None and "sandstream_assigned_partitions" in metrics.text
+
+        url = (await api.readiness())["url"]
+        token = (tmp_path / "admin.token").read_text().strip()
+        image = roles.env.settings.sandbox_image
+        async with httpx.AsyncClient(
+            base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60
+        ) as client:
+
+            async def create(name: str) -> None:
+                body = {"name": name, "spec": {"image": image, "command": SLEEP}}
+                r = await client.post("/v1/sandboxes", json=body)
+                assert r.status_code in (201, 202), r.text
+
+            async def phases(names: list[str]) -> dict[str, str]:
+                rows = await roles.env.fetch(
+                    "SELECT key, phase FROM sandboxes WHERE key = ANY($1)", names
+                )
+                return {r["key"]: r["phase"] for r in rows}
+
+            first = [keys() for _ in range(4)]
+            for name in first:
+                await create(name)
+            await eventually(lambda: phases(first), lambda f: list(f.values()) == ["Ready"] * 4,
+                             timeout=90, what="the first sandboxes Ready")  # fmt: skip
+
+            # One processor dies without leaving the group: the other takes its partitions.
+            processors[0].kill()
+            second = [keys() for _ in range(4)]
+            for name in second:
+                await create(name)
+            await eventually(processors[1].readiness,
+                             lambda b: b.get("partitions") == [0, 1, 2, 3],
+                             timeout=60, what="the survivor owning every partition")  # fmt: skip
+            everything = first + second
+            await eventually(lambda: phases(everything),
+                             lambda f: sorted(f.values()) == ["Ready"] * 8,
+                             timeout=90, what="every sandbox Ready")  # fmt: skip
+
+        # No executor acted twice on one intent: one launch result and one container each.
+        for name in everything:
+            results = [h for h in await history(roles.env, name)
+                       if h["message_type"] == "DriverOperationResult"]  # fmt: skip
+            assert len(results) == 1, (name, results)
+            assert len(containers_of(podman, name)) == 1, name
+        codes = {p.name: p.terminate() for p in [processors[1], *executors, watcher, api]}
+        assert set(codes.values()) == {EXIT_STOPPED}, (codes, roles.logs())
+
+
+async def test_one_watcher_is_active_and_another_takes_over_when_it_dies(
+    tmp_path: Path,
+) -> None:
+    """Two watchers: one holds the lease and is active, the other stands by (both ready);
+    after a SIGKILL of the active one the standby takes the lease over."""
+    async with roles_env(tmp_path) as roles:
+        watchers = [roles.start("watcher"), roles.start("watcher")]
+        bodies = await eventually(lambda: all_ready(watchers),
+                                  lambda b: all(x.get("status") == "ready" for x in b),
+                                  timeout=60, what="both watchers ready")  # fmt: skip
+        bodies = await eventually(lambda: all_ready(watchers),
+                                  lambda b: sorted(x.get("active") for x in b) == [False, True],
+                                  timeout=30, what="exactly one watcher active")  # fmt: skip
+        active = watchers[0] if bodies[0]["active"] else watchers[1]
+        standby = watchers[1] if active is watchers[0] else watchers[0]
+        active.kill()
+        # PostgreSQL releases a dead holder's lock with its session; the standby tries every
+        # lease_check_seconds (0.5 here).
+        taken = await eventually(standby.readiness, lambda b: b.get("active") is True,
+                                 timeout=15, what="the standby taking the lease over")  # fmt: skip
+        assert taken["acquisitions"] == 1 and taken["status"] == "ready"
+        metrics = await standby.get("/metrics")
+        assert metrics is not None
+        assert 'sandstream_lease_held{lease="watcher"} 1.0' in metrics.text
+        assert standby.terminate() == EXIT_STOPPED, roles.logs()
+
+
+async def test_a_role_that_cannot_reach_kafka_exits_with_the_start_failure_code(
+    tmp_path: Path,
+) -> None:
+    """A processor pointed at a port where no broker listens serves its health endpoint (live,
+    not ready), then exits 3, the code for a role that could not start."""
+    async with roles_env(tmp_path) as roles:
+        variables = {**roles.variables(), "SANDSTREAM_KAFKA_BOOTSTRAP": "127.0.0.1:1"}
+        port_file = tmp_path / "p.port"
+        proc = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "services.cli", "processor", "--port-file", str(port_file)],
+            cwd=PROJECT_ROOT, env=variables, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == EXIT_START_FAILED, proc.stderr
+        assert "processor failed at start" in proc.stderr
+        assert "health endpoint http://127.0.0.1:" in proc.stderr
+        assert not port_file.exists()  # removed on the way out
