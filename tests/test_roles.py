@@ -284,3 +284,77 @@ async def test_a_role_that_cannot_reach_kafka_exits_with_the_start_failure_code(
         assert "processor failed at start" in proc.stderr
         assert "health endpoint http://127.0.0.1:" in proc.stderr
         assert not port_file.exists()  # removed on the way out
+
+
+def layout_commands() -> list[list[str]]:
+    """The sandstream commands of compose/Procfile and compose/docker-compose.yml."""
+    import shlex
+
+    import yaml
+
+    procfile = (PROJECT_ROOT / "compose" / "Procfile").read_text().splitlines()
+    commands = [
+        shlex.split(line.split(":", 1)[1].replace("$PORT", "9100"))
+        for line in procfile
+        if line.strip() and not line.startswith("#")
+    ]
+    compose = yaml.safe_load((PROJECT_ROOT / "compose" / "docker-compose.yml").read_text())
+    commands += [s["command"] for s in compose["services"].values() if "command" in s]
+    return commands
+
+
+def test_the_process_layouts_name_commands_the_cli_has() -> None:
+    """Every line of the Procfile and every role service of the compose file is a sandstream
+    command, with options it knows (an unknown option fails even with --help)."""
+    from typer.testing import CliRunner
+
+    from services.cli.main import app
+
+    commands = layout_commands()
+    roles = {c[1] for c in commands}
+    assert roles == {"prepare", "processor", "executor", "watcher", "scheduler", "api"}
+    for command in commands:
+        assert command[0] == "sandstream", command
+        result = CliRunner().invoke(app, [*command[1:], "--help"])
+        assert result.exit_code == 0, (command, result.output)
+
+
+async def test_a_lease_holder_whose_session_ends_stops_its_work_and_one_holder_follows() -> None:
+    """Two instances of one lease in this process: one works, one waits. When PostgreSQL ends
+    the holder's session, the holder's work is stopped, and the lease is held again, by one
+    of them, whose work runs."""
+    from services.common.lease import Lease
+
+    async with isolated_env(lease_check_seconds=0.2) as env:
+        leases = [Lease(env.settings, "test"), Lease(env.settings, "test")]
+        working: dict[int, asyncio.Event] = {}
+        ended: list[int] = []
+
+        def work(i: int) -> Any:
+            async def run(lost: asyncio.Event) -> None:
+                working[i] = lost
+                await lost.wait()
+                ended.append(i)
+
+            return run
+
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(lease.run(stop, work(i))) for i, lease in enumerate(leases)]
+        try:
+            await eventually(lambda: [x.held for x in leases], lambda h: sorted(h) == [False, True],
+                             what="one holder")  # fmt: skip
+            holder = 0 if leases[0].held else 1
+            assert list(working) == [holder]
+            conn = leases[holder]._conn
+            assert conn is not None
+            await env.pool.execute("SELECT pg_terminate_backend($1)", conn.get_server_pid())
+            await eventually(lambda: ended, lambda e: e == [holder], what="the holder's work ended")
+            await eventually(lambda: [x.held for x in leases], lambda h: sorted(h) == [False, True],
+                             what="one holder again")  # fmt: skip
+            again = 0 if leases[0].held else 1
+            assert not working[again].is_set()  # its work runs
+            assert sum(x.acquisitions for x in leases) == 2
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+        assert all(event.is_set() for event in working.values())  # every work was stopped

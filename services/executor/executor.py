@@ -483,7 +483,9 @@ class Executor:
         """Whether ``item`` is still this executor's to run (not revoked, not shutting down)."""
         if self._closing:
             return False
-        return item.tp is None or self._owned.get(item.tp) is item.progress
+        if item.tp is None:  # picked up from a row: ours while we own the sandbox's partition
+            return self.owns(item.intent.key)
+        return self._owned.get(item.tp) is item.progress
 
     async def _kill(self, event: DecidedEvent, offset: int, progress: PartitionProgress) -> None:
         """Kill the runtime of the event's generation now, outside the key's queue."""
