@@ -95,7 +95,7 @@ class Roles:
     def variables(self) -> dict[str, str]:
         return {**self.env.env_vars(), "SANDSTREAM_RUN_DIR": str(self.workdir)}
 
-    def start(self, *role: str) -> RoleProcess:
+    def start(self, *role: str, env: dict[str, str] | None = None) -> RoleProcess:
         n = len(self.processes)
         log = self.workdir / f"{n}-{role[0]}.log"
         port_file = self.workdir / f"{n}-{role[0]}.port"
@@ -103,7 +103,7 @@ class Roles:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "services.cli", *role, "--port-file", str(port_file)],
                 cwd=PROJECT_ROOT,
-                env=self.variables(),
+                env={**self.variables(), **(env or {})},
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
@@ -267,21 +267,57 @@ async def test_one_watcher_is_active_and_another_takes_over_when_it_dies(
         assert standby.terminate() == EXIT_STOPPED, roles.logs()
 
 
-async def test_a_role_that_cannot_reach_kafka_exits_with_the_start_failure_code(
+async def test_executor_processes_with_the_fake_driver_bring_sandboxes_to_ready(
     tmp_path: Path,
 ) -> None:
-    """A processor pointed at a port where no broker listens serves its health endpoint (live,
-    not ready), then exits 3, the code for a role that could not start."""
+    """SANDSTREAM_DRIVER=fake runs executors on the in-memory fake (for runs where the backend
+    does not matter): two of them share the partitions, launch what the processor decides,
+    and stop cleanly on SIGTERM."""
+    import factories as f
+    from pipeline_support import command
+
+    async with roles_env(tmp_path) as roles, await roles.env.publisher() as pub:
+        await roles.env.start_processor()
+        fake = {"SANDSTREAM_DRIVER": "fake"}
+        executors = [roles.start("executor", env=fake), roles.start("executor", env=fake)]
+        await eventually(lambda: all_ready(executors), lambda b: shared_out(b, 4),
+                         timeout=60, what="the executors sharing 4 partitions")  # fmt: skip
+        names = [f"fake-{i}" for i in range(6)]
+        for name in names:
+            await command(roles.env, pub, f.create(name))
+        rows = await eventually(
+            lambda: roles.env.fetch("SELECT phase FROM sandboxes WHERE key = ANY($1)", names),
+            lambda found: [r["phase"] for r in found] == ["Ready"] * 6,
+            timeout=60, what="every sandbox Ready",
+        )  # fmt: skip
+        assert len(rows) == 6
+        assert [e.terminate() for e in executors] == [EXIT_STOPPED] * 2, roles.logs()
+
+
+@pytest.mark.parametrize(
+    ("role", "variables", "why"),
+    [
+        ("processor", {"SANDSTREAM_KAFKA_BOOTSTRAP": "127.0.0.1:1"}, "KafkaConnectionError"),
+        ("watcher", {"SANDSTREAM_DRIVER": "fake"}, "Run no watcher with SANDSTREAM_DRIVER=fake"),
+    ],
+    ids=["processor-without-kafka", "watcher-with-the-fake-driver"],
+)
+async def test_a_role_that_cannot_start_exits_3_saying_why(
+    tmp_path: Path, role: str, variables: dict[str, str], why: str
+) -> None:
+    """A processor pointed at a port where no broker listens, and a watcher asked to watch
+    the in-memory fake driver (another process's memory), each serve their health endpoint,
+    then exit 3, the code for a role that could not start, naming the cause."""
     async with roles_env(tmp_path) as roles:
-        variables = {**roles.variables(), "SANDSTREAM_KAFKA_BOOTSTRAP": "127.0.0.1:1"}
-        port_file = tmp_path / "p.port"
+        port_file = tmp_path / f"{role}.port"
         proc = await asyncio.to_thread(
             subprocess.run,
-            [sys.executable, "-m", "services.cli", "processor", "--port-file", str(port_file)],
-            cwd=PROJECT_ROOT, env=variables, capture_output=True, text=True, timeout=120,
+            [sys.executable, "-m", "services.cli", role, "--port-file", str(port_file)],
+            cwd=PROJECT_ROOT, env={**roles.variables(), **variables}, capture_output=True,
+            text=True, timeout=120,
         )  # fmt: skip
         assert proc.returncode == EXIT_START_FAILED, proc.stderr
-        assert "processor failed at start" in proc.stderr
+        assert f"{role} failed at start" in proc.stderr and why in proc.stderr, proc.stderr
         assert "health endpoint http://127.0.0.1:" in proc.stderr
         assert not port_file.exists()  # removed on the way out
 

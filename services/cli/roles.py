@@ -10,6 +10,7 @@ Settings come from SANDSTREAM_* variables (docs/operations.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -49,56 +50,58 @@ def _run(role: Role, settings: Settings, host: str | None, port: int | None,
     raise typer.Exit(run_role(role, endpoint))
 
 
-def processor_run(
-    ctx: typer.Context,
-    health_port: HealthPort = None,
-    health_host: HealthHost = None,
-    port_file: PortFile = None,
-) -> None:
-    """Run one lifecycle processor; N of them share the input partitions (consumer group)."""
+def role_command(make: Callable[[Settings], Role], doc: str) -> Callable[..., None]:
+    """A command that runs the role ``make`` builds from the settings."""
+
+    def command(
+        ctx: typer.Context,
+        health_port: HealthPort = None,
+        health_host: HealthHost = None,
+        port_file: PortFile = None,
+    ) -> None:
+        settings = settings_of(ctx)
+        _run(make(settings), settings, health_host, health_port, port_file)
+
+    command.__doc__ = doc
+    return command
+
+
+def _processor(settings: Settings) -> Role:
     from services.roles.processor import ProcessorRole
 
-    settings = settings_of(ctx)
-    _run(ProcessorRole(settings), settings, health_host, health_port, port_file)
+    return ProcessorRole(settings)
 
 
-def executor(
-    ctx: typer.Context,
-    health_port: HealthPort = None,
-    health_host: HealthHost = None,
-    port_file: PortFile = None,
-) -> None:
-    """Run one executor (SANDSTREAM_DRIVER's backend); N of them share the events partitions."""
+def _executor(settings: Settings) -> Role:
     from services.roles.driver_roles import executor_role
 
-    settings = settings_of(ctx)
-    _run(executor_role(settings), settings, health_host, health_port, port_file)
+    return executor_role(settings)
 
 
-def watcher(
-    ctx: typer.Context,
-    health_port: HealthPort = None,
-    health_host: HealthHost = None,
-    port_file: PortFile = None,
-) -> None:
-    """Run the driver watcher and reconcile loop; one is active (lease), others stand by."""
+def _watcher(settings: Settings) -> Role:
     from services.roles.driver_roles import WatcherRole
 
-    settings = settings_of(ctx)
-    _run(WatcherRole(settings), settings, health_host, health_port, port_file)
+    return WatcherRole(settings)
 
 
-def scheduler(
-    ctx: typer.Context,
-    health_port: HealthPort = None,
-    health_host: HealthHost = None,
-    port_file: PortFile = None,
-) -> None:
-    """Run the deadline scheduler; one instance is active (lease), the others wait."""
+def _scheduler(settings: Settings) -> Role:
     from services.roles.scheduler import SchedulerRole
 
-    settings = settings_of(ctx)
-    _run(SchedulerRole(settings), settings, health_host, health_port, port_file)
+    return SchedulerRole(settings)
+
+
+processor_run = role_command(
+    _processor, "Run one lifecycle processor; N of them share the input partitions."
+)
+executor = role_command(
+    _executor, "Run one executor (SANDSTREAM_DRIVER's backend); N of them share the events."
+)
+watcher = role_command(
+    _watcher, "Run the driver watcher and reconcile loop; one is active (lease), others wait."
+)
+scheduler = role_command(
+    _scheduler, "Run the deadline scheduler; one is active (lease), the others wait."
+)
 
 
 def api(

@@ -75,8 +75,11 @@ class Settings(BaseSettings):
     sandbox_image: str = "localhost/sandstream-base:1"
     stop_timeout_seconds: int = Field(default=10, ge=0)
 
-    # Which driver `sandstream up` and `python -m services.executor` use.
-    driver: Literal["podman", "kubernetes"] = "podman"
+    # Which driver `sandstream up`, `sandstream executor|watcher` and `python -m
+    # services.executor` use. "fake": the in-memory fake driver (drivers/fake.py), for tests and
+    # fault-injection runs of `sandstream executor` where the backend does not matter; its
+    # runtimes live and die with the executor process (no watcher process can see them).
+    driver: Literal["podman", "kubernetes", "fake"] = "podman"
 
     # Kubernetes driver (drivers/kubernetes.py): which cluster, and how Pods are made there.
     # kube_config None: $KUBECONFIG or ~/.kube/config, else the in-cluster service account.

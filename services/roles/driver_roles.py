@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 from services.common.database import connect_pool
 from services.common.health import Readiness
-from services.common.lease import Lease
 from services.common.settings import Settings
 from services.common.tasks import first_of
 from services.executor.backends import driver_from_settings
 from services.executor.driver_side import DriverSide, Part
-from services.roles.leased import lease_readiness
+from services.roles.leased import LeasedRole
 
 
 @dataclass
@@ -63,29 +63,29 @@ def executor_role(settings: Settings) -> DriverRole:
 
 
 @dataclass
-class WatcherRole:
+class WatcherRole(LeasedRole):
     """The watcher and reconciler while this instance holds the ``watcher`` lease."""
 
-    settings: Settings
     name: str = "watcher"
-    started: bool = False
-    lease: Lease | None = None
     active: DriverRole | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.lease = Lease(self.settings, "watcher")
-        self.started = True
-        await self.lease.run(stop, self._work)
+        if self.settings.driver == "fake":
+            raise ValueError(
+                "the fake driver keeps its runtimes in the executor process's memory: a "
+                "watcher process cannot see them (and its reconcile loop would report every "
+                "runtime missing). Run no watcher with SANDSTREAM_DRIVER=fake"
+            )
+        await super().run(stop)
 
-    async def _work(self, lost: asyncio.Event) -> None:
+    async def work(self, lost: asyncio.Event) -> None:
         self.active = DriverRole(self.settings, frozenset({"watcher"}), name="watcher")
         try:
             await self.active.run(lost)
         finally:
             self.active = None
 
-    async def readiness(self) -> Readiness:
+    def active_detail(self) -> dict[str, Any]:
         side = self.active.side if self.active else None
         reconciler = side.reconciler if side else None
-        passes = {"reconcile_passes": reconciler.passes} if reconciler else {}
-        return lease_readiness(self.lease, passes)
+        return {"reconcile_passes": reconciler.passes} if reconciler else {}
