@@ -74,6 +74,10 @@ class RoleProcess:
         """SIGTERM and wait: the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+        return self.exit_code()
+
+    def exit_code(self) -> int:
+        """Wait for the process to end (killed after a minute): its exit code."""
         try:
             return self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -164,6 +168,15 @@ def shared_out(bodies: list[dict[str, Any]], count: int) -> bool:
     return all(owned) and sorted(flat) == list(range(count))
 
 
+async def assigned_metric(process: RoleProcess, role: str) -> float | None:
+    """``sandstream_assigned_partitions{role}`` from the process's /metrics."""
+    response = await process.get("/metrics")
+    assert response is not None
+    prefix = f'sandstream_assigned_partitions{{role="{role}"}} '
+    found = [line for line in response.text.splitlines() if line.startswith(prefix)]
+    return float(found[0].removeprefix(prefix)) if found else None
+
+
 async def all_ready(processes: list[RoleProcess]) -> list[dict[str, Any]]:
     return list(await asyncio.gather(*(p.readiness() for p in processes)))
 
@@ -171,27 +184,31 @@ async def all_ready(processes: list[RoleProcess]) -> list[dict[str, Any]]:
 async def test_split_roles_share_partitions_and_survive_a_killed_processor(
     tmp_path: Path, podman: PodmanClient, keys: PodmanKeys
 ) -> None:
-    """Two processors, two executors (Podman), one watcher and the API, each its own process:
-    the consumer groups share the partitions out, sandboxes created through the API reach
-    Ready with one launch each; after a SIGKILL of one processor the other takes all the
-    partitions and nothing accepted is lost; SIGTERM stops the others cleanly (exit 0)."""
+    """Two processors, two executors (Podman), a watcher, a scheduler and the API, each its own
+    process: the consumer groups share the partitions out (readiness and metrics say so),
+    sandboxes created through the API reach Ready with one launch each; after a SIGKILL of one
+    processor the other takes all the partitions and every accepted create still reaches
+    Ready; SIGTERM stops the others cleanly (exit 0)."""
     async with roles_env(tmp_path, partitions=4) as roles:
         prepared = await asyncio.to_thread(roles.run, "prepare")
         assert prepared.returncode == 0, prepared.stderr
         processors = [roles.start("processor"), roles.start("processor", "run")]
         executors = [roles.start("executor"), roles.start("executor")]
         watcher = roles.start("watcher")
+        scheduler = roles.start("scheduler")
         api = roles.start("api", "--port", "0")
 
-        for p in [*processors, *executors, watcher, api]:
+        for p in [*processors, *executors, watcher, scheduler, api]:
             await p.ready()
         await eventually(lambda: all_ready(processors), lambda b: shared_out(b, 4),
                          timeout=60, what="the processors sharing 4 partitions")  # fmt: skip
         await eventually(lambda: all_ready(executors), lambda b: shared_out(b, 4),
                          timeout=60, what="the executors sharing 4 partitions")  # fmt: skip
         assert (await watcher.readiness())["active"] is True
-        metrics = await processors[0].get("/metrics")
-        assert metrics is not None and "sandstream_assigned_partitions" in metrics.text
+        assert (await scheduler.readiness())["active"] is True
+        for p in processors:
+            owned = (await p.readiness())["partitions"]
+            assert await assigned_metric(p, "processor") == len(owned)
 
         url = (await api.readiness())["url"]
         token = (tmp_path / "admin.token").read_text().strip()
@@ -236,7 +253,10 @@ async def test_split_roles_share_partitions_and_survive_a_killed_processor(
                        if h["message_type"] == "DriverOperationResult"]  # fmt: skip
             assert len(results) == 1, (name, results)
             assert len(containers_of(podman, name)) == 1, name
-        codes = {p.name: p.terminate() for p in [processors[1], *executors, watcher, api]}
+        survivors = [processors[1], *executors, watcher, scheduler, api]
+        for p in survivors:
+            p.proc.send_signal(signal.SIGTERM)  # all at once; each drains on its own
+        codes = {p.name: p.exit_code() for p in survivors}
         assert set(codes.values()) == {EXIT_STOPPED}, (codes, roles.logs())
 
 
@@ -291,7 +311,9 @@ async def test_executor_processes_with_the_fake_driver_bring_sandboxes_to_ready(
             timeout=60, what="every sandbox Ready",
         )  # fmt: skip
         assert len(rows) == 6
-        assert [e.terminate() for e in executors] == [EXIT_STOPPED] * 2, roles.logs()
+        for e in executors:
+            e.proc.send_signal(signal.SIGTERM)
+        assert [e.exit_code() for e in executors] == [EXIT_STOPPED] * 2, roles.logs()
 
 
 @pytest.mark.parametrize(
