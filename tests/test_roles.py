@@ -177,6 +177,12 @@ async def assigned_metric(process: RoleProcess, role: str) -> float | None:
     return float(found[0].removeprefix(prefix)) if found else None
 
 
+def one_active(bodies: list[dict[str, Any]]) -> bool:
+    """Both instances of a single-active role are ready, and exactly one is active."""
+    ready = all(b.get("status") == "ready" for b in bodies)
+    return ready and sorted(b.get("active") is True for b in bodies) == [False, True]
+
+
 async def all_ready(processes: list[RoleProcess]) -> list[dict[str, Any]]:
     return list(await asyncio.gather(*(p.readiness() for p in processes)))
 
@@ -271,7 +277,7 @@ async def test_one_watcher_is_active_and_another_takes_over_when_it_dies(
                                   lambda b: all(x.get("status") == "ready" for x in b),
                                   timeout=60, what="both watchers ready")  # fmt: skip
         bodies = await eventually(lambda: all_ready(watchers),
-                                  lambda b: sorted(x.get("active") for x in b) == [False, True],
+                                  one_active,
                                   timeout=30, what="exactly one watcher active")  # fmt: skip
         active = watchers[0] if bodies[0]["active"] else watchers[1]
         standby = watchers[1] if active is watchers[0] else watchers[0]
@@ -314,6 +320,32 @@ async def test_executor_processes_with_the_fake_driver_bring_sandboxes_to_ready(
         for e in executors:
             e.proc.send_signal(signal.SIGTERM)
         assert [e.exit_code() for e in executors] == [EXIT_STOPPED] * 2, roles.logs()
+
+
+async def test_provider_sync_processes_one_active_keeps_providers_in_step(
+    tmp_path: Path,
+) -> None:
+    """Two `provider-sync` processes on one directory: one holds the lease and creates the
+    provider the directory holds, the other stands by."""
+    import base64
+    import secrets
+
+    secrets_dir = tmp_path / "providers"
+    (secrets_dir / "gh").mkdir(parents=True)
+    (secrets_dir / "gh" / "TOKEN").write_text("one")
+    key = {"SANDSTREAM_CREDENTIALS_KEY": base64.b64encode(secrets.token_bytes(32)).decode()}
+    async with roles_env(tmp_path) as roles:
+        syncs = [roles.start("provider-sync", "--dir", str(secrets_dir), env=key)
+                 for _ in range(2)]  # fmt: skip
+        await eventually(lambda: all_ready(syncs),
+                         one_active,
+                         timeout=60, what="one provider-sync active, one standby")  # fmt: skip
+        await eventually(lambda: roles.env.fetch("SELECT name FROM providers"),
+                         lambda rows: [r["name"] for r in rows] == ["gh"],
+                         what="the provider created from the directory")  # fmt: skip
+        for s in syncs:
+            s.proc.send_signal(signal.SIGTERM)
+        assert [s.exit_code() for s in syncs] == [EXIT_STOPPED] * 2, roles.logs()
 
 
 @pytest.mark.parametrize(

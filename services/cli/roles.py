@@ -38,7 +38,7 @@ PortFile = Annotated[
 ]  # fmt: skip
 
 
-def _run(role: Role, settings: Settings, host: str | None, port: int | None,
+def run_role_command(role: Role, settings: Settings, host: str | None, port: int | None,
          port_file: Path | None) -> None:  # fmt: skip
     from services.common.entrypoint import run_role
 
@@ -60,7 +60,7 @@ def role_command(make: Callable[[Settings], Role], doc: str) -> Callable[..., No
         port_file: PortFile = None,
     ) -> None:
         settings = settings_of(ctx)
-        _run(make(settings), settings, health_host, health_port, port_file)
+        run_role_command(make(settings), settings, health_host, health_port, port_file)
 
     command.__doc__ = doc
     return command
@@ -120,7 +120,7 @@ def api(
     settings = settings_of(ctx)
     overrides = {k: v for k, v in (("api_port", port), ("api_host", host)) if v is not None}
     settings = settings.model_copy(update=overrides)
-    _run(ApiRole(settings), settings, health_host, health_port, port_file)
+    run_role_command(ApiRole(settings), settings, health_host, health_port, port_file)
 
 
 def prepare(ctx: typer.Context) -> None:
