@@ -138,33 +138,43 @@ async def test_one_watcher_is_active_and_another_takes_over_when_it_dies(
         assert standby.terminate() == EXIT_STOPPED, roles.logs()
 
 
-async def test_executor_processes_with_the_fake_driver_bring_sandboxes_to_ready(
+async def test_executor_processes_with_the_fake_driver_share_and_hand_over_on_sigterm(
     tmp_path: Path,
 ) -> None:
     """SANDSTREAM_DRIVER=fake runs executors on the in-memory fake (for runs where the backend
-    does not matter): two of them share the partitions, launch what the processor decides,
-    and stop cleanly on SIGTERM."""
+    does not matter): two of them share the partitions and launch what the processor
+    decides; one stopped by SIGTERM exits 0 and leaves the group, so the other owns every
+    partition well before the session timeout (30 s here) would have given them to it, and
+    launches what comes next."""
     import factories as f
     from pipeline_support import command
 
+    async def ready(names: list[str]) -> list[Any]:
+        return await eventually(
+            lambda: roles.env.fetch("SELECT phase FROM sandboxes WHERE key = ANY($1)", names),
+            lambda found: [r["phase"] for r in found] == ["Ready"] * len(names),
+            timeout=60, what=f"{names} Ready",
+        )  # fmt: skip
+
     async with roles_env(tmp_path) as roles, await roles.env.publisher() as pub:
         await roles.env.start_processor()
-        fake = {"SANDSTREAM_DRIVER": "fake"}
+        fake = {"SANDSTREAM_DRIVER": "fake", "SANDSTREAM_KAFKA_SESSION_TIMEOUT_MS": "30000"}
         executors = [roles.start("executor", env=fake), roles.start("executor", env=fake)]
         await eventually(lambda: all_ready(executors), lambda b: shared_out(b, 4),
                          timeout=60, what="the executors sharing 4 partitions")  # fmt: skip
-        names = [f"fake-{i}" for i in range(6)]
-        for name in names:
+        first = [f"fake-{i}" for i in range(6)]
+        for name in first:
             await command(roles.env, pub, f.create(name))
-        rows = await eventually(
-            lambda: roles.env.fetch("SELECT phase FROM sandboxes WHERE key = ANY($1)", names),
-            lambda found: [r["phase"] for r in found] == ["Ready"] * 6,
-            timeout=60, what="every sandbox Ready",
-        )  # fmt: skip
-        assert len(rows) == 6
-        for e in executors:
-            e.proc.send_signal(signal.SIGTERM)
-        assert [e.exit_code() for e in executors] == [EXIT_STOPPED] * 2, roles.logs()
+        await ready(first)
+
+        assert executors[0].terminate() == EXIT_STOPPED, roles.logs()
+        await eventually(executors[1].readiness, lambda b: b.get("partitions") == [0, 1, 2, 3],
+                         timeout=20, what="the survivor owning every partition")  # fmt: skip
+        second = [f"fake-{i}" for i in range(6, 10)]
+        for name in second:
+            await command(roles.env, pub, f.create(name))
+        await ready(second)
+        assert executors[1].terminate() == EXIT_STOPPED, roles.logs()
 
 
 async def test_provider_sync_processes_one_active_keeps_providers_in_step(
