@@ -5,35 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Iterator
 
 import uvicorn
 from fastapi import FastAPI
 
 from services.api.readmodel import ChangeFeed
+from services.common.serving import EmbeddedServer, bind, serve_started, url_of
+
+__all__ = ["ApiServer", "RunningApi", "bind", "start_api"]
 
 
-class ApiServer(uvicorn.Server):
-    """uvicorn without its own signal handling: the embedding process owns the signals."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket (port 0: an ephemeral port); raises OSError when the port is taken."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    sock.setblocking(False)
-    return sock
+# uvicorn without its own signal handling: the embedding process owns the signals.
+ApiServer = EmbeddedServer
 
 
 class RunningApi:
@@ -72,17 +55,5 @@ async def start_api(
         timeout_keep_alive=5,
     )
     server = ApiServer(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]), name="api")
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 30
-    while not server.started:
-        if task.done():
-            task.result()  # raises what stopped it
-            raise RuntimeError("the API server stopped during startup")
-        if loop.time() > deadline:
-            raise RuntimeError("the API server did not start within 30s")
-        await asyncio.sleep(0.01)
-    shown = f"[{host}]" if ":" in host else host
-    if host in ("0.0.0.0", ""):
-        shown = "127.0.0.1"
-    return RunningApi(app, server, task, f"http://{shown}:{actual}")
+    task = await serve_started(server, sock, name="api")
+    return RunningApi(app, server, task, url_of(host, actual))

@@ -1,4 +1,5 @@
-"""The `sandstream` command: a client of the HTTP API, plus `up` and `down` for the local stack.
+"""The `sandstream` command: a client of the HTTP API, plus `up` and `down` for the local stack,
+and the roles as separate processes (`processor`, `executor`, `watcher`, `scheduler`, `api`).
 
 Connection: ``--url`` (or SANDSTREAM_API_URL; default from the settings' API host and port) and
 a token from ``--token`` / SANDSTREAM_TOKEN, else ``--token-file`` / SANDSTREAM_TOKEN_FILE,
@@ -14,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from services.cli import audit, log, operations, processor, providers, sandbox, tokens
+from services.cli import audit, log, operations, processor, providers, roles, sandbox, tokens
 from services.cli import lifecycle as _lifecycle  # noqa: F401  (sandbox hold/release/extend)
 from services.cli.client import CliError, Connection
 from services.cli.render import err
@@ -34,7 +35,7 @@ app.add_typer(processor.app, name="processor")
 app.add_typer(log.app, name="log")
 app.add_typer(providers.app, name="provider")
 app.command("provider-sync")(providers.provider_sync)
-for _name, _command in operations.COMMANDS:
+for _name, _command in (*operations.COMMANDS, *roles.COMMANDS):
     app.command(_name)(_command)
 
 

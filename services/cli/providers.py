@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,6 +19,7 @@ from rich.table import Table
 from services.cli import sandbox
 from services.cli.client import Client, fail
 from services.cli.render import Output, OutputOpt, clock, print_json, print_table
+from services.cli.roles import HealthHost, HealthPort, PortFile, run_role_command
 from services.common.entrypoint import LOG_FORMAT
 from services.common.settings import Settings
 
@@ -205,27 +205,28 @@ def provider_sync(
     no_restart: NoRestart = False,
     interval: Annotated[float, typer.Option("--interval", min=0.1, help="seconds")] = 1.0,
     once: Annotated[bool, typer.Option("--once", help="one reconcile, then exit")] = False,
+    health_port: HealthPort = None,
+    health_host: HealthHost = None,
+    port_file: PortFile = None,
 ) -> None:
-    """Keep providers in step with a directory (the layout of a mounted Kubernetes Secret)."""
+    """Keep providers in step with a directory (a mounted Secret's layout); one is active."""
     settings: Settings = ctx.obj["settings"]
-    asyncio.run(_sync(settings, directory, not no_restart, interval, once))
+    if once:
+        asyncio.run(_sync_once(settings, directory, not no_restart))
+        return
+    from services.roles.provider_sync import ProviderSyncRole
+
+    role = ProviderSyncRole(settings, directory=directory, restart=not no_restart,
+                            interval=interval)  # fmt: skip
+    run_role_command(role, settings, health_host, health_port, port_file)
 
 
-async def _sync(settings: Settings, directory: Path, restart: bool, interval: float,
-                once: bool) -> None:  # fmt: skip
+async def _sync_once(settings: Settings, directory: Path, restart: bool) -> None:
     from services.api.provider_sync import ProviderSync
     from services.api.providers import open_service
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     async with open_service(settings) as service:
-        sync = ProviderSync(service, directory, restart=restart, interval=interval)
-        if once:
-            receipt = await sync.reconcile()
-            print("nothing changed" if receipt is None else
-                  f"updated {', '.join(a.change.provider for a in receipt.applied)}")  # fmt: skip
-            return
-        await sync.run(stop)
+        receipt = await ProviderSync(service, directory, restart=restart).reconcile()
+        print("nothing changed" if receipt is None else
+              f"updated {', '.join(a.change.provider for a in receipt.applied)}")  # fmt: skip

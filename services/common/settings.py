@@ -75,8 +75,11 @@ class Settings(BaseSettings):
     sandbox_image: str = "localhost/sandstream-base:1"
     stop_timeout_seconds: int = Field(default=10, ge=0)
 
-    # Which driver `sandstream up` and `python -m services.executor` use.
-    driver: Literal["podman", "kubernetes"] = "podman"
+    # Which driver `sandstream up`, `sandstream executor|watcher` and `python -m
+    # services.executor` use. "fake": the in-memory fake driver (drivers/fake.py), for tests and
+    # fault-injection runs of `sandstream executor` where the backend does not matter; its
+    # runtimes live and die with the executor process (no watcher process can see them).
+    driver: Literal["podman", "kubernetes", "fake"] = "podman"
 
     # Kubernetes driver (drivers/kubernetes.py): which cluster, and how Pods are made there.
     # kube_config None: $KUBECONFIG or ~/.kube/config, else the in-cluster service account.
@@ -153,6 +156,16 @@ class Settings(BaseSettings):
     api_max_stop_timeout_seconds: int = Field(default=600, ge=0, le=3600)
     # /readyz fails while the processor is more input records than this behind Kafka.
     readiness_max_lag: int = Field(default=1000, ge=0)
+
+    # Roles run as separate processes (`sandstream processor|executor|watcher|scheduler|api`):
+    # each serves /healthz, /readyz and /metrics here; port 0 picks a free port, which the
+    # process logs and writes to its --port-file.
+    health_host: str = "127.0.0.1"
+    health_port: int = Field(default=0, ge=0, le=65535)
+    # Single-active roles (watcher and reconciler, scheduler) hold a PostgreSQL advisory lock:
+    # a standby tries to take it this often, and the holder checks its connection this often
+    # (and gives the role up when the check fails).
+    lease_check_seconds: float = Field(default=2.0, gt=0)
 
     @property
     def lifecycle_limits(self) -> Limits:

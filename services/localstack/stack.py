@@ -74,7 +74,7 @@ def up(settings: Settings) -> None:
     _up_postgres(settings)
     _up_podman(settings)
     _wait_kafka(settings, broker)
-    _ensure_topics(settings)
+    ensure_topics(settings)
     _say(f"up in {time.monotonic() - started:.1f}s")
 
 
@@ -331,7 +331,8 @@ async def _list_topics(bootstrap: str) -> list[str]:
         await admin.close()
 
 
-def _ensure_topics(settings: Settings) -> None:
+def ensure_topics(settings: Settings) -> None:
+    """Create the missing project topics and wait for their leaders; StackError if not."""
     created = asyncio.run(_create_topics(settings))
     if created:
         _say(f"kafka: created topics {', '.join(created)}")
