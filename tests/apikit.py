@@ -21,7 +21,8 @@ from harness import Env, eventually, isolated_env
 from drivers.protocol import Driver
 from events.publisher import CommandPublisher
 from services.api.app import create_app
-from services.api.auth import (
+from services.api.server import start_api
+from services.common.tokens import (
     AUDIT,
     PROVIDER_READ,
     PROVIDER_WRITE,
@@ -30,7 +31,6 @@ from services.api.auth import (
     WRITE,
     TokenStore,
 )
-from services.api.server import start_api
 from services.up.control_plane import ControlPlane
 
 ADMIN = "sst_test-admin"

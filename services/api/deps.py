@@ -11,20 +11,24 @@ import asyncpg
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from services.api.auth import (
-    AUDIT,
-    PROVIDER_READ,
-    PROVIDER_WRITE,
-    READ,
-    WRITE,
-    Principal,
-    TokenStore,
-)
 from services.api.errors import ApiError
 from services.api.gateway import CommandGateway
 from services.api.probe import KafkaProbe
 from services.api.readmodel import ChangeFeed
 from services.common.settings import Settings
+from services.common.tokens import (
+    AUDIT,
+    MISSING_TOKEN,
+    OPS,
+    PROVIDER_READ,
+    PROVIDER_WRITE,
+    READ,
+    WRITE,
+    Denied,
+    Principal,
+    TokenStore,
+    bearer_of,
+)
 
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
 
@@ -52,26 +56,25 @@ _bearer = HTTPBearer(
 )
 
 
+CHALLENGE: Final = {"WWW-Authenticate": 'Bearer realm="sandstream"'}
+
+
+def denial(denied: Denied) -> ApiError:
+    if denied.status == 401:
+        return ApiError(401, "UNAUTHENTICATED", denied.message, CHALLENGE)
+    return ApiError(403, "PERMISSION_DENIED", denied.message)
+
+
 def check_auth(request: Request, scope: str, credentials: str | None) -> Principal:
     tokens: TokenStore = request.app.state.tokens
-    challenge = {"WWW-Authenticate": 'Bearer realm="sandstream"'}
-    if not credentials:
-        raise ApiError(401, "UNAUTHENTICATED", "missing bearer token (Authorization: Bearer "
-                       "<token>)", challenge)  # fmt: skip
-    principal = tokens.authenticate(credentials)
-    if principal is None:
-        raise ApiError(401, "UNAUTHENTICATED", "invalid bearer token", challenge)
-    if scope not in principal.scopes:
-        raise ApiError(
-            403, "PERMISSION_DENIED", f"token {principal.name!r} lacks the scope {scope}"
-        )
-    return principal
+    checked = tokens.authorize(credentials, scope) if credentials else Denied(401, MISSING_TOKEN)
+    if isinstance(checked, Denied):
+        raise denial(checked)
+    return checked
 
 
 def bearer_value(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
-    scheme, _, value = header.partition(" ")
-    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+    return bearer_of(request.headers.get("authorization"))
 
 
 def _known_query(route: Any) -> frozenset[str]:
@@ -116,6 +119,7 @@ Writer = Annotated[Principal, Depends(require(WRITE))]
 Auditor = Annotated[Principal, Depends(require(AUDIT))]
 ProviderReader = Annotated[Principal, Depends(require(PROVIDER_READ))]
 ProviderWriter = Annotated[Principal, Depends(require(PROVIDER_WRITE))]
+Operator = Annotated[Principal, Depends(require(OPS))]
 
 
 # ---------------------------------------------------------------------------------------------

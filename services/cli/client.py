@@ -11,8 +11,8 @@ from typing import Any, NoReturn
 import httpx
 import typer
 
-from services.api.auth import TokenFileError, read_token_value
 from services.common.settings import Settings
+from services.common.tokens import TokenFileError, read_token_value
 
 EXIT_FAILED = 1
 EXIT_TIMEOUT = 3

@@ -20,11 +20,11 @@ from typing import Final
 import grpc
 
 from events.publisher import CommandPublisher
-from services.api.auth import TokenStore
 from services.api.gateway import CommandGateway
 from services.api.readmodel import ChangeFeed
 from services.common.entrypoint import run_until_signalled
 from services.common.settings import Settings
+from services.common.tokens import TokenStore
 from services.openshell.proto import openshell_pb2_grpc
 from services.openshell.service import Authenticator, OpenShellService, Pool
 

@@ -26,13 +26,13 @@ from aiokafka.errors import KafkaError
 
 from events.publisher import CommandPublisher
 from services.api.app import create_app
-from services.api.auth import TokenFileError, TokenSetup, TokenStore, ensure_tokens
 from services.api.provider_sync import ProviderSync
 from services.api.server import bind, start_api
 from services.common.credentials import create_key_file
 from services.common.log_filter import rate_limit_kafka_logs
 from services.common.migrations import apply_migrations
 from services.common.settings import Settings
+from services.common.tokens import TokenFileError, TokenSetup, TokenStore, ensure_tokens
 from services.executor.backends import describe_driver
 from services.localstack import stack
 from services.openshell.server import (
