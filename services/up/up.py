@@ -134,7 +134,7 @@ def up(settings: Settings, *, start_stack: bool = True) -> int:
     try:
         if start_stack:
             try:
-                stack.up(settings)
+                settings = stack.up(settings)
             except stack.StackError as exc:
                 print(f"sandstream up: the stack did not come up: {exc}", file=sys.stderr)
                 return 1
