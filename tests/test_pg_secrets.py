@@ -6,20 +6,17 @@ cluster (it creates them as the postgres superuser, like `make stack`), never th
 from __future__ import annotations
 
 import asyncio
+import ssl
 import stat
 import subprocess
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+import tlskit
 from pydantic import SecretStr, ValidationError
 
 from services.common.settings import Settings
@@ -129,22 +126,6 @@ def test_the_bootstrap_command_line_holds_names_only() -> None:
 # --------------------------------------------------------------------------- TLS
 
 
-def _self_signed_ca(directory: Path) -> Path:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "not the server's CA")])
-    now = datetime.now(UTC)
-    cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now - timedelta(days=1))
-        .not_valid_after(now + timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )  # fmt: skip
-    path = directory / "other-ca.pem"
-    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return path
-
-
 async def _ssl_in_use(settings: Settings) -> bool:
     conn = await asyncpg.connect(settings.pg_dsn, timeout=10)
     try:
@@ -164,6 +145,7 @@ def test_postgres_over_tls_verifies_the_server_against_the_configured_ca(
     )
     assert asyncio.run(_ssl_in_use(verified))
     assert not asyncio.run(_ssl_in_use(settings))  # the default: disable (loopback)
-    impostor = verified.model_copy(update={"pg_sslrootcert": _self_signed_ca(tmp_path)})
-    with pytest.raises(Exception, match="certificate verify failed"):
+    other_ca = tlskit.make_ca(tmp_path, "not the server's CA").path
+    impostor = verified.model_copy(update={"pg_sslrootcert": other_ca})
+    with pytest.raises(ssl.SSLCertVerificationError):
         asyncio.run(_ssl_in_use(impostor))

@@ -27,11 +27,16 @@ def read_secret_file(path: Path) -> SecretStr | None:
     """The secret in ``path`` (None when there is no such file); ValueError when the file is
     readable by group or others."""
     try:
-        mode = stat.S_IMODE(path.stat().st_mode)
-        if mode & 0o077:
-            raise ValueError(
-                f"{path} is accessible by other users (mode {mode:04o}); run: chmod 600 {path}"
-            )
+        check_private(path)
         return SecretStr(path.read_text(encoding="utf-8").strip())
     except FileNotFoundError:
         return None
+
+
+def check_private(path: Path) -> None:
+    """ValueError when ``path`` is accessible by group or others; OSError when it is missing."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise ValueError(
+            f"{path} is accessible by other users (mode {mode:04o}); run: chmod 600 {path}"
+        )

@@ -144,8 +144,13 @@ class Settings(BaseSettings):
     # API
     api_host: str = "127.0.0.1"
     api_port: int = 8787
-    # Where clients (the CLI) reach the API; default http://{api_host}:{api_port}.
+    # Where clients (the CLI) reach the API; default http(s)://{api_host}:{api_port}.
     api_url: str | None = None
+    # TLS: with a certificate (PEM, the chain after it) and its key the API speaks https only.
+    api_tls_certfile: Path | None = None
+    api_tls_keyfile: Path | None = None
+    # The CA a client (the CLI) verifies the API's certificate with (default: the system's).
+    api_ca_file: Path | None = None
     # OpenShell-compatible gRPC API (services/openshell/), run by `sandstream up` when enabled.
     openshell_enabled: bool = True
     openshell_host: str = "127.0.0.1"
@@ -224,7 +229,8 @@ class Settings(BaseSettings):
         if self.api_url:
             return self.api_url.rstrip("/")
         host = "127.0.0.1" if self.api_host in ("0.0.0.0", "::", "") else self.api_host
-        return f"http://{host}:{self.api_port}"
+        scheme = "https" if self.api_tls_certfile else "http"
+        return f"{scheme}://{host}:{self.api_port}"
 
     @property
     def run_path(self) -> Path:

@@ -29,13 +29,13 @@ import json
 import os
 import re
 import secrets
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Final
 
+from services.common import secret_files
 from services.common.settings import Settings
 
 READ: Final = "sandbox:read"
@@ -202,11 +202,10 @@ def _moment(entry: dict[str, Any], key: str, path: Path) -> datetime | None:
 
 
 def check_private(path: Path) -> None:
-    mode = stat.S_IMODE(path.stat().st_mode)
-    if mode & 0o077:
-        raise TokenFileError(
-            f"{path} is accessible by other users (mode {mode:04o}); run: chmod 600 {path}"
-        )
+    try:
+        secret_files.check_private(path)
+    except ValueError as exc:
+        raise TokenFileError(str(exc)) from None
 
 
 def read_tokens(path: Path) -> list[StoredToken]:

@@ -27,7 +27,7 @@ from aiokafka.errors import KafkaError
 from events.publisher import CommandPublisher
 from services.api.app import create_app
 from services.api.provider_sync import ProviderSync
-from services.api.server import bind, start_api
+from services.api.server import Tls, bind, start_api
 from services.common.credentials import create_key_file
 from services.common.log_filter import rate_limit_kafka_logs
 from services.common.migrations import apply_migrations
@@ -39,6 +39,7 @@ from services.openshell.server import (
     OpenShellConfigError,
     RunningOpenShell,
     check_settings,
+    is_loopback,
     start_openshell,
 )
 
@@ -192,10 +193,17 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
 
     try:
         driver = driver_from_settings(settings)
-    except ValueError as exc:
+        tls = Tls.of(settings)
+    except (ValueError, OSError) as exc:
         print(f"sandstream up: {exc}", file=sys.stderr)
         sock.close()
         return 1
+    if tls is None and not is_loopback(settings.api_host):
+        log.warning(
+            "the API listens on %s without TLS: tokens cross the network in clear "
+            "(set SANDSTREAM_API_TLS_CERTFILE and SANDSTREAM_API_TLS_KEYFILE)",
+            settings.api_host,
+        )
     plane = None
     pool = None
     publisher = CommandPublisher(settings.kafka_bootstrap, topic=settings.topic_commands)
@@ -211,7 +219,7 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
         app = create_app(
             settings, pool, publisher, TokenStore.from_file(tokens.tokens_file), down=plane.down
         )
-        api = await start_api(app, settings.api_host, settings.api_port, sock=sock)
+        api = await start_api(app, settings.api_host, settings.api_port, sock=sock, tls=tls)
         if settings.openshell_enabled:
             # A second door: the API's command gateway, pool and change feed, the same driver.
             openshell = await start_openshell(
