@@ -9,14 +9,20 @@ import ipaddress
 import ssl
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import apikit
+import grpc
 import httpx
 import pytest
 import tlskit
 
 from services.api.server import Tls, bind
 from services.common.settings import PROJECT_ROOT, Settings
+from services.common.tokens import TokenStore
+from services.openshell.proto import openshell_pb2 as pb
+from services.openshell.proto.openshell_pb2_grpc import OpenShellStub
+from services.openshell.server import start_openshell
 
 
 async def _cli(api: apikit.Api, *args: str) -> tuple[int, str, str]:
@@ -84,3 +90,28 @@ def test_the_api_and_the_openshell_api_listen_on_loopback_by_default(
     finally:
         sock.close()
     assert ipaddress.ip_address(settings.openshell_host).is_loopback
+
+
+async def test_the_openshell_api_uses_the_same_certificate(tmp_path: Path) -> None:
+    issued = tlskit.issue_for_localhost(tmp_path)
+    settings = Settings(openshell_port=0, api_tls_certfile=issued.cert, api_tls_keyfile=issued.key)
+    idle = SimpleNamespace(feed=None)  # Health reaches no service
+    server = await start_openshell(
+        settings,
+        pool=None,
+        gateway=idle,
+        tokens=TokenStore([]),
+        driver=None,  # type: ignore[arg-type]
+    )
+    try:
+        assert server.tls
+        trusting = grpc.ssl_channel_credentials(root_certificates=issued.ca.read_bytes())
+        async with grpc.aio.secure_channel(server.address, trusting) as channel:
+            answer = await OpenShellStub(channel).Health(pb.HealthRequest(), timeout=30)
+            assert answer.status == pb.SERVICE_STATUS_HEALTHY
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await OpenShellStub(channel).Health(pb.HealthRequest(), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await server.stop(0)

@@ -307,7 +307,8 @@ def _banner(
 def _openshell_line(settings: Settings, openshell: RunningOpenShell | None) -> str:
     if openshell is None:
         return "off"
-    line = f"grpc://{openshell.address}   (OpenShell's gRPC API)"
+    scheme = "grpcs" if openshell.tls else "grpc"
+    line = f"{scheme}://{openshell.address}   (OpenShell's gRPC API)"
     if settings.openshell_allow_unauthenticated:
         line += "  unauthenticated local calls allowed"
     return line
