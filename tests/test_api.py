@@ -701,14 +701,16 @@ def test_tokens_file_is_private_hashed_reloaded_and_refused_when_open(tmp_path: 
     assert not again.created and setup.admin_token_file.read_text().strip() == value
 
     store = auth.TokenStore.from_file(setup.tokens_file)
-    admin = store.authenticate(value)
-    assert admin is not None and admin.name == "admin"
-    assert admin.scopes == set(auth.SCOPES)  # every scope, audit and providers included
-    assert store.authenticate(value + "x") is None and store.authenticate("") is None
+    admin = store.authorize(value, auth.OPS)
+    assert isinstance(admin, auth.Principal) and admin.name == "admin"
+    assert admin.scopes == set(auth.SCOPES)  # every scope: audit, providers, ops included
+    invalid = auth.Denied(401, "invalid bearer token")
+    assert store.authorize(value + "x", auth.READ) == invalid
+    assert store.authorize("", auth.READ) == invalid
 
     reader = auth.add_token(setup.tokens_file, "ci", (auth.READ,))
-    principal = store.authenticate(reader)  # the running store sees the new token
-    assert principal is not None and principal.scopes == {auth.READ}
+    principal = store.authorize(reader, auth.READ)  # the running store sees the new token
+    assert isinstance(principal, auth.Principal) and principal.scopes == {auth.READ}
     with pytest.raises(ValueError, match="exists already"):
         auth.add_token(setup.tokens_file, "ci", (auth.READ,))
     with pytest.raises(ValueError, match="scopes must be"):

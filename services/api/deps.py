@@ -18,7 +18,6 @@ from services.api.readmodel import ChangeFeed
 from services.common.settings import Settings
 from services.common.tokens import (
     AUDIT,
-    MISSING_TOKEN,
     OPS,
     PROVIDER_READ,
     PROVIDER_WRITE,
@@ -27,7 +26,7 @@ from services.common.tokens import (
     Denied,
     Principal,
     TokenStore,
-    bearer_of,
+    authorize_header,
 )
 
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
@@ -65,16 +64,12 @@ def denial(denied: Denied) -> ApiError:
     return ApiError(403, "PERMISSION_DENIED", denied.message)
 
 
-def check_auth(request: Request, scope: str, credentials: str | None) -> Principal:
+def check_auth(request: Request, scope: str) -> Principal:
     tokens: TokenStore = request.app.state.tokens
-    checked = tokens.authorize(credentials, scope) if credentials else Denied(401, MISSING_TOKEN)
+    checked = authorize_header(tokens, request.headers.get("authorization"), scope)
     if isinstance(checked, Denied):
         raise denial(checked)
     return checked
-
-
-def bearer_value(request: Request) -> str | None:
-    return bearer_of(request.headers.get("authorization"))
 
 
 def _known_query(route: Any) -> frozenset[str]:
@@ -105,9 +100,10 @@ def check_query(request: Request) -> None:
 def require(scope: str) -> Callable[..., Awaitable[Principal]]:
     async def dependency(
         request: Request,
-        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+        # Declared for the OpenAPI document; the check reads the header itself.
+        _: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     ) -> Principal:
-        principal = check_auth(request, scope, credentials.credentials if credentials else None)
+        principal = check_auth(request, scope)
         check_query(request)
         return principal
 

@@ -153,13 +153,6 @@ class TokenStore:
             return Denied(403, f"token {found.name!r} lacks the scope {scope}")
         return Principal(found.name, found.scopes, found.max_stop_timeout)
 
-    def authenticate(self, value: str) -> Principal | None:
-        """The principal of a live token, whatever its scopes."""
-        found = self.lookup(value)
-        if found is None or found.ended(datetime.now(UTC)) is not None:
-            return None
-        return Principal(found.name, found.scopes, found.max_stop_timeout)
-
 
 MISSING_TOKEN: Final = "missing bearer token (Authorization: Bearer <token>)"
 
