@@ -24,6 +24,7 @@ import httpx
 from harness import Env, eventually, isolated_env
 
 from services.common.settings import PROJECT_ROOT
+from services.common.tokens import ensure_tokens, read_token_value
 
 
 @dataclass
@@ -34,6 +35,7 @@ class RoleProcess:
     proc: subprocess.Popen[bytes]
     log: Path
     port_file: Path
+    token: str | None = None  # sent to the health endpoint (ops:read: readiness detail, metrics)
 
     @property
     def port(self) -> int | None:
@@ -47,7 +49,8 @@ class RoleProcess:
         if self.port is None:
             return None
         try:
-            async with httpx.AsyncClient(timeout=5) as client:
+            headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
+            async with httpx.AsyncClient(timeout=5, headers=headers) as client:
                 return await client.get(f"http://127.0.0.1:{self.port}{path}")
         except httpx.TransportError:
             return None
@@ -98,6 +101,13 @@ class Roles:
     def variables(self) -> dict[str, str]:
         return {**self.env.env_vars(), "SANDSTREAM_RUN_DIR": str(self.workdir)}
 
+    def admin_token(self) -> str:
+        """The admin token of the work directory's tokens file (made on first use, as
+        `sandstream prepare` would): the health endpoints show detail and metrics to it."""
+        settings = self.env.settings.model_copy(update={"run_dir": self.workdir})
+        setup = ensure_tokens(settings)
+        return read_token_value(setup.admin_token_file)
+
     def start(self, *role: str, env: dict[str, str] | None = None) -> RoleProcess:
         n = len(self.processes)
         log = self.workdir / f"{n}-{role[0]}.log"
@@ -110,7 +120,7 @@ class Roles:
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
-        process = RoleProcess(list(role), proc, log, port_file)
+        process = RoleProcess(list(role), proc, log, port_file, self.admin_token())
         self.processes.append(process)
         return process
 

@@ -3,8 +3,9 @@ and the roles as separate processes (`processor`, `executor`, `watcher`, `schedu
 
 Connection: ``--url`` (or SANDSTREAM_API_URL; default from the settings' API host and port) and
 a token from ``--token`` / SANDSTREAM_TOKEN, else ``--token-file`` / SANDSTREAM_TOKEN_FILE,
-else the admin token file that `sandstream up` writes. Exit codes: 0 done, 1 rejected or
-failed (the message says why), 2 usage error, 3 timed out waiting.
+else the admin token file that `sandstream up` writes; ``--ca-file`` (or
+SANDSTREAM_API_CA_FILE) verifies an https API with a CA of one's own. Exit codes: 0 done,
+1 rejected or failed (the message says why), 2 usage error, 3 timed out waiting.
 """
 
 from __future__ import annotations
@@ -59,8 +60,19 @@ def root(
             show_default=False,
         ),
     ] = None,
+    ca_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--ca-file",
+            help="CA (PEM) to verify an https API's certificate with (or SANDSTREAM_API_CA_FILE)",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
-    ctx.obj = {"settings": load_settings(), "connection": Connection(url, token, token_file)}
+    settings = load_settings()
+    if ca_file is not None:
+        settings = settings.model_copy(update={"api_ca_file": ca_file})
+    ctx.obj = {"settings": settings, "connection": Connection(url, token, token_file)}
 
 
 def main(argv: list[str] | None = None) -> None:

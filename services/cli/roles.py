@@ -46,6 +46,7 @@ def run_role_command(role: Role, settings: Settings, host: str | None, port: int
         host if host is not None else settings.health_host,
         port if port is not None else settings.health_port,
         port_file,
+        settings.tokens_file,
     )
     raise typer.Exit(run_role(role, endpoint))
 

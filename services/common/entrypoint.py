@@ -75,6 +75,7 @@ class Endpoint:
     host: str
     port: int
     port_file: Path | None = None
+    tokens_file: Path | None = None  # the tokens that may see readiness detail and metrics
 
 
 def configure_role_logging() -> None:
@@ -95,7 +96,12 @@ async def serve_role(role: Role, endpoint: Endpoint) -> int:
     _handle_signals(role.name, stop)
     try:
         health = await start_health(
-            role.name, role.readiness, endpoint.host, endpoint.port, endpoint.port_file
+            role.name,
+            role.readiness,
+            endpoint.host,
+            endpoint.port,
+            endpoint.port_file,
+            endpoint.tokens_file,
         )
     except OSError as exc:
         log.error("%s: cannot serve the health endpoint on %s:%d: %s",

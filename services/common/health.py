@@ -4,10 +4,12 @@ Every role run as its own process (``sandstream processor|executor|watcher|sched
 serves the same three routes on its own small HTTP server:
 
 - ``GET /healthz``: 200 while the process's event loop answers (liveness);
-- ``GET /readyz``: 200 or 503 with the role's own readiness (``Readiness``) as JSON;
-- ``GET /metrics``: the process's Prometheus metrics.
+- ``GET /readyz``: 200 or 503; the role's own readiness (``Readiness``: reason and detail)
+  only for a token with the ops:read scope, else just ready or not (as the HTTP API's);
+- ``GET /metrics``: the process's Prometheus metrics, for a token with the ops:read scope.
 
-This is the one place these routes are built, so an access rule for them is added once.
+Tokens are the API's tokens file (``settings.tokens_file``, re-read when it changes); without
+that file only the bare liveness and readiness answer.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from services.common.serving import EmbeddedServer, bind, serve_started, url_of
+from services.common.tokens import OPS, Denied, TokenStore, authorize_header, sees_operations
 
 # A readiness check answering later than this counts as not ready.
 READINESS_TIMEOUT = 5.0
@@ -45,26 +48,31 @@ class Readiness:
 ReadinessCheck = Callable[[], Awaitable[Readiness]]
 
 
-def health_app(role: str, readiness: ReadinessCheck) -> Starlette:
+def health_app(role: str, readiness: ReadinessCheck, tokens: TokenStore | None = None) -> Starlette:
     """The three routes of a role process."""
 
     async def healthz(_: Request) -> JSONResponse:
         return JSONResponse({"status": "ok", "role": role, "pid": os.getpid()})
 
-    async def readyz(_: Request) -> JSONResponse:
+    async def readyz(request: Request) -> JSONResponse:
+        detailed = sees_operations(tokens, request.headers.get("authorization"))
+        if isinstance(detailed, Denied):
+            return _denied(detailed)
         try:
             found = await asyncio.wait_for(readiness(), READINESS_TIMEOUT)
         except Exception as exc:  # the check itself failed: not ready, and why
             found = Readiness(False, f"readiness check failed: {exc!r}")
-        body = {
-            "status": "ready" if found.ready else "not ready",
-            "role": role,
-            "reason": found.reason,
-            **found.detail,
-        }
+        body: dict[str, Any] = {"status": "ready" if found.ready else "not ready", "role": role}
+        if detailed:
+            body |= {"reason": found.reason, **found.detail}
         return JSONResponse(body, 200 if found.ready else 503)
 
-    async def get_metrics(_: Request) -> Response:
+    async def get_metrics(request: Request) -> Response:
+        if tokens is None:
+            return _denied(Denied(403, "no tokens file: the metrics need a token with " + OPS))
+        checked = authorize_header(tokens, request.headers.get("authorization"), OPS)
+        if isinstance(checked, Denied):
+            return _denied(checked)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return Starlette(
@@ -74,6 +82,15 @@ def health_app(role: str, readiness: ReadinessCheck) -> Starlette:
             Route("/metrics", get_metrics),
         ]
     )
+
+
+def _tokens(tokens_file: Path | None) -> TokenStore | None:
+    return TokenStore.from_file(tokens_file) if tokens_file and tokens_file.exists() else None
+
+
+def _denied(denied: Denied) -> JSONResponse:
+    code = "UNAUTHENTICATED" if denied.status == 401 else "PERMISSION_DENIED"
+    return JSONResponse({"code": code, "message": denied.message}, denied.status)
 
 
 @dataclass
@@ -100,13 +117,15 @@ async def start_health(
     host: str,
     port: int,
     port_file: Path | None = None,
+    tokens_file: Path | None = None,
 ) -> HealthEndpoint:
     """Serve ``role``'s health routes on ``host:port``; OSError when the port is taken. The
     bound port is written to ``port_file`` (atomically) once the server accepts connections."""
     sock = bind(host, port)
     actual = sock.getsockname()[1]
+    tokens = _tokens(tokens_file)
     config = uvicorn.Config(
-        health_app(role, readiness), log_config=None, access_log=False, lifespan="off"
+        health_app(role, readiness, tokens), log_config=None, access_log=False, lifespan="off"
     )
     server = EmbeddedServer(config)
     task = await serve_started(server, sock, name="health")

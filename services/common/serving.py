@@ -52,8 +52,8 @@ async def serve_started(
     return task
 
 
-def url_of(host: str, port: int) -> str:
+def url_of(host: str, port: int, scheme: str = "http") -> str:
     shown = f"[{host}]" if ":" in host else host
     if host in ("0.0.0.0", ""):
         shown = "127.0.0.1"
-    return f"http://{shown}:{port}"
+    return f"{scheme}://{shown}:{port}"

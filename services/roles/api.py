@@ -15,11 +15,11 @@ import asyncpg
 
 from events.publisher import CommandPublisher
 from services.api.app import create_app
-from services.api.auth import TokenStore
-from services.api.server import RunningApi, start_api
+from services.api.server import RunningApi, Tls, start_api
 from services.common.database import connect_pool
 from services.common.health import Readiness
 from services.common.settings import Settings
+from services.common.tokens import TokenStore
 
 
 @dataclass
@@ -38,7 +38,9 @@ class ApiRole:
         try:
             await publisher.__aenter__()
             app = create_app(self.settings, pool, publisher, tokens)
-            api = self.api = await start_api(app, self.settings.api_host, self.settings.api_port)
+            api = self.api = await start_api(
+                app, self.settings.api_host, self.settings.api_port, tls=Tls.of(self.settings)
+            )
             self.started = True
             stopper = asyncio.create_task(_set(stop))
             await asyncio.wait([stopper, api.task], return_when=asyncio.FIRST_COMPLETED)

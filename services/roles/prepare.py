@@ -10,10 +10,10 @@ import logging
 import asyncpg
 from aiokafka.errors import KafkaError
 
-from services.api.auth import TokenFileError, ensure_tokens
 from services.common.credentials import create_key_file
 from services.common.migrations import apply_migrations
 from services.common.settings import Settings
+from services.common.tokens import TokenFileError, ensure_tokens
 from services.localstack import stack
 
 log = logging.getLogger("sandstream.prepare")
