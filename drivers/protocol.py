@@ -91,6 +91,9 @@ class LaunchResult:
     generation: int
     identity: str
     started: bool  # False when it was already running (an idempotent repeat)
+    # The revision of each attached provider whose values this launch handed over (set by the
+    # executor, which read them; None when unknown, e.g. a runtime that was already running).
+    credentials: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,12 +274,14 @@ def operation_result(
     """
     outcome: OperationOutcome = "succeeded"
     retryable, reason, observed, identity, exit_code = False, None, None, None, None
+    credentials: dict[str, int] | None = None
     match result:
         case DriverError():
             outcome, retryable, reason = "failed", result.retryable, result.reason
             observed, exit_code = result.observed, result.exit_code
         case LaunchResult():
             identity = result.identity
+            credentials = dict(result.credentials) if result.credentials is not None else None
         case OpResult():
             outcome, exit_code = result.outcome, result.exit_code
         case bool():
@@ -295,4 +300,5 @@ def operation_result(
         identity=identity,
         observed=observed,
         exit_code=exit_code,
+        credentials=credentials,
     )
