@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -22,6 +22,9 @@ from services.cli.client import Client, fail
 from services.cli.render import Output, OutputOpt, clock, print_json, print_table
 from services.common.entrypoint import LOG_FORMAT
 from services.common.settings import Settings
+
+if TYPE_CHECKING:
+    from services.api.provider_sources import Source
 
 app = typer.Typer(help="Credential providers: values in, key names and fingerprints out.")
 
@@ -200,18 +203,35 @@ _attachment("detach", ":detach")
 def provider_sync(
     ctx: typer.Context,
     directory: Annotated[
-        Path, typer.Option("--dir", help="one folder per provider, a file per key")
-    ],
+        Path | None, typer.Option("--dir", help="one folder per provider, a file per key")
+    ] = None,
+    kube_selector: Annotated[
+        str | None,
+        typer.Option(
+            "--kube-selector", help="label selector of Kubernetes Secrets, one per provider"
+        ),
+    ] = None,
+    kube_namespace: Annotated[
+        str | None,
+        typer.Option("--kube-namespace", help="their namespace (default: the driver's)"),
+    ] = None,
     no_restart: NoRestart = False,
     interval: Annotated[float, typer.Option("--interval", min=0.1, help="seconds")] = 1.0,
     once: Annotated[bool, typer.Option("--once", help="one reconcile, then exit")] = False,
 ) -> None:
-    """Keep providers in step with a directory (the layout of a mounted Kubernetes Secret)."""
+    """Keep providers in step with a directory (the layout of a mounted Kubernetes Secret) or
+    with Kubernetes Secrets selected by label."""
+    from services.api.provider_sync import sync_source
+
     settings: Settings = ctx.obj["settings"]
-    asyncio.run(_sync(settings, directory, not no_restart, interval, once))
+    if (directory is None) == (kube_selector is None):
+        raise typer.BadParameter("give one of --dir and --kube-selector")
+    source = sync_source(settings, directory, kube_selector, kube_namespace)
+    assert source is not None
+    asyncio.run(_sync(settings, source, not no_restart, interval, once))
 
 
-async def _sync(settings: Settings, directory: Path, restart: bool, interval: float,
+async def _sync(settings: Settings, source: Source, restart: bool, interval: float,
                 once: bool) -> None:  # fmt: skip
     from services.api.provider_sync import ProviderSync
     from services.api.providers import open_service
@@ -222,9 +242,12 @@ async def _sync(settings: Settings, directory: Path, restart: bool, interval: fl
         loop.add_signal_handler(sig, stop.set)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     async with open_service(settings) as service:
-        sync = ProviderSync(service, directory, restart=restart, interval=interval)
+        sync = ProviderSync(service, source, restart=restart, interval=interval)
         if once:
-            receipt = await sync.reconcile()
+            try:
+                receipt = await sync.reconcile()
+            finally:
+                await source.close()
             print("nothing changed" if receipt is None else
                   f"updated {', '.join(a.change.provider for a in receipt.applied)}")  # fmt: skip
             return
