@@ -670,17 +670,8 @@ def _rotate(state: Sandbox, command: RotateCredentials, cause: Cause, limits: Li
     common = _common(state, command, cause)
     event: DecidedEvent
     if action == RESTART:
-        generation = state.generation + 1
-        event = AgentRestarted(
-            type="AgentRestarted",
-            **(common | {"generation": generation}),
-            providers=attached,
-            previous_generation=state.generation,
-            spec=state.spec,
-            identity=identity_for(state.sandbox_id, generation, command.command_id),
-            deadline=launch_deadline(command.occurred_at, limits),
-        )
-        why = f"restart for rotated {', '.join(attached)}: generation {generation}"
+        event = _agent_restarted(state, common, attached, command.command_id, limits)
+        why = f"restart for rotated {', '.join(attached)}: generation {event.generation}"
     else:
         awaits: dict[str, int] = {}
         if action == RESTART_PENDING:
@@ -750,21 +741,32 @@ def _restart_if_stale(
     stale = stale_rotations(pending, obs.credentials)
     if not stale:
         return state, events
-    generation = state.generation + 1
     return _then(
         state,
         events,
         obs,
         cause,
-        lambda c: AgentRestarted(
-            type="AgentRestarted",
-            **(c | {"generation": generation}),
-            providers=sorted(stale),
-            previous_generation=state.generation,
-            spec=state.spec,
-            identity=identity_for(state.sandbox_id, generation, obs.observation_id),
-            deadline=launch_deadline(obs.occurred_at, limits),
-        ),
+        lambda c: _agent_restarted(state, c, sorted(stale), obs.observation_id, limits),
+    )
+
+
+def _agent_restarted(
+    state: Sandbox,
+    common: dict,  # type: ignore[type-arg]
+    providers: list[str],
+    id_source: str,
+    limits: Limits,
+) -> AgentRestarted:
+    """A rotation restart of ``state`` at the next generation, for ``providers``."""
+    generation = state.generation + 1
+    return AgentRestarted(
+        type="AgentRestarted",
+        **(common | {"generation": generation}),
+        providers=providers,
+        previous_generation=state.generation,
+        spec=state.spec,
+        identity=identity_for(state.sandbox_id, generation, id_source),
+        deadline=launch_deadline(common["occurred_at"], limits),
     )
 
 
