@@ -311,7 +311,8 @@ class KubernetesDriver:
         # The replaced generations' Secrets go with their Pods (not left to the collector).
         await self._remove_secrets(spec.key, lambda _, g: g < spec.generation)
         if current is not None and current.info.state != "created":
-            return LaunchResult(current.uid, spec.generation, spec.identity, False)
+            return LaunchResult(current.uid, spec.generation, spec.identity, False, adopted=True)
+        adopted = current is not None
         if current is None:
             if self._pods.storage_class is not None:
                 await self._create(
@@ -319,7 +320,7 @@ class KubernetesDriver:
                 )
             if spec.secrets:
                 await self._write_secret(spec)
-            current = await self._create_pod(spec)
+            current, adopted = await self._create_pod(spec)
             if spec.secrets:
                 await self._own_secret(spec, current)
         try:
@@ -337,28 +338,27 @@ class KubernetesDriver:
             raise DriverError(
                 f"pod {current.name} was removed while it started", retryable=True, observed=None
             )
-        return LaunchResult(started.uid, spec.generation, spec.identity, True)
+        return LaunchResult(started.uid, spec.generation, spec.identity, True, adopted=adopted)
 
-    async def _create_pod(self, spec: LaunchSpec) -> PodView:
+    async def _create_pod(self, spec: LaunchSpec) -> tuple[PodView, bool]:
+        """The generation's Pod, and whether it existed already (made by an earlier launch)."""
         manifest = pod_manifest(spec, self._pods)
+        name = manifest["metadata"]["name"]
         created = await self._create("pods", manifest, exist_ok=True)
-        view = read_pod(created) if created else None
-        if view is None:  # the name was taken: by a concurrent launch of ours, or a stranger
-            existing = await self._read_pod(manifest["metadata"]["name"])
-            if existing is None:
-                raise DriverError(
-                    f"pod {manifest['metadata']['name']} was taken, then removed, while it was "
-                    "being created",
-                    retryable=True,
-                )
-            view = read_pod(existing)
-            if view is None or view.info.generation != spec.generation:
-                raise DriverError(
-                    f"pod name {manifest['metadata']['name']} is in use by a pod sandstream "
-                    "does not manage",
-                    retryable=False,
-                )
-        return view
+        if created is not None and (view := read_pod(created)) is not None:
+            return view, False
+        # The name was taken: by an earlier launch of ours, or a stranger.
+        existing = await self._read_pod(name)
+        if existing is None:
+            raise DriverError(
+                f"pod {name} was taken, then removed, while it was being created", retryable=True
+            )
+        view = read_pod(existing)
+        if view is None or view.info.generation != spec.generation:
+            raise DriverError(
+                f"pod name {name} is in use by a pod sandstream does not manage", retryable=False
+            )
+        return view, True
 
     async def _stop(self, key: str, generation: int, timeout: float | None) -> OpResult:
         views = [v for v in await self._list_views(key) if v.info.generation == generation]

@@ -91,8 +91,11 @@ class LaunchResult:
     generation: int
     identity: str
     started: bool  # False when it was already running (an idempotent repeat)
+    # The runtime existed before this call (made by an earlier, interrupted launch): it holds
+    # the provider values that launch read, not this one's.
+    adopted: bool = False
     # The revision of each attached provider whose values this launch handed over (set by the
-    # executor, which read them; None when unknown, e.g. a runtime that was already running).
+    # executor, which read them; None when unknown, i.e. an adopted runtime).
     credentials: Mapping[str, int] | None = None
 
 

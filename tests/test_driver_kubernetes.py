@@ -245,7 +245,8 @@ async def test_launch_makes_one_labelled_pod_and_a_claim_and_is_idempotent(
     spec = launch_spec(key, labels={"team": "blue", "note": "not a label value!"},
                        stop_timeout_seconds=3, env={"A": "1"})  # fmt: skip
     result = await driver.launch(spec)
-    assert result.started and result.generation == 1 and result.identity == spec.identity
+    assert result.started and not result.adopted and result.generation == 1
+    assert result.identity == spec.identity
 
     (pod,) = await admin.pods(ns, key)
     assert pod["metadata"]["name"] == pod_name(key, 1) and phase_of(pod) == "Running"
@@ -262,7 +263,7 @@ async def test_launch_makes_one_labelled_pod_and_a_claim_and_is_idempotent(
     assert await admin.claims(ns, key) == [claim]
 
     again = await driver.launch(spec)
-    assert (again.started, again.runtime_id) == (False, result.runtime_id)
+    assert (again.started, again.adopted, again.runtime_id) == (False, True, result.runtime_id)
     assert await admin.pod_names(ns, key) == [pod_name(key, 1)]
     (info,) = await driver.get(key)
     assert (info.generation, info.state, info.identity) == (1, "running", spec.identity)

@@ -632,8 +632,8 @@ class Executor:
                     values = await self.credentials(intent.key) if self.credentials else None
                     secrets = values.env if values is not None else {}
                     launched = await self.driver.launch(replace(intent.launch, secrets=secrets))
-                    if values is None or not launched.started:
-                        return launched  # what an already running runtime read is unknown
+                    if values is None or launched.adopted or not launched.started:
+                        return launched  # what an earlier launch's runtime read is unknown
                     return replace(launched, credentials=values.revisions)
                 case "stop":
                     return await self.driver.stop(intent.key, intent.generation)
