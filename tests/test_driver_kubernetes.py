@@ -529,9 +529,12 @@ async def test_the_role_in_compose_is_all_the_driver_needs(
             assert [r.generation for r in await driver.list()] == [1]
             assert (await driver.stop(key, 1)).outcome == "succeeded"
             assert await driver.claims(key) == [claim_name(key, spec.sandbox_id)]
-            assert (await driver.launch(launch_spec(key, 2, spec.sandbox_id))).started
+            with_values = replace(launch_spec(key, 2, spec.sandbox_id), secrets={"K": "v"})
+            assert (await driver.launch(with_values)).started
+            assert len(await admin.secrets(ns, key)) == 1
             assert await driver.delete(key) is True
             assert await admin.pod_names(ns, key) == [] and await admin.claims(ns, key) == []
+            assert await admin.secrets(ns, key) == []
         finally:
             await driver.close()
             await admin.remove_everything_of(ns, key)

@@ -373,44 +373,51 @@ async def test_a_rotation_restarts_the_pod_onto_a_new_secret_and_delete_removes_
     provider = unique("kp")
     first, second = f"one-{secrets.token_hex(6)}", f"two-{secrets.token_hex(6)}"
     update = {"credentials_key": CREDENTIALS_KEY}
-    async with (
-        apikit.running_api(new_driver(admin, ns), settings_update=update) as api,
-        api.client() as c,
-    ):
-        r = await c.post(
-            "/v1/providers", json={"name": provider, "credentials": {"API_KEY": first}}
-        )
-        assert r.status_code == 201, r.text
-        body = create_body(key, command=["sleep", "3600"])
-        body["providers"] = [provider]
-        r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
-        assert r.status_code == 201, r.text
-        await api.wait_phase(key, "Ready")
+    driver = new_driver(admin, ns)
+    try:
+        async with (
+            apikit.running_api(driver, settings_update=update) as api,
+            api.client() as c,
+        ):
+            r = await c.post(
+                "/v1/providers", json={"name": provider, "credentials": {"API_KEY": first}}
+            )
+            assert r.status_code == 201, r.text
+            body = create_body(key, command=["sleep", "3600"])
+            body["providers"] = [provider]
+            r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+            assert r.status_code == 201, r.text
+            await api.wait_phase(key, "Ready")
 
-        async def values() -> dict[str, str]:
-            return {
-                s["metadata"]["name"]: base64.b64decode(s["data"]["API_KEY"]).decode()
-                for s in await admin.secrets(ns, key)
+            async def values() -> dict[str, str]:
+                return {
+                    s["metadata"]["name"]: base64.b64decode(s["data"]["API_KEY"]).decode()
+                    for s in await admin.secrets(ns, key)
+                }
+
+            assert await values() == {secret_name(key, 1): first}
+            (pod,) = await admin.pods(ns, key)
+            ref = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}["API_KEY"]
+            assert ref["valueFrom"]["secretKeyRef"] == {
+                "name": secret_name(key, 1),
+                "key": "API_KEY",
             }
 
-        assert await values() == {secret_name(key, 1): first}
-        (pod,) = await admin.pods(ns, key)
-        ref = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}["API_KEY"]
-        assert ref["valueFrom"]["secretKeyRef"] == {"name": secret_name(key, 1), "key": "API_KEY"}
+            r = await c.put(
+                f"/v1/providers/{provider}/credentials", json={"credentials": {"API_KEY": second}}
+            )
+            assert r.status_code == 200, r.text
+            await eventually(
+                lambda: c.get(f"/v1/sandboxes/{key}"),
+                lambda resp: (resp.json()["phase"], resp.json()["generation"]) == ("Ready", 2),
+                what=f"{key} restarted at generation 2",
+            )
+            assert await values() == {secret_name(key, 2): second}
+            seen = json.dumps(await admin.pods(ns, key)) + await admin.events_text(ns)
+            assert first not in seen and second not in seen
 
-        r = await c.put(
-            f"/v1/providers/{provider}/credentials", json={"credentials": {"API_KEY": second}}
-        )
-        assert r.status_code == 200, r.text
-        await eventually(
-            lambda: c.get(f"/v1/sandboxes/{key}"),
-            lambda resp: (resp.json()["phase"], resp.json()["generation"]) == ("Ready", 2),
-            what=f"{key} restarted at generation 2",
-        )
-        assert await values() == {secret_name(key, 2): second}
-        seen = json.dumps(await admin.pods(ns, key)) + await admin.events_text(ns)
-        assert first not in seen and second not in seen
-
-        r = await c.delete(f"/v1/sandboxes/{key}", params={"wait": 30})
-        await api.wait_phase(key, "Deleted", timeout=60)
-        assert await admin.secrets(ns, key) == []
+            r = await c.delete(f"/v1/sandboxes/{key}", params={"wait": 30})
+            await api.wait_phase(key, "Deleted", timeout=60)
+            assert await admin.secrets(ns, key) == []
+    finally:
+        await driver.close()
