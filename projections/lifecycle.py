@@ -741,6 +741,16 @@ def _restart_if_stale(
     stale = stale_rotations(pending, obs.credentials)
     if not stale:
         return state, events
+    if held(state):  # a hold made meanwhile: the newest values wait for the next start
+        return _then(
+            state,
+            events,
+            obs,
+            cause,
+            lambda c: AgentRestartSkipped(
+                type="AgentRestartSkipped", **c, providers=sorted(stale), reason=HELD
+            ),
+        )
     return _then(
         state,
         events,

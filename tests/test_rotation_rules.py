@@ -322,3 +322,13 @@ def test_the_agent_ends_on_the_newest_values_and_restarts_only_when_it_must(
     final = launch if launch is not None else {p: 1 for p in attached}
     assert all(final[p] == stored[p] for p in attached), (final, stored)
     assert h.rebuilt() == {k: v for k, v in h.states.items() if v is not None}
+
+
+def test_a_hold_made_while_the_launch_was_pending_keeps_the_stale_report_from_restarting() -> None:
+    h = f.harness_in(P.READY, providers=["p"])
+    h.send(rotate(f.KEY, {"p": 2}), rotate(f.KEY, {"p": 3}), f.hold(key=f.KEY))
+    decision = h.send(f.launched(f.KEY, 2, credentials={"p": 2}))
+    ready, skipped = decision.events
+    assert ready.type == "SandboxReady"
+    assert isinstance(skipped, AgentRestartSkipped) and skipped.reason == HELD
+    assert (h.row().phase, h.row().generation) == (P.READY, 2)
