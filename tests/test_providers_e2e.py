@@ -7,6 +7,10 @@ others with their reasons, and the restarted agents see the new values; a baseli
 nothing; a redelivered restart command restarts nothing; ``no_restart`` restarts nothing and
 the next start sees the new value. Afterwards every topic, every table, the logs, every API
 answer and ``podman inspect`` of the containers and secrets are searched for the values.
+
+A rotation in a separate update while a restart is pending restarts nothing more when the
+pending launch reads after it (one restart, both new values), and once more when the launch
+had already read the older value (it ends on the newest).
 """
 
 from __future__ import annotations
