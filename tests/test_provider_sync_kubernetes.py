@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import secrets
+from pathlib import Path
 from typing import Any
 
 import apikit
+import pytest
 from apikit import create_body, unique
 from harness import eventually
 from kube_support import admin_client, namespace
@@ -24,7 +26,7 @@ from drivers.fake import FakeDriver
 from drivers.kubernetes import KubeConfig
 from services.api.kube_secrets import KubeSecretSource
 from services.api.provider_sources import PROVIDER_ANNOTATION, read_secrets
-from services.api.provider_sync import ProviderSync
+from services.api.provider_sync import ProviderSync, sync_source
 from services.cli.main import app
 from services.common.settings import Settings
 
@@ -157,3 +159,19 @@ def test_provider_sync_takes_exactly_one_source() -> None:
         result = CliRunner().invoke(app, argv)
         assert result.exit_code != 0
         assert "one of --dir and --kube-selector" in result.output + str(result.exception)
+
+
+def test_up_takes_the_source_from_the_settings(settings: Settings, tmp_path: Path) -> None:
+    assert sync_source(settings.model_copy(update={"provider_sync_dir": None})) is None
+    kube = sync_source(
+        settings.model_copy(
+            update={"provider_sync_dir": None, "provider_sync_kube_selector": "app=agents"}
+        )
+    )
+    assert isinstance(kube, KubeSecretSource)
+    assert (kube.selector, kube.cfg.namespace) == ("app=agents", settings.kube_namespace)
+    both = settings.model_copy(
+        update={"provider_sync_dir": tmp_path, "provider_sync_kube_selector": "app=agents"}
+    )
+    with pytest.raises(ValueError, match="not both"):
+        sync_source(both)
