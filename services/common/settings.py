@@ -129,8 +129,12 @@ class Settings(BaseSettings):
     # the file once (mode 0600); SANDSTREAM_CREDENTIALS_KEY (base64) supplies it instead.
     credentials_key_file: Path | None = None
     credentials_key: SecretStr | None = None
-    # `sandstream up` also runs the provider-sync controller on this directory when set.
+    # `sandstream up` also runs the provider-sync controller on this directory when set, or on
+    # the Kubernetes Secrets this label selector picks (in provider_sync_kube_namespace, by
+    # default kube_namespace; the cluster of kube_config/kube_context).
     provider_sync_dir: Path | None = None
+    provider_sync_kube_selector: str | None = None
+    provider_sync_kube_namespace: str | None = None
     # Operator lifecycle (the processor records the deadlines; the scheduler says when they
     # fall due). 0 turns a deadline off.
     launch_timeout_seconds: float = Field(default=300, ge=0)  # Provisioning/Starting

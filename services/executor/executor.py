@@ -646,8 +646,12 @@ class Executor:
                 case "launch":
                     assert intent.launch is not None
                     # The values are read now, from PostgreSQL: they never travel in the log.
-                    secrets = await self.credentials(intent.key) if self.credentials else {}
-                    return await self.driver.launch(replace(intent.launch, secrets=secrets))
+                    values = await self.credentials(intent.key) if self.credentials else None
+                    secrets = values.env if values is not None else {}
+                    launched = await self.driver.launch(replace(intent.launch, secrets=secrets))
+                    if values is None or launched.adopted or not launched.started:
+                        return launched  # what an earlier launch's runtime read is unknown
+                    return replace(launched, credentials=values.revisions)
                 case "stop":
                     return await self.driver.stop(intent.key, intent.generation)
                 case "delete":

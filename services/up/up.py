@@ -26,7 +26,7 @@ from aiokafka.errors import KafkaError
 
 from events.publisher import CommandPublisher
 from services.api.app import create_app
-from services.api.provider_sync import ProviderSync
+from services.api.provider_sync import ProviderSync, sync_source
 from services.api.server import Tls, bind, start_api
 from services.common.credentials import create_key_file
 from services.common.log_filter import rate_limit_kafka_logs
@@ -230,8 +230,9 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
                 driver=driver,
             )
         _banner(settings, api.url, tokens, time.monotonic() - started, openshell)
-        if settings.provider_sync_dir is not None:
-            sync = ProviderSync(app.state.providers, settings.provider_sync_dir)
+        source = sync_source(settings)
+        if source is not None:
+            sync = ProviderSync(app.state.providers, source)
             sync_task = asyncio.ensure_future(sync.run(signals.stop))
 
         waiters: dict[asyncio.Future[Any], str] = {
