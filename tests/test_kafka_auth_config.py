@@ -95,7 +95,7 @@ def test_a_credentials_file_readable_by_others_is_refused(tmp_path: Path) -> Non
     settings = local(tmp_path)
     kafka_auth.ensure_credentials(settings)
     settings.kafka_credentials_path.chmod(0o640)
-    with pytest.raises(KafkaCredentialsError, match="readable by others"):
+    with pytest.raises(KafkaCredentialsError, match="other users"):
         kafka_client_args(settings, "api")
 
 

@@ -14,15 +14,15 @@ import base64
 import binascii
 import hashlib
 import hmac
-import os
 import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from services.common.private_files import read_private
+from services.common.secret_files import create_secret_file
 from services.common.settings import Settings
 
 KEY_BYTES = 32
@@ -35,14 +35,7 @@ class CredentialKeyError(RuntimeError):
 
 def create_key_file(path: Path) -> bool:
     """Write a new random key to ``path`` (mode 0600) unless it exists; True if written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as out:
-        out.write(base64.b64encode(secrets.token_bytes(KEY_BYTES)).decode() + "\n")
-    return True
+    return create_secret_file(path, base64.b64encode(secrets.token_bytes(KEY_BYTES)).decode())
 
 
 def _decode(text: str, where: str) -> bytes:
@@ -60,8 +53,16 @@ def load_key(settings: Settings) -> bytes:
     if settings.credentials_key is not None:
         return _decode(settings.credentials_key.get_secret_value(), "SANDSTREAM_CREDENTIALS_KEY")
     path = settings.credentials_key_path
-    missing = "no credentials key (`sandstream up` creates it; or set SANDSTREAM_CREDENTIALS_KEY)"
-    return _decode(read_private(path, missing, CredentialKeyError), str(path))
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError as exc:
+        raise CredentialKeyError(
+            f"{path}: no credentials key (`sandstream up` creates it; or set "
+            "SANDSTREAM_CREDENTIALS_KEY)"
+        ) from exc
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise CredentialKeyError(f"{path}: readable by others (chmod 600 it)")
+    return _decode(path.read_text(), str(path))
 
 
 @dataclass(frozen=True, slots=True)

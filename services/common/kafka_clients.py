@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 
 from aiokafka.helpers import create_ssl_context
 
-from services.common.private_files import read_private
+from services.common.secret_files import read_secret_file
 from services.common.settings import Settings
 
 Role = Literal[
@@ -68,14 +68,19 @@ def parse_credentials(text: str, where: str) -> dict[str, Credential]:
 def load_credentials(settings: Settings) -> dict[str, Credential]:
     """The credentials by role: from the environment if set there, else from the file."""
     if settings.kafka_credentials is not None:
-        secret = settings.kafka_credentials.get_secret_value()
-        return parse_credentials(secret, "SANDSTREAM_KAFKA_CREDENTIALS")
+        given = settings.kafka_credentials.get_secret_value()
+        return parse_credentials(given, "SANDSTREAM_KAFKA_CREDENTIALS")
     path = settings.kafka_credentials_path
-    missing = (
-        "no Kafka credentials (the local stack's `up` writes them; or set "
-        "SANDSTREAM_KAFKA_CREDENTIALS)"
-    )
-    return parse_credentials(read_private(path, missing, KafkaCredentialsError), str(path))
+    try:
+        secret = read_secret_file(path)
+    except ValueError as exc:  # readable by others
+        raise KafkaCredentialsError(str(exc)) from None
+    if secret is None:
+        raise KafkaCredentialsError(
+            f"{path}: no Kafka credentials (the local stack's `up` writes them; or set "
+            "SANDSTREAM_KAFKA_CREDENTIALS)"
+        )
+    return parse_credentials(secret.get_secret_value(), str(path))
 
 
 def credential(settings: Settings, role: Role) -> Credential:

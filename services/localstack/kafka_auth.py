@@ -47,7 +47,7 @@ from services.common.kafka_clients import (
     kafka_client_args,
     load_credentials,
 )
-from services.common.private_files import write_private
+from services.common.secret_files import replace_secret_file
 from services.common.settings import Settings, load_settings
 from services.localstack.config import kafka_paths
 
@@ -74,7 +74,7 @@ def ensure_credentials(settings: Settings) -> dict[str, Credential]:
         for role in missing:
             found[role] = Credential(default_username(role), secrets.token_urlsafe(24))
         entries = {r: {"username": c.username, "password": c.password} for r, c in found.items()}
-        write_private(path, json.dumps(entries, indent=2) + "\n")
+        replace_secret_file(path, json.dumps(entries, indent=2) + "\n")
     return found
 
 
@@ -157,7 +157,7 @@ def prepare_broker(settings: Settings, properties: str) -> tuple[str, list[str]]
     if not enabled(settings):
         return properties, []
     admin = ensure_credentials(settings)["admin"]
-    write_private(jaas_path(settings), jaas_config(admin))
+    replace_secret_file(jaas_path(settings), jaas_config(admin))
     option = f"-Djava.security.auth.login.config={jaas_path(settings)}"
     return secure_properties(properties, admin), [option]
 
@@ -203,7 +203,7 @@ def format_command(settings: Settings, cmd: list[str], main_class: str) -> Itera
     scram = f"SCRAM-SHA-512=[name={admin.username},password={admin.password}]"
     argfile = kafka_paths(settings).home / "format.args"
     args = [*cmd[at:], "--add-scram", scram]
-    write_private(argfile, "\n".join(_quoted(a) for a in args) + "\n")
+    replace_secret_file(argfile, "\n".join(_quoted(a) for a in args) + "\n")
     try:
         yield [*cmd[:at], f"@{argfile}"]
     finally:
