@@ -246,6 +246,9 @@ def _start_kafka(settings: Settings) -> subprocess.Popen[bytes] | None:
         return None
     pid = _live_pid(paths.pid, str(paths.properties))
     if pid is not None:
+        problem = kafka_auth.storage_problem(settings)  # started before authentication
+        if problem:
+            raise StackError(problem)
         _say(f"kafka: running (pid {pid})")
         return None
     if _port_open(host, port):
