@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
@@ -24,9 +25,14 @@ class LogTruncated(RuntimeError):
 
 
 async def read_to_end(
-    bootstrap: str, topic: str, partitions: int, timeout: float = 120.0, from_zero: bool = True
+    client: Mapping[str, Any],
+    topic: str,
+    partitions: int,
+    timeout: float = 120.0,
+    from_zero: bool = True,
 ) -> AsyncIterator[ConsumerRecord[bytes, bytes]]:
-    """Yield every record now in ``topic``, partition by partition interleaved, each in order.
+    """Yield every record now in ``topic``, partition by partition interleaved, each in order
+    (``client``: the connection's keyword arguments, bootstrap servers and security).
 
     With ``from_zero`` (a replay) a partition whose log no longer starts at offset 0 raises
     LogTruncated before anything is yielded. Completion is decided by the offsets seen, not by
@@ -35,7 +41,7 @@ async def read_to_end(
     # "earliest": the fetcher's own reset of a freshly assigned partition must not race the
     # explicit seek below to the end of the log.
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap,
+        **client,
         enable_auto_commit=False,
         group_id=None,
         auto_offset_reset="earliest",

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -32,12 +33,15 @@ class CommandPublisher:
     """Publishes commands keyed by sandbox name with an idempotent producer (acks=all).
 
     ``publish`` returns once the broker acknowledged the record, with its partition and offset.
+    ``client`` holds the connection's keyword arguments (bootstrap servers, security).
     """
 
-    def __init__(self, bootstrap: str, topic: str = COMMANDS, **producer_args: Any) -> None:
+    def __init__(
+        self, client: Mapping[str, Any], topic: str = COMMANDS, **producer_args: Any
+    ) -> None:
         self.topic = topic
         self.producer = AIOKafkaProducer(
-            bootstrap_servers=bootstrap, enable_idempotence=True, acks="all", **producer_args
+            **client, enable_idempotence=True, acks="all", **producer_args
         )
 
     async def __aenter__(self) -> CommandPublisher:

@@ -2,7 +2,8 @@
 layers (events, projections, drivers) and, of services/, only what this list names:
 
 - ``common``: settings, metrics, the PostgreSQL pool, migrations, task supervision, the process
-  entry point. Imports nothing else of services/.
+  entry point, the Kafka principal of each role and its clients' options. Imports nothing else
+  of services/.
 - ``processor``: the lifecycle processor (consumer loop, batch apply, row cache, rebuild).
   Imports common.
 - ``executor``: intents to driver calls, the driver watcher, the reconcile loop, drivers built

@@ -22,6 +22,7 @@ from drivers.protocol import Driver
 from events.publisher import CommandPublisher
 from services.api.app import create_app
 from services.api.server import Tls, start_api
+from services.common.kafka_clients import kafka_client_args
 from services.common.tokens import (
     AUDIT,
     PROVIDER_READ,
@@ -98,7 +99,8 @@ async def running_api(
             plane = ControlPlane(env.settings, driver, env.pool, reconcile_interval=3600)
             await plane.start()
         publisher = CommandPublisher(
-            env.settings.kafka_bootstrap, topic=topic_override or env.settings.topic_commands
+            kafka_client_args(env.settings, "api"),
+            topic=topic_override or env.settings.topic_commands,
         )
         await publisher.__aenter__()
         extra = {} if publish_timeout is None else {"publish_timeout": publish_timeout}

@@ -22,6 +22,7 @@ from aiokafka import AIOKafkaProducer, ConsumerRecord
 from events.codec import encode
 from events.log_reader import read_to_end
 from events.publisher import CommandPublisher
+from services.common.kafka_clients import Role, kafka_client_args
 from services.common.settings import PROJECT_ROOT, Settings
 from services.localstack.isolation import isolated
 from services.processor.consumer import Processor
@@ -90,11 +91,15 @@ class Env:
         )
 
     async def publisher(self) -> CommandPublisher:
-        return CommandPublisher(self.settings.kafka_bootstrap, topic=self.settings.topic_commands)
+        return CommandPublisher(
+            kafka_client_args(self.settings, "api"), topic=self.settings.topic_commands
+        )
 
-    async def produce(self, topic: str, records: list[tuple[bytes | None, bytes | None]]) -> None:
+    async def produce(
+        self, topic: str, records: list[tuple[bytes | None, bytes | None]], role: Role = "admin"
+    ) -> None:
         producer = AIOKafkaProducer(
-            bootstrap_servers=self.settings.kafka_bootstrap, enable_idempotence=True, acks="all"
+            **kafka_client_args(self.settings, role), enable_idempotence=True, acks="all"
         )
         await producer.start()
         try:
@@ -107,7 +112,7 @@ class Env:
         self, topic: str, partition: int, key: bytes | None, value: bytes | None
     ) -> None:
         """One record to one partition (a golden log's record where it was recorded)."""
-        producer = AIOKafkaProducer(bootstrap_servers=self.settings.kafka_bootstrap, acks="all")
+        producer = AIOKafkaProducer(**kafka_client_args(self.settings, "admin"), acks="all")
         await producer.start()
         try:
             await producer.send_and_wait(topic, value=value, key=key, partition=partition)
@@ -118,12 +123,15 @@ class Env:
         await self.produce(
             self.settings.topic_observations,
             [(o.key.encode(), encode(o)) for o in observations],
+            role="watcher",
         )
 
     async def read_topic(self, topic: str) -> list[ConsumerRecord[bytes, bytes]]:
         """Every record currently in ``topic``, in partition then offset order."""
         s = self.settings
-        records = [r async for r in read_to_end(s.kafka_bootstrap, topic, s.kafka_partitions)]
+        records = [
+            r async for r in read_to_end(kafka_client_args(s, "audit"), topic, s.kafka_partitions)
+        ]
         return sorted(records, key=lambda r: (r.partition, r.offset))
 
     async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:

@@ -28,6 +28,7 @@ from events.observations import Observation
 from events.outcomes import CommandOutcome
 from events.publisher import CommandPublisher
 from services.api.readmodel import await_outcome
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.executor.backends import podman_driver
 from services.up.control_plane import ControlPlane
@@ -110,7 +111,7 @@ async def produce_raw(
 ) -> list[tuple[int, int]]:
     """Append raw (key, value) records in order; their (partition, offset)s."""
     producer = AIOKafkaProducer(
-        bootstrap_servers=env.settings.kafka_bootstrap, enable_idempotence=True, acks="all"
+        **kafka_client_args(env.settings, "admin"), enable_idempotence=True, acks="all"
     )
     await producer.start()
     try:
@@ -281,7 +282,7 @@ async def rewind_group(settings: Settings, group: str, offset: int = 0) -> None:
     them) for ``group``: an executor of
     that group then resumes as if it had crashed long ago (an old committed offset)."""
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap, group_id=group, enable_auto_commit=False
+        **kafka_client_args(settings, "admin"), group_id=group, enable_auto_commit=False
     )
     await consumer.start()
     try:
@@ -295,7 +296,7 @@ async def rewind_group(settings: Settings, group: str, offset: int = 0) -> None:
 async def caught_up(settings: Settings, group: str) -> bool:
     """Whether ``group`` has committed the end of every partition of the events topic."""
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap, group_id=group, enable_auto_commit=False
+        **kafka_client_args(settings, "admin"), group_id=group, enable_auto_commit=False
     )
     await consumer.start()
     try:
@@ -313,7 +314,7 @@ async def group_started(settings: Settings, group: str) -> bool:
     """Whether ``group`` has a committed offset on every partition of the events topic (an
     executor of a new group commits its starting position once it is assigned)."""
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap, group_id=group, enable_auto_commit=False
+        **kafka_client_args(settings, "admin"), group_id=group, enable_auto_commit=False
     )
     await consumer.start()
     try:

@@ -30,6 +30,7 @@ from services.api import readmodel
 from services.api.app import create_app
 from services.common import metrics
 from services.common import tokens as auth
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 
 
@@ -307,7 +308,7 @@ async def test_an_unreachable_postgresql_is_503_json_and_counted_as_503(settings
     down = settings.model_copy(update={"pg_port": 1})
     pool = await asyncpg.create_pool(down.pg_dsn, min_size=0)
     assert pool is not None
-    publisher = CommandPublisher(settings.kafka_bootstrap, topic=settings.topic_commands)
+    publisher = CommandPublisher(kafka_client_args(settings, "api"), topic=settings.topic_commands)
     app = create_app(down, pool, publisher, apikit.tokens())
     counted = metrics.API_REQUESTS.labels("GET", "/v1/sandboxes", "503")
     before = counted._value.get()

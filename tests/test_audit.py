@@ -29,6 +29,7 @@ from projections.store import SANDBOX_COLUMNS, sandbox_from_record
 from services.audit import entries, export, timeline
 from services.audit.chains import check_chains
 from services.audit.verify import Options, verify
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import PROJECT_ROOT
 
 NAME = "audited"
@@ -285,7 +286,7 @@ async def test_verify_says_where_retention_cut_the_log_and_does_not_guess() -> N
         await recorded_run(env)
         [row] = await env.fetch("SELECT partition FROM sandboxes WHERE key = $1", NAME)
         tp = TopicPartition(env.settings.topic_observations, row["partition"])
-        admin = AIOKafkaAdminClient(bootstrap_servers=env.settings.kafka_bootstrap)
+        admin = AIOKafkaAdminClient(**kafka_client_args(env.settings, "admin"))
         await admin.start()
         try:
             await admin.delete_records({tp: RecordsToDelete(before_offset=3)})

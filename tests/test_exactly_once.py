@@ -15,6 +15,7 @@ from harness import Env, eventually, isolated_env
 
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record
 from services.common import metrics
+from services.common.kafka_clients import kafka_client_args
 from services.processor.consumer import Processor
 from services.processor.rebuild import rebuild_and_compare
 
@@ -237,7 +238,7 @@ async def _started_producer(env: Env):  # type: ignore[no-untyped-def]
     from aiokafka import AIOKafkaProducer
 
     producer = AIOKafkaProducer(
-        bootstrap_servers=env.settings.kafka_bootstrap, enable_idempotence=True, acks="all"
+        **kafka_client_args(env.settings, "processor"), enable_idempotence=True, acks="all"
     )
     await producer.start()
     return producer

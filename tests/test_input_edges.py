@@ -25,6 +25,7 @@ from events.codec import encode
 from events.log_reader import LogTruncated
 from events.topics import partition_for
 from projections.store import BatchWrite, RowVersionMoved, sandbox_from_record, write_batch
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import PROJECT_ROOT
 from services.processor.consumer import InputsLost, PartitionCountChanged, Processor
 from services.processor.rebuild import rebuild_and_compare
@@ -41,7 +42,7 @@ def key_on(partition: int, partitions: int, prefix: str) -> str:
 
 async def produce_to(env: Env, topic: str, records: list[tuple[bytes, bytes, int]]) -> None:
     """Produce (key, value, partition) records, each to the partition given."""
-    producer = AIOKafkaProducer(bootstrap_servers=env.settings.kafka_bootstrap, acks="all")
+    producer = AIOKafkaProducer(**kafka_client_args(env.settings, "admin"), acks="all")
     await producer.start()
     try:
         for key, value, partition in records:
@@ -354,7 +355,7 @@ async def test_a_changed_partition_count_of_the_input_topics_stops_the_processor
         processor = await env.start_processor()
         await env.produce(s.topic_commands, [(name.encode(), encode(f.create(name)))])
         await env.wait_applied(1)
-        admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_bootstrap)
+        admin = AIOKafkaAdminClient(**kafka_client_args(s, "admin"))
         await admin.start()
         try:
             await admin.create_partitions({s.topic_commands: NewPartitions(3)})
@@ -383,7 +384,7 @@ async def test_a_changed_partition_count_of_the_input_topics_stops_the_processor
 
 async def test_project_topics_are_created_with_retention_forever() -> None:
     async with isolated_env(partitions=1) as env:
-        admin = AIOKafkaAdminClient(bootstrap_servers=env.settings.kafka_bootstrap)
+        admin = AIOKafkaAdminClient(**kafka_client_args(env.settings, "admin"))
         await admin.start()
         try:
             responses = await admin.describe_configs(
@@ -401,7 +402,7 @@ async def test_project_topics_are_created_with_retention_forever() -> None:
 
 
 async def delete_first(env: Env, topic: str, partition: int, before: int) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=env.settings.kafka_bootstrap)
+    admin = AIOKafkaAdminClient(**kafka_client_args(env.settings, "admin"))
     await admin.start()
     try:
         await admin.delete_records({TopicPartition(topic, partition): RecordsToDelete(before)})

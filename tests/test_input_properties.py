@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from events.codec import encode
+from services.common.kafka_clients import kafka_client_args
 
 PARTITIONS = 2
 NAMES = ["p-a", "p-b", "p-c"]
@@ -93,7 +94,7 @@ async def produce(
 ) -> None:
     from aiokafka import AIOKafkaProducer
 
-    producer = AIOKafkaProducer(bootstrap_servers=env.settings.kafka_bootstrap, acks="all",
+    producer = AIOKafkaProducer(**kafka_client_args(env.settings, "admin"), acks="all",
                                 enable_idempotence=True)  # fmt: skip
     await producer.start()
     try:

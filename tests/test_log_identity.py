@@ -21,6 +21,7 @@ from aiokafka.errors import KafkaError
 from harness import Env, eventually, isolated_env
 from test_exactly_once import publish
 
+from services.common.kafka_clients import kafka_client_args
 from services.common.log_identity import LogMismatch, read_log_identity
 from services.common.settings import PROJECT_ROOT
 from services.processor.consumer import Processor
@@ -29,8 +30,8 @@ from services.processor.consumer import Processor
 async def recreate_input_topics(env: Env) -> None:
     """Delete the input topics and create them again: same names, new ids, offsets from 0."""
     topics = [env.settings.topic_commands, env.settings.topic_observations]
-    before = await read_log_identity(env.settings.kafka_bootstrap, topics)
-    admin = AIOKafkaAdminClient(bootstrap_servers=env.settings.kafka_bootstrap)
+    before = await read_log_identity(kafka_client_args(env.settings, "audit"), topics)
+    admin = AIOKafkaAdminClient(**kafka_client_args(env.settings, "admin"))
     await admin.start()
     try:
         await admin.delete_topics(topics)
@@ -43,7 +44,7 @@ async def recreate_input_topics(env: Env) -> None:
                     [NewTopic(t, env.settings.kafka_partitions, 1) for t in topics]
                 )
             try:
-                now = await read_log_identity(env.settings.kafka_bootstrap, topics)
+                now = await read_log_identity(kafka_client_args(env.settings, "audit"), topics)
             except (KafkaError, LogMismatch):
                 return False
             return all(now.topic_ids[t] != before.topic_ids[t] for t in topics)

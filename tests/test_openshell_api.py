@@ -21,6 +21,7 @@ from podman import PodmanClient
 from events.publisher import CommandPublisher
 from services.api.gateway import CommandGateway
 from services.api.readmodel import ChangeFeed
+from services.common.kafka_clients import kafka_client_args
 from services.common.tokens import READ, WRITE, TokenStore
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto import openshell_pb2_grpc
@@ -55,7 +56,9 @@ async def gateway(podman: PodmanClient) -> AsyncIterator[Gateway]:
     async with (
         podman_env(podman, "osapi") as (env, driver, keys),
         running_plane(env, driver),
-        CommandPublisher(env.settings.kafka_bootstrap, topic=env.settings.topic_commands) as pub,
+        CommandPublisher(
+            kafka_client_args(env.settings, "api"), topic=env.settings.topic_commands
+        ) as pub,
     ):
         feed = ChangeFeed(env.pool)
         await feed.start()

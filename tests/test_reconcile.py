@@ -32,6 +32,7 @@ from drivers.podman import container_name
 from drivers.protocol import LaunchSpec, RuntimeInfo
 from events.common import Phase
 from events.observations import RuntimeRemoved, RuntimeSnapshot
+from services.common.kafka_clients import kafka_client_args
 from services.executor.reconcile import LiveRow, Reconciler, reconcile
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
@@ -229,7 +230,7 @@ async def test_a_difference_is_reported_once_while_it_lasts_and_again_when_it_re
             SID,
             launch.spec.model_dump_json(),
         )
-        producer = AIOKafkaProducer(bootstrap_servers=env.settings.kafka_bootstrap)
+        producer = AIOKafkaProducer(**kafka_client_args(env.settings, "watcher"))
         await producer.start()
         try:
             reconciler = Reconciler(driver, env.pool, producer, env.settings, interval=3600)

@@ -15,11 +15,12 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from podman import PodmanClient
 from podman.domain.containers import Container
 
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 
 
 async def test_project_topics_exist_with_configured_partitions(settings: Settings) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    admin = AIOKafkaAdminClient(**kafka_client_args(settings, "admin"))
     await admin.start()
     try:
         described = {t["topic"]: t for t in await admin.describe_topics(list(settings.topics))}
@@ -35,13 +36,13 @@ async def test_project_topics_exist_with_configured_partitions(settings: Setting
 async def test_kafka_idempotent_produce_then_consume(settings: Settings) -> None:
     topic = f"smoke-{uuid.uuid4().hex[:12]}"
     key, value = uuid.uuid4().bytes, b"hello sandstream"
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    admin = AIOKafkaAdminClient(**kafka_client_args(settings, "admin"))
     await admin.start()
     try:
         response = await admin.create_topics([NewTopic(topic, 1, 1)])
         assert [code for _, code, _ in response.topic_errors] == [0]
         producer = AIOKafkaProducer(
-            bootstrap_servers=settings.kafka_bootstrap, enable_idempotence=True, acks="all"
+            **kafka_client_args(settings, "admin"), enable_idempotence=True, acks="all"
         )
         await producer.start()
         try:
@@ -50,7 +51,7 @@ async def test_kafka_idempotent_produce_then_consume(settings: Settings) -> None
             await producer.stop()
 
         consumer = AIOKafkaConsumer(
-            bootstrap_servers=settings.kafka_bootstrap, enable_auto_commit=False
+            **kafka_client_args(settings, "admin"), enable_auto_commit=False
         )
         await consumer.start()
         try:

@@ -19,6 +19,7 @@ from events.publisher import CommandPublisher
 from services.api.app import create_app
 from services.api.server import start_api
 from services.common import metrics
+from services.common.kafka_clients import kafka_client_args
 from services.common.tasks import Tasks
 from services.up.control_plane import ControlPlane
 
@@ -37,7 +38,7 @@ async def test_a_crashed_processor_is_started_again_while_the_api_reports_it() -
         )
         await plane.start()
         publisher = CommandPublisher(
-            env.settings.kafka_bootstrap, topic=env.settings.topic_commands
+            kafka_client_args(env.settings, "api"), topic=env.settings.topic_commands
         )
         await publisher.__aenter__()
         app = create_app(env.settings, env.pool, publisher, apikit.tokens(), down=plane.down)

@@ -9,6 +9,7 @@ import contextlib
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from events.publisher import CommandPublisher
+from services.common.kafka_clients import kafka_client_args
 from services.common.log_identity import LogIdentity, log_identity_of
 from services.common.settings import Settings
 
@@ -34,7 +35,7 @@ class KafkaProbe:
         async with self._lock:
             if self._consumer is None:
                 consumer = AIOKafkaConsumer(
-                    bootstrap_servers=self.settings.kafka_bootstrap,
+                    **kafka_client_args(self.settings, "api"),
                     enable_auto_commit=False,
                     request_timeout_ms=5000,
                     client_id="sandstream-api-readiness",

@@ -22,6 +22,7 @@ from services.api.readmodel import ChangeFeed
 from services.common import providers
 from services.common.credentials import Vault, load_key
 from services.common.database import connect_pool
+from services.common.kafka_clients import kafka_client_args
 from services.common.providers import Applied, Update
 from services.common.settings import Settings
 
@@ -128,7 +129,8 @@ async def open_service(settings: Settings) -> AsyncIterator[ProviderService]:
     """A ProviderService with its own pool and publisher (the provider-sync command)."""
     pool = await connect_pool(settings)
     try:
-        async with CommandPublisher(settings.kafka_bootstrap, topic=settings.topic_commands) as pub:
+        client = kafka_client_args(settings, "provider-sync")
+        async with CommandPublisher(client, topic=settings.topic_commands) as pub:
             gateway = CommandGateway(pool, pub, ChangeFeed(pool))
             yield ProviderService(settings, pool, gateway)
     finally:

@@ -42,6 +42,7 @@ from projections.lifecycle import Sandbox, decide
 from projections.store import HistoryRow
 from services.audit.entries import ENTRY_COLUMNS, entry_from_record
 from services.audit.log import read_partition
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import PROJECT_ROOT, Settings
 from services.processor.consumer import Parsed, parse, plan_batch
 
@@ -241,7 +242,7 @@ async def recorded_inputs(settings: Settings) -> list[Input]:
     roles = {settings.topic_commands: "commands", settings.topic_observations: "observations"}
     records: dict[tuple[str, int, int], Any] = {}
     for p in sorted({e.partition for e in entries}):
-        found = await read_partition(settings.kafka_bootstrap, list(roles), p)
+        found = await read_partition(kafka_client_args(settings, "audit"), list(roles), p)
         records.update({(r.topic, p, r.offset): r for rs in found.values() for r in rs})
     inputs = []
     for e in entries:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
@@ -12,16 +12,16 @@ Record: TypeAlias = "ConsumerRecord[bytes, bytes]"
 
 
 async def read_partition(
-    bootstrap: str,
+    client: Mapping[str, Any],
     topics: list[str],
     partition: int,
     timeout: float = 120.0,
     start: Mapping[str, int] | None = None,
 ) -> dict[str, list[Record]]:
     """Every record now in partition ``partition`` of each of ``topics``, in offset order
-    (from ``start[topic]`` on where given)."""
+    (from ``start[topic]`` on where given; ``client``: the connection's keyword arguments)."""
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap,
+        **client,
         enable_auto_commit=False,
         group_id=None,
         auto_offset_reset="earliest",

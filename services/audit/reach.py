@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 
 
@@ -40,7 +41,7 @@ class Reach:
 
 async def log_reach(settings: Settings, partitions: Iterable[int] | None = None) -> Reach:
     wanted = sorted(set(partitions)) if partitions is not None else None
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap, group_id=None)
+    consumer = AIOKafkaConsumer(**kafka_client_args(settings, "audit"), group_id=None)
     await consumer.start()
     try:
         tps = [

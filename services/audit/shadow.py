@@ -31,6 +31,7 @@ from projections.lifecycle import decide
 from projections.store import read_batch, write_batch
 from services.audit.entries import ENTRY_COLUMNS, entry_from_record
 from services.audit.log import read_partition
+from services.common.kafka_clients import kafka_client_args
 from services.common.migrations import apply_migrations
 from services.common.settings import Settings
 from services.processor.consumer import Parsed, Rejected, history_key, parse, plan_batch
@@ -108,7 +109,7 @@ async def replay_partition(
     )  # fmt: skip
     if not rows:
         return 0
-    log = await read_partition(settings.kafka_bootstrap, topics, p, start=since)
+    log = await read_partition(kafka_client_args(settings, "audit"), topics, p, start=since)
     records = {(r.topic, r.offset): r for t in topics for r in log[t]}
     entries = [entry_from_record(r) for r in rows]
     missing = [e for e in entries if (e.topic, e.offset) not in records]
@@ -225,7 +226,7 @@ def _s(columns: str) -> str:
 
 async def processors_running(settings: Settings) -> int:
     """Members of the processor consumer group (0: no processor is running)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    admin = AIOKafkaAdminClient(**kafka_client_args(settings, "audit"))
     await admin.start()
     try:
         [response] = await admin.describe_consumer_groups([settings.processor_group])

@@ -36,6 +36,7 @@ from services.audit.chains import ChainReport, check_chains
 from services.audit.entries import ENTRY_COLUMNS, Entry, entry_from_record
 from services.audit.log import Record, read_partition
 from services.audit.reach import Reach, log_reach
+from services.common.kafka_clients import kafka_client_args
 from services.common.migrations import apply_migrations
 from services.common.settings import Settings
 from services.processor.consumer import Parsed, parse, plan_batch
@@ -201,7 +202,7 @@ async def _partition(
     commands, observations = settings.topic_commands, settings.topic_observations
     recorded = await _read_recorded(settings, live, p)
     log = await read_partition(
-        settings.kafka_bootstrap, [commands, observations, settings.topic_events], p
+        kafka_client_args(settings, "audit"), [commands, observations, settings.topic_events], p
     )
     by_position: dict[tuple[str, int], Record] = {
         (r.topic, r.offset): r for t in (commands, observations) for r in log[t]

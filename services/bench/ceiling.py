@@ -21,6 +21,7 @@ from typing import Any
 import asyncpg
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 
 DDL = """
@@ -114,7 +115,7 @@ async def drain(settings: Settings, total: int, max_records: int = 5000) -> floa
         "ON COMMIT DELETE ROWS"
     )
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap,
+        **kafka_client_args(settings, "audit"),
         enable_auto_commit=False,
         auto_offset_reset="earliest",
         fetch_max_wait_ms=settings.processor_fetch_max_wait_ms,

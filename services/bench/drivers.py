@@ -41,6 +41,7 @@ from events.commands import Command, CreateSandbox, DeleteSandbox, StartSandbox,
 from events.common import SandboxSpec
 from events.publisher import CommandPublisher
 from events.topics import CHANGES_CHANNEL
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.localstack.isolation import isolated
 from services.up.control_plane import ControlPlane
@@ -201,7 +202,7 @@ async def stop_latency(
         rows = await Rows.open(s, pool)
         await plane.start()
         try:
-            async with CommandPublisher(s.kafka_bootstrap, topic=s.topic_commands) as pub:
+            async with CommandPublisher(kafka_client_args(s, "api"), topic=s.topic_commands) as pub:
                 for key in init_keys + bare_keys:
                     await pub.publish(_cmd(CreateSandbox, key, spec=spec))
                 for key in init_keys + bare_keys:
@@ -248,7 +249,7 @@ async def unrelated_delay(settings: Settings, held_for: float = 30.0) -> tuple[F
         rows = await Rows.open(s, pool)
         await plane.start()
         try:
-            async with CommandPublisher(s.kafka_bootstrap, topic=s.topic_commands) as pub:
+            async with CommandPublisher(kafka_client_args(s, "api"), topic=s.topic_commands) as pub:
                 for key in ("a", "b"):
                     await pub.publish(_cmd(CreateSandbox, key, spec=spec))
                 for key in ("a", "b"):
@@ -295,7 +296,7 @@ async def starvation(settings: Settings, stuck: int = 100, rounds: int = 20) -> 
         creates: list[float] = []
         stops: list[float] = []
         try:
-            async with CommandPublisher(s.kafka_bootstrap, topic=s.topic_commands) as pub:
+            async with CommandPublisher(kafka_client_args(s, "api"), topic=s.topic_commands) as pub:
                 for key in keys:
                     await pub.publish(_cmd(CreateSandbox, key, "hostile", spec=stubborn))
                 for key in keys:

@@ -19,6 +19,7 @@ from events.commands import CreateSandbox, DeleteSandbox, StopSandbox
 from events.common import SandboxSpec
 from events.publisher import CommandPublisher
 from services.bench.drivers import Figures, Rows, _cmd, timed
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.localstack.isolation import isolated
 from services.up.control_plane import ControlPlane
@@ -37,7 +38,7 @@ async def create_and_stop(
         rows = await Rows.open(s, pool)
         await plane.start()
         try:
-            async with CommandPublisher(s.kafka_bootstrap, topic=s.topic_commands) as pub:
+            async with CommandPublisher(kafka_client_args(s, "api"), topic=s.topic_commands) as pub:
                 created = [
                     await timed(pub, rows, _cmd(CreateSandbox, k, spec=spec), "Ready") for k in keys
                 ]

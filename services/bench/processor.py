@@ -32,6 +32,7 @@ from events.common import SandboxSpec
 from events.observations import RuntimeSnapshot
 from events.topics import CHANGES_CHANNEL
 from services.bench import ceiling
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.localstack.isolation import isolated
 from services.processor.consumer import Processor
@@ -72,7 +73,7 @@ def lifecycle_messages(keys: int) -> tuple[list[tuple[str, bytes, bytes]], int]:
 
 async def produce_all(settings: Settings, records: Sequence[tuple[str, bytes, bytes]]) -> None:
     producer = AIOKafkaProducer(
-        bootstrap_servers=settings.kafka_bootstrap,
+        **kafka_client_args(settings, "admin"),  # writes both inputs: the API's and a driver's
         enable_idempotence=True,
         acks="all",
         linger_ms=20,
@@ -174,7 +175,7 @@ async def _paced_commands(s: Settings, rate: int, seconds: float) -> None:
                 done.setdefault(r["command_id"], seen_at)
 
     producer = AIOKafkaProducer(
-        bootstrap_servers=s.kafka_bootstrap, enable_idempotence=True, acks="all", linger_ms=0
+        **kafka_client_args(s, "api"), enable_idempotence=True, acks="all", linger_ms=0
     )
     await producer.start()
     collector = asyncio.create_task(collect())
@@ -232,7 +233,7 @@ async def _paced_commands(s: Settings, rate: int, seconds: float) -> None:
 async def _tail_reader(s: Settings) -> AIOKafkaConsumer:
     """A group-less consumer of the commands topic, positioned at its end."""
     reader = AIOKafkaConsumer(
-        bootstrap_servers=s.kafka_bootstrap,
+        **kafka_client_args(s, "audit"),
         enable_auto_commit=False,
         fetch_max_wait_ms=s.processor_fetch_max_wait_ms,
     )

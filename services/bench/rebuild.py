@@ -22,6 +22,7 @@ from events.common import Cause
 from projections.fold import fold
 from projections.lifecycle import Message
 from services.bench.processor import lifecycle_messages
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.localstack.isolation import isolated
 
@@ -79,7 +80,7 @@ def copies(template: list[bytes], keys: int) -> list[tuple[bytes, bytes]]:
 async def rebuild_figures(settings: Settings, keys: int) -> None:
     async with isolated(settings, "bench") as (s, _):
         events = copies(template_events(), keys)
-        producer = AIOKafkaProducer(bootstrap_servers=s.kafka_bootstrap, acks="all",
+        producer = AIOKafkaProducer(**kafka_client_args(s, "admin"), acks="all",
                                     linger_ms=20, max_batch_size=512 * 1024)  # fmt: skip
         await producer.start()
         try:

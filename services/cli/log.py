@@ -10,6 +10,7 @@ import typer
 
 from services.cli.client import fail, settings_of
 from services.cli.render import Output, OutputOpt, out, print_json
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 
 app = typer.Typer(help="The Kafka log the stored offsets belong to.", no_args_is_help=True)
@@ -20,7 +21,7 @@ async def _show(settings: Settings) -> dict[str, Any]:
     from services.common.log_identity import differences, read_log_identity, recorded_identity
 
     topics = [settings.topic_commands, settings.topic_observations]
-    current = await read_log_identity(settings.kafka_bootstrap, topics)
+    current = await read_log_identity(kafka_client_args(settings, "audit"), topics)
     pool = await connect_pool(settings)
     try:
         async with pool.acquire() as conn:
@@ -63,7 +64,7 @@ async def _adopt(settings: Settings, actor: str, reason: str) -> dict[str, Any]:
     from services.common.log_identity import adopt_log, read_log_identity
 
     topics = [settings.topic_commands, settings.topic_observations]
-    current = await read_log_identity(settings.kafka_bootstrap, topics)
+    current = await read_log_identity(kafka_client_args(settings, "audit"), topics)
     pool = await connect_pool(settings)
     try:
         adoption = await adopt_log(pool, current, actor=actor, reason=reason)

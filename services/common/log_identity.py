@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from io import BytesIO
 from typing import Any
@@ -110,9 +111,10 @@ class LogMismatch(RuntimeError):
     """The Kafka log is not the one the offsets stored in PostgreSQL were read from."""
 
 
-async def read_log_identity(bootstrap: str, topics: list[str]) -> LogIdentity:
-    """The cluster id and the ids of ``topics`` (a missing topic is an error)."""
-    client = AIOKafkaClient(bootstrap_servers=bootstrap, client_id="sandstream-log-identity")
+async def read_log_identity(connection: Mapping[str, Any], topics: list[str]) -> LogIdentity:
+    """The cluster id and the ids of ``topics`` (a missing topic is an error); ``connection``:
+    the client's keyword arguments (bootstrap servers, security)."""
+    client = AIOKafkaClient(**connection, client_id="sandstream-log-identity")
     try:
         await client.bootstrap()
         return await log_identity_of(client, topics)

@@ -40,3 +40,15 @@ def check_private(path: Path) -> None:
         raise ValueError(
             f"{path} is accessible by other users (mode {mode:04o}); run: chmod 600 {path}"
         )
+
+
+def replace_secret_file(path: Path, value: str) -> None:
+    """Replace ``path`` with ``value``, mode 0600 from the first byte on (written aside, then
+    renamed over it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.unlink(missing_ok=True)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        out.write(value)
+    partial.replace(path)

@@ -36,6 +36,20 @@ class Settings(BaseSettings):
     kafka_bootstrap: str = "127.0.0.1:19092"
     kafka_controller_port: int = 19093
     kafka_heap: str = "384m"
+    # Authentication (docs/security.md): SASL_PLAINTEXT with SCRAM-SHA-512 on the local
+    # stack; SASL_SSL (with kafka_ssl_cafile, or the system's CAs) on a real cluster; PLAINTEXT
+    # only for a broker without authentication.
+    kafka_security_protocol: Literal["PLAINTEXT", "SASL_PLAINTEXT", "SSL", "SASL_SSL"] = (
+        "SASL_PLAINTEXT"
+    )
+    kafka_sasl_mechanism: Literal["SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN"] = "SCRAM-SHA-512"
+    kafka_ssl_cafile: Path | None = None
+    # Username and password per role (services/common/kafka_clients.py), as JSON
+    # {"role": {"username": ..., "password": ...}}: from SANDSTREAM_KAFKA_CREDENTIALS when set,
+    # else from this file (mode 0600; default state_dir/kafka-credentials.json, which the
+    # local stack's `up` writes once with generated passwords).
+    kafka_credentials_file: Path | None = None
+    kafka_credentials: SecretStr | None = None
     kafka_partitions: int = Field(default=12, ge=1)
     # retention.ms set on the project topics when they are created: -1 keeps them forever,
     # which replays (rebuild, a fresh processor) and the audit need; tiered storage can move
@@ -272,6 +286,10 @@ class Settings(BaseSettings):
         return self.credentials_key_file or self.state_dir / "credentials.key"
 
     @property
+    def kafka_credentials_path(self) -> Path:
+        return self.kafka_credentials_file or self.state_dir / "kafka-credentials.json"
+
+    @property
     def containers_conf(self) -> Path:
         return PROJECT_ROOT / "compose" / "podman" / "containers.conf"
 
@@ -290,9 +308,11 @@ class Settings(BaseSettings):
             f"SANDSTREAM_{name.upper()}": _env_value(value)
             for name, value in self.model_dump().items()
             # Secrets are never copied into a child's environment from here: a child inherits
-            # SANDSTREAM_CREDENTIALS_KEY / SANDSTREAM_PG_PASSWORD if they were set, or reads
-            # the key file and the password file (named here, wherever the state dir is).
-            if value is not None and name not in ("credentials_key", "pg_password")
+            # SANDSTREAM_CREDENTIALS_KEY / _PG_PASSWORD / _KAFKA_CREDENTIALS if they were set, or
+            # reads the key file, the password file (named here, wherever the state dir is) and
+            # the Kafka credentials file.
+            if value is not None
+            and name not in ("credentials_key", "pg_password", "kafka_credentials")
         }
         found["SANDSTREAM_PG_PASSWORD_FILE"] = str(self.pg_password_path)
         return found

@@ -18,6 +18,7 @@ from aiokafka import AIOKafkaProducer
 
 from drivers.protocol import Driver
 from services.common.database import connect_pool
+from services.common.kafka_clients import Role, kafka_client_args
 from services.common.settings import Settings
 from services.common.tasks import Tasks
 from services.executor.backends import driver_from_settings
@@ -61,8 +62,10 @@ class DriverSide:
         if tasks is not None:
             self._tasks = tasks
         interval = self.reconcile_interval or self.settings.reconcile_interval_seconds
+        # The watcher's and the reconcile loop's reports; an executor alone reports nothing.
+        role: Role = "watcher" if "watcher" in self.parts else "executor"
         self._producer = AIOKafkaProducer(
-            bootstrap_servers=self.settings.kafka_bootstrap, enable_idempotence=True, acks="all"
+            **kafka_client_args(self.settings, role), enable_idempotence=True, acks="all"
         )
         await self._producer.start()
         stop = self._tasks.stop_event

@@ -87,6 +87,7 @@ from events.topics import record_key
 from projections.lifecycle import Sandbox
 from projections.store import CONNECTION_ERRORS
 from services.common import metrics
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.executor.clock import Clock, utcnow
 from services.executor.credentials import CredentialSource
@@ -316,11 +317,11 @@ class Executor:
         assert self.max_concurrency is not None
         self._slots = asyncio.Semaphore(self.max_concurrency)
         self.producer = AIOKafkaProducer(
-            bootstrap_servers=self.settings.kafka_bootstrap, enable_idempotence=True, acks="all"
+            **kafka_client_args(self.settings, "executor"), enable_idempotence=True, acks="all"
         )
         await self.producer.start()
         self.consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.settings.kafka_bootstrap,
+            **kafka_client_args(self.settings, "executor"),
             group_id=self.settings.executor_group,
             enable_auto_commit=False,
             # A new group starts at the end: what was decided before it joined is the reconcile

@@ -2,10 +2,13 @@
 
 An environment has its own topics, consumer groups and PostgreSQL schema (all migrations
 applied), so several can run side by side on the one local stack; it is removed afterwards.
+The roles' ACLs are granted on its own topic and group names (and revoked afterwards), so the
+processor, executor, API and the rest run as their own principals there, as in production.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,8 +18,10 @@ import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from services.common.database import connect_pool
+from services.common.kafka_clients import kafka_client_args
 from services.common.migrations import apply_migrations
 from services.common.settings import Settings
+from services.localstack import kafka_auth
 from services.localstack.config import topic_configs
 
 
@@ -42,7 +47,7 @@ async def isolated(
     """Create the environment's topics and schema, yield its settings and a pool, remove it."""
     settings = isolated_settings(base, prefix, **overrides)
     topics = list(settings.topics)
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    admin = AIOKafkaAdminClient(**kafka_client_args(settings, "admin"))
     await admin.start()
     try:
         await admin.create_topics(
@@ -53,6 +58,8 @@ async def isolated(
         )
     finally:
         await admin.close()
+    if kafka_auth.enabled(settings):
+        await asyncio.to_thread(kafka_auth.grant, settings)
     await apply_migrations(settings.pg_dsn, schema=settings.pg_schema)
     pool = await connect_pool(settings)
     try:
@@ -60,7 +67,9 @@ async def isolated(
     finally:
         await pool.execute(f'DROP SCHEMA "{settings.pg_schema}" CASCADE')
         await pool.close()
-        admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+        if kafka_auth.enabled(settings):
+            await asyncio.to_thread(kafka_auth.revoke, settings)
+        admin = AIOKafkaAdminClient(**kafka_client_args(settings, "admin"))
         await admin.start()
         try:
             await admin.delete_topics(topics)

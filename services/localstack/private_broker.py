@@ -14,7 +14,7 @@ import subprocess
 
 from services.common.settings import Settings
 from services.localstack import config as cfg
-from services.localstack import stack
+from services.localstack import kafka_auth, stack
 
 
 def free_port() -> int:
@@ -36,18 +36,23 @@ def start(settings: Settings, *, advertised: str | None = None) -> subprocess.Po
             f"advertised.listeners=PLAINTEXT://{settings.kafka_bootstrap}",
             f"advertised.listeners=PLAINTEXT://{advertised}",
         )
+    properties, jvm_options = kafka_auth.prepare_broker(settings, properties)
     paths.properties.write_text(properties)
     stack._format_kafka_storage(settings)
     return stack._spawn(
-        cfg.kafka_java_command(settings, "kafka.Kafka", str(paths.properties)),
+        kafka_auth.with_jvm_options(
+            cfg.kafka_java_command(settings, "kafka.Kafka", str(paths.properties)), jvm_options
+        ),
         log=paths.log,
         pidfile=paths.pid,
     )
 
 
 def wait_ready(settings: Settings, proc: subprocess.Popen[bytes]) -> None:
-    """Block until the broker answers a metadata request at ``settings.kafka_bootstrap``."""
+    """Block until the broker answers a metadata request at ``settings.kafka_bootstrap``, then
+    create the roles' users (as the local stack's `up` does)."""
     stack._wait_kafka(settings, proc)
+    stack._ensure_auth(settings)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

@@ -37,10 +37,12 @@ import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from podman import PodmanClient
 
+from services.common.kafka_clients import kafka_client_args
 from services.common.migrations import apply_migrations
 from services.common.secret_files import create_secret_file, read_secret_file
 from services.common.settings import Settings, load_settings
 from services.localstack import config as cfg
+from services.localstack import kafka_auth
 
 KAFKA_START_TIMEOUT = 90.0
 PODMAN_START_TIMEOUT = 30.0
@@ -78,6 +80,7 @@ def up(settings: Settings) -> Settings:
     _up_podman(settings)
     _wait_kafka(settings, broker)
     ensure_topics(settings)
+    _ensure_auth(settings)
     _say(f"up in {time.monotonic() - started:.1f}s")
     return settings
 
@@ -243,6 +246,9 @@ def _start_kafka(settings: Settings) -> subprocess.Popen[bytes] | None:
         return None
     pid = _live_pid(paths.pid, str(paths.properties))
     if pid is not None:
+        problem = kafka_auth.storage_problem(settings)  # started before authentication
+        if problem:
+            raise StackError(problem)
         _say(f"kafka: running (pid {pid})")
         return None
     if _port_open(host, port):
@@ -250,10 +256,14 @@ def _start_kafka(settings: Settings) -> subprocess.Popen[bytes] | None:
         return None
     _resolve_kafka_libs(settings)
     template = cfg.KAFKA_PROPERTIES_TEMPLATE.read_text()
-    _write_if_changed(paths.properties, cfg.render_server_properties(template, settings))
+    rendered = cfg.render_server_properties(template, settings)
+    properties, jvm_options = kafka_auth.prepare_broker(settings, rendered)
+    _write_if_changed(paths.properties, properties)
     _format_kafka_storage(settings)
     proc = _spawn(
-        cfg.kafka_java_command(settings, "kafka.Kafka", str(paths.properties)),
+        kafka_auth.with_jvm_options(
+            cfg.kafka_java_command(settings, "kafka.Kafka", str(paths.properties)), jvm_options
+        ),
         log=paths.log,
         pidfile=paths.pid,
     )
@@ -264,7 +274,7 @@ def _start_kafka(settings: Settings) -> subprocess.Popen[bytes] | None:
 def _wait_kafka(settings: Settings, proc: subprocess.Popen[bytes] | None) -> None:
     started = time.monotonic()
     _wait_for(
-        lambda: _kafka_answers(settings.kafka_bootstrap),
+        lambda: _kafka_answers(settings),
         what="kafka broker",
         timeout=KAFKA_START_TIMEOUT,
         log=cfg.kafka_paths(settings).log,
@@ -294,6 +304,9 @@ def _format_kafka_storage(settings: Settings) -> None:
     """Format the KRaft storage directory once, with a cluster id kept in the state dir."""
     paths = cfg.kafka_paths(settings)
     if (paths.data / "meta.properties").exists():
+        problem = kafka_auth.storage_problem(settings)
+        if problem:
+            raise StackError(problem)
         return
     if not paths.cluster_id.exists():
         paths.cluster_id.write_text(cfg.new_kafka_cluster_id() + "\n")
@@ -308,25 +321,29 @@ def _format_kafka_storage(settings: Settings) -> None:
         str(paths.properties),
         "--ignore-formatted",
     )
-    with paths.format_log.open("wb") as out:
+    with (
+        kafka_auth.format_command(settings, cmd, "kafka.tools.StorageTool") as cmd,
+        paths.format_log.open("wb") as out,
+    ):
         result = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False)
     if result.returncode != 0:
         raise StackError(f"kafka: formatting storage failed\n{_tail(paths.format_log)}")
+    kafka_auth.storage_formatted(settings)
 
 
-def _kafka_answers(bootstrap: str) -> bool:
+def _kafka_answers(settings: Settings) -> bool:
     """True when the broker accepts connections and answers a metadata request."""
-    if not _port_open(*cfg.split_host_port(bootstrap)):
+    if not _port_open(*cfg.split_host_port(settings.kafka_bootstrap)):
         return False
     try:
-        asyncio.run(_list_topics(bootstrap))
+        asyncio.run(_list_topics(settings))
     except Exception:
         return False
     return True
 
 
-async def _list_topics(bootstrap: str) -> list[str]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+async def _list_topics(settings: Settings) -> list[str]:
+    admin = AIOKafkaAdminClient(**kafka_client_args(settings, "admin"), request_timeout_ms=5000)
     await admin.start()
     try:
         topics: list[str] = await admin.list_topics()
@@ -345,7 +362,7 @@ def ensure_topics(settings: Settings) -> None:
 
 async def _create_topics(settings: Settings) -> list[str]:
     """Create the missing project topics; fail on a partition count other than configured."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    admin = AIOKafkaAdminClient(**kafka_client_args(settings, "admin"))
     await admin.start()
     try:
         existing = set(await admin.list_topics())
@@ -390,13 +407,30 @@ async def _wait_topics_ready(admin: AIOKafkaAdminClient, settings: Settings) -> 
         await asyncio.sleep(0.2)
 
 
+def _ensure_auth(settings: Settings) -> None:
+    """The roles' SCRAM users and ACLs on a local broker (a real cluster's are its operator's:
+    docs/security.md)."""
+    if not kafka_auth.enabled(settings):
+        _say("kafka: no authentication (kafka_security_protocol PLAINTEXT)")
+        return
+    if not cfg.is_local_host(cfg.split_host_port(settings.kafka_bootstrap)[0]):
+        _say("kafka: users and ACLs of an external cluster are left to its operator")
+        return
+    try:
+        users = kafka_auth.ensure_users(settings)
+        acls = kafka_auth.grant(settings)
+    except RuntimeError as exc:
+        raise StackError(str(exc)) from exc
+    _say(f"kafka: {len(users)} role users and {acls} ACLs in place")
+
+
 def _kafka_status(settings: Settings) -> ComponentStatus:
     paths = cfg.kafka_paths(settings)
     pid = _live_pid(paths.pid, str(paths.properties))
-    if not _kafka_answers(settings.kafka_bootstrap):
+    if not _kafka_answers(settings):
         detail = f"broker pid {pid} not answering" if pid else "not running"
         return ComponentStatus("kafka", False, detail)
-    topics = set(asyncio.run(_list_topics(settings.kafka_bootstrap)))
+    topics = set(asyncio.run(_list_topics(settings)))
     missing = [t for t in settings.topics if t not in topics]
     owner = f"pid {pid}" if pid else "not started by us"
     detail = f"{settings.kafka_bootstrap} ({owner})"

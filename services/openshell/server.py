@@ -25,6 +25,7 @@ from services.api.gateway import CommandGateway
 from services.api.readmodel import ChangeFeed
 from services.api.server import Tls
 from services.common.entrypoint import run_until_signalled
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.common.tokens import TokenStore
 from services.openshell.proto import openshell_pb2_grpc
@@ -131,7 +132,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     feed = ChangeFeed(pool)
     try:
         async with CommandPublisher(
-            settings.kafka_bootstrap, topic=settings.topic_commands
+            kafka_client_args(settings, "api"), topic=settings.topic_commands
         ) as publisher:
             await feed.start()
             gateway = CommandGateway(pool, publisher, feed)

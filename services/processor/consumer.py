@@ -71,6 +71,7 @@ from projections.store import (
 from services.common import metrics
 from services.common.database import connect_pool
 from services.common.entrypoint import run_until_signalled
+from services.common.kafka_clients import kafka_client_args
 from services.common.log_identity import check_log_identity, log_identity_of, read_log_identity
 from services.common.settings import Settings
 from services.processor.row_cache import RowCache
@@ -316,7 +317,7 @@ class Processor:
 
     def _new_producer(self) -> AIOKafkaProducer:
         return AIOKafkaProducer(
-            bootstrap_servers=self.settings.kafka_bootstrap,
+            **kafka_client_args(self.settings, "processor"),
             enable_idempotence=True,
             acks="all",
             linger_ms=2,
@@ -327,7 +328,9 @@ class Processor:
     async def start(self) -> None:
         self._owned = set()
         # Refuse another log than the stored offsets belong to before joining the group.
-        identity = await read_log_identity(self.settings.kafka_bootstrap, self.input_topics)
+        identity = await read_log_identity(
+            kafka_client_args(self.settings, "processor"), self.input_topics
+        )
         await check_log_identity(self.pool, identity)
         self.producer = self._new_producer()
         await self.producer.start()
@@ -336,7 +339,7 @@ class Processor:
         async with self.pool.acquire() as conn:
             await self._check_stored_partitioning(conn)
         self.consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.settings.kafka_bootstrap,
+            **kafka_client_args(self.settings, "processor"),
             group_id=self.settings.processor_group,
             enable_auto_commit=False,
             auto_offset_reset="earliest",

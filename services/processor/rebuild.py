@@ -17,6 +17,7 @@ from events.codec import EVENTS, decode
 from events.log_reader import LogTruncated, read_to_end
 from projections.lifecycle import Sandbox, evolve
 from projections.store import SANDBOX_COLUMNS, BatchWrite, sandbox_from_record, write_batch
+from services.common.kafka_clients import kafka_client_args
 from services.common.migrations import apply_migrations
 from services.common.settings import Settings
 
@@ -28,7 +29,7 @@ async def fold_events_topic(settings: Settings) -> dict[str, Sandbox]:
     oldest events): folding what is left would produce wrong rows, not a rebuild."""
     rows: dict[str, Sandbox] = {}
     topic, partitions = settings.topic_events, settings.kafka_partitions
-    async for record in read_to_end(settings.kafka_bootstrap, topic, partitions):
+    async for record in read_to_end(kafka_client_args(settings, "audit"), topic, partitions):
         event = decode(EVENTS, record.value)
         current = rows.get(event.key)
         if current is None or event.version > current.version:

@@ -18,6 +18,7 @@ from services.api.app import create_app
 from services.api.server import RunningApi, Tls, start_api
 from services.common.database import connect_pool
 from services.common.health import Readiness
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.common.tokens import TokenStore
 
@@ -33,7 +34,7 @@ class ApiRole:
     async def run(self, stop: asyncio.Event) -> None:
         tokens = TokenStore.from_file(self.settings.tokens_file)  # `sandstream prepare` made it
         pool = self.pool = await connect_pool(self.settings)
-        publisher = CommandPublisher(self.settings.kafka_bootstrap,
+        publisher = CommandPublisher(kafka_client_args(self.settings, "api"),
                                      topic=self.settings.topic_commands)  # fmt: skip
         try:
             await publisher.__aenter__()

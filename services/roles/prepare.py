@@ -11,6 +11,7 @@ import asyncpg
 from aiokafka.errors import KafkaError
 
 from services.common.credentials import create_key_file
+from services.common.kafka_clients import KafkaCredentialsError
 from services.common.migrations import apply_migrations
 from services.common.settings import Settings
 from services.common.tokens import TokenFileError, ensure_tokens
@@ -23,7 +24,7 @@ def prepare(settings: Settings) -> str | None:
     """Ready topics, schema, tokens and key; None when done, else what failed."""
     try:
         stack.ensure_topics(settings)
-    except stack.StackError as exc:
+    except (stack.StackError, KafkaCredentialsError) as exc:
         return f"the Kafka topics are not ready: {exc}"
     except (OSError, KafkaError) as exc:
         return f"cannot reach Kafka at {settings.kafka_bootstrap}: {exc!r}"

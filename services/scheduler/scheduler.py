@@ -31,6 +31,7 @@ from events.topics import CHANGES_CHANNEL
 from projections.store import CONNECTION_ERRORS
 from services.common import metrics
 from services.common.database import connect_pool
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 
 log = logging.getLogger("sandstream.scheduler")
@@ -103,7 +104,7 @@ class Scheduler:
 
     async def start(self) -> None:
         self.producer = AIOKafkaProducer(
-            bootstrap_servers=self.settings.kafka_bootstrap, enable_idempotence=True, acks="all"
+            **kafka_client_args(self.settings, "scheduler"), enable_idempotence=True, acks="all"
         )
         await self.producer.start()
         self._listener = await self.pool.acquire()

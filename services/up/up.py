@@ -29,6 +29,7 @@ from services.api.app import create_app
 from services.api.provider_sync import ProviderSync, sync_source
 from services.api.server import Tls, bind, start_api
 from services.common.credentials import create_key_file
+from services.common.kafka_clients import kafka_client_args
 from services.common.log_filter import rate_limit_kafka_logs
 from services.common.migrations import apply_migrations
 from services.common.settings import Settings
@@ -206,7 +207,7 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
         )
     plane = None
     pool = None
-    publisher = CommandPublisher(settings.kafka_bootstrap, topic=settings.topic_commands)
+    publisher = CommandPublisher(kafka_client_args(settings, "api"), topic=settings.topic_commands)
     api = None
     sync_task: asyncio.Future[None] | None = None
     openshell: RunningOpenShell | None = None
