@@ -35,6 +35,10 @@ class Settings(BaseSettings):
     kafka_controller_port: int = 19093
     kafka_heap: str = "384m"
     kafka_partitions: int = Field(default=12, ge=1)
+    # Brokers of the local stack: 1 (the default), or a KRaft cluster of this many combined
+    # broker+controller nodes on consecutive port pairs (services/localstack/cluster.py);
+    # topics then get min(3, brokers) replicas and min.insync.replicas=2 from three brokers.
+    kafka_brokers: int = Field(default=1, ge=1, le=9)
     # retention.ms set on the project topics when they are created: -1 keeps them forever,
     # which replays (rebuild, a fresh processor) and the audit need; tiered storage can move
     # old segments to object storage instead (docs/operations.md).
