@@ -29,6 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "up": {"common", "processor", "executor", "scheduler", "api", "localstack", "openshell"},
     "cli": {"common", "api", "processor", "up", "audit"},
     "bench": {"common", "processor", "executor", "api", "up", "localstack"},
+    "chaos": {"common", "processor", "executor", "audit", "api", "localstack"},
 }
 # Libraries a lower layer must not reach for: events/ holds schemas and Kafka helpers only.
 FORBIDDEN_LIBRARIES = {"events": {"asyncpg", "fastapi", "podman"}}
