@@ -10,6 +10,7 @@ import sys
 from services.chaos import report
 from services.chaos.run import Plan, remove_home, run
 from services.common.entrypoint import LOG_FORMAT
+from services.common.log_filter import rate_limit_kafka_logs
 from services.common.settings import load_settings
 
 
@@ -22,8 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--partitions", type=int, default=Plan.partitions)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
-    # The Kafka client's retries during broker faults are expected; its errors still show.
+    # The Kafka client's retries during broker faults are expected; its errors still show,
+    # one line per kind per 30 s.
     logging.getLogger("aiokafka").setLevel(logging.ERROR)
+    rate_limit_kafka_logs()
     # 503s, and the pool's reconnects, while PostgreSQL restarts.
     for name in ("sandstream.api", "asyncpg.pool"):
         logging.getLogger(name).setLevel(logging.ERROR)
