@@ -273,9 +273,13 @@ class FakeDriver:
             )
         if current is not None:
             if current.state == "running":
-                return LaunchResult(current.runtime_id, spec.generation, spec.identity, False)
+                return LaunchResult(
+                    current.runtime_id, spec.generation, spec.identity, False, adopted=True
+                )
             self._set_state(current, "running", None)
-            return LaunchResult(current.runtime_id, spec.generation, spec.identity, True)
+            return LaunchResult(
+                current.runtime_id, spec.generation, spec.identity, True, adopted=True
+            )
         self._workspaces.add((spec.key, spec.sandbox_id))
         runtime = _Runtime(
             key=spec.key,

@@ -7,6 +7,7 @@ The mapping is documented in docs/drivers.md ("Kubernetes mapping").
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import re
@@ -66,6 +67,11 @@ class PodSettings:
 
 def pod_name(key: str, generation: int) -> str:
     return f"sandstream-{key}-g{generation}"
+
+
+def secret_name(key: str, generation: int) -> str:
+    """The Secret holding one generation's provider values (named like its Pod)."""
+    return pod_name(key, generation)
 
 
 def claim_name(key: str, sandbox_id: UUID) -> str:
@@ -128,6 +134,60 @@ def claim_manifest(spec: LaunchSpec, settings: PodSettings) -> dict[str, Any]:
     }
 
 
+def secret_manifest(spec: LaunchSpec) -> dict[str, Any]:
+    """The Secret of one generation: the attached providers' values, labelled like its Pod
+    (the driver then makes the Pod its owner, so it goes with the Pod)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": secret_name(spec.key, spec.generation),
+            "labels": {
+                LABEL_MANAGED_BY: MANAGED_BY,
+                LABEL_KEY: spec.key,
+                LABEL_SANDBOX_ID: str(spec.sandbox_id),
+                LABEL_GENERATION: str(spec.generation),
+            },
+        },
+        "type": "Opaque",
+        "data": {k: base64.b64encode(v.encode()).decode() for k, v in sorted(spec.secrets.items())},
+    }
+
+
+def owned_by(pod: Pod) -> list[dict[str, Any]]:
+    """The JSON patch that makes ``pod`` a Secret's owner (the garbage collector removes the
+    Secret once the Pod is gone)."""
+    meta = _meta(pod)
+    owner = {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"]}
+    return [{"op": "add", "path": "/metadata/ownerReferences", "value": [owner]}]
+
+
+def secret_generation(secret: Mapping[str, Any]) -> tuple[UUID, int] | None:
+    """(sandbox id, generation) of one of our Secrets; None for anything else."""
+    labels = _meta(secret).get("labels") or {}
+    if labels.get(LABEL_MANAGED_BY) != MANAGED_BY:
+        return None
+    try:
+        return UUID(str(labels.get(LABEL_SANDBOX_ID, ""))), int(labels.get(LABEL_GENERATION, ""))
+    except ValueError:
+        return None
+
+
+def container_env(spec: LaunchSpec) -> list[dict[str, Any]]:
+    """The spec's env and the identity as values; provider values only as references to the
+    generation's Secret (they win over a spec variable of the same name, as with Podman)."""
+    plain = {k: v for k, v in spec.spec.env.items() if k not in spec.secrets}
+    env: list[dict[str, Any]] = [
+        {"name": k, "value": v} for k, v in {**plain, IDENTITY_ENV: spec.identity}.items()
+    ]
+    name = secret_name(spec.key, spec.generation)
+    env += [
+        {"name": k, "valueFrom": {"secretKeyRef": {"name": name, "key": k}}}
+        for k in sorted(spec.secrets)
+    ]
+    return env
+
+
 def pod_manifest(spec: LaunchSpec, settings: PodSettings) -> dict[str, Any]:
     """The Pod of one generation: one container, never restarted, the workspace mounted."""
     grace = grace_period(None, spec.spec.stop_timeout_seconds, settings.stop_timeout)
@@ -135,10 +195,7 @@ def pod_manifest(spec: LaunchSpec, settings: PodSettings) -> dict[str, Any]:
         "name": CONTAINER,
         "image": spec.spec.image,
         "imagePullPolicy": settings.image_pull_policy,
-        "env": [
-            {"name": k, "value": v}
-            for k, v in {**spec.spec.env, IDENTITY_ENV: spec.identity}.items()
-        ],
+        "env": container_env(spec),
         "volumeMounts": [{"name": WORKSPACE_VOLUME, "mountPath": WORKSPACE_PATH}],
         "workingDir": WORKSPACE_PATH,
     }

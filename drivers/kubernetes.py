@@ -44,9 +44,13 @@ from drivers.kube_objects import (
     api_error_message,
     claim_manifest,
     key_selector,
+    owned_by,
     pod_manifest,
     read_pod,
     removed,
+    secret_generation,
+    secret_manifest,
+    secret_name,
     shape,
     snapshot,
     sort_views,
@@ -115,6 +119,25 @@ class KubeConfig:
         )
 
 
+async def api_client(cfg: KubeConfig) -> client.ApiClient:
+    """A client of the cluster ``cfg`` names (the kubeconfig, else the in-cluster account)."""
+    configuration = client.Configuration()
+    try:
+        await config.load_kube_config(
+            config_file=str(cfg.kubeconfig) if cfg.kubeconfig else None,
+            context=cfg.context,
+            client_configuration=configuration,
+            persist_config=False,
+        )
+    except config.ConfigException:
+        if cfg.kubeconfig is not None:
+            raise
+        config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    # One connection per call in flight: many slow stops must not starve the others.
+    configuration.connection_pool_maxsize = cfg.max_connections
+    return client.ApiClient(configuration)
+
+
 def parse_node_selector(text: str) -> dict[str, str]:
     """``"disk=ssd,zone=a"`` -> ``{"disk": "ssd", "zone": "a"}``; ValueError names a bad part."""
     selector = {}
@@ -166,14 +189,6 @@ class KubernetesDriver:
     # -- the protocol ------------------------------------------------------------------------
 
     async def launch(self, spec: LaunchSpec) -> LaunchResult:
-        if spec.secrets:
-            # Not yet mapped to Kubernetes Secrets: refuse plainly rather than launch an agent
-            # without the credentials it was promised (docs/drivers.md).
-            raise DriverError(
-                f"{spec.key}: provider credentials are not supported by the Kubernetes driver "
-                "yet; detach the providers or use the Podman driver",
-                retryable=False,
-            )
         return await self._call(self._launch, spec, key=spec.key, generation=spec.generation)
 
     async def stop(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
@@ -293,14 +308,21 @@ class KubernetesDriver:
             else:
                 current = view
         await asyncio.gather(*(self._remove_pod(v, self._grace(v)) for v in doomed))
+        # The replaced generations' Secrets go with their Pods (not left to the collector).
+        await self._remove_secrets(spec.key, lambda _, g: g < spec.generation)
         if current is not None and current.info.state != "created":
-            return LaunchResult(current.uid, spec.generation, spec.identity, False)
+            return LaunchResult(current.uid, spec.generation, spec.identity, False, adopted=True)
+        adopted = current is not None
         if current is None:
             if self._pods.storage_class is not None:
                 await self._create(
                     "persistentvolumeclaims", claim_manifest(spec, self._pods), exist_ok=True
                 )
-            current = await self._create_pod(spec)
+            if spec.secrets:
+                await self._write_secret(spec)
+            current, adopted = await self._create_pod(spec)
+            if spec.secrets:
+                await self._own_secret(spec, current)
         try:
             started, _ = await self._await_pod(
                 current, lambda v: v is None or v.info.state != "created", self.cfg.launch_timeout
@@ -316,28 +338,27 @@ class KubernetesDriver:
             raise DriverError(
                 f"pod {current.name} was removed while it started", retryable=True, observed=None
             )
-        return LaunchResult(started.uid, spec.generation, spec.identity, True)
+        return LaunchResult(started.uid, spec.generation, spec.identity, True, adopted=adopted)
 
-    async def _create_pod(self, spec: LaunchSpec) -> PodView:
+    async def _create_pod(self, spec: LaunchSpec) -> tuple[PodView, bool]:
+        """The generation's Pod, and whether it existed already (made by an earlier launch)."""
         manifest = pod_manifest(spec, self._pods)
+        name = manifest["metadata"]["name"]
         created = await self._create("pods", manifest, exist_ok=True)
-        view = read_pod(created) if created else None
-        if view is None:  # the name was taken: by a concurrent launch of ours, or a stranger
-            existing = await self._read_pod(manifest["metadata"]["name"])
-            if existing is None:
-                raise DriverError(
-                    f"pod {manifest['metadata']['name']} was taken, then removed, while it was "
-                    "being created",
-                    retryable=True,
-                )
-            view = read_pod(existing)
-            if view is None or view.info.generation != spec.generation:
-                raise DriverError(
-                    f"pod name {manifest['metadata']['name']} is in use by a pod sandstream "
-                    "does not manage",
-                    retryable=False,
-                )
-        return view
+        if created is not None and (view := read_pod(created)) is not None:
+            return view, False
+        # The name was taken: by an earlier launch of ours, or a stranger.
+        existing = await self._read_pod(name)
+        if existing is None:
+            raise DriverError(
+                f"pod {name} was taken, then removed, while it was being created", retryable=True
+            )
+        view = read_pod(existing)
+        if view is None or view.info.generation != spec.generation:
+            raise DriverError(
+                f"pod name {name} is in use by a pod sandstream does not manage", retryable=False
+            )
+        return view, True
 
     async def _stop(self, key: str, generation: int, timeout: float | None) -> OpResult:
         views = [v for v in await self._list_views(key) if v.info.generation == generation]
@@ -345,6 +366,7 @@ class KubernetesDriver:
             return OpResult("already_absent")
         view = views[-1]
         last = await self._remove_pod(view, self._grace(view, timeout))
+        await self._remove_secrets(key, lambda _, g: g == generation)
         if last is None:
             return OpResult("already_absent")
         return OpResult("succeeded", view.uid, last.info.exit_code)
@@ -363,6 +385,7 @@ class KubernetesDriver:
     async def _delete(self, key: str, sandbox_id: UUID | None) -> bool:
         views = [v for v in await self._list_views(key) if sandbox_id in (None, v.info.sandbox_id)]
         await asyncio.gather(*(self._remove_pod(v, self._grace(v)) for v in views))
+        secrets = await self._remove_secrets(key, lambda i, _: sandbox_id in (None, i))
         claims = await self._claims(key, sandbox_id)
         for claim in claims:
             await self._delete_object(
@@ -378,7 +401,53 @@ class KubernetesDriver:
                     observed=None,
                 )
             await asyncio.sleep(0.1)
-        return bool(views or claims)
+        return bool(views or claims or secrets)
+
+    # -- provider values: one Secret per generation ------------------------------------------
+
+    async def _write_secret(self, spec: LaunchSpec) -> None:
+        """Create the generation's Secret with the values read for this launch; one left by an
+        interrupted launch of the same generation is replaced (these values are newer)."""
+        core = await self._core()
+        create: Callable[..., Awaitable[Any]] = core.create_namespaced_secret
+        replace: Callable[..., Awaitable[Any]] = core.replace_namespaced_secret
+        manifest = secret_manifest(spec)
+        try:
+            await self._json(create(self.namespace, manifest, **self._opts()))
+        except ApiStatusError as exc:
+            if exc.status != 409:
+                raise
+            name = manifest["metadata"]["name"]
+            await self._json(replace(name, self.namespace, manifest, **self._opts()))
+
+    async def _own_secret(self, spec: LaunchSpec, pod: PodView) -> None:
+        """Make the Pod the Secret's owner: a Pod removed by anyone takes its Secret along."""
+        core = await self._core()
+        fresh = await self._read_pod(pod.name)
+        if fresh is None:
+            return  # gone already: the next launch or the delete removes the Secret
+        name = secret_name(spec.key, spec.generation)
+        await self._json(
+            core.patch_namespaced_secret(name, self.namespace, owned_by(fresh), **self._opts())
+        )
+
+    async def _remove_secrets(self, key: str, which: Callable[[UUID, int], bool]) -> int:
+        """Delete the key's Secrets whose (sandbox id, generation) ``which`` selects."""
+        core = await self._core()
+        answer = await self._json(
+            core.list_namespaced_secret(
+                self.namespace, label_selector=key_selector(key), **self._opts()
+            )
+        )
+        doomed = [
+            s
+            for s in answer.get("items") or []
+            if (found := secret_generation(s)) is not None and which(*found)
+        ]
+        for secret in doomed:
+            meta = secret["metadata"]
+            await self._delete_object("secrets", meta["name"], meta["uid"])
+        return len(doomed)
 
     def _grace(self, view: PodView, timeout: float | None = None) -> float:
         return grace_period(timeout, view.stop_timeout, self.cfg.stop_timeout)
@@ -454,21 +523,7 @@ class KubernetesDriver:
         return client.CoreV1Api(self._api)
 
     async def _connect(self) -> client.ApiClient:
-        configuration = client.Configuration()
-        try:
-            await config.load_kube_config(
-                config_file=str(self.cfg.kubeconfig) if self.cfg.kubeconfig else None,
-                context=self.cfg.context,
-                client_configuration=configuration,
-                persist_config=False,
-            )
-        except config.ConfigException:
-            if self.cfg.kubeconfig is not None:
-                raise
-            config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-        # One connection per call in flight: many slow stops must not starve the others.
-        configuration.connection_pool_maxsize = self.cfg.max_connections
-        return client.ApiClient(configuration)
+        return await api_client(self.cfg)
 
     async def _json(self, call: Awaitable[Any]) -> dict[str, Any]:
         """Await a raw (``_preload_content=False``) call and decode its JSON body."""
@@ -549,11 +604,11 @@ class KubernetesDriver:
         """Delete exactly the object with ``uid`` (a precondition: never a successor of the
         same name); its state after the delete, or None when it was already gone."""
         core = await self._core()
-        delete: Callable[..., Awaitable[Any]] = (
-            core.delete_namespaced_pod
-            if resource == "pods"
-            else core.delete_namespaced_persistent_volume_claim
-        )
+        delete: Callable[..., Awaitable[Any]] = {
+            "pods": core.delete_namespaced_pod,
+            "persistentvolumeclaims": core.delete_namespaced_persistent_volume_claim,
+            "secrets": core.delete_namespaced_secret,
+        }[resource]
         body: dict[str, Any] = {"preconditions": {"uid": uid}}
         if grace is not None:
             body["gracePeriodSeconds"] = grace

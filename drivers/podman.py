@@ -775,7 +775,9 @@ class PodmanDriver:
             started = current.state != "running"
         if started:
             client.containers.get(runtime_id).start()
-        return LaunchResult(runtime_id, spec.generation, spec.identity, started)
+        return LaunchResult(
+            runtime_id, spec.generation, spec.identity, started, adopted=current is not None
+        )
 
     def _create_sync(self, spec: LaunchSpec) -> str:
         client = self._client()

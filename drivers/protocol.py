@@ -91,6 +91,12 @@ class LaunchResult:
     generation: int
     identity: str
     started: bool  # False when it was already running (an idempotent repeat)
+    # The runtime existed before this call (made by an earlier, interrupted launch): it holds
+    # the provider values that launch read, not this one's.
+    adopted: bool = False
+    # The revision of each attached provider whose values this launch handed over (set by the
+    # executor, which read them; None when unknown, i.e. an adopted runtime).
+    credentials: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,12 +277,14 @@ def operation_result(
     """
     outcome: OperationOutcome = "succeeded"
     retryable, reason, observed, identity, exit_code = False, None, None, None, None
+    credentials: dict[str, int] | None = None
     match result:
         case DriverError():
             outcome, retryable, reason = "failed", result.retryable, result.reason
             observed, exit_code = result.observed, result.exit_code
         case LaunchResult():
             identity = result.identity
+            credentials = dict(result.credentials) if result.credentials is not None else None
         case OpResult():
             outcome, exit_code = result.outcome, result.exit_code
         case bool():
@@ -295,4 +303,5 @@ def operation_result(
         identity=identity,
         observed=observed,
         exit_code=exit_code,
+        credentials=credentials,
     )

@@ -150,6 +150,9 @@ class AgentRestartSkipped(EventBase):
     type: Literal["AgentRestartSkipped"]
     providers: list[ProviderName]
     reason: str
+    # Restart already pending (Provisioning/Starting): the revisions its launch must have read.
+    # Recorded in the row until the launch reports what it read (``Sandbox.awaited``).
+    awaits: dict[ProviderName, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
 
 
 class AgentRestartFailed(EventBase):

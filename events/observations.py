@@ -16,6 +16,7 @@ from events.common import (
     DeadlineKind,
     Generation,
     Int32,
+    ProviderName,
     SandboxName,
     Strict,
     Text,
@@ -62,6 +63,9 @@ class DriverOperationResult(ObservationBase):
     # What the backend looked like after a failed operation, so the row can follow it.
     observed: ObservedState | None = None
     exit_code: Int32 | None = None  # an `integer` column
+    # A launch that started its runtime: the revision of each attached provider whose values
+    # it read (names and revisions only). None: not known (nothing read, or an adopted runtime).
+    credentials: dict[ProviderName, Annotated[int, Field(ge=0)]] | None = None
 
 
 class DeadlineDue(ObservationBase):

@@ -117,6 +117,9 @@ class Sandbox:
     on_expiry: ExpiryPolicy = field(default="stop", kw_only=True)
     on_exit: ExitPolicy = field(default="keep", kw_only=True)
     hold: Hold | None = field(default=None, kw_only=True)
+    # Rotations decided while this generation's launch was pending (provider -> revision): the
+    # launch must report having read at least these, or the agent restarts once more.
+    awaited: dict[str, int] = field(default_factory=dict, kw_only=True)
 
     @property
     def tombstoned(self) -> bool:
@@ -293,11 +296,19 @@ def observation_kind(obs: Observation) -> ObservationKind:
 # names (AgentRestarted, a launch intent that reads the current values); any other entry is the
 # reason recorded with AgentRestartSkipped (the new values apply at the next start). A command
 # naming only providers the sandbox has not attached changes nothing (idempotent).
+#
+# RESTART_PENDING (Provisioning, Starting): a launch of the current generation is pending and
+# reads the values when it runs, which may be before or after this rotation was stored. The
+# rotation is recorded in the row (``awaited``); the launch's report names the revisions it read
+# (DriverOperationResult.credentials), and only if one is older than awaited (or unknown) does
+# the sandbox restart again, at once (SandboxReady + AgentRestarted on that report). A running
+# snapshot does not make it Ready meanwhile: Ready means running the newest values.
 
 RESTART: Final = "restart"
+RESTART_PENDING: Final = "restart already pending: the pending launch reads the newest values"
 ROTATION_TABLE: Final[dict[Phase, str]] = {
-    P.PROVISIONING: RESTART,
-    P.STARTING: RESTART,
+    P.PROVISIONING: RESTART_PENDING,
+    P.STARTING: RESTART_PENDING,
     P.READY: RESTART,
     P.STOPPING: "stopping: the new values apply at its next start",
     P.STOPPED: "stopped: the new values apply at its next start",
@@ -327,6 +338,16 @@ def rotation_action(state: Sandbox, restart: bool) -> str:
     return ROTATION_TABLE[state.phase]
 
 
+def stale_rotations(state: Sandbox, read: dict[str, int] | None) -> dict[str, int]:
+    """The awaited rotations of still attached providers that a launch which read ``read``
+    (provider -> revision; None: unknown) did not see: the agent must restart for these."""
+    return {
+        p: r
+        for p, r in state.awaited.items()
+        if p in state.providers and (read is None or read.get(p, 0) < r)
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # Deterministic identities
 
@@ -351,6 +372,9 @@ def event_id_for(cause: Cause, index: int = 0) -> UUID:
 # evolve: apply one decided event to a row (used live and by the rebuild from the log)
 
 
+_LAUNCH_PENDING: Final = (P.PROVISIONING, P.STARTING)
+
+
 def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
     if isinstance(event, SandboxCreated):
         return Sandbox(
@@ -373,13 +397,18 @@ def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
         )
     if state is None:
         raise ValueError(f"{event.type} for {event.key!r} before SandboxCreated")
-    return replace(
+    new = replace(
         state,
         version=event.version,
         generation=event.generation,
         updated_at=event.occurred_at,
         **_changes(state, event),
     )
+    # Awaited rotations belong to one pending launch: a new generation or a phase past the
+    # launch (its report decided, or it failed: the next start reads the newest) clears them.
+    if new.awaited and (new.generation != state.generation or new.phase not in _LAUNCH_PENDING):
+        new = replace(new, awaited={})
+    return new
 
 
 def _changes(state: Sandbox, event: DecidedEvent) -> dict[str, Any]:
@@ -417,7 +446,12 @@ def _changes(state: Sandbox, event: DecidedEvent) -> dict[str, Any]:
                     "exit_code": None, "deadline": event.deadline,
                     "reason": ROTATION_RESTART + ", ".join(event.providers)}  # fmt: skip
         case AgentRestartSkipped():
-            return {}
+            if not event.awaits:
+                return {}
+            merged = dict(state.awaited)
+            for provider, revision in event.awaits.items():
+                merged[provider] = max(revision, merged.get(provider, 0))
+            return {"awaited": merged}
         case AgentRestartFailed():
             return {"phase": P.ERROR, "exit_code": event.exit_code, "reason": event.reason,
                     "deadline": None}  # fmt: skip
@@ -636,20 +670,16 @@ def _rotate(state: Sandbox, command: RotateCredentials, cause: Cause, limits: Li
     common = _common(state, command, cause)
     event: DecidedEvent
     if action == RESTART:
-        generation = state.generation + 1
-        event = AgentRestarted(
-            type="AgentRestarted",
-            **(common | {"generation": generation}),
-            providers=attached,
-            previous_generation=state.generation,
-            spec=state.spec,
-            identity=identity_for(state.sandbox_id, generation, command.command_id),
-            deadline=launch_deadline(command.occurred_at, limits),
-        )
-        why = f"restart for rotated {', '.join(attached)}: generation {generation}"
+        event = _agent_restarted(state, common, attached, command.command_id, limits)
+        why = f"restart for rotated {', '.join(attached)}: generation {event.generation}"
     else:
+        awaits: dict[str, int] = {}
+        if action == RESTART_PENDING:
+            for r in command.rotations:
+                if r.provider in attached:
+                    awaits[r.provider] = max(r.revision, awaits.get(r.provider, 0))
         event = AgentRestartSkipped(
-            type="AgentRestartSkipped", **common, providers=attached, reason=action
+            type="AgentRestartSkipped", **common, providers=attached, reason=action, awaits=awaits
         )
         why = f"restart skipped for rotated {', '.join(attached)}: {action}"
     new_state, events = _emit(state, event)
@@ -686,11 +716,68 @@ def _decide_observation(
     target = OBSERVATION_TABLE[state.phase].get(kind)
     if target is None:
         return _ignore(state, f"no effect in phase {state.phase.value}: {what}")
+    if state.awaited and kind == "running":
+        return _ignore(state, f"{what}: awaiting the launch's report of the values it read")
     event = _observation_event(state, obs, kind, target, _common(state, obs, cause))
     new_state, events = _emit(state, event)
+    if state.awaited and kind == "launch_succeeded":
+        assert isinstance(obs, DriverOperationResult)
+        new_state, events = _restart_if_stale(state, new_state, events, obs, cause, limits)
     new_state, events = _on_exit(new_state, events, obs, cause, limits)
     why = f"{what}: {state.phase.value} -> {new_state.phase.value}"
     return Decision(new_state, events, "applied", why)
+
+
+def _restart_if_stale(
+    pending: Sandbox,
+    state: Sandbox,
+    events: tuple[DecidedEvent, ...],
+    obs: DriverOperationResult,
+    cause: Cause,
+    limits: Limits,
+) -> tuple[Sandbox, tuple[DecidedEvent, ...]]:
+    """The launch that ``pending`` awaited reported what it read: restart once more if it
+    missed a rotation decided while it was pending (the agent must run the newest values)."""
+    stale = stale_rotations(pending, obs.credentials)
+    if not stale:
+        return state, events
+    if held(state):  # a hold made meanwhile: the newest values wait for the next start
+        return _then(
+            state,
+            events,
+            obs,
+            cause,
+            lambda c: AgentRestartSkipped(
+                type="AgentRestartSkipped", **c, providers=sorted(stale), reason=HELD
+            ),
+        )
+    return _then(
+        state,
+        events,
+        obs,
+        cause,
+        lambda c: _agent_restarted(state, c, sorted(stale), obs.observation_id, limits),
+    )
+
+
+def _agent_restarted(
+    state: Sandbox,
+    common: dict,  # type: ignore[type-arg]
+    providers: list[str],
+    id_source: str,
+    limits: Limits,
+) -> AgentRestarted:
+    """A rotation restart of ``state`` at the next generation, for ``providers``."""
+    generation = state.generation + 1
+    return AgentRestarted(
+        type="AgentRestarted",
+        **(common | {"generation": generation}),
+        providers=providers,
+        previous_generation=state.generation,
+        spec=state.spec,
+        identity=identity_for(state.sandbox_id, generation, id_source),
+        deadline=launch_deadline(common["occurred_at"], limits),
+    )
 
 
 def _observation_event(

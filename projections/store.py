@@ -35,7 +35,7 @@ CONNECTION_ERRORS: tuple[type[Exception], ...] = (
 
 SANDBOX_COLUMNS = (
     "key, sandbox_id, phase, generation, version, spec, providers, identity, exit_code, reason, "
-    "created_at, updated_at, deadline, expires_at, on_expiry, on_exit, hold"
+    "created_at, updated_at, deadline, expires_at, on_expiry, on_exit, hold, awaited"
 )
 
 
@@ -64,6 +64,7 @@ def sandbox_from_record(r: Any) -> Sandbox:
         on_expiry=r["on_expiry"],
         on_exit=r["on_exit"],
         hold=_json_model(Hold, r["hold"]),
+        awaited=_json_dict(r["awaited"]),
     )
 
 
@@ -74,6 +75,11 @@ def _json_model(model: Any, value: Any) -> Any:
     return (
         model.model_validate_json(value) if isinstance(value, str) else model.model_validate(value)
     )
+
+
+def _json_dict(value: Any) -> dict[str, int]:
+    """A jsonb object column (text from asyncpg, an object inside json_build_object)."""
+    return dict(json.loads(value) if isinstance(value, str) else value)
 
 
 def _timestamp(value: datetime | str) -> datetime:
@@ -97,7 +103,7 @@ SELECT 'row', NULL, NULL, NULL, json_build_object(
     'version', version, 'spec', spec, 'providers', providers, 'identity', identity,
     'exit_code', exit_code, 'reason', reason, 'created_at', created_at,
     'updated_at', updated_at, 'deadline', deadline, 'expires_at', expires_at,
-    'on_expiry', on_expiry, 'on_exit', on_exit, 'hold', hold)
+    'on_expiry', on_expiry, 'on_exit', on_exit, 'hold', hold, 'awaited', awaited)
 FROM sandboxes WHERE key = ANY($3::text[])
 UNION ALL
 SELECT 'outcome', NULL, NULL, NULL, outcome::json FROM command_outcomes
@@ -261,12 +267,12 @@ WITH moved AS (
     -- New rows (decided from no stored row): one that exists by now is not overwritten.
     INSERT INTO sandboxes ({SANDBOX_COLUMNS}, partition, change_seq, deadline_at)
     SELECT k, i, ph, g, v, sp, string_to_array(pr, ','), id, ec, r, ca, ua, dl, ea, oe, ox, hd,
-           pa, nextval('sandbox_changes'), (dl->>'due_at')::timestamptz
+           aw, pa, nextval('sandbox_changes'), (dl->>'due_at')::timestamptz
     FROM unnest($5::text[], $6::uuid[], $7::text[], $8::int[], $9::bigint[], $10::jsonb[],
                 $11::text[], $12::text[], $13::int[], $14::text[], $15::timestamptz[],
                 $16::timestamptz[], $17::int[], $47::jsonb[], $48::timestamptz[], $49::text[],
-                $50::text[], $51::jsonb[], $52::bigint[])
-         AS u(k, i, ph, g, v, sp, pr, id, ec, r, ca, ua, pa, dl, ea, oe, ox, hd, b)
+                $50::text[], $51::jsonb[], $52::bigint[], $53::jsonb[])
+         AS u(k, i, ph, g, v, sp, pr, id, ec, r, ca, ua, pa, dl, ea, oe, ox, hd, b, aw)
     WHERE (SELECT ok FROM fence) AND b IS NULL
     ON CONFLICT (key) DO NOTHING
     RETURNING 1
@@ -277,12 +283,12 @@ WITH moved AS (
         exit_code = u.ec, reason = u.r, created_at = u.ca, updated_at = u.ua,
         partition = u.pa, change_seq = nextval('sandbox_changes'),
         deadline = u.dl, deadline_at = (u.dl->>'due_at')::timestamptz, expires_at = u.ea,
-        on_expiry = u.oe, on_exit = u.ox, hold = u.hd
+        on_expiry = u.oe, on_exit = u.ox, hold = u.hd, awaited = u.aw
     FROM unnest($5::text[], $6::uuid[], $7::text[], $8::int[], $9::bigint[], $10::jsonb[],
                 $11::text[], $12::text[], $13::int[], $14::text[], $15::timestamptz[],
                 $16::timestamptz[], $17::int[], $47::jsonb[], $48::timestamptz[], $49::text[],
-                $50::text[], $51::jsonb[], $52::bigint[])
-         AS u(k, i, ph, g, v, sp, pr, id, ec, r, ca, ua, pa, dl, ea, oe, ox, hd, b)
+                $50::text[], $51::jsonb[], $52::bigint[], $53::jsonb[])
+         AS u(k, i, ph, g, v, sp, pr, id, ec, r, ca, ua, pa, dl, ea, oe, ox, hd, b, aw)
     WHERE (SELECT ok FROM fence) AND u.b IS NOT NULL AND s.key = u.k AND s.version = u.b
     RETURNING 1
 ), recorded AS (
@@ -358,6 +364,7 @@ async def write_batch(conn: Connection, batch: BatchWrite) -> list[int]:
             *history_columns[14:],
             *_columns(timers, 5),  # the rows' timers ($47-$51)
             bases,  # the version each row was decided from ($52)
+            [json.dumps(s.awaited) for _, s in batch.sandboxes],  # awaited rotations ($53)
         )
     except (asyncpg.SerializationError, asyncpg.DeadlockDetectedError) as exc:
         # Two writers of one partition can also deadlock on its offset rows: the same race.

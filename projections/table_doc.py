@@ -111,6 +111,19 @@ def render() -> str:
         f"input. With `restart: false` every phase skips ({NO_RESTART}); a held sandbox skips in "
         f"every phase ({HELD}). A failed launch of a rotation restart (Starting) is "
         "AgentRestartFailed → Error.",
+        "",
+        "A rotation skipped because a launch is pending records its providers and revisions "
+        "in the row (`awaited`). That launch reads the values when it runs, which may be "
+        "before or after the rotation was stored, and its result (`DriverOperationResult."
+        "credentials`) names the revision of each attached provider it read. On that result: "
+        "Ready, and if it read an older revision than one awaited (or its revisions are "
+        "unknown: a runtime made by an earlier, interrupted launch), AgentRestarted at once "
+        "for those providers (AgentRestartSkipped if a hold was made meanwhile). While "
+        "anything is awaited a running snapshot does not make the row Ready: "
+        "Ready means running the newest values. So an agent restarts once for any number of "
+        "rotations that arrive while its restart is pending, and a second time only when its "
+        "launch had already read an older value (it must end up on the newest). Leaving the "
+        "launch phases or a new generation clears `awaited`.",
     ]
     return "\n".join(lines)
 

@@ -20,8 +20,12 @@ layers (events, projections, drivers) and, of services/, only what this list nam
   executor, localstack.
 - ``up``: the one-process local default (control plane + API; ``up``/``down``). Imports
   common, processor, executor, scheduler, api, localstack, openshell.
+- ``roles``: the roles as separate long-lived processes (``sandstream processor``,
+  ``executor``, ``watcher``, ``scheduler``, ``api``; ``prepare``), each with its health
+  endpoint. Imports common, processor, executor, scheduler, api, and localstack (``prepare``
+  creates the topics as the local stack does).
 - ``cli``: the ``sandstream`` command, one module per command group. Imports common, api,
-  processor, up, audit.
+  processor, up, audit, roles.
 - ``bench``: the benchmarks. Imports common, processor, executor, api, up, localstack.
 - ``chaos``: the fault-injection checker (``make chaos``): starts processor and executor
   processes and a private cluster (localstack), serves the API in its own process, and ends

@@ -21,7 +21,8 @@ from harness import Env, eventually, isolated_env
 from drivers.protocol import Driver
 from events.publisher import CommandPublisher
 from services.api.app import create_app
-from services.api.auth import (
+from services.api.server import Tls, start_api
+from services.common.tokens import (
     AUDIT,
     PROVIDER_READ,
     PROVIDER_WRITE,
@@ -30,7 +31,6 @@ from services.api.auth import (
     WRITE,
     TokenStore,
 )
-from services.api.server import start_api
 from services.up.control_plane import ControlPlane
 
 ADMIN = "sst_test-admin"
@@ -87,6 +87,7 @@ async def running_api(
     publish_timeout: float | None = None,
     settings_update: dict[str, Any] | None = None,
     topic_override: str | None = None,
+    tls: Tls | None = None,
 ) -> AsyncIterator[Api]:
     """The API over a fresh environment; with ``driver=None`` no processor runs at all."""
     async with isolated_env(partitions) as env:
@@ -104,7 +105,7 @@ async def running_api(
         app = create_app(
             env.settings, env.pool, publisher, tokens(), poll_interval=poll_interval, **extra
         )
-        server = await start_api(app, "127.0.0.1", 0, access_log=False)
+        server = await start_api(app, "127.0.0.1", 0, access_log=False, tls=tls)
         try:
             yield Api(env, server.url, app, plane)
         finally:

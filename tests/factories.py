@@ -376,6 +376,7 @@ def result(
     observation_id: str | None = None,
     actor: str = EXECUTOR,
     occurred_at: datetime = T0,
+    credentials: dict[str, int] | None = None,
 ) -> DriverOperationResult:
     return DriverOperationResult(
         type="DriverOperationResult",
@@ -391,6 +392,7 @@ def result(
         identity=identity,
         observed=observed,
         exit_code=exit_code,
+        credentials=credentials,
     )
 
 

@@ -81,6 +81,21 @@ class Admin:
         )
         return sorted(c["metadata"]["name"] for c in answer["items"])
 
+    async def secrets(self, namespace: str, key: str) -> list[dict[str, Any]]:
+        answer = await self._json(
+            self.core.list_namespaced_secret(
+                namespace, label_selector=f"{LABEL_KEY}={key}", _preload_content=False
+            )
+        )
+        return sorted(answer["items"], key=lambda s: s["metadata"]["name"])
+
+    async def events_text(self, namespace: str) -> str:
+        """Every event of the namespace, as JSON text (to search for what must not be there)."""
+        answer = await self._json(
+            self.core.list_namespaced_event(namespace, _preload_content=False)
+        )
+        return json.dumps(answer["items"])
+
     async def patch_pod(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
         await self.core.patch_namespaced_pod(name, namespace, patch)
 
@@ -137,6 +152,13 @@ class Admin:
             if pod["metadata"].get("finalizers"):
                 await self.release(namespace, name)
             await self.delete_pod_now(namespace, name)
+        for secret in await self.secrets(namespace, key):
+            with_404_ok = self.core.delete_namespaced_secret(secret["metadata"]["name"], namespace)
+            try:
+                await with_404_ok
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    raise
         for claim in await self.claims(namespace, key):
             with_404_ok = self.core.delete_namespaced_persistent_volume_claim(claim, namespace)
             try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import stat
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,10 @@ from harness import eventually, isolated_env
 from drivers.fake import FakeDriver
 from events.publisher import CommandPublisher
 from events.topics import CHANGES_CHANNEL
-from services.api import auth, idempotency, readmodel
+from services.api import idempotency, readmodel
 from services.api.app import create_app
 from services.common import metrics
+from services.common import tokens as auth
 from services.common.settings import Settings
 
 
@@ -77,8 +79,7 @@ async def test_openapi_lists_every_endpoint_of_the_api(api: Api) -> None:
 
 async def test_healthz_readyz_and_metrics(api: Api) -> None:
     await create_ready(api, unique("metrics"))
-    async with api.client(token=None) as c:
-        assert (await c.get("/healthz")).json() == {"status": "ok"}
+    async with api.client() as c:
         ready = await eventually(
             lambda: c.get("/readyz"),
             lambda r: r.status_code == 200 and r.json()["lag"] == 0,
@@ -95,6 +96,40 @@ async def test_healthz_readyz_and_metrics(api: Api) -> None:
     text = metrics.text
     assert 'sandstream_api_requests_total{method="POST",route="/v1/sandboxes",status="201"}' in text
     assert "sandstream_inputs_total" in text  # the processor's metrics, same registry
+
+
+async def test_probes_see_only_ready_or_not_and_metrics_need_the_ops_scope(api: Api) -> None:
+    async with api.client(token=None) as c:
+        assert (await c.get("/healthz")).json() == {"status": "ok"}
+        ready = await eventually(
+            lambda: c.get("/readyz"), lambda r: r.status_code == 200, what="ready"
+        )
+        assert ready.json() == {"status": "ready"}  # no addresses, lag or errors
+        metrics = await c.get("/metrics")
+        assert metrics.status_code == 401 and metrics.json()["code"] == "UNAUTHENTICATED"
+    async with api.client(token=apikit.READER) as c:  # a valid token without ops:read
+        assert (await c.get("/readyz")).json() == {"status": "ready"}
+        metrics = await c.get("/metrics")
+        assert metrics.status_code == 403
+        assert metrics.json()["message"] == "token 'reader' lacks the scope ops:read"
+    async with api.client(token="sst_not-a-token") as c:  # a token sent must be valid
+        assert (await c.get("/readyz")).status_code == 401
+
+
+async def test_readyz_hides_why_it_is_not_ready_from_callers_without_the_ops_scope(
+    idle_api: Api,
+) -> None:
+    async with idle_api.client() as c:
+        r = await c.post("/v1/sandboxes", json=create_body(unique("lag")))
+        assert r.status_code == 202
+    async with idle_api.client(token=None) as c:
+        bare = await c.get("/readyz")
+    assert bare.status_code == 503
+    assert bare.json() == {
+        "code": "UNAVAILABLE",
+        "message": "not ready (the checks need a token with the ops:read scope)",
+        "status": "not ready",
+    }
 
 
 async def test_readyz_fails_while_the_processor_lags(idle_api: Api) -> None:
@@ -686,14 +721,16 @@ def test_tokens_file_is_private_hashed_reloaded_and_refused_when_open(tmp_path: 
     assert not again.created and setup.admin_token_file.read_text().strip() == value
 
     store = auth.TokenStore.from_file(setup.tokens_file)
-    admin = store.authenticate(value)
-    assert admin is not None and admin.name == "admin"
-    assert admin.scopes == set(auth.SCOPES)  # every scope, audit and providers included
-    assert store.authenticate(value + "x") is None and store.authenticate("") is None
+    admin = store.authorize(value, auth.OPS)
+    assert isinstance(admin, auth.Principal) and admin.name == "admin"
+    assert admin.scopes == set(auth.SCOPES)  # every scope: audit, providers, ops included
+    invalid = auth.Denied(401, "invalid bearer token")
+    assert store.authorize(value + "x", auth.READ) == invalid
+    assert store.authorize("", auth.READ) == invalid
 
     reader = auth.add_token(setup.tokens_file, "ci", (auth.READ,))
-    principal = store.authenticate(reader)  # the running store sees the new token
-    assert principal is not None and principal.scopes == {auth.READ}
+    principal = store.authorize(reader, auth.READ)  # the running store sees the new token
+    assert isinstance(principal, auth.Principal) and principal.scopes == {auth.READ}
     with pytest.raises(ValueError, match="exists already"):
         auth.add_token(setup.tokens_file, "ci", (auth.READ,))
     with pytest.raises(ValueError, match="scopes must be"):
@@ -702,3 +739,50 @@ def test_tokens_file_is_private_hashed_reloaded_and_refused_when_open(tmp_path: 
     setup.tokens_file.chmod(0o644)
     with pytest.raises(auth.TokenFileError, match="chmod 600"):
         auth.ensure_tokens(settings)
+
+
+def test_a_token_expires_at_its_time_and_a_revoked_one_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.json"
+    created = datetime.now(UTC)
+    expires = created + timedelta(hours=1)
+    value = auth.add_token(path, "ci", (auth.READ,), expires)
+    other = auth.add_token(path, "other", (auth.READ,))
+    store = auth.TokenStore.from_file(path)
+    before = store.authorize(value, auth.READ, now=expires - timedelta(seconds=1))
+    assert isinstance(before, auth.Principal) and before.name == "ci"
+    after = store.authorize(value, auth.READ, now=expires)
+    shown = expires.isoformat(timespec="seconds")
+    assert after == auth.Denied(401, f"token 'ci' expired at {shown}")
+    assert store.authorize(value, auth.WRITE, now=created) == auth.Denied(
+        403, "token 'ci' lacks the scope sandbox:write"
+    )
+    assert auth.revoke_token(path, "other") == 1
+    revoked = store.authorize(other, auth.READ)  # the same store: it re-reads the file
+    assert isinstance(revoked, auth.Denied) and revoked.status == 401
+    assert revoked.message.startswith("token 'other' was revoked at ")
+    with pytest.raises(ValueError, match="no unrevoked token named 'other'"):
+        auth.revoke_token(path, "other")
+    with pytest.raises(ValueError, match="not in the future"):
+        auth.add_token(path, "late", (auth.READ,), created - timedelta(seconds=1))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("90m", datetime(2027, 1, 1, 1, 30, tzinfo=UTC)),
+        ("30d", datetime(2027, 1, 31, tzinfo=UTC)),
+        ("2w", datetime(2027, 1, 15, tzinfo=UTC)),
+        ("3600s", datetime(2027, 1, 1, 1, tzinfo=UTC)),
+        ("2027-03-01", datetime(2027, 3, 1, tzinfo=UTC)),
+        ("2027-03-01T12:00:00+02:00", datetime(2027, 3, 1, 10, tzinfo=UTC)),
+        ("2027-03-01T12:00:00Z", datetime(2027, 3, 1, 12, tzinfo=UTC)),
+    ],
+)
+def test_expiry_is_a_duration_a_date_or_a_time(text: str, expected: datetime) -> None:
+    assert auth.parse_expiry(text, now=datetime(2027, 1, 1, tzinfo=UTC)) == expected
+
+
+def test_an_expiry_that_is_no_time_names_the_accepted_forms() -> None:
+    with pytest.raises(ValueError, match=r"--expires '30 days': expected a duration \(30d"):
+        auth.parse_expiry("30 days")

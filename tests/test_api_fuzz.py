@@ -206,7 +206,11 @@ def test_after_the_fuzz_the_control_plane_is_alive_and_its_lag_drains_to_zero(
     processor applied, and no control-plane task died on it."""
     deadline = time.monotonic() + 60
     while True:
-        ready = httpx.get(f"{fuzz_thread.url}/readyz", timeout=30)
+        ready = httpx.get(
+            f"{fuzz_thread.url}/readyz",
+            headers={"Authorization": f"Bearer {apikit.ADMIN}"},  # the lag needs ops:read
+            timeout=30,
+        )
         if ready.json().get("lag") == 0:
             break
         assert time.monotonic() < deadline, f"lag did not drain: {ready.json()}"

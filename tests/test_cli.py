@@ -23,10 +23,10 @@ import pytest_asyncio
 from apikit import unique
 from harness import eventually, isolated_env
 
-from services.api.auth import SCOPES
 from services.cli.client import EXIT_FAILED, CliError
 from services.cli.sandbox import _submit
 from services.common.settings import PROJECT_ROOT, load_settings
+from services.common.tokens import SCOPES
 from services.executor.backends import podman_driver
 
 SANDSTREAM = str(PROJECT_ROOT / ".venv" / "bin" / "sandstream")
@@ -321,6 +321,50 @@ async def test_tokens_scopes_and_connection_errors(up: Up) -> None:
     assert r.code == 1 and "no API token" in r.err
     r = await up.cli("--url", "http://127.0.0.1:9", "sandbox", "list")
     assert r.code == 1 and "cannot reach the API at http://127.0.0.1:9" in r.err
+
+
+async def test_a_revoked_or_expired_token_is_refused_by_the_running_api(up: Up) -> None:
+    """`token revoke` and an expiry take effect on the running `up` at the next request: the
+    API re-reads the tokens file when it changes, never needing a restart."""
+    r = await up.cli("token", "create", "ci-revoked", "--scope", "sandbox:read")
+    assert r.code == 0, r.err
+    token = r.out.strip()
+    assert (await up.cli("sandbox", "list", SANDSTREAM_TOKEN=token)).code == 0
+    r = await up.cli("token", "revoke", "ci-revoked")
+    assert r.code == 0 and "token 'ci-revoked' revoked" in r.err
+    r = await up.cli("sandbox", "list", SANDSTREAM_TOKEN=token)
+    assert r.code == 1 and "✗ token 'ci-revoked' was revoked at " in r.err
+    async with httpx.AsyncClient(base_url=up.url) as http:
+        denied = await http.get("/v1/sandboxes", headers={"Authorization": f"Bearer {token}"})
+    assert denied.status_code == 401 and denied.json()["code"] == "UNAUTHENTICATED"
+
+    r = await up.cli("token", "create", "ci-brief", "--scope", "sandbox:read", "--expires", "2s")
+    assert r.code == 0, r.err
+    brief = r.out.strip()  # accepted before its expiry: tests/test_api.py (a clock of its own)
+    expired = await eventually(
+        lambda: up.cli("sandbox", "list", SANDSTREAM_TOKEN=brief),
+        lambda result: result.code != 0,
+        timeout=30,
+        what="the token to expire",
+    )
+    assert "✗ token 'ci-brief' expired at " in expired.err
+
+    r = await up.cli("token", "list", "-o", "json")
+    assert r.code == 0, r.err
+    listed = {t["name"]: t for t in json.loads(r.out)}
+    assert listed["ci-revoked"]["state"] == "revoked" and listed["ci-revoked"]["revoked_at"]
+    assert listed["ci-brief"]["state"] == "expired" and listed["ci-brief"]["expires_at"]
+    assert listed["admin"]["state"] == "active" and listed["admin"]["expires_at"] is None
+    assert token not in r.out and brief not in r.out and "sha256" not in r.out
+    r = await up.cli("token", "list")
+    assert re.search(r"^ci-revoked\s+sandbox:read\s+\S+\s+-\s+\S+\s+revoked$", r.out, re.M), r.out
+
+    # The name of a revoked token can be given to a new one (the same actor, a new value).
+    r = await up.cli("token", "create", "ci-revoked", "--scope", "sandbox:read")
+    assert r.code == 0, r.err
+    assert (await up.cli("sandbox", "list", SANDSTREAM_TOKEN=r.out.strip())).code == 0
+    r = await up.cli("token", "create", "ci-revoked", "--scope", "sandbox:read")
+    assert r.code == 1 and "a token named 'ci-revoked' exists already" in r.err
 
 
 async def test_a_second_up_refuses_to_start(up: Up) -> None:

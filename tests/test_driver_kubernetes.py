@@ -9,6 +9,8 @@ cluster is missing. Every test uses its own sandbox names in this module's own n
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -41,6 +43,7 @@ from drivers.kube_objects import (
     pod_manifest,
     pod_name,
     read_pod,
+    secret_name,
 )
 from drivers.kubernetes import KubernetesDriver, parse_node_selector
 from drivers.protocol import (
@@ -242,7 +245,8 @@ async def test_launch_makes_one_labelled_pod_and_a_claim_and_is_idempotent(
     spec = launch_spec(key, labels={"team": "blue", "note": "not a label value!"},
                        stop_timeout_seconds=3, env={"A": "1"})  # fmt: skip
     result = await driver.launch(spec)
-    assert result.started and result.generation == 1 and result.identity == spec.identity
+    assert result.started and not result.adopted and result.generation == 1
+    assert result.identity == spec.identity
 
     (pod,) = await admin.pods(ns, key)
     assert pod["metadata"]["name"] == pod_name(key, 1) and phase_of(pod) == "Running"
@@ -259,21 +263,71 @@ async def test_launch_makes_one_labelled_pod_and_a_claim_and_is_idempotent(
     assert await admin.claims(ns, key) == [claim]
 
     again = await driver.launch(spec)
-    assert (again.started, again.runtime_id) == (False, result.runtime_id)
+    assert (again.started, again.adopted, again.runtime_id) == (False, True, result.runtime_id)
     assert await admin.pod_names(ns, key) == [pod_name(key, 1)]
     (info,) = await driver.get(key)
     assert (info.generation, info.state, info.identity) == (1, "running", spec.identity)
 
 
-async def test_a_launch_with_provider_credentials_is_refused_and_makes_no_pod(
+async def test_provider_values_go_in_a_secret_per_generation_owned_by_its_pod(
     driver: KubernetesDriver, admin: Admin, ns: str, keys: Keys
 ) -> None:
     key = keys()
-    spec = replace(launch_spec(key), secrets={"API_KEY": "v"})
-    with pytest.raises(DriverError, match="not supported by the Kubernetes driver") as refused:
-        await driver.launch(spec)
-    assert refused.value.retryable is False
-    assert await admin.pods(ns, key) == []
+    first = replace(
+        launch_spec(key, env={"API_KEY": "plain", "OTHER": "x"}),
+        secrets={"API_KEY": "sekrit-one", "TOKEN": "sekrit-token"},
+    )
+    assert (await driver.launch(first)).started
+    (pod,) = await admin.pods(ns, key)
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    name1 = secret_name(key, 1)
+    assert env["API_KEY"] == {
+        "name": "API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": name1, "key": "API_KEY"}},
+    }
+    assert env["TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": name1, "key": "TOKEN"}
+    assert env["OTHER"]["value"] == "x"
+    (secret,) = await admin.secrets(ns, key)
+    assert secret["metadata"]["name"] == name1
+    assert secret["metadata"]["labels"][LABEL_GENERATION] == "1"
+    decoded = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert decoded == {"API_KEY": "sekrit-one", "TOKEN": "sekrit-token"}
+    (owner,) = secret["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["uid"]) == ("Pod", pod["metadata"]["uid"])
+
+    # The next generation gets its own Secret; the replaced one goes with its Pod.
+    second = replace(launch_spec(key, 2, first.sandbox_id), secrets={"API_KEY": "sekrit-two"})
+    assert (await driver.launch(second)).started
+    (secret,) = await admin.secrets(ns, key)
+    assert secret["metadata"]["name"] == secret_name(key, 2)
+    assert base64.b64decode(secret["data"]["API_KEY"]).decode() == "sekrit-two"
+    pods_text = json.dumps(await admin.pods(ns, key))
+    assert (await driver.stop(key, 2)).outcome == "succeeded"
+    assert await admin.secrets(ns, key) == []
+
+    # A delete removes them too; and no value is in a Pod spec or an event.
+    third = replace(launch_spec(key, 3, first.sandbox_id), secrets={"API_KEY": "sekrit-three"})
+    await driver.launch(third)
+    assert [s["metadata"]["name"] for s in await admin.secrets(ns, key)] == [secret_name(key, 3)]
+    pods_text += json.dumps(await admin.pods(ns, key))
+    assert await driver.delete(key)
+    assert await admin.secrets(ns, key) == []
+    seen = pods_text + await admin.events_text(ns)
+    for value in ("sekrit-one", "sekrit-token", "sekrit-two", "sekrit-three"):
+        assert value not in seen
+        assert base64.b64encode(value.encode()).decode() not in seen
+
+
+async def test_a_pod_removed_by_someone_else_takes_its_secret_along(
+    driver: KubernetesDriver, admin: Admin, ns: str, keys: Keys
+) -> None:
+    key = keys()
+    await driver.launch(replace(launch_spec(key), secrets={"API_KEY": "v"}))
+    assert len(await admin.secrets(ns, key)) == 1
+    await admin.delete_pod_now(ns, pod_name(key, 1))
+    # The garbage collector follows the Secret's owner reference to the deleted Pod.
+    await eventually(lambda: admin.secrets(ns, key), lambda s: s == [], timeout=60,
+                     what="the orphaned Secret collected")  # fmt: skip
 
 
 async def test_stop_removes_the_pod_and_keeps_the_claim_for_the_next_generation(
@@ -475,9 +529,12 @@ async def test_the_role_in_compose_is_all_the_driver_needs(
             assert [r.generation for r in await driver.list()] == [1]
             assert (await driver.stop(key, 1)).outcome == "succeeded"
             assert await driver.claims(key) == [claim_name(key, spec.sandbox_id)]
-            assert (await driver.launch(launch_spec(key, 2, spec.sandbox_id))).started
+            with_values = replace(launch_spec(key, 2, spec.sandbox_id), secrets={"K": "v"})
+            assert (await driver.launch(with_values)).started
+            assert len(await admin.secrets(ns, key)) == 1
             assert await driver.delete(key) is True
             assert await admin.pod_names(ns, key) == [] and await admin.claims(ns, key) == []
+            assert await admin.secrets(ns, key) == []
         finally:
             await driver.close()
             await admin.remove_everything_of(ns, key)

@@ -41,6 +41,7 @@ from services.executor.executor import (
     Intent,
     PartitionProgress,
     RetryPolicy,
+    _Item,
     unwanted,
 )
 from services.up.control_plane import ControlPlane
@@ -497,6 +498,22 @@ def test_an_executor_picks_up_only_sandboxes_of_its_own_partitions() -> None:
     for key in [f"sb-{i}" for i in range(40)]:
         chosen = DefaultPartitioner()(record_key(key), [0, 1, 2, 3], [0, 1, 2, 3])
         assert executor.owns(key) == (chosen == 2), key
+
+
+def test_a_picked_up_intent_stops_being_ours_when_its_partition_is_revoked() -> None:
+    """A stuck row's intent queued by the pick-up is run only while this executor still owns
+    the sandbox's partition: after a rebalance gave it away, the new owner acts on it, not
+    both."""
+    settings = Settings().model_copy(update={"kafka_partitions": 4, "topic_events": "ev"})
+    executor = Executor(settings, FakeDriver(), None)  # type: ignore[arg-type]
+    key = "sb-1"
+    partition = DefaultPartitioner()(record_key(key), [0, 1, 2, 3], [0, 1, 2, 3])
+    executor._owned = {TopicPartition("ev", partition): PartitionProgress()}
+    intent = Intent("launch", key, uuid.uuid4(), 1, "result:row:x:1", "reconciler")
+    item = _Item(intent)  # picked up from a row: no partition offset of its own
+    assert executor._current(item)
+    executor._owned = {}  # revoked
+    assert not executor._current(item)
 
 
 def test_the_row_decides_which_intents_are_still_wanted() -> None:

@@ -27,7 +27,8 @@ ALLOWED: dict[str, set[str]] = {
     "localstack": {"common"},
     "openshell": {"common", "api", "executor", "localstack"},
     "up": {"common", "processor", "executor", "scheduler", "api", "localstack", "openshell"},
-    "cli": {"common", "api", "processor", "up", "audit"},
+    "roles": {"common", "processor", "executor", "scheduler", "api", "localstack"},
+    "cli": {"common", "api", "processor", "up", "audit", "roles"},
     "bench": {"common", "processor", "executor", "api", "up", "localstack"},
     "chaos": {"common", "processor", "executor", "audit", "api", "localstack"},
 }

@@ -103,7 +103,7 @@ async def test_readyz_is_not_ready_on_another_log_than_the_stored_offsets_belong
         processor = await env.start_processor("p1")
         await env.wait_applied(1)
         await env.stop_processor(processor)
-        async with api.client(token=None) as c:
+        async with api.client() as c:  # the admin token: the checks need ops:read
             await eventually(lambda: c.get("/readyz"), lambda r: r.status_code == 200, what="ready")
             await recreate_input_topics(env)
             response = await eventually(

@@ -19,9 +19,9 @@ from pipeline_support import history, podman_env, running_plane
 from podman import PodmanClient
 
 from events.publisher import CommandPublisher
-from services.api.auth import READ, WRITE, TokenStore
 from services.api.gateway import CommandGateway
 from services.api.readmodel import ChangeFeed
+from services.common.tokens import READ, WRITE, TokenStore
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto import openshell_pb2_grpc
 from services.openshell.server import RunningOpenShell, start_openshell

@@ -11,9 +11,9 @@ import grpc
 import pytest
 
 from events.common import Phase, SandboxSpec
-from services.api.auth import READ, WRITE, Principal, TokenStore
 from services.api.readmodel import SandboxView, conditions
 from services.common.settings import Settings
+from services.common.tokens import READ, WRITE, Principal, TokenStore
 from services.openshell import mapping
 from services.openshell.mapping import InvalidRequest, new_sandbox
 from services.openshell.proto import generate

@@ -9,7 +9,10 @@ its back with an admin client. They fail (never skip) when the cluster is missin
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import re
+import secrets
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -36,8 +39,9 @@ from kube_support import (
     wait_pods,
 )
 from pipeline_support import command, history, running_plane, wait_phase
+from pydantic import SecretStr
 
-from drivers.kube_objects import pod_name
+from drivers.kube_objects import pod_name, secret_name
 from drivers.kubernetes import KubernetesDriver
 from drivers.protocol import IDENTITY_ENV
 from events.common import SandboxSpec
@@ -48,6 +52,7 @@ from services.localstack.kubernetes import STORAGE_CLASS, restart_apiserver
 
 IMAGE = "registry.example/agent:1"
 SPEC = SandboxSpec(image=IMAGE, command=["sleep", "3600"])
+CREDENTIALS_KEY = SecretStr(base64.b64encode(secrets.token_bytes(32)).decode())
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -356,3 +361,63 @@ async def test_a_pod_that_never_terminates_does_not_delay_another_sandbox(
 
         await admin.release(ns, pod_name(stuck, 1))
         await wait_phase(env, stuck, "Stopped")
+
+
+# -- providers on Kubernetes ---------------------------------------------------------------------
+
+
+async def test_a_rotation_restarts_the_pod_onto_a_new_secret_and_delete_removes_it(
+    admin: Admin, ns: str, keys: Keys
+) -> None:
+    key = keys()
+    provider = unique("kp")
+    first, second = f"one-{secrets.token_hex(6)}", f"two-{secrets.token_hex(6)}"
+    update = {"credentials_key": CREDENTIALS_KEY}
+    driver = new_driver(admin, ns)
+    try:
+        async with (
+            apikit.running_api(driver, settings_update=update) as api,
+            api.client() as c,
+        ):
+            r = await c.post(
+                "/v1/providers", json={"name": provider, "credentials": {"API_KEY": first}}
+            )
+            assert r.status_code == 201, r.text
+            body = create_body(key, command=["sleep", "3600"])
+            body["providers"] = [provider]
+            r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+            assert r.status_code == 201, r.text
+            await api.wait_phase(key, "Ready")
+
+            async def values() -> dict[str, str]:
+                return {
+                    s["metadata"]["name"]: base64.b64decode(s["data"]["API_KEY"]).decode()
+                    for s in await admin.secrets(ns, key)
+                }
+
+            assert await values() == {secret_name(key, 1): first}
+            (pod,) = await admin.pods(ns, key)
+            ref = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}["API_KEY"]
+            assert ref["valueFrom"]["secretKeyRef"] == {
+                "name": secret_name(key, 1),
+                "key": "API_KEY",
+            }
+
+            r = await c.put(
+                f"/v1/providers/{provider}/credentials", json={"credentials": {"API_KEY": second}}
+            )
+            assert r.status_code == 200, r.text
+            await eventually(
+                lambda: c.get(f"/v1/sandboxes/{key}"),
+                lambda resp: (resp.json()["phase"], resp.json()["generation"]) == ("Ready", 2),
+                what=f"{key} restarted at generation 2",
+            )
+            assert await values() == {secret_name(key, 2): second}
+            seen = json.dumps(await admin.pods(ns, key)) + await admin.events_text(ns)
+            assert first not in seen and second not in seen
+
+            r = await c.delete(f"/v1/sandboxes/{key}", params={"wait": 30})
+            await api.wait_phase(key, "Deleted", timeout=60)
+            assert await admin.secrets(ns, key) == []
+    finally:
+        await driver.close()

@@ -4,7 +4,8 @@ restart that meets a transient driver failure.
 The controller sends one update for every changed provider (a sandbox attached to both restarts
 once), a restarted controller re-sends nothing, and its loop picks up a changed file. The
 restart's first launch fails with a retryable driver error (injected in front of the real
-Podman driver): the executor retries it and the agent comes up on the new values.
+Podman driver): the executor retries it and the agent comes up on the new values; one that
+keeps failing is retried for the retry window, then reported: AgentRestartFailed, Error.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pydantic import SecretStr
 
 from drivers.podman import PodmanDriver
 from drivers.protocol import DriverError, LaunchResult, LaunchSpec, OpResult, RuntimeInfo
+from services.api.provider_sources import DirectorySource
 from services.api.provider_sync import ProviderSync
 from services.common.settings import load_settings
 from services.executor.backends import podman_driver
@@ -88,7 +90,7 @@ async def test_sync_sends_one_update_a_restarted_controller_nothing_and_a_retry_
     try:
         async with apikit.running_api(driver, settings_update={"credentials_key": KEY}) as api:
             service = api.app.state.providers
-            first = await ProviderSync(service, tmp_path).reconcile()
+            first = await ProviderSync(service, DirectorySource(tmp_path)).reconcile()
             assert first is not None
             assert {a.change.provider for a in first.applied} == {p, q}
             assert all(a.created and not a.change.rotated for a in first.applied)
@@ -105,13 +107,13 @@ async def test_sync_sends_one_update_a_restarted_controller_nothing_and_a_retry_
                 assert (seen["API_KEY"], seen["TOKEN"]) == ("p-one", "q-one")
 
                 # A restarted controller: nothing changed, nothing sent.
-                assert await ProviderSync(service, tmp_path).reconcile() is None
+                assert await ProviderSync(service, DirectorySource(tmp_path)).reconcile() is None
 
                 # Both rotate; the restart's first launch fails transiently.
                 write(tmp_path, p, "API_KEY", "p-two")
                 write(tmp_path, q, "TOKEN", "q-two")
                 driver.fail = 1
-                receipt = await ProviderSync(service, tmp_path).reconcile()
+                receipt = await ProviderSync(service, DirectorySource(tmp_path)).reconcile()
                 assert receipt is not None
                 assert sorted(a.change.provider for a in receipt.applied) == sorted([p, q])
                 (line,) = receipt.sandboxes
@@ -132,7 +134,7 @@ async def test_sync_sends_one_update_a_restarted_controller_nothing_and_a_retry_
 
                 # The controller's loop, with no restart: a changed file is picked up.
                 stop = asyncio.Event()
-                loop = ProviderSync(service, tmp_path, restart=False, interval=0.1)
+                loop = ProviderSync(service, DirectorySource(tmp_path), restart=False, interval=0.1)
                 task = asyncio.create_task(loop.run(stop))
                 try:
                     write(tmp_path, p, "API_KEY", "p-three")
@@ -155,6 +157,43 @@ async def test_sync_sends_one_update_a_restarted_controller_nothing_and_a_retry_
                 assert (row["phase"], row["generation"]) == ("Ready", 2)
                 await c.delete(f"/v1/sandboxes/{name}", params={"wait": 30})
                 await api.wait_phase(name, "Deleted")
+    finally:
+        await podman.delete(name)
+        await podman.close()
+
+
+async def test_a_restart_that_keeps_failing_transiently_is_reported_failed_after_the_retries(
+    tmp_path: Path,
+) -> None:
+    podman = podman_driver(load_settings(), stop_timeout=5)
+    driver = FlakyLaunches(podman)
+    p, name = unique("giveup-p"), unique("giveup")
+    # The retry window is executor_retry_seconds (600 s by default); 1 s here.
+    update = {"credentials_key": KEY, "executor_retry_seconds": 1.0}
+    try:
+        async with apikit.running_api(driver, settings_update=update) as api, api.client() as c:
+            r = await c.post("/v1/providers", json={"name": p, "credentials": {"K": "one"}})
+            assert r.status_code == 201, r.text
+            body = create_body(name, command=AGENT)
+            body["spec"]["image"] = api.env.settings.sandbox_image
+            body["providers"] = [p]
+            r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+            assert r.status_code == 201, r.text
+            await api.wait_phase(name, "Ready")
+
+            driver.fail = 10_000  # the backend stays unavailable
+            r = await c.put(f"/v1/providers/{p}/credentials", json={"credentials": {"K": "two"}})
+            assert r.status_code == 200, r.text
+            await api.wait_phase(name, "Error")
+            row = (await c.get(f"/v1/sandboxes/{name}")).json()
+            assert "podman unavailable (injected)" in row["reason"]
+            assert "gave up after" in row["reason"]
+            assert driver.attempts.count((name, 2)) >= 2  # retried before giving up
+            history = (await c.get(f"/v1/sandboxes/{name}/history")).json()["items"]
+            assert [h for h in history if "AgentRestartFailed" in h["events"]]
+            driver.fail = 0
+            await c.delete(f"/v1/sandboxes/{name}", params={"wait": 30})
+            await api.wait_phase(name, "Deleted")
     finally:
         await podman.delete(name)
         await podman.close()

@@ -7,6 +7,10 @@ others with their reasons, and the restarted agents see the new values; a baseli
 nothing; a redelivered restart command restarts nothing; ``no_restart`` restarts nothing and
 the next start sees the new value. Afterwards every topic, every table, the logs, every API
 answer and ``podman inspect`` of the containers and secrets are searched for the values.
+
+A rotation in a separate update while a restart is pending restarts nothing more when the
+pending launch reads after it (one restart, both new values), and once more when the launch
+had already read the older value (it ends on the newest).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pydantic import SecretStr
 
 from events.commands import ProviderRotation, RotateCredentials
 from events.publisher import now
+from projections.lifecycle import RESTART_PENDING
 from services.common.settings import load_settings
 from services.executor.backends import podman_driver
 
@@ -247,3 +252,99 @@ async def test_rotation_restarts_exactly_the_running_attached_and_no_value_leaks
         assert not [a for a in answers if secret in a], "a value in an API answer"
         assert not [i for i in inspected if secret in i], "a value in podman inspect"
         assert secret not in logs, "a value in the logs"
+
+
+class LaunchGate:
+    """Holds the launch reads of chosen sandboxes (a deterministic race, around the real
+    credential source): ``before`` ones wait before reading the values, ``after`` ones read
+    them and then wait, so a rotation can be stored while the launch is pending either way."""
+
+    def __init__(self, source: Any, before: str, after: str) -> None:
+        self.source, self.before, self.after = source, before, after
+        self.entered: set[str] = set()
+        self.release = asyncio.Event()
+
+    async def __call__(self, key: str) -> Any:
+        if key == self.before and key not in self.entered:
+            self.entered.add(key)
+            await self.release.wait()
+            return await self.source(key)
+        values = await self.source(key)
+        if key == self.after and key not in self.entered:
+            self.entered.add(key)
+            await self.release.wait()
+        return values
+
+
+async def test_a_rotation_while_a_restart_is_pending_restarts_once_onto_the_newest() -> None:
+    settings = load_settings()
+    driver = podman_driver(settings, stop_timeout=5)
+    p, q = unique("prov-p"), unique("prov-q")
+    unread, read = unique("unread"), unique("read")
+    values = {"p1": value("p1"), "q1": value("q1"), "p2": value("p2"), "q2": value("q2")}
+    try:
+        settings_update = {"credentials_key": KEY}
+        async with (
+            apikit.running_api(driver, settings_update=settings_update) as api,
+            api.client() as c,
+        ):
+            for name, key, v in ((p, "API_KEY", values["p1"]), (q, "TOKEN", values["q1"])):
+                r = await c.post("/v1/providers", json={"name": name, "credentials": {key: v}})
+                assert r.status_code == 201, r.text
+            for name in (unread, read):
+                b = create_body(name, command=AGENT)
+                b["spec"]["image"] = api.env.settings.sandbox_image
+                b["providers"] = [p, q]
+                r = await c.post("/v1/sandboxes", params={"wait": 30}, json=b)
+                assert r.status_code == 201, r.text
+            for name in (unread, read):
+                await api.wait_phase(name, "Ready")
+            executor = api.plane.executor if api.plane else None
+            assert executor is not None and executor.credentials is not None
+            gate = LaunchGate(executor.credentials, before=unread, after=read)
+            executor.credentials = gate
+
+            # P rotates: both restart; their launches are held (one before, one after
+            # reading the values).
+            r = await c.put(f"/v1/providers/{p}/credentials",
+                            json={"credentials": {"API_KEY": values["p2"]}})  # fmt: skip
+            assert r.status_code == 200, r.text
+            assert {line["action"] for line in r.json()["sandboxes"]} == {"restart"}
+            await eventually(lambda: set(gate.entered), lambda s: s == {unread, read},
+                             what="both restart launches pending")  # fmt: skip
+
+            # Q rotates in a separate update while both restarts are pending.
+            r = await c.put(f"/v1/providers/{q}/credentials",
+                            json={"credentials": {"TOKEN": values["q2"]}})  # fmt: skip
+            assert r.status_code == 200, r.text
+            for line in r.json()["sandboxes"]:
+                assert (line["action"], line["reason"]) == ("skip", RESTART_PENDING)
+            for name in (unread, read):
+                await eventually(
+                    lambda n=name: history(c, n),
+                    lambda hs: any("AgentRestartSkipped" in (h.get("events") or [])
+                                   for h in hs),
+                    what=f"{name}: the second rotation recorded as awaited",
+                )  # fmt: skip
+            gate.release.set()
+
+            # The launch that read after Q was stored runs both new values: one restart.
+            # The one that had read Q's old value restarts once more, onto the newest.
+            for name, generation in ((unread, 2), (read, 3)):
+                await eventually(
+                    lambda n=name: c.get(f"/v1/sandboxes/{n}"),
+                    lambda resp, g=generation: (
+                        (resp.json()["phase"], resp.json()["generation"]) == ("Ready", g)
+                    ),
+                    what=f"{name} Ready at generation {generation}",
+                )
+                assert await env_in(driver, name, generation, "API_KEY") == values["p2"]
+                assert await env_in(driver, name, generation, "TOKEN") == values["q2"]
+            unread_restarts = events_of(await history(c, unread), "AgentRestarted")
+            read_restarts = events_of(await history(c, read), "AgentRestarted")
+            assert (len(unread_restarts), len(read_restarts)) == (1, 2)
+            assert (await c.get(f"/v1/sandboxes/{unread}")).json()["generation"] == 2
+    finally:
+        for name in (unread, read):
+            await driver.delete(name)
+        await driver.close()

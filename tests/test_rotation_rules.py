@@ -21,10 +21,18 @@ from events.commands import ProviderRotation, RotateCredentials
 from events.common import Phase
 from events.decided import AgentRestarted, AgentRestartFailed, AgentRestartSkipped
 from projections.credentials import classify, plan, rotation_command_id
-from projections.lifecycle import HELD, NO_RESTART, RESTART, ROTATION_TABLE, rotation_action
+from projections.lifecycle import (
+    HELD,
+    NO_RESTART,
+    RESTART,
+    RESTART_PENDING,
+    ROTATION_TABLE,
+    rotation_action,
+)
 
 P = Phase
 RUNNING = {P.PROVISIONING, P.STARTING, P.READY}
+PENDING = {P.PROVISIONING, P.STARTING}  # a launch of the current generation is pending
 LIVE = [p for p in Phase if p is not P.DELETED]
 
 
@@ -64,8 +72,9 @@ def test_first_values_are_a_baseline_and_the_same_values_change_nothing() -> Non
     assert not same.changed and not same.rotated
 
 
-def test_the_rotation_table_restarts_only_running_phases() -> None:
-    assert {p for p, action in ROTATION_TABLE.items() if action == RESTART} == RUNNING
+def test_the_rotation_table_restarts_ready_and_defers_to_a_pending_launch() -> None:
+    assert {p for p, action in ROTATION_TABLE.items() if action == RESTART} == {P.READY}
+    assert {p for p, action in ROTATION_TABLE.items() if action == RESTART_PENDING} == PENDING
     assert set(ROTATION_TABLE) == set(LIVE)
 
 
@@ -76,7 +85,7 @@ def test_a_rotation_in_each_phase(phase: Phase) -> None:
     decision = h.send(rotate(f.KEY, {"p": 2}))
     assert decision.disposition == "applied" and decision.outcome is not None
     (event,) = decision.events
-    if phase in RUNNING:
+    if phase is P.READY:
         assert isinstance(event, AgentRestarted)
         assert h.row().generation == before.generation + 1 and h.row().phase is P.STARTING
         assert event.providers == ["p"]
@@ -85,6 +94,8 @@ def test_a_rotation_in_each_phase(phase: Phase) -> None:
         assert event.reason == ROTATION_TABLE[phase]
         assert (h.row().phase, h.row().generation) == (phase, before.generation)
         assert h.row().version == before.version + 1
+        assert event.awaits == ({"p": 2} if phase in PENDING else {})
+        assert h.row().awaited == event.awaits
 
 
 @pytest.mark.parametrize("phase", LIVE, ids=lambda p: p.value)
@@ -169,7 +180,7 @@ def test_a_rotation_restarts_each_running_attached_sandbox_exactly_once(
         row = before[line.sandbox]
         restarted = [e for e in h.events(line.sandbox) if isinstance(e, AgentRestarted)]
         skipped = [e for e in h.events(line.sandbox) if isinstance(e, AgentRestartSkipped)]
-        should = restart and row.phase in RUNNING
+        should = restart and row.phase is P.READY
         assert (line.action == "restart") == should
         assert len(restarted) == (1 if should else 0)
         assert len(skipped) == (0 if should else 1)
@@ -194,3 +205,130 @@ def test_a_held_sandbox_is_skipped_and_restarts_again_once_released() -> None:
     h.send(f.release(key=f.KEY))
     (event,) = h.send(rotate(f.KEY, {"p": 3})).events
     assert isinstance(event, AgentRestarted) and h.row().generation == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Restart once, also across separate updates: a rotation decided while a launch is pending is
+# awaited; the launch's report of the revisions it read decides whether the agent restarts
+# once more (it read an older value) or not (it read the newest).
+
+
+def test_a_second_rotation_while_the_restart_is_pending_restarts_nothing_more() -> None:
+    h = f.harness_in(P.READY, providers=["p", "q"])
+    (restarted,) = h.send(rotate(f.KEY, {"p": 2})).events
+    assert isinstance(restarted, AgentRestarted) and h.row().generation == 2
+    (skipped,) = h.send(rotate(f.KEY, {"q": 2})).events
+    assert isinstance(skipped, AgentRestartSkipped) and skipped.reason == RESTART_PENDING
+    assert h.row().awaited == {"q": 2}
+    # The pending launch read both new values: Ready, and no second restart.
+    decision = h.send(f.launched(f.KEY, 2, credentials={"p": 2, "q": 2}))
+    assert [e.type for e in decision.events] == ["SandboxReady"]
+    assert (h.row().phase, h.row().generation, h.row().awaited) == (P.READY, 2, {})
+
+
+def test_a_pending_launch_that_read_the_older_value_restarts_once_more() -> None:
+    h = f.harness_in(P.READY, providers=["p", "q"])
+    h.send(rotate(f.KEY, {"p": 2}), rotate(f.KEY, {"q": 3}))
+    decision = h.send(f.launched(f.KEY, 2, credentials={"p": 2, "q": 2}))
+    ready, again = decision.events
+    assert (ready.type, again.type) == ("SandboxReady", "AgentRestarted")
+    assert isinstance(again, AgentRestarted) and again.providers == ["q"]
+    assert (h.row().phase, h.row().generation, h.row().awaited) == (P.STARTING, 3, {})
+    # Its launch reads after every rotation was stored: nothing awaited, Ready.
+    assert [e.type for e in h.send(f.launched(f.KEY, 3)).events] == ["SandboxReady"]
+
+
+def test_an_unknown_read_restarts_and_a_running_snapshot_waits_for_the_report() -> None:
+    h = f.harness_in(P.READY, providers=["p"])
+    h.send(rotate(f.KEY, {"p": 2}), rotate(f.KEY, {"p": 3}))
+    assert h.send(f.running(f.KEY, 2)).disposition == "ignored"
+    assert h.row().phase is P.STARTING
+    # A launch whose values are unknown (an adopted runtime) may have read anything.
+    decision = h.send(f.launched(f.KEY, 2, credentials=None))
+    assert [e.type for e in decision.events] == ["SandboxReady", "AgentRestarted"]
+
+
+def test_a_detached_provider_is_no_longer_awaited() -> None:
+    h = f.harness_in(P.READY, providers=["p", "q"])
+    h.send(rotate(f.KEY, {"p": 2}), rotate(f.KEY, {"q": 2}), f.detach(f.KEY, provider="q"))
+    decision = h.send(f.launched(f.KEY, 2, credentials={"p": 2}))
+    assert [e.type for e in decision.events] == ["SandboxReady"]
+
+
+def test_a_failed_pending_launch_clears_what_it_awaited() -> None:
+    h = f.harness_in(P.READY, providers=["p"])
+    h.send(rotate(f.KEY, {"p": 2}), rotate(f.KEY, {"p": 3}))
+    h.send(f.failed(f.KEY, 2, "launch"))
+    assert (h.row().phase, h.row().awaited) == (P.ERROR, {})
+
+
+# One sandbox attached to p, q, r, Ready at first. Updates rotate some providers (each bumps
+# their stored revision, then the command is decided); a pending launch reads the stored
+# revisions at some point after its restart was decided and reports them later.
+Step = tuple[str, frozenset[str]]  # ("rotate", providers) | ("read", ∅) | ("report", ∅)
+steps = st.lists(
+    st.one_of(
+        st.tuples(st.just("rotate"), st.frozensets(st.sampled_from(["p", "q", "r"]), min_size=1)),
+        st.tuples(st.sampled_from(["read", "report"]), st.just(frozenset[str]())),
+    ),
+    max_size=14,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(script=steps, attached=st.sets(st.sampled_from(["p", "q", "r"]), min_size=1))
+def test_the_agent_ends_on_the_newest_values_and_restarts_only_when_it_must(
+    script: list[Step], attached: set[str]
+) -> None:
+    h = f.harness_in(P.READY, providers=sorted(attached))
+    stored = {p: 1 for p in "pqr"}  # the revision in PostgreSQL
+    launch: dict[str, int] | None = None  # what the pending launch read (None: not yet)
+    pending = False
+    missed = False  # a rotation of an attached provider was stored after the read
+    expected = 0  # restarts the model requires
+
+    def decided(events: tuple[object, ...]) -> None:
+        nonlocal pending, launch, missed
+        if any(isinstance(e, AgentRestarted) for e in events):
+            pending, launch, missed = True, None, False
+
+    def report() -> None:
+        nonlocal pending, expected
+        assert launch is not None
+        if missed:
+            expected += 1  # it read an older value of a rotation decided while pending
+        pending = False
+        decided(h.send(f.launched(f.KEY, h.row().generation, credentials=launch)).events)
+
+    for kind, providers in script + [("read", frozenset()), ("report", frozenset())] * 3:
+        if kind == "rotate":
+            for p in providers:
+                stored[p] += 1
+            mine = providers & attached
+            if mine and pending and launch is not None:
+                missed = True
+            if mine and not pending:
+                expected += 1  # Ready: a rotation of what it runs restarts it
+            decided(h.send(rotate(f.KEY, {p: stored[p] for p in providers})).events)
+        elif kind == "read" and pending and launch is None:
+            launch = {p: stored[p] for p in attached}
+        elif kind == "report" and pending and launch is not None:
+            report()
+
+    restarts = [e for e in h.events(f.KEY) if isinstance(e, AgentRestarted)]
+    assert len(restarts) == expected
+    assert h.row().phase is P.READY and not pending and h.row().awaited == {}
+    # The agent runs the newest value of every attached provider.
+    final = launch if launch is not None else {p: 1 for p in attached}
+    assert all(final[p] == stored[p] for p in attached), (final, stored)
+    assert h.rebuilt() == {k: v for k, v in h.states.items() if v is not None}
+
+
+def test_a_hold_made_while_the_launch_was_pending_keeps_the_stale_report_from_restarting() -> None:
+    h = f.harness_in(P.READY, providers=["p"])
+    h.send(rotate(f.KEY, {"p": 2}), rotate(f.KEY, {"p": 3}), f.hold(key=f.KEY))
+    decision = h.send(f.launched(f.KEY, 2, credentials={"p": 2}))
+    ready, skipped = decision.events
+    assert ready.type == "SandboxReady"
+    assert isinstance(skipped, AgentRestartSkipped) and skipped.reason == HELD
+    assert (h.row().phase, h.row().generation) == (P.READY, 2)

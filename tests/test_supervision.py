@@ -43,7 +43,8 @@ async def test_a_crashed_processor_is_started_again_while_the_api_reports_it() -
         app = create_app(env.settings, env.pool, publisher, apikit.tokens(), down=plane.down)
         server = await start_api(app, "127.0.0.1", 0, access_log=False)
         try:
-            async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            admin = {"Authorization": f"Bearer {apikit.ADMIN}"}  # the checks need ops:read
+            async with httpx.AsyncClient(base_url=server.url, headers=admin, timeout=30) as client:
                 response = await eventually(
                     lambda: client.get("/readyz"),
                     lambda r: (

@@ -13,7 +13,6 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from events.publisher import CommandPublisher
-from services.api.auth import TokenStore
 from services.api.deps import ApiState, Pool
 from services.api.gateway import PUBLISH_TIMEOUT, CommandGateway
 from services.api.guard import GuardMiddleware
@@ -33,6 +32,7 @@ from services.api.routes import (
     watch,
 )
 from services.common.settings import Settings
+from services.common.tokens import TokenStore
 
 
 def create_app(

@@ -11,20 +11,23 @@ import asyncpg
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from services.api.auth import (
-    AUDIT,
-    PROVIDER_READ,
-    PROVIDER_WRITE,
-    READ,
-    WRITE,
-    Principal,
-    TokenStore,
-)
 from services.api.errors import ApiError
 from services.api.gateway import CommandGateway
 from services.api.probe import KafkaProbe
 from services.api.readmodel import ChangeFeed
 from services.common.settings import Settings
+from services.common.tokens import (
+    AUDIT,
+    OPS,
+    PROVIDER_READ,
+    PROVIDER_WRITE,
+    READ,
+    WRITE,
+    Denied,
+    Principal,
+    TokenStore,
+    authorize_header,
+)
 
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
 
@@ -52,26 +55,21 @@ _bearer = HTTPBearer(
 )
 
 
-def check_auth(request: Request, scope: str, credentials: str | None) -> Principal:
+CHALLENGE: Final = {"WWW-Authenticate": 'Bearer realm="sandstream"'}
+
+
+def denial(denied: Denied) -> ApiError:
+    if denied.status == 401:
+        return ApiError(401, "UNAUTHENTICATED", denied.message, CHALLENGE)
+    return ApiError(403, "PERMISSION_DENIED", denied.message)
+
+
+def check_auth(request: Request, scope: str) -> Principal:
     tokens: TokenStore = request.app.state.tokens
-    challenge = {"WWW-Authenticate": 'Bearer realm="sandstream"'}
-    if not credentials:
-        raise ApiError(401, "UNAUTHENTICATED", "missing bearer token (Authorization: Bearer "
-                       "<token>)", challenge)  # fmt: skip
-    principal = tokens.authenticate(credentials)
-    if principal is None:
-        raise ApiError(401, "UNAUTHENTICATED", "invalid bearer token", challenge)
-    if scope not in principal.scopes:
-        raise ApiError(
-            403, "PERMISSION_DENIED", f"token {principal.name!r} lacks the scope {scope}"
-        )
-    return principal
-
-
-def bearer_value(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
-    scheme, _, value = header.partition(" ")
-    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+    checked = authorize_header(tokens, request.headers.get("authorization"), scope)
+    if isinstance(checked, Denied):
+        raise denial(checked)
+    return checked
 
 
 def _known_query(route: Any) -> frozenset[str]:
@@ -102,9 +100,10 @@ def check_query(request: Request) -> None:
 def require(scope: str) -> Callable[..., Awaitable[Principal]]:
     async def dependency(
         request: Request,
-        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+        # Declared for the OpenAPI document; the check reads the header itself.
+        _: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     ) -> Principal:
-        principal = check_auth(request, scope, credentials.credentials if credentials else None)
+        principal = check_auth(request, scope)
         check_query(request)
         return principal
 
@@ -116,6 +115,7 @@ Writer = Annotated[Principal, Depends(require(WRITE))]
 Auditor = Annotated[Principal, Depends(require(AUDIT))]
 ProviderReader = Annotated[Principal, Depends(require(PROVIDER_READ))]
 ProviderWriter = Annotated[Principal, Depends(require(PROVIDER_WRITE))]
+Operator = Annotated[Principal, Depends(require(OPS))]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from services.api.deps import READ_METHODS, bearer_value, check_auth, request_scope
+from services.api.deps import READ_METHODS, check_auth, request_scope
 from services.api.errors import ApiError, error_response
 
 Message = MutableMapping[str, Any]
@@ -29,9 +29,7 @@ class GuardMiddleware:
             return
         request = Request(scope)
         try:
-            check_auth(
-                request, request_scope(request.method, request.url.path), bearer_value(request)
-            )
+            check_auth(request, request_scope(request.method, request.url.path))
         except ApiError as denied:
             await _answer(scope, receive, send, denied)
             return

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from projections.store import CONNECTION_ERRORS
-from services.api.deps import bearer_value, check_auth, request_scope
+from services.api.deps import check_auth, request_scope
 from services.api.errors import ApiError, describe_validation, error_response
 from services.api.readmodel import InvalidArgument
 
@@ -35,8 +35,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if not request.url.path.startswith("/v1/"):
             return None
         try:
-            check_auth(request, request_scope(request.method, request.url.path),
-                       bearer_value(request))  # fmt: skip
+            check_auth(request, request_scope(request.method, request.url.path))
         except ApiError as denied:
             return error_response(denied.status, denied.code, denied.message, denied.headers)
         return None

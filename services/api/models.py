@@ -104,9 +104,10 @@ class Check(BaseModel):
 
 class ReadyBody(BaseModel):
     status: str
-    checks: dict[str, Check]
-    lag: int | None = Field(description="records the processor has still to apply")
-    max_lag: int
+    # The rest only for a token with the ops:read scope.
+    checks: dict[str, Check] | None = None
+    lag: int | None = Field(default=None, description="records the processor has still to apply")
+    max_lag: int | None = None
 
 
 def responses(*codes: int) -> dict[int | str, dict[str, Any]]:

@@ -13,8 +13,8 @@ import sys
 from typing import Any, Final, cast
 
 from services.api.app import create_app
-from services.api.auth import TokenStore
 from services.common.settings import PROJECT_ROOT, Settings
+from services.common.tokens import TokenStore
 
 CHECKED_IN: Final = PROJECT_ROOT / "docs" / "openapi.json"
 

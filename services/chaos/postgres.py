@@ -53,18 +53,21 @@ class PrivatePostgres:
         return result.stdout
 
     def init(self, settings: Settings) -> None:
-        """A fresh cluster with the settings' role and database."""
+        """A fresh cluster with the settings' role, password and database; TCP clients log in
+        with the password (SCRAM), as against the machine's server."""
         shutil.rmtree(self.home, ignore_errors=True)
         self.sockets.mkdir(parents=True)
         if os.geteuid() == 0:
             shutil.chown(self.home, "postgres", "postgres")
             shutil.chown(self.sockets, "postgres", "postgres")
-        self._run(self._bin("initdb"), "-D", str(self.data), "-U", "postgres", "-A", "trust",
-                  "-E", "UTF8", "--no-sync")  # fmt: skip
+        self._run(self._bin("initdb"), "-D", str(self.data), "-U", "postgres", "--no-sync",
+                  "--auth-local=trust", "--auth-host=scram-sha-256", "-E", "UTF8")  # fmt: skip
         self.start()
         args = cfg.psql_bootstrap_args(settings)
         args[args.index("-p") + 1] = str(self.port)
-        self._run(*args, "-h", str(self.sockets), "-U", "postgres", stdin=cfg.PG_BOOTSTRAP_SQL)
+        assert settings.pg_password is not None
+        script = cfg.psql_bootstrap_input(settings.pg_password.get_secret_value(), os.urandom(16))
+        self._run(*args, "-h", str(self.sockets), "-U", "postgres", stdin=script)
 
     def start(self) -> None:
         options = (

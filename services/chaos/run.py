@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import secrets
 import shutil
 import socket
 import tempfile
@@ -24,14 +25,15 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from drivers.fake_shared import SharedFakeDriver
 from events.publisher import CommandPublisher
 from services.api.app import create_app
-from services.api.auth import SCOPES, TokenStore
 from services.api.server import start_api
 from services.chaos import checks
 from services.chaos.faults import Faults
 from services.chaos.launch import RoleProcess
 from services.chaos.postgres import PrivatePostgres
 from services.chaos.workload import Workload
+from services.common.secret_files import create_secret_file, read_secret_file
 from services.common.settings import Settings
+from services.common.tokens import SCOPES, TokenStore
 from services.executor.reconcile import Reconciler
 from services.localstack import cluster
 from services.localstack import cluster_config as cc
@@ -101,10 +103,13 @@ async def private_stack(
     """A three-node Kafka cluster and a PostgreSQL server of the run's own; the settings that
     reach them (``kafka_bootstrap`` lists every node)."""
     kafka = _free_port_run(7)  # three nodes' port pairs, then PostgreSQL's
+    password = home / "pg-password"  # read by the role processes (mode 0600)
+    create_secret_file(password, secrets.token_urlsafe(24))
     nodes = base.model_copy(update={
         "kafka_bootstrap": f"127.0.0.1:{kafka}", "kafka_controller_port": kafka + 1,
         "kafka_brokers": 3, "kafka_partitions": partitions, "state_dir": home / "kafka",
         "pg_host": "127.0.0.1", "pg_port": kafka + 6,
+        "pg_password_file": password, "pg_password": read_secret_file(password),
     })  # fmt: skip
     postgres = PrivatePostgres(home / "postgres", nodes.pg_port, nodes.pg_cluster_version)
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,8 +12,8 @@ from typing import Any, NoReturn
 import httpx
 import typer
 
-from services.api.auth import TokenFileError, read_token_value
 from services.common.settings import Settings
+from services.common.tokens import TokenFileError, read_token_value
 
 EXIT_FAILED = 1
 EXIT_TIMEOUT = 3
@@ -57,7 +58,9 @@ class Client:
             except TokenFileError as exc:
                 fail(f"no API token: {exc}. {hint} (it writes one).")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=30.0)
+        self.http = httpx.Client(
+            base_url=self.url, headers=headers, timeout=30.0, verify=_verify(settings)
+        )
 
     def request(
         self,
@@ -133,6 +136,17 @@ class Client:
                         data.append(value)
         except httpx.TransportError as exc:
             raise StreamBroken(str(exc)) from exc
+
+
+def _verify(settings: Settings) -> ssl.SSLContext | bool:
+    """How an https API's certificate is checked: against api_ca_file when set (a private CA,
+    a self-signed certificate), else against the system's CAs."""
+    if settings.api_ca_file is None:
+        return True
+    try:
+        return ssl.create_default_context(cafile=str(settings.api_ca_file))
+    except (OSError, ssl.SSLError) as exc:
+        fail(f"cannot use the CA file {settings.api_ca_file}: {exc}")
 
 
 class StreamBroken(Exception):

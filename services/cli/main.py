@@ -1,9 +1,11 @@
-"""The `sandstream` command: a client of the HTTP API, plus `up` and `down` for the local stack.
+"""The `sandstream` command: a client of the HTTP API, plus `up` and `down` for the local stack,
+and the roles as separate processes (`processor`, `executor`, `watcher`, `scheduler`, `api`).
 
 Connection: ``--url`` (or SANDSTREAM_API_URL; default from the settings' API host and port) and
 a token from ``--token`` / SANDSTREAM_TOKEN, else ``--token-file`` / SANDSTREAM_TOKEN_FILE,
-else the admin token file that `sandstream up` writes. Exit codes: 0 done, 1 rejected or
-failed (the message says why), 2 usage error, 3 timed out waiting.
+else the admin token file that `sandstream up` writes; ``--ca-file`` (or
+SANDSTREAM_API_CA_FILE) verifies an https API with a CA of one's own. Exit codes: 0 done,
+1 rejected or failed (the message says why), 2 usage error, 3 timed out waiting.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from services.cli import audit, log, operations, processor, providers, sandbox, tokens
+from services.cli import audit, log, operations, processor, providers, roles, sandbox, tokens
 from services.cli import lifecycle as _lifecycle  # noqa: F401  (sandbox hold/release/extend)
 from services.cli.client import CliError, Connection
 from services.cli.render import err
@@ -34,7 +36,7 @@ app.add_typer(processor.app, name="processor")
 app.add_typer(log.app, name="log")
 app.add_typer(providers.app, name="provider")
 app.command("provider-sync")(providers.provider_sync)
-for _name, _command in operations.COMMANDS:
+for _name, _command in (*operations.COMMANDS, *roles.COMMANDS):
     app.command(_name)(_command)
 
 
@@ -58,8 +60,19 @@ def root(
             show_default=False,
         ),
     ] = None,
+    ca_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--ca-file",
+            help="CA (PEM) to verify an https API's certificate with (or SANDSTREAM_API_CA_FILE)",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
-    ctx.obj = {"settings": load_settings(), "connection": Connection(url, token, token_file)}
+    settings = load_settings()
+    if ca_file is not None:
+        settings = settings.model_copy(update={"api_ca_file": ca_file})
+    ctx.obj = {"settings": settings, "connection": Connection(url, token, token_file)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,7 +13,10 @@ from services.cli.render import Output, OutputOpt, out, print_json
 
 def status(ctx: typer.Context, output: OutputOpt = Output.table) -> None:
     """Is the control plane up and ready? Kafka, PostgreSQL, processor lag, sandboxes."""
-    client = client_of(ctx, need_token=False)
+    try:  # with a token (ops:read) /readyz shows its checks; without one only ready or not
+        client = client_of(ctx)
+    except CliError:
+        client = client_of(ctx, need_token=False)
     ready = client.request("GET", "/readyz", ok=(200, 503)).json()
     counts: dict[str, int] | None = None
     note = ""

@@ -1,4 +1,5 @@
-"""`sandstream processor skip | retry`: move a stopped input partition on.
+"""`sandstream processor [run]`: run a lifecycle processor (services/cli/roles.py);
+`sandstream processor skip | retry`: move a stopped input partition on.
 
 The processor stops a partition at a record PostgreSQL refuses to store even as a dead letter
 (`/readyz` names it). These talk to PostgreSQL directly (settings from SANDSTREAM_* variables);
@@ -18,9 +19,29 @@ import typer
 
 from services.cli.client import fail, settings_of
 from services.cli.render import out
+from services.cli.roles import HealthHost, HealthPort, PortFile, processor_run
 from services.common.settings import Settings
 
-app = typer.Typer(help="Operate the lifecycle processor's input partitions.", no_args_is_help=True)
+app = typer.Typer(
+    help="Run a lifecycle processor (`sandstream processor` or `processor run`), or operate its "
+    "input partitions (`skip`, `retry`).",
+    invoke_without_command=True,
+)
+
+
+@app.callback()
+def run_without_subcommand(
+    ctx: typer.Context,
+    health_port: HealthPort = None,
+    health_host: HealthHost = None,
+    port_file: PortFile = None,
+) -> None:
+    """Without a subcommand: run one lifecycle processor (as `sandstream processor run`)."""
+    if ctx.invoked_subcommand is None:
+        processor_run(ctx, health_port, health_host, port_file)
+
+
+app.command("run")(processor_run)
 
 TopicOpt = Annotated[str, typer.Option("--topic", help="input topic of the record")]
 PartitionOpt = Annotated[int, typer.Option("--partition", help="partition it stopped")]

@@ -10,9 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -20,8 +19,12 @@ from rich.table import Table
 from services.cli import sandbox
 from services.cli.client import Client, fail
 from services.cli.render import Output, OutputOpt, clock, print_json, print_table
+from services.cli.roles import HealthHost, HealthPort, PortFile, run_role_command
 from services.common.entrypoint import LOG_FORMAT
 from services.common.settings import Settings
+
+if TYPE_CHECKING:
+    from services.api.provider_sources import Source
 
 app = typer.Typer(help="Credential providers: values in, key names and fingerprints out.")
 
@@ -200,32 +203,55 @@ _attachment("detach", ":detach")
 def provider_sync(
     ctx: typer.Context,
     directory: Annotated[
-        Path, typer.Option("--dir", help="one folder per provider, a file per key")
-    ],
+        Path | None, typer.Option("--dir", help="one folder per provider, a file per key")
+    ] = None,
+    kube_selector: Annotated[
+        str | None,
+        typer.Option(
+            "--kube-selector", help="label selector of Kubernetes Secrets, one per provider"
+        ),
+    ] = None,
+    kube_namespace: Annotated[
+        str | None,
+        typer.Option("--kube-namespace", help="their namespace (default: the driver's)"),
+    ] = None,
     no_restart: NoRestart = False,
     interval: Annotated[float, typer.Option("--interval", min=0.1, help="seconds")] = 1.0,
     once: Annotated[bool, typer.Option("--once", help="one reconcile, then exit")] = False,
+    health_port: HealthPort = None,
+    health_host: HealthHost = None,
+    port_file: PortFile = None,
 ) -> None:
-    """Keep providers in step with a directory (the layout of a mounted Kubernetes Secret)."""
+    """Keep providers in step with a directory (the layout of a mounted Kubernetes Secret) or
+    with Kubernetes Secrets selected by label; one instance is active (a lease)."""
+    from services.api.provider_sync import sync_source
+
     settings: Settings = ctx.obj["settings"]
-    asyncio.run(_sync(settings, directory, not no_restart, interval, once))
+    if (directory is None) == (kube_selector is None):
+        raise typer.BadParameter("give one of --dir and --kube-selector")
+    if once:
+        source = sync_source(settings, directory, kube_selector, kube_namespace)
+        assert source is not None
+        asyncio.run(_sync_once(settings, source, not no_restart))
+        return
+    from services.roles.provider_sync import ProviderSyncRole
+
+    role = ProviderSyncRole(settings, directory=directory, kube_selector=kube_selector,
+                            kube_namespace=kube_namespace, restart=not no_restart,
+                            interval=interval)  # fmt: skip
+    run_role_command(role, settings, health_host, health_port, port_file)
 
 
-async def _sync(settings: Settings, directory: Path, restart: bool, interval: float,
-                once: bool) -> None:  # fmt: skip
+async def _sync_once(settings: Settings, source: Source, restart: bool) -> None:
     from services.api.provider_sync import ProviderSync
     from services.api.providers import open_service
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     async with open_service(settings) as service:
-        sync = ProviderSync(service, directory, restart=restart, interval=interval)
-        if once:
+        sync = ProviderSync(service, source, restart=restart)
+        try:
             receipt = await sync.reconcile()
-            print("nothing changed" if receipt is None else
-                  f"updated {', '.join(a.change.provider for a in receipt.applied)}")  # fmt: skip
-            return
-        await sync.run(stop)
+        finally:
+            await source.close()
+        print("nothing changed" if receipt is None else
+              f"updated {', '.join(a.change.provider for a in receipt.applied)}")  # fmt: skip

@@ -14,7 +14,6 @@ import base64
 import binascii
 import hashlib
 import hmac
-import os
 import secrets
 import stat
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from pathlib import Path
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from services.common.secret_files import create_secret_file
 from services.common.settings import Settings
 
 KEY_BYTES = 32
@@ -35,14 +35,7 @@ class CredentialKeyError(RuntimeError):
 
 def create_key_file(path: Path) -> bool:
     """Write a new random key to ``path`` (mode 0600) unless it exists; True if written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as out:
-        out.write(base64.b64encode(secrets.token_bytes(KEY_BYTES)).decode() + "\n")
-    return True
+    return create_secret_file(path, base64.b64encode(secrets.token_bytes(KEY_BYTES)).decode())
 
 
 def _decode(text: str, where: str) -> bytes:

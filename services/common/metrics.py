@@ -1,4 +1,5 @@
-"""Prometheus metrics of the processor and executor (exposed by the API's /metrics)."""
+"""Prometheus metrics of the roles (exposed by the API's /metrics under `sandstream up`, and by
+each role process's health endpoint when the roles run as separate processes)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,17 @@ TASK_RESTARTS = Counter(
 )
 TASK_UP = Gauge(
     "sandstream_task_up", "Whether a supervised long-running task is running (1) or not", ["task"]
+)
+# Roles run as separate processes (services/common/health.py serves these with the rest)
+ASSIGNED_PARTITIONS = Gauge(
+    "sandstream_assigned_partitions",
+    "Partitions of its consumer group this process owns now, by role (processor, executor)",
+    ["role"],
+)
+LEASE_HELD = Gauge(
+    "sandstream_lease_held",
+    "Whether this process holds a single-active role's lease (1: active) or waits (0)",
+    ["lease"],
 )
 BATCH_SECONDS = Histogram(
     "sandstream_batch_seconds",

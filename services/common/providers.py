@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeAlias
 
@@ -213,17 +213,35 @@ async def attached_sandboxes(conn: Conn, providers: Iterable[str]) -> list[Sandb
     return [sandbox_from_record(r) for r in rows]
 
 
-async def launch_environment(conn: Conn, vault: Vault, key: str) -> dict[str, str]:
+@dataclass(frozen=True, slots=True)
+class LaunchValues:
+    """What a launch reads: the environment (values: never in a repr) and, for each attached
+    provider, the revision those values are of (0: no such provider)."""
+
+    env: Mapping[str, str] = field(default_factory=dict, repr=False)
+    revisions: Mapping[str, int] = field(default_factory=dict)
+
+
+async def launch_environment(conn: Conn, vault: Vault, key: str) -> LaunchValues:
     """The decrypted values of the providers attached to sandbox ``key`` now, as environment
-    variables. Providers are merged in name order (a later provider's key wins); an attached
-    name with no provider behind it contributes nothing."""
-    rows = await conn.fetch(
-        """SELECT c.provider, c.key, c.nonce, c.ciphertext
-           FROM sandboxes s JOIN provider_credentials c ON c.provider = ANY(s.providers)
-           WHERE s.key = $1 ORDER BY c.provider, c.key""",
-        key,
-    )
-    return {
+    variables, with their revisions (one snapshot, so they agree). Providers are merged in name
+    order (a later provider's key wins); an attached name with no provider behind it
+    contributes nothing."""
+    async with conn.transaction(isolation="repeatable_read", readonly=True):
+        attached = await conn.fetch(
+            """SELECT a.name, coalesce(p.revision, 0) AS revision
+               FROM sandboxes s CROSS JOIN unnest(s.providers) AS a(name)
+               LEFT JOIN providers p ON p.name = a.name WHERE s.key = $1""",
+            key,
+        )
+        rows = await conn.fetch(
+            """SELECT c.provider, c.key, c.nonce, c.ciphertext
+               FROM sandboxes s JOIN provider_credentials c ON c.provider = ANY(s.providers)
+               WHERE s.key = $1 ORDER BY c.provider, c.key""",
+            key,
+        )
+    env = {
         r["key"]: vault.open(r["provider"], r["key"], Sealed(r["nonce"], r["ciphertext"]))
         for r in rows
     }
+    return LaunchValues(env, {r["name"]: r["revision"] for r in attached})

@@ -12,12 +12,14 @@ import os
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
+from urllib.parse import quote, urlencode
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from events import topics as names
 from projections.lifecycle import Limits
+from services.common.secret_files import read_secret_file
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,11 +68,19 @@ class Settings(BaseSettings):
     pg_host: str = "127.0.0.1"
     pg_port: int = 5432
     pg_user: str = "sandstream"
-    pg_password: str = "sandstream"
+    # The password: SANDSTREAM_PG_PASSWORD, else read from pg_password_file (default
+    # <state_dir>/postgres/password, mode 0600), which the local stack generates when missing.
+    # Resolved once, when the settings are made: copies keep it.
+    pg_password_file: Path | None = None
+    pg_password: SecretStr | None = Field(default=None, validate_default=True)
     pg_database: str = "sandstream"
     pg_schema: str = "public"  # tests and the rebuild tool use schemas of their own
-    # TLS costs a third of the processor's time on loopback; turn it on for remote servers.
-    pg_sslmode: str = "disable"
+    # TLS costs a third of the processor's time on loopback; turn it on for remote servers
+    # (verify-full with pg_sslrootcert, the CA file that signed the server's certificate).
+    pg_sslmode: Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"] = (
+        "disable"
+    )
+    pg_sslrootcert: Path | None = None
     pg_cluster_version: str = "15"
     pg_cluster_name: str = "main"
 
@@ -79,8 +89,11 @@ class Settings(BaseSettings):
     sandbox_image: str = "localhost/sandstream-base:1"
     stop_timeout_seconds: int = Field(default=10, ge=0)
 
-    # Which driver `sandstream up` and `python -m services.executor` use.
-    driver: Literal["podman", "kubernetes"] = "podman"
+    # Which driver `sandstream up`, `sandstream executor|watcher` and `python -m
+    # services.executor` use. "fake": the in-memory fake driver (drivers/fake.py), for tests and
+    # fault-injection runs of `sandstream executor` where the backend does not matter; its
+    # runtimes live and die with the executor process (no watcher process can see them).
+    driver: Literal["podman", "kubernetes", "fake"] = "podman"
 
     # Kubernetes driver (drivers/kubernetes.py): which cluster, and how Pods are made there.
     # kube_config None: $KUBECONFIG or ~/.kube/config, else the in-cluster service account.
@@ -120,8 +133,12 @@ class Settings(BaseSettings):
     # the file once (mode 0600); SANDSTREAM_CREDENTIALS_KEY (base64) supplies it instead.
     credentials_key_file: Path | None = None
     credentials_key: SecretStr | None = None
-    # `sandstream up` also runs the provider-sync controller on this directory when set.
+    # `sandstream up` also runs the provider-sync controller on this directory when set, or on
+    # the Kubernetes Secrets this label selector picks (in provider_sync_kube_namespace, by
+    # default kube_namespace; the cluster of kube_config/kube_context).
     provider_sync_dir: Path | None = None
+    provider_sync_kube_selector: str | None = None
+    provider_sync_kube_namespace: str | None = None
     # Operator lifecycle (the processor records the deadlines; the scheduler says when they
     # fall due). 0 turns a deadline off.
     launch_timeout_seconds: float = Field(default=300, ge=0)  # Provisioning/Starting
@@ -138,8 +155,13 @@ class Settings(BaseSettings):
     # API
     api_host: str = "127.0.0.1"
     api_port: int = 8787
-    # Where clients (the CLI) reach the API; default http://{api_host}:{api_port}.
+    # Where clients (the CLI) reach the API; default http(s)://{api_host}:{api_port}.
     api_url: str | None = None
+    # TLS: with a certificate (PEM, the chain after it) and its key the API speaks https only.
+    api_tls_certfile: Path | None = None
+    api_tls_keyfile: Path | None = None
+    # The CA a client (the CLI) verifies the API's certificate with (default: the system's).
+    api_ca_file: Path | None = None
     # OpenShell-compatible gRPC API (services/openshell/), run by `sandstream up` when enabled.
     openshell_enabled: bool = True
     openshell_host: str = "127.0.0.1"
@@ -158,6 +180,16 @@ class Settings(BaseSettings):
     # /readyz fails while the processor is more input records than this behind Kafka.
     readiness_max_lag: int = Field(default=1000, ge=0)
 
+    # Roles run as separate processes (`sandstream processor|executor|watcher|scheduler|api`):
+    # each serves /healthz, /readyz and /metrics here; port 0 picks a free port, which the
+    # process logs and writes to its --port-file.
+    health_host: str = "127.0.0.1"
+    health_port: int = Field(default=0, ge=0, le=65535)
+    # Single-active roles (watcher and reconciler, scheduler) hold a PostgreSQL advisory lock:
+    # a standby tries to take it this often, and the holder checks its connection this often
+    # (and gives the role up when the check fails).
+    lease_check_seconds: float = Field(default=2.0, gt=0)
+
     @property
     def lifecycle_limits(self) -> Limits:
         """The deadlines the processor records (see projections.lifecycle.Limits)."""
@@ -169,11 +201,33 @@ class Settings(BaseSettings):
             delete_backoff_max_seconds=self.delete_retry_max_seconds,
         )
 
+    @field_validator("pg_password", mode="after")
+    @classmethod
+    def _password_from_file(cls, value: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
+        if value is not None or "state_dir" not in info.data:
+            return value
+        return read_secret_file(
+            pg_password_path(info.data["state_dir"], info.data.get("pg_password_file"))
+        )
+
+    @property
+    def pg_password_path(self) -> Path:
+        return pg_password_path(self.state_dir, self.pg_password_file)
+
     @property
     def pg_dsn(self) -> str:
+        """The DSN asyncpg connects with (in memory only: it holds the password)."""
+        secret = (
+            ""
+            if self.pg_password is None
+            else ":" + quote(self.pg_password.get_secret_value(), safe="")
+        )
+        query: dict[str, str] = {"sslmode": self.pg_sslmode}
+        if self.pg_sslrootcert is not None:
+            query["sslrootcert"] = str(self.pg_sslrootcert)
         return (
-            f"postgresql://{self.pg_user}:{self.pg_password}"
-            f"@{self.pg_host}:{self.pg_port}/{self.pg_database}?sslmode={self.pg_sslmode}"
+            f"postgresql://{quote(self.pg_user, safe='')}{secret}"
+            f"@{self.pg_host}:{self.pg_port}/{quote(self.pg_database, safe='')}?{urlencode(query)}"
         )
 
     @cached_property
@@ -196,7 +250,8 @@ class Settings(BaseSettings):
         if self.api_url:
             return self.api_url.rstrip("/")
         host = "127.0.0.1" if self.api_host in ("0.0.0.0", "::", "") else self.api_host
-        return f"http://{host}:{self.api_port}"
+        scheme = "https" if self.api_tls_certfile else "http"
+        return f"{scheme}://{host}:{self.api_port}"
 
     @property
     def run_path(self) -> Path:
@@ -235,13 +290,20 @@ class Settings(BaseSettings):
 
     def as_env(self) -> dict[str, str]:
         """These settings as SANDSTREAM_* variables, for a child process to load the same."""
-        return {
+        found = {
             f"SANDSTREAM_{name.upper()}": _env_value(value)
             for name, value in self.model_dump().items()
-            # The key itself is never copied into a child's environment from here: a child
-            # inherits SANDSTREAM_CREDENTIALS_KEY if it was set, or reads the key file.
-            if value is not None and name != "credentials_key"
+            # Secrets are never copied into a child's environment from here: a child inherits
+            # SANDSTREAM_CREDENTIALS_KEY / SANDSTREAM_PG_PASSWORD if they were set, or reads
+            # the key file and the password file (named here, wherever the state dir is).
+            if value is not None and name not in ("credentials_key", "pg_password")
         }
+        found["SANDSTREAM_PG_PASSWORD_FILE"] = str(self.pg_password_path)
+        return found
+
+
+def pg_password_path(state_dir: Path, configured: Path | None) -> Path:
+    return configured or state_dir / "postgres" / "password"
 
 
 def _env_value(value: object) -> str:

@@ -1,6 +1,7 @@
 """Drivers built from the settings: the one place where ``Settings`` meet a driver's arguments.
 
-``SANDSTREAM_DRIVER`` names the backend (``podman``, the default, or ``kubernetes``); the
+``SANDSTREAM_DRIVER`` names the backend (``podman``, the default, ``kubernetes``, or ``fake``:
+the in-memory fake, for tests and fault-injection runs of the executor process); the
 Kubernetes driver's configuration comes from ``SANDSTREAM_KUBE_*``. kubernetes-asyncio is
 imported only when that driver is used.
 """
@@ -54,7 +55,20 @@ def driver_from_settings(settings: Settings) -> Driver:
     """The driver ``settings.driver`` names; ValueError for a malformed Kubernetes setting."""
     if settings.driver == "kubernetes":
         return kubernetes_driver(settings)
+    if settings.driver == "fake":
+        return fake_driver(settings)
     return podman_driver(settings)
+
+
+def fake_driver(settings: Settings) -> Driver:
+    """The in-memory fake, timed by the wall clock (its runtimes live in this process only)."""
+    from datetime import UTC, datetime
+
+    from drivers.fake import FakeDriver
+
+    return FakeDriver(
+        clock=lambda: datetime.now(UTC), stop_timeout=float(settings.stop_timeout_seconds)
+    )
 
 
 def describe_driver(settings: Settings, show: Callable[[Path], str] = str) -> str:
@@ -62,4 +76,6 @@ def describe_driver(settings: Settings, show: Callable[[Path], str] = str) -> st
     if settings.driver == "kubernetes":
         where = show(settings.kube_config) if settings.kube_config else "default kubeconfig"
         return f"kubernetes (namespace {settings.kube_namespace}, {where})"
+    if settings.driver == "fake":
+        return "fake (in memory, this process only)"
     return f"podman ({show(settings.podman_socket_path)})"

@@ -2,13 +2,16 @@
 reconciler around one driver, sharing one stop event (a crash of one stops all three).
 
 ``python -m services.executor`` runs it alone with the driver the settings name
-(``serve_driver_side``).
+(``serve_driver_side``). Run as separate roles, ``parts`` splits it in two: the executor
+(scalable; the reconcile loop there only hands it stuck rows of its own partitions) and the
+watcher (the driver watcher and the reconcile loop's reports; single-active under a lease).
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Final, Literal
 
 import asyncpg
 from aiokafka import AIOKafkaProducer
@@ -22,6 +25,9 @@ from services.executor.credentials import LaunchCredentials
 from services.executor.executor import Executor, RetryPolicy
 from services.executor.reconcile import Reconciler
 from services.executor.watcher import Watcher
+
+Part = Literal["executor", "watcher"]
+BOTH: Final[frozenset[Part]] = frozenset(("executor", "watcher"))
 
 
 @dataclass
@@ -38,6 +44,9 @@ class DriverSide:
     reconcile_interval: float | None = None
     executor_concurrency: int | None = None
     retry: RetryPolicy | None = None
+    # executor: the executor and the pick-up of stuck rows; watcher: the driver watcher and
+    # the reconcile loop's reports of differences.
+    parts: frozenset[Part] = BOTH
     executor: Executor | None = None
     watcher: Watcher | None = None
     reconciler: Reconciler | None = None
@@ -52,31 +61,36 @@ class DriverSide:
         if tasks is not None:
             self._tasks = tasks
         interval = self.reconcile_interval or self.settings.reconcile_interval_seconds
-        self.executor = Executor(
-            self.settings,
-            self.driver,
-            self.pool,
-            max_concurrency=self.executor_concurrency,
-            retry=self.retry,
-            credentials=LaunchCredentials(self.settings, self.pool),
-        )
         self._producer = AIOKafkaProducer(
             bootstrap_servers=self.settings.kafka_bootstrap, enable_idempotence=True, acks="all"
         )
         await self._producer.start()
-        await self.executor.start()
-        self.watcher = Watcher(self.driver, self._producer, self.settings)
+        stop = self._tasks.stop_event
+        if "executor" in self.parts:
+            self.executor = Executor(
+                self.settings,
+                self.driver,
+                self.pool,
+                max_concurrency=self.executor_concurrency,
+                retry=self.retry,
+                credentials=LaunchCredentials(self.settings, self.pool),
+            )
+            await self.executor.start()
+        if "watcher" in self.parts:
+            self.watcher = Watcher(self.driver, self._producer, self.settings)
         self.reconciler = Reconciler(
             self.driver,
             self.pool,
             self._producer,
             self.settings,
             interval,
-            pickup=self.executor.pick_up,
+            pickup=self.executor.pick_up if self.executor else None,
+            report="watcher" in self.parts,
         )
-        stop = self._tasks.stop_event
-        self._tasks.spawn("executor", self.executor.run(stop))
-        self._tasks.spawn("watcher", self.watcher.run(stop))
+        if self.executor is not None:
+            self._tasks.spawn("executor", self.executor.run(stop))
+        if self.watcher is not None:
+            self._tasks.spawn("watcher", self.watcher.run(stop))
         self._tasks.spawn("reconciler", self.reconciler.run(stop))
 
     async def close(self) -> None:

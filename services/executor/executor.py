@@ -384,6 +384,21 @@ class Executor:
 
     # -- introspection (tests, health) -------------------------------------------------------
 
+    def health(self) -> tuple[str | None, dict[str, object]]:
+        """Why this executor is not doing its work now (None: it is), and its partitions."""
+        detail: dict[str, object] = {
+            "partitions": sorted(tp.partition for tp in self._owned),
+            "running": self.running,
+            "waiting": self.waiting,
+        }
+        if self._crashed is not None:
+            return f"a worker failed: {self._crashed!r}", detail
+        if self._closing:
+            return "draining", detail
+        if not self._assigned.is_set():
+            return "not assigned partitions yet", detail
+        return None, detail
+
     def pending(self, key: str) -> int:
         """Intents of ``key`` queued or being executed (retries included) here."""
         return len(self._queues.get(key, ())) + (1 if key in self._active else 0)
@@ -468,7 +483,9 @@ class Executor:
         """Whether ``item`` is still this executor's to run (not revoked, not shutting down)."""
         if self._closing:
             return False
-        return item.tp is None or self._owned.get(item.tp) is item.progress
+        if item.tp is None:  # picked up from a row: ours while we own the sandbox's partition
+            return self.owns(item.intent.key)
+        return self._owned.get(item.tp) is item.progress
 
     async def _kill(self, event: DecidedEvent, offset: int, progress: PartitionProgress) -> None:
         """Kill the runtime of the event's generation now, outside the key's queue."""
@@ -629,8 +646,12 @@ class Executor:
                 case "launch":
                     assert intent.launch is not None
                     # The values are read now, from PostgreSQL: they never travel in the log.
-                    secrets = await self.credentials(intent.key) if self.credentials else {}
-                    return await self.driver.launch(replace(intent.launch, secrets=secrets))
+                    values = await self.credentials(intent.key) if self.credentials else None
+                    secrets = values.env if values is not None else {}
+                    launched = await self.driver.launch(replace(intent.launch, secrets=secrets))
+                    if values is None or launched.adopted or not launched.started:
+                        return launched  # what an earlier launch's runtime read is unknown
+                    return replace(launched, credentials=values.revisions)
                 case "stop":
                     return await self.driver.stop(intent.key, intent.generation)
                 case "delete":
@@ -729,11 +750,13 @@ class Executor:
             except KafkaError as exc:
                 log.warning("committing the starting offsets failed (will retry): %s", exc)
         log.info("executor assigned %s", sorted(tp.partition for tp in assigned))
+        metrics.ASSIGNED_PARTITIONS.labels("executor").set(len(self._owned))
         self._assigned.set()
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
         """Drop the queued intents of ``revoked``, let running ones finish, commit."""
         gone = {tp: p for tp in revoked if (p := self._owned.pop(tp, None)) is not None}
+        metrics.ASSIGNED_PARTITIONS.labels("executor").set(len(self._owned))
         if not gone:
             return
         for key, item in self._active.items():

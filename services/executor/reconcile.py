@@ -152,6 +152,9 @@ class Reconciler:
     passes: int = 0  # completed passes (tests wait on it)
     reported: set[str] = field(default_factory=set)
     pickup: Callable[[Sandbox], bool] | None = None  # the executor's pick_up
+    # False: only the pick-up (an executor process, when a watcher process reports the
+    # differences: it holds the watcher lease, so they are reported once, not by every executor).
+    report: bool = True
     picked_up: int = 0
     _progressing: set[tuple[str, UUID, int]] = field(default_factory=set)  # the last pass's
 
@@ -169,6 +172,9 @@ class Reconciler:
     async def run_once(self) -> list[Observation]:
         """One pass; returns what it reported (new differences only)."""
         await self.pick_up_stuck()
+        if not self.report:
+            self.passes += 1
+            return []
         rows = await live_rows(self.pool)
         runtimes = await self.driver.list()
         current = reconcile(rows, runtimes, self.clock())

@@ -19,16 +19,17 @@ from services.localstack import config as cfg
 from services.localstack import stack
 
 
-def up(settings: Settings) -> None:
+def up(settings: Settings) -> Settings:
     """``stack.up`` with a cluster of ``settings.kafka_brokers`` nodes for the broker."""
     started = time.monotonic()
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     nodes = start(settings)  # the JVMs boot while PostgreSQL and Podman come up
-    stack._up_postgres(settings)
+    settings = stack._up_postgres(settings)
     stack._up_podman(settings)
     wait(settings, nodes)
-    stack._ensure_topics(settings)
+    stack.ensure_topics(settings)
     stack._say(f"up in {time.monotonic() - started:.1f}s")
+    return settings
 
 
 def down(settings: Settings) -> None:

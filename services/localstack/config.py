@@ -6,6 +6,8 @@ Nothing here starts a process or touches the network; services/stack.py does tha
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import ipaddress
 import uuid
 from dataclasses import dataclass
@@ -182,12 +184,15 @@ SELECT format('ALTER ROLE %I LOGIN PASSWORD %L', :'role', :'password') \\gexec
 SELECT format('CREATE DATABASE %I OWNER %I', :'database', :'role')
  WHERE NOT EXISTS (SELECT FROM pg_database WHERE datname = :'database') \\gexec
 """
+SCRAM_ITERATIONS = 4096  # PostgreSQL's default scram_iterations
 
 
 def psql_bootstrap_args(settings: Settings) -> list[str]:
     """psql arguments (run as the postgres superuser) that create our role and database.
 
-    Values travel as psql variables and are quoted by format() on the server.
+    Names travel as psql variables and are quoted by format() on the server; the password is
+    not among them (a command line is visible to every user): ``psql_bootstrap_input`` sends it
+    on standard input.
     """
     return [
         "psql",
@@ -200,7 +205,31 @@ def psql_bootstrap_args(settings: Settings) -> list[str]:
         "-v",
         f"role={settings.pg_user}",
         "-v",
-        f"password={settings.pg_password}",
-        "-v",
         f"database={settings.pg_database}",
     ]
+
+
+def psql_bootstrap_input(password: str, salt: bytes) -> str:
+    """psql's standard input: the password (as a SCRAM verifier when it is ASCII, so that not
+    even a server log of the statement holds it), then the bootstrap SQL."""
+    stored = scram_verifier(password, salt) if password.isascii() else password
+    return f"\\set password {psql_quote(stored)}\n{PG_BOOTSTRAP_SQL}"
+
+
+def psql_quote(value: str) -> str:
+    """A value quoted for a psql meta-command argument (quotes doubled, backslashes escaped)."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
+def scram_verifier(password: str, salt: bytes, iterations: int = SCRAM_ITERATIONS) -> str:
+    """The SCRAM-SHA-256 verifier PostgreSQL stores for ``password`` (RFC 5802/7677; an ASCII
+    password is its own SASLprep), which ALTER ROLE ... PASSWORD accepts as it is."""
+    salted = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, iterations)
+    client_key = hmac.new(salted, b"Client Key", hashlib.sha256).digest()
+    stored_key = hashlib.sha256(client_key).digest()
+    server_key = hmac.new(salted, b"Server Key", hashlib.sha256).digest()
+    b64 = base64.b64encode
+    return (
+        f"SCRAM-SHA-256${iterations}:{b64(salt).decode()}"
+        f"${b64(stored_key).decode()}:{b64(server_key).decode()}"
+    )

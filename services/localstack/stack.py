@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import io
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -35,6 +36,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from podman import PodmanClient
 
 from services.common.migrations import apply_migrations
+from services.common.secret_files import create_secret_file, read_secret_file
 from services.common.settings import Settings
 from services.localstack import config as cfg
 
@@ -64,16 +66,18 @@ def _say(message: str) -> None:
 # --------------------------------------------------------------------------- entry points
 
 
-def up(settings: Settings) -> None:
-    """Bring every component up; do nothing for those already running."""
+def up(settings: Settings) -> Settings:
+    """Bring every component up; do nothing for those already running. The settings returned
+    carry the PostgreSQL password (generated on the first `up` of a local server)."""
     started = time.monotonic()
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     broker = _start_kafka(settings)  # the JVM boots while PostgreSQL and Podman come up
-    _up_postgres(settings)
+    settings = _up_postgres(settings)
     _up_podman(settings)
     _wait_kafka(settings, broker)
-    _ensure_topics(settings)
+    ensure_topics(settings)
     _say(f"up in {time.monotonic() - started:.1f}s")
+    return settings
 
 
 def down(settings: Settings) -> None:
@@ -329,7 +333,8 @@ async def _list_topics(bootstrap: str) -> list[str]:
         await admin.close()
 
 
-def _ensure_topics(settings: Settings) -> None:
+def ensure_topics(settings: Settings) -> None:
+    """Create the missing project topics and wait for their leaders; StackError if not."""
     created = asyncio.run(_create_topics(settings))
     if created:
         _say(f"kafka: created topics {', '.join(created)}")
@@ -418,7 +423,24 @@ def _pg_ctl(settings: Settings, action: str) -> subprocess.CompletedProcess[str]
         raise StackError("postgres: pg_ctlcluster not found; run compose/bootstrap.sh") from exc
 
 
-def _up_postgres(settings: Settings) -> None:
+def ensure_pg_password(settings: Settings) -> Settings:
+    """The settings with a PostgreSQL password: the one given, else for a local server the one
+    in the password file, generated (mode 0600) the first time. `_up_postgres` then sets the
+    role's password to it when the role does not log in with it (e.g. an older default)."""
+    if settings.pg_password is not None or not cfg.is_local_host(settings.pg_host):
+        return settings
+    path = settings.pg_password_path
+    if create_secret_file(path, secrets.token_urlsafe(32)):
+        _say(f"postgres: generated the password of {settings.pg_user} in {path} (mode 0600)")
+    try:
+        password = read_secret_file(path)
+    except ValueError as exc:
+        raise StackError(f"postgres: {exc}") from exc
+    return settings.model_copy(update={"pg_password": password})
+
+
+def _up_postgres(settings: Settings) -> Settings:
+    settings = ensure_pg_password(settings)
     cluster = f"{settings.pg_cluster_version}/{settings.pg_cluster_name}"
     if not cfg.is_local_host(settings.pg_host):
         _say(f"postgres: using external server {settings.pg_host}:{settings.pg_port}")
@@ -444,6 +466,7 @@ def _up_postgres(settings: Settings) -> None:
         time.sleep(0.25)
     applied = asyncio.run(apply_migrations(settings.pg_dsn))
     _say(f"postgres: migrations applied: {', '.join(applied)}" if applied else "postgres: ready")
+    return settings
 
 
 async def _pg_connects(dsn: str) -> bool:
@@ -462,10 +485,11 @@ def _create_role_and_database(settings: Settings) -> None:
             f"postgres: cannot log in as {settings.pg_user}; creating the role and database "
             "needs root (runuser -u postgres psql)"
         )
+    if settings.pg_password is None:
+        raise StackError(f"postgres: no password for {settings.pg_user} (SANDSTREAM_PG_PASSWORD)")
     cmd = ["runuser", "-u", "postgres", "--", *cfg.psql_bootstrap_args(settings)]
-    result = subprocess.run(
-        cmd, input=cfg.PG_BOOTSTRAP_SQL, capture_output=True, text=True, cwd="/", check=False
-    )
+    script = cfg.psql_bootstrap_input(settings.pg_password.get_secret_value(), os.urandom(16))
+    result = subprocess.run(cmd, input=script, capture_output=True, text=True, cwd="/", check=False)
     if result.returncode != 0:
         raise StackError(f"postgres: creating role/database failed:\n{_output(result)}")
     _say(f"postgres: role {settings.pg_user} and database {settings.pg_database} ready")

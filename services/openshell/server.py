@@ -1,6 +1,7 @@
 """The OpenShell-compatible gRPC server (grpcio's asyncio server), in `up` or as its own role.
 
-``start_openshell`` serves an :class:`OpenShellService` on ``host:port``. ``sandstream up``
+``start_openshell`` serves an :class:`OpenShellService` on ``host:port``, over TLS with the
+HTTP API's certificate when the settings name one. ``sandstream up``
 runs it beside the HTTP API and shares its command gateway (the publisher), pool and change
 feed; ``python -m services.openshell`` runs it alone (with its own, and a Podman driver).
 
@@ -20,11 +21,12 @@ from typing import Final
 import grpc
 
 from events.publisher import CommandPublisher
-from services.api.auth import TokenStore
 from services.api.gateway import CommandGateway
 from services.api.readmodel import ChangeFeed
+from services.api.server import Tls
 from services.common.entrypoint import run_until_signalled
 from services.common.settings import Settings
+from services.common.tokens import TokenStore
 from services.openshell.proto import openshell_pb2_grpc
 from services.openshell.service import Authenticator, OpenShellService, Pool
 
@@ -66,6 +68,7 @@ def check_settings(settings: Settings) -> None:
 class RunningOpenShell:
     server: grpc.aio.Server
     address: str  # host:port actually bound
+    tls: bool = False
 
     async def stop(self, grace: float = STOP_GRACE) -> None:
         await self.server.stop(grace)
@@ -101,15 +104,20 @@ async def start_openshell(
         else f"{host}:{settings.openshell_port}"
     )
     hint = "set SANDSTREAM_OPENSHELL_PORT (--openshell-port) or turn it off (--no-openshell)"
+    tls = Tls.of(settings)  # the HTTP API's certificate, when it has one
     try:
-        port = server.add_insecure_port(target)
+        if tls is None:
+            port = server.add_insecure_port(target)
+        else:
+            pair = (tls.keyfile.read_bytes(), tls.certfile.read_bytes())
+            port = server.add_secure_port(target, grpc.ssl_server_credentials([pair]))
     except RuntimeError as exc:
         raise OSError(f"OpenShell API: cannot listen on {target} ({exc}); {hint}") from exc
     if port == 0:
         raise OSError(f"OpenShell API: cannot listen on {target}; {hint}")
     await server.start()
     shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
-    return RunningOpenShell(server, f"{shown}:{port}")
+    return RunningOpenShell(server, f"{shown}:{port}", tls is not None)
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:

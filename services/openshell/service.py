@@ -38,9 +38,9 @@ from events.outcomes import Code, CommandOutcome
 from events.publisher import new_command_id, now
 from projections.store import SANDBOX_COLUMNS
 from services.api import readmodel
-from services.api.auth import READ, WRITE, Principal, TokenStore
 from services.api.gateway import CommandGateway, PublishFailed
 from services.api.readmodel import InvalidArgument, SandboxView
+from services.common.tokens import READ, WRITE, Denied, Principal, TokenStore
 from services.openshell import mapping
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto import sandbox_pb2
@@ -96,15 +96,13 @@ class Authenticator:
                 grpc.StatusCode.UNAUTHENTICATED,
                 "authorization metadata must be 'Bearer <token>'",
             )
-        principal = self.tokens.authenticate(value.strip())
-        if principal is None:
-            return grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token"
-        if scope not in principal.scopes:
-            return (
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"token {principal.name!r} lacks the scope {scope}",
-            )
-        return principal
+        checked = self.tokens.authorize(value.strip(), scope)
+        if isinstance(checked, Denied):
+            status = grpc.StatusCode.UNAUTHENTICATED
+            if checked.status == 403:
+                status = grpc.StatusCode.PERMISSION_DENIED
+            return status, checked.message
+        return checked
 
 
 def _metadata(context: Context) -> dict[str, str]:

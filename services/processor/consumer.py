@@ -300,6 +300,8 @@ class Processor:
     _owned: set[int] | None = None
     _assign_failure: BaseException | None = None  # raised from the poll loop
     _gaps: set[int] = field(default_factory=set)  # partitions whose cursor stopped at a gap
+    _joined: bool = False  # an assignment was applied since start (readiness)
+    _resuming: str | None = None  # the backend being waited for after losing it (readiness)
 
     def __post_init__(self) -> None:
         self._rows = RowCache(self.settings.processor_row_cache)
@@ -397,7 +399,29 @@ class Processor:
                 if lost is None:
                     raise
                 log.warning("%s lost %s (%r); resuming once it is back", self.name, lost, exc)
-                await self._resume(stop, restart_producer=lost == "Kafka")
+                self._resuming = lost
+                try:
+                    await self._resume(stop, restart_producer=lost == "Kafka")
+                finally:
+                    self._resuming = None
+
+    def health(self) -> tuple[str | None, dict[str, Any]]:
+        """Why this processor is not doing its work now (None: it is), and its partitions."""
+        owned = sorted(self._owned or ())
+        detail = {"partitions": owned, "stopped_partitions": sorted(self._stopped)}
+        if not self._joined:
+            return "not assigned partitions yet", detail
+        if self._inputs_lost is not None:
+            return str(self._inputs_lost), detail
+        if self._resuming is not None:
+            return f"waiting for {self._resuming} to come back", detail
+        if self._stopped:
+            return (
+                f"partitions {sorted(self._stopped)} stopped at a record PostgreSQL refuses "
+                "(`sandstream processor skip`)",
+                detail,
+            )
+        return None, detail
 
     def _check_partition_count(self, topic: str, found: int) -> None:
         expected = self.settings.kafka_partitions
@@ -792,6 +816,8 @@ class Processor:
                 await self.publish_pending(p)
             self._owned = partitions
             self._assign_failure = None
+            self._joined = True
+            metrics.ASSIGNED_PARTITIONS.labels("processor").set(len(partitions))
         log.info("%s assigned partitions %s", self.name, sorted(partitions))
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
@@ -806,6 +832,7 @@ class Processor:
             finally:
                 if self._owned is not None:
                     self._owned -= partitions
+                    metrics.ASSIGNED_PARTITIONS.labels("processor").set(len(self._owned))
                 self._rows.clear()
         log.info("%s released partitions %s", self.name, sorted(partitions))
 

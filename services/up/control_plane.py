@@ -24,7 +24,7 @@ import asyncpg
 from drivers.protocol import Driver
 from services.common.database import connect_pool
 from services.common.settings import Settings
-from services.common.tasks import Tasks
+from services.common.tasks import Tasks, first_of
 from services.executor.driver_side import DriverSide
 from services.executor.executor import Executor, RetryPolicy
 from services.executor.reconcile import Reconciler
@@ -97,7 +97,7 @@ class ControlPlane:
         side = self.driver_side = self._new_driver_side()
         try:
             await side.start()
-            await _first_of(stop, side.stopping)
+            await first_of(stop, side.stopping)
             if not stop.is_set():
                 raise RuntimeError("a driver-side task (executor, watcher, reconciler) crashed")
         finally:
@@ -145,12 +145,3 @@ async def open_control_plane(settings: Settings, driver: Driver, **kwargs: Any) 
     plane = ControlPlane(settings, driver, pool, owns_pool=True, **kwargs)
     await plane.start()
     return plane
-
-
-async def _first_of(*events: asyncio.Event) -> None:
-    waiters = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for waiter in waiters:
-            waiter.cancel()

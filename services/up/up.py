@@ -26,19 +26,20 @@ from aiokafka.errors import KafkaError
 
 from events.publisher import CommandPublisher
 from services.api.app import create_app
-from services.api.auth import TokenFileError, TokenSetup, TokenStore, ensure_tokens
-from services.api.provider_sync import ProviderSync
-from services.api.server import bind, start_api
+from services.api.provider_sync import ProviderSync, sync_source
+from services.api.server import Tls, bind, start_api
 from services.common.credentials import create_key_file
 from services.common.log_filter import rate_limit_kafka_logs
 from services.common.migrations import apply_migrations
 from services.common.settings import Settings
+from services.common.tokens import TokenFileError, TokenSetup, TokenStore, ensure_tokens
 from services.executor.backends import describe_driver
 from services.localstack import stack
 from services.openshell.server import (
     OpenShellConfigError,
     RunningOpenShell,
     check_settings,
+    is_loopback,
     start_openshell,
 )
 
@@ -134,7 +135,7 @@ def up(settings: Settings, *, start_stack: bool = True) -> int:
     try:
         if start_stack:
             try:
-                stack.up(settings)
+                settings = stack.up(settings)
             except stack.StackError as exc:
                 print(f"sandstream up: the stack did not come up: {exc}", file=sys.stderr)
                 return 1
@@ -192,10 +193,17 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
 
     try:
         driver = driver_from_settings(settings)
-    except ValueError as exc:
+        tls = Tls.of(settings)
+    except (ValueError, OSError) as exc:
         print(f"sandstream up: {exc}", file=sys.stderr)
         sock.close()
         return 1
+    if tls is None and not is_loopback(settings.api_host):
+        log.warning(
+            "the API listens on %s without TLS: tokens cross the network in clear "
+            "(set SANDSTREAM_API_TLS_CERTFILE and SANDSTREAM_API_TLS_KEYFILE)",
+            settings.api_host,
+        )
     plane = None
     pool = None
     publisher = CommandPublisher(settings.kafka_bootstrap, topic=settings.topic_commands)
@@ -211,7 +219,7 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
         app = create_app(
             settings, pool, publisher, TokenStore.from_file(tokens.tokens_file), down=plane.down
         )
-        api = await start_api(app, settings.api_host, settings.api_port, sock=sock)
+        api = await start_api(app, settings.api_host, settings.api_port, sock=sock, tls=tls)
         if settings.openshell_enabled:
             # A second door: the API's command gateway, pool and change feed, the same driver.
             openshell = await start_openshell(
@@ -222,8 +230,9 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
                 driver=driver,
             )
         _banner(settings, api.url, tokens, time.monotonic() - started, openshell)
-        if settings.provider_sync_dir is not None:
-            sync = ProviderSync(app.state.providers, settings.provider_sync_dir)
+        source = sync_source(settings)
+        if source is not None:
+            sync = ProviderSync(app.state.providers, source)
             sync_task = asyncio.ensure_future(sync.run(signals.stop))
 
         waiters: dict[asyncio.Future[Any], str] = {
@@ -299,7 +308,8 @@ def _banner(
 def _openshell_line(settings: Settings, openshell: RunningOpenShell | None) -> str:
     if openshell is None:
         return "off"
-    line = f"grpc://{openshell.address}   (OpenShell's gRPC API)"
+    scheme = "grpcs" if openshell.tls else "grpc"
+    line = f"{scheme}://{openshell.address}   (OpenShell's gRPC API)"
     if settings.openshell_allow_unauthenticated:
         line += "  unauthenticated local calls allowed"
     return line

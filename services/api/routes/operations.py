@@ -1,12 +1,16 @@
 """Operations: liveness, readiness (Kafka, PostgreSQL, the processor's lag and stopped
-partitions) and metrics."""
+partitions) and metrics.
+
+``/healthz`` and the bare answer of ``/readyz`` (ready or not, nothing else) are open, for
+probes. The checks of ``/readyz`` (addresses, lag, what failed and why) and ``/metrics`` need a
+token with the ``ops:read`` scope: they name backends and errors an outsider should not see."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -14,10 +18,11 @@ from events.publisher import now
 from projections.stopped import StoppedPartition, stopped_partitions
 from projections.store import CONNECTION_ERRORS
 from services.api import readmodel
-from services.api.deps import State
-from services.api.models import Check, HealthBody, ReadyBody
+from services.api.deps import Operator, State, denial
+from services.api.models import Check, HealthBody, ReadyBody, responses
 from services.common import metrics
 from services.common.log_identity import differences, recorded_identity
+from services.common.tokens import OPS, Denied, sees_operations
 
 router = APIRouter()
 
@@ -30,12 +35,19 @@ async def healthz() -> HealthBody:
 @router.get(
     "/readyz",
     response_model=ReadyBody,
-    responses={503: {"model": ReadyBody, "description": "not ready (see checks)"}},
+    responses={
+        503: {"model": ReadyBody, "description": "not ready (see checks)"},
+        **responses(401),
+    },
     tags=["operations"],
     summary="Readiness: Kafka, PostgreSQL, the log's identity, the processor's lag and "
     "stopped partitions",
+    description="Without a token: only the status (for probes). With a token: that token must "
+    "be valid (else 401); with the ops:read scope the answer has the checks, the lag and, when "
+    "not ready, what failed and why.",
 )
-async def readyz(state: State) -> JSONResponse:
+async def readyz(request: Request, state: State) -> JSONResponse:
+    detailed = _detailed(request)
     topics = [state.settings.topic_commands, state.settings.topic_observations]
     checks: dict[str, Check] = {}
     ends: dict[tuple[str, int], int] | None = None
@@ -89,6 +101,11 @@ async def readyz(state: State) -> JSONResponse:
         detail = "; ".join(s.describe() for s in stopped)
         checks["stopped_partitions"] = Check(ok=False, detail=detail)
     ready = all(c.ok for c in checks.values())
+    if not detailed:
+        if ready:
+            return JSONResponse({"status": "ready"}, 200)
+        message = f"not ready (the checks need a token with the {OPS} scope)"
+        return JSONResponse({"code": "UNAVAILABLE", "message": message, "status": "not ready"}, 503)
     body = ReadyBody(
         status="ready" if ready else "not ready",
         checks=checks,
@@ -101,6 +118,14 @@ async def readyz(state: State) -> JSONResponse:
     return JSONResponse({"code": "UNAVAILABLE", "message": f"not ready: {failing}", **body}, 503)
 
 
+def _detailed(request: Request) -> bool:
+    """Whether this caller may see the checks. A token, when sent, must be valid."""
+    seen = sees_operations(request.app.state.tokens, request.headers.get("authorization"))
+    if isinstance(seen, Denied):
+        raise denial(seen)
+    return seen
+
+
 async def _stopped(state: State, topics: list[str]) -> list[StoppedPartition]:
     async with state.pool.acquire() as conn:
         return await stopped_partitions(conn, topics)
@@ -110,10 +135,13 @@ async def _stopped(state: State, topics: list[str]) -> list[StoppedPartition]:
     "/metrics",
     response_class=Response,
     tags=["operations"],
-    summary="Prometheus metrics",
-    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    summary="Prometheus metrics (scope ops:read)",
+    responses={
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+        **responses(401, 403),
+    },
 )
-async def get_metrics(state: State) -> Response:
+async def get_metrics(_: Operator, state: State) -> Response:
     # The attention gauges are counted when read (one indexed query): rows are the truth.
     with contextlib.suppress(*CONNECTION_ERRORS, TimeoutError):
         counts = await asyncio.wait_for(

@@ -13,7 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from events.commands import AttachProvider, DetachProvider
 from events.common import INT64_MAX, CommandId, ProviderName
 from events.publisher import new_command_id, now
-from services.api.auth import PROVIDER_WRITE, Principal
 from services.api.deps import ProviderReader, ProviderWriter, State, Writer
 from services.api.errors import ApiError
 from services.api.models import COMMAND_RESPONSES, NamePath, WaitQuery, responses
@@ -23,6 +22,7 @@ from services.api.routes.commands import submit
 from services.common import providers
 from services.common.credentials import CredentialKeyError
 from services.common.providers import ProviderExists, ProviderInfo, ProviderMissing, Update
+from services.common.tokens import PROVIDER_WRITE, Principal
 
 router = APIRouter()
 

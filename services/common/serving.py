@@ -1,0 +1,59 @@
+"""Serving an ASGI app with uvicorn inside the embedding process's event loop (the HTTP API,
+the roles' health endpoints)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+
+
+class EmbeddedServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the embedding process owns the signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0: an ephemeral port); raises OSError when the port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+async def serve_started(
+    server: EmbeddedServer, sock: socket.socket, name: str = "http"
+) -> asyncio.Task[None]:
+    """Start ``server`` on ``sock``; returns its task (named ``name``) once it accepts
+    connections."""
+    task = asyncio.create_task(server.serve(sockets=[sock]), name=name)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while not server.started:
+        if task.done():
+            task.result()  # raises what stopped it
+            raise RuntimeError("the HTTP server stopped during startup")
+        if loop.time() > deadline:
+            raise RuntimeError("the HTTP server did not start within 30s")
+        await asyncio.sleep(0.01)
+    return task
+
+
+def url_of(host: str, port: int, scheme: str = "http") -> str:
+    shown = f"[{host}]" if ":" in host else host
+    if host in ("0.0.0.0", ""):
+        shown = "127.0.0.1"
+    return f"{scheme}://{shown}:{port}"
