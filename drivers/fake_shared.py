@@ -18,6 +18,7 @@ import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
 from drivers.fake import FakeDriver
@@ -25,8 +26,9 @@ from drivers.protocol import LaunchResult, LaunchSpec, OpResult, RuntimeInfo, Wa
 
 
 class SharedFakeDriver(FakeDriver):
-    def __init__(self, state_file: Path, *, actor: str = "fake-watcher") -> None:
-        super().__init__(actor=actor)
+    def __init__(self, state_file: Path, **options: Any) -> None:
+        """``options``: FakeDriver's (actor, clock, stop_timeout, ...)."""
+        super().__init__(**options)
         self.state_file = state_file
         self._lock_file = state_file.with_name(state_file.name + ".lock")
 

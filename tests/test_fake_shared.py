@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 from test_driver_fake import SID, spec
 
+from drivers.fake import FakeDriver
 from drivers.fake_shared import SharedFakeDriver
 from drivers.protocol import DriverError
+from services.common.settings import Settings
+from services.executor.backends import describe_driver, driver_from_settings
 
 
 async def test_a_runtime_launched_through_one_driver_is_stopped_and_deleted_through_another(
@@ -46,3 +49,14 @@ async def test_a_new_drivers_watch_stream_starts_with_the_shared_listing(tmp_pat
     first = await anext(stream)
     assert (first.key, first.source, first.type) == ("box", "list", "RuntimeSnapshot")
     await stream.aclose()
+
+
+def test_the_settings_fake_driver_shares_its_runtimes_when_given_a_state_file(
+    tmp_path: Path,
+) -> None:
+    shared = Settings(driver="fake", fake_state_file=tmp_path / "b")
+    driver = driver_from_settings(shared)
+    assert isinstance(driver, SharedFakeDriver) and driver.state_file == tmp_path / "b"
+    assert "shared" in describe_driver(shared)
+    alone = driver_from_settings(Settings(driver="fake"))
+    assert isinstance(alone, FakeDriver) and not isinstance(alone, SharedFakeDriver)

@@ -12,16 +12,16 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.settings import PROJECT_ROOT, Settings
 
-# The entry points: ``python -m services.processor``; the executor side (executor, watcher,
-# reconciler) with the file-backed fake driver all executors share.
+# The role commands, ``sandstream processor`` and ``sandstream executor`` (the executors with
+# SANDSTREAM_DRIVER=fake and SANDSTREAM_FAKE_STATE_FILE: one fake backend they all share).
 COMMANDS = {
-    "processor": ["-m", "services.processor"],
-    "executor": ["-m", "services.chaos.fake_executor"],
+    "processor": ["-m", "services.cli", "processor"],
+    "executor": ["-m", "services.cli", "executor"],
 }
 
 
@@ -33,7 +33,6 @@ class RoleProcess:
     index: int
     settings: Settings
     log_dir: Path
-    args: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -51,7 +50,7 @@ class RoleProcess:
             out.write(f"\n--- {time.strftime('%F %T')} starting {self.name}\n".encode())
             out.flush()
             self.proc = subprocess.Popen(
-                [sys.executable, *COMMANDS[self.role], *self.args],
+                [sys.executable, *COMMANDS[self.role]],
                 cwd=PROJECT_ROOT,
                 env=env,
                 stdin=subprocess.DEVNULL,

@@ -130,6 +130,7 @@ def client_settings(nodes: Settings) -> Settings:
         "reconcile_interval_seconds": 5.0,
         "processor_max_records": 200,
         "executor_retry_seconds": 3600.0,
+        "driver": "fake", "fake_state_file": nodes.state_dir.parent / "fake-backend.pickle",
     })  # fmt: skip
 
 
@@ -153,12 +154,9 @@ async def _run_in(
     home: Path,
     started: float,
 ) -> Result:
-    logs, fake_state = home / "logs", home / "fake-backend.pickle"
+    logs = home / "logs"
     processors = [RoleProcess("processor", i + 1, settings, logs) for i in range(plan.processors)]
-    executors = [
-        RoleProcess("executor", i + 1, settings, logs, [str(fake_state)])
-        for i in range(plan.executors)
-    ]
+    executors = [RoleProcess("executor", i + 1, settings, logs) for i in range(plan.executors)]
     joiner = RoleProcess("processor", plan.processors + 1, settings, logs)
     roles = [*processors, *executors, joiner]
     rng = random.Random(plan.seed)
@@ -187,7 +185,8 @@ async def _run_in(
                 role.start()
         await faults.wait_in_sync()
         settled = await settle(settings, pool, plan.settle_timeout)
-        driver = SharedFakeDriver(fake_state)
+        assert settings.fake_state_file is not None
+        driver = SharedFakeDriver(settings.fake_state_file)
         reconciler = Reconciler(driver, pool, producer, settings, interval=1.0)
         await reconciler.run_once()
         settled = settled and await settle(settings, pool, plan.settle_timeout)

@@ -94,6 +94,9 @@ class Settings(BaseSettings):
     # fault-injection runs of `sandstream executor` where the backend does not matter; its
     # runtimes live and die with the executor process (no watcher process can see them).
     driver: Literal["podman", "kubernetes", "fake"] = "podman"
+    # With driver "fake": keep the fake's runtimes in this file instead, shared by every
+    # process that names it (drivers/fake_shared.py), as the chaos checker's executors do.
+    fake_state_file: Path | None = None
 
     # Kubernetes driver (drivers/kubernetes.py): which cluster, and how Pods are made there.
     # kube_config None: $KUBECONFIG or ~/.kube/config, else the in-cluster service account.

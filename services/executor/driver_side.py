@@ -106,13 +106,10 @@ class DriverSide:
         await self.close()
 
 
-async def serve_driver_side(
-    settings: Settings, stop: asyncio.Event, driver: Driver | None = None
-) -> None:
-    """Executor + watcher + reconciler with ``driver`` (default: the settings') until ``stop``
-    (or a crash)."""
+async def serve_driver_side(settings: Settings, stop: asyncio.Event) -> None:
+    """Executor + watcher + reconciler with the settings' driver until ``stop`` (or a crash)."""
     pool = await connect_pool(settings)
-    driver = driver or driver_from_settings(settings)
+    driver = driver_from_settings(settings)
     side = DriverSide(settings, driver, pool)
     try:
         await side.start()
