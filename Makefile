@@ -3,7 +3,7 @@
 
 PY := .venv/bin/python
 
-.PHONY: setup stack up down lint test bench soak k8s k8s-down conformance
+.PHONY: setup stack up down lint test bench soak chaos k8s k8s-down conformance
 
 setup:  ## install Debian packages and the virtualenv (idempotent)
 	bash compose/bootstrap.sh
@@ -31,6 +31,12 @@ bench: stack k8s
 
 soak: stack
 	.venv/bin/pytest -q -m soak
+
+# The fault-injection checker, long form (docs/reliability.md); the suite runs a short one.
+# It starts a private Kafka cluster and PostgreSQL of its own; the stack is not needed.
+CHAOS_ARGS ?= --seed 2 --sandboxes 300 --duration 240
+chaos: setup
+	$(PY) -m services.chaos $(CHAOS_ARGS)
 
 # -- Kubernetes: a real kube-apiserver with kwok as the node (services/localstack/kubernetes.py).
 # The first run builds it from the Go module proxy (~10 minutes of two cores); the binaries and

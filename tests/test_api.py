@@ -26,7 +26,7 @@ from harness import eventually, isolated_env
 from drivers.fake import FakeDriver
 from events.publisher import CommandPublisher
 from events.topics import CHANGES_CHANNEL
-from services.api import readmodel
+from services.api import idempotency, readmodel
 from services.api.app import create_app
 from services.common import metrics
 from services.common import tokens as auth
@@ -321,6 +321,26 @@ async def test_an_unreachable_postgresql_is_503_json_and_counted_as_503(settings
     assert r.status_code == 503
     assert r.json()["code"] == "UNAVAILABLE"
     assert counted._value.get() == before + 1
+
+
+async def test_a_connection_a_postgresql_restart_left_broken_is_503_not_500(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the chaos checker: a create published while PostgreSQL restarted failed to
+    mark its command published with asyncpg's InternalClientError (a connection left in a
+    broken state), which was answered 500; it is the database being away: 503, and a retry
+    with the same command id gets the outcome."""
+
+    async def broken(pool: object, command_id: str) -> None:
+        raise asyncpg.exceptions.InternalClientError(
+            "cannot switch to state 12; another operation (2) is in progress"
+        )
+
+    monkeypatch.setattr(idempotency, "mark_published", broken)
+    async with apikit.running_api(None) as api, api.client() as c:
+        r = await c.post("/v1/sandboxes", json=create_body(unique("broken")))
+    assert r.status_code == 503
+    assert r.json()["code"] == "UNAVAILABLE"
 
 
 # --------------------------------------------------------------------------- outcome errors

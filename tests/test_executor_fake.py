@@ -432,13 +432,12 @@ async def test_an_intent_in_flight_during_a_rebalance_is_not_lost_or_doubled() -
             assert_confirms_ready(result)
 
 
-async def test_a_restart_overtaken_by_a_stop_is_dropped_and_still_stops_the_older_generation() -> (
-    None
-):
-    """The caller's slow lane (one wide) is busy, so y's restart waits; a stop of y is decided
-    meanwhile. The restart's launch is dropped (the row is Stopping generation 2), generation
-    1 is stopped instead of left running, and y ends Stopped with no generation 2 runtime."""
-    driver = FakeDriver()
+async def commands_queued_behind_a_busy_lane(
+    driver: FakeDriver, makes: list[Any], generation: int
+) -> int:
+    """y is Ready; the caller's slow lane (one wide) is busy with a held stop of another
+    sandbox while ``makes`` are decided for y, the last a stop of ``generation``; then the lane
+    is freed and y must end Stopped at that generation. The executor's dropped intents."""
     async with isolated_env() as env:
         settings = env.settings.model_copy(update={"executor_slow_per_caller": 1})
         plane = ControlPlane(settings, driver, env.pool, reconcile_interval=3600, retry=FAST_RETRY)
@@ -452,17 +451,42 @@ async def test_a_restart_overtaken_by_a_stop_is_dropped_and_still_stops_the_olde
                 held = driver.block("stop", "blocker")
                 await command(env, pub, f.stop("blocker"))
                 await held.entered()  # the caller's lane is taken
-                await command(env, pub, f.restart("y"))
-                await command(env, pub, f.stop("y"))
-                await wait_phase(env, "y", "Stopping", generation=2)
+                for make in makes:
+                    await command(env, pub, make("y"))
+                await wait_phase(env, "y", "Stopping", generation=generation)
                 held.release()
-                await wait_phase(env, "y", "Stopped", generation=2)
-                assert plane.executor is not None and plane.executor.dropped == 1
+                await wait_phase(env, "y", "Stopped", generation=generation)
+                return executor_of(plane).dropped
         finally:
             await plane.stop()
-        assert [c.generation for c in driver.calls_for("launch", "y")] == [1]
-        assert [c.generation for c in driver.calls_for("stop", "y")] == [1, 2]
-        assert [(i.generation, i.state) for i in await driver.get("y")] == [(1, "exited")]
+
+
+async def test_a_restart_overtaken_by_a_stop_is_dropped_and_still_stops_the_older_generation() -> (
+    None
+):
+    """y's restart waits for the busy lane; a stop of y is decided meanwhile. The restart's
+    launch is dropped (the row is Stopping generation 2), generation 1 is stopped instead of
+    left running, and y ends Stopped with no generation 2 runtime."""
+    driver = FakeDriver()
+    assert await commands_queued_behind_a_busy_lane(driver, [f.restart, f.stop], 2) == 1
+    assert [c.generation for c in driver.calls_for("launch", "y")] == [1]
+    assert [c.generation for c in driver.calls_for("stop", "y")] == [1, 2]
+    assert [(i.generation, i.state) for i in await driver.get("y")] == [(1, "exited")]
+
+
+async def test_a_chain_of_restarts_and_stops_overtaken_in_the_queue_stops_the_oldest_runtime() -> (
+    None
+):
+    """Found by the chaos checker: y's stop, restart, stop, restart, stop queue up behind the
+    busy lane. The first stop is then dropped (the row is at generation 3), the launches
+    between are skipped or dropped and never run, so the runtime still running is generation
+    1, not the last launch's previous generation (2): it must be stopped, not left running
+    under a Stopped row."""
+    driver = FakeDriver()
+    chain = [f.stop, f.restart, f.stop, f.restart, f.stop]
+    await commands_queued_behind_a_busy_lane(driver, chain, 3)
+    assert [c.generation for c in driver.calls_for("launch", "y")] == [1]
+    assert [(i.generation, i.state) for i in await driver.get("y")] == [(1, "exited")]
 
 
 def test_an_executor_picks_up_only_sandboxes_of_its_own_partitions() -> None:

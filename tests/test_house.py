@@ -30,6 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "roles": {"common", "processor", "executor", "scheduler", "api", "localstack"},
     "cli": {"common", "api", "processor", "up", "audit", "roles"},
     "bench": {"common", "processor", "executor", "api", "up", "localstack"},
+    "chaos": {"common", "processor", "executor", "audit", "api", "localstack"},
 }
 # Libraries a lower layer must not reach for: events/ holds schemas and Kafka helpers only.
 FORBIDDEN_LIBRARIES = {"events": {"asyncpg", "fastapi", "podman"}}

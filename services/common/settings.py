@@ -51,6 +51,10 @@ class Settings(BaseSettings):
     kafka_credentials_file: Path | None = None
     kafka_credentials: SecretStr | None = None
     kafka_partitions: int = Field(default=12, ge=1)
+    # Brokers of the local stack: 1 (the default), or a KRaft cluster of this many combined
+    # broker+controller nodes on consecutive port pairs (services/localstack/cluster.py);
+    # topics then get min(3, brokers) replicas and min.insync.replicas=2 from three brokers.
+    kafka_brokers: int = Field(default=1, ge=1, le=9)
     # retention.ms set on the project topics when they are created: -1 keeps them forever,
     # which replays (rebuild, a fresh processor) and the audit need; tiered storage can move
     # old segments to object storage instead (docs/operations.md).
@@ -104,6 +108,9 @@ class Settings(BaseSettings):
     # fault-injection runs of `sandstream executor` where the backend does not matter; its
     # runtimes live and die with the executor process (no watcher process can see them).
     driver: Literal["podman", "kubernetes", "fake"] = "podman"
+    # With driver "fake": keep the fake's runtimes in this file instead, shared by every
+    # process that names it (drivers/fake_shared.py), as the chaos checker's executors do.
+    fake_state_file: Path | None = None
 
     # Kubernetes driver (drivers/kubernetes.py): which cluster, and how Pods are made there.
     # kube_config None: $KUBECONFIG or ~/.kube/config, else the in-cluster service account.

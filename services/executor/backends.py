@@ -61,14 +61,20 @@ def driver_from_settings(settings: Settings) -> Driver:
 
 
 def fake_driver(settings: Settings) -> Driver:
-    """The in-memory fake, timed by the wall clock (its runtimes live in this process only)."""
+    """The fake, timed by the wall clock: its runtimes in this process only, or in
+    ``settings.fake_state_file``, shared by every process that names it."""
     from datetime import UTC, datetime
 
     from drivers.fake import FakeDriver
+    from drivers.fake_shared import SharedFakeDriver
 
-    return FakeDriver(
-        clock=lambda: datetime.now(UTC), stop_timeout=float(settings.stop_timeout_seconds)
-    )
+    options: dict[str, Any] = {
+        "clock": lambda: datetime.now(UTC),
+        "stop_timeout": float(settings.stop_timeout_seconds),
+    }
+    if settings.fake_state_file is not None:
+        return SharedFakeDriver(settings.fake_state_file, **options)
+    return FakeDriver(**options)
 
 
 def describe_driver(settings: Settings, show: Callable[[Path], str] = str) -> str:
@@ -76,6 +82,8 @@ def describe_driver(settings: Settings, show: Callable[[Path], str] = str) -> st
     if settings.driver == "kubernetes":
         where = show(settings.kube_config) if settings.kube_config else "default kubeconfig"
         return f"kubernetes (namespace {settings.kube_namespace}, {where})"
+    if settings.driver == "fake" and settings.fake_state_file is not None:
+        return f"fake (shared through {show(settings.fake_state_file)})"
     if settings.driver == "fake":
         return "fake (in memory, this process only)"
     return f"podman ({show(settings.podman_socket_path)})"

@@ -682,7 +682,7 @@ class Executor:
         log.debug("%s of %s generation %d dropped: %s",
                   intent.operation, intent.key, intent.generation, why)  # fmt: skip
         # A start or restart overtaken by a stop of its own generation may never have run:
-        # it still owes the older generation its stop, which would otherwise keep running.
+        # it still owes the older generations their stop, which would otherwise keep running.
         if intent.operation == "launch" and intent.previous_generation is not None:
             row = await read_row(self.pool, intent.key)
             if (
@@ -690,11 +690,28 @@ class Executor:
                 and (row.sandbox_id, row.generation) == (intent.sandbox_id, intent.generation)
                 and row.phase in (Phase.STOPPING, Phase.STOPPED)
             ):
-                older = replace(intent, operation="stop", generation=intent.previous_generation)
+                await self._stop_older(intent)
+
+    async def _stop_older(self, intent: Intent) -> None:
+        """Stop every runtime of the intent's incarnation older than its generation that still
+        runs. Not only the previous generation: when a chain of starts and stops queued up,
+        the launches between were skipped or dropped, and the one running may be older."""
+        try:
+            runtimes = await self.driver.get(intent.key)
+        except Exception as exc:
+            log.warning("listing %s to stop its older generations failed: %r", intent.key, exc)
+            return
+        for runtime in runtimes:
+            if (
+                runtime.sandbox_id == intent.sandbox_id
+                and runtime.generation < intent.generation
+                and runtime.state != "exited"
+            ):
+                older = replace(intent, operation="stop", generation=runtime.generation)
                 result = await self._driver_call(older)
                 if isinstance(result, DriverError):
                     log.warning("stopping generation %d of %s failed: %s",
-                                intent.previous_generation, intent.key, result.reason)  # fmt: skip
+                                runtime.generation, intent.key, result.reason)  # fmt: skip
 
     # -- offsets and rebalances --------------------------------------------------------------
 

@@ -1,7 +1,7 @@
-"""``python -m services.localstack up|down|status``: the local stack."""
+"""``python -m services.localstack up|down|status [--brokers N]``: the local stack."""
 
 import sys
 
-from services.localstack.stack import main
+from services.localstack.cli import main
 
 sys.exit(main())

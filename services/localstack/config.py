@@ -115,10 +115,30 @@ def render_server_properties(template: str, settings: Settings) -> str:
     )
 
 
+# With three or more brokers a write is acknowledged once two replicas have it (the producers
+# use acks=all), so one broker can be lost without losing an acknowledged record or stopping.
+MAX_REPLICATION = 3
+CLUSTER_MIN_INSYNC = 2
+
+
+def replication_factor(settings: Settings) -> int:
+    """Replicas of every project topic: one per broker, at most three."""
+    return min(MAX_REPLICATION, settings.kafka_brokers)
+
+
+def min_insync_replicas(settings: Settings) -> int:
+    return CLUSTER_MIN_INSYNC if settings.kafka_brokers >= MAX_REPLICATION else 1
+
+
 def topic_configs(settings: Settings) -> dict[str, str]:
     """Configs every project topic is created with: retention explicit (forever by default),
-    never left to the broker's default, since a replay needs the log from offset 0."""
-    return {"retention.ms": str(settings.kafka_retention_ms), "retention.bytes": "-1"}
+    never left to the broker's default, since a replay needs the log from offset 0; on a
+    cluster, the replicas an acknowledged write needs."""
+    return {
+        "retention.ms": str(settings.kafka_retention_ms),
+        "retention.bytes": "-1",
+        "min.insync.replicas": str(min_insync_replicas(settings)),
+    }
 
 
 def kafka_java_command(settings: Settings, main_class: str, *args: str) -> list[str]:

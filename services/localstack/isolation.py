@@ -22,7 +22,7 @@ from services.common.kafka_clients import kafka_client_args
 from services.common.migrations import apply_migrations
 from services.common.settings import Settings
 from services.localstack import kafka_auth
-from services.localstack.config import topic_configs
+from services.localstack.config import replication_factor, topic_configs
 
 
 def isolated_settings(base: Settings, prefix: str, **overrides: Any) -> Settings:
@@ -52,7 +52,12 @@ async def isolated(
     try:
         await admin.create_topics(
             [
-                NewTopic(t, settings.kafka_partitions, 1, topic_configs=topic_configs(settings))
+                NewTopic(
+                    t,
+                    settings.kafka_partitions,
+                    replication_factor(settings),
+                    topic_configs=topic_configs(settings),
+                )
                 for t in topics
             ]
         )

@@ -14,7 +14,6 @@ Runtime files (configs, data, logs, pid files, the Podman socket) live under
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hashlib
@@ -25,11 +24,10 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +38,7 @@ from podman import PodmanClient
 from services.common.kafka_clients import kafka_client_args
 from services.common.migrations import apply_migrations
 from services.common.secret_files import create_secret_file, read_secret_file
-from services.common.settings import Settings, load_settings
+from services.common.settings import Settings
 from services.localstack import config as cfg
 from services.localstack import kafka_auth
 
@@ -371,7 +369,10 @@ async def _create_topics(settings: Settings) -> list[str]:
             response = await admin.create_topics(
                 [
                     NewTopic(
-                        t, settings.kafka_partitions, 1, topic_configs=cfg.topic_configs(settings)
+                        t,
+                        settings.kafka_partitions,
+                        cfg.replication_factor(settings),
+                        topic_configs=cfg.topic_configs(settings),
                     )
                     for t in missing
                 ]
@@ -657,26 +658,3 @@ def _podman_status(settings: Settings) -> ComponentStatus:
     return ComponentStatus(
         "podman", True, f"{settings.podman_url} ({owner}); {settings.sandbox_image}"
     )
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m services.localstack", description="Manage the local sandstream stack."
-    )
-    parser.add_argument("command", choices=("up", "down", "status"))
-    args = parser.parse_args(argv)
-    settings = load_settings()
-    try:
-        if args.command == "up":
-            up(settings)
-        elif args.command == "down":
-            down(settings)
-        else:
-            return 0 if all(c.running for c in status(settings)) else 1
-    except StackError as exc:
-        print(f"stack: error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    return 0

@@ -1,0 +1,41 @@
+"""The checker's table: what was injected and driven, and what the checks found."""
+
+from __future__ import annotations
+
+from services.chaos.faults import KINDS
+from services.chaos.run import Result
+
+SHOWN_FINDINGS = 20
+
+
+def table(result: Result) -> str:
+    plan = result.plan
+    lines = [
+        f"chaos run: seed {plan.seed}, {plan.sandboxes} sandboxes, {plan.duration:.0f}s of "
+        f"workload under faults, 3 Kafka brokers, {plan.processors} processors, "
+        f"{plan.executors} executors, {plan.partitions} partitions ({result.elapsed:.0f}s in all)",
+        "",
+        f"{'faults injected':<34}{sum(result.faults.values()):>8}",
+        *(f"  {kind:<32}{result.faults[kind]:>8}" for kind in KINDS),
+        f"{'commands sent (distinct ids)':<34}{result.commands:>8}",
+        f"  {'acknowledged by the API':<32}{result.acknowledged:>8}",
+        *(
+            f"  {what:<32}{n:>8}"
+            for what, n in sorted(result.workload.items())
+            if not what.startswith("command ")
+        ),
+        f"{'inputs decided (history)':<34}{result.inputs:>8}",
+        f"{'decided events':<34}{result.events.decided:>8}",
+        f"  {'republished after a crash':<32}{result.events.republished:>8}",
+        f"{'settled after healing':<34}{'yes' if result.settled else 'NO':>8}",
+        f"{'lost':<34}{result.count('lost'):>8}",
+        f"{'duplicated':<34}{result.count('duplicated'):>8}",
+        f"{'divergences':<34}{result.count('divergence'):>8}",
+    ]
+    for finding in result.findings[:SHOWN_FINDINGS]:
+        lines.append(f"{finding.kind.upper()} [{finding.check}] {finding.detail}")
+    if len(result.findings) > SHOWN_FINDINGS:
+        lines.append(f"... and {len(result.findings) - SHOWN_FINDINGS} more")
+    if not result.ok:
+        lines.append(f"logs kept in {result.home}")
+    return "\n".join(lines)

@@ -1,0 +1,283 @@
+"""One checker run: bring up a private three-broker cluster and PostgreSQL, the roles as
+processes, drive the workload while injecting faults, heal, settle, check, tear down.
+
+``python -m services.chaos --seed N --sandboxes N --duration SECONDS`` (``make chaos``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+import shutil
+import socket
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from drivers.fake_shared import SharedFakeDriver
+from events.publisher import CommandPublisher
+from services.api.app import create_app
+from services.api.server import start_api
+from services.chaos import checks
+from services.chaos.faults import Faults
+from services.chaos.launch import RoleProcess
+from services.chaos.postgres import PrivatePostgres
+from services.chaos.workload import Workload
+from services.common.secret_files import create_secret_file, read_secret_file
+from services.common.settings import Settings
+from services.common.tokens import SCOPES, TokenStore
+from services.executor.reconcile import Reconciler
+from services.localstack import cluster
+from services.localstack import cluster_config as cc
+from services.localstack.isolation import isolated
+
+TOKEN = "sst_chaos-admin"
+SETTLE_CHECKS = 3  # consecutive quiet checks, a second apart
+
+
+@dataclass(frozen=True)
+class Plan:
+    seed: int = 1
+    sandboxes: int = 300
+    duration: float = 60.0  # seconds of workload under faults (at least one of each kind)
+    fault_interval: tuple[float, float] = (2.0, 6.0)
+    processors: int = 2
+    executors: int = 2
+    partitions: int = 6
+    settle_timeout: float = 240.0
+
+
+@dataclass
+class Result:
+    plan: Plan
+    faults: Counter[str]
+    workload: Counter[str]
+    commands: int
+    acknowledged: int
+    inputs: int
+    events: checks.EventStats
+    findings: list[checks.Finding]
+    elapsed: float
+    home: Path
+    settled: bool = True
+    notes: list[str] = field(default_factory=list)
+
+    def count(self, kind: checks.Kind) -> int:
+        return sum(1 for f in self.findings if f.kind == kind)
+
+    @property
+    def ok(self) -> bool:
+        return self.settled and not self.findings
+
+
+def _free_port_run(length: int) -> int:
+    """A port P such that P .. P+length-1 are free now."""
+    rng = random.Random()
+    while True:
+        base = rng.randrange(20000, 60000 - length)
+        if all(_free(base + i) for i in range(length)):
+            return base
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@asynccontextmanager
+async def private_stack(
+    base: Settings, home: Path, partitions: int
+) -> AsyncIterator[tuple[Settings, PrivatePostgres]]:
+    """A three-node Kafka cluster and a PostgreSQL server of the run's own; the settings that
+    reach them (``kafka_bootstrap`` lists every node)."""
+    kafka = _free_port_run(7)  # three nodes' port pairs, then PostgreSQL's
+    password = home / "pg-password"  # read by the role processes (mode 0600)
+    create_secret_file(password, secrets.token_urlsafe(24))
+    nodes = base.model_copy(update={
+        "kafka_bootstrap": f"127.0.0.1:{kafka}", "kafka_controller_port": kafka + 1,
+        "kafka_brokers": 3, "kafka_partitions": partitions, "state_dir": home / "kafka",
+        "pg_host": "127.0.0.1", "pg_port": kafka + 6,
+        "pg_password_file": password, "pg_password": read_secret_file(password),
+    })  # fmt: skip
+    postgres = PrivatePostgres(home / "postgres", nodes.pg_port, nodes.pg_cluster_version)
+    try:
+        started = await asyncio.to_thread(cluster.start, nodes)
+        await asyncio.to_thread(postgres.init, nodes)
+        await asyncio.to_thread(cluster.wait, nodes, started)
+        yield nodes, postgres
+    finally:
+        await asyncio.to_thread(cluster.stop, nodes)
+        await asyncio.to_thread(postgres.remove)
+
+
+def client_settings(nodes: Settings) -> Settings:
+    return nodes.model_copy(update={
+        "kafka_bootstrap": cc.bootstrap_list(nodes),
+        "kafka_session_timeout_ms": 6000,
+        "kafka_request_timeout_ms": 15000,
+        "reconcile_interval_seconds": 5.0,
+        "processor_max_records": 200,
+        "executor_retry_seconds": 3600.0,
+        "driver": "fake", "fake_state_file": nodes.state_dir.parent / "fake-backend.pickle",
+    })  # fmt: skip
+
+
+async def run(plan: Plan, base: Settings, home: Path | None = None) -> Result:
+    started = time.monotonic()
+    home = home or Path(tempfile.mkdtemp(prefix="sandstream-chaos-"))
+    home.chmod(0o755)  # the private PostgreSQL runs as its own user
+    async with (
+        private_stack(base, home, plan.partitions) as (nodes, postgres),
+        isolated(client_settings(nodes), "chaos") as (settings, pool),
+    ):
+        return await _run_in(plan, nodes, settings, pool, postgres, home, started)
+
+
+async def _run_in(
+    plan: Plan,
+    nodes: Settings,
+    settings: Settings,
+    pool: checks.Pool,
+    postgres: PrivatePostgres,
+    home: Path,
+    started: float,
+) -> Result:
+    logs = home / "logs"
+    processors = [RoleProcess("processor", i + 1, settings, logs) for i in range(plan.processors)]
+    executors = [RoleProcess("executor", i + 1, settings, logs) for i in range(plan.executors)]
+    joiner = RoleProcess("processor", plan.processors + 1, settings, logs)
+    roles = [*processors, *executors, joiner]
+    rng = random.Random(plan.seed)
+    faults = Faults(rng, nodes, settings, processors, executors, joiner, postgres)
+    publisher = CommandPublisher(settings.kafka_bootstrap, topic=settings.topic_commands)
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all",
+                                enable_idempotence=True)  # fmt: skip
+    await publisher.__aenter__()
+    await producer.start()
+    app = create_app(settings, pool, publisher, TokenStore.of(admin=(TOKEN, *SCOPES)))
+    api = await start_api(app, "127.0.0.1", 0, access_log=False)
+    client = httpx.AsyncClient(base_url=api.url, timeout=20,
+                               headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+    workload = Workload(settings, client, producer, plan.seed, plan.sandboxes)
+    try:
+        for role in [*processors, *executors]:
+            role.start()
+        stop = asyncio.Event()
+        driving = asyncio.gather(workload.run(stop), faults.run(stop, plan.fault_interval))
+        await asyncio.sleep(plan.duration)
+        await faults.every_kind.wait()  # a short run goes on until it has seen every fault
+        stop.set()
+        await driving
+        for role in [*processors, *executors]:  # heal: everything runs
+            if not role.running():
+                role.start()
+        await faults.wait_in_sync()
+        settled = await settle(settings, pool, plan.settle_timeout)
+        assert settings.fake_state_file is not None
+        driver = SharedFakeDriver(settings.fake_state_file)
+        reconciler = Reconciler(driver, pool, producer, settings, interval=1.0)
+        await reconciler.run_once()
+        settled = settled and await settle(settings, pool, plan.settle_timeout)
+        runtimes = await driver.list()
+    finally:
+        for role in roles:
+            await asyncio.to_thread(role.stop)
+        await client.aclose()
+        await api.stop()
+        await producer.stop()
+        await publisher.__aexit__()
+    findings = await checks.commands(pool, workload.sent.values())
+    findings += await checks.history(pool)
+    findings += await checks.redecided(settings)
+    findings += await checks.rebuild(settings)
+    event_findings, event_stats = await checks.events(settings, pool)
+    findings += event_findings
+    findings += await checks.backend(pool, runtimes)
+    if findings:
+        await _keep_histories(pool, findings, home / "findings.txt")
+    return Result(
+        plan=plan,
+        faults=faults.counts,
+        workload=workload.counts,
+        commands=len(workload.sent),
+        acknowledged=sum(1 for s in workload.sent.values() if s.acknowledged),
+        inputs=await pool.fetchval("SELECT count(*) FROM history"),
+        events=event_stats,
+        findings=findings,
+        elapsed=time.monotonic() - started,
+        home=home,
+        settled=settled,
+    )
+
+
+async def settle(settings: Settings, pool: checks.Pool, timeout: float) -> bool:
+    """Wait until the processors have decided every input, the outbox is published and no row
+    is in a progressing phase, for ``SETTLE_CHECKS`` checks in a row; False at the timeout."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap)
+    await consumer.start()
+    try:
+        deadline = time.monotonic() + timeout
+        quiet = 0
+        while quiet < SETTLE_CHECKS:
+            if time.monotonic() > deadline:
+                return False
+            quiet = quiet + 1 if await _quiet(settings, pool, consumer) else 0
+            await asyncio.sleep(1.0)
+        return True
+    finally:
+        await consumer.stop()
+
+
+async def _quiet(settings: Settings, pool: checks.Pool, consumer: AIOKafkaConsumer) -> bool:
+    inputs = [settings.topic_commands, settings.topic_observations]
+    partitions = [TopicPartition(t, p) for t in inputs for p in range(settings.kafka_partitions)]
+    try:
+        ends = await consumer.end_offsets(partitions)
+        stored = {
+            (r["topic"], r["partition"]): r["next_offset"]
+            for r in await pool.fetch("SELECT topic, partition, next_offset FROM input_offsets")
+        }
+        unpublished = await pool.fetchval(
+            "SELECT count(*) FROM outbox o LEFT JOIN outbox_cursor c USING (partition) "
+            "WHERE o.id > coalesce(c.published_id, 0)"
+        )
+        progressing = await pool.fetchval(
+            "SELECT count(*) FROM sandboxes "
+            "WHERE phase IN ('Provisioning', 'Starting', 'Stopping', 'Deleting')"
+        )
+    except Exception:
+        return False
+    behind = sum(end - stored.get((tp.topic, tp.partition), 0) for tp, end in ends.items())
+    return bool(behind == 0 and unpublished == 0 and progressing == 0)
+
+
+async def _keep_histories(pool: checks.Pool, findings: list[checks.Finding], path: Path) -> None:
+    """The findings, and the history of each sandbox they name, for a look after the run (the
+    schema is dropped with the run)."""
+    keys = sorted({f.detail.split(":", 1)[0] for f in findings})
+    rows = await pool.fetch(
+        'SELECT key, topic, partition, "offset", message_type, command_id, disposition, '
+        "reason, phase, generation, version FROM history WHERE key = ANY($1) ORDER BY key, id",
+        keys,
+    )
+    lines = [f"{f.kind} [{f.check}] {f.detail}" for f in findings] + [""]
+    lines += [" | ".join(str(v) for v in r.values()) for r in rows]
+    await asyncio.to_thread(path.write_text, "\n".join(lines) + "\n")
+
+
+def remove_home(result: Result) -> None:
+    """A passing run leaves nothing behind; a failing one keeps its logs for a look."""
+    if result.ok:
+        shutil.rmtree(result.home, ignore_errors=True)

@@ -1,0 +1,125 @@
+"""Start, stop and inspect a local KRaft cluster of ``settings.kafka_brokers`` nodes.
+
+``python -m services.localstack up --brokers 3`` uses it instead of the single broker; the
+checker (services/chaos) starts one of its own and kills, restarts, pauses and resumes single
+nodes of it. Layout and properties: services/localstack/cluster_config.py. Each node's files
+(properties, data, log, pid file) live under its own state dir; all share one cluster id.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+from services.common.settings import Settings
+from services.localstack import cluster_config as cc
+from services.localstack import config as cfg
+from services.localstack import stack
+
+
+def up(settings: Settings) -> Settings:
+    """``stack.up`` with a cluster of ``settings.kafka_brokers`` nodes for the broker."""
+    started = time.monotonic()
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    nodes = start(settings)  # the JVMs boot while PostgreSQL and Podman come up
+    settings = stack._up_postgres(settings)
+    stack._up_podman(settings)
+    wait(settings, nodes)
+    stack.ensure_topics(settings)
+    stack._say(f"up in {time.monotonic() - started:.1f}s")
+    return settings
+
+
+def down(settings: Settings) -> None:
+    """``stack.down``, and the cluster's nodes."""
+    if stop(settings):
+        stack._say("kafka: cluster nodes stopped")
+    stack.down(settings)
+
+
+def status(settings: Settings) -> list[stack.ComponentStatus]:
+    """``stack.status`` with the cluster's state for Kafka's."""
+    down = [n.node_id for n in cc.nodes(settings) if not stack._kafka_answers(n.address)]
+    if down:
+        kafka = stack.ComponentStatus("kafka", False, f"nodes {down} not answering")
+    else:
+        where = cc.bootstrap_list(settings)
+        kafka = stack.ComponentStatus("kafka", True, f"{settings.kafka_brokers} nodes at {where}")
+    components = [kafka, stack._postgres_status(settings), stack._podman_status(settings)]
+    for c in components:
+        print(f"{c.name:<10} {'up' if c.running else 'DOWN':<5} {c.detail}", flush=True)
+    return components
+
+
+def start(settings: Settings) -> dict[int, subprocess.Popen[bytes]]:
+    """Start every node that does not run; return the new processes by node id."""
+    stack._resolve_kafka_libs(settings)
+    started = {}
+    for node in cc.nodes(settings):
+        proc = start_node(settings, node)
+        if proc is not None:
+            started[node.node_id] = proc
+    return started
+
+
+def start_node(settings: Settings, node: cc.Node) -> subprocess.Popen[bytes] | None:
+    """Start ``node`` unless it runs (None then); its storage is formatted on first start."""
+    paths = cfg.kafka_paths(node.settings)
+    pid = stack._live_pid(paths.pid, str(paths.properties))
+    if pid is not None:
+        stack._say(f"kafka: node {node.node_id} running (pid {pid})")
+        return None
+    paths.home.mkdir(parents=True, exist_ok=True)
+    template = cfg.KAFKA_PROPERTIES_TEMPLATE.read_text()
+    stack._write_if_changed(paths.properties, cc.node_properties(template, settings, node))
+    shared_id = cc.cluster_home(settings) / "cluster.id"
+    if not shared_id.exists():
+        shared_id.write_text(cfg.new_kafka_cluster_id() + "\n")
+    stack._write_if_changed(paths.cluster_id, shared_id.read_text())
+    stack._format_kafka_storage(node.settings)
+    proc = stack._spawn(
+        cfg.kafka_java_command(node.settings, "kafka.Kafka", str(paths.properties)),
+        log=paths.log,
+        pidfile=paths.pid,
+    )
+    stack._say(f"kafka: node {node.node_id} starting (pid {proc.pid}) on {node.address}")
+    return proc
+
+
+def wait(settings: Settings, procs: dict[int, subprocess.Popen[bytes]]) -> None:
+    """Block until every node answers a metadata request."""
+    started = time.monotonic()
+    for node in cc.nodes(settings):
+        stack._wait_for(
+            partial(stack._kafka_answers, node.address),
+            what=f"kafka node {node.node_id}",
+            timeout=stack.KAFKA_START_TIMEOUT,
+            log=cfg.kafka_paths(node.settings).log,
+            proc=procs.get(node.node_id),
+        )
+    if procs:
+        stack._say(f"kafka: {len(procs)} node(s) ready after {time.monotonic() - started:.1f}s")
+
+
+def node_pid(node: cc.Node) -> int | None:
+    paths = cfg.kafka_paths(node.settings)
+    return stack._live_pid(paths.pid, str(paths.properties))
+
+
+def stop(settings: Settings) -> int:
+    """Stop every running node (also those of a larger cluster started earlier from these
+    settings' state dir); the number stopped."""
+    home = cc.cluster_home(settings)
+    found = len(list(home.glob("node-*"))) if home.exists() else 0
+    settings = settings.model_copy(update={"kafka_brokers": max(settings.kafka_brokers, found)})
+    # All at once: a node stopped last, alone, would wait for a quorum to shut down cleanly.
+    with ThreadPoolExecutor(max(1, settings.kafka_brokers)) as pool:
+        stopped = pool.map(_stop_node, cc.nodes(settings))
+    return sum(stopped)
+
+
+def _stop_node(node: cc.Node) -> bool:
+    paths = cfg.kafka_paths(node.settings)
+    return stack._stop_pid(paths.pid, str(paths.properties), f"kafka node {node.node_id}")

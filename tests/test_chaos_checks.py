@@ -1,0 +1,79 @@
+"""The checker's end checks find what they must: each planted loss, duplicate or divergence."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+
+from drivers.protocol import RuntimeInfo
+from services.chaos import checks
+from services.chaos.workload import Sent
+
+SID = uuid.uuid4()
+
+
+def kinds(found: list[checks.Finding]) -> list[tuple[str, str]]:
+    return [(f.kind, f.check) for f in found]
+
+
+def test_an_acknowledged_command_without_an_outcome_is_lost_and_one_decided_twice_duplicated() -> (
+    None
+):
+    sent = [Sent("c1", "a", "create", 202, True), Sent("c2", "a", "stop", None, False)]
+    clean = checks.command_findings(sent, Counter({"c1": 1}), Counter({"c1": 1}))
+    assert clean == []  # c2 got no answer: having no outcome is allowed
+    assert kinds(checks.command_findings(sent, Counter(), Counter())) == [("lost", "commands")]
+    twice = checks.command_findings(sent, Counter({"c1": 1}), Counter({"c1": 2}))
+    assert kinds(twice) == [("duplicated", "commands")]
+    stranger = checks.command_findings(sent, Counter({"c1": 1, "zz": 1}), Counter({"c1": 1}))
+    assert kinds(stranger) == [("divergence", "commands")]
+
+
+def test_history_versions_must_be_contiguous_per_sandbox() -> None:
+    def entry(i: int, disposition: str, version: int, key: str = "a") -> dict[str, object]:
+        return {"id": i, "key": key, "disposition": disposition, "version": version}
+
+    good = [entry(1, "rejected", 0), entry(2, "applied", 1), entry(3, "ignored", 1),
+            entry(4, "applied", 2), entry(5, "applied", 1, key="b")]  # fmt: skip
+    assert checks.history_findings(good) == []
+    gap = [entry(1, "applied", 1), entry(2, "applied", 3)]
+    assert kinds(checks.history_findings(gap)) == [("divergence", "history")]
+    again = [entry(1, "applied", 1), entry(2, "applied", 2), entry(3, "applied", 2)]
+    assert kinds(checks.history_findings(again)) == [("duplicated", "history")]
+
+
+def test_decided_events_must_all_be_published_in_order_and_repeats_are_counted() -> None:
+    decided = {"a": [("e1", 1), ("e2", 2), ("e3", 3)]}
+    assert checks.event_findings(decided, {"a": ["e1", "e2", "e3"]}) == ([], 0)
+    assert checks.event_findings(decided, {"a": ["e1", "e2", "e1", "e3", "e2"]}) == ([], 2)
+    found, _ = checks.event_findings(decided, {"a": ["e1", "e3"]})
+    assert kinds(found) == [("lost", "events")]
+    found, _ = checks.event_findings(decided, {"a": ["e2", "e1", "e3"]})
+    assert kinds(found) == [("divergence", "events")]
+    found, _ = checks.event_findings({"a": [("e1", 1), ("e2", 3)]}, {"a": ["e1", "e2"]})
+    assert kinds(found) == [("divergence", "events")]
+    found, _ = checks.event_findings(decided, {"a": ["e1", "e2", "e3"], "b": ["x"]})
+    assert kinds(found) == [("divergence", "events")]
+
+
+def runtime(key: str, generation: int, state: str = "running") -> RuntimeInfo:
+    return RuntimeInfo(key, SID, generation, state, None, f"rt-{key}-{generation}", None)  # type: ignore[arg-type]
+
+
+def test_the_backend_must_run_every_ready_generation_and_nothing_stopped_or_deleted() -> None:
+    def row(key: str, phase: str, generation: int = 2) -> dict[str, object]:
+        return {"key": key, "sandbox_id": SID, "generation": generation, "phase": phase}
+
+    rows = [row("r", "Ready"), row("s", "Stopped"), row("d", "Deleted"), row("e", "Error")]
+    agreeing = [runtime("r", 2), runtime("s", 2, "exited"), runtime("e", 2)]
+    assert checks.backend_findings(rows, agreeing) == []
+    for runtimes, why in (
+        ([runtime("r", 1)], "Ready, nothing runs"),  # an older generation is not this one
+        ([runtime("r", 2), runtime("s", 2)], "Stopped, yet"),
+        ([runtime("r", 2), runtime("d", 1)], "Deleted, yet"),
+        ([runtime("r", 2), runtime("x", 1)], "runs without a row"),
+    ):
+        [finding] = checks.backend_findings(rows, runtimes)
+        assert why in finding.detail
+    [stuck] = checks.backend_findings([row("p", "Starting")], [])
+    assert "still Starting" in stuck.detail
