@@ -105,7 +105,7 @@ def parse(
     partitions: int,
     placed: dict[str, int] | None = None,
 ) -> Parsed | Rejected:
-    """Decode and check one record; ``placed`` memoizes each key's partition over a batch."""
+    """Decode and check one record; ``placed`` memoizes each key's partition."""
     adapter: Any = COMMANDS if record.topic == commands_topic else OBSERVATIONS
     try:
         message: Message = decode(adapter, record.value)
@@ -260,6 +260,10 @@ def refused_for_content(exc: BaseException) -> bool:
     return isinstance(exc, asyncpg.PostgresError) and str(exc.sqlstate)[:2] in _REFUSED_CLASSES
 
 
+# Keys whose partition parse remembers across batches (murmur2 in Python costs microseconds).
+_PLACED_KEYS = 100_000
+
+
 class InputsLost(RuntimeError):
     """An input partition no longer starts where the processor left it: records it never
     applied were deleted (retention), so going on would silently skip decided inputs."""
@@ -302,6 +306,7 @@ class Processor:
     _gaps: set[int] = field(default_factory=set)  # partitions whose cursor stopped at a gap
     _joined: bool = False  # an assignment was applied since start (readiness)
     _resuming: str | None = None  # the backend being waited for after losing it (readiness)
+    _placed: dict[str, int] = field(default_factory=dict)  # key -> its partition (parse's memo)
 
     def __post_init__(self) -> None:
         self._rows = RowCache(self.settings.processor_row_cache)
@@ -586,7 +591,9 @@ class Processor:
         started = asyncio.get_running_loop().time()
         if self._conn is None:  # a connection of its own: no pool round trips per batch
             self._conn = await self.pool.acquire()
-        n, placed = self.settings.kafka_partitions, dict[str, int]()
+        n, placed = self.settings.kafka_partitions, self._placed
+        if len(placed) > _PLACED_KEYS:
+            placed.clear()
         all_items: list[Parsed | Rejected] = (
             [parse(r, self.settings.topic_commands, n, placed) for r in records]
             if dead_letter is None
