@@ -28,6 +28,8 @@ def mark(backend_pids: Iterable[int]) -> CpuMark:
 def per_input(start: CpuMark, end: CpuMark, inputs: int) -> str:
     """``N + PostgreSQL M µs CPU/input`` between two marks (a backend that appeared in between
     counts from its start)."""
+    if inputs <= 0:  # everything was in the first batch: nothing timed
+        return "n/a"
     text = f"{(end.process - start.process) / inputs * 1e6:.0f}"
     if start.backends is not None and end.backends is not None:
         spent = sum(cpu - start.backends.get(pid, 0.0) for pid, cpu in end.backends.items())
