@@ -84,6 +84,7 @@ from events.observations import (
     RuntimeSnapshot,
 )
 from events.outcomes import Code, CommandOutcome
+from projections.records import replaced
 from projections.uuids import uuid5
 
 Message = Command | Observation
@@ -398,7 +399,7 @@ def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
         )
     if state is None:
         raise ValueError(f"{event.type} for {event.key!r} before SandboxCreated")
-    new = replace(
+    new = replaced(
         state,
         version=event.version,
         generation=event.generation,
