@@ -4,6 +4,7 @@ guarantees: outbox ids in order, nothing written when fenced, refused, or a row 
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any
 
@@ -11,7 +12,7 @@ import asyncpg
 import factories as f
 import pytest
 from aiokafka import ConsumerRecord
-from harness import Env, isolated_env
+from harness import Env, eventually, isolated_env
 
 from events.codec import encode
 from events.topics import partition_for
@@ -139,3 +140,30 @@ async def test_a_large_batch_postgresql_refuses_is_split_and_only_the_culprit_de
             "applied"
         ] * 60
         assert await env.fetchval("SELECT count(*) FROM sandboxes") == 120
+
+
+async def test_a_large_poll_publishes_every_event_once_where_send_would_place_it() -> None:
+    async with isolated_env(partitions=3) as env:
+        names = [f"pub-{i}" for i in range(150)]
+        await env.produce(
+            env.settings.topic_commands, [(n.encode(), encode(f.create(n))) for n in names]
+        )
+        await env.start_processor()
+        await env.wait_applied(len(names))
+        events = await eventually(
+            lambda: env.read_topic(env.settings.topic_events),
+            lambda found: len(found) >= len(names),
+            what="every decided event published",
+        )
+        assert sorted(e.key for e in events) == sorted(n.encode() for n in names)
+        for e in events:
+            assert e.partition == partition_for(e.key, 3)
+            assert json.loads(e.value)["type"] == "SandboxCreated"
+        newest = await env.fetch("SELECT partition, max(id) AS id FROM outbox GROUP BY partition")
+
+        async def cursors() -> dict[int, int]:
+            rows = await env.fetch("SELECT partition, published_id FROM outbox_cursor")
+            return {r["partition"]: r["published_id"] for r in rows}
+
+        expected = {n["partition"]: n["id"] for n in newest}
+        await eventually(cursors, lambda found: found == expected, what="the cursors at the end")

@@ -262,6 +262,9 @@ def refused_for_content(exc: BaseException) -> bool:
 
 # Keys whose partition parse remembers across batches (murmur2 in Python costs microseconds).
 _PLACED_KEYS = 100_000
+# Up to this many outbox records a poll sends record by record; more go as one batch per
+# topic partition (a batch waits for the partition's previous one to be drained).
+_SEND_ONE_BY_ONE = 64
 
 
 class InputsLost(RuntimeError):
@@ -307,6 +310,8 @@ class Processor:
     _joined: bool = False  # an assignment was applied since start (readiness)
     _resuming: str | None = None  # the backend being waited for after losing it (readiness)
     _placed: dict[str, int] = field(default_factory=dict)  # key -> its partition (parse's memo)
+    # (output topic, its partition count) -> record key -> partition (the publisher's memo)
+    _out_placed: dict[tuple[str, int], dict[bytes, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._rows = RowCache(self.settings.processor_row_cache)
@@ -667,15 +672,58 @@ class Processor:
             return
         if self.producer is None:
             raise KafkaTimeoutError("no producer (being restarted)")
-        futures = [
-            await self.producer.send(rec.topic, value=rec.value, key=rec.key) for _, rec in records
-        ]
+        if len(records) > _SEND_ONE_BY_ONE:
+            futures = await self._send_batched([rec for _, rec in records])
+        else:  # appended to the producer's open batches, without waiting for one to drain
+            futures = [
+                await self.producer.send(rec.topic, value=rec.value, key=rec.key)
+                for _, rec in records
+            ]
         sent: dict[int, list[int]] = defaultdict(list)
         for outbox_id, rec in records:
             sent[rec.partition].append(outbox_id)
         self._unconfirmed.put_nowait((futures, sent))
         if self._confirmer is None or self._confirmer.done():
             self._confirmer = asyncio.create_task(self._confirm_in_order())
+
+    async def _send_batched(self, records: Sequence[OutboxRecord]) -> list[asyncio.Future[Any]]:
+        """Hand records to the producer one batch per topic partition (in order within each),
+        each placed where ``send`` would place it: a fraction of ``send``'s cost per record."""
+        producer = self.producer
+        assert producer is not None
+        by_tp: dict[tuple[str, int], list[OutboxRecord]] = defaultdict(list)
+        for rec in records:
+            by_tp[(rec.topic, await self._out_partition(rec))].append(rec)
+        futures = []
+        for (topic, partition), recs in by_tp.items():
+            batch = producer.create_batch()
+            for rec in recs:
+                if batch.append(key=rec.key, value=rec.value, timestamp=None) is not None:
+                    continue
+                if batch.record_count():  # full: send it and start the next
+                    futures.append(await producer.send_batch(batch, topic, partition=partition))
+                    batch = producer.create_batch()
+                if batch.append(key=rec.key, value=rec.value, timestamp=None) is None:
+                    # Larger than a batch holds: alone, as send would (and refuse it).
+                    futures.append(await producer.send(topic, rec.value, rec.key, partition))
+            if batch.record_count():
+                futures.append(await producer.send_batch(batch, topic, partition=partition))
+        return futures
+
+    async def _out_partition(self, rec: OutboxRecord) -> int:
+        """The partition ``send`` would choose: Kafka's default partitioner for a keyed record
+        (remembered per key and partition count), aiokafka's for an unkeyed one."""
+        assert self.producer is not None
+        if rec.key is None:
+            return int(self.producer._partition(rec.topic, None, None, None, None, rec.value))
+        count = len(await self.producer.partitions_for(rec.topic))
+        placed = self._out_placed.setdefault((rec.topic, count), {})
+        if len(placed) > _PLACED_KEYS:
+            placed.clear()
+        found = placed.get(rec.key)
+        if found is None:
+            found = placed[rec.key] = partition_for(rec.key, count)
+        return found
 
     async def _confirm_in_order(self) -> None:
         """Await handed-over batches in order; one cursor write for all that are ready."""
