@@ -288,6 +288,7 @@ class Processor:
     # Serializes applying and publishing with the sweep a rebalance triggers.
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _last_lag_commit: float = 0.0
+    _lag_commit: asyncio.Task[None] | None = None  # the commit to Kafka in flight, if any
     # Outbox batches handed to the producer, in commit order, until acknowledged.
     _unconfirmed: asyncio.Queue[tuple[list[asyncio.Future[Any]], dict[int, list[int]]]] = field(
         default_factory=asyncio.Queue
@@ -369,6 +370,9 @@ class Processor:
         # otherwise be awaited for as long as it is gone).
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.drain(), timeout=self._drain_timeout)
+        if self._lag_commit is not None:
+            self._lag_commit.cancel()
+            await asyncio.wait([self._lag_commit])
         if self.consumer is not None:
             await self.consumer.stop()
         if self.producer is not None:
@@ -533,7 +537,7 @@ class Processor:
             return 0
         merged = {p: merge_topics(rs) for p, rs in by_partition.items()}
         applied = await self.process_records(merged)
-        await self._commit_to_kafka(batch)
+        self._commit_to_kafka(batch)
         return applied
 
     async def process_partition(
@@ -896,17 +900,24 @@ class Processor:
             failure, self._assign_failure = self._assign_failure, None
             raise AssignmentFailed("resuming the assigned partitions failed") from failure
 
-    async def _commit_to_kafka(
+    def _commit_to_kafka(
         self, batch: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]
     ) -> None:
-        # PostgreSQL holds the authoritative offsets; this commit only lets Kafka tooling
-        # show the group's lag.
-        assert self.consumer is not None
+        """At most once a second, commit the poll's offsets to Kafka in the background.
+
+        PostgreSQL holds the authoritative offsets; this commit only lets Kafka tooling show
+        the group's lag, so the next poll does not wait for its round trip to the broker.
+        """
         now = asyncio.get_running_loop().time()
-        if now - self._last_lag_commit < 1.0:
+        busy = self._lag_commit is not None and not self._lag_commit.done()
+        if busy or now - self._last_lag_commit < 1.0:
             return
         self._last_lag_commit = now
         offsets = {tp: records[-1].offset + 1 for tp, records in batch.items() if records}
+        self._lag_commit = asyncio.create_task(self._commit_offsets(offsets))
+
+    async def _commit_offsets(self, offsets: dict[TopicPartition, int]) -> None:
+        assert self.consumer is not None
         try:
             await self.consumer.commit(offsets)
         except (KafkaError, AssertionError) as exc:
