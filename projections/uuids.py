@@ -16,9 +16,18 @@ _new = object.__new__
 _set = object.__setattr__  # UUID is immutable: its own __init__ sets its slots this way
 
 
+# UUID.bytes is computed on every access; the few namespaces in use are remembered.
+_NAMESPACE_BYTES: dict[UUID, bytes] = {}
+
+
 def uuid5(namespace: UUID, name: str) -> UUID:
     """The same UUID as ``uuid.uuid5(namespace, name)``."""
-    digest = sha1(namespace.bytes + name.encode(), usedforsecurity=False).digest()
+    prefix = _NAMESPACE_BYTES.get(namespace)
+    if prefix is None:
+        prefix = namespace.bytes
+        if len(_NAMESPACE_BYTES) < 16:
+            _NAMESPACE_BYTES[namespace] = prefix
+    digest = sha1(prefix + name.encode(), usedforsecurity=False).digest()
     value = int.from_bytes(digest[:16]) & _VARIANT_AND_VERSION_MASK | _RFC_4122_VERSION_5
     uuid = _new(UUID)
     _set(uuid, "int", value)
