@@ -702,16 +702,12 @@ class Processor:
         for (topic, partition), recs in by_tp.items():
             batch = producer.create_batch()
             for rec in recs:
-                if batch.append(key=rec.key, value=rec.value, timestamp=None) is not None:
-                    continue
-                if batch.record_count():  # full: send it and start the next
+                if batch.append(key=rec.key, value=rec.value, timestamp=None) is None:
+                    # Full: send it and start the next (an empty batch takes any one record).
                     futures.append(await producer.send_batch(batch, topic, partition=partition))
                     batch = producer.create_batch()
-                if batch.append(key=rec.key, value=rec.value, timestamp=None) is None:
-                    # Larger than a batch holds: alone, as send would (and refuse it).
-                    futures.append(await producer.send(topic, rec.value, rec.key, partition))
-            if batch.record_count():
-                futures.append(await producer.send_batch(batch, topic, partition=partition))
+                    batch.append(key=rec.key, value=rec.value, timestamp=None)
+            futures.append(await producer.send_batch(batch, topic, partition=partition))
         return futures
 
     async def _out_partition(self, rec: OutboxRecord) -> int:
