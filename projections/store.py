@@ -330,8 +330,10 @@ SELECT ARRAY(SELECT id FROM queued ORDER BY id) || ARRAY(SELECT id FROM reserved
 
 # Above this many history and outbox rows a batch copies them in (binary COPY, PostgreSQL's
 # bulk insert path: about half the server's cost of inserting them from arrays) in a
-# transaction around the statement; below it one statement's single round trip costs less.
-COPY_ABOVE: Final = 64
+# transaction around the statement. Smaller batches, such as a processor catching up with a
+# steady rate of commands writes, keep the single round trip: the transaction and the COPYs
+# add six, which lengthened the latency tail in paired runs.
+COPY_ABOVE: Final = 500
 
 HISTORY_COLUMNS: Final = (
     "key", "topic", "partition", "offset", "message_type", "command_id", "disposition", "reason",

@@ -128,7 +128,10 @@ async def test_a_large_batch_postgresql_refuses_is_split_and_only_the_culprit_de
 ):
     async with isolated_env(partitions=1) as env:
         await refuse_history_of(env, "poison")
-        names = [f"big-{i}" for i in range(60)] + ["poison"] + [f"big-{i}" for i in range(60, 120)]
+        # More than COPY_ABOVE in the first poll: the refusal comes from a COPY.
+        names = (
+            [f"big-{i}" for i in range(600)] + ["poison"] + [f"big-{i}" for i in range(600, 1200)]
+        )
         await env.produce(
             env.settings.topic_commands, [(n.encode(), encode(f.create(n))) for n in names]
         )
@@ -136,15 +139,15 @@ async def test_a_large_batch_postgresql_refuses_is_split_and_only_the_culprit_de
         await env.wait_applied(len(names))
         rows = await env.fetch('SELECT key, disposition FROM history ORDER BY "offset"')
         assert [r["key"] for r in rows] == names
-        assert [r["disposition"] for r in rows] == ["applied"] * 60 + ["dead-lettered"] + [
+        assert [r["disposition"] for r in rows] == ["applied"] * 600 + ["dead-lettered"] + [
             "applied"
-        ] * 60
-        assert await env.fetchval("SELECT count(*) FROM sandboxes") == 120
+        ] * 600
+        assert await env.fetchval("SELECT count(*) FROM sandboxes") == 1200
 
 
 async def test_a_large_poll_publishes_every_event_once_where_send_would_place_it() -> None:
     async with isolated_env(partitions=3) as env:
-        names = [f"pub-{i}" for i in range(150)]
+        names = [f"pub-{i}" for i in range(800)]  # more than are sent one by one
         await env.produce(
             env.settings.topic_commands, [(n.encode(), encode(f.create(n))) for n in names]
         )

@@ -263,8 +263,10 @@ def refused_for_content(exc: BaseException) -> bool:
 # Keys whose partition parse remembers across batches (murmur2 in Python costs microseconds).
 _PLACED_KEYS = 100_000
 # Up to this many outbox records a poll sends record by record; more go as one batch per
-# topic partition (a batch waits for the partition's previous one to be drained).
-_SEND_ONE_BY_ONE = 64
+# topic partition. A batch waits until the partition's previous one is acknowledged (the
+# producer keeps one request in flight per partition), a broker round trip on the ordered
+# path that only a poll this large amortizes.
+_SEND_ONE_BY_ONE = 500
 
 
 class InputsLost(RuntimeError):
