@@ -10,11 +10,13 @@ Changing, removing or reordering one entry breaks the link at that entry or the 
 from __future__ import annotations
 
 import hashlib
-import json
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
+
+from pydantic_core import to_json
+
+from projections.records import replaced
 
 ChainId = tuple[str | None, int | None]  # (key, None), or (None, partition) for unkeyed entries
 GENESIS = b""  # the "previous hash" of a chain's first entry
@@ -30,25 +32,33 @@ def canonical(entry: Mapping[str, Any]) -> bytes:
     Timestamps are UTC with microseconds (PostgreSQL's precision), the input body is its exact
     text. ``recorded_at`` (the database's clock) is not covered.
     """
-    occurred = entry["occurred_at"]
-    body = {
-        "key": entry["key"],
-        "topic": entry["topic"],
-        "partition": entry["partition"],
-        "offset": entry["offset"],
-        "message_type": entry["message_type"],
-        "command_id": entry["command_id"],
-        "disposition": entry["disposition"],
-        "reason": entry["reason"],
-        "phase": entry["phase"],
-        "generation": entry["generation"],
-        "version": entry["version"],
-        "event_types": list(entry["event_types"]),
-        "message": entry["message"],
-        "occurred_at": _utc(occurred) if occurred is not None else None,
-        "sandbox_id": str(entry["sandbox_id"]) if entry["sandbox_id"] is not None else None,
-    }
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return _content_json(entry.__getitem__)
+
+
+def _content_json(get: Callable[[str], Any]) -> bytes:
+    """What json.dumps(sort_keys=True, separators=(",", ":"), ensure_ascii=False) writes
+    (tests/test_chain.py compares the two), from pydantic-core's serializer: a quarter of the
+    cost. The keys are written in sorted order."""
+    occurred, sandbox_id = get("occurred_at"), get("sandbox_id")
+    return to_json(
+        {
+            "command_id": get("command_id"),
+            "disposition": get("disposition"),
+            "event_types": list(get("event_types")),
+            "generation": get("generation"),
+            "key": get("key"),
+            "message": get("message"),
+            "message_type": get("message_type"),
+            "occurred_at": _utc(occurred) if occurred is not None else None,
+            "offset": get("offset"),
+            "partition": get("partition"),
+            "phase": get("phase"),
+            "reason": get("reason"),
+            "sandbox_id": str(sandbox_id) if sandbox_id is not None else None,
+            "topic": get("topic"),
+            "version": get("version"),
+        }
+    )
 
 
 def _utc(value: datetime) -> str:
@@ -67,16 +77,13 @@ def chain_rows(rows: Sequence[R], heads: Mapping[ChainId, bytes | None]) -> list
     current = dict(heads)
     linked = []
     for row in rows:
-        chain = chain_of(getattr(row, "key"), getattr(row, "partition"))  # noqa: B009
+        key, partition = getattr(row, "key"), getattr(row, "partition")  # noqa: B009
+        chain = (key, None) if key is not None else (None, partition)  # chain_of, inlined
         prev = current.get(chain)
-        own = link(prev, _fields(row))
+        own = hashlib.sha256((prev or GENESIS) + _content_json(row.__getattribute__)).digest()
         current[chain] = own
-        linked.append(replace(row, prev_hash=prev, entry_hash=own))  # type: ignore[type-var]
+        linked.append(replaced(row, prev_hash=prev, entry_hash=own))
     return linked
-
-
-def _fields(row: Any) -> dict[str, Any]:
-    return {name: getattr(row, name) for name in CONTENT_FIELDS}
 
 
 CONTENT_FIELDS = (

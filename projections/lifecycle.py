@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import Enum
 from typing import Any, Final, Literal, assert_never
-from uuid import UUID, uuid5
+from uuid import UUID
 
 from events.commands import (
     AttachProvider,
@@ -84,6 +84,8 @@ from events.observations import (
     RuntimeSnapshot,
 )
 from events.outcomes import Code, CommandOutcome
+from projections.records import replaced
+from projections.uuids import uuid5
 
 Message = Command | Observation
 Disposition = Literal["applied", "idempotent", "rejected", "ignored", "duplicate"]
@@ -397,7 +399,7 @@ def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
         )
     if state is None:
         raise ValueError(f"{event.type} for {event.key!r} before SandboxCreated")
-    new = replace(
+    new = replaced(
         state,
         version=event.version,
         generation=event.generation,

@@ -4,12 +4,16 @@ heads, unkeyed entries chain per partition."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from datetime import UTC, datetime, timedelta, timezone
+from typing import Any
 from uuid import UUID
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from projections.chain import CONTENT_FIELDS, chain_of, chain_rows, link
+from projections.chain import CONTENT_FIELDS, canonical, chain_of, chain_rows, link
 from projections.store import HistoryRow
 
 
@@ -61,3 +65,33 @@ def test_chains_continue_from_their_heads_and_unkeyed_entries_chain_per_partitio
     assert rows[2].prev_hash == rows[0].entry_hash
     assert rows[1].prev_hash is None and rows[3].prev_hash is None  # two chains, by partition
     assert len({r.entry_hash for r in rows}) == 4
+
+
+def reference_canonical(content: dict[str, Any]) -> bytes:
+    """The canonical bytes as first defined: json.dumps, sorted keys, compact, not ASCII-only."""
+    occurred, sandbox_id = content["occurred_at"], content["sandbox_id"]
+    body = content | {
+        "event_types": list(content["event_types"]),
+        "occurred_at": occurred.astimezone(UTC).isoformat(timespec="microseconds")
+        if occurred is not None
+        else None,
+        "sandbox_id": str(sandbox_id) if sandbox_id is not None else None,
+    }
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+text = st.text(st.characters(blacklist_categories=("Cs",)))  # what PostgreSQL text can hold
+maybe_int = st.none() | st.integers(min_value=-(2**63), max_value=2**63 - 1)
+
+
+@given(
+    key=st.none() | text, message=st.none() | text, reason=text, message_type=st.none() | text,
+    command_id=st.none() | text, phase=st.none() | text, event_types=st.lists(text),
+    generation=maybe_int, version=maybe_int, offset=st.integers(0, 2**63 - 1),
+    partition=st.integers(0, 2**31 - 1), topic=text,
+    occurred_at=st.none() | st.datetimes(timezones=st.timezones()),
+    sandbox_id=st.none() | st.uuids(),
+)  # fmt: skip
+def test_the_canonical_bytes_are_those_json_dumps_writes(**content: Any) -> None:
+    content["disposition"] = "applied"
+    assert canonical(content) == reference_canonical(content)

@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 
 import factories as f
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from harness import Env, eventually, isolated_env
 
 from events.codec import EVENTS, decode, encode
 from services.api.readmodel import await_outcome
+from services.common.kafka_clients import kafka_client_args
 from services.processor.rebuild import rebuild_and_compare
 
 
@@ -138,3 +140,27 @@ async def test_malformed_records_go_to_the_dead_letter_topic_and_valid_ones_appl
         assert {(r["topic"], r["next_offset"]) for r in offsets} >= {
             (env.settings.topic_commands, 8)
         }
+
+
+async def test_the_processor_commits_its_offsets_to_kafka_for_lag_tooling() -> None:
+    async with isolated_env(partitions=1) as env:
+        s = env.settings
+        await env.produce(
+            s.topic_commands, [(n, encode(f.create(n.decode()))) for n in (b"a", b"b")]
+        )
+        await env.start_processor()
+        await env.wait_applied(2)
+        consumer = AIOKafkaConsumer(
+            **kafka_client_args(s, "admin"),
+            group_id=s.processor_group,
+            enable_auto_commit=False,
+        )
+        await consumer.start()
+        try:
+            tp = TopicPartition(s.topic_commands, 0)
+            committed = await eventually(
+                lambda: consumer.committed(tp), lambda at: at == 2, what="the lag commit"
+            )
+            assert committed == 2
+        finally:
+            await consumer.stop()

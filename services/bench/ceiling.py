@@ -21,6 +21,7 @@ from typing import Any
 import asyncpg
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from services.bench import cpu
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 
@@ -107,6 +108,13 @@ class Ceiling:
 async def drain(settings: Settings, total: int, max_records: int = 5000) -> float:
     """Project the isolated environment's whole input log; inputs per second, timed from the
     first committed batch (like the processor's figure)."""
+    return (await measured_drain(settings, total, max_records))[0]
+
+
+async def measured_drain(
+    settings: Settings, total: int, max_records: int = 5000
+) -> tuple[float, str]:
+    """``drain``'s rate and the CPU it cost per input over the same inputs."""
     dsn, schema = settings.pg_dsn, settings.pg_schema
     conn = await asyncpg.connect(dsn, server_settings={"search_path": schema})
     await conn.execute(DDL)
@@ -137,8 +145,10 @@ async def drain(settings: Settings, total: int, max_records: int = 5000) -> floa
             await ceiling.apply(batch)
             if started is None:
                 started, first = time.perf_counter(), ceiling.applied
+                cpu_started = cpu.mark([conn.get_server_pid()])
         elapsed = time.perf_counter() - (started or time.perf_counter())
-        return (total - first) / elapsed if elapsed > 0 else float("nan")
+        used = cpu.per_input(cpu_started, cpu.mark([conn.get_server_pid()]), total - first)
+        return ((total - first) / elapsed if elapsed > 0 else float("nan")), used
     finally:
         await consumer.stop()
         await conn.close()

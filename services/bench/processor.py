@@ -20,7 +20,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
@@ -31,7 +31,7 @@ from events.commands import CreateSandbox, StopSandbox
 from events.common import SandboxSpec
 from events.observations import RuntimeSnapshot
 from events.topics import CHANGES_CHANNEL
-from services.bench import ceiling
+from services.bench import ceiling, cpu
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.localstack.isolation import isolated
@@ -98,12 +98,12 @@ async def throughput(settings: Settings, keys: int, max_records: int) -> None:
     async with isolated(settings, "bench") as (s, pool):
         records, total = lifecycle_messages(keys)
         await produce_all(s, records)
-        roof = await ceiling.drain(s, total, max_records=max_records)
+        roof, roof_cpu = await ceiling.measured_drain(s, total, max_records=max_records)
         processor = Processor(s, pool, max_records=max_records, name="bench")
         await processor.start()
         stop = asyncio.Event()
         task = asyncio.create_task(processor.run(stop))
-        first, elapsed = await timed_drain(pool, total)
+        first, elapsed, used = await timed_drain(pool, total, lambda: _backend_pids(processor))
         stop.set()
         await task
         await processor.stop()
@@ -111,19 +111,31 @@ async def throughput(settings: Settings, keys: int, max_records: int) -> None:
         print(
             f"throughput  {total:>7} inputs  max_records={max_records:<6} "
             f"processor {rate:>9,.0f}/s  ceiling {roof:>9,.0f}/s  "
-            f"processor/ceiling {rate / roof:.2f}"
+            f"processor/ceiling {rate / roof:.2f}\n"
+            f"            CPU: processor {used}; ceiling {roof_cpu}"
         )
 
 
-async def timed_drain(pool: asyncpg.Pool[asyncpg.Record], total: int) -> tuple[int, float]:
+def _backend_pids(processor: Processor) -> list[int]:
+    """The PostgreSQL backends of the processor's batch and publish-cursor connections."""
+    return [c.get_server_pid() for c in (processor._conn, processor._cursor_conn) if c]
+
+
+async def timed_drain(
+    pool: asyncpg.Pool[asyncpg.Record],
+    total: int,
+    backends: Callable[[], list[int]] = list,
+) -> tuple[int, float, str]:
     """Wait until ``total`` inputs are applied: (inputs in the first committed batch, seconds
-    from it to the last). The clock starts at the first batch: a group join is not throughput."""
+    from it to the last, the CPU this process and the ``backends`` spent per input meanwhile).
+    The clock starts at the first batch: a group join is not throughput."""
     while not (first := await applied(pool)):
         await asyncio.sleep(0.01)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), cpu.mark(backends())
     while await applied(pool) < total:
         await asyncio.sleep(0.05)
-    return first, time.perf_counter() - started
+    elapsed = time.perf_counter() - started
+    return first, elapsed, cpu.per_input(cpu_started, cpu.mark(backends()), total - first)
 
 
 async def applied(pool: asyncpg.Pool[asyncpg.Record]) -> int:

@@ -50,7 +50,7 @@ async def two_processors(settings: Settings, keys: int) -> None:
             await asyncio.wait_for(_shared_out(shares, s.kafka_partitions), 120)
             records, total = lifecycle_messages(keys)
             await produce_all(s, records)
-            first, elapsed = await timed_drain(pool, total)
+            first, elapsed, _ = await timed_drain(pool, total)
         finally:
             for proc in procs:
                 proc.terminate()

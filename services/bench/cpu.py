@@ -1,0 +1,49 @@
+"""CPU seconds spent per input, beside the wall-clock rates.
+
+On this shared machine other work takes cores away from a run, which halves a rate from one
+quarter of an hour to the next; the CPU seconds a drain costs move far less, so a change is
+judged by them (paired with the run before it). Counted: this process (the projector runs in
+it) and the PostgreSQL backends of its connections, read from /proc (absent when PostgreSQL
+runs on another machine or in a container of its own).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class CpuMark:
+    process: float
+    backends: dict[int, float] | None  # PostgreSQL backend pid -> its CPU seconds so far
+
+
+def mark(backend_pids: Iterable[int]) -> CpuMark:
+    return CpuMark(time.process_time(), _backends(backend_pids))
+
+
+def per_input(start: CpuMark, end: CpuMark, inputs: int) -> str:
+    """``N + PostgreSQL M µs CPU/input`` between two marks (a backend that appeared in between
+    counts from its start)."""
+    if inputs <= 0:  # everything was in the first batch: nothing timed
+        return "n/a"
+    text = f"{(end.process - start.process) / inputs * 1e6:.0f}"
+    if start.backends is not None and end.backends is not None:
+        spent = sum(cpu - start.backends.get(pid, 0.0) for pid, cpu in end.backends.items())
+        text += f" + PostgreSQL {spent / inputs * 1e6:.0f}"
+    return text + " µs CPU/input"
+
+
+def _backends(pids: Iterable[int]) -> dict[int, float] | None:
+    spent = {}
+    try:
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            spent[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+    return spent

@@ -1,0 +1,172 @@
+"""The batch write on real PostgreSQL: a large batch copies its history and outbox in (binary
+COPY) and stores exactly what the one-statement write of a small batch stores, with the same
+guarantees: outbox ids in order, nothing written when fenced, refused, or a row moved."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+import asyncpg
+import factories as f
+import pytest
+from aiokafka import ConsumerRecord
+from harness import Env, eventually, isolated_env
+
+from events.codec import encode
+from events.topics import partition_for
+from projections.chain import chain_rows
+from projections.fold import fold
+from projections.store import BatchWrite, OffsetsMoved, RowVersionMoved, write_batch
+from services.processor.consumer import Parsed, parse, plan_batch, refused_for_content
+
+INLINE, COPY = 10**9, 0  # copy_above: never copy, always copy
+TABLES = ("history", "outbox", "sandboxes", "command_outcomes", "input_offsets")
+
+
+def planned(env: Env, keys: int, bodies: dict[str, bytes] | None = None) -> BatchWrite:
+    """A batch of creates as the processor plans it (parse, fold, plan, chain)."""
+    s = env.settings
+    records = []
+    for i in range(keys):
+        key = f"copy-{i}"
+        value = (bodies or {}).get(key) or encode(f.create(key))
+        p = partition_for(key.encode(), s.kafka_partitions)
+        at = 1_767_225_600_000 + i
+        records.append(
+            ConsumerRecord(s.topic_commands, p, i, at, 0, key.encode(), value, None, 0, 0, ())
+        )
+    items = [parse(r, s.topic_commands, s.kafka_partitions) for r in records]
+    parsed = [i for i in items if isinstance(i, Parsed)]
+    result = fold({}, {}, ((i.cause, i.message) for i in parsed))
+    read = {(s.topic_commands, p): 0 for p in {r.partition for r in records}}
+    plan = plan_batch(items, result, read, s)
+    return replace(plan, history=chain_rows(plan.history, {}))
+
+
+async def stored(env: Env) -> dict[str, list[dict[str, Any]]]:
+    """Every table the batch writes, without what the database assigns (ids, clocks)."""
+    skip = {"id", "recorded_at", "decided_at", "updated_at", "change_seq"}
+    out = {}
+    for table in TABLES:
+        rows = await env.fetch(f"SELECT * FROM {table}")
+        out[table] = sorted(({k: v for k, v in r.items() if k not in skip} for r in rows), key=repr)
+    return out
+
+
+async def clear(env: Env) -> None:
+    for table in TABLES:
+        await env.pool.execute(f"DELETE FROM {table}")
+
+
+async def test_a_copied_batch_stores_what_the_one_statement_write_stores() -> None:
+    async with isolated_env(partitions=4) as env:
+        plan = planned(env, 100)
+        async with env.pool.acquire() as conn:
+            inline_ids = await write_batch(conn, plan, copy_above=INLINE)
+        inline = await stored(env)
+        await clear(env)
+        async with env.pool.acquire() as conn:
+            copied_ids = await write_batch(conn, plan, copy_above=COPY)
+        assert await stored(env) == inline
+        assert len(inline["history"]) == 100 and len(inline["outbox"]) == len(plan.outbox)
+        # The ids returned are the records' ids, in the batch's order.
+        for ids in (inline_ids, copied_ids):
+            assert ids == sorted(ids) and len(set(ids)) == len(plan.outbox)
+        rows = await env.fetch("SELECT id, value FROM outbox ORDER BY id")
+        assert [r["id"] for r in rows] == copied_ids
+        assert [r["value"] for r in rows] == [o.value for o in plan.outbox]
+
+
+async def test_a_fenced_copy_writes_nothing() -> None:
+    async with isolated_env(partitions=4) as env:
+        plan = planned(env, 80)
+        async with env.pool.acquire() as conn:
+            await write_batch(conn, plan, copy_above=COPY)
+            before = await stored(env)
+            with pytest.raises(OffsetsMoved):  # the same offsets again: another writer won
+                await write_batch(conn, plan, copy_above=COPY)
+            moved = {(t, p): (0, 1) for (t, p) in plan.offsets}  # a row decided from nothing
+            with pytest.raises(RowVersionMoved):
+                await write_batch(
+                    conn,
+                    replace(plan, offsets={(f"other.{t}", p): v for (t, p), v in moved.items()}),
+                    copy_above=COPY,
+                )
+        assert await stored(env) == before
+
+
+REFUSE_HISTORY_OF = (
+    "CREATE FUNCTION refuse_history() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+    "RAISE EXCEPTION 'history of % refused', NEW.key; END $$",
+    "CREATE TRIGGER refuse_history BEFORE INSERT ON history FOR EACH ROW "
+    "WHEN (NEW.key = '{key}' AND NEW.disposition <> 'dead-lettered') "
+    "EXECUTE FUNCTION refuse_history()",
+)
+
+
+async def refuse_history_of(env: Env, key: str) -> None:
+    for statement in REFUSE_HISTORY_OF:
+        await env.fetch(statement.format(key=key))
+
+
+async def test_a_copied_record_postgresql_refuses_leaves_nothing_written() -> None:
+    async with isolated_env(partitions=4) as env:
+        await refuse_history_of(env, "copy-7")
+        plan = planned(env, 80)
+        async with env.pool.acquire() as conn:
+            with pytest.raises(asyncpg.PostgresError) as refused:
+                await write_batch(conn, plan, copy_above=COPY)
+        assert refused_for_content(refused.value)
+        assert "history of copy-7 refused" in str(refused.value)
+        assert all(not rows for rows in (await stored(env)).values())
+
+
+async def test_a_large_batch_postgresql_refuses_is_split_and_only_the_culprit_dead_lettered() -> (
+    None
+):
+    async with isolated_env(partitions=1) as env:
+        await refuse_history_of(env, "poison")
+        # More than COPY_ABOVE in the first poll: the refusal comes from a COPY.
+        names = (
+            [f"big-{i}" for i in range(600)] + ["poison"] + [f"big-{i}" for i in range(600, 1200)]
+        )
+        await env.produce(
+            env.settings.topic_commands, [(n.encode(), encode(f.create(n))) for n in names]
+        )
+        await env.start_processor()
+        await env.wait_applied(len(names))
+        rows = await env.fetch('SELECT key, disposition FROM history ORDER BY "offset"')
+        assert [r["key"] for r in rows] == names
+        assert [r["disposition"] for r in rows] == ["applied"] * 600 + ["dead-lettered"] + [
+            "applied"
+        ] * 600
+        assert await env.fetchval("SELECT count(*) FROM sandboxes") == 1200
+
+
+async def test_a_large_poll_publishes_every_event_once_where_send_would_place_it() -> None:
+    async with isolated_env(partitions=3) as env:
+        names = [f"pub-{i}" for i in range(800)]  # more than are sent one by one
+        await env.produce(
+            env.settings.topic_commands, [(n.encode(), encode(f.create(n))) for n in names]
+        )
+        await env.start_processor()
+        await env.wait_applied(len(names))
+        events = await eventually(
+            lambda: env.read_topic(env.settings.topic_events),
+            lambda found: len(found) >= len(names),
+            what="every decided event published",
+        )
+        assert sorted(e.key for e in events) == sorted(n.encode() for n in names)
+        for e in events:
+            assert e.partition == partition_for(e.key, 3)
+            assert json.loads(e.value)["type"] == "SandboxCreated"
+        newest = await env.fetch("SELECT partition, max(id) AS id FROM outbox GROUP BY partition")
+
+        async def cursors() -> dict[int, int]:
+            rows = await env.fetch("SELECT partition, published_id FROM outbox_cursor")
+            return {r["partition"]: r["published_id"] for r in rows}
+
+        expected = {n["partition"]: n["id"] for n in newest}
+        await eventually(cursors, lambda found: found == expected, what="the cursors at the end")
