@@ -31,6 +31,7 @@ from services.chaos.faults import Faults
 from services.chaos.launch import RoleProcess
 from services.chaos.postgres import PrivatePostgres
 from services.chaos.workload import Workload
+from services.common.kafka_clients import kafka_client_args
 from services.common.secret_files import create_secret_file, read_secret_file
 from services.common.settings import Settings
 from services.common.tokens import SCOPES, TokenStore
@@ -161,8 +162,10 @@ async def _run_in(
     roles = [*processors, *executors, joiner]
     rng = random.Random(plan.seed)
     faults = Faults(rng, nodes, settings, processors, executors, joiner, postgres)
-    publisher = CommandPublisher(settings.kafka_bootstrap, topic=settings.topic_commands)
-    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all",
+    # The in-process API publishes as the api role; the workload's late observations and the
+    # reconciler's write as the watcher does.
+    publisher = CommandPublisher(kafka_client_args(settings, "api"), topic=settings.topic_commands)
+    producer = AIOKafkaProducer(**kafka_client_args(settings, "watcher"), acks="all",
                                 enable_idempotence=True)  # fmt: skip
     await publisher.__aenter__()
     await producer.start()
@@ -225,7 +228,7 @@ async def _run_in(
 async def settle(settings: Settings, pool: checks.Pool, timeout: float) -> bool:
     """Wait until the processors have decided every input, the outbox is published and no row
     is in a progressing phase, for ``SETTLE_CHECKS`` checks in a row; False at the timeout."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap)
+    consumer = AIOKafkaConsumer(**kafka_client_args(settings, "admin"))
     await consumer.start()
     try:
         deadline = time.monotonic() + timeout
