@@ -10,7 +10,6 @@ import asyncio
 import random
 import secrets
 import shutil
-import socket
 import tempfile
 import time
 from collections import Counter
@@ -79,31 +78,13 @@ class Result:
         return self.settled and not self.findings
 
 
-def _free_port_run(length: int) -> int:
-    """A port P such that P .. P+length-1 are free now."""
-    rng = random.Random()
-    while True:
-        base = rng.randrange(20000, 60000 - length)
-        if all(_free(base + i) for i in range(length)):
-            return base
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 @asynccontextmanager
 async def private_stack(
     base: Settings, home: Path, partitions: int
 ) -> AsyncIterator[tuple[Settings, PrivatePostgres]]:
     """A three-node Kafka cluster and a PostgreSQL server of the run's own; the settings that
     reach them (``kafka_bootstrap`` lists every node)."""
-    kafka = _free_port_run(7)  # three nodes' port pairs, then PostgreSQL's
+    kafka = cluster.free_port_run(7)  # three nodes' port pairs, then PostgreSQL's
     password = home / "pg-password"  # read by the role processes (mode 0600)
     create_secret_file(password, secrets.token_urlsafe(24))
     nodes = base.model_copy(update={
@@ -117,6 +98,7 @@ async def private_stack(
         started = await asyncio.to_thread(cluster.start, nodes)
         await asyncio.to_thread(postgres.init, nodes)
         await asyncio.to_thread(cluster.wait, nodes, started)
+        await asyncio.to_thread(cluster.secure, nodes)
         yield nodes, postgres
     finally:
         await asyncio.to_thread(cluster.stop, nodes)
