@@ -4,6 +4,9 @@
 checker (services/chaos) starts one of its own and kills, restarts, pauses and resumes single
 nodes of it. Layout and properties: services/localstack/cluster_config.py. Each node's files
 (properties, data, log, pid file) live under its own state dir; all share one cluster id.
+With SASL (the default) each node is secured as the single broker is (kafka_auth: its config
+and JAAS file, the admin in its storage); all nodes share the one credentials file, and
+``secure`` creates the roles' users and ACLs once the cluster answers.
 """
 
 from __future__ import annotations
