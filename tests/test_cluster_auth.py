@@ -5,6 +5,7 @@ principal per role with the ACLs of services/localstack/kafka_auth.py."""
 from __future__ import annotations
 
 import stat
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,3 +89,24 @@ def _holds(path: Path, secret: str) -> bool:
         return secret.encode() in path.read_bytes()
     except OSError:
         return False
+
+
+def test_a_node_running_from_before_authentication_is_named_not_waited_on(
+    tmp_path: Path,
+) -> None:
+    """A node that runs (here: a stand-in process whose command line names the node's
+    properties) on a storage formatted without the admin cannot take SASL logins."""
+    settings = Settings(
+        state_dir=tmp_path, kafka_brokers=3, kafka_security_protocol="SASL_PLAINTEXT"
+    )
+    node = cc.nodes(settings)[0]
+    paths = cfg.kafka_paths(node.settings)
+    paths.home.mkdir(parents=True)
+    stand_in = subprocess.Popen(["sh", "-c", "sleep 60", str(paths.properties)])
+    try:
+        paths.pid.write_text(f"{stand_in.pid}\n")
+        with pytest.raises(stack.StackError, match="formatted without authentication"):
+            cluster.start_node(settings, node)
+    finally:
+        stand_in.kill()
+        stand_in.wait()

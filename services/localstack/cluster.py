@@ -75,6 +75,9 @@ def start_node(settings: Settings, node: cc.Node) -> subprocess.Popen[bytes] | N
     paths = cfg.kafka_paths(node.settings)
     pid = stack._live_pid(paths.pid, str(paths.properties))
     if pid is not None:
+        problem = kafka_auth.storage_problem(node.settings)  # started before authentication
+        if problem:
+            raise stack.StackError(problem)
         stack._say(f"kafka: node {node.node_id} running (pid {pid})")
         return None
     paths.home.mkdir(parents=True, exist_ok=True)
