@@ -35,7 +35,8 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     try:
         cluster.wait(settings, cluster.start(settings))
         stack.ensure_topics(settings)
-        cluster.secure(settings)
+        # given every node, as the README tells clients to be
+        cluster.secure(settings.model_copy(update={"kafka_bootstrap": cc.bootstrap_list(settings)}))
         yield settings
     finally:
         cluster.stop(settings)
