@@ -62,3 +62,11 @@ def test_topics_are_replicated_three_times_with_two_in_sync_only_on_a_cluster() 
 def test_set_properties_replaces_a_key_in_place_and_appends_a_missing_one() -> None:
     text = "a=1\n# a=comment\nab=2\n"
     assert cc.set_properties(text, {"a": "x\\y", "c": "3"}) == "a=x\\y\n# a=comment\nab=2\nc=3\n"
+
+
+def test_every_node_logs_in_with_the_clusters_one_set_of_principals(tmp_path: Path) -> None:
+    """The nodes' state dirs differ, their credentials file does not: the admin written into
+    each node's storage and the role users created once are the same principals."""
+    settings = Settings(state_dir=tmp_path, kafka_brokers=3)
+    paths = {n.settings.kafka_credentials_path for n in cc.nodes(settings)}
+    assert paths == {settings.kafka_credentials_path}

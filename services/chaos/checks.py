@@ -20,6 +20,7 @@ from events.codec import EVENTS, decode
 from events.log_reader import read_to_end
 from services.audit.verify import verify
 from services.chaos.workload import Sent
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.processor.rebuild import rebuild_and_compare
 
@@ -168,7 +169,7 @@ async def events(settings: Settings, pool: Pool) -> tuple[list[Finding], EventSt
     published: dict[str, list[str]] = defaultdict(list)
     on_topic = 0
     async for record in read_to_end(
-        settings.kafka_bootstrap, settings.topic_events, settings.kafka_partitions
+        kafka_client_args(settings, "admin"), settings.topic_events, settings.kafka_partitions
     ):
         event = decode(EVENTS, record.value)
         published[event.key].append(str(event.event_id))

@@ -24,6 +24,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from services.chaos.launch import RoleProcess
 from services.chaos.postgres import PrivatePostgres
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.common.tasks import stopped_within
 from services.localstack import cluster
@@ -152,7 +153,7 @@ def _assigned(role: RoleProcess) -> bool:
 
 
 async def _in_sync(settings: Settings) -> bool:
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap, request_timeout_ms=5000)
+    admin = AIOKafkaAdminClient(**kafka_client_args(settings, "admin"), request_timeout_ms=5000)
     try:
         await admin.start()
         described = await admin.describe_topics(list(settings.topics))

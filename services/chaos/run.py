@@ -10,7 +10,6 @@ import asyncio
 import random
 import secrets
 import shutil
-import socket
 import tempfile
 import time
 from collections import Counter
@@ -31,6 +30,7 @@ from services.chaos.faults import Faults
 from services.chaos.launch import RoleProcess
 from services.chaos.postgres import PrivatePostgres
 from services.chaos.workload import Workload
+from services.common.kafka_clients import kafka_client_args
 from services.common.secret_files import create_secret_file, read_secret_file
 from services.common.settings import Settings
 from services.common.tokens import SCOPES, TokenStore
@@ -78,31 +78,13 @@ class Result:
         return self.settled and not self.findings
 
 
-def _free_port_run(length: int) -> int:
-    """A port P such that P .. P+length-1 are free now."""
-    rng = random.Random()
-    while True:
-        base = rng.randrange(20000, 60000 - length)
-        if all(_free(base + i) for i in range(length)):
-            return base
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 @asynccontextmanager
 async def private_stack(
     base: Settings, home: Path, partitions: int
 ) -> AsyncIterator[tuple[Settings, PrivatePostgres]]:
     """A three-node Kafka cluster and a PostgreSQL server of the run's own; the settings that
     reach them (``kafka_bootstrap`` lists every node)."""
-    kafka = _free_port_run(7)  # three nodes' port pairs, then PostgreSQL's
+    kafka = cluster.free_port_run(7)  # three nodes' port pairs, then PostgreSQL's
     password = home / "pg-password"  # read by the role processes (mode 0600)
     create_secret_file(password, secrets.token_urlsafe(24))
     nodes = base.model_copy(update={
@@ -116,6 +98,7 @@ async def private_stack(
         started = await asyncio.to_thread(cluster.start, nodes)
         await asyncio.to_thread(postgres.init, nodes)
         await asyncio.to_thread(cluster.wait, nodes, started)
+        await asyncio.to_thread(cluster.secure, nodes)
         yield nodes, postgres
     finally:
         await asyncio.to_thread(cluster.stop, nodes)
@@ -161,8 +144,10 @@ async def _run_in(
     roles = [*processors, *executors, joiner]
     rng = random.Random(plan.seed)
     faults = Faults(rng, nodes, settings, processors, executors, joiner, postgres)
-    publisher = CommandPublisher(settings.kafka_bootstrap, topic=settings.topic_commands)
-    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, acks="all",
+    # The in-process API publishes as the api role; the workload's late observations and the
+    # reconciler's write as the watcher does.
+    publisher = CommandPublisher(kafka_client_args(settings, "api"), topic=settings.topic_commands)
+    producer = AIOKafkaProducer(**kafka_client_args(settings, "watcher"), acks="all",
                                 enable_idempotence=True)  # fmt: skip
     await publisher.__aenter__()
     await producer.start()
@@ -225,7 +210,7 @@ async def _run_in(
 async def settle(settings: Settings, pool: checks.Pool, timeout: float) -> bool:
     """Wait until the processors have decided every input, the outbox is published and no row
     is in a progressing phase, for ``SETTLE_CHECKS`` checks in a row; False at the timeout."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap)
+    consumer = AIOKafkaConsumer(**kafka_client_args(settings, "admin"))
     await consumer.start()
     try:
         deadline = time.monotonic() + timeout

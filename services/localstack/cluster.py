@@ -4,10 +4,15 @@
 checker (services/chaos) starts one of its own and kills, restarts, pauses and resumes single
 nodes of it. Layout and properties: services/localstack/cluster_config.py. Each node's files
 (properties, data, log, pid file) live under its own state dir; all share one cluster id.
+With SASL (the default) each node is secured as the single broker is (kafka_auth: its config
+and JAAS file, the admin in its storage); all nodes share the one credentials file, and
+``secure`` creates the roles' users and ACLs once the cluster answers.
 """
 
 from __future__ import annotations
 
+import random
+import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +21,7 @@ from functools import partial
 from services.common.settings import Settings
 from services.localstack import cluster_config as cc
 from services.localstack import config as cfg
-from services.localstack import stack
+from services.localstack import kafka_auth, stack
 
 
 def up(settings: Settings) -> Settings:
@@ -28,6 +33,7 @@ def up(settings: Settings) -> Settings:
     stack._up_podman(settings)
     wait(settings, nodes)
     stack.ensure_topics(settings)
+    secure(settings)
     stack._say(f"up in {time.monotonic() - started:.1f}s")
     return settings
 
@@ -41,7 +47,7 @@ def down(settings: Settings) -> None:
 
 def status(settings: Settings) -> list[stack.ComponentStatus]:
     """``stack.status`` with the cluster's state for Kafka's."""
-    down = [n.node_id for n in cc.nodes(settings) if not stack._kafka_answers(n.address)]
+    down = [n.node_id for n in cc.nodes(settings) if not stack._kafka_answers(n.settings)]
     if down:
         kafka = stack.ComponentStatus("kafka", False, f"nodes {down} not answering")
     else:
@@ -69,18 +75,24 @@ def start_node(settings: Settings, node: cc.Node) -> subprocess.Popen[bytes] | N
     paths = cfg.kafka_paths(node.settings)
     pid = stack._live_pid(paths.pid, str(paths.properties))
     if pid is not None:
+        problem = kafka_auth.storage_problem(node.settings)  # started before authentication
+        if problem:
+            raise stack.StackError(problem)
         stack._say(f"kafka: node {node.node_id} running (pid {pid})")
         return None
     paths.home.mkdir(parents=True, exist_ok=True)
     template = cfg.KAFKA_PROPERTIES_TEMPLATE.read_text()
-    stack._write_if_changed(paths.properties, cc.node_properties(template, settings, node))
+    rendered = cc.node_properties(template, settings, node)
+    properties, jvm_options = kafka_auth.prepare_broker(node.settings, rendered)  # JAAS per node
+    stack._write_if_changed(paths.properties, properties)
     shared_id = cc.cluster_home(settings) / "cluster.id"
     if not shared_id.exists():
         shared_id.write_text(cfg.new_kafka_cluster_id() + "\n")
     stack._write_if_changed(paths.cluster_id, shared_id.read_text())
-    stack._format_kafka_storage(node.settings)
+    stack._format_kafka_storage(node.settings)  # with the admin's SCRAM credential
+    java = cfg.kafka_java_command(node.settings, "kafka.Kafka", str(paths.properties))
     proc = stack._spawn(
-        cfg.kafka_java_command(node.settings, "kafka.Kafka", str(paths.properties)),
+        kafka_auth.with_jvm_options(java, jvm_options),
         log=paths.log,
         pidfile=paths.pid,
     )
@@ -93,7 +105,7 @@ def wait(settings: Settings, procs: dict[int, subprocess.Popen[bytes]]) -> None:
     started = time.monotonic()
     for node in cc.nodes(settings):
         stack._wait_for(
-            partial(stack._kafka_answers, node.address),
+            partial(stack._kafka_answers, node.settings),
             what=f"kafka node {node.node_id}",
             timeout=stack.KAFKA_START_TIMEOUT,
             log=cfg.kafka_paths(node.settings).log,
@@ -101,6 +113,12 @@ def wait(settings: Settings, procs: dict[int, subprocess.Popen[bytes]]) -> None:
         )
     if procs:
         stack._say(f"kafka: {len(procs)} node(s) ready after {time.monotonic() - started:.1f}s")
+
+
+def secure(settings: Settings) -> None:
+    """The roles' SCRAM users and their ACLs on the settings' names, created once the cluster
+    answers (the metadata log replicates them to every node), as for the single broker."""
+    stack._ensure_auth(settings)
 
 
 def node_pid(node: cc.Node) -> int | None:
@@ -123,3 +141,21 @@ def stop(settings: Settings) -> int:
 def _stop_node(node: cc.Node) -> bool:
     paths = cfg.kafka_paths(node.settings)
     return stack._stop_pid(paths.pid, str(paths.properties), f"kafka node {node.node_id}")
+
+
+def free_port_run(length: int) -> int:
+    """A port P such that P .. P+length-1 are free now (a private cluster's port pairs)."""
+    rng = random.Random()
+    while True:
+        base = rng.randrange(20000, 60000 - length)
+        if all(_free(base + i) for i in range(length)):
+            return base
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

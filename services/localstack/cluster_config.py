@@ -49,6 +49,8 @@ def nodes(settings: Settings) -> list[Node]:
                     "kafka_bootstrap": f"{host}:{port + 2 * i}",
                     "kafka_controller_port": settings.kafka_controller_port + 2 * i,
                     "state_dir": cluster_home(settings) / f"node-{i + 1}",
+                    # one set of principals for the cluster, not one per node's state dir
+                    "kafka_credentials_file": settings.kafka_credentials_path,
                 }
             ),
         )

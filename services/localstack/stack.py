@@ -414,7 +414,8 @@ def _ensure_auth(settings: Settings) -> None:
     if not kafka_auth.enabled(settings):
         _say("kafka: no authentication (kafka_security_protocol PLAINTEXT)")
         return
-    if not cfg.is_local_host(cfg.split_host_port(settings.kafka_bootstrap)[0]):
+    addresses = settings.kafka_bootstrap.split(",")  # a local cluster's clients get every node
+    if not all(cfg.is_local_host(cfg.split_host_port(a.strip())[0]) for a in addresses):
         _say("kafka: users and ACLs of an external cluster are left to its operator")
         return
     try:
