@@ -255,21 +255,6 @@ def read_tokens(path: Path) -> list[StoredToken]:
         raise TokenFileError(f"cannot read tokens file {path}: {exc}") from exc
 
 
-def _write_private(path: Path, text: str, *, exclusive: bool) -> None:
-    """Write ``text`` to ``path`` with mode 0600 from the start (never briefly world-readable)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if exclusive:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-        return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        out.write(text)
-    os.replace(tmp, path)
-
-
 def _entry(
     name: str, value: str, scopes: tuple[str, ...], expires_at: datetime | None = None
 ) -> dict[str, Any]:
@@ -301,12 +286,11 @@ def ensure_tokens(settings: Settings) -> TokenSetup:
     # The plaintext first: a crash in between leaves a token nobody can use, never a file
     # that accepts a token nobody has.
     admin.unlink(missing_ok=True)
-    _write_private(admin, value + "\n", exclusive=True)
+    if not secret_files.create_secret_file(admin, value):
+        raise FileExistsError(f"{admin} appeared while it was being created")
     document = {"tokens": [_entry("admin", value, SCOPES)]}
-    try:
-        _write_private(path, json.dumps(document, indent=2) + "\n", exclusive=True)
-    except FileExistsError:  # another `up` won the race: its token stands
-        admin.unlink(missing_ok=True)
+    if not secret_files.create_secret_file(path, json.dumps(document, indent=2)):
+        admin.unlink(missing_ok=True)  # another `up` won the race: its token stands
         return TokenSetup(path, admin, created=False)
     return TokenSetup(path, admin, created=True)
 
@@ -326,7 +310,7 @@ def _editing(path: Path) -> Iterator[dict[str, Any]]:
         else:
             document = {"tokens": []}
         yield document
-        _write_private(path, json.dumps(document, indent=2) + "\n", exclusive=False)
+        secret_files.replace_secret_file(path, json.dumps(document, indent=2) + "\n")
     finally:
         os.close(lock)
 

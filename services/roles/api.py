@@ -43,7 +43,7 @@ class ApiRole:
                 app, self.settings.api_host, self.settings.api_port, tls=Tls.of(self.settings)
             )
             self.started = True
-            stopper = asyncio.create_task(_set(stop))
+            stopper = asyncio.create_task(stop.wait())
             await asyncio.wait([stopper, api.task], return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
             if not stop.is_set():
@@ -66,7 +66,3 @@ class ApiRole:
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             return Readiness(False, f"PostgreSQL unreachable: {exc!r}", detail)
         return Readiness(True, "", detail)
-
-
-async def _set(event: asyncio.Event) -> None:
-    await event.wait()
