@@ -74,6 +74,7 @@ from services.common.entrypoint import run_until_signalled
 from services.common.kafka_clients import kafka_client_args
 from services.common.log_identity import check_log_identity, log_identity_of, read_log_identity
 from services.common.settings import Settings
+from services.processor.gc_thresholds import collect_less_often
 from services.processor.row_cache import RowCache
 
 log = logging.getLogger("sandstream.processor")
@@ -339,6 +340,7 @@ class Processor:
         )
 
     async def start(self) -> None:
+        collect_less_often()
         self._owned = set()
         # Refuse another log than the stored offsets belong to before joining the group.
         identity = await read_log_identity(
