@@ -10,9 +10,11 @@ Changing, removing or reordering one entry breaks the link at that entry or the 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from operator import attrgetter
+from typing import Any, Final, TypeVar
+from uuid import UUID
 
 from pydantic_core import to_json
 
@@ -26,37 +28,54 @@ def chain_of(key: str | None, partition: int) -> ChainId:
     return (key, None) if key is not None else (None, partition)
 
 
+# The content an entry's hash covers, in the order of the history row's fields.
+CONTENT_FIELDS: Final = (
+    "key", "topic", "partition", "offset", "message_type", "command_id", "disposition", "reason",
+    "phase", "generation", "version", "event_types", "message", "occurred_at", "sandbox_id",
+)  # fmt: skip
+# Those values, in that order (what ``content_of`` reads from a row).
+HistoryContent = tuple[
+    str | None, str, int, int, str | None, str | None, str, str, str | None, int | None,
+    int | None, list[str], str | None, datetime | None, UUID | None,
+]  # fmt: skip
+content_of = attrgetter(*CONTENT_FIELDS)  # a row's content as one tuple (read in C)
+
+
 def canonical(entry: Mapping[str, Any]) -> bytes:
     """The bytes an entry's hash covers: its recorded content as sorted, compact JSON.
 
     Timestamps are UTC with microseconds (PostgreSQL's precision), the input body is its exact
     text. ``recorded_at`` (the database's clock) is not covered.
     """
-    return _content_json(entry.__getitem__)
+    return content_json(*(entry[name] for name in CONTENT_FIELDS))
 
 
-def _content_json(get: Callable[[str], Any]) -> bytes:
-    """What json.dumps(sort_keys=True, separators=(",", ":"), ensure_ascii=False) writes
-    (tests/test_chain.py compares the two), from pydantic-core's serializer: a quarter of the
-    cost. The keys are written in sorted order."""
-    occurred, sandbox_id = get("occurred_at"), get("sandbox_id")
+def content_json(
+    key: str | None, topic: str, partition: int, offset: int, message_type: str | None,
+    command_id: str | None, disposition: str, reason: str, phase: str | None,
+    generation: int | None, version: int | None, event_types: Sequence[str],
+    message: str | None, occurred_at: datetime | None, sandbox_id: UUID | None,
+) -> bytes:  # fmt: skip
+    """``canonical`` of the content given in CONTENT_FIELDS order. What json.dumps(sort_keys=
+    True, separators=(",", ":"), ensure_ascii=False) writes (tests/test_chain.py compares the
+    two), from pydantic-core's serializer: a quarter of the cost. Keys in sorted order."""
     return to_json(
         {
-            "command_id": get("command_id"),
-            "disposition": get("disposition"),
-            "event_types": list(get("event_types")),
-            "generation": get("generation"),
-            "key": get("key"),
-            "message": get("message"),
-            "message_type": get("message_type"),
-            "occurred_at": _utc(occurred) if occurred is not None else None,
-            "offset": get("offset"),
-            "partition": get("partition"),
-            "phase": get("phase"),
-            "reason": get("reason"),
+            "command_id": command_id,
+            "disposition": disposition,
+            "event_types": list(event_types),
+            "generation": generation,
+            "key": key,
+            "message": message,
+            "message_type": message_type,
+            "occurred_at": _utc(occurred_at) if occurred_at is not None else None,
+            "offset": offset,
+            "partition": partition,
+            "phase": phase,
+            "reason": reason,
             "sandbox_id": str(sandbox_id) if sandbox_id is not None else None,
-            "topic": get("topic"),
-            "version": get("version"),
+            "topic": topic,
+            "version": version,
         }
     )
 
@@ -69,24 +88,36 @@ def link(prev_hash: bytes | None, entry: Mapping[str, Any]) -> bytes:
     return hashlib.sha256((prev_hash or GENESIS) + canonical(entry)).digest()
 
 
+class Chains:
+    """The newest hash of each chain while entries are linked on in write order, from
+    ``heads`` (the stored newest hash of each chain; absent or None: an empty chain)."""
+
+    __slots__ = ("_current",)
+
+    def __init__(self, heads: Mapping[ChainId, bytes | None]) -> None:
+        self._current = dict(heads)
+
+    def link(self, key: str | None, partition: int, content: bytes) -> tuple[bytes | None, bytes]:
+        """(the previous hash, this entry's hash) of the next entry of its chain."""
+        chain = (key, None) if key is not None else (None, partition)  # chain_of, inlined
+        prev = self._current.get(chain)
+        own = hashlib.sha256((prev or GENESIS) + content).digest()
+        self._current[chain] = own
+        return prev, own
+
+    def linked(self, content: HistoryContent) -> tuple[bytes | None, bytes]:
+        """``link`` of an entry given by its content in CONTENT_FIELDS order."""
+        return self.link(content[0], content[2], content_json(*content))
+
+
 R = TypeVar("R")  # a frozen dataclass with the content fields, ``prev_hash`` and ``entry_hash``
 
 
 def chain_rows(rows: Sequence[R], heads: Mapping[ChainId, bytes | None]) -> list[R]:
     """``rows`` (in write order) with their links set, continuing each chain from ``heads``."""
-    current = dict(heads)
+    chains = Chains(heads)
     linked = []
     for row in rows:
-        key, partition = getattr(row, "key"), getattr(row, "partition")  # noqa: B009
-        chain = (key, None) if key is not None else (None, partition)  # chain_of, inlined
-        prev = current.get(chain)
-        own = hashlib.sha256((prev or GENESIS) + _content_json(row.__getattribute__)).digest()
-        current[chain] = own
+        prev, own = chains.linked(content_of(row))
         linked.append(replaced(row, prev_hash=prev, entry_hash=own))
     return linked
-
-
-CONTENT_FIELDS = (
-    "key", "topic", "partition", "offset", "message_type", "command_id", "disposition", "reason",
-    "phase", "generation", "version", "event_types", "message", "occurred_at", "sandbox_id",
-)  # fmt: skip

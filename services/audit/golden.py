@@ -36,7 +36,7 @@ import asyncpg
 from aiokafka import ConsumerRecord
 
 from events.topics import COMMANDS, DEADLETTER, EVENTS, OBSERVATIONS
-from projections.chain import ChainId, chain_of, chain_rows
+from projections.chain import ChainId, chain_of
 from projections.fold import Rules, fold
 from projections.lifecycle import Sandbox, decide
 from projections.store import HistoryRow
@@ -125,8 +125,9 @@ def replay(
             settings.lifecycle_limits,
         )
         touched = {(i.record.topic, i.record.partition) for i in items}
-        plan = plan_batch(items, result, {tp: offsets.get(tp, 0) for tp in touched}, settings)
-        rows = chain_rows(plan.history, heads)
+        at = {tp: offsets.get(tp, 0) for tp in touched}
+        plan = plan_batch(items, result, at, settings, chain_heads=heads)
+        rows = plan.history
         heads.update({chain_of(h.key, h.partition): h.entry_hash for h in rows})
         offsets.update({tp: new for tp, (_, new) in plan.offsets.items()})
         states, outcomes = result.states, {**outcomes, **result.outcomes}

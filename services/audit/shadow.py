@@ -18,14 +18,14 @@ compared with it, and switched in atomically with the processor fenced.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient
 
 from events.topics import CHANGES_CHANNEL
-from projections.chain import chain_of, chain_rows
+from projections.chain import chain_of
 from projections.fold import Rules, fold
 from projections.lifecycle import decide
 from projections.store import read_batch, write_batch
@@ -91,8 +91,8 @@ async def apply(
         rules,
         settings.lifecycle_limits,
     )
-    plan = plan_batch(todo, result, read.offsets, settings, read.sandboxes)
-    await write_batch(out, replace(plan, history=chain_rows(plan.history, read.chain_heads)))
+    plan = plan_batch(todo, result, read.offsets, settings, read.sandboxes, read.chain_heads)
+    await write_batch(out, plan)
 
 
 async def replay_partition(

@@ -21,14 +21,14 @@ import json
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
 from events.codec import encode
-from projections.chain import ChainId, chain_of, chain_rows
+from projections.chain import ChainId, chain_of
 from projections.fold import Rules, fold
 from projections.lifecycle import decide
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record, write_batch
@@ -267,8 +267,7 @@ async def _partition(
             options.rules,
             settings.lifecycle_limits,
         )
-        plan = plan_batch(items, result, offsets, settings, states)
-        plan = replace(plan, history=chain_rows(plan.history, heads))
+        plan = plan_batch(items, result, offsets, settings, states, heads)
         await write_batch(out, plan)
         states, outcomes = result.states, {**outcomes, **result.outcomes}
         heads.update({chain_of(h.key, h.partition): h.entry_hash for h in plan.history})
