@@ -55,7 +55,8 @@ def decode(adapter: TypeAdapter[T], raw: bytes | str | None) -> T:
     try:
         # Strict: a wrong JSON type is an error, not coerced ("3" or true for an integer,
         # a number for a timestamp). Python-side construction stays lax.
-        return adapter.validate_json(raw, strict=True)
+        # The core validator itself: TypeAdapter's wrapper costs a tenth of a small record.
+        return adapter.validator.validate_json(raw, strict=True)  # type: ignore[no-any-return]
     except ValidationError as exc:
         if any(e["type"] == "json_invalid" for e in exc.errors()):
             raise DecodeError("not valid JSON: " + exc.errors()[0]["msg"]) from None
@@ -70,7 +71,9 @@ def check_key(record_key: bytes | None, body_key: str) -> None:
 
 
 def encode(message: BaseModel) -> bytes:
-    return message.model_dump_json().encode()
+    """``message.model_dump_json().encode()``, straight from the model's serializer (which
+    writes bytes: no round trip through ``str``)."""
+    return message.__pydantic_serializer__.to_json(message)
 
 
 def storable(text: str) -> str:
