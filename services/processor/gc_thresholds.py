@@ -3,7 +3,7 @@
 A poll of thousands of records allocates several container objects per record (messages,
 events, rows, history entries), and CPython's default first threshold (700 allocations) ran
 a young collection every few records and a full one, walking every live object (the row
-cache, the loaded modules), every few hundred: 50-57 µs of CPU per input, a third of the
+cache, the loaded modules), every few hundred: 54-58 µs of CPU per input, a third of the
 processor's, in docs/benchmarks.md. Almost everything a poll allocates is freed by reference
 counting; the collector is only needed for cycles, which are rare on this path, so it runs a
 seventieth as often. The garbage this can hold back is bounded by the threshold (tens of
