@@ -236,8 +236,13 @@ class PodmanKeys:
 
 
 def remove_now(client: PodmanClient, container_id: str) -> None:
-    """``podman rm -f --time 0``: SIGKILL at once (a plain force-remove waits out the
-    container's stop timeout first)."""
+    """SIGKILL, then ``podman rm -f --time 0`` (a plain force-remove waits out the container's
+    stop timeout first). The kill comes first because a driver's stop under way on the
+    container returns when it dies, but not when it is removed: it would hold its thread for
+    the whole grace period."""
+    # Refused (500 "container state improper", 404) when it is not running: the remove below
+    # reports any real trouble.
+    client.api.post(f"/containers/{container_id}/kill", params={"signal": "SIGKILL"})
     response = client.api.delete(
         f"/containers/{container_id}", params={"force": True, "timeout": 0, "volumes": True}
     )
