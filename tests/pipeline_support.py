@@ -315,6 +315,26 @@ async def caught_up(settings: Settings, group: str) -> bool:
         await consumer.stop()
 
 
+async def processor_caught_up(env: Env) -> bool:
+    """Whether the processor has applied every record now in its input topics (commands and
+    observations): the offsets it stores in PostgreSQL reach the ends of their partitions."""
+    s = env.settings
+    topics = [s.topic_commands, s.topic_observations]
+    consumer = AIOKafkaConsumer(**kafka_client_args(s, "admin"), enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(t, p) for t in topics for p in range(s.kafka_partitions)]
+        ends = await consumer.end_offsets(tps)
+    finally:
+        await consumer.stop()
+    rows = await env.fetch(
+        "SELECT topic, partition, next_offset FROM input_offsets WHERE topic = ANY($1::text[])",
+        topics,
+    )
+    stored = {TopicPartition(r["topic"], r["partition"]): r["next_offset"] for r in rows}
+    return all(stored.get(tp, 0) >= end for tp, end in ends.items())
+
+
 async def group_started(settings: Settings, group: str) -> bool:
     """Whether ``group`` has a committed offset on every partition of the events topic (an
     executor of a new group commits its starting position once it is assigned)."""
