@@ -9,6 +9,7 @@ names and force-removes everything of them afterwards.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -18,6 +19,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from harness import Env, eventually, isolated_env
 from podman import PodmanClient
+from podman.errors import NotFound
 
 from drivers.podman import PodmanDriver
 from drivers.protocol import LABEL_KEY, Driver
@@ -227,7 +229,9 @@ class PodmanKeys:
             for container in containers_of(self.client, key):
                 remove_now(self.client, container["id"])
             for name in volumes_of(self.client, key):
-                self.client.volumes.remove(name, force=True)
+                # A delete the killed runtime let finish may remove it first.
+                with contextlib.suppress(NotFound):
+                    self.client.volumes.remove(name, force=True)
         leftovers = {
             k: [c["name"] for c in containers_of(self.client, k)] + volumes_of(self.client, k)
             for k in self.made
