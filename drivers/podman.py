@@ -1,9 +1,10 @@
 """The Podman driver: one container per generation, a named volume per incarnation.
 
 It talks to the Podman REST API with the ``podman`` package. That package is synchronous, so
-every call runs in a worker thread (the driver's own pool, as ``asyncio.to_thread`` would with
-the default one) and the event stream is read by a dedicated thread feeding an
-``asyncio.Queue``: nothing here blocks the event loop.
+every call runs in a worker thread (the driver's own pools of daemon threads, so a call still
+blocked in Podman when the driver is closed never holds up the process's exit) and the event
+stream is read by a dedicated thread feeding an ``asyncio.Queue``: nothing here blocks the
+event loop.
 
 Naming (see docs/drivers.md):
 
@@ -38,7 +39,6 @@ import socket
 import threading
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final, TypeVar
@@ -49,6 +49,7 @@ from podman.api import prepare_filters
 from podman.errors import APIError, NotFound, PodmanError
 
 from drivers import podman_exec
+from drivers.daemon_pool import DaemonThreadPool
 from drivers.protocol import (
     IDENTITY_ENV,
     LABEL_GENERATION,
@@ -430,9 +431,11 @@ class PodmanDriver:
         # delete get a thread each (the executor bounds them: shared slots for fast calls, a
         # lane per caller for slow ones), so a sandbox waiting out its grace period holds no
         # thread another one needs; reads (list, get, the watcher's listing, exec) have their
-        # own small pool and never queue behind lifecycle calls.
-        self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="podman-call")
-        self._reads = ThreadPoolExecutor(read_workers, thread_name_prefix="podman-read")
+        # own small pool and never queue behind lifecycle calls. Daemon threads: a call still
+        # blocked when the driver is closed (a stop waiting out its grace period) does not
+        # hold up the process's exit; Podman finishes it by itself.
+        self._executor = DaemonThreadPool(max_workers, thread_name_prefix="podman-call")
+        self._reads = DaemonThreadPool(read_workers, thread_name_prefix="podman-read")
         self._local = threading.local()
         self._clients: builtins.list[PodmanClient] = []
         self._clients_lock = threading.Lock()

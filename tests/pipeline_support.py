@@ -9,6 +9,7 @@ names and force-removes everything of them afterwards.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -18,6 +19,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from harness import Env, eventually, isolated_env
 from podman import PodmanClient
+from podman.errors import NotFound
 
 from drivers.podman import PodmanDriver
 from drivers.protocol import LABEL_KEY, Driver
@@ -227,7 +229,9 @@ class PodmanKeys:
             for container in containers_of(self.client, key):
                 remove_now(self.client, container["id"])
             for name in volumes_of(self.client, key):
-                self.client.volumes.remove(name, force=True)
+                # A delete the killed runtime let finish may remove it first.
+                with contextlib.suppress(NotFound):
+                    self.client.volumes.remove(name, force=True)
         leftovers = {
             k: [c["name"] for c in containers_of(self.client, k)] + volumes_of(self.client, k)
             for k in self.made
@@ -236,8 +240,13 @@ class PodmanKeys:
 
 
 def remove_now(client: PodmanClient, container_id: str) -> None:
-    """``podman rm -f --time 0``: SIGKILL at once (a plain force-remove waits out the
-    container's stop timeout first)."""
+    """SIGKILL, then ``podman rm -f --time 0`` (a plain force-remove waits out the container's
+    stop timeout first). The kill comes first because a driver's stop under way on the
+    container returns when it dies, but not when it is removed: it would hold its thread for
+    the whole grace period."""
+    # Refused (500 "container state improper", 404) when it is not running: the remove below
+    # reports any real trouble.
+    client.api.post(f"/containers/{container_id}/kill", params={"signal": "SIGKILL"})
     response = client.api.delete(
         f"/containers/{container_id}", params={"force": True, "timeout": 0, "volumes": True}
     )
@@ -308,6 +317,26 @@ async def caught_up(settings: Settings, group: str) -> bool:
         return True
     finally:
         await consumer.stop()
+
+
+async def processor_caught_up(env: Env) -> bool:
+    """Whether the processor has applied every record now in its input topics (commands and
+    observations): the offsets it stores in PostgreSQL reach the ends of their partitions."""
+    s = env.settings
+    topics = [s.topic_commands, s.topic_observations]
+    consumer = AIOKafkaConsumer(**kafka_client_args(s, "admin"), enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(t, p) for t in topics for p in range(s.kafka_partitions)]
+        ends = await consumer.end_offsets(tps)
+    finally:
+        await consumer.stop()
+    rows = await env.fetch(
+        "SELECT topic, partition, next_offset FROM input_offsets WHERE topic = ANY($1::text[])",
+        topics,
+    )
+    stored = {TopicPartition(r["topic"], r["partition"]): r["next_offset"] for r in rows}
+    return all(stored.get(tp, 0) >= end for tp, end in ends.items())
 
 
 async def group_started(settings: Settings, group: str) -> bool:

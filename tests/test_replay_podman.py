@@ -22,6 +22,7 @@ from pipeline_support import (
     containers_of,
     history,
     podman_env,
+    processor_caught_up,
     rewind_group,
     running_plane,
     sandbox_spec,
@@ -92,6 +93,9 @@ async def test_a_replayed_log_never_runs_or_recreates_anything_on_podman(
                 bool,
                 what="the first executor committed everything",
             )
+            # Its results were sent before it committed; the rows may have moved on the
+            # watcher's events before they were applied.
+            await eventually(lambda: processor_caught_up(env), bool, what="its results applied")
         before = {k: await asyncio.to_thread(started_at, podman, k) for k in keys.made}
         assert [s for _, s, _ in before[stopped]] == ["exited"]
         assert before[deleted] == [] and volumes_of(podman, deleted) == []
@@ -107,6 +111,7 @@ async def test_a_replayed_log_never_runs_or_recreates_anything_on_podman(
                 bool,
                 what="the restarted executor committed the replayed log",
             )
+            await eventually(lambda: processor_caught_up(env), bool, what="the log applied")
             assert plane.executor is not None
             # Seven intents: launch+stop, launch+delete, and the re-created name's launch,
             # delete, launch; each dropped (its row moved past it) or skipped (superseded).

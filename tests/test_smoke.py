@@ -104,13 +104,12 @@ def test_podman_runs_stops_and_removes_a_container(settings: Settings) -> None:
                 assert time.monotonic() < deadline, "container printed nothing"
                 time.sleep(0.1)
 
-            started = time.monotonic()
             container.stop(timeout=10)
-            stop_seconds = time.monotonic() - started
             container.reload()
             assert container.status == "exited"
-            # With an init process as PID 1, SIGTERM ends `sleep` at once, not after 10 s.
-            assert stop_seconds < 5, f"stop took {stop_seconds:.1f}s"
+            # With an init process as PID 1, SIGTERM ends `sleep` (128 + 15), not a SIGKILL
+            # after the 10 s (137).
+            assert container.attrs["State"]["ExitCode"] == 143
         finally:
             container.remove(force=True)
         assert client.containers.list(all=True, filters={"name": name}) == []

@@ -143,11 +143,13 @@ async def test_stuck_deletes_on_podman_do_not_starve_another_caller(
                 await wait_phase(env, bystander, "Stopped", timeout=60)
                 assert await deleting(env, stuck) == 4
         finally:
-            # Kill the stuck containers now: their deletes finish instead of waiting 2 min.
-            await asyncio.to_thread(keys.cleanup)
-            if plane.executor is not None:
-                plane.executor.shutdown_grace = 5
-            await plane.stop()
+            try:
+                # Kill the stuck containers now: their deletes finish instead of waiting 2 min.
+                await asyncio.to_thread(keys.cleanup)
+            finally:
+                if plane.executor is not None:
+                    plane.executor.shutdown_grace = 5
+                await plane.stop()
 
 
 async def test_reads_never_queue_behind_a_stop_waiting_out_its_grace_on_podman(
@@ -179,6 +181,9 @@ async def test_reads_never_queue_behind_a_stop_waiting_out_its_grace_on_podman(
             assert [i.key for i in listed if i.key == key] == [key]
             assert [i.state for i in got] == ["running"]
             assert not stopping.done()
+            # End the stop rather than abandon it: a kill is not queued behind it.
+            await asyncio.wait_for(driver.kill(key, 1), 30)
+            assert (await asyncio.wait_for(stopping, 30)).exit_code == 137
         finally:
             await asyncio.to_thread(keys.cleanup)
             await driver.close()
