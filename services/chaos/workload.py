@@ -1,5 +1,6 @@
 """The checker's workload: random lifecycle commands through the HTTP API and observations
-straight onto the observations topic, from a seed.
+straight onto the observations topic, from a seed, on sandboxes of the shared fake (``cx-N``)
+and a few on real Podman (named with the run's Podman prefix).
 
 The seed pins the sequence of choices each worker makes; which command meets which fault is
 up to the timing. Every command the checker sends is recorded with the API's answer, so the
