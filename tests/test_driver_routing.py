@@ -138,8 +138,11 @@ def test_settings_with_a_route_prefix_build_a_routing_driver(tmp_path: Path) -> 
     assert isinstance(driver.routed, PodmanDriver)
     assert "names starting 'p-': podman" in describe_driver(settings)
     same = Settings(driver="podman", driver_route_prefix="p-", driver_route="podman")
-    with pytest.raises(ValueError, match="SANDSTREAM_DRIVER_ROUTE"):
+    with pytest.raises(ValueError, match="SANDSTREAM_DRIVER_ROUTE names the default"):
         driver_from_settings(same)
+    empty = settings.model_copy(update={"driver_route_prefix": ""})
+    with pytest.raises(ValueError, match="SANDSTREAM_DRIVER_ROUTE_PREFIX is empty"):
+        driver_from_settings(empty)
 
 
 # -- the shared fake beside real Podman ------------------------------------------------------

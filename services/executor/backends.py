@@ -56,11 +56,13 @@ def driver_from_settings(settings: Settings) -> Driver:
     """The driver ``settings.driver`` names, or, with ``driver_route_prefix``, a routing
     driver that runs the names with that prefix on ``driver_route`` instead (ValueError when
     both are one backend, or for a malformed Kubernetes setting)."""
-    default = _backend(settings, settings.driver)
     if settings.driver_route_prefix is None:
-        return default
+        return _backend(settings, settings.driver)
     if settings.driver_route == settings.driver:
         raise ValueError(f"SANDSTREAM_DRIVER_ROUTE names the default driver {settings.driver!r}")
+    if not settings.driver_route_prefix:
+        raise ValueError("SANDSTREAM_DRIVER_ROUTE_PREFIX is empty: it would route every name")
+    default = _backend(settings, settings.driver)
     routed = _backend(settings, settings.driver_route)
     return RoutingDriver(default, routed, settings.driver_route_prefix)
 
