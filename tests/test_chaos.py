@@ -31,6 +31,7 @@ async def test_a_short_chaos_run_loses_duplicates_and_diverges_nothing(
     assert result.inputs > result.commands, table  # the drivers' observations were decided
     assert result.settled, table
     assert result.backend.podman_rows == SHORT.podman, table  # created, checked on Podman
+    assert result.by_actor["podman-watcher"] > 0, table  # the watcher process saw Podman
     assert result.findings == [], table
     left = [c.name for c in podman.containers.list(all=True, filters=[f"label={LABEL_KEY}"])
             if c.labels[LABEL_KEY].startswith(result.podman_prefix)]  # fmt: skip

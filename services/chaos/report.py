@@ -6,6 +6,12 @@ from services.chaos.faults import KINDS
 from services.chaos.run import Result
 
 SHOWN_FINDINGS = 20
+# The driver side's observers, by the actor their observations carry.
+OBSERVERS = (
+    ("podman-watcher", "from the watcher: Podman events"),
+    ("fake-watcher", "from the watcher: fake listings"),
+    ("reconciler", "from reconcile passes"),
+)
 
 
 def table(result: Result) -> str:
@@ -26,6 +32,7 @@ def table(result: Result) -> str:
             if not what.startswith("command ")
         ),
         f"{'inputs decided (history)':<34}{result.inputs:>8}",
+        *(f"  {what:<32}{result.by_actor[actor]:>8}" for actor, what in OBSERVERS),
         f"{'decided events':<34}{result.events.decided:>8}",
         f"  {'republished after a crash':<32}{result.events.republished:>8}",
         f"{'settled after healing':<34}{'yes' if result.settled else 'NO':>8}",

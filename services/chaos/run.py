@@ -71,6 +71,7 @@ class Result:
     home: Path
     podman_prefix: str  # the names of the run's sandboxes on Podman start with it
     settled: bool = True
+    by_actor: Counter[str] = field(default_factory=Counter)  # inputs decided, by their actor
     notes: list[str] = field(default_factory=list)
 
     def count(self, kind: checks.Kind) -> int:
@@ -242,7 +243,14 @@ async def _run_in(
         home=home,
         podman_prefix=prefix,
         settled=settled,
+        by_actor=await _inputs_by_actor(pool),
     )
+
+
+async def _inputs_by_actor(pool: checks.Pool) -> Counter[str]:
+    """Inputs decided per actor: the watcher's, the reconcile passes', the executors' ..."""
+    query = "SELECT message->>'actor' AS actor, count(*) AS n FROM history GROUP BY 1"
+    return Counter({r["actor"]: r["n"] for r in await pool.fetch(query)})
 
 
 async def settle(settings: Settings, pool: checks.Pool, timeout: float) -> bool:
