@@ -17,7 +17,7 @@ from services.common.settings import Settings
 SHORT = Plan(seed=5, sandboxes=100, podman=2, duration=30, fault_interval=(1.0, 3.0), partitions=4)
 
 
-async def test_a_short_chaos_run_loses_duplicates_and_diverges_nothing(
+async def test_a_short_chaos_run_loses_duplicates_diverges_and_leaves_nothing(
     settings: Settings, podman: PodmanClient
 ) -> None:
     result = await run(SHORT, settings)
@@ -33,7 +33,16 @@ async def test_a_short_chaos_run_loses_duplicates_and_diverges_nothing(
     assert result.backend.podman_rows == SHORT.podman, table  # created, checked on Podman
     assert result.by_actor["podman-watcher"] > 0, table  # the watcher process saw Podman
     assert result.findings == [], table
-    left = [c.name for c in podman.containers.list(all=True, filters=[f"label={LABEL_KEY}"])
-            if c.labels[LABEL_KEY].startswith(result.podman_prefix)]  # fmt: skip
-    assert left == [], f"the run left containers on Podman: {left}"
+    left = left_on_podman(podman, result.podman_prefix)
+    assert left == [], f"the run left containers or workspaces on Podman: {left}"
     remove_home(result)
+
+
+def left_on_podman(podman: PodmanClient, prefix: str) -> list[str]:
+    """The containers and workspace volumes of sandboxes whose name starts with ``prefix``."""
+    ours = [f"label={LABEL_KEY}"]
+    containers = podman.containers.list(all=True, filters=ours)
+    volumes = podman.volumes.list(filters=ours)
+    labelled = [(c.name, c.labels) for c in containers]
+    labelled += [(v.name, v.attrs.get("Labels") or {}) for v in volumes]
+    return [str(name) for name, labels in labelled if labels[LABEL_KEY].startswith(prefix)]
