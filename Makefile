@@ -34,7 +34,7 @@ soak: stack
 
 # The fault-injection checker, long form (docs/reliability.md); the suite runs a short one.
 # It starts a private Kafka cluster and PostgreSQL of its own; the stack is not needed.
-CHAOS_ARGS ?= --seed 2 --sandboxes 300 --duration 240
+CHAOS_ARGS ?= --seed 2 --sandboxes 300 --podman 4 --duration 240
 chaos: setup
 	$(PY) -m services.chaos $(CHAOS_ARGS)
 

@@ -28,9 +28,10 @@ layers (events, projections, drivers) and, of services/, only what this list nam
 - ``cli``: the ``sandstream`` command, one module per command group. Imports common, api,
   processor, up, audit, roles.
 - ``bench``: the benchmarks. Imports common, processor, executor, api, up, localstack.
-- ``chaos``: the fault-injection checker (``make chaos``): starts processor and executor
-  processes and a private cluster (localstack), serves the API in its own process, and ends
-  with the audit and rebuild tools. Imports common, processor, executor, audit, api, localstack.
+- ``chaos``: the fault-injection checker (``make chaos``): starts processor, executor and
+  watcher processes and a private cluster (localstack), serves the API in its own process,
+  reconciles and lists the backend through the executor's drivers, and ends with the audit and
+  rebuild tools. Imports common, processor, executor, audit, api, localstack.
 
 ``tests/test_house.py`` holds the same table and fails when an import breaks it.
 """

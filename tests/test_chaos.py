@@ -1,20 +1,26 @@
 """The fault-injection checker's short form (``make chaos`` runs the long one): a seeded
-workload against two processors and two executors (processes) on a private three-broker
-cluster and PostgreSQL, with every kind of fault injected at least once; nothing may be
-lost, duplicated or decided differently."""
+workload (a hundred sandboxes on the shared fake, two on real Podman) against two processors,
+two executors and a watcher (processes) on a private three-broker cluster and PostgreSQL,
+with every kind of fault injected at least once; nothing may be lost, duplicated or decided
+differently, and the backend (the fake and Podman) agrees with the rows."""
 
 from __future__ import annotations
 
+from podman import PodmanClient
+
+from drivers.protocol import LABEL_KEY
 from services.chaos import report
 from services.chaos.faults import KINDS
 from services.chaos.run import Plan, remove_home, run
 from services.common.settings import Settings
 
-SHORT = Plan(seed=5, sandboxes=100, duration=30, fault_interval=(1.0, 3.0), partitions=4)
+SHORT = Plan(seed=5, sandboxes=100, podman=2, duration=30, fault_interval=(1.0, 3.0), partitions=4)
 
 
-async def test_a_short_chaos_run_loses_duplicates_and_diverges_nothing() -> None:
-    result = await run(SHORT, Settings())
+async def test_a_short_chaos_run_loses_duplicates_diverges_and_leaves_nothing(
+    settings: Settings, podman: PodmanClient
+) -> None:
+    result = await run(SHORT, settings)
     table = report.table(result)
     print(table)
     assert all(result.faults[kind] >= 1 for kind in KINDS), table
@@ -24,5 +30,19 @@ async def test_a_short_chaos_run_loses_duplicates_and_diverges_nothing() -> None
     # behind here), so the short form may have few; the long form has hundreds.
     assert result.inputs > result.commands, table  # the drivers' observations were decided
     assert result.settled, table
+    assert result.backend.podman_rows == SHORT.podman, table  # created, checked on Podman
+    assert result.by_actor["podman-watcher"] > 0, table  # the watcher process saw Podman
     assert result.findings == [], table
+    left = left_on_podman(podman, result.podman_prefix)
+    assert left == [], f"the run left containers or workspaces on Podman: {left}"
     remove_home(result)
+
+
+def left_on_podman(podman: PodmanClient, prefix: str) -> list[str]:
+    """The containers and workspace volumes of sandboxes whose name starts with ``prefix``."""
+    ours = [f"label={LABEL_KEY}"]
+    containers = podman.containers.list(all=True, filters=ours)
+    volumes = podman.volumes.list(filters=ours)
+    labelled = [(c.name, c.labels) for c in containers]
+    labelled += [(v.name, v.attrs.get("Labels") or {}) for v in volumes]
+    return [str(name) for name, labels in labelled if labels[LABEL_KEY].startswith(prefix)]

@@ -77,3 +77,16 @@ def test_the_backend_must_run_every_ready_generation_and_nothing_stopped_or_dele
         assert why in finding.detail
     [stuck] = checks.backend_findings([row("p", "Starting")], [])
     assert "still Starting" in stuck.detail
+
+
+def test_the_backend_stats_count_the_podman_rows_containers_and_divergences_by_prefix() -> None:
+    rows = [
+        {"key": "cxp1-0", "sandbox_id": SID, "generation": 1, "phase": "Ready"},
+        {"key": "cxp1-1", "sandbox_id": SID, "generation": 1, "phase": "Stopped"},
+        {"key": "cx-0", "sandbox_id": SID, "generation": 1, "phase": "Ready"},
+    ]
+    runtimes = [runtime("cxp1-1", 1), runtime("cx-0", 1)]  # cxp1-0 missing, cxp1-1 running
+    found = checks.backend_findings(rows, runtimes)
+    stats = checks.backend_stats(rows, runtimes, found, "cxp1-")
+    assert stats == checks.BackendStats(rows=3, podman_rows=2, podman_running=1,
+                                        podman_divergences=2)  # fmt: skip

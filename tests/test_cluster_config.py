@@ -1,10 +1,11 @@
-"""The local Kafka cluster's layout and each node's broker properties (pure)."""
+"""The local Kafka cluster's layout and each node's broker properties (pure), and its ports."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from services.common.settings import Settings
+from services.localstack import cluster
 from services.localstack import cluster_config as cc
 from services.localstack import config as cfg
 
@@ -70,3 +71,12 @@ def test_every_node_logs_in_with_the_clusters_one_set_of_principals(tmp_path: Pa
     settings = Settings(state_dir=tmp_path, kafka_brokers=3)
     paths = {n.settings.kafka_credentials_path for n in cc.nodes(settings)}
     assert paths == {settings.kafka_credentials_path}
+
+
+def test_a_private_clusters_ports_lie_outside_the_kernels_ephemeral_range() -> None:
+    """Regression: a port of the ephemeral range, free when chosen, was taken by another
+    test's outgoing connection before the node bound it ("Address already in use")."""
+    low, high = cluster.ephemeral_ports()
+    for _ in range(30):
+        base = cluster.free_port_run(7)
+        assert all(not low <= port <= high for port in range(base, base + 7)), (base, low, high)

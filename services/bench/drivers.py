@@ -21,22 +21,20 @@ with their own topics and schema, removed afterwards. ``main(settings)`` prints 
 from __future__ import annotations
 
 import asyncio
-import builtins
 import contextlib
 import math
 import statistics
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from uuid import UUID
 
 import asyncpg
 
 from drivers.fake import IGNORES_SIGTERM, FakeDriver
-from drivers.protocol import LABEL_KEY, Driver, LaunchResult, LaunchSpec, OpResult, RuntimeInfo
-from drivers.protocol import WatchObservation as _Watch
+from drivers.protocol import LABEL_KEY
+from drivers.routing import RoutingDriver
 from events.commands import Command, CreateSandbox, DeleteSandbox, StartSandbox, StopSandbox
 from events.common import SandboxSpec
 from events.publisher import CommandPublisher
@@ -143,43 +141,6 @@ async def timed(pub: CommandPublisher, rows: Rows, command: Command, phase: str)
 # -- (a) stop latency with and without init ----------------------------------------------------
 
 
-class _InitSplit:
-    """Keys starting with ``noinit-`` are launched by a driver without an init process; the
-    rest, and the watch stream (which sees every container anyway), by the normal one."""
-
-    def __init__(self, with_init: Driver, without_init: Driver) -> None:
-        self.with_init = with_init
-        self.without_init = without_init
-
-    def _for(self, key: str) -> Driver:
-        return self.without_init if key.startswith("noinit-") else self.with_init
-
-    async def launch(self, spec: LaunchSpec) -> LaunchResult:
-        return await self._for(spec.key).launch(spec)
-
-    async def stop(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
-        return await self._for(key).stop(key, generation, timeout)
-
-    async def kill(self, key: str, generation: int) -> OpResult:
-        return await self._for(key).kill(key, generation)
-
-    async def delete(self, key: str, sandbox_id: UUID | None = None) -> bool:
-        return await self._for(key).delete(key, sandbox_id)
-
-    async def get(self, key: str) -> builtins.list[RuntimeInfo]:
-        return await self._for(key).get(key)
-
-    async def list(self) -> builtins.list[RuntimeInfo]:
-        return await self.with_init.list()
-
-    def watch(self) -> AsyncIterator[_Watch]:
-        return self.with_init.watch()
-
-    async def close(self) -> None:
-        await self.with_init.close()
-        await self.without_init.close()
-
-
 async def stop_latency(
     settings: Settings, with_init: int = 5, without_init: int = 3, stop_timeout: int = 3
 ) -> list[Figures]:
@@ -194,9 +155,11 @@ async def stop_latency(
         stop_timeout_seconds=stop_timeout,
     )
     async with isolated(settings, "benchd", kafka_partitions=4) as (s, pool):
-        driver = _InitSplit(
+        # Keys starting with ``noinit-`` are launched without an init process.
+        driver = RoutingDriver(
             podman_driver(s, stop_timeout=stop_timeout),
             podman_driver(s, stop_timeout=stop_timeout, init=False),
+            prefix="noinit-",
         )
         plane = ControlPlane(s, driver, pool, reconcile_interval=3600)
         rows = await Rows.open(s, pool)

@@ -17,7 +17,10 @@ from services.common.settings import load_settings
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.chaos", description=__doc__)
     parser.add_argument("--seed", type=int, default=Plan.seed)
-    parser.add_argument("--sandboxes", type=int, default=Plan.sandboxes)
+    parser.add_argument("--sandboxes", type=int, default=Plan.sandboxes,
+                        help="sandboxes on the shared fake driver")  # fmt: skip
+    parser.add_argument("--podman", type=int, default=Plan.podman,
+                        help="sandboxes on real Podman (keep them few)")  # fmt: skip
     parser.add_argument("--duration", type=float, default=Plan.duration,
                         help="seconds of workload under faults")  # fmt: skip
     parser.add_argument("--partitions", type=int, default=Plan.partitions)
@@ -30,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     # 503s, and the pool's reconnects, while PostgreSQL restarts.
     for name in ("sandstream.api", "asyncpg.pool"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    plan = Plan(seed=args.seed, sandboxes=args.sandboxes, duration=args.duration,
-                partitions=args.partitions)  # fmt: skip
+    plan = Plan(seed=args.seed, sandboxes=args.sandboxes, podman=args.podman,
+                duration=args.duration, partitions=args.partitions)  # fmt: skip
     result = asyncio.run(run(plan, load_settings()))
     print(report.table(result), flush=True)
     remove_home(result)

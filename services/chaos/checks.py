@@ -211,6 +211,38 @@ def backend_findings(
     return found
 
 
-async def backend(pool: Pool, runtimes: Iterable[RuntimeInfo]) -> list[Finding]:
-    rows = await pool.fetch("SELECT key, sandbox_id, generation, phase FROM sandboxes")
-    return backend_findings([dict(r) for r in rows], runtimes)
+@dataclass(frozen=True)
+class BackendStats:
+    """What the backend check covered: rows in all, and those of sandboxes on real Podman
+    (named with its prefix), with their running containers and their divergences."""
+
+    rows: int
+    podman_rows: int
+    podman_running: int
+    podman_divergences: int
+
+
+def backend_stats(
+    rows: Sequence[Mapping[str, Any]],
+    runtimes: Iterable[RuntimeInfo],
+    findings: Iterable[Finding],
+    podman_prefix: str,
+) -> BackendStats:
+    def podman(key: str) -> bool:
+        return key.startswith(podman_prefix)
+
+    return BackendStats(
+        rows=len(rows),
+        podman_rows=sum(1 for r in rows if podman(r["key"])),
+        podman_running=sum(1 for rt in runtimes if podman(rt.key) and rt.state == "running"),
+        podman_divergences=sum(1 for f in findings if podman(f.detail)),
+    )
+
+
+async def backend(
+    pool: Pool, runtimes: Sequence[RuntimeInfo], podman_prefix: str
+) -> tuple[list[Finding], BackendStats]:
+    records = await pool.fetch("SELECT key, sandbox_id, generation, phase FROM sandboxes")
+    rows = [dict(r) for r in records]
+    found = backend_findings(rows, runtimes)
+    return found, backend_stats(rows, runtimes, found, podman_prefix)

@@ -1,6 +1,8 @@
 """The faults the checker injects, one at a time, each healed before the next:
 
-- ``kill processor`` / ``kill executor``: SIGKILL one instance, start it again a moment later;
+- ``kill processor`` / ``kill executor`` / ``kill watcher``: SIGKILL one instance (an
+  executor maybe in the middle of a Podman call; the watcher holding its lease), start it
+  again a moment later;
 - ``kill broker``: SIGKILL one Kafka node, start it again, wait until every replica is back
   in sync;
 - ``pause broker``: SIGSTOP one Kafka node for a few seconds (to its clients, a network
@@ -33,6 +35,7 @@ from services.localstack import cluster_config as cc
 KINDS = (
     "kill processor",
     "kill executor",
+    "kill watcher",
     "kill broker",
     "pause broker",
     "restart postgres",
@@ -52,6 +55,7 @@ class Faults:
     client_settings: Settings  # what clients use (topics, bootstrap list)
     processors: list[RoleProcess]
     executors: list[RoleProcess]
+    watcher: RoleProcess  # single-active: the only instance, so a kill leaves none a while
     joiner: RoleProcess  # the processor that joins and leaves for a rebalance
     postgres: PrivatePostgres
     counts: Counter[str] = field(default_factory=Counter)
@@ -76,6 +80,8 @@ class Faults:
                 await self._kill_role(self.rng.choice(self.processors))
             case "kill executor":
                 await self._kill_role(self.rng.choice(self.executors))
+            case "kill watcher":
+                await self._kill_role(self.watcher)
             case "kill broker":
                 await self._kill_broker(self.rng.choice(cc.nodes(self.cluster_settings)))
             case "pause broker":

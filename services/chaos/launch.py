@@ -17,11 +17,13 @@ from pathlib import Path
 
 from services.common.settings import PROJECT_ROOT, Settings
 
-# The role commands, ``sandstream processor`` and ``sandstream executor`` (the executors with
-# SANDSTREAM_DRIVER=fake and SANDSTREAM_FAKE_STATE_FILE: one fake backend they all share).
+# The role commands, ``sandstream processor``, ``executor`` and ``watcher`` (the executors
+# and the watcher with SANDSTREAM_DRIVER=fake and SANDSTREAM_FAKE_STATE_FILE: one fake backend
+# they all share, and SANDSTREAM_DRIVER_ROUTE_PREFIX: the run's few names on real Podman).
 COMMANDS = {
     "processor": ["-m", "services.cli", "processor"],
     "executor": ["-m", "services.cli", "executor"],
+    "watcher": ["-m", "services.cli", "watcher"],
 }
 
 

@@ -6,14 +6,21 @@ from services.chaos.faults import KINDS
 from services.chaos.run import Result
 
 SHOWN_FINDINGS = 20
+# The driver side's observers, by the actor their observations carry.
+OBSERVERS = (
+    ("podman-watcher", "from the watcher: Podman events"),
+    ("fake-watcher", "from the watcher: fake listings"),
+    ("reconciler", "from reconcile passes"),
+)
 
 
 def table(result: Result) -> str:
     plan = result.plan
     lines = [
-        f"chaos run: seed {plan.seed}, {plan.sandboxes} sandboxes, {plan.duration:.0f}s of "
-        f"workload under faults, 3 Kafka brokers, {plan.processors} processors, "
-        f"{plan.executors} executors, {plan.partitions} partitions ({result.elapsed:.0f}s in all)",
+        f"chaos run: seed {plan.seed}, {plan.sandboxes} sandboxes on the fake and {plan.podman} "
+        f"on Podman, {plan.duration:.0f}s of workload under faults, 3 Kafka brokers, "
+        f"{plan.processors} processors, {plan.executors} executors, 1 watcher, "
+        f"{plan.partitions} partitions ({result.elapsed:.0f}s in all)",
         "",
         f"{'faults injected':<34}{sum(result.faults.values()):>8}",
         *(f"  {kind:<32}{result.faults[kind]:>8}" for kind in KINDS),
@@ -25,9 +32,14 @@ def table(result: Result) -> str:
             if not what.startswith("command ")
         ),
         f"{'inputs decided (history)':<34}{result.inputs:>8}",
+        *(f"  {what:<32}{result.by_actor[actor]:>8}" for actor, what in OBSERVERS),
         f"{'decided events':<34}{result.events.decided:>8}",
         f"  {'republished after a crash':<32}{result.events.republished:>8}",
         f"{'settled after healing':<34}{'yes' if result.settled else 'NO':>8}",
+        f"{'rows checked against the backend':<34}{result.backend.rows:>8}",
+        f"  {'on Podman':<32}{result.backend.podman_rows:>8}",
+        f"    {'containers running':<30}{result.backend.podman_running:>8}",
+        f"    {'divergences':<30}{result.backend.podman_divergences:>8}",
         f"{'lost':<34}{result.count('lost'):>8}",
         f"{'duplicated':<34}{result.count('duplicated'):>8}",
         f"{'divergences':<34}{result.count('divergence'):>8}",

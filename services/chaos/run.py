@@ -21,7 +21,6 @@ from pathlib import Path
 import httpx
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from drivers.fake_shared import SharedFakeDriver
 from events.publisher import CommandPublisher
 from services.api.app import create_app
 from services.api.server import start_api
@@ -34,6 +33,7 @@ from services.common.kafka_clients import kafka_client_args
 from services.common.secret_files import create_secret_file, read_secret_file
 from services.common.settings import Settings
 from services.common.tokens import SCOPES, TokenStore
+from services.executor.backends import driver_from_settings, podman_driver
 from services.executor.reconcile import Reconciler
 from services.localstack import cluster
 from services.localstack import cluster_config as cc
@@ -46,7 +46,8 @@ SETTLE_CHECKS = 3  # consecutive quiet checks, a second apart
 @dataclass(frozen=True)
 class Plan:
     seed: int = 1
-    sandboxes: int = 300
+    sandboxes: int = 300  # on the shared fake driver
+    podman: int = 4  # on real Podman (the shared stack's service): keep them few
     duration: float = 60.0  # seconds of workload under faults (at least one of each kind)
     fault_interval: tuple[float, float] = (2.0, 6.0)
     processors: int = 2
@@ -64,10 +65,13 @@ class Result:
     acknowledged: int
     inputs: int
     events: checks.EventStats
+    backend: checks.BackendStats
     findings: list[checks.Finding]
     elapsed: float
     home: Path
+    podman_prefix: str  # the names of the run's sandboxes on Podman start with it
     settled: bool = True
+    by_actor: Counter[str] = field(default_factory=Counter)  # inputs decided, by their actor
     notes: list[str] = field(default_factory=list)
 
     def count(self, kind: checks.Kind) -> int:
@@ -105,7 +109,10 @@ async def private_stack(
         await asyncio.to_thread(postgres.remove)
 
 
-def client_settings(nodes: Settings) -> Settings:
+def client_settings(nodes: Settings, podman_socket: Path, podman_prefix: str) -> Settings:
+    """What the roles and the checker's clients use: the cluster's every node, the shared
+    fake for most sandboxes and the shared Podman service for the names with
+    ``podman_prefix`` (drivers/routing.py)."""
     return nodes.model_copy(update={
         "kafka_bootstrap": cc.bootstrap_list(nodes),
         "kafka_session_timeout_ms": 6000,
@@ -114,6 +121,8 @@ def client_settings(nodes: Settings) -> Settings:
         "processor_max_records": 200,
         "executor_retry_seconds": 3600.0,
         "driver": "fake", "fake_state_file": nodes.state_dir.parent / "fake-backend.pickle",
+        "driver_route_prefix": podman_prefix, "driver_route": "podman",
+        "podman_socket": podman_socket,
     })  # fmt: skip
 
 
@@ -121,11 +130,31 @@ async def run(plan: Plan, base: Settings, home: Path | None = None) -> Result:
     started = time.monotonic()
     home = home or Path(tempfile.mkdtemp(prefix="sandstream-chaos-"))
     home.chmod(0o755)  # the private PostgreSQL runs as its own user
-    async with (
-        private_stack(base, home, plan.partitions) as (nodes, postgres),
-        isolated(client_settings(nodes), "chaos") as (settings, pool),
-    ):
-        return await _run_in(plan, nodes, settings, pool, postgres, home, started)
+    # Podman is shared with every other user of the stack: names of this run's own.
+    prefix = f"cxp{secrets.token_hex(3)}-"
+    try:
+        async with (
+            private_stack(base, home, plan.partitions) as (nodes, postgres),
+            isolated(client_settings(nodes, base.podman_socket_path, prefix), "chaos") as (
+                settings,
+                pool,
+            ),
+        ):
+            return await _run_in(plan, nodes, settings, pool, postgres, home, started)
+    finally:
+        await remove_podman_sandboxes(base, prefix, plan.podman)
+
+
+async def remove_podman_sandboxes(settings: Settings, prefix: str, count: int) -> None:
+    """Everything the run left on the Podman service, after a failure too: the containers
+    and workspaces of its names (also of a name whose launch was cut short)."""
+    driver = podman_driver(settings, stop_timeout=1)
+    try:
+        keys = {rt.key for rt in await driver.list() if rt.key.startswith(prefix)}
+        for key in sorted(keys | {f"{prefix}{i}" for i in range(count)}):
+            await driver.delete(key)
+    finally:
+        await driver.close()
 
 
 async def _run_in(
@@ -141,9 +170,10 @@ async def _run_in(
     processors = [RoleProcess("processor", i + 1, settings, logs) for i in range(plan.processors)]
     executors = [RoleProcess("executor", i + 1, settings, logs) for i in range(plan.executors)]
     joiner = RoleProcess("processor", plan.processors + 1, settings, logs)
-    roles = [*processors, *executors, joiner]
+    watcher = RoleProcess("watcher", 1, settings, logs)
+    roles = [*processors, *executors, watcher, joiner]
     rng = random.Random(plan.seed)
-    faults = Faults(rng, nodes, settings, processors, executors, joiner, postgres)
+    faults = Faults(rng, nodes, settings, processors, executors, watcher, joiner, postgres)
     # The in-process API publishes as the api role; the workload's late observations and the
     # reconciler's write as the watcher does.
     publisher = CommandPublisher(kafka_client_args(settings, "api"), topic=settings.topic_commands)
@@ -155,9 +185,12 @@ async def _run_in(
     api = await start_api(app, "127.0.0.1", 0, access_log=False)
     client = httpx.AsyncClient(base_url=api.url, timeout=20,
                                headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
-    workload = Workload(settings, client, producer, plan.seed, plan.sandboxes)
+    assert settings.driver_route_prefix is not None
+    prefix = settings.driver_route_prefix
+    workload = Workload(settings, client, producer, plan.seed, plan.sandboxes, plan.podman, prefix)
+    lasting = [*processors, *executors, watcher]
     try:
-        for role in [*processors, *executors]:
+        for role in lasting:
             role.start()
         stop = asyncio.Event()
         driving = asyncio.gather(workload.run(stop), faults.run(stop, plan.fault_interval))
@@ -165,17 +198,20 @@ async def _run_in(
         await faults.every_kind.wait()  # a short run goes on until it has seen every fault
         stop.set()
         await driving
-        for role in [*processors, *executors]:  # heal: everything runs
+        for role in lasting:  # heal: everything runs
             if not role.running():
                 role.start()
         await faults.wait_in_sync()
         settled = await settle(settings, pool, plan.settle_timeout)
-        assert settings.fake_state_file is not None
-        driver = SharedFakeDriver(settings.fake_state_file)
-        reconciler = Reconciler(driver, pool, producer, settings, interval=1.0)
-        await reconciler.run_once()
-        settled = settled and await settle(settings, pool, plan.settle_timeout)
-        runtimes = await driver.list()
+        # One reconcile pass, through the driver the roles use (the fake and Podman).
+        driver = driver_from_settings(settings)
+        try:
+            reconciler = Reconciler(driver, pool, producer, settings, interval=1.0)
+            await reconciler.run_once()
+            settled = settled and await settle(settings, pool, plan.settle_timeout)
+            runtimes = await driver.list()
+        finally:
+            await driver.close()
     finally:
         for role in roles:
             await asyncio.to_thread(role.stop)
@@ -189,7 +225,8 @@ async def _run_in(
     findings += await checks.rebuild(settings)
     event_findings, event_stats = await checks.events(settings, pool)
     findings += event_findings
-    findings += await checks.backend(pool, runtimes)
+    backend_findings, backend_stats = await checks.backend(pool, runtimes, prefix)
+    findings += backend_findings
     if findings:
         await _keep_histories(pool, findings, home / "findings.txt")
     return Result(
@@ -200,11 +237,20 @@ async def _run_in(
         acknowledged=sum(1 for s in workload.sent.values() if s.acknowledged),
         inputs=await pool.fetchval("SELECT count(*) FROM history"),
         events=event_stats,
+        backend=backend_stats,
         findings=findings,
         elapsed=time.monotonic() - started,
         home=home,
+        podman_prefix=prefix,
         settled=settled,
+        by_actor=await _inputs_by_actor(pool),
     )
+
+
+async def _inputs_by_actor(pool: checks.Pool) -> Counter[str]:
+    """Inputs decided per actor: the watcher's, the reconcile passes', the executors' ..."""
+    query = "SELECT message->>'actor' AS actor, count(*) AS n FROM history GROUP BY 1"
+    return Counter({r["actor"]: r["n"] for r in await pool.fetch(query)})
 
 
 async def settle(settings: Settings, pool: checks.Pool, timeout: float) -> bool:

@@ -1,5 +1,6 @@
 """The checker's workload: random lifecycle commands through the HTTP API and observations
-straight onto the observations topic, from a seed.
+straight onto the observations topic, from a seed, on sandboxes of the shared fake (``cx-N``)
+and a few on real Podman (named with the run's Podman prefix).
 
 The seed pins the sequence of choices each worker makes; which command meets which fault is
 up to the timing. Every command the checker sends is recorded with the API's answer, so the
@@ -44,7 +45,9 @@ class Workload:
     client: httpx.AsyncClient
     producer: AIOKafkaProducer
     seed: int
-    sandboxes: int
+    sandboxes: int  # on the shared fake
+    podman: int = 0  # on real Podman: named with ``podman_prefix`` (drivers/routing.py)
+    podman_prefix: str = "cxp-"
     image: str = "localhost/sandstream-base:1"
     sent: dict[str, Sent] = field(default_factory=dict)
     observations: list[tuple[bytes, bytes]] = field(default_factory=list)
@@ -54,7 +57,11 @@ class Workload:
 
     @property
     def names(self) -> list[str]:
-        return [f"cx-{i}" for i in range(self.sandboxes)]
+        return [f"cx-{i}" for i in range(self.sandboxes)] + self.podman_names
+
+    @property
+    def podman_names(self) -> list[str]:
+        return [f"{self.podman_prefix}{i}" for i in range(self.podman)]
 
     async def run(self, stop: asyncio.Event, workers: int = 6) -> None:
         await asyncio.gather(*(self._worker(stop, i) for i in range(workers)))

@@ -109,8 +109,14 @@ class Settings(BaseSettings):
     # runtimes live and die with the executor process (no watcher process can see them).
     driver: Literal["podman", "kubernetes", "fake"] = "podman"
     # With driver "fake": keep the fake's runtimes in this file instead, shared by every
-    # process that names it (drivers/fake_shared.py), as the chaos checker's executors do.
+    # process that names it (drivers/fake_shared.py), as the chaos checker's executors and
+    # watcher do.
     fake_state_file: Path | None = None
+    # Sandboxes whose name starts with driver_route_prefix run on driver_route instead of
+    # `driver` (drivers/routing.py): the chaos checker's few real Podman sandboxes beside the
+    # shared fake's hundreds. Each backend then shows only its own names.
+    driver_route_prefix: str | None = None
+    driver_route: Literal["podman", "kubernetes"] = "podman"
 
     # Kubernetes driver (drivers/kubernetes.py): which cluster, and how Pods are made there.
     # kube_config None: $KUBECONFIG or ~/.kube/config, else the in-cluster service account.

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from drivers.podman import PodmanDriver
 from drivers.protocol import Driver
+from drivers.routing import RoutingDriver
 from services.common.settings import Settings
 
 if TYPE_CHECKING:
@@ -52,10 +53,24 @@ def kubernetes_driver(settings: Settings) -> KubernetesDriver:
 
 
 def driver_from_settings(settings: Settings) -> Driver:
-    """The driver ``settings.driver`` names; ValueError for a malformed Kubernetes setting."""
-    if settings.driver == "kubernetes":
+    """The driver ``settings.driver`` names, or, with ``driver_route_prefix``, a routing
+    driver that runs the names with that prefix on ``driver_route`` instead (ValueError when
+    both are one backend, or for a malformed Kubernetes setting)."""
+    if settings.driver_route_prefix is None:
+        return _backend(settings, settings.driver)
+    if settings.driver_route == settings.driver:
+        raise ValueError(f"SANDSTREAM_DRIVER_ROUTE names the default driver {settings.driver!r}")
+    if not settings.driver_route_prefix:
+        raise ValueError("SANDSTREAM_DRIVER_ROUTE_PREFIX is empty: it would route every name")
+    default = _backend(settings, settings.driver)
+    routed = _backend(settings, settings.driver_route)
+    return RoutingDriver(default, routed, settings.driver_route_prefix)
+
+
+def _backend(settings: Settings, name: str) -> Driver:
+    if name == "kubernetes":
         return kubernetes_driver(settings)
-    if settings.driver == "fake":
+    if name == "fake":
         return fake_driver(settings)
     return podman_driver(settings)
 
@@ -79,6 +94,15 @@ def fake_driver(settings: Settings) -> Driver:
 
 def describe_driver(settings: Settings, show: Callable[[Path], str] = str) -> str:
     """One line for banners: which backend, where (paths through ``show``)."""
+    if settings.driver_route_prefix is not None:
+        default = describe_driver(settings.model_copy(update={"driver_route_prefix": None}), show)
+        routed = describe_driver(
+            settings.model_copy(
+                update={"driver": settings.driver_route, "driver_route_prefix": None}
+            ),
+            show,
+        )
+        return f"{default}; names starting {settings.driver_route_prefix!r}: {routed}"
     if settings.driver == "kubernetes":
         where = show(settings.kube_config) if settings.kube_config else "default kubeconfig"
         return f"kubernetes (namespace {settings.kube_namespace}, {where})"

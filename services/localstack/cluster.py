@@ -17,6 +17,7 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from pathlib import Path
 
 from services.common.settings import Settings
 from services.localstack import cluster_config as cc
@@ -143,13 +144,33 @@ def _stop_node(node: cc.Node) -> bool:
     return stack._stop_pid(paths.pid, str(paths.properties), f"kafka node {node.node_id}")
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PORT_FLOOR = 20000
+
+
 def free_port_run(length: int) -> int:
-    """A port P such that P .. P+length-1 are free now (a private cluster's port pairs)."""
+    """A port P such that P .. P+length-1 are free now (a private cluster's port pairs).
+
+    Below the kernel's ephemeral range: a port in it can be taken by any outgoing connection
+    (a client of another test) between this check and the server's bind, seconds later."""
     rng = random.Random()
+    low, high = ephemeral_ports()
     while True:
-        base = rng.randrange(20000, 60000 - length)
+        if low - length > PORT_FLOOR:
+            base = rng.randrange(PORT_FLOOR, low - length)
+        else:
+            base = rng.randrange(high + 1, 65536 - length)
         if all(_free(base + i) for i in range(length)):
             return base
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux's default if unknown)."""
+    try:
+        low, high = EPHEMERAL_RANGE.read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def _free(port: int) -> bool:

@@ -70,11 +70,12 @@ class WatcherRole(LeasedRole):
     active: DriverRole | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
-        if self.settings.driver == "fake":
+        if self.settings.driver == "fake" and self.settings.fake_state_file is None:
             raise ValueError(
                 "the fake driver keeps its runtimes in the executor process's memory: a "
                 "watcher process cannot see them (and its reconcile loop would report every "
-                "runtime missing). Run no watcher with SANDSTREAM_DRIVER=fake"
+                "runtime missing). Run no watcher with SANDSTREAM_DRIVER=fake unless "
+                "SANDSTREAM_FAKE_STATE_FILE shares them"
             )
         await super().run(stop)
 
