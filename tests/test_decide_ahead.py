@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
 from typing import Any
 
 import factories as f
 import pytest
 from aiokafka import AIOKafkaProducer, ConsumerRecord, TopicPartition
-from harness import Env, isolated_env
+from harness import Env, eventually, isolated_env
 from test_input_edges import key_on
 
 from events.codec import encode
@@ -34,6 +35,7 @@ class QueuedPolls:
 
     def __init__(self) -> None:
         self.polls: list[Poll] = []
+        self._subscription = SimpleNamespace(reassignment_in_progress=False)
 
     async def getmany(self, timeout_ms: int = 0, max_records: int | None = None) -> Poll:
         return self.polls.pop(0) if self.polls else {}
@@ -248,6 +250,50 @@ async def test_a_poll_decided_ahead_is_not_written_for_a_partition_revoked_meanw
             k1: (["p1"], 2),
         }
         assert await env.fetchval("SELECT count(*) FROM history") == 4
+        await assert_chains_intact(env)
+
+
+async def test_a_rebalance_begun_while_a_write_is_in_flight_is_not_waited_for_by_the_poll_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Real Kafka: a second processor joins while the first writes a batch. The first's
+    rebalance callback waits for that batch, and a poll made meanwhile would wait for the
+    rebalance: the first must not poll ahead then. Both go on; every input lands once."""
+    from test_exactly_once import assert_applied_exactly_once, publish, wait_outbox_drained
+    from workload import commands
+
+    inputs = commands(count=300, keys=30, seed=23)
+    async with isolated_env(partitions=2) as env:
+        await publish(env, inputs)
+        first = Processor(env.settings, env.pool, name="first", max_records=20)
+        decide_ahead = first._decide_ahead
+        joined: list[asyncio.Task[Processor]] = []
+
+        async def second_joins_first(inflight: Any) -> Any:
+            if not joined:  # once: the group rebalances while this write is in flight
+                joined.append(asyncio.create_task(env.start_processor("second", max_records=20)))
+                subscription = first.consumer._subscription  # type: ignore[union-attr]
+                await eventually(
+                    lambda: subscription.reassignment_in_progress,
+                    bool,
+                    what="the first processor to see the rebalance begin",
+                )
+            return await decide_ahead(inflight)
+
+        monkeypatch.setattr(first, "_decide_ahead", second_joins_first)
+        await first.start()
+        stop = asyncio.Event()
+        running = asyncio.create_task(first.run(stop))
+        try:
+            await env.wait_applied(len(inputs), timeout=120)
+            second = await joined[0]
+            assert second._owned, "the second processor was never assigned partitions"
+            await wait_outbox_drained(env)
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 60)
+            await first.stop()
+        await assert_applied_exactly_once(env, inputs)
         await assert_chains_intact(env)
 
 

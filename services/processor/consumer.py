@@ -309,6 +309,25 @@ class Ahead:
     epoch: int  # the processor's epoch then: anything that moved it discards this
 
 
+def decide_batch(
+    items: list[Parsed | Rejected],
+    states: dict[str, Sandbox | None],
+    view: View,
+    settings: Settings,
+) -> Decided:
+    """Fold the parsed items from ``states`` and plan the write (pure)."""
+    parsed = [i for i in items if isinstance(i, Parsed)]
+    result = fold(
+        states,
+        view.outcomes,
+        ((p.cause, p.message) for p in parsed),
+        limits=settings.lifecycle_limits,
+    )
+    plan = plan_batch(items, result, view.offsets, settings, states)
+    plan = replace(plan, history=chain_rows(plan.history, view.heads))
+    return Decided(items, result, plan)
+
+
 def same_records(
     a: Sequence[ConsumerRecord[bytes, bytes]], b: Sequence[ConsumerRecord[bytes, bytes]]
 ) -> bool:
@@ -791,17 +810,12 @@ class Processor:
                 metrics.FENCED.inc(len(inputs.items) - len(items))
             if not items:
                 return None
-            parsed = [i for i in items if isinstance(i, Parsed)]
-            states = {**read.sandboxes, **cached, **overlaid}
-            result = fold(
-                states,
-                view.outcomes,
-                ((p.cause, p.message) for p in parsed),
-                limits=self.settings.lifecycle_limits,
-            )
-            plan = plan_batch(items, result, view.offsets, self.settings, states)
-            plan = replace(plan, history=chain_rows(plan.history, view.heads))
-            return Decided(items, result, plan)
+            args = (items, {**read.sandboxes, **cached, **overlaid}, view, self.settings)
+            if after is None:
+                return decide_batch(*args)
+            # In a thread, so the event loop keeps driving the write in flight (a statement and
+            # two COPYs: a round trip each) instead of waiting for the whole decision.
+            return await asyncio.to_thread(decide_batch, *args)
 
     async def _write(self, decided: Decided, decide_ahead: bool) -> list[int]:
         """Write a decided batch; with ``decide_ahead``, decide the next poll meanwhile.
@@ -829,7 +843,7 @@ class Processor:
 
     async def _decide_ahead(self, inflight: Decided) -> Ahead | None:
         """Poll what the consumer holds and decide it as of ``inflight`` committed."""
-        if self.consumer is None or self._held is not None:
+        if self.consumer is None or self._held is not None or self._reassigning():
             return None
         try:
             batch = await self.consumer.getmany(timeout_ms=0, max_records=self.max_records)
@@ -845,7 +859,7 @@ class Processor:
         try:
             if self._ahead_conn is None:
                 self._ahead_conn = await self._batch_connection()
-            inputs = self._inputs(records)
+            inputs = await asyncio.to_thread(self._inputs, records)  # as in _decide
             decided = await self._decide(self._ahead_conn, inputs, after=inflight)
         except Exception as exc:  # decided again after the write, as without overlap
             log.info("%s: could not decide the next poll ahead (%r)", self.name, exc)
@@ -858,6 +872,13 @@ class Processor:
             return None
         metrics.DECIDED_AHEAD.labels("decided").inc()
         return Ahead(inputs, decided, self._epoch)
+
+    def _reassigning(self) -> bool:
+        """Whether the group is rebalancing. A poll then waits for the new assignment, which
+        waits for this processor's rebalance callbacks, which wait for the batch in hand: the
+        poll ahead must not be made (nothing yields between this check and that wait)."""
+        subscription = getattr(self.consumer, "_subscription", None)
+        return subscription is None or bool(subscription.reassignment_in_progress)
 
     def _take_ahead(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> Ahead | None:
         """The decision made ahead for exactly ``records``, if nothing invalidated it since."""
