@@ -113,12 +113,17 @@ async def assert_chains_intact(env: Env) -> None:
     assert report.intact, [b.describe() for b in report.broken]
 
 
+# Rows kept from earlier writes (the default) or none: what N leaves is never taken from them.
+ROW_CACHE = pytest.mark.parametrize("row_cache", [20_000, 0], ids=["rows-kept", "no-rows-kept"])
+
+
+@ROW_CACHE
 async def test_a_poll_decided_ahead_of_a_fenced_write_is_decided_again_on_the_winner(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, row_cache: int
 ) -> None:
     """N is fenced (another writer applied its record differently and moved the offsets to
     exactly where N would have): N+1, decided as of N, must not land on the other's row."""
-    async with isolated_env(partitions=1) as env:
+    async with isolated_env(partitions=1, processor_row_cache=row_cache) as env:
         await env.produce(
             env.settings.topic_commands,
             [
@@ -158,13 +163,14 @@ async def test_a_poll_decided_ahead_of_a_fenced_write_is_decided_again_on_the_wi
         await assert_chains_intact(env)
 
 
+@ROW_CACHE
 async def test_a_poll_decided_ahead_of_a_refused_write_is_decided_again_after_the_split(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, row_cache: int
 ) -> None:
     """N is refused for one record's content and split down to it (dead-lettered, so no row):
     N+1 creates the same sandbox again, which as of N-as-decided would be a rejected duplicate
     chained to an entry that never landed; decided again, it is refused and dead-lettered."""
-    async with isolated_env(partitions=1) as env:
+    async with isolated_env(partitions=1, processor_row_cache=row_cache) as env:
         await env.fetch(
             "CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
             "RAISE EXCEPTION 'the poison row is refused'; END $$"
