@@ -17,7 +17,7 @@ import factories as f
 import pytest
 from aiokafka import AIOKafkaProducer, ConsumerRecord, TopicPartition
 from harness import Env, eventually, isolated_env
-from test_input_edges import key_on
+from test_input_edges import key_on, refuse_poison_rows
 
 from events.codec import encode
 from services.audit.chains import check_chains
@@ -171,14 +171,7 @@ async def test_a_poll_decided_ahead_of_a_refused_write_is_decided_again_after_th
     N+1 creates the same sandbox again, which as of N-as-decided would be a rejected duplicate
     chained to an entry that never landed; decided again, it is refused and dead-lettered."""
     async with isolated_env(partitions=1, processor_row_cache=row_cache) as env:
-        await env.fetch(
-            "CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-            "RAISE EXCEPTION 'the poison row is refused'; END $$"
-        )
-        await env.fetch(
-            "CREATE TRIGGER refuse_poison BEFORE INSERT ON sandboxes FOR EACH ROW "
-            "WHEN (NEW.key = 'poison') EXECUTE FUNCTION refuse_poison()"
-        )
+        await refuse_poison_rows(env)
         names = ["a", "poison", "b", "poison"]
         await env.produce(
             env.settings.topic_commands,

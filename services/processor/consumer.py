@@ -26,7 +26,7 @@ import contextlib
 import heapq
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -309,23 +309,65 @@ class Ahead:
     epoch: int  # the processor's epoch then: anything that moved it discards this
 
 
+# Deciding ahead hands the event loop back to the write in flight after each slice of this
+# many records (a few milliseconds of work), so its next round trip is not held up long.
+_SLICE = 250
+
+
+def deciding(
+    items: list[Parsed | Rejected],
+    states: dict[str, Sandbox | None],
+    view: View,
+    settings: Settings,
+    slice_size: int,
+) -> Generator[None, None, Decided]:
+    """Fold the parsed items from ``states`` and plan the write (pure), pausing (``yield``)
+    after each ``slice_size`` inputs folded: folding slices in turn, each from the states and
+    outcomes the ones before left, is folding them all at once."""
+    parsed = [(i.cause, i.message) for i in items if isinstance(i, Parsed)]
+    result = BatchResult(states=dict(states))
+    known = dict(view.outcomes)
+    for start in range(0, len(parsed), slice_size):
+        part = fold(result.states, known, parsed[start : start + slice_size],
+                    limits=settings.lifecycle_limits)  # fmt: skip
+        result.states = part.states
+        result.outcomes.update(part.outcomes)
+        known.update(part.outcomes)
+        result.steps += part.steps
+        yield
+    plan = plan_batch(items, result, view.offsets, settings, states)
+    yield
+    plan = replace(plan, history=chain_rows(plan.history, view.heads))
+    return Decided(items, result, plan)
+
+
 def decide_batch(
     items: list[Parsed | Rejected],
     states: dict[str, Sandbox | None],
     view: View,
     settings: Settings,
 ) -> Decided:
-    """Fold the parsed items from ``states`` and plan the write (pure)."""
-    parsed = [i for i in items if isinstance(i, Parsed)]
-    result = fold(
-        states,
-        view.outcomes,
-        ((p.cause, p.message) for p in parsed),
-        limits=settings.lifecycle_limits,
-    )
-    plan = plan_batch(items, result, view.offsets, settings, states)
-    plan = replace(plan, history=chain_rows(plan.history, view.heads))
-    return Decided(items, result, plan)
+    steps = deciding(items, states, view, settings, max(len(items), 1))
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+async def decide_batch_yielding(
+    items: list[Parsed | Rejected],
+    states: dict[str, Sandbox | None],
+    view: View,
+    settings: Settings,
+) -> Decided:
+    steps = deciding(items, states, view, settings, _SLICE)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        await asyncio.sleep(0)
 
 
 def same_records(
@@ -772,15 +814,18 @@ class Processor:
     def _inputs(
         self, records: Sequence[ConsumerRecord[bytes, bytes]], dead_letter: str | None = None
     ) -> Inputs:
-        n, placed = self.settings.kafka_partitions, self._placed
-        if len(placed) > _PLACED_KEYS:
-            placed.clear()
         items: list[Parsed | Rejected] = (
-            [parse(r, self.settings.topic_commands, n, placed) for r in records]
+            self._parsed(records)
             if dead_letter is None
             else [Rejected(r, dead_letter) for r in records]
         )
         return inputs_of(list(records), items, self.input_topics)
+
+    def _parsed(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> list[Parsed | Rejected]:
+        n, placed = self.settings.kafka_partitions, self._placed
+        if len(placed) > _PLACED_KEYS:
+            placed.clear()
+        return [parse(r, self.settings.topic_commands, n, placed) for r in records]
 
     async def _decide(
         self, conn: Any, inputs: Inputs, after: Decided | None = None
@@ -813,9 +858,9 @@ class Processor:
             args = (items, {**read.sandboxes, **cached, **overlaid}, view, self.settings)
             if after is None:
                 return decide_batch(*args)
-            # In a thread, so the event loop keeps driving the write in flight (a statement and
+            # In slices, so the event loop keeps driving the write in flight (a statement and
             # two COPYs: a round trip each) instead of waiting for the whole decision.
-            return await asyncio.to_thread(decide_batch, *args)
+            return await decide_batch_yielding(*args)
 
     async def _write(self, decided: Decided, decide_ahead: bool) -> list[int]:
         """Write a decided batch; with ``decide_ahead``, decide the next poll meanwhile.
@@ -859,7 +904,12 @@ class Processor:
         try:
             if self._ahead_conn is None:
                 self._ahead_conn = await self._batch_connection()
-            inputs = await asyncio.to_thread(self._inputs, records)  # as in _decide
+            await asyncio.sleep(0)  # the write in flight sends its statement first
+            items: list[Parsed | Rejected] = []
+            for start in range(0, len(records), _SLICE):
+                items += self._parsed(records[start : start + _SLICE])
+                await asyncio.sleep(0)
+            inputs = inputs_of(records, items, self.input_topics)
             decided = await self._decide(self._ahead_conn, inputs, after=inflight)
         except Exception as exc:  # decided again after the write, as without overlap
             log.info("%s: could not decide the next poll ahead (%r)", self.name, exc)
