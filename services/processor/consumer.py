@@ -890,6 +890,7 @@ class Processor:
         """Poll what the consumer holds and decide it as of ``inflight`` committed."""
         if self.consumer is None or self._held is not None or self._reassigning():
             return None
+        epoch = self._epoch  # anything that moves it meanwhile discards this decision too
         try:
             batch = await self.consumer.getmany(timeout_ms=0, max_records=self.max_records)
         except Exception as exc:  # raised by the poll loop, as its own poll would have
@@ -921,7 +922,7 @@ class Processor:
         if decided is None:
             return None
         metrics.DECIDED_AHEAD.labels("decided").inc()
-        return Ahead(inputs, decided, self._epoch)
+        return Ahead(inputs, decided, epoch)
 
     def _reassigning(self) -> bool:
         """Whether the group is rebalancing. A poll then waits for the new assignment, which
