@@ -17,14 +17,20 @@ import factories as f
 import pytest
 from aiokafka import AIOKafkaProducer, ConsumerRecord, TopicPartition
 from harness import Env, eventually, isolated_env
+from test_exactly_once import assert_applied_exactly_once, publish, wait_outbox_drained
 from test_input_edges import key_on, refuse_poison_rows
+from workload import commands
 
 from events.codec import encode
+from events.topics import partition_for
+from projections.store import BatchRead
 from services.audit.chains import check_chains
 from services.common import metrics
 from services.common.kafka_clients import kafka_client_args
+from services.common.settings import Settings
 from services.processor import consumer
-from services.processor.consumer import Processor
+from services.processor.ahead import View
+from services.processor.consumer import Processor, decide_batch, deciding, parse
 
 Records = list[ConsumerRecord[bytes, bytes]]
 Poll = dict[TopicPartition, Records]
@@ -258,8 +264,6 @@ async def test_a_rebalance_begun_while_a_write_is_in_flight_is_not_waited_for_by
     """Real Kafka: a second processor joins while the first writes a batch. The first's
     rebalance callback waits for that batch, and a poll made meanwhile would wait for the
     rebalance: the first must not poll ahead then. Both go on; every input lands once."""
-    from test_exactly_once import assert_applied_exactly_once, publish, wait_outbox_drained
-    from workload import commands
 
     inputs = commands(count=300, keys=30, seed=23)
     async with isolated_env(partitions=2) as env:
@@ -306,8 +310,6 @@ async def test_a_crash_between_a_write_and_the_poll_decided_ahead_of_it_loses_no
     """Real Kafka, small polls: the processor dies after N committed with N+1 decided ahead
     and not yet written; the next processor applies everything exactly once, deciding ahead
     itself."""
-    from test_exactly_once import assert_applied_exactly_once, publish, wait_outbox_drained
-    from workload import commands
 
     inputs = commands(count=400, keys=40, seed=19)
     async with isolated_env(partitions=2) as env:
@@ -340,3 +342,32 @@ async def test_a_crash_between_a_write_and_the_poll_decided_ahead_of_it_loses_no
         assert ahead("written") > written  # it decided ahead too
         await assert_applied_exactly_once(env, inputs)
         await assert_chains_intact(env)
+
+
+def test_deciding_in_slices_decides_what_deciding_at_once_does() -> None:
+    """Ahead, the fold runs in slices, each from what the slices before it left: the plan must
+    be the one a single fold gives (retries of a command id across slices included)."""
+
+    settings = Settings()
+    records = [
+        ConsumerRecord(settings.topic_commands, partition_for(c.key.encode(), 1), offset, 0, 0,
+                       c.key.encode(), encode(c), None, 0, 0, [])
+        for offset, c in enumerate(commands(count=120, keys=8, seed=29))
+    ]  # fmt: skip
+    items = [parse(r, settings.topic_commands, 1) for r in records]
+    offsets = {(t, 0): 0 for t in (settings.topic_commands, settings.topic_observations)}
+    view = View.of(BatchRead(offsets, {}, {}, {}))
+    at_once = decide_batch(items, {}, view, settings)
+    steps = deciding(items, {}, view, settings, slice_size=7)
+    paused = 0
+    while True:
+        try:
+            next(steps)
+            paused += 1
+        except StopIteration as done:
+            in_slices = done.value
+            break
+    assert paused > 10
+    assert in_slices.plan == at_once.plan
+    assert in_slices.result.states == at_once.result.states
+    assert any(h.disposition == "duplicate" for h in at_once.plan.history)
