@@ -36,7 +36,9 @@ async def read_to_end(
 
     With ``from_zero`` (a replay) a partition whose log no longer starts at offset 0 raises
     LogTruncated before anything is yielded. Completion is decided by the offsets seen, not by
-    the consumer's position, which can run ahead of what getmany has returned.
+    the consumer's position, which can run ahead of what getmany has returned. ``timeout``
+    bounds a stall (no record for that long), not the whole read: a large log on a busy
+    machine takes as long as it takes.
     """
     # "earliest": the fetcher's own reset of a freshly assigned partition must not race the
     # explicit seek below to the end of the log.
@@ -63,6 +65,8 @@ async def read_to_end(
             if loop.time() > deadline:
                 raise TimeoutError(f"reading {topic}: still missing {needed} (end {end})")
             batch = await consumer.getmany(*needed, timeout_ms=500, max_records=10_000)
+            if batch:
+                deadline = loop.time() + timeout
             for tp, records in batch.items():
                 for record in records:
                     if record.offset >= end[tp]:

@@ -12,7 +12,7 @@ from events.codec import EVENTS, decode
 from projections.lifecycle import evolve
 from services.bench import ceiling
 from services.bench.processor import lifecycle_messages, produce_all
-from services.bench.rebuild import copies, template_events
+from services.bench.rebuild import copies, rebuild_figures, template_events
 from services.common.settings import Settings
 from services.localstack.isolation import isolated
 
@@ -71,3 +71,12 @@ def test_rebuild_copies_fold_to_one_stopped_row_per_sandbox() -> None:
     assert len(rows) == 7
     assert {r.phase.value for r in rows.values()} == {"Stopped"}
     assert len({r.sandbox_id for r in rows.values()}) == 7
+
+
+async def test_the_rebuild_benchmark_runs_its_rebuild_against_the_password_protected_database(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The child that rebuilds gets the settings with the password (a JSON dump masks it)."""
+    await rebuild_figures(Settings(), keys=5)
+    printed = capsys.readouterr().out
+    assert "rebuild" in printed and "20 inputs (20 decided events, 5 rows)" in printed, printed

@@ -183,17 +183,22 @@ async def test_poison_records_on_both_topics_are_dead_lettered_and_the_processor
         assert {d["key"] for d in letters} >= {"bad\x00key", "nul-spec", "base"}
 
 
+async def refuse_poison_rows(env: Env) -> None:
+    """A refusal the schema cannot foresee (defence in depth): a trigger on the real table
+    refuses the row of the sandbox named "poison"."""
+    await env.fetch(
+        "CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        "RAISE EXCEPTION 'the poison row is refused'; END $$"
+    )
+    await env.fetch(
+        "CREATE TRIGGER refuse_poison BEFORE INSERT ON sandboxes FOR EACH ROW "
+        "WHEN (NEW.key = 'poison') EXECUTE FUNCTION refuse_poison()"
+    )
+
+
 async def test_a_batch_postgresql_refuses_is_split_and_only_the_culprit_is_dead_lettered() -> None:
     async with isolated_env(partitions=1) as env:
-        # A refusal the schema cannot foresee (defence in depth): a trigger on the real table.
-        await env.fetch(
-            "CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-            "RAISE EXCEPTION 'the poison row is refused'; END $$"
-        )
-        await env.fetch(
-            "CREATE TRIGGER refuse_poison BEFORE INSERT ON sandboxes FOR EACH ROW "
-            "WHEN (NEW.key = 'poison') EXECUTE FUNCTION refuse_poison()"
-        )
+        await refuse_poison_rows(env)
         names = ["a-0", "a-1", "poison", "b-0", "b-1"]
         await env.produce(
             env.settings.topic_commands, [(n.encode(), encode(f.create(n))) for n in names]

@@ -37,7 +37,9 @@ async def _drain(settings: Settings, keys: int, profiler: cProfile.Profile) -> t
     async with isolated(settings, "bench") as (s, pool):
         records, total = lifecycle_messages(keys)
         await produce_all(s, records)
-        processor = Processor(s, pool, max_records=5000, name="bench")
+        # cProfile sees this thread only, and a poll decided ahead is decided in another.
+        serial = s.model_copy(update={"processor_decide_ahead": False})
+        processor = Processor(serial, pool, max_records=5000, name="bench")
         await processor.start()
         stop = asyncio.Event()
         profiler.enable()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 import uuid
@@ -29,10 +30,10 @@ from services.localstack.isolation import isolated
 TEMPLATE = "bench-0"
 # The rebuild's two steps, as `sandstream rebuild` runs them: fold the events, write the rows.
 CHILD = """
-import asyncio, json, resource, sys, time
+import asyncio, json, resource, time
 from services.common.settings import Settings
 from services.processor.rebuild import fold_events_topic, write_rows
-settings = Settings.model_validate_json(sys.argv[1])
+settings = Settings()  # from the environment: a dump would mask the password
 async def main():
     started = time.perf_counter()
     rows = await fold_events_topic(settings)
@@ -91,8 +92,9 @@ async def rebuild_figures(settings: Settings, keys: int) -> None:
         finally:
             await producer.stop()
         child = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", CHILD, s.model_dump_json(), stdout=asyncio.subprocess.PIPE
-        )
+            sys.executable, "-c", CHILD, env={**os.environ, **s.as_env()},
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
         started = time.perf_counter()
         out, _ = await child.communicate()
         wall = time.perf_counter() - started

@@ -2,7 +2,8 @@
 
 Both processes start on the empty topics; once the group has shared the partitions out between
 them (each logs its assignment), the log is produced and drained. Prints their combined
-throughput (timed from the first committed batch to the last input applied) and the shares.
+throughput (timed from the first committed batch to the last input applied), the shares, and
+the ceiling projector (``services.bench.ceiling``, one process) on the same log right after.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import re
 import sys
 
+from services.bench import ceiling
 from services.bench.processor import lifecycle_messages, produce_all, timed_drain
 from services.common.settings import Settings
 from services.localstack.isolation import isolated
@@ -57,11 +59,15 @@ async def two_processors(settings: Settings, keys: int) -> None:
             for proc in procs:
                 await proc.wait()
             await asyncio.gather(*followers)
+        roof, _ = await ceiling.measured_drain(s, total, max_records=s.processor_max_records)
+        rate = (total - first) / elapsed
         split = "; ".join(f"process {i + 1}: {sorted(sh[-1]) if sh else '?'}"
                           for i, sh in enumerate(shares))  # fmt: skip
         print(
             f"scale-out   {total - first:>7} inputs  two processors  "
-            f"{(total - first) / elapsed:>9,.0f}/s combined  (after sharing out: {split})"
+            f"{rate:>9,.0f}/s combined  (after sharing out: {split})\n"
+            f"            ceiling (one process, same log) {roof:>9,.0f}/s  "
+            f"combined/ceiling {rate / roof:.2f}"
         )
 
 

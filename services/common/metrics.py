@@ -21,6 +21,13 @@ ROW_VERSION_CONFLICTS = Counter(
     "Batches decided again because a sandbox row was not at the version they were decided "
     "from (a sandbox written from two partitions: should stay 0)",
 )
+DECIDED_AHEAD = Counter(
+    "sandstream_decided_ahead_total",
+    "Polls the processor decided while the previous poll's write was in flight (decided), "
+    "and those then written as decided (written); the rest were discarded (that write "
+    "failed, or partitions moved) and decided again",
+    ["outcome"],
+)
 STOPPED_PARTITIONS = Gauge(
     "sandstream_processor_stopped_partition_offset",
     "Input partitions this processor stopped at a record PostgreSQL refuses to store even as "

@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     # for that fetch to return: a long wait shows up as latency at moderate rates.
     # Rows the processor keeps from its own writes, so later batches need not read them back.
     processor_row_cache: int = Field(default=20_000, ge=0)
+    # Decide the next poll (already fetched) while the current one's write is in flight, so
+    # the processor's Python and PostgreSQL work at once; kept only if that write commits.
+    processor_decide_ahead: bool = True
     processor_fetch_max_wait_ms: int = Field(default=100, ge=0, le=500)
     executor_group: str = "sandstream-executor"
 

@@ -26,7 +26,7 @@ import contextlib
 import heapq
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -74,6 +74,7 @@ from services.common.entrypoint import run_until_signalled
 from services.common.kafka_clients import kafka_client_args
 from services.common.log_identity import check_log_identity, log_identity_of, read_log_identity
 from services.common.settings import Settings
+from services.processor.ahead import View
 from services.processor.gc_thresholds import collect_less_often
 from services.processor.row_cache import RowCache
 
@@ -253,6 +254,131 @@ def _dead_letter_content(item: Rejected) -> HistoryContent:
     )  # fmt: skip
 
 
+def by_partition_of(
+    batch: Mapping[TopicPartition, Sequence[ConsumerRecord[bytes, bytes]]],
+) -> dict[int, list[ConsumerRecord[bytes, bytes]]]:
+    """A poll's records by partition, each partition's two topics merged by record time."""
+    per_topic: dict[int, list[Sequence[ConsumerRecord[bytes, bytes]]]] = defaultdict(list)
+    for tp, records in batch.items():
+        if records:  # getmany can report a partition with nothing new
+            per_topic[tp.partition].append(records)
+    return {p: merge_topics(rs) for p, rs in per_topic.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Inputs:
+    """A batch's records parsed, with what its read needs."""
+
+    records: list[ConsumerRecord[bytes, bytes]]
+    items: list[Parsed | Rejected]
+    where: dict[str, int]  # key -> partition
+    idents: set[tuple[str, str]]
+    chains: set[ChainId]
+    partitions: set[tuple[str, int]]
+
+
+def inputs_of(
+    records: list[ConsumerRecord[bytes, bytes]], items: list[Parsed | Rejected], topics: list[str]
+) -> Inputs:
+    parsed = [i for i in items if isinstance(i, Parsed)]
+    return Inputs(
+        records,
+        items,
+        {p.message.key: p.record.partition for p in parsed},
+        {(p.message.key, p.cause.command_id) for p in parsed if p.cause.command_id},
+        {chain_of(history_key(i), i.record.partition) for i in items},
+        {(t, r.partition) for r in records for t in topics},
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    """A batch decided and planned: what to write."""
+
+    items: list[Parsed | Rejected]  # those not below the offsets it was decided at
+    result: BatchResult
+    plan: BatchWrite
+
+    def states_for(self, where: Mapping[str, int]) -> dict[str, Sandbox | None]:
+        """The rows of ``where``'s keys as this batch leaves them (those it knew)."""
+        states = self.result.states
+        return {key: states[key] for key in where if key in states}
+
+
+@dataclass(frozen=True, slots=True)
+class Ahead:
+    """The next poll, decided while the previous write was in flight."""
+
+    inputs: Inputs
+    decided: Decided
+    epoch: int  # the processor's epoch then: anything that moved it discards this
+
+
+# Deciding ahead hands the event loop back to the write in flight after each slice of this
+# many records (a few milliseconds of work), so its next round trip is not held up long.
+_SLICE = 250
+
+
+def deciding(
+    items: list[Parsed | Rejected],
+    states: dict[str, Sandbox | None],
+    view: View,
+    settings: Settings,
+    slice_size: int,
+) -> Generator[None, None, Decided]:
+    """Fold the parsed items from ``states`` and plan the write (pure), pausing (``yield``)
+    after each ``slice_size`` inputs folded: folding slices in turn, each from the states and
+    outcomes the ones before left, is folding them all at once."""
+    parsed = [(i.cause, i.message) for i in items if isinstance(i, Parsed)]
+    result = BatchResult(states=dict(states))
+    known = dict(view.outcomes)
+    for start in range(0, len(parsed), slice_size):
+        part = fold(result.states, known, parsed[start : start + slice_size],
+                    limits=settings.lifecycle_limits)  # fmt: skip
+        result.states = part.states
+        result.outcomes.update(part.outcomes)
+        known.update(part.outcomes)
+        result.steps += part.steps
+        yield
+    plan = plan_batch(items, result, view.offsets, settings, states, view.heads)
+    return Decided(items, result, plan)
+
+
+def decide_batch(
+    items: list[Parsed | Rejected],
+    states: dict[str, Sandbox | None],
+    view: View,
+    settings: Settings,
+) -> Decided:
+    steps = deciding(items, states, view, settings, max(len(items), 1))
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+async def decide_batch_yielding(
+    items: list[Parsed | Rejected],
+    states: dict[str, Sandbox | None],
+    view: View,
+    settings: Settings,
+) -> Decided:
+    steps = deciding(items, states, view, settings, _SLICE)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        await asyncio.sleep(0)
+
+
+def same_records(
+    a: Sequence[ConsumerRecord[bytes, bytes]], b: Sequence[ConsumerRecord[bytes, bytes]]
+) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
 # SQLSTATE classes of a write refused for what the records hold (data exceptions, integrity
 # constraints, a trigger's RAISE, program limits), as opposed to the server's state.
 _REFUSED_CLASSES = ("22", "23", "P0", "54")
@@ -321,6 +447,14 @@ class Processor:
     _placed: dict[str, int] = field(default_factory=dict)  # key -> its partition (parse's memo)
     # (output topic, its partition count) -> record key -> partition (the publisher's memo)
     _out_placed: dict[tuple[str, int], dict[bytes, int]] = field(default_factory=dict)
+    # Decided ahead: the poll fetched while the previous write was in flight (applied next),
+    # its decision (None once anything invalidated it), the connection it was read on, and
+    # the epoch a rebalance, seek, pause or failure moves to discard such decisions.
+    _held: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] | None = None
+    _ahead: Ahead | None = None
+    _ahead_conn: Any = None
+    _epoch: int = 0
+    _poll_failure: Exception | None = None  # the poll made ahead failed: raised by run()
 
     def __post_init__(self) -> None:
         self._rows = RowCache(self.settings.processor_row_cache)
@@ -391,11 +525,11 @@ class Processor:
         if self._confirmer is not None:
             self._confirmer.cancel()
             await asyncio.wait([self._confirmer])
-        for conn in (self._conn, self._cursor_conn):
+        for conn in (self._conn, self._cursor_conn, self._ahead_conn):
             if conn is not None:  # one whose session was lost is back in its pool already
                 with contextlib.suppress(asyncpg.InterfaceError):
                     await self.pool.release(conn)
-        self._conn = self._cursor_conn = None
+        self._conn = self._cursor_conn = self._ahead_conn = None
 
     async def run(self, stop: asyncio.Event) -> None:
         assert self.consumer is not None
@@ -407,7 +541,10 @@ class Processor:
                     found = self.consumer.partitions_for_topic(topic)
                     if found is not None:
                         self._check_partition_count(topic, len(found))
-                batch = await self.consumer.getmany(
+                if self._poll_failure is not None:  # the poll made ahead failed
+                    failure, self._poll_failure = self._poll_failure, None
+                    raise failure
+                batch = self._take_held() or await self.consumer.getmany(
                     timeout_ms=self.poll_timeout_ms, max_records=self.max_records
                 )
                 if self._inputs_lost is not None:  # found by the assignment inside getmany
@@ -530,24 +667,23 @@ class Processor:
         self._unconfirmed = asyncio.Queue()
         self._publish_failure = None
         self._assign_failure = None
+        self._poll_failure = None
         self._rows.clear()
-        for conn in (self._conn, self._cursor_conn):
+        self._drop_held()  # every assigned partition is sought again (on_assigned)
+        for conn in (self._conn, self._cursor_conn, self._ahead_conn):
             # A closed connection goes back to its pool by itself (which then opens a new
             # one); terminating one that still looks alive does the same.
             with contextlib.suppress(asyncpg.InterfaceError):
-                conn.terminate()
-        self._conn = self._cursor_conn = None
+                if conn is not None:
+                    conn.terminate()
+        self._conn = self._cursor_conn = self._ahead_conn = None
 
     async def process(self, batch: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]) -> int:
         """Apply one poll's records exactly once; returns how many were applied."""
-        by_partition: dict[int, list[list[ConsumerRecord[bytes, bytes]]]] = defaultdict(list)
-        for tp, records in batch.items():
-            if records:  # getmany can report a partition with nothing new
-                by_partition[tp.partition].append(records)
-        if not by_partition:
+        merged = by_partition_of(batch)
+        if not merged:
             return 0
-        merged = {p: merge_topics(rs) for p, rs in by_partition.items()}
-        applied = await self.process_records(merged)
+        applied = await self.process_records(merged, decide_ahead=True)
         self._commit_to_kafka(batch)
         return applied
 
@@ -557,8 +693,12 @@ class Processor:
         return await self.process_records({partition: records})
 
     async def process_records(
-        self, by_partition: Mapping[int, Sequence[ConsumerRecord[bytes, bytes]]]
+        self,
+        by_partition: Mapping[int, Sequence[ConsumerRecord[bytes, bytes]]],
+        decide_ahead: bool = False,
     ) -> int:
+        """Apply the records; with ``decide_ahead``, the next poll (if already fetched) is
+        decided while this one's write is in flight (see ``_write``)."""
         async with self._lock:
             self._raise_publish_failure()
             await self._republish_gaps()
@@ -569,14 +709,24 @@ class Processor:
                 if dropped:
                     log.info("%s: dropping polled records of partitions %s it no longer owns",
                              self.name, dropped)  # fmt: skip
-                    by_partition = {p: r for p, r in by_partition.items() if p in self._owned}
-            records = [r for p in sorted(by_partition) for r in by_partition[p]]
-            applied, outbox = await self._apply(records)
+            applied, outbox = await self._apply(self._to_apply(by_partition), decide_ahead)
             await self._publish(outbox)
             return applied
 
+    def _to_apply(
+        self, by_partition: Mapping[int, Sequence[ConsumerRecord[bytes, bytes]]]
+    ) -> list[ConsumerRecord[bytes, bytes]]:
+        """The records to apply, partition by partition: those of partitions owned and not
+        stopped."""
+        return [
+            r
+            for p in sorted(by_partition)
+            if (self._owned is None or p in self._owned) and p not in self._stopped
+            for r in by_partition[p]
+        ]
+
     async def _apply(
-        self, records: Sequence[ConsumerRecord[bytes, bytes]]
+        self, records: Sequence[ConsumerRecord[bytes, bytes]], decide_ahead: bool = False
     ) -> tuple[int, list[tuple[int, OutboxRecord]]]:
         """Apply ``records`` (partition by partition, each in order) exactly once.
 
@@ -588,7 +738,7 @@ class Processor:
         if not records:
             return 0, []
         try:
-            return await self._apply_once(records)
+            return await self._apply_once(records, decide_ahead=decide_ahead)
         except WriteRefused as exc:
             if len(records) > 1:
                 half = len(records) // 2
@@ -606,56 +756,32 @@ class Processor:
             return 0, []
 
     async def _apply_once(
-        self, records: Sequence[ConsumerRecord[bytes, bytes]], dead_letter: str | None = None
+        self,
+        records: Sequence[ConsumerRecord[bytes, bytes]],
+        dead_letter: str | None = None,
+        decide_ahead: bool = False,
     ) -> tuple[int, list[tuple[int, OutboxRecord]]]:
         started = asyncio.get_running_loop().time()
         if self._conn is None:  # a connection of its own: no pool round trips per batch
-            self._conn = await self.pool.acquire()
-            # The read and write statements planned once, not at every poll: one plan (unnest
-            # joined on indexed keys) serves every batch size, and a small poll's PostgreSQL
-            # CPU fell by 15-25 % without the planning (docs/benchmarks.md).
-            await self._conn.execute("SET plan_cache_mode = force_generic_plan")
-        n, placed = self.settings.kafka_partitions, self._placed
-        if len(placed) > _PLACED_KEYS:
-            placed.clear()
-        all_items: list[Parsed | Rejected] = (
-            [parse(r, self.settings.topic_commands, n, placed) for r in records]
-            if dead_letter is None
-            else [Rejected(r, dead_letter) for r in records]
-        )
-        all_parsed = [i for i in all_items if isinstance(i, Parsed)]
-        where = {p.message.key: p.record.partition for p in all_parsed}
-        idents = {(p.message.key, p.cause.command_id) for p in all_parsed if p.cause.command_id}
-        chains = {chain_of(history_key(i), i.record.partition) for i in all_items}
-        partitions = {(t, r.partition) for r in records for t in self.input_topics}
+            self._conn = await self._batch_connection()
+        ahead = self._take_ahead(records) if decide_ahead else None
+        inputs = ahead.inputs if ahead is not None else self._inputs(records, dead_letter)
+        decided = ahead.decided if ahead is not None else None
         # Optimistic: read, decide, then write only if no other writer moved these partitions'
         # offsets in between (two round trips in all). Whoever loses the race reads again; its
         # records below the winner's offsets are then skipped.
         while True:
-            cached = self._rows.lookup((p, key) for key, p in where.items())
-            read = await read_batch(self._conn, partitions, where.keys() - cached, idents, chains)
-            if self._rows.check(read.offsets) & {where[key] for key in cached}:
-                continue  # cached rows of a partition someone else wrote: read them instead
-            items = [i for i in all_items if i.record.offset >= read.offsets[_tp(i.record)]]
-            if len(items) < len(all_items):
-                metrics.FENCED.inc(len(all_items) - len(items))
-            if not items:
-                return 0, []
-            parsed = [i for i in items if isinstance(i, Parsed)]
-            states = {**read.sandboxes, **cached}
-            result = fold(
-                states,
-                read.outcomes,
-                ((p.cause, p.message) for p in parsed),
-                limits=self.settings.lifecycle_limits,
-            )
-            plan = plan_batch(items, result, read.offsets, self.settings, states, read.chain_heads)
+            if decided is None:
+                decided = await self._decide(self._conn, inputs)
+                if decided is None:
+                    return 0, []
             try:
-                ids = await write_batch(self._conn, plan)
+                ids = await self._write(decided, decide_ahead)
             except OffsetsMoved as exc:
                 metrics.WRITE_CONFLICTS.inc()
                 log.info("%s: another writer moved the offsets, deciding again: %s", self.name, exc)
                 self._rows.clear()
+                decided = None
                 continue
             except RowVersionMoved as exc:
                 # Only a sandbox written from two partitions gets here: loud, and decided
@@ -663,21 +789,180 @@ class Processor:
                 metrics.ROW_VERSION_CONFLICTS.inc()
                 log.error("%s: %s; deciding the batch again from the stored rows", self.name, exc)
                 self._rows.clear()
+                decided = None
                 continue
             except Exception as exc:
                 if database_gone(exc) or not refused_for_content(exc):
                     raise
                 raise WriteRefused(str(exc)) from exc
             break
+        plan, where = decided.plan, inputs.where
         committed = {tp: new for tp, (_, new) in plan.offsets.items()}
         self._rows.remember(
-            ((where[key], key, row) for key, row in result.states.items() if key in where),
+            ((where[key], key, row) for key, row in decided.result.states.items() if key in where),
             committed,
         )
         for disposition, count in Counter(h.disposition for h in plan.history).items():
             metrics.INPUTS.labels(disposition).inc(count)
         metrics.BATCH_SECONDS.observe(asyncio.get_running_loop().time() - started)
-        return len(items), list(zip(ids, plan.outbox, strict=True))
+        return len(decided.items), list(zip(ids, plan.outbox, strict=True))
+
+    async def _batch_connection(self) -> Any:
+        conn = await self.pool.acquire()
+        # The read and write statements planned once, not at every poll: one plan (unnest
+        # joined on indexed keys) serves every batch size, and a small poll's PostgreSQL
+        # CPU fell by 15-25 % without the planning (docs/benchmarks.md).
+        await conn.execute("SET plan_cache_mode = force_generic_plan")
+        return conn
+
+    def _inputs(
+        self, records: Sequence[ConsumerRecord[bytes, bytes]], dead_letter: str | None = None
+    ) -> Inputs:
+        items: list[Parsed | Rejected] = (
+            self._parsed(records)
+            if dead_letter is None
+            else [Rejected(r, dead_letter) for r in records]
+        )
+        return inputs_of(list(records), items, self.input_topics)
+
+    def _parsed(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> list[Parsed | Rejected]:
+        n, placed = self.settings.kafka_partitions, self._placed
+        if len(placed) > _PLACED_KEYS:
+            placed.clear()
+        return [parse(r, self.settings.topic_commands, n, placed) for r in records]
+
+    async def _decide(
+        self, conn: Any, inputs: Inputs, after: Decided | None = None
+    ) -> Decided | None:
+        """Read what ``inputs`` need and decide them (None: nothing of them is left to write).
+
+        With ``after``, as of that batch committed (it is being written meanwhile): its rows,
+        outcomes and history heads replace those read, and its new offsets those it read. Then
+        None also means that view cannot be had (someone else moved its partitions, or kept
+        rows went stale); the inputs are decided again once it committed.
+        """
+        where = inputs.where
+        while True:
+            overlaid = {} if after is None else after.states_for(where)
+            cached = self._rows.lookup((p, key) for key, p in where.items() if key not in overlaid)
+            wanted = where.keys() - cached.keys() - overlaid.keys()
+            read = await read_batch(conn, inputs.partitions, wanted, inputs.idents, inputs.chains)
+            view = View.of(read) if after is None else View.after(read, after.plan)
+            if view is None:
+                return None
+            if self._rows.check(view.cache_offsets) & {where[key] for key in cached}:
+                if after is not None:
+                    return None
+                continue  # cached rows of a partition someone else wrote: read them instead
+            items = [i for i in inputs.items if i.record.offset >= view.offsets[_tp(i.record)]]
+            if after is None and len(items) < len(inputs.items):
+                metrics.FENCED.inc(len(inputs.items) - len(items))
+            if not items:
+                return None
+            args = (items, {**read.sandboxes, **cached, **overlaid}, view, self.settings)
+            if after is None:
+                return decide_batch(*args)
+            # In slices, so the event loop keeps driving the write in flight (a statement and
+            # two COPYs: a round trip each) instead of waiting for the whole decision.
+            return await decide_batch_yielding(*args)
+
+    async def _write(self, decided: Decided, decide_ahead: bool) -> list[int]:
+        """Write a decided batch; with ``decide_ahead``, decide the next poll meanwhile.
+
+        The next poll (only what the consumer has already fetched) is decided as of this batch
+        committed, and kept only if it did: any failure here, and any rebalance, seek, pause
+        or lost connection before the next batch is applied, discards it (``_take_ahead``), and
+        its records are decided again from what PostgreSQL then holds. Its write also compares
+        and sets the offsets this one moves them to, so it never lands on another state.
+        """
+        write = asyncio.ensure_future(write_batch(self._conn, decided.plan))
+        ahead = None
+        try:
+            if decide_ahead and self.settings.processor_decide_ahead:
+                ahead = await self._decide_ahead(decided)
+            ids = await write
+        except BaseException:
+            if not write.done():
+                write.cancel()
+                await asyncio.wait([write])
+            self._discard_ahead()
+            raise
+        self._ahead = ahead
+        return ids
+
+    async def _decide_ahead(self, inflight: Decided) -> Ahead | None:
+        """Poll what the consumer holds and decide it as of ``inflight`` committed."""
+        if self.consumer is None or self._held is not None or self._reassigning():
+            return None
+        epoch = self._epoch  # anything that moves it meanwhile discards this decision too
+        try:
+            batch = await self.consumer.getmany(timeout_ms=0, max_records=self.max_records)
+        except Exception as exc:  # raised by the poll loop, as its own poll would have
+            self._poll_failure = exc
+            return None
+        if not batch:
+            return None
+        self._held = batch  # applied next whatever happens to the decision
+        records = self._to_apply(by_partition_of(batch))
+        if not records:
+            return None
+        try:
+            if self._ahead_conn is None:
+                self._ahead_conn = await self._batch_connection()
+            await asyncio.sleep(0)  # the write in flight sends its statement first
+            items: list[Parsed | Rejected] = []
+            for start in range(0, len(records), _SLICE):
+                items += self._parsed(records[start : start + _SLICE])
+                await asyncio.sleep(0)
+            inputs = inputs_of(records, items, self.input_topics)
+            decided = await self._decide(self._ahead_conn, inputs, after=inflight)
+        except Exception as exc:  # decided again after the write, as without overlap
+            log.info("%s: could not decide the next poll ahead (%r)", self.name, exc)
+            if self._ahead_conn is not None and database_gone(exc):
+                with contextlib.suppress(asyncpg.InterfaceError):
+                    self._ahead_conn.terminate()
+                self._ahead_conn = None
+            return None
+        if decided is None:
+            return None
+        metrics.DECIDED_AHEAD.labels("decided").inc()
+        return Ahead(inputs, decided, epoch)
+
+    def _reassigning(self) -> bool:
+        """Whether the group is rebalancing. A poll then waits for the new assignment, which
+        waits for this processor's rebalance callbacks, which wait for the batch in hand: the
+        poll ahead must not be made (nothing yields between this check and that wait)."""
+        subscription = getattr(self.consumer, "_subscription", None)
+        return subscription is None or bool(subscription.reassignment_in_progress)
+
+    def _take_ahead(self, records: Sequence[ConsumerRecord[bytes, bytes]]) -> Ahead | None:
+        """The decision made ahead for exactly ``records``, if nothing invalidated it since."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        if ahead.epoch == self._epoch and same_records(ahead.inputs.records, records):
+            metrics.DECIDED_AHEAD.labels("written").inc()
+            return ahead
+        return None
+
+    def _discard_ahead(self) -> None:
+        """Whatever was decided ahead no longer holds (the state it assumed may not be)."""
+        self._epoch += 1
+        self._ahead = None
+
+    def _take_held(self) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] | None:
+        held, self._held = self._held, None
+        return held
+
+    def _drop_held(self, partitions: set[int] | None = None) -> None:
+        """Forget held records of ``partitions`` (all: None) once they are sought again."""
+        self._discard_ahead()
+        if self._held is not None:
+            self._held = {
+                tp: rs
+                for tp, rs in self._held.items()
+                if partitions is not None and tp.partition not in partitions
+            } or None
 
     async def _publish(self, records: Sequence[tuple[int, OutboxRecord]]) -> None:
         """Hand outbox records to the producer in commit order; acks are awaited off the path.
@@ -811,6 +1096,7 @@ class Processor:
 
     def _pause(self, partition: int, topic: str, offset: int) -> None:
         self._stopped[partition] = (topic, offset)
+        self._drop_held({partition})  # fetched past the stop: sought again on release
         metrics.STOPPED_PARTITIONS.labels(topic, str(partition)).set(offset)
         if self.consumer is not None:
             tps = [tp for tp in self.consumer.assignment() if tp.partition == partition]
@@ -842,6 +1128,7 @@ class Processor:
                 log.info("%s: partition %d resumed", self.name, p)
             if released:
                 self._rows.clear()
+                self._drop_held(set(released))
 
     async def on_assigned(self, assigned: set[TopicPartition]) -> None:
         """Resume each assigned partition from the offsets stored with the rows."""
@@ -855,6 +1142,7 @@ class Processor:
             )
             await self.drain()  # our own in-flight records are not "left behind"
             self._rows.clear()  # rows are read again until this processor writes them
+            self._drop_held()  # every assigned partition is sought below
             async with self.pool.acquire() as conn:
                 stored = await stored_offsets(conn, self.input_topics)
                 stopped = await stopped_partitions(conn, self.input_topics)
@@ -903,6 +1191,7 @@ class Processor:
                     self._owned -= partitions
                     metrics.ASSIGNED_PARTITIONS.labels("processor").set(len(self._owned))
                 self._rows.clear()
+                self._discard_ahead()  # held records of revoked partitions are not applied
         log.info("%s released partitions %s", self.name, sorted(partitions))
 
     def _raise_assign_failure(self) -> None:
