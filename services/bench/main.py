@@ -13,6 +13,7 @@ from services.bench.profile import profile
 from services.bench.rebuild import rebuild_figures
 from services.bench.scaleout import two_processors
 from services.common.settings import Settings
+from services.processor.collector import tune_collector
 
 
 async def run(which: str, quick: bool) -> None:
@@ -44,4 +45,5 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke check")
     args = parser.parse_args()
+    tune_collector()  # as the processor's own process does (the ceiling runs under it too)
     asyncio.run(run(args.which, args.quick))

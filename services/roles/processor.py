@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from services.common.database import connect_pool
 from services.common.health import Readiness
 from services.common.settings import Settings
+from services.processor.collector import tune_collector
 from services.processor.consumer import Processor
 
 
@@ -20,6 +21,7 @@ class ProcessorRole:
     processor: Processor | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
+        tune_collector()  # this role is a process of its own
         pool = await connect_pool(self.settings)
         processor = self.processor = Processor(
             self.settings, pool, name=self.name, max_records=self.settings.processor_max_records
