@@ -9,8 +9,10 @@ import pytest
 from aiokafka import ConsumerRecord, TopicPartition
 
 from events.codec import EVENTS, decode
+from projections.fold import fold
 from projections.lifecycle import evolve
 from services.bench import ceiling
+from services.bench.fold import decoded_log, fold_cpu
 from services.bench.processor import lifecycle_messages, produce_all
 from services.bench.rebuild import copies, template_events
 from services.common.settings import Settings
@@ -71,3 +73,16 @@ def test_rebuild_copies_fold_to_one_stopped_row_per_sandbox() -> None:
     assert len(rows) == 7
     assert {r.phase.value for r in rows.values()} == {"Stopped"}
     assert len({r.sandbox_id for r in rows.values()}) == 7
+
+
+def test_the_fold_bench_folds_the_log_into_a_state_change_per_input() -> None:
+    """The decide-stage figure is of the log the processor bench drains: every input decided
+    and applied (one event each), every sandbox Stopped at the end."""
+    inputs = decoded_log(3)
+    assert len(inputs) == 12
+    result = fold({}, {}, inputs)
+    assert [len(s.decision.events) for s in result.steps] == [1] * 12
+    assert {k: s.phase.value if s else None for k, s in result.states.items()} == {
+        f"bench-{k}": "Stopped" for k in range(3)
+    }
+    assert fold_cpu(inputs) > 0
