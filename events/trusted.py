@@ -23,7 +23,8 @@ from pydantic import BaseModel
 M = TypeVar("M", bound=BaseModel)
 
 _new = object.__new__
-# The models are frozen: their slots are set through the descriptors, as model_construct does.
+# The models are frozen (their __setattr__ refuses), so the slots are set through their
+# descriptors: what object.__setattr__, which pydantic uses, does after looking each one up.
 _set_dict = vars(BaseModel)["__dict__"].__set__
 _set_fields_set = vars(BaseModel)["__pydantic_fields_set__"].__set__
 _set_extra = vars(BaseModel)["__pydantic_extra__"].__set__
