@@ -20,6 +20,7 @@ message's ``occurred_at`` and the ``Limits`` the processor is configured with), 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import Enum
@@ -41,6 +42,7 @@ from events.commands import (
     StopSandbox,
 )
 from events.common import (
+    INT32_MAX,
     Cause,
     Deadline,
     DeadlineKind,
@@ -84,6 +86,7 @@ from events.observations import (
     RuntimeSnapshot,
 )
 from events.outcomes import Code, CommandOutcome
+from events.trusted import built
 from projections.records import replaced
 from projections.uuids import uuid5
 
@@ -354,6 +357,14 @@ def stale_rotations(state: Sandbox, read: dict[str, int] | None) -> dict[str, in
 # Deterministic identities
 
 
+def next_generation(state: Sandbox) -> int:
+    """The generation after the row's. The events are built without validation
+    (``events.trusted``), so the column's bound that validation enforced is checked here."""
+    if state.generation >= INT32_MAX:
+        raise ValueError(f"sandbox {state.key!r}: generation {state.generation} is the last")
+    return state.generation + 1
+
+
 def sandbox_id_for(key: str, generation: int, command_id: str) -> UUID:
     """A new incarnation's id: distinct from every earlier incarnation's by its generation."""
     return uuid5(_SANDBOX_NS, f"{key}/{generation}/{command_id}")
@@ -378,7 +389,7 @@ _LAUNCH_PENDING: Final = (P.PROVISIONING, P.STARTING)
 
 
 def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
-    if isinstance(event, SandboxCreated):
+    if type(event) is SandboxCreated:  # the decided events are final classes
         return Sandbox(
             key=event.key,
             sandbox_id=event.sandbox_id,
@@ -413,68 +424,66 @@ def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
     return new
 
 
+# The fields each event sets besides version, generation and updated_at, by the event's type
+# (one dict lookup: a match over the classes runs an isinstance check per case). A phase change
+# sets the new phase's deadline (None for phases without one).
+_Changes = Callable[[Sandbox, Any], dict[str, Any]]
+_CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
+    SandboxStarting: lambda s, e: {"phase": P.STARTING, "spec": e.spec, "identity": e.identity,
+                                   "exit_code": None, "reason": None, "deadline": e.deadline},
+    SandboxReady: lambda s, e: {"phase": P.READY, "exit_code": None, "reason": None,
+                                "deadline": None},
+    SandboxStopping: lambda s, e: {"phase": P.STOPPING, "deadline": e.deadline},
+    SandboxStopped: lambda s, e: {"phase": P.STOPPED, "reason": None, "deadline": None},
+    SandboxCompleted: lambda s, e: {"phase": P.COMPLETED, "exit_code": e.exit_code,
+                                    "reason": None, "deadline": None},
+    SandboxFailed: lambda s, e: {"phase": P.ERROR, "exit_code": e.exit_code, "reason": e.reason,
+                                 "deadline": None},
+    SandboxOperationFailed: lambda s, e: {"phase": e.phase, "exit_code": e.exit_code,
+                                          "reason": e.reason, "deadline": None},
+    SandboxDeleting: lambda s, e: {"phase": P.DELETING, "deadline": e.deadline},
+    SandboxDeleted: lambda s, e: {"phase": P.DELETED, "deadline": None},
+    ProviderAttached: lambda s, e: {"providers": tuple(sorted({*s.providers, e.provider}))},
+    ProviderDetached: lambda s, e: {"providers": tuple(p for p in s.providers
+                                                       if p != e.provider)},
+    AgentRestarted: lambda s, e: {"phase": P.STARTING, "spec": e.spec, "identity": e.identity,
+                                  "exit_code": None, "deadline": e.deadline,
+                                  "reason": ROTATION_RESTART + ", ".join(e.providers)},
+    AgentRestartSkipped: lambda s, e: _merge_awaited(s, e),
+    AgentRestartFailed: lambda s, e: {"phase": P.ERROR, "exit_code": e.exit_code,
+                                      "reason": e.reason, "deadline": None},
+    SandboxTimedOut: lambda s, e: {"phase": P.ERROR, "exit_code": None, "reason": e.reason,
+                                   "deadline": None},
+    SandboxStopEscalated: lambda s, e: {
+        "reason": "StopTimeout: the stop outlived its grace period; killing", "deadline": None
+    },
+    SandboxDeleteRetried: lambda s, e: {
+        "reason": f"DeleteTimeout: not deleted yet; retry {e.deadline.attempt}",
+        "deadline": e.deadline,
+    },
+    SandboxExpired: lambda s, e: {"expires_at": None,
+                                  "reason": f"Expired: time to live ended ({e.policy})"},
+    SandboxExtended: lambda s, e: {"expires_at": e.expires_at},
+    SandboxHeld: lambda s, e: {"hold": e.hold},
+    SandboxReleased: lambda s, e: {"hold": None},
+}  # fmt: skip
+
+
+def _merge_awaited(state: Sandbox, event: AgentRestartSkipped) -> dict[str, Any]:
+    if not event.awaits:
+        return {}
+    merged = dict(state.awaited)
+    for provider, revision in event.awaits.items():
+        merged[provider] = max(revision, merged.get(provider, 0))
+    return {"awaited": merged}
+
+
 def _changes(state: Sandbox, event: DecidedEvent) -> dict[str, Any]:
     """The fields an event sets besides version, generation and updated_at."""
-    match event:
-        # A phase change sets the new phase's deadline (None for phases without one).
-        case SandboxStarting():
-            return {"phase": P.STARTING, "spec": event.spec, "identity": event.identity,
-                    "exit_code": None, "reason": None, "deadline": event.deadline}  # fmt: skip
-        case SandboxReady():
-            return {"phase": P.READY, "exit_code": None, "reason": None, "deadline": None}
-        case SandboxStopping():
-            return {"phase": P.STOPPING, "deadline": event.deadline}
-        case SandboxStopped():
-            return {"phase": P.STOPPED, "reason": None, "deadline": None}
-        case SandboxCompleted():
-            return {"phase": P.COMPLETED, "exit_code": event.exit_code, "reason": None,
-                    "deadline": None}  # fmt: skip
-        case SandboxFailed():
-            return {"phase": P.ERROR, "exit_code": event.exit_code, "reason": event.reason,
-                    "deadline": None}  # fmt: skip
-        case SandboxOperationFailed():
-            return {"phase": event.phase, "exit_code": event.exit_code, "reason": event.reason,
-                    "deadline": None}  # fmt: skip
-        case SandboxDeleting():
-            return {"phase": P.DELETING, "deadline": event.deadline}
-        case SandboxDeleted():
-            return {"phase": P.DELETED, "deadline": None}
-        case ProviderAttached():
-            return {"providers": tuple(sorted({*state.providers, event.provider}))}
-        case ProviderDetached():
-            return {"providers": tuple(p for p in state.providers if p != event.provider)}
-        case AgentRestarted():
-            return {"phase": P.STARTING, "spec": event.spec, "identity": event.identity,
-                    "exit_code": None, "deadline": event.deadline,
-                    "reason": ROTATION_RESTART + ", ".join(event.providers)}  # fmt: skip
-        case AgentRestartSkipped():
-            if not event.awaits:
-                return {}
-            merged = dict(state.awaited)
-            for provider, revision in event.awaits.items():
-                merged[provider] = max(revision, merged.get(provider, 0))
-            return {"awaited": merged}
-        case AgentRestartFailed():
-            return {"phase": P.ERROR, "exit_code": event.exit_code, "reason": event.reason,
-                    "deadline": None}  # fmt: skip
-        case SandboxTimedOut():
-            return {"phase": P.ERROR, "exit_code": None, "reason": event.reason, "deadline": None}
-        case SandboxStopEscalated():
-            return {"reason": "StopTimeout: the stop outlived its grace period; killing",
-                    "deadline": None}  # fmt: skip
-        case SandboxDeleteRetried():
-            attempt = event.deadline.attempt
-            return {"reason": f"DeleteTimeout: not deleted yet; retry {attempt}",
-                    "deadline": event.deadline}  # fmt: skip
-        case SandboxExpired():
-            return {"expires_at": None, "reason": f"Expired: time to live ended ({event.policy})"}
-        case SandboxExtended():
-            return {"expires_at": event.expires_at}
-        case SandboxHeld():
-            return {"hold": event.hold}
-        case SandboxReleased():
-            return {"hold": None}
-    raise ValueError(f"unexpected event {event.type}")
+    changes = _CHANGES.get(type(event))
+    if changes is None:
+        raise ValueError(f"unexpected event {event.type}")
+    return changes(state, event)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,7 +522,8 @@ def _common(
 
 def _outcome(command: Command, code: Code, message: str, state: Sandbox | None) -> CommandOutcome:
     live = state
-    return CommandOutcome(
+    return built(
+        CommandOutcome,
         command_id=command.command_id,
         key=command.key,
         command_type=command.type,
@@ -589,8 +599,9 @@ def _decide_command(
     event: DecidedEvent
     match command:
         case StartSandbox() | RestartSandbox():
-            generation = state.generation + 1
-            event = SandboxStarting(
+            generation = next_generation(state)
+            event = built(
+                SandboxStarting,
                 type="SandboxStarting",
                 **(common | {"generation": generation}),
                 reason="start" if isinstance(command, StartSandbox) else "restart",
@@ -601,22 +612,26 @@ def _decide_command(
             )
         case StopSandbox():
             deadline = stop_deadline(state.spec, at, limits)
-            event = SandboxStopping(type="SandboxStopping", **common, deadline=deadline)
+            event = built(SandboxStopping, type="SandboxStopping", **common, deadline=deadline)
         case DeleteSandbox():
             deadline = delete_deadline(state.spec, at, limits)
-            event = SandboxDeleting(type="SandboxDeleting", **common, deadline=deadline)
+            event = built(SandboxDeleting, type="SandboxDeleting", **common, deadline=deadline)
         case HoldSandbox():
             hold = Hold(by=command.actor, reason=command.reason, since=at)
-            event = SandboxHeld(type="SandboxHeld", **common, hold=hold)
+            event = built(SandboxHeld, type="SandboxHeld", **common, hold=hold)
         case ReleaseSandbox():
-            event = SandboxReleased(type="SandboxReleased", **common)
+            event = built(SandboxReleased, type="SandboxReleased", **common)
         case ExtendSandbox():
             expires_at = at + timedelta(seconds=command.ttl_seconds)
-            event = SandboxExtended(type="SandboxExtended", **common, expires_at=expires_at)
+            event = built(SandboxExtended, type="SandboxExtended", **common, expires_at=expires_at)
         case AttachProvider():
-            event = ProviderAttached(type="ProviderAttached", **common, provider=command.provider)
+            event = built(
+                ProviderAttached, type="ProviderAttached", **common, provider=command.provider
+            )
         case DetachProvider():
-            event = ProviderDetached(type="ProviderDetached", **common, provider=command.provider)
+            event = built(
+                ProviderDetached, type="ProviderDetached", **common, provider=command.provider
+            )
         case _:
             raise AssertionError(command)
     new_state, events = _emit(state, event)
@@ -632,10 +647,11 @@ def _create(
         return _reject(state, command, Code.ALREADY_EXISTS, why)
     # A re-create after delete starts above the tombstone's generation, so nothing of the old
     # incarnation can ever match the new one.
-    generation = state.generation + 1 if state is not None else 1
+    generation = next_generation(state) if state is not None else 1
     version = state.version + 1 if state is not None else 1
     sandbox_id = sandbox_id_for(command.key, generation, command.command_id)
-    event = SandboxCreated(
+    event = built(
+        SandboxCreated,
         type="SandboxCreated",
         event_id=event_id_for(cause),
         key=command.key,
@@ -680,8 +696,13 @@ def _rotate(state: Sandbox, command: RotateCredentials, cause: Cause, limits: Li
             for r in command.rotations:
                 if r.provider in attached:
                     awaits[r.provider] = max(r.revision, awaits.get(r.provider, 0))
-        event = AgentRestartSkipped(
-            type="AgentRestartSkipped", **common, providers=attached, reason=action, awaits=awaits
+        event = built(
+            AgentRestartSkipped,
+            type="AgentRestartSkipped",
+            **common,
+            providers=attached,
+            reason=action,
+            awaits=awaits,
         )
         why = f"restart skipped for rotated {', '.join(attached)}: {action}"
     new_state, events = _emit(state, event)
@@ -749,8 +770,12 @@ def _restart_if_stale(
             events,
             obs,
             cause,
-            lambda c: AgentRestartSkipped(
-                type="AgentRestartSkipped", **c, providers=sorted(stale), reason=HELD
+            lambda c: built(
+                AgentRestartSkipped,
+                type="AgentRestartSkipped",
+                **c,
+                providers=sorted(stale),
+                reason=HELD,
             ),
         )
     return _then(
@@ -770,8 +795,9 @@ def _agent_restarted(
     limits: Limits,
 ) -> AgentRestarted:
     """A rotation restart of ``state`` at the next generation, for ``providers``."""
-    generation = state.generation + 1
-    return AgentRestarted(
+    generation = next_generation(state)
+    return built(
+        AgentRestarted,
         type="AgentRestarted",
         **(common | {"generation": generation}),
         providers=providers,
@@ -797,8 +823,9 @@ def _observation_event(
         if phase is P.DELETED and obs.operation != "delete":
             phase = P.STOPPED  # a stop that finds nothing left has stopped it
         if phase is P.DELETED:
-            return SandboxDeleted(type="SandboxDeleted", **common)
-        return SandboxOperationFailed(
+            return built(SandboxDeleted, type="SandboxDeleted", **common)
+        return built(
+            SandboxOperationFailed,
             type="SandboxOperationFailed",
             **common,
             operation=obs.operation,
@@ -808,21 +835,27 @@ def _observation_event(
         )
     match target:
         case P.READY:
-            return SandboxReady(type="SandboxReady", **common)
+            return built(SandboxReady, type="SandboxReady", **common)
         case P.STOPPED:
-            return SandboxStopped(type="SandboxStopped", **common)
+            return built(SandboxStopped, type="SandboxStopped", **common)
         case P.COMPLETED:
-            return SandboxCompleted(type="SandboxCompleted", **common, exit_code=exit_code or 0)
+            return built(
+                SandboxCompleted, type="SandboxCompleted", **common, exit_code=exit_code or 0
+            )
         case P.DELETED:
-            return SandboxDeleted(type="SandboxDeleted", **common)
+            return built(SandboxDeleted, type="SandboxDeleted", **common)
         case P.ERROR if (
             kind == "launch_failed"
             and state.phase is P.STARTING
             and (state.reason or "").startswith(ROTATION_RESTART)
         ):
             reason = getattr(obs, "reason", None) or "launch failed"
-            return AgentRestartFailed(
-                type="AgentRestartFailed", **common, reason=reason, exit_code=exit_code
+            return built(
+                AgentRestartFailed,
+                type="AgentRestartFailed",
+                **common,
+                reason=reason,
+                exit_code=exit_code,
             )
         case P.ERROR:
             reasons = {
@@ -832,7 +865,9 @@ def _observation_event(
                 "removed": "runtime removed outside sandstream",
             }
             reason = getattr(obs, "reason", None) or reasons.get(kind, f"{kind.replace('_', ' ')}")
-            return SandboxFailed(type="SandboxFailed", **common, reason=reason, exit_code=exit_code)
+            return built(
+                SandboxFailed, type="SandboxFailed", **common, reason=reason, exit_code=exit_code
+            )
     raise AssertionError(f"no event leads to {target}")
 
 
@@ -923,7 +958,7 @@ def _delete_now(
         events,
         message,
         cause,
-        lambda c: SandboxDeleting(type="SandboxDeleting", **c, deadline=deadline),
+        lambda c: built(SandboxDeleting, type="SandboxDeleting", **c, deadline=deadline),
     )
 
 
@@ -957,7 +992,9 @@ def _decide_deadline(
         policy = state.on_expiry
         new_state, events = _emit(
             state,
-            SandboxExpired(type="SandboxExpired", **_common(state, due, cause), policy=policy),
+            built(
+                SandboxExpired, type="SandboxExpired", **_common(state, due, cause), policy=policy
+            ),
         )
         if policy == "delete" and admission("DeleteSandbox", new_state.phase) is A:
             new_state, events = _delete_now(new_state, events, due, cause, limits)
@@ -968,7 +1005,7 @@ def _decide_deadline(
                 events,
                 due,
                 cause,
-                lambda c: SandboxStopping(type="SandboxStopping", **c, deadline=deadline),
+                lambda c: built(SandboxStopping, type="SandboxStopping", **c, deadline=deadline),
             )
     else:
         pending = state.deadline
@@ -978,15 +1015,17 @@ def _decide_deadline(
         event: DecidedEvent
         match pending.kind:
             case "launch":
-                event = SandboxTimedOut(
-                    type="SandboxTimedOut", **common, reason=PROVISIONING_TIMEOUT
+                event = built(
+                    SandboxTimedOut, type="SandboxTimedOut", **common, reason=PROVISIONING_TIMEOUT
                 )
             case "stop":
-                event = SandboxStopEscalated(type="SandboxStopEscalated", **common)
+                event = built(SandboxStopEscalated, type="SandboxStopEscalated", **common)
             case "delete":
                 again = delete_deadline(state.spec, at, limits, pending.attempt + 1)
                 assert again is not None  # pending exists, so delete deadlines are on
-                event = SandboxDeleteRetried(type="SandboxDeleteRetried", **common, deadline=again)
+                event = built(
+                    SandboxDeleteRetried, type="SandboxDeleteRetried", **common, deadline=again
+                )
         new_state, events = _emit(state, event)
         new_state, events = _on_exit(new_state, events, due, cause, limits)
     why = f"{what}: {state.phase.value} -> {new_state.phase.value} ({events[0].type})"

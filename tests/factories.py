@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
+from pydantic import BaseModel
+
 from events.commands import (
     AttachProvider,
     Command,
@@ -461,6 +463,25 @@ def observation_of_kind(
 # Folding messages like the processor does
 
 
+def assert_as_validated(model: BaseModel) -> None:
+    """``model`` (built by the rules without validation: ``events.trusted``) is what validating
+    construction builds from its values: equal, the same fields set, in the same order, and
+    byte for byte the same JSON. Its nested models are validated again too (from the dump)."""
+    twin = type(model).model_validate(model.model_dump(include=model.model_fields_set))
+    assert twin == model, (twin, model)
+    assert twin.model_fields_set == model.model_fields_set, type(model).__name__
+    assert list(twin.__dict__) == list(model.__dict__), type(model).__name__
+    assert twin.model_dump_json() == model.model_dump_json()
+
+
+def assert_decided_as_validated(decision: Decision) -> None:
+    """Every event and the outcome of one decision are what validation builds."""
+    for event in decision.events:
+        assert_as_validated(event)
+    if decision.outcome is not None:
+        assert_as_validated(decision.outcome)
+
+
 @dataclass
 class Harness:
     """Folds messages one at a time through ``projections.fold.fold``, keeping everything."""
@@ -474,6 +495,8 @@ class Harness:
         """Fold the messages as one batch; return the decision of the last one."""
         inputs = [(self.causes(m), m) for m in messages]
         batch = fold(self.states, self.outcomes, inputs)
+        for step in batch.steps:
+            assert_decided_as_validated(step.decision)
         self.states = batch.states
         self.outcomes.update(batch.outcomes)
         self.steps.extend(batch.steps)

@@ -9,8 +9,10 @@ import pytest
 from aiokafka import ConsumerRecord, TopicPartition
 
 from events.codec import EVENTS, decode
+from projections.fold import fold
 from projections.lifecycle import evolve
 from services.bench import ceiling
+from services.bench.fold import decoded_log, fold_cpu
 from services.bench.processor import lifecycle_messages, produce_all
 from services.bench.rebuild import copies, rebuild_figures, template_events
 from services.common.settings import Settings
@@ -80,3 +82,16 @@ async def test_the_rebuild_benchmark_runs_its_rebuild_against_the_password_prote
     await rebuild_figures(Settings(), keys=5)
     printed = capsys.readouterr().out
     assert "rebuild" in printed and "20 inputs (20 decided events, 5 rows)" in printed, printed
+
+
+def test_the_fold_bench_folds_the_log_into_a_state_change_per_input() -> None:
+    """The decide-stage figure is of the log the processor bench drains: every input decided
+    and applied (one event each), every sandbox Stopped at the end."""
+    inputs = decoded_log(3)
+    assert len(inputs) == 12
+    result = fold({}, {}, inputs)
+    assert [len(s.decision.events) for s in result.steps] == [1] * 12
+    assert {k: s.phase.value if s else None for k, s in result.states.items()} == {
+        f"bench-{k}": "Stopped" for k in range(3)
+    }
+    assert fold_cpu(inputs) > 0

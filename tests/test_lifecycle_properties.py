@@ -143,6 +143,8 @@ class LifecycleMachine(RuleBasedStateMachine):
     def check_step(self, prev: Sandbox | None, message: Message, d: Decision) -> None:
         new = d.state
         events = d.events
+        # The events and outcome, built without validation, are exactly what validation builds.
+        f.assert_decided_as_validated(d)
         # One event per input, except an expiry or a process end followed by its policy's.
         assert len(events) <= (2 if is_observation(message) else 1)
         assert all(e.key == message.key for e in events)

@@ -1,4 +1,4 @@
-"""``python -m services.bench [all|processor|scaleout|rebuild|profile|drivers] [--quick]``:
+"""``python -m services.bench [all|processor|scaleout|rebuild|profile|fold|drivers] [--quick]``:
 the benchmarks, each printed beside its same-run reference (see docs/benchmarks.md)."""
 
 from __future__ import annotations
@@ -8,11 +8,13 @@ import asyncio
 
 from services.bench import drivers as bench_drivers
 from services.bench import kube as bench_kube
+from services.bench.fold import fold_figures
 from services.bench.processor import latency, throughput
 from services.bench.profile import profile
 from services.bench.rebuild import rebuild_figures
 from services.bench.scaleout import two_processors
 from services.common.settings import Settings
+from services.processor.gc_thresholds import collect_less_often
 
 
 async def run(which: str, quick: bool) -> None:
@@ -27,6 +29,8 @@ async def run(which: str, quick: bool) -> None:
         await two_processors(settings, keys)
     if which in ("all", "rebuild"):
         await rebuild_figures(settings, 25_000 if quick else 250_000)
+    if which == "fold":
+        fold_figures(keys, runs=7)
     if which == "profile":
         await profile(settings, keys, settings.state_dir / "bench" / "processor.prof")
     if which in ("all", "drivers"):
@@ -40,8 +44,9 @@ def main() -> None:
         "which",
         nargs="?",
         default="all",
-        choices=["all", "processor", "scaleout", "rebuild", "profile", "drivers"],
+        choices=["all", "processor", "scaleout", "rebuild", "profile", "fold", "drivers"],
     )
     parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke check")
     args = parser.parse_args()
+    collect_less_often()  # as the processor's own process does (the ceiling runs under it too)
     asyncio.run(run(args.which, args.quick))

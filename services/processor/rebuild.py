@@ -20,6 +20,7 @@ from projections.store import SANDBOX_COLUMNS, BatchWrite, sandbox_from_record, 
 from services.common.kafka_clients import kafka_client_args
 from services.common.migrations import apply_migrations
 from services.common.settings import Settings
+from services.processor.gc_thresholds import collect_less_often
 
 
 async def fold_events_topic(settings: Settings) -> dict[str, Sandbox]:
@@ -101,6 +102,7 @@ def _chunks(items: list[Sandbox], size: int) -> list[list[Sandbox]]:
 
 
 def main() -> None:
+    collect_less_often()
     try:
         report = asyncio.run(rebuild_and_compare(Settings()))
     except LogTruncated as exc:

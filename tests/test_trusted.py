@@ -1,0 +1,97 @@
+"""``built`` leaves a model exactly as validating construction does, for values already valid."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, get_args
+
+import factories as f
+import pytest
+from pydantic import BaseModel, Field
+
+from events.common import Cause, Deadline, Strict
+from events.decided import AgentRestartSkipped, DecidedEvent, SandboxCreated, SandboxReady
+from events.outcomes import Code, CommandOutcome
+from events.trusted import built
+from projections.lifecycle import _CHANGES
+
+CAUSE = Cause(topic="t", partition=0, offset=7, message_type="CreateSandbox", command_id="c-1")
+COMMON: dict[str, Any] = {
+    "event_id": uuid.UUID(int=1),
+    "key": "sbx-1",
+    "sandbox_id": uuid.UUID(int=2),
+    "version": 1,
+    "generation": 1,
+    "occurred_at": f.at(),
+    "actor": "alice",
+    "cause": CAUSE,
+}
+
+
+@pytest.mark.parametrize(
+    ("cls", "values"),
+    [
+        (SandboxReady, {"type": "SandboxReady", **COMMON}),
+        # Defaults left out (deadline, expires_at, the policies) are filled in, in field order.
+        (SandboxCreated, {"type": "SandboxCreated", **COMMON, "spec": f.spec(),
+                          "providers": ["gh"], "identity": "rid-1"}),
+        (SandboxCreated, {"type": "SandboxCreated", **COMMON, "spec": f.spec(),
+                          "providers": [], "identity": "rid-1", "on_exit": "delete",
+                          "deadline": Deadline(kind="launch", due_at=f.at(300))}),
+        (AgentRestartSkipped, {"type": "AgentRestartSkipped", **COMMON, "providers": ["gh"],
+                               "reason": "held"}),
+        (CommandOutcome, {"command_id": "c-1", "key": "sbx-1", "command_type": "StopSandbox",
+                          "status": "rejected", "code": Code.NOT_FOUND, "message": "not found"}),
+    ],
+)  # fmt: skip
+def test_built_is_what_validation_builds(cls: type[BaseModel], values: dict[str, Any]) -> None:
+    ours, validated = built(cls, **values), cls(**values)
+    assert ours == validated
+    assert ours.model_fields_set == validated.model_fields_set == set(values)
+    assert list(ours.__dict__) == list(validated.__dict__) == list(cls.model_fields)
+    assert ours.model_dump_json() == validated.model_dump_json()
+    f.assert_as_validated(ours)
+
+
+def test_a_default_factory_gives_each_model_its_own_value() -> None:
+    values = {"type": "AgentRestartSkipped", **COMMON, "providers": ["gh"], "reason": "held"}
+    one, two = built(AgentRestartSkipped, **values), built(AgentRestartSkipped, **values)
+    assert one.awaits == {} and one.awaits is not two.awaits
+
+
+def test_unknown_and_missing_fields_are_refused() -> None:
+    with pytest.raises(TypeError, match=r"unknown fields \['colour'\]"):
+        built(SandboxReady, type="SandboxReady", **COMMON, colour="red")
+    partial = {k: v for k, v in COMMON.items() if k != "actor"}
+    with pytest.raises(TypeError, match=r"missing \['actor'\]"):
+        built(SandboxReady, type="SandboxReady", **partial)
+
+
+@pytest.mark.filterwarnings("ignore:Pydantic serializer warnings")  # the tuple, dumped
+def test_a_model_built_wrong_is_caught_by_the_check_the_core_tests_use() -> None:
+    """The property tests' check fails for a value validation would have changed (a tuple
+    where the model holds a list) or refused (a key that is no sandbox name)."""
+    created = {"type": "SandboxCreated", **COMMON, "spec": f.spec(), "identity": "rid-1"}
+    with pytest.raises(AssertionError):
+        f.assert_as_validated(built(SandboxCreated, **created, providers=("gh",)))
+    with pytest.raises(ValueError, match="key"):
+        f.assert_as_validated(built(SandboxReady, type="SandboxReady", **{**COMMON, "key": "A_"}))
+
+
+def test_models_built_needs_to_resolve_are_refused() -> None:
+    class Aliased(Strict):
+        name: str = Field(alias="n")
+
+    class Loose(BaseModel):
+        name: str
+
+    with pytest.raises(TypeError, match="aliases"):
+        built(Aliased, name="x")
+    with pytest.raises(TypeError, match="extra='forbid'"):
+        built(Loose, name="x")
+
+
+def test_every_decided_event_but_the_creation_has_its_row_changes() -> None:
+    """evolve looks an event's changes up by its type: none may be missing."""
+    (union, _) = get_args(DecidedEvent)
+    assert set(get_args(union)) - {SandboxCreated} == set(_CHANGES)
