@@ -34,6 +34,9 @@ from services.api.routes import (
 from services.common.settings import Settings
 from services.common.tokens import TokenStore
 
+# The order of inclusion is the order of the paths in the OpenAPI document.
+ROUTE_MODULES = (commands, lifecycle, sandboxes, history, watch, audit, operations, providers)
+
 
 def create_app(
     settings: Settings,
@@ -76,7 +79,6 @@ def create_app(
     app.state.providers = ProviderService(settings, pool, gateway)
     app.add_middleware(MetricsMiddleware)
     install_error_handlers(app)
-    # The order of inclusion is the order of the paths in the OpenAPI document.
-    for module in (commands, lifecycle, sandboxes, history, watch, audit, operations, providers):
+    for module in ROUTE_MODULES:
         app.include_router(module.router)
     return app

@@ -118,7 +118,8 @@ def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
         409: "ALREADY_EXISTS, ABORTED (expected_version mismatch), or IDEMPOTENCY_CONFLICT "
         "(the command_id was first used for another request)",
         413: "PAYLOAD_TOO_LARGE: the body or the command is above the limit",
-        412: "FAILED_PRECONDITION: the phase does not admit the command",
+        412: "FAILED_PRECONDITION: the phase does not admit the command (or, for a provider, "
+        "it is still attached)",
         422: "INVALID_ARGUMENT: the request names the offending field",
         503: "UNAVAILABLE: Kafka or PostgreSQL cannot be reached",
     }

@@ -290,7 +290,7 @@ async def update_providers(
 @router.delete(
     "/v1/providers/{provider}",
     response_model=DeleteResult,
-    responses=PROVIDER_RESPONSES,
+    responses=responses(401, 403, 404, 412, 422, 503),
     summary="Delete a provider (refused while attached, unless forced: then detached too)",
     tags=["providers"],
 )
