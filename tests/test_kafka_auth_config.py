@@ -7,6 +7,7 @@ import ssl
 from pathlib import Path
 
 import pytest
+from confluent_kafka.admin import AclBinding
 
 from services.common.kafka_clients import (
     ROLES,
@@ -156,3 +157,24 @@ def test_every_kafka_client_is_built_through_kafka_client_args() -> None:
         if needle in line
     ]
     assert not found, "build these through kafka_client_args(settings, role): " + str(found)
+
+
+def test_granting_waits_until_the_broker_lists_every_new_acl() -> None:
+    """The controller acknowledges an ACL before a broker enforces it; ``grant`` returns only
+    once the broker lists it (a processor started in between was refused its topics)."""
+    wanted = kafka_auth._bindings(Settings())[:3]
+    answers = iter([[], wanted[:1], [*wanted[:2], wanted[0]], wanted])
+    calls = []
+
+    def describe() -> list[AclBinding]:
+        calls.append(1)
+        return next(answers)
+
+    kafka_auth.wait_until_described(describe, wanted)
+    assert len(calls) == 4
+
+
+def test_acls_never_in_force_fail_after_the_deadline() -> None:
+    wanted = kafka_auth._bindings(Settings())[:1]
+    with pytest.raises(RuntimeError, match="not in force"):
+        kafka_auth.wait_until_described(lambda: [], wanted, timeout=0.2)

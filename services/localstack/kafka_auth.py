@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -342,12 +343,43 @@ def ensure_users(settings: Settings) -> list[str]:
     return [c.username for role, c in users.items() if role != "admin"]
 
 
+_MATCH_ANY: Any = None  # a filter's None matches any value (the stubs type these as str)
+_EVERY_ACL = AclBindingFilter(
+    ResourceType.ANY,
+    _MATCH_ANY,
+    ResourcePatternType.ANY,
+    _MATCH_ANY,
+    _MATCH_ANY,
+    AclOperation.ANY,
+    AclPermissionType.ANY,
+)
+
+
 def grant(settings: Settings) -> int:
-    """Create the roles' ACLs on the settings' names (creating an existing one is a no-op)."""
+    """Create the roles' ACLs on the settings' names (creating an existing one is a no-op),
+    and return once the broker enforces them."""
     bindings = _bindings(settings)
     admin = AdminClient(admin_config(settings))
     _wait_all(admin.create_acls(bindings), "creating ACL")
+    wait_until_described(lambda: admin.describe_acls(_EVERY_ACL).result(ADMIN_TIMEOUT), bindings)
     return len(bindings)
+
+
+def wait_until_described(
+    describe: Callable[[], list[AclBinding]],
+    bindings: list[AclBinding],
+    timeout: float = ADMIN_TIMEOUT,
+) -> None:
+    """Poll until ``describe`` lists every binding. The controller acknowledges a created ACL
+    once it is in the metadata log; a broker's authorizer applies it when it replays that log,
+    a moment later, and a client that asks in between is refused (TOPIC_AUTHORIZATION_FAILED)."""
+    deadline = time.monotonic() + timeout
+    while not set(bindings) <= set(describe()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"kafka: {len(bindings)} ACLs created but not in force after {timeout}s"
+            )
+        time.sleep(0.05)  # the poll interval; the deadline above bounds the wait
 
 
 def revoke(settings: Settings) -> None:
