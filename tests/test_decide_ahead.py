@@ -78,10 +78,14 @@ async def queued_processor(env: Env, name: str) -> tuple[Processor, QueuedPolls]
     return processor, polls
 
 
+async def _nothing() -> None:
+    return None
+
+
 def hold_first_write(
     monkeypatch: pytest.MonkeyPatch,
     processor: Processor,
-    meanwhile: Callable[[], Awaitable[None]] = lambda: asyncio.sleep(0),
+    meanwhile: Callable[[], Awaitable[None]] = _nothing,
 ) -> None:
     """Hold the next write until the poll after it has been decided ahead, then run
     ``meanwhile`` (another writer, a rebalance) before letting the write go to PostgreSQL."""

@@ -68,5 +68,5 @@ async def test_a_read_that_stalls_longer_than_the_timeout_fails() -> None:
 
 
 async def _never(*_: Any, **__: Any) -> dict[TopicPartition, list[Any]]:
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # a fetch that waits out its own timeout and finds nothing
     return {}
