@@ -523,6 +523,34 @@ def test_a_picked_up_intent_stops_being_ours_when_its_partition_is_revoked() -> 
     assert not executor._current(item)
 
 
+async def test_a_partition_revoked_while_its_offsets_are_committed_does_not_stop_the_executor() -> (
+    None
+):
+    """The periodic commit awaits the broker; a rebalance revoking one of the partitions in
+    that await must not break the commit (a KeyError there ended ``run`` and left the
+    executor's partitions assigned to nobody working)."""
+    settings = Settings().model_copy(update={"kafka_partitions": 2, "topic_events": "ev"})
+    executor = Executor(settings, FakeDriver(), None)  # type: ignore[arg-type]
+    kept, revoked = TopicPartition("ev", 0), TopicPartition("ev", 1)
+    executor._owned = {kept: PartitionProgress(highest_seen=4), revoked: PartitionProgress()}
+    revoked_progress = executor._owned[revoked]
+    revoked_progress.highest_seen = 9
+    sent: list[dict[TopicPartition, int]] = []
+
+    class RevokedMidCommit:
+        """The part of the consumer ``commit`` uses; a rebalance happens during the call."""
+
+        async def commit(self, offsets: dict[TopicPartition, int]) -> None:
+            sent.append(dict(offsets))
+            executor._owned.pop(revoked)
+
+    executor.consumer = RevokedMidCommit()  # type: ignore[assignment]
+    await executor.commit()
+    assert sent == [{kept: 5, revoked: 10}]
+    assert executor._owned[kept].committed == 5
+    assert revoked_progress.committed == 10
+
+
 def test_the_row_decides_which_intents_are_still_wanted() -> None:
     """``unwanted`` (pure): each operation against the rows that want it and those that moved
     past it."""

@@ -717,7 +717,9 @@ class Executor:
 
     async def commit(self, progress: dict[TopicPartition, PartitionProgress] | None = None) -> None:
         assert self.consumer is not None
-        chosen = self._owned if progress is None else progress
+        # A copy: a rebalance may revoke partitions while the commit is in flight, and the
+        # progress it marks is the one whose offsets were sent.
+        chosen = dict(self._owned if progress is None else progress)
         offsets = {tp: p.committable() for tp, p in chosen.items()}
         offsets = {tp: o for tp, o in offsets.items() if o > max(0, chosen[tp].committed)}
         if not offsets:
