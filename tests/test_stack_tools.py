@@ -11,6 +11,7 @@ import pytest
 from services.common.migrations import MigrationError, apply_migrations, discover_migrations
 from services.common.settings import Settings
 from services.localstack import config as cfg
+from services.localstack import stack
 
 
 def test_server_properties_render_from_settings(tmp_path: Path) -> None:
@@ -35,6 +36,21 @@ def test_helpers() -> None:
     assert not cfg.is_local_host("10.0.0.1") and not cfg.is_local_host("kafka.example")
     cluster_id = cfg.new_kafka_cluster_id()
     assert len(cluster_id) == 22 and not cluster_id.startswith("-")
+
+
+def test_a_process_just_spawned_is_found_running_by_its_pid_file(tmp_path: Path) -> None:
+    """Right after spawn the child may still be in exec, its command line empty: it is ours
+    all the same (a second start must not start another; a stop must not miss it)."""
+    marker = str(tmp_path / "marker.properties")
+    for attempt in range(20):  # the exec window is short: look right after each of several
+        pidfile = tmp_path / f"{attempt}.pid"
+        proc = stack._spawn(["sh", "-c", "sleep 60", marker], log=tmp_path / "log", pidfile=pidfile)
+        try:
+            assert stack._live_pid(pidfile, marker) == proc.pid
+        finally:
+            proc.kill()
+            proc.wait()
+    assert stack._live_pid(pidfile, marker) is None  # and a dead one is not
 
 
 def _write(directory: Path, files: dict[str, str]) -> Path:

@@ -47,6 +47,7 @@ PODMAN_START_TIMEOUT = 30.0
 PG_CONNECT_TIMEOUT = 20.0
 TOPICS_READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 60.0
+EXEC_TIMEOUT = 10.0
 TOPIC_ALREADY_EXISTS = 36  # Kafka error code
 
 
@@ -124,7 +125,7 @@ def _live_pid(pidfile: Path, marker: str) -> int | None:
     """
     try:
         pid = int(pidfile.read_text().strip())
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        cmdline = _cmdline(pid)
         stat = Path(f"/proc/{pid}/stat").read_text()
     except (OSError, ValueError):
         return None
@@ -132,6 +133,24 @@ def _live_pid(pidfile: Path, marker: str) -> int | None:
     if state in ("Z", "X") or marker.encode() not in cmdline:
         return None
     return pid
+
+
+def _cmdline(pid: int) -> bytes:
+    """The process's command line, once it has one.
+
+    A process in the middle of exec reads an empty command line: its new program's memory
+    holds no arguments until the kernel has loaded that program, which can end after the
+    parent's Popen has returned (and long after, on a loaded machine). Such a process already
+    has its executable (a kernel thread or a process tearing down has none), so wait for its
+    arguments rather than take it for a stranger.
+    """
+    deadline = time.monotonic() + EXEC_TIMEOUT
+    while not (cmdline := Path(f"/proc/{pid}/cmdline").read_bytes()):
+        os.readlink(f"/proc/{pid}/exe")  # OSError: no program, so never a command line
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    return cmdline
 
 
 def _spawn(
