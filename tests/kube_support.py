@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 from harness import eventually
 from kubernetes_asyncio import client, config
@@ -32,6 +31,8 @@ from drivers.protocol import (
     WatchObservation,
 )
 from services.common.settings import Settings
+from services.localstack import kubernetes as local_cluster
+from services.localstack.cluster import free_port_run
 from services.localstack.kubernetes import STORAGE_CLASS, kubeconfig_path
 
 START_HINT = "run `make k8s` (python -m services.localstack.kubernetes up)"
@@ -206,6 +207,47 @@ async def namespace(admin: Admin, prefix: str = "t") -> AsyncIterator[str]:
         await admin.core.delete_namespace(name)
 
 
+@dataclass(frozen=True)
+class OwnApiserver:
+    """An extra kube-apiserver on the local cluster's etcd, for a test that restarts its
+    apiserver: the cluster's own apiserver (which the controllers, kwok and every other test
+    run use) is never touched."""
+
+    settings: Settings  # kube_apiserver_port is its port
+    name: str  # its pid and log files' name
+    kubeconfig: Path
+
+    async def restart(self) -> None:
+        await asyncio.to_thread(local_cluster.restart_apiserver, self.settings, self.name)
+
+    def pid(self) -> int | None:
+        return local_cluster.live_pid(self.settings, self.name)
+
+
+@asynccontextmanager
+async def own_apiserver(settings: Settings, directory: Path) -> AsyncIterator[OwnApiserver]:
+    """An OwnApiserver (its kubeconfig in ``directory``), stopped on exit whatever happened."""
+    if settings.kube_config is not None:
+        pytest.fail("an apiserver of its own needs the local cluster, not SANDSTREAM_KUBE_CONFIG")
+    port = free_port_run(1)
+    server = OwnApiserver(
+        settings.model_copy(update={"kube_apiserver_port": port}),
+        f"kube-apiserver-{port}",
+        directory / "kubeconfig",
+    )
+    try:
+        await asyncio.to_thread(local_cluster.start_apiserver, server.settings, server.name)
+        local_cluster.write_kubeconfig(server.settings, server.kubeconfig)
+        yield server
+    finally:
+        await asyncio.to_thread(local_cluster.stop_apiserver, server.settings, server.name)
+
+
+def shared_apiserver_pid(settings: Settings) -> int | None:
+    """The pid of the local cluster's own apiserver (a test leaves it as it found it)."""
+    return local_cluster.live_pid(settings, local_cluster.APISERVER)
+
+
 def driver_config(admin: Admin, ns: str, **overrides: Any) -> KubeConfig:
     values: dict[str, Any] = {
         "namespace": ns,
@@ -251,18 +293,6 @@ async def wait_pods(
         lambda: admin.pods(ns, key), check, timeout=timeout, what=f"{key}: {what}"
     )
     return found
-
-
-async def retrying(call: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    """``await call()`` until it succeeds (the API server may just be restarting)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        try:
-            return await call()
-        except (aiohttp.ClientError, client.ApiException, OSError) as exc:
-            if asyncio.get_running_loop().time() > deadline:
-                raise AssertionError(f"{what}: still failing after {timeout}s: {exc!r}") from exc
-            await asyncio.sleep(0.1)
 
 
 def phase_of(pod: Mapping[str, Any]) -> str | None:
@@ -350,24 +380,3 @@ class HoldingDriver:
         finally:
             task.cancel()
             self._queues.remove(queue)
-
-
-async def settled(admin: Admin, ns: str, timeout: float = 120.0) -> None:
-    """Wait until the cluster schedules and runs a Pod again: after an API server restart the
-    scheduler and kwok reconnect with back-offs of their own, and the next test must not pay
-    for them."""
-    name = f"settle-{uuid.uuid4().hex[:8]}"
-    pod = {
-        "metadata": {"name": name},
-        "spec": {"containers": [{"name": "c", "image": "registry.example/probe:1"}]},
-    }
-    await retrying(lambda: admin.core.create_namespaced_pod(ns, pod), "the probe Pod")
-    try:
-        await eventually(
-            lambda: admin.core.read_namespaced_pod(name, ns),
-            lambda p: p.status.phase == "Running",
-            timeout=timeout,
-            what="a probe Pod running after the restart",
-        )
-    finally:
-        await admin.delete_pod_now(ns, name)

@@ -24,13 +24,14 @@ from harness import eventually
 from kube_support import (
     Admin,
     Keys,
+    OwnApiserver,
     admin_client,
     env_of,
     namespace,
     new_driver,
+    own_apiserver,
     phase_of,
-    retrying,
-    settled,
+    shared_apiserver_pid,
     wait_pods,
 )
 from kubernetes_asyncio import client
@@ -61,7 +62,6 @@ from events.common import SandboxSpec
 from events.observations import RuntimeRemoved, RuntimeSnapshot
 from services.common.settings import PROJECT_ROOT, Settings
 from services.executor.backends import describe_driver, driver_from_settings
-from services.localstack.kubernetes import restart_apiserver
 
 IMAGE = "registry.example/agent:1"
 
@@ -430,7 +430,23 @@ async def test_a_broken_watch_resumes_from_its_version_without_listing_again(
 
 
 async def test_an_apiserver_restart_is_survived_and_its_410_answered_by_a_relisting(
-    driver: KubernetesDriver, admin: Admin, ns: str, keys: Keys, settings: Settings
+    admin: Admin, ns: str, keys: Keys, settings: Settings, tmp_path: Path
+) -> None:
+    """The driver talks to an apiserver of its own, which is killed and restarted; the
+    cluster's own apiserver (every other client's) runs on untouched."""
+    shared = shared_apiserver_pid(settings)
+    async with own_apiserver(settings, tmp_path) as server:
+        driver = new_driver(admin, ns, kubeconfig=server.kubeconfig)
+        try:
+            await _restart_survived(driver, server, admin, ns, keys)
+        finally:
+            await driver.close()
+    assert server.pid() is None  # nothing left running
+    assert shared is not None and shared_apiserver_pid(settings) == shared
+
+
+async def _restart_survived(
+    driver: KubernetesDriver, server: OwnApiserver, admin: Admin, ns: str, keys: Keys
 ) -> None:
     exits, stays = keys(), keys()
     await driver.launch(launch_spec(exits))
@@ -441,8 +457,8 @@ async def test_an_apiserver_restart_is_survived_and_its_410_answered_by_a_relist
         # A write the Pod watch does not see: the store moves past the watch's version, so the
         # restarted server's watch cache (which starts at the store's version) has expired it.
         await admin.core.create_namespaced_config_map(ns, {"metadata": {"name": keys()}})
-        await asyncio.to_thread(restart_apiserver, settings)
-        await retrying(lambda: admin.exit_pod(ns, pod_name(exits, 1), 7), "the exit")
+        await server.restart()
+        await admin.exit_pod(ns, pod_name(exits, 1), 7)  # through the cluster's own apiserver
 
         await eventually(lambda: kinds(watching.of(exits)), lambda k: ("exited", 1, "7") in k,
                          what="the exit")  # fmt: skip
@@ -456,7 +472,6 @@ async def test_an_apiserver_restart_is_survived_and_its_410_answered_by_a_relist
         assert len(exited) == 1
     finally:
         await watching.close()
-        await settled(admin, ns)
 
 
 async def test_a_pod_that_never_terminates_delays_no_other_sandbox(

@@ -30,12 +30,13 @@ from kube_support import (
     Admin,
     HoldingDriver,
     Keys,
+    OwnApiserver,
     admin_client,
     env_of,
     namespace,
     new_driver,
-    retrying,
-    settled,
+    own_apiserver,
+    shared_apiserver_pid,
     wait_pods,
 )
 from pipeline_support import command, history, running_plane, wait_phase
@@ -48,7 +49,7 @@ from events.common import SandboxSpec
 from events.observations import RuntimeRemoved, RuntimeSnapshot
 from events.publisher import CommandPublisher
 from services.common.settings import PROJECT_ROOT, Settings
-from services.localstack.kubernetes import STORAGE_CLASS, restart_apiserver
+from services.localstack.kubernetes import STORAGE_CLASS
 
 IMAGE = "registry.example/agent:1"
 SPEC = SandboxSpec(image=IMAGE, command=["sleep", "3600"])
@@ -90,15 +91,6 @@ async def pipeline(
             yield env, pub
     finally:
         await driver.close()
-
-
-@asynccontextmanager
-async def settling(admin: Admin, ns: str) -> AsyncIterator[None]:
-    """On the way out, wait until the cluster runs Pods again (after a restart)."""
-    try:
-        yield
-    finally:
-        await settled(admin, ns)
 
 
 async def applied_phases(env: Env, key: str) -> list[str]:
@@ -280,34 +272,51 @@ async def test_late_watch_events_of_the_stop_leave_stopped_alone(admin: Admin, n
 
 
 async def test_an_apiserver_restart_loses_and_repeats_no_transition(
-    admin: Admin, ns: str, keys: Keys, settings: Settings
+    admin: Admin, ns: str, keys: Keys, settings: Settings, tmp_path: Path
+) -> None:
+    """The plane's driver talks to an apiserver of its own, which is killed and restarted; the
+    cluster's own apiserver (every other client's) runs on untouched."""
+    shared = shared_apiserver_pid(settings)
+    async with own_apiserver(settings, tmp_path) as server:
+        driver = new_driver(admin, ns, kubeconfig=server.kubeconfig)
+        async with pipeline(driver) as (env, pub):
+            await _restart_loses_and_repeats_nothing(env, pub, driver, server, admin, ns, keys)
+    assert server.pid() is None  # nothing left running
+    assert shared is not None and shared_apiserver_pid(settings) == shared
+
+
+async def _restart_loses_and_repeats_nothing(
+    env: Env,
+    pub: CommandPublisher,
+    driver: KubernetesDriver,
+    server: OwnApiserver,
+    admin: Admin,
+    ns: str,
+    keys: Keys,
 ) -> None:
     exits, stops, later = keys(), keys(), keys()
-    driver = new_driver(admin, ns)
-    async with pipeline(driver) as (env, pub), settling(admin, ns):
-        for key in (exits, stops):
-            await command(env, pub, f.create(key, sandbox_spec=SPEC))
-            await wait_phase(env, key, "Ready")
-        await eventually(lambda: driver.listings, lambda n: n == 1, what="the watch's listing")
+    for key in (exits, stops):
+        await command(env, pub, f.create(key, sandbox_spec=SPEC))
+        await wait_phase(env, key, "Ready")
+    await eventually(lambda: driver.listings, lambda n: n == 1, what="the watch's listing")
 
-        # Moves the store past the watch's version: the restarted server answers it with 410.
-        await admin.core.create_namespaced_config_map(ns, {"metadata": {"name": unique("cm")}})
-        await asyncio.to_thread(restart_apiserver, settings)
-        await retrying(lambda: admin.exit_pod(ns, pod_name(exits, 1), 7), "the exit")
-        await command(env, pub, f.stop(stops))
-        await command(env, pub, f.create(later, sandbox_spec=SPEC))
+    # Moves the store past the watch's version: the restarted server answers it with 410.
+    await admin.core.create_namespaced_config_map(ns, {"metadata": {"name": unique("cm")}})
+    await server.restart()
+    await admin.exit_pod(ns, pod_name(exits, 1), 7)  # through the cluster's own apiserver
+    await command(env, pub, f.stop(stops))
+    await command(env, pub, f.create(later, sandbox_spec=SPEC))
 
-        # (The scheduler and kwok reconnect with back-offs of their own: up to ~15 s seen here.)
-        failed = await wait_phase(env, exits, "Error", timeout=90)
-        assert failed["exit_code"] == 7
-        await wait_phase(env, stops, "Stopped", timeout=90)
-        await wait_phase(env, later, "Ready", timeout=90)
-        await eventually(lambda: driver.listings, lambda n: n == 2, what="the relisting")
+    failed = await wait_phase(env, exits, "Error", timeout=90)
+    assert failed["exit_code"] == 7
+    await wait_phase(env, stops, "Stopped", timeout=90)
+    await wait_phase(env, later, "Ready", timeout=90)
+    await eventually(lambda: driver.listings, lambda n: n == 2, what="the relisting")
 
-        # The relisting repeats what the watch had reported: ignored, no extra transition.
-        assert await applied_phases(env, exits) == ["Provisioning", "Ready", "Error"]
-        assert await applied_phases(env, stops) == ["Provisioning", "Ready", "Stopping", "Stopped"]
-        assert await applied_phases(env, later) == ["Provisioning", "Ready"]
+    # The relisting repeats what the watch had reported: ignored, no extra transition.
+    assert await applied_phases(env, exits) == ["Provisioning", "Ready", "Error"]
+    assert await applied_phases(env, stops) == ["Provisioning", "Ready", "Stopping", "Stopped"]
+    assert await applied_phases(env, later) == ["Provisioning", "Ready"]
 
 
 async def test_a_pod_deleted_behind_our_back_is_noticed_by_reconcile(

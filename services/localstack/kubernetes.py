@@ -45,6 +45,7 @@ NODE_NAME = "kwok-node-0"
 STORAGE_CLASS = "sandstream-local"
 # Started in this order, stopped in the reverse one (etcd last).
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+APISERVER = "kube-apiserver"
 
 
 class ClusterError(RuntimeError):
@@ -241,9 +242,9 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _spawn(name: str, settings: Settings, bins: KubeBinaries) -> subprocess.Popen[bytes]:
+def _spawn(name: str, settings: Settings, cmd: list[str]) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` detached, its log and pid file named ``name``."""
     p = paths(settings)
-    cmd = component_command(name, settings, bins)
     with p.log(name).open("ab") as out:
         out.write(f"\n--- {time.strftime('%F %T')} starting: {' '.join(cmd)}\n".encode())
         out.flush()
@@ -425,23 +426,18 @@ def up(settings: Settings) -> Path:
     shutil.rmtree(p.etcd_data, ignore_errors=True)  # a fresh cluster each time
     p.etcd_data.mkdir(mode=0o700)
 
-    etcd = _spawn("etcd", settings, bins)
+    etcd = _spawn("etcd", settings, component_command("etcd", settings, bins))
     _wait(
         lambda: _http_ok(f"http://127.0.0.1:{settings.kube_etcd_port}/health"),
         what="etcd /health", component="etcd", settings=settings, proc=etcd,
     )  # fmt: skip
     start_apiserver(settings)
-    pki = p.pki
-    text = render_kubeconfig(
-        f"https://127.0.0.1:{settings.kube_apiserver_port}",
-        (pki / "ca.crt").read_bytes(),
-        (pki / "token").read_text().strip(),
-    )
-    (p.home / "kubeconfig.tmp").write_text(text)
-    os.chmod(p.home / "kubeconfig.tmp", 0o600)
-    (p.home / "kubeconfig.tmp").replace(p.kubeconfig)
+    write_kubeconfig(settings, p.kubeconfig)
 
-    procs = {name: _spawn(name, settings, bins) for name in COMPONENTS[2:]}
+    procs = {
+        name: _spawn(name, settings, component_command(name, settings, bins))
+        for name in COMPONENTS[2:]
+    }
     api = _Api(settings)
     _wait(
         lambda: _http_ok(f"http://127.0.0.1:{settings.kube_kwok_port}/healthz"),
@@ -463,29 +459,62 @@ def up(settings: Settings) -> Path:
     return p.kubeconfig
 
 
-def start_apiserver(settings: Settings) -> None:
-    """Start kube-apiserver (unless it runs) and wait for /readyz."""
-    if _live_pid(paths(settings).pid("kube-apiserver")) is None:
+def write_kubeconfig(settings: Settings, path: Path) -> None:
+    """An admin kubeconfig (0600) for the apiserver on ``settings.kube_apiserver_port``."""
+    pki = paths(settings).pki
+    text = render_kubeconfig(
+        f"https://127.0.0.1:{settings.kube_apiserver_port}",
+        (pki / "ca.crt").read_bytes(),
+        (pki / "token").read_text().strip(),
+    )
+    staged = path.with_name(path.name + ".tmp")
+    staged.write_text(text)
+    os.chmod(staged, 0o600)
+    staged.replace(path)
+
+
+def start_apiserver(settings: Settings, name: str = APISERVER) -> None:
+    """Start a kube-apiserver on ``settings.kube_apiserver_port`` (unless the one whose pid
+    file is ``name`` runs) and wait for /readyz.
+
+    Another ``name`` and port start an extra apiserver on the cluster's etcd (same
+    certificates and token): one a test may kill and restart without breaking anyone else's
+    connections to the cluster's own apiserver, which the other components use.
+    """
+    if _live_pid(paths(settings).pid(name)) is None:
         _wait(
             lambda: _port_free(settings.kube_apiserver_port),
             what=f"port {settings.kube_apiserver_port} to be free",
-            component="kube-apiserver", settings=settings,
+            component=name, settings=settings,
         )  # fmt: skip
-        proc = _spawn("kube-apiserver", settings, binaries(settings))
+        proc = _spawn(name, settings, component_command(APISERVER, settings, binaries(settings)))
     else:
         proc = None
     api = _Api(settings)
     _wait(
-        lambda: api.ok("/readyz"), what="kube-apiserver /readyz", component="kube-apiserver",
+        lambda: api.ok("/readyz"), what=f"{name} /readyz", component=name,
         settings=settings, proc=proc,
     )  # fmt: skip
 
 
-def restart_apiserver(settings: Settings) -> None:
-    """Kill kube-apiserver (as a crash would) and start it again: every watch breaks, and its
-    watch cache starts over, so a watch resumed from an older version gets 410 Gone."""
-    _stop("kube-apiserver", settings, signal.SIGKILL)
-    start_apiserver(settings)
+def live_pid(settings: Settings, name: str) -> int | None:
+    """The pid of the running component (or extra apiserver) ``name``, if it runs."""
+    return _live_pid(paths(settings).pid(name))
+
+
+def restart_apiserver(settings: Settings, name: str) -> None:
+    """Kill the apiserver ``name`` (as a crash would) and start it again: every watch through
+    it breaks, and its watch cache starts over, so a watch resumed from an older version gets
+    410 Gone."""
+    _stop(name, settings, signal.SIGKILL)
+    start_apiserver(settings, name)
+
+
+def stop_apiserver(settings: Settings, name: str) -> bool:
+    """Stop the extra apiserver ``name`` and remove its log; False if it was not running."""
+    stopped = _stop(name, settings)
+    paths(settings).log(name).unlink(missing_ok=True)
+    return stopped
 
 
 def down(settings: Settings) -> None:
