@@ -43,6 +43,16 @@ IGNORE_TERM = ["sh", "-c", f"trap '' TERM; touch {TRAPPED}; while true; do sleep
 SLEEPER = ["sh", "-c", "exec sleep 3600"]
 
 
+async def trap_set(driver: PodmanDriver, key: str, generation: int) -> None:
+    """Wait until the IGNORE_TERM entrypoint of ``key``'s generation has set its SIGTERM trap:
+    a stop sent earlier ends it at once instead of waiting out its grace."""
+    await eventually(
+        lambda: driver.exec(key, generation, ["test", "-e", TRAPPED]),
+        lambda result: result[0] == 0,
+        what=f"{key} generation {generation}'s SIGTERM trap set",
+    )
+
+
 async def row(env: Env, key: str) -> dict[str, Any] | None:
     rows = await env.fetch(
         "SELECT key, sandbox_id, phase, generation, version, identity, reason, exit_code "
@@ -276,12 +286,26 @@ async def podman_env(
 
 
 @asynccontextmanager
-async def running_plane(env: Env, driver: Driver, **plane_args: Any) -> AsyncIterator[ControlPlane]:
-    """A started control plane (processor, executor, watcher, reconciler), stopped afterwards."""
+async def running_plane(
+    env: Env, driver: Driver, *, removing: PodmanKeys | None = None, **plane_args: Any
+) -> AsyncIterator[ControlPlane]:
+    """A started control plane (processor, executor, watcher, reconciler), stopped afterwards;
+    with ``removing``, as stop_after_removing does."""
     plane = ControlPlane(env.settings, driver, env.pool, **plane_args)
     await plane.start()
     try:
         yield plane
+    finally:
+        await stop_after_removing(plane, removing)
+
+
+async def stop_after_removing(plane: ControlPlane, keys: PodmanKeys | None) -> None:
+    """Force-remove the keys' containers and volumes, then stop the plane, even if removing
+    them failed: a driver stop still waiting out a long grace (a failed test's) ends at once
+    instead of holding the plane's stop for the executor's shutdown grace."""
+    try:
+        if keys is not None:
+            await asyncio.to_thread(keys.cleanup)
     finally:
         await plane.stop()
 

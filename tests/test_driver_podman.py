@@ -16,7 +16,7 @@ from typing import Any
 
 import harness
 import pytest
-from pipeline_support import IGNORE_TERM, TRAPPED
+from pipeline_support import IGNORE_TERM, trap_set
 from podman import PodmanClient
 
 from drivers.podman import (
@@ -555,11 +555,7 @@ def stubborn_spec(
 async def launch_stubborn(driver: PodmanDriver, spec: LaunchSpec) -> None:
     """Launch, then wait until its shell ignores SIGTERM: a stop sent earlier would be quick."""
     await driver.launch(spec)
-    await harness.eventually(
-        lambda: driver.exec(spec.key, spec.generation, ["test", "-f", TRAPPED]),
-        lambda result: result[0] == 0,
-        what="the entrypoint to trap SIGTERM",
-    )
+    await trap_set(driver, spec.key, spec.generation)
 
 
 def status_of(podman: PodmanClient, key: str, generation: int) -> str:

@@ -23,7 +23,6 @@ from harness import Env, eventually, isolated_env
 from pipeline_support import (
     IGNORE_TERM,
     SLEEPER,
-    TRAPPED,
     command,
     containers_of,
     history,
@@ -32,6 +31,7 @@ from pipeline_support import (
     running_plane,
     sandbox_spec,
     status_of,
+    trap_set,
     wait_phase,
     wait_row,
 )
@@ -158,25 +158,21 @@ async def test_a_stop_outliving_grace_plus_margin_is_escalated_to_a_kill(
         key = keys()
         try:
             async with (
-                running_plane(env, driver, with_scheduler=True),
+                running_plane(env, driver, with_scheduler=True, removing=keys),
                 await env.publisher() as pub,
             ):
                 spec = sandbox_spec(env.settings, IGNORE_TERM)
                 await command(env, pub, f.create(key, sandbox_spec=spec, occurred_at=now()))
                 await wait_phase(env, key, "Ready", timeout=WAIT)
-                await eventually(
-                    lambda: driver.exec(key, 1, ["test", "-f", TRAPPED]),
-                    lambda result: result[0] == 0,
-                    what="the entrypoint to trap SIGTERM",
-                )
+                await trap_set(driver, key, 1)
                 await command(env, pub, f.stop(key, occurred_at=now()))
                 await wait_phase(env, key, "Stopped", timeout=WAIT)
+                inspect = podman.containers.get(container_name(key, 1)).attrs
+                assert inspect["State"]["ExitCode"] == 137  # killed
         finally:
             await driver.close()
         assert "SandboxStopEscalated" in await events_of(env, key)
         assert [d for d, _ in await deadline_results(env, key)] == ["applied"]
-        inspect = podman.containers.get(container_name(key, 1)).attrs
-        assert inspect["State"]["ExitCode"] == 137  # killed
 
 
 async def test_a_delete_that_does_not_finish_is_retried_visibly_with_back_off() -> None:
@@ -290,7 +286,10 @@ async def test_time_to_live_stops_or_deletes(podman: PodmanClient, policy: str, 
     async with podman_env(podman, "ttl") as (env, driver, keys):
         env.settings = env.settings.model_copy(update=FAST)
         key = keys()
-        async with running_plane(env, driver, with_scheduler=True), await env.publisher() as pub:
+        async with (
+            running_plane(env, driver, with_scheduler=True, removing=keys),
+            await env.publisher() as pub,
+        ):
             spec = sandbox_spec(env.settings, SLEEPER)
             create = f.create(
                 key, sandbox_spec=spec, ttl_seconds=2, on_expiry=policy, occurred_at=now()
@@ -300,30 +299,30 @@ async def test_time_to_live_stops_or_deletes(podman: PodmanClient, policy: str, 
             expires_at = await env.fetchval("SELECT expires_at FROM sandboxes WHERE key = $1", key)
             assert expires_at == create.occurred_at + timedelta(seconds=2)
             row = await wait_phase(env, key, final, timeout=WAIT)
+            if final == "Deleted":
+                assert containers_of(podman, key) == []
+            else:
+                assert status_of(podman, container_name(key, 1)) == "exited"
         types = await events_of(env, key)
         follow = {"stop": "SandboxStopping", "delete": "SandboxDeleting"}[policy]
         assert types[types.index("SandboxExpired") + 1] == follow
         assert row["phase"] == final
-        if final == "Deleted":
-            assert containers_of(podman, key) == []
-        else:
-            assert status_of(podman, container_name(key, 1)) == "exited"
 
 
 async def test_an_ephemeral_sandbox_is_deleted_once_its_process_ended(podman: PodmanClient) -> None:
     async with podman_env(podman, "eph") as (env, driver, keys):
         key = keys()
-        async with running_plane(env, driver), await env.publisher() as pub:
+        async with running_plane(env, driver, removing=keys), await env.publisher() as pub:
             spec = sandbox_spec(env.settings, ["sh", "-c", "sleep 1; exit 3"])
             await command(
                 env, pub, f.create(key, sandbox_spec=spec, on_exit="delete", occurred_at=now())
             )
             await wait_phase(env, key, "Deleted", timeout=WAIT)
+            assert containers_of(podman, key) == []
         ended = next(h for h in await history(env, key) if h["phase"] == "Deleting")
         assert ended["message_type"] in ("RuntimeSnapshot", "DriverOperationResult")
         types = await events_of(env, key)
         assert types[types.index("SandboxFailed") + 1] == "SandboxDeleting"
-        assert containers_of(podman, key) == []
 
 
 # -- holds survive restarts of everything ----------------------------------------------------------

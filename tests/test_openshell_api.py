@@ -55,7 +55,7 @@ def auth(token: str = ADMIN, command_id: str | None = None) -> list[tuple[str, s
 async def gateway(podman: PodmanClient) -> AsyncIterator[Gateway]:
     async with (
         podman_env(podman, "osapi") as (env, driver, keys),
-        running_plane(env, driver),
+        running_plane(env, driver, removing=keys),
         CommandPublisher(
             kafka_client_args(env.settings, "api"), topic=env.settings.topic_commands
         ) as pub,

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 import factories as f
+import pytest
 from harness import Env, eventually, isolated_env
 from pipeline_support import (
     DRIVER_STOP_TIMEOUT,
     IGNORE_TERM,
-    TRAPPED,
     PodmanKeys,
     await_podman,
     command,
@@ -37,17 +37,20 @@ from pipeline_support import (
     running_plane,
     sandbox_spec,
     status_of,
+    trap_set,
     volumes_of,
     wait_history_at,
     wait_phase,
 )
 from podman import PodmanClient
 
+from drivers.fake import FakeDriver
 from drivers.podman import PodmanDriver, container_name
 from events.codec import OBSERVATIONS, decode
 from events.observations import Observation, RuntimeRemoved, RuntimeSnapshot
 from events.publisher import CommandPublisher
 from services.common.settings import PROJECT_ROOT, Settings
+from services.executor.backends import podman_driver
 from services.up.control_plane import ControlPlane
 
 # Writes the identity of the generation that first ran into the workspace, once; then idles.
@@ -79,7 +82,7 @@ async def podman_pipeline(
     plane_args.setdefault("reconcile_interval", 3600)
     async with (
         podman_env(podman, prefix) as (env, driver, keys),
-        running_plane(env, driver, **plane_args) as plane,
+        running_plane(env, driver, removing=keys, **plane_args) as plane,
         await env.publisher() as pub,
     ):
         yield Pipeline(env, plane, driver, pub, podman, keys)
@@ -188,11 +191,7 @@ async def test_slow_delete_of_a_does_not_delay_b_on_podman(podman: PodmanClient)
         )
         await wait_phase(env, a, "Ready")
         await wait_phase(env, b, "Ready")
-        await eventually(
-            lambda: p.driver.exec(a, 1, ["test", "-f", TRAPPED]),
-            lambda result: result[0] == 0,
-            what="A's entrypoint to trap SIGTERM",
-        )
+        await trap_set(p.driver, a, 1)
 
         await command(env, p.pub, f.delete(a))
         await command(env, p.pub, f.delete(b))
@@ -218,6 +217,25 @@ async def test_slow_delete_of_a_does_not_delay_b_on_podman(podman: PodmanClient)
             lambda v: v == [],
             "both workspaces removed",
         )
+
+
+async def test_the_plane_stops_even_when_removing_the_tests_sandboxes_fails(
+    podman: PodmanClient,
+) -> None:
+    """The harness: a test's control plane is stopped after its containers are removed, and
+    also when removing them fails (else it would run on, consuming, until the session ends)."""
+
+    class Unremovable(PodmanKeys):
+        def cleanup(self) -> None:
+            raise RuntimeError("podman refused")
+
+    async with isolated_env() as env:
+        with pytest.raises(RuntimeError, match="podman refused"):
+            async with running_plane(
+                env, FakeDriver(), removing=Unremovable(podman, "unrm")
+            ) as plane:
+                assert not plane.stopping.is_set()
+        assert plane.stopping.is_set()
 
 
 # -- late and duplicate events -------------------------------------------------------------------
@@ -373,11 +391,14 @@ async def test_executor_crash_mid_operation_leaks_and_duplicates_nothing(
                 timeout=60,
                 what="the executor group's starting offsets",
             )
+            driver = podman_driver(env.settings)  # only to look inside the sandboxes
             try:
-                await crash_scenarios(env, pub, podman, keys, executor)
+                await crash_scenarios(env, pub, podman, driver, keys, executor)
             except BaseException:
                 print(executor.logs())
                 raise
+            finally:
+                await driver.close()
             assert executor.terminate() == 0, executor.logs()  # a clean SIGTERM shutdown
     finally:
         if executor is not None and executor.alive():
@@ -389,6 +410,7 @@ async def crash_scenarios(
     env: Env,
     pub: CommandPublisher,
     podman: PodmanClient,
+    driver: PodmanDriver,
     keys: PodmanKeys,
     executor: ExecutorProcess,
 ) -> None:
@@ -396,6 +418,7 @@ async def crash_scenarios(
     slow = sandbox_spec(env.settings, IGNORE_TERM, stop_timeout=4)
     await command(env, pub, f.create(a, sandbox_spec=slow))
     await wait_phase(env, a, "Ready", generation=1, timeout=60)
+    await trap_set(driver, a, 1)  # else the restart's stop ends it at once: no "stopping"
 
     # 1. A launch in flight: the restart's launch is stopping generation 1 (4 s of grace).
     await command(env, pub, f.restart(a))
@@ -437,6 +460,7 @@ async def crash_scenarios(
         assert len(volumes_of(podman, key)) == 1
 
     # 3. A delete in flight: generation 2 is being stopped (4 s of grace).
+    await trap_set(driver, a, 2)
     await command(env, pub, f.delete(a))
     await await_podman(
         podman,

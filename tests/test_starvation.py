@@ -18,12 +18,13 @@ from harness import eventually, isolated_env
 from pipeline_support import (
     IGNORE_TERM,
     SLEEPER,
-    TRAPPED,
     await_podman,
     command,
     podman_env,
     sandbox_spec,
     status_of,
+    stop_after_removing,
+    trap_set,
     wait_phase,
 )
 from podman import PodmanClient
@@ -119,11 +120,7 @@ async def test_stuck_deletes_on_podman_do_not_starve_another_caller(
                 await command(env, pub, f.create(bystander, sandbox_spec=plain, actor=ALICE))
                 for key in stuck:
                     await wait_phase(env, key, "Ready", timeout=60)
-                    await eventually(
-                        lambda k=key: driver.exec(k, 1, ["test", "-e", TRAPPED]),  # type: ignore[misc]
-                        lambda result: result[0] == 0,
-                        what=f"{key}'s SIGTERM trap set",
-                    )
+                    await trap_set(driver, key, 1)
                 await wait_phase(env, bystander, "Ready")
 
                 for key in stuck:
@@ -143,13 +140,10 @@ async def test_stuck_deletes_on_podman_do_not_starve_another_caller(
                 await wait_phase(env, bystander, "Stopped", timeout=60)
                 assert await deleting(env, stuck) == 4
         finally:
-            try:
-                # Kill the stuck containers now: their deletes finish instead of waiting 2 min.
-                await asyncio.to_thread(keys.cleanup)
-            finally:
-                if plane.executor is not None:
-                    plane.executor.shutdown_grace = 5
-                await plane.stop()
+            if plane.executor is not None:
+                plane.executor.shutdown_grace = 5
+            # Kill the stuck containers first: their deletes finish instead of waiting 2 min.
+            await stop_after_removing(plane, keys)
 
 
 async def test_reads_never_queue_behind_a_stop_waiting_out_its_grace_on_podman(
@@ -163,11 +157,7 @@ async def test_reads_never_queue_behind_a_stop_waiting_out_its_grace_on_podman(
         spec = sandbox_spec(env.settings, IGNORE_TERM, stop_timeout=120)
         try:
             await driver.launch(LaunchSpec(key, uuid.uuid4(), 1, "id-1", spec))
-            await eventually(
-                lambda: driver.exec(key, 1, ["test", "-e", TRAPPED]),
-                lambda result: result[0] == 0,
-                what="the SIGTERM trap set",
-            )
+            await trap_set(driver, key, 1)
             stopping = asyncio.create_task(driver.stop(key, 1))
             await await_podman(
                 podman,
@@ -185,5 +175,7 @@ async def test_reads_never_queue_behind_a_stop_waiting_out_its_grace_on_podman(
             await asyncio.wait_for(driver.kill(key, 1), 30)
             assert (await asyncio.wait_for(stopping, 30)).exit_code == 137
         finally:
-            await asyncio.to_thread(keys.cleanup)
-            await driver.close()
+            try:
+                await asyncio.to_thread(keys.cleanup)  # ends the stop if the test did not
+            finally:
+                await driver.close()
