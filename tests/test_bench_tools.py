@@ -4,14 +4,17 @@ processor; the rebuild's copied events fold to one row per sandbox."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import asyncpg
 import pytest
-from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 
 from events.codec import EVENTS, decode
 from projections.fold import fold
 from projections.lifecycle import evolve
 from services.bench import ceiling
+from services.bench import processor as bench_processor
 from services.bench.fold import decoded_log, fold_cpu
 from services.bench.processor import lifecycle_messages, produce_all
 from services.bench.rebuild import copies, rebuild_figures, template_events
@@ -95,3 +98,34 @@ def test_the_fold_bench_folds_the_log_into_a_state_change_per_input() -> None:
         f"bench-{k}": "Stopped" for k in range(3)
     }
     assert fold_cpu(inputs) > 0
+
+
+async def test_the_latency_run_stops_its_kafka_clients_before_its_topics_go_even_on_failure(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client left running while the topics and their ACLs are removed logs "not
+    authorized" for each until the process ends: every one is stopped first, whatever
+    happened (here: the first command cannot be encoded)."""
+    made: list[AIOKafkaConsumer | AIOKafkaProducer] = []
+
+    class Producer(AIOKafkaProducer):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    class Consumer(AIOKafkaConsumer):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    def unencodable(_: object) -> bytes:
+        raise RuntimeError("cannot encode")
+
+    monkeypatch.setattr(bench_processor, "AIOKafkaProducer", Producer)
+    monkeypatch.setattr(bench_processor, "AIOKafkaConsumer", Consumer)
+    monkeypatch.setattr(bench_processor, "encode", unencodable)
+    async with isolated(settings, "bench-test") as (s, _):
+        with pytest.raises(RuntimeError, match="cannot encode"):
+            await bench_processor._paced_commands(s, rate=10, seconds=1)
+        assert len(made) == 2
+        assert all(client._closed for client in made)

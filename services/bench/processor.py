@@ -198,42 +198,50 @@ async def _paced_commands(s: Settings, rate: int, seconds: float) -> None:
     arrived: dict[str, float] = {}
     kafka_reader = await _tail_reader(s)
     tail = asyncio.create_task(_note_arrivals(kafka_reader, arrived, finished))
-    # Warm up: wait until the processor has joined and applied a first command.
-    warm = CreateSandbox(type="CreateSandbox", command_id="warm", key="warm", spec=SPEC,
-                         occurred_at=T0, actor="bench")  # fmt: skip
-    await producer.send_and_wait(s.topic_commands, value=encode(warm), key=b"warm")
-    sent["warm"] = time.perf_counter()
-    pending.add("warm")
-    while "warm" not in done:
-        await asyncio.sleep(0.05)
-    count = int(rate * seconds)
-    commands = [
-        CreateSandbox(type="CreateSandbox", command_id=f"lat-{i}", key=f"lat-{i}", spec=SPEC,
-                      occurred_at=T0, actor="bench")
-        for i in range(count)
-    ]  # fmt: skip
-    payloads = [encode(c) for c in commands]
-    begin = time.perf_counter()
-    for i, command in enumerate(commands):
-        delay = begin + i / rate - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        sent[command.command_id] = time.perf_counter()
-        pending.add(command.command_id)
-        await producer.send(s.topic_commands, value=payloads[i], key=command.key.encode())
-    await producer.flush()
-    achieved = count / (time.perf_counter() - begin)
-    deadline = time.perf_counter() + 30
-    while len(done) < len(sent) and time.perf_counter() < deadline:
-        await asyncio.sleep(0.05)
-    finished.set()
-    woken.set()
-    await collector
-    await tail
-    await kafka_reader.stop()
-    await producer.stop()
-    await listener.close()
-    await reader.close()
+    try:
+        # Warm up: wait until the processor has joined and applied a first command.
+        warm = CreateSandbox(type="CreateSandbox", command_id="warm", key="warm", spec=SPEC,
+                             occurred_at=T0, actor="bench")  # fmt: skip
+        await producer.send_and_wait(s.topic_commands, value=encode(warm), key=b"warm")
+        sent["warm"] = time.perf_counter()
+        pending.add("warm")
+        while "warm" not in done:
+            await asyncio.sleep(0.05)
+        count = int(rate * seconds)
+        commands = [
+            CreateSandbox(type="CreateSandbox", command_id=f"lat-{i}", key=f"lat-{i}", spec=SPEC,
+                          occurred_at=T0, actor="bench")
+            for i in range(count)
+        ]  # fmt: skip
+        payloads = [encode(c) for c in commands]
+        begin = time.perf_counter()
+        for i, command in enumerate(commands):
+            delay = begin + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sent[command.command_id] = time.perf_counter()
+            pending.add(command.command_id)
+            await producer.send(s.topic_commands, value=payloads[i], key=command.key.encode())
+        await producer.flush()
+        achieved = count / (time.perf_counter() - begin)
+        deadline = time.perf_counter() + 30
+        while len(done) < len(sent) and time.perf_counter() < deadline:
+            await asyncio.sleep(0.05)
+        finished.set()
+        woken.set()
+        await collector
+        await tail
+    finally:
+        # Every client stops before the caller removes the topics and their ACLs, whatever
+        # happened: one left running logs "not authorized" for each topic until it ends.
+        finished.set()
+        for task in (collector, tail):
+            task.cancel()  # (done already unless something failed)
+        await asyncio.wait([collector, tail])
+        await kafka_reader.stop()
+        await producer.stop()
+        await listener.close()
+        await reader.close()
     ms = sorted((done[c] - sent[c]) * 1000 for c in done if c != "warm")
     kafka_ms = sorted((arrived[c] - sent[c]) * 1000 for c in arrived if c in sent and c != "warm")
     q, k = statistics.quantiles(ms, n=100), statistics.quantiles(kafka_ms, n=100)
