@@ -38,6 +38,7 @@ from services.localstack.kubernetes import STORAGE_CLASS, kubeconfig_path
 START_HINT = "run `make k8s` (python -m services.localstack.kubernetes up)"
 DRIVER_STOP_TIMEOUT = 5.0
 HOLD_FINALIZER = "sandstream.test/hold"
+OWN_APISERVER = "kube-apiserver-of-test"  # an OwnApiserver's files: <this>-<owner pid>-<port>
 
 
 def cluster_kubeconfig(settings: Settings) -> Path:
@@ -232,10 +233,11 @@ async def own_apiserver(settings: Settings, directory: Path) -> AsyncIterator[Ow
     if settings.kube_config is not None:
         pytest.fail("an apiserver of its own needs the local cluster, not SANDSTREAM_KUBE_CONFIG")
     shared = shared_apiserver_pid(settings)
+    await asyncio.to_thread(stop_orphaned_apiservers, settings)
     port = free_port_run(1)
     server = OwnApiserver(
         settings.model_copy(update={"kube_apiserver_port": port}),
-        f"kube-apiserver-{port}",
+        f"{OWN_APISERVER}-{os.getpid()}-{port}",  # its owner's pid: see below
         directory / "kubeconfig",
     )
     try:
@@ -246,6 +248,15 @@ async def own_apiserver(settings: Settings, directory: Path) -> AsyncIterator[Ow
         await asyncio.to_thread(local_cluster.stop_apiserver, server.settings, server.name)
     assert server.pid() is None, f"{server.name} left running"
     assert shared is not None and shared_apiserver_pid(settings) == shared, "shared one restarted"
+
+
+def stop_orphaned_apiservers(settings: Settings) -> None:
+    """Stop the own apiservers of test runs that are gone (killed before they could stop
+    theirs), so none outlives its run for longer than until the next one starts."""
+    for pidfile in local_cluster.paths(settings).home.glob(f"{OWN_APISERVER}-*-*.pid"):
+        owner = pidfile.stem.split("-")[-2]
+        if not Path(f"/proc/{owner}").exists():
+            local_cluster.stop_apiserver(settings, pidfile.stem)
 
 
 def shared_apiserver_pid(settings: Settings) -> int | None:

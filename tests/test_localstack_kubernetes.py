@@ -4,16 +4,21 @@ test_driver_kubernetes.py and test_pipeline_kubernetes.py.)"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
-from kube_support import START_HINT, admin_client
+from kube_support import OWN_APISERVER, START_HINT, admin_client, stop_orphaned_apiservers
 
 from services.common.settings import Settings
 from services.localstack import kube_build as kb
 from services.localstack.kubernetes import (
     COMPONENTS,
+    _spawn,
     component_command,
+    live_pid,
     paths,
     render_kubeconfig,
     running,
@@ -105,3 +110,26 @@ def test_up_leaves_a_running_cluster_alone(settings: Settings) -> None:
     before = {name: p.pid(name).read_text() for name in COMPONENTS}
     assert up(settings) == p.kubeconfig
     assert {name: p.pid(name).read_text() for name in COMPONENTS} == before
+
+
+def test_an_own_apiserver_of_a_test_run_that_is_gone_is_stopped_and_no_other(
+    tmp_path: Path,
+) -> None:
+    """A test run killed before it could stop its own apiserver leaves it running; the next
+    run's stops it (by the owner's pid in its name), never one whose run is still on."""
+    settings = Settings(state_dir=tmp_path)
+    paths(settings).home.mkdir(parents=True)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    orphan, kept = f"{OWN_APISERVER}-{gone.pid}-1", f"{OWN_APISERVER}-{os.getpid()}-2"
+    stand_in = [str(shutil.which("sleep")), "600"]
+    procs = [_spawn(name, settings, stand_in) for name in (orphan, kept)]
+    try:
+        assert live_pid(settings, orphan) == procs[0].pid
+        stop_orphaned_apiservers(settings)
+        assert live_pid(settings, orphan) is None
+        assert live_pid(settings, kept) == procs[1].pid
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
