@@ -10,8 +10,10 @@ from typing import Any
 from uuid import UUID
 
 import pytest
+from asyncpg.pgproto.pgproto import UUID as PgUUID
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import AwareDatetime, TypeAdapter
 
 from projections.chain import CONTENT_FIELDS, canonical, chain_of, chain_rows, link
 from projections.store import HistoryRow
@@ -95,3 +97,18 @@ maybe_int = st.none() | st.integers(min_value=-(2**63), max_value=2**63 - 1)
 def test_the_canonical_bytes_are_those_json_dumps_writes(**content: Any) -> None:
     content["disposition"] = "applied"
     assert canonical(content) == reference_canonical(content)
+
+
+@pytest.mark.parametrize(
+    "occurred",
+    ["2026-01-01T00:00:00Z", "2026-01-01T00:00:00.5+00:00", "2026-01-01T02:00:00+02:00",
+     "2026-01-01T00:00:00-00:30"],
+)  # fmt: skip
+def test_times_and_ids_as_the_codec_decodes_them_hash_as_first_defined(occurred: str) -> None:
+    """The log's times carry pydantic-core's own tzinfo (and asyncpg's ids its own UUID type):
+    a time at offset zero is written without converting it, and must read as converted."""
+    at = TypeAdapter(AwareDatetime).validate_json(json.dumps(occurred))
+    assert type(at.tzinfo) is not type(UTC)  # not the standard library's
+    for sandbox_id in (UUID(int=7), PgUUID(str(UUID(int=7)))):
+        content = {**CHANGED, "occurred_at": at, "sandbox_id": sandbox_id, "disposition": "x"}
+        assert canonical(content) == reference_canonical(content)
