@@ -55,7 +55,8 @@ def fold(
             ident = (message.key, command_id)
             first = result.outcomes.get(ident) or outcomes.get(ident)
         if first is not None:
-            why = f"duplicate command id {command_id!r}: first outcome {first.code.value} stands"
+            # Code is a StrEnum: it formats as its value.
+            why = f"duplicate command id {command_id!r}: first outcome {first.code} stands"
             decision = Decision(state, (), "duplicate", why, first)
         else:
             decision = rules(state, message, cause, limits)

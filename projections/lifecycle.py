@@ -87,7 +87,7 @@ from events.observations import (
 )
 from events.outcomes import Code, CommandOutcome
 from events.trusted import built
-from projections.records import replaced
+from projections.records import maker, replaced
 from projections.uuids import uuid5
 
 Message = Command | Observation
@@ -97,6 +97,8 @@ _SANDBOX_NS: Final = UUID("6f1c9a52-4d3b-4a8e-9a57-0d5b1e0c7a11")
 _IDENTITY_NS: Final = UUID("0b7d3e8c-2f41-4c55-8f0e-6a2d9c4b1e22")
 _EVENT_NS: Final = UUID("9e4a1f6d-7c28-4b93-a1d5-3f8e2b6c0d33")
 
+# Phase is a StrEnum: a member formats as its value (f"{phase}" writes what phase.value is,
+# without the enum property's Python call on every reason).
 P = Phase
 
 
@@ -386,28 +388,22 @@ def event_id_for(cause: Cause, index: int = 0) -> UUID:
 
 
 _LAUNCH_PENDING: Final = (P.PROVISIONING, P.STARTING)
+_new_row = maker(Sandbox)  # every field, in order: Sandbox(...) through its slots
 
 
 def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
     if type(event) is SandboxCreated:  # the decided events are final classes
-        return Sandbox(
-            key=event.key,
-            sandbox_id=event.sandbox_id,
-            phase=P.PROVISIONING,
-            generation=event.generation,
-            version=event.version,
-            spec=event.spec,
-            providers=tuple(sorted(set(event.providers))),
-            identity=event.identity,
-            exit_code=None,
-            reason=None,
-            created_at=event.occurred_at,
-            updated_at=event.occurred_at,
-            deadline=event.deadline,
-            expires_at=event.expires_at,
-            on_expiry=event.on_expiry,
-            on_exit=event.on_exit,
-        )
+        return _new_row(
+            event.key, event.sandbox_id, P.PROVISIONING, event.generation, event.version,
+            event.spec, tuple(sorted(set(event.providers))), event.identity,
+            None,  # exit_code
+            None,  # reason
+            event.occurred_at,  # created_at
+            event.occurred_at,  # updated_at
+            event.deadline, event.expires_at, event.on_expiry, event.on_exit,
+            None,  # hold
+            {},  # awaited
+        )  # fmt: skip
     if state is None:
         raise ValueError(f"{event.type} for {event.key!r} before SandboxCreated")
     new = replaced(
@@ -562,7 +558,7 @@ def _decide_command(
     rule = admission(command.type, state.phase)
     if rule is R:
         allowed = ", ".join(p.value for p in admitting_phases(command.type))
-        why = f"sandbox must be {allowed} to {verb} (current phase: {state.phase.value})"
+        why = f"sandbox must be {allowed} to {verb} (current phase: {state.phase})"
         return _reject(state, command, Code.FAILED_PRECONDITION, why)
     if command.type in REFUSED_WHILE_HELD and state.hold is not None:
         hold = state.hold
@@ -581,7 +577,7 @@ def _decide_command(
         if attached == isinstance(command, AttachProvider):
             rule = I
     if rule is I:
-        why = f"nothing to do: sandbox {command.key!r} is {state.phase.value}"
+        why = f"nothing to do: sandbox {command.key!r} is {state.phase}"
         if isinstance(command, AttachProvider | DetachProvider):
             why = f"nothing to do: provider {command.provider!r} is already " + (
                 "attached" if isinstance(command, AttachProvider) else "detached"
@@ -617,7 +613,7 @@ def _decide_command(
             deadline = delete_deadline(state.spec, at, limits)
             event = built(SandboxDeleting, type="SandboxDeleting", **common, deadline=deadline)
         case HoldSandbox():
-            hold = Hold(by=command.actor, reason=command.reason, since=at)
+            hold = built(Hold, by=command.actor, reason=command.reason, since=at)
             event = built(SandboxHeld, type="SandboxHeld", **common, hold=hold)
         case ReleaseSandbox():
             event = built(SandboxReleased, type="SandboxReleased", **common)
@@ -635,7 +631,7 @@ def _decide_command(
         case _:
             raise AssertionError(command)
     new_state, events = _emit(state, event)
-    why = f"{command.type} accepted: sandbox {command.key!r} is {new_state.phase.value}"
+    why = f"{command.type} accepted: sandbox {command.key!r} is {new_state.phase}"
     return Decision(new_state, events, "applied", why, _outcome(command, Code.OK, why, new_state))
 
 
@@ -643,7 +639,7 @@ def _create(
     state: Sandbox | None, command: CreateSandbox, cause: Cause, limits: Limits
 ) -> Decision:
     if state is not None and not state.tombstoned:
-        why = f"sandbox {command.key!r} already exists (phase: {state.phase.value})"
+        why = f"sandbox {command.key!r} already exists (phase: {state.phase})"
         return _reject(state, command, Code.ALREADY_EXISTS, why)
     # A re-create after delete starts above the tombstone's generation, so nothing of the old
     # incarnation can ever match the new one.
@@ -730,15 +726,15 @@ def _not_current(state: Sandbox | None, generation: int, what: str) -> Decision 
 def _decide_observation(
     state: Sandbox | None, obs: Observation, cause: Cause, limits: Limits
 ) -> Decision:
-    what = f"{obs.type}({observation_kind(obs)}) of generation {obs.generation}"
+    kind = observation_kind(obs)
+    what = f"{obs.type}({kind}) of generation {obs.generation}"
     if (not_current := _not_current(state, obs.generation, what)) is not None:
         return not_current
     assert state is not None  # _not_current answered for a missing row
 
-    kind = observation_kind(obs)
     target = OBSERVATION_TABLE[state.phase].get(kind)
     if target is None:
-        return _ignore(state, f"no effect in phase {state.phase.value}: {what}")
+        return _ignore(state, f"no effect in phase {state.phase}: {what}")
     if state.awaited and kind == "running":
         return _ignore(state, f"{what}: awaiting the launch's report of the values it read")
     event = _observation_event(state, obs, kind, target, _common(state, obs, cause))
@@ -747,7 +743,7 @@ def _decide_observation(
         assert isinstance(obs, DriverOperationResult)
         new_state, events = _restart_if_stale(state, new_state, events, obs, cause, limits)
     new_state, events = _on_exit(new_state, events, obs, cause, limits)
-    why = f"{what}: {state.phase.value} -> {new_state.phase.value}"
+    why = f"{what}: {state.phase} -> {new_state.phase}"
     return Decision(new_state, events, "applied", why)
 
 
@@ -904,10 +900,14 @@ def _after(at: datetime, seconds: float) -> datetime:
     return at + timedelta(seconds=seconds)
 
 
+# The deadlines are built without validation: an aware time (the message's, plus seconds), a
+# kind of the literal and a count from zero are what validation would accept unchanged.
+
+
 def launch_deadline(at: datetime, limits: Limits) -> Deadline | None:
     if limits.launch_seconds is None:
         return None
-    return Deadline(kind="launch", due_at=_after(at, limits.launch_seconds))
+    return built(Deadline, kind="launch", due_at=_after(at, limits.launch_seconds))
 
 
 def stop_deadline(spec: SandboxSpec, at: datetime, limits: Limits) -> Deadline | None:
@@ -917,7 +917,7 @@ def stop_deadline(spec: SandboxSpec, at: datetime, limits: Limits) -> Deadline |
     grace = limits.stop_grace_seconds
     if spec.stop_timeout_seconds is not None:
         grace = spec.stop_timeout_seconds
-    return Deadline(kind="stop", due_at=_after(at, grace + limits.stop_margin_seconds))
+    return built(Deadline, kind="stop", due_at=_after(at, grace + limits.stop_margin_seconds))
 
 
 def delete_deadline(
@@ -930,7 +930,7 @@ def delete_deadline(
     if spec.stop_timeout_seconds is not None:
         grace = spec.stop_timeout_seconds
     wait = min(limits.delete_seconds * 2**attempt, limits.delete_backoff_max_seconds)
-    return Deadline(kind="delete", due_at=_after(at, grace + wait), attempt=attempt)
+    return built(Deadline, kind="delete", due_at=_after(at, grace + wait), attempt=attempt)
 
 
 def _then(
@@ -1028,5 +1028,5 @@ def _decide_deadline(
                 )
         new_state, events = _emit(state, event)
         new_state, events = _on_exit(new_state, events, due, cause, limits)
-    why = f"{what}: {state.phase.value} -> {new_state.phase.value} ({events[0].type})"
+    why = f"{what}: {state.phase} -> {new_state.phase} ({events[0].type})"
     return Decision(new_state, events, "applied", why)

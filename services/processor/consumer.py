@@ -54,6 +54,7 @@ from events.topics import partition_for
 from projections.chain import ChainId, Chains, HistoryContent, chain_of
 from projections.fold import BatchResult, fold
 from projections.lifecycle import Message, Sandbox
+from projections.records import maker
 from projections.stopped import record_stop, stopped_partitions
 from projections.store import (
     CONNECTION_ERRORS,
@@ -181,13 +182,13 @@ def plan_batch(
         d = step.decision
         state = d.state
         for event in d.events:
-            outbox.append(OutboxRecord(p, events_topic, event.key.encode(), encode(event)))
+            outbox.append(_outbox_record(p, events_topic, event.key.encode(), encode(event)))
         if d.events and state is not None:
             changed[state.key] = (p, state)
         message = step.message
         content: HistoryContent = (
             message.key, record.topic, p, record.offset, message.type, step.cause.command_id,
-            d.disposition, d.reason, state.phase.value if state else None,
+            d.disposition, d.reason, str(state.phase) if state else None,  # a StrEnum's value
             state.generation if state else None, state.version if state else None,
             [e.type for e in d.events],
             record.value.decode() if record.value is not None else None,
@@ -208,12 +209,17 @@ def plan_batch(
     )
 
 
+# One history row per input and an outbox record per event: built through their slots.
+_history_entry = maker(HistoryRow)
+_outbox_record = maker(OutboxRecord)
+
+
 def _history_row(content: HistoryContent, chains: Chains | None) -> HistoryRow:
     """A history row from its content (HistoryRow's first fields, in CONTENT_FIELDS order),
     linked onto its chain when ``chains`` is given."""
     if chains is None:
-        return HistoryRow(*content)
-    return HistoryRow(*content, *chains.linked(content))
+        return _history_entry(*content, None, None)
+    return _history_entry(*content, *chains.linked(content))
 
 
 def history_key(item: Parsed | Rejected) -> str | None:
