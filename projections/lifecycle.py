@@ -86,7 +86,7 @@ from events.observations import (
     RuntimeSnapshot,
 )
 from events.outcomes import Code, CommandOutcome
-from events.trusted import built
+from events.trusted import builder, built
 from projections.records import maker, replaced
 from projections.uuids import uuid5
 
@@ -517,21 +517,21 @@ def _common(
 
 
 def _outcome(command: Command, code: Code, message: str, state: Sandbox | None) -> CommandOutcome:
-    live = state
-    return built(
-        CommandOutcome,
-        command_id=command.command_id,
-        key=command.key,
-        command_type=command.type,
-        status="accepted" if code is Code.OK else "rejected",
-        code=code,
-        message=message,
-        sandbox_id=live.sandbox_id if live else None,
-        phase=live.phase if live else None,
-        generation=live.generation if live else None,
-        version=live.version if live else None,
-        identity=live.identity if live else None,
-    )
+    status = "accepted" if code is Code.OK else "rejected"
+    if state is None:
+        return _new_outcome(command.command_id, command.key, command.type, status, code, message,
+                            None, None, None, None, None)  # fmt: skip
+    return _new_outcome(
+        command.command_id, command.key, command.type, status, code, message, state.sandbox_id,
+        state.phase, state.generation, state.version, state.identity,
+    )  # fmt: skip
+
+
+# Every command's outcome, from its validated command and the row: ``built`` positionally.
+_new_outcome = builder(
+    CommandOutcome, "command_id", "key", "command_type", "status", "code", "message",
+    "sandbox_id", "phase", "generation", "version", "identity",
+)  # fmt: skip
 
 
 def _reject(state: Sandbox | None, command: Command, code: Code, why: str) -> Decision:
@@ -902,12 +902,14 @@ def _after(at: datetime, seconds: float) -> datetime:
 
 # The deadlines are built without validation: an aware time (the message's, plus seconds), a
 # kind of the literal and a count from zero are what validation would accept unchanged.
+_deadline = builder(Deadline, "kind", "due_at")
+_counted_deadline = builder(Deadline, "kind", "due_at", "attempt")
 
 
 def launch_deadline(at: datetime, limits: Limits) -> Deadline | None:
     if limits.launch_seconds is None:
         return None
-    return built(Deadline, kind="launch", due_at=_after(at, limits.launch_seconds))
+    return _deadline("launch", _after(at, limits.launch_seconds))
 
 
 def stop_deadline(spec: SandboxSpec, at: datetime, limits: Limits) -> Deadline | None:
@@ -917,7 +919,7 @@ def stop_deadline(spec: SandboxSpec, at: datetime, limits: Limits) -> Deadline |
     grace = limits.stop_grace_seconds
     if spec.stop_timeout_seconds is not None:
         grace = spec.stop_timeout_seconds
-    return built(Deadline, kind="stop", due_at=_after(at, grace + limits.stop_margin_seconds))
+    return _deadline("stop", _after(at, grace + limits.stop_margin_seconds))
 
 
 def delete_deadline(
@@ -930,7 +932,7 @@ def delete_deadline(
     if spec.stop_timeout_seconds is not None:
         grace = spec.stop_timeout_seconds
     wait = min(limits.delete_seconds * 2**attempt, limits.delete_backoff_max_seconds)
-    return built(Deadline, kind="delete", due_at=_after(at, grace + wait), attempt=attempt)
+    return _counted_deadline("delete", _after(at, grace + wait), attempt)
 
 
 def _then(

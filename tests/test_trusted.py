@@ -9,10 +9,10 @@ import factories as f
 import pytest
 from pydantic import BaseModel, Field
 
-from events.common import Cause, Deadline, Strict
+from events.common import Cause, Deadline, Phase, Strict
 from events.decided import AgentRestartSkipped, DecidedEvent, SandboxCreated, SandboxReady
 from events.outcomes import Code, CommandOutcome
-from events.trusted import built
+from events.trusted import builder, built
 from projections.lifecycle import _CHANGES
 
 CAUSE = Cause(topic="t", partition=0, offset=7, message_type="CreateSandbox", command_id="c-1")
@@ -95,3 +95,44 @@ def test_every_decided_event_but_the_creation_has_its_row_changes() -> None:
     """evolve looks an event's changes up by its type: none may be missing."""
     (union, _) = get_args(DecidedEvent)
     assert set(get_args(union)) - {SandboxCreated} == set(_CHANGES)
+
+
+@pytest.mark.parametrize(
+    ("cls", "values"),
+    [
+        (Cause, {"topic": "t", "partition": 0, "offset": 7, "message_type": "RuntimeSnapshot",
+                 "command_id": None}),
+        (Deadline, {"kind": "launch", "due_at": f.at(300)}),
+        (Deadline, {"kind": "delete", "due_at": f.at(300), "attempt": 2}),
+        (CommandOutcome, {"command_id": "c-1", "key": "sbx-1", "command_type": "StopSandbox",
+                          "status": "accepted", "code": Code.OK, "message": "ok",
+                          "sandbox_id": uuid.UUID(int=2), "phase": Phase.STOPPING,
+                          "generation": 1, "version": 3, "identity": "rid-1"}),
+        # A field left to its factory gets a fresh value each time.
+        (AgentRestartSkipped, {"type": "AgentRestartSkipped", **COMMON, "providers": ["gh"],
+                               "reason": "held"}),
+    ],
+)  # fmt: skip
+def test_a_builder_builds_what_validation_builds(
+    cls: type[BaseModel], values: dict[str, Any]
+) -> None:
+    build = builder(cls, *values)
+    ours, again, validated = build(*values.values()), build(*values.values()), cls(**values)
+    assert ours == validated == built(cls, **values)
+    assert ours.model_fields_set == validated.model_fields_set == set(values)
+    assert list(ours.__dict__) == list(validated.__dict__) == list(cls.model_fields)
+    assert ours.model_dump_json() == validated.model_dump_json()
+    f.assert_as_validated(ours)
+    if isinstance(ours, AgentRestartSkipped) and isinstance(again, AgentRestartSkipped):
+        assert ours.awaits is not again.awaits
+
+
+def test_a_builder_refuses_unknown_missing_and_repeated_fields() -> None:
+    with pytest.raises(TypeError, match=r"unknown fields \['colour'\]"):
+        builder(Deadline, "kind", "due_at", "colour")
+    with pytest.raises(TypeError, match=r"missing \['due_at'\]"):
+        builder(Deadline, "kind")
+    with pytest.raises(TypeError, match="named twice"):
+        builder(Deadline, "kind", "due_at", "kind")
+    with pytest.raises(TypeError, match="extra='forbid'"):
+        builder(BaseModel)

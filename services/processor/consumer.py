@@ -51,6 +51,7 @@ from events.commands import CommandBase
 from events.common import Cause
 from events.deadletter import DeadLetter, SourceRecord
 from events.topics import partition_for
+from events.trusted import builder
 from projections.chain import ChainId, Chains, HistoryContent, chain_of
 from projections.fold import BatchResult, fold
 from projections.lifecycle import Message, Sandbox
@@ -129,14 +130,14 @@ def parse(
             f"partition {expected} of {partitions} (Kafka's default partitioner: "
             "murmur2(key) & 0x7fffffff % partitions; see docs/architecture.md)",
         )
-    cause = Cause(
-        topic=record.topic,
-        partition=record.partition,
-        offset=record.offset,
-        message_type=message.type,
-        command_id=message.command_id if isinstance(message, CommandBase) else None,
-    )
+    command_id = message.command_id if isinstance(message, CommandBase) else None
+    cause = _cause(record.topic, record.partition, record.offset, message.type, command_id)
     return Parsed(record, cause, message)
+
+
+# A record's coordinates and its message's type and command id (validated with the message),
+# as Cause(...) would build them.
+_cause = builder(Cause, "topic", "partition", "offset", "message_type", "command_id")
 
 
 def merge_topics(
