@@ -24,8 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import Enum
-from typing import Any, Final, Literal, assert_never
+from typing import Any, Final, Literal, TypeVar, assert_never
 from uuid import UUID
+
+from pydantic import BaseModel
 
 from events.commands import (
     AttachProvider,
@@ -501,9 +503,16 @@ def _emit(state: Sandbox | None, event: DecidedEvent) -> tuple[Sandbox, tuple[De
     return evolve(state, event), (event,)
 
 
+# The fields every decided event has, in the order ``_common`` gives them.
+COMMON_FIELDS: Final = (
+    "event_id", "key", "sandbox_id", "version", "generation", "occurred_at", "actor", "cause",
+)  # fmt: skip
+
+
 def _common(
     state: Sandbox, message: Message, cause: Cause, generation: int | None = None, index: int = 0
 ) -> dict:  # type: ignore[type-arg]
+    """The values of COMMON_FIELDS, in that order, for an event decided on ``message``."""
     return {
         "event_id": event_id_for(cause, index),
         "key": state.key,
@@ -514,6 +523,24 @@ def _common(
         "actor": message.actor,
         "cause": cause,
     }
+
+
+E = TypeVar("E", bound=BaseModel)
+# The events decided most often, built positionally (``events.trusted.builder``): their type,
+# COMMON_FIELDS, then the fields after the colon.
+_EVENTS: Final[dict[type[BaseModel], Callable[..., Any]]] = {
+    cls: builder(cls, "type", *COMMON_FIELDS, *extra)
+    for cls, extra in (
+        (SandboxReady, ()), (SandboxStopped, ()), (SandboxDeleted, ()), (SandboxReleased, ()),
+        (SandboxStopEscalated, ()), (SandboxStopping, ("deadline",)),
+        (SandboxDeleting, ("deadline",)),
+    )
+}  # fmt: skip
+
+
+def _event(cls: type[E], common: dict[str, Any], *extra: Any) -> E:
+    """``built(cls, type=<its name>, **common, <the extra fields>=extra)`` for ``_EVENTS``."""
+    return _EVENTS[cls](cls.__name__, *common.values(), *extra)  # type: ignore[no-any-return]
 
 
 def _outcome(command: Command, code: Code, message: str, state: Sandbox | None) -> CommandOutcome:
@@ -608,15 +635,15 @@ def _decide_command(
             )
         case StopSandbox():
             deadline = stop_deadline(state.spec, at, limits)
-            event = built(SandboxStopping, type="SandboxStopping", **common, deadline=deadline)
+            event = _event(SandboxStopping, common, deadline)
         case DeleteSandbox():
             deadline = delete_deadline(state.spec, at, limits)
-            event = built(SandboxDeleting, type="SandboxDeleting", **common, deadline=deadline)
+            event = _event(SandboxDeleting, common, deadline)
         case HoldSandbox():
             hold = built(Hold, by=command.actor, reason=command.reason, since=at)
             event = built(SandboxHeld, type="SandboxHeld", **common, hold=hold)
         case ReleaseSandbox():
-            event = built(SandboxReleased, type="SandboxReleased", **common)
+            event = _event(SandboxReleased, common)
         case ExtendSandbox():
             expires_at = at + timedelta(seconds=command.ttl_seconds)
             event = built(SandboxExtended, type="SandboxExtended", **common, expires_at=expires_at)
@@ -819,7 +846,7 @@ def _observation_event(
         if phase is P.DELETED and obs.operation != "delete":
             phase = P.STOPPED  # a stop that finds nothing left has stopped it
         if phase is P.DELETED:
-            return built(SandboxDeleted, type="SandboxDeleted", **common)
+            return _event(SandboxDeleted, common)
         return built(
             SandboxOperationFailed,
             type="SandboxOperationFailed",
@@ -831,15 +858,15 @@ def _observation_event(
         )
     match target:
         case P.READY:
-            return built(SandboxReady, type="SandboxReady", **common)
+            return _event(SandboxReady, common)
         case P.STOPPED:
-            return built(SandboxStopped, type="SandboxStopped", **common)
+            return _event(SandboxStopped, common)
         case P.COMPLETED:
             return built(
                 SandboxCompleted, type="SandboxCompleted", **common, exit_code=exit_code or 0
             )
         case P.DELETED:
-            return built(SandboxDeleted, type="SandboxDeleted", **common)
+            return _event(SandboxDeleted, common)
         case P.ERROR if (
             kind == "launch_failed"
             and state.phase is P.STARTING
@@ -960,7 +987,7 @@ def _delete_now(
         events,
         message,
         cause,
-        lambda c: built(SandboxDeleting, type="SandboxDeleting", **c, deadline=deadline),
+        lambda c: _event(SandboxDeleting, c, deadline),
     )
 
 
@@ -1007,7 +1034,7 @@ def _decide_deadline(
                 events,
                 due,
                 cause,
-                lambda c: built(SandboxStopping, type="SandboxStopping", **c, deadline=deadline),
+                lambda c: _event(SandboxStopping, c, deadline),
             )
     else:
         pending = state.deadline
@@ -1021,7 +1048,7 @@ def _decide_deadline(
                     SandboxTimedOut, type="SandboxTimedOut", **common, reason=PROVISIONING_TIMEOUT
                 )
             case "stop":
-                event = built(SandboxStopEscalated, type="SandboxStopEscalated", **common)
+                event = _event(SandboxStopEscalated, common)
             case "delete":
                 again = delete_deadline(state.spec, at, limits, pending.attempt + 1)
                 assert again is not None  # pending exists, so delete deadlines are on
