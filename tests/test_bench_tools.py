@@ -18,8 +18,10 @@ from services.bench import processor as bench_processor
 from services.bench.fold import decoded_log, fold_cpu
 from services.bench.processor import lifecycle_messages, produce_all
 from services.bench.rebuild import copies, rebuild_figures, template_events
+from services.bench.stages import consumer_records, stages_cpu
 from services.common.settings import Settings
 from services.localstack.isolation import isolated
+from services.processor.consumer import Parsed, parse
 
 
 async def test_ceiling_records_every_input_once_with_consecutive_versions(
@@ -129,3 +131,16 @@ async def test_the_latency_run_stops_its_kafka_clients_before_its_topics_go_even
             await bench_processor._paced_commands(s, rate=10, seconds=1)
         assert len(made) == 2
         assert all(client._closed for client in made)
+
+
+def test_the_stages_bench_parses_decides_and_plans_every_input_of_the_log() -> None:
+    """The parse/decide/plan figure is of the processor's own functions on the bench's log:
+    every record is on its key's partition and parses (none is dead-lettered), and each of the
+    three stages is timed."""
+    settings = Settings()
+    records = consumer_records(settings, 3)
+    assert len(records) == 12
+    items = [parse(r, settings.topic_commands, settings.kafka_partitions) for r in records]
+    assert all(isinstance(i, Parsed) for i in items)
+    figures = stages_cpu(settings, records)
+    assert set(figures) == {"parse", "decide", "plan"} and all(v > 0 for v in figures.values())

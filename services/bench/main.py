@@ -1,5 +1,5 @@
-"""``python -m services.bench [all|processor|scaleout|rebuild|profile|fold|drivers] [--quick]``:
-the benchmarks, each printed beside its same-run reference (see docs/benchmarks.md)."""
+"""``python -m services.bench [all|processor|scaleout|rebuild|profile|fold|stages|drivers]
+[--quick]``: the benchmarks, each printed beside its same-run reference (see docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from services.bench.processor import latency, throughput
 from services.bench.profile import profile
 from services.bench.rebuild import rebuild_figures
 from services.bench.scaleout import two_processors
+from services.bench.stages import stage_figures
 from services.common.settings import Settings
 from services.processor.gc_thresholds import collect_less_often
 
@@ -31,6 +32,8 @@ async def run(which: str, quick: bool) -> None:
         await rebuild_figures(settings, 25_000 if quick else 250_000)
     if which == "fold":
         fold_figures(keys, runs=7)
+    if which == "stages":
+        stage_figures(settings, keys, runs=7)
     if which == "profile":
         await profile(settings, keys, settings.state_dir / "bench" / "processor.prof")
     if which in ("all", "drivers"):
@@ -44,7 +47,7 @@ def main() -> None:
         "which",
         nargs="?",
         default="all",
-        choices=["all", "processor", "scaleout", "rebuild", "profile", "fold", "drivers"],
+        choices=["all", "processor", "scaleout", "rebuild", "profile", "fold", "stages", "drivers"],
     )
     parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke check")
     args = parser.parse_args()
