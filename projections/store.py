@@ -447,13 +447,15 @@ def _history_row(h: HistoryRow) -> tuple[Any, ...]:
 
 def _json(rows: list[Any]) -> str:
     """The JSON text of a json parameter. orjson writes UUIDs and aware datetimes (RFC 3339,
-    with their offset: the same instant back) itself; bytes go as PostgreSQL's hex bytea."""
-    return orjson.dumps(rows, default=_bytea_hex).decode()
+    with their offset: the same instant back) itself; the rest goes through _to_json."""
+    return orjson.dumps(rows, default=_to_json).decode()
 
 
-def _bytea_hex(value: Any) -> str:
+def _to_json(value: Any) -> str:
     if isinstance(value, bytes):
-        return "\\x" + value.hex()
+        return "\\x" + value.hex()  # PostgreSQL's hex form of a bytea
+    if isinstance(value, UUID):  # asyncpg's own UUID type (rows read back), not uuid.UUID
+        return str(value)
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 

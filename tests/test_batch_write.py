@@ -8,7 +8,7 @@ import json
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
-from uuid import uuid4
+from uuid import UUID, uuid4
 
 import asyncpg
 import factories as f
@@ -282,9 +282,13 @@ async def test_every_value_type_round_trips_exactly_through_the_write() -> None:
                 message = await conn.fetchval("SELECT message::text FROM history WHERE id = "
                                               "(SELECT min(id) FROM history)")  # fmt: skip
                 assert message == history[0].message
+                # A row read back raw carries asyncpg's own UUID type: written back as well.
+                raw_id = await conn.fetchval("SELECT sandbox_id FROM sandboxes")
+                assert type(raw_id) is not UUID
                 second = BatchWrite(
-                    [(0, updated)], [], [], [], {("in", 0): (2, 3)}, {created.key: 1}
-                )
+                    [(0, replace(updated, sandbox_id=raw_id))], [], [], [],
+                    {("in", 0): (2, 3)}, {created.key: 1},
+                )  # fmt: skip
                 await write_batch(conn, second, copy_above=INLINE if inline else COPY)
                 read = await read_batch(conn, [("in", 0)], [created.key], [])
                 assert read.sandboxes == {created.key: updated}
