@@ -254,7 +254,7 @@ def _columns(rows: Sequence[tuple[Any, ...]], width: int) -> list[list[Any]]:
 # CTEs, one per table. A large one moves its history and outbox rows by binary COPY instead
 # (see write_batch).
 #
-# Sandbox and history rows travel as one JSON array of arrays each (_json_rows), read by
+# Sandbox and history rows travel as one JSON array of arrays each (_json), read by
 # position on the server; outcomes as a JSON array of the outcome documents, whose fields the
 # server reads out. asyncpg checks every element of an array parameter against
 # collections.abc in Python before it encodes it, which cost the processor more CPU than the
