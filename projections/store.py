@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias
 from uuid import UUID
 
 import asyncpg
+import orjson
+from pydantic import TypeAdapter
 
 from events.common import Deadline, Hold, Phase, SandboxSpec
 from events.outcomes import CommandOutcome
@@ -235,16 +237,33 @@ class OffsetsMoved(Exception):
     batch was decided on stale rows and nothing of it was written."""
 
 
+HISTORY_COLUMNS: Final = (
+    "key", "topic", "partition", "offset", "message_type", "command_id", "disposition", "reason",
+    "phase", "generation", "version", "event_types", "message", "occurred_at", "sandbox_id",
+    "prev_hash", "entry_hash",
+)  # fmt: skip
+OUTBOX_COLUMNS: Final = ("id", "partition", "topic", "key", "value")
+
+
 def _columns(rows: Sequence[tuple[Any, ...]], width: int) -> list[list[Any]]:
     """Row tuples as one list per column, for ``unnest`` (one round trip for any row count)."""
     return [list(c) for c in zip(*rows, strict=True)] if rows else [[] for _ in range(width)]
 
 
 # A small batch is one statement, so one round trip and one implicit transaction: data-modifying
-# CTEs, one per table, each inserting from unnest() of column arrays. A large one moves its
-# history and outbox rows by binary COPY instead (see write_batch).
-# Multi-valued columns (provider names, event types: neither can contain a comma) travel
-# comma-joined, because unnest() cannot take ragged 2-D arrays.
+# CTEs, one per table. A large one moves its history and outbox rows by binary COPY instead
+# (see write_batch).
+#
+# Sandbox and history rows travel as one JSON array of arrays each (_json), read by
+# position on the server; outcomes as a JSON array of the outcome documents, whose fields the
+# server reads out. asyncpg checks every element of an array parameter against
+# collections.abc in Python before it encodes it, which cost the processor more CPU than the
+# rest of the write; orjson writes a table in one C call, and reading it by position costs the
+# server no more than decoding the arrays did (docs/benchmarks.md). A bytea travels as a
+# "\x..." hex string, a history message as a JSON string cast back to json (its text kept).
+# The outbox keeps bytea arrays: its values are large, and hex in JSON costs the server more
+# than the arrays cost the client. Multi-valued columns (provider names, event types: neither
+# can contain a comma) travel comma-joined, as they always have.
 #
 # `moved` runs first (every other CTE waits for `fence`): it moves each offset only if it still
 # is the value the batch was read at, taking the offset row locks, so writers of one partition
@@ -264,53 +283,60 @@ WITH moved AS (
     RETURNING 1
 ), fence AS (
     SELECT offsets_fence((SELECT count(*) FROM moved), cardinality($1::text[])) AS ok
+), decided_rows AS (
+    -- The positions _sandbox_row writes; base: the stored version it was decided from.
+    SELECT r->>0 AS key, (r->>1)::uuid AS sandbox_id, r->>2 AS phase,
+           (r->>3)::int AS generation, (r->>4)::bigint AS version,
+           string_to_array(r->>5, ',') AS providers, r->>6 AS identity,
+           (r->>7)::int AS exit_code, r->>8 AS reason, (r->>9)::timestamptz AS created_at,
+           (r->>10)::timestamptz AS updated_at, (r->>11)::int AS partition,
+           (r->>12)::timestamptz AS expires_at, r->>13 AS on_expiry, r->>14 AS on_exit,
+           (r->>15)::bigint AS base, r->16 AS spec, nullif(r->17, 'null') AS deadline,
+           nullif(r->18, 'null') AS hold, r->19 AS awaited
+    FROM jsonb_array_elements($5::jsonb) AS r
+    WHERE (SELECT ok FROM fence)
 ), inserted AS (
     -- New rows (decided from no stored row): one that exists by now is not overwritten.
     INSERT INTO sandboxes ({SANDBOX_COLUMNS}, partition, change_seq, deadline_at)
-    SELECT k, i, ph, g, v, sp, string_to_array(pr, ','), id, ec, r, ca, ua, dl, ea, oe, ox, hd,
-           aw, pa, nextval('sandbox_changes'), (dl->>'due_at')::timestamptz
-    FROM unnest($5::text[], $6::uuid[], $7::text[], $8::int[], $9::bigint[], $10::jsonb[],
-                $11::text[], $12::text[], $13::int[], $14::text[], $15::timestamptz[],
-                $16::timestamptz[], $17::int[], $47::jsonb[], $48::timestamptz[], $49::text[],
-                $50::text[], $51::jsonb[], $52::bigint[], $53::jsonb[])
-         AS u(k, i, ph, g, v, sp, pr, id, ec, r, ca, ua, pa, dl, ea, oe, ox, hd, b, aw)
-    WHERE (SELECT ok FROM fence) AND b IS NULL
+    SELECT {SANDBOX_COLUMNS}, partition, nextval('sandbox_changes'),
+           (deadline->>'due_at')::timestamptz
+    FROM decided_rows WHERE base IS NULL
     ON CONFLICT (key) DO NOTHING
     RETURNING 1
 ), updated AS (
     -- Stored rows, only at the version they were decided from (re-checked after a row lock).
-    UPDATE sandboxes s SET sandbox_id = u.i, phase = u.ph, generation = u.g, version = u.v,
-        spec = u.sp, providers = string_to_array(u.pr, ','), identity = u.id,
-        exit_code = u.ec, reason = u.r, created_at = u.ca, updated_at = u.ua,
-        partition = u.pa, change_seq = nextval('sandbox_changes'),
-        deadline = u.dl, deadline_at = (u.dl->>'due_at')::timestamptz, expires_at = u.ea,
-        on_expiry = u.oe, on_exit = u.ox, hold = u.hd, awaited = u.aw
-    FROM unnest($5::text[], $6::uuid[], $7::text[], $8::int[], $9::bigint[], $10::jsonb[],
-                $11::text[], $12::text[], $13::int[], $14::text[], $15::timestamptz[],
-                $16::timestamptz[], $17::int[], $47::jsonb[], $48::timestamptz[], $49::text[],
-                $50::text[], $51::jsonb[], $52::bigint[], $53::jsonb[])
-         AS u(k, i, ph, g, v, sp, pr, id, ec, r, ca, ua, pa, dl, ea, oe, ox, hd, b, aw)
-    WHERE (SELECT ok FROM fence) AND u.b IS NOT NULL AND s.key = u.k AND s.version = u.b
+    UPDATE sandboxes s SET sandbox_id = u.sandbox_id, phase = u.phase,
+        generation = u.generation, version = u.version, spec = u.spec,
+        providers = u.providers, identity = u.identity, exit_code = u.exit_code,
+        reason = u.reason, created_at = u.created_at, updated_at = u.updated_at,
+        partition = u.partition, change_seq = nextval('sandbox_changes'),
+        deadline = u.deadline, deadline_at = (u.deadline->>'due_at')::timestamptz,
+        expires_at = u.expires_at, on_expiry = u.on_expiry, on_exit = u.on_exit,
+        hold = u.hold, awaited = u.awaited
+    FROM decided_rows u
+    WHERE u.base IS NOT NULL AND s.key = u.key AND s.version = u.base
     RETURNING 1
 ), recorded AS (
+    -- The positions _history_row writes.
     INSERT INTO history (key, topic, partition, "offset", message_type, command_id,
-                         disposition, reason, phase, generation, version, event_types, message,
-                         occurred_at, sandbox_id, prev_hash, entry_hash)
-    SELECT k, t, p, o, mt, c, d, r, ph, g, v, string_to_array(e, ','), m, oa, si, hp, he
-    FROM unnest($18::text[], $19::text[], $20::int[], $21::bigint[], $22::text[], $23::text[],
-                $24::text[], $25::text[], $26::text[], $27::int[], $28::bigint[], $29::text[],
-                $30::json[], $31::timestamptz[], $44::uuid[], $45::bytea[], $46::bytea[])
-         AS u(k, t, p, o, mt, c, d, r, ph, g, v, e, m, oa, si, hp, he)
+                         disposition, reason, phase, generation, version, event_types,
+                         occurred_at, sandbox_id, prev_hash, entry_hash, message)
+    SELECT r->>0, r->>1, (r->>2)::int, (r->>3)::bigint, r->>4, r->>5, r->>6, r->>7, r->>8,
+           (r->>9)::int, (r->>10)::bigint, string_to_array(r->>11, ','),
+           (r->>12)::timestamptz, (r->>13)::uuid, (r->>14)::bytea, (r->>15)::bytea,
+           (r->>16)::json
+    FROM jsonb_array_elements($6::jsonb) AS r
     WHERE (SELECT ok FROM fence)
 ), decided AS (
     INSERT INTO command_outcomes (command_id, key, command_type, status, code, message, outcome)
-    SELECT * FROM unnest($32::text[], $33::text[], $34::text[], $35::text[], $36::text[],
-                         $37::text[], $38::jsonb[])
+    SELECT o->>'command_id', o->>'key', o->>'command_type', o->>'status', o->>'code',
+           o->>'message', o
+    FROM jsonb_array_elements($7::jsonb) AS o
     WHERE (SELECT ok FROM fence)
     ON CONFLICT DO NOTHING
 ), queued AS (
     INSERT INTO outbox (partition, topic, key, value)
-    SELECT p, t, k, v FROM unnest($39::int[], $40::text[], $41::bytea[], $42::bytea[])
+    SELECT p, t, k, v FROM unnest($8::int[], $9::text[], $10::bytea[], $11::bytea[])
          WITH ORDINALITY AS u(p, t, k, v, n)
     WHERE (SELECT ok FROM fence)
     ORDER BY n
@@ -318,29 +344,23 @@ WITH moved AS (
 ), reserved AS (
     -- Ids for outbox records the caller copies in after this statement, in the same
     -- transaction (taken under the offset locks, so they too grow in commit order).
-    SELECT nextval('outbox_id_seq') AS id FROM generate_series(1, $54::int)
+    SELECT nextval('outbox_id_seq') AS id FROM generate_series(1, $12::int)
     WHERE (SELECT ok FROM fence)
 )
 SELECT ARRAY(SELECT id FROM queued ORDER BY id) || ARRAY(SELECT id FROM reserved ORDER BY id)
-       AS ids, pg_notify($43, ''),
+       AS ids, pg_notify($13, ''),
        rows_fence((SELECT count(*) FROM inserted) + (SELECT count(*) FROM updated),
-                  cardinality($5::text[]))
+                  jsonb_array_length($5::jsonb))
 """
 
 
 # Above this many history and outbox rows a batch copies them in (binary COPY, PostgreSQL's
-# bulk insert path: about half the server's cost of inserting them from arrays) in a
+# bulk insert path: about half the server's cost of inserting them from arrays; the history
+# from the statement's JSON instead saved the client less than it cost the server) in a
 # transaction around the statement. Smaller batches, such as a processor catching up with a
 # steady rate of commands writes, keep the single round trip: the transaction and the COPYs
 # add six, which lengthened the latency tail in paired runs.
 COPY_ABOVE: Final = 500
-
-HISTORY_COLUMNS: Final = (
-    "key", "topic", "partition", "offset", "message_type", "command_id", "disposition", "reason",
-    "phase", "generation", "version", "event_types", "message", "occurred_at", "sandbox_id",
-    "prev_hash", "entry_hash",
-)  # fmt: skip
-OUTBOX_COLUMNS: Final = ("id", "partition", "topic", "key", "value")
 
 
 async def write_batch(
@@ -385,48 +405,59 @@ def _history_tuples(history: Sequence[HistoryRow]) -> list[tuple[Any, ...]]:
     ]  # fmt: skip
 
 
+_OUTCOMES: Final = TypeAdapter(list[CommandOutcome])
+
+
 async def _write_statement(conn: Connection, batch: BatchWrite, *, inline: bool) -> list[int]:
     """The batch's statement; with ``inline`` false, its history and outbox are left out and
     as many outbox ids as it has records are reserved for the caller to copy them in with."""
-    sandboxes = [
-        (s.key, s.sandbox_id, s.phase.value, s.generation, s.version, s.spec.model_dump_json(),
-         ",".join(s.providers), s.identity, s.exit_code, s.reason, s.created_at,
-         s.updated_at, partition)
-        for partition, s in batch.sandboxes
-    ]  # fmt: skip
-    timers = [
-        (s.deadline.model_dump_json() if s.deadline else None, s.expires_at, s.on_expiry,
-         s.on_exit, s.hold.model_dump_json() if s.hold else None)
-        for _, s in batch.sandboxes
-    ]  # fmt: skip
-    history = [
-        (*h[:11], ",".join(h[11]), *h[12:])
-        for h in _history_tuples(batch.history if inline else ())
-    ]
-    outcomes = [
-        (o.command_id, o.key, o.command_type, o.status, o.code.value, o.message,
-         o.model_dump_json())
-        for o in batch.outcomes
-    ]  # fmt: skip
-    outbox = [(o.partition, o.topic, o.key, o.value) for o in batch.outbox] if inline else []
     offsets = [(t, p, e, n) for (t, p), (e, n) in sorted(batch.offsets.items())]
-    history_columns = _columns(history, 17)  # the incarnation and hashes go last ($44-$46)
-    bases = [batch.decided_from.get(s.key) for _, s in batch.sandboxes]
+    outbox = [(o.partition, o.topic, o.key, o.value) for o in batch.outbox] if inline else []
     ids = await conn.fetchval(
         _WRITE_BATCH,
         *_columns(offsets, 4),
-        *_columns(sandboxes, 13),
-        *history_columns[:14],
-        *_columns(outcomes, 7),
+        _json([_sandbox_row(p, s, batch.decided_from.get(s.key)) for p, s in batch.sandboxes]),
+        _json([_history_row(h) for h in batch.history] if inline else []),
+        _OUTCOMES.dump_json(list(batch.outcomes)).decode(),  # one pydantic call for all
         *_columns(outbox, 4),
+        0 if inline else len(batch.outbox),  # outbox ids to reserve
         CHANGES_CHANNEL,
-        *history_columns[14:],
-        *_columns(timers, 5),  # the rows' timers ($47-$51)
-        bases,  # the version each row was decided from ($52)
-        [json.dumps(s.awaited) for _, s in batch.sandboxes],  # awaited rotations ($53)
-        0 if inline else len(batch.outbox),  # outbox ids to reserve ($54)
     )
     return list(ids)
+
+
+def _sandbox_row(partition: int, s: Sandbox, base: int | None) -> tuple[Any, ...]:
+    """A row as the positions _WRITE_BATCH's decided_rows reads."""
+    return (
+        s.key, s.sandbox_id, s.phase.value, s.generation, s.version, ",".join(s.providers),
+        s.identity, s.exit_code, s.reason, s.created_at, s.updated_at, partition, s.expires_at,
+        s.on_expiry, s.on_exit, base, orjson.Fragment(s.spec.model_dump_json()),
+        orjson.Fragment(s.deadline.model_dump_json()) if s.deadline else None,
+        orjson.Fragment(s.hold.model_dump_json()) if s.hold else None, s.awaited,
+    )  # fmt: skip
+
+
+def _history_row(h: HistoryRow) -> tuple[Any, ...]:
+    """A history row as the positions _WRITE_BATCH's recorded reads."""
+    return (
+        h.key, h.topic, h.partition, h.offset, h.message_type, h.command_id, h.disposition,
+        h.reason, h.phase, h.generation, h.version, ",".join(h.event_types), h.occurred_at,
+        h.sandbox_id, h.prev_hash, h.entry_hash, h.message,
+    )  # fmt: skip
+
+
+def _json(rows: list[Any]) -> str:
+    """The JSON text of a json parameter. orjson writes UUIDs and aware datetimes (RFC 3339,
+    with their offset: the same instant back) itself; the rest goes through _to_json."""
+    return orjson.dumps(rows, default=_to_json).decode()
+
+
+def _to_json(value: Any) -> str:
+    if isinstance(value, bytes):
+        return "\\x" + value.hex()  # PostgreSQL's hex form of a bytea
+    if isinstance(value, UUID):  # asyncpg's own UUID type (rows read back), not uuid.UUID
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 async def unpublished_outbox(conn: Connection, partition: int) -> list[tuple[int, OutboxRecord]]:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
+from uuid import UUID, uuid4
 
 import asyncpg
 import factories as f
@@ -15,10 +17,23 @@ from aiokafka import ConsumerRecord
 from harness import Env, eventually, isolated_env
 
 from events.codec import encode
+from events.common import Deadline, Hold, Phase, SandboxSpec
+from events.outcomes import Code, CommandOutcome
 from events.topics import partition_for
 from projections.chain import chain_rows
 from projections.fold import fold
-from projections.store import BatchWrite, OffsetsMoved, RowVersionMoved, write_batch
+from projections.lifecycle import Sandbox
+from projections.store import (
+    HISTORY_COLUMNS,
+    BatchWrite,
+    HistoryRow,
+    OffsetsMoved,
+    OutboxRecord,
+    RowVersionMoved,
+    read_batch,
+    unpublished_outbox,
+    write_batch,
+)
 from services.processor.consumer import Parsed, parse, plan_batch, refused_for_content
 
 INLINE, COPY = 10**9, 0  # copy_above: never copy, always copy
@@ -170,3 +185,114 @@ async def test_a_large_poll_publishes_every_event_once_where_send_would_place_it
 
         expected = {n["partition"]: n["id"] for n in newest}
         await eventually(cursors, lambda found: found == expected, what="the cursors at the end")
+
+
+# Values that a wire encoding can get wrong: NULLs, text with commas, quotes, backslashes and
+# characters outside ASCII, JSON documents, timestamps in other zones than UTC, bytes of every
+# value (a hash's zero bytes included).
+EAST = timezone(timedelta(hours=5, minutes=30))
+AWKWARD = 'a, "b"\\c\n\tü 水 🙂 {"not": json}'
+
+
+def awkward_row(version: int, **changes: Any) -> Sandbox:
+    row = Sandbox(
+        key="round-trip",
+        sandbox_id=uuid4(),
+        phase=Phase.READY,
+        generation=3,
+        version=version,
+        spec=SandboxSpec(
+            image="localhost/img:1",
+            command=["sh", "-c", "echo 'a, b' \"ü\""],
+            env={"K": AWKWARD, "EMPTY": ""},
+        ),
+        providers=("alpha", "beta-2"),
+        identity="sandstream:round-trip:1",
+        exit_code=None,
+        reason=AWKWARD,
+        created_at=datetime(2026, 3, 4, 5, 6, 7, 123456, tzinfo=EAST),
+        updated_at=datetime(2026, 3, 4, 5, 6, 8, tzinfo=UTC),
+        deadline=Deadline(kind="stop", due_at=datetime(2026, 3, 4, 6, 0, 1, 5, tzinfo=EAST)),
+        expires_at=datetime(2026, 3, 5, 0, 0, 0, 999999, tzinfo=EAST),
+        on_expiry="delete",
+        on_exit="delete",
+        hold=Hold(by="ops ü", reason=AWKWARD, since=datetime(2026, 3, 4, 5, 0, tzinfo=EAST)),
+        awaited={"alpha": 2, "beta-2": 9},
+    )
+    return replace(row, **changes)
+
+
+def awkward_history(offset: int, row: Sandbox | None) -> HistoryRow:
+    return HistoryRow(
+        key=row.key if row else None,
+        topic="in",
+        partition=0,
+        offset=offset,
+        message_type="CreateSandbox" if row else None,
+        command_id="c-1" if row else None,
+        disposition="applied" if row else "dead-lettered",
+        reason=AWKWARD,
+        phase=row.phase.value if row else None,
+        generation=row.generation if row else None,
+        version=row.version if row else None,
+        event_types=["SandboxCreated", "DeadlineSet"] if row else [],
+        # Kept as written: spacing, key order and escapes of the input are not normalized.
+        message='{ "z": 1,  "a": "\\u00fc ,\\"", "n": null }' if row else None,
+        occurred_at=datetime(2026, 3, 4, 5, 6, 7, 1, tzinfo=EAST) if row else None,
+        sandbox_id=row.sandbox_id if row else None,
+        prev_hash=bytes(range(32)) if offset else None,
+        entry_hash=bytes(range(255, 223, -1)),
+    )
+
+
+async def test_every_value_type_round_trips_exactly_through_the_write() -> None:
+    async with isolated_env(partitions=1) as env:
+        created = awkward_row(1)
+        outcome = CommandOutcome(
+            command_id="c-1", key=created.key, command_type="CreateSandbox",
+            status="rejected", code=Code.INVALID_ARGUMENT, message=AWKWARD,
+            sandbox_id=created.sandbox_id, phase=None, generation=3, version=None,
+            identity=AWKWARD,
+        )  # fmt: skip
+        # Every outbox byte value, and a record without a key.
+        outbox = [OutboxRecord(0, "out", bytes(range(256)), b"\x00v, \xff"),
+                  OutboxRecord(0, "out", None, AWKWARD.encode())]  # fmt: skip
+        history = [awkward_history(0, created), awkward_history(1, None)]
+        # Stored again at the next version: the row's update path, timers and hold cleared.
+        updated = awkward_row(
+            2, phase=Phase.COMPLETED, exit_code=-3, reason=None, deadline=None, hold=None,
+            expires_at=None, awaited={}, providers=(), sandbox_id=created.sandbox_id,
+        )  # fmt: skip
+        async with env.pool.acquire() as conn:
+            for inline in (True, False):
+                await clear(env)
+                first = BatchWrite([(0, created)], history, [outcome], outbox, {("in", 0): (0, 2)})
+                ids = await write_batch(conn, first, copy_above=INLINE if inline else COPY)
+                read = await read_batch(conn, [("in", 0)], [created.key], [(created.key, "c-1")])
+                assert read.sandboxes == {created.key: created}
+                assert read.outcomes == {(created.key, "c-1"): outcome}
+                assert [r for _, r in await unpublished_outbox(conn, 0)] == outbox
+                assert len(ids) == 2
+                rows = await conn.fetch(
+                    "SELECT "
+                    + ", ".join(f'"{c}"' for c in HISTORY_COLUMNS)
+                    + " FROM history ORDER BY id"
+                )
+                assert [HistoryRow(**dict(r)) for r in rows] == history
+                message = await conn.fetchval("SELECT message::text FROM history WHERE id = "
+                                              "(SELECT min(id) FROM history)")  # fmt: skip
+                assert message == history[0].message
+                # A row read back raw carries asyncpg's own UUID type: written back as well.
+                raw_id = await conn.fetchval("SELECT sandbox_id FROM sandboxes")
+                assert type(raw_id) is not UUID
+                second = BatchWrite(
+                    [(0, replace(updated, sandbox_id=raw_id))], [], [], [],
+                    {("in", 0): (2, 3)}, {created.key: 1},
+                )  # fmt: skip
+                await write_batch(conn, second, copy_above=INLINE if inline else COPY)
+                read = await read_batch(conn, [("in", 0)], [created.key], [])
+                assert read.sandboxes == {created.key: updated}
+                stored = await conn.fetchrow(
+                    "SELECT deadline, deadline_at, hold FROM sandboxes WHERE key = $1", created.key
+                )
+                assert tuple(stored) == (None, None, None)  # SQL NULLs, not JSON nulls
