@@ -13,6 +13,7 @@ from projections.fold import fold
 from projections.lifecycle import evolve
 from services.bench import ceiling
 from services.bench.fold import decoded_log, fold_cpu
+from services.bench.main import run
 from services.bench.processor import lifecycle_messages, produce_all
 from services.bench.rebuild import copies, rebuild_figures, template_events
 from services.common.settings import Settings
@@ -95,3 +96,15 @@ def test_the_fold_bench_folds_the_log_into_a_state_change_per_input() -> None:
         f"bench-{k}": "Stopped" for k in range(3)
     }
     assert fold_cpu(inputs) > 0
+
+
+async def test_the_latency_choice_runs_the_latency_benchmark_alone(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every paced command's row is seen, beside Kafka's own latency and the processor's CPU;
+    no throughput run comes first."""
+    await run("latency", quick=True, latency_rate=20)
+    printed = capsys.readouterr().out
+    assert "throughput" not in printed, printed
+    assert "latency     100/100 commands at 20/s" in printed, printed
+    assert "Kafka alone p50" in printed and "CPU: processor" in printed, printed
