@@ -144,12 +144,13 @@ def hold_write_until_fetched(monkeypatch: pytest.MonkeyPatch, processor: Process
     monkeypatch.setattr(consumer, "write_batch", writing)
 
 
-async def test_a_poll_below_max_records_has_the_next_fetched_meanwhile_and_a_full_one_decided(
+async def test_a_small_poll_has_the_next_fetched_meanwhile_and_a_full_one_has_it_decided(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Below ``max_records`` the processor keeps up: during the write it only takes what the
-    consumer fetches (so the fetcher fetches again), decided after the write together with
-    what arrived since. A full poll means it is behind: the next is decided ahead."""
+    """A small poll (here below ``max_records``, which is below a slice) means the processor
+    keeps up: during the write it only takes what the consumer fetches (so the fetcher
+    fetches again), decided after the write together with what arrived since. A full poll
+    means it is behind: the next is decided ahead."""
     async with isolated_env(partitions=1) as env:
         await env.produce(
             env.settings.topic_commands,
@@ -360,11 +361,11 @@ async def test_a_rebalance_begun_while_a_write_is_in_flight_is_not_waited_for_by
 async def test_a_rebalance_begun_while_a_poll_waits_during_a_write_does_not_hold_that_write(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Real Kafka, polls below ``max_records``: a second processor joins while the first's poll
-    made during a write is waiting. That poll then waits for the new assignment, which waits
-    for the first's batch: the write must end without it. Both go on; every input lands once."""
+    """Real Kafka, a first poll below a slice: a second processor joins while the first's poll
+    made during a write is waiting. The rebalance waits for the first's batch; the write ends
+    and the batch is let go without that poll. Both go on; every input lands once."""
 
-    inputs = commands(count=300, keys=30, seed=31)
+    inputs = commands(count=200, keys=20, seed=31)
     async with isolated_env(partitions=2) as env:
         await publish(env, inputs)
         first = Processor(env.settings, env.pool, name="first", max_records=5000)
@@ -390,8 +391,8 @@ async def test_a_rebalance_begun_while_a_poll_waits_during_a_write_does_not_hold
         running = asyncio.create_task(first.run(stop))
         try:
             await env.wait_applied(len(inputs), timeout=120)
-            assert joined, "no write was in flight with a poll below max_records"
-            second = await joined[0]  # the rebalance completes: nothing waits on the poll
+            assert joined, "no write was in flight after a poll below a slice"
+            second = await joined[0]  # the rebalance completes
             await eventually(lambda: second._owned, bool, what="the second to own partitions")
             await wait_outbox_drained(env)
         finally:
