@@ -316,6 +316,41 @@ async def test_a_poll_decided_ahead_is_not_written_for_a_partition_revoked_meanw
         await assert_chains_intact(env)
 
 
+async def second_joins(env: Env, first: Processor, joined: list[asyncio.Task[Processor]]) -> None:
+    """Once: start a second processor and wait until the first sees the rebalance begin."""
+    if joined:
+        return
+    joined.append(asyncio.create_task(env.start_processor("second", max_records=20)))
+    subscription = first.consumer._subscription  # type: ignore[union-attr]
+    await eventually(
+        lambda: subscription.reassignment_in_progress,
+        bool,
+        what="the first processor to see the rebalance begin",
+    )
+
+
+async def run_while_second_joins(
+    env: Env, first: Processor, inputs: list[Any], joined: list[asyncio.Task[Processor]]
+) -> None:
+    """Run the first until every input is applied; the second must have joined meanwhile
+    (the rebalance completed) and every input landed once."""
+    await first.start()
+    stop = asyncio.Event()
+    running = asyncio.create_task(first.run(stop))
+    try:
+        await env.wait_applied(len(inputs), timeout=120)
+        assert joined, "the second processor never joined during a write"
+        second = await joined[0]
+        await eventually(lambda: second._owned, bool, what="the second to own partitions")
+        await wait_outbox_drained(env)
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 60)
+        await first.stop()
+    await assert_applied_exactly_once(env, inputs)
+    await assert_chains_intact(env)
+
+
 async def test_a_rebalance_begun_while_a_write_is_in_flight_is_not_waited_for_by_the_poll_ahead(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -331,31 +366,11 @@ async def test_a_rebalance_begun_while_a_write_is_in_flight_is_not_waited_for_by
         joined: list[asyncio.Task[Processor]] = []
 
         async def second_joins_first(inflight: Any) -> Any:
-            if not joined:  # once: the group rebalances while this write is in flight
-                joined.append(asyncio.create_task(env.start_processor("second", max_records=20)))
-                subscription = first.consumer._subscription  # type: ignore[union-attr]
-                await eventually(
-                    lambda: subscription.reassignment_in_progress,
-                    bool,
-                    what="the first processor to see the rebalance begin",
-                )
+            await second_joins(env, first, joined)  # while this write is in flight
             return await decide_ahead(inflight)
 
         monkeypatch.setattr(first, "_decide_ahead", second_joins_first)
-        await first.start()
-        stop = asyncio.Event()
-        running = asyncio.create_task(first.run(stop))
-        try:
-            await env.wait_applied(len(inputs), timeout=120)
-            second = await joined[0]
-            assert second._owned, "the second processor was never assigned partitions"
-            await wait_outbox_drained(env)
-        finally:
-            stop.set()
-            await asyncio.wait_for(running, 60)
-            await first.stop()
-        await assert_applied_exactly_once(env, inputs)
-        await assert_chains_intact(env)
+        await run_while_second_joins(env, first, inputs, joined)
 
 
 async def test_a_rebalance_begun_while_a_poll_waits_during_a_write_does_not_hold_that_write(
@@ -374,33 +389,12 @@ async def test_a_rebalance_begun_while_a_poll_waits_during_a_write_does_not_hold
 
         async def second_joins_meanwhile(write: Any) -> None:
             polling = asyncio.ensure_future(fetch_during(write))
-            if not joined:  # once: the rebalance begins with the poll already waiting
-                await asyncio.sleep(0)
-                joined.append(asyncio.create_task(env.start_processor("second", max_records=20)))
-                subscription = first.consumer._subscription  # type: ignore[union-attr]
-                await eventually(
-                    lambda: subscription.reassignment_in_progress,
-                    bool,
-                    what="the first processor to see the rebalance begin",
-                )
+            await asyncio.sleep(0)  # the poll is made before the rebalance begins
+            await second_joins(env, first, joined)
             await polling
 
         monkeypatch.setattr(first, "_fetch_during", second_joins_meanwhile)
-        await first.start()
-        stop = asyncio.Event()
-        running = asyncio.create_task(first.run(stop))
-        try:
-            await env.wait_applied(len(inputs), timeout=120)
-            assert joined, "no write was in flight after a poll below a slice"
-            second = await joined[0]  # the rebalance completes
-            await eventually(lambda: second._owned, bool, what="the second to own partitions")
-            await wait_outbox_drained(env)
-        finally:
-            stop.set()
-            await asyncio.wait_for(running, 60)
-            await first.stop()
-        await assert_applied_exactly_once(env, inputs)
-        await assert_chains_intact(env)
+        await run_while_second_joins(env, first, inputs, joined)
 
 
 class Crash(BaseException):
