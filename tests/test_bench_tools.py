@@ -16,6 +16,7 @@ from projections.lifecycle import evolve
 from services.bench import ceiling
 from services.bench import processor as bench_processor
 from services.bench.fold import decoded_log, fold_cpu
+from services.bench.main import run
 from services.bench.processor import lifecycle_messages, produce_all
 from services.bench.rebuild import copies, rebuild_figures, template_events
 from services.bench.stages import consumer_records, stages_cpu
@@ -144,3 +145,15 @@ def test_the_stages_bench_parses_decides_and_plans_every_input_of_the_log() -> N
     assert all(isinstance(i, Parsed) for i in items)
     figures = stages_cpu(settings, records)
     assert set(figures) == {"parse", "decide", "plan"} and all(v > 0 for v in figures.values())
+
+
+async def test_the_latency_choice_runs_the_latency_benchmark_alone(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every paced command's row is seen, beside Kafka's own latency and the processor's CPU;
+    no throughput run comes first."""
+    await run("latency", quick=True, latency_rate=20)
+    printed = capsys.readouterr().out
+    assert "throughput" not in printed, printed
+    assert "latency     100/100 commands at 20/s" in printed, printed
+    assert "Kafka alone p50" in printed and "CPU: processor" in printed, printed

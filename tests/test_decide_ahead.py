@@ -67,8 +67,11 @@ def ahead(outcome: str) -> float:
     return metrics.DECIDED_AHEAD.labels(outcome)._value.get()  # type: ignore[no-any-return]
 
 
-async def queued_processor(env: Env, name: str) -> tuple[Processor, QueuedPolls]:
-    processor = Processor(env.settings, env.pool, name=name)
+async def queued_processor(
+    env: Env, name: str, max_records: int = 5000
+) -> tuple[Processor, QueuedPolls]:
+    """A poll of ``max_records`` records is a full one: only then is the next decided ahead."""
+    processor = Processor(env.settings, env.pool, name=name, max_records=max_records)
     processor.producer = AIOKafkaProducer(
         **kafka_client_args(env.settings, "processor"), enable_idempotence=True, acks="all"
     )
@@ -127,6 +130,57 @@ async def assert_chains_intact(env: Env) -> None:
 ROW_CACHE = pytest.mark.parametrize("row_cache", [20_000, 0], ids=["rows-kept", "no-rows-kept"])
 
 
+def hold_write_until_fetched(monkeypatch: pytest.MonkeyPatch, processor: Processor) -> None:
+    """Hold the next write until the processor has taken the next poll (deterministic: the
+    write could otherwise be done before the poll made during it)."""
+    write = consumer.write_batch  # type: ignore[attr-defined]
+    held = [True]
+
+    async def writing(conn: Any, batch: Any) -> list[int]:
+        if held.pop() if held else False:
+            await eventually(lambda: processor._held, bool, what="the next poll to be taken")
+        return await write(conn, batch)
+
+    monkeypatch.setattr(consumer, "write_batch", writing)
+
+
+async def test_a_small_poll_has_the_next_fetched_meanwhile_and_a_full_one_has_it_decided(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A small poll (here below ``max_records``, which is below a slice) means the processor
+    keeps up: during the write it only takes what the consumer fetches (so the fetcher
+    fetches again), decided after the write together with what arrived since. A full poll
+    means it is behind: the next is decided ahead."""
+    async with isolated_env(partitions=1) as env:
+        await env.produce(
+            env.settings.topic_commands,
+            [(f"k{i}".encode(), encode(f.create(f"k{i}", command_id=f"c{i}"))) for i in range(5)],
+        )
+        records = await env.read_topic(env.settings.topic_commands)
+        processor, polls = await queued_processor(env, "paths", max_records=2)
+        try:
+            decided, written = ahead("decided"), ahead("written")
+            hold_write_until_fetched(monkeypatch, processor)
+            polls.polls.append(poll_of(records[1:2]))
+            assert await processor.process(poll_of(records[:1])) == 1  # 1 < max_records
+            assert processor._held == poll_of(records[1:2])  # taken during the write...
+            assert ahead("decided") == decided  # ...and not decided
+            polls.polls += [poll_of(records[2:3]), poll_of(records[3:])]
+            nxt = await processor._next_poll()  # with what was fetched since, up to 2
+            assert nxt == poll_of(records[1:3])
+            assert await processor.process(nxt) == 2  # 2 == max_records
+            assert ahead("decided") == decided + 1
+            assert await apply_held(processor) == 2
+            assert ahead("written") == written + 1
+        finally:
+            await processor.stop()
+        history = await env.fetch('SELECT "offset", disposition FROM history ORDER BY id')
+        assert [(h["offset"], h["disposition"]) for h in history] == [
+            (i, "applied") for i in range(5)
+        ]
+        await assert_chains_intact(env)
+
+
 @ROW_CACHE
 async def test_a_poll_decided_ahead_of_a_fenced_write_is_decided_again_on_the_winner(
     monkeypatch: pytest.MonkeyPatch, row_cache: int
@@ -146,7 +200,7 @@ async def test_a_poll_decided_ahead_of_a_fenced_write_is_decided_again_on_the_wi
             ],
         )
         c0, c1, c2 = await env.read_topic(env.settings.topic_commands)
-        processor, polls = await queued_processor(env, "fenced")
+        processor, polls = await queued_processor(env, "fenced", max_records=1)
         try:
             assert await processor.process(poll_of([c0])) == 1
             decided, written = ahead("decided"), ahead("written")
@@ -188,7 +242,7 @@ async def test_a_poll_decided_ahead_of_a_refused_write_is_decided_again_after_th
             [(n.encode(), encode(f.create(n, command_id=f"c{i}"))) for i, n in enumerate(names)],
         )
         records = await env.read_topic(env.settings.topic_commands)
-        processor, polls = await queued_processor(env, "refused")
+        processor, polls = await queued_processor(env, "refused", max_records=3)
         try:
             decided, written = ahead("decided"), ahead("written")
             hold_first_write(monkeypatch, processor)
@@ -223,7 +277,7 @@ async def test_a_poll_decided_ahead_is_not_written_for_a_partition_revoked_meanw
         records = await env.read_topic(env.settings.topic_commands)
         creates = [r for r in records if r.offset == 0]
         attaches = [r for r in records if r.offset == 1]
-        processor, polls = await queued_processor(env, "revoked")
+        processor, polls = await queued_processor(env, "revoked", max_records=2)
         processor._owned = {0, 1}
         revoked: list[asyncio.Task[None]] = []
 
@@ -262,6 +316,41 @@ async def test_a_poll_decided_ahead_is_not_written_for_a_partition_revoked_meanw
         await assert_chains_intact(env)
 
 
+async def second_joins(env: Env, first: Processor, joined: list[asyncio.Task[Processor]]) -> None:
+    """Once: start a second processor and wait until the first sees the rebalance begin."""
+    if joined:
+        return
+    joined.append(asyncio.create_task(env.start_processor("second", max_records=20)))
+    subscription = first.consumer._subscription  # type: ignore[union-attr]
+    await eventually(
+        lambda: subscription.reassignment_in_progress,
+        bool,
+        what="the first processor to see the rebalance begin",
+    )
+
+
+async def run_while_second_joins(
+    env: Env, first: Processor, inputs: list[Any], joined: list[asyncio.Task[Processor]]
+) -> None:
+    """Run the first until every input is applied; the second must have joined meanwhile
+    (the rebalance completed) and every input landed once."""
+    await first.start()
+    stop = asyncio.Event()
+    running = asyncio.create_task(first.run(stop))
+    try:
+        await env.wait_applied(len(inputs), timeout=120)
+        assert joined, "the second processor never joined during a write"
+        second = await joined[0]
+        await eventually(lambda: second._owned, bool, what="the second to own partitions")
+        await wait_outbox_drained(env)
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 60)
+        await first.stop()
+    await assert_applied_exactly_once(env, inputs)
+    await assert_chains_intact(env)
+
+
 async def test_a_rebalance_begun_while_a_write_is_in_flight_is_not_waited_for_by_the_poll_ahead(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -277,31 +366,35 @@ async def test_a_rebalance_begun_while_a_write_is_in_flight_is_not_waited_for_by
         joined: list[asyncio.Task[Processor]] = []
 
         async def second_joins_first(inflight: Any) -> Any:
-            if not joined:  # once: the group rebalances while this write is in flight
-                joined.append(asyncio.create_task(env.start_processor("second", max_records=20)))
-                subscription = first.consumer._subscription  # type: ignore[union-attr]
-                await eventually(
-                    lambda: subscription.reassignment_in_progress,
-                    bool,
-                    what="the first processor to see the rebalance begin",
-                )
+            await second_joins(env, first, joined)  # while this write is in flight
             return await decide_ahead(inflight)
 
         monkeypatch.setattr(first, "_decide_ahead", second_joins_first)
-        await first.start()
-        stop = asyncio.Event()
-        running = asyncio.create_task(first.run(stop))
-        try:
-            await env.wait_applied(len(inputs), timeout=120)
-            second = await joined[0]
-            assert second._owned, "the second processor was never assigned partitions"
-            await wait_outbox_drained(env)
-        finally:
-            stop.set()
-            await asyncio.wait_for(running, 60)
-            await first.stop()
-        await assert_applied_exactly_once(env, inputs)
-        await assert_chains_intact(env)
+        await run_while_second_joins(env, first, inputs, joined)
+
+
+async def test_a_rebalance_begun_while_a_poll_waits_during_a_write_does_not_hold_that_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Real Kafka, a first poll below a slice: a second processor joins while the first's poll
+    made during a write is waiting. The rebalance waits for the first's batch; the write ends
+    and the batch is let go without that poll. Both go on; every input lands once."""
+
+    inputs = commands(count=200, keys=20, seed=31)
+    async with isolated_env(partitions=2) as env:
+        await publish(env, inputs)
+        first = Processor(env.settings, env.pool, name="first", max_records=5000)
+        fetch_during = first._fetch_during
+        joined: list[asyncio.Task[Processor]] = []
+
+        async def second_joins_meanwhile(write: Any) -> None:
+            polling = asyncio.ensure_future(fetch_during(write))
+            await asyncio.sleep(0)  # the poll is made before the rebalance begins
+            await second_joins(env, first, joined)
+            await polling
+
+        monkeypatch.setattr(first, "_fetch_during", second_joins_meanwhile)
+        await run_while_second_joins(env, first, inputs, joined)
 
 
 class Crash(BaseException):

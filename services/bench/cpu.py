@@ -37,6 +37,12 @@ def per_input(start: CpuMark, end: CpuMark, inputs: int) -> str:
     return text + " µs CPU/input"
 
 
+def process_cpu(pid: int) -> float:
+    """The CPU seconds another process of this machine has spent so far (NaN if unknown)."""
+    found = _backends([pid])
+    return found[pid] if found else float("nan")
+
+
 def _backends(pids: Iterable[int]) -> dict[int, float] | None:
     spent = {}
     try:

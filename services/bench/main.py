@@ -1,5 +1,6 @@
-"""``python -m services.bench [all|processor|scaleout|rebuild|profile|fold|stages|drivers]
-[--quick]``: the benchmarks, each printed beside its same-run reference (see docs/benchmarks.md)."""
+"""``python -m services.bench [all|processor|latency|scaleout|rebuild|profile|fold|stages|drivers]
+[--quick]``: the benchmarks, each printed beside its same-run reference (see
+docs/benchmarks.md). ``latency`` is the latency part of ``processor`` alone."""
 
 from __future__ import annotations
 
@@ -17,15 +18,28 @@ from services.bench.stages import stage_figures
 from services.common.settings import Settings
 from services.processor.gc_thresholds import collect_less_often
 
+CHOICES = (
+    "all",
+    "processor",
+    "latency",
+    "scaleout",
+    "rebuild",
+    "profile",
+    "fold",
+    "stages",
+    "drivers",
+)
 
-async def run(which: str, quick: bool) -> None:
+
+async def run(which: str, quick: bool, latency_rate: int = 1000) -> None:
     settings = Settings()
     print(f"sandstream benchmarks  (partitions={settings.kafka_partitions}, one processor)")
     keys = 5_000 if quick else 25_000
     if which in ("all", "processor"):
         for max_records in (1000, 5000):
             await throughput(settings, keys, max_records)
-        await latency(settings, rate=1000, seconds=5 if quick else 15)
+    if which in ("all", "processor", "latency"):
+        await latency(settings, rate=latency_rate, seconds=5 if quick else 15)
     if which in ("all", "scaleout"):
         await two_processors(settings, keys)
     if which in ("all", "rebuild"):
@@ -47,7 +61,7 @@ def main() -> None:
         "which",
         nargs="?",
         default="all",
-        choices=["all", "processor", "scaleout", "rebuild", "profile", "fold", "stages", "drivers"],
+        choices=CHOICES,
     )
     parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke check")
     args = parser.parse_args()

@@ -157,13 +157,13 @@ async def latency(settings: Settings, rate: int, seconds: float) -> None:
             stderr=asyncio.subprocess.DEVNULL,
         )
         try:
-            await _paced_commands(s, rate, seconds)
+            await _paced_commands(s, rate, seconds, processor.pid)
         finally:
             processor.terminate()
             await asyncio.wait_for(processor.wait(), 30)
 
 
-async def _paced_commands(s: Settings, rate: int, seconds: float) -> None:
+async def _paced_commands(s: Settings, rate: int, seconds: float, processor: int) -> None:
     sent: dict[str, float] = {}
     done: dict[str, float] = {}
     woken = asyncio.Event()
@@ -214,6 +214,7 @@ async def _paced_commands(s: Settings, rate: int, seconds: float) -> None:
             for i in range(count)
         ]  # fmt: skip
         payloads = [encode(c) for c in commands]
+        cpu_begin = cpu.process_cpu(processor)
         begin = time.perf_counter()
         for i, command in enumerate(commands):
             delay = begin + i / rate - time.perf_counter()
@@ -227,6 +228,7 @@ async def _paced_commands(s: Settings, rate: int, seconds: float) -> None:
         deadline = time.perf_counter() + 30
         while len(done) < len(sent) and time.perf_counter() < deadline:
             await asyncio.sleep(0.05)
+        used = cpu.process_cpu(processor) - cpu_begin
         finished.set()
         woken.set()
         await collector
@@ -249,6 +251,7 @@ async def _paced_commands(s: Settings, rate: int, seconds: float) -> None:
         f"latency     {len(ms)}/{count} commands at {rate}/s (sent {achieved:,.0f}/s)  "
         f"command->row p50 {q[49]:.1f} ms  p99 {q[98]:.1f} ms  max {ms[-1]:.1f} ms  |  "
         f"Kafka alone p50 {k[49]:.1f} ms  p99 {k[98]:.1f} ms  |  p99 ratio {q[98] / k[98]:.1f}"
+        f"\n            CPU: processor {used / count * 1e6:.0f} µs/command"
     )
 
 

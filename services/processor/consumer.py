@@ -29,6 +29,7 @@ from collections import Counter, defaultdict
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from enum import Enum
 from typing import Any
 
 import asyncpg
@@ -81,6 +82,8 @@ from services.processor.gc_thresholds import collect_less_often
 from services.processor.row_cache import RowCache
 
 log = logging.getLogger("sandstream.processor")
+
+Poll = dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]  # what the consumer returns
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,6 +383,41 @@ async def decide_batch_yielding(
         await asyncio.sleep(0)
 
 
+class PollAhead(Enum):
+    """What a batch does with the next poll while its write is in flight."""
+
+    NONE = "none"  # nothing (a batch not from the poll loop: a partition, half a refused one)
+    # Take what the consumer fetches meanwhile; it is applied next, decided after the write.
+    # aiokafka sends its next fetch only once the last one's records are taken: left alone
+    # for the write, the fetcher would idle after its first response, and what arrives
+    # meanwhile would wait for one more write.
+    FETCH = "fetch"
+    # Decide what the consumer has already fetched, as of this write committed. Only when
+    # the processor is behind: otherwise that is a sliver of what arrives during the write,
+    # and the rest waits for the sliver's write as well (docs/benchmarks.md). Behind, the
+    # overlap pays, on a busy machine too (PostgreSQL and Python each get a share of it).
+    DECIDE = "decide"
+
+
+def poll_ahead(batch: Mapping[TopicPartition, Sequence[object]], max_records: int) -> PollAhead:
+    """DECIDE after a poll of a slice or more, or a full one (the processor is behind), FETCH
+    after a smaller one."""
+    behind = count(batch) >= min(_SLICE, max_records)
+    return PollAhead.DECIDE if behind else PollAhead.FETCH
+
+
+def added(held: Poll | None, batch: Poll) -> Poll:
+    """``batch`` polled after ``held``: each partition's records stay in offset order."""
+    out = {tp: list(records) for tp, records in (held or {}).items()}
+    for tp, records in batch.items():
+        out.setdefault(tp, []).extend(records)
+    return out
+
+
+def count(batch: Mapping[TopicPartition, Sequence[object]]) -> int:
+    return sum(len(records) for records in batch.values())
+
+
 def same_records(
     a: Sequence[ConsumerRecord[bytes, bytes]], b: Sequence[ConsumerRecord[bytes, bytes]]
 ) -> bool:
@@ -406,6 +444,11 @@ _PLACED_KEYS = 100_000
 # producer keeps one request in flight per partition), a broker round trip on the ordered
 # path that only a poll this large amortizes.
 _SEND_ONE_BY_ONE = 500
+
+
+# How long a poll made during a write waits for records (one that finds none ends the polling
+# for that write). Dropped as soon as the write is done, so it only bounds a long write's polls.
+_FETCH_WAIT_MS = 1000
 
 
 class InputsLost(RuntimeError):
@@ -551,9 +594,7 @@ class Processor:
                 if self._poll_failure is not None:  # the poll made ahead failed
                     failure, self._poll_failure = self._poll_failure, None
                     raise failure
-                batch = self._take_held() or await self.consumer.getmany(
-                    timeout_ms=self.poll_timeout_ms, max_records=self.max_records
-                )
+                batch = await self._next_poll()
                 if self._inputs_lost is not None:  # found by the assignment inside getmany
                     raise self._inputs_lost
                 if self._stopped:
@@ -573,6 +614,21 @@ class Processor:
                     await self._resume(stop, restart_producer=lost == "Kafka")
                 finally:
                     self._resuming = None
+
+    async def _next_poll(self) -> Poll:
+        """The poll taken during the last write, if any, with what was fetched since (unless
+        it was decided ahead: that decision holds for exactly its records)."""
+        assert self.consumer is not None
+        held = self._take_held()
+        if held is None:
+            polled: Poll = await self.consumer.getmany(
+                timeout_ms=self.poll_timeout_ms, max_records=self.max_records
+            )
+            return polled
+        room = self.max_records - count(held)
+        if self._ahead is not None or room <= 0:
+            return held
+        return added(held, await self.consumer.getmany(timeout_ms=0, max_records=room))
 
     def health(self) -> tuple[str | None, dict[str, Any]]:
         """Why this processor is not doing its work now (None: it is), and its partitions."""
@@ -690,7 +746,7 @@ class Processor:
         merged = by_partition_of(batch)
         if not merged:
             return 0
-        applied = await self.process_records(merged, decide_ahead=True)
+        applied = await self.process_records(merged, poll_ahead(batch, self.max_records))
         self._commit_to_kafka(batch)
         return applied
 
@@ -702,10 +758,10 @@ class Processor:
     async def process_records(
         self,
         by_partition: Mapping[int, Sequence[ConsumerRecord[bytes, bytes]]],
-        decide_ahead: bool = False,
+        ahead: PollAhead = PollAhead.NONE,
     ) -> int:
-        """Apply the records; with ``decide_ahead``, the next poll (if already fetched) is
-        decided while this one's write is in flight (see ``_write``)."""
+        """Apply the records; ``ahead`` says what becomes of the next poll while this one's
+        write is in flight (see ``_write``)."""
         async with self._lock:
             self._raise_publish_failure()
             await self._republish_gaps()
@@ -716,7 +772,7 @@ class Processor:
                 if dropped:
                     log.info("%s: dropping polled records of partitions %s it no longer owns",
                              self.name, dropped)  # fmt: skip
-            applied, outbox = await self._apply(self._to_apply(by_partition), decide_ahead)
+            applied, outbox = await self._apply(self._to_apply(by_partition), ahead)
             await self._publish(outbox)
             return applied
 
@@ -733,7 +789,7 @@ class Processor:
         ]
 
     async def _apply(
-        self, records: Sequence[ConsumerRecord[bytes, bytes]], decide_ahead: bool = False
+        self, records: Sequence[ConsumerRecord[bytes, bytes]], ahead: PollAhead = PollAhead.NONE
     ) -> tuple[int, list[tuple[int, OutboxRecord]]]:
         """Apply ``records`` (partition by partition, each in order) exactly once.
 
@@ -745,7 +801,7 @@ class Processor:
         if not records:
             return 0, []
         try:
-            return await self._apply_once(records, decide_ahead=decide_ahead)
+            return await self._apply_once(records, poll=ahead)
         except WriteRefused as exc:
             if len(records) > 1:
                 half = len(records) // 2
@@ -766,12 +822,12 @@ class Processor:
         self,
         records: Sequence[ConsumerRecord[bytes, bytes]],
         dead_letter: str | None = None,
-        decide_ahead: bool = False,
+        poll: PollAhead = PollAhead.NONE,
     ) -> tuple[int, list[tuple[int, OutboxRecord]]]:
         started = asyncio.get_running_loop().time()
         if self._conn is None:  # a connection of its own: no pool round trips per batch
             self._conn = await self._batch_connection()
-        ahead = self._take_ahead(records) if decide_ahead else None
+        ahead = self._take_ahead(records) if poll is not PollAhead.NONE else None
         inputs = ahead.inputs if ahead is not None else self._inputs(records, dead_letter)
         decided = ahead.decided if ahead is not None else None
         # Optimistic: read, decide, then write only if no other writer moved these partitions'
@@ -783,7 +839,7 @@ class Processor:
                 if decided is None:
                     return 0, []
             try:
-                ids = await self._write(decided, decide_ahead)
+                ids = await self._write(decided, poll)
             except OffsetsMoved as exc:
                 metrics.WRITE_CONFLICTS.inc()
                 log.info("%s: another writer moved the offsets, deciding again: %s", self.name, exc)
@@ -873,8 +929,8 @@ class Processor:
             # two COPYs: a round trip each) instead of waiting for the whole decision.
             return await decide_batch_yielding(*args)
 
-    async def _write(self, decided: Decided, decide_ahead: bool) -> list[int]:
-        """Write a decided batch; with ``decide_ahead``, decide the next poll meanwhile.
+    async def _write(self, decided: Decided, poll: PollAhead) -> list[int]:
+        """Write a decided batch; meanwhile take the next poll (FETCH) and decide it (DECIDE).
 
         The next poll (only what the consumer has already fetched) is decided as of this batch
         committed, and kept only if it did: any failure here, and any rebalance, seek, pause
@@ -885,8 +941,10 @@ class Processor:
         write = asyncio.ensure_future(write_batch(self._conn, decided.plan))
         ahead = None
         try:
-            if decide_ahead and self.settings.processor_decide_ahead:
+            if poll is PollAhead.DECIDE and self.settings.processor_decide_ahead:
                 ahead = await self._decide_ahead(decided)
+            elif poll is not PollAhead.NONE:
+                await self._fetch_during(write)
             ids = await write
         except BaseException:
             if not write.done():
@@ -896,6 +954,37 @@ class Processor:
             raise
         self._ahead = ahead
         return ids
+
+    async def _fetch_during(self, write: asyncio.Future[list[int]]) -> None:
+        """Take what the consumer fetches until ``write`` is done (held: applied next).
+
+        The poll is never waited for on its own: during a rebalance it waits for the new
+        assignment, which waits for this batch, so it is dropped when the write is done.
+        """
+        while self.consumer is not None and not write.done() and not self._reassigning():
+            room = self.max_records - count(self._held or {})
+            if room <= 0:
+                return
+            fetch = asyncio.ensure_future(
+                self.consumer.getmany(timeout_ms=_FETCH_WAIT_MS, max_records=room)
+            )
+            try:
+                await asyncio.wait([write, fetch], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not fetch.done():  # records are only ever taken by a poll that returns
+                    fetch.cancel()
+                    await asyncio.wait([fetch])
+            if fetch.cancelled():
+                return
+            failure = fetch.exception()
+            if isinstance(failure, Exception):  # raised by the poll loop
+                self._poll_failure = failure
+                return
+            if failure is not None:
+                raise failure
+            if not (batch := fetch.result()):
+                return
+            self._held = added(self._held, batch)
 
     async def _decide_ahead(self, inflight: Decided) -> Ahead | None:
         """Poll what the consumer holds and decide it as of ``inflight`` committed."""
