@@ -4,6 +4,7 @@ processor; the rebuild's copied events fold to one row per sandbox."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import asyncpg
@@ -129,7 +130,7 @@ async def test_the_latency_run_stops_its_kafka_clients_before_its_topics_go_even
     monkeypatch.setattr(bench_processor, "encode", unencodable)
     async with isolated(settings, "bench-test") as (s, _):
         with pytest.raises(RuntimeError, match="cannot encode"):
-            await bench_processor._paced_commands(s, rate=10, seconds=1)
+            await bench_processor._paced_commands(s, rate=10, seconds=1, processor=os.getpid())
         assert len(made) == 2
         assert all(client._closed for client in made)
 
