@@ -284,7 +284,7 @@ WITH moved AS (
 ), fence AS (
     SELECT offsets_fence((SELECT count(*) FROM moved), cardinality($1::text[])) AS ok
 ), decided_rows AS (
-    -- The positions _sandbox_row writes; base: the stored version it was decided from.
+    -- The positions _sandbox_positions writes; base: the stored version it was decided from.
     SELECT r->>0 AS key, (r->>1)::uuid AS sandbox_id, r->>2 AS phase,
            (r->>3)::int AS generation, (r->>4)::bigint AS version,
            string_to_array(r->>5, ',') AS providers, r->>6 AS identity,
@@ -317,7 +317,7 @@ WITH moved AS (
     WHERE u.base IS NOT NULL AND s.key = u.key AND s.version = u.base
     RETURNING 1
 ), recorded AS (
-    -- The positions _history_row writes.
+    -- The positions _history_positions writes.
     INSERT INTO history (key, topic, partition, "offset", message_type, command_id,
                          disposition, reason, phase, generation, version, event_types,
                          occurred_at, sandbox_id, prev_hash, entry_hash, message)
@@ -412,12 +412,13 @@ async def _write_statement(conn: Connection, batch: BatchWrite, *, inline: bool)
     """The batch's statement; with ``inline`` false, its history and outbox are left out and
     as many outbox ids as it has records are reserved for the caller to copy them in with."""
     offsets = [(t, p, e, n) for (t, p), (e, n) in sorted(batch.offsets.items())]
+    bases = batch.decided_from
     outbox = [(o.partition, o.topic, o.key, o.value) for o in batch.outbox] if inline else []
     ids = await conn.fetchval(
         _WRITE_BATCH,
         *_columns(offsets, 4),
-        _json([_sandbox_row(p, s, batch.decided_from.get(s.key)) for p, s in batch.sandboxes]),
-        _json([_history_row(h) for h in batch.history] if inline else []),
+        _json([_sandbox_positions(p, s, bases.get(s.key)) for p, s in batch.sandboxes]),
+        _json([_history_positions(h) for h in batch.history] if inline else []),
         _OUTCOMES.dump_json(list(batch.outcomes)).decode(),  # one pydantic call for all
         *_columns(outbox, 4),
         0 if inline else len(batch.outbox),  # outbox ids to reserve
@@ -426,7 +427,7 @@ async def _write_statement(conn: Connection, batch: BatchWrite, *, inline: bool)
     return list(ids)
 
 
-def _sandbox_row(partition: int, s: Sandbox, base: int | None) -> tuple[Any, ...]:
+def _sandbox_positions(partition: int, s: Sandbox, base: int | None) -> tuple[Any, ...]:
     """A row as the positions _WRITE_BATCH's decided_rows reads."""
     return (
         s.key, s.sandbox_id, s.phase.value, s.generation, s.version, ",".join(s.providers),
@@ -437,7 +438,7 @@ def _sandbox_row(partition: int, s: Sandbox, base: int | None) -> tuple[Any, ...
     )  # fmt: skip
 
 
-def _history_row(h: HistoryRow) -> tuple[Any, ...]:
+def _history_positions(h: HistoryRow) -> tuple[Any, ...]:
     """A history row as the positions _WRITE_BATCH's recorded reads."""
     return (
         h.key, h.topic, h.partition, h.offset, h.message_type, h.command_id, h.disposition,
