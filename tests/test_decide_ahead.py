@@ -388,8 +388,19 @@ async def test_a_rebalance_begun_while_a_poll_waits_during_a_write_does_not_hold
         joined: list[asyncio.Task[Processor]] = []
 
         async def second_joins_meanwhile(write: Any) -> None:
+            if joined:
+                return await fetch_during(write)
+            # The first write's poll is made (the consumer entered) before the rebalance begins.
+            assert first.consumer is not None
+            polled, getmany = asyncio.Event(), first.consumer.getmany
+
+            async def noted(*args: Any, **kwargs: Any) -> Any:
+                polled.set()
+                return await getmany(*args, **kwargs)
+
+            monkeypatch.setattr(first.consumer, "getmany", noted)
             polling = asyncio.ensure_future(fetch_during(write))
-            await asyncio.sleep(0)  # the poll is made before the rebalance begins
+            await asyncio.wait_for(polled.wait(), 30)
             await second_joins(env, first, joined)
             await polling
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import cast
 
 import pytest
+from harness import eventually
 from podman import PodmanClient
 
 from drivers.fake import FakeDriver
@@ -119,10 +120,9 @@ async def test_the_merged_stream_ends_when_either_backend_stream_ends() -> None:
     driver = RoutingDriver(default, routed, "p-")
     watch = stream(driver)
     pending = asyncio.ensure_future(anext(watch))
-    deadline = asyncio.get_running_loop().time() + WAIT
-    while routed.watcher_count == 0:  # until the pumps subscribed
-        assert asyncio.get_running_loop().time() < deadline, "the routed stream never opened"
-        await asyncio.sleep(0.001)
+    await eventually(
+        lambda: routed.watcher_count, lambda n: n > 0, WAIT, what="the routed stream to open"
+    )
     await routed.close()  # its stream ends: the watcher must reopen both and list again
     with pytest.raises(StopAsyncIteration):
         await asyncio.wait_for(pending, WAIT)

@@ -67,6 +67,6 @@ async def test_a_read_that_stalls_longer_than_the_timeout_fails() -> None:
                 pass
 
 
-async def _never(*_: Any, **__: Any) -> dict[TopicPartition, list[Any]]:
-    await asyncio.sleep(0.05)  # a fetch that waits out its own timeout and finds nothing
+async def _never(*_: Any, timeout_ms: int = 0, **__: Any) -> dict[TopicPartition, list[Any]]:
+    await asyncio.sleep(timeout_ms / 1000)  # plays a fetch that waits out its timeout, empty
     return {}
