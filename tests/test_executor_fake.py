@@ -10,6 +10,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
@@ -21,15 +22,18 @@ from harness import Env, eventually, isolated_env
 from pipeline_support import (
     caught_up,
     command,
+    encode_all,
     history,
     phase,
     processor_caught_up,
+    produce_raw,
     rewind_group,
     row,
     wait_phase,
 )
 
 from drivers.fake import FakeDriver
+from drivers.protocol import LaunchSpec
 from events.common import Phase, SandboxSpec
 from events.observations import Operation
 from events.publisher import CommandPublisher
@@ -45,6 +49,7 @@ from services.executor.executor import (
     _Item,
     unwanted,
 )
+from services.executor.rows import read_row
 from services.up.control_plane import ControlPlane
 
 FAST_RETRY = RetryPolicy(first_delay=0.01, max_delay=0.05, give_up_after=5.0)
@@ -378,6 +383,45 @@ async def test_a_new_executor_group_starts_at_the_end_and_the_reconciler_picks_u
         assert len(driver.calls_for("launch", "late")) == 1
 
 
+async def test_an_older_generation_left_running_under_a_newer_row_is_stopped() -> None:
+    """Found by the chaos checker: generation 1 of x was launched by an executor that died
+    before reporting it; x is then restarted and stopped while no executor runs, so its row
+    is Stopping generation 2 and no event will ask to stop generation 1 again. A new executor
+    group starts at the end of the log: its reconcile loop sees generation 1 still running
+    under the newer row and stops it (before the fix it ran on under a Stopped row)."""
+    driver = FakeDriver()
+    async with isolated_env() as env:
+        await env.start_processor()
+        async with await env.publisher() as pub:
+            await command(env, pub, f.create("x"))
+            created = await read_row(env.pool, "x")
+            assert created is not None
+            await driver.launch(
+                LaunchSpec("x", created.sandbox_id, 1, created.identity, created.spec)
+            )
+            await produce_raw(env, encode_all([f.running("x", generation=1)]))
+            await wait_phase(env, "x", "Ready")
+            await command(env, pub, f.restart("x"))
+            await command(env, pub, f.stop("x"))
+            assert (await row(env, "x") or {}).get("generation") == 2
+            assert [(r.generation, r.state) for r in await driver.get("x")] == [(1, "running")]
+            side = DriverSide(
+                env.settings, driver, env.pool, reconcile_interval=0.3, retry=FAST_RETRY
+            )
+            await side.start()
+            try:
+                await wait_phase(env, "x", "Stopped")
+                await eventually(
+                    lambda: driver.get("x"),
+                    lambda runtimes: [(r.generation, r.state) for r in runtimes] == [(1, "exited")],
+                    what="generation 1 of x stopped",
+                )
+                assert side.reconciler is not None and side.reconciler.stale_stopped >= 1
+            finally:
+                await side.stop()
+        assert len(driver.calls_for("launch", "x")) == 1  # the one made before any executor
+
+
 async def test_an_intent_in_flight_during_a_rebalance_is_not_lost_or_doubled() -> None:
     """A second executor joins while the first holds a launch in the driver: the first
     drops what it had queued, commits below the held launch and gives partitions away; the
@@ -586,3 +630,15 @@ def test_the_row_decides_which_intents_are_still_wanted() -> None:
     ]
     for operation, maybe in moved_past:
         assert unwanted(intent(operation), maybe) is not None, (operation, maybe)
+    # A stale generation's stop (generation 2) is wanted while the row is at a newer one and
+    # not launching it.
+    stale = replace(intent("stop"), stale=True)
+    for moved_on in (Phase.READY, Phase.STOPPING, Phase.STOPPED, Phase.ERROR):
+        assert unwanted(stale, row(moved_on, generation=3)) is None, moved_on
+    for current in (
+        row(Phase.STOPPED),  # the row's own generation: not stale
+        row(Phase.STARTING, generation=3),  # its launch removes generation 2
+        row(Phase.STOPPED, generation=3, sandbox_id=other),
+        None,
+    ):
+        assert unwanted(stale, current) is not None, current

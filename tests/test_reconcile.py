@@ -33,7 +33,7 @@ from drivers.protocol import LaunchSpec, RuntimeInfo
 from events.common import Phase
 from events.observations import RuntimeRemoved, RuntimeSnapshot
 from services.common.kafka_clients import kafka_client_args
-from services.executor.reconcile import LiveRow, Reconciler, reconcile
+from services.executor.reconcile import LiveRow, Reconciler, reconcile, stale_runtimes
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 SID = uuid.UUID("00000000-0000-4000-8000-0000000000aa")
@@ -129,6 +129,31 @@ def test_orphans_are_reported_as_snapshots() -> None:
 def test_an_old_generation_of_a_settled_row_is_an_orphan() -> None:
     found = reconcile([live("a", 3, Phase.STOPPED)], [runtime("a", 2), runtime("a", 3)], NOW)
     assert kinds(found) == [("orphan", "a", 2)]
+
+
+def test_an_older_generation_still_running_under_its_row_is_stale() -> None:
+    """Only an older generation of the row's own incarnation that has not exited, while the
+    row is neither launching (its launch removes it) nor deleting, is handed to stop_stale."""
+    rows = [
+        live("stopped", 3, Phase.STOPPED),
+        live("ready", 2, Phase.READY),
+        live("starting", 2, Phase.STARTING),
+        live("deleting", 2, Phase.DELETING),
+        live("other", 2, Phase.STOPPED, sandbox_id=OTHER),
+    ]
+    runtimes = [
+        runtime("stopped", 2),
+        runtime("stopped", 1, "exited"),
+        runtime("stopped", 3, "exited"),
+        runtime("ready", 1, "created"),
+        runtime("ready", 2),
+        runtime("starting", 1),
+        runtime("deleting", 1),
+        runtime("other", 1),  # another incarnation: an orphan, not a stale generation
+        runtime("gone", 1),  # no live row
+    ]
+    stale = stale_runtimes(rows, runtimes)
+    assert [(r.key, r.generation) for r in stale] == [("stopped", 2), ("ready", 1)]
 
 
 # -- on the pipeline ------------------------------------------------------------------------------

@@ -66,6 +66,7 @@ from drivers.protocol import (
     LaunchResult,
     LaunchSpec,
     OpResult,
+    RuntimeInfo,
     operation_result,
 )
 from events.codec import EVENTS, DecodeError, decode
@@ -112,6 +113,9 @@ class Intent:
     launch: LaunchSpec | None = None
     previous_generation: int | None = None  # a start's or restart's older generation
     cleanup: bool = False  # a stop after a timed-out launch: wanted while the row is Error
+    # A stop of a runtime of an older generation than its row's (the reconcile loop's
+    # ``stop_stale``): wanted while the row is at a newer generation and not launching.
+    stale: bool = False
 
 
 def intent_of(event: DecidedEvent) -> Intent | None:
@@ -176,6 +180,12 @@ def unwanted(intent: Intent, row: Sandbox | None) -> str | None:
         return "no row"
     if row.sandbox_id != intent.sandbox_id:
         return f"the name now belongs to incarnation {row.sandbox_id} ({row.phase})"
+    if intent.stale:
+        if row.generation <= intent.generation:
+            return f"the row is at generation {row.generation}"
+        if row.phase in WANTED_PHASES["launch"]:
+            return f"the row is {row.phase}: its launch removes the older generations"
+        return None
     if intent.operation != "delete" and row.generation != intent.generation:
         return f"the row is at generation {row.generation}"
     wanted = CLEANUP_PHASES if intent.cleanup else WANTED_PHASES[intent.operation]
@@ -442,6 +452,21 @@ class Executor:
             return False
         log.info("picking up %s of %s generation %d from its %s row",
                  intent.operation, row.key, row.generation, row.phase)  # fmt: skip
+        self._add(_Item(intent))
+        return True
+
+    def stop_stale(self, runtime: RuntimeInfo) -> bool:
+        """Queue a stop of ``runtime``, of an older generation than its sandbox's row, still
+        running (the reconcile loop calls this). No event asks for it: the launch or stop that
+        should have stopped it was lost with an executor that died, or never reached this
+        group, and a row that moved on never asks for an older generation again. Nothing is
+        queued while the sandbox has intents here, nor for another executor's partition."""
+        if self._closing or self.pending(runtime.key) or not self.owns(runtime.key):
+            return False
+        log.info("stopping %s generation %d: older than its row's, still %s",
+                 runtime.key, runtime.generation, runtime.state)  # fmt: skip
+        intent = Intent("stop", runtime.key, runtime.sandbox_id, runtime.generation,
+                        f"result:stale:{runtime.runtime_id}", "reconciler", stale=True)  # fmt: skip
         self._add(_Item(intent))
         return True
 

@@ -6,6 +6,12 @@ Ready row to Error and a Stopping one to Stopped) and an orphan runtime carrying
 no live row (a snapshot the processor records as ignored). It never stops, removes or starts
 anything itself: the processor decides.
 
+One exception is handed to the executor, because no event will ever ask for it: a runtime of
+an older generation than its row's still running while the row is not launching (the launch
+or stop that should have stopped it was lost with an executor that died, or was decided before
+a new executor group joined). An executor process's pass passes it to ``stop_stale``
+(``Executor.stop_stale``), which stops it if the sandbox's partition is its own.
+
 It also hands the executor what the log can no longer deliver: a row that stays in a
 progressing phase (Provisioning, Starting, Stopping, Deleting) at the same version for a whole
 pass is passed to ``pickup`` (``Executor.pick_up``), which queues what the row wants unless
@@ -115,6 +121,21 @@ def reconcile(
     return out
 
 
+def stale_runtimes(rows: Iterable[LiveRow], runtimes: Iterable[RuntimeInfo]) -> list[RuntimeInfo]:
+    """Runtimes of a live row's incarnation, of an older generation than the row's, not exited,
+    while the row is neither launching (its launch removes them) nor deleting (pure)."""
+    by_key = {r.key: r for r in rows}
+    return [
+        rt
+        for rt in runtimes
+        if (row := by_key.get(rt.key)) is not None
+        and row.sandbox_id == rt.sandbox_id
+        and rt.generation < row.generation
+        and row.phase not in (*LAUNCHING, Phase.DELETING)
+        and rt.state != "exited"
+    ]
+
+
 async def live_rows(pool: asyncpg.Pool[asyncpg.Record]) -> list[LiveRow]:
     rows = await pool.fetch(
         "SELECT key, sandbox_id, generation, phase FROM sandboxes WHERE phase <> 'Deleted'"
@@ -156,6 +177,8 @@ class Reconciler:
     # differences: it holds the watcher lease, so they are reported once, not by every executor).
     report: bool = True
     picked_up: int = 0
+    stop_stale: Callable[[RuntimeInfo], bool] | None = None  # the executor's stop_stale
+    stale_stopped: int = 0  # stale runtimes handed to stop_stale
     _progressing: set[tuple[str, UUID, int]] = field(default_factory=set)  # the last pass's
 
     async def pick_up_stuck(self) -> None:
@@ -172,11 +195,17 @@ class Reconciler:
     async def run_once(self) -> list[Observation]:
         """One pass; returns what it reported (new differences only)."""
         await self.pick_up_stuck()
-        if not self.report:
+        if not self.report and self.stop_stale is None:
             self.passes += 1
             return []
         rows = await live_rows(self.pool)
         runtimes = await self.driver.list()
+        if self.stop_stale is not None:
+            for runtime in stale_runtimes(rows, runtimes):
+                self.stale_stopped += self.stop_stale(runtime)
+        if not self.report:
+            self.passes += 1
+            return []
         current = reconcile(rows, runtimes, self.clock())
         still = {o.observation_id for o in current} & self.reported
         sent = []
