@@ -463,9 +463,10 @@ def _to_json(value: Any) -> str:
 
 async def unpublished_outbox(conn: Connection, partition: int) -> list[tuple[int, OutboxRecord]]:
     rows = await conn.fetch(
-        "SELECT o.id, o.topic, o.key, o.value FROM outbox o "
-        "LEFT JOIN outbox_cursor c ON c.partition = o.partition "
-        "WHERE o.partition = $1 AND o.id > coalesce(c.published_id, 0) ORDER BY o.id",
+        # The cursor as a bound of the index scan (a join would read the partition's whole
+        # outbox, published or not, and the outbox is kept after publishing).
+        "SELECT id, topic, key, value FROM outbox WHERE partition = $1 AND id > coalesce("
+        "(SELECT published_id FROM outbox_cursor WHERE partition = $1), 0) ORDER BY id",
         partition,
     )
     return [(r["id"], OutboxRecord(partition, r["topic"], r["key"], r["value"])) for r in rows]
@@ -481,9 +482,15 @@ WITH acked AS (
     SELECT ps.p, coalesce(c.published_id, 0) AS at
     FROM (SELECT DISTINCT p FROM acked) ps LEFT JOIN outbox_cursor c ON c.partition = ps.p
 ), gap AS (
+    -- The first unacknowledged id above the cursor is among the first n + 1 ids above it
+    -- (n: the distinct acknowledged ids above it), so only those are read, through
+    -- outbox_partition: a cost of the acknowledged ids, not of the outbox's size.
     SELECT cur.p, min(o.id) AS first_missing
-    FROM cur JOIN outbox o ON o.partition = cur.p AND o.id > cur.at
-    WHERE NOT EXISTS (SELECT 1 FROM acked a WHERE a.p = o.partition AND a.id = o.id)
+    FROM cur CROSS JOIN LATERAL (
+        SELECT id FROM outbox WHERE partition = cur.p AND id > cur.at ORDER BY id
+        LIMIT (SELECT count(DISTINCT a.id) FROM acked a WHERE a.p = cur.p AND a.id > cur.at) + 1
+    ) AS o
+    WHERE NOT EXISTS (SELECT 1 FROM acked a WHERE a.p = cur.p AND a.id = o.id)
     GROUP BY cur.p
 ), target AS (
     SELECT cur.p, max(a.id) AS to_id
