@@ -94,6 +94,11 @@ TopicPartitionKey = tuple[str, int]
 # The batch's offsets, rows and known outcomes in one round trip and one snapshot. Nothing is
 # locked: every writer commits rows and offsets together, so what this returns is consistent,
 # and the write (below) only succeeds if none of these offsets moved since.
+#
+# Rows, outcomes and chain heads are each one index probe per key (LATERAL ... LIMIT 1): the
+# processor runs this as a generic plan, made once per connection, often on small or empty
+# tables (a new installation, a benchmark), and kept as they grow. Joined with the key arrays
+# instead, that plan scanned sandboxes and command_outcomes whole at every read.
 _READ_BATCH = """
 SELECT 'offset' AS kind, u.t AS topic, u.p AS partition, coalesce(o.next_offset, 0) AS next_offset,
        NULL::json AS body
@@ -106,10 +111,12 @@ SELECT 'row', NULL, NULL, NULL, json_build_object(
     'exit_code', exit_code, 'reason', reason, 'created_at', created_at,
     'updated_at', updated_at, 'deadline', deadline, 'expires_at', expires_at,
     'on_expiry', on_expiry, 'on_exit', on_exit, 'hold', hold, 'awaited', awaited)
-FROM sandboxes WHERE key = ANY($3::text[])
+FROM unnest($3::text[]) AS k, LATERAL (SELECT * FROM sandboxes WHERE key = k LIMIT 1) AS s
 UNION ALL
-SELECT 'outcome', NULL, NULL, NULL, outcome::json FROM command_outcomes
-WHERE (key, command_id) IN (SELECT * FROM unnest($4::text[], $5::text[]))
+SELECT 'outcome', NULL, NULL, NULL, o.outcome::json
+FROM unnest($4::text[], $5::text[]) AS u(k, c),
+     LATERAL (SELECT outcome FROM command_outcomes WHERE key = u.k AND command_id = u.c
+              LIMIT 1) AS o
 UNION ALL
 SELECT 'head', k, NULL, NULL, json_build_object('hash', encode(h.entry_hash, 'hex'))
 FROM unnest($6::text[]) AS k,
@@ -461,14 +468,18 @@ def _to_json(value: Any) -> str:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
+# The cursor as a bound of the index scan: a join would read the partition's whole outbox,
+# published or not, and the outbox is kept after publishing.
+_UNPUBLISHED = """
+SELECT id, topic, key, value FROM outbox
+WHERE partition = $1
+  AND id > coalesce((SELECT published_id FROM outbox_cursor WHERE partition = $1), 0)
+ORDER BY id
+"""
+
+
 async def unpublished_outbox(conn: Connection, partition: int) -> list[tuple[int, OutboxRecord]]:
-    rows = await conn.fetch(
-        # The cursor as a bound of the index scan (a join would read the partition's whole
-        # outbox, published or not, and the outbox is kept after publishing).
-        "SELECT id, topic, key, value FROM outbox WHERE partition = $1 AND id > coalesce("
-        "(SELECT published_id FROM outbox_cursor WHERE partition = $1), 0) ORDER BY id",
-        partition,
-    )
+    rows = await conn.fetch(_UNPUBLISHED, partition)
     return [(r["id"], OutboxRecord(partition, r["topic"], r["key"], r["value"])) for r in rows]
 
 
