@@ -46,7 +46,7 @@ async def test_the_gap_search_reads_the_outbox_above_the_cursor_only() -> None:
 
 
 async def test_the_cursor_stops_below_the_first_id_not_acknowledged() -> None:
-    """Acknowledgements out of order, repeated, and past an id nobody sent."""
+    """Acknowledgements out of order, repeated, and beyond an id nobody acknowledged."""
     async with isolated_env(partitions=1) as env:
         await _outbox(env, 10, 2)
         async with env.pool.acquire() as conn:
