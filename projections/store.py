@@ -94,6 +94,11 @@ TopicPartitionKey = tuple[str, int]
 # The batch's offsets, rows and known outcomes in one round trip and one snapshot. Nothing is
 # locked: every writer commits rows and offsets together, so what this returns is consistent,
 # and the write (below) only succeeds if none of these offsets moved since.
+#
+# Rows, outcomes and chain heads are each one index probe per key (LATERAL ... LIMIT 1): the
+# processor runs this as a generic plan, made once per connection, often on small or empty
+# tables (a new installation, a benchmark), and kept as they grow. Joined with the key arrays
+# instead, that plan scanned sandboxes and command_outcomes whole at every read.
 _READ_BATCH = """
 SELECT 'offset' AS kind, u.t AS topic, u.p AS partition, coalesce(o.next_offset, 0) AS next_offset,
        NULL::json AS body
@@ -106,10 +111,12 @@ SELECT 'row', NULL, NULL, NULL, json_build_object(
     'exit_code', exit_code, 'reason', reason, 'created_at', created_at,
     'updated_at', updated_at, 'deadline', deadline, 'expires_at', expires_at,
     'on_expiry', on_expiry, 'on_exit', on_exit, 'hold', hold, 'awaited', awaited)
-FROM sandboxes WHERE key = ANY($3::text[])
+FROM unnest($3::text[]) AS k, LATERAL (SELECT * FROM sandboxes WHERE key = k LIMIT 1) AS s
 UNION ALL
-SELECT 'outcome', NULL, NULL, NULL, outcome::json FROM command_outcomes
-WHERE (key, command_id) IN (SELECT * FROM unnest($4::text[], $5::text[]))
+SELECT 'outcome', NULL, NULL, NULL, o.outcome::json
+FROM unnest($4::text[], $5::text[]) AS u(k, c),
+     LATERAL (SELECT outcome FROM command_outcomes WHERE key = u.k AND command_id = u.c
+              LIMIT 1) AS o
 UNION ALL
 SELECT 'head', k, NULL, NULL, json_build_object('hash', encode(h.entry_hash, 'hex'))
 FROM unnest($6::text[]) AS k,
@@ -461,13 +468,18 @@ def _to_json(value: Any) -> str:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
+# The cursor as a bound of the index scan: a join would read the partition's whole outbox,
+# published or not, and the outbox is kept after publishing.
+_UNPUBLISHED = """
+SELECT id, topic, key, value FROM outbox
+WHERE partition = $1
+  AND id > coalesce((SELECT published_id FROM outbox_cursor WHERE partition = $1), 0)
+ORDER BY id
+"""
+
+
 async def unpublished_outbox(conn: Connection, partition: int) -> list[tuple[int, OutboxRecord]]:
-    rows = await conn.fetch(
-        "SELECT o.id, o.topic, o.key, o.value FROM outbox o "
-        "LEFT JOIN outbox_cursor c ON c.partition = o.partition "
-        "WHERE o.partition = $1 AND o.id > coalesce(c.published_id, 0) ORDER BY o.id",
-        partition,
-    )
+    rows = await conn.fetch(_UNPUBLISHED, partition)
     return [(r["id"], OutboxRecord(partition, r["topic"], r["key"], r["value"])) for r in rows]
 
 
@@ -481,9 +493,15 @@ WITH acked AS (
     SELECT ps.p, coalesce(c.published_id, 0) AS at
     FROM (SELECT DISTINCT p FROM acked) ps LEFT JOIN outbox_cursor c ON c.partition = ps.p
 ), gap AS (
+    -- The first unacknowledged id above the cursor is among the first n + 1 ids above it
+    -- (n: the distinct acknowledged ids above it), so only those are read, through
+    -- outbox_partition: a cost of the acknowledged ids, not of the outbox's size.
     SELECT cur.p, min(o.id) AS first_missing
-    FROM cur JOIN outbox o ON o.partition = cur.p AND o.id > cur.at
-    WHERE NOT EXISTS (SELECT 1 FROM acked a WHERE a.p = o.partition AND a.id = o.id)
+    FROM cur CROSS JOIN LATERAL (
+        SELECT id FROM outbox WHERE partition = cur.p AND id > cur.at ORDER BY id
+        LIMIT (SELECT count(DISTINCT a.id) FROM acked a WHERE a.p = cur.p AND a.id > cur.at) + 1
+    ) AS o
+    WHERE NOT EXISTS (SELECT 1 FROM acked a WHERE a.p = cur.p AND a.id = o.id)
     GROUP BY cur.p
 ), target AS (
     SELECT cur.p, max(a.id) AS to_id

@@ -1,0 +1,88 @@
+"""The store's per-batch work stays a cost of the batch, not of the tables' size, on real
+PostgreSQL: the publish cursor's gap search and the unpublished outbox read only what is above
+the cursor (the outbox is kept after publishing), and the batch read's generic plan, made once
+per connection and possibly on empty tables, looks rows and outcomes up by key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness import Env, isolated_env
+
+from projections.store import (
+    _MARK_PUBLISHED,
+    _READ_BATCH,
+    _UNPUBLISHED,
+    mark_published,
+    unpublished_outbox,
+)
+
+PUBLISHED = 20_000  # outbox rows of partition 0 below its cursor
+
+
+async def _outbox(env: Env, rows: int, cursor: int) -> None:
+    """``rows`` outbox records of partition 0 (ids 1..rows), published up to ``cursor``."""
+    await env.pool.execute(
+        "INSERT INTO outbox (partition, topic, key, value) "
+        "SELECT 0, 'events', NULL, '\\x00'::bytea FROM generate_series(1, $1)",
+        rows,
+    )
+    await env.pool.execute("INSERT INTO outbox_cursor VALUES (0, $1)", cursor)
+    await env.pool.execute("ANALYZE outbox")
+
+
+async def _plan(env: Env, query: str, *args: Any) -> str:
+    rows = await env.fetch(f"EXPLAIN {query}", *args)
+    return "\n".join(r[0] for r in rows)
+
+
+async def test_the_gap_search_reads_the_outbox_above_the_cursor_only() -> None:
+    async with isolated_env(partitions=1) as env:
+        await _outbox(env, PUBLISHED + 10, PUBLISHED)
+        acked = [PUBLISHED + i for i in (1, 2, 4)]
+        plan = await _plan(env, _MARK_PUBLISHED, [0] * len(acked), acked)
+        assert "Seq Scan on outbox" not in plan
+        assert "Index Cond: " in plan.split("CTE gap")[1].split("CTE moved")[0]
+
+
+async def test_the_cursor_stops_below_the_first_id_not_acknowledged() -> None:
+    """Acknowledgements out of order, repeated, and beyond an id nobody acknowledged."""
+    async with isolated_env(partitions=1) as env:
+        await _outbox(env, 10, 2)
+        async with env.pool.acquire() as conn:
+            assert await mark_published(conn, {0: [4, 3, 6, 3, 7]}) == {0: 5}
+            assert await env.fetchval("SELECT published_id FROM outbox_cursor") == 4
+            assert await mark_published(conn, {0: [5, 6, 7]}) == {}  # 8 is above them all
+            assert await env.fetchval("SELECT published_id FROM outbox_cursor") == 7
+
+
+async def test_the_unpublished_outbox_is_read_from_the_cursor_on() -> None:
+    async with isolated_env(partitions=1) as env:
+        await _outbox(env, PUBLISHED + 3, PUBLISHED)
+        async with env.pool.acquire() as conn:
+            pending = await unpublished_outbox(conn, 0)
+        assert [i for i, _ in pending] == [PUBLISHED + 1, PUBLISHED + 2, PUBLISHED + 3]
+        plan = await _plan(env, _UNPUBLISHED, 0)
+        assert "Seq Scan on outbox" not in plan
+        assert "Index Cond: (id > COALESCE($0, '0'::bigint))" in plan
+
+
+async def test_the_batch_read_made_on_empty_tables_looks_rows_and_outcomes_up_by_key() -> None:
+    """The batch read as the processor runs it: a generic plan, made at its first use (on a new
+    installation, on empty tables) and kept as they grow. Its plan must not scan them whole."""
+    empty = ", ".join(["'{}'"] * 7)
+    async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
+        await conn.execute("SET plan_cache_mode = force_generic_plan")
+        await conn.execute(f"PREPARE batch_read AS {_READ_BATCH}")
+        await conn.execute(f"EXECUTE batch_read({empty})")  # the plan is made here
+        await conn.execute(
+            "INSERT INTO command_outcomes (key, command_id, command_type, status, code, "
+            "message, outcome) SELECT 'k' || i, 'c' || i, 'CreateSandbox', 'accepted', 'ok', "
+            "'', '{}' FROM generate_series(1, 20000) AS i"
+        )
+        rows = await conn.fetch(f"EXPLAIN EXECUTE batch_read({empty})")
+        plan = "\n".join(r[0] for r in rows)
+        for table in ("sandboxes", "command_outcomes", "history"):  # (input_offsets: a row
+            assert f"Seq Scan on {table}" not in plan  # per partition, scanned whole is fine)
+        assert "command_outcomes_pkey" in plan
+        assert "sandboxes_pkey" in plan
