@@ -13,6 +13,8 @@ from projections.store import (
     _MARK_PUBLISHED,
     _READ_BATCH,
     _UNPUBLISHED,
+    _WRITE_BATCH,
+    BATCH_SESSION,
     mark_published,
     unpublished_outbox,
 )
@@ -72,7 +74,7 @@ async def test_the_batch_read_made_on_empty_tables_looks_rows_and_outcomes_up_by
     installation, on empty tables) and kept as they grow. Its plan must not scan them whole."""
     empty = ", ".join(["'{}'"] * 7)
     async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
-        await conn.execute("SET plan_cache_mode = force_generic_plan")
+        await conn.execute(BATCH_SESSION)
         await conn.execute(f"PREPARE batch_read AS {_READ_BATCH}")
         await conn.execute(f"EXECUTE batch_read({empty})")  # the plan is made here
         await conn.execute(
@@ -86,3 +88,28 @@ async def test_the_batch_read_made_on_empty_tables_looks_rows_and_outcomes_up_by
             assert f"Seq Scan on {table}" not in plan  # per partition, scanned whole is fine)
         assert "command_outcomes_pkey" in plan
         assert "sandboxes_pkey" in plan
+
+
+async def test_the_batch_write_made_on_empty_tables_updates_rows_found_by_key() -> None:
+    """The batch write as the processor runs it (BATCH_SESSION): a generic plan made on an
+    empty sandboxes table. Joined by hash, its row update scanned the table whole at every
+    write once it had grown; it must find each row through the key index instead."""
+    empty = (
+        "'{}'::text[], '{}'::int[], '{}'::bigint[], '{}'::bigint[], '[]', '[]', '[]', "
+        "'{}'::int[], '{}'::text[], '{}'::bytea[], '{}'::bytea[], 0, 'changes'"
+    )
+    async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
+        await conn.execute(BATCH_SESSION)
+        await conn.execute(f"PREPARE batch_write AS {_WRITE_BATCH}")
+        await conn.execute(f"EXECUTE batch_write({empty})")  # the plan is made here
+        await conn.execute(
+            "INSERT INTO sandboxes (key, sandbox_id, phase, generation, version, spec, "
+            "providers, identity, created_at, updated_at, partition, change_seq) "
+            "SELECT 'k' || i, gen_random_uuid(), 'Ready', 1, 1, '{}', '{}', 'i', now(), now(), "
+            "0, i FROM generate_series(1, 20000) AS i"
+        )
+        rows = await conn.fetch(f"EXPLAIN EXECUTE batch_write({empty})")
+        update = "\n".join(r[0] for r in rows).split("CTE updated")[1].split("CTE recorded")[0]
+        assert "Seq Scan on sandboxes" not in update
+        assert "Index Scan using sandboxes_pkey on sandboxes" in update
+        assert "Index Cond: (key = " in update

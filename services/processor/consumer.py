@@ -59,6 +59,7 @@ from projections.lifecycle import Message, Sandbox
 from projections.records import maker
 from projections.stopped import record_stop, stopped_partitions
 from projections.store import (
+    BATCH_SESSION,
     CONNECTION_ERRORS,
     BatchWrite,
     HistoryRow,
@@ -872,10 +873,7 @@ class Processor:
 
     async def _batch_connection(self) -> Any:
         conn = await self.pool.acquire()
-        # The read and write statements planned once, not at every poll: one plan (unnest
-        # joined on indexed keys) serves every batch size, and a small poll's PostgreSQL
-        # CPU fell by 15-25 % without the planning (docs/benchmarks.md).
-        await conn.execute("SET plan_cache_mode = force_generic_plan")
+        await conn.execute(BATCH_SESSION)
         return conn
 
     def _inputs(
