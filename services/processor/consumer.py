@@ -26,7 +26,7 @@ import contextlib
 import heapq
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import Enum
@@ -1071,11 +1071,13 @@ class Processor:
             return
         if self.producer is None:
             raise KafkaTimeoutError("no producer (being restarted)")
+        place = await self._placer({rec.topic for _, rec in records})
         if len(records) > _SEND_ONE_BY_ONE:
-            futures = await self._send_batched([rec for _, rec in records])
+            futures = await self._send_batched([rec for _, rec in records], place)
         else:  # appended to the producer's open batches, without waiting for one to drain
+            send = self.producer.send
             futures = [
-                await self.producer.send(rec.topic, value=rec.value, key=rec.key)
+                await send(rec.topic, value=rec.value, key=rec.key, partition=place(rec))
                 for _, rec in records
             ]
         sent: dict[int, list[int]] = defaultdict(list)
@@ -1085,14 +1087,19 @@ class Processor:
         if self._confirmer is None or self._confirmer.done():
             self._confirmer = asyncio.create_task(self._confirm_in_order())
 
-    async def _send_batched(self, records: Sequence[OutboxRecord]) -> list[asyncio.Future[Any]]:
+    async def _send_batched(
+        self, records: Sequence[OutboxRecord], place: Callable[[OutboxRecord], int | None]
+    ) -> list[asyncio.Future[Any]]:
         """Hand records to the producer one batch per topic partition (in order within each),
         each placed where ``send`` would place it: a fraction of ``send``'s cost per record."""
         producer = self.producer
         assert producer is not None
         by_tp: dict[tuple[str, int], list[OutboxRecord]] = defaultdict(list)
         for rec in records:
-            by_tp[(rec.topic, await self._out_partition(rec))].append(rec)
+            found = place(rec)
+            if found is None:  # unkeyed: aiokafka's own choice, as send would make it
+                found = producer._partition(rec.topic, None, None, None, None, rec.value)
+            by_tp[(rec.topic, int(found))].append(rec)
         futures = []
         for (topic, partition), recs in by_tp.items():
             batch = producer.create_batch()
@@ -1105,20 +1112,29 @@ class Processor:
             futures.append(await producer.send_batch(batch, topic, partition=partition))
         return futures
 
-    async def _out_partition(self, rec: OutboxRecord) -> int:
-        """The partition ``send`` would choose: Kafka's default partitioner for a keyed record
-        (remembered per key and partition count), aiokafka's for an unkeyed one."""
+    async def _placer(self, topics: Iterable[str]) -> Callable[[OutboxRecord], int | None]:
+        """Where ``send`` would place a record of ``topics``: Kafka's default partitioner for a
+        keyed one, remembered per key and partition count (aiokafka's own partitioner runs
+        murmur2 in Python for every record); None for an unkeyed one (aiokafka chooses)."""
         assert self.producer is not None
-        if rec.key is None:
-            return int(self.producer._partition(rec.topic, None, None, None, None, rec.value))
-        count = len(await self.producer.partitions_for(rec.topic))
-        placed = self._out_placed.setdefault((rec.topic, count), {})
-        if len(placed) > _PLACED_KEYS:
-            placed.clear()
-        found = placed.get(rec.key)
-        if found is None:
-            found = placed[rec.key] = partition_for(rec.key, count)
-        return found
+        memo: dict[str, tuple[int, dict[bytes, int]]] = {}
+        for topic in topics:  # each topic's partition count, once per publish
+            count = len(await self.producer.partitions_for(topic))
+            placed = self._out_placed.setdefault((topic, count), {})
+            if len(placed) > _PLACED_KEYS:
+                placed.clear()
+            memo[topic] = (count, placed)
+
+        def place(rec: OutboxRecord) -> int | None:
+            if rec.key is None:
+                return None
+            count, placed = memo[rec.topic]
+            found = placed.get(rec.key)
+            if found is None:
+                found = placed[rec.key] = partition_for(rec.key, count)
+            return found
+
+        return place
 
     async def _confirm_in_order(self) -> None:
         """Await handed-over batches in order; one cursor write for all that are ready."""
