@@ -446,6 +446,14 @@ _PLACED_KEYS = 100_000
 _SEND_ONE_BY_ONE = 500
 
 
+# The confirmer writes the publish cursors at most this often (seconds) unless a drain (a
+# revoke, an assignment, a stop) waits for them: at a steady rate every poll's
+# acknowledgements cost a statement of their own otherwise. A crash leaves what was
+# acknowledged since the last write above the cursor, published again by the next owner: at
+# least once, as for anything in flight at a crash (docs/architecture.md).
+_CURSOR_EVERY = 0.1
+
+
 # How long a poll made during a write waits for records (one that finds none ends the polling
 # for that write). Dropped as soon as the write is done, so it only bounds a long write's polls.
 _FETCH_WAIT_MS = 1000
@@ -478,6 +486,9 @@ class Processor:
         default_factory=asyncio.Queue
     )
     _confirmer: asyncio.Task[None] | None = None
+    _cursor_written: float = 0.0  # the event loop's time of the last cursor write
+    _flush: asyncio.Event = field(default_factory=asyncio.Event)  # set while a drain waits
+    _draining: int = 0  # drains waiting
     _publish_failure: Exception | None = None
     _conn: Any = None  # the batches' connection
     _rows: RowCache = field(init=False)
@@ -1137,10 +1148,12 @@ class Processor:
         return place
 
     async def _confirm_in_order(self) -> None:
-        """Await handed-over batches in order; one cursor write for all that are ready."""
+        """Await handed-over batches in order; one cursor write for all that are ready, at
+        most one per ``_CURSOR_EVERY`` unless a drain waits for it."""
         while True:
             futures, sent = await self._unconfirmed.get()
             batches = [(futures, sent)]
+            await self._cursor_due()
             while not self._unconfirmed.empty():
                 batches.append(self._unconfirmed.get_nowait())
             try:
@@ -1163,16 +1176,32 @@ class Processor:
             except Exception as exc:  # surfaced by the next batch: the processor must restart
                 self._publish_failure = exc
             finally:
+                self._cursor_written = asyncio.get_running_loop().time()
                 for _ in batches:
                     self._unconfirmed.task_done()
+
+    async def _cursor_due(self) -> None:
+        """Until ``_CURSOR_EVERY`` has passed since the last cursor write, or a drain waits."""
+        wait = self._cursor_written + _CURSOR_EVERY - asyncio.get_running_loop().time()
+        if wait > 0 and not self._flush.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._flush.wait(), wait)
 
     def _raise_publish_failure(self) -> None:
         if self._publish_failure is not None:
             raise RuntimeError("publishing the outbox failed") from self._publish_failure
 
     async def drain(self) -> None:
-        """Wait until every handed-over outbox record is acknowledged and its cursor moved."""
-        await self._unconfirmed.join()
+        """Wait until every handed-over outbox record is acknowledged and its cursor moved
+        (written at once, not after ``_CURSOR_EVERY``)."""
+        self._draining += 1
+        self._flush.set()
+        try:
+            await self._unconfirmed.join()
+        finally:
+            self._draining -= 1
+            if not self._draining:
+                self._flush.clear()
         self._raise_publish_failure()
 
     async def republish_gaps(self) -> None:
