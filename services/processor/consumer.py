@@ -1126,7 +1126,11 @@ class Processor:
     async def _placer(self, topics: Iterable[str]) -> Callable[[OutboxRecord], int | None]:
         """Where ``send`` would place a record of ``topics``: Kafka's default partitioner for a
         keyed one, remembered per key and partition count (aiokafka's own partitioner runs
-        murmur2 in Python for every record); None for an unkeyed one (aiokafka chooses)."""
+        murmur2 in Python for every record); None for an unkeyed one (aiokafka chooses).
+
+        A decided event is keyed by its sandbox, whose input records parse checked are on the
+        input partition the event was decided from (``rec.partition``): with as many
+        partitions, that is the event's partition too, without hashing its key again."""
         assert self.producer is not None
         memo: dict[str, tuple[int, dict[bytes, int]]] = {}
         for topic in topics:  # each topic's partition count, once per publish
@@ -1135,10 +1139,14 @@ class Processor:
             if len(placed) > _PLACED_KEYS:
                 placed.clear()
             memo[topic] = (count, placed)
+        events = self.settings.topic_events
+        co_partitioned = events in memo and memo[events][0] == self.settings.kafka_partitions
 
         def place(rec: OutboxRecord) -> int | None:
             if rec.key is None:
                 return None
+            if co_partitioned and rec.topic == events:
+                return rec.partition
             count, placed = memo[rec.topic]
             found = placed.get(rec.key)
             if found is None:
