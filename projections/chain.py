@@ -58,7 +58,7 @@ def content_json(
 ) -> bytes:  # fmt: skip
     """``canonical`` of the content given in CONTENT_FIELDS order. What json.dumps(sort_keys=
     True, separators=(",", ":"), ensure_ascii=False) writes (tests/test_chain.py compares the
-    two), from orjson (pydantic-core's serializer cost 40 % more). Keys in sorted order; orjson
+    two), from orjson (pydantic-core's serializer cost 25 % more). Keys in sorted order; orjson
     writes a ``uuid.UUID`` as ``str`` does, without the Python call, and asyncpg's own UUID
     type (a row read back) through ``str``."""
     return orjson.dumps(
