@@ -160,14 +160,17 @@ async def test_a_large_batch_postgresql_refuses_is_split_and_only_the_culprit_de
         assert await env.fetchval("SELECT count(*) FROM sandboxes") == 1200
 
 
-async def test_a_large_poll_publishes_every_event_once_where_send_would_place_it() -> None:
+@pytest.mark.parametrize("count", [40, 800])  # sent one by one; as a batch per partition
+async def test_a_poll_publishes_every_event_once_where_send_would_place_it(count: int) -> None:
     async with isolated_env(partitions=3) as env:
-        names = [f"pub-{i}" for i in range(800)]  # more than are sent one by one
+        names = [f"pub-{i}" for i in range(count)]
+        refused: list[tuple[bytes | None, bytes | None]] = [(b"bad-key", b"{"), (None, b"{")]
         await env.produce(
-            env.settings.topic_commands, [(n.encode(), encode(f.create(n))) for n in names]
+            env.settings.topic_commands,
+            [(n.encode(), encode(f.create(n))) for n in names] + refused,
         )
         await env.start_processor()
-        await env.wait_applied(len(names))
+        await env.wait_applied(len(names) + len(refused))
         events = await eventually(
             lambda: env.read_topic(env.settings.topic_events),
             lambda found: len(found) >= len(names),
@@ -177,6 +180,14 @@ async def test_a_large_poll_publishes_every_event_once_where_send_would_place_it
         for e in events:
             assert e.partition == partition_for(e.key, 3)
             assert json.loads(e.value)["type"] == "SandboxCreated"
+        letters = await eventually(
+            lambda: env.read_topic(env.settings.topic_deadletter),
+            lambda found: len(found) >= len(refused),
+            what="both dead letters published",
+        )
+        assert sorted(r.key or b"" for r in letters) == [b"", b"bad-key"]
+        keyed = next(r for r in letters if r.key is not None)
+        assert keyed.partition == partition_for(b"bad-key", 3)
         newest = await env.fetch("SELECT partition, max(id) AS id FROM outbox GROUP BY partition")
 
         async def cursors() -> dict[int, int]:

@@ -13,9 +13,10 @@ import pytest
 import workload
 from harness import Env, eventually, isolated_env
 
-from projections.store import SANDBOX_COLUMNS, sandbox_from_record
+from projections.store import SANDBOX_COLUMNS, mark_published, sandbox_from_record
 from services.common import metrics
 from services.common.kafka_clients import kafka_client_args
+from services.processor import consumer
 from services.processor.consumer import Processor
 from services.processor.rebuild import rebuild_and_compare
 
@@ -198,9 +199,14 @@ class HeldProducer:
     def __init__(self) -> None:
         self.sent: list[asyncio.Future[None]] = []
 
-    async def send(self, topic: str, value: bytes, key: bytes | None) -> asyncio.Future[None]:
+    async def send(
+        self, topic: str, value: bytes, key: bytes | None, partition: int | None = None
+    ) -> asyncio.Future[None]:
         self.sent.append(asyncio.get_running_loop().create_future())
         return self.sent[-1]
+
+    async def partitions_for(self, topic: str) -> set[int]:
+        return {0}  # the tests' topics have one partition
 
     async def stop(self) -> None:
         return None
@@ -231,6 +237,45 @@ async def test_a_publish_cursor_moves_only_past_records_that_are_all_acknowledge
             for future in producer.sent:
                 if not future.done():
                     future.set_result(None)
+            await processor.stop()
+
+
+async def test_publish_cursors_are_written_once_per_interval_and_at_once_for_a_drain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At a steady rate the cursor is not written for every batch: what is acknowledged within
+    the interval is written together, and a drain (revoke, stop) writes it at once."""
+    monkeypatch.setattr(consumer, "_CURSOR_EVERY", 3600.0)  # no write falls due by time
+    writes: list[dict[int, list[int]]] = []
+
+    async def counted(conn: Any, acked: dict[int, list[int]]) -> dict[int, int]:
+        writes.append({p: list(ids) for p, ids in acked.items()})
+        return await mark_published(conn, acked)
+
+    monkeypatch.setattr(consumer, "mark_published", counted)
+    async with isolated_env(partitions=1) as env:
+        await publish(env, [f.create(f"k{i}", command_id=f"c{i}") for i in range(5)])
+        records = await env.read_topic(env.settings.topic_commands)
+        processor = Processor(env.settings, env.pool, name="coalesced")
+        processor.producer = await _started_producer(env)
+        cursor = "SELECT published_id FROM outbox_cursor WHERE partition = 0"
+        try:
+            assert await processor.process_partition(0, records[:1]) == 1
+            await processor.drain()
+            first = await env.fetchval(cursor)
+            assert first == await env.fetchval("SELECT min(id) FROM outbox")
+            for record in records[1:]:  # four batches, each acknowledged by Kafka
+                assert await processor.process_partition(0, [record]) == 1
+            await eventually(
+                lambda: env.read_topic(env.settings.topic_events),
+                lambda found: len(found) == 5,
+                what="every event acknowledged and on the topic",
+            )
+            assert await env.fetchval(cursor) == first  # not written for each batch
+            await processor.drain()
+            assert await env.fetchval(cursor) == await env.fetchval("SELECT max(id) FROM outbox")
+            assert len(writes) == 2 and len(writes[1][0]) == 4  # the four batches together
+        finally:
             await processor.stop()
 
 

@@ -26,7 +26,7 @@ import contextlib
 import heapq
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import Enum
@@ -447,6 +447,14 @@ _PLACED_KEYS = 100_000
 _SEND_ONE_BY_ONE = 500
 
 
+# The confirmer writes the publish cursors at most this often (seconds) unless a drain (a
+# revoke, an assignment, a stop) waits for them: at a steady rate every poll's
+# acknowledgements cost a statement of their own otherwise. A crash leaves what was
+# acknowledged since the last write above the cursor, published again by the next owner: at
+# least once, as for anything in flight at a crash (docs/architecture.md).
+_CURSOR_EVERY = 0.1
+
+
 # How long a poll made during a write waits for records (one that finds none ends the polling
 # for that write). Dropped as soon as the write is done, so it only bounds a long write's polls.
 _FETCH_WAIT_MS = 1000
@@ -479,6 +487,9 @@ class Processor:
         default_factory=asyncio.Queue
     )
     _confirmer: asyncio.Task[None] | None = None
+    _cursor_written: float = 0.0  # the event loop's time of the last cursor write
+    _flush: asyncio.Event = field(default_factory=asyncio.Event)  # set while a drain waits
+    _draining: int = 0  # drains waiting
     _publish_failure: Exception | None = None
     _conn: Any = None  # the batches' connection
     _rows: RowCache = field(init=False)
@@ -1069,11 +1080,13 @@ class Processor:
             return
         if self.producer is None:
             raise KafkaTimeoutError("no producer (being restarted)")
+        place = await self._placer({rec.topic for _, rec in records})
         if len(records) > _SEND_ONE_BY_ONE:
-            futures = await self._send_batched([rec for _, rec in records])
+            futures = await self._send_batched([rec for _, rec in records], place)
         else:  # appended to the producer's open batches, without waiting for one to drain
+            send = self.producer.send
             futures = [
-                await self.producer.send(rec.topic, value=rec.value, key=rec.key)
+                await send(rec.topic, value=rec.value, key=rec.key, partition=place(rec))
                 for _, rec in records
             ]
         sent: dict[int, list[int]] = defaultdict(list)
@@ -1083,14 +1096,19 @@ class Processor:
         if self._confirmer is None or self._confirmer.done():
             self._confirmer = asyncio.create_task(self._confirm_in_order())
 
-    async def _send_batched(self, records: Sequence[OutboxRecord]) -> list[asyncio.Future[Any]]:
+    async def _send_batched(
+        self, records: Sequence[OutboxRecord], place: Callable[[OutboxRecord], int | None]
+    ) -> list[asyncio.Future[Any]]:
         """Hand records to the producer one batch per topic partition (in order within each),
         each placed where ``send`` would place it: a fraction of ``send``'s cost per record."""
         producer = self.producer
         assert producer is not None
         by_tp: dict[tuple[str, int], list[OutboxRecord]] = defaultdict(list)
         for rec in records:
-            by_tp[(rec.topic, await self._out_partition(rec))].append(rec)
+            found = place(rec)
+            if found is None:  # unkeyed: aiokafka's own choice, as send would make it
+                found = producer._partition(rec.topic, None, None, None, None, rec.value)
+            by_tp[(rec.topic, int(found))].append(rec)
         futures = []
         for (topic, partition), recs in by_tp.items():
             batch = producer.create_batch()
@@ -1103,26 +1121,45 @@ class Processor:
             futures.append(await producer.send_batch(batch, topic, partition=partition))
         return futures
 
-    async def _out_partition(self, rec: OutboxRecord) -> int:
-        """The partition ``send`` would choose: Kafka's default partitioner for a keyed record
-        (remembered per key and partition count), aiokafka's for an unkeyed one."""
+    async def _placer(self, topics: Iterable[str]) -> Callable[[OutboxRecord], int | None]:
+        """Where ``send`` would place a record of ``topics``: Kafka's default partitioner for a
+        keyed one, remembered per key and partition count (aiokafka's own partitioner runs
+        murmur2 in Python for every record); None for an unkeyed one (aiokafka chooses).
+
+        A decided event is keyed by its sandbox, whose input records parse checked are on the
+        input partition the event was decided from (``rec.partition``): with as many
+        partitions, that is the event's partition too, without hashing its key again."""
         assert self.producer is not None
-        if rec.key is None:
-            return int(self.producer._partition(rec.topic, None, None, None, None, rec.value))
-        count = len(await self.producer.partitions_for(rec.topic))
-        placed = self._out_placed.setdefault((rec.topic, count), {})
-        if len(placed) > _PLACED_KEYS:
-            placed.clear()
-        found = placed.get(rec.key)
-        if found is None:
-            found = placed[rec.key] = partition_for(rec.key, count)
-        return found
+        memo: dict[str, tuple[int, dict[bytes, int]]] = {}
+        for topic in topics:  # each topic's partition count, once per publish
+            count = len(await self.producer.partitions_for(topic))
+            placed = self._out_placed.setdefault((topic, count), {})
+            if len(placed) > _PLACED_KEYS:
+                placed.clear()
+            memo[topic] = (count, placed)
+        events = self.settings.topic_events
+        co_partitioned = events in memo and memo[events][0] == self.settings.kafka_partitions
+
+        def place(rec: OutboxRecord) -> int | None:
+            if rec.key is None:
+                return None
+            if co_partitioned and rec.topic == events:
+                return rec.partition
+            count, placed = memo[rec.topic]
+            found = placed.get(rec.key)
+            if found is None:
+                found = placed[rec.key] = partition_for(rec.key, count)
+            return found
+
+        return place
 
     async def _confirm_in_order(self) -> None:
-        """Await handed-over batches in order; one cursor write for all that are ready."""
+        """Await handed-over batches in order; one cursor write for all that are ready, at
+        most one per ``_CURSOR_EVERY`` unless a drain waits for it."""
         while True:
             futures, sent = await self._unconfirmed.get()
             batches = [(futures, sent)]
+            await self._cursor_due()
             while not self._unconfirmed.empty():
                 batches.append(self._unconfirmed.get_nowait())
             try:
@@ -1145,16 +1182,32 @@ class Processor:
             except Exception as exc:  # surfaced by the next batch: the processor must restart
                 self._publish_failure = exc
             finally:
+                self._cursor_written = asyncio.get_running_loop().time()
                 for _ in batches:
                     self._unconfirmed.task_done()
+
+    async def _cursor_due(self) -> None:
+        """Until ``_CURSOR_EVERY`` has passed since the last cursor write, or a drain waits."""
+        wait = self._cursor_written + _CURSOR_EVERY - asyncio.get_running_loop().time()
+        if wait > 0 and not self._flush.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._flush.wait(), wait)
 
     def _raise_publish_failure(self) -> None:
         if self._publish_failure is not None:
             raise RuntimeError("publishing the outbox failed") from self._publish_failure
 
     async def drain(self) -> None:
-        """Wait until every handed-over outbox record is acknowledged and its cursor moved."""
-        await self._unconfirmed.join()
+        """Wait until every handed-over outbox record is acknowledged and its cursor moved
+        (written at once, not after ``_CURSOR_EVERY``)."""
+        self._draining += 1
+        self._flush.set()
+        try:
+            await self._unconfirmed.join()
+        finally:
+            self._draining -= 1
+            if not self._draining:
+                self._flush.clear()
         self._raise_publish_failure()
 
     async def republish_gaps(self) -> None:
