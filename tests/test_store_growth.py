@@ -69,47 +69,48 @@ async def test_the_unpublished_outbox_is_read_from_the_cursor_on() -> None:
         assert "Index Cond: (id > COALESCE($0, '0'::bigint))" in plan
 
 
+async def _plan_made_empty(statement: str, args: str, fill: str) -> str:
+    """The plan of ``statement`` as the processor's batch connection keeps it: a generic plan
+    (BATCH_SESSION) made at its first execution on empty tables, explained after ``fill``."""
+    async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
+        await conn.execute(BATCH_SESSION)
+        await conn.execute(f"PREPARE batch AS {statement}")
+        await conn.execute(f"EXECUTE batch({args})")  # the plan is made here
+        await conn.execute(fill)
+        rows = await conn.fetch(f"EXPLAIN EXECUTE batch({args})")
+        return "\n".join(r[0] for r in rows)
+
+
 async def test_the_batch_read_made_on_empty_tables_looks_rows_and_outcomes_up_by_key() -> None:
     """The batch read as the processor runs it: a generic plan, made at its first use (on a new
     installation, on empty tables) and kept as they grow. Its plan must not scan them whole."""
-    empty = ", ".join(["'{}'"] * 7)
-    async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
-        await conn.execute(BATCH_SESSION)
-        await conn.execute(f"PREPARE batch_read AS {_READ_BATCH}")
-        await conn.execute(f"EXECUTE batch_read({empty})")  # the plan is made here
-        await conn.execute(
-            "INSERT INTO command_outcomes (key, command_id, command_type, status, code, "
-            "message, outcome) SELECT 'k' || i, 'c' || i, 'CreateSandbox', 'accepted', 'ok', "
-            "'', '{}' FROM generate_series(1, 20000) AS i"
-        )
-        rows = await conn.fetch(f"EXPLAIN EXECUTE batch_read({empty})")
-        plan = "\n".join(r[0] for r in rows)
-        for table in ("sandboxes", "command_outcomes", "history"):  # (input_offsets: a row
-            assert f"Seq Scan on {table}" not in plan  # per partition, scanned whole is fine)
-        assert "command_outcomes_pkey" in plan
-        assert "sandboxes_pkey" in plan
+    plan = await _plan_made_empty(
+        _READ_BATCH,
+        ", ".join(["'{}'"] * 7),
+        "INSERT INTO command_outcomes (key, command_id, command_type, status, code, message, "
+        "outcome) SELECT 'k' || i, 'c' || i, 'CreateSandbox', 'accepted', 'ok', '', '{}' "
+        "FROM generate_series(1, 20000) AS i",
+    )
+    for table in ("sandboxes", "command_outcomes", "history"):  # (input_offsets: a row
+        assert f"Seq Scan on {table}" not in plan  # per partition, scanned whole is fine)
+    assert "command_outcomes_pkey" in plan
+    assert "sandboxes_pkey" in plan
 
 
 async def test_the_batch_write_made_on_empty_tables_updates_rows_found_by_key() -> None:
-    """The batch write as the processor runs it (BATCH_SESSION): a generic plan made on an
-    empty sandboxes table. Joined by hash, its row update scanned the table whole at every
-    write once it had grown; it must find each row through the key index instead."""
-    empty = (
+    """The batch write as the processor runs it: a generic plan made on an empty sandboxes
+    table. Joined by hash, its row update scanned the table whole at every write once it had
+    grown; it must find each row through the key index instead."""
+    plan = await _plan_made_empty(
+        _WRITE_BATCH,
         "'{}'::text[], '{}'::int[], '{}'::bigint[], '{}'::bigint[], '[]', '[]', '[]', "
-        "'{}'::int[], '{}'::text[], '{}'::bytea[], '{}'::bytea[], 0, 'changes'"
+        "'{}'::int[], '{}'::text[], '{}'::bytea[], '{}'::bytea[], 0, 'changes'",
+        "INSERT INTO sandboxes (key, sandbox_id, phase, generation, version, spec, providers, "
+        "identity, created_at, updated_at, partition, change_seq) SELECT 'k' || i, "
+        "gen_random_uuid(), 'Ready', 1, 1, '{}', '{}', 'i', now(), now(), 0, i "
+        "FROM generate_series(1, 20000) AS i",
     )
-    async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
-        await conn.execute(BATCH_SESSION)
-        await conn.execute(f"PREPARE batch_write AS {_WRITE_BATCH}")
-        await conn.execute(f"EXECUTE batch_write({empty})")  # the plan is made here
-        await conn.execute(
-            "INSERT INTO sandboxes (key, sandbox_id, phase, generation, version, spec, "
-            "providers, identity, created_at, updated_at, partition, change_seq) "
-            "SELECT 'k' || i, gen_random_uuid(), 'Ready', 1, 1, '{}', '{}', 'i', now(), now(), "
-            "0, i FROM generate_series(1, 20000) AS i"
-        )
-        rows = await conn.fetch(f"EXPLAIN EXECUTE batch_write({empty})")
-        update = "\n".join(r[0] for r in rows).split("CTE updated")[1].split("CTE recorded")[0]
-        assert "Seq Scan on sandboxes" not in update
-        assert "Index Scan using sandboxes_pkey on sandboxes" in update
-        assert "Index Cond: (key = " in update
+    update = plan.split("CTE updated")[1].split("CTE recorded")[0]
+    assert "Seq Scan on sandboxes" not in update
+    assert "Index Scan using sandboxes_pkey on sandboxes" in update
+    assert "Index Cond: (key = " in update
