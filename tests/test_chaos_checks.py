@@ -90,3 +90,24 @@ def test_the_backend_stats_count_the_podman_rows_containers_and_divergences_by_p
     stats = checks.backend_stats(rows, runtimes, found, "cxp1-")
     assert stats == checks.BackendStats(rows=3, podman_rows=2, podman_running=1,
                                         podman_divergences=2)  # fmt: skip
+
+
+async def test_the_backend_is_judged_once_it_agrees_or_at_the_deadline() -> None:
+    """A stale runtime the executors' reconcile loop stops a pass later is waited for; one
+    still running at the deadline is judged as it is."""
+    stopped = [{"key": "s", "sandbox_id": SID, "generation": 2, "phase": "Stopped"}]
+    listings = [[runtime("s", 1)], [runtime("s", 1)], [runtime("s", 1, "exited")]]
+    seen: list[list[RuntimeInfo]] = []
+
+    async def snapshot() -> tuple[checks.Rows, list[RuntimeInfo]]:
+        seen.append(listings[min(len(seen), len(listings) - 1)])
+        return stopped, seen[-1]
+
+    assert await checks.agreeing_runtimes(snapshot, within=60, every=0) == listings[2]
+    assert len(seen) == 3
+    seen.clear()
+    judged = await checks.agreeing_runtimes(snapshot, within=0, every=0)
+    assert judged == listings[0]
+    assert [f.detail for f in checks.backend_findings(stopped, judged)] == [
+        "s: Stopped, yet ['rt-s-1'] run"
+    ]

@@ -8,8 +8,9 @@ its inputs from PostgreSQL (the run's schema), the log or the backend. The audit
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
@@ -239,10 +240,36 @@ def backend_stats(
     )
 
 
+Rows: TypeAlias = Sequence[Mapping[str, Any]]
+
+
+async def agreeing_runtimes(
+    snapshot: Callable[[], Awaitable[tuple[Rows, Sequence[RuntimeInfo]]]],
+    within: float,
+    every: float = 0.5,
+) -> Sequence[RuntimeInfo]:
+    """The backend's runtimes once they agree with the rows (``backend_findings``), or as they
+    are after ``within`` seconds. The executors' reconcile loop stops a runtime of an older
+    generation left by an executor killed after its launch (docs/drivers.md, "Stale
+    generations") at its next pass, not at once: the end check gives it that long."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        rows, runtimes = await snapshot()
+        if not backend_findings(rows, runtimes) or loop.time() >= deadline:
+            return runtimes
+        await asyncio.sleep(every)
+
+
+async def backend_rows(pool: Pool) -> list[dict[str, Any]]:
+    """What the backend check compares the runtimes with, of every row."""
+    records = await pool.fetch("SELECT key, sandbox_id, generation, phase FROM sandboxes")
+    return [dict(r) for r in records]
+
+
 async def backend(
     pool: Pool, runtimes: Sequence[RuntimeInfo], podman_prefix: str
 ) -> tuple[list[Finding], BackendStats]:
-    records = await pool.fetch("SELECT key, sandbox_id, generation, phase FROM sandboxes")
-    rows = [dict(r) for r in records]
+    rows = await backend_rows(pool)
     found = backend_findings(rows, runtimes)
     return found, backend_stats(rows, runtimes, found, podman_prefix)

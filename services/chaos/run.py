@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from drivers.protocol import RuntimeInfo
 from events.publisher import CommandPublisher
 from services.api.app import create_app
 from services.api.server import start_api
@@ -209,7 +210,15 @@ async def _run_in(
             reconciler = Reconciler(driver, pool, producer, settings, interval=1.0)
             await reconciler.run_once()
             settled = settled and await settle(settings, pool, plan.settle_timeout)
-            runtimes = await driver.list()
+
+            async def snapshot() -> tuple[checks.Rows, list[RuntimeInfo]]:
+                return await checks.backend_rows(pool), await driver.list()
+
+            # The executors' own reconcile passes repair what their crashes left running,
+            # each within its interval: three of them before the backend is judged.
+            runtimes = await checks.agreeing_runtimes(
+                snapshot, 3 * settings.reconcile_interval_seconds
+            )
         finally:
             await driver.close()
     finally:
