@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import time
 
 from services.bench import drivers as bench_drivers
 from services.bench import kube as bench_kube
@@ -49,7 +51,10 @@ async def run(which: str, quick: bool, latency_rate: int = 1000) -> None:
     if which == "stages":
         stage_figures(settings, keys, runs=7)
     if which == "profile":
-        await profile(settings, keys, settings.state_dir / "bench" / "processor.prof")
+        # A file per run: the state directory is shared, and runs at the same time would
+        # overwrite one file. The path is printed.
+        run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        await profile(settings, keys, settings.state_dir / "bench" / f"processor-{run_id}.prof")
     if which in ("all", "drivers"):
         await bench_drivers.main(settings)
         await bench_kube.main(settings)
