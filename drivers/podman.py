@@ -123,6 +123,20 @@ _EXPORT_SECRETS: Final = (
 )
 
 
+def remove_volume(client: PodmanClient, name: str, *, force: bool = False) -> None:
+    """Remove a volume; one that is gone already counts as removed. Podman 4.3 answers a
+    volume removed by someone else between its lookup and its removal with 500 "no such
+    volume", not 404 (two deletes of one sandbox racing: a killed executor's and its
+    successor's)."""
+    try:
+        client.volumes.remove(name, force=force)
+    except NotFound:
+        return
+    except APIError as exc:
+        if "no such volume" not in str(exc):
+            raise
+
+
 def volume_name(key: str, sandbox_id: UUID) -> str:
     return f"sandstream-{key}-{sandbox_id.hex[:12]}"
 
@@ -915,8 +929,7 @@ class PodmanDriver:
         volumes = self._volumes_sync(key, sandbox_id)
         client = self._client()
         for volume in volumes:
-            with contextlib.suppress(NotFound):
-                client.volumes.remove(volume)
+            remove_volume(client, volume)
         return bool(containers or volumes)
 
     def _stop_container_sync(self, runtime_id: str, grace: float) -> bool:

@@ -9,7 +9,6 @@ names and force-removes everything of them afterwards.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -19,9 +18,8 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from harness import Env, eventually, isolated_env
 from podman import PodmanClient
-from podman.errors import NotFound
 
-from drivers.podman import PodmanDriver
+from drivers.podman import PodmanDriver, remove_volume
 from drivers.protocol import LABEL_KEY, Driver
 from events.codec import encode
 from events.commands import Command
@@ -239,9 +237,9 @@ class PodmanKeys:
             for container in containers_of(self.client, key):
                 remove_now(self.client, container["id"])
             for name in volumes_of(self.client, key):
-                # A delete the killed runtime let finish may remove it first.
-                with contextlib.suppress(NotFound):
-                    self.client.volumes.remove(name, force=True)
+                # A delete the killed runtime let finish, or the plane's own, may remove it
+                # first.
+                remove_volume(self.client, name, force=True)
         leftovers = {
             k: [c["name"] for c in containers_of(self.client, k)] + volumes_of(self.client, k)
             for k in self.made

@@ -12,18 +12,21 @@ import contextlib
 import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
 from typing import Any
 
 import harness
 import pytest
 from pipeline_support import IGNORE_TERM, trap_set
 from podman import PodmanClient
+from podman.errors import APIError
 
 from drivers.podman import (
     DEFAULT_LIMITS,
     PodmanDriver,
     container_name,
     observation_from_event,
+    remove_volume,
     runtime_labels,
     volume_name,
 )
@@ -722,3 +725,22 @@ async def test_kill_forces_a_stop_under_way(
     assert containers_of(podman, key) == [container_name(key, 1)]  # kept, as a stop keeps it
     assert (await driver.kill(key, 1)).outcome == "succeeded"  # no longer running
     assert (await driver.kill(keys(), 1)).outcome == "already_absent"
+
+
+def test_a_volume_gone_already_counts_as_removed(podman: PodmanClient) -> None:
+    """Real Podman answers a missing volume with 404; a volume removed by someone else between
+    its lookup and its removal with 500 "no such volume" (two deletes racing, seen in a run).
+    Both count as removed; any other refusal is raised."""
+    remove_volume(podman, f"sandstream-never-made-{uuid.uuid4().hex[:8]}")
+
+    class Refusing:
+        def __init__(self, message: str) -> None:
+            self.message = message
+
+        def remove(self, name: str, force: bool = False) -> None:
+            raise APIError(self.message)
+
+    raced = "no volume with name v found in database: no such volume"
+    remove_volume(SimpleNamespace(volumes=Refusing(raced)), "v")  # type: ignore[arg-type]
+    with pytest.raises(APIError, match="volume is being used"):
+        remove_volume(SimpleNamespace(volumes=Refusing("volume is being used")), "v")  # type: ignore[arg-type]
