@@ -60,7 +60,7 @@ def content_json(
     True, separators=(",", ":"), ensure_ascii=False) writes (tests/test_chain.py compares the
     two), from orjson (pydantic-core's serializer cost 25 % more). Keys in sorted order; orjson
     writes a ``uuid.UUID`` as ``str`` does, without the Python call, and asyncpg's own UUID
-    type (a row read back) through ``str``."""
+    type (a row read back) through ``_uuid_text``."""
     return orjson.dumps(
         {
             "command_id": command_id,
@@ -79,8 +79,16 @@ def content_json(
             "topic": topic,
             "version": version,
         },
-        default=str,
+        default=_uuid_text,
     )
+
+
+def _uuid_text(value: object) -> str:
+    """A UUID of a type orjson does not write itself; anything else is refused, as json.dumps
+    refuses it (a silent ``str`` would hash a value no reader could check)."""
+    if isinstance(value, UUID):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 _ZERO: Final = timedelta(0)

@@ -112,3 +112,8 @@ def test_times_and_ids_as_the_codec_decodes_them_hash_as_first_defined(occurred:
     for sandbox_id in (UUID(int=7), PgUUID(str(UUID(int=7)))):
         content = {**CHANGED, "occurred_at": at, "sandbox_id": sandbox_id, "disposition": "x"}
         assert canonical(content) == reference_canonical(content)
+
+
+def test_content_of_a_type_json_cannot_write_is_refused_not_hashed_as_its_text() -> None:
+    with pytest.raises(TypeError, match="bytes"):
+        canonical({**CHANGED, "sandbox_id": b"\x00" * 16, "disposition": "x"})
