@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -68,5 +69,8 @@ async def test_a_read_that_stalls_longer_than_the_timeout_fails() -> None:
 
 
 async def _never(*_: Any, timeout_ms: int = 0, **__: Any) -> dict[TopicPartition, list[Any]]:
-    await asyncio.sleep(timeout_ms / 1000)  # plays a fetch that waits out its timeout, empty
+    """A fetch whose records never come: it waits for them until its timeout, then is empty."""
+    arrived = asyncio.Event()  # nothing ever sets it
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(arrived.wait(), timeout_ms / 1000)
     return {}
