@@ -5,6 +5,8 @@ PostgreSQL with 20,000 sandboxes (a third of them tombstones) and their history:
   ``sandbox_id``; an id a history entry names is found through the history's incarnation index
   and the row's key, without a scan. An id no entry names (entries archived, or written before
   the history carried the id; an unknown id) is looked for by a scan, with the same answers.
+- A page of the API's list walks the key index from where it starts, instead of sorting the
+  whole table for each page.
 
 Scans are counted in the transaction of one connection (``pg_stat_xact_user_tables``); plans
 are checked as asyncpg may keep them too: generic, made at a first use on empty tables."""
@@ -20,6 +22,7 @@ from typing import Any
 from harness import isolated_env
 
 from events.common import Phase
+from services.api import readmodel
 from services.api.readmodel import SandboxView
 from services.openshell.service import BY_ID, sandbox_by_id
 
@@ -132,3 +135,40 @@ async def test_the_lookup_planned_on_empty_tables_probes_the_incarnation_and_the
     assert "Seq Scan" not in plan, plan
     assert "Index Scan using history_incarnation on history" in plan
     assert "Index Scan using sandboxes_pkey on sandboxes s" in plan
+
+
+# -- a page of the list -------------------------------------------------------------------------
+
+
+async def test_pages_of_the_list_are_read_without_scanning_the_rows() -> None:
+    async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
+        await conn.execute(FILL)
+        await conn.execute("ANALYZE sandboxes")
+        live = [r["key"] for r in await conn.fetch(
+            "SELECT key FROM sandboxes WHERE phase <> 'Deleted' ORDER BY key LIMIT 200"
+        )]  # fmt: skip
+        pool: Any = OneConnection(conn)
+        async with conn.transaction():
+            first = await readmodel.list_sandboxes(pool, limit=100)
+            second = await readmodel.list_sandboxes(
+                pool, limit=100, page_token=first.next_page_token
+            )
+            assert [v.name for v in first.items + second.items] == live
+            ready = await readmodel.list_sandboxes(pool, phases=[Phase.READY], limit=100)
+            assert {v.phase for v in ready.items} == {Phase.READY} and len(ready.items) == 100
+            every = await readmodel.list_sandboxes(pool, include_deleted=True, limit=100)
+            assert Phase.DELETED in {v.phase for v in every.items}
+            assert await scans(conn, "sandboxes") == 0
+
+
+async def test_a_page_of_the_list_planned_on_empty_tables_starts_at_its_name_in_an_index() -> None:
+    """A first page walks the key index; a later one with a phase filter starts at its
+    token's name, in the key index or in the live rows' (phase, key) index."""
+    first, _ = readmodel._list_query([], False, {}, [], None, 101)
+    plan = await generic_plan(first, "101")
+    assert "Seq Scan" not in plan, plan
+    assert "Index Scan using sandboxes_pkey on sandboxes" in plan
+    later, _ = readmodel._list_query(["Ready"], False, {}, [], "k5", 101)
+    plan = await generic_plan(later, "'{Ready}', 'k5', 101")
+    assert "Seq Scan" not in plan, plan
+    assert any("Index Cond: " in line and "key > $2" in line for line in plan.splitlines())
