@@ -113,12 +113,30 @@ def _metadata(context: Context) -> dict[str, str]:
     return found
 
 
+# No index of sandboxes serves sandbox_id: one would cost every processor write. The name of
+# an incarnation is found through its history instead (`history_incarnation`), then its row by
+# name. The processor writes every row with the history entry of the input that left it, which
+# carries its sandbox_id, and an id belongs to one name only (uuid5 of the name). One record:
+# `named` null when no entry names the id; the row's columns null when the name's row is
+# another incarnation's by now (re-created). The name reaches the row as a parameter (an
+# InitPlan), not by a join: a generic plan made on empty tables joined by scanning sandboxes.
+BY_ID: Final = (
+    "WITH h AS (SELECT key FROM history WHERE sandbox_id = $1 LIMIT 1) "
+    f"SELECT (SELECT h.key FROM h) AS named, {SANDBOX_COLUMNS}, change_seq FROM (SELECT) AS one "
+    "LEFT JOIN sandboxes s ON s.key = (SELECT h.key FROM h) AND s.sandbox_id = $1"
+)
+# An id no history entry names: unknown, or its entries were archived or written before
+# migration 0041 (sandbox_id null). Only a scan of the rows can tell.
+BY_ID_UNNAMED: Final = f"SELECT {SANDBOX_COLUMNS}, change_seq FROM sandboxes WHERE sandbox_id = $1"
+
+
 async def sandbox_by_id(pool: Pool, sandbox_id: uuid.UUID) -> SandboxView | None:
     """The row of an incarnation (also its tombstone); None once the name moved on."""
-    record = await pool.fetchrow(
-        f"SELECT {SANDBOX_COLUMNS}, change_seq FROM sandboxes WHERE sandbox_id = $1", sandbox_id
-    )
-    return readmodel.sandbox_view(record) if record is not None else None
+    record = await pool.fetchrow(BY_ID, sandbox_id)
+    if record is not None and record["named"] is None:
+        record = await pool.fetchrow(BY_ID_UNNAMED, sandbox_id)
+    found = record is not None and record["key"] is not None
+    return readmodel.sandbox_view(record) if found else None
 
 
 class OpenShellService:

@@ -1,0 +1,174 @@
+"""The read model's lookups stay a cost of the answer, not of the number of rows, on real
+PostgreSQL with 20,000 sandboxes (a third of them tombstones) and their history:
+
+- OpenShell's lookup by incarnation id (``sandbox_by_id``): no index of ``sandboxes`` serves
+  ``sandbox_id``; an id a history entry names is found through the history's incarnation index
+  and the row's key, without a scan. An id no entry names (entries archived, or written before
+  the history carried the id; an unknown id) is looked for by a scan, with the same answers.
+- A page of the API's list walks the key index from where it starts, instead of sorting the
+  whole table for each page.
+
+Scans are counted in the transaction of one connection (``pg_stat_xact_user_tables``); plans
+are checked as asyncpg may keep them too: generic, made at a first use on empty tables."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from harness import isolated_env
+
+from events.common import Phase
+from services.api import readmodel
+from services.api.readmodel import SandboxView
+from services.openshell.service import BY_ID, sandbox_by_id
+
+ROWS = 20_000  # sandboxes, with two history entries each
+
+# Row i is named k<i>, its incarnation id ends in i, and it is Deleted, Ready or Stopped.
+_ID = "('00000000-0000-0000-0000-' || lpad({}::text, 12, '0'))::uuid"
+FILL = f"""
+INSERT INTO sandboxes (key, sandbox_id, phase, generation, version, spec, providers, identity,
+                       created_at, updated_at, partition, change_seq)
+SELECT 'k' || i, {_ID.format("i")}, (ARRAY['Deleted', 'Ready', 'Stopped'])[i % 3 + 1], 1, 1,
+       jsonb_build_object('image', 'x', 'labels', jsonb_build_object('team', 't' || i % 10)),
+       '{{}}', 'i', now(), now(), 0, i
+FROM generate_series(1, {ROWS}) AS i;
+INSERT INTO history (key, topic, partition, "offset", disposition, reason, event_types,
+                     sandbox_id)
+SELECT 'k' || (i % {ROWS} + 1), 'commands', 0, i, 'applied', '', '{{}}',
+       {_ID.format(f"(i % {ROWS} + 1)")}
+FROM generate_series(1, {2 * ROWS}) AS i
+"""
+
+
+def row_id(i: int) -> uuid.UUID:
+    return uuid.UUID(f"00000000-0000-0000-0000-{i:012d}")
+
+
+@dataclass
+class OneConnection:
+    """A stand-in for the pool that hands out one connection, so that the scans of what runs
+    on it are counted in its transaction."""
+
+    conn: Any
+
+    @asynccontextmanager
+    async def acquire(self) -> AsyncIterator[Any]:
+        yield self.conn
+
+    async def fetchrow(self, query: str, *args: Any) -> Any:
+        return await self.conn.fetchrow(query, *args)
+
+
+async def by_id(conn: Any, sandbox_id: uuid.UUID) -> SandboxView | None:
+    return await sandbox_by_id(OneConnection(conn), sandbox_id)  # type: ignore[arg-type]
+
+
+async def scans(conn: Any, table: str) -> int:
+    """Sequential scans of ``table`` in the connection's current transaction."""
+    return int(
+        await conn.fetchval(
+            "SELECT seq_scan FROM pg_stat_xact_user_tables WHERE relid = to_regclass($1)", table
+        )
+    )
+
+
+async def generic_plan(statement: str, args: str) -> str:
+    """The plan of ``statement`` made generic at its first execution on empty tables, as it
+    stands once they are full (no ANALYZE in between: it would make the plan again)."""
+    async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
+        for table in ("sandboxes", "history"):
+            await conn.execute(f"ALTER TABLE {table} SET (autovacuum_enabled = off)")
+        await conn.execute("SET plan_cache_mode = force_generic_plan")
+        await conn.execute(f"PREPARE read AS {statement}")
+        await conn.execute(f"EXECUTE read({args})")  # the plan is made here
+        await conn.execute(FILL)
+        return "\n".join(r[0] for r in await conn.fetch(f"EXPLAIN EXECUTE read({args})"))
+
+
+# -- by incarnation id --------------------------------------------------------------------------
+
+
+async def test_an_id_a_history_entry_names_is_answered_without_scanning_the_rows() -> None:
+    async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
+        await conn.execute(FILL)
+        await conn.execute("ANALYZE sandboxes; ANALYZE history")
+        async with conn.transaction():
+            found = await by_id(conn, row_id(7))
+            assert found is not None and (found.name, found.id) == ("k7", row_id(7))
+            tomb = await by_id(conn, row_id(9))
+            assert tomb is not None and (tomb.name, tomb.phase) == ("k9", Phase.DELETED)
+            assert await scans(conn, "sandboxes") == 0
+            assert await scans(conn, "history") == 0
+        async with conn.transaction():  # the name k7 moved on to another incarnation
+            await conn.execute(
+                "UPDATE sandboxes SET sandbox_id = $1 WHERE key = 'k7'", uuid.uuid4()
+            )
+            assert await by_id(conn, row_id(7)) is None
+            assert await scans(conn, "sandboxes") == 0
+
+
+async def test_an_id_no_history_entry_names_is_looked_for_among_the_rows() -> None:
+    """Entries archived (deleted) or written before migration 0041 (sandbox_id null): the row
+    is still found, by the scan only such an id costs; an unknown id costs it too."""
+    async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
+        await conn.execute(FILL)
+        await conn.execute("DELETE FROM history WHERE key = 'k7'")
+        await conn.execute("UPDATE history SET sandbox_id = NULL WHERE key = 'k8'")
+        await conn.execute("ANALYZE sandboxes; ANALYZE history")
+        async with conn.transaction():
+            for i in (7, 8):
+                found = await by_id(conn, row_id(i))
+                assert found is not None and found.name == f"k{i}"
+            assert await by_id(conn, uuid.uuid4()) is None
+            assert await scans(conn, "sandboxes") == 3
+
+
+async def test_the_lookup_planned_on_empty_tables_probes_the_incarnation_and_the_key() -> None:
+    """Joined to the history's answer instead of given it as a parameter, the row was found by
+    a scan of sandboxes in this plan."""
+    plan = await generic_plan(BY_ID, f"'{row_id(7)}'")
+    assert "Seq Scan" not in plan, plan
+    assert "Index Scan using history_incarnation on history" in plan
+    assert "Index Scan using sandboxes_pkey on sandboxes s" in plan
+
+
+# -- a page of the list -------------------------------------------------------------------------
+
+
+async def test_pages_of_the_list_are_read_without_scanning_the_rows() -> None:
+    async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
+        await conn.execute(FILL)
+        await conn.execute("ANALYZE sandboxes")
+        live = [r["key"] for r in await conn.fetch(
+            "SELECT key FROM sandboxes WHERE phase <> 'Deleted' ORDER BY key LIMIT 200"
+        )]  # fmt: skip
+        pool: Any = OneConnection(conn)
+        async with conn.transaction():
+            first = await readmodel.list_sandboxes(pool, limit=100)
+            second = await readmodel.list_sandboxes(
+                pool, limit=100, page_token=first.next_page_token
+            )
+            assert [v.name for v in first.items + second.items] == live
+            ready = await readmodel.list_sandboxes(pool, phases=[Phase.READY], limit=100)
+            assert {v.phase for v in ready.items} == {Phase.READY} and len(ready.items) == 100
+            every = await readmodel.list_sandboxes(pool, include_deleted=True, limit=100)
+            assert Phase.DELETED in {v.phase for v in every.items}
+            assert await scans(conn, "sandboxes") == 0
+
+
+async def test_a_page_of_the_list_planned_on_empty_tables_starts_at_its_name_in_an_index() -> None:
+    """A first page walks the key index; a later one with a phase filter starts at its
+    token's name, in the key index or in the live rows' (phase, key) index."""
+    first, _ = readmodel._list_query([], False, {}, [], None, 101)
+    plan = await generic_plan(first, "101")
+    assert "Seq Scan" not in plan, plan
+    assert "Index Scan using sandboxes_pkey on sandboxes" in plan
+    later, _ = readmodel._list_query(["Ready"], False, {}, [], "k5", 101)
+    plan = await generic_plan(later, "'{Ready}', 'k5', 101")
+    assert "Seq Scan" not in plan, plan
+    assert any("Index Cond: " in line and "key > $2" in line for line in plan.splitlines())
