@@ -14,7 +14,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPa
 from events.codec import EVENTS, decode
 from projections.fold import fold
 from projections.lifecycle import evolve
-from services.bench import ceiling
+from services.bench import ceiling, cpu
 from services.bench import processor as bench_processor
 from services.bench.fold import decoded_log, fold_cpu
 from services.bench.main import run
@@ -158,3 +158,18 @@ async def test_the_latency_choice_runs_the_latency_benchmark_alone(
     assert "throughput" not in printed, printed
     assert "latency     100/100 commands at 20/s" in printed, printed
     assert "Kafka alone p50" in printed and "CPU: processor" in printed, printed
+
+
+def test_cpu_per_input_counts_the_broker_only_when_its_process_was_read(tmp_path: Any) -> None:
+    pidfile = tmp_path / "broker.pid"
+    pidfile.write_text(f"{os.getpid()}\n")
+    pid = cpu.broker_pid(pidfile)
+    assert pid == os.getpid()
+    start = cpu.CpuMark(1.0, None, 2.0)
+    assert cpu.per_input(start, cpu.CpuMark(1.5, None, 3.0), 1000) == (
+        "500 + Kafka 1000 µs CPU/input"
+    )
+    assert cpu.mark([], pid).broker is not None  # this process stands in for the broker
+    assert cpu.broker_pid(tmp_path / "absent.pid") is None
+    assert cpu.mark([], None).broker is None
+    assert cpu.per_input(start, cpu.CpuMark(1.5, None, None), 1000) == "500 µs CPU/input"

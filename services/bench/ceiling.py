@@ -112,9 +112,10 @@ async def drain(settings: Settings, total: int, max_records: int = 5000) -> floa
 
 
 async def measured_drain(
-    settings: Settings, total: int, max_records: int = 5000
+    settings: Settings, total: int, max_records: int = 5000, broker: int | None = None
 ) -> tuple[float, str]:
-    """``drain``'s rate and the CPU it cost per input over the same inputs."""
+    """``drain``'s rate and the CPU it cost per input over the same inputs (the ``broker``
+    process's too, if given)."""
     dsn, schema = settings.pg_dsn, settings.pg_schema
     conn = await asyncpg.connect(dsn, server_settings={"search_path": schema})
     await conn.execute(DDL)
@@ -145,9 +146,9 @@ async def measured_drain(
             await ceiling.apply(batch)
             if started is None:
                 started, first = time.perf_counter(), ceiling.applied
-                cpu_started = cpu.mark([conn.get_server_pid()])
+                cpu_started = cpu.mark([conn.get_server_pid()], broker)
         elapsed = time.perf_counter() - (started or time.perf_counter())
-        used = cpu.per_input(cpu_started, cpu.mark([conn.get_server_pid()]), total - first)
+        used = cpu.per_input(cpu_started, cpu.mark([conn.get_server_pid()], broker), total - first)
         return ((total - first) / elapsed if elapsed > 0 else float("nan")), used
     finally:
         await consumer.stop()

@@ -34,6 +34,7 @@ from events.topics import CHANGES_CHANNEL
 from services.bench import ceiling, cpu
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
+from services.localstack.config import kafka_paths
 from services.localstack.isolation import isolated
 from services.processor.consumer import Processor
 
@@ -98,12 +99,15 @@ async def throughput(settings: Settings, keys: int, max_records: int) -> None:
     async with isolated(settings, "bench") as (s, pool):
         records, total = lifecycle_messages(keys)
         await produce_all(s, records)
-        roof, roof_cpu = await ceiling.measured_drain(s, total, max_records=max_records)
+        broker = cpu.broker_pid(kafka_paths(s).pid)
+        roof, roof_cpu = await ceiling.measured_drain(s, total, max_records, broker)
         processor = Processor(s, pool, max_records=max_records, name="bench")
         await processor.start()
         stop = asyncio.Event()
         task = asyncio.create_task(processor.run(stop))
-        first, elapsed, used = await timed_drain(pool, total, lambda: _backend_pids(processor))
+        first, elapsed, used = await timed_drain(
+            pool, total, lambda: _backend_pids(processor), broker
+        )
         stop.set()
         await task
         await processor.stop()
@@ -127,17 +131,20 @@ async def timed_drain(
     pool: asyncpg.Pool[asyncpg.Record],
     total: int,
     backends: Callable[[], list[int]] = list,
+    broker: int | None = None,
 ) -> tuple[int, float, str]:
     """Wait until ``total`` inputs are applied: (inputs in the first committed batch, seconds
-    from it to the last, the CPU this process and the ``backends`` spent per input meanwhile).
+    from it to the last, the CPU this process, the ``backends`` and the ``broker`` process
+    spent per input meanwhile).
     The clock starts at the first batch: a group join is not throughput."""
     while not (first := await applied(pool)):
         await asyncio.sleep(0.01)
-    started, cpu_started = time.perf_counter(), cpu.mark(backends())
+    started, cpu_started = time.perf_counter(), cpu.mark(backends(), broker)
     while await applied(pool) < total:
         await asyncio.sleep(0.05)
     elapsed = time.perf_counter() - started
-    return first, elapsed, cpu.per_input(cpu_started, cpu.mark(backends()), total - first)
+    used = cpu.per_input(cpu_started, cpu.mark(backends(), broker), total - first)
+    return first, elapsed, used
 
 
 async def applied(pool: asyncpg.Pool[asyncpg.Record]) -> int:
