@@ -24,9 +24,15 @@ def free_port() -> int:
         return port
 
 
-def start(settings: Settings, *, advertised: str | None = None) -> subprocess.Popen[bytes]:
+def start(
+    settings: Settings,
+    *,
+    advertised: str | None = None,
+    tls: kafka_auth.ListenerTls | None = None,
+) -> subprocess.Popen[bytes]:
     """Start a broker listening on ``settings.kafka_bootstrap`` (and its controller port) with
-    its data under ``settings.state_dir``; clients are told to connect to ``advertised``."""
+    its data under ``settings.state_dir``; clients are told to connect to ``advertised``. With
+    ``tls`` its client listener takes SASL_SSL instead of SASL_PLAINTEXT."""
     paths = cfg.kafka_paths(settings)
     paths.home.mkdir(parents=True, exist_ok=True)
     stack._resolve_kafka_libs(settings)
@@ -36,7 +42,7 @@ def start(settings: Settings, *, advertised: str | None = None) -> subprocess.Po
             f"advertised.listeners=PLAINTEXT://{settings.kafka_bootstrap}",
             f"advertised.listeners=PLAINTEXT://{advertised}",
         )
-    properties, jvm_options = kafka_auth.prepare_broker(settings, properties)
+    properties, jvm_options = kafka_auth.prepare_broker(settings, properties, tls)
     paths.properties.write_text(properties)
     stack._format_kafka_storage(settings)
     return stack._spawn(
