@@ -34,18 +34,13 @@ def tls_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     """Settings whose Kafka is a private SASL_SSL broker, its role users created."""
     state_dir = tmp_path_factory.mktemp("tls-broker")
     issued = tlskit.issue_for_localhost(state_dir, dns_names=())  # 127.0.0.1 only
-    broker_port, controller_port = private_broker.free_port(), private_broker.free_port()
     shared = Settings()
-    settings = shared.model_copy(
-        update={
-            "state_dir": state_dir,
-            "pg_password_file": shared.pg_password_path,  # role processes read it there
-            "kafka_bootstrap": f"127.0.0.1:{broker_port}",
-            "kafka_controller_port": controller_port,
-            "kafka_heap": "256m",
-            "kafka_security_protocol": "SASL_SSL",
-            "kafka_ssl_cafile": issued.ca,
-        }
+    settings = private_broker.private_settings(
+        shared,
+        state_dir,
+        pg_password_file=shared.pg_password_path,  # role processes read it there
+        kafka_security_protocol="SASL_SSL",
+        kafka_ssl_cafile=issued.ca,
     )
     tls = kafka_auth.ListenerTls(keystore=tlskit.pem_keystore(issued), truststore=issued.ca)
     proc = private_broker.start(settings, tls=tls)
@@ -119,14 +114,8 @@ def test_the_local_stack_refuses_to_start_a_broker_its_tls_clients_cannot_reach(
 ) -> None:
     """Its broker takes no TLS: `sandstream up` with SASL_SSL settings and a local bootstrap
     says so at once, instead of starting one its clients fail to reach until the timeout."""
-    broker_port, controller_port = private_broker.free_port(), private_broker.free_port()
-    settings = Settings().model_copy(
-        update={
-            "state_dir": tmp_path,
-            "kafka_bootstrap": f"127.0.0.1:{broker_port}",
-            "kafka_controller_port": controller_port,
-            "kafka_security_protocol": "SASL_SSL",
-        }
+    settings = private_broker.private_settings(
+        Settings(), tmp_path, kafka_security_protocol="SASL_SSL"
     )
     started = None
     try:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import socket
 import subprocess
+from pathlib import Path
+from typing import Any
 
 from services.common.settings import Settings
 from services.localstack import config as cfg
@@ -22,6 +24,18 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def private_settings(base: Settings, state_dir: Path, **more: Any) -> Settings:
+    """``base`` with a state dir and free ports of its own and a small heap (and ``more``):
+    where a private broker keeps its data and listens."""
+    update = {
+        "state_dir": state_dir,
+        "kafka_bootstrap": f"127.0.0.1:{free_port()}",
+        "kafka_controller_port": free_port(),
+        "kafka_heap": "256m",
+    }
+    return base.model_copy(update=update | more)
 
 
 def start(
