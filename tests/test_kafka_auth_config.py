@@ -56,6 +56,24 @@ def test_the_broker_config_takes_sasl_only_and_denies_what_no_acl_allows(tmp_pat
     assert f'password="{admin.password}"' in jaas.read_text()
 
 
+def test_a_tls_listener_takes_sasl_ssl_with_pem_stores_and_its_own_jaas_section(
+    tmp_path: Path,
+) -> None:
+    settings = local(tmp_path)
+    rendered = cfg.render_server_properties(cfg.KAFKA_PROPERTIES_TEMPLATE.read_text(), settings)
+    tls = kafka_auth.ListenerTls(keystore=tmp_path / "keystore.pem", truststore=tmp_path / "ca.pem")
+    text, _ = kafka_auth.prepare_broker(settings, rendered, tls)
+    props = properties(text)
+    assert props["listeners"] == "SASL_SSL://127.0.0.1:29092,CONTROLLER://127.0.0.1:29093"
+    assert props["advertised.listeners"] == "SASL_SSL://127.0.0.1:29092"
+    assert props["inter.broker.listener.name"] == "SASL_SSL"
+    assert props["listener.security.protocol.map"] == "CONTROLLER:SASL_PLAINTEXT,SASL_SSL:SASL_SSL"
+    assert props["ssl.keystore.type"] == props["ssl.truststore.type"] == "PEM"
+    assert props["ssl.keystore.location"] == str(tls.keystore)
+    assert props["ssl.truststore.location"] == str(tls.truststore)
+    assert kafka_auth.jaas_path(settings).read_text().startswith("sasl_ssl.KafkaServer {")
+
+
 def test_plaintext_settings_leave_the_broker_config_as_rendered(tmp_path: Path) -> None:
     settings = local(tmp_path, kafka_security_protocol="PLAINTEXT")
     rendered = cfg.render_server_properties(cfg.KAFKA_PROPERTIES_TEMPLATE.read_text(), settings)

@@ -26,15 +26,9 @@ from services.localstack import private_broker
 @asynccontextmanager
 async def broker_behind_proxy(state_dir: Path) -> AsyncIterator[tuple[Settings, TcpProxy]]:
     """Settings whose Kafka is a private broker reached only through a proxy."""
-    broker_port, controller_port, proxy_port = (private_broker.free_port() for _ in range(3))
-    listening = Settings().model_copy(
-        update={
-            "state_dir": state_dir,
-            "kafka_bootstrap": f"127.0.0.1:{broker_port}",
-            "kafka_controller_port": controller_port,
-            "kafka_heap": "256m",
-        }
-    )
+    listening = private_broker.private_settings(Settings(), state_dir)
+    broker_port = int(listening.kafka_bootstrap.rsplit(":", 1)[1])
+    proxy_port = private_broker.free_port()
     proxy = TcpProxy(proxy_port, broker_port)
     await proxy.restore()
     through_proxy = listening.model_copy(update={"kafka_bootstrap": f"127.0.0.1:{proxy_port}"})

@@ -7,6 +7,7 @@ Import it as ``import tlskit`` (pytest puts ``tests/`` on ``sys.path``).
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -64,12 +65,12 @@ def make_ca(directory: Path, name: str = "sandstream test CA") -> Ca:
     return Ca(_pem(directory / (name.replace(" ", "-").replace("'", "") + ".pem"), cert), cert, key)
 
 
-def issue_for_localhost(directory: Path) -> Issued:
-    """A CA and a server certificate for 127.0.0.1 and localhost signed by it."""
+def issue_for_localhost(directory: Path, dns_names: Sequence[str] = ("localhost",)) -> Issued:
+    """A CA and a server certificate for 127.0.0.1 and ``dns_names`` signed by it."""
     ca = make_ca(directory)
     key = ec.generate_private_key(ec.SECP256R1())
     san = x509.SubjectAlternativeName(
-        [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+        [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), *map(x509.DNSName, dns_names)]
     )
     issuer = ca.cert.subject.rfc4514_string().removeprefix("CN=")
     cert = (
@@ -88,3 +89,12 @@ def issue_for_localhost(directory: Path) -> Issued:
         )
     )
     return Issued(ca.path, _pem(directory / "server.pem", cert), key_path)
+
+
+def pem_keystore(issued: Issued) -> Path:
+    """The server's key followed by its certificate, in one file (mode 0600): a PEM keystore as
+    Kafka's ``ssl.keystore.type=PEM`` reads it."""
+    path = issued.key.with_name("server-keystore.pem")
+    path.touch(mode=0o600)
+    path.write_bytes(issued.key.read_bytes() + issued.cert.read_bytes())
+    return path

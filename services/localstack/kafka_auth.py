@@ -105,21 +105,34 @@ def _get_property(text: str, key: str) -> str:
     raise KeyError(key)
 
 
-def secure_properties(text: str, admin: Credential) -> str:
+@dataclass(frozen=True)
+class ListenerTls:
+    """A TLS client listener's PEM files: the broker's private key followed by its certificate
+    chain, and the CA it trusts (for its own inter-broker connections to that listener)."""
+
+    keystore: Path
+    truststore: Path
+
+
+def secure_properties(text: str, admin: Credential, tls: ListenerTls | None = None) -> str:
     """A rendered broker config with its PLAINTEXT client listener turned into SASL_PLAINTEXT
-    (SCRAM-SHA-512), the controller listener into SASL_PLAINTEXT (PLAIN), and the authorizer."""
+    (SASL_SSL with ``tls``; SCRAM-SHA-512), the controller listener into SASL_PLAINTEXT (PLAIN),
+    and the authorizer."""
+    client = "SASL_SSL" if tls else "SASL_PLAINTEXT"
     sasl = re.compile(r"(?<![A-Z_])PLAINTEXT(?=://)")
+    pem = {
+        "ssl.keystore.type": "PEM",
+        "ssl.keystore.location": str(tls.keystore),
+        "ssl.truststore.type": "PEM",
+        "ssl.truststore.location": str(tls.truststore),
+    } if tls else {}  # fmt: skip
     return _set_properties(
         text,
         {
-            "listeners": sasl.sub("SASL_PLAINTEXT", _get_property(text, "listeners")),
-            "advertised.listeners": sasl.sub(
-                "SASL_PLAINTEXT", _get_property(text, "advertised.listeners")
-            ),
-            "inter.broker.listener.name": "SASL_PLAINTEXT",
-            "listener.security.protocol.map": (
-                "CONTROLLER:SASL_PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT"
-            ),
+            "listeners": sasl.sub(client, _get_property(text, "listeners")),
+            "advertised.listeners": sasl.sub(client, _get_property(text, "advertised.listeners")),
+            "inter.broker.listener.name": client,
+            "listener.security.protocol.map": f"CONTROLLER:SASL_PLAINTEXT,{client}:{client}",
             "sasl.enabled.mechanisms": "SCRAM-SHA-512",
             "sasl.mechanism.inter.broker.protocol": "SCRAM-SHA-512",
             "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
@@ -127,7 +140,8 @@ def secure_properties(text: str, admin: Credential) -> str:
             "authorizer.class.name": AUTHORIZER,
             "allow.everyone.if.no.acl.found": "false",
             "super.users": f"User:{admin.username}",
-        },
+        }
+        | pem,
     )
 
 
@@ -136,12 +150,13 @@ def _quoted(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def jaas_config(admin: Credential) -> str:
+def jaas_config(admin: Credential, client: str = "SASL_PLAINTEXT") -> str:
     """The broker's JAAS file: the admin's SCRAM login for inter-broker connections on the
-    client listener, PLAIN (with the one accepted user) on the controller listener."""
+    client listener (named ``client``), PLAIN (with the one accepted user) on the controller
+    listener."""
     user, password = _quoted(admin.username), _quoted(admin.password)
     return (
-        "sasl_plaintext.KafkaServer {\n"
+        f"{client.lower()}.KafkaServer {{\n"
         f"  {SCRAM_LOGIN} required\n    username={user} password={password};\n}};\n"
         "controller.KafkaServer {\n"
         f"  {PLAIN_LOGIN} required\n    username={user} password={password}\n"
@@ -153,14 +168,18 @@ def jaas_path(settings: Settings) -> Path:
     return kafka_paths(settings).home / "jaas.conf"
 
 
-def prepare_broker(settings: Settings, properties: str) -> tuple[str, list[str]]:
-    """The broker config to write and the JVM options to add, with the JAAS file written."""
+def prepare_broker(
+    settings: Settings, properties: str, tls: ListenerTls | None = None
+) -> tuple[str, list[str]]:
+    """The broker config to write and the JVM options to add, with the JAAS file written; the
+    client listener takes SASL_SSL with ``tls``, else SASL_PLAINTEXT."""
     if not enabled(settings):
         return properties, []
     admin = ensure_credentials(settings)["admin"]
-    replace_secret_file(jaas_path(settings), jaas_config(admin))
+    client = "SASL_SSL" if tls else "SASL_PLAINTEXT"
+    replace_secret_file(jaas_path(settings), jaas_config(admin, client))
     option = f"-Djava.security.auth.login.config={jaas_path(settings)}"
-    return secure_properties(properties, admin), [option]
+    return secure_properties(properties, admin, tls), [option]
 
 
 def with_jvm_options(cmd: list[str], options: Sequence[str]) -> list[str]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import socket
 import subprocess
+from pathlib import Path
+from typing import Any
 
 from services.common.settings import Settings
 from services.localstack import config as cfg
@@ -24,9 +26,27 @@ def free_port() -> int:
         return port
 
 
-def start(settings: Settings, *, advertised: str | None = None) -> subprocess.Popen[bytes]:
+def private_settings(base: Settings, state_dir: Path, **more: Any) -> Settings:
+    """``base`` with a state dir and free ports of its own and a small heap (and ``more``):
+    where a private broker keeps its data and listens."""
+    update = {
+        "state_dir": state_dir,
+        "kafka_bootstrap": f"127.0.0.1:{free_port()}",
+        "kafka_controller_port": free_port(),
+        "kafka_heap": "256m",
+    }
+    return base.model_copy(update=update | more)
+
+
+def start(
+    settings: Settings,
+    *,
+    advertised: str | None = None,
+    tls: kafka_auth.ListenerTls | None = None,
+) -> subprocess.Popen[bytes]:
     """Start a broker listening on ``settings.kafka_bootstrap`` (and its controller port) with
-    its data under ``settings.state_dir``; clients are told to connect to ``advertised``."""
+    its data under ``settings.state_dir``; clients are told to connect to ``advertised``. With
+    ``tls`` its client listener takes SASL_SSL instead of SASL_PLAINTEXT."""
     paths = cfg.kafka_paths(settings)
     paths.home.mkdir(parents=True, exist_ok=True)
     stack._resolve_kafka_libs(settings)
@@ -36,7 +56,7 @@ def start(settings: Settings, *, advertised: str | None = None) -> subprocess.Po
             f"advertised.listeners=PLAINTEXT://{settings.kafka_bootstrap}",
             f"advertised.listeners=PLAINTEXT://{advertised}",
         )
-    properties, jvm_options = kafka_auth.prepare_broker(settings, properties)
+    properties, jvm_options = kafka_auth.prepare_broker(settings, properties, tls)
     paths.properties.write_text(properties)
     stack._format_kafka_storage(settings)
     return stack._spawn(

@@ -35,7 +35,7 @@ import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from podman import PodmanClient
 
-from services.common.kafka_clients import kafka_client_args
+from services.common.kafka_clients import TLS_PROTOCOLS, kafka_client_args
 from services.common.migrations import apply_migrations
 from services.common.secret_files import create_secret_file, read_secret_file
 from services.common.settings import Settings
@@ -254,6 +254,18 @@ def _port_open(host: str, port: int) -> bool:
 # --------------------------------------------------------------------------- Kafka
 
 
+def _tls_problem(settings: Settings) -> str | None:
+    """Why a broker of the local stack's cannot serve these settings' TLS clients, if so: its
+    client listener takes no TLS, so they would fail their handshakes until the start timeout."""
+    if settings.kafka_security_protocol not in TLS_PROTOCOLS:
+        return None
+    return (
+        f"kafka: the local stack's broker takes no TLS, but SANDSTREAM_KAFKA_SECURITY_PROTOCOL is "
+        f"{settings.kafka_security_protocol}: use SASL_PLAINTEXT (or PLAINTEXT) locally, or point "
+        "SANDSTREAM_KAFKA_BOOTSTRAP at a TLS cluster of your own (docs/security.md)"
+    )
+
+
 def _start_kafka(settings: Settings) -> subprocess.Popen[bytes] | None:
     """Start the broker if it should run here and does not; return the new process."""
     host, port = cfg.split_host_port(settings.kafka_bootstrap)
@@ -263,7 +275,7 @@ def _start_kafka(settings: Settings) -> subprocess.Popen[bytes] | None:
         return None
     pid = _live_pid(paths.pid, str(paths.properties))
     if pid is not None:
-        problem = kafka_auth.storage_problem(settings)  # started before authentication
+        problem = kafka_auth.storage_problem(settings) or _tls_problem(settings)
         if problem:
             raise StackError(problem)
         _say(f"kafka: running (pid {pid})")
@@ -271,6 +283,9 @@ def _start_kafka(settings: Settings) -> subprocess.Popen[bytes] | None:
     if _port_open(host, port):
         _say(f"kafka: {settings.kafka_bootstrap} is served by a process we did not start; using it")
         return None
+    problem = _tls_problem(settings)
+    if problem:
+        raise StackError(problem)
     _resolve_kafka_libs(settings)
     template = cfg.KAFKA_PROPERTIES_TEMPLATE.read_text()
     rendered = cfg.render_server_properties(template, settings)
