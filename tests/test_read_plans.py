@@ -7,6 +7,10 @@ PostgreSQL with 20,000 sandboxes (a third of them tombstones) and their history:
   the history carried the id; an unknown id) is looked for by a scan, with the same answers.
 - A page of the API's list walks the key index from where it starts, instead of sorting the
   whole table for each page.
+- The change feed of named sandboxes (``/v1/watch?name=``, OpenShell's WatchSandbox) probes
+  each name's row, instead of walking every row changed since the cursor.
+- The decided-event feed's start (``retained_from``) finds the topic's first outbox id
+  through the primary key, also where its first plan was made on an empty outbox.
 
 Scans are counted in the transaction of one connection (``pg_stat_xact_user_tables``); plans
 are checked as asyncpg may keep them too: generic, made at a first use on empty tables."""
@@ -22,7 +26,7 @@ from typing import Any
 from harness import isolated_env
 
 from events.common import Phase
-from services.api import readmodel
+from services.api import decided_feed, readmodel
 from services.api.readmodel import SandboxView
 from services.openshell.service import BY_ID, sandbox_by_id
 
@@ -62,6 +66,12 @@ class OneConnection:
 
     async def fetchrow(self, query: str, *args: Any) -> Any:
         return await self.conn.fetchrow(query, *args)
+
+    async def fetch(self, query: str, *args: Any) -> Any:
+        return await self.conn.fetch(query, *args)
+
+    async def fetchval(self, query: str, *args: Any) -> Any:
+        return await self.conn.fetchval(query, *args)
 
 
 async def by_id(conn: Any, sandbox_id: uuid.UUID) -> SandboxView | None:
@@ -172,3 +182,69 @@ async def test_a_page_of_the_list_planned_on_empty_tables_starts_at_its_name_in_
     plan = await generic_plan(later, "'{Ready}', 'k5', 101")
     assert "Seq Scan" not in plan, plan
     assert any("Index Cond: " in line and "key > $2" in line for line in plan.splitlines())
+
+
+# -- the change feed of named sandboxes ----------------------------------------------------------
+
+
+async def test_the_named_change_feed_planned_on_empty_tables_probes_each_name() -> None:
+    """Made generic on empty tables, ``key = ANY`` filtered the change_seq index's walk from
+    the cursor: from cursor 0, every row of the table for a stream of one name."""
+    plan = await generic_plan(
+        readmodel._CHANGES_OF_NAMES, "0, 99999, '{k7}', false, 500, NULL, NULL"
+    )
+    assert "Seq Scan on sandboxes" not in plan, plan
+    assert "sandboxes_change_seq" not in plan, plan
+    assert "Index Scan using sandboxes_pkey on sandboxes" in plan
+    assert "Index Cond: (key = name.name)" in plan
+
+
+async def test_the_named_change_feed_answers_as_the_filter_did() -> None:
+    """Repeated and unknown names, tombstones, the cursor, the incarnation, the page."""
+    async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
+        await conn.execute(FILL)
+        pool: Any = OneConnection(conn)
+
+        async def both(**kw: Any) -> list[tuple[str, int]]:
+            named = await readmodel.changes_after(pool, kw.pop("cursor", 0), ROWS, **kw)
+            records = await conn.fetch(
+                readmodel._CHANGES, kw.get("cursor", 0), ROWS, kw["names"],
+                kw.get("live_only", False), kw.get("limit", readmodel.CHANGES_PAGE),
+                kw.get("incarnation"), None,
+            )  # fmt: skip
+            old = [readmodel.sandbox_view(r) for r in records]
+            assert [(v.name, v.change_seq) for v in named] == [(v.name, v.change_seq) for v in old]
+            return [(v.name, v.change_seq) for v in named]
+
+        assert await both(names=["k9", "k7", "k9", "nobody", "k8"]) == [
+            ("k7", 7), ("k8", 8), ("k9", 9)
+        ]  # fmt: skip
+        assert await both(names=["k9", "k7", "k8"], live_only=True) == [("k7", 7), ("k8", 8)]
+        assert await both(names=["k9", "k7", "k8"], limit=2) == [("k7", 7), ("k8", 8)]
+        assert await both(names=["k7", "k8"], incarnation=row_id(8)) == [("k8", 8)]
+        later = await readmodel.changes_after(pool, 7, ROWS, names=["k7", "k8"])
+        assert [v.name for v in later] == ["k8"]
+
+
+# -- the start of the decided-event feed ---------------------------------------------------------
+
+
+async def test_the_feed_start_made_on_an_empty_outbox_reads_it_through_the_primary_key() -> None:
+    """asyncpg keeps the statement prepared; PostgreSQL made it generic after five uses on the
+    empty outbox and kept the scan as the outbox grew (until an ANALYZE replanned it)."""
+    async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
+        await conn.execute("ALTER TABLE outbox SET (autovacuum_enabled = off)")
+        pool: Any = OneConnection(conn)
+        for _ in range(8):
+            assert await decided_feed.retained_from(pool, "events") is None
+        await conn.execute(
+            "INSERT INTO outbox (partition, topic, key, value) SELECT 0, "
+            "CASE WHEN i < 4 THEN 'dead' ELSE 'events' END, NULL, '\\x00'::bytea "
+            f"FROM generate_series(1, {ROWS}) AS i"
+        )
+        async with conn.transaction():
+            before = await scans(conn, "outbox")  # (may count the empty outbox's scans)
+            assert await decided_feed.retained_from(pool, "events") == 4
+            assert await decided_feed.retained_from(pool, "dead") == 1
+            assert await decided_feed.retained_from(pool, "other") is None  # (a walk of all)
+            assert await scans(conn, "outbox") == before
