@@ -9,6 +9,8 @@ PostgreSQL with 20,000 sandboxes (a third of them tombstones) and their history:
   whole table for each page.
 - The change feed of named sandboxes (``/v1/watch?name=``, OpenShell's WatchSandbox) probes
   each name's row, instead of walking every row changed since the cursor.
+- The decided-event feed narrowed to names or an incarnation (``/v1/watch/events?name=``)
+  walks the outbox's key index from the cursor, instead of every event since the cursor.
 - The decided-event feed's start (``retained_from``) finds the topic's first outbox id
   through the primary key, also where its first plan was made on an empty outbox.
 
@@ -17,6 +19,7 @@ are checked as asyncpg may keep them too: generic, made at a first use on empty 
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -87,16 +90,27 @@ async def scans(conn: Any, table: str) -> int:
     )
 
 
-async def generic_plan(statement: str, args: str) -> str:
+# Decided events of k1..k2000 (incarnation i of name ki, generation 1 or 2), every 50th record
+# a dead letter of the same name.
+FILL_OUTBOX = f"""
+INSERT INTO outbox (partition, topic, key, value)
+SELECT 0, CASE WHEN i % 50 = 0 THEN 'dead' ELSE 'events' END, convert_to('k' || n, 'UTF8'),
+       convert_to(json_build_object('type', 'e' || i, 'sandbox_id', {_ID.format("n")},
+                                    'generation', i / 2000 % 2 + 1)::text, 'UTF8')
+FROM generate_series(1, {ROWS}) AS i, LATERAL (SELECT i % 2000 + 1 AS n) AS k
+"""
+
+
+async def generic_plan(statement: str, args: str, fill: str = FILL) -> str:
     """The plan of ``statement`` made generic at its first execution on empty tables, as it
     stands once they are full (no ANALYZE in between: it would make the plan again)."""
     async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
-        for table in ("sandboxes", "history"):
+        for table in ("sandboxes", "history", "outbox"):
             await conn.execute(f"ALTER TABLE {table} SET (autovacuum_enabled = off)")
         await conn.execute("SET plan_cache_mode = force_generic_plan")
         await conn.execute(f"PREPARE read AS {statement}")
         await conn.execute(f"EXECUTE read({args})")  # the plan is made here
-        await conn.execute(FILL)
+        await conn.execute(fill)
         return "\n".join(r[0] for r in await conn.fetch(f"EXPLAIN EXECUTE read({args})"))
 
 
@@ -248,3 +262,55 @@ async def test_the_feed_start_made_on_an_empty_outbox_reads_it_through_the_prima
             assert await decided_feed.retained_from(pool, "dead") == 1
             assert await decided_feed.retained_from(pool, "other") is None  # (a walk of all)
             assert await scans(conn, "outbox") == before
+
+
+# -- the decided-event feed narrowed to sandboxes ------------------------------------------------
+
+
+async def test_the_named_event_feed_planned_on_empty_tables_walks_the_key_index() -> None:
+    """Filtered after a walk of the primary key from the cursor, a stream of one name read
+    every event since (from cursor 0, the whole outbox); an incarnation alone likewise."""
+    args = "'events', 0, 99999, '{k7}', NULL, NULL, 500"
+    plan = await generic_plan(decided_feed.EVENTS_OF_NAMES, args, FILL + ";" + FILL_OUTBOX)
+    assert "Seq Scan on outbox" not in plan, plan
+    assert "outbox_pkey" not in plan, plan
+    assert "Index Scan using outbox_key on outbox" in plan
+    plan = await generic_plan(decided_feed.INCARNATION_NAME, f"'{row_id(7)}'")
+    assert "Index Scan using history_incarnation on history" in plan, plan
+
+
+async def test_the_named_event_feed_answers_as_the_filter_did() -> None:
+    """Names (repeated, unknown), an incarnation (named by its history or not), a generation,
+    pages from a cursor: the same events as the filtered read of every event since."""
+    async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
+        await conn.execute(FILL + ";" + FILL_OUTBOX)
+        await conn.execute("DELETE FROM history WHERE key = 'k8'")  # k8 is named by none
+        pool: Any = OneConnection(conn)
+        every = [(r["id"], r["body"]) for r in await conn.fetch(
+            "SELECT id, convert_from(value, 'UTF8') AS body, key FROM outbox "
+            "WHERE topic = 'events' ORDER BY id"
+        )]  # fmt: skip
+
+        def expected(cursor: int, limit: int, keep: Any) -> list[tuple[int, str]]:
+            return [(i, b) for i, b in every if i > cursor and keep(json.loads(b))][:limit]
+
+        async def check(cursor: int, limit: int, keep: Any, **narrow: Any) -> None:
+            found = await decided_feed.events_after(
+                pool, "events", cursor, 10 * ROWS, limit=limit, **narrow
+            )
+            assert [(e.seq, e.body) for e in found] == expected(cursor, limit, keep)
+            assert found
+
+        def of(*ns: int) -> Any:
+            return lambda b: b["sandbox_id"] in {str(row_id(n)) for n in ns}
+
+        await check(0, 500, of(7, 9), names=["k9", "k7", "k9", "nobody"])
+        await check(every[100][0], 3, of(7, 9), names=["k9", "k7"])
+        await check(0, 500, of(7), incarnation=row_id(7))
+        await check(0, 500, of(8), incarnation=row_id(8))  # by the filtered read of all
+        at_2 = of(7)
+        await check(0, 500, lambda b: b["generation"] == 2 and at_2(b), names=["k7"], generation=2)
+        assert await decided_feed.events_after(
+            pool, "events", 0, 10 * ROWS, names=["k8"], incarnation=row_id(7)
+        ) == []  # fmt: skip
+        await check(0, 5, lambda b: True)
