@@ -130,6 +130,8 @@ async def test_every_decided_event_streams_in_order_and_resumes_from_a_cursor() 
         assert [i for _, i, _ in rest] == ids[3:]
         mine = await sse(client, "/v1/watch/events", {"name": name, "incarnation": new}, 2)
         assert [d["type"] for _, _, d in mine] == ["SandboxCreated", "SandboxReady"]
+        alone = await sse(client, "/v1/watch/events", {"incarnation": old}, 4)  # named by its
+        assert [i for _, i, _ in alone] == ids[:4]  # history, read through outbox_key
         # Housekeeping prunes what was published: an old cursor is told where it resumes.
         await eventually(
             lambda: api.env.fetchval(

@@ -7,12 +7,19 @@ PostgreSQL with 20,000 sandboxes (a third of them tombstones) and their history:
   the history carried the id; an unknown id) is looked for by a scan, with the same answers.
 - A page of the API's list walks the key index from where it starts, instead of sorting the
   whole table for each page.
+- The change feed of named sandboxes (``/v1/watch?name=``, OpenShell's WatchSandbox) probes
+  each name's row, instead of walking every row changed since the cursor.
+- The decided-event feed narrowed to names or an incarnation (``/v1/watch/events?name=``)
+  walks the outbox's key index from the cursor, instead of every event since the cursor.
+- The decided-event feed's start (``retained_from``) finds the topic's first outbox id
+  through the primary key, also where its first plan was made on an empty outbox.
 
 Scans are counted in the transaction of one connection (``pg_stat_xact_user_tables``); plans
 are checked as asyncpg may keep them too: generic, made at a first use on empty tables."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,7 +29,7 @@ from typing import Any
 from harness import isolated_env
 
 from events.common import Phase
-from services.api import readmodel
+from services.api import decided_feed, readmodel
 from services.api.readmodel import SandboxView
 from services.openshell.service import BY_ID, sandbox_by_id
 
@@ -63,6 +70,12 @@ class OneConnection:
     async def fetchrow(self, query: str, *args: Any) -> Any:
         return await self.conn.fetchrow(query, *args)
 
+    async def fetch(self, query: str, *args: Any) -> Any:
+        return await self.conn.fetch(query, *args)
+
+    async def fetchval(self, query: str, *args: Any) -> Any:
+        return await self.conn.fetchval(query, *args)
+
 
 async def by_id(conn: Any, sandbox_id: uuid.UUID) -> SandboxView | None:
     return await sandbox_by_id(OneConnection(conn), sandbox_id)  # type: ignore[arg-type]
@@ -77,16 +90,27 @@ async def scans(conn: Any, table: str) -> int:
     )
 
 
-async def generic_plan(statement: str, args: str) -> str:
+# Decided events of k1..k2000 (incarnation i of name ki, generation 1 or 2), every 50th record
+# a dead letter of the same name.
+FILL_OUTBOX = f"""
+INSERT INTO outbox (partition, topic, key, value)
+SELECT 0, CASE WHEN i % 50 = 0 THEN 'dead' ELSE 'events' END, convert_to('k' || n, 'UTF8'),
+       convert_to(json_build_object('type', 'e' || i, 'sandbox_id', {_ID.format("n")},
+                                    'generation', i / 2000 % 2 + 1)::text, 'UTF8')
+FROM generate_series(1, {ROWS}) AS i, LATERAL (SELECT i % 2000 + 1 AS n) AS k
+"""
+
+
+async def generic_plan(statement: str, args: str, fill: str = FILL) -> str:
     """The plan of ``statement`` made generic at its first execution on empty tables, as it
     stands once they are full (no ANALYZE in between: it would make the plan again)."""
     async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
-        for table in ("sandboxes", "history"):
+        for table in ("sandboxes", "history", "outbox"):
             await conn.execute(f"ALTER TABLE {table} SET (autovacuum_enabled = off)")
         await conn.execute("SET plan_cache_mode = force_generic_plan")
         await conn.execute(f"PREPARE read AS {statement}")
         await conn.execute(f"EXECUTE read({args})")  # the plan is made here
-        await conn.execute(FILL)
+        await conn.execute(fill)
         return "\n".join(r[0] for r in await conn.fetch(f"EXPLAIN EXECUTE read({args})"))
 
 
@@ -172,3 +196,121 @@ async def test_a_page_of_the_list_planned_on_empty_tables_starts_at_its_name_in_
     plan = await generic_plan(later, "'{Ready}', 'k5', 101")
     assert "Seq Scan" not in plan, plan
     assert any("Index Cond: " in line and "key > $2" in line for line in plan.splitlines())
+
+
+# -- the change feed of named sandboxes ----------------------------------------------------------
+
+
+async def test_the_named_change_feed_planned_on_empty_tables_probes_each_name() -> None:
+    """Made generic on empty tables, ``key = ANY`` filtered the change_seq index's walk from
+    the cursor: from cursor 0, every row of the table for a stream of one name."""
+    plan = await generic_plan(
+        readmodel._CHANGES_OF_NAMES, "0, 99999, '{k7}', false, 500, NULL, NULL"
+    )
+    assert "Seq Scan on sandboxes" not in plan, plan
+    assert "sandboxes_change_seq" not in plan, plan
+    assert "Index Scan using sandboxes_pkey on sandboxes" in plan
+    assert "Index Cond: (key = name.name)" in plan
+
+
+async def test_the_named_change_feed_answers_as_the_filter_did() -> None:
+    """Repeated and unknown names, tombstones, the cursor, the incarnation, the page."""
+    async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
+        await conn.execute(FILL)
+        pool: Any = OneConnection(conn)
+
+        async def both(**kw: Any) -> list[tuple[str, int]]:
+            named = await readmodel.changes_after(pool, kw.pop("cursor", 0), ROWS, **kw)
+            records = await conn.fetch(
+                readmodel._CHANGES, kw.get("cursor", 0), ROWS, kw["names"],
+                kw.get("live_only", False), kw.get("limit", readmodel.CHANGES_PAGE),
+                kw.get("incarnation"), None,
+            )  # fmt: skip
+            old = [readmodel.sandbox_view(r) for r in records]
+            assert [(v.name, v.change_seq) for v in named] == [(v.name, v.change_seq) for v in old]
+            return [(v.name, v.change_seq) for v in named]
+
+        assert await both(names=["k9", "k7", "k9", "nobody", "k8"]) == [
+            ("k7", 7), ("k8", 8), ("k9", 9)
+        ]  # fmt: skip
+        assert await both(names=["k9", "k7", "k8"], live_only=True) == [("k7", 7), ("k8", 8)]
+        assert await both(names=["k9", "k7", "k8"], limit=2) == [("k7", 7), ("k8", 8)]
+        assert await both(names=["k7", "k8"], incarnation=row_id(8)) == [("k8", 8)]
+        later = await readmodel.changes_after(pool, 7, ROWS, names=["k7", "k8"])
+        assert [v.name for v in later] == ["k8"]
+
+
+# -- the start of the decided-event feed ---------------------------------------------------------
+
+
+async def test_the_feed_start_made_on_an_empty_outbox_reads_it_through_the_primary_key() -> None:
+    """asyncpg keeps the statement prepared; PostgreSQL made it generic after five uses on the
+    empty outbox and kept the scan as the outbox grew (until an ANALYZE replanned it)."""
+    async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
+        await conn.execute("ALTER TABLE outbox SET (autovacuum_enabled = off)")
+        pool: Any = OneConnection(conn)
+        for _ in range(8):
+            assert await decided_feed.retained_from(pool, "events") is None
+        await conn.execute(
+            "INSERT INTO outbox (partition, topic, key, value) SELECT 0, "
+            "CASE WHEN i < 4 THEN 'dead' ELSE 'events' END, NULL, '\\x00'::bytea "
+            f"FROM generate_series(1, {ROWS}) AS i"
+        )
+        async with conn.transaction():
+            before = await scans(conn, "outbox")  # (may count the empty outbox's scans)
+            assert await decided_feed.retained_from(pool, "events") == 4
+            assert await decided_feed.retained_from(pool, "dead") == 1
+            assert await decided_feed.retained_from(pool, "other") is None  # (a walk of all)
+            assert await scans(conn, "outbox") == before
+
+
+# -- the decided-event feed narrowed to sandboxes ------------------------------------------------
+
+
+async def test_the_named_event_feed_planned_on_empty_tables_walks_the_key_index() -> None:
+    """Filtered after a walk of the primary key from the cursor, a stream of one name read
+    every event since (from cursor 0, the whole outbox); an incarnation alone likewise."""
+    args = "'events', 0, 99999, '{k7}', NULL, NULL, 500"
+    plan = await generic_plan(decided_feed.EVENTS_OF_NAMES, args, FILL + ";" + FILL_OUTBOX)
+    assert "Seq Scan on outbox" not in plan, plan
+    assert "outbox_pkey" not in plan, plan
+    assert "Index Scan using outbox_key on outbox" in plan
+    plan = await generic_plan(decided_feed.INCARNATION_NAME, f"'{row_id(7)}'")
+    assert "Index Scan using history_incarnation on history" in plan, plan
+
+
+async def test_the_named_event_feed_answers_as_the_filter_did() -> None:
+    """Names (repeated, unknown), an incarnation (named by its history or not), a generation,
+    pages from a cursor: the same events as the filtered read of every event since."""
+    async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
+        await conn.execute(FILL + ";" + FILL_OUTBOX)
+        await conn.execute("DELETE FROM history WHERE key = 'k8'")  # k8 is named by none
+        pool: Any = OneConnection(conn)
+        every = [(r["id"], r["body"]) for r in await conn.fetch(
+            "SELECT id, convert_from(value, 'UTF8') AS body, key FROM outbox "
+            "WHERE topic = 'events' ORDER BY id"
+        )]  # fmt: skip
+
+        def expected(cursor: int, limit: int, keep: Any) -> list[tuple[int, str]]:
+            return [(i, b) for i, b in every if i > cursor and keep(json.loads(b))][:limit]
+
+        async def check(cursor: int, limit: int, keep: Any, **narrow: Any) -> None:
+            found = await decided_feed.events_after(
+                pool, "events", cursor, 10 * ROWS, limit=limit, **narrow
+            )
+            assert [(e.seq, e.body) for e in found] == expected(cursor, limit, keep)
+            assert found
+
+        def of(*ns: int) -> Any:
+            return lambda b: b["sandbox_id"] in {str(row_id(n)) for n in ns}
+
+        await check(0, 500, of(7, 9), names=["k9", "k7", "k9", "nobody"])
+        await check(every[100][0], 3, of(7, 9), names=["k9", "k7"])
+        await check(0, 500, of(7), incarnation=row_id(7))
+        await check(0, 500, of(8), incarnation=row_id(8))  # by the filtered read of all
+        at_2 = of(7)
+        await check(0, 500, lambda b: b["generation"] == 2 and at_2(b), names=["k7"], generation=2)
+        assert await decided_feed.events_after(
+            pool, "events", 0, 10 * ROWS, names=["k8"], incarnation=row_id(7)
+        ) == []  # fmt: skip
+        await check(0, 5, lambda b: True)

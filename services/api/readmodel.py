@@ -563,6 +563,24 @@ class ChangeFeed:
 CHANGES_PAGE: Final = 500  # rows per read of the change feed
 
 
+_CHANGE_FILTERS: Final = (
+    "change_seq > $1 AND change_seq <= $2 AND (NOT $4 OR phase <> 'Deleted') "
+    "AND ($6::uuid IS NULL OR sandbox_id = $6) AND ($7::int IS NULL OR generation = $7)"
+)
+_CHANGES: Final = (
+    f"SELECT {_ROW} FROM sandboxes WHERE {_CHANGE_FILTERS} "
+    "AND (cardinality($3::text[]) = 0 OR key = ANY($3::text[])) ORDER BY change_seq LIMIT $5"
+)
+# Named rows are probed by key, one per name: a plan made generic (on empty tables) walked the
+# change_seq index from the cursor, i.e. every row changed since, for a stream of one name.
+# OFFSET 0 keeps the probe a probe (not flattened into a join the planner may make a scan).
+_CHANGES_OF_NAMES: Final = (
+    f"SELECT {_ROW} FROM (SELECT DISTINCT name FROM unnest($3::text[]) AS name) AS n "
+    "CROSS JOIN LATERAL (SELECT * FROM sandboxes WHERE key = n.name OFFSET 0) AS s "
+    f"WHERE {_CHANGE_FILTERS} ORDER BY change_seq LIMIT $5"
+)
+
+
 async def changes_after(
     pool: Pool,
     cursor: int,
@@ -577,11 +595,7 @@ async def changes_after(
     """Rows changed after ``cursor`` up to ``horizon``, in change order (optionally only one
     incarnation's, or only while at one generation)."""
     records = await pool.fetch(
-        f"SELECT {_ROW} FROM sandboxes WHERE change_seq > $1 AND change_seq <= $2 "
-        "AND (cardinality($3::text[]) = 0 OR key = ANY($3::text[])) "
-        "AND (NOT $4 OR phase <> 'Deleted') "
-        "AND ($6::uuid IS NULL OR sandbox_id = $6) AND ($7::int IS NULL OR generation = $7) "
-        "ORDER BY change_seq LIMIT $5",
+        _CHANGES_OF_NAMES if names else _CHANGES,
         cursor,
         horizon,
         list(names),
