@@ -8,6 +8,7 @@ made here signs, and points the settings at it with that CA as ``kafka_ssl_cafil
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -124,3 +125,16 @@ def test_the_local_stack_refuses_to_start_a_broker_its_tls_clients_cannot_reach(
     finally:
         if started is not None:  # the old code started one
             private_broker.stop(started)
+
+
+def test_a_tls_broker_of_ones_own_already_listening_at_a_local_bootstrap_is_used(
+    tmp_path: Path,
+) -> None:
+    """The refusal is for a broker the stack would start or runs itself: whatever already
+    listens at the bootstrap (not started by the stack) is the operator's, and is used."""
+    settings = private_broker.private_settings(
+        Settings(), tmp_path, kafka_security_protocol="SASL_SSL"
+    )
+    host, port = settings.kafka_bootstrap.rsplit(":", 1)
+    with socket.create_server((host, int(port))):
+        assert stack._start_kafka(settings) is None
