@@ -151,13 +151,15 @@ def test_the_stages_bench_parses_decides_and_plans_every_input_of_the_log() -> N
 async def test_the_latency_choice_runs_the_latency_benchmark_alone(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """Every paced command's row is seen, beside Kafka's own latency and the processor's CPU;
+    """Every paced command's row is seen, beside Kafka's own latency, the processor's CPU and
+    what each party sharing the cores spent;
     no throughput run comes first."""
     await run("latency", quick=True, latency_rate=20)
     printed = capsys.readouterr().out
     assert "throughput" not in printed, printed
     assert "latency     100/100 commands at 20/s" in printed, printed
     assert "Kafka alone p50" in printed and "CPU: processor" in printed, printed
+    assert "machine, while sending:" in printed and "PostgreSQL" in printed, printed
 
 
 def test_cpu_per_input_counts_the_broker_only_when_its_process_was_read(tmp_path: Any) -> None:
@@ -173,3 +175,24 @@ def test_cpu_per_input_counts_the_broker_only_when_its_process_was_read(tmp_path
     assert cpu.broker_pid(tmp_path / "absent.pid") is None
     assert cpu.mark([], None).broker is None
     assert cpu.per_input(start, cpu.CpuMark(1.5, None, None), 1000) == "500 µs CPU/input"
+
+
+def test_the_machine_budget_counts_each_partys_processes_read_at_both_marks() -> None:
+    start = cpu.MachineMark((100, 400), {"processor": {1: 1.0}, "Kafka": {2: 5.0, 3: 1.0}})
+    end = cpu.MachineMark(
+        (400, 800), {"processor": {1: 1.5}, "Kafka": {2: 5.1, 4: 9.0}, "load generator": {5: 1.0}}
+    )
+    # Kafka: pid 3 exited and pid 4 appeared in between; only pid 2 is counted.
+    assert cpu.machine_budget(start, end, 1000) == (
+        f"{os.cpu_count()} cores 75 % busy; CPU per command (µs): processor 500, Kafka 100"
+    )
+    nothing = cpu.MachineMark(None, {"processor": {}})
+    assert cpu.machine_budget(nothing, nothing, 1000) == "CPU per command (µs): n/a"
+
+
+def test_a_machine_mark_reads_running_processes_and_leaves_out_others() -> None:
+    gone = max(int(p) for p in os.listdir("/proc") if p.isdigit()) + 10_000_000
+    mark = cpu.machine_mark({"this": [os.getpid()], "gone": [gone]})
+    assert mark.parties["this"][os.getpid()] > 0
+    assert mark.parties["gone"] == {}
+    assert mark.cores is not None and 0 < mark.cores[0] <= mark.cores[1]

@@ -10,9 +10,10 @@ stack's, shared: whatever else uses it meanwhile counts too.
 
 from __future__ import annotations
 
+import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,49 @@ def per_input(start: CpuMark, end: CpuMark, inputs: int) -> str:
     if start.broker is not None and end.broker is not None:
         text += f" + Kafka {(end.broker - start.broker) / inputs * 1e6:.0f}"
     return text + " µs CPU/input"
+
+
+@dataclass(frozen=True, slots=True)
+class MachineMark:
+    """Everything that shares the cores during a paced run, at one moment."""
+
+    cores: tuple[int, int] | None  # (busy, all) clock ticks of every core since boot
+    parties: dict[str, dict[int, float]]  # party -> pid -> its CPU seconds so far
+
+
+def machine_mark(parties: Mapping[str, Iterable[int]]) -> MachineMark:
+    """The cores' ticks and the CPU of each party's processes (those that could be read)."""
+    return MachineMark(_cores(), {name: _readable(pids) for name, pids in parties.items()})
+
+
+def machine_budget(start: MachineMark, end: MachineMark, commands: int) -> str:
+    """``N cores M % busy; CPU per command (µs): party K, ...`` between two marks: a party
+    counts the processes read at both (none read: left out); no cores figure off Linux."""
+    spent = {}
+    for name, before in start.parties.items():
+        after = end.parties.get(name, {})
+        if pids := before.keys() & after.keys():
+            spent[name] = sum(after[pid] - before[pid] for pid in pids)
+    per = ", ".join(f"{name} {cpu / commands * 1e6:.0f}" for name, cpu in spent.items())
+    text = f"CPU per command (µs): {per or 'n/a'}"
+    if start.cores is not None and end.cores is not None:
+        busy, every = (e - s for s, e in zip(start.cores, end.cores, strict=True))
+        text = f"{os.cpu_count()} cores {busy / max(every, 1) * 100:.0f} % busy; {text}"
+    return text
+
+
+def _cores() -> tuple[int, int] | None:
+    try:
+        with open("/proc/stat") as stat:
+            ticks = [int(t) for t in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
+    return sum(ticks) - idle, sum(ticks)
+
+
+def _readable(pids: Iterable[int]) -> dict[int, float]:
+    return {pid: cpu for pid in pids if not math.isnan(cpu := process_cpu(pid))}
 
 
 def process_cpu(pid: int) -> float:

@@ -221,7 +221,8 @@ async def _paced_commands(s: Settings, rate: int, seconds: float, processor: int
             for i in range(count)
         ]  # fmt: skip
         payloads = [encode(c) for c in commands]
-        cpu_begin = cpu.process_cpu(processor)
+        parties = await _parties(s, reader, processor)
+        cpu_begin, machine_begin = cpu.process_cpu(processor), cpu.machine_mark(parties)
         begin = time.perf_counter()
         for i, command in enumerate(commands):
             delay = begin + i / rate - time.perf_counter()
@@ -236,6 +237,7 @@ async def _paced_commands(s: Settings, rate: int, seconds: float, processor: int
         while len(done) < len(sent) and time.perf_counter() < deadline:
             await asyncio.sleep(0.05)
         used = cpu.process_cpu(processor) - cpu_begin
+        machine = cpu.machine_budget(machine_begin, cpu.machine_mark(parties), count)
         finished.set()
         woken.set()
         await collector
@@ -259,7 +261,24 @@ async def _paced_commands(s: Settings, rate: int, seconds: float, processor: int
         f"command->row p50 {q[49]:.1f} ms  p99 {q[98]:.1f} ms  max {ms[-1]:.1f} ms  |  "
         f"Kafka alone p50 {k[49]:.1f} ms  p99 {k[98]:.1f} ms  |  p99 ratio {q[98] / k[98]:.1f}"
         f"\n            CPU: processor {used / count * 1e6:.0f} µs/command"
+        f"\n            machine, while sending: {machine}"
     )
+
+
+async def _parties(
+    s: Settings, conn: asyncpg.Connection[asyncpg.Record], processor: int
+) -> dict[str, list[int]]:
+    """Who shares the cores in a latency run: the processor, every PostgreSQL backend of the
+    cluster (others' too: meaningful on a quiet machine), the local broker and this process
+    (the load generator, Kafka's own reader and the row watcher)."""
+    backends = [r["pid"] for r in await conn.fetch("SELECT pid FROM pg_stat_activity")]
+    broker = cpu.broker_pid(kafka_paths(s).pid)
+    return {
+        "processor": [processor],
+        "PostgreSQL": backends,
+        "Kafka": [] if broker is None else [broker],
+        "load generator": [os.getpid()],
+    }
 
 
 async def _tail_reader(s: Settings) -> AIOKafkaConsumer:
