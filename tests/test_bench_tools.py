@@ -180,7 +180,7 @@ def test_cpu_per_input_counts_the_broker_only_when_its_process_was_read(tmp_path
 def test_the_machine_budget_counts_each_partys_processes_read_at_both_marks() -> None:
     start = cpu.MachineMark((100, 400), {"processor": {1: 1.0}, "Kafka": {2: 5.0, 3: 1.0}})
     end = cpu.MachineMark(
-        (400, 800), {"processor": {1: 1.5}, "Kafka": {2: 5.1, 4: 9.0}, "load generator": {5: 1.0}}
+        (400, 800), {"processor": {1: 1.5}, "Kafka": {2: 5.1, 4: 9.0}, "bench": {5: 1.0}}
     )
     # Kafka: pid 3 exited and pid 4 appeared in between; only pid 2 is counted.
     assert cpu.machine_budget(start, end, 1000) == (

@@ -277,7 +277,7 @@ async def _parties(
         "processor": [processor],
         "PostgreSQL": backends,
         "Kafka": [] if broker is None else [broker],
-        "load generator": [os.getpid()],
+        "bench": [os.getpid()],
     }
 
 
