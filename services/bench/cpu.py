@@ -6,6 +6,9 @@ judged by them (paired with the run before it). Counted: this process (the proje
 it), the PostgreSQL backends of its connections and the Kafka broker, read from /proc (each
 absent when it runs on another machine or in a container of its own). The broker is the local
 stack's, shared: whatever else uses it meanwhile counts too.
+
+For a paced run, ``machine_mark``/``machine_budget`` also count the cores' busy ticks
+(/proc/stat) and the CPU of every party sharing them (processes given by pid), per command.
 """
 
 from __future__ import annotations
