@@ -32,7 +32,13 @@ CONNECTION_ERRORS: tuple[type[Exception], ...] = (
     asyncpg.PostgresConnectionError,
     asyncpg.InterfaceError,  # the connection is closed (or was released when it closed)
     asyncpg.exceptions.OperatorInterventionError,  # shutdown, starting up, terminated
+    # "cannot switch to state N; another operation is in progress": the server's goodbye
+    # ("terminating connection") reached an idle connection before its close did, and the
+    # next query on it fails so. Seen in PostgreSQL restarts; the connection is dead.
+    asyncpg.exceptions.InternalClientError,
 )
+# Any trouble with PostgreSQL: a lost connection, or an error the server answered with.
+DATABASE_ERRORS: tuple[type[Exception], ...] = (asyncpg.PostgresError, *CONNECTION_ERRORS)
 
 
 SANDBOX_COLUMNS = (

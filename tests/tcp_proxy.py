@@ -1,5 +1,10 @@
 """A TCP proxy the test controls: ``cut()`` drops every connection and refuses new ones until
-``restore()``, as a broker restart or a network failure does to its clients."""
+``restore()``, as a broker restart or a network failure does to its clients.
+
+With ``hold_closes``, a connection the server closes stays open towards the client (until the
+client closes it, or ``cut()``): what the server said last has arrived, its close has not. That
+is the window in which a PostgreSQL restart's goodbye reaches a client before the close does.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,12 @@ import contextlib
 
 
 class TcpProxy:
-    def __init__(self, port: int, target_port: int, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, port: int, target_port: int, host: str = "127.0.0.1", *, hold_closes: bool = False
+    ) -> None:
         self.host, self.port, self.target_port = host, port, target_port
+        self.hold_closes = hold_closes
+        self.closes_held = 0  # server closes held so far (everything before them forwarded)
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -37,12 +46,19 @@ class TcpProxy:
             writer.transport.abort()
             return
         self._writers.update((writer, up_writer))
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        await asyncio.gather(
+            self._pipe(reader, up_writer), self._pipe(up_reader, writer, hold=self.hold_closes)
+        )
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hold: bool = False
+    ) -> None:
         with contextlib.suppress(ConnectionError, OSError):
             while data := await reader.read(65536):
                 writer.write(data)
                 await writer.drain()
+        if hold:
+            self.closes_held += 1
+            return  # the client's side stays open (``cut()`` still closes it)
         self._writers.discard(writer)
         writer.transport.abort()

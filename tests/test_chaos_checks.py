@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 from collections import Counter
+from pathlib import Path
 
 from drivers.protocol import RuntimeInfo
 from services.chaos import checks
 from services.chaos.workload import Sent
+from services.common.settings import Settings
 
 SID = uuid.uuid4()
 
@@ -111,3 +115,28 @@ async def test_the_backend_is_judged_once_it_agrees_or_at_the_deadline() -> None
     assert [f.detail for f in checks.backend_findings(stopped, judged)] == [
         "s: Stopped, yet ['rt-s-1'] run"
     ]
+
+
+def test_a_role_process_that_exited_after_healing_is_a_finding_naming_it_and_its_code(
+    tmp_path: Path,
+) -> None:
+    """The CI run where both processors died of a PostgreSQL restart reported only what their
+    absence caused (lost commands, a run that never settled); the crash itself is named."""
+    from services.chaos.launch import RoleProcess
+
+    roles = [RoleProcess(role, 1, Settings(), tmp_path) for role in ("processor", "executor")]
+    unstarted = RoleProcess("watcher", 1, Settings(), tmp_path)
+    roles[0].proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    roles[0].proc.wait()
+    roles[1].proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ended = [(r.name, c) for r in [*roles, unstarted] if (c := r.exit_code()) is not None]
+    finally:
+        roles[1].proc.kill()
+        roles[1].proc.wait()
+    assert ended == [("processor-1", 3)]
+    [finding] = checks.ended_roles(ended)
+    assert (finding.kind, finding.check) == ("ended", "roles")
+    assert finding.detail == (
+        "processor-1 ended by itself with exit code 3 (its log: logs/processor-1.log)"
+    )

@@ -12,9 +12,11 @@ import factories as f
 import pytest
 import workload
 from harness import Env, eventually, isolated_env
+from pg_goodbye import behind_holding_proxy, say_goodbye
 
 from projections.store import SANDBOX_COLUMNS, mark_published, sandbox_from_record
 from services.common import metrics
+from services.common.database import connect_pool
 from services.common.kafka_clients import kafka_client_args
 from services.processor import consumer
 from services.processor.consumer import Processor
@@ -196,6 +198,44 @@ async def test_the_processor_resumes_after_postgresql_ends_its_sessions(
         assert "lost PostgreSQL" in caplog.text
         assert "resumed from the offsets stored in PostgreSQL" in caplog.text
         await env.stop_processor(processor)
+        await assert_applied_exactly_once(env, inputs)
+
+
+async def test_the_processor_resumes_when_postgresql_s_goodbye_comes_before_the_close(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by the chaos checker: in a PostgreSQL restart, a session's "terminating connection"
+    error can reach an idle connection before its close does. asyncpg then fails the next query
+    with InternalClientError ("another operation is in progress"), which the processor did not
+    take for a lost database: it died. A proxy here holds the closes, so the window stays open."""
+    caplog.set_level(logging.INFO, logger="sandstream.processor")
+    inputs = workload.commands(count=200, keys=20, seed=17)
+    async with isolated_env(partitions=2) as env:
+        async with behind_holding_proxy(env.settings) as (settings, proxy):
+            pool = await connect_pool(settings)
+            processor = Processor(settings, pool, name="goodbye", max_records=50)
+            stop = asyncio.Event()
+            try:
+                await processor.start()
+                task = asyncio.create_task(processor.run(stop))
+                await publish(env, inputs[:100])
+                await env.wait_applied(100)
+                await wait_outbox_drained(env)
+                conns = (processor._conn, processor._cursor_conn)
+                await say_goodbye(env, proxy, [c.get_server_pid() for c in conns])
+                # Both goodbyes are in the processor's sockets before anything makes it query.
+                await publish(env, inputs[100:])
+                await env.wait_applied(len(inputs))
+                await wait_outbox_drained(env)
+                assert not task.done()
+                assert "lost PostgreSQL (InternalClientError(" in caplog.text
+                assert "resumed from the offsets stored in PostgreSQL" in caplog.text
+                stop.set()
+                await task
+            finally:
+                await processor.stop()
+                await proxy.cut()  # before the pool's polite close, whose end it would hold
+                await pool.close()
         await assert_applied_exactly_once(env, inputs)
 
 

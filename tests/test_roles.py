@@ -5,6 +5,7 @@ to each other only through them; each reports itself through its own health endp
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from harness import eventually, isolated_env
+from pg_goodbye import behind_holding_proxy, say_goodbye
 from pipeline_support import PodmanKeys, containers_of, history
 from podman import PodmanClient
 from role_processes import all_ready, assigned_metric, one_active, roles_env, shared_out
@@ -303,3 +305,38 @@ async def test_a_lease_holder_whose_session_ends_stops_its_work_and_one_holder_f
             stop.set()
             await asyncio.gather(*tasks)
         assert all(event.is_set() for event in working.values())  # every work was stopped
+
+
+async def test_a_lease_holder_hearing_postgresql_s_goodbye_before_the_close_takes_it_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found with the chaos checker's PostgreSQL restart: the holder's check met a session that
+    had the server's goodbye but not yet its close (asyncpg's InternalClientError, not one of
+    the errors the check expected), and the lease's loop died with it. It is a lost lease."""
+    from services.common.lease import Lease
+
+    caplog.set_level(logging.INFO, logger="sandstream.lease")
+    async with (
+        isolated_env(lease_check_seconds=0.2) as env,
+        behind_holding_proxy(env.settings) as (settings, proxy),
+    ):
+        lease = Lease(settings, "test")
+        runs: list[asyncio.Event] = []
+
+        async def work(lost: asyncio.Event) -> None:
+            runs.append(lost)
+            await lost.wait()
+
+        stop = asyncio.Event()
+        task = asyncio.create_task(lease.run(stop, work))
+        try:
+            await eventually(lambda: runs, lambda r: len(r) == 1, what="the lease taken")
+            assert lease._conn is not None
+            await say_goodbye(env, proxy, [lease._conn.get_server_pid()])
+            await eventually(lambda: runs, lambda r: len(r) == 2, what="the lease taken again")
+            assert runs[0].is_set() and not runs[1].is_set()
+            assert "lease test lost (InternalClientError(" in caplog.text
+            assert not task.done()
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, timeout=30)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 
-import asyncpg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -75,9 +74,6 @@ def install_error_handlers(app: FastAPI) -> None:
     # metrics middleware); a handler for Exception runs outside it and re-raises.
     for connection_error in CONNECTION_ERRORS:
         app.add_exception_handler(connection_error, unavailable)
-    # asyncpg's "cannot switch to state N; another operation is in progress": a pooled
-    # connection left broken by a lost server (seen while PostgreSQL restarts), not our error.
-    app.add_exception_handler(asyncpg.exceptions.InternalClientError, unavailable)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

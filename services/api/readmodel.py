@@ -33,7 +33,7 @@ from events.common import (
 )
 from events.outcomes import Code, CommandOutcome
 from events.topics import CHANGES_CHANNEL
-from projections.store import SANDBOX_COLUMNS, sandbox_from_record
+from projections.store import DATABASE_ERRORS, SANDBOX_COLUMNS, sandbox_from_record
 
 log = logging.getLogger("sandstream.api")
 
@@ -552,7 +552,7 @@ class ChangeFeed:
                     finally:
                         if not conn.is_closed():
                             await conn.remove_listener(CHANGES_CHANNEL, self._notify)
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            except DATABASE_ERRORS as exc:
                 log.warning("change feed: LISTEN failed (%s); polling until it is back", exc)
             self._notify()  # whatever was missed meanwhile: let watchers look
             with contextlib.suppress(TimeoutError):

@@ -25,7 +25,7 @@ from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.processor.rebuild import rebuild_and_compare
 
-Kind = Literal["lost", "duplicated", "divergence"]
+Kind = Literal["lost", "duplicated", "divergence", "ended"]
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
 PROGRESSING = ("Provisioning", "Starting", "Stopping", "Deleting")
 
@@ -42,6 +42,17 @@ class EventStats:
     decided: int  # decided events in the outbox
     on_topic: int  # records on sandbox.events
     republished: int  # repeats of an event already on the topic (at least once after a crash)
+
+
+# --------------------------------------------------------------------------- roles
+
+
+def ended_roles(ended: Iterable[tuple[str, int]]) -> list[Finding]:
+    """A role process found exited after the faults were healed ended by itself: no fault
+    stops one for good, so it crashed (a supervisor would restart it; the checker does not,
+    which would hide the crash)."""
+    detail = "{0} ended by itself with exit code {1} (its log: logs/{0}.log)"
+    return [Finding("ended", "roles", detail.format(name, code)) for name, code in ended]
 
 
 # --------------------------------------------------------------------------- commands

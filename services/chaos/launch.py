@@ -64,6 +64,10 @@ class RoleProcess:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def exit_code(self) -> int | None:
+        """How the last process started ended; None while it runs (or before it started)."""
+        return None if self.proc is None else self.proc.poll()
+
     def kill(self) -> None:
         """SIGKILL: no clean-up, no leaving the consumer group."""
         if self.running():

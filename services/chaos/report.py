@@ -43,6 +43,7 @@ def table(result: Result) -> str:
         f"{'lost':<34}{result.count('lost'):>8}",
         f"{'duplicated':<34}{result.count('duplicated'):>8}",
         f"{'divergences':<34}{result.count('divergence'):>8}",
+        f"{'roles ended by themselves':<34}{result.count('ended'):>8}",
     ]
     for finding in result.findings[:SHOWN_FINDINGS]:
         lines.append(f"{finding.kind.upper()} [{finding.check}] {finding.detail}")

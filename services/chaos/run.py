@@ -221,6 +221,7 @@ async def _run_in(
             )
         finally:
             await driver.close()
+        ended = [(r.name, code) for r in lasting if (code := r.exit_code()) is not None]
     finally:
         for role in roles:
             await asyncio.to_thread(role.stop)
@@ -228,7 +229,8 @@ async def _run_in(
         await api.stop()
         await producer.stop()
         await publisher.__aexit__()
-    findings = await checks.commands(pool, workload.sent.values())
+    findings = checks.ended_roles(ended)
+    findings += await checks.commands(pool, workload.sent.values())
     findings += await checks.history(pool)
     findings += await checks.redecided(settings)
     findings += await checks.rebuild(settings)

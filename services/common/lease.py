@@ -33,6 +33,7 @@ from typing import Any
 
 import asyncpg
 
+from projections.store import DATABASE_ERRORS
 from services.common import metrics
 from services.common.settings import Settings
 from services.common.tasks import STOP_TIMEOUT, stopped_within
@@ -48,6 +49,8 @@ KEEPALIVE = {
     "tcp_user_timeout": "11000",
 }
 RELEASE_AFTER_SECONDS = 11.0
+# What fails a try or a check: PostgreSQL away or refusing, or no answer in time.
+_TROUBLE: tuple[type[Exception], ...] = (*DATABASE_ERRORS, TimeoutError)
 
 Work = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
 
@@ -99,7 +102,7 @@ class Lease:
                 lock_key(self.settings.pg_schema, self.name),
                 timeout=self.interval * 2,
             )
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+        except _TROUBLE as exc:
             self.last_error = repr(exc)
             await self._drop_connection()
             return False
@@ -139,7 +142,7 @@ class Lease:
         assert self._conn is not None
         try:
             await self._conn.fetchval("SELECT 1", timeout=self.interval)
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+        except _TROUBLE as exc:
             self.last_error = repr(exc)
             await self._drop_connection()
             return False

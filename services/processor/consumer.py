@@ -589,7 +589,7 @@ class Processor:
             await asyncio.wait([self._confirmer])
         for conn in (self._conn, self._cursor_conn, self._ahead_conn):
             if conn is not None:  # one whose session was lost is back in its pool already
-                with contextlib.suppress(asyncpg.InterfaceError):
+                with contextlib.suppress(*CONNECTION_ERRORS):
                     await self.pool.release(conn)
         self._conn = self._cursor_conn = self._ahead_conn = None
 
@@ -748,7 +748,7 @@ class Processor:
         for conn in (self._conn, self._cursor_conn, self._ahead_conn):
             # A closed connection goes back to its pool by itself (which then opens a new
             # one); terminating one that still looks alive does the same.
-            with contextlib.suppress(asyncpg.InterfaceError):
+            with contextlib.suppress(*CONNECTION_ERRORS):
                 if conn is not None:
                     conn.terminate()
         self._conn = self._cursor_conn = self._ahead_conn = None
@@ -1024,7 +1024,7 @@ class Processor:
         except Exception as exc:  # decided again after the write, as without overlap
             log.info("%s: could not decide the next poll ahead (%r)", self.name, exc)
             if self._ahead_conn is not None and database_gone(exc):
-                with contextlib.suppress(asyncpg.InterfaceError):
+                with contextlib.suppress(*CONNECTION_ERRORS):
                     self._ahead_conn.terminate()
                 self._ahead_conn = None
             return None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import asyncpg
 
 from events.publisher import CommandPublisher
+from projections.store import DATABASE_ERRORS
 from services.api.app import create_app
 from services.api.server import RunningApi, Tls, start_api
 from services.common.database import connect_pool
@@ -63,6 +64,6 @@ class ApiRole:
             return Readiness(False, "the API server stopped", detail)
         try:
             await self.pool.fetchval("SELECT 1")
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        except DATABASE_ERRORS as exc:
             return Readiness(False, f"PostgreSQL unreachable: {exc!r}", detail)
         return Readiness(True, "", detail)

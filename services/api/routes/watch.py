@@ -15,6 +15,7 @@ from fastapi import APIRouter, Header, Query
 from fastapi.responses import StreamingResponse
 
 from events.common import SANDBOX_NAME_PATTERN
+from projections.store import DATABASE_ERRORS
 from services.api import decided_feed, readmodel
 from services.api.deps import Reader, State
 from services.api.errors import ApiError
@@ -143,7 +144,7 @@ async def watch_stream(
             if deadline is not None:
                 wait = min(wait, deadline - now_)
             await feed.wait(mark, max(wait, 0.001))
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+    except DATABASE_ERRORS as exc:
         log.warning("watch stream ended: %r", exc)
     finally:
         metrics.API_WATCHERS.dec()
@@ -284,7 +285,7 @@ async def decided_stream(
             if deadline is not None:
                 wait = min(wait, deadline - now_)
             await feed.wait(mark, max(wait, 0.001))
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+    except DATABASE_ERRORS as exc:
         log.warning("decided-event stream ended: %r", exc)
     finally:
         metrics.API_WATCHERS.dec()
