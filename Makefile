@@ -3,7 +3,7 @@
 
 PY := .venv/bin/python
 
-.PHONY: setup stack up down lint test bench soak chaos k8s k8s-down conformance
+.PHONY: setup stack up down prune lint test bench soak chaos k8s k8s-down conformance
 
 setup:  ## install Debian packages and the virtualenv (idempotent)
 	bash compose/bootstrap.sh
@@ -17,6 +17,9 @@ up: setup  ## the whole system: stack plus sandstream's own services
 down:  ## stop what `make stack` and `make k8s` started
 	$(PY) -m services.localstack.kubernetes down
 	$(PY) -m services.localstack down
+
+prune:  ## remove the isolated test environments whose process was killed (topics, ACLs, schema)
+	$(PY) -m services.localstack prune
 
 lint: setup
 	.venv/bin/ruff check .

@@ -363,7 +363,7 @@ def ensure_users(settings: Settings) -> list[str]:
 
 
 _MATCH_ANY: Any = None  # a filter's None matches any value (the stubs type these as str)
-_EVERY_ACL = AclBindingFilter(
+EVERY_ACL = AclBindingFilter(
     ResourceType.ANY,
     _MATCH_ANY,
     ResourcePatternType.ANY,
@@ -380,7 +380,7 @@ def grant(settings: Settings) -> int:
     bindings = _bindings(settings)
     admin = AdminClient(admin_config(settings))
     _wait_all(admin.create_acls(bindings), "creating ACL")
-    wait_until_described(lambda: admin.describe_acls(_EVERY_ACL).result(ADMIN_TIMEOUT), bindings)
+    wait_until_described(lambda: admin.describe_acls(EVERY_ACL).result(ADMIN_TIMEOUT), bindings)
     return len(bindings)
 
 
