@@ -62,7 +62,11 @@ def test_topics_are_replicated_three_times_with_two_in_sync_only_on_a_cluster() 
 
 def test_set_properties_replaces_a_key_in_place_and_appends_a_missing_one() -> None:
     text = "a=1\n# a=comment\nab=2\n"
-    assert cc.set_properties(text, {"a": "x\\y", "c": "3"}) == "a=x\\y\n# a=comment\nab=2\nc=3\n"
+    assert cfg.set_properties(text, {"a": "x\\y", "c": "3"}) == "a=x\\y\n# a=comment\nab=2\nc=3\n"
+    # Every line setting a key is set (the last one wins where the file is read); what is
+    # appended comes after the header, when there is one.
+    twice = cfg.set_properties("a = 1\nb=2\na=3\n", {"a": "9", "d": "4"}, header="more")
+    assert twice == "a=9\nb=2\na=9\n\n# more\nd=4\n"
 
 
 def test_every_node_logs_in_with_the_clusters_one_set_of_principals(tmp_path: Path) -> None:

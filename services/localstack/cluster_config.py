@@ -11,7 +11,6 @@ that differ in a cluster set afterwards, so the template stays the one source of
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,15 +82,4 @@ def node_properties(template: str, settings: Settings, node: Node) -> str:
         "share.coordinator.state.topic.replication.factor": rf,
         "share.coordinator.state.topic.min.isr": isr,
     }
-    return set_properties(cfg.render_server_properties(template, node.settings), overrides)
-
-
-def set_properties(text: str, values: dict[str, str]) -> str:
-    """``text`` (a .properties file) with each key set to its value: replaced where the key
-    is, appended where it is not."""
-    for key, value in values.items():
-        line = re.compile(rf"^{re.escape(key)}\s*=.*$", re.MULTILINE)
-        text, found = line.subn(f"{key}={value}".replace("\\", "\\\\"), text)
-        if not found:
-            text = text.rstrip("\n") + f"\n{key}={value}\n"
-    return text
+    return cfg.set_properties(cfg.render_server_properties(template, node.settings), overrides)

@@ -121,6 +121,23 @@ MAX_REPLICATION = 3
 CLUSTER_MIN_INSYNC = 2
 
 
+def set_properties(text: str, values: dict[str, str], header: str | None = None) -> str:
+    """``text`` (a .properties file) with each key set to its value: on every line that sets
+    the key, or appended (after ``header``, as a comment, when given) where none does."""
+    lines = text.splitlines()
+    missing = dict(values)
+    for i, line in enumerate(lines):
+        key, sep, _ = line.partition("=")
+        key = key.strip()
+        if sep and not line.lstrip().startswith("#") and key in values:
+            lines[i] = f"{key}={values[key]}"
+            missing.pop(key, None)
+    if missing:
+        lines += ["", f"# {header}"] if header else []
+        lines += [f"{key}={value}" for key, value in missing.items()]
+    return "\n".join(lines) + "\n"
+
+
 def replication_factor(settings: Settings) -> int:
     """Replicas of every project topic: one per broker, at most three."""
     return min(MAX_REPLICATION, settings.kafka_brokers)

@@ -50,7 +50,7 @@ from services.common.kafka_clients import (
 )
 from services.common.secret_files import replace_secret_file
 from services.common.settings import Settings, load_settings
-from services.localstack.config import kafka_paths
+from services.localstack.config import kafka_paths, set_properties
 
 SCRAM_ITERATIONS = 8192
 ADMIN_TIMEOUT = 30.0
@@ -82,21 +82,6 @@ def ensure_credentials(settings: Settings) -> dict[str, Credential]:
 # --------------------------------------------------------------------------- broker config
 
 
-def _set_properties(text: str, values: dict[str, str]) -> str:
-    """``text`` (a .properties file) with each key in ``values`` set: in place if present,
-    appended otherwise."""
-    lines = text.splitlines()
-    left = dict(values)
-    for i, line in enumerate(lines):
-        key = line.split("=", 1)[0].strip()
-        if "=" in line and not line.lstrip().startswith("#") and key in left:
-            lines[i] = f"{key}={left.pop(key)}"
-    if left:
-        lines += ["", "# Authentication and ACLs (services/localstack/kafka_auth.py)"]
-        lines += [f"{k}={v}" for k, v in left.items()]
-    return "\n".join(lines) + "\n"
-
-
 def _get_property(text: str, key: str) -> str:
     for line in text.splitlines():
         name, sep, value = line.partition("=")
@@ -126,7 +111,7 @@ def secure_properties(text: str, admin: Credential, tls: ListenerTls | None = No
         "ssl.truststore.type": "PEM",
         "ssl.truststore.location": str(tls.truststore),
     } if tls else {}  # fmt: skip
-    return _set_properties(
+    return set_properties(
         text,
         {
             "listeners": sasl.sub(client, _get_property(text, "listeners")),
@@ -142,6 +127,7 @@ def secure_properties(text: str, admin: Credential, tls: ListenerTls | None = No
             "super.users": f"User:{admin.username}",
         }
         | pem,
+        header="Authentication and ACLs (services/localstack/kafka_auth.py)",
     )
 
 
