@@ -173,6 +173,15 @@ async def test_a_second_writer_of_a_partition_writes_no_input_twice() -> None:
         await assert_applied_exactly_once(env, inputs)
 
 
+async def publish_and_settle(
+    env: Env, inputs: list[workload.Command], end: int, start: int = 0
+) -> None:
+    """Publish ``inputs[start:end]``; return once all ``end`` are applied and published."""
+    await publish(env, inputs[start:end])
+    await env.wait_applied(end)
+    await wait_outbox_drained(env)
+
+
 async def test_the_processor_resumes_after_postgresql_ends_its_sessions(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -183,17 +192,13 @@ async def test_the_processor_resumes_after_postgresql_ends_its_sessions(
     async with isolated_env(partitions=4) as env:
         processor = await env.start_processor("p1", max_records=50)
         [(_, _, task)] = env.processors
-        await publish(env, inputs[:300])
-        await env.wait_applied(300)
-        await wait_outbox_drained(env)
+        await publish_and_settle(env, inputs, 300)
         sessions = [c.get_server_pid() for c in (processor._conn, processor._cursor_conn)]
         terminated = await env.fetch(
             "SELECT pg_terminate_backend(pid) AS done FROM unnest($1::int[]) AS pid", sessions
         )
         assert [r["done"] for r in terminated] == [True, True]
-        await publish(env, inputs[300:])
-        await env.wait_applied(len(inputs))
-        await wait_outbox_drained(env)
+        await publish_and_settle(env, inputs, len(inputs), start=300)
         assert not task.done()
         assert "lost PostgreSQL" in caplog.text
         assert "resumed from the offsets stored in PostgreSQL" in caplog.text
@@ -218,15 +223,11 @@ async def test_the_processor_resumes_when_postgresql_s_goodbye_comes_before_the_
             try:
                 await processor.start()
                 task = asyncio.create_task(processor.run(stop))
-                await publish(env, inputs[:100])
-                await env.wait_applied(100)
-                await wait_outbox_drained(env)
+                await publish_and_settle(env, inputs, 100)
                 conns = (processor._conn, processor._cursor_conn)
                 await say_goodbye(env, proxy, [c.get_server_pid() for c in conns])
                 # Both goodbyes are in the processor's sockets before anything makes it query.
-                await publish(env, inputs[100:])
-                await env.wait_applied(len(inputs))
-                await wait_outbox_drained(env)
+                await publish_and_settle(env, inputs, len(inputs), start=100)
                 assert not task.done()
                 assert "lost PostgreSQL (InternalClientError(" in caplog.text
                 assert "resumed from the offsets stored in PostgreSQL" in caplog.text
