@@ -18,7 +18,9 @@ class TcpProxy:
     ) -> None:
         self.host, self.port, self.target_port = host, port, target_port
         self.hold_closes = hold_closes
-        self.closes_held = 0  # server closes held so far (everything before them forwarded)
+        # Closes the server made while its client was still connected, held so far
+        # (everything the server sent before them forwarded).
+        self.closes_held = 0
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -46,19 +48,25 @@ class TcpProxy:
             writer.transport.abort()
             return
         self._writers.update((writer, up_writer))
-        await asyncio.gather(
-            self._pipe(reader, up_writer), self._pipe(up_reader, writer, hold=self.hold_closes)
-        )
+        from_client = asyncio.ensure_future(self._pipe(reader, up_writer))
+        await self._copy(up_reader, writer)
+        if self.hold_closes and not from_client.done():
+            self.closes_held += 1  # the client's side stays open (``cut()`` still closes it)
+        else:
+            self._close(writer)
+        await from_client
 
-    async def _pipe(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hold: bool = False
-    ) -> None:
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._copy(reader, writer)
+        self._close(writer)
+
+    @staticmethod
+    async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError, OSError):
             while data := await reader.read(65536):
                 writer.write(data)
                 await writer.drain()
-        if hold:
-            self.closes_held += 1
-            return  # the client's side stays open (``cut()`` still closes it)
+
+    def _close(self, writer: asyncio.StreamWriter) -> None:
         self._writers.discard(writer)
         writer.transport.abort()

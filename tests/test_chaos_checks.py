@@ -128,12 +128,16 @@ def test_a_role_process_that_exited_after_healing_is_a_finding_naming_it_and_its
     unstarted = RoleProcess("watcher", 1, Settings(), tmp_path)
     roles[0].proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     roles[0].proc.wait()
-    roles[1].proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # Runs until its stdin is closed.
+    running = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                               stdin=subprocess.PIPE)  # fmt: skip
+    roles[1].proc = running
     try:
         ended = [(r.name, c) for r in [*roles, unstarted] if (c := r.exit_code()) is not None]
     finally:
-        roles[1].proc.kill()
-        roles[1].proc.wait()
+        assert running.stdin is not None
+        running.stdin.close()
+        running.wait()
     assert ended == [("processor-1", 3)]
     [finding] = checks.ended_roles(ended)
     assert (finding.kind, finding.check) == ("ended", "roles")
