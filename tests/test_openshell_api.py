@@ -22,7 +22,7 @@ from events.publisher import CommandPublisher
 from services.api.gateway import CommandGateway
 from services.api.readmodel import ChangeFeed
 from services.common.kafka_clients import kafka_client_args
-from services.common.tokens import READ, WRITE, TokenStore
+from services.common.tokens import EXEC, READ, WRITE, TokenStore
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto import openshell_pb2_grpc
 from services.openshell.server import RunningOpenShell, start_openshell
@@ -62,7 +62,7 @@ async def gateway(podman: PodmanClient) -> AsyncIterator[Gateway]:
     ):
         feed = ChangeFeed(env.pool)
         await feed.start()
-        tokens = TokenStore.of(admin=(ADMIN, READ, WRITE), reader=(READER, READ))
+        tokens = TokenStore.of(admin=(ADMIN, READ, WRITE, EXEC), reader=(READER, READ))
         settings = env.settings.model_copy(update={"openshell_port": 0})
         gateway = CommandGateway(env.pool, pub, feed)
         server = await start_openshell(
