@@ -54,10 +54,14 @@ def logs(client: SandboxClient, ref: Any, name: str) -> list[str]:
         from openshell._proto import datamodel_pb2
 
         request = openshell_pb2.GetSandboxLogsRequest(
-            sandbox=name, lines=100, workspace_scope=datamodel_pb2.WorkspaceSelector(workspace=WORKSPACE)
+            sandbox=name,
+            lines=100,
+            workspace_scope=datamodel_pb2.WorkspaceSelector(workspace=WORKSPACE),
         )
     else:
-        request = openshell_pb2.GetSandboxLogsRequest(sandbox_id=ref.id, lines=100, workspace=WORKSPACE)
+        request = openshell_pb2.GetSandboxLogsRequest(
+            sandbox_id=ref.id, lines=100, workspace=WORKSPACE
+        )
     answer = stub.GetSandboxLogs(request, timeout=30)
     return [line.message for line in answer.logs]
 

@@ -68,4 +68,3 @@ async def test_the_official_sdk_runs_a_whole_lifecycle(
         assert [d["outcome"] for d in steps["delete"]] == ["ACCEPTED", "ACCEPTED"]
         assert steps["delete_missing"][0]["outcome"] == "ALREADY_ABSENT"
     assert steps["wait_deleted"][0]["gone"] is True
-
