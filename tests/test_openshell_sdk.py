@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from google.protobuf.descriptor_pb2 import FileDescriptorProto
 
 from services.common.settings import Settings
 from services.openshell.conformance import running_up
+from services.openshell.proto import vendor
 from services.openshell.sdk import VERSIONS, sdk_python
 
 SCRIPT = Path(__file__).with_name("openshell_sdk_lifecycle.py")
@@ -68,3 +70,27 @@ async def test_the_official_sdk_runs_a_whole_lifecycle(
         assert [d["outcome"] for d in steps["delete"]] == ["ACCEPTED", "ACCEPTED"]
         assert steps["delete_missing"][0]["outcome"] == "ALREADY_ABSENT"
     assert steps["wait_deleted"][0]["gone"] is True
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_the_vendored_protocol_is_the_installed_sdks(
+    version: str, settings: Settings
+) -> None:
+    """vendored/openshell-<version>.binpb is exactly what the SDK's wheel compiled (up to the
+    documented renames: file names, packages, options.proto left out)."""
+    python = sdk_python(settings.cache_dir, version)
+    found = subprocess.run(
+        [str(python), "-c", "import openshell, os; print(os.path.dirname(openshell.__file__))"],
+        capture_output=True,
+        check=True,
+        text=True,
+    )
+    proto_dir = Path(found.stdout.strip()) / "_proto"
+    files = [
+        FileDescriptorProto.FromString(
+            vendor.serialized_file((proto_dir / f"{stem}_pb2.py").read_text())
+        )
+        for stem in ("datamodel", "sandbox", "openshell")
+    ]
+    expected = vendor.rename(files, version).SerializeToString(deterministic=True)
+    assert (vendor.VENDORED_DIR / f"openshell-{version}.binpb").read_bytes() == expected

@@ -487,9 +487,7 @@ def logs(
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="keep printing new lines until it stops")
     ] = False,
-    tail: Annotated[
-        int | None, typer.Option("--tail", min=0, help="only the last N lines")
-    ] = None,
+    tail: Annotated[int | None, typer.Option("--tail", min=0, help="only the last N lines")] = None,
 ) -> None:
     """Print the sandbox's output (stdout lines to stdout, stderr lines to stderr)."""
     params: dict[str, Any] = {"follow": "true" if follow else "false"}

@@ -47,7 +47,7 @@ def tag(version: str) -> str:
     return "v" + version.replace(".", "_")
 
 
-def _serialized_file(source: str) -> bytes:
+def serialized_file(source: str) -> bytes:
     """The bytes a generated ``*_pb2.py`` passes to ``AddSerializedFile``."""
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "AddSerializedFile":
@@ -72,7 +72,7 @@ def read_wheel(path: Path) -> tuple[str, list[descriptor_pb2.FileDescriptorProto
         files = []
         for name in FILES:
             module = f"openshell/_proto/{name.removesuffix('.proto')}_pb2.py"
-            raw = _serialized_file(wheel.read(module).decode())
+            raw = serialized_file(wheel.read(module).decode())
             files.append(descriptor_pb2.FileDescriptorProto.FromString(raw))
     return version, files
 
