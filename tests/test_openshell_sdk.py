@@ -73,9 +73,7 @@ async def test_the_official_sdk_runs_a_whole_lifecycle(
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-async def test_the_vendored_protocol_is_the_installed_sdks(
-    version: str, settings: Settings
-) -> None:
+def test_the_vendored_protocol_is_the_installed_sdks(version: str, settings: Settings) -> None:
     """vendored/openshell-<version>.binpb is exactly what the SDK's wheel compiled (up to the
     documented renames: file names, packages, options.proto left out)."""
     python = sdk_python(settings.cache_dir, version)
