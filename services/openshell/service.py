@@ -33,7 +33,7 @@ from events.commands import (
     StartSandbox,
     StopSandbox,
 )
-from events.common import SANDBOX_NAME_PATTERN, Phase
+from events.common import COMMAND_ID_PATTERN, SANDBOX_NAME_PATTERN, Phase
 from events.outcomes import Code, CommandOutcome
 from events.publisher import new_command_id, now
 from projections.store import SANDBOX_COLUMNS
@@ -53,7 +53,7 @@ Context: TypeAlias = grpc.aio.ServicerContext[object, object]
 COMMAND_ID_KEY: Final = "sandstream-command-id"
 LOCAL_PRINCIPAL: Final = Principal("openshell-local", frozenset({READ, WRITE}))
 OUTCOME_WAIT: Final = 30.0  # seconds an RPC waits for the processor to decide its command
-_COMMAND_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_COMMAND_ID = re.compile(COMMAND_ID_PATTERN)
 
 STATUS_OF: Final[dict[Code, grpc.StatusCode]] = {
     Code.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
