@@ -21,7 +21,7 @@ from typing import Final, TypeAlias
 from google.protobuf.timestamp_pb2 import Timestamp
 from pydantic import ValidationError
 
-from events.common import SANDBOX_NAME_PATTERN, Phase, SandboxSpec
+from events.common import PROVIDER_NAME_PATTERN, SANDBOX_NAME_PATTERN, Phase, SandboxSpec
 from services.api.readmodel import SandboxView
 from services.openshell.proto import served_pb2
 from services.openshell.proto.served_pb2 import SandboxPhase
@@ -201,7 +201,7 @@ def new_sandbox(
         raise InvalidRequest(message) from None
     providers = list(spec.providers)
     for provider in providers:
-        if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", provider):
+        if not re.fullmatch(PROVIDER_NAME_PATTERN, provider):
             raise InvalidRequest(f"spec.providers: invalid provider name {provider!r}")
     return NewSandbox(sandbox_name(request.name, command_id), checked, providers)
 

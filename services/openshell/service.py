@@ -28,7 +28,7 @@ import grpc
 from drivers.logs import LogSource
 from drivers.protocol import ExecDriver
 from events.commands import Command
-from events.common import SANDBOX_NAME_PATTERN, Phase
+from events.common import COMMAND_ID_PATTERN, SANDBOX_NAME_PATTERN, Phase
 from events.outcomes import Code, CommandOutcome
 from projections.store import SANDBOX_COLUMNS
 from services.api import readmodel
@@ -45,7 +45,7 @@ Context: TypeAlias = grpc.aio.ServicerContext[object, object]
 COMMAND_ID_KEY: Final = "sandstream-command-id"
 LOCAL_PRINCIPAL: Final = Principal("openshell-local", frozenset(SCOPES))
 OUTCOME_WAIT: Final = 30.0  # seconds an RPC waits for the processor to decide its command
-_COMMAND_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_COMMAND_ID = re.compile(COMMAND_ID_PATTERN)
 
 STATUS_OF: Final[dict[Code, grpc.StatusCode]] = {
     Code.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
