@@ -20,7 +20,14 @@ from events.decided import (
     SandboxRestartsExhausted,
     SandboxStarting,
 )
-from projections.lifecycle import DEFAULT_LIMITS, Decision
+from projections.lifecycle import (
+    DEFAULT_LIMITS,
+    EXIT_KINDS,
+    RESTART_POLICY_TABLE,
+    Decision,
+    restarts_on,
+)
+from services.scheduler.scheduler import deadline_due
 
 P = Phase
 RESET = DEFAULT_LIMITS.restart_reset_seconds
@@ -313,3 +320,143 @@ def test_random_runs_follow_the_model(
     restarts = [r for r in history if r.startswith("DeadlineDue(restart")]
     assert len(restarts) == model.total
     assert all(f"restart_policy {policy}" in r for r in restarts)
+
+
+# -- review: the policy across the other features ------------------------------------------------
+
+
+def test_a_rotation_restart_does_not_end_the_stable_run_that_resets_the_back_off() -> None:
+    """A generation Ready for longer than the reset, then restarted for rotated credentials
+    (sandstream's own restart, not a failure), then crashing soon after: the sandbox ran stable
+    for long, so the crash is the first restart in a row again, not one past max_restarts."""
+    h = f.Harness()
+    spec = policy_spec("OnFailure", initial=1, maximum=100, max_restarts=1)
+    h.send(f.create(sandbox_spec=spec, providers=["github"], occurred_at=f.at(0)))
+    h.send(f.exited(exit_code=1, occurred_at=f.at(1)))  # restart 1 of at most 1
+    due_restart(h)
+    h.send(f.running(generation=2, occurred_at=f.at(3)))
+    rotated = h.send(f.rotate(occurred_at=f.at(3 + RESET + 60)))
+    assert [e.type for e in rotated.events] == ["AgentRestarted"]
+    h.send(f.running(generation=3, occurred_at=f.at(4 + RESET + 60)))
+    d = h.send(f.exited(generation=3, exit_code=1, occurred_at=f.at(5 + RESET + 60)))
+    scheduled = d.events[-1]
+    assert isinstance(scheduled, SandboxRestartScheduled), d.reason
+    assert scheduled.backoff_reset and scheduled.deadline.attempt == 1
+    assert h.rebuilt() == {f.KEY: h.row()}
+
+
+def test_a_generation_ready_briefly_after_a_rotation_restart_is_no_stable_run() -> None:
+    h = f.Harness()
+    spec = policy_spec("OnFailure", initial=1, maximum=100, max_restarts=1)
+    h.send(f.create(sandbox_spec=spec, providers=["github"], occurred_at=f.at(0)))
+    h.send(f.exited(exit_code=1, occurred_at=f.at(1)))
+    due_restart(h)
+    h.send(f.running(generation=2, occurred_at=f.at(3)))
+    h.send(f.rotate(occurred_at=f.at(4)))
+    h.send(f.running(generation=3, occurred_at=f.at(5)))
+    d = h.send(f.exited(generation=3, exit_code=1, occurred_at=f.at(6)))
+    assert isinstance(d.events[-1], SandboxRestartsExhausted)
+
+
+@pytest.mark.parametrize(
+    ("cancel", "why"),
+    [
+        (lambda: f.hold(occurred_at=f.at(3)), "held by"),
+        (lambda: f.set_restart_policy(restart_policy="Never", occurred_at=f.at(3)), "Never"),
+    ],
+    ids=["hold", "never"],
+)
+def test_a_cancelled_restart_is_not_announced_in_the_reason(cancel: Any, why: str) -> None:
+    h = created(policy_spec("OnFailure"))
+    h.send(f.running(occurred_at=f.at(1)))
+    h.send(f.exited(exit_code=3, occurred_at=f.at(2)))
+    assert "restarts it at" in (h.row().reason or "")
+    h.send(cancel())
+    row = h.row()
+    assert row.deadline is None
+    assert row.reason is not None and "restarts it at" not in row.reason
+    assert row.reason.startswith("runtime exited with code 3") and why in row.reason
+    assert h.rebuilt() == {f.KEY: row}
+
+
+def test_setting_on_failure_cancels_a_restart_scheduled_after_exit_0() -> None:
+    """Always scheduled a restart after exit 0; the policy becomes OnFailure, which does not
+    restart after exit 0: the restart must not happen (and never under OnFailure's name)."""
+    h = created(policy_spec("Always"))
+    h.send(f.running(occurred_at=f.at(1)))
+    h.send(f.exited(exit_code=0, occurred_at=f.at(2)))
+    scheduled = h.row().deadline
+    assert scheduled is not None and scheduled.kind == "restart"
+    h.send(f.set_restart_policy(restart_policy="OnFailure", occurred_at=f.at(2.5)))
+    row = h.row()
+    assert (row.phase, row.deadline) == (P.COMPLETED, None)
+    assert row.reason is not None and "restart_policy OnFailure" in row.reason
+    d = h.send(f.due(deadline="restart", due_at=scheduled.due_at, generation=1))
+    assert (d.disposition, d.events) == ("ignored", ())
+
+
+def test_setting_always_keeps_a_restart_scheduled_after_a_failure() -> None:
+    h = created(policy_spec("OnFailure"))
+    h.send(f.exited(exit_code=1, occurred_at=f.at(2)))
+    h.send(f.set_restart_policy(restart_policy="Always", occurred_at=f.at(2.5)))
+    started = due_restart(h)
+    (event,) = started.events
+    assert isinstance(event, SandboxStarting) and event.policy == "Always"
+
+
+def test_lowering_max_restarts_below_a_pending_restart_cancels_it() -> None:
+    h = created(policy_spec("OnFailure", max_restarts=5))
+    for generation in (1, 2):
+        h.send(f.exited(generation=generation, exit_code=1, occurred_at=f.at(10 * generation)))
+        due_restart(h, occurred_at=f.at(10 * generation + 5))
+    h.send(f.exited(generation=3, exit_code=1, occurred_at=f.at(30)))
+    scheduled = h.row().deadline
+    assert scheduled is not None and scheduled.attempt == 3
+    h.send(f.set_restart_policy(max_restarts=2, occurred_at=f.at(31)))
+    row = h.row()
+    assert row.deadline is None
+    assert row.reason is not None and "max_restarts 2" in row.reason
+    d = h.send(f.due(deadline="restart", due_at=scheduled.due_at, generation=3))
+    assert (d.disposition, d.events) == ("ignored", ())
+
+
+def test_never_set_again_on_a_spec_that_names_never_is_idempotent() -> None:
+    h = created(policy_spec("Never"))
+    d = h.send(
+        f.set_restart_policy(
+            restart_policy="Never", restart_backoff=RestartBackoff(initial_seconds=1, max_seconds=8)
+        )
+    )
+    assert d.disposition == "idempotent", d.reason
+
+
+def test_two_schedulers_due_messages_for_one_restart_restart_it_once() -> None:
+    """The scheduler's lease moves while a restart is due: the old and the new holder both
+    publish its DeadlineDue (the same id, their own clocks). One restart, and its identity is
+    the same whichever message came first."""
+    identities = []
+    for first, second in ((5.0, 5.5), (5.5, 5.0)):
+        h = f.Harness()
+        h.send(
+            f.create(command_id="c1", sandbox_spec=policy_spec("OnFailure"), occurred_at=f.at(0))
+        )
+        h.send(f.exited(exit_code=1, occurred_at=f.at(2)))
+        row = h.row()
+        assert row.deadline is not None
+        due_at, version = row.deadline.due_at, row.version
+        messages = [
+            deadline_due(f.KEY, 1, version, "restart", due_at, f.at(t)) for t in (first, second)
+        ]
+        a, b = h.send(messages[0]), h.send(messages[1])
+        assert (a.disposition, b.disposition, b.events) == ("applied", "ignored", ())
+        assert h.row().generation == 2
+        identities.append(h.row().identity)
+    assert identities[0] == identities[1]
+
+
+def test_the_failure_kinds_share_each_policy_row() -> None:
+    """A policy change judges a pending restart by the phase it waits in (Completed: after exit
+    0; Error: after a failure), which holds while every failure kind restarts alike."""
+    failures = [k for k in EXIT_KINDS if k != "exited 0"]
+    for policy in RESTART_POLICY_TABLE:
+        assert len({restarts_on(policy, k) for k in failures}) == 1
