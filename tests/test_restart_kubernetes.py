@@ -141,7 +141,9 @@ async def test_on_failure_restarts_a_failing_pod_with_growing_delays_until_the_l
 ) -> None:
     env, pub = plane
     key = keys()
-    await command(env, pub, f.create(key, sandbox_spec=spec("OnFailure", 3, 0.5, 1.5)))
+    await command(
+        env, pub, f.create(key, sandbox_spec=spec("OnFailure", 3, 0.5, 1.5), occurred_at=now())
+    )
     for gen in range(1, 5):
         await exit_generation(env, admin, ns, key, gen, 1)
     row = await wait_row(
@@ -163,7 +165,9 @@ async def test_always_restarts_a_pod_that_exited_0(
 ) -> None:
     env, pub = plane
     key = keys()
-    await command(env, pub, f.create(key, sandbox_spec=spec("Always", 1, 0.5, 0.5)))
+    await command(
+        env, pub, f.create(key, sandbox_spec=spec("Always", 1, 0.5, 0.5), occurred_at=now())
+    )
     await exit_generation(env, admin, ns, key, 1, 0)
     await exit_generation(env, admin, ns, key, 2, 0)
     row = await wait_row(
@@ -183,7 +187,9 @@ async def test_never_leaves_a_failed_pod_in_error(
 ) -> None:
     env, pub = plane
     key = keys()
-    await command(env, pub, f.create(key, sandbox_spec=spec("Never", 3, 0.5, 0.5)))
+    await command(
+        env, pub, f.create(key, sandbox_spec=spec("Never", 3, 0.5, 0.5), occurred_at=now())
+    )
     await exit_generation(env, admin, ns, key, 1, 1)
     await wait_phase(env, key, "Error", generation=1, timeout=WAIT)
     # Nothing is scheduled: the row holds no deadline the scheduler could act on.
