@@ -419,8 +419,21 @@ RESTART_POLICY_TABLE: Final[dict[RestartPolicy, tuple[bool, ...]]] = {
     "OnFailure": (N,       Y,               Y,        Y,             Y),
     "Always":    (Y,       Y,               Y,        Y,             Y),
 }  # fmt: skip
-# What cancels a scheduled restart: anything that replaces the row's deadline (stop, delete, a
-# start, a restart, a Ready runtime), a hold, and setting the policy to Never.
+# What an input does to a scheduled restart (the row's deadline of kind restart) while it waits.
+# "kept" or "cancelled" first: tests/test_restart_policy.py drives every entry.
+PENDING_RESTART_TABLE: Final[dict[str, str]] = {
+    "DeadlineDue(restart)": "kept until then: the restart, a new generation naming the policy",
+    "StopSandbox": "cancelled: Stopping replaces the deadline",
+    "DeleteSandbox": "cancelled: Deleting replaces the deadline",
+    "StartSandbox, RestartSandbox": "cancelled: the operator's new generation starts at once, "
+    "and the count of restarts in a row starts again",
+    "HoldSandbox": "cancelled (the reason says so); a release does not schedule it again",
+    "SetRestartPolicy": "kept if the new policy would have scheduled it (it restarts after that "
+    "exit, and the attempt is within max_restarts), else cancelled (the reason says why)",
+    "RotateCredentials": "kept: the restart reads the newest values",
+    "DeadlineDue(ttl)": "cancelled when the expiry stops or deletes the sandbox (on_expiry)",
+    "the generation seen running": "cancelled: Ready",
+}
 DEFAULT_BACKOFF: Final = RestartBackoff()
 RESTART_LIMIT: Final = "RestartLimit"
 

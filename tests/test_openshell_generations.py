@@ -185,6 +185,26 @@ async def test_a_completed_sandbox_is_completed_for_0_1_and_stopped_for_0_0(
     assert old.sandbox.status.HasField("exit_code") and old.sandbox.status.exit_code == 0
 
 
+async def test_a_0_1_create_with_a_restart_policy_sets_it_and_answers_it(gateway: Gateway) -> None:
+    name = gateway.new_name()
+    request = os1.CreateSandboxRequest(
+        name=name,
+        workspace_scope=SCOPE,
+        spec=os1.SandboxSpec(
+            command=["sleep", "3600"], restart_policy=os1.SANDBOX_RESTART_POLICY_ON_FAILURE
+        ),
+    )
+    created = await call(gateway, "CreateSandbox", request, os1.SandboxResponse)
+    assert created.sandbox.spec.restart_policy == os1.SANDBOX_RESTART_POLICY_ON_FAILURE
+    spec = await gateway.env.fetchval("SELECT spec FROM sandboxes WHERE key = $1", name)
+    assert '"restart_policy": "OnFailure"' in spec
+    unknown = os1.CreateSandboxRequest(
+        name=gateway.new_name(), workspace_scope=SCOPE, spec=os1.SandboxSpec(restart_policy=9)
+    )
+    refused = call(gateway, "CreateSandbox", unknown, os1.SandboxResponse)
+    assert await status_of(refused) == grpc.StatusCode.INVALID_ARGUMENT
+
+
 # -- request ids ---------------------------------------------------------------------------------
 
 

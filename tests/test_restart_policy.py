@@ -23,6 +23,7 @@ from events.decided import (
 from projections.lifecycle import (
     DEFAULT_LIMITS,
     EXIT_KINDS,
+    PENDING_RESTART_TABLE,
     RESTART_POLICY_TABLE,
     Decision,
     restarts_on,
@@ -143,30 +144,57 @@ def test_a_vanished_runtime_a_failed_launch_and_a_launch_timeout_are_failures() 
     assert [e.type for e in d.events] == ["SandboxTimedOut", "SandboxRestartScheduled"]
 
 
-@pytest.mark.parametrize(
-    "cancel",
-    [
-        lambda: f.stop(occurred_at=f.at(3)),
-        lambda: f.hold(occurred_at=f.at(3)),
-        lambda: f.delete(occurred_at=f.at(3)),
-        lambda: f.restart(occurred_at=f.at(3)),
-        lambda: f.set_restart_policy(restart_policy="Never", occurred_at=f.at(3)),
+# What each entry of PENDING_RESTART_TABLE sends while the restart waits (at 3 s), and the
+# outcome it claims: True when the restart is kept.
+PENDING_INPUTS: dict[str, list[tuple[Any, bool]]] = {
+    "DeadlineDue(restart)": [],  # the restart itself: test_on_failure_restarts_with_...
+    "StopSandbox": [(lambda: f.stop(occurred_at=f.at(3)), False)],
+    "DeleteSandbox": [(lambda: f.delete(occurred_at=f.at(3)), False)],
+    "StartSandbox, RestartSandbox": [
+        (lambda: f.start(occurred_at=f.at(3)), False),
+        (lambda: f.restart(occurred_at=f.at(3)), False),
     ],
-    ids=["stop", "hold", "delete", "restart", "never"],
-)
-def test_stop_hold_delete_a_newer_generation_or_never_cancel_a_scheduled_restart(
-    cancel: Any,
-) -> None:
-    h = created(policy_spec("Always"))
+    "HoldSandbox": [(lambda: f.hold(occurred_at=f.at(3)), False)],
+    "SetRestartPolicy": [
+        (lambda: f.set_restart_policy(restart_policy="Always", occurred_at=f.at(3)), True),
+        (lambda: f.set_restart_policy(restart_policy="Never", occurred_at=f.at(3)), False),
+    ],
+    "RotateCredentials": [(lambda: f.rotate(occurred_at=f.at(3)), True)],
+    "DeadlineDue(ttl)": [(lambda: f.due(deadline="ttl", due_at=f.at(3)), False)],
+    "the generation seen running": [(lambda: f.running(occurred_at=f.at(3)), False)],
+}
+PENDING_CASES = [
+    (what, make, kept) for what, inputs in PENDING_INPUTS.items() for make, kept in inputs
+]
+
+
+def test_every_entry_of_the_pending_restart_table_is_driven() -> None:
+    assert set(PENDING_INPUTS) == set(PENDING_RESTART_TABLE)
+    for what, inputs in PENDING_INPUTS.items():
+        claims = {PENDING_RESTART_TABLE[what].startswith(w) for w in ("kept", "cancelled")}
+        assert claims == {True, False} or "else cancelled" in PENDING_RESTART_TABLE[what], what
+        for _, kept in inputs:
+            claim = "kept" if kept else "cancelled"
+            assert claim in PENDING_RESTART_TABLE[what], (what, claim)
+
+
+@pytest.mark.parametrize(("what", "make", "kept"), PENDING_CASES, ids=lambda v: str(v)[:30])
+def test_what_an_input_does_to_a_scheduled_restart(what: str, make: Any, kept: bool) -> None:
+    h = f.Harness()
+    spec = policy_spec("Always")
+    h.send(f.create(sandbox_spec=spec, providers=["github"], ttl_seconds=3, occurred_at=f.at(0)))
     h.send(f.running(occurred_at=f.at(1)))
-    h.send(f.exited(exit_code=0, occurred_at=f.at(2)))
+    h.send(f.exited(exit_code=1, occurred_at=f.at(2)))
     scheduled = h.row().deadline
     assert scheduled is not None and scheduled.kind == "restart"
-    h.send(cancel())
+    d = h.send(make())
+    assert d.disposition == "applied", d.reason
     row = h.row()
-    assert row.deadline is None or row.deadline.kind != "restart"
-    d = h.send(f.due(deadline="restart", due_at=scheduled.due_at, generation=1))
-    assert (d.disposition, d.events) == ("ignored", ())
+    assert (row.deadline == scheduled) == kept, row
+    if not kept and row.phase in (P.ERROR, P.COMPLETED):
+        assert "restarts it at" not in (row.reason or "")
+    late = h.send(f.due(deadline="restart", due_at=scheduled.due_at, generation=1))
+    assert (late.disposition == "applied") == kept, late.reason
 
 
 def test_a_repeated_due_restarts_once() -> None:
