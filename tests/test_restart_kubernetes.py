@@ -28,7 +28,9 @@ from events.decided import (
     SandboxStarting,
 )
 from events.publisher import CommandPublisher, now
+from services.audit.verify import Options, verify
 from services.common.settings import Settings
+from services.processor.rebuild import rebuild_and_compare
 
 WAIT = 90.0
 IMAGE = "registry.example/agent:1"
@@ -158,6 +160,12 @@ async def test_on_failure_restarts_a_failing_pod_with_growing_delays_until_the_l
     assert len(reasons) == 3 and all("restart_policy OnFailure" in r for r in reasons)
     # Only the newest generation's Pod is left: each restart replaced the one before.
     assert await admin.pod_names(ns, key) == [pod_name(key, 4)]
+    # The rows rebuilt from the decided events alone, and the log re-decided by the audit
+    # (with the same limits, the restart reset among them), agree with what was recorded.
+    rebuilt = await rebuild_and_compare(env.settings)
+    assert rebuilt.equal, rebuilt.differences
+    report = await verify(env.settings, Options(key=key))
+    assert report.ok and report.divergences == [], report.divergences
 
 
 async def test_always_restarts_a_pod_that_exited_0(
