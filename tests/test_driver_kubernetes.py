@@ -45,6 +45,7 @@ from drivers.kube_objects import (
     read_pod,
     secret_name,
 )
+from drivers.kube_watch import Reported
 from drivers.kubernetes import KubernetesDriver, parse_node_selector
 from drivers.protocol import (
     IDENTITY_ENV,
@@ -199,27 +200,25 @@ def pod_dict(
 
 
 def test_pod_phases_container_states_and_deletion_map_to_observations() -> None:
-    driver = KubernetesDriver()  # never connects: only its mapping is used
-    known: dict[str, tuple[str, int]] = {}
-    shapes: dict[str, Any] = {}
+    reported = Reported()  # what one watch stream has reported of each Pod
 
     def seen(kind: str, pod: dict[str, Any]) -> list[tuple[str, int, str | None]]:
-        return kinds(driver._observe(kind, pod, known, shapes))
+        return kinds(reported.observe(kind, pod))
 
     pending = pod_dict("Pending")
     pending["status"] = {"phase": "Pending"}
     assert seen("ADDED", pending) == [("created", 2, None)]
     assert seen("MODIFIED", pod_dict("Running")) == [("running", 2, None)]
     assert seen("MODIFIED", pod_dict("Running", rv="8")) == []  # nothing the fold knows changed
-    terminating = driver._observe("MODIFIED", pod_dict("Running", deleting=True), known, shapes)
+    terminating = reported.observe("MODIFIED", pod_dict("Running", deleting=True))
     assert kinds(terminating) == [("running", 2, None)]  # the stop in progress
     assert terminating[0].observation_id == "k8s:u-1:7:terminating"
     assert terminating[0].occurred_at.minute == 1  # since the deletion began
     # The final status carried the exit: it is reported before the removal.
-    final = driver._observe("DELETED", pod_dict("Failed", terminated=143, rv="9"), known, shapes)
+    final = reported.observe("DELETED", pod_dict("Failed", terminated=143, rv="9"))
     assert kinds(final) == [("exited", 2, "143"), ("removed", 2, None)]
     assert [o.observation_id for o in final] == ["k8s:u-1:9:exited", "k8s:u-1:9:removed"]
-    assert known == {} and shapes == {}
+    assert reported.known == {} and reported.shapes == {}
     succeeded = pod_dict("Succeeded")
     succeeded["status"] = {"phase": "Succeeded"}
     assert seen("MODIFIED", succeeded) == [("exited", 2, "0")]
