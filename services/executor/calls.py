@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 
 from drivers.protocol import Driver, DriverError, LaunchResult, OpResult, operation_result
@@ -17,9 +17,9 @@ from events.decided import DecidedEvent
 from events.observations import DriverOperationResult
 from projections.store import CONNECTION_ERRORS
 from services.common import metrics
+from services.common.providers import LaunchValues
 from services.common.settings import Settings
 from services.executor.clock import Clock
-from services.executor.credentials import CredentialSource
 from services.executor.intents import Dropped, Intent, is_slow, unwanted
 from services.executor.progress import Ownership, WorkItem
 from services.executor.rows import Pool, read_row
@@ -66,7 +66,7 @@ class DriverCalls:
         max_concurrency: int,
         slow_per_caller: int,
         clock: Clock,
-        credentials: CredentialSource | None,
+        values: Callable[[str], Awaitable[LaunchValues | None]],
     ) -> None:
         self.settings = settings
         self.driver = driver
@@ -75,7 +75,9 @@ class DriverCalls:
         self.retry = retry
         self.slow_per_caller = slow_per_caller
         self.clock = clock
-        self.credentials = credentials
+        # The attached providers' values of a sandbox, read right before its launch (None:
+        # launches get none).
+        self.values = values
         self.running = 0  # driver calls in progress (in a shared slot or a caller's lane)
         self.waiting = 0  # driver calls waiting for a slot or a lane
         self.dropped = 0  # intents dropped because their row no longer wants them
@@ -188,7 +190,7 @@ class DriverCalls:
                 case "launch":
                     assert intent.launch is not None
                     # The values are read now, from PostgreSQL: they never travel in the log.
-                    values = await self.credentials(intent.key) if self.credentials else None
+                    values = await self.values(intent.key)
                     secrets = values.env if values is not None else {}
                     launched = await self.driver.launch(replace(intent.launch, secrets=secrets))
                     if values is None or launched.adopted or not launched.started:

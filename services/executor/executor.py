@@ -61,6 +61,7 @@ from events.observations import DriverOperationResult
 from events.publisher import publish_until_sent
 from projections.lifecycle import Sandbox
 from services.common.kafka_clients import kafka_client_args
+from services.common.providers import LaunchValues
 from services.common.settings import Settings
 from services.executor.calls import DriverCalls, RetryPolicy
 from services.executor.clock import Clock, utcnow
@@ -110,7 +111,7 @@ class Executor:
             max_concurrency=self.max_concurrency or self.settings.executor_concurrency,
             slow_per_caller=self.slow_per_caller or self.settings.executor_slow_per_caller,
             clock=self.clock,
-            credentials=self.credentials,
+            values=self._values,
         )
         self.queues = SandboxQueues(self.ownership, self.calls, self._publish)
         self.intake = Intake(
@@ -171,6 +172,11 @@ class Executor:
     async def commit(self) -> None:
         """Commit each owned partition's committable offset (the intake's)."""
         await self.intake.commit()
+
+    async def _values(self, key: str) -> LaunchValues | None:
+        """The values a launch of ``key`` hands over: read from ``credentials`` when it runs
+        (so a source swapped in after the start is the one used)."""
+        return await self.credentials(key) if self.credentials is not None else None
 
     async def _publish(self, result: DriverOperationResult) -> None:
         await publish_until_sent(self.producer, self.settings.topic_observations, result)
