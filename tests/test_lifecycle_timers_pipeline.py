@@ -53,6 +53,8 @@ from services.scheduler.scheduler import Scheduler
 # Short deadlines for these tests (seconds); the defaults are minutes.
 FAST = {
     "launch_timeout_seconds": 1.0,
+    # The launch deadline lies beyond the executor's retry window (projections.lifecycle).
+    "executor_retry_seconds": 1.0,
     "stop_margin_seconds": 1.0,
     "delete_retry_seconds": 0.5,
     "delete_retry_max_seconds": 2.0,
