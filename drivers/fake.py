@@ -43,6 +43,7 @@ from drivers.protocol import (
     RuntimeInfo,
     WatchObservation,
     grace_period,
+    observed_state,
 )
 from events.observations import ObservedState, RuntimeRemoved, RuntimeSnapshot, RuntimeState
 
@@ -442,7 +443,7 @@ class FakeDriver:
         if generation is None:
             generation = max(runtimes, default=None)
         runtime = runtimes.get(generation) if generation is not None else None
-        return runtime.state if runtime is not None else "absent"
+        return observed_state(runtime.state) if runtime is not None else "absent"
 
     def _all(self) -> builtins.list[_Runtime]:
         return [r for key in sorted(self._runtimes) for _, r in sorted(self._runtimes[key].items())]

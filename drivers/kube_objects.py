@@ -287,6 +287,10 @@ def read_pod(pod: Pod) -> PodView | None:
     deleting = parse_time(meta.get("deletionTimestamp"))
     if deleting is not None and runtime_state != "exited":
         since = deleting  # the stop in progress began then
+        if runtime_state == "running":
+            # Still running, but on its way out: a stopping runtime, never "running" (which
+            # would lift an Error row to Ready, the shape of Scenario 5's incident).
+            runtime_state = "stopping"
     info = RuntimeInfo(
         key=labels.key,
         sandbox_id=labels.sandbox_id,
@@ -324,18 +328,17 @@ def shape(view: PodView) -> Shape:
 def snapshot(
     view: PodView, *, source: str, actor: str = ACTOR, now: datetime | None = None
 ) -> RuntimeSnapshot:
-    """A snapshot of a Pod. A terminating Pod whose container still runs is "running": the
-    stop is in progress (as Podman's "stopping"); it ends in an exit or a removal.
+    """A snapshot of a Pod. A terminating Pod whose container still runs is "stopping": the
+    stop is in progress; it ends in an exit or a removal.
 
     Ids: ``k8s:<uid>:<resourceVersion>:<state>`` for watch events (a redelivered event repeats
     its id) and ``k8s-list:<uid>:<resourceVersion>:<state>`` for listings (stable while the
     Pod is unchanged, so a relisting repeats it)."""
     info = view.info
     prefix = "k8s" if source == "watch" else "k8s-list"
-    suffix = "terminating" if view.terminating and info.state != "exited" else info.state
     return RuntimeSnapshot(
         type="RuntimeSnapshot",
-        observation_id=f"{prefix}:{info.runtime_id}:{view.resource_version}:{suffix}",
+        observation_id=f"{prefix}:{info.runtime_id}:{view.resource_version}:{info.state}",
         key=info.key,
         generation=info.generation,
         occurred_at=view.since or now or datetime.now(UTC),

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from drivers.kube_api import Gone, KubeApi
 from drivers.kube_objects import PodView, read_pod
-from drivers.protocol import DriverError
+from drivers.protocol import DriverError, observed_state
 
 
 class Deadline(Exception):
@@ -81,7 +81,7 @@ async def remove_pod(api: KubeApi, view: PodView, grace: float, margin: float) -
             f"pod {view.name} still terminating {limit:.0f}s after its deletion "
             "(a finalizer, or an unreachable node)",
             retryable=True,
-            observed=still.info.state,
+            observed=observed_state(still.info.state),
             exit_code=still.info.exit_code,
         ) from None
     return last

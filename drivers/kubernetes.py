@@ -49,6 +49,7 @@ from drivers.protocol import (
     RuntimeInfo,
     WatchObservation,
     grace_period,
+    observed_state,
 )
 
 # The configuration is imported from here by its users (settings, provider-sync, tests).
@@ -312,7 +313,8 @@ class KubernetesDriver:
                 if generation in (None, v.info.generation)
             ]
             if views:
-                error.observed, error.exit_code = views[-1].info.state, views[-1].info.exit_code
+                info = views[-1].info
+                error.observed, error.exit_code = observed_state(info.state), info.exit_code
             elif generation is not None or not await self._api.claims(key, None):
                 error.observed = "absent"
         except (*TRANSPORT_ERRORS, ApiStatusError) as exc:

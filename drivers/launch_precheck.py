@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from drivers.protocol import DriverError, LaunchSpec, RuntimeInfo
+from drivers.protocol import DriverError, LaunchSpec, RuntimeInfo, observed_state
 
 
 class Seen(Protocol):
@@ -64,7 +64,7 @@ def launch_precheck(spec: LaunchSpec, seen: Sequence[R]) -> LaunchPlan[R]:
             f"launch of generation {spec.generation} superseded: generation "
             f"{newest.generation} of {spec.key} exists",
             retryable=False,
-            observed=newest.state,
+            observed=observed_state(newest.state),
             exit_code=newest.exit_code,
         )
         return LaunchPlan((), None, refusal)

@@ -35,6 +35,7 @@ from drivers.protocol import (
     LaunchSpec,
     OpResult,
     grace_period,
+    observed_state,
 )
 from events.common import SandboxResources
 from events.observations import ObservedState
@@ -134,7 +135,7 @@ class PodmanCalls:
         found = self.list(key, generation=generation)
         if found:
             info = found[-1].info
-            return info.state, info.exit_code
+            return observed_state(info.state), info.exit_code
         if generation is None and self.volumes(key, None):
             return None, None
         return "absent", None

@@ -233,7 +233,7 @@ def admitting_phases(command_type: str) -> list[Phase]:
 # Older generations are stale, newer than issued are unknown: both ignored before this table.
 
 ObservationKind = Literal[
-    "created", "running", "exited_ok", "exited_error", "removed",
+    "created", "running", "stopping", "exited_ok", "exited_error", "removed",
     "launch_succeeded", "launch_failed",
     "stop_succeeded", "stop_absent", "stop_failed",
     "delete_succeeded", "delete_absent", "delete_failed",
@@ -265,6 +265,9 @@ OBSERVATION_TABLE: Final[dict[Phase, dict[ObservationKind, Target]]] = {
     # start, restart or delete leaves Stopped.
     P.STOPPED: {},
     P.COMPLETED: {},
+    # Only "running" lifts Error: a stopping runtime (its removal under way, e.g. the cleanup
+    # stop of a timed-out launch) is no sign of life. "stopping" changes nothing anywhere: the
+    # exit or the removal that follows decides.
     P.ERROR: {"running": P.READY},
     # Deleting is monotonic: ordinary snapshots change nothing, removal tombstones.
     P.DELETING: {
@@ -289,6 +292,8 @@ def observation_kind(obs: Observation) -> ObservationKind:
             return "exited_ok" if obs.exit_code == 0 else "exited_error"
         case RuntimeSnapshot(state="running"):
             return "running"
+        case RuntimeSnapshot(state="stopping"):
+            return "stopping"
         case RuntimeSnapshot():
             return "created"
         case RuntimeRemoved():

@@ -643,3 +643,16 @@ def test_the_row_decides_which_intents_are_still_wanted() -> None:
         None,
     ):
         assert unwanted(stale, current) is not None, current
+    # A stray's stop (generation 2 running under a Stopped row of generation 2) is wanted only
+    # while the row is still Stopped at that generation.
+    stray = replace(intent("stop"), stray=True)
+    assert unwanted(stray, row(Phase.STOPPED)) is None
+    for current in (
+        row(Phase.STARTING, generation=3),  # started again: the launch replaces it
+        row(Phase.STOPPED, generation=3),
+        row(Phase.READY),
+        row(Phase.DELETING),
+        row(Phase.STOPPED, sandbox_id=other),
+        None,
+    ):
+        assert unwanted(stray, current) is not None, current

@@ -260,5 +260,19 @@ class Executor:
         self.queues.add(WorkItem(intent))
         return True
 
+    def stop_stray(self, runtime: RuntimeInfo) -> bool:
+        """Queue a stop of ``runtime``, of its row's own generation, running while the row is
+        Stopped (the reconcile loop calls this): started behind sandstream's back, or its stop
+        was lost; no event will ask for it. Nothing is queued while the sandbox has intents
+        here, nor for another executor's partition."""
+        if not self._may_queue(runtime.key):
+            return False
+        log.warning("stopping %s generation %d: it runs, but its row is Stopped",
+                    runtime.key, runtime.generation)  # fmt: skip
+        intent = Intent("stop", runtime.key, runtime.sandbox_id, runtime.generation,
+                        f"result:stray:{runtime.runtime_id}", "reconciler", stray=True)  # fmt: skip
+        self.queues.add(WorkItem(intent))
+        return True
+
     def _may_queue(self, key: str) -> bool:
         return not self.ownership.closing and not self.pending(key) and self.owns(key)

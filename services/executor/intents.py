@@ -42,6 +42,9 @@ class Intent:
     # A stop of a runtime of an older generation than its row's (the reconcile loop's
     # ``stop_stale``): wanted while the row is at a newer generation and not launching.
     stale: bool = False
+    # A stop of the current generation's runtime running under a Stopped row (the reconcile
+    # loop's ``stop_stray``): wanted while the row is Stopped at that generation.
+    stray: bool = False
 
 
 def intent_of(event: DecidedEvent) -> Intent | None:
@@ -97,6 +100,8 @@ WANTED_PHASES: Final[dict[Operation, tuple[Phase, ...]]] = {
 # The cleanup stop of a timed-out launch (the row went to Error; a runtime that came up late
 # moves it to Ready): wanted at that generation until the row moves on.
 CLEANUP_PHASES: Final = (Phase.ERROR, Phase.READY, Phase.STOPPING)
+# The stop of a runtime found running under a Stopped row of its generation.
+STRAY_PHASES: Final = (Phase.STOPPED,)
 
 
 def unwanted(intent: Intent, row: Sandbox | None) -> str | None:
@@ -114,7 +119,13 @@ def unwanted(intent: Intent, row: Sandbox | None) -> str | None:
         return None
     if intent.operation != "delete" and row.generation != intent.generation:
         return f"the row is at generation {row.generation}"
-    wanted = CLEANUP_PHASES if intent.cleanup else WANTED_PHASES[intent.operation]
+    wanted = (
+        CLEANUP_PHASES
+        if intent.cleanup
+        else STRAY_PHASES
+        if intent.stray
+        else WANTED_PHASES[intent.operation]
+    )
     if row.phase not in wanted:
         return f"the row is {row.phase} (version {row.version})"
     return None
