@@ -10,6 +10,8 @@
 - ``kubernetes``: ``KubernetesDriver``; its parts ``kube_config``, ``kube_api`` (API calls),
   ``kube_waits`` (waiting on one Pod), ``kube_watch`` (what the watch reports), ``kube_objects``
   (the objects, pure).
+- ``logs``, ``podman_logs``, ``kube_logs``: a runtime's log (the LogSource protocol and its
+  Podman and Kubernetes readers).
 - ``fake``, ``fake_shared``: the in-memory fake and its file-shared form.
 - ``routing``: two backends at once, by name prefix.
 - ``daemon_pool``: the daemon thread pool the Podman driver's calls run in.
