@@ -15,7 +15,8 @@ observations: the processor decides.
 - ``credentials``: the attached providers' values a launch reads from PostgreSQL.
 - ``clock``: where the executor and the reconciler read the time.
 - ``watcher``: the driver's watch stream forwarded to the observations topic.
-- ``reconcile``: the reconcile loop: rows against the runtime listing; pick-up of stuck rows.
+- ``reconcile``: the reconcile loop: rows against the runtime listing, strays, stuck rows.
 - ``driver_side``: ``DriverSide``, executor + watcher + reconciler around one driver.
 - ``backends``: the drivers built from the settings.
+- ``log_sources``: the runtime log readers of the configured backends (for the API's logs).
 """
