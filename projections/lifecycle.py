@@ -1362,7 +1362,7 @@ def _scheduled_restart_due(
         previous_generation=state.generation,
         spec=state.spec,
         identity=identity_for(state.sandbox_id, generation, due.observation_id),
-        deadline=launch_deadline(due.occurred_at, limits),
+        deadline=launch_deadline(due.occurred_at, limits, replacing=state.spec),
         policy=policy,
         attempt=pending.attempt,
     )
