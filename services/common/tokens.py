@@ -40,6 +40,10 @@ from services.common.settings import Settings
 
 READ: Final = "sandbox:read"
 WRITE: Final = "sandbox:write"
+# Exec (OpenShell's ExecSandbox) runs a command inside the agent's sandbox, which sees all the
+# agent sees: its attached providers' values included. So it is a scope of its own, never
+# implied by sandbox:write (a tokens file made before it existed gives it to no token).
+EXEC: Final = "sandbox:exec"
 AUDIT: Final = "audit:read"  # the audit routes: whole histories, exports, chain checks
 # Providers: reading shows names, key names and fingerprints (never values); writing sets
 # values, deletes providers, and is needed (with sandbox:write) to attach or detach one.
@@ -47,7 +51,7 @@ PROVIDER_READ: Final = "provider:read"
 PROVIDER_WRITE: Final = "provider:write"
 # Operations: /metrics and the checks of /readyz (addresses, lag, errors of the parts).
 OPS: Final = "ops:read"
-SCOPES: Final = (READ, WRITE, AUDIT, PROVIDER_READ, PROVIDER_WRITE, OPS)
+SCOPES: Final = (READ, WRITE, EXEC, AUDIT, PROVIDER_READ, PROVIDER_WRITE, OPS)
 TOKEN_PREFIX: Final = "sst_"
 
 
