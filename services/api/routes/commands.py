@@ -81,6 +81,8 @@ async def submit(gateway: CommandGateway, command: Command, wait: float | None) 
     response_model=CommandStatus,
     responses=COMMAND_RESPONSES,
     summary="Create a sandbox",
+    description="Needs sandbox:write; a create that attaches providers (`providers`) also "
+    "needs provider:write, as attaching one later does.",
     tags=["commands"],
 )
 async def create_sandbox(
