@@ -17,10 +17,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import apikit
+import grpc
 import pytest
 
 from services.common import secret_files
 from services.common import tokens as auth
+from services.openshell.service import Authenticator
 
 Breakage = Callable[[Path], None]
 
@@ -208,3 +210,19 @@ def test_a_token_made_before_sandbox_exec_existed_cannot_exec(tmp_path: Path) ->
     shell = store.authorize(exec_token, auth.EXEC)
     assert isinstance(shell, auth.Principal) and shell.scopes == {auth.READ, auth.EXEC}
     assert "sandbox:exec" in auth.SCOPES
+
+
+def test_the_grpc_door_refuses_every_token_of_a_broken_file_too(tmp_path: Path) -> None:
+    """OpenShell's gRPC API checks tokens with the same store: UNAUTHENTICATED, same message."""
+    path = tmp_path / "tokens.json"
+    admin = auth.add_token(path, "admin", (auth.READ,))
+    door = Authenticator(auth.TokenStore.from_file(path))
+    metadata = {"authorization": f"Bearer {admin}"}
+    assert isinstance(door.check(metadata, auth.READ), auth.Principal)
+    path.chmod(0o644)
+    assert door.check(metadata, auth.READ) == (
+        grpc.StatusCode.UNAUTHENTICATED,
+        auth.TOKENS_UNAVAILABLE,
+    )
+    path.chmod(0o600)
+    assert isinstance(door.check(metadata, auth.READ), auth.Principal)
