@@ -90,15 +90,23 @@ async def running_api(
     topic_override: str | None = None,
     tls: Tls | None = None,
     token_store: TokenStore | None = None,
+    with_scheduler: bool = False,
 ) -> AsyncIterator[Api]:
-    """The API over a fresh environment; with ``driver=None`` no processor runs at all; with
-    ``token_store`` its tokens instead of the in-memory ones of ``tokens()``."""
+    """The API over a fresh environment; with ``driver=None`` no processor runs at all, with
+    ``with_scheduler`` the deadline scheduler runs beside the processor; with ``token_store``
+    its tokens instead of the in-memory ones of ``tokens()``."""
     async with isolated_env(partitions) as env:
         if settings_update:
             env.settings = env.settings.model_copy(update=settings_update)
         plane = None
         if driver is not None:
-            plane = ControlPlane(env.settings, driver, env.pool, reconcile_interval=3600)
+            plane = ControlPlane(
+                env.settings,
+                driver,
+                env.pool,
+                reconcile_interval=3600,
+                with_scheduler=with_scheduler,
+            )
             await plane.start()
         publisher = CommandPublisher(
             kafka_client_args(env.settings, "api"),

@@ -228,6 +228,7 @@ class Settings(BaseSettings):
         """The deadlines the processor records (see projections.lifecycle.Limits)."""
         return Limits(
             launch_seconds=self.launch_timeout_seconds or None,
+            launch_retry_seconds=self.executor_retry_seconds,
             stop_grace_seconds=float(self.stop_timeout_seconds),
             stop_margin_seconds=self.stop_margin_seconds or None,
             delete_seconds=self.delete_retry_seconds or None,
