@@ -63,6 +63,7 @@ class Settings(BaseSettings):
     topic_observations: str = names.OBSERVATIONS
     topic_events: str = names.EVENTS
     topic_deadletter: str = names.DEADLETTER
+    topic_checkpoints: str = names.CHECKPOINTS
     # How long a consumer that died without leaving (SIGKILL) keeps its partitions.
     kafka_session_timeout_ms: int = Field(default=10_000, ge=1000)
     # How long a Kafka request (a send's acknowledgement included) may take before it fails;
@@ -317,12 +318,13 @@ class Settings(BaseSettings):
         return PROJECT_ROOT / "compose" / "podman" / "containers.conf"
 
     @property
-    def topics(self) -> tuple[str, str, str, str]:
+    def topics(self) -> tuple[str, str, str, str, str]:
         return (
             self.topic_commands,
             self.topic_observations,
             self.topic_events,
             self.topic_deadletter,
+            self.topic_checkpoints,
         )
 
     def as_env(self) -> dict[str, str]:
