@@ -4,7 +4,8 @@ layers (events, projections, drivers) and, of services/, only what this list nam
 - ``common``: settings, metrics, the PostgreSQL pool, migrations, task supervision, the process
   entry point, the Kafka principal of each role and its clients' options. Imports nothing else
   of services/.
-- ``processor``: the lifecycle processor (consumer loop, batch apply, row cache, rebuild).
+- ``processor``: the lifecycle processor, one module per stage (intake, read, plan, write,
+  publish, ownership, deciding ahead) and the run loop that wires them; row cache, rebuild.
   Imports common.
 - ``executor``: intents to driver calls, the driver watcher, the reconcile loop, drivers built
   from the settings. Imports common.

@@ -27,7 +27,9 @@ from events.topics import partition_for
 from projections.store import BatchWrite, RowVersionMoved, sandbox_from_record, write_batch
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import PROJECT_ROOT
-from services.processor.consumer import InputsLost, PartitionCountChanged, Processor
+from services.processor.consumer import Processor
+from services.processor.intake import PartitionCountChanged
+from services.processor.ownership import InputsLost
 from services.processor.rebuild import rebuild_and_compare
 
 

@@ -14,7 +14,8 @@ from projections.chain import CONTENT_FIELDS, chain_of, chain_rows
 from projections.fold import fold
 from projections.store import HistoryRow
 from services.common.settings import Settings
-from services.processor.consumer import Parsed, parse, plan_batch
+from services.processor.intake import Parsed, parse
+from services.processor.plan import plan_batch
 
 PARTITIONS = 4
 SETTINGS = Settings().model_copy(
