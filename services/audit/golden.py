@@ -111,7 +111,12 @@ def replay(
     history: list[HistoryRow] = []
     for start in range(0, len(inputs), chunk):
         items = [
-            parse(i.record(), COMMANDS, settings.kafka_partitions)
+            parse(
+                i.record(),
+                COMMANDS,
+                settings.kafka_partitions,
+                max_bytes=settings.processor_max_input_bytes,
+            )
             for i in inputs[start : start + chunk]
         ]
         history.extend(decider.decide(items).plan.history)

@@ -42,8 +42,8 @@ if TYPE_CHECKING:
     from projections.store import Connection
 
 TABLES = (
-    "sandboxes", "history", "command_outcomes", "outbox", "outbox_cursor", "input_offsets",
-    "schema_migrations",
+    "sandboxes", "history", "command_outcomes", "outbox", "outbox_cursor", "outbox_set_aside",
+    "input_offsets", "schema_migrations",
 )  # fmt: skip
 SEQUENCES = ("sandbox_changes", "history_id_seq", "outbox_id_seq")  # carried over on promote
 CHUNK = 1000
@@ -101,8 +101,14 @@ async def replay_partition(
             f"{e.topic}[{p}]@{e.offset} is recorded but no longer in the log (retention): "
             "a shadow cannot be rebuilt from the log alone"
         )
+    s = settings
     items = [
-        parse(records[(e.topic, e.offset)], settings.topic_commands, settings.kafka_partitions)
+        parse(
+            records[(e.topic, e.offset)],
+            s.topic_commands,
+            s.kafka_partitions,
+            max_bytes=s.processor_max_input_bytes,
+        )
         for e in entries
     ]
     for start in range(0, len(items), CHUNK):

@@ -250,7 +250,12 @@ async def _partition(
     for start in range(0, len(replayable), CHUNK):
         chunk = replayable[start : start + CHUNK]
         items = [
-            parse(by_position[(e.topic, e.offset)], commands, settings.kafka_partitions)
+            parse(
+                by_position[(e.topic, e.offset)],
+                commands,
+                settings.kafka_partitions,
+                max_bytes=settings.processor_max_input_bytes,
+            )
             for e in chunk
         ]
         for entry, item in zip(chunk, items, strict=True):

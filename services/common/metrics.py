@@ -39,6 +39,11 @@ OUTBOX_GAPS = Counter(
     "sandstream_outbox_gaps_total",
     "Publish cursors stopped below an outbox record committed by another owner and not sent",
 )
+OUTBOX_SET_ASIDE = Counter(
+    "sandstream_outbox_set_aside_total",
+    "Outbox records set aside, not sent: larger than the largest record the processor sends",
+    ["topic"],
+)
 TASK_RESTARTS = Counter(
     "sandstream_task_restarts_total",
     "Long-running tasks of `sandstream up` restarted after they crashed",

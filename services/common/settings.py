@@ -68,8 +68,15 @@ class Settings(BaseSettings):
     # How long a Kafka request (a send's acknowledgement included) may take before it fails;
     # the processor then backs off and resumes from PostgreSQL instead of stopping.
     kafka_request_timeout_ms: int = Field(default=40_000, ge=1000)
+    # The largest record the processor sends (key and value; below the topics'
+    # max.message.bytes): an outbox record above it is set aside, never sent (a dead letter is
+    # at most 16 KiB, so it always fits).
+    kafka_max_record_bytes: int = Field(default=names.MAX_RECORD_BYTES, ge=64 * 1024)
     processor_group: str = "sandstream-processor"
     processor_max_records: int = Field(default=5000, ge=1)  # per poll, across partitions
+    # The largest input record value the processor decides; a larger one is dead-lettered.
+    # Keep it 64 KiB or more below kafka_max_record_bytes, so what is decided from it fits.
+    processor_max_input_bytes: int = Field(default=names.MAX_INPUT_BYTES, ge=1024)
     # How long the broker may hold the processor's fetch when nothing is new. A partition whose
     # records are still buffered is left out of the fetch in flight, so its next records wait
     # for that fetch to return: a long wait shows up as latency at moderate rates.

@@ -1,5 +1,6 @@
-"""Failures: which backend a failure says was lost (ridden out in place), which writes
-PostgreSQL refused for what a record holds (dead-lettered), and letting go of what a loss broke.
+"""Failures: which backend a failure says was lost (ridden out in place), which refusals no
+retry can fix (PostgreSQL's of a record: dead-lettered; Kafka's: never taken for a lost broker),
+and letting go of what a loss broke.
 """
 
 from __future__ import annotations
@@ -8,7 +9,22 @@ import contextlib
 from typing import Any
 
 import asyncpg
-from aiokafka.errors import KafkaError
+from aiokafka.errors import (
+    ClusterAuthorizationFailedError,
+    CorruptRecordException,
+    InvalidMessageError,
+    InvalidRequiredAcksError,
+    InvalidTimestampError,
+    InvalidTopicError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    PolicyViolationError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+    TopicAuthorizationFailedError,
+    TransactionalIdAuthorizationFailed,
+    UnsupportedForMessageFormatError,
+)
 
 from projections.store import CONNECTION_ERRORS
 
@@ -25,13 +41,40 @@ def refused_for_content(exc: BaseException) -> bool:
     return isinstance(exc, asyncpg.PostgresError) and str(exc.sqlstate)[:2] in _REFUSED_CLASSES
 
 
+# What Kafka answers about a record or a request that sending it again cannot change: the
+# record (too large, corrupt, a timestamp or format the topic refuses, a policy), or who sends
+# it where (no ACL to write the topic, no such topic, acks the broker does not take).
+REFUSED_BY_KAFKA: tuple[type[KafkaError], ...] = (
+    MessageSizeTooLargeError, RecordTooLargeError, RecordListTooLargeError,
+    CorruptRecordException, InvalidMessageError, InvalidTimestampError,
+    UnsupportedForMessageFormatError, PolicyViolationError,
+    TopicAuthorizationFailedError, ClusterAuthorizationFailedError,
+    TransactionalIdAuthorizationFailed, InvalidTopicError, InvalidRequiredAcksError,
+)  # fmt: skip
+
+
+class PublishRefused(RuntimeError):
+    """Kafka refuses what the processor publishes and no retry can change that (an ACL, a
+    topic's limits): the processor stops, loudly, until an operator fixes it."""
+
+
+def refused_by_kafka(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a refusal no retry can fix."""
+    return _caused_by(exc, REFUSED_BY_KAFKA)
+
+
 def kafka_gone(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) is a Kafka client error: broker down or restarting,
-    a send not acknowledged in time."""
-    while exc is not None:
-        if isinstance(exc, KafkaError):
+    """Whether ``exc`` (or what caused it) is a Kafka client error that waiting can fix: broker
+    down or restarting, a send not acknowledged in time. A refusal never is."""
+    return _caused_by(exc, (KafkaError,)) and not refused_by_kafka(exc)
+
+
+def _caused_by(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> bool:
+    found: BaseException | None = exc
+    while found is not None:
+        if isinstance(found, kinds):
             return True
-        exc = exc.__cause__  # type: ignore[assignment]
+        found = found.__cause__
     return False
 
 
@@ -46,11 +89,7 @@ def backend_lost(exc: BaseException) -> str | None:
 
 def database_gone(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) is a lost or refused PostgreSQL connection."""
-    while exc is not None:
-        if isinstance(exc, CONNECTION_ERRORS):
-            return True
-        exc = exc.__cause__  # type: ignore[assignment]
-    return False
+    return _caused_by(exc, CONNECTION_ERRORS)
 
 
 def terminate(conn: Any) -> None:

@@ -1,6 +1,6 @@
-"""Intake: a poll's records of the partitions owned merged per partition, each decoded,
-validated and checked to be on its key's partition (``Parsed``, or ``Rejected`` with the
-reason), and the input topics' partition count checked against the log's.
+"""Intake: a poll's records of the partitions owned merged per partition, each checked for
+size, decoded, validated and checked to be on its key's partition (``Parsed``, or ``Rejected``
+with the reason), and the input topics' partition count checked against the log's.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from typing import Any, TypeAlias
 
 from aiokafka import ConsumerRecord, TopicPartition
 
-from events.codec import COMMANDS, OBSERVATIONS, DecodeError, check_key, decode, printable, storable
+from events.codec import COMMANDS, OBSERVATIONS, DecodeError, check_key, decode, storable
 from events.commands import CommandBase
 from events.common import Cause
-from events.topics import partition_for
+from events.deadletter import key_text
+from events.topics import MAX_INPUT_BYTES, partition_for
 from events.trusted import builder
 from projections.chain import ChainId, chain_of
 from projections.lifecycle import Message
@@ -55,9 +56,17 @@ def record_time(record: Record) -> datetime:
 
 
 def parse(
-    record: Record, commands_topic: str, partitions: int, placed: dict[str, int] | None = None
+    record: Record,
+    commands_topic: str,
+    partitions: int,
+    placed: dict[str, int] | None = None,
+    max_bytes: int = MAX_INPUT_BYTES,
 ) -> Item:
-    """Decode and check one record; ``placed`` memoizes each key's partition."""
+    """Decode and check one record; ``placed`` memoizes each key's partition. A value above
+    ``max_bytes`` is refused undecoded: what is decided from it might not fit in a record."""
+    value = record.value
+    if value is not None and len(value) > max_bytes:
+        return Rejected(record, too_large(len(value), max_bytes))
     adapter: Any = COMMANDS if record.topic == commands_topic else OBSERVATIONS
     try:
         message: Message = decode(adapter, record.value)
@@ -82,6 +91,14 @@ def parse(
     return Parsed(record, cause, message)
 
 
+def too_large(size: int, max_bytes: int) -> str:
+    return (
+        f"record value is {size} bytes, above the {max_bytes} the processor decides "
+        "(SANDSTREAM_PROCESSOR_MAX_INPUT_BYTES): what it decides from a record must fit in one "
+        "Kafka record (see docs/operations.md)"
+    )
+
+
 # A record's coordinates and its message's type and command id (validated with the message),
 # as Cause(...) would build them.
 _cause = builder(Cause, "topic", "partition", "offset", "message_type", "command_id")
@@ -91,7 +108,7 @@ def history_key(item: Item) -> str | None:
     """The key an item's history entry is recorded under."""
     if isinstance(item, Parsed):
         return item.message.key
-    key = printable(item.record.key)[0]
+    key = key_text(item.record.key)
     return None if key is None else storable(key)  # as a dead letter's history entry stores it
 
 
@@ -145,10 +162,11 @@ class Intake:
         return input_topics(self.settings)
 
     def parsed(self, records: Sequence[Record]) -> list[Item]:
-        n, placed = self.settings.kafka_partitions, self._placed
+        s, placed = self.settings, self._placed
         if len(placed) > PLACED_KEYS:
             placed.clear()
-        return [parse(r, self.settings.topic_commands, n, placed) for r in records]
+        n, commands, most = s.kafka_partitions, s.topic_commands, s.processor_max_input_bytes
+        return [parse(r, commands, n, placed, most) for r in records]
 
     def inputs(self, records: Sequence[Record], dead_letter: str | None = None) -> Inputs:
         """``records`` parsed, or all refused for ``dead_letter`` (the reason) when given."""

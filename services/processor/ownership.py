@@ -14,7 +14,8 @@ import asyncpg
 from aiokafka import TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 
-from events.codec import printable, storable
+from events.codec import storable
+from events.deadletter import key_text
 from projections.stopped import record_stop, stopped_partitions
 from projections.store import stored_offsets
 from services.common import metrics
@@ -124,7 +125,7 @@ class Ownership:
 
     async def stop_partition(self, record: Record, reason: str) -> None:
         """Stop one partition at ``record``, visibly; the others and the process go on."""
-        p, key = record.partition, printable(record.key)[0]
+        p, key = record.partition, key_text(record.key)
         async with self.pool.acquire() as conn:
             await record_stop(conn, record.topic, p, record.offset,
                               None if key is None else storable(key), storable(reason))  # fmt: skip

@@ -10,8 +10,8 @@ import asyncio
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from events.codec import encode, printable, storable
-from events.deadletter import DeadLetter, SourceRecord
+from events.codec import encode, storable
+from events.deadletter import REASON_CHARS, bounded, dead_letter, key_text, record_key
 from events.outcomes import CommandOutcome
 from projections.chain import ChainId, Chains, HistoryContent, chain_of
 from projections.fold import BatchResult, OutcomeKey, Rules, fold
@@ -150,32 +150,22 @@ def _history_row(content: HistoryContent, chains: Chains | None) -> HistoryRow:
 
 
 def _dead_letter(item: Rejected, topic: str) -> OutboxRecord:
-    record = item.record
-    key_text, _ = printable(record.key)
-    value_text, encoding = printable(record.value)
-    letter = DeadLetter(
-        reason=item.reason,
-        source=SourceRecord(
-            topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            timestamp=record_time(record),
-        ),
-        key=key_text,
-        value=value_text,
-        value_encoding=encoding,
-    )
-    return OutboxRecord(record.partition, topic, record.key, encode(letter))
+    """A refused record's dead letter: small whatever the record holds (events.deadletter)."""
+    r = item.record
+    letter = dead_letter(item.reason, r.topic, r.partition, r.offset, record_time(r), r.key,
+                         r.value)  # fmt: skip
+    return OutboxRecord(r.partition, topic, record_key(r.key), encode(letter))
 
 
 def _dead_letter_content(item: Rejected) -> HistoryContent:
-    """A refused record's history content (CONTENT_FIELDS order)."""
+    """A refused record's history content (CONTENT_FIELDS order): its key and reason as its
+    dead letter has them."""
     record = item.record
-    key = printable(record.key)[0]
+    key = key_text(record.key)
     return (
         None if key is None else storable(key), record.topic, record.partition, record.offset,
-        None, None, "dead-lettered", storable(item.reason), None, None, None, [], None,
-        record_time(record), None,
+        None, None, "dead-lettered", storable(bounded(item.reason, REASON_CHARS)), None, None,
+        None, [], None, record_time(record), None,
     )  # fmt: skip
 
 

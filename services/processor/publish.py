@@ -1,6 +1,7 @@
 """Publish: the outbox records of committed batches handed to the idempotent producer in commit
 order, their acknowledgements awaited off the ordered path, and the per-partition publish
-cursors moved only past records that are all acknowledged (ADR 0002).
+cursors moved only past records that are all acknowledged (ADR 0002) or set aside (too large
+for any Kafka record the processor sends: recorded, never sent, never waited for).
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from typing import Any
 
 import asyncpg
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaTimeoutError
+from aiokafka.errors import KafkaError, KafkaTimeoutError
 
 from events.topics import partition_for
-from projections.store import OutboxRecord, mark_published, unpublished_outbox
+from projections.store import OutboxRecord, mark_published, set_aside_outbox, unpublished_outbox
 from services.common import metrics
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
-from services.processor.failures import release, terminate
+from services.processor.failures import PublishRefused, refused_by_kafka, release, terminate
 from services.processor.intake import PLACED_KEYS, Owned
 
 log = logging.getLogger("sandstream.processor")
@@ -48,8 +49,15 @@ def new_producer(settings: Settings) -> AIOKafkaProducer:
         acks="all",
         linger_ms=2,
         max_batch_size=256 * 1024,
+        # Its own check (key, value and a record's overhead) never refuses what ``publish``
+        # sends: records above kafka_max_record_bytes are set aside before.
+        max_request_size=settings.kafka_max_record_bytes + 1024,
         request_timeout_ms=settings.kafka_request_timeout_ms,
     )
+
+
+def _size(rec: OutboxRecord) -> int:
+    return len(rec.value) + len(rec.key or b"")
 
 
 @dataclass
@@ -111,21 +119,48 @@ class Publisher:
             return
         if self.producer is None:
             raise KafkaTimeoutError("no producer (being restarted)")
-        place = await self._placer({rec.topic for _, rec in records})
-        if len(records) > _SEND_ONE_BY_ONE:
-            futures = await self._send_batched([rec for _, rec in records], place)
-        else:  # appended to the producer's open batches, without waiting for one to drain
-            send = self.producer.send
-            futures = [
-                await send(rec.topic, value=rec.value, key=rec.key, partition=place(rec))
-                for _, rec in records
-            ]
-        sent: dict[int, list[int]] = defaultdict(list)
+        sending, limit = records, self.settings.kafka_max_record_bytes
+        if any(len(rec.value) + len(rec.key or b"") > limit for _, rec in records):
+            sending = await self._set_aside(records)
+        try:
+            place = await self._placer({rec.topic for _, rec in sending})
+            if len(sending) > _SEND_ONE_BY_ONE:
+                futures = await self._send_batched([rec for _, rec in sending], place)
+            else:  # appended to the producer's open batches, without waiting for one to drain
+                send = self.producer.send
+                futures = [
+                    await send(rec.topic, value=rec.value, key=rec.key, partition=place(rec))
+                    for _, rec in sending
+                ]
+        except KafkaError as exc:
+            if refused_by_kafka(exc):
+                raise _refused(exc) from exc
+            raise
+        sent: dict[int, list[int]] = defaultdict(list)  # set-aside records' ids too
         for outbox_id, rec in records:
             sent[rec.partition].append(outbox_id)
         self._unconfirmed.put_nowait((futures, sent))
         if self._confirmer is None or self._confirmer.done():
             self._confirmer = asyncio.create_task(self._confirm_in_order())
+
+    async def _set_aside(
+        self, records: Sequence[tuple[int, OutboxRecord]]
+    ) -> list[tuple[int, OutboxRecord]]:
+        """Record the records too large to send in ``outbox_set_aside``; the others, to send.
+
+        Kafka could never take them, and waiting for them would hold every later record of
+        their partition; they stay in the outbox (docs/operations.md, "Dead letters")."""
+        limit = self.settings.kafka_max_record_bytes
+        big = [(i, rec) for i, rec in records if _size(rec) > limit]
+        reason = f"larger than {limit} bytes (SANDSTREAM_KAFKA_MAX_RECORD_BYTES)"
+        async with self.pool.acquire() as conn:
+            await set_aside_outbox(conn, big, reason)
+        for outbox_id, rec in big:
+            metrics.OUTBOX_SET_ASIDE.labels(rec.topic).inc()
+            log.error("%s: outbox record %d (%s, key %r, %d bytes) set aside, not sent: %s",
+                      self.name, outbox_id, rec.topic, (rec.key or b"")[:100], _size(rec),
+                      reason)  # fmt: skip
+        return [(i, rec) for i, rec in records if _size(rec) <= limit]
 
     async def _send_batched(
         self, records: Sequence[OutboxRecord], place: Callable[[OutboxRecord], int | None]
@@ -225,6 +260,8 @@ class Publisher:
                 await asyncio.wait_for(self._flush.wait(), wait)
 
     def raise_failure(self) -> None:
+        if self.failure is not None and refused_by_kafka(self.failure):
+            raise _refused(self.failure) from self.failure
         if self.failure is not None:
             raise RuntimeError("publishing the outbox failed") from self.failure
 
@@ -275,3 +312,11 @@ class Publisher:
             await asyncio.wait([self._confirmer])
         await release(self.pool, self.cursor_conn)
         self.cursor_conn = None
+
+
+def _refused(exc: BaseException) -> PublishRefused:
+    return PublishRefused(
+        f"Kafka refuses the outbox records the processor sends ({exc!r}); no retry can change "
+        "that: check the processor principal's ACLs and the topics' max.message.bytes (at least "
+        "SANDSTREAM_KAFKA_MAX_RECORD_BYTES and a batch's overhead; see docs/operations.md)"
+    )
