@@ -107,7 +107,7 @@ def test_the_driver_role_is_the_one_of_compose_kubernetes(settings: Settings) ->
     assert role["rules"] == reference["rules"]
 
 
-def test_the_podman_driver_mounts_the_socket_into_the_driver_roles_only(
+def test_the_podman_driver_mounts_the_socket_into_the_driver_roles_only_run_as_root(
     settings: Settings,
 ) -> None:
     objects = render(settings, {**REQUIRED, "driver": "podman"})
@@ -115,7 +115,15 @@ def test_the_podman_driver_mounts_the_socket_into_the_driver_roles_only(
     for deployment in of_kind(objects, "Deployment").values():
         pod = deployment["spec"]["template"]["spec"]
         sockets = [v for v in pod["volumes"] if "hostPath" in v]
-        assert bool(sockets) == (component(deployment) in ("executor", "watcher"))
+        driver_role = component(deployment) in ("executor", "watcher")
+        assert bool(sockets) == driver_role
+        # root's socket: those two run as root, their tokens copy too (root without
+        # capabilities cannot read another user's 0600 file)
+        users = {
+            c["securityContext"].get("runAsUser")
+            for c in (*pod["containers"], *pod["initContainers"])
+        }
+        assert users == ({0} if driver_role else {None})
 
 
 @pytest.mark.parametrize(

@@ -171,24 +171,36 @@ directory: sandstream refuses a tokens file others can read, and a Secret volume
 group-readable under an fsGroup (so it travels as an environment variable of this step only).
 */}}
 {{- define "sandstream.tokensInit" -}}
+{{- $v := .root.Values -}}
 - name: tokens
-  image: {{ include "sandstream.image" . }}
-  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  image: {{ include "sandstream.image" .root }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
   command: ["sh", "-c", "umask 077 && printf '%s' \"$TOKENS\" > /run/sandstream/tokens.json"]
   env:
     - name: TOKENS
       valueFrom:
         secretKeyRef:
-          name: {{ .Values.tokensSecret.name | quote }}
-          key: {{ .Values.tokensSecret.key | quote }}
+          name: {{ $v.tokensSecret.name | quote }}
+          key: {{ $v.tokensSecret.key | quote }}
   securityContext:
-    {{- toYaml .Values.securityContext | nindent 4 }}
+    {{- toYaml $v.securityContext | nindent 4 }}
+    {{- include "sandstream.asRoot" . | nindent 4 }}
   resources:
     requests: {cpu: 10m, memory: 16Mi}
     limits: {memory: 64Mi}
   volumeMounts:
     - name: run
       mountPath: /run/sandstream
+{{- end -}}
+
+{{/* A container of a role that runs as root (the Podman driver's roles, see podmanDriver):
+the file it reads must be its own, as no capability lets root read another user's. */}}
+{{- define "sandstream.asRoot" -}}
+{{- if .asRoot -}}
+runAsNonRoot: false
+runAsUser: 0
+runAsGroup: 0
+{{- end -}}
 {{- end -}}
 
 {{- define "sandstream.probes" -}}
