@@ -3,7 +3,7 @@
 
 PY := .venv/bin/python
 
-.PHONY: setup stack up down prune lint test bench soak chaos k8s k8s-down conformance image helm
+.PHONY: setup stack up down prune lint test bench soak chaos k8s k8s-down conformance image helm deploy-test
 
 setup:  ## install Debian packages and the virtualenv (idempotent)
 	bash compose/bootstrap.sh
@@ -34,6 +34,11 @@ bench: stack k8s
 
 soak: stack
 	.venv/bin/pytest -q -m soak
+
+# The chart's Deployments under podman kube play and the compose file under podman-compose, from
+# the image, each with a sandbox round trip (minutes each: outside `make test`; CI runs both).
+deploy-test: stack helm image
+	.venv/bin/pytest -q -m deploy
 
 # The fault-injection checker, long form (docs/reliability.md); the suite runs a short one.
 # It starts a private Kafka cluster and PostgreSQL of its own; the stack is not needed.

@@ -11,6 +11,7 @@ import subprocess
 import uuid
 
 import httpx
+import pytest
 from deploy_support import create_ready, current_image, delete_gone, podman_cli, wait_api_ready
 from podman import PodmanClient
 
@@ -21,6 +22,8 @@ from services.localstack.image import podman_env
 from services.localstack.isolation import isolated
 
 COMPOSE_FILE = PROJECT_ROOT / "compose" / "docker-compose.yml"
+
+pytestmark = pytest.mark.deploy
 
 
 async def test_podman_compose_runs_the_roles_and_serves_a_sandbox_round_trip(

@@ -11,6 +11,7 @@ import uuid
 from typing import Any
 
 import httpx
+import pytest
 from deploy_support import create_ready, current_image, delete_gone, podman_cli, wait_api_ready
 from harness import eventually
 from podman import PodmanClient
@@ -20,6 +21,8 @@ from services.common.settings import Settings
 from services.localstack import kube_play
 from services.localstack.cluster import free_port_run
 from services.localstack.isolation import isolated
+
+pytestmark = pytest.mark.deploy
 
 
 async def test_the_chart_on_podman_serves_a_sandbox_and_a_stopped_processor_hands_over(
@@ -47,9 +50,10 @@ async def test_the_chart_on_podman_serves_a_sandbox_and_a_stopped_processor_hand
                 await wait_api_ready(api)
                 first = f"http://127.0.0.1:{ports.health['processor']}"
                 second = f"http://127.0.0.1:{ports.second_processor}"
+                every = env.kafka_partitions
                 shares = await eventually(
                     lambda: _partitions(api, first, second),
-                    lambda s: bool(s[0]) and bool(s[1]) and len(s[0] | s[1]) == env.kafka_partitions,
+                    lambda s: bool(s[0]) and bool(s[1]) and len(s[0] | s[1]) == every,
                     timeout=120, interval=0.5, what="two processors sharing the partitions",
                 )  # fmt: skip
                 assert not shares[0] & shares[1]

@@ -117,13 +117,10 @@ def test_the_podman_driver_mounts_the_socket_into_the_driver_roles_only_run_as_r
         sockets = [v for v in pod["volumes"] if "hostPath" in v]
         driver_role = component(deployment) in ("executor", "watcher")
         assert bool(sockets) == driver_role
-        # root's socket: those two run as root, their tokens copy too (root without
-        # capabilities cannot read another user's 0600 file)
-        users = {
-            c["securityContext"].get("runAsUser")
-            for c in (*pod["containers"], *pod["initContainers"])
-        }
-        assert users == ({0} if driver_role else {None})
+        # root's socket: those two pods run as root, their tokens copy too (root without
+        # capabilities can write neither into another user's directory nor read their files)
+        assert pod["securityContext"]["runAsUser"] == (0 if driver_role else 10001)
+        assert pod["securityContext"]["runAsNonRoot"] is not driver_role
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,7 @@ import base64
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -126,7 +127,9 @@ def _fullname(release: str) -> str:
 def chart_values(deployment: LocalDeployment, version: str) -> dict[str, Any]:
     """The chart's values for the local stack: Podman driver, host network, one replica each."""
     s, ports, names = deployment.settings, deployment.ports, deployment.secret_names()
-    one = {r: {"replicas": 1, "healthPort": ports.health[r]} for r in PLAYED_ROLES}
+    one: dict[str, dict[str, Any]] = {
+        r: {"replicas": 1, "healthPort": ports.health[r]} for r in PLAYED_ROLES
+    }
     one["api"] |= {"port": ports.api, "openshell": {"port": ports.openshell}}
     return {
         "image": {"repository": IMAGE_REPOSITORY, "tag": version, "pullPolicy": "Never"},
@@ -246,9 +249,9 @@ def down(deployment: LocalDeployment) -> None:
     pods = json.loads(record.read_text()) if record.exists() else []
     if pods:
         _podman(deployment.settings, ["pod", "rm", "--force", "--ignore", *pods], check=False)
-    record.unlink(missing_ok=True)
     for name in deployment.secret_names().values():
         _podman(deployment.settings, ["secret", "rm", name], check=False)
+    shutil.rmtree(deployment.home, ignore_errors=True)  # the tokens file, the admin token
 
 
 def pod_names(objects: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -282,7 +285,7 @@ def render(settings: Settings, release: str, values: Mapping[str, Any]) -> list[
 def _create_secrets(deployment: LocalDeployment) -> None:
     settings, names = deployment.settings, deployment.secret_names()
     credentials = load_credentials(settings)
-    kafka = {
+    kafka: dict[str, str] = {
         role: json.dumps({role: {"username": c.username, "password": c.password}})
         for role, c in credentials.items()
         if role in ROLES
@@ -290,7 +293,7 @@ def _create_secrets(deployment: LocalDeployment) -> None:
     password = settings.pg_password.get_secret_value() if settings.pg_password else ""
     key = base64.b64encode(secrets.token_bytes(32)).decode()
     tokens = ensure_tokens(settings.model_copy(update={"run_dir": deployment.home}))
-    contents = {
+    contents: dict[str, dict[str, str]] = {
         names["kafka"]: kafka,
         names["postgres"]: {"password": password},
         names["key"]: {"key": key},

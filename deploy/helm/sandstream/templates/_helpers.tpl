@@ -171,9 +171,9 @@ directory: sandstream refuses a tokens file others can read, and a Secret volume
 group-readable under an fsGroup (so it travels as an environment variable of this step only).
 */}}
 {{- define "sandstream.tokensInit" -}}
-{{- $v := .root.Values -}}
+{{- $v := .Values -}}
 - name: tokens
-  image: {{ include "sandstream.image" .root }}
+  image: {{ include "sandstream.image" . }}
   imagePullPolicy: {{ $v.image.pullPolicy }}
   command: ["sh", "-c", "umask 077 && printf '%s' \"$TOKENS\" > /run/sandstream/tokens.json"]
   env:
@@ -184,23 +184,12 @@ group-readable under an fsGroup (so it travels as an environment variable of thi
           key: {{ $v.tokensSecret.key | quote }}
   securityContext:
     {{- toYaml $v.securityContext | nindent 4 }}
-    {{- include "sandstream.asRoot" . | nindent 4 }}
   resources:
     requests: {cpu: 10m, memory: 16Mi}
     limits: {memory: 64Mi}
   volumeMounts:
     - name: run
       mountPath: /run/sandstream
-{{- end -}}
-
-{{/* A container of a role that runs as root (the Podman driver's roles, see podmanDriver):
-the file it reads must be its own, as no capability lets root read another user's. */}}
-{{- define "sandstream.asRoot" -}}
-{{- if .asRoot -}}
-runAsNonRoot: false
-runAsUser: 0
-runAsGroup: 0
-{{- end -}}
 {{- end -}}
 
 {{- define "sandstream.probes" -}}
