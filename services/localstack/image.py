@@ -23,6 +23,7 @@ Three steps, each skipped when its inputs are unchanged:
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -133,7 +134,16 @@ def project_version() -> str:
 
 
 def build(settings: Settings, say: Callable[[str], None], *, rebuild_base: bool = False) -> str:
-    """Build what is missing or stale; the image's reference."""
+    """Build what is missing or stale; the image's reference. One build at a time per machine
+    (a lock file in the cache): a second waits, then finds the image current."""
+    lock = settings.image_home_path / "build.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        return _build(settings, say, rebuild_base)
+
+
+def _build(settings: Settings, say: Callable[[str], None], rebuild_base: bool) -> str:
     started = time.monotonic()
     base = _ensure_base(settings, say, rebuild_base)
     target = image_reference(project_version())
