@@ -44,8 +44,10 @@ Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX)]
 # and a Kubernetes object name, so it follows the DNS-label rules.
 SANDBOX_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 SandboxName = Annotated[str, StringConstraints(pattern=SANDBOX_NAME_PATTERN)]
-CommandId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
-ProviderName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,128}$")]
+COMMAND_ID_PATTERN: Final = r"^[A-Za-z0-9._:-]{1,128}$"
+PROVIDER_NAME_PATTERN: Final = r"^[A-Za-z0-9._-]{1,128}$"
+CommandId = Annotated[str, StringConstraints(pattern=COMMAND_ID_PATTERN)]
+ProviderName = Annotated[str, StringConstraints(pattern=PROVIDER_NAME_PATTERN)]
 Actor = Annotated[Text, StringConstraints(min_length=1, max_length=200)]
 Generation = Annotated[int, Field(ge=1, le=INT32_MAX)]  # an `integer` column
 Timestamp = AwareDatetime

@@ -154,7 +154,6 @@ def test_spec_fields_map_onto_the_sandstream_spec() -> None:
             create(spec=pb.SandboxSpec(template=pb.SandboxTemplate(runtime_class_name="gvisor"))),
             "spec.template.runtime_class_name",
         ),
-        (create(spec=pb.SandboxSpec(), workspace="team"), "workspace"),
         (create(spec=pb.SandboxSpec(providers=["a b"])), "spec.providers"),
     ],
 )
@@ -184,16 +183,6 @@ def test_label_selectors_become_equality_filters() -> None:
     for bad in ("a", "a!=1", "=1", "a=1=2"):
         with pytest.raises(InvalidRequest, match="label_selector"):
             mapping.label_filters(bad)
-
-
-def test_limit_and_offset_page_the_list() -> None:
-    items = [pb.Sandbox(metadata={"name": str(i)}) for i in range(5)]  # type: ignore[arg-type]
-    assert mapping.page(items, 0, 0) == items
-    assert [s.metadata.name for s in mapping.page(items, 2, 1)] == ["1", "2"]
-    assert [s.metadata.name for s in mapping.page(items, 0, 4)] == ["4"]
-
-
-# -- the generated modules -----------------------------------------------------------------------
 
 
 def test_the_generated_modules_are_fresh(tmp_path: Path) -> None:
