@@ -23,7 +23,8 @@ from services.localstack.isolation import isolated
 
 COMPOSE_FILE = PROJECT_ROOT / "compose" / "docker-compose.yml"
 
-pytestmark = pytest.mark.deploy
+# Minutes on a busy two-core machine: the roles start from the image, one after the other.
+pytestmark = [pytest.mark.deploy, pytest.mark.timeout(1200)]
 
 
 async def test_podman_compose_runs_the_roles_and_serves_a_sandbox_round_trip(

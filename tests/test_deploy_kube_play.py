@@ -22,7 +22,8 @@ from services.localstack import kube_play
 from services.localstack.cluster import free_port_run
 from services.localstack.isolation import isolated
 
-pytestmark = pytest.mark.deploy
+# Minutes on a busy two-core machine: the roles start from the image, one after the other.
+pytestmark = [pytest.mark.deploy, pytest.mark.timeout(1200)]
 
 
 async def test_the_chart_on_podman_serves_a_sandbox_and_a_stopped_processor_hands_over(

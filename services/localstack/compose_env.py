@@ -6,7 +6,8 @@ environment of it): endpoints, names, ports, and each role's secrets.
 
 Each role's Kafka credential (``SANDSTREAM_KAFKA_<ROLE>``: its own principal only, as JSON) comes
 from the local stack's credentials file, the PostgreSQL password from its password file, and the
-credentials key from the key file `sandstream up` uses (created if missing).
+credentials key from the key file `sandstream up` uses (created if missing). ``CONTAINERS_CONF``
+points podman at the project's configuration, as for the rest of the local stack.
 """
 
 from __future__ import annotations
@@ -87,7 +88,10 @@ def local_credentials(settings: Settings) -> dict[str, str]:
 
 def main() -> None:
     settings = load_settings()
-    env = compose_env(settings, local_credentials(settings))
+    # and podman's own configuration for this machine (runc, cgroupfs: compose/podman/)
+    env = compose_env(settings, local_credentials(settings)) | {
+        "CONTAINERS_CONF": str(settings.containers_conf)
+    }
     sys.stdout.write("".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()))
 
 
