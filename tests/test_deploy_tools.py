@@ -60,15 +60,26 @@ def test_the_dependencies_key_follows_the_runtime_dependencies_only() -> None:
 
 
 def test_kube_play_leaves_ports_out_and_keeps_init_containers() -> None:
+    mounts = [{"name": "run", "mountPath": "/run"}, {"name": "sock", "mountPath": "/s"}]
+    pod = {
+        "containers": [{"ports": [1], "volumeMounts": mounts}],
+        "initContainers": [{"volumeMounts": mounts[:1]}],
+        "volumes": [{"name": "run", "emptyDir": {}}, {"name": "sock", "hostPath": {}}],
+    }
     deployment = {
         "kind": "Deployment",
         "metadata": {"name": "d"},
-        "spec": {"replicas": 2, "template": {"spec": {"containers": [{"ports": [1]}]}}},
+        "spec": {"replicas": 2, "template": {"spec": pod}},
     }
     played = kube_play.for_podman(deployment)
-    assert "ports" not in played["spec"]["template"]["spec"]["containers"][0]
+    spec = played["spec"]["template"]["spec"]
+    assert "ports" not in spec["containers"][0]
     assert played["metadata"]["annotations"][kube_play.INIT_TYPE] == "always"
-    assert deployment["spec"]["template"]["spec"]["containers"][0] == {"ports": [1]}  # a copy
+    # an emptyDir named after its pod (kube play would share one "run" among all pods)
+    assert [v["name"] for v in spec["volumes"]] == ["d-run", "sock"]
+    assert [m["name"] for m in spec["containers"][0]["volumeMounts"]] == ["d-run", "sock"]
+    assert spec["initContainers"][0]["volumeMounts"][0]["name"] == "d-run"
+    assert pod["containers"][0]["ports"] == [1]  # a copy
     assert kube_play.pod_names([deployment, {"kind": "Pod", "metadata": {"name": "p"}}]) == [
         "d-pod-0", "d-pod-1", "p",
     ]  # fmt: skip

@@ -24,6 +24,9 @@ Where kube play (Podman 4.3) cannot express the chart, and what is done instead:
   only the processor, on another health port (``processor_release``). And kube play publishes
   every ``containerPort`` as a host port, which the host network refuses: the played manifests
   leave the (informational) ``ports`` lists out (``for_podman``).
+- emptyDir: kube play 4.3 makes a Podman volume named after the pod's volume, and a second
+  pod with a volume of that name (every role's "run", in every release) gets the same one:
+  the played objects name each emptyDir after its Deployment or Pod.
 - Init containers: kube play 4.3 removes a run-once init container right after it ran and can
   fail doing so ("cannot remove container ... as it is running"); the played objects ask for
   init containers that stay (``io.podman.annotations.init.container.type: always``), which
@@ -196,12 +199,19 @@ INIT_TYPE = "io.podman.annotations.init.container.type"
 
 def for_podman(obj: Mapping[str, Any]) -> dict[str, Any]:
     """A Deployment or Pod as kube play runs it on the host network: no ``ports`` lists, init
-    containers that stay."""
+    containers that stay, emptyDirs named after their pod."""
     out: dict[str, Any] = json.loads(json.dumps(obj))
     spec = out["spec"]["template"]["spec"] if out["kind"] == "Deployment" else out["spec"]
     for container in spec["containers"]:
         container.pop("ports", None)
     out["metadata"].setdefault("annotations", {})[INIT_TYPE] = "always"
+    own = {v["name"]: f"{out['metadata']['name']}-{v['name']}" for v in spec.get("volumes", [])
+           if "emptyDir" in v}  # fmt: skip
+    for volume in spec.get("volumes", []):
+        volume["name"] = own.get(volume["name"], volume["name"])
+    for container in (*spec["containers"], *spec.get("initContainers", [])):
+        for mount in container.get("volumeMounts", []):
+            mount["name"] = own.get(mount["name"], mount["name"])
     return out
 
 
