@@ -56,6 +56,7 @@ async def create_ready(api: httpx.AsyncClient, podman: PodmanClient, settings: S
     await eventually(phase, lambda p: p == "Ready", timeout=120, interval=0.2,
                      what=f"{name} Ready")  # fmt: skip
     (container,) = sandbox_containers(podman, name)
+    container.reload()  # a listed container's attributes are the list's summary
     assert container.status == "running"
     return name
 
