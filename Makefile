@@ -26,7 +26,7 @@ lint: setup
 	.venv/bin/ruff format --check .
 	.venv/bin/mypy
 
-test: stack k8s helm image lint
+test: stack k8s helm lint
 	.venv/bin/pytest -q
 
 bench: stack k8s
