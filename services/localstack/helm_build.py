@@ -10,15 +10,13 @@ the same Go caches in ``settings.kube_home_path``. A binary present there is nev
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from services.common.settings import Settings, load_settings
-from services.localstack.kube_build import BuildError, _go_build, _wrapper, go_version
+from services.localstack.kube_build import BuildError, _check_go, _go_build, _wrapper
 
 HELM_VERSION = "v4.3.2"
 HELM_MODULE = "helm.sh/helm/v4"
@@ -40,23 +38,13 @@ def build_helm(settings: Settings, say: Callable[[str], None]) -> Path:
     target = helm_path(settings)
     if target.exists():
         return target
-    _check_go()
+    _check_go(MIN_GO, f"helm {HELM_VERSION}")
     started = time.monotonic()
     say(f"building helm {HELM_VERSION} into {target.parent}")
     src = _wrapper(settings, "helm", HELM_VERSION, {HELM_MODULE: HELM_VERSION}, [HELM_PACKAGE])
     _go_build(settings, src, [HELM_PACKAGE], target, [helm_ldflags(HELM_VERSION)], say)
     say(f"helm built in {time.monotonic() - started:.0f}s")
     return target
-
-
-def _check_go() -> None:
-    need = f"Go {MIN_GO[0]}.{MIN_GO[1]} or newer (helm {HELM_VERSION}'s go.mod)"
-    if shutil.which("go") is None:
-        raise BuildError(f"`go` is not installed: building helm needs {need}")
-    found = subprocess.run(["go", "env", "GOVERSION"], capture_output=True, text=True, check=False)
-    version = go_version(found.stdout)
-    if version is None or version < MIN_GO:
-        raise BuildError(f"found {found.stdout.strip() or 'an unknown Go'}; need {need}")
 
 
 def main() -> int:
