@@ -65,7 +65,13 @@ async def delete_gone(api: httpx.AsyncClient, podman: PodmanClient, name: str) -
     """Delete the sandbox through ``api``; returns once the API and Podman no longer have it."""
     deleted = await api.delete(f"/v1/sandboxes/{name}", params={"wait": 60})
     assert deleted.status_code == 200, deleted.text
-    assert (await api.get(f"/v1/sandboxes/{name}")).status_code == 404
+
+    async def status() -> int:
+        return (await api.get(f"/v1/sandboxes/{name}")).status_code
+
+    # accepted, then Deleting until the runtime is gone: a deleted sandbox is a 404
+    await eventually(status, lambda s: s == 404, timeout=120, interval=0.2,
+                     what=f"{name} deleted")  # fmt: skip
     await eventually(lambda: sandbox_containers(podman, name), lambda found: not found,
                      timeout=60, what=f"{name}'s container removed")  # fmt: skip
 
