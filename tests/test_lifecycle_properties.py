@@ -216,6 +216,9 @@ class LifecycleMachine(RuleBasedStateMachine):
             kind = PHASE_DEADLINES.get(new.phase)
             # (A stop that was escalated to a kill has no further deadline.)
             allowed = {kind, None} if new.phase is P.STOPPING else {kind}
+            # (A restart the restart policy scheduled waits in Error or Completed.)
+            if new.phase in (P.ERROR, P.COMPLETED) and new.spec.restart_policy is not None:
+                allowed = {None, "restart"}
             assert (new.deadline.kind if new.deadline else None) in allowed, new
         # Time acts only on the deadline the row holds; a repeat changes nothing.
         if isinstance(message, DeadlineDue) and events:
