@@ -127,7 +127,7 @@ async def test_without_a_checkout_the_installed_migrations_are_applied(
     installed = tmp_path / "share" / "sandstream" / "migrations"
     installed.mkdir(parents=True)
     (installed / "0001_t.sql").write_text("CREATE TABLE t (x int);")
-    monkeypatch.setattr(migrations, "CHECKOUT_MIGRATIONS", tmp_path / "no-checkout")
+    monkeypatch.setattr(migrations, "MIGRATIONS_DIR", tmp_path / "no-checkout")
     monkeypatch.setattr(migrations, "INSTALLED_MIGRATIONS", installed)
     schema = f"mig_{uuid.uuid4().hex[:10]}"
     try:

@@ -21,7 +21,7 @@ import asyncpg
 
 from services.common.settings import PROJECT_ROOT
 
-CHECKOUT_MIGRATIONS = PROJECT_ROOT / "compose" / "migrations"
+MIGRATIONS_DIR = PROJECT_ROOT / "compose" / "migrations"
 INSTALLED_MIGRATIONS = Path(sysconfig.get_path("data")) / "share" / "sandstream" / "migrations"
 MIGRATION_FILE = re.compile(r"^\d{4}_[A-Za-z0-9_]+\.sql$")
 
@@ -69,7 +69,7 @@ async def apply_migrations(
 ) -> list[str]:
     """Apply pending migrations; return the names of the newly applied files, in order."""
     if directory is None:
-        directory = default_directory(CHECKOUT_MIGRATIONS, INSTALLED_MIGRATIONS)
+        directory = default_directory(MIGRATIONS_DIR, INSTALLED_MIGRATIONS)
     files = discover_migrations(directory)
     conn: asyncpg.Connection = await asyncpg.connect(dsn)
     try:
