@@ -145,6 +145,9 @@ class Settings(BaseSettings):
     kube_apiserver_port: int = 16443
     kube_etcd_port: int = 16379  # and the next port for etcd's peer listener
     kube_kwok_port: int = 16247
+    # sandstream's image (`make image`, services/localstack/image.py) keeps its dependencies'
+    # wheels here (default $XDG_CACHE_HOME/sandstream/image, beside kube_home's default).
+    image_home: Path | None = None
 
     # Executor and reconciler (services/executor.py, services/watcher.py)
     executor_concurrency: int = Field(default=64, ge=1)  # driver calls in flight at once
@@ -274,10 +277,11 @@ class Settings(BaseSettings):
 
     @property
     def kube_home_path(self) -> Path:
-        if self.kube_home:
-            return self.kube_home
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        return (Path(xdg) if xdg else Path.home() / ".cache") / "sandstream" / "kubernetes"
+        return self.kube_home or _user_cache() / "sandstream" / "kubernetes"
+
+    @property
+    def image_home_path(self) -> Path:
+        return self.image_home or _user_cache() / "sandstream" / "image"
 
     @property
     def api_base_url(self) -> str:
@@ -341,6 +345,11 @@ class Settings(BaseSettings):
         }
         found["SANDSTREAM_PG_PASSWORD_FILE"] = str(self.pg_password_path)
         return found
+
+
+def _user_cache() -> Path:
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg) if xdg else Path.home() / ".cache"
 
 
 def pg_password_path(state_dir: Path, configured: Path | None) -> Path:
