@@ -9,6 +9,9 @@ COMMANDS = "sandbox.commands"
 OBSERVATIONS = "sandbox.observations"
 EVENTS = "sandbox.events"
 DEADLETTER = "sandbox.deadletter"
+# The processor's chain checkpoints: the newest hash of each history chain a batch wrote, so
+# that the record in PostgreSQL can be checked against the log (docs/audit.md).
+CHECKPOINTS = "sandbox.checkpoints"
 
 # The largest record the project's producers send (key and value): Kafka's default
 # message.max.bytes, 1,048,588 bytes a record batch, with room for the batch's own bytes.

@@ -158,6 +158,9 @@ class Limits:
     the log reproduces them whatever the configuration is then."""
 
     launch_seconds: float | None = 300.0
+    # How long the executor retries a transient launch failure before it reports it (its
+    # executor_retry_seconds): the launch deadline lies beyond it, so that report is decided.
+    launch_retry_seconds: float = 600.0
     stop_grace_seconds: float = 10.0  # the driver's grace when the spec sets none
     stop_margin_seconds: float | None = 30.0
     delete_seconds: float | None = 120.0  # the first retry; each further one waits twice as long
@@ -244,7 +247,7 @@ def admitting_phases(command_type: str) -> list[Phase]:
 # Older generations are stale, newer than issued are unknown: both ignored before this table.
 
 ObservationKind = Literal[
-    "created", "running", "exited_ok", "exited_error", "removed",
+    "created", "running", "stopping", "exited_ok", "exited_error", "removed",
     "launch_succeeded", "launch_failed",
     "stop_succeeded", "stop_absent", "stop_failed",
     "delete_succeeded", "delete_absent", "delete_failed",
@@ -276,6 +279,9 @@ OBSERVATION_TABLE: Final[dict[Phase, dict[ObservationKind, Target]]] = {
     # start, restart or delete leaves Stopped.
     P.STOPPED: {},
     P.COMPLETED: {},
+    # Only "running" lifts Error: a stopping runtime (its removal under way, e.g. the cleanup
+    # stop of a timed-out launch) is no sign of life. "stopping" changes nothing anywhere: the
+    # exit or the removal that follows decides.
     P.ERROR: {"running": P.READY},
     # Deleting is monotonic: ordinary snapshots change nothing, removal tombstones.
     P.DELETING: {
@@ -300,6 +306,8 @@ def observation_kind(obs: Observation) -> ObservationKind:
             return "exited_ok" if obs.exit_code == 0 else "exited_error"
         case RuntimeSnapshot(state="running"):
             return "running"
+        case RuntimeSnapshot(state="stopping"):
+            return "stopping"
         case RuntimeSnapshot():
             return "created"
         case RuntimeRemoved():
@@ -771,7 +779,7 @@ def _decide_command(
                 previous_generation=state.generation,
                 spec=state.spec,
                 identity=identity_for(state.sandbox_id, generation, command.command_id),
-                deadline=launch_deadline(at, limits),
+                deadline=launch_deadline(at, limits, replacing=state.spec),
             )
         case StopSandbox():
             deadline = stop_deadline(state.spec, at, limits)
@@ -979,7 +987,7 @@ def _agent_restarted(
         previous_generation=state.generation,
         spec=state.spec,
         identity=identity_for(state.sandbox_id, generation, id_source),
-        deadline=launch_deadline(common["occurred_at"], limits),
+        deadline=launch_deadline(common["occurred_at"], limits, replacing=state.spec),
     )
 
 
@@ -1087,20 +1095,35 @@ _deadline = builder(Deadline, "kind", "due_at")
 _counted_deadline = builder(Deadline, "kind", "due_at", "attempt")
 
 
-def launch_deadline(at: datetime, limits: Limits) -> Deadline | None:
+def grace_of(spec: SandboxSpec, limits: Limits) -> float:
+    """The grace period of stopping a runtime of ``spec``: the sandbox's, else the driver's."""
+    if spec.stop_timeout_seconds is not None:
+        return spec.stop_timeout_seconds
+    return limits.stop_grace_seconds
+
+
+def launch_deadline(
+    at: datetime, limits: Limits, *, replacing: SandboxSpec | None = None
+) -> Deadline | None:
+    """When a launch decided at ``at`` is given up (ProvisioningTimeout): the launch timeout
+    counted from when the executor stops retrying it, which is its retry window after the
+    launch can begin, i.e. after the generation it replaces (``replacing``: a start, restart
+    or rotation restart) has been stopped with its grace period. So the executor's own report
+    (Ready, or the failure after its retries: AgentRestartFailed for a rotation) is decided
+    first, and a slow-stopping agent is not timed out by its own stop."""
     if limits.launch_seconds is None:
         return None
-    return _deadline("launch", _after(at, limits.launch_seconds))
+    begins = grace_of(replacing, limits) if replacing is not None else 0.0
+    return _deadline(
+        "launch", _after(at, begins + limits.launch_retry_seconds + limits.launch_seconds)
+    )
 
 
 def stop_deadline(spec: SandboxSpec, at: datetime, limits: Limits) -> Deadline | None:
     """The grace period (the sandbox's, else the driver's) plus the margin."""
     if limits.stop_margin_seconds is None:
         return None
-    grace = limits.stop_grace_seconds
-    if spec.stop_timeout_seconds is not None:
-        grace = spec.stop_timeout_seconds
-    return _deadline("stop", _after(at, grace + limits.stop_margin_seconds))
+    return _deadline("stop", _after(at, grace_of(spec, limits) + limits.stop_margin_seconds))
 
 
 def delete_deadline(
@@ -1109,11 +1132,8 @@ def delete_deadline(
     """A delete stops running runtimes first (grace period), then waits with back-off."""
     if limits.delete_seconds is None:
         return None
-    grace = limits.stop_grace_seconds
-    if spec.stop_timeout_seconds is not None:
-        grace = spec.stop_timeout_seconds
     wait = min(limits.delete_seconds * 2**attempt, limits.delete_backoff_max_seconds)
-    return _counted_deadline("delete", _after(at, grace + wait), attempt)
+    return _counted_deadline("delete", _after(at, grace_of(spec, limits) + wait), attempt)
 
 
 def _then(
@@ -1342,7 +1362,7 @@ def _scheduled_restart_due(
         previous_generation=state.generation,
         spec=state.spec,
         identity=identity_for(state.sandbox_id, generation, due.observation_id),
-        deadline=launch_deadline(due.occurred_at, limits),
+        deadline=launch_deadline(due.occurred_at, limits, replacing=state.spec),
         policy=policy,
         attempt=pending.attempt,
     )

@@ -29,7 +29,7 @@ from projections.lifecycle import (
 DOC = Path(__file__).resolve().parent.parent / "docs" / "state-machine.md"
 BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
 KINDS = [
-    "created", "running", "exited_ok", "exited_error", "removed",
+    "created", "running", "stopping", "exited_ok", "exited_error", "removed",
     "launch_succeeded", "launch_failed",
     "stop_succeeded", "stop_absent", "stop_failed",
     "delete_succeeded", "delete_absent", "delete_failed",

@@ -463,6 +463,8 @@ def observation_of_kind(
             return created_snapshot(key, generation, **kw)
         case "running":
             return running(key, generation, **kw)
+        case "stopping":
+            return snapshot(key, generation, "stopping", **kw)
         case "exited_ok":
             return exited(key, generation, 0, **kw)
         case "exited_error":

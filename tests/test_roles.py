@@ -235,6 +235,7 @@ async def test_a_role_that_cannot_start_exits_3_saying_why(
 
 def layout_commands() -> list[list[str]]:
     """The sandstream commands of compose/Procfile and compose/docker-compose.yml."""
+    import re
     import shlex
 
     import yaml
@@ -246,7 +247,12 @@ def layout_commands() -> list[list[str]]:
         if line.strip() and not line.startswith("#")
     ]
     compose = yaml.safe_load((PROJECT_ROOT / "compose" / "docker-compose.yml").read_text())
-    commands += [s["command"] for s in compose["services"].values() if "command" in s]
+    # the image's entry point is `sandstream`; ${VAR:-default} as compose expands it unset
+    commands += [
+        ["sandstream", *(re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", a) for a in s["command"])]
+        for s in compose["services"].values()
+        if "command" in s
+    ]
     return commands
 
 

@@ -258,7 +258,7 @@ BAD = [
     pytest.param(
         OBSERVATIONS,
         patched(SNAPSHOT, "state", "paused"),
-        "field 'state': Input should be 'created', 'running' or 'exited'",
+        "field 'state': Input should be 'created', 'running', 'stopping' or 'exited'",
         id="bad-literal",
     ),
     pytest.param(

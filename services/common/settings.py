@@ -63,6 +63,7 @@ class Settings(BaseSettings):
     topic_observations: str = names.OBSERVATIONS
     topic_events: str = names.EVENTS
     topic_deadletter: str = names.DEADLETTER
+    topic_checkpoints: str = names.CHECKPOINTS
     # How long a consumer that died without leaving (SIGKILL) keeps its partitions.
     kafka_session_timeout_ms: int = Field(default=10_000, ge=1000)
     # How long a Kafka request (a send's acknowledgement included) may take before it fails;
@@ -151,6 +152,9 @@ class Settings(BaseSettings):
     kube_apiserver_port: int = 16443
     kube_etcd_port: int = 16379  # and the next port for etcd's peer listener
     kube_kwok_port: int = 16247
+    # sandstream's image (`make image`, services/localstack/image.py) keeps its dependencies'
+    # wheels here (default $XDG_CACHE_HOME/sandstream/image, beside kube_home's default).
+    image_home: Path | None = None
 
     # Executor and reconciler (services/executor.py, services/watcher.py)
     executor_concurrency: int = Field(default=64, ge=1)  # driver calls in flight at once
@@ -234,6 +238,7 @@ class Settings(BaseSettings):
         """The deadlines the processor records (see projections.lifecycle.Limits)."""
         return Limits(
             launch_seconds=self.launch_timeout_seconds or None,
+            launch_retry_seconds=self.executor_retry_seconds,
             stop_grace_seconds=float(self.stop_timeout_seconds),
             stop_margin_seconds=self.stop_margin_seconds or None,
             delete_seconds=self.delete_retry_seconds or None,
@@ -279,10 +284,11 @@ class Settings(BaseSettings):
 
     @property
     def kube_home_path(self) -> Path:
-        if self.kube_home:
-            return self.kube_home
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        return (Path(xdg) if xdg else Path.home() / ".cache") / "sandstream" / "kubernetes"
+        return self.kube_home or _user_cache() / "sandstream" / "kubernetes"
+
+    @property
+    def image_home_path(self) -> Path:
+        return self.image_home or _user_cache() / "sandstream" / "image"
 
     @property
     def api_base_url(self) -> str:
@@ -323,12 +329,13 @@ class Settings(BaseSettings):
         return PROJECT_ROOT / "compose" / "podman" / "containers.conf"
 
     @property
-    def topics(self) -> tuple[str, str, str, str]:
+    def topics(self) -> tuple[str, str, str, str, str]:
         return (
             self.topic_commands,
             self.topic_observations,
             self.topic_events,
             self.topic_deadletter,
+            self.topic_checkpoints,
         )
 
     def as_env(self) -> dict[str, str]:
@@ -345,6 +352,11 @@ class Settings(BaseSettings):
         }
         found["SANDSTREAM_PG_PASSWORD_FILE"] = str(self.pg_password_path)
         return found
+
+
+def _user_cache() -> Path:
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg) if xdg else Path.home() / ".cache"
 
 
 def pg_password_path(state_dir: Path, configured: Path | None) -> Path:

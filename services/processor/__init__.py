@@ -9,6 +9,8 @@ into rows, history, outcomes and outbox, exactly once, one module per stage:
   records already applied dropped.
 - ``plan``: a batch decided into rows, hash-chained history, outcomes, outbox and offsets
   (pure); the replay the audit tools decide through.
+- ``checkpoints``: the newest hash of each history chain a batch wrote, for the outbox to put
+  on the checkpoints topic (pure).
 - ``write``: the atomic compare-and-set write, decided again on a conflict; poison records
   split out and dead-lettered.
 - ``publish``: the outbox handed to the producer in commit order; cursors moved past what is

@@ -1,5 +1,6 @@
 """Plan: a batch of parsed inputs decided (``fold``) from a view of the stored state and turned
-into what to write: rows, hash-chained history, outcomes, outbox and new offsets (pure).
+into what to write: rows, hash-chained history, outcomes, outbox (events, dead letters, chain
+checkpoints) and new offsets (pure).
 
 The processor, the audit's verify and shadow, and the golden logs all decide through here.
 """
@@ -19,6 +20,7 @@ from projections.lifecycle import Sandbox, decide
 from projections.records import maker
 from projections.store import BatchRead, BatchWrite, HistoryRow, OutboxRecord
 from services.common.settings import Settings
+from services.processor.checkpoints import checkpoint_records
 from services.processor.intake import Item, Parsed, Rejected, record_time
 
 TopicPartition = tuple[str, int]
@@ -122,12 +124,15 @@ def plan_batch(
             message.occurred_at, state.sandbox_id if state else None,
         )  # fmt: skip
         history.append(_history_row(content, chains))
+    offsets = {tp: (at, next_offsets.get(tp, at)) for tp, at in read_offsets.items()}
+    if chains is not None:  # the chains' new heads, anchored on the log (checkpoints.py)
+        outbox += checkpoint_records(history, offsets, settings.topic_checkpoints)
     return BatchWrite(
         sandboxes=list(changed.values()),
         history=history,
         outcomes=list(result.outcomes.values()),
         outbox=outbox,
-        offsets={tp: (at, next_offsets.get(tp, at)) for tp, at in read_offsets.items()},
+        offsets=offsets,
         decided_from={
             key: row.version
             for key, row in (decided_from or {}).items()
