@@ -24,7 +24,7 @@ def commands(count: int, keys: int, seed: int) -> list[Command]:
     """``count`` commands over ``keys`` sandboxes; some are retries of an earlier command id."""
     rng = random.Random(seed)
     kinds = list(f.COMMAND_BUILDERS)
-    weights = [3, 3, 3, 2, 1, 1, 1, 1, 1, 1]  # ..., hold, release, extend
+    weights = [3, 3, 3, 2, 1, 1, 1, 1, 1, 1, 1]  # ..., hold, release, extend, restart policy
     issued: dict[str, list[Command]] = {}
     out: list[Command] = []
     for i in range(count):
