@@ -14,6 +14,7 @@ import httpx
 import typer
 from rich.table import Table
 
+from events.backoff import Backoff
 from services.cli.client import (
     EXIT_TIMEOUT,
     MAX_SERVER_WAIT,
@@ -105,7 +106,7 @@ def _submit(
     A request that times out, cannot connect or gets a 503 is sent again, unchanged (the same
     command_id, the same expected_version), until the deadline: the API answers a repeat with
     the first outcome, so a retry never runs a command twice."""
-    delay = 0.5
+    backoff = Backoff(0.5, 5.0)
     while True:
         wait = max(0.0, min(MAX_SERVER_WAIT, deadline - time.monotonic()))
         try:
@@ -122,12 +123,12 @@ def _submit(
         except (httpx.TransportError, ApiFailure) as exc:
             if isinstance(exc, ApiFailure) and exc.status != 503:
                 raise
+            delay = backoff.next()
             if time.monotonic() + delay >= deadline:
                 if isinstance(exc, ApiFailure):
                     raise
                 fail(f"cannot reach the API at {client.url} ({exc}); is `sandstream up` running?")
             time.sleep(delay)  # back-off before sending the same command again
-            delay = min(delay * 2, 5.0)
     outcome: dict[str, Any] = response.json()
     while outcome["status"] == "pending":
         remaining = deadline - time.monotonic()
