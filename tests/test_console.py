@@ -22,6 +22,7 @@ from events.common import Phase
 from services.api.console.session import COOKIE
 from services.api.readmodel import phase_trend
 from services.api.readmodel.trend import Move, series
+from services.common.settings import PROJECT_ROOT
 
 SECRET_ENV = "env-value-that-must-not-show"
 
@@ -286,6 +287,37 @@ async def test_a_revoked_session_is_sent_to_sign_in_and_big_forms_are_refused(ap
         form = {"content-type": "application/x-www-form-urlencoded"}
         big = await c.post("/ui/login", content=b"token=" + b"x" * limit, headers=form)
         assert big.status_code == 413
+
+
+# -- the stylesheet's contrast -------------------------------------------------------------------
+
+# Every (text, background) pair of the stylesheet's palette that the pages use.
+TEXT_ON = [("ink", "page"), ("ink", "bar"), ("ink", "head"), ("ink", "hover"), ("ink", "warn-bg"),
+           ("muted", "page"), ("muted", "bar"), ("muted", "head"), ("link", "page"),
+           ("link", "bar"), ("link", "warn-bg"), ("link", "bad-bg"), ("link", "good-bg"),
+           ("bad", "page"), ("bad", "bad-bg"), ("bad", "hover"), ("good", "page"),
+           ("good", "bar"), ("good", "good-bg")]  # fmt: skip
+
+
+def contrast(a: str, b: str) -> float:
+    """WCAG 2's contrast ratio of two #rrggbb colours."""
+
+    def luminance(colour: str) -> float:
+        rgb = [int(colour[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+        lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    high, low = sorted((luminance(a), luminance(b)), reverse=True)
+    return (high + 0.05) / (low + 0.05)
+
+
+def test_the_stylesheets_text_colours_have_aa_contrast_on_their_backgrounds() -> None:
+    css = (PROJECT_ROOT / "services/api/console/static/console.css").read_text()
+    palette = dict(re.findall(r"--([\w-]+): (#[0-9a-f]{6})", css))
+    low = [(t, b, round(contrast(palette[t], palette[b]), 2)) for t, b in TEXT_ON
+           if contrast(palette[t], palette[b]) < 4.5]  # fmt: skip
+    assert low == []
+    assert contrast("#777777", "#ffffff") < 4.5  # (the check can fail: a grey too light)
 
 
 # -- the chart's counts ---------------------------------------------------------------------------

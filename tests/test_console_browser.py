@@ -168,7 +168,8 @@ async def test_a_stop_from_the_page_reaches_stopped(up: Up, browser: Browser) ->
     await page.goto(f"{up.url}/ui/sandboxes/{name}")
     await wait_phase(page, "Ready")
     async with page.expect_navigation(timeout=PHASE_WAIT) as navigation:
-        await page.get_by_role("button", name="Stop", exact=True).click()
+        await page.get_by_role("button", name="Stop", exact=True).focus()
+        await page.keyboard.press("Enter")  # from the keyboard
     answer = await navigation.value
     assert answer is not None and answer.status == 200
     assert re.fullmatch(rf".*/ui/sandboxes/{name}\?command=.+", page.url), page.url
@@ -191,6 +192,11 @@ async def test_a_stale_pages_action_is_refused_with_the_version_message(
     # Someone else changes the sandbox meanwhile: the page says so, its forms keep their version.
     await api_call(up, "POST", f"/v1/sandboxes/{name}:extend", json={"ttl_seconds": 7200})
     await page.locator("#stale").wait_for(timeout=10_000)
+    unnamed = await page.locator("input:not([type=hidden]), button, a").evaluate_all(
+        "els => els.filter(e => !(e.labels && e.labels.length) && !e.getAttribute('aria-label')"
+        " && !e.textContent.trim()).map(e => e.outerHTML)"
+    )
+    assert unnamed == []  # every control of the page has a name (a label or its text)
     async with page.expect_navigation(timeout=PHASE_WAIT) as navigation:
         await page.get_by_role("button", name="Stop", exact=True).click()
     answer = await navigation.value
