@@ -210,6 +210,16 @@ async def test_ttl_hold_release_extend_and_the_scheduler_inside_up(up: Up) -> No
     r = await up.cli("sandbox", "release", name)
     assert r.code == 0 and f"Released sandbox {name}" in r.out, r.err
 
+    r = await up.cli("sandbox", "restart-policy", name, "OnFailure", "--backoff", "2s:1m",
+                     "--max-restarts", "2")  # fmt: skip
+    assert r.code == 0 and f"Sandbox {name} restarts: OnFailure" in r.out, r.err
+    r = await up.cli("sandbox", "get", name)
+    fields = {row.split()[0]: " ".join(row.split()[1:]) for row in lines(r.out) if row.strip()}
+    assert fields["Restarts"] == "0 (OnFailure)", r.out
+    r = await up.cli("sandbox", "get", name, "-o", "json")
+    spec = json.loads(r.out)["spec"]
+    assert spec["restart_backoff"] == {"initial_seconds": 2.0, "max_seconds": 60.0}
+
     r = await up.cli("sandbox", "extend", name, "--ttl", "soon")
     assert r.code == 2 and "expected a positive duration" in r.err
     r = await up.cli("sandbox", "extend", name, "--ttl", "1s")

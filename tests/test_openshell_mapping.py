@@ -18,6 +18,7 @@ from services.openshell import mapping
 from services.openshell.mapping import InvalidRequest, new_sandbox
 from services.openshell.proto import generate
 from services.openshell.proto import openshell_pb2 as pb
+from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as v0_1_5
 from services.openshell.server import OpenShellConfigError, check_settings, start_openshell
 from services.openshell.service import LOCAL_PRINCIPAL, Authenticator
 
@@ -89,6 +90,21 @@ def test_exit_codes_are_shown_for_error_and_completed_only() -> None:
     assert done.status.phase == OS.SANDBOX_PHASE_STOPPED and done.status.HasField("exit_code")
     stopped = mapping.sandbox_message(view(Phase.STOPPED, exit_code=143))
     assert not stopped.status.HasField("exit_code")
+
+
+def test_the_restart_count_and_next_restart_time_reach_0_1_readers() -> None:
+    due = datetime(2026, 1, 2, 3, 5, tzinfo=UTC)
+    row = view(Phase.ERROR, exit_code=1).model_copy(
+        update={"restart_count": 2, "next_restart_at": due}
+    )
+    wire = mapping.sandbox_message(row).status.SerializeToString()
+    status = v0_1_5.SandboxStatus.FromString(wire)
+    assert status.restart_count == 2
+    assert status.next_restart_time.ToDatetime(tzinfo=UTC) == due
+    idle = v0_1_5.SandboxStatus.FromString(
+        mapping.sandbox_message(view(Phase.READY)).status.SerializeToString()
+    )
+    assert (idle.restart_count, idle.HasField("next_restart_time")) == (0, False)
 
 
 def test_deleting_rows_carry_a_deletion_timestamp() -> None:

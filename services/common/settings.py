@@ -63,6 +63,7 @@ class Settings(BaseSettings):
     topic_observations: str = names.OBSERVATIONS
     topic_events: str = names.EVENTS
     topic_deadletter: str = names.DEADLETTER
+    topic_checkpoints: str = names.CHECKPOINTS
     # How long a consumer that died without leaving (SIGKILL) keeps its partitions.
     kafka_session_timeout_ms: int = Field(default=10_000, ge=1000)
     # How long a Kafka request (a send's acknowledgement included) may take before it fails;
@@ -227,6 +228,7 @@ class Settings(BaseSettings):
         """The deadlines the processor records (see projections.lifecycle.Limits)."""
         return Limits(
             launch_seconds=self.launch_timeout_seconds or None,
+            launch_retry_seconds=self.executor_retry_seconds,
             stop_grace_seconds=float(self.stop_timeout_seconds),
             stop_margin_seconds=self.stop_margin_seconds or None,
             delete_seconds=self.delete_retry_seconds or None,
@@ -316,12 +318,13 @@ class Settings(BaseSettings):
         return PROJECT_ROOT / "compose" / "podman" / "containers.conf"
 
     @property
-    def topics(self) -> tuple[str, str, str, str]:
+    def topics(self) -> tuple[str, str, str, str, str]:
         return (
             self.topic_commands,
             self.topic_observations,
             self.topic_events,
             self.topic_deadletter,
+            self.topic_checkpoints,
         )
 
     def as_env(self) -> dict[str, str]:

@@ -114,7 +114,10 @@ def sandbox_message(
             for c in view.conditions
         ],
         phase=phase_of(view.phase, generation),
+        restart_count=view.restart_count,
     )
+    if view.next_restart_at is not None:
+        status.next_restart_time.CopyFrom(timestamp(view.next_restart_at))
     if view.exit_code is not None and view.phase in (Phase.ERROR, Phase.COMPLETED):
         status.exit_code = view.exit_code
     return served_pb2.Sandbox(metadata=metadata, spec=spec, status=status)

@@ -10,7 +10,7 @@ from uuid import UUID
 
 from pydantic import BaseModel, Field
 
-from events.common import Deadline, ExitPolicy, ExpiryPolicy, Hold, Phase, SandboxSpec
+from events.common import Deadline, ExitPolicy, ExpiryPolicy, Hold, LastExit, Phase, SandboxSpec
 from events.outcomes import Code, CommandOutcome
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record
 
@@ -61,6 +61,15 @@ class SandboxView(BaseModel):
     )
     hold: Hold | None = Field(
         default=None, description="an operator's hold: start and restart are refused"
+    )
+    restart_count: int = Field(
+        default=0, description="restarts the restart policy made of this incarnation"
+    )
+    last_exit: LastExit | None = Field(
+        default=None, description="how the last generation the restart policy saw ended"
+    )
+    next_restart_at: datetime | None = Field(
+        default=None, description="when the restart the restart policy scheduled is due"
     )
 
 
@@ -183,6 +192,11 @@ def sandbox_view(record: Any) -> SandboxView:
         on_expiry=s.on_expiry,
         on_exit=s.on_exit,
         hold=s.hold,
+        restart_count=s.restarts.count if s.restarts else 0,
+        last_exit=s.restarts.last_exit if s.restarts else None,
+        next_restart_at=(
+            s.deadline.due_at if s.deadline is not None and s.deadline.kind == "restart" else None
+        ),
     )
 
 

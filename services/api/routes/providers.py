@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from events.commands import AttachProvider, DetachProvider
 from events.common import INT64_MAX, PROVIDER_NAME_PATTERN, CommandId, ProviderName
 from events.publisher import new_command_id, now
-from services.api.deps import ProviderReader, ProviderWriter, State, Writer
+from services.api.deps import ProviderReader, ProviderWriter, State, Writer, require_also
 from services.api.errors import ApiError
 from services.api.models import COMMAND_RESPONSES, NamePath, WaitQuery, responses
 from services.api.providers import ProviderService, Receipt
@@ -321,12 +321,7 @@ def _attach_handler(kind: type[AttachProvider | DetachProvider]) -> Any:
     async def handler(
         name: NamePath, body: AttachRequest, principal: Writer, state: State, wait: WaitQuery = None
     ) -> JSONResponse:
-        if PROVIDER_WRITE not in principal.scopes:
-            raise ApiError(
-                403,
-                "PERMISSION_DENIED",
-                f"token {principal.name!r} lacks the scope {PROVIDER_WRITE}",
-            )
+        require_also(principal, PROVIDER_WRITE, "to attach or detach a provider")
         if kind is AttachProvider:
             async with state.pool.acquire() as conn:
                 if await providers.get_provider(conn, body.provider) is None:

@@ -332,6 +332,7 @@ class SandboxStatus(_message.Message):
     PHASE_FIELD_NUMBER: _builtins.int
     EXIT_CODE_FIELD_NUMBER: _builtins.int
     RESTART_COUNT_FIELD_NUMBER: _builtins.int
+    NEXT_RESTART_TIME_FIELD_NUMBER: _builtins.int
     sandbox_name: _builtins.str
     """0.0"""
     phase: Global___SandboxPhase.ValueType
@@ -340,6 +341,10 @@ class SandboxStatus(_message.Message):
     """0.1"""
     @_builtins.property
     def conditions(self) -> _containers.RepeatedCompositeFieldContainer[Global___SandboxCondition]: ...
+    @_builtins.property
+    def next_restart_time(self) -> _timestamp_pb2.Timestamp:
+        """0.1"""
+
     def __init__(
         self,
         *,
@@ -348,10 +353,11 @@ class SandboxStatus(_message.Message):
         phase: Global___SandboxPhase.ValueType = ...,
         exit_code: _builtins.int | None = ...,
         restart_count: _builtins.int = ...,
+        next_restart_time: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "exit_code", b"exit_code"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "exit_code", b"exit_code", "next_restart_time", b"next_restart_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "conditions", b"conditions", "exit_code", b"exit_code", "phase", b"phase", "restart_count", b"restart_count", "sandbox_name", b"sandbox_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "conditions", b"conditions", "exit_code", b"exit_code", "next_restart_time", b"next_restart_time", "phase", b"phase", "restart_count", b"restart_count", "sandbox_name", b"sandbox_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
     _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
