@@ -5,7 +5,7 @@ The counts at the end of each bucket are worked out backwards from now: the curr
 phase change is an entry whose phase differs from its sandbox's previous entry (the previous
 entry before the window is found through ``history_key``, one probe per sandbox that changed).
 
-The cost is that of the inputs recorded in the window, never the whole history: migration 0110's
+The cost is that of the inputs recorded in the window, never the whole history: migration 0130's
 BRIN index on ``recorded_at`` finds them (ranges autovacuum has not summarised yet, the newest,
 are read whole), the statement is planned for its window each time (``force_custom_plan``: a
 generic plan made on a small table would scan), and a statement timeout bounds it
