@@ -298,6 +298,38 @@ async def test_a_revoked_or_expired_token_is_refused_by_the_running_api(up: Up) 
     assert r.code == 1 and "a token named 'ci-revoked' exists already" in r.err
 
 
+async def test_sandbox_logs_prints_the_output_and_follows_it_as_it_is_written(up: Up) -> None:
+    name = up.name("logs")
+    script = "echo to-err >&2; i=0; while true; do echo tick-$i; i=$((i+1)); sleep 0.5; done"
+    r = await up.cli("sandbox", "create", name, "--image", IMAGE, "--", "sh", "-c", script)
+    assert r.code == 0, r.err
+    r = await up.cli("sandbox", "logs", name, "--tail", "2")
+    assert r.code == 0, r.err
+    assert len(lines(r.out) + lines(r.err)) == 2
+    r = await up.cli("sandbox", "logs", name)
+    assert "to-err" in lines(r.err) and lines(r.out)[0] == "tick-0"
+
+    proc = await asyncio.create_subprocess_exec(
+        SANDSTREAM, "sandbox", "logs", name, "-f", "--tail", "1",
+        env={**up.env, "SANDSTREAM_API_URL": up.url}, cwd=PROJECT_ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        async with asyncio.timeout(60):
+            first = (await proc.stdout.readline()).decode().strip()
+            later = [(await proc.stdout.readline()).decode().strip() for _ in range(3)]
+    finally:
+        proc.kill()
+        await proc.wait()
+    # Lines written after `logs -f` began arrive through it, in order.
+    ticks = [int(t.removeprefix("tick-")) for t in [first, *later]]
+    assert ticks == list(range(ticks[0], ticks[0] + 4))
+    r = await up.cli("sandbox", "logs", "no-such-sandbox")
+    assert r.code != 0 and "not found" in (r.out + r.err)
+
+
+# These two come last among those using `up`: the second stops it.
 async def test_a_second_up_refuses_to_start(up: Up) -> None:
     r = await up.cli("up", timeout=60)
     assert r.code == 1
@@ -341,34 +373,3 @@ def test_a_rejection_decided_after_the_first_wait_fails_the_command() -> None:
     assert failed.value.code == EXIT_FAILED
     assert failed.value.message == f"rejected: {why} (FAILED_PRECONDITION)"
     assert client.paths == ["POST /v1/sandboxes/x:stop", "GET /v1/commands/c-1"]
-
-
-async def test_sandbox_logs_prints_the_output_and_follows_it_as_it_is_written(up: Up) -> None:
-    name = up.name("logs")
-    script = "echo to-err >&2; i=0; while true; do echo tick-$i; i=$((i+1)); sleep 0.5; done"
-    r = await up.cli("sandbox", "create", name, "--image", IMAGE, "--", "sh", "-c", script)
-    assert r.code == 0, r.err
-    r = await up.cli("sandbox", "logs", name, "--tail", "2")
-    assert r.code == 0, r.err
-    assert len(lines(r.out) + lines(r.err)) == 2
-    r = await up.cli("sandbox", "logs", name)
-    assert "to-err" in lines(r.err) and lines(r.out)[0] == "tick-0"
-
-    proc = await asyncio.create_subprocess_exec(
-        SANDSTREAM, "sandbox", "logs", name, "-f", "--tail", "1",
-        env={**up.env, "SANDSTREAM_API_URL": up.url}, cwd=PROJECT_ROOT,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    try:
-        async with asyncio.timeout(60):
-            first = (await proc.stdout.readline()).decode().strip()
-            later = [(await proc.stdout.readline()).decode().strip() for _ in range(3)]
-    finally:
-        proc.kill()
-        await proc.wait()
-    # Lines written after `logs -f` began arrive through it, in order.
-    ticks = [int(t.removeprefix("tick-")) for t in [first, *later]]
-    assert ticks == list(range(ticks[0], ticks[0] + 4))
-    r = await up.cli("sandbox", "logs", "no-such-sandbox")
-    assert r.code != 0 and "not found" in (r.out + r.err)
