@@ -26,6 +26,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from harness import isolated_env
 
 from events.common import Phase
@@ -355,6 +356,9 @@ async def test_the_chart_reads_the_hours_it_shows_not_the_whole_history() -> Non
         pool: Any = OneConnection(conn)
         found = await trend.phase_trend(pool, 1)
         assert found.now == await trend.live_counts(pool) and len(found.counts) == trend.BUCKETS
+        # A window that takes longer than the statement timeout is said so, not waited for.
+        with pytest.raises(trend.TrendTooLarge, match="last 24 h takes longer than 1ms"):
+            await trend.phase_trend(pool, 24, timeout="1ms")
 
 
 def plan_nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:

@@ -16,7 +16,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from events.common import Phase
 from events.publisher import now
 from services.api import readmodel
-from services.api.console.chart import draw
+from services.api.console.chart import Chart, draw
 from services.api.console.render import html, part
 from services.api.console.session import ROOT, Viewer, reader
 from services.api.deps import ApiState, api_state
@@ -133,7 +133,10 @@ async def fleet_page(
     filters, problem = asked.filters, asked.problem
     window = int(hours) if hours.isdigit() and int(hours) in readmodel.TREND_WINDOWS else 1
     parts = await fleet_parts(state, filters, problem)
-    drawing = draw(await readmodel.phase_trend(state.pool, window))
+    try:
+        drawing: Chart | str = draw(await readmodel.phase_trend(state.pool, window))
+    except readmodel.TrendTooLarge as exc:
+        drawing = f"No chart: {exc}. A shorter window reads less of it."
     live = f"{ROOT}/live/fleet?{filters.query(cursor=parts.cursor)}"
     return html(
         "fleet.html",

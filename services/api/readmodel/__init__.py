@@ -48,7 +48,13 @@ from services.api.readmodel.queries import (
     sandbox_exists,
     stored_input_offsets,
 )
-from services.api.readmodel.trend import TREND_WINDOWS, Trend, live_counts, phase_trend
+from services.api.readmodel.trend import (
+    TREND_WINDOWS,
+    Trend,
+    TrendTooLarge,
+    live_counts,
+    phase_trend,
+)
 from services.api.readmodel.views import (
     CommandStatus,
     Condition,
@@ -82,6 +88,7 @@ __all__ = [
     "SandboxList",
     "SandboxView",
     "Trend",
+    "TrendTooLarge",
     "attention",
     "await_outcome",
     "change_horizon",

@@ -14,10 +14,13 @@ generic plan made on a small table would scan), and a statement timeout bounds i
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Final
+
+import asyncpg
 
 from events.common import LIVE_PHASES, Phase
 from services.common.database import Pool
@@ -48,6 +51,10 @@ SELECT least(floor(extract(epoch FROM t.recorded_at - $1) / $2)::int, $3 - 1) AS
        before, after, count(*) AS n
 FROM t WHERE before IS DISTINCT FROM after GROUP BY 1, 2, 3
 """
+
+
+class TrendTooLarge(RuntimeError):
+    """The window's history could not be read within the statement timeout."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,19 +112,29 @@ async def live_counts(pool: Pool) -> dict[Phase, int]:
     return {p: found.get(p, 0) for p in LIVE_PHASES}
 
 
-async def phase_trend(pool: Pool, hours: int, buckets: int = BUCKETS) -> Trend:
-    """The counts over the last ``hours`` (one of ``TREND_WINDOWS``), read in one snapshot."""
+async def phase_trend(
+    pool: Pool, hours: int, buckets: int = BUCKETS, timeout: str = STATEMENT_TIMEOUT
+) -> Trend:
+    """The counts over the last ``hours`` (one of ``TREND_WINDOWS``), read in one snapshot;
+    ``TrendTooLarge`` if the window's history takes longer than ``timeout`` to read."""
     if hours not in TREND_WINDOWS:
         raise ValueError(f"hours: one of {', '.join(map(str, TREND_WINDOWS))}")
+    if not re.fullmatch(r"\d+(ms|s)", timeout):
+        raise ValueError(f"timeout: a PostgreSQL duration such as 5s, got {timeout!r}")
     async with pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
         await conn.execute(
             "SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off; "
-            f"SET LOCAL statement_timeout = '{STATEMENT_TIMEOUT}'"
+            f"SET LOCAL statement_timeout = '{timeout}'"
         )
         now = await conn.fetchval("SELECT now()")
         step = timedelta(hours=hours) / buckets
         start = now - step * buckets
         counts = {Phase(r["phase"]): int(r["n"]) for r in await conn.fetch(LIVE_COUNTS)}
-        records = await conn.fetch(MOVES, start, step.total_seconds(), buckets)
+        try:
+            records = await conn.fetch(MOVES, start, step.total_seconds(), buckets)
+        except asyncpg.QueryCanceledError:
+            raise TrendTooLarge(
+                f"the history of the last {hours} h takes longer than {timeout} to read"
+            ) from None
     moves = [Move(r["bucket"], r["before"], r["after"], int(r["n"])) for r in records]
     return Trend(start, step, series(counts, moves, buckets))
