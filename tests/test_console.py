@@ -282,7 +282,11 @@ async def test_a_revoked_session_is_sent_to_sign_in_and_big_forms_are_refused(ap
     async with api.client(None, follow_redirects=False) as c:
         c.cookies.set(COOKIE, "sst_unknown", path="/ui")
         r = await c.get("/ui/")
-        assert r.status_code == 303 and "message=invalid+bearer+token" in r.headers["location"]
+        assert r.status_code == 303 and r.headers["location"].endswith("&ended=1")
+        again = await c.get(r.headers["location"])
+        assert "no longer valid (revoked, expired or unknown)" in again.text
+        # The sign-in page takes no words from its address (no text injected into it).
+        assert "phish" not in (await c.get("/ui/login?message=phish&next=phish")).text
         limit = api.env.settings.api_max_body_bytes
         form = {"content-type": "application/x-www-form-urlencoded"}
         big = await c.post("/ui/login", content=b"token=" + b"x" * limit, headers=form)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Final
-from urllib.parse import urlencode
 
 from fastapi import FastAPI, Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
@@ -42,9 +41,7 @@ def mount(app: FastAPI) -> None:
     async def sign_in(request: Request, exc: SignInNeeded) -> Response:
         if request.headers.get("accept", "").startswith("text/event-stream"):
             return Response(exc.message or "sign in", 401)  # a live feed: the page says so
-        target = sign_in_url(exc.next_path)
-        if exc.message:
-            target += "&" + urlencode({"message": exc.message})
+        target = sign_in_url(exc.next_path) + ("&ended=1" if exc.message else "")
         return RedirectResponse(target, 303)
 
     @app.exception_handler(Refused)

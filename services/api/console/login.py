@@ -4,6 +4,7 @@ it must hold ``sandbox:read``) and keeps it in the session cookie; signing out f
 from __future__ import annotations
 
 import hmac
+from typing import Final
 
 from fastapi import APIRouter, Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
@@ -26,9 +27,15 @@ from services.common.tokens import READ, Denied
 router = APIRouter(include_in_schema=False)
 
 
+# Said when a session's token stopped being valid (the page takes no words from its URL).
+ENDED: Final = (
+    "Your session's token is no longer valid (revoked, expired or unknown): sign in again."
+)
+
+
 @router.get("/ui/login")
-async def login_page(next: str | None = None, message: str | None = None) -> HTMLResponse:
-    return html("login.html", viewer=None, next=safe_next(next), message=(message or "")[:300])
+async def login_page(next: str | None = None, ended: str | None = None) -> HTMLResponse:
+    return html("login.html", viewer=None, next=safe_next(next), message=ENDED if ended else "")
 
 
 @router.post("/ui/login")
