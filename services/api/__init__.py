@@ -5,7 +5,8 @@
 - ``routes/``: one router per resource (commands, sandboxes, history, watch, providers, audit,
   lifecycle, operations).
 - ``readmodel/``: the reads: views, pages, queries, outcomes, the change horizon, both feeds,
-  the attention counts (its docstring lists its modules).
+  the attention counts, the phase trend (its docstring lists its modules).
+- ``console/``: the operator's web console under ``/ui/`` (its docstring lists its modules).
 - ``deps``: the bearer-token check with its scope, and the shared state (pool, feed, gateway).
 - ``guard``: the front gate: authentication and the body size limit before any parsing.
 - ``gateway``: commands in: publish once, answer retries with the first outcome, wait for it.

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from drivers.logs import LogSource
 from events.publisher import CommandPublisher
+from services.api import console
 from services.api.deps import ApiState, Pool
 from services.api.gateway import PUBLISH_TIMEOUT, CommandGateway
 from services.api.guard import GuardMiddleware
@@ -96,4 +97,5 @@ def create_app(
     install_error_handlers(app)
     for module in ROUTE_MODULES:
         app.include_router(module.router)
+    console.mount(app)  # the operator's console under /ui/
     return app

@@ -15,6 +15,7 @@ import typer
 from rich.table import Table
 
 from events.backoff import Backoff
+from services.api.readmodel import input_label
 from services.cli.client import (
     EXIT_TIMEOUT,
     MAX_SERVER_WAIT,
@@ -453,7 +454,7 @@ def history(
         message = item.get("message") or {}
         table.add_row(
             clock(item["occurred_at"]),
-            _input_label(item),
+            input_label(item.get("message_type"), item.get("message")),
             dash(message.get("actor")),
             item["disposition"],
             dash(item["phase"]),
@@ -462,23 +463,6 @@ def history(
             item["reason"],
         )
     print_table(table)
-
-
-def _input_label(item: dict[str, Any]) -> str:
-    message = item.get("message") or {}
-    kind = item.get("message_type") or "?"
-    if kind == "RuntimeSnapshot":
-        state, code = message.get("state"), message.get("exit_code")
-        if state == "exited" and code is not None:
-            return f"Snapshot(exited {code})"
-        return f"Snapshot({state})"
-    if kind == "DriverOperationResult":
-        return f"Result({message.get('operation')} {message.get('outcome')})"
-    if kind == "RuntimeRemoved":
-        return "Removed"
-    if kind == "DeadlineDue":
-        return f"Deadline({message.get('deadline')})"
-    return kind.removesuffix("Sandbox") if kind != "CreateSandbox" else "Create"
 
 
 @app.command("logs")

@@ -298,6 +298,7 @@ def _banner(
     lines = [
         f"sandstream is up ({seconds:.1f}s)",
         f"  API         {url}   (OpenAPI: {url}/docs)",
+        f"  Console     {url}/ui/   (sign in with a token)",
         f"  OpenShell   {_openshell_line(settings, openshell)}",
         f"  token       {token_line}",
         f"  tokens      {shown(tokens.tokens_file)}",
