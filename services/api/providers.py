@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from events.commands import DetachProvider, ProviderRotation, RotateCredentials
-from events.publisher import CommandPublisher, new_command_id, now
+from events.publisher import new_command_id, now
 from projections.credentials import ReceiptLine, plan
 from services.api.gateway import CommandGateway, Pool, PublishFailed
-from services.api.readmodel import ChangeFeed
 from services.common import providers
 from services.common.credentials import Vault, load_key
-from services.common.database import connect_pool
-from services.common.kafka_clients import kafka_client_args
 from services.common.providers import Applied, Update
 from services.common.settings import Settings
 
@@ -122,16 +118,3 @@ class ProviderService:
             elif isinstance(result, BaseException):
                 raise result
         return unsent
-
-
-@asynccontextmanager
-async def open_service(settings: Settings) -> AsyncIterator[ProviderService]:
-    """A ProviderService with its own pool and publisher (the provider-sync command)."""
-    pool = await connect_pool(settings)
-    try:
-        client = kafka_client_args(settings, "provider-sync")
-        async with CommandPublisher(client, topic=settings.topic_commands) as pub:
-            gateway = CommandGateway(pool, pub, ChangeFeed(pool))
-            yield ProviderService(settings, pool, gateway)
-    finally:
-        await pool.close()

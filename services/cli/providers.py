@@ -24,7 +24,7 @@ from services.common.entrypoint import LOG_FORMAT
 from services.common.settings import Settings
 
 if TYPE_CHECKING:
-    from services.api.provider_sources import Source
+    from services.provider_sync.sources import Source
 
 app = typer.Typer(help="Credential providers: values in, key names and fingerprints out.")
 
@@ -224,7 +224,7 @@ def provider_sync(
 ) -> None:
     """Keep providers in step with a directory (the layout of a mounted Kubernetes Secret) or
     with Kubernetes Secrets selected by label; one instance is active (a lease)."""
-    from services.api.provider_sync import sync_source
+    from services.provider_sync.controller import sync_source
 
     settings: Settings = ctx.obj["settings"]
     if (directory is None) == (kube_selector is None):
@@ -243,8 +243,8 @@ def provider_sync(
 
 
 async def _sync_once(settings: Settings, source: Source, restart: bool) -> None:
-    from services.api.provider_sync import ProviderSync
-    from services.api.providers import open_service
+    from services.provider_sync.controller import ProviderSync
+    from services.provider_sync.service import open_service
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     async with open_service(settings) as service:

@@ -8,8 +8,8 @@ import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.api.provider_sync import ProviderSync, sync_source
-from services.api.providers import open_service
+from services.provider_sync.controller import ProviderSync, sync_source
+from services.provider_sync.service import open_service
 from services.roles.leased import LeasedRole
 
 

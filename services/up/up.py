@@ -26,7 +26,6 @@ from aiokafka.errors import KafkaError
 
 from events.publisher import CommandPublisher
 from services.api.app import create_app
-from services.api.provider_sync import ProviderSync, sync_source
 from services.api.server import Tls, bind, start_api
 from services.common.credentials import create_key_file
 from services.common.kafka_clients import kafka_client_args
@@ -43,6 +42,7 @@ from services.openshell.server import (
     is_loopback,
     start_openshell,
 )
+from services.provider_sync.controller import ProviderSync, sync_source
 
 log = logging.getLogger("sandstream.up")
 
