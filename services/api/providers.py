@@ -1,8 +1,15 @@
-"""Provider updates: store the values (encrypted), then send each attached sandbox its one
-restart command, and answer with the receipt (what will happen to every attached sandbox).
+"""The provider service: the one place where provider writes are decided, whichever door
+they come through (the HTTP routes, the provider-sync controller, the OpenShell API).
 
-The API route and the provider-sync controller both go through ``ProviderService``. Values pass
-through here on their way into PostgreSQL and are never logged, published or returned.
+- ``update``: store the values (encrypted), then send each attached sandbox its one restart
+  command, and answer with the receipt (what will happen to every attached sandbox).
+- ``attachment``: the AttachProvider or DetachProvider command a caller may send.
+- ``delete``: delete a provider; forced, detach it from every sandbox first.
+
+Who may do what is checked here too (``ScopeMissing``): attaching hands a provider's values to
+an agent and detaching takes them away, so both need ``sandbox:write`` and ``provider:write``,
+and so does a forced delete (it detaches). Values pass through here on their way into
+PostgreSQL and are never logged, published or returned.
 """
 
 from __future__ import annotations
@@ -12,8 +19,9 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Final
 
-from events.commands import DetachProvider, ProviderRotation, RotateCredentials
+from events.commands import AttachProvider, DetachProvider, ProviderRotation, RotateCredentials
 from events.publisher import new_command_id, now
 from projections.credentials import ReceiptLine, plan
 from services.api.gateway import CommandGateway, Pool, PublishFailed
@@ -21,8 +29,42 @@ from services.common import providers
 from services.common.credentials import Vault, load_key
 from services.common.providers import Applied, Update
 from services.common.settings import Settings
+from services.common.tokens import PROVIDER_WRITE, WRITE, Principal
 
 log = logging.getLogger("sandstream.providers")
+
+
+class ScopeMissing(PermissionError):
+    """The caller's token lacks a scope the request needs."""
+
+    def __init__(self, principal: Principal, scope: str, why: str) -> None:
+        super().__init__(f"token {principal.name!r} lacks the scope {scope} ({why})")
+
+
+class ProviderInUse(Exception):
+    """A delete without force of a provider that sandboxes have attached."""
+
+    def __init__(self, name: str, sandboxes: list[str]) -> None:
+        super().__init__(
+            f"provider {name!r} is attached to {', '.join(sandboxes)} (force=true detaches it)"
+        )
+
+
+def require_scopes(principal: Principal, why: str, *scopes: str) -> None:
+    for scope in scopes:
+        if scope not in principal.scopes:
+            raise ScopeMissing(principal, scope, why)
+
+
+# Attaching hands a provider's values to an agent, detaching takes them away: both are
+# sandbox writes and provider writes.
+ATTACHING: Final = (WRITE, PROVIDER_WRITE)
+
+
+@dataclass(frozen=True, slots=True)
+class Deleted:
+    name: str
+    detached: list[str]  # the sandboxes it was detached from (a forced delete)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +131,52 @@ class ProviderService:
         )
         return Receipt(applied, lines, restart, unsent)
 
-    async def detach_everywhere(self, provider: str, actor: str) -> list[str]:
+    async def attachment(
+        self,
+        kind: type[AttachProvider | DetachProvider],
+        sandbox: str,
+        provider: str,
+        *,
+        principal: Principal,
+        command_id: str | None = None,
+        expected_version: int | None = None,
+    ) -> AttachProvider | DetachProvider:
+        """The command that attaches ``provider`` to ``sandbox`` or detaches it, for the door
+        to submit; ScopeMissing, or ProviderMissing (an attach of a provider that does not
+        exist)."""
+        require_scopes(principal, "attaching or detaching a provider", *ATTACHING)
+        if kind is AttachProvider:
+            async with self.pool.acquire() as conn:
+                if await providers.get_provider(conn, provider) is None:
+                    raise providers.ProviderMissing(provider)
+        return kind(
+            type=kind.__name__,
+            command_id=command_id or new_command_id(),
+            key=sandbox,
+            occurred_at=now(),
+            actor=principal.name,
+            expected_version=expected_version,
+            provider=provider,
+        )
+
+    async def delete(self, name: str, *, principal: Principal, force: bool = False) -> Deleted:
+        """Delete provider ``name``; refused (ProviderInUse) while attached, unless ``force``:
+        then detached from every sandbox first, which needs the scopes of a detach as well."""
+        require_scopes(principal, "deleting a provider", PROVIDER_WRITE)
+        if force:
+            require_scopes(principal, "force detaches the provider from its sandboxes", *ATTACHING)
+        async with self.pool.acquire() as conn:
+            if await providers.get_provider(conn, name) is None:
+                raise providers.ProviderMissing(name)
+            attached = [s.key for s in await providers.attached_sandboxes(conn, [name])]
+        if attached and not force:
+            raise ProviderInUse(name, attached)
+        detached = await self._detach_everywhere(name, principal.name) if force else []
+        async with self.pool.acquire() as conn:
+            await providers.delete_provider(conn, name)
+        return Deleted(name, detached)
+
+    async def _detach_everywhere(self, provider: str, actor: str) -> list[str]:
         """Send DetachProvider to every live sandbox that has ``provider`` attached."""
         async with self.pool.acquire() as conn:
             attached = await providers.attached_sandboxes(conn, [provider])

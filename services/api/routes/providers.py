@@ -3,6 +3,8 @@ detach a provider on a sandbox. Responses carry key names, fingerprints and time
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -12,17 +14,16 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from events.commands import AttachProvider, DetachProvider
 from events.common import INT64_MAX, CommandId, ProviderName
-from events.publisher import new_command_id, now
 from services.api.deps import ProviderReader, ProviderWriter, State, Writer
 from services.api.errors import ApiError
 from services.api.models import COMMAND_RESPONSES, NamePath, WaitQuery, responses
-from services.api.providers import ProviderService, Receipt
+from services.api.providers import ProviderInUse, ProviderService, Receipt, ScopeMissing
 from services.api.readmodel import CommandStatus
 from services.api.routes.commands import submit
 from services.common import providers
 from services.common.credentials import CredentialKeyError
 from services.common.providers import ProviderExists, ProviderInfo, ProviderMissing, Update
-from services.common.tokens import PROVIDER_WRITE, Principal
+from services.common.tokens import Principal
 
 router = APIRouter()
 
@@ -185,16 +186,27 @@ async def _update(
                 f"credentials: {', '.join(reserved)} of provider {update.name!r}: names starting "
                 f"with {providers.RESERVED_PREFIX} are reserved",
             )
-    try:
+    with refusals():
         return await service(request).update(
             updates, actor=principal.name, restart=restart, create=create
         )
+
+
+@contextmanager
+def refusals() -> Iterator[None]:
+    """The provider service's refusals as the API's answers."""
+    try:
+        yield
+    except ScopeMissing as exc:
+        raise ApiError(403, "PERMISSION_DENIED", str(exc)) from exc
     except CredentialKeyError as exc:
         raise ApiError(503, "UNAVAILABLE", f"credentials key: {exc}") from exc
     except ProviderMissing as exc:
         raise ApiError(404, "NOT_FOUND", str(exc)) from exc
     except ProviderExists as exc:
         raise ApiError(409, "ALREADY_EXISTS", str(exc)) from exc
+    except ProviderInUse as exc:
+        raise ApiError(412, "FAILED_PRECONDITION", str(exc)) from exc
 
 
 PROVIDER_RESPONSES = responses(401, 403, 404, 409, 413, 422, 503)
@@ -291,55 +303,42 @@ async def update_providers(
     "/v1/providers/{provider}",
     response_model=DeleteResult,
     responses=responses(401, 403, 404, 412, 422, 503),
-    summary="Delete a provider (refused while attached, unless forced: then detached too)",
+    summary="Delete a provider (refused while attached, unless forced: then detached too, "
+    "which needs sandbox:write as well)",
     tags=["providers"],
 )
 async def delete_provider(
     provider: ProviderPath,
     principal: ProviderWriter,
-    state: State,
     request: Request,
-    force: Annotated[bool, Query(description="detach it from every sandbox and delete")] = False,
+    force: Annotated[
+        bool,
+        Query(description="detach it from every sandbox and delete (needs sandbox:write too)"),
+    ] = False,
 ) -> DeleteResult:
-    async with state.pool.acquire() as conn:
-        if await providers.get_provider(conn, provider) is None:
-            raise ApiError(404, "NOT_FOUND", f"provider {provider!r} not found")
-        attached = [s.key for s in await providers.attached_sandboxes(conn, [provider])]
-    if attached and not force:
-        raise ApiError(
-            412,
-            "FAILED_PRECONDITION",
-            f"provider {provider!r} is attached to {', '.join(attached)} (force=true detaches it)",
-        )
-    detached = await service(request).detach_everywhere(provider, principal.name) if force else []
-    async with state.pool.acquire() as conn:
-        await providers.delete_provider(conn, provider)
-    return DeleteResult(name=provider, detached=detached)
+    with refusals():
+        deleted = await service(request).delete(provider, principal=principal, force=force)
+    return DeleteResult(name=deleted.name, detached=deleted.detached)
 
 
 def _attach_handler(kind: type[AttachProvider | DetachProvider]) -> Any:
     async def handler(
-        name: NamePath, body: AttachRequest, principal: Writer, state: State, wait: WaitQuery = None
+        name: NamePath,
+        body: AttachRequest,
+        principal: Writer,
+        state: State,
+        request: Request,
+        wait: WaitQuery = None,
     ) -> JSONResponse:
-        if PROVIDER_WRITE not in principal.scopes:
-            raise ApiError(
-                403,
-                "PERMISSION_DENIED",
-                f"token {principal.name!r} lacks the scope {PROVIDER_WRITE}",
+        with refusals():
+            command = await service(request).attachment(
+                kind,
+                name,
+                body.provider,
+                principal=principal,
+                command_id=body.command_id,
+                expected_version=body.expected_version,
             )
-        if kind is AttachProvider:
-            async with state.pool.acquire() as conn:
-                if await providers.get_provider(conn, body.provider) is None:
-                    raise ApiError(404, "NOT_FOUND", f"provider {body.provider!r} not found")
-        command = kind(
-            type=kind.__name__,
-            command_id=body.command_id or new_command_id(),
-            key=name,
-            occurred_at=now(),
-            actor=principal.name,
-            expected_version=body.expected_version,
-            provider=body.provider,
-        )
         return await submit(state.gateway, command, wait)
 
     handler.__name__ = f"{kind.__name__[:6].lower()}_provider"
