@@ -348,3 +348,69 @@ async def test_a_rotation_while_a_restart_is_pending_restarts_once_onto_the_newe
         for name in (unread, read):
             await driver.delete(name)
         await driver.close()
+
+
+async def test_a_provider_deleted_and_created_again_restarts_its_sandboxes_on_rotation() -> None:
+    """A provider deleted (forced) and created again starts at revision 1 again. Rotation
+    command ids once derived from (sandbox, provider, revision) alone, so the new provider's
+    first rotation repeated the id of the old one's: the receipt said `restart`, the processor
+    took the command for a duplicate, and the agent kept the old value."""
+    settings = load_settings()
+    driver = podman_driver(settings, stop_timeout=5)
+    p, name = unique("again"), unique("again")
+    values = {tag: value(tag) for tag in ("old1", "old2", "new1", "new2")}
+    try:
+        async with (
+            apikit.running_api(driver, settings_update={"credentials_key": KEY}) as api,
+            api.client() as c,
+        ):
+
+            async def rotate(v: str) -> dict[str, Any]:
+                r = await c.put(f"/v1/providers/{p}/credentials",
+                                json={"credentials": {"API_KEY": v}})  # fmt: skip
+                assert r.status_code == 200, r.text
+                (line,) = r.json()["sandboxes"]
+                assert line["action"] == "restart", line
+                return dict(line)
+
+            async def create_provider(v: str) -> None:
+                r = await c.post("/v1/providers", json={"name": p, "credentials": {"API_KEY": v}})
+                assert r.status_code == 201, r.text
+
+            async def ready_at(generation: int) -> None:
+                await eventually(
+                    lambda: c.get(f"/v1/sandboxes/{name}"),
+                    lambda r: (r.json()["phase"], r.json()["generation"]) == ("Ready", generation),
+                    what=f"{name} Ready at generation {generation}",
+                )
+
+            await create_provider(values["old1"])
+            body = create_body(name, command=AGENT) | {"providers": [p]}
+            body["spec"]["image"] = api.env.settings.sandbox_image
+            assert (
+                await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+            ).status_code == 201
+            await api.wait_phase(name, "Ready")
+            first = await rotate(values["old2"])  # revision 2 of the first provider
+            await ready_at(2)
+
+            r = await c.delete(f"/v1/providers/{p}", params={"force": "true"})
+            assert r.status_code == 200 and r.json()["detached"] == [name], r.text
+            detached = await eventually(
+                lambda: c.get(f"/v1/sandboxes/{name}"),
+                lambda r: r.json()["providers"] == [] and r.json()["phase"] == "Ready",
+                what=f"{name} Ready without {p}",
+            )
+            await create_provider(values["new1"])
+            r = await c.post(f"/v1/sandboxes/{name}:attach", params={"wait": 30},
+                             json={"provider": p})  # fmt: skip
+            assert r.status_code == 200 and r.json()["status"] == "accepted", r.text
+
+            generation = detached.json()["generation"]
+            again = await rotate(values["new2"])  # revision 2 again, of the new provider
+            await ready_at(generation + 1)
+            assert await env_in(driver, name, generation + 1, "API_KEY") == values["new2"]
+            assert again["command_id"] != first["command_id"]
+    finally:
+        await driver.delete(name)
+        await driver.close()

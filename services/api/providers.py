@@ -106,7 +106,8 @@ class ProviderService:
             )
             rotations = {a.change.provider: a.revision for a in applied if a.change.rotated}
             attached = await providers.attached_sandboxes(conn, rotations) if rotations else []
-        lines = plan(rotations, attached, restart)
+        incarnations = {a.change.provider: a.incarnation for a in applied}
+        lines = plan(rotations, attached, restart, incarnations)
         commands = [
             RotateCredentials(
                 type="RotateCredentials",
