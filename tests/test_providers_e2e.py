@@ -414,3 +414,50 @@ async def test_a_provider_deleted_and_created_again_restarts_its_sandboxes_on_ro
     finally:
         await driver.delete(name)
         await driver.close()
+
+
+async def test_a_provider_detached_from_a_ready_sandbox_leaves_its_running_agent() -> None:
+    """A Ready sandbox that loses a provider restarts without its values: the new agent no
+    longer sees them (a detach once left them in the running agent, out of reach of every
+    later rotation). With no_restart it keeps running; the values leave at its next start."""
+    settings = load_settings()
+    driver = podman_driver(settings, stop_timeout=5)
+    p, q, name = unique("gone-p"), unique("gone-q"), unique("detached")
+    values = {"p": value("p"), "q": value("q")}
+    try:
+        async with (
+            apikit.running_api(driver, settings_update={"credentials_key": KEY}) as api,
+            api.client() as c,
+        ):
+            for provider, key, v in ((p, "P_KEY", values["p"]), (q, "Q_KEY", values["q"])):
+                r = await c.post("/v1/providers",
+                                 json={"name": provider, "credentials": {key: v}})  # fmt: skip
+                assert r.status_code == 201, r.text
+            body = create_body(name, command=AGENT) | {"providers": [p, q]}
+            body["spec"]["image"] = api.env.settings.sandbox_image
+            r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+            assert r.status_code == 201, r.text
+            await api.wait_phase(name, "Ready")
+            assert await env_in(driver, name, 1, "P_KEY") == values["p"]
+
+            r = await c.post(f"/v1/sandboxes/{name}:detach", params={"wait": 30},
+                             json={"provider": p})  # fmt: skip
+            assert r.status_code == 200 and r.json()["status"] == "accepted", r.text
+            await eventually(
+                lambda: c.get(f"/v1/sandboxes/{name}"),
+                lambda r: (r.json()["phase"], r.json()["generation"]) == ("Ready", 2),
+                what=f"{name} restarted without {p}",
+            )
+            assert await env_in(driver, name, 2, "P_KEY") == ""
+            assert await env_in(driver, name, 2, "Q_KEY") == values["q"]
+            (restart,) = events_of(await history(c, name), "AgentRestarted")
+            assert "without" in restart["reason"]
+
+            r = await c.post(f"/v1/sandboxes/{name}:detach", params={"wait": 30},
+                             json={"provider": q, "no_restart": True})  # fmt: skip
+            assert r.status_code == 200 and "no-restart" in r.json()["message"], r.text
+            row = (await c.get(f"/v1/sandboxes/{name}")).json()
+            assert (row["phase"], row["generation"], row["providers"]) == ("Ready", 2, [])
+    finally:
+        await driver.delete(name)
+        await driver.close()

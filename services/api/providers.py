@@ -141,28 +141,33 @@ class ProviderService:
         principal: Principal,
         command_id: str | None = None,
         expected_version: int | None = None,
+        restart: bool = True,
     ) -> AttachProvider | DetachProvider:
-        """The command that attaches ``provider`` to ``sandbox`` or detaches it, for the door
-        to submit; ScopeMissing, or ProviderMissing (an attach of a provider that does not
-        exist)."""
+        """The command that attaches ``provider`` to ``sandbox`` or detaches it (a Ready
+        sandbox restarts without its values unless not ``restart``), for the door to submit;
+        ScopeMissing, or ProviderMissing (an attach of a provider that does not exist)."""
         require_scopes(principal, "attaching or detaching a provider", *ATTACHING)
-        if kind is AttachProvider:
-            async with self.pool.acquire() as conn:
-                if await providers.get_provider(conn, provider) is None:
-                    raise providers.ProviderMissing(provider)
-        return kind(
-            type=kind.__name__,
-            command_id=command_id or new_command_id(),
-            key=sandbox,
-            occurred_at=now(),
-            actor=principal.name,
-            expected_version=expected_version,
-            provider=provider,
-        )
+        common = {
+            "command_id": command_id or new_command_id(),
+            "key": sandbox,
+            "occurred_at": now(),
+            "actor": principal.name,
+            "expected_version": expected_version,
+            "provider": provider,
+        }
+        if kind is DetachProvider:
+            return DetachProvider(type="DetachProvider", restart=restart, **common)
+        async with self.pool.acquire() as conn:
+            if await providers.get_provider(conn, provider) is None:
+                raise providers.ProviderMissing(provider)
+        return AttachProvider(type="AttachProvider", **common)
 
-    async def delete(self, name: str, *, principal: Principal, force: bool = False) -> Deleted:
+    async def delete(
+        self, name: str, *, principal: Principal, force: bool = False, restart: bool = True
+    ) -> Deleted:
         """Delete provider ``name``; refused (ProviderInUse) while attached, unless ``force``:
-        then detached from every sandbox first, which needs the scopes of a detach as well."""
+        then detached from every sandbox first (each Ready one restarting without its values
+        unless not ``restart``), which needs the scopes of a detach as well."""
         require_scopes(principal, "deleting a provider", PROVIDER_WRITE)
         if force:
             require_scopes(principal, "force detaches the provider from its sandboxes", *ATTACHING)
@@ -172,12 +177,12 @@ class ProviderService:
             attached = [s.key for s in await providers.attached_sandboxes(conn, [name])]
         if attached and not force:
             raise ProviderInUse(name, attached)
-        detached = await self._detach_everywhere(name, principal.name) if force else []
+        detached = await self._detach_everywhere(name, principal.name, restart) if force else []
         async with self.pool.acquire() as conn:
             await providers.delete_provider(conn, name)
         return Deleted(name, detached)
 
-    async def _detach_everywhere(self, provider: str, actor: str) -> list[str]:
+    async def _detach_everywhere(self, provider: str, actor: str, restart: bool) -> list[str]:
         """Send DetachProvider to every live sandbox that has ``provider`` attached."""
         async with self.pool.acquire() as conn:
             attached = await providers.attached_sandboxes(conn, [provider])
@@ -189,6 +194,7 @@ class ProviderService:
                 occurred_at=now(),
                 actor=actor,
                 provider=provider,
+                restart=restart,
             )
             for s in attached
         ]

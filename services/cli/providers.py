@@ -159,45 +159,72 @@ def delete(
     ctx: typer.Context,
     name: str,
     force: Annotated[bool, typer.Option("--force", help="detach it everywhere first")] = False,
+    no_restart: Annotated[
+        bool,
+        typer.Option(
+            "--no-restart",
+            help="with --force: Ready sandboxes keep running (its values leave at their next "
+            "start) instead of restarting without it",
+        ),
+    ] = False,
 ) -> None:
-    """Delete a provider (refused while attached unless --force)."""
-    params = {"force": "true"} if force else None
+    """Delete a provider (refused while attached unless --force; a Ready sandbox it is
+    detached from restarts without its values)."""
+    params = {"force": str(force).lower(), "no_restart": str(no_restart).lower()}
     result = _client(ctx).request("DELETE", f"/v1/providers/{name}", params=params).json()
     detached = f" (detached from {', '.join(result['detached'])})" if result["detached"] else ""
     print(f"✓ Deleted provider {name}{detached}")
 
 
-def _attachment(verb: str, suffix: str) -> None:
-    def command(
-        ctx: typer.Context,
-        name: Annotated[str, typer.Argument(help="the sandbox name")],
-        provider: Annotated[str, typer.Argument(help="the provider name")],
-        output: OutputOpt = Output.table,
-    ) -> None:
-        outcome = (
-            _client(ctx)
-            .request(
-                "POST",
-                f"/v1/sandboxes/{name}{suffix}",
-                json_body={"provider": provider},
-                params={"wait": "30"},
-                ok=(200, 202),
-            )
-            .json()
+SandboxName = Annotated[str, typer.Argument(help="the sandbox name")]
+ProviderArg = Annotated[str, typer.Argument(help="the provider name")]
+
+
+def _attachment(ctx: typer.Context, name: str, suffix: str, body: dict[str, Any],
+                output: Output) -> None:  # fmt: skip
+    outcome = (
+        _client(ctx)
+        .request(
+            "POST",
+            f"/v1/sandboxes/{name}{suffix}",
+            json_body=body,
+            params={"wait": "30"},
+            ok=(200, 202),
         )
-        if output is Output.json:
-            print_json(outcome)
-        elif outcome["status"] == "rejected":
-            fail(f"rejected: {outcome['message']} ({outcome['code']})")
-        else:
-            print(f"✓ {outcome['message']}")
+        .json()
+    )
+    if output is Output.json:
+        print_json(outcome)
+    elif outcome["status"] == "rejected":
+        fail(f"rejected: {outcome['message']} ({outcome['code']})")
+    else:
+        print(f"✓ {outcome['message']}")
 
-    command.__doc__ = f"{verb.capitalize()} a provider (applies at the sandbox's next start)."
-    sandbox.app.command(verb)(command)
+
+@sandbox.app.command("attach")
+def attach(
+    ctx: typer.Context, name: SandboxName, provider: ProviderArg, output: OutputOpt = Output.table
+) -> None:
+    """Attach a provider (applies at the sandbox's next start)."""
+    _attachment(ctx, name, ":attach", {"provider": provider}, output)
 
 
-_attachment("attach", ":attach")
-_attachment("detach", ":detach")
+@sandbox.app.command("detach")
+def detach(
+    ctx: typer.Context,
+    name: SandboxName,
+    provider: ProviderArg,
+    no_restart: Annotated[
+        bool,
+        typer.Option(
+            "--no-restart", help="keep a Ready sandbox running: the values leave at its next start"
+        ),
+    ] = False,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Detach a provider: a Ready sandbox restarts without its values (unless --no-restart)."""
+    body = {"provider": provider, "no_restart": no_restart}
+    _attachment(ctx, name, ":detach", body, output)
 
 
 def provider_sync(

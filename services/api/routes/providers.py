@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse
@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from events.commands import AttachProvider, DetachProvider
 from events.common import INT64_MAX, CommandId, ProviderName
-from services.api.deps import ProviderReader, ProviderWriter, State, Writer
+from services.api.deps import ApiState, ProviderReader, ProviderWriter, State, Writer
 from services.api.errors import ApiError
 from services.api.models import COMMAND_RESPONSES, NamePath, WaitQuery, responses
 from services.api.providers import ProviderInUse, ProviderService, Receipt, ScopeMissing
@@ -70,6 +70,14 @@ class AttachRequest(_Strict):
     provider: ProviderName
     command_id: CommandId | None = None
     expected_version: int | None = Field(default=None, ge=0, le=INT64_MAX)  # a `bigint` column
+
+
+class DetachRequest(AttachRequest):
+    no_restart: bool = Field(
+        default=False,
+        description="leave a Ready sandbox running: the provider's values leave at its next "
+        "start (by default it restarts without them)",
+    )
 
 
 class KeyView(BaseModel):
@@ -315,41 +323,78 @@ async def delete_provider(
         bool,
         Query(description="detach it from every sandbox and delete (needs sandbox:write too)"),
     ] = False,
+    no_restart: Annotated[
+        bool,
+        Query(
+            description="with force: the Ready sandboxes it is detached from keep running "
+            "(its values leave at their next start) instead of restarting without them"
+        ),
+    ] = False,
 ) -> DeleteResult:
     with refusals():
-        deleted = await service(request).delete(provider, principal=principal, force=force)
+        deleted = await service(request).delete(
+            provider, principal=principal, force=force, restart=not no_restart
+        )
     return DeleteResult(name=deleted.name, detached=deleted.detached)
 
 
-def _attach_handler(kind: type[AttachProvider | DetachProvider]) -> Any:
-    async def handler(
-        name: NamePath,
-        body: AttachRequest,
-        principal: Writer,
-        state: State,
-        request: Request,
-        wait: WaitQuery = None,
-    ) -> JSONResponse:
-        with refusals():
-            command = await service(request).attachment(
-                kind,
-                name,
-                body.provider,
-                principal=principal,
-                command_id=body.command_id,
-                expected_version=body.expected_version,
-            )
-        return await submit(state.gateway, command, wait)
+async def _attachment(
+    kind: type[AttachProvider | DetachProvider],
+    name: str,
+    body: AttachRequest,
+    principal: Principal,
+    state: ApiState,
+    request: Request,
+    wait: float | None,
+    restart: bool = True,
+) -> JSONResponse:
+    with refusals():
+        command = await service(request).attachment(
+            kind,
+            name,
+            body.provider,
+            principal=principal,
+            command_id=body.command_id,
+            expected_version=body.expected_version,
+            restart=restart,
+        )
+    return await submit(state.gateway, command, wait)
 
-    handler.__name__ = f"{kind.__name__[:6].lower()}_provider"
-    return handler
+
+@router.post(
+    "/v1/sandboxes/{name}:attach",
+    response_model=CommandStatus,
+    responses=COMMAND_RESPONSES,
+    summary="Attach a provider (needs sandbox:write and provider:write; applies at the next start)",
+    tags=["commands"],
+)
+async def attach_provider(
+    name: NamePath,
+    body: AttachRequest,
+    principal: Writer,
+    state: State,
+    request: Request,
+    wait: WaitQuery = None,
+) -> JSONResponse:
+    return await _attachment(AttachProvider, name, body, principal, state, request, wait)
 
 
-for _verb, _kind in (("attach", AttachProvider), ("detach", DetachProvider)):
-    router.post(
-        f"/v1/sandboxes/{{name}}:{_verb}",
-        response_model=CommandStatus,
-        responses=COMMAND_RESPONSES,
-        summary=f"{_verb.capitalize()} a provider (needs sandbox:write and provider:write)",
-        tags=["commands"],
-    )(_attach_handler(_kind))
+@router.post(
+    "/v1/sandboxes/{name}:detach",
+    response_model=CommandStatus,
+    responses=COMMAND_RESPONSES,
+    summary="Detach a provider (needs sandbox:write and provider:write; a Ready sandbox "
+    "restarts without its values unless no_restart)",
+    tags=["commands"],
+)
+async def detach_provider(
+    name: NamePath,
+    body: DetachRequest,
+    principal: Writer,
+    state: State,
+    request: Request,
+    wait: WaitQuery = None,
+) -> JSONResponse:
+    return await _attachment(
+        DetachProvider, name, body, principal, state, request, wait, not body.no_restart
+    )
