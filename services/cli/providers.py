@@ -95,9 +95,10 @@ def show_receipt(receipt: dict[str, Any], output: Output) -> None:
             table.add_row(line["sandbox"], ", ".join(line["providers"]), line["action"],
                           line["reason"])  # fmt: skip
         print_table(table)
-    if receipt["unsent"]:
-        fail(f"Kafka did not take {len(receipt['unsent'])} restart commands: "
-             + ", ".join(receipt["unsent"]))  # fmt: skip
+    pending = [line["sandbox"] for line in receipt["sandboxes"] if line["delivery"] == "pending"]
+    if pending:
+        print(f"pending: Kafka has not acknowledged the commands for {', '.join(pending)} yet; "
+              "they are stored with the values and sent until it does")  # fmt: skip
 
 
 @app.command("create")
@@ -174,6 +175,9 @@ def delete(
     result = _client(ctx).request("DELETE", f"/v1/providers/{name}", params=params).json()
     detached = f" (detached from {', '.join(result['detached'])})" if result["detached"] else ""
     print(f"✓ Deleted provider {name}{detached}")
+    if result["unsent"]:
+        print(f"pending: Kafka has not acknowledged {len(result['unsent'])} detach commands yet; "
+              "they are stored and sent until it does")  # fmt: skip
 
 
 SandboxName = Annotated[str, typer.Argument(help="the sandbox name")]
@@ -281,4 +285,6 @@ async def _sync_once(settings: Settings, source: Source, restart: bool) -> None:
         finally:
             await source.close()
         print("nothing changed" if receipt is None else
-              f"updated {', '.join(a.change.provider for a in receipt.applied)}")  # fmt: skip
+              f"updated {', '.join(a.change.provider for a in receipt.applied)}"
+              + (f" ({len(receipt.unsent)} commands pending: the API sends them)"
+                 if receipt.unsent else ""))  # fmt: skip

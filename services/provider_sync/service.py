@@ -25,7 +25,9 @@ async def open_service(settings: Settings) -> AsyncIterator[ProviderService]:
     try:
         client = kafka_client_args(settings, "provider-sync")
         async with CommandPublisher(client, topic=settings.topic_commands) as pub:
-            gateway = CommandGateway(pool, pub, ChangeFeed(pool))
+            gateway = CommandGateway(
+                pool, pub, ChangeFeed(pool), publish_timeout=settings.api_publish_timeout_seconds
+            )
             yield ProviderService(settings, pool, gateway)
     finally:
         await pool.close()

@@ -115,6 +115,10 @@ class SandboxActionView(BaseModel):
     action: Literal["restart", "skip"]
     reason: str
     command_id: str
+    delivery: Literal["sent", "pending"] = Field(
+        description="sent: Kafka acknowledged the command; pending: not yet, it is stored with "
+        "the values and sent again until Kafka acknowledges it (nothing to retry)"
+    )
 
 
 class UpdateReceipt(BaseModel):
@@ -124,12 +128,19 @@ class UpdateReceipt(BaseModel):
         "the history records what was decided)"
     )
     restart: bool
-    unsent: list[str] = Field(description="restart commands Kafka did not acknowledge")
+    unsent: list[str] = Field(
+        description="the command ids Kafka has not acknowledged yet (delivery pending): stored "
+        "with the values and sent until it does"
+    )
 
 
 class DeleteResult(BaseModel):
     name: str
     detached: list[str]
+    unsent: list[str] = Field(
+        description="the DetachProvider command ids Kafka has not acknowledged yet: stored with "
+        "the delete and sent until it does"
+    )
 
 
 def service(request: Request) -> ProviderService:
@@ -170,6 +181,7 @@ def receipt_view(receipt: Receipt) -> UpdateReceipt:
                 action=line.action,
                 reason=line.reason,
                 command_id=line.command_id,
+                delivery="pending" if line.command_id in receipt.unsent else "sent",
             )
             for line in receipt.sandboxes
         ],
@@ -335,7 +347,7 @@ async def delete_provider(
         deleted = await service(request).delete(
             provider, principal=principal, force=force, restart=not no_restart
         )
-    return DeleteResult(name=deleted.name, detached=deleted.detached)
+    return DeleteResult(name=deleted.name, detached=deleted.detached, unsent=deleted.unsent)
 
 
 async def _attachment(
