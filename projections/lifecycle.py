@@ -340,11 +340,18 @@ def held(state: Sandbox) -> bool:
 
 def rotation_action(state: Sandbox, restart: bool) -> str:
     """RESTART, or why not: the one rule for the processor and for an update's receipt."""
+    return _restart_rule(state, restart, ROTATION_TABLE, NO_RESTART, HELD)
+
+
+def _restart_rule(
+    state: Sandbox, restart: bool, table: dict[Phase, str], not_asked: str, on_hold: str
+) -> str:
+    """RESTART or why not, by ``table`` unless no restart was asked for or a hold keeps it."""
     if not restart:
-        return NO_RESTART
+        return not_asked
     if held(state):
-        return HELD
-    return ROTATION_TABLE[state.phase]
+        return on_hold
+    return table[state.phase]
 
 
 def stale_rotations(state: Sandbox, read: dict[str, int] | None) -> dict[str, int]:
@@ -390,11 +397,7 @@ DETACH_RESTART: Final = "restarting without detached providers: "
 
 def detach_action(state: Sandbox, restart: bool) -> str:
     """RESTART, or why not: what detaching a provider does to ``state``."""
-    if not restart:
-        return DETACH_NO_RESTART
-    if held(state):
-        return DETACH_HELD
-    return DETACH_TABLE[state.phase]
+    return _restart_rule(state, restart, DETACH_TABLE, DETACH_NO_RESTART, DETACH_HELD)
 
 
 def stale_detaches(state: Sandbox, read: dict[str, int] | None) -> list[str]:
