@@ -8,6 +8,7 @@ to Kafka through the gateway; reads only query PostgreSQL; nothing here calls a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -63,14 +64,16 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await feed.start()
-        # Every API process relays the provider outbox (docs/adr/0005).
-        stop_relay = asyncio.Event()
-        relay = asyncio.create_task(provider_service.relay(stop_relay), name="provider relay")
+        # Every API process relays the provider outbox (docs/adr/0005). Cancelled at shutdown
+        # rather than awaited: a send in flight may wait out the publish timeout, and what it
+        # leaves stays stored for the next relay.
+        relay = asyncio.create_task(provider_service.relay(asyncio.Event()), name="provider relay")
         try:
             yield
         finally:
-            stop_relay.set()
-            await relay
+            relay.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await relay
             await feed.close()
             await probe.close()
 
