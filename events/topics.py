@@ -9,6 +9,9 @@ COMMANDS = "sandbox.commands"
 OBSERVATIONS = "sandbox.observations"
 EVENTS = "sandbox.events"
 DEADLETTER = "sandbox.deadletter"
+# The processor's chain checkpoints: the newest hash of each history chain a batch wrote, so
+# that the record in PostgreSQL can be checked against the log (docs/audit.md).
+CHECKPOINTS = "sandbox.checkpoints"
 
 # PostgreSQL NOTIFY channel the processor signals after each committed batch.
 CHANGES_CHANNEL = "sandstream_changes"

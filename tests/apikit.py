@@ -89,14 +89,24 @@ async def running_api(
     settings_update: dict[str, Any] | None = None,
     topic_override: str | None = None,
     tls: Tls | None = None,
+    token_store: TokenStore | None = None,
+    with_scheduler: bool = False,
 ) -> AsyncIterator[Api]:
-    """The API over a fresh environment; with ``driver=None`` no processor runs at all."""
+    """The API over a fresh environment; with ``driver=None`` no processor runs at all, with
+    ``with_scheduler`` the deadline scheduler runs beside the processor; with ``token_store``
+    its tokens instead of the in-memory ones of ``tokens()``."""
     async with isolated_env(partitions) as env:
         if settings_update:
             env.settings = env.settings.model_copy(update=settings_update)
         plane = None
         if driver is not None:
-            plane = ControlPlane(env.settings, driver, env.pool, reconcile_interval=3600)
+            plane = ControlPlane(
+                env.settings,
+                driver,
+                env.pool,
+                reconcile_interval=3600,
+                with_scheduler=with_scheduler,
+            )
             await plane.start()
         publisher = CommandPublisher(
             kafka_client_args(env.settings, "api"),
@@ -105,7 +115,12 @@ async def running_api(
         await publisher.__aenter__()
         extra = {} if publish_timeout is None else {"publish_timeout": publish_timeout}
         app = create_app(
-            env.settings, env.pool, publisher, tokens(), poll_interval=poll_interval, **extra
+            env.settings,
+            env.pool,
+            publisher,
+            token_store or tokens(),
+            poll_interval=poll_interval,
+            **extra,
         )
         server = await start_api(app, "127.0.0.1", 0, access_log=False, tls=tls)
         try:

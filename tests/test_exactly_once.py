@@ -272,12 +272,15 @@ async def test_a_publish_cursor_moves_only_past_records_that_are_all_acknowledge
         try:
             assert await processor.process_partition(0, records[:1]) == 1
             assert await processor.process_partition(0, records[1:]) == 1
-            first, second = producer.sent  # one SandboxCreated each
-            second.set_result(None)
+            # Each batch sent its SandboxCreated and its chain checkpoint.
+            first, second = producer.sent[:2], producer.sent[2:]
+            for future in second:
+                future.set_result(None)
             with pytest.raises(TimeoutError):  # the first batch is still unacknowledged
                 await asyncio.wait_for(processor.drain(), timeout=0.5)
             assert await env.fetchval(cursor) is None
-            first.set_result(None)
+            for future in first:
+                future.set_result(None)
             await processor.drain()
             assert await env.fetchval(cursor) == await env.fetchval("SELECT max(id) FROM outbox")
         finally:
@@ -310,7 +313,7 @@ async def test_publish_cursors_are_written_once_per_interval_and_at_once_for_a_d
             assert await processor.process_partition(0, records[:1]) == 1
             await processor.drain()
             first = await env.fetchval(cursor)
-            assert first == await env.fetchval("SELECT min(id) FROM outbox")
+            assert first == await env.fetchval("SELECT max(id) FROM outbox")
             for record in records[1:]:  # four batches, each acknowledged by Kafka
                 assert await processor.process_partition(0, [record]) == 1
             await eventually(
@@ -321,7 +324,8 @@ async def test_publish_cursors_are_written_once_per_interval_and_at_once_for_a_d
             assert await env.fetchval(cursor) == first  # not written for each batch
             await processor.drain()
             assert await env.fetchval(cursor) == await env.fetchval("SELECT max(id) FROM outbox")
-            assert len(writes) == 2 and len(writes[1][0]) == 4  # the four batches together
+            # The four batches together (an event and a chain checkpoint each).
+            assert len(writes) == 2 and len(writes[1][0]) == 8
         finally:
             await processor.stop()
 

@@ -23,7 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "executor": {"common"},
     "audit": {"common", "processor"},
     "scheduler": {"common"},
-    "api": {"common", "audit"},
+    "api": {"common", "audit", "executor"},
     "provider_sync": {"common", "api"},
     "localstack": {"common"},
     "openshell": {"common", "api", "executor", "localstack"},

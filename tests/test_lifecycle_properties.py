@@ -239,6 +239,9 @@ class LifecycleMachine(RuleBasedStateMachine):
             kind = PHASE_DEADLINES.get(new.phase)
             # (A stop that was escalated to a kill has no further deadline.)
             allowed = {kind, None} if new.phase is P.STOPPING else {kind}
+            # (A restart the restart policy scheduled waits in Error or Completed.)
+            if new.phase in (P.ERROR, P.COMPLETED) and new.spec.restart_policy is not None:
+                allowed = {None, "restart"}
             assert (new.deadline.kind if new.deadline else None) in allowed, new
         # Time acts only on the deadline the row holds; a repeat changes nothing.
         if isinstance(message, DeadlineDue) and events:
@@ -273,16 +276,19 @@ class LifecycleMachine(RuleBasedStateMachine):
                 and message.operation == "delete"
                 and message.outcome == "failed"
             ), message
-        # Observations never touch another generation than the row's; the one new generation
-        # an observation may start is the restart of a launch that read a provider detached
-        # (or values rotated) while it was pending.
+        # Observations never touch another generation than the row's; the ones that move it on
+        # are a restart policy's deadline falling due, which starts the next generation, and a
+        # launch report whose launch read a provider detached (or a value rotated) while it was
+        # pending, which restarts it at once.
         if events and is_observation(message):
             assert message.generation == prev.generation  # type: ignore[union-attr]
-            if isinstance(events[-1], AgentRestarted):
+            restart_due = isinstance(message, DeadlineDue) and message.deadline == "restart"
+            restarted = isinstance(events[-1], AgentRestarted)
+            if restarted:
                 assert isinstance(message, DriverOperationResult) and prev.awaited
-                assert new.generation == prev.generation + 1
-            else:
-                assert new.generation == prev.generation
+            assert new.generation == prev.generation + (1 if restart_due or restarted else 0), (
+                message
+            )
 
     @invariant()
     def rebuild_from_the_log(self) -> None:

@@ -3,6 +3,7 @@ the in-memory fake driver where a sandbox must be attached, none elsewhere)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import secrets
 
@@ -10,8 +11,10 @@ import apikit
 from apikit import KEEPER, READER, WRITER, create_body, unique
 from harness import eventually
 from pydantic import SecretStr
+from typer.testing import CliRunner
 
 from drivers.fake import FakeDriver
+from services.cli.main import app
 
 KEY = SecretStr(base64.b64encode(secrets.token_bytes(32)).decode())
 
@@ -110,6 +113,42 @@ async def test_a_malformed_provider_request_from_a_provider_token_is_422_not_403
         answer = await keeper.post("/v1/providers", json={"name": 5, "credentials": {}})
         assert answer.status_code == 422, answer.text
         assert "name" in answer.json()["message"]
+
+
+async def test_creating_a_sandbox_with_providers_needs_provider_write_as_attach_does() -> None:
+    """A sandbox:write token once created a sandbox with a provider attached (201), handing
+    the provider's values to an agent it controls: attaching at create needs provider:write,
+    exactly as :attach does, and a refused create publishes nothing."""
+    name = unique("p-create")
+    async with (
+        apikit.running_api(None, settings_update={"credentials_key": KEY}) as api,
+        api.client() as admin,
+        api.client(WRITER) as writer,
+    ):
+        created = await admin.post("/v1/providers", json={"name": name, "credentials": {"K": "v"}})
+        assert created.status_code == 201, created.text
+        body = {**apikit.create_body(unique("sb")), "providers": [name]}
+        refused = await writer.post("/v1/sandboxes", json=body)
+        assert refused.status_code == 403, refused.text
+        assert refused.json() == {
+            "code": "PERMISSION_DENIED",
+            "message": "token 'writer' lacks the scope provider:write "
+            "(needed to attach providers at create)",
+        }
+        assert await api.commands_published() == 0
+        # The CLI's create calls the same route: refused, with the reason, exit 1.
+        argv = ["--url", api.url, "--token", WRITER, "sandbox", "create", unique("sb"),
+                "--image", "registry.example/agent:1", "--provider", name, "--no-wait"]  # fmt: skip
+        cli = await asyncio.to_thread(CliRunner().invoke, app, argv)
+        assert cli.exit_code == 1
+        assert "lacks the scope provider:write" in cli.output + str(cli.exception or "")
+        assert await api.commands_published() == 0
+        # Without providers the same token creates; with provider:write (admin) so can it.
+        plain = await writer.post("/v1/sandboxes", json=apikit.create_body(unique("sb")))
+        assert plain.status_code == 202, plain.text
+        attached = await admin.post("/v1/sandboxes", json=body)
+        assert attached.status_code == 202, attached.text
+        assert await api.commands_published() == 2
 
 
 async def test_a_forced_delete_detaches_so_it_needs_sandbox_write_as_well() -> None:

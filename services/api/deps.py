@@ -11,6 +11,7 @@ import asyncpg
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from drivers.logs import LogSource
 from services.api.errors import ApiError
 from services.api.gateway import CommandGateway
 from services.api.probe import KafkaProbe
@@ -70,6 +71,17 @@ def check_auth(request: Request, scope: str) -> Principal:
     if isinstance(checked, Denied):
         raise denial(checked)
     return checked
+
+
+def require_also(principal: Principal, scope: str, needed_for: str) -> None:
+    """A second scope a request needs beyond its route's (403 without it): attaching a
+    provider, at create or later, also needs provider:write."""
+    if scope not in principal.scopes:
+        raise ApiError(
+            403,
+            "PERMISSION_DENIED",
+            f"token {principal.name!r} lacks the scope {scope} (needed {needed_for})",
+        )
 
 
 def _known_query(route: Any) -> frozenset[str]:
@@ -133,6 +145,8 @@ class ApiState:
     probe: KafkaProbe
     # Under `sandstream up`: the control plane's parts now down (restarting), with their error.
     down: Callable[[], dict[str, str]] | None = None
+    # The runtime's logs (GET /v1/sandboxes/{name}/logs); None: this API serves no logs.
+    logs: LogSource | None = None
 
 
 def api_state(request: Request) -> ApiState:

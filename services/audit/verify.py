@@ -11,7 +11,9 @@ resulting rows and command outcomes. The first divergence of each sandbox is rep
 It also proves completeness: a log record below the stored offsets without a history entry,
 or a history entry whose record is not in the log (nor deleted by retention), is a divergence.
 A sandbox with inputs older than the log's beginning cannot be re-decided from an empty state;
-it is reported as not verifiable rather than guessed at.
+it is reported as not verifiable rather than guessed at, and the report is not ok unless the
+caller accepts that (``Options.accept_unverifiable``). The history's chains are checked
+against the log's checkpoints, read first (``anchors``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from projections.chain import ChainId, chain_of
 from projections.fold import Rules, fold
 from projections.lifecycle import decide
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record, write_batch
+from services.audit.anchors import read_anchors
 from services.audit.chains import ChainReport, check_chains
 from services.audit.entries import ENTRY_COLUMNS, Entry, entry_from_record
 from services.audit.log import Record, read_partition
@@ -57,6 +60,9 @@ class Options:
     rules: Rules = decide
     rules_name: str = "projections.lifecycle.decide (this checkout)"
     keep_scratch: bool = False
+    # A sandbox whose oldest inputs retention deleted cannot be re-decided: without this, the
+    # report is not ok while there is one (the caller accepts that it was not verified).
+    accept_unverifiable: bool = False
 
     def reports(self, entry: Entry) -> bool:
         at = entry.occurred_at
@@ -108,14 +114,17 @@ class Report:
     pending: int = 0  # log records not decided yet (at or above the stored offsets)
     not_verifiable: set[str] = field(default_factory=set)  # inputs older than the log
     chains: ChainReport | None = None
+    accept_unverifiable: bool = False
 
     @property
     def ok(self) -> bool:
-        return not self.divergences and (self.chains is None or self.chains.intact)
+        verified = not self.not_verifiable or self.accept_unverifiable
+        return not self.divergences and verified and (self.chains is None or self.chains.intact)
 
 
 async def verify(settings: Settings, options: Options = Options()) -> Report:
     scratch = f"audit_{uuid.uuid4().hex[:12]}"
+    anchors = await read_anchors(settings)  # before the history: see read_anchors
     live = await asyncpg.connect(
         settings.pg_dsn, server_settings={"search_path": settings.pg_schema}
     )
@@ -127,6 +136,7 @@ async def verify(settings: Settings, options: Options = Options()) -> Report:
             )
             partitions = sorted(r["partition"] for r in found)
         report = Report(await log_reach(settings), options.rules_name, scratch)
+        report.accept_unverifiable = options.accept_unverifiable
         await apply_migrations(settings.pg_dsn, schema=scratch)
         out = await asyncpg.connect(settings.pg_dsn, server_settings={"search_path": scratch})
         try:
@@ -137,7 +147,7 @@ async def verify(settings: Settings, options: Options = Options()) -> Report:
             if not options.keep_scratch:
                 await out.execute(f'DROP SCHEMA "{scratch}" CASCADE')
             await out.close()
-        report.chains = await check_chains(live, options.key)
+        report.chains = await check_chains(live, options.key, anchors)
         return report
     finally:
         await live.close()

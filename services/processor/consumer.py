@@ -79,6 +79,7 @@ from services.common.kafka_clients import kafka_client_args
 from services.common.log_identity import check_log_identity, log_identity_of, read_log_identity
 from services.common.settings import Settings
 from services.processor.ahead import View
+from services.processor.checkpoints import checkpoint_records
 from services.processor.gc_thresholds import collect_less_often
 from services.processor.row_cache import RowCache
 
@@ -200,12 +201,15 @@ def plan_batch(
             message.occurred_at, state.sandbox_id if state else None,
         )  # fmt: skip
         history.append(_history_row(content, chains))
+    offsets = {tp: (at, next_offsets.get(tp, at)) for tp, at in read_offsets.items()}
+    if chains is not None:  # the chains' new heads, anchored on the log (checkpoints.py)
+        outbox += checkpoint_records(history, offsets, settings.topic_checkpoints)
     return BatchWrite(
         sandboxes=list(changed.values()),
         history=history,
         outcomes=list(result.outcomes.values()),
         outbox=outbox,
-        offsets={tp: (at, next_offsets.get(tp, at)) for tp, at in read_offsets.items()},
+        offsets=offsets,
         decided_from={
             key: row.version
             for key, row in (decided_from or {}).items()

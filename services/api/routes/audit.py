@@ -15,7 +15,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
-from events.common import SANDBOX_NAME_PATTERN
+from events.common import INT64_MAX, SANDBOX_NAME_PATTERN
 from services.api.deps import Auditor, State
 from services.api.errors import ApiError
 from services.api.models import NamePath, responses
@@ -140,7 +140,7 @@ async def state_at(
     topic: Annotated[
         Literal["commands", "observations"] | None, Query(description="with offset: the input")
     ] = None,
-    offset: Annotated[int | None, Query(ge=0, le=2**63 - 1)] = None,
+    offset: Annotated[int | None, Query(ge=0, le=INT64_MAX)] = None,
 ) -> AuditAnswer:
     if (time is None) == (offset is None) or (offset is None) != (topic is None):
         raise ApiError(422, "INVALID_ARGUMENT", "give either 'time', or 'topic' and 'offset'")
@@ -182,6 +182,9 @@ async def explain(name: NamePath, principal: Auditor, state: State) -> AuditAnsw
     response_model=ChainAnswer,
     responses=responses(401, 403, 422, 503),
     summary="Check the history's hash chains and name the first broken link of each",
+    description="From PostgreSQL alone: altered, removed, reordered entries and removed hashes; "
+    "not a chain whose newest entries were deleted, which takes the log's checkpoints "
+    "(`sandstream audit chain`, docs/audit.md).",
     tags=["audit"],
 )
 async def chains(
