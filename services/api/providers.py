@@ -49,8 +49,8 @@ log = logging.getLogger("sandstream.providers")
 class ScopeMissing(PermissionError):
     """The caller's token lacks a scope the request needs."""
 
-    def __init__(self, principal: Principal, scope: str, why: str) -> None:
-        super().__init__(f"token {principal.name!r} lacks the scope {scope} ({why})")
+    def __init__(self, principal: Principal, scope: str, needed_for: str) -> None:
+        super().__init__(f"token {principal.name!r} lacks the scope {scope} (needed {needed_for})")
 
 
 class ProviderInUse(Exception):
@@ -62,10 +62,10 @@ class ProviderInUse(Exception):
         )
 
 
-def require_scopes(principal: Principal, why: str, *scopes: str) -> None:
+def require_scopes(principal: Principal, needed_for: str, *scopes: str) -> None:
     for scope in scopes:
         if scope not in principal.scopes:
-            raise ScopeMissing(principal, scope, why)
+            raise ScopeMissing(principal, scope, needed_for)
 
 
 # Attaching hands a provider's values to an agent, detaching takes them away: both are
@@ -163,7 +163,7 @@ class ProviderService:
         """The command that attaches ``provider`` to ``sandbox`` or detaches it (a Ready
         sandbox restarts without its values unless not ``restart``), for the door to submit;
         ScopeMissing, or ProviderMissing (an attach of a provider that does not exist)."""
-        require_scopes(principal, "attaching or detaching a provider", *ATTACHING)
+        require_scopes(principal, "to attach or detach a provider", *ATTACHING)
         common = {
             "command_id": command_id or new_command_id(),
             "key": sandbox,
@@ -186,9 +186,9 @@ class ProviderService:
         then detached from every sandbox (each Ready one restarting without its values unless
         not ``restart``), which needs the scopes of a detach as well. The DetachProvider
         commands are stored in the delete's transaction, then sent."""
-        require_scopes(principal, "deleting a provider", PROVIDER_WRITE)
+        require_scopes(principal, "to delete a provider", PROVIDER_WRITE)
         if force:
-            require_scopes(principal, "force detaches the provider from its sandboxes", *ATTACHING)
+            require_scopes(principal, "to detach it from its sandboxes (force)", *ATTACHING)
         async with self.pool.acquire() as conn, conn.transaction():
             if not await providers.delete_provider(conn, name):
                 raise providers.ProviderMissing(name)
