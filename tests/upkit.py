@@ -12,7 +12,7 @@ import asyncio
 import re
 import signal
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,46 +65,60 @@ class Up:
 
 
 @asynccontextmanager
-async def running_up(run_dir: Path) -> AsyncIterator[Up]:
-    async with isolated_env() as env:
-        variables = {
-            **env.env_vars(),
-            "SANDSTREAM_RUN_DIR": str(run_dir),
-            "SANDSTREAM_API_PORT": "0",
-            "SANDSTREAM_OPENSHELL_PORT": "0",
-            "COLUMNS": "200",
-        }
-        for inherited in ("SANDSTREAM_TOKEN", "SANDSTREAM_TOKEN_FILE", "SANDSTREAM_API_URL"):
-            variables.pop(inherited, None)
-        log = run_dir / "up.log"
-        with log.open("wb") as log_file:
-            proc = await asyncio.create_subprocess_exec(
-                SANDSTREAM, "up", env=variables, cwd=PROJECT_ROOT,
-                stdout=asyncio.subprocess.PIPE, stderr=log_file,
-            )  # fmt: skip
-        assert proc.stdout is not None
-        banner: list[str] = []
-        url = None
-        running = None
-        try:
-            async with asyncio.timeout(120):
-                while url is None:
-                    line = (await proc.stdout.readline()).decode()
-                    assert line, f"`sandstream up` ended early:\n{''.join(banner)}{log.read_text()}"
-                    banner.append(line)
-                    if match := re.match(r"^\s+API\s+(http://\S+)", line):
-                        url = match.group(1)
-                while "Ctrl-C" not in banner[-1]:
-                    banner.append((await proc.stdout.readline()).decode())
-            running = Up(proc, url, variables, run_dir, log, "".join(banner), env)
+async def running_up(
+    run_dir: Path, variables: dict[str, str] | None = None, env: Env | None = None
+) -> AsyncIterator[Up]:
+    """`sandstream up` on ``env`` (an isolated environment of its own when none is given) until
+    the block ends (SIGTERM then); the sandboxes named through ``Up.name`` are removed from
+    Podman afterwards. ``variables`` are added to its environment."""
+    async with AsyncExitStack() as scope:
+        if env is None:
+            env = await scope.enter_async_context(isolated_env())
+        async with _running_up(env, run_dir, variables or {}) as running:
             yield running
+
+
+@asynccontextmanager
+async def _running_up(env: Env, run_dir: Path, extra: dict[str, str]) -> AsyncIterator[Up]:
+    variables = {
+        **env.env_vars(),
+        "SANDSTREAM_RUN_DIR": str(run_dir),
+        "SANDSTREAM_API_PORT": "0",
+        "SANDSTREAM_OPENSHELL_PORT": "0",
+        "COLUMNS": "200",
+        **extra,
+    }
+    for inherited in ("SANDSTREAM_TOKEN", "SANDSTREAM_TOKEN_FILE", "SANDSTREAM_API_URL"):
+        variables.pop(inherited, None)
+    log = run_dir / "up.log"
+    with log.open("wb") as log_file:
+        proc = await asyncio.create_subprocess_exec(
+            SANDSTREAM, "up", env=variables, cwd=PROJECT_ROOT,
+            stdout=asyncio.subprocess.PIPE, stderr=log_file,
+        )  # fmt: skip
+    assert proc.stdout is not None
+    banner: list[str] = []
+    url = None
+    running = None
+    try:
+        async with asyncio.timeout(120):
+            while url is None:
+                line = (await proc.stdout.readline()).decode()
+                assert line, f"`sandstream up` ended early:\n{''.join(banner)}{log.read_text()}"
+                banner.append(line)
+                if match := re.match(r"^\s+API\s+(http://\S+)", line):
+                    url = match.group(1)
+            while "Ctrl-C" not in banner[-1]:
+                banner.append((await proc.stdout.readline()).decode())
+        running = Up(proc, url, variables, run_dir, log, "".join(banner), env)
+        yield running
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(proc.wait(), 60)
+        driver = podman_driver(env.settings)
+        try:
+            for name in running.names if running else []:
+                await driver.delete(name)
         finally:
-            if proc.returncode is None:
-                proc.send_signal(signal.SIGTERM)
-                await asyncio.wait_for(proc.wait(), 60)
-            driver = podman_driver(env.settings)
-            try:
-                for name in running.names if running else []:
-                    await driver.delete(name)
-            finally:
-                await driver.close()
+            await driver.close()

@@ -86,6 +86,11 @@ API_REQUEST_SECONDS = Histogram(
     ["method", "route"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
 )
+PROVIDER_OUTBOX = Gauge(
+    "sandstream_provider_outbox_pending",
+    "Commands of provider changes (rotation restarts, detaches of a forced delete) stored and "
+    "not yet acknowledged by Kafka, as the last relay pass of this process counted them",
+)
 API_COMMANDS = Counter(
     "sandstream_api_commands_total",
     "Commands received by the API: published, retry (answered from a stored outcome), "

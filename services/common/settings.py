@@ -176,6 +176,9 @@ class Settings(BaseSettings):
     provider_sync_dir: Path | None = None
     provider_sync_kube_selector: str | None = None
     provider_sync_kube_namespace: str | None = None
+    # Every API and provider-sync process sends the stored commands of provider changes that
+    # Kafka has not acknowledged yet this often, each once it is this old (docs/providers.md).
+    provider_outbox_seconds: float = Field(default=5.0, gt=0)
     # Operator lifecycle (the processor records the deadlines; the scheduler says when they
     # fall due). 0 turns a deadline off.
     launch_timeout_seconds: float = Field(default=300, ge=0)  # Provisioning/Starting
@@ -192,6 +195,9 @@ class Settings(BaseSettings):
     # API
     api_host: str = "127.0.0.1"
     api_port: int = 8787
+    # How long the API waits for Kafka to acknowledge a command before it answers 503 (a
+    # provider change's commands: pending, sent later by the relay).
+    api_publish_timeout_seconds: float = Field(default=15.0, gt=0)
     # Where clients (the CLI) reach the API; default http(s)://{api_host}:{api_port}.
     api_url: str | None = None
     # TLS: with a certificate (PEM, the chain after it) and its key the API speaks https only.
