@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final
 
+from events.backoff import pause
 from events.commands import (
     AttachProvider,
     Command,
@@ -40,7 +41,6 @@ from services.common import metrics, providers
 from services.common.credentials import Vault, load_key
 from services.common.providers import Applied, Update
 from services.common.settings import Settings
-from services.common.tasks import stopped_within
 from services.common.tokens import PROVIDER_WRITE, WRITE, Principal
 
 log = logging.getLogger("sandstream.providers")
@@ -238,7 +238,7 @@ class ProviderService:
         that old (a request sends its own first) until Kafka acknowledged them. Never ends on
         an error: it logs it and tries again at the next interval."""
         interval = self.settings.provider_outbox_seconds
-        while not await stopped_within(stop, interval):
+        while not await pause(stop, interval):
             try:
                 commands = await provider_outbox.due(self.pool, interval)
                 unsent = await self.send(commands) if commands else []
