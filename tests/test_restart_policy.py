@@ -353,18 +353,32 @@ def test_random_runs_follow_the_model(
 # -- review: the policy across the other features ------------------------------------------------
 
 
-def test_a_rotation_restart_does_not_end_the_stable_run_that_resets_the_back_off() -> None:
-    """A generation Ready for longer than the reset, then restarted for rotated credentials
-    (sandstream's own restart, not a failure), then crashing soon after: the sandbox ran stable
-    for long, so the crash is the first restart in a row again, not one past max_restarts."""
+@pytest.mark.parametrize(
+    ("restart", "types"),
+    [
+        (lambda at: f.rotate(occurred_at=at), ["AgentRestarted"]),
+        (
+            lambda at: f.detach(provider="github", occurred_at=at),
+            ["ProviderDetached", "AgentRestarted"],
+        ),
+    ],
+    ids=["rotation", "detach"],
+)
+def test_a_rotation_or_detach_restart_does_not_end_the_stable_run_that_resets_the_back_off(
+    restart: Any, types: list[str]
+) -> None:
+    """A generation Ready for longer than the reset, then restarted for rotated credentials or
+    a detached provider (sandstream's own restart, not a failure), then crashing soon after: the
+    sandbox ran stable for long, so the crash is the first restart in a row again, not one past
+    max_restarts."""
     h = f.Harness()
     spec = policy_spec("OnFailure", initial=1, maximum=100, max_restarts=1)
     h.send(f.create(sandbox_spec=spec, providers=["github"], occurred_at=f.at(0)))
     h.send(f.exited(exit_code=1, occurred_at=f.at(1)))  # restart 1 of at most 1
     due_restart(h)
     h.send(f.running(generation=2, occurred_at=f.at(3)))
-    rotated = h.send(f.rotate(occurred_at=f.at(3 + RESET + 60)))
-    assert [e.type for e in rotated.events] == ["AgentRestarted"]
+    restarted = h.send(restart(f.at(3 + RESET + 60)))
+    assert [e.type for e in restarted.events] == types
     h.send(f.running(generation=3, occurred_at=f.at(4 + RESET + 60)))
     d = h.send(f.exited(generation=3, exit_code=1, occurred_at=f.at(5 + RESET + 60)))
     scheduled = d.events[-1]
