@@ -116,8 +116,9 @@ def render() -> str:
         "(SandboxRestartsExhausted, reason `RestartLimit: ...`). A generation that was Ready for "
         "at least `restart_reset_seconds` (setting `SANDSTREAM_RESTART_RESET_SECONDS`, default "
         "600 s) before it ended resets the count of restarts in a row (SandboxRestartScheduled "
-        "records `backoff_reset`); a restart for rotated credentials does not end that run. A "
-        "held sandbox is not restarted. The completion policy (`on_exit=delete`) applies only "
+        "records `backoff_reset`); a restart for rotated credentials or a detached provider "
+        "does not end that run. A held sandbox is not restarted. The completion policy "
+        "(`on_exit=delete`) applies only "
         "to an exit the policy does not restart, and to the exit that reaches the limit. Every "
         "restart's history entry names the policy and the attempt (so does the row's reason "
         "until the new generation is Ready).",
