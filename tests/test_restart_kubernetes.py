@@ -17,7 +17,14 @@ import factories as f
 import pytest_asyncio
 from harness import Env, eventually, isolated_env
 from kube_support import Admin, Keys, admin_client, namespace, new_driver
-from pipeline_support import command, history, running_plane, wait_phase, wait_row
+from pipeline_support import (
+    command,
+    history,
+    running_plane,
+    wait_phase,
+    wait_restart_limit,
+    wait_row,
+)
 
 from drivers.kube_objects import pod_name
 from events.codec import EVENTS, decode
@@ -148,9 +155,7 @@ async def test_on_failure_restarts_a_failing_pod_with_growing_delays_until_the_l
     )
     for gen in range(1, 5):
         await exit_generation(env, admin, ns, key, gen, 1)
-    row = await wait_row(
-        env, key, lambda r: (r["reason"] or "").startswith("RestartLimit"), "the limit", WAIT
-    )
+    row = await wait_restart_limit(env, key, WAIT)
     assert (row["phase"], row["generation"], row["exit_code"]) == ("Error", 4, 1)
     assert "restart_policy OnFailure made 3 restarts in a row (max_restarts 3)" in row["reason"]
     assert "code 1" in row["reason"]
@@ -178,9 +183,7 @@ async def test_always_restarts_a_pod_that_exited_0(
     )
     await exit_generation(env, admin, ns, key, 1, 0)
     await exit_generation(env, admin, ns, key, 2, 0)
-    row = await wait_row(
-        env, key, lambda r: (r["reason"] or "").startswith("RestartLimit"), "the limit", WAIT
-    )
+    row = await wait_restart_limit(env, key, WAIT)
     assert (row["generation"], row["exit_code"]) == (2, 0)
     events = await decided(env, key, "SandboxRestartsExhausted")
     assert_backoff(events, "Always", [0.5])

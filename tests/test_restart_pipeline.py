@@ -18,7 +18,7 @@ from pipeline_support import (
     podman_env,
     running_plane,
     wait_phase,
-    wait_row,
+    wait_restart_limit,
 )
 from podman import PodmanClient
 from role_processes import roles_env
@@ -50,13 +50,7 @@ async def test_a_process_that_always_fails_is_restarted_with_back_off_until_the_
             await env.publisher() as pub,
         ):
             await command(env, pub, f.create(key, sandbox_spec=spec, occurred_at=now()))
-            row = await wait_row(
-                env,
-                key,
-                lambda r: (r["reason"] or "").startswith("RestartLimit"),
-                "the restart limit",
-                timeout=WAIT,
-            )
+            row = await wait_restart_limit(env, key, WAIT)
         assert row["phase"] == "Error" and row["generation"] == 4
         assert "max_restarts 3" in row["reason"] and "code 1" in row["reason"]
         records = await env.read_topic(env.settings.topic_events)
@@ -107,13 +101,7 @@ async def test_always_restarts_an_exit_0_and_never_restarts_no_exit(
                 env, pub, f.create(always, sandbox_spec=spec("Always", 0), occurred_at=now())
             )
             failed = await wait_phase(env, never, "Error", timeout=WAIT)
-            row = await wait_row(
-                env,
-                always,
-                lambda r: (r["reason"] or "").startswith("RestartLimit"),
-                "the restart limit",
-                timeout=WAIT,
-            )
+            row = await wait_restart_limit(env, always, WAIT)
         assert (row["phase"], row["generation"], row["exit_code"]) == ("Error", 2, 0)
         assert "restart_policy Always made 1 restarts in a row (max_restarts 1)" in row["reason"]
         records = await env.read_topic(env.settings.topic_events)
@@ -170,10 +158,7 @@ async def test_a_control_plane_killed_before_a_scheduled_restart_restarts_exactl
             assert now() < due, "the plane was killed after the due time: nothing was shown"
             await eventually(now, lambda t: t > due, timeout=30, what="the due time to pass")
             second = [roles.start(r) for r in plane]
-            row = await wait_row(
-                env, key, lambda r: (r["reason"] or "").startswith("RestartLimit"),
-                "the restart limit", timeout=WAIT,
-            )  # fmt: skip
+            row = await wait_restart_limit(env, key, WAIT)
             assert row["generation"] == 2
             records = await env.read_topic(env.settings.topic_events)
             events = [decode(EVENTS, r.value) for r in records if r.key == key.encode()]
