@@ -104,16 +104,21 @@ async def exit_generation(env: Env, admin: Admin, ns: str, key: str, gen: int, c
     await admin.exit_pod(ns, pod_name(key, gen), code, at=now())
 
 
-async def decided(env: Env, key: str, last: str) -> list[DecidedEvent]:
-    """The key's decided events, once the last one published is of type ``last`` (the
-    processor publishes them after it wrote the row)."""
+async def decided(
+    env: Env, key: str, last: str, generation: int | None = None
+) -> list[DecidedEvent]:
+    """The key's decided events, once the last one published is of type ``last`` (of
+    ``generation``, if given: the processor publishes them after it wrote the row)."""
 
     async def read() -> list[DecidedEvent]:
         records = await env.read_topic(env.settings.topic_events)
         return [decode(EVENTS, r.value) for r in records if r.key == key.encode()]
 
     found: list[DecidedEvent] = await eventually(
-        read, lambda es: bool(es) and es[-1].type == last, timeout=30, what=f"{key}: {last}"
+        read,
+        lambda es: bool(es) and es[-1].type == last and generation in (None, es[-1].generation),
+        timeout=30,
+        what=f"{key}: {last}",
     )
     return found
 
@@ -208,3 +213,24 @@ async def test_never_leaves_a_failed_pod_in_error(
     assert deadline is None
     events = await decided(env, key, "SandboxFailed")
     assert not [e for e in events if isinstance(e, SandboxRestartScheduled | SandboxStarting)]
+
+
+async def test_on_failure_restarts_a_pod_deleted_behind_our_back(
+    plane: tuple[Env, CommandPublisher], admin: Admin, ns: str, keys: Keys
+) -> None:
+    """A vanished runtime is a failure: the Pod deleted outside sandstream is restarted."""
+    env, pub = plane
+    key = keys()
+    await command(
+        env, pub, f.create(key, sandbox_spec=spec("OnFailure", 1, 0.5, 0.5), occurred_at=now())
+    )
+    await wait_phase(env, key, "Ready", generation=1, timeout=WAIT)
+    await admin.delete_pod_now(ns, pod_name(key, 1))
+    await wait_phase(env, key, "Ready", generation=2, timeout=WAIT)
+    events = await decided(env, key, "SandboxReady", generation=2)
+    assert_backoff(events, "OnFailure", [0.5])
+    (scheduled,) = [e for e in events if isinstance(e, SandboxRestartScheduled)]
+    assert scheduled.reason == "runtime removed outside sandstream"
+    (reason,) = await restart_reasons(env, key)
+    assert "restart_policy OnFailure" in reason
+    assert await admin.pod_names(ns, key) == [pod_name(key, 2)]
