@@ -119,6 +119,37 @@ async def test_always_restarts_an_exit_0_and_never_restarts_no_exit(
         assert not [e for e in ended if isinstance(e, SandboxRestartScheduled | SandboxStarting)]
 
 
+async def test_on_failure_restarts_a_failed_launch(podman: PodmanClient) -> None:
+    """A launch that cannot succeed (an image Podman does not know: the driver reports it at
+    once, without retrying) is a failure: OnFailure restarts it, up to max_restarts."""
+    async with podman_env(podman, "rstl") as (env, driver, keys):
+        env.settings = env.settings.model_copy(update=FAST)
+        key = keys()
+        spec = SandboxSpec(
+            image="localhost/sandstream-no-such-image:0",
+            command=["true"],
+            restart_policy="OnFailure",
+            restart_backoff=RestartBackoff(initial_seconds=0.2, max_seconds=0.2),
+            max_restarts=1,
+        )
+        async with (
+            running_plane(env, driver, with_scheduler=True, removing=keys),
+            await env.publisher() as pub,
+        ):
+            await command(env, pub, f.create(key, sandbox_spec=spec, occurred_at=now()))
+            row = await wait_restart_limit(env, key, WAIT)
+        assert (row["phase"], row["generation"]) == ("Error", 2)
+        assert "image not known" in row["reason"], row["reason"]
+        records = await env.read_topic(env.settings.topic_events)
+        events = [decode(EVENTS, r.value) for r in records if r.key == key.encode()]
+        (scheduled,) = [e for e in events if isinstance(e, SandboxRestartScheduled)]
+        assert "image not known" in scheduled.reason
+        starts = [e for e in events if isinstance(e, SandboxStarting)]
+        assert [(e.policy, e.attempt, e.generation) for e in starts] == [("OnFailure", 1, 2)]
+        restarts = [h for h in await history(env, key) if h["message_type"] == "DeadlineDue"]
+        assert len(restarts) == 1 and "restart_policy OnFailure" in restarts[0]["reason"]
+
+
 async def test_a_control_plane_killed_before_a_scheduled_restart_restarts_exactly_once(
     tmp_path: Path, podman: PodmanClient
 ) -> None:
