@@ -234,3 +234,31 @@ async def test_on_failure_restarts_a_pod_deleted_behind_our_back(
     (reason,) = await restart_reasons(env, key)
     assert "restart_policy OnFailure" in reason
     assert await admin.pod_names(ns, key) == [pod_name(key, 2)]
+
+
+async def test_a_stop_cancels_a_scheduled_restart(
+    plane: tuple[Env, CommandPublisher], admin: Admin, ns: str, keys: Keys
+) -> None:
+    """The failed Pod's restart is scheduled a minute out; a stop takes its place: the row is
+    Stopped at the same generation and holds no deadline the scheduler could act on."""
+    env, pub = plane
+    key = keys()
+    await command(
+        env, pub, f.create(key, sandbox_spec=spec("OnFailure", 3, 60, 60), occurred_at=now())
+    )
+    await exit_generation(env, admin, ns, key, 1, 1)
+    await eventually(
+        lambda: env.fetchval("SELECT deadline->>'kind' FROM sandboxes WHERE key = $1", key),
+        lambda kind: kind == "restart",
+        timeout=WAIT,
+        what="the restart scheduled",
+    )
+    await command(env, pub, f.stop(key, occurred_at=now()))
+    stopped = await wait_phase(env, key, "Stopped", timeout=WAIT)
+    assert stopped["generation"] == 1
+    assert await env.fetchval("SELECT deadline FROM sandboxes WHERE key = $1", key) is None
+    events = await decided(env, key, "SandboxStopped")
+    assert [e.type for e in events if isinstance(e, SandboxRestartScheduled)] == [
+        "SandboxRestartScheduled"
+    ]
+    assert not [e for e in events if isinstance(e, SandboxStarting)]
