@@ -12,6 +12,8 @@ nothing else. One module a job:
   committed.
 - ``changes``: the row change feed (``ChangeFeed``: LISTEN and a shared horizon query;
   ``changes_after``).
+- ``versions``: every version of a sandbox's row, rebuilt from its decided events (the
+  outbox) with the processor's ``evolve``.
 - ``decided``: the feed of decided events from the outbox.
 - ``counts``: the sandboxes that need an operator's attention.
 
@@ -20,7 +22,7 @@ The names callers use are re-exported here (``from services.api.readmodel import
 it is kept. Inside the package, modules import each other by module, never through here.
 """
 
-from services.api.readmodel.changes import CHANGES_PAGE, ChangeFeed, changes_after
+from services.api.readmodel.changes import CHANGES_PAGE, ChangeFeed, changed_rows, changes_after
 from services.api.readmodel.counts import Attention, attention
 from services.api.readmodel.decided import (
     EVENTS_PAGE,
@@ -40,23 +42,32 @@ from services.api.readmodel.pages import (
     parse_label_filters,
 )
 from services.api.readmodel.queries import (
+    get_row,
     get_sandbox,
     history,
     list_sandboxes,
     sandbox_exists,
     stored_input_offsets,
 )
+from services.api.readmodel.versions import (
+    REPLAY_EVENTS,
+    VersionsLost,
+    incarnation_versions,
+    versions_after,
+)
 from services.api.readmodel.views import (
     CommandStatus,
     Condition,
     HistoryEntry,
     HistoryPage,
+    Row,
     SandboxList,
     SandboxView,
     command_status,
     conditions,
     pending_status,
     sandbox_view,
+    view_of,
 )
 
 __all__ = [
@@ -65,6 +76,7 @@ __all__ = [
     "MAX_HISTORY_PAGE",
     "MAX_PAGE",
     "PAGE_TOKEN_MAX_LENGTH",
+    "REPLAY_EVENTS",
     "Attention",
     "ChangeFeed",
     "CommandStatus",
@@ -73,11 +85,14 @@ __all__ = [
     "HistoryEntry",
     "HistoryPage",
     "InvalidArgument",
+    "Row",
     "SandboxList",
     "SandboxView",
+    "VersionsLost",
     "attention",
     "await_outcome",
     "change_horizon",
+    "changed_rows",
     "changes_after",
     "command_status",
     "conditions",
@@ -88,8 +103,10 @@ __all__ = [
     "events_after",
     "fetch_outcome",
     "get_outcome",
+    "get_row",
     "get_sandbox",
     "history",
+    "incarnation_versions",
     "list_sandboxes",
     "parse_label_filters",
     "pending_status",
@@ -97,4 +114,6 @@ __all__ = [
     "sandbox_exists",
     "sandbox_view",
     "stored_input_offsets",
+    "versions_after",
+    "view_of",
 ]

@@ -19,9 +19,11 @@ from services.api.readmodel.pages import (
 from services.api.readmodel.views import (
     VIEW_COLUMNS,
     HistoryPage,
+    Row,
     SandboxList,
     SandboxView,
     history_entry,
+    row_of,
     sandbox_view,
 )
 from services.common.database import Pool
@@ -33,6 +35,12 @@ async def get_sandbox(pool: Pool, name: str) -> SandboxView | None:
         f"SELECT {VIEW_COLUMNS} FROM sandboxes WHERE key = $1 AND phase <> 'Deleted'", name
     )
     return sandbox_view(record) if record is not None else None
+
+
+async def get_row(pool: Pool, name: str) -> Row | None:
+    """The row of ``name`` as stored (also a tombstone), and its position in the change feed."""
+    record = await pool.fetchrow(f"SELECT {VIEW_COLUMNS} FROM sandboxes WHERE key = $1", name)
+    return row_of(record) if record is not None else None
 
 
 async def sandbox_exists(pool: Pool, name: str) -> bool:
