@@ -26,6 +26,7 @@ from openshell_support import (
     status_of,
     wait_phase,
 )
+from pipeline_support import history
 
 from events.commands import CreateSandbox
 from events.common import SandboxSpec
@@ -262,6 +263,48 @@ async def test_a_command_too_large_for_a_kafka_record_is_resource_exhausted(
 
 
 # -- bounds and scopes ---------------------------------------------------------------------------
+
+
+async def test_a_spec_beyond_the_records_bounds_is_invalid_argument_and_never_logged(
+    gateway: Gateway,
+) -> None:
+    """Bounds the API's records keep (an environment value of at most 10,000 characters, at
+    most 256 variables, an image name of at most 500), sent by either generation: refused
+    before anything is submitted, naming the field, and no command of the name on the commands
+    topic nor in the history."""
+    old, new = gateway.new_name(), gateway.new_name()
+    long_value = pb.SandboxSpec(environment={"BIG": "x" * 10_001})
+    with pytest.raises(grpc.aio.AioRpcError) as value:
+        await gateway.stub.CreateSandbox(
+            pb.CreateSandboxRequest(name=old, spec=long_value), metadata=auth()
+        )
+    many = os1.SandboxSpec(environment={f"V{i}": "1" for i in range(257)})
+    with pytest.raises(grpc.aio.AioRpcError) as count:
+        await call(
+            gateway,
+            "CreateSandbox",
+            os1.CreateSandboxRequest(name=new, workspace_scope=SCOPE, spec=many),
+            os1.SandboxResponse,
+        )
+    image = pb.SandboxSpec(template=pb.SandboxTemplate(image="i" * 501))
+    with pytest.raises(grpc.aio.AioRpcError) as long_image:
+        await gateway.stub.CreateSandbox(
+            pb.CreateSandboxRequest(name=old, spec=image), metadata=auth()
+        )
+    for raised, field in (
+        (value, "spec.environment.BIG"),
+        (count, "spec.environment"),
+        (long_image, "spec.template.image"),
+    ):
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (raised.value.details() or "").startswith(field + ":"), raised.value.details()
+    accepted = gateway.new_name()  # within the bounds: its command is on the topic
+    await create(gateway, accepted, spec=pb.SandboxSpec(environment={"BIG": "x" * 10_000}))
+    env = gateway.env
+    logged = {r.key for r in await env.read_topic(env.settings.topic_commands)}
+    assert accepted.encode() in logged
+    assert old.encode() not in logged and new.encode() not in logged
+    assert await history(env, old) == [] and await history(env, new) == []
 
 
 async def test_exec_has_a_default_limit_and_a_cap_of_sessions_per_token(gateway: Gateway) -> None:
