@@ -39,6 +39,7 @@ READER = "sst_test-reader"
 WRITER = "sst_test-writer"
 AUDITOR = "sst_test-auditor"
 KEEPER = "sst_test-keeper"  # provider scopes only
+INSPECTOR = "sst_test-inspector"  # reads sandboxes and the audit
 
 
 def tokens() -> TokenStore:
@@ -48,6 +49,7 @@ def tokens() -> TokenStore:
         writer=(WRITER, WRITE),
         auditor=(AUDITOR, AUDIT),
         keeper=(KEEPER, PROVIDER_READ, PROVIDER_WRITE),
+        inspector=(INSPECTOR, READ, AUDIT),
     )
 
 

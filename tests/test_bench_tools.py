@@ -23,7 +23,7 @@ from services.bench.rebuild import copies, rebuild_figures, template_events
 from services.bench.stages import consumer_records, stages_cpu
 from services.common.settings import Settings
 from services.localstack.isolation import isolated
-from services.processor.consumer import Parsed, parse
+from services.processor.intake import Parsed, parse
 
 
 async def test_ceiling_records_every_input_once_with_consecutive_versions(

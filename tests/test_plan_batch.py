@@ -15,7 +15,8 @@ from projections.fold import fold
 from projections.store import HistoryRow
 from services.common.settings import Settings
 from services.processor.checkpoints import parse_checkpoint
-from services.processor.consumer import Parsed, parse, plan_batch
+from services.processor.intake import Parsed, parse
+from services.processor.plan import plan_batch
 
 PARTITIONS = 4
 SETTINGS = Settings().model_copy(

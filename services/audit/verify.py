@@ -31,7 +31,7 @@ import asyncpg
 
 from events.codec import encode
 from projections.chain import ChainId, chain_of
-from projections.fold import Rules, fold
+from projections.fold import Rules
 from projections.lifecycle import decide
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record, write_batch
 from services.audit.anchors import read_anchors
@@ -42,7 +42,8 @@ from services.audit.reach import Reach, log_reach
 from services.common.kafka_clients import kafka_client_args
 from services.common.migrations import apply_migrations
 from services.common.settings import Settings
-from services.processor.consumer import Parsed, parse, plan_batch
+from services.processor.intake import Parsed, parse
+from services.processor.plan import Replay
 
 CHUNK = 1000  # inputs replayed per scratch write
 
@@ -254,35 +255,26 @@ async def _partition(
     replayable = [e for e in wanted if e.key not in gone]
 
     # Replay into the scratch schema, CHUNK inputs per write, exactly as the processor would.
-    states: dict[str, Any] = {}
-    outcomes: dict[tuple[str, str], Any] = {}
-    heads: dict[ChainId, bytes | None] = {}
-    offsets = {(commands, p): 0, (observations, p): 0}
+    decider = Replay(settings, options.rules, offsets={(commands, p): 0, (observations, p): 0})
     redecided_events: dict[tuple[str, int], list[tuple[str, bytes]]] = defaultdict(list)
     for start in range(0, len(replayable), CHUNK):
         chunk = replayable[start : start + CHUNK]
         items = [
-            parse(by_position[(e.topic, e.offset)], commands, settings.kafka_partitions)
+            parse(
+                by_position[(e.topic, e.offset)],
+                commands,
+                settings.kafka_partitions,
+                max_bytes=settings.processor_max_input_bytes,
+            )
             for e in chunk
         ]
         for entry, item in zip(chunk, items, strict=True):
             if isinstance(item, Parsed) and entry.message != item.record.value.decode():
                 diverge(entry, "the recorded input body differs from the log", entry.message
                         or "", item.record.value.decode(), "in the log")  # fmt: skip
-        parsed = [i for i in items if isinstance(i, Parsed)]
-        result = fold(
-            states,
-            outcomes,
-            ((i.cause, i.message) for i in parsed),
-            options.rules,
-            settings.lifecycle_limits,
-        )
-        plan = plan_batch(items, result, offsets, settings, states, heads)
-        await write_batch(out, plan)
-        states, outcomes = result.states, {**outcomes, **result.outcomes}
-        heads.update({chain_of(h.key, h.partition): h.entry_hash for h in plan.history})
-        offsets = {tp: new for tp, (_, new) in plan.offsets.items()}
-        for step in result.steps:
+        decided = decider.decide(items)
+        await write_batch(out, decided.plan)
+        for step in decided.result.steps:
             for event in step.decision.events:
                 cause = (step.cause.topic, step.cause.offset)
                 redecided_events[cause].append((str(event.event_id), encode(event)))

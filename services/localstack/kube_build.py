@@ -182,13 +182,13 @@ def go_version(text: str) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
-def _check_go() -> None:
-    need = f"Go {MIN_GO[0]}.{MIN_GO[1]} or newer (https://go.dev/dl; Debian 12's golang is older)"
+def _check_go(minimum: tuple[int, int] = MIN_GO, building: str = "the local cluster") -> None:
+    need = f"Go {minimum[0]}.{minimum[1]} or newer (https://go.dev/dl; Debian 12's golang is older)"
     if shutil.which("go") is None:
-        raise BuildError(f"`go` is not installed: building the local cluster needs {need}")
+        raise BuildError(f"`go` is not installed: building {building} needs {need}")
     found = subprocess.run(["go", "env", "GOVERSION"], capture_output=True, text=True, check=False)
     version = go_version(found.stdout)
-    if version is None or version < MIN_GO:
+    if version is None or version < minimum:
         raise BuildError(f"found {found.stdout.strip() or 'an unknown Go'}; need {need}")
 
 

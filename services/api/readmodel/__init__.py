@@ -15,7 +15,8 @@ nothing else. One module a job:
 - ``versions``: every version of a sandbox's row, rebuilt from its decided events (the
   outbox) with the processor's ``evolve``.
 - ``decided``: the feed of decided events from the outbox.
-- ``counts``: the sandboxes that need an operator's attention.
+- ``counts``: the sandboxes that need an operator's attention (counted, and named with why).
+- ``trend``: live sandboxes per phase now and over the last hours, from the history.
 
 The names callers use are re-exported here (``from services.api.readmodel import SandboxView``,
 ``readmodel.list_sandboxes``): the package is the read model's interface, its modules are how
@@ -23,7 +24,7 @@ it is kept. Inside the package, modules import each other by module, never throu
 """
 
 from services.api.readmodel.changes import CHANGES_PAGE, ChangeFeed, changed_rows, changes_after
-from services.api.readmodel.counts import Attention, attention
+from services.api.readmodel.counts import Attention, NeedsAttention, attention, needing_attention
 from services.api.readmodel.decided import (
     EVENTS_PAGE,
     Decided,
@@ -46,8 +47,16 @@ from services.api.readmodel.queries import (
     get_sandbox,
     history,
     list_sandboxes,
+    recent_history,
     sandbox_exists,
     stored_input_offsets,
+)
+from services.api.readmodel.trend import (
+    TREND_WINDOWS,
+    Trend,
+    TrendTooLarge,
+    live_counts,
+    phase_trend,
 )
 from services.api.readmodel.versions import (
     REPLAY_EVENTS,
@@ -65,6 +74,7 @@ from services.api.readmodel.views import (
     SandboxView,
     command_status,
     conditions,
+    input_label,
     pending_status,
     sandbox_view,
     view_of,
@@ -77,6 +87,7 @@ __all__ = [
     "MAX_PAGE",
     "PAGE_TOKEN_MAX_LENGTH",
     "REPLAY_EVENTS",
+    "TREND_WINDOWS",
     "Attention",
     "ChangeFeed",
     "CommandStatus",
@@ -85,9 +96,12 @@ __all__ = [
     "HistoryEntry",
     "HistoryPage",
     "InvalidArgument",
+    "NeedsAttention",
     "Row",
     "SandboxList",
     "SandboxView",
+    "Trend",
+    "TrendTooLarge",
     "VersionsLost",
     "attention",
     "await_outcome",
@@ -107,9 +121,14 @@ __all__ = [
     "get_sandbox",
     "history",
     "incarnation_versions",
+    "input_label",
     "list_sandboxes",
+    "live_counts",
+    "needing_attention",
     "parse_label_filters",
     "pending_status",
+    "phase_trend",
+    "recent_history",
     "retained_from",
     "sandbox_exists",
     "sandbox_view",
