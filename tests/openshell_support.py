@@ -42,6 +42,7 @@ class Gateway:
     new_name: Any  # () -> a fresh sandbox name, cleaned up afterwards
     made: list[str]
     env: Env
+    commands: CommandGateway  # the door's own command gateway, for commands it cannot send
 
 
 def auth(token: str = ADMIN, command_id: str | None = None) -> list[tuple[str, str]]:
@@ -89,6 +90,7 @@ async def gateway_fixture(podman: PodmanClient) -> AsyncIterator[Gateway]:
                     keys,
                     keys.made,
                     env,
+                    gateway,
                 )
         finally:
             await feed.close()
