@@ -140,6 +140,15 @@ def call(gw: Gateway, method: str, request: Message, answer: type[Message], **kw
     return rpc(request, metadata=kw.pop("metadata", auth()), timeout=kw.pop("timeout", WAIT))
 
 
+def stream(gw: Gateway, method: str, request: Message, answer: type[Message], **kw: Any) -> Any:
+    rpc = gw.channel.unary_stream(
+        PATH + method,
+        request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=answer.FromString,
+    )
+    return rpc(request, metadata=kw.pop("metadata", auth()), timeout=kw.pop("timeout", WAIT))
+
+
 async def status_of(call: Any) -> grpc.StatusCode:
     """The status a call ends with (OK when it succeeds)."""
     try:

@@ -11,11 +11,9 @@ from typing import Any
 
 import grpc
 import pytest
-from google.protobuf.message import Message
 from openshell_support import (
     EXEC_LIMIT,
     EXEC_SESSIONS,
-    PATH,
     WAIT,
     WRITER,
     Gateway,
@@ -25,6 +23,7 @@ from openshell_support import (
     create,
     gateway_fixture,  # noqa: F401  (the module's gateway)
     status_of,
+    stream,
     wait_phase,
 )
 
@@ -33,15 +32,6 @@ from services.openshell.proto.vendored.v0_1_5 import datamodel_pb2 as dm1
 from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os1
 
 SCOPE = dm1.WorkspaceSelector(workspace="default")
-
-
-def stream(gw: Gateway, method: str, request: Message, answer: type[Message], **kw: Any) -> Any:
-    rpc = gw.channel.unary_stream(
-        PATH + method,
-        request_serializer=lambda m: m.SerializeToString(),
-        response_deserializer=answer.FromString,
-    )
-    return rpc(request, metadata=kw.pop("metadata", auth()), timeout=kw.pop("timeout", WAIT))
 
 
 async def ready(gw: Gateway, name: str, **request: Any) -> str:

@@ -21,6 +21,7 @@ from projections.store import CONNECTION_ERRORS
 from services.openshell.exec_rpc import ExecLimits, ExecRpcs
 from services.openshell.logs import LogRpcs
 from services.openshell.providers import PROVIDER_METHODS, ProviderRpcs
+from services.openshell.sandbox_providers import SandboxProviderRpcs
 from services.openshell.sandboxes import SandboxRpcs
 from services.openshell.service import Context, Door
 from services.openshell.watch import WatchRpcs
@@ -97,6 +98,7 @@ class OpenShellService:
             WatchRpcs(door),
             LogRpcs(door),
             ProviderRpcs(door),
+            SandboxProviderRpcs(door),
         )
 
     def method(self, name: str) -> Any:
