@@ -45,6 +45,7 @@ class Gateway:
     new_name: Any  # () -> a fresh sandbox name, cleaned up afterwards
     made: list[str]
     env: Env
+    commands: CommandGateway  # the door's own command gateway, for commands it cannot send
 
 
 def auth(token: str = ADMIN, command_id: str | None = None) -> list[tuple[str, str]]:
@@ -95,6 +96,7 @@ async def running_gateway(
                         keys,
                         keys.made,
                         env,
+                        gateway,
                     )
             finally:
                 await feed.close()

@@ -23,6 +23,7 @@ Modules:
 - ``server``: the OpenShell-compatible gRPC server (grpcio's asyncio server), in `up` or as its own
   role.
 - ``service``: the door's plumbing: authentication, command ids, submitting commands.
-- ``watch``: WatchSandbox: status from the change feed, logs, cursors.
+- ``watch``: WatchSandbox: every version of the row (the change feed, and the decided events
+  for the versions it moved past), logs, resumable cursors.
 - ``wire``: which OpenShell protocol generation sent a request.
 """
