@@ -166,7 +166,9 @@ async def test_provider_rpcs_in_both_generations_never_return_values(gateway: Ga
     ask.never_carried(first, second)
 
 
-async def test_unkept_fields_and_reserved_keys_are_invalid_argument(gateway: Gateway) -> None:
+async def test_unkept_fields_reserved_keys_and_a_new_type_are_invalid_argument(
+    gateway: Gateway,
+) -> None:
     name = provider_name()
     with_config = dm1.Provider(metadata=dm1.ObjectMeta(name=name), config={"url": "x"})
     error = await refused(
@@ -183,6 +185,13 @@ async def test_unkept_fields_and_reserved_keys_are_invalid_argument(gateway: Gat
     assert await status_of(
         call(gateway, "GetProvider", os1.GetProviderRequest(name=name), os1.ProviderResponse)
     ) == grpc.StatusCode.NOT_FOUND  # fmt: skip
+    made = dm1.Provider(metadata=dm1.ObjectMeta(name=name), type="github")
+    await call(gateway, "CreateProvider", os1.CreateProviderRequest(provider=made),
+               os1.ProviderResponse)  # fmt: skip
+    retyped = dm1.Provider(metadata=dm1.ObjectMeta(name=name), type="gitlab")
+    error = await refused(gateway, "UpdateProvider", os1.UpdateProviderRequest(provider=retyped))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "provider.type" in (error.details() or "")
 
 
 async def test_scopes_are_those_of_the_http_providers(gateway: Gateway) -> None:

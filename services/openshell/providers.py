@@ -104,8 +104,9 @@ class ProviderRpcs(ProviderCalls):
         )
 
     async def UpdateProvider(self, raw: bytes, context: Context) -> served_pb2.ProviderResponse:
-        """New values for the provider (its whole set of keys); ``target_receipts``: what the
-        update does to each attached live sandbox (a restart, or why not)."""
+        """New values for the provider (its whole set of keys; none: unchanged); the type is
+        fixed at create. ``target_receipts``: what the update does to each attached live
+        sandbox (a restart, or why not)."""
         principal, decoded, mutation_id = await self._write(
             raw, os_0_0.UpdateProviderRequest, os_0_1.UpdateProviderRequest, context
         )
@@ -118,6 +119,14 @@ class ProviderRpcs(ProviderCalls):
             wanted = messages.provider_input(request.provider, unkept_in_request=unkept)
         except mapping.InvalidRequest as exc:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        before = await self._info(wanted.name, context)
+        if wanted.type not in (None, before.type):
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"provider.type: {wanted.type!r}: a provider's type is set at create "
+                f"(this one is {before.type!r})",
+            )
         receipts: list[served_pb2.ProviderMutationReceipt] = []
         if wanted.credentials:
             service = await self._service(context)
