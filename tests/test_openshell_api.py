@@ -261,7 +261,7 @@ async def test_tokens_and_scopes_are_checked(gateway: Gateway) -> None:
 
 
 async def test_methods_outside_the_subset_are_unimplemented(gateway: Gateway) -> None:
-    call = gateway.channel.unary_unary("/openshell.v1.OpenShell/CreateProvider")
+    call = gateway.channel.unary_unary("/openshell.v1.OpenShell/GetProviderCredentials")
     assert await status_of(call(b"", metadata=auth())) == grpc.StatusCode.UNIMPLEMENTED
 
 

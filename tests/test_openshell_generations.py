@@ -12,7 +12,6 @@ from typing import Any
 
 import grpc
 import pytest
-from google.protobuf.message import Message
 from openshell_support import (
     EXEC_LIMIT,
     EXEC_SESSIONS,
@@ -21,9 +20,11 @@ from openshell_support import (
     Gateway,
     Phase,
     auth,
+    call,
     create,
     gateway_fixture,  # noqa: F401  (the module's gateway)
     status_of,
+    stream,
     wait_phase,
 )
 from pipeline_support import history
@@ -35,26 +36,6 @@ from services.openshell.proto.vendored.v0_1_5 import datamodel_pb2 as dm1
 from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os1
 
 SCOPE = dm1.WorkspaceSelector(workspace="default")
-PATH = "/openshell.v1.OpenShell/"
-
-
-def call(gw: Gateway, method: str, request: Message, answer: type[Message], **kw: Any) -> Any:
-    """A 0.1 client's unary call: its own messages on OpenShell's method path."""
-    rpc = gw.channel.unary_unary(
-        PATH + method,
-        request_serializer=lambda m: m.SerializeToString(),
-        response_deserializer=answer.FromString,
-    )
-    return rpc(request, metadata=kw.pop("metadata", auth()), timeout=kw.pop("timeout", WAIT))
-
-
-def stream(gw: Gateway, method: str, request: Message, answer: type[Message], **kw: Any) -> Any:
-    rpc = gw.channel.unary_stream(
-        PATH + method,
-        request_serializer=lambda m: m.SerializeToString(),
-        response_deserializer=answer.FromString,
-    )
-    return rpc(request, metadata=kw.pop("metadata", auth()), timeout=kw.pop("timeout", WAIT))
 
 
 async def ready(gw: Gateway, name: str, **request: Any) -> str:

@@ -11,8 +11,12 @@ Modules:
   raw bytes in.
 - ``logs``: GetSandboxLogs, read from the runtime.
 - ``mapping``: OpenShell's resource model <-> sandstream's.
+- ``provider_door``: what the provider RPCs share (the provider service, its refusals, decoding).
+- ``provider_messages``: OpenShell's provider messages <-> sandstream's providers.
+- ``providers``: the provider RPCs and their refresh (static credentials only).
 - ``proto/``: the subset of OpenShell's protos that sandstream serves (``*.proto``, wire-compatible
   with OpenShell's) and the modules grpcio-tools generates from them (committed).
+- ``sandbox_providers``: a sandbox's providers: list, attach, detach.
 - ``sandboxes``: the sandbox RPCs.
 - ``sdk``: OpenShell's official Python SDK, one virtualenv per released version, made once and
   cached.
