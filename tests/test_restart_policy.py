@@ -164,7 +164,9 @@ PENDING_INPUTS: dict[str, list[tuple[Any, bool]]] = {
     "the generation seen running": [(lambda: f.running(occurred_at=f.at(3)), False)],
 }
 PENDING_CASES = [
-    (what, make, kept) for what, inputs in PENDING_INPUTS.items() for make, kept in inputs
+    pytest.param(what, make, kept, id=f"{what}-{i}-{'kept' if kept else 'cancelled'}")
+    for what, inputs in PENDING_INPUTS.items()
+    for i, (make, kept) in enumerate(inputs)
 ]
 
 
@@ -178,7 +180,7 @@ def test_every_entry_of_the_pending_restart_table_is_driven() -> None:
             assert claim in PENDING_RESTART_TABLE[what], (what, claim)
 
 
-@pytest.mark.parametrize(("what", "make", "kept"), PENDING_CASES, ids=lambda v: str(v)[:30])
+@pytest.mark.parametrize(("what", "make", "kept"), PENDING_CASES)
 def test_what_an_input_does_to_a_scheduled_restart(what: str, make: Any, kept: bool) -> None:
     h = f.Harness()
     spec = policy_spec("Always")
