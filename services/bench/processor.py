@@ -20,77 +20,21 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
-from datetime import UTC, datetime, timedelta
+from collections.abc import Callable
 
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from events.codec import encode
-from events.commands import CreateSandbox, StopSandbox
-from events.common import SandboxSpec
-from events.observations import RuntimeSnapshot
+from events.commands import CreateSandbox
 from events.topics import CHANGES_CHANNEL
 from services.bench import ceiling, cpu
+from services.bench.workload import SPEC, T0, lifecycle_messages, produce_all
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.localstack.config import kafka_paths
 from services.localstack.isolation import isolated
 from services.processor.consumer import Processor
-
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
-SPEC = SandboxSpec(image="localhost/sandstream-base:1", command=["sleep", "3600"])
-
-
-def lifecycle_messages(keys: int) -> tuple[list[tuple[str, bytes, bytes]], int]:
-    """Per key: create, running, stop, exited — 4 messages, every one a state change."""
-    out: list[tuple[str, bytes, bytes]] = []
-    for phase in range(4):
-        for k in range(keys):
-            key = f"bench-{k}"
-            at = T0 + timedelta(milliseconds=phase)
-            common = {"key": key, "occurred_at": at, "actor": "bench"}
-            message: CreateSandbox | StopSandbox | RuntimeSnapshot
-            topic = "commands"
-            if phase == 0:
-                message = CreateSandbox(
-                    type="CreateSandbox", command_id=f"c-{k}", spec=SPEC, **common
-                )
-            elif phase == 2:
-                message = StopSandbox(type="StopSandbox", command_id=f"s-{k}", **common)
-            else:
-                topic = "observations"
-                message = RuntimeSnapshot(
-                    type="RuntimeSnapshot",
-                    observation_id=f"o{phase}-{k}",
-                    generation=1,
-                    state="running" if phase == 1 else "exited",
-                    exit_code=None if phase == 1 else 143,
-                    **common,
-                )
-            out.append((topic, key.encode(), encode(message)))
-    return out, len(out)
-
-
-async def produce_all(settings: Settings, records: Sequence[tuple[str, bytes, bytes]]) -> None:
-    producer = AIOKafkaProducer(
-        **kafka_client_args(settings, "admin"),  # writes both inputs: the API's and a driver's
-        enable_idempotence=True,
-        acks="all",
-        linger_ms=20,
-        max_batch_size=512 * 1024,
-    )
-    await producer.start()
-    topics = {"commands": settings.topic_commands, "observations": settings.topic_observations}
-    try:
-        for start in range(0, len(records), 20_000):
-            futures = [
-                await producer.send(topics[t], value=v, key=k)
-                for t, k, v in records[start : start + 20_000]
-            ]
-            await asyncio.gather(*futures)
-    finally:
-        await producer.stop()
 
 
 async def throughput(settings: Settings, keys: int, max_records: int) -> None:
