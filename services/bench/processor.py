@@ -3,8 +3,10 @@
 - processor throughput: one processor drains a pre-filled log of commands and observations;
 - command-to-row latency: commands paced at a fixed rate, each timed from send until its
   outcome row is committed (seen through the processor's per-batch NOTIFY);
-- beside each, a reference measured in the same run: the ceiling projector
-  (``services.bench.ceiling``) on the same log, Kafka's own produce-to-consume latency;
+- beside each, references measured in the same run: the same-work ceiling
+  (``services.bench.same_work``: the processor's own rows, history, outcomes and outbox with
+  the least Python) and the minimal ceiling (``services.bench.ceiling``) on the same log,
+  Kafka's own produce-to-consume latency;
 - scale-out (two processor processes), rebuild of a 1,000,000-input log, a cProfile by stage
   (``python -m services.bench profile``, not part of ``all``);
 - the driver figures of ``services.bench.drivers`` (stop latency, unrelated-sandbox delay).
@@ -28,7 +30,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from events.codec import encode
 from events.commands import CreateSandbox
 from events.topics import CHANGES_CHANNEL
-from services.bench import ceiling, cpu
+from services.bench import ceiling, cpu, same_work
 from services.bench.workload import SPEC, T0, lifecycle_messages, produce_all
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
@@ -38,13 +40,19 @@ from services.processor.consumer import Processor
 
 
 async def throughput(settings: Settings, keys: int, max_records: int) -> None:
-    """The ceiling projector, then the processor, on one generated log; prints both and the
-    ratio (absolute figures move 2x between runs here; the ratio is what to steer by)."""
-    async with isolated(settings, "bench") as (s, pool):
+    """The minimal ceiling, the same-work ceiling (into a schema of its own), then the
+    processor, on one generated log; prints the three and the processor's ratio to each
+    (absolute figures move 2x between runs here; the ratios are what to steer by)."""
+    async with (
+        isolated(settings, "bench") as (s, pool),
+        isolated(settings, "bench-same") as (same, _),
+    ):
         records, total = lifecycle_messages(keys)
         await produce_all(s, records)
         broker = cpu.broker_pid(kafka_paths(s).pid)
         roof, roof_cpu = await ceiling.measured_drain(s, total, max_records, broker)
+        same_s = s.model_copy(update={"pg_schema": same.pg_schema})
+        work, work_cpu = await same_work.measured_drain(same_s, total, max_records, broker)
         processor = Processor(s, pool, max_records=max_records, name="bench")
         await processor.start()
         stop = asyncio.Event()
@@ -58,9 +66,11 @@ async def throughput(settings: Settings, keys: int, max_records: int) -> None:
         rate = (total - first) / elapsed
         print(
             f"throughput  {total:>7} inputs  max_records={max_records:<6} "
-            f"processor {rate:>9,.0f}/s  ceiling {roof:>9,.0f}/s  "
-            f"processor/ceiling {rate / roof:.2f}\n"
-            f"            CPU: processor {used}; ceiling {roof_cpu}"
+            f"processor {rate:>9,.0f}/s  same-work ceiling {work:>9,.0f}/s  "
+            f"minimal ceiling {roof:>9,.0f}/s\n"
+            f"            processor/same-work {rate / work:.2f}  processor/minimal "
+            f"{rate / roof:.2f}\n"
+            f"            CPU: processor {used}; same-work {work_cpu}; minimal {roof_cpu}"
         )
 
 

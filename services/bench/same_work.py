@@ -15,9 +15,9 @@ each decided in a few lines from the ceiling's own row state and written out as 
 instead of through the lifecycle tables, models and dataclasses. Anything else (a snapshot
 fetched before its create, a duplicate, a rejection, another command) goes through the
 product's own ``fold`` (projections/), as the processor decides it, and that sandbox stays on
-that path. It keeps every row in memory (it is the only writer of a fresh schema), and has no
-ownership, rebalance, dead-letter, decide-ahead or retry machinery: a record that fails
-validation stops it (``Unsupported``).
+that path until its row is plain again. It keeps every row in memory (it is the only writer
+of a fresh schema), and has no ownership, rebalance, dead-letter, decide-ahead or retry
+machinery: a record that fails validation stops it (``Unsupported``).
 
 Coupling, kept here: the write statement and its COPY columns (``projections.store``), the
 chain's canonical content (``projections.chain``), the name-based ids and ``fold``
@@ -127,11 +127,12 @@ class SameWork:
         self.partitions = settings.kafka_partitions
         self.limits: Limits = settings.lifecycle_limits
         self.rows: dict[str, Row] = {}
-        self.general: dict[str, Sandbox | None] = {}  # sandboxes on the general path
+        self.general: dict[str, Sandbox] = {}  # sandboxes whose rows are not plain
         self.outcomes: dict[tuple[str, str], bytes] = {}  # (key, command id): outcome JSON
         self.heads: dict[str, bytes] = {}
         self.offsets: dict[tuple[str, int], int] = {}
         self.placed: dict[str, int] = {}
+        self.by_rules = 0  # inputs decided through fold (the rest took the common path)
 
     # -- decide ---------------------------------------------------------------------------
 
@@ -236,12 +237,16 @@ class SameWork:
         batch.history.append((*content, prev, own))
 
     def _general(self, record: Record, message: Any, cause: Cause, batch: Batch) -> None:
-        """The input decided by the product's own rules (``fold``), that sandbox from now on."""
+        """The input decided by the product's own rules (``fold``); the sandbox returns to the
+        common path when its row is plain again."""
         key = message.key
-        if key not in self.general:
+        self.by_rules += 1
+        state: Sandbox | None
+        if key in self.general:
+            state = self.general[key]
+        else:
             row = self.rows.pop(key, None)
-            self.general[key] = row.sandbox(key) if row is not None else None
-        state = self.general[key]
+            state = row.sandbox(key) if row is not None else None
         command_id = cause.command_id
         known = {}
         if command_id is not None and (first := self.outcomes.get((key, command_id))):
@@ -249,7 +254,12 @@ class SameWork:
         result = fold({key: state}, known, [(cause, message)], limits=self.limits)
         decision = result.steps[0].decision
         new = decision.state
-        self.general[key] = new
+        plain = _plain_row(new) if new is not None else None
+        if plain is not None:
+            self.rows[key] = plain
+            self.general.pop(key, None)
+        elif new is not None:
+            self.general[key] = new
         p = record.partition
         for event in decision.events:
             batch.outbox.append((p, self.events, record.key, encode(event)))
@@ -357,13 +367,24 @@ class SameWork:
 
 
 def _plain(create: Any) -> bool:
-    """A create the common path decides: no providers, time to live or other policy."""
+    """A create (or row) the common path decides: no providers, time to live or policy."""
     return (
         not create.providers
-        and create.ttl_seconds is None
+        and getattr(create, "ttl_seconds", None) is None
         and create.on_expiry == "stop"
         and create.on_exit == "keep"
     )
+
+
+def _plain_row(s: Sandbox) -> Row | None:
+    """The common path's row of a product row, if it is plain (None otherwise)."""
+    if s.providers or s.hold or s.awaited or s.expires_at or not _plain(s):
+        return None
+    return Row(
+        s.sandbox_id, s.identity, s.generation, s.version, s.phase.value,
+        s.spec.model_dump_json(), s.spec.stop_timeout_seconds, s.created_at, s.updated_at,
+        s.exit_code, s.reason, s.deadline.model_dump_json() if s.deadline else None,
+    )  # fmt: skip
 
 
 def _general_positions(partition: int, s: Sandbox, base: int | None) -> tuple[Any, ...]:
