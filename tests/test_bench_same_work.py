@@ -25,7 +25,7 @@ from services.bench.workload import SPEC, T0, lifecycle_messages, produce_all
 from services.common.settings import PROJECT_ROOT, Settings
 from services.localstack.isolation import isolated
 
-KEYS = 150  # 600 inputs, and 3 more
+KEYS = 150  # 600 inputs, and 4 more
 EARLY = [k for k in range(KEYS) if k % 7 == 3]  # exited before running (exit 0 where k % 3 == 0)
 
 # Each table as compared: its columns but the database's own (sequences, clocks), in an order
@@ -64,7 +64,8 @@ def waves(keys: int) -> list[list[tuple[str, bytes, bytes]]]:
     """The benchmark's log (varied) cut into its four phases, each on one topic, so that its
     order does not depend on how the polls fall; with inputs off the common path mixed in: a
     snapshot of an unknown sandbox, sandboxes whose runtime exits before running (Error, then
-    stopped), a repeated command id and a create of an existing name."""
+    stopped), a running snapshot after the stop, a repeated command id and a create of an
+    existing name."""
     records, _ = lifecycle_messages(keys, varied=True)
     phases = [records[i * keys : (i + 1) * keys] for i in range(4)]
     exited_early = [r for r in phases[3] if int(r[1].decode().rsplit("-", 1)[1]) in EARLY]
@@ -80,6 +81,16 @@ def waves(keys: int) -> list[list[tuple[str, bytes, bytes]]]:
         actor="bench",
     )
     phases[1].append(("observations", b"ghost-1", encode(ghost)))
+    late = RuntimeSnapshot(
+        type="RuntimeSnapshot",
+        observation_id="late",
+        key="bench-2",
+        generation=1,
+        state="running",
+        occurred_at=T0,
+        actor="bench",
+    )
+    phases[3].insert(0, ("observations", b"bench-2", encode(late)))  # ignored while Stopping
     repeated = next(r for r in phases[0] if r[1] == b"bench-0")
     taken = CreateSandbox(
         type="CreateSandbox",
@@ -138,10 +149,10 @@ async def test_the_same_work_ceiling_writes_exactly_what_the_processor_writes(
                     await few.until(total)
                     await many.until(total)
                 # The off-path inputs went through the rules (the early exits and the stops
-                # after them, the ghost, the repeat, the taken name), the rest took the common
-                # path, and every row is plain again at the end.
+                # after them, the repeat, the taken name), the rest took the common path, and
+                # every row is plain again at the end.
                 for drain in (few, many):
-                    assert drain.ceiling.by_rules == 2 * len(EARLY) + 3
+                    assert drain.ceiling.by_rules == 2 * len(EARLY) + 2
                     assert len(drain.ceiling.rows) == KEYS and not drain.ceiling.general
         finally:
             await conn.close()
@@ -156,9 +167,9 @@ async def test_the_same_work_ceiling_writes_exactly_what_the_processor_writes(
                 for mine, theirs in zip(got[name], expected[name], strict=True):
                     assert mine == theirs, (name, ceiling.pg_schema)
     # The log held what it should: the common path and the general one both decided.
-    assert len(expected["history"]) == total == 4 * KEYS + 3
+    assert len(expected["history"]) == total == 4 * KEYS + 4
     dispositions = Counter(h["disposition"] for h in expected["history"])
-    assert dispositions == {"applied": 4 * KEYS, "ignored": 1, "duplicate": 1, "rejected": 1}
+    assert dispositions == {"applied": 4 * KEYS, "ignored": 2, "duplicate": 1, "rejected": 1}
     phases = Counter(r["phase"] for r in expected["sandboxes"])
     assert phases == {"Stopped": KEYS}
     reasons = Counter(h["reason"].rpartition(": ")[2] for h in expected["history"])

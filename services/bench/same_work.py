@@ -11,6 +11,8 @@ processor does.
 
 Where it saves is the common path of the benchmark's log: a create, a running snapshot, a stop
 and an exited snapshot of a plain sandbox (no providers, time to live, hold or other policy),
+and a snapshot of no sandbox yet or with no effect in the sandbox's phase (a poll often holds
+one topic of a partition without the other, and the processor ignores those too),
 each decided in a few lines from the ceiling's own row state and written out as JSON directly,
 instead of through the lifecycle tables, models and dataclasses. Anything else (a snapshot
 fetched before its create, a duplicate, a rejection, another command) goes through the
@@ -50,7 +52,14 @@ from events.topics import CHANGES_CHANNEL, partition_for
 from events.trusted import builder
 from projections.chain import GENESIS, content_json
 from projections.fold import fold
-from projections.lifecycle import Limits, Sandbox, event_id_for, identity_for, sandbox_id_for
+from projections.lifecycle import (
+    OBSERVATION_TABLE,
+    Limits,
+    Sandbox,
+    event_id_for,
+    identity_for,
+    sandbox_id_for,
+)
 from projections.store import (
     _WRITE_BATCH,
     BATCH_SESSION,
@@ -69,6 +78,8 @@ _OUTCOME = TypeAdapter(CommandOutcome)
 CURSOR_EVERY = 0.1  # s between publish-cursor writes, as the processor
 LAUNCH_PENDING = ("Provisioning", "Starting")
 STOPPABLE = ("Provisioning", "Starting", "Ready")  # where the lifecycle admits a stop
+# Per phase, the kinds of observation that have an effect (the lifecycle's own table).
+NO_EFFECT = {phase.value: set(kinds) for phase, kinds in OBSERVATION_TABLE.items()}
 
 
 class Unsupported(Exception):
@@ -168,6 +179,11 @@ class SameWork:
                 '"on_exit":"keep"'
             )
         elif row is None:
+            if kind == "RuntimeSnapshot":  # the lifecycle ignores observations of no sandbox
+                what = f"RuntimeSnapshot({_seen(message)}) of generation {message.generation}"
+                self._history(batch, record, message, None, "ignored",
+                              f"unknown sandbox: {what}", None, None, None, [], None)  # fmt: skip
+                return None
             return self._general(record, message, cause, batch)
         elif kind == "StopSandbox" and row.phase in STOPPABLE and message.expected_version is None:
             phase_was, event = row.phase, "SandboxStopping"
@@ -180,10 +196,15 @@ class SameWork:
             why = f"StopSandbox accepted: sandbox {key!r} is Stopping"
             extra = f',"deadline":{row.deadline or "null"}'
         elif kind == "RuntimeSnapshot" and message.generation == row.generation:
-            state = message.state
-            seen = "running" if state == "running" else "created"
-            if state == "exited":
-                seen = "exited_ok" if message.exit_code == 0 else "exited_error"
+            seen = _seen(message)
+            what = f"RuntimeSnapshot({seen}) of generation {row.generation}"
+            effects = NO_EFFECT.get(row.phase)
+            if effects is not None and seen not in effects:
+                # No effect in this phase (the lifecycle's table): recorded, nothing changes.
+                why = f"no effect in phase {row.phase}: {what}"
+                self._history(batch, record, message, None, "ignored", why, row.phase,
+                              row.generation, row.version, [], row.sandbox_id)  # fmt: skip
+                return None
             if seen == "running" and row.phase in LAUNCH_PENDING:
                 phase_was, event, row.phase = row.phase, "SandboxReady", "Ready"
                 row.exit_code = row.reason = None
@@ -193,7 +214,6 @@ class SameWork:
             else:
                 return self._general(record, message, cause, batch)
             row.deadline = None
-            what = f"RuntimeSnapshot({seen}) of generation {row.generation}"
             why = f"{what}: {phase_was} -> {row.phase}"
             extra = ""
         else:
@@ -374,6 +394,13 @@ def _plain(create: Any) -> bool:
         and create.on_expiry == "stop"
         and create.on_exit == "keep"
     )
+
+
+def _seen(snapshot: Any) -> str:
+    """A runtime snapshot's kind of observation, as the lifecycle names it."""
+    if snapshot.state == "exited":
+        return "exited_ok" if snapshot.exit_code == 0 else "exited_error"
+    return "running" if snapshot.state == "running" else "created"
 
 
 def _plain_row(s: Sandbox) -> Row | None:
