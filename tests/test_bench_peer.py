@@ -18,6 +18,7 @@ from services.bench.peer import (
     PEER,
     Plan,
     SandstreamApi,
+    above_idle,
     goals,
     highest_rate,
     median_figures,
@@ -196,3 +197,11 @@ def test_rounds_alternate_the_order_and_medians_combine_them() -> None:
     quick, full = plan(quick=True), plan(quick=False)
     assert (quick.rounds, quick.seconds, full.rounds, full.seconds) == (1, 10.0, 3, 60.0)
     assert full.rates == (20, 45, 90) and full.sandboxes == 300
+
+
+def test_cpu_per_sandbox_leaves_out_what_each_process_spends_idle() -> None:
+    used = {"sandstream up": 20.0, "kube-apiserver": 9.0}
+    idle = {"sandstream up": 0.05, "kube-apiserver": 0.01}  # CPU s per s
+    per = above_idle(used, idle, seconds=100.0, sandboxes=300)
+    assert per == {"sandstream up": 15.0 / 300, "kube-apiserver": 8.0 / 300}
+    assert above_idle({"x": 3.0}, {}, 10.0, 3) == {"x": 1.0}

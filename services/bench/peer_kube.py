@@ -28,6 +28,9 @@ KIND_PATHS: Final = {
     "ClusterRoleBinding": "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
     "CustomResourceDefinition": "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
 }
+# A request answered slowly under load is a slow answer, not a failure: the phase's own
+# timeout bounds the wait.
+REQUEST_TIMEOUT = 300.0
 _KIND = re.compile(r"^kind:\s*(\w+)\s*$", re.MULTILINE)
 _NAMESPACE = re.compile(r"^(\s*)namespace:\s*\S+\s*$", re.MULTILINE)
 
@@ -62,7 +65,7 @@ class Kube:
             verify=ssl.create_default_context(cafile=str(ca_file)),
             headers={"Authorization": f"Bearer {token}"},
             limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
-            timeout=httpx.Timeout(60.0, connect=10.0),
+            timeout=httpx.Timeout(REQUEST_TIMEOUT, connect=10.0),
         )
 
     async def close(self) -> None:

@@ -35,7 +35,7 @@ import httpx
 
 from services.bench.peer_kube import Kube, yaml_documents
 from services.common.settings import PROJECT_ROOT, Settings
-from services.localstack import agent_sandbox, kubernetes, private_broker
+from services.localstack import agent_sandbox, kubernetes, private_broker, stack
 from services.localstack.isolation import isolated
 
 SANDSTREAM_RBAC = PROJECT_ROOT / "compose" / "kubernetes" / "rbac.yaml"
@@ -256,35 +256,53 @@ class Sandstream:
     settings: Settings  # the isolated environment's
 
 
+@dataclass
+class Kafka:
+    """A broker of the run's own, booting: ``ready()`` waits for it."""
+
+    settings: Settings
+    proc: subprocess.Popen[bytes]
+
+    async def ready(self) -> None:
+        """Until it answers and its users exist (the JVM boots for minutes on a loaded
+        machine: each wait of the stack's is tried again while the broker runs)."""
+        deadline = time.monotonic() + 5 * START_TIMEOUT
+        while True:
+            try:
+                await asyncio.to_thread(private_broker.wait_ready, self.settings, self.proc)
+                return
+            except stack.StackError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise
+
+
 @asynccontextmanager
-async def private_kafka(base: Settings, home: Path) -> AsyncIterator[tuple[Settings, int]]:
-    """A broker of the run's own (the local stack's configuration and heap); its pid."""
+async def private_kafka(base: Settings, home: Path) -> AsyncIterator[Kafka]:
+    """A broker of the run's own (the local stack's configuration and heap), started now and
+    stopped afterwards: its CPU is then sandstream's alone."""
     settings = private_broker.private_settings(
         base, home, kafka_heap=base.kafka_heap, pg_password_file=base.pg_password_path
     )
     proc = private_broker.start(settings)
     try:
-        await asyncio.to_thread(private_broker.wait_ready, settings, proc)
-        yield settings, proc.pid
+        yield Kafka(settings, proc)
     finally:
         await asyncio.to_thread(private_broker.stop, proc)
 
 
 @asynccontextmanager
 async def sandstream(
-    base: Settings, cluster: Cluster, home: Path, namespace: str
+    kafka: Kafka, cluster: Cluster, home: Path, namespace: str
 ) -> AsyncIterator[Sandstream]:
-    """``sandstream up --driver kubernetes`` on its own broker, schema and topics, as its own
-    ServiceAccount in ``namespace``."""
+    """``sandstream up --driver kubernetes`` on ``kafka``, in an isolated environment (its own
+    schema and topics), as its own ServiceAccount in ``namespace``."""
     admin = cluster.admin
     await admin.ensure_namespace(namespace)
     for kind, text in yaml_documents(SANDSTREAM_RBAC.read_text(), namespace=namespace):
         await admin.apply_yaml(kind, text, namespace)
     _, kubeconfig = await cluster.account(namespace, "sandstream", home / "sandstream.kubeconfig")
-    async with (
-        private_kafka(base, home / "kafka") as (kafka, broker),
-        isolated(kafka, "peer") as (s, _),
-    ):
+    await kafka.ready()
+    async with isolated(kafka.settings, "peer") as (s, _):
         port = free_port()
         run_dir = home / "sandstream"
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -300,7 +318,7 @@ async def sandstream(
         try:
             await _until_ok(f"{url}/readyz", proc, "sandstream up", log)
             token = (run_dir / "admin.token").read_text().strip()
-            yield Sandstream(proc, url, token, broker, s)
+            yield Sandstream(proc, url, token, kafka.proc.pid, s)
         finally:
             await _stop(proc)
 
