@@ -1,4 +1,21 @@
-"""Container backends behind one async protocol (see drivers/protocol.py and docs/drivers.md)."""
+"""Container backends behind one async protocol (see drivers/protocol.py and docs/drivers.md).
+
+- ``protocol``: the ``Driver`` protocol, its result types, ``DriverError``, the label names.
+- ``labels``: the labels stamped on every runtime and workspace, and how they are read back.
+- ``launch_precheck``: the launch rules every driver keeps, one pure function.
+- ``podman``: ``PodmanDriver``; its parts ``podman_calls`` (blocking calls), ``podman_objects``
+  (names, containers read back, errors), ``podman_spec`` (create arguments, confinement),
+  ``podman_secrets`` (provider values), ``podman_events`` (observations), ``podman_stream``
+  (the event stream's thread), ``podman_exec`` (exec).
+- ``kubernetes``: ``KubernetesDriver``; its parts ``kube_config``, ``kube_api`` (API calls),
+  ``kube_waits`` (waiting on one Pod), ``kube_watch`` (what the watch reports), ``kube_objects``
+  (the objects, pure).
+- ``logs``, ``podman_logs``, ``kube_logs``: a runtime's log (the LogSource protocol and its
+  Podman and Kubernetes readers).
+- ``fake``, ``fake_shared``: the in-memory fake and its file-shared form.
+- ``routing``: two backends at once, by name prefix.
+- ``daemon_pool``: the daemon thread pool the Podman driver's calls run in.
+"""
 
 from drivers.protocol import (
     Driver,

@@ -31,9 +31,10 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Final, Literal
+from typing import ClassVar, Final, Literal
 from uuid import UUID
 
+from drivers.launch_precheck import launch_precheck
 from drivers.protocol import (
     DriverError,
     LaunchResult,
@@ -42,6 +43,7 @@ from drivers.protocol import (
     RuntimeInfo,
     WatchObservation,
     grace_period,
+    observed_state,
 )
 from events.observations import ObservedState, RuntimeRemoved, RuntimeSnapshot, RuntimeState
 
@@ -118,7 +120,9 @@ class _Runtime:
     ignores_sigterm: bool = False
     changed_seq: int = 0  # the sequence number of the last state change
     changed_at: datetime = FAKE_EPOCH
+    terminating: ClassVar[bool] = False  # a stop or delete here is instant, never under way
 
+    @property
     def info(self) -> RuntimeInfo:
         return RuntimeInfo(
             key=self.key,
@@ -128,6 +132,23 @@ class _Runtime:
             exit_code=self.exit_code,
             runtime_id=self.runtime_id,
             identity=self.identity,
+        )
+
+    def snapshot(
+        self, observation_id: str, actor: str, source: Literal["watch", "list"]
+    ) -> RuntimeSnapshot:
+        """Its state, since it entered it."""
+        return RuntimeSnapshot(
+            type="RuntimeSnapshot",
+            observation_id=observation_id,
+            key=self.key,
+            generation=self.generation,
+            occurred_at=self.changed_at,
+            actor=actor,
+            state=self.state,
+            exit_code=self.exit_code,
+            runtime_id=self.runtime_id,
+            source=source,
         )
 
 
@@ -140,6 +161,31 @@ class _Closed:
 
 
 _Item = WatchObservation | _Relist | _Closed
+
+
+class _Streams:
+    """The open watch streams' queues, and what is injected before the first one opens."""
+
+    def __init__(self) -> None:
+        self.queues: builtins.list[asyncio.Queue[_Item]] = []
+        self.pending: builtins.list[WatchObservation] = []
+
+    def open(self) -> tuple[asyncio.Queue[_Item], builtins.list[WatchObservation]]:
+        """A new stream's queue, and what was injected for it while none was open."""
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self.queues.append(queue)
+        pending, self.pending = self.pending, []
+        return queue, pending
+
+    def put(self, item: _Item) -> None:
+        for queue in self.queues:
+            queue.put_nowait(item)
+
+    def inject(self, observation: WatchObservation) -> None:
+        if self.queues:
+            self.put(observation)
+        else:
+            self.pending.append(observation)
 
 
 class FakeDriver:
@@ -166,8 +212,7 @@ class FakeDriver:
         self._workspaces: set[tuple[str, UUID]] = set()
         self._blocks: dict[tuple[FakeOp, str | None], BlockHandle] = {}
         self._failures: dict[tuple[FakeOp, str | None], deque[_Failure]] = {}
-        self._watchers: builtins.list[asyncio.Queue[_Item]] = []
-        self._pending: builtins.list[WatchObservation] = []
+        self._streams = _Streams()
         self._seq = 0
         self._closed = False
 
@@ -204,16 +249,11 @@ class FakeDriver:
 
     def inject(self, observation: WatchObservation) -> None:
         """Deliver ``observation`` to every watch stream (or to the next one, if none runs)."""
-        if self._watchers:
-            for queue in self._watchers:
-                queue.put_nowait(observation)
-        else:
-            self._pending.append(observation)
+        self._streams.inject(observation)
 
     def reconnect_watchers(self) -> None:
         """Every watch stream lists everything again (source="list"), as after a reconnect."""
-        for queue in self._watchers:
-            queue.put_nowait(_Relist())
+        self._streams.put(_Relist())
 
     def runtime_exited(self, key: str, generation: int, exit_code: int = 0) -> None:
         """The runtime's process ended on its own (it completed or crashed)."""
@@ -239,7 +279,7 @@ class FakeDriver:
 
     @property
     def watcher_count(self) -> int:
-        return len(self._watchers)
+        return len(self._streams.queues)
 
     # -- the protocol ------------------------------------------------------------------------
 
@@ -247,38 +287,17 @@ class FakeDriver:
         await self._enter(Call("launch", spec.key, spec.generation, spec=spec))
         self._maybe_fail("launch", spec.key, spec.generation)
         runtimes = self._runtimes.setdefault(spec.key, {})
-        newer = [g for g in runtimes if g > spec.generation]
-        if newer:
-            raise DriverError(
-                f"launch of generation {spec.generation} superseded: "
-                f"generation {max(newer)} of {spec.key} exists",
-                retryable=False,
-                observed=runtimes[max(newer)].state,
-            )
-        for generation in sorted(g for g in runtimes if g < spec.generation):
-            self._remove(runtimes[generation])
-        current = runtimes.get(spec.generation)
-        if current is not None and (
-            current.identity != spec.identity or current.sandbox_id != spec.sandbox_id
-        ):
-            self._remove(current)  # launched for another intent: converge to this one
-            current = None
-        if current is not None and current.state == "exited":
-            raise DriverError(
-                f"generation {spec.generation} of {spec.key} already ran and exited: a launch "
-                "never starts it again",
-                retryable=False,
-                observed="exited",
-                exit_code=current.exit_code,
-            )
-        if current is not None:
-            if current.state == "running":
-                return LaunchResult(
-                    current.runtime_id, spec.generation, spec.identity, False, adopted=True
-                )
-            self._set_state(current, "running", None)
+        plan = launch_precheck(spec, builtins.list(runtimes.values()))
+        for runtime in plan.replace:
+            self._remove(runtime)
+        if plan.refusal is not None:
+            raise plan.refusal
+        if (current := plan.current) is not None:
+            starts = plan.starts
+            if starts:
+                self._set_state(current, "running", None)
             return LaunchResult(
-                current.runtime_id, spec.generation, spec.identity, True, adopted=True
+                current.runtime_id, spec.generation, spec.identity, starts, adopted=True
             )
         self._workspaces.add((spec.key, spec.sandbox_id))
         runtime = _Runtime(
@@ -349,21 +368,19 @@ class FakeDriver:
     async def get(self, key: str) -> builtins.list[RuntimeInfo]:
         await self._enter(Call("get", key))
         self._maybe_fail("get", key, None)
-        return [r.info() for _, r in sorted(self._runtimes.get(key, {}).items())]
+        return [r.info for _, r in sorted(self._runtimes.get(key, {}).items())]
 
     async def list(self) -> builtins.list[RuntimeInfo]:
         await self._enter(Call("list", None))
         self._maybe_fail("list", None, None)
-        return [r.info() for r in self._all()]
+        return [r.info for r in self._all()]
 
     async def watch(self) -> AsyncIterator[WatchObservation]:
         if self._closed:
             return
-        queue: asyncio.Queue[_Item] = asyncio.Queue()
         # Subscribe and list with no await in between: nothing falls between the two.
-        self._watchers.append(queue)
+        queue, pending = self._streams.open()
         listing = self._listing()
-        pending, self._pending = self._pending, []
         try:
             for observation in [*listing, *pending]:
                 yield observation
@@ -377,12 +394,11 @@ class FakeDriver:
                     continue
                 yield item
         finally:
-            self._watchers.remove(queue)
+            self._streams.queues.remove(queue)
 
     async def close(self) -> None:
         self._closed = True
-        for queue in self._watchers:
-            queue.put_nowait(_Closed())
+        self._streams.put(_Closed())
         for handle in self._blocks.values():
             handle.release()
 
@@ -427,7 +443,7 @@ class FakeDriver:
         if generation is None:
             generation = max(runtimes, default=None)
         runtime = runtimes.get(generation) if generation is not None else None
-        return runtime.state if runtime is not None else "absent"
+        return observed_state(runtime.state) if runtime is not None else "absent"
 
     def _all(self) -> builtins.list[_Runtime]:
         return [r for key in sorted(self._runtimes) for _, r in sorted(self._runtimes[key].items())]
@@ -437,19 +453,8 @@ class FakeDriver:
         runtime.changed_seq = seq = self._next_seq()
         runtime.changed_at = self._now()
         if self.auto_observe:
-            self._publish(
-                RuntimeSnapshot(
-                    type="RuntimeSnapshot",
-                    observation_id=f"fake:{runtime.runtime_id}:{seq}:{state}",
-                    key=runtime.key,
-                    generation=runtime.generation,
-                    occurred_at=runtime.changed_at,
-                    actor=self.actor,
-                    state=state,
-                    exit_code=exit_code,
-                    runtime_id=runtime.runtime_id,
-                    source="watch",
-                )
+            self._streams.put(
+                runtime.snapshot(f"fake:{runtime.runtime_id}:{seq}:{state}", self.actor, "watch")
             )
 
     def _remove(self, runtime: _Runtime) -> None:
@@ -458,7 +463,7 @@ class FakeDriver:
         del self._runtimes[runtime.key][runtime.generation]
         seq = self._next_seq()
         if self.auto_observe:
-            self._publish(
+            self._streams.put(
                 RuntimeRemoved(
                     type="RuntimeRemoved",
                     observation_id=f"fake:{runtime.runtime_id}:{seq}:removed",
@@ -471,24 +476,9 @@ class FakeDriver:
                 )
             )
 
-    def _publish(self, observation: WatchObservation) -> None:
-        for queue in self._watchers:
-            queue.put_nowait(observation)
-
     def _listing(self) -> builtins.list[WatchObservation]:
+        # Ids stable across listings while the runtime's state is unchanged.
         return [
-            RuntimeSnapshot(
-                type="RuntimeSnapshot",
-                # Stable across listings while the runtime's state is unchanged.
-                observation_id=f"fake-list:{r.runtime_id}:{r.changed_seq}:{r.state}",
-                key=r.key,
-                generation=r.generation,
-                occurred_at=r.changed_at,  # when it entered this state
-                actor=self.actor,
-                state=r.state,
-                exit_code=r.exit_code,
-                runtime_id=r.runtime_id,
-                source="list",
-            )
+            r.snapshot(f"fake-list:{r.runtime_id}:{r.changed_seq}:{r.state}", self.actor, "list")
             for r in self._all()
         ]

@@ -17,21 +17,19 @@ from datetime import UTC, datetime
 from typing import Any, Final
 from uuid import UUID
 
+from drivers.labels import generation_labels, parse_labels, runtime_labels, workspace_labels
 from drivers.protocol import (
     IDENTITY_ENV,
     LABEL_GENERATION,
-    LABEL_IDENTITY,
     LABEL_KEY,
     LABEL_MANAGED_BY,
     LABEL_SANDBOX_ID,
-    LABEL_STOP_TIMEOUT,
     MANAGED_BY,
     WORKSPACE_PATH,
     LaunchSpec,
     RuntimeInfo,
     grace_period,
 )
-from events.common import SANDBOX_NAME_PATTERN
 from events.observations import RuntimeRemoved, RuntimeSnapshot, RuntimeState
 
 Pod = Mapping[str, Any]
@@ -42,10 +40,8 @@ WORKSPACE_VOLUME: Final = "workspace"
 # The sandbox's own labels, all of them, as JSON (Kubernetes label values are limited to 63
 # characters of a small alphabet; those that fit are Pod labels as well).
 ANNOTATION_LABELS: Final = "io.sandstream.labels"
-LABEL_PREFIX: Final = "io.sandstream."
 MANAGED_SELECTOR: Final = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
 
-_KEY = re.compile(SANDBOX_NAME_PATTERN)
 _LABEL_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
 _LABEL_PREFIX_PART = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?$")
@@ -93,25 +89,9 @@ def is_label(key: str, value: str) -> bool:
 
 
 def pod_labels(spec: LaunchSpec) -> dict[str, str]:
-    """The sandbox's own labels that are valid Kubernetes labels, then ours (ours win; its
-    labels under the reserved prefix are dropped, so a spec cannot forge a marker)."""
-    labels = {
-        k: v
-        for k, v in spec.spec.labels.items()
-        if not k.startswith(LABEL_PREFIX) and is_label(k, v)
-    }
-    labels.update(
-        {
-            LABEL_MANAGED_BY: MANAGED_BY,
-            LABEL_KEY: spec.key,
-            LABEL_SANDBOX_ID: str(spec.sandbox_id),
-            LABEL_GENERATION: str(spec.generation),
-            LABEL_IDENTITY: spec.identity,
-        }
-    )
-    if spec.spec.stop_timeout_seconds is not None:
-        labels[LABEL_STOP_TIMEOUT] = str(spec.spec.stop_timeout_seconds)
-    return labels
+    """The runtime labels (drivers/labels.py) of the sandbox's own labels that are valid
+    Kubernetes labels; all of them go in the annotation ``io.sandstream.labels``."""
+    return runtime_labels(spec, valid=is_label)
 
 
 def claim_manifest(spec: LaunchSpec, settings: PodSettings) -> dict[str, Any]:
@@ -120,11 +100,7 @@ def claim_manifest(spec: LaunchSpec, settings: PodSettings) -> dict[str, Any]:
         "kind": "PersistentVolumeClaim",
         "metadata": {
             "name": claim_name(spec.key, spec.sandbox_id),
-            "labels": {
-                LABEL_MANAGED_BY: MANAGED_BY,
-                LABEL_KEY: spec.key,
-                LABEL_SANDBOX_ID: str(spec.sandbox_id),
-            },
+            "labels": workspace_labels(spec.key, spec.sandbox_id),
         },
         "spec": {
             "accessModes": ["ReadWriteOnce"],
@@ -142,12 +118,7 @@ def secret_manifest(spec: LaunchSpec) -> dict[str, Any]:
         "kind": "Secret",
         "metadata": {
             "name": secret_name(spec.key, spec.generation),
-            "labels": {
-                LABEL_MANAGED_BY: MANAGED_BY,
-                LABEL_KEY: spec.key,
-                LABEL_SANDBOX_ID: str(spec.sandbox_id),
-                LABEL_GENERATION: str(spec.generation),
-            },
+            "labels": generation_labels(spec.key, spec.sandbox_id, spec.generation),
         },
         "type": "Opaque",
         "data": {k: base64.b64encode(v.encode()).decode() for k, v in sorted(spec.secrets.items())},
@@ -306,40 +277,28 @@ def pod_state(pod: Pod) -> tuple[RuntimeState, int | None, datetime | None]:
     return "running", None, None
 
 
-def _stop_timeout_label(value: object) -> int | None:
-    try:
-        seconds = int(str(value)) if value is not None else None
-    except ValueError:
-        return None
-    return seconds if seconds is not None and seconds >= 0 else None
-
-
 def read_pod(pod: Pod) -> PodView | None:
     """The view of one of our Pods; None for a Pod without (valid) sandstream labels."""
     meta = _meta(pod)
-    labels = meta.get("labels") or {}
-    if labels.get(LABEL_MANAGED_BY) != MANAGED_BY:
-        return None
-    key = str(labels.get(LABEL_KEY, ""))
-    try:
-        generation = int(labels.get(LABEL_GENERATION, ""))
-        sandbox_id = UUID(str(labels.get(LABEL_SANDBOX_ID, "")))
-    except ValueError:
-        return None
-    if not _KEY.fullmatch(key) or generation < 1:
+    labels = parse_labels(meta.get("labels"))
+    if labels is None or labels.sandbox_id is None:
         return None
     runtime_state, exit_code, since = pod_state(pod)
     deleting = parse_time(meta.get("deletionTimestamp"))
     if deleting is not None and runtime_state != "exited":
         since = deleting  # the stop in progress began then
+        if runtime_state == "running":
+            # Still running, but on its way out: a stopping runtime, never "running" (which
+            # would lift an Error row to Ready, the shape of Scenario 5's incident).
+            runtime_state = "stopping"
     info = RuntimeInfo(
-        key=key,
-        sandbox_id=sandbox_id,
-        generation=generation,
+        key=labels.key,
+        sandbox_id=labels.sandbox_id,
+        generation=labels.generation,
         state=runtime_state,
         exit_code=exit_code,
         runtime_id=str(meta.get("uid", "")),
-        identity=labels.get(LABEL_IDENTITY),
+        identity=labels.identity,
     )
     return PodView(
         info=info,
@@ -347,7 +306,7 @@ def read_pod(pod: Pod) -> PodView | None:
         resource_version=str(meta.get("resourceVersion", "")),
         terminating=meta.get("deletionTimestamp") is not None,
         since=since,
-        stop_timeout=_stop_timeout_label(labels.get(LABEL_STOP_TIMEOUT)),
+        stop_timeout=labels.stop_timeout,
     )
 
 
@@ -369,18 +328,17 @@ def shape(view: PodView) -> Shape:
 def snapshot(
     view: PodView, *, source: str, actor: str = ACTOR, now: datetime | None = None
 ) -> RuntimeSnapshot:
-    """A snapshot of a Pod. A terminating Pod whose container still runs is "running": the
-    stop is in progress (as Podman's "stopping"); it ends in an exit or a removal.
+    """A snapshot of a Pod. A terminating Pod whose container still runs is "stopping": the
+    stop is in progress; it ends in an exit or a removal.
 
     Ids: ``k8s:<uid>:<resourceVersion>:<state>`` for watch events (a redelivered event repeats
     its id) and ``k8s-list:<uid>:<resourceVersion>:<state>`` for listings (stable while the
     Pod is unchanged, so a relisting repeats it)."""
     info = view.info
     prefix = "k8s" if source == "watch" else "k8s-list"
-    suffix = "terminating" if view.terminating and info.state != "exited" else info.state
     return RuntimeSnapshot(
         type="RuntimeSnapshot",
-        observation_id=f"{prefix}:{info.runtime_id}:{view.resource_version}:{suffix}",
+        observation_id=f"{prefix}:{info.runtime_id}:{view.resource_version}:{info.state}",
         key=info.key,
         generation=info.generation,
         occurred_at=view.since or now or datetime.now(UTC),

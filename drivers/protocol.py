@@ -115,7 +115,7 @@ class RuntimeInfo:
     key: str
     sandbox_id: UUID
     generation: int
-    state: RuntimeState  # created / running / exited
+    state: RuntimeState  # created / running / stopping (its removal under way) / exited
     exit_code: int | None  # set when exited
     runtime_id: str
     identity: str | None
@@ -251,6 +251,12 @@ class ExecDriver(Protocol):
         iteration early stops reading; the command itself is not signalled.
         """
         ...
+
+
+def observed_state(state: RuntimeState) -> ObservedState:
+    """What a failure reports as the backend's state: a runtime still stopping counts as
+    running (the operation that failed did not end it)."""
+    return "running" if state == "stopping" else state
 
 
 def grace_period(requested: float | None, sandbox: float | None, driver_default: float) -> float:

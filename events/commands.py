@@ -14,7 +14,10 @@ from events.common import (
     ExitPolicy,
     ExpiryPolicy,
     HoldReason,
+    MaxRestarts,
     ProviderName,
+    RestartBackoff,
+    RestartPolicy,
     SandboxName,
     SandboxSpec,
     Strict,
@@ -108,6 +111,17 @@ class ExtendSandbox(VersionedCommand):
     ttl_seconds: TTLSeconds
 
 
+class SetRestartPolicy(VersionedCommand):
+    """Change the restart policy, its back-off and its limit (each as in the spec; the back-off
+    and the limit unset: the defaults). Setting Never cancels a scheduled restart; any other
+    change applies from the next exit on."""
+
+    type: Literal["SetRestartPolicy"]
+    restart_policy: RestartPolicy
+    restart_backoff: RestartBackoff | None = None
+    max_restarts: MaxRestarts | None = None
+
+
 Command = Annotated[
     CreateSandbox
     | StartSandbox
@@ -119,6 +133,7 @@ Command = Annotated[
     | RotateCredentials
     | HoldSandbox
     | ReleaseSandbox
-    | ExtendSandbox,
+    | ExtendSandbox
+    | SetRestartPolicy,
     Field(discriminator="type"),
 ]

@@ -14,6 +14,7 @@ from pydantic import (
     Field,
     StringConstraints,
     field_validator,
+    model_validator,
 )
 
 SCHEMA_VERSION: Final = 1
@@ -44,8 +45,10 @@ Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX)]
 # and a Kubernetes object name, so it follows the DNS-label rules.
 SANDBOX_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 SandboxName = Annotated[str, StringConstraints(pattern=SANDBOX_NAME_PATTERN)]
-CommandId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
-ProviderName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,128}$")]
+COMMAND_ID_PATTERN: Final = r"^[A-Za-z0-9._:-]{1,128}$"
+PROVIDER_NAME_PATTERN: Final = r"^[A-Za-z0-9._-]{1,128}$"
+CommandId = Annotated[str, StringConstraints(pattern=COMMAND_ID_PATTERN)]
+ProviderName = Annotated[str, StringConstraints(pattern=PROVIDER_NAME_PATTERN)]
 Actor = Annotated[Text, StringConstraints(min_length=1, max_length=200)]
 Generation = Annotated[int, Field(ge=1, le=INT32_MAX)]  # an `integer` column
 Timestamp = AwareDatetime
@@ -91,6 +94,30 @@ class SandboxResources(Strict):
     pids: Annotated[int, Field(ge=8, le=65_536)] | None = None
 
 
+# The restart policy (sandstream's, not the runtime's): what an exit of the current generation
+# does. Never: nothing (the default); OnFailure: a restart after a non-zero exit, a vanished
+# runtime or a failed launch; Always: also after exit 0. docs/state-machine.md has the table.
+RestartPolicy = Literal["Never", "OnFailure", "Always"]
+BackoffSeconds = Annotated[float, Field(ge=0.01, le=24 * 3600)]
+
+
+class RestartBackoff(Strict):
+    """The delay before the n-th restart in a row: ``initial_seconds * 2**(n-1)``, at most
+    ``max_seconds``."""
+
+    initial_seconds: BackoffSeconds = 1.0
+    max_seconds: BackoffSeconds = 300.0
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RestartBackoff:
+        if self.max_seconds < self.initial_seconds:
+            raise ValueError("max_seconds must not be below initial_seconds")
+        return self
+
+
+MaxRestarts = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
 class SandboxSpec(Strict):
     image: Annotated[Text, StringConstraints(min_length=1, max_length=500)]
     command: list[Annotated[Text, StringConstraints(max_length=10_000)]] = Field(
@@ -111,6 +138,12 @@ class SandboxSpec(Strict):
     # The root filesystem is read-only unless the image needs to write to it (None: the
     # driver's default, read-only); /workspace and the tmpfs mounts stay writable.
     read_only_root: bool | None = Field(default=None, exclude_if=lambda v: v is None)
+    # The restart policy (None: Never), its back-off (None: 1 s doubling to 5 min) and how many
+    # restarts in a row it makes before the sandbox stays in Error (None: no limit). Left out
+    # while unset, as above.
+    restart_policy: RestartPolicy | None = Field(default=None, exclude_if=lambda v: v is None)
+    restart_backoff: RestartBackoff | None = Field(default=None, exclude_if=lambda v: v is None)
+    max_restarts: MaxRestarts | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @field_validator("env")
     @classmethod
@@ -124,7 +157,7 @@ class SandboxSpec(Strict):
 
 
 # Lifecycle timers and policies (operator features): kept in the row, decided in the fold.
-DeadlineKind = Literal["launch", "stop", "delete", "ttl"]
+DeadlineKind = Literal["launch", "stop", "delete", "restart", "ttl"]
 ExpiryPolicy = Literal["stop", "delete"]  # what a sandbox's time to live ending does
 ExitPolicy = Literal["keep", "delete"]  # what becomes of a sandbox whose main process ended
 TTLSeconds = Annotated[int, Field(ge=1, le=10 * 365 * 24 * 3600)]
@@ -135,12 +168,34 @@ class Deadline(Strict):
     """The deadline of the current phase: when it falls due, the scheduler says so on the log.
 
     ``launch`` guards Provisioning and Starting, ``stop`` guards Stopping (grace period plus a
-    margin), ``delete`` guards Deleting (``attempt`` counts the retries so far).
+    margin), ``delete`` guards Deleting (``attempt`` counts the retries so far), ``restart`` is a
+    restart the restart policy scheduled in Error or Completed (``attempt``: the restarts in a
+    row it will have made).
     """
 
-    kind: Literal["launch", "stop", "delete"]
+    kind: Literal["launch", "stop", "delete", "restart"]
     due_at: Timestamp
     attempt: Annotated[int, Field(ge=0)] = 0
+
+
+class LastExit(Strict):
+    """How a generation ended, as the restart policy saw it."""
+
+    generation: Generation
+    exit_code: int | None = None
+    reason: str
+    at: Timestamp
+
+
+class Restarts(Strict):
+    """A sandbox's restart-policy record: ``count`` restarts of this incarnation in all,
+    ``attempt`` of them in a row (since the back-off last reset), the last exit, and since when
+    the current generation is Ready (None: it is not)."""
+
+    count: Annotated[int, Field(ge=0)] = 0
+    attempt: Annotated[int, Field(ge=0)] = 0
+    last_exit: LastExit | None = None
+    ready_since: Timestamp | None = None
 
 
 class Hold(Strict):

@@ -21,8 +21,11 @@ from events.common import (
     ExpiryPolicy,
     Generation,
     Hold,
+    MaxRestarts,
     Phase,
     ProviderName,
+    RestartBackoff,
+    RestartPolicy,
     SandboxName,
     SandboxSpec,
     Strict,
@@ -68,6 +71,12 @@ class SandboxStarting(EventBase):
     spec: SandboxSpec
     identity: str
     deadline: Deadline | None = None
+    # A restart the restart policy scheduled (SandboxRestartScheduled) falling due: the policy
+    # and the restarts in a row. Left out otherwise, so other starts serialize as before.
+    policy: RestartPolicy | None = Field(default=None, exclude_if=lambda v: v is None)
+    attempt: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, exclude_if=lambda v: v is None
+    )
 
 
 class SandboxReady(EventBase):
@@ -214,6 +223,45 @@ class SandboxReleased(EventBase):
     type: Literal["SandboxReleased"]
 
 
+# -- The restart policy (spec.restart_policy): an exit it restarts after schedules the restart
+# (time on the log, as a deadline of kind ``restart``); the scheduler's DeadlineDue then starts
+# the next generation (SandboxStarting with ``policy``).
+
+
+class SandboxRestartScheduled(EventBase):
+    """The current generation ended (``reason``, ``exit_code``) and ``policy`` restarts it at
+    ``deadline.due_at``, the ``deadline.attempt``-th restart in a row. The phase stays (Error or
+    Completed) until then; a stop, hold, delete, start or restart cancels it."""
+
+    type: Literal["SandboxRestartScheduled"]
+    policy: RestartPolicy
+    reason: str
+    exit_code: int | None = None
+    deadline: Deadline
+    backoff_reset: bool = False  # the generation was Ready long enough: attempts count anew
+
+
+class SandboxRestartsExhausted(EventBase):
+    """The current generation ended and ``policy`` would restart it, but ``restarts`` restarts
+    in a row reached ``max_restarts``: the sandbox stays in Error with ``reason``."""
+
+    type: Literal["SandboxRestartsExhausted"]
+    policy: RestartPolicy
+    restarts: int
+    reason: str
+    exit_reason: str  # how the generation ended
+    exit_code: int | None = None
+
+
+class RestartPolicyChanged(EventBase):
+    """SetRestartPolicy accepted: the spec's restart fields are these now."""
+
+    type: Literal["RestartPolicyChanged"]
+    restart_policy: RestartPolicy
+    restart_backoff: RestartBackoff | None = None
+    max_restarts: MaxRestarts | None = None
+
+
 DecidedEvent = Annotated[
     SandboxCreated
     | SandboxStarting
@@ -236,6 +284,9 @@ DecidedEvent = Annotated[
     | SandboxExpired
     | SandboxExtended
     | SandboxHeld
-    | SandboxReleased,
+    | SandboxReleased
+    | SandboxRestartScheduled
+    | SandboxRestartsExhausted
+    | RestartPolicyChanged,
     Field(discriminator="type"),
 ]

@@ -40,6 +40,7 @@ from events.commands import (
     ReleaseSandbox,
     RestartSandbox,
     RotateCredentials,
+    SetRestartPolicy,
     StartSandbox,
     StopSandbox,
 )
@@ -51,7 +52,11 @@ from events.common import (
     ExitPolicy,
     ExpiryPolicy,
     Hold,
+    LastExit,
     Phase,
+    RestartBackoff,
+    RestartPolicy,
+    Restarts,
     SandboxSpec,
 )
 from events.decided import (
@@ -61,6 +66,7 @@ from events.decided import (
     DecidedEvent,
     ProviderAttached,
     ProviderDetached,
+    RestartPolicyChanged,
     SandboxCompleted,
     SandboxCreated,
     SandboxDeleted,
@@ -73,6 +79,8 @@ from events.decided import (
     SandboxOperationFailed,
     SandboxReady,
     SandboxReleased,
+    SandboxRestartScheduled,
+    SandboxRestartsExhausted,
     SandboxStarting,
     SandboxStopEscalated,
     SandboxStopped,
@@ -129,6 +137,8 @@ class Sandbox:
     # Rotations decided while this generation's launch was pending (provider -> revision): the
     # launch must report having read at least these, or the agent restarts once more.
     awaited: dict[str, int] = field(default_factory=dict, kw_only=True)
+    # The restart policy's record (None: nothing to record yet, e.g. under Never).
+    restarts: Restarts | None = field(default=None, kw_only=True)
 
     @property
     def tombstoned(self) -> bool:
@@ -148,10 +158,15 @@ class Limits:
     the log reproduces them whatever the configuration is then."""
 
     launch_seconds: float | None = 300.0
+    # How long the executor retries a transient launch failure before it reports it (its
+    # executor_retry_seconds): the launch deadline lies beyond it, so that report is decided.
+    launch_retry_seconds: float = 600.0
     stop_grace_seconds: float = 10.0  # the driver's grace when the spec sets none
     stop_margin_seconds: float | None = 30.0
     delete_seconds: float | None = 120.0  # the first retry; each further one waits twice as long
     delete_backoff_max_seconds: float = 1800.0
+    # A generation Ready at least this long before it ends resets the restart back-off.
+    restart_reset_seconds: float = 600.0
 
 
 DEFAULT_LIMITS: Final = Limits()
@@ -194,6 +209,7 @@ COMMAND_TABLE: Final[dict[str, tuple[Admission, ...]]] = {
     "HoldSandbox":    (A,          A,       A,    A,       A,      A,        A,    R),
     "ReleaseSandbox": (A,          A,       A,    A,       A,      A,        A,    R),
     "ExtendSandbox":  (A,          A,       A,    A,       A,      A,        A,    R),
+    "SetRestartPolicy": (A,        A,       A,    A,       A,      A,        A,    R),
 }  # fmt: skip
 # A held sandbox refuses these (FAILED_PRECONDITION naming who holds it and why) in every
 # phase; stop and delete stay admitted. Hold on a held and release on an unheld sandbox are
@@ -213,6 +229,7 @@ _VERB = {
     "HoldSandbox": "hold",
     "ReleaseSandbox": "release",
     "ExtendSandbox": "extend",
+    "SetRestartPolicy": "set the restart policy",
 }
 
 
@@ -230,7 +247,7 @@ def admitting_phases(command_type: str) -> list[Phase]:
 # Older generations are stale, newer than issued are unknown: both ignored before this table.
 
 ObservationKind = Literal[
-    "created", "running", "exited_ok", "exited_error", "removed",
+    "created", "running", "stopping", "exited_ok", "exited_error", "removed",
     "launch_succeeded", "launch_failed",
     "stop_succeeded", "stop_absent", "stop_failed",
     "delete_succeeded", "delete_absent", "delete_failed",
@@ -262,6 +279,9 @@ OBSERVATION_TABLE: Final[dict[Phase, dict[ObservationKind, Target]]] = {
     # start, restart or delete leaves Stopped.
     P.STOPPED: {},
     P.COMPLETED: {},
+    # Only "running" lifts Error: a stopping runtime (its removal under way, e.g. the cleanup
+    # stop of a timed-out launch) is no sign of life. "stopping" changes nothing anywhere: the
+    # exit or the removal that follows decides.
     P.ERROR: {"running": P.READY},
     # Deleting is monotonic: ordinary snapshots change nothing, removal tombstones.
     P.DELETING: {
@@ -286,6 +306,8 @@ def observation_kind(obs: Observation) -> ObservationKind:
             return "exited_ok" if obs.exit_code == 0 else "exited_error"
         case RuntimeSnapshot(state="running"):
             return "running"
+        case RuntimeSnapshot(state="stopping"):
+            return "stopping"
         case RuntimeSnapshot():
             return "created"
         case RuntimeRemoved():
@@ -386,6 +408,126 @@ def event_id_for(cause: Cause, index: int = 0) -> UUID:
 
 
 # ---------------------------------------------------------------------------------------------
+# Restart policy (spec.restart_policy): what an exit of the current generation does.
+# An exit of one of these kinds, under a policy marked Y for it, schedules a restart: the row
+# keeps its phase (Error or Completed) and holds a deadline of kind ``restart`` whose due time is
+# the exit's occurred_at plus the back-off (SandboxRestartScheduled); the scheduler's DeadlineDue
+# naming it starts the next generation (SandboxStarting with the policy). With ``max_restarts``
+# restarts in a row made already, the exit ends in Error instead (SandboxRestartsExhausted). A
+# held sandbox is not restarted (its completion policy waits as well).
+
+ExitKind = Literal["exited 0", "exited non-zero", "vanished", "launch failed", "launch timed out"]
+EXIT_KINDS: Final[tuple[ExitKind, ...]] = (
+    "exited 0", "exited non-zero", "vanished", "launch failed", "launch timed out",
+)  # fmt: skip
+Y, N = True, False
+RESTART_POLICY_TABLE: Final[dict[RestartPolicy, tuple[bool, ...]]] = {
+    #            exited 0  exited non-zero  vanished  launch failed  launch timed out
+    "Never":     (N,       N,               N,        N,             N),
+    "OnFailure": (N,       Y,               Y,        Y,             Y),
+    "Always":    (Y,       Y,               Y,        Y,             Y),
+}  # fmt: skip
+# What cancels a scheduled restart: anything that replaces the row's deadline (stop, delete, a
+# start, a restart, a Ready runtime), a hold, and setting the policy to Never.
+DEFAULT_BACKOFF: Final = RestartBackoff()
+RESTART_LIMIT: Final = "RestartLimit"
+
+
+def restarts_on(policy: RestartPolicy | None, exit_kind: ExitKind) -> bool:
+    return RESTART_POLICY_TABLE[policy or "Never"][EXIT_KINDS.index(exit_kind)]
+
+
+def restart_delay(spec: SandboxSpec, attempt: int) -> float:
+    """Seconds before the ``attempt``-th restart in a row (from 1): doubling, capped."""
+    backoff = spec.restart_backoff or DEFAULT_BACKOFF
+    if attempt > 64:  # far past any cap: 2**attempt would only grow the float
+        return backoff.max_seconds
+    return float(min(backoff.initial_seconds * 2 ** (attempt - 1), backoff.max_seconds))
+
+
+def _restarts(state: Sandbox) -> Restarts:
+    return state.restarts if state.restarts is not None else _NO_RESTARTS
+
+
+_NO_RESTARTS: Final = Restarts()
+
+
+def _started_reason(event: SandboxStarting) -> str | None:
+    if event.policy is None:
+        return None
+    return f"restarted by restart_policy {event.policy} (restart {event.attempt} in a row)"
+
+
+def _restarts_on_start(state: Sandbox, event: SandboxStarting | AgentRestarted) -> dict[str, Any]:
+    """A new generation is not Ready yet; a policy restart counts, an operator's start or
+    restart begins a new run of attempts."""
+    if state.restarts is None:
+        return {}
+    r = state.restarts
+    if isinstance(event, SandboxStarting) and event.attempt is not None:
+        r = r.model_copy(update={"count": r.count + 1, "attempt": event.attempt})
+    elif isinstance(event, SandboxStarting):
+        r = r.model_copy(update={"attempt": 0})
+    return {"restarts": r.model_copy(update={"ready_since": None})}
+
+
+def _restarts_on_ready(state: Sandbox, event: SandboxReady) -> dict[str, Any]:
+    """Under a policy, remember since when the generation is Ready (for the back-off reset)."""
+    if (state.spec.restart_policy or "Never") == "Never" and state.restarts is None:
+        return {}
+    return {"restarts": _restarts(state).model_copy(update={"ready_since": event.occurred_at})}
+
+
+def _cancel_restart(state: Sandbox) -> dict[str, Any]:
+    if state.deadline is not None and state.deadline.kind == "restart":
+        return {"deadline": None}
+    return {}
+
+
+def _exited(state: Sandbox, e: SandboxRestartScheduled | SandboxRestartsExhausted) -> Restarts:
+    last = built(
+        LastExit,
+        generation=e.generation,
+        exit_code=e.exit_code,
+        reason=e.exit_reason if isinstance(e, SandboxRestartsExhausted) else e.reason,
+        at=e.occurred_at,
+    )
+    attempt = e.deadline.attempt - 1 if isinstance(e, SandboxRestartScheduled) else e.restarts
+    return _restarts(state).model_copy(
+        update={"last_exit": last, "attempt": attempt, "ready_since": None}
+    )
+
+
+def _policy_changes(state: Sandbox, e: RestartPolicyChanged) -> dict[str, Any]:
+    spec = state.spec.model_copy(
+        update={
+            "restart_policy": None if e.restart_policy == "Never" else e.restart_policy,
+            "restart_backoff": e.restart_backoff,
+            "max_restarts": e.max_restarts,
+        }
+    )
+    cancel = _cancel_restart(state) if e.restart_policy == "Never" else {}
+    return {"spec": spec, **cancel}
+
+
+def _scheduled_reason(e: SandboxRestartScheduled) -> str:
+    return (
+        f"{e.reason}; restart_policy {e.policy} restarts it at {e.deadline.due_at.isoformat()} "
+        f"(restart {e.deadline.attempt} in a row)"
+    )
+
+
+RESTART_CHANGES: Final[dict[type[Any], Callable[[Sandbox, Any], dict[str, Any]]]] = {
+    SandboxRestartScheduled: lambda s, e: {"deadline": e.deadline, "reason": _scheduled_reason(e),
+                                           "restarts": _exited(s, e)},
+    SandboxRestartsExhausted: lambda s, e: {"phase": P.ERROR, "exit_code": e.exit_code,
+                                            "reason": e.reason, "deadline": None,
+                                            "restarts": _exited(s, e)},
+    RestartPolicyChanged: _policy_changes,
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
 # evolve: apply one decided event to a row (used live and by the rebuild from the log)
 
 
@@ -405,6 +547,7 @@ def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
             event.deadline, event.expires_at, event.on_expiry, event.on_exit,
             None,  # hold
             {},  # awaited
+            None,  # restarts
         )  # fmt: skip
     if state is None:
         raise ValueError(f"{event.type} for {event.key!r} before SandboxCreated")
@@ -428,9 +571,10 @@ def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
 _Changes = Callable[[Sandbox, Any], dict[str, Any]]
 _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
     SandboxStarting: lambda s, e: {"phase": P.STARTING, "spec": e.spec, "identity": e.identity,
-                                   "exit_code": None, "reason": None, "deadline": e.deadline},
+                                   "exit_code": None, "reason": _started_reason(e),
+                                   "deadline": e.deadline, **_restarts_on_start(s, e)},
     SandboxReady: lambda s, e: {"phase": P.READY, "exit_code": None, "reason": None,
-                                "deadline": None},
+                                "deadline": None, **_restarts_on_ready(s, e)},
     SandboxStopping: lambda s, e: {"phase": P.STOPPING, "deadline": e.deadline},
     SandboxStopped: lambda s, e: {"phase": P.STOPPED, "reason": None, "deadline": None},
     SandboxCompleted: lambda s, e: {"phase": P.COMPLETED, "exit_code": e.exit_code,
@@ -446,7 +590,8 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
                                                        if p != e.provider)},
     AgentRestarted: lambda s, e: {"phase": P.STARTING, "spec": e.spec, "identity": e.identity,
                                   "exit_code": None, "deadline": e.deadline,
-                                  "reason": ROTATION_RESTART + ", ".join(e.providers)},
+                                  "reason": ROTATION_RESTART + ", ".join(e.providers),
+                                  **_restarts_on_start(s, e)},
     AgentRestartSkipped: lambda s, e: _merge_awaited(s, e),
     AgentRestartFailed: lambda s, e: {"phase": P.ERROR, "exit_code": e.exit_code,
                                       "reason": e.reason, "deadline": None},
@@ -462,8 +607,9 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
     SandboxExpired: lambda s, e: {"expires_at": None,
                                   "reason": f"Expired: time to live ended ({e.policy})"},
     SandboxExtended: lambda s, e: {"expires_at": e.expires_at},
-    SandboxHeld: lambda s, e: {"hold": e.hold},
+    SandboxHeld: lambda s, e: {"hold": e.hold, **_cancel_restart(s)},
     SandboxReleased: lambda s, e: {"hold": None},
+    **RESTART_CHANGES,
 }  # fmt: skip
 
 
@@ -603,6 +749,8 @@ def _decide_command(
         attached = command.provider in state.providers
         if attached == isinstance(command, AttachProvider):
             rule = I
+    if isinstance(command, SetRestartPolicy) and policy_unchanged(state.spec, command):
+        rule = I
     if rule is I:
         why = f"nothing to do: sandbox {command.key!r} is {state.phase}"
         if isinstance(command, AttachProvider | DetachProvider):
@@ -631,7 +779,7 @@ def _decide_command(
                 previous_generation=state.generation,
                 spec=state.spec,
                 identity=identity_for(state.sandbox_id, generation, command.command_id),
-                deadline=launch_deadline(at, limits),
+                deadline=launch_deadline(at, limits, replacing=state.spec),
             )
         case StopSandbox():
             deadline = stop_deadline(state.spec, at, limits)
@@ -639,6 +787,15 @@ def _decide_command(
         case DeleteSandbox():
             deadline = delete_deadline(state.spec, at, limits)
             event = _event(SandboxDeleting, common, deadline)
+        case SetRestartPolicy():
+            event = built(
+                RestartPolicyChanged,
+                type="RestartPolicyChanged",
+                **common,
+                restart_policy=command.restart_policy,
+                restart_backoff=command.restart_backoff,
+                max_restarts=command.max_restarts,
+            )
         case HoldSandbox():
             hold = built(Hold, by=command.actor, reason=command.reason, since=at)
             event = built(SandboxHeld, type="SandboxHeld", **common, hold=hold)
@@ -769,8 +926,11 @@ def _decide_observation(
     if state.awaited and kind == "launch_succeeded":
         assert isinstance(obs, DriverOperationResult)
         new_state, events = _restart_if_stale(state, new_state, events, obs, cause, limits)
+    new_state, events = _restart_policy(
+        new_state, events, obs, _OBSERVED_EXIT.get(kind), cause, limits
+    )
     new_state, events = _on_exit(new_state, events, obs, cause, limits)
-    why = f"{what}: {state.phase} -> {new_state.phase}"
+    why = f"{what}: {state.phase} -> {new_state.phase}" + _policy_note(events)
     return Decision(new_state, events, "applied", why)
 
 
@@ -827,7 +987,7 @@ def _agent_restarted(
         previous_generation=state.generation,
         spec=state.spec,
         identity=identity_for(state.sandbox_id, generation, id_source),
-        deadline=launch_deadline(common["occurred_at"], limits),
+        deadline=launch_deadline(common["occurred_at"], limits, replacing=state.spec),
     )
 
 
@@ -914,12 +1074,14 @@ DEADLINE_TABLE: Final[dict[DeadlineKind, str]] = {
     "stop": "stays Stopping, deadline cleared; intent: kill the runtime now (forced)",
     "delete": "stays Deleting, the delete is asked for again; the next deadline is twice as "
     "far out (up to a ceiling), and `reason` counts the retries",
+    "restart": "(Error or Completed: a restart the restart policy scheduled) SandboxStarting "
+    "naming the policy and the attempt: a new generation and identity, as any restart",
     "ttl": "SandboxExpired, then the policy: stop (when the phase admits a stop) or delete "
     "(when it admits a delete); deferred while held",
 }
 # The completion policy on_exit=delete: a sandbox whose main process ended (SandboxCompleted,
 # SandboxFailed, SandboxTimedOut) is deleted in the same decision, unless it is held.
-EXIT_EVENTS: Final = (SandboxCompleted, SandboxFailed, SandboxTimedOut)
+EXIT_EVENTS: Final = (SandboxCompleted, SandboxFailed, SandboxTimedOut, SandboxRestartsExhausted)
 PROVISIONING_TIMEOUT: Final = "ProvisioningTimeout"
 
 
@@ -933,20 +1095,35 @@ _deadline = builder(Deadline, "kind", "due_at")
 _counted_deadline = builder(Deadline, "kind", "due_at", "attempt")
 
 
-def launch_deadline(at: datetime, limits: Limits) -> Deadline | None:
+def grace_of(spec: SandboxSpec, limits: Limits) -> float:
+    """The grace period of stopping a runtime of ``spec``: the sandbox's, else the driver's."""
+    if spec.stop_timeout_seconds is not None:
+        return spec.stop_timeout_seconds
+    return limits.stop_grace_seconds
+
+
+def launch_deadline(
+    at: datetime, limits: Limits, *, replacing: SandboxSpec | None = None
+) -> Deadline | None:
+    """When a launch decided at ``at`` is given up (ProvisioningTimeout): the launch timeout
+    counted from when the executor stops retrying it, which is its retry window after the
+    launch can begin, i.e. after the generation it replaces (``replacing``: a start, restart
+    or rotation restart) has been stopped with its grace period. So the executor's own report
+    (Ready, or the failure after its retries: AgentRestartFailed for a rotation) is decided
+    first, and a slow-stopping agent is not timed out by its own stop."""
     if limits.launch_seconds is None:
         return None
-    return _deadline("launch", _after(at, limits.launch_seconds))
+    begins = grace_of(replacing, limits) if replacing is not None else 0.0
+    return _deadline(
+        "launch", _after(at, begins + limits.launch_retry_seconds + limits.launch_seconds)
+    )
 
 
 def stop_deadline(spec: SandboxSpec, at: datetime, limits: Limits) -> Deadline | None:
     """The grace period (the sandbox's, else the driver's) plus the margin."""
     if limits.stop_margin_seconds is None:
         return None
-    grace = limits.stop_grace_seconds
-    if spec.stop_timeout_seconds is not None:
-        grace = spec.stop_timeout_seconds
-    return _deadline("stop", _after(at, grace + limits.stop_margin_seconds))
+    return _deadline("stop", _after(at, grace_of(spec, limits) + limits.stop_margin_seconds))
 
 
 def delete_deadline(
@@ -955,11 +1132,8 @@ def delete_deadline(
     """A delete stops running runtimes first (grace period), then waits with back-off."""
     if limits.delete_seconds is None:
         return None
-    grace = limits.stop_grace_seconds
-    if spec.stop_timeout_seconds is not None:
-        grace = spec.stop_timeout_seconds
     wait = min(limits.delete_seconds * 2**attempt, limits.delete_backoff_max_seconds)
-    return _counted_deadline("delete", _after(at, grace + wait), attempt)
+    return _counted_deadline("delete", _after(at, grace_of(spec, limits) + wait), attempt)
 
 
 def _then(
@@ -1055,7 +1229,146 @@ def _decide_deadline(
                 event = built(
                     SandboxDeleteRetried, type="SandboxDeleteRetried", **common, deadline=again
                 )
+            case "restart":
+                return _scheduled_restart_due(state, due, cause, limits, what)
         new_state, events = _emit(state, event)
+        new_state, events = _restart_policy(
+            new_state, events, due, "launch timed out", cause, limits
+        )
         new_state, events = _on_exit(new_state, events, due, cause, limits)
-    why = f"{what}: {state.phase} -> {new_state.phase} ({events[0].type})"
+    why = f"{what}: {state.phase} -> {new_state.phase} ({events[0].type})" + _policy_note(events)
+    return Decision(new_state, events, "applied", why)
+
+
+# ---------------------------------------------------------------------------------------------
+# Restart policy: the decisions (the table and the row changes are above, before evolve)
+
+# The exits an observation of the current generation can be, when it ends the generation.
+_OBSERVED_EXIT: Final[dict[ObservationKind, ExitKind]] = {
+    "exited_ok": "exited 0",
+    "exited_error": "exited non-zero",
+    "removed": "vanished",
+    "launch_failed": "launch failed",
+}
+_ENDS_GENERATION: Final = (SandboxCompleted, SandboxFailed, AgentRestartFailed, SandboxTimedOut)
+
+
+def policy_unchanged(spec: SandboxSpec, command: SetRestartPolicy) -> bool:
+    policy = None if command.restart_policy == "Never" else command.restart_policy
+    return (spec.restart_policy, spec.restart_backoff, spec.max_restarts) == (
+        policy,
+        command.restart_backoff,
+        command.max_restarts,
+    )
+
+
+def _restart_policy(
+    state: Sandbox,
+    events: tuple[DecidedEvent, ...],
+    message: Message,
+    exit_kind: ExitKind | None,
+    cause: Cause,
+    limits: Limits,
+) -> tuple[Sandbox, tuple[DecidedEvent, ...]]:
+    """After an exit of the current generation: schedule its restart if the policy says so,
+    or give up in Error when ``max_restarts`` restarts in a row were made already."""
+    ended = events[-1]
+    policy = state.spec.restart_policy
+    if (
+        policy is None
+        or exit_kind is None
+        or not isinstance(ended, _ENDS_GENERATION)
+        or not restarts_on(policy, exit_kind)
+        or is_held(state)
+    ):
+        return state, events
+    exit_code = getattr(ended, "exit_code", None)
+    reason = getattr(ended, "reason", None) or f"runtime exited with code {exit_code}"
+    record, at = _restarts(state), message.occurred_at
+    # The row after the exit event still holds since when its generation was Ready.
+    reset = record.ready_since is not None and (at - record.ready_since) >= timedelta(
+        seconds=limits.restart_reset_seconds
+    )
+    made = 0 if reset else record.attempt  # restarts in a row so far
+    limit = state.spec.max_restarts
+    if limit is not None and made >= limit:
+        why = (
+            f"{RESTART_LIMIT}: restart_policy {policy} made {made} restarts in a row "
+            f"(max_restarts {limit}); last exit: {reason}"
+        )
+        return _then(
+            state,
+            events,
+            message,
+            cause,
+            lambda c: built(
+                SandboxRestartsExhausted,
+                type="SandboxRestartsExhausted",
+                **c,
+                policy=policy,
+                restarts=made,
+                reason=why,
+                exit_reason=reason,
+                exit_code=exit_code,
+            ),
+        )
+    due = _counted_deadline("restart", _after(at, restart_delay(state.spec, made + 1)), made + 1)
+    return _then(
+        state,
+        events,
+        message,
+        cause,
+        lambda c: built(
+            SandboxRestartScheduled,
+            type="SandboxRestartScheduled",
+            **c,
+            policy=policy,
+            reason=reason,
+            exit_code=exit_code,
+            deadline=due,
+            backoff_reset=reset and record.attempt > 0,
+        ),
+    )
+
+
+def _policy_note(events: tuple[DecidedEvent, ...]) -> str:
+    """What the restart policy decided, for the history's reason."""
+    last = events[-1] if events else None
+    if isinstance(last, SandboxRestartScheduled):
+        return (
+            f"; restart_policy {last.policy} schedules restart {last.deadline.attempt} in a row "
+            f"at {last.deadline.due_at.isoformat()}"
+        )
+    if isinstance(last, SandboxRestartsExhausted):
+        return f"; {last.reason}"
+    return ""
+
+
+def _scheduled_restart_due(
+    state: Sandbox, due: DeadlineDue, cause: Cause, limits: Limits, what: str
+) -> Decision:
+    """The restart the policy scheduled falls due: the next generation, like any restart."""
+    pending = state.deadline
+    assert pending is not None and pending.kind == "restart"
+    policy = state.spec.restart_policy
+    if policy is None or is_held(state):  # both cancel it at once: defensive
+        return _ignore(state, f"not pending: {what}, restart_policy {policy}, hold {state.hold}")
+    generation = next_generation(state)
+    event = built(
+        SandboxStarting,
+        type="SandboxStarting",
+        **(_common(state, due, cause) | {"generation": generation}),
+        reason="restart",
+        previous_generation=state.generation,
+        spec=state.spec,
+        identity=identity_for(state.sandbox_id, generation, due.observation_id),
+        deadline=launch_deadline(due.occurred_at, limits, replacing=state.spec),
+        policy=policy,
+        attempt=pending.attempt,
+    )
+    new_state, events = _emit(state, event)
+    why = (
+        f"{what}: restart under restart_policy {policy} (restart {pending.attempt} in a row): "
+        f"{state.phase} -> {new_state.phase}, generation {generation}"
+    )
     return Decision(new_state, events, "applied", why)

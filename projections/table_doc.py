@@ -12,6 +12,7 @@ from pathlib import Path
 from projections.lifecycle import (
     COMMAND_TABLE,
     DEADLINE_TABLE,
+    EXIT_KINDS,
     FOLLOW_OBSERVED,
     HELD,
     NO_RESTART,
@@ -20,6 +21,7 @@ from projections.lifecycle import (
     PHASE_DEADLINES,
     REFUSED_WHILE_HELD,
     RESTART,
+    RESTART_POLICY_TABLE,
     ROTATION_TABLE,
     Admission,
 )
@@ -27,7 +29,7 @@ from projections.lifecycle import (
 DOC = Path(__file__).resolve().parent.parent / "docs" / "state-machine.md"
 BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
 KINDS = [
-    "created", "running", "exited_ok", "exited_error", "removed",
+    "created", "running", "stopping", "exited_ok", "exited_error", "removed",
     "launch_succeeded", "launch_failed",
     "stop_succeeded", "stop_absent", "stop_failed",
     "delete_succeeded", "delete_absent", "delete_failed",
@@ -90,6 +92,29 @@ def render() -> str:
         "A DeadlineDue acts only when it names exactly the deadline the row holds (kind and "
         "due time; for ttl the row's expires_at) at the row's generation; anything else, "
         "including a repeat, is ignored.",
+        "",
+        "### Restart policy (spec.restart_policy) by how the current generation ended",
+        "",
+        "| policy | " + " | ".join(EXIT_KINDS) + " |",
+        "|---" * (len(EXIT_KINDS) + 1) + "|",
+        *(
+            f"| {policy} | " + " | ".join("**restart**" if y else "·" for y in row) + " |"
+            for policy, row in RESTART_POLICY_TABLE.items()
+        ),
+        "",
+        "An exit of the current generation (the runtime exited, vanished: removed outside "
+        "sandstream, the launch failed, or the launch deadline fell due) under a policy marked "
+        "**restart** keeps the phase it led to (Error or Completed) and schedules the restart: "
+        "SandboxRestartScheduled, whose deadline of kind `restart` is due at the exit's "
+        "`occurred_at` plus the back-off (`restart_backoff.initial_seconds`, doubling per restart "
+        "in a row, at most `restart_backoff.max_seconds`; default 1 s to 300 s). When "
+        "`max_restarts` restarts in a row were made already, the exit ends in Error instead "
+        "(SandboxRestartsExhausted, reason `RestartLimit: ...`). A generation that was Ready for "
+        "at least the processor's `restart_reset_seconds` (default 600 s) before it ended resets "
+        "the count of restarts in a row. A stop, delete, start or restart replaces the scheduled "
+        "restart's deadline, and a hold or SetRestartPolicy to Never clears it: the DeadlineDue "
+        "then is ignored. A held sandbox is not restarted. The completion policy "
+        "(`on_exit=delete`) applies only to an exit the policy does not restart.",
         "",
         "### Credential rotation (RotateCredentials) by phase",
         "",

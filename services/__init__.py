@@ -13,7 +13,9 @@ layers (events, projections, drivers) and, of services/, only what this list nam
 - ``scheduler``: brings time into the log: publishes DeadlineDue when a deadline or expiry
   recorded in a row falls due. Imports common.
 - ``api``: the HTTP API (app assembly, one router per resource, auth, read-model queries).
-  Imports common, audit.
+  Imports common, audit, and executor for its log sources only (``executor.log_sources``:
+  a sandbox's output is read from its runtime, never stored; the API makes no lifecycle
+  call).
 - ``localstack``: the local stack (Kafka, PostgreSQL, Podman) and isolated test environments.
   Imports common.
 - ``openshell``: the OpenShell-compatible gRPC API (a second door beside the HTTP API), its

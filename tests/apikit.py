@@ -89,14 +89,22 @@ async def running_api(
     settings_update: dict[str, Any] | None = None,
     topic_override: str | None = None,
     tls: Tls | None = None,
+    with_scheduler: bool = False,
 ) -> AsyncIterator[Api]:
-    """The API over a fresh environment; with ``driver=None`` no processor runs at all."""
+    """The API over a fresh environment; with ``driver=None`` no processor runs at all, with
+    ``with_scheduler`` the deadline scheduler runs beside the processor."""
     async with isolated_env(partitions) as env:
         if settings_update:
             env.settings = env.settings.model_copy(update=settings_update)
         plane = None
         if driver is not None:
-            plane = ControlPlane(env.settings, driver, env.pool, reconcile_interval=3600)
+            plane = ControlPlane(
+                env.settings,
+                driver,
+                env.pool,
+                reconcile_interval=3600,
+                with_scheduler=with_scheduler,
+            )
             await plane.start()
         publisher = CommandPublisher(
             kafka_client_args(env.settings, "api"),

@@ -30,10 +30,11 @@ from events.commands import (
     ReleaseSandbox,
     RestartSandbox,
     RotateCredentials,
+    SetRestartPolicy,
     StartSandbox,
     StopSandbox,
 )
-from events.common import Cause, Phase, SandboxSpec
+from events.common import Cause, Phase, RestartBackoff, RestartPolicy, SandboxSpec
 from events.decided import DecidedEvent
 from events.observations import (
     DeadlineDue,
@@ -239,6 +240,28 @@ def extend(
     )
 
 
+def set_restart_policy(
+    key: str = KEY,
+    restart_policy: RestartPolicy = "OnFailure",
+    *,
+    restart_backoff: RestartBackoff | None = None,
+    max_restarts: int | None = None,
+    command_id: str | None = None,
+    expected_version: int | None = None,
+    actor: str = USER,
+    occurred_at: datetime = T0,
+) -> SetRestartPolicy:
+    base = _base(key, command_id, actor, occurred_at)
+    return SetRestartPolicy(
+        type="SetRestartPolicy",
+        restart_policy=restart_policy,
+        restart_backoff=restart_backoff,
+        max_restarts=max_restarts,
+        expected_version=expected_version,
+        **base,
+    )
+
+
 def due(
     key: str = KEY,
     deadline: str = "launch",
@@ -290,6 +313,7 @@ VERSIONED_COMMANDS: dict[str, Callable[..., Command]] = {
     "HoldSandbox": hold,
     "ReleaseSandbox": release,
     "ExtendSandbox": extend,
+    "SetRestartPolicy": set_restart_policy,
 }
 COMMAND_BUILDERS: dict[str, Callable[..., Command]] = {
     "CreateSandbox": create,
@@ -439,6 +463,8 @@ def observation_of_kind(
             return created_snapshot(key, generation, **kw)
         case "running":
             return running(key, generation, **kw)
+        case "stopping":
+            return snapshot(key, generation, "stopping", **kw)
         case "exited_ok":
             return exited(key, generation, 0, **kw)
         case "exited_error":

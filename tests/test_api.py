@@ -28,6 +28,7 @@ from events.publisher import CommandPublisher
 from events.topics import CHANGES_CHANNEL
 from services.api import idempotency, readmodel
 from services.api.app import create_app
+from services.api.readmodel import changes
 from services.common import metrics
 from services.common import tokens as auth
 from services.common.database import connect_pool
@@ -642,7 +643,7 @@ async def test_watchers_woken_together_share_one_horizon_query(
             queries.append(pool)
         return await real(pool)
 
-    monkeypatch.setattr(readmodel, "current_horizon", counted)
+    monkeypatch.setattr(changes, "current_horizon", counted)  # the one ChangeFeed calls
     async with isolated_env() as env:
         feed = readmodel.ChangeFeed(env.pool)
         mark = feed.mark()

@@ -69,6 +69,32 @@ async def test_extend_sets_the_expiry_from_now(api: Api) -> None:
     ) + timedelta(seconds=7000)
 
 
+async def test_restart_policy_at_create_and_changed_with_expected_version(api: Api) -> None:
+    name = unique("rpol")
+    async with api.client() as c:
+        body = create_body(name)
+        body["spec"] |= {"restart_policy": "OnFailure", "max_restarts": 2,
+                         "restart_backoff": {"initial_seconds": 1, "max_seconds": 60}}  # fmt: skip
+        r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+        assert r.status_code == 201, r.text
+        row = await eventually(lambda: get(api, name), lambda v: v["phase"] == "Ready",
+                               timeout=30, what="Ready")  # fmt: skip
+        spec = row["spec"]
+        assert spec["restart_policy"] == "OnFailure" and spec["max_restarts"] == 2  # type: ignore[index]
+        assert (row["restart_count"], row["next_restart_at"], row["last_exit"]) == (0, None, None)
+        stale = {"restart_policy": "Always", "expected_version": int(str(row["version"])) + 5}
+        r = await c.post(f"/v1/sandboxes/{name}:restart-policy", params={"wait": 30}, json=stale)
+        assert r.status_code == 409, r.text
+        fresh = {"restart_policy": "Always", "expected_version": row["version"]}
+        r = await c.post(f"/v1/sandboxes/{name}:restart-policy", params={"wait": 30}, json=fresh)
+        assert r.status_code == 200 and r.json()["status"] == "accepted", r.text
+        r = await c.post(
+            f"/v1/sandboxes/{name}:restart-policy", json={"restart_policy": "Sometimes"}
+        )
+        assert r.status_code == 422 and "restart_policy" in r.text
+    assert (await get(api, name))["spec"]["restart_policy"] == "Always"  # type: ignore[index]
+
+
 async def test_hold_refuses_start_and_restart_with_who_and_why_until_released(api: Api) -> None:
     name = unique("hold")
     async with api.client() as c:

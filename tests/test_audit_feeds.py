@@ -12,9 +12,10 @@ from typing import Any
 
 import apikit
 import httpx
-from harness import eventually
+from harness import eventually, isolated_env
 
 from drivers.fake import FakeDriver
+from services.api import readmodel
 from services.common.settings import PROJECT_ROOT
 
 
@@ -146,3 +147,20 @@ async def test_every_decided_event_streams_in_order_and_resumes_from_a_cursor() 
         kind, _, gap = told[0]
         assert kind == "gap" and gap["cursor"] == 0 and gap["retained_from"] > ids[3]
         assert [d["type"] for _, _, d in told[1:]] == expected[4:]
+
+
+async def test_the_event_horizon_never_steps_over_an_event_still_being_written() -> None:
+    """Outbox ids are drawn under the sandboxes table's write lock inside the processor's
+    transactions, so they can commit out of order: the feed reads only up to the ids of the
+    writers that have ended (the same wait as the row change feed's)."""
+    async with isolated_env(partitions=1) as env, env.pool.acquire() as writer:
+        transaction = writer.transaction()
+        await transaction.start()
+        try:
+            await writer.execute("LOCK TABLE sandboxes IN ROW EXCLUSIVE MODE")
+            drawn = await writer.fetchval("SELECT nextval('outbox_id_seq')")  # not committed
+            assert await readmodel.event_horizon(env.pool, timeout=0.3) is None
+        finally:
+            await transaction.commit()
+        horizon = await readmodel.event_horizon(env.pool)
+        assert horizon is not None and horizon >= drawn

@@ -289,6 +289,16 @@ async def test_ttl_hold_release_extend_and_the_scheduler_inside_up(up: Up) -> No
     r = await up.cli("sandbox", "release", name)
     assert r.code == 0 and f"Released sandbox {name}" in r.out, r.err
 
+    r = await up.cli("sandbox", "restart-policy", name, "OnFailure", "--backoff", "2s:1m",
+                     "--max-restarts", "2")  # fmt: skip
+    assert r.code == 0 and f"Sandbox {name} restarts: OnFailure" in r.out, r.err
+    r = await up.cli("sandbox", "get", name)
+    fields = {row.split()[0]: " ".join(row.split()[1:]) for row in lines(r.out) if row.strip()}
+    assert fields["Restarts"] == "0 (OnFailure)", r.out
+    r = await up.cli("sandbox", "get", name, "-o", "json")
+    spec = json.loads(r.out)["spec"]
+    assert spec["restart_backoff"] == {"initial_seconds": 2.0, "max_seconds": 60.0}
+
     r = await up.cli("sandbox", "extend", name, "--ttl", "soon")
     assert r.code == 2 and "expected a positive duration" in r.err
     r = await up.cli("sandbox", "extend", name, "--ttl", "1s")
@@ -410,3 +420,34 @@ def test_a_rejection_decided_after_the_first_wait_fails_the_command() -> None:
     assert failed.value.code == EXIT_FAILED
     assert failed.value.message == f"rejected: {why} (FAILED_PRECONDITION)"
     assert client.paths == ["POST /v1/sandboxes/x:stop", "GET /v1/commands/c-1"]
+
+
+async def test_sandbox_logs_prints_the_output_and_follows_it_as_it_is_written(up: Up) -> None:
+    name = up.name("logs")
+    script = "echo to-err >&2; i=0; while true; do echo tick-$i; i=$((i+1)); sleep 0.5; done"
+    r = await up.cli("sandbox", "create", name, "--image", IMAGE, "--", "sh", "-c", script)
+    assert r.code == 0, r.err
+    r = await up.cli("sandbox", "logs", name, "--tail", "2")
+    assert r.code == 0, r.err
+    assert len(lines(r.out) + lines(r.err)) == 2
+    r = await up.cli("sandbox", "logs", name)
+    assert "to-err" in lines(r.err) and lines(r.out)[0] == "tick-0"
+
+    proc = await asyncio.create_subprocess_exec(
+        SANDSTREAM, "sandbox", "logs", name, "-f", "--tail", "1",
+        env={**up.env, "SANDSTREAM_API_URL": up.url}, cwd=PROJECT_ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        async with asyncio.timeout(60):
+            first = (await proc.stdout.readline()).decode().strip()
+            later = [(await proc.stdout.readline()).decode().strip() for _ in range(3)]
+    finally:
+        proc.kill()
+        await proc.wait()
+    # Lines written after `logs -f` began arrive through it, in order.
+    ticks = [int(t.removeprefix("tick-")) for t in [first, *later]]
+    assert ticks == list(range(ticks[0], ticks[0] + 4))
+    r = await up.cli("sandbox", "logs", "no-such-sandbox")
+    assert r.code != 0 and "not found" in (r.out + r.err)

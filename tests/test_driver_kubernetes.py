@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import factories as f
 import pytest
 import pytest_asyncio
 import yaml
@@ -44,7 +45,9 @@ from drivers.kube_objects import (
     pod_name,
     read_pod,
     secret_name,
+    snapshot,
 )
+from drivers.kube_watch import Reported
 from drivers.kubernetes import KubernetesDriver, parse_node_selector
 from drivers.protocol import (
     IDENTITY_ENV,
@@ -57,7 +60,7 @@ from drivers.protocol import (
     LaunchSpec,
     WatchObservation,
 )
-from events.common import SandboxSpec
+from events.common import Phase, SandboxSpec
 from events.observations import RuntimeRemoved, RuntimeSnapshot
 from services.common.settings import PROJECT_ROOT, Settings
 from services.executor.backends import describe_driver, driver_from_settings
@@ -149,6 +152,26 @@ def kinds(observations: list[WatchObservation]) -> list[tuple[str, int, str | No
 # -- pure parts -------------------------------------------------------------------------------
 
 
+def test_a_pod_being_deleted_does_not_lift_an_error_row_to_ready() -> None:
+    """Scenario 5 on Kubernetes, at the mechanism: a Pod whose deletion is under way while its
+    container still runs (a stop of a sandbox in Error, e.g. the cleanup of a timed-out
+    launch) is a stopping runtime, which no phase takes as running: it never makes Ready."""
+    h = f.harness_in(Phase.ERROR)
+    pod = pod_dict("Running", deleting=True, key=f.KEY, generation=h.row().generation)
+    view = read_pod(pod)
+    assert view is not None
+    decision = h.send(snapshot(view, source="watch"))
+    assert (decision.disposition, h.row().phase) == ("ignored", Phase.ERROR)
+    assert view.info.state == "stopping"
+    for phase in (Phase.READY, Phase.STOPPING, Phase.STOPPED, Phase.PROVISIONING):
+        h = f.harness_in(phase)
+        pod = pod_dict("Running", deleting=True, key=f.KEY, generation=h.row().generation)
+        view = read_pod(pod)
+        assert view is not None
+        assert h.send(snapshot(view, source="watch")).disposition == "ignored", phase
+        assert h.row().phase is phase
+
+
 def test_labels_and_selectors_follow_kubernetes_rules() -> None:
     assert is_label("team", "a-b_c.d") and is_label("example.com/team", "")
     assert not is_label("team", "has space") and not is_label("team", "x" * 64)
@@ -181,12 +204,13 @@ def test_settings_become_the_drivers_configuration(tmp_path: Path) -> None:
 
 
 def pod_dict(
-    phase: str, *, terminated: int | None = None, deleting: bool = False, rv: str = "7"
-) -> dict[str, Any]:
+    phase: str, *, terminated: int | None = None, deleting: bool = False, rv: str = "7",
+    key: str = "k", generation: int = 2,
+) -> dict[str, Any]:  # fmt: skip
     """A sandstream Pod as the API server sends it (only the fields the driver reads)."""
-    spec = launch_spec("k", 2)
+    spec = launch_spec(key, generation)
     meta: dict[str, Any] = {
-        "name": pod_name("k", 2), "uid": "u-1", "resourceVersion": rv,
+        "name": pod_name(key, generation), "uid": "u-1", "resourceVersion": rv,
         "creationTimestamp": "2026-01-01T00:00:00Z", "labels": pod_labels(spec),
     }  # fmt: skip
     if deleting:
@@ -199,27 +223,25 @@ def pod_dict(
 
 
 def test_pod_phases_container_states_and_deletion_map_to_observations() -> None:
-    driver = KubernetesDriver()  # never connects: only its mapping is used
-    known: dict[str, tuple[str, int]] = {}
-    shapes: dict[str, Any] = {}
+    reported = Reported()  # what one watch stream has reported of each Pod
 
     def seen(kind: str, pod: dict[str, Any]) -> list[tuple[str, int, str | None]]:
-        return kinds(driver._observe(kind, pod, known, shapes))
+        return kinds(reported.observe(kind, pod))
 
     pending = pod_dict("Pending")
     pending["status"] = {"phase": "Pending"}
     assert seen("ADDED", pending) == [("created", 2, None)]
     assert seen("MODIFIED", pod_dict("Running")) == [("running", 2, None)]
     assert seen("MODIFIED", pod_dict("Running", rv="8")) == []  # nothing the fold knows changed
-    terminating = driver._observe("MODIFIED", pod_dict("Running", deleting=True), known, shapes)
-    assert kinds(terminating) == [("running", 2, None)]  # the stop in progress
-    assert terminating[0].observation_id == "k8s:u-1:7:terminating"
+    terminating = reported.observe("MODIFIED", pod_dict("Running", deleting=True))
+    assert kinds(terminating) == [("stopping", 2, None)]  # the stop in progress
+    assert terminating[0].observation_id == "k8s:u-1:7:stopping"
     assert terminating[0].occurred_at.minute == 1  # since the deletion began
     # The final status carried the exit: it is reported before the removal.
-    final = driver._observe("DELETED", pod_dict("Failed", terminated=143, rv="9"), known, shapes)
+    final = reported.observe("DELETED", pod_dict("Failed", terminated=143, rv="9"))
     assert kinds(final) == [("exited", 2, "143"), ("removed", 2, None)]
     assert [o.observation_id for o in final] == ["k8s:u-1:9:exited", "k8s:u-1:9:removed"]
-    assert known == {} and shapes == {}
+    assert reported.known == {} and reported.shapes == {}
     succeeded = pod_dict("Succeeded")
     succeeded["status"] = {"phase": "Succeeded"}
     assert seen("MODIFIED", succeeded) == [("exited", 2, "0")]
@@ -400,9 +422,9 @@ async def test_watch_lists_then_reports_start_exit_stop_and_removal(
             lambda obs: any(isinstance(o, RuntimeRemoved) for o in obs),
             what="the removal",
         )
-        # The graceful deletion is seen first (still running: the stop in progress), then gone.
-        terminating = [o for o in seen if "terminating" in o.observation_id]
-        assert [kinds([o]) for o in terminating] == [[("running", 1, None)]]
+        # The graceful deletion is seen first (stopping: the stop in progress), then gone.
+        terminating = [o for o in seen if o.observation_id.endswith(":stopping")]
+        assert [kinds([o]) for o in terminating] == [[("stopping", 1, None)]]
         assert seen.index(terminating[0]) < len(seen) - 1
         assert all(o.occurred_at.tzinfo is not None for o in watching.seen)
         assert len({o.observation_id for o in seen}) == len(seen)
@@ -491,7 +513,7 @@ async def test_a_pod_that_never_terminates_delays_no_other_sandbox(
         assert not stopping.done()  # the stuck stop is still waiting: nobody waited for it
 
         (info,) = await driver.get(stuck)
-        assert info.state == "running"
+        assert info.state == "stopping"
         view = read_pod((await admin.pods(ns, stuck))[0])
         assert view is not None and view.terminating
         await admin.release(ns, pod_name(stuck, 1))
@@ -635,3 +657,32 @@ async def test_kill_removes_the_pod_at_once_and_is_not_queued_behind_the_key(
         assert (await driver.kill(key, 1)).outcome == "already_absent"
     finally:
         await driver.close()
+
+
+async def test_a_pod_being_deleted_with_its_container_running_is_a_stopping_runtime(
+    admin: Admin, ns: str, keys: Keys, driver: KubernetesDriver
+) -> None:
+    """A Pod with a deletion timestamp whose container still runs (a finalizer holds it here;
+    a kubelet waiting out the grace period does the same) is reported as stopping by get,
+    list and the watch, never as running."""
+    key = keys()
+    name = pod_name(key, 1)
+    watching = await Watching.started(driver)
+    try:
+        await driver.launch(launch_spec(key))
+        await eventually(lambda: kinds(watching.of(key)), lambda k: ("running", 1, None) in k,
+                         what="the running Pod watched")  # fmt: skip
+        await admin.hold(ns, name)
+        await admin.core.delete_namespaced_pod(name, ns, grace_period_seconds=30)
+        await eventually(lambda: kinds(watching.of(key)), lambda k: ("stopping", 1, None) in k,
+                         what="the Pod being deleted watched as stopping")  # fmt: skip
+        assert [(i.generation, i.state) for i in await driver.get(key)] == [(1, "stopping")]
+        assert [i.state for i in await driver.list() if i.key == key] == ["stopping"]
+        seen = kinds(watching.of(key))
+        assert seen[seen.index(("stopping", 1, None)) :].count(("running", 1, None)) == 0
+        await admin.release(ns, name)
+        await eventually(lambda: kinds(watching.of(key)), lambda k: ("removed", 1, None) in k,
+                         what="the Pod's removal watched")  # fmt: skip
+    finally:
+        await watching.close()
+        await admin.release(ns, name)

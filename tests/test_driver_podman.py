@@ -21,15 +21,15 @@ from pipeline_support import IGNORE_TERM, trap_set
 from podman import PodmanClient
 from podman.errors import APIError
 
+from drivers.labels import runtime_labels
 from drivers.podman import (
     DEFAULT_LIMITS,
     PodmanDriver,
     container_name,
-    observation_from_event,
     remove_volume,
-    runtime_labels,
     volume_name,
 )
+from drivers.podman_events import observation_from_event
 from drivers.protocol import (
     IDENTITY_ENV,
     LABEL_GENERATION,

@@ -40,15 +40,11 @@ from events.publisher import CommandPublisher
 from events.topics import record_key
 from projections.lifecycle import Sandbox
 from services.common.settings import Settings
+from services.executor.calls import RetryPolicy
 from services.executor.driver_side import DriverSide
-from services.executor.executor import (
-    Executor,
-    Intent,
-    PartitionProgress,
-    RetryPolicy,
-    _Item,
-    unwanted,
-)
+from services.executor.executor import Executor
+from services.executor.intents import Intent, unwanted
+from services.executor.progress import PartitionProgress, WorkItem
 from services.executor.rows import read_row
 from services.up.control_plane import ControlPlane
 
@@ -188,7 +184,9 @@ async def test_a_call_still_waiting_for_a_slot_at_shutdown_is_not_made() -> None
         await command(env, pub, f.create("b"))
         await eventually(lambda: executor.waiting, lambda n: n == 1, what="b waiting for a slot")
         draining = asyncio.create_task(executor.drain(grace=30))
-        await eventually(lambda: executor._closing, bool, what="the executor to be closing")
+        await eventually(
+            lambda: executor.ownership.closing, bool, what="the executor to be closing"
+        )
         held.release()
         await asyncio.wait_for(draining, 30)
         assert len(driver.calls_for("launch", "a")) == 1
@@ -449,7 +447,7 @@ async def test_an_intent_in_flight_during_a_rebalance_is_not_lost_or_doubled() -
                 await second.start()
                 tasks.append(asyncio.create_task(second.run(stop)))
                 await eventually(
-                    lambda: (len(first._owned), len(second._owned)),
+                    lambda: (len(first.ownership.owned), len(second.ownership.owned)),
                     lambda owned: owned[0] > 0 and owned[1] > 0 and sum(owned) == 4,
                     what="the partitions shared by both executors",
                 )
@@ -545,7 +543,7 @@ def test_an_executor_picks_up_only_sandboxes_of_its_own_partitions() -> None:
     executor that owns its partition (the one the producer's partitioner chose)."""
     settings = Settings().model_copy(update={"kafka_partitions": 4, "topic_events": "ev"})
     executor = Executor(settings, FakeDriver(), None)  # type: ignore[arg-type]
-    executor._owned = {TopicPartition("ev", 2): PartitionProgress()}
+    executor.ownership.owned = {TopicPartition("ev", 2): PartitionProgress()}
     for key in [f"sb-{i}" for i in range(40)]:
         chosen = DefaultPartitioner()(record_key(key), [0, 1, 2, 3], [0, 1, 2, 3])
         assert executor.owns(key) == (chosen == 2), key
@@ -559,12 +557,12 @@ def test_a_picked_up_intent_stops_being_ours_when_its_partition_is_revoked() -> 
     executor = Executor(settings, FakeDriver(), None)  # type: ignore[arg-type]
     key = "sb-1"
     partition = DefaultPartitioner()(record_key(key), [0, 1, 2, 3], [0, 1, 2, 3])
-    executor._owned = {TopicPartition("ev", partition): PartitionProgress()}
+    executor.ownership.owned = {TopicPartition("ev", partition): PartitionProgress()}
     intent = Intent("launch", key, uuid.uuid4(), 1, "result:row:x:1", "reconciler")
-    item = _Item(intent)  # picked up from a row: no partition offset of its own
-    assert executor._current(item)
-    executor._owned = {}  # revoked
-    assert not executor._current(item)
+    item = WorkItem(intent)  # picked up from a row: no partition offset of its own
+    assert executor.ownership.current(item)
+    executor.ownership.owned = {}  # revoked
+    assert not executor.ownership.current(item)
 
 
 async def test_a_partition_revoked_while_its_offsets_are_committed_does_not_stop_the_executor() -> (
@@ -576,8 +574,11 @@ async def test_a_partition_revoked_while_its_offsets_are_committed_does_not_stop
     settings = Settings().model_copy(update={"kafka_partitions": 2, "topic_events": "ev"})
     executor = Executor(settings, FakeDriver(), None)  # type: ignore[arg-type]
     kept, revoked = TopicPartition("ev", 0), TopicPartition("ev", 1)
-    executor._owned = {kept: PartitionProgress(highest_seen=4), revoked: PartitionProgress()}
-    revoked_progress = executor._owned[revoked]
+    executor.ownership.owned = {
+        kept: PartitionProgress(highest_seen=4),
+        revoked: PartitionProgress(),
+    }
+    revoked_progress = executor.ownership.owned[revoked]
     revoked_progress.highest_seen = 9
     sent: list[dict[TopicPartition, int]] = []
 
@@ -586,12 +587,12 @@ async def test_a_partition_revoked_while_its_offsets_are_committed_does_not_stop
 
         async def commit(self, offsets: dict[TopicPartition, int]) -> None:
             sent.append(dict(offsets))
-            executor._owned.pop(revoked)
+            executor.ownership.owned.pop(revoked)
 
-    executor.consumer = RevokedMidCommit()  # type: ignore[assignment]
+    executor.intake.consumer = RevokedMidCommit()  # type: ignore[assignment]
     await executor.commit()
     assert sent == [{kept: 5, revoked: 10}]
-    assert executor._owned[kept].committed == 5
+    assert executor.ownership.owned[kept].committed == 5
     assert revoked_progress.committed == 10
 
 
@@ -642,3 +643,16 @@ def test_the_row_decides_which_intents_are_still_wanted() -> None:
         None,
     ):
         assert unwanted(stale, current) is not None, current
+    # A stray's stop (generation 2 running under a Stopped row of generation 2) is wanted only
+    # while the row is still Stopped at that generation.
+    stray = replace(intent("stop"), stray=True)
+    assert unwanted(stray, row(Phase.STOPPED)) is None
+    for current in (
+        row(Phase.STARTING, generation=3),  # started again: the launch replaces it
+        row(Phase.STOPPED, generation=3),
+        row(Phase.READY),
+        row(Phase.DELETING),
+        row(Phase.STOPPED, sandbox_id=other),
+        None,
+    ):
+        assert unwanted(stray, current) is not None, current

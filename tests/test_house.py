@@ -23,7 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "executor": {"common"},
     "audit": {"common", "processor"},
     "scheduler": {"common"},
-    "api": {"common", "audit"},
+    "api": {"common", "audit", "executor"},
     "localstack": {"common"},
     "openshell": {"common", "api", "executor", "localstack"},
     "up": {"common", "processor", "executor", "scheduler", "api", "localstack", "openshell"},

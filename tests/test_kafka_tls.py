@@ -27,7 +27,7 @@ from services.api.readmodel import await_outcome
 from services.common.entrypoint import EXIT_START_FAILED, EXIT_STOPPED
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
-from services.localstack import kafka_auth, private_broker, stack
+from services.localstack import kafka_auth, kafka_broker, private_broker, stack
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_the_local_stack_refuses_to_start_a_broker_its_tls_clients_cannot_reach(
     started = None
     try:
         with pytest.raises(stack.StackError, match=r"takes no TLS, but .* is SASL_SSL"):
-            started = stack._start_kafka(settings)
+            started = kafka_broker.start(settings)
     finally:
         if started is not None:  # the old code started one
             private_broker.stop(started)
@@ -137,4 +137,4 @@ def test_a_tls_broker_of_ones_own_already_listening_at_a_local_bootstrap_is_used
     )
     host, port = settings.kafka_bootstrap.rsplit(":", 1)
     with socket.create_server((host, int(port))):
-        assert stack._start_kafka(settings) is None
+        assert kafka_broker.start(settings) is None

@@ -10,6 +10,7 @@ import pytest
 
 from events.common import Phase, SandboxSpec
 from events.decided import (
+    AgentRestartFailed,
     SandboxCompleted,
     SandboxDeleteRetried,
     SandboxDeleting,
@@ -19,7 +20,7 @@ from events.decided import (
     SandboxTimedOut,
 )
 from events.outcomes import Code
-from projections.lifecycle import DEFAULT_LIMITS, Limits, decide, is_held
+from projections.lifecycle import DEFAULT_LIMITS, Limits, Message, decide, is_held
 
 P = Phase
 LIMITS = DEFAULT_LIMITS
@@ -34,7 +35,8 @@ def test_create_records_the_launch_deadline_and_the_expiry() -> None:
     h.send(f.create(ttl_seconds=90, on_expiry="delete", on_exit="delete", occurred_at=f.at(10)))
     row = h.row()
     assert row.deadline is not None and row.deadline.kind == "launch"
-    assert row.deadline.due_at == f.at(10) + seconds(LIMITS.launch_seconds or 0)
+    launch = LIMITS.launch_retry_seconds + (LIMITS.launch_seconds or 0)
+    assert row.deadline.due_at == f.at(10) + seconds(launch)
     assert row.expires_at == f.at(100)
     assert (row.on_expiry, row.on_exit) == ("delete", "delete")
     h.send(f.running())
@@ -43,11 +45,11 @@ def test_create_records_the_launch_deadline_and_the_expiry() -> None:
 
 
 def test_limits_come_from_the_caller_and_travel_in_the_events() -> None:
-    limits = Limits(launch_seconds=3)
+    limits = Limits(launch_seconds=3, launch_retry_seconds=4)
     command = f.create(occurred_at=f.at(0))
     decision = decide(None, command, f.Causes()(command), limits)
     (event,) = decision.events
-    assert event.deadline is not None and event.deadline.due_at == f.at(3)  # type: ignore[union-attr]
+    assert event.deadline is not None and event.deadline.due_at == f.at(7)  # type: ignore[union-attr]
     assert (
         decide(None, command, f.Causes()(command), Limits(launch_seconds=None)).state.deadline
         is None
@@ -264,3 +266,80 @@ def test_the_scheduler_names_the_deadline_exactly_and_skips_a_held_expiry() -> N
     assert due_messages(_record(expires_at=f.at(99), version=8), now)[0].observation_id != (
         ttl.observation_id
     )
+
+
+# -- the launch deadline against the replaced generation's grace and the executor's retries ---
+# Defaults throughout (Limits(): launch 300 s, the executor's retry window 600 s), the relation
+# a deployment has unless it changes them. The scheduler is simulated: before each message,
+# the row's deadline is delivered if it fell due by then, as the real scheduler would.
+
+SLOW = SandboxSpec(image="img", stop_timeout_seconds=400)  # an agent that ignores SIGTERM
+
+
+def at_time(h: f.Harness, t: float, message: Message) -> None:
+    """``message`` at ``t`` seconds, after the DeadlineDue the scheduler would have sent by
+    then."""
+    row = h.row()
+    if row.deadline is not None and row.deadline.due_at <= f.at(t):
+        due = row.deadline.due_at
+        h.send(f.due(deadline=row.deadline.kind, due_at=due, generation=row.generation))
+    h.send(message)
+
+
+def ready_slow_agent() -> f.Harness:
+    h = f.Harness()
+    h.send(f.create(sandbox_spec=SLOW, providers=["github"], occurred_at=f.at(0)))
+    h.send(f.running(occurred_at=f.at(1)))
+    assert h.row().phase is P.READY
+    return h
+
+
+def test_a_slow_stopping_agent_is_rotated_without_timing_out() -> None:
+    """The restart's launch first waits out the old generation's 400 s grace: its deadline
+    must not fall due meanwhile (it did at 300 s: Error ProvisioningTimeout, then Ready when the
+    runtime came up, then killed by the cleanup stop)."""
+    h = ready_slow_agent()
+    h.send(f.rotate(occurred_at=f.at(10)))
+    assert (h.row().phase, h.row().generation) == (P.STARTING, 2)
+    at_time(h, 410, f.exited(generation=1, exit_code=137, occurred_at=f.at(410)))
+    at_time(h, 412, f.launched(generation=2, credentials={"github": 2}, occurred_at=f.at(412)))
+    row = h.row()
+    assert (row.phase, row.generation, row.reason, row.deadline) == (P.READY, 2, None, None)
+    assert not [e for e in h.events() if isinstance(e, SandboxTimedOut)]
+
+
+def test_a_rotation_restart_failing_until_the_retry_window_ends_is_agent_restart_failed() -> None:
+    """The executor retries a transient launch failure for its whole retry window (600 s),
+    longer than the launch timeout (300 s), then reports it: that report finds the row still
+    Starting, so it is AgentRestartFailed (not a ProvisioningTimeout at 300 s that swallows
+    it)."""
+    h = ready_slow_agent()
+    h.send(f.rotate(occurred_at=f.at(10)))
+    gave_up = "podman unavailable; gave up after 70 attempts"
+    report = f.failed(generation=2, reason=gave_up, retryable=True, occurred_at=f.at(1015))
+    at_time(h, 1015, report)  # 400 s grace, 600 s of retries, the last attempt
+    row = h.row()
+    assert (row.phase, row.reason) == (P.ERROR, gave_up)
+    assert [type(e) for e in h.events()][-1] is AgentRestartFailed
+    assert not [e for e in h.events() if isinstance(e, SandboxTimedOut)]
+
+
+@pytest.mark.parametrize("grace", [None, 400])
+def test_the_launch_deadline_covers_the_replaced_grace_the_retries_and_the_launch(
+    grace: int | None,
+) -> None:
+    """create: the retry window plus the launch timeout; a start, restart or rotation restart
+    also waits out the grace period of the generation it replaces (the sandbox's, else the
+    driver's)."""
+    spec = SandboxSpec(image="img", stop_timeout_seconds=grace)
+    h = f.Harness()
+    h.send(f.create(sandbox_spec=spec, providers=["github"], occurred_at=f.at(0)))
+    launch = LIMITS.launch_seconds or 0
+    assert h.row().deadline.due_at == f.at(LIMITS.launch_retry_seconds + launch)  # type: ignore[union-attr]
+    h.send(f.running())
+    replaced = LIMITS.stop_grace_seconds if grace is None else grace
+    for message in (f.restart(occurred_at=f.at(20)), f.rotate(occurred_at=f.at(20))):
+        h.send(f.running(generation=h.row().generation))
+        h.send(message)
+        due = f.at(20 + replaced + LIMITS.launch_retry_seconds + launch)
+        assert (h.row().phase, h.row().deadline.due_at) == (P.STARTING, due)  # type: ignore[union-attr]

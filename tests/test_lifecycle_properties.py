@@ -216,6 +216,9 @@ class LifecycleMachine(RuleBasedStateMachine):
             kind = PHASE_DEADLINES.get(new.phase)
             # (A stop that was escalated to a kill has no further deadline.)
             allowed = {kind, None} if new.phase is P.STOPPING else {kind}
+            # (A restart the restart policy scheduled waits in Error or Completed.)
+            if new.phase in (P.ERROR, P.COMPLETED) and new.spec.restart_policy is not None:
+                allowed = {None, "restart"}
             assert (new.deadline.kind if new.deadline else None) in allowed, new
         # Time acts only on the deadline the row holds; a repeat changes nothing.
         if isinstance(message, DeadlineDue) and events:
@@ -250,9 +253,12 @@ class LifecycleMachine(RuleBasedStateMachine):
                 and message.operation == "delete"
                 and message.outcome == "failed"
             ), message
-        # Observations never touch another generation than the row's.
+        # Observations never touch another generation than the row's; the one that moves it on
+        # is a restart policy's deadline falling due, which starts the next generation.
         if events and is_observation(message):
-            assert message.generation == prev.generation == new.generation  # type: ignore[union-attr]
+            assert message.generation == prev.generation  # type: ignore[union-attr]
+            restart_due = isinstance(message, DeadlineDue) and message.deadline == "restart"
+            assert new.generation == prev.generation + (1 if restart_due else 0), message
 
     @invariant()
     def rebuild_from_the_log(self) -> None:

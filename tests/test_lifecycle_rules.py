@@ -12,6 +12,7 @@ from events.common import Phase
 from events.decided import (
     ProviderAttached,
     ProviderDetached,
+    RestartPolicyChanged,
     SandboxCompleted,
     SandboxCreated,
     SandboxDeleted,
@@ -59,6 +60,7 @@ VERBS = {
     "HoldSandbox": "hold",
     "ReleaseSandbox": "release",
     "ExtendSandbox": "extend",
+    "SetRestartPolicy": "set the restart policy",
 }
 ADMITTED_EVENT = {
     "StartSandbox": (SandboxStarting, P.STARTING),
@@ -70,6 +72,7 @@ ADMITTED_EVENT = {
     "HoldSandbox": (SandboxHeld, None),
     "ReleaseSandbox": (SandboxReleased, None),
     "ExtendSandbox": (SandboxExtended, None),
+    "SetRestartPolicy": (RestartPolicyChanged, None),
 }
 TARGET_EVENT = {
     P.READY: SandboxReady,

@@ -53,6 +53,8 @@ from services.scheduler.scheduler import Scheduler
 # Short deadlines for these tests (seconds); the defaults are minutes.
 FAST = {
     "launch_timeout_seconds": 1.0,
+    # The launch deadline lies beyond the executor's retry window (projections.lifecycle).
+    "executor_retry_seconds": 1.0,
     "stop_margin_seconds": 1.0,
     "delete_retry_seconds": 0.5,
     "delete_retry_max_seconds": 2.0,
@@ -153,7 +155,12 @@ async def test_a_stop_outliving_grace_plus_margin_is_escalated_to_a_kill(
     """The processor expects a 1 s grace period, but the driver's stop waits 600 s on an
     entrypoint that ignores SIGTERM: the stop deadline falls due and the executor kills it."""
     async with podman_env(podman, "esc") as (env, _, keys):
-        env.settings = env.settings.model_copy(update={**FAST, "stop_timeout_seconds": 1})
+        # The launch deadline is not what this test is about: long enough that a launch on a
+        # loaded machine cannot time out (a cleanup stop would end the agent before its stop).
+        slow_launch = {"launch_timeout_seconds": WAIT}
+        env.settings = env.settings.model_copy(
+            update={**FAST, **slow_launch, "stop_timeout_seconds": 1}
+        )
         driver = podman_driver(env.settings, stop_timeout=600)
         key = keys()
         try:

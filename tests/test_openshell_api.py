@@ -8,110 +8,26 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import pytest
-from harness import Env, eventually
-from pipeline_support import history, podman_env, running_plane
-from podman import PodmanClient
+from harness import eventually
+from openshell_support import (
+    READER,
+    WAIT,
+    Gateway,
+    Phase,
+    auth,
+    create,
+    gateway_fixture,  # noqa: F401  (the module's gateway)
+    status_of,
+    wait_phase,
+)
+from pipeline_support import history
 
-from events.publisher import CommandPublisher
-from services.api.gateway import CommandGateway
-from services.api.readmodel import ChangeFeed
-from services.common.kafka_clients import kafka_client_args
-from services.common.tokens import READ, WRITE, TokenStore
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto import openshell_pb2_grpc
-from services.openshell.server import RunningOpenShell, start_openshell
-from services.openshell.service import COMMAND_ID_KEY
-
-ADMIN = "sst_admin-token-for-tests"
-READER = "sst_reader-token-for-tests"
-WAIT = 60.0
-Phase = pb.SandboxPhase
-
-
-@dataclass
-class Gateway:
-    stub: openshell_pb2_grpc.OpenShellStub
-    channel: grpc.aio.Channel
-    server: RunningOpenShell
-    new_name: Any  # () -> a fresh sandbox name, cleaned up afterwards
-    made: list[str]
-    env: Env
-
-
-def auth(token: str = ADMIN, command_id: str | None = None) -> list[tuple[str, str]]:
-    metadata = [("authorization", f"Bearer {token}")]
-    if command_id is not None:
-        metadata.append((COMMAND_ID_KEY, command_id))
-    return metadata
-
-
-@pytest.fixture(scope="module")
-async def gateway(podman: PodmanClient) -> AsyncIterator[Gateway]:
-    async with (
-        podman_env(podman, "osapi") as (env, driver, keys),
-        running_plane(env, driver, removing=keys),
-        CommandPublisher(
-            kafka_client_args(env.settings, "api"), topic=env.settings.topic_commands
-        ) as pub,
-    ):
-        feed = ChangeFeed(env.pool)
-        await feed.start()
-        tokens = TokenStore.of(admin=(ADMIN, READ, WRITE), reader=(READER, READ))
-        settings = env.settings.model_copy(update={"openshell_port": 0})
-        gateway = CommandGateway(env.pool, pub, feed)
-        server = await start_openshell(
-            settings, pool=env.pool, gateway=gateway, tokens=tokens, driver=driver
-        )
-        try:
-            async with grpc.aio.insecure_channel(server.address) as channel:
-                yield Gateway(
-                    openshell_pb2_grpc.OpenShellStub(channel),
-                    channel,
-                    server,
-                    keys,
-                    keys.made,
-                    env,
-                )
-        finally:
-            await feed.close()
-            await server.stop(0)
-
-
-async def create(gw: Gateway, name: str, **request: Any) -> pb.Sandbox:
-    request.setdefault("spec", pb.SandboxSpec())
-    answer = await gw.stub.CreateSandbox(
-        pb.CreateSandboxRequest(name=name, **request), metadata=auth()
-    )
-    return answer.sandbox
-
-
-async def wait_phase(gw: Gateway, sandbox_id: str, phase: int) -> pb.Sandbox:
-    """Watch (by id) until the phase; fails on ERROR or an ended stream, like OpenShell's suite."""
-    request = pb.WatchSandboxRequest(id=sandbox_id, follow_status=True)
-    stream = gw.stub.WatchSandbox(request, metadata=auth(), timeout=WAIT)
-    async for event in stream:
-        sandbox = event.sandbox
-        assert sandbox.status.phase != Phase.SANDBOX_PHASE_ERROR, sandbox
-        if sandbox.status.phase == phase:
-            stream.cancel()
-            return sandbox
-    raise AssertionError(f"the watch ended before {Phase.Name(phase)}")
-
-
-async def status_of(call: Any) -> grpc.StatusCode:
-    """The status a call ends with (OK when it succeeds)."""
-    try:
-        await call
-    except grpc.aio.AioRpcError as error:
-        return error.code()
-    return grpc.StatusCode.OK
-
 
 # -- lifecycle -----------------------------------------------------------------------------------
 

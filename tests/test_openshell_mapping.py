@@ -18,6 +18,7 @@ from services.openshell import mapping
 from services.openshell.mapping import InvalidRequest, new_sandbox
 from services.openshell.proto import generate
 from services.openshell.proto import openshell_pb2 as pb
+from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as v0_1_5
 from services.openshell.server import OpenShellConfigError, check_settings, start_openshell
 from services.openshell.service import LOCAL_PRINCIPAL, Authenticator
 
@@ -91,6 +92,21 @@ def test_exit_codes_are_shown_for_error_and_completed_only() -> None:
     assert not stopped.status.HasField("exit_code")
 
 
+def test_the_restart_count_and_next_restart_time_reach_0_1_readers() -> None:
+    due = datetime(2026, 1, 2, 3, 5, tzinfo=UTC)
+    row = view(Phase.ERROR, exit_code=1).model_copy(
+        update={"restart_count": 2, "next_restart_at": due}
+    )
+    wire = mapping.sandbox_message(row).status.SerializeToString()
+    status = v0_1_5.SandboxStatus.FromString(wire)
+    assert status.restart_count == 2
+    assert status.next_restart_time.ToDatetime(tzinfo=UTC) == due
+    idle = v0_1_5.SandboxStatus.FromString(
+        mapping.sandbox_message(view(Phase.READY)).status.SerializeToString()
+    )
+    assert (idle.restart_count, idle.HasField("next_restart_time")) == (0, False)
+
+
 def test_deleting_rows_carry_a_deletion_timestamp() -> None:
     message = mapping.sandbox_message(view(Phase.DELETING))
     assert message.metadata.deletion_timestamp_ms == message.metadata.created_at_ms
@@ -154,7 +170,6 @@ def test_spec_fields_map_onto_the_sandstream_spec() -> None:
             create(spec=pb.SandboxSpec(template=pb.SandboxTemplate(runtime_class_name="gvisor"))),
             "spec.template.runtime_class_name",
         ),
-        (create(spec=pb.SandboxSpec(), workspace="team"), "workspace"),
         (create(spec=pb.SandboxSpec(providers=["a b"])), "spec.providers"),
     ],
 )
@@ -184,16 +199,6 @@ def test_label_selectors_become_equality_filters() -> None:
     for bad in ("a", "a!=1", "=1", "a=1=2"):
         with pytest.raises(InvalidRequest, match="label_selector"):
             mapping.label_filters(bad)
-
-
-def test_limit_and_offset_page_the_list() -> None:
-    items = [pb.Sandbox(metadata={"name": str(i)}) for i in range(5)]  # type: ignore[arg-type]
-    assert mapping.page(items, 0, 0) == items
-    assert [s.metadata.name for s in mapping.page(items, 2, 1)] == ["1", "2"]
-    assert [s.metadata.name for s in mapping.page(items, 0, 4)] == ["4"]
-
-
-# -- the generated modules -----------------------------------------------------------------------
 
 
 def test_the_generated_modules_are_fresh(tmp_path: Path) -> None:

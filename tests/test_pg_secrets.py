@@ -21,7 +21,7 @@ from pydantic import SecretStr, ValidationError
 
 from services.common.settings import Settings
 from services.localstack import config as cfg
-from services.localstack import stack
+from services.localstack import postgres
 
 
 def _as_postgres(sql: str) -> str:
@@ -57,7 +57,7 @@ def test_the_stack_generates_a_private_password_and_moves_an_older_role_to_it(
 ) -> None:
     # The machine as it was: the role exists with the old default password.
     old = Settings(**own_role, pg_password=SecretStr("sandstream"))
-    stack._create_role_and_database(old)
+    postgres.create_role_and_database(old)
     assert asyncio.run(_logs_in(old))
 
     command_lines: list[str] = []
@@ -71,7 +71,7 @@ def test_the_stack_generates_a_private_password_and_moves_an_older_role_to_it(
     assert fresh.pg_password is None  # no file yet
     with monkeypatch.context() as patched:
         patched.setattr(subprocess, "Popen", Recording)
-        up = stack._up_postgres(fresh)
+        up = postgres.up(fresh)
 
     path = own_role["state_dir"] / "postgres" / "password"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
@@ -88,14 +88,14 @@ def test_the_stack_generates_a_private_password_and_moves_an_older_role_to_it(
     assert later.as_env()["SANDSTREAM_PG_PASSWORD_FILE"] == str(path)
     assert password not in str(later.as_env()) and password not in repr(later)
     # Again: nothing changes.
-    assert stack._up_postgres(Settings(**own_role)).pg_password == up.pg_password
+    assert postgres.up(Settings(**own_role)).pg_password == up.pg_password
 
 
 def test_a_password_with_quotes_and_backslashes_reaches_the_role_intact(
     own_role: dict[str, Any],
 ) -> None:
     tricky = Settings(**own_role, pg_password=SecretStr('it\'s a \\ "pass" @/:%?&=+$ word'))
-    stack._create_role_and_database(tricky)
+    postgres.create_role_and_database(tricky)
     assert asyncio.run(_logs_in(tricky))
     # PostgreSQL stored the verifier sandstream computed, not the password.
     stored = _as_postgres(

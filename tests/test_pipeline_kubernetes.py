@@ -215,15 +215,15 @@ async def test_late_watch_events_of_the_stop_leave_stopped_alone(admin: Admin, n
             generation, version = stopped["generation"], stopped["version"]
             assert (stopped["phase"], generation) == ("Stopped", 1)
 
-            # The watch saw the stop: the Pod terminating (still running), then its deletion.
+            # The watch saw the stop: the Pod terminating (stopping), then its deletion.
             await eventually(lambda: driver.held_of(name),
                              lambda held: any(isinstance(o, RuntimeRemoved) for o in held),
                              what="the held deletion")  # fmt: skip
             late = driver.release(name)
             assert all(o.generation == generation and o.source == "watch" for o in late)
-            terminating = [o for o in late if "terminating" in o.observation_id]
+            terminating = [o for o in late if o.observation_id.endswith(":stopping")]
             assert len(terminating) == 1 and isinstance(terminating[0], RuntimeSnapshot)
-            assert terminating[0].state == "running"
+            assert terminating[0].state == "stopping"
             late_ids = {o.observation_id for o in late}
 
             async def recorded() -> list[dict[str, Any]]:

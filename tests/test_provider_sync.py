@@ -168,10 +168,20 @@ async def test_a_restart_that_keeps_failing_transiently_is_reported_failed_after
     podman = podman_driver(load_settings(), stop_timeout=5)
     driver = FlakyLaunches(podman)
     p, name = unique("giveup-p"), unique("giveup")
-    # The retry window is executor_retry_seconds (600 s by default); 1 s here.
-    update = {"credentials_key": KEY, "executor_retry_seconds": 1.0}
+    # The retry window (executor_retry_seconds, 600 s) and the launch timeout (300 s) scaled
+    # down to 6 s and 3 s, keeping their relation, with the scheduler running: the launch
+    # deadline must not fall due before the executor reports that it gave up.
+    update = {
+        "credentials_key": KEY,
+        "executor_retry_seconds": 6.0,
+        "launch_timeout_seconds": 3.0,
+        "scheduler_poll_seconds": 0.5,
+    }
     try:
-        async with apikit.running_api(driver, settings_update=update) as api, api.client() as c:
+        async with (
+            apikit.running_api(driver, settings_update=update, with_scheduler=True) as api,
+            api.client() as c,
+        ):
             r = await c.post("/v1/providers", json={"name": p, "credentials": {"K": "one"}})
             assert r.status_code == 201, r.text
             body = create_body(name, command=AGENT)
@@ -184,9 +194,9 @@ async def test_a_restart_that_keeps_failing_transiently_is_reported_failed_after
             driver.fail = 10_000  # the backend stays unavailable
             r = await c.put(f"/v1/providers/{p}/credentials", json={"credentials": {"K": "two"}})
             assert r.status_code == 200, r.text
-            await api.wait_phase(name, "Error")
+            await api.wait_phase(name, "Error", timeout=60)
             row = (await c.get(f"/v1/sandboxes/{name}")).json()
-            assert "podman unavailable (injected)" in row["reason"]
+            assert "podman unavailable (injected)" in row["reason"], row["reason"]
             assert "gave up after" in row["reason"]
             assert driver.attempts.count((name, 2)) >= 2  # retried before giving up
             history = (await c.get(f"/v1/sandboxes/{name}/history")).json()["items"]

@@ -29,8 +29,8 @@ from typing import Any
 from harness import isolated_env
 
 from events.common import Phase
-from services.api import decided_feed, readmodel
-from services.api.readmodel import SandboxView
+from services.api import readmodel
+from services.api.readmodel import SandboxView, changes, decided, queries
 from services.openshell.service import BY_ID, sandbox_by_id
 
 ROWS = 20_000  # sandboxes, with two history entries each
@@ -188,11 +188,11 @@ async def test_pages_of_the_list_are_read_without_scanning_the_rows() -> None:
 async def test_a_page_of_the_list_planned_on_empty_tables_starts_at_its_name_in_an_index() -> None:
     """A first page walks the key index; a later one with a phase filter starts at its
     token's name, in the key index or in the live rows' (phase, key) index."""
-    first, _ = readmodel._list_query([], False, {}, [], None, 101)
+    first, _ = queries.list_query([], False, {}, [], None, 101)
     plan = await generic_plan(first, "101")
     assert "Seq Scan" not in plan, plan
     assert "Index Scan using sandboxes_pkey on sandboxes" in plan
-    later, _ = readmodel._list_query(["Ready"], False, {}, [], "k5", 101)
+    later, _ = queries.list_query(["Ready"], False, {}, [], "k5", 101)
     plan = await generic_plan(later, "'{Ready}', 'k5', 101")
     assert "Seq Scan" not in plan, plan
     assert any("Index Cond: " in line and "key > $2" in line for line in plan.splitlines())
@@ -204,9 +204,7 @@ async def test_a_page_of_the_list_planned_on_empty_tables_starts_at_its_name_in_
 async def test_the_named_change_feed_planned_on_empty_tables_probes_each_name() -> None:
     """Made generic on empty tables, ``key = ANY`` filtered the change_seq index's walk from
     the cursor: from cursor 0, every row of the table for a stream of one name."""
-    plan = await generic_plan(
-        readmodel._CHANGES_OF_NAMES, "0, 99999, '{k7}', false, 500, NULL, NULL"
-    )
+    plan = await generic_plan(changes.CHANGES_OF_NAMES, "0, 99999, '{k7}', false, 500, NULL, NULL")
     assert "Seq Scan on sandboxes" not in plan, plan
     assert "sandboxes_change_seq" not in plan, plan
     assert "Index Scan using sandboxes_pkey on sandboxes" in plan
@@ -222,7 +220,7 @@ async def test_the_named_change_feed_answers_as_the_filter_did() -> None:
         async def both(**kw: Any) -> list[tuple[str, int]]:
             named = await readmodel.changes_after(pool, kw.pop("cursor", 0), ROWS, **kw)
             records = await conn.fetch(
-                readmodel._CHANGES, kw.get("cursor", 0), ROWS, kw["names"],
+                changes.CHANGES, kw.get("cursor", 0), ROWS, kw["names"],
                 kw.get("live_only", False), kw.get("limit", readmodel.CHANGES_PAGE),
                 kw.get("incarnation"), None,
             )  # fmt: skip
@@ -250,7 +248,7 @@ async def test_the_feed_start_made_on_an_empty_outbox_reads_it_through_the_prima
         await conn.execute("ALTER TABLE outbox SET (autovacuum_enabled = off)")
         pool: Any = OneConnection(conn)
         for _ in range(8):
-            assert await decided_feed.retained_from(pool, "events") is None
+            assert await decided.retained_from(pool, "events") is None
         await conn.execute(
             "INSERT INTO outbox (partition, topic, key, value) SELECT 0, "
             "CASE WHEN i < 4 THEN 'dead' ELSE 'events' END, NULL, '\\x00'::bytea "
@@ -258,9 +256,9 @@ async def test_the_feed_start_made_on_an_empty_outbox_reads_it_through_the_prima
         )
         async with conn.transaction():
             before = await scans(conn, "outbox")  # (may count the empty outbox's scans)
-            assert await decided_feed.retained_from(pool, "events") == 4
-            assert await decided_feed.retained_from(pool, "dead") == 1
-            assert await decided_feed.retained_from(pool, "other") is None  # (a walk of all)
+            assert await decided.retained_from(pool, "events") == 4
+            assert await decided.retained_from(pool, "dead") == 1
+            assert await decided.retained_from(pool, "other") is None  # (a walk of all)
             assert await scans(conn, "outbox") == before
 
 
@@ -271,11 +269,11 @@ async def test_the_named_event_feed_planned_on_empty_tables_walks_the_key_index(
     """Filtered after a walk of the primary key from the cursor, a stream of one name read
     every event since (from cursor 0, the whole outbox); an incarnation alone likewise."""
     args = "'events', 0, 99999, '{k7}', NULL, NULL, 500"
-    plan = await generic_plan(decided_feed.EVENTS_OF_NAMES, args, FILL + ";" + FILL_OUTBOX)
+    plan = await generic_plan(decided.EVENTS_OF_NAMES, args, FILL + ";" + FILL_OUTBOX)
     assert "Seq Scan on outbox" not in plan, plan
     assert "outbox_pkey" not in plan, plan
     assert "Index Scan using outbox_key on outbox" in plan
-    plan = await generic_plan(decided_feed.INCARNATION_NAME, f"'{row_id(7)}'")
+    plan = await generic_plan(decided.INCARNATION_NAME, f"'{row_id(7)}'")
     assert "Index Scan using history_incarnation on history" in plan, plan
 
 
@@ -295,7 +293,7 @@ async def test_the_named_event_feed_answers_as_the_filter_did() -> None:
             return [(i, b) for i, b in every if i > cursor and keep(json.loads(b))][:limit]
 
         async def check(cursor: int, limit: int, keep: Any, **narrow: Any) -> None:
-            found = await decided_feed.events_after(
+            found = await decided.events_after(
                 pool, "events", cursor, 10 * ROWS, limit=limit, **narrow
             )
             assert [(e.seq, e.body) for e in found] == expected(cursor, limit, keep)
@@ -310,7 +308,7 @@ async def test_the_named_event_feed_answers_as_the_filter_did() -> None:
         await check(0, 500, of(8), incarnation=row_id(8))  # by the filtered read of all
         at_2 = of(7)
         await check(0, 500, lambda b: b["generation"] == 2 and at_2(b), names=["k7"], generation=2)
-        assert await decided_feed.events_after(
+        assert await decided.events_after(
             pool, "events", 0, 10 * ROWS, names=["k8"], incarnation=row_id(7)
         ) == []  # fmt: skip
         await check(0, 5, lambda b: True)

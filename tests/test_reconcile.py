@@ -33,7 +33,13 @@ from drivers.protocol import LaunchSpec, RuntimeInfo
 from events.common import Phase
 from events.observations import RuntimeRemoved, RuntimeSnapshot
 from services.common.kafka_clients import kafka_client_args
-from services.executor.reconcile import LiveRow, Reconciler, reconcile, stale_runtimes
+from services.executor.reconcile import (
+    LiveRow,
+    Reconciler,
+    reconcile,
+    stale_runtimes,
+    stray_runtimes,
+)
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 SID = uuid.UUID("00000000-0000-4000-8000-0000000000aa")
@@ -127,7 +133,9 @@ def test_orphans_are_reported_as_snapshots() -> None:
 
 
 def test_an_old_generation_of_a_settled_row_is_an_orphan() -> None:
-    found = reconcile([live("a", 3, Phase.STOPPED)], [runtime("a", 2), runtime("a", 3)], NOW)
+    found = reconcile(
+        [live("a", 3, Phase.STOPPED)], [runtime("a", 2), runtime("a", 3, "exited")], NOW
+    )
     assert kinds(found) == [("orphan", "a", 2)]
 
 
@@ -154,6 +162,40 @@ def test_an_older_generation_still_running_under_its_row_is_stale() -> None:
     ]
     stale = stale_runtimes(rows, runtimes)
     assert [(r.key, r.generation) for r in stale] == [("stopped", 2), ("ready", 1)]
+
+
+def test_a_current_generation_running_under_a_stopped_row_is_reported_and_handed_over() -> None:
+    """Scenario 5 the other way round: the row says Stopped, yet its own generation runs (it
+    was started behind sandstream's back, or a stop was lost). The pass reports it (a
+    snapshot the processor records as ignored) and hands it to the executor to stop. One
+    still stopping, one exited, and other phases are left alone."""
+    rows = [
+        live("s", 3, Phase.STOPPED),
+        live("going", 2, Phase.STOPPED),
+        live("done", 2, Phase.STOPPED),
+        live("other", 2, Phase.STOPPED, sandbox_id=OTHER),
+        live("ready", 2, Phase.READY),
+        live("completed", 2, Phase.COMPLETED),
+    ]
+    runtimes = [
+        runtime("s", 3),
+        runtime("going", 2, "stopping"),
+        runtime("done", 2, "exited"),
+        runtime("other", 2),  # another incarnation: an orphan
+        runtime("ready", 2),
+        runtime("completed", 2),
+    ]
+    found = [o for o in reconcile(rows, runtimes, NOW) if o.key != "other"]
+    [report] = found
+    assert isinstance(report, RuntimeSnapshot)
+    assert (report.key, report.generation, report.state, report.source) == (
+        "s",
+        3,
+        "running",
+        "reconcile",
+    )
+    assert report.observation_id == f"reconcile:stray:{runtime('s', 3).runtime_id}:running"
+    assert [(r.key, r.generation) for r in stray_runtimes(rows, runtimes)] == [("s", 3)]
 
 
 # -- on the pipeline ------------------------------------------------------------------------------
@@ -270,3 +312,45 @@ async def test_a_difference_is_reported_once_while_it_lasts_and_again_when_it_re
             assert [o.observation_id for o in again] == [o.observation_id for o in first]
         finally:
             await producer.stop()
+
+
+async def test_a_runtime_started_behind_a_stopped_row_is_reported_and_stopped_again(
+    podman: PodmanClient,
+) -> None:
+    async with podman_env(podman, "stray") as (env, driver, keys), await env.publisher() as pub:
+        key = keys()
+        async with running_plane(env, driver, reconcile_interval=0.3):
+            spec = sandbox_spec(env.settings, SLEEPER)
+            await command(env, pub, f.create(key, sandbox_spec=spec))
+            await wait_phase(env, key, "Ready")
+            await command(env, pub, f.stop(key))
+            stopped = await wait_phase(env, key, "Stopped")
+
+            # Behind sandstream's back: `podman start` of the stopped sandbox's container.
+            [container] = containers_of(podman, key)
+            await asyncio.to_thread(lambda: podman.containers.get(container["id"]).start())
+
+            # The reconcile loop reports it and the executor stops it again.
+            rows = await eventually(
+                lambda: history(env, key),
+                lambda rows: any(
+                    r["message"].get("observation_id", "").startswith("reconcile:stray:")
+                    for r in rows
+                ),
+                what="the runtime running under a Stopped row reported",
+            )
+            [report] = [r for r in rows if r["message"].get("source") == "reconcile"]
+            assert (report["message_type"], report["disposition"]) == (
+                "RuntimeSnapshot",
+                "ignored",
+            )
+            await eventually(
+                lambda: asyncio.to_thread(containers_of, podman, key),
+                lambda found: [c["status"] for c in found] == ["exited"],
+                what="the runtime stopped again",
+            )
+            row = await wait_phase(env, key, "Stopped")
+            assert (row["generation"], row["version"]) == (
+                stopped["generation"],
+                stopped["version"],
+            )

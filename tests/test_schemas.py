@@ -40,6 +40,7 @@ def all_commands() -> list[Command]:
         f.hold(reason="incident 42"),
         f.release(expected_version=2),
         f.extend(ttl_seconds=3600),
+        f.set_restart_policy(restart_policy="Always", max_restarts=3, expected_version=4),
     ]
 
 
@@ -80,6 +81,10 @@ def all_events() -> list[DecidedEvent]:
     h.send(f.create(key="u", ttl_seconds=5), f.running(key="u"))
     h.send(f.due("u", "ttl", h.row("u").expires_at))  # type: ignore[arg-type]
     h.send(f.due("u", "stop", h.row("u").deadline.due_at))  # type: ignore[union-attr]
+    # The restart policy: set, an exit it schedules a restart after, the restart, the limit.
+    h.send(f.create(key="r"), f.set_restart_policy("r", max_restarts=1), f.exited("r", exit_code=1))
+    h.send(f.due("r", "restart", h.row("r").deadline.due_at))  # type: ignore[union-attr]
+    h.send(f.exited("r", generation=2, exit_code=1))
     return h.events()
 
 
@@ -257,7 +262,7 @@ BAD = [
     pytest.param(
         OBSERVATIONS,
         patched(SNAPSHOT, "state", "paused"),
-        "field 'state': Input should be 'created', 'running' or 'exited'",
+        "field 'state': Input should be 'created', 'running', 'stopping' or 'exited'",
         id="bad-literal",
     ),
     pytest.param(

@@ -11,7 +11,7 @@ import pytest
 from services.common.migrations import MigrationError, apply_migrations, discover_migrations
 from services.common.settings import Settings
 from services.localstack import config as cfg
-from services.localstack import stack
+from services.localstack import processes
 
 
 def rendered(settings: Settings) -> dict[str, str]:
@@ -58,13 +58,15 @@ def test_a_process_just_spawned_is_found_running_by_its_pid_file(tmp_path: Path)
     marker = str(tmp_path / "marker.properties")
     for attempt in range(20):  # the exec window is short: look right after each of several
         pidfile = tmp_path / f"{attempt}.pid"
-        proc = stack._spawn(["sh", "-c", "sleep 60", marker], log=tmp_path / "log", pidfile=pidfile)
+        proc = processes.spawn(
+            ["sh", "-c", "sleep 60", marker], log=tmp_path / "log", pidfile=pidfile
+        )
         try:
-            assert stack._live_pid(pidfile, marker) == proc.pid
+            assert processes.live_pid(pidfile, marker) == proc.pid
         finally:
             proc.kill()
             proc.wait()
-    assert stack._live_pid(pidfile, marker) is None  # and a dead one is not
+    assert processes.live_pid(pidfile, marker) is None  # and a dead one is not
 
 
 def _write(directory: Path, files: dict[str, str]) -> Path:

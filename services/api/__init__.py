@@ -1,5 +1,22 @@
-"""The HTTP API: ``app.create_app`` assembles one router per resource (``routes/``), with the
-dependencies (``deps``: tokens and scopes, shared state), errors and handlers declared once.
-Commands go to Kafka through ``gateway``; reads come from ``readmodel`` (PostgreSQL); nothing
-here calls a driver. ``auth`` holds the token store. Imports services.common only.
+"""The HTTP API: commands go to Kafka through ``gateway``; reads come from ``readmodel``
+(PostgreSQL); nothing here calls a driver. Imports services.common and services.audit.
+
+- ``app``: ``create_app`` assembles one router per resource with its dependencies and handlers.
+- ``routes/``: one router per resource (commands, sandboxes, history, watch, providers, audit,
+  lifecycle, operations).
+- ``readmodel/``: the reads: views, pages, queries, outcomes, the change horizon, both feeds,
+  the attention counts (its docstring lists its modules).
+- ``deps``: the bearer-token check with its scope, and the shared state (pool, feed, gateway).
+- ``guard``: the front gate: authentication and the body size limit before any parsing.
+- ``gateway``: commands in: publish once, answer retries with the first outcome, wait for it.
+- ``idempotency``: what the API remembers of each command id it took in.
+- ``models``: request and response bodies that are not read-model views; shared declarations.
+- ``errors``, ``handlers``: the JSON errors and the exception handlers that answer with them.
+- ``middleware``: request metrics by route template.
+- ``probe``: the readiness probe of Kafka (the input topics' end offsets, the log's identity).
+- ``server``: serving the app with uvicorn in the embedding process's loop, TLS when given.
+- ``openapi_export``: docs/openapi.json, checked in and compared by a test.
+- ``providers``: provider updates: store the values, restart each attached sandbox once.
+- ``provider_sync``, ``provider_sources``, ``kube_secrets``: the provider-sync controller and
+  where it reads the desired values (a directory, or Kubernetes Secrets).
 """

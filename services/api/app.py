@@ -2,7 +2,8 @@
 once (see the package docstring for what each module holds).
 
 ``create_app(settings, pool, publisher, tokens)`` builds the FastAPI application. Commands go
-to Kafka through the gateway; reads only query PostgreSQL; nothing here calls a driver.
+to Kafka through the gateway; reads only query PostgreSQL; nothing here calls a driver
+(logs are read from the runtime through a log source, never a lifecycle call).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from drivers.logs import LogSource
 from events.publisher import CommandPublisher
 from services.api.deps import ApiState, Pool
 from services.api.gateway import PUBLISH_TIMEOUT, CommandGateway
@@ -31,11 +33,17 @@ from services.api.routes import (
     sandboxes,
     watch,
 )
+from services.api.routes import (
+    logs as logs_routes,
+)
 from services.common.settings import Settings
 from services.common.tokens import TokenStore
+from services.executor.log_sources import log_source
 
 # The order of inclusion is the order of the paths in the OpenAPI document.
-ROUTE_MODULES = (commands, lifecycle, sandboxes, history, watch, audit, operations, providers)
+ROUTE_MODULES = (
+    commands, lifecycle, sandboxes, logs_routes, history, watch, audit, operations, providers
+)  # fmt: skip
 
 
 def create_app(
@@ -47,7 +55,12 @@ def create_app(
     poll_interval: float = 1.0,
     publish_timeout: float = PUBLISH_TIMEOUT,
     down: Callable[[], dict[str, str]] | None = None,
+    logs: LogSource | None = None,
 ) -> FastAPI:
+    """``logs``: the runtime's log source (default: the one of ``settings``' driver, closed
+    with the app)."""
+    own_logs = logs is None
+    logs = log_source(settings) if logs is None else logs
     feed = ChangeFeed(pool, poll_interval=poll_interval)
     probe = KafkaProbe(settings, publisher)
     gateway = CommandGateway(
@@ -62,6 +75,8 @@ def create_app(
         finally:
             await feed.close()
             await probe.close()
+            if own_logs:
+                await logs.close()
 
     app = FastAPI(
         title="sandstream",
@@ -73,7 +88,7 @@ def create_app(
     )
     app.state.tokens = tokens
     app.state.feed = feed
-    app.state.api = ApiState(settings, pool, feed, gateway, probe, down)
+    app.state.api = ApiState(settings, pool, feed, gateway, probe, down, logs)
     # Last added runs first: metrics see every answer, the guard's 401/403/413 included.
     app.add_middleware(GuardMiddleware, max_body_bytes=settings.api_max_body_bytes)
     app.state.providers = ProviderService(settings, pool, gateway)

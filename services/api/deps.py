@@ -11,6 +11,7 @@ import asyncpg
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from drivers.logs import LogSource
 from services.api.errors import ApiError
 from services.api.gateway import CommandGateway
 from services.api.probe import KafkaProbe
@@ -133,6 +134,8 @@ class ApiState:
     probe: KafkaProbe
     # Under `sandstream up`: the control plane's parts now down (restarting), with their error.
     down: Callable[[], dict[str, str]] | None = None
+    # The runtime's logs (GET /v1/sandboxes/{name}/logs); None: this API serves no logs.
+    logs: LogSource | None = None
 
 
 def api_state(request: Request) -> ApiState:

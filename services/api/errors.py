@@ -9,7 +9,7 @@ from typing import Any, Final
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from events.common import SANDBOX_NAME_PATTERN
+from events.common import COMMAND_ID_PATTERN, PROVIDER_NAME_PATTERN, SANDBOX_NAME_PATTERN
 from events.outcomes import Code
 
 log = logging.getLogger("sandstream.api")
@@ -27,8 +27,8 @@ STATUS_OF: Final[dict[Code, int]] = {
 _PATTERN_WORDS: Final = {
     SANDBOX_NAME_PATTERN: "must be a DNS label: 1-63 lowercase letters, digits or '-', "
     "starting and ending with a letter or digit",
-    r"^[A-Za-z0-9._:-]{1,128}$": "must be 1-128 characters from A-Z a-z 0-9 . _ : -",
-    r"^[A-Za-z0-9._-]{1,128}$": "must be 1-128 characters from A-Z a-z 0-9 . _ -",
+    COMMAND_ID_PATTERN: "must be 1-128 characters from A-Z a-z 0-9 . _ : -",
+    PROVIDER_NAME_PATTERN: "must be 1-128 characters from A-Z a-z 0-9 . _ -",
 }
 
 

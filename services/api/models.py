@@ -15,7 +15,10 @@ from events.common import (
     ExitPolicy,
     ExpiryPolicy,
     HoldReason,
+    MaxRestarts,
     ProviderName,
+    RestartBackoff,
+    RestartPolicy,
     SandboxName,
     SandboxResources,
     SandboxSpec,
@@ -163,3 +166,16 @@ class HoldRequest(LifecycleRequest):
 
 class ExtendRequest(LifecycleRequest):
     ttl_seconds: TTLSeconds = Field(description="the sandbox expires this long from now")
+
+
+class RestartPolicyRequest(LifecycleRequest):
+    restart_policy: RestartPolicy = Field(
+        description="Never, OnFailure (after a non-zero exit, a vanished runtime or a failed "
+        "launch) or Always (also after exit 0)"
+    )
+    restart_backoff: RestartBackoff | None = Field(
+        default=None, description="the delay before each restart in a row (default 1 s to 300 s)"
+    )
+    max_restarts: MaxRestarts | None = Field(
+        default=None, description="restarts in a row before the sandbox stays in Error"
+    )

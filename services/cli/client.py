@@ -102,6 +102,22 @@ class Client:
                 return
             params["page_token"] = page["next_page_token"]
 
+    def json_lines(self, path: str, params: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The objects of a JSON Lines answer as they arrive (no read timeout: a followed
+        stream may idle)."""
+        try:
+            with self.http.stream(
+                "GET", path, params=params, timeout=httpx.Timeout(30.0, read=None)
+            ) as response:
+                if response.status_code != 200:
+                    response.read()
+                    raise ApiFailure.of(response)
+                for line in response.iter_lines():
+                    if line:
+                        yield json.loads(line)
+        except httpx.TransportError as exc:
+            raise StreamBroken(str(exc)) from exc
+
     def events(
         self, params: dict[str, Any], read_timeout: float
     ) -> Iterator[tuple[str, int | None, dict[str, Any]]]:

@@ -90,3 +90,35 @@ def extend(
     seconds = duration_seconds(ttl, "--ttl")
     body = {**_command_body(command_id, expected_version), "ttl_seconds": seconds}
     _send(ctx, name, ":extend", body, f"Sandbox {name} expires in {ttl}", timeout, output)
+
+
+@app.command("restart-policy")
+def restart_policy(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="the sandbox name")],
+    policy: Annotated[str, typer.Argument(help="Never, OnFailure or Always")],
+    backoff: Annotated[
+        str | None, typer.Option("--backoff", help="first delay and cap, e.g. 1s:5m")
+    ] = None,
+    max_restarts: Annotated[
+        int | None, typer.Option("--max-restarts", help="restarts in a row, then Error")
+    ] = None,
+    command_id: CommandIdOpt = None,
+    expected_version: ExpectedVersionOpt = None,
+    timeout: TimeoutOpt = 60.0,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Set a sandbox's restart policy (Never cancels a scheduled restart)."""
+    body = {**_command_body(command_id, expected_version), "restart_policy": policy,
+            "max_restarts": max_restarts, "restart_backoff": backoff_body(backoff)}  # fmt: skip
+    _send(ctx, name, ":restart-policy", body, f"Sandbox {name} restarts: {policy}", timeout, output)
+
+
+def backoff_body(backoff: str | None) -> dict[str, float] | None:
+    """``1s:5m`` as the API's restart_backoff."""
+    if backoff is None:
+        return None
+    first, _, cap = backoff.partition(":")
+    initial = duration_seconds(first, "--backoff")
+    maximum = duration_seconds(cap, "--backoff") if cap else max(initial, 300)
+    return {"initial_seconds": initial, "max_seconds": maximum}

@@ -49,4 +49,16 @@ def lifecycle_fields(row: dict[str, Any]) -> list[tuple[str, Any]]:
     fields.append(
         ("Held", f"by {hold['by']} since {hold['since']}: {hold['reason']}" if hold else "no")
     )
+    return fields + restart_fields(row)
+
+
+def restart_fields(row: dict[str, Any]) -> list[tuple[str, Any]]:
+    """`get` rows of the restart policy: the policy, restarts made, the last exit, the next."""
+    policy = (row.get("spec") or {}).get("restart_policy") or "Never"
+    fields: list[tuple[str, Any]] = [("Restarts", f"{row.get('restart_count', 0)} ({policy})")]
+    last = row.get("last_exit")
+    if last:
+        fields.append(("Last exit", f"generation {last['generation']}: {last['reason']}"))
+    if row.get("next_restart_at"):
+        fields.append(("Next restart", row["next_restart_at"]))
     return fields

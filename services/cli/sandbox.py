@@ -4,6 +4,7 @@ the phase they asked for."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -477,6 +478,27 @@ def _input_label(item: dict[str, Any]) -> str:
     if kind == "DeadlineDue":
         return f"Deadline({message.get('deadline')})"
     return kind.removesuffix("Sandbox") if kind != "CreateSandbox" else "Create"
+
+
+@app.command("logs")
+def logs(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="the sandbox", show_default=False)],
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="keep printing new lines until it stops")
+    ] = False,
+    tail: Annotated[int | None, typer.Option("--tail", min=0, help="only the last N lines")] = None,
+) -> None:
+    """Print the sandbox's output (stdout lines to stdout, stderr lines to stderr)."""
+    params: dict[str, Any] = {"follow": "true" if follow else "false"}
+    if tail is not None:
+        params["tail"] = tail
+    try:
+        for line in client_of(ctx).json_lines(f"/v1/sandboxes/{name}/logs", params):
+            target = sys.stderr if line["stream"] == "stderr" else sys.stdout
+            print(line["text"], file=target, flush=True)
+    except StreamBroken as exc:
+        fail(f"logs: connection lost ({exc})")
 
 
 @app.command("watch")

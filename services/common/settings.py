@@ -195,6 +195,12 @@ class Settings(BaseSettings):
     # Calls without a bearer token act as a local admin: for local use (OpenShell's conformance
     # suite sends no credentials); refused unless openshell_host is a loopback address.
     openshell_allow_unauthenticated: bool = False
+    # Exec over the OpenShell API: the longest a command may run (also when the client sets no
+    # limit), the sessions one token may have open at once, and all sessions at once (each
+    # holds a thread reading Podman's stream while it runs).
+    openshell_exec_timeout_seconds: int = Field(default=3600, ge=1, le=86_400)
+    openshell_exec_sessions_per_token: int = Field(default=8, ge=1, le=1024)
+    openshell_exec_sessions: int = Field(default=64, ge=1, le=4096)
     # Tokens file, admin token and pid file of `sandstream up` (default: state_dir).
     run_dir: Path | None = None
     # Request bodies above this are refused (413) unread; it stays below Kafka's message size
@@ -221,6 +227,7 @@ class Settings(BaseSettings):
         """The deadlines the processor records (see projections.lifecycle.Limits)."""
         return Limits(
             launch_seconds=self.launch_timeout_seconds or None,
+            launch_retry_seconds=self.executor_retry_seconds,
             stop_grace_seconds=float(self.stop_timeout_seconds),
             stop_margin_seconds=self.stop_margin_seconds or None,
             delete_seconds=self.delete_retry_seconds or None,

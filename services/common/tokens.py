@@ -47,7 +47,9 @@ PROVIDER_READ: Final = "provider:read"
 PROVIDER_WRITE: Final = "provider:write"
 # Operations: /metrics and the checks of /readyz (addresses, lag, errors of the parts).
 OPS: Final = "ops:read"
-SCOPES: Final = (READ, WRITE, AUDIT, PROVIDER_READ, PROVIDER_WRITE, OPS)
+# Running commands inside a sandbox: they read everything its agent can, provider values too.
+EXEC: Final = "sandbox:exec"
+SCOPES: Final = (READ, WRITE, AUDIT, PROVIDER_READ, PROVIDER_WRITE, OPS, EXEC)
 TOKEN_PREFIX: Final = "sst_"
 
 

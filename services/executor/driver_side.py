@@ -89,6 +89,7 @@ class DriverSide:
             interval,
             pickup=self.executor.pick_up if self.executor else None,
             stop_stale=self.executor.stop_stale if self.executor else None,
+            stop_stray=self.executor.stop_stray if self.executor else None,
             report="watcher" in self.parts,
         )
         if self.executor is not None:

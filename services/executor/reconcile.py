@@ -2,15 +2,19 @@
 differences as observations.
 
 It reports a runtime that vanished behind sandstream's back (``RuntimeRemoved``, which moves a
-Ready row to Error and a Stopping one to Stopped) and an orphan runtime carrying our marker but
-no live row (a snapshot the processor records as ignored). It never stops, removes or starts
-anything itself: the processor decides.
+Ready row to Error and a Stopping one to Stopped), an orphan runtime carrying our marker but
+no live row, and a runtime of a Stopped row's own generation that runs (both snapshots the
+processor records as ignored). It never stops, removes or starts anything itself: the
+processor decides.
 
-One exception is handed to the executor, because no event will ever ask for it: a runtime of
-an older generation than its row's still running while the row is not launching (the launch
-or stop that should have stopped it was lost with an executor that died, or was decided before
-a new executor group joined). An executor process's pass passes it to ``stop_stale``
-(``Executor.stop_stale``), which stops it if the sandbox's partition is its own.
+Two exceptions are handed to the executor, because no event will ever ask for them: a runtime
+of an older generation than its row's still running while the row is not launching (the
+launch or stop that should have stopped it was lost with an executor that died, or was
+decided before a new executor group joined), and a runtime of the current generation running
+under a Stopped row (started behind sandstream's back, or its stop was lost): Scenario 5 the
+other way round. An executor process's pass passes them to ``stop_stale`` and ``stop_stray``
+(``Executor.stop_stale``, ``Executor.stop_stray``), which stop them if the sandbox's
+partition is its own.
 
 It also hands the executor what the log can no longer deliver: a row that stays in a
 progressing phase (Provisioning, Starting, Stopping, Deleting) at the same version for a whole
@@ -69,7 +73,10 @@ def reconcile(
       such runtime in the listing → ``RuntimeRemoved`` of that generation;
     - *orphan*: a runtime with no live row of its key, of another incarnation than the row,
       or of an older generation than the row's (unless a launch, which removes those, is in
-      flight) → a ``RuntimeSnapshot`` of it, which the processor records as ignored.
+      flight) → a ``RuntimeSnapshot`` of it, which the processor records as ignored;
+    - *stray*: a runtime of a Stopped row's own generation that runs (``stray_runtimes``) →
+      a ``RuntimeSnapshot`` of it (ignored in Stopped: the row stays Stopped, the executor
+      stops the runtime).
 
     Read the rows before listing the runtimes: a runtime launched after the rows were read is
     then at worst reported as an orphan of a newer generation, which the processor ignores or
@@ -88,20 +95,8 @@ def reconcile(
             or (rt.generation < row.generation and row.phase not in LAUNCHING)
         )
         if orphan:
-            out.append(
-                RuntimeSnapshot(
-                    type="RuntimeSnapshot",
-                    observation_id=f"reconcile:orphan:{rt.runtime_id}:{rt.state}",
-                    key=rt.key,
-                    generation=rt.generation,
-                    occurred_at=now,
-                    actor="reconciler",
-                    state=rt.state,
-                    exit_code=rt.exit_code,
-                    runtime_id=rt.runtime_id,
-                    source="reconcile",
-                )
-            )
+            out.append(_reported("orphan", rt, now))
+    out += [_reported("stray", rt, now) for rt in stray_runtimes(by_key.values(), runtimes)]
     for row in by_key.values():
         if (
             row.phase in EXPECTS_RUNTIME
@@ -133,6 +128,36 @@ def stale_runtimes(rows: Iterable[LiveRow], runtimes: Iterable[RuntimeInfo]) -> 
         and rt.generation < row.generation
         and row.phase not in (*LAUNCHING, Phase.DELETING)
         and rt.state != "exited"
+    ]
+
+
+def _reported(difference: str, rt: RuntimeInfo, now: datetime) -> RuntimeSnapshot:
+    """A snapshot of ``rt`` reporting a difference (its id names it, deterministically)."""
+    return RuntimeSnapshot(
+        type="RuntimeSnapshot",
+        observation_id=f"reconcile:{difference}:{rt.runtime_id}:{rt.state}",
+        key=rt.key,
+        generation=rt.generation,
+        occurred_at=now,
+        actor="reconciler",
+        state=rt.state,
+        exit_code=rt.exit_code,
+        runtime_id=rt.runtime_id,
+        source="reconcile",
+    )
+
+
+def stray_runtimes(rows: Iterable[LiveRow], runtimes: Iterable[RuntimeInfo]) -> list[RuntimeInfo]:
+    """Runtimes of a Stopped row's own incarnation and generation that run (not one still
+    stopping: it is on its way out) (pure)."""
+    by_key = {r.key: r for r in rows}
+    return [
+        rt
+        for rt in runtimes
+        if (row := by_key.get(rt.key)) is not None
+        and row.phase is Phase.STOPPED
+        and (row.sandbox_id, row.generation) == (rt.sandbox_id, rt.generation)
+        and rt.state == "running"
     ]
 
 
@@ -179,6 +204,8 @@ class Reconciler:
     picked_up: int = 0
     stop_stale: Callable[[RuntimeInfo], bool] | None = None  # the executor's stop_stale
     stale_stopped: int = 0  # stale runtimes handed to stop_stale
+    stop_stray: Callable[[RuntimeInfo], bool] | None = None  # the executor's stop_stray
+    strays_stopped: int = 0  # runtimes under a Stopped row handed to stop_stray
     _progressing: set[tuple[str, UUID, int]] = field(default_factory=set)  # the last pass's
 
     async def pick_up_stuck(self) -> None:
@@ -195,7 +222,7 @@ class Reconciler:
     async def run_once(self) -> list[Observation]:
         """One pass; returns what it reported (new differences only)."""
         await self.pick_up_stuck()
-        if not self.report and self.stop_stale is None:
+        if not self.report and self.stop_stale is None and self.stop_stray is None:
             self.passes += 1
             return []
         rows = await live_rows(self.pool)
@@ -203,6 +230,9 @@ class Reconciler:
         if self.stop_stale is not None:
             for runtime in stale_runtimes(rows, runtimes):
                 self.stale_stopped += self.stop_stale(runtime)
+        if self.stop_stray is not None:
+            for runtime in stray_runtimes(rows, runtimes):
+                self.strays_stopped += self.stop_stray(runtime)
         if not self.report:
             self.passes += 1
             return []
@@ -216,9 +246,10 @@ class Reconciler:
             still.add(observation.observation_id)
             sent.append(observation)
             # Orphans are often another sandstream's containers on the same host: audit only.
-            orphan = isinstance(observation, RuntimeSnapshot)
-            log.log(logging.DEBUG if orphan else logging.INFO, "reconcile: reported %s",
-                    observation.observation_id)  # fmt: skip
+            orphan = observation.observation_id.startswith("reconcile:orphan:")
+            stray = observation.observation_id.startswith("reconcile:stray:")
+            level = logging.WARNING if stray else logging.DEBUG if orphan else logging.INFO
+            log.log(level, "reconcile: reported %s", observation.observation_id)
         self.reported = still
         self.passes += 1
         return sent

@@ -3,4 +3,19 @@
 up|down|status``), a real Kubernetes control plane with kwok as its node (``python -m
 services.localstack.kubernetes up|down|status``), and isolated environments (own topics and
 schema) for tests and benchmarks. Not used by the running roles. Imports services.common only.
+
+- ``cli``: ``python -m services.localstack up|down|status|prune``.
+- ``stack``: ``up``, ``down`` and ``status`` of the single-broker stack, component by component.
+- ``processes``: what the components share: their error and status line, the processes they
+  start (pid files, readiness waits, stopping).
+- ``kafka_broker``: the single broker (jars, storage, start), the project topics, the roles'
+  users and ACLs.
+- ``postgres``: the local cluster, our role, database and password, the migrations.
+- ``podman_service``: the Podman API service and the sandbox base image.
+- ``config``: pure helpers: file locations, rendered configs, command lines.
+- ``kafka_auth``: the brokers' SASL/SCRAM and ACLs, one principal per role.
+- ``cluster``, ``cluster_config``: a local KRaft cluster of several nodes (``--brokers N``).
+- ``private_broker``: a broker of a test's own, for tests that must lose their broker.
+- ``isolation``: isolated environments (own topics, groups, schema) and ``prune``.
+- ``kubernetes``, ``kube_build``: the local Kubernetes control plane, and its build.
 """

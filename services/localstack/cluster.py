@@ -22,7 +22,17 @@ from pathlib import Path
 from services.common.settings import Settings
 from services.localstack import cluster_config as cc
 from services.localstack import config as cfg
-from services.localstack import kafka_auth, stack
+from services.localstack import kafka_auth, kafka_broker, podman_service, postgres, stack
+from services.localstack.processes import (
+    ComponentStatus,
+    StackError,
+    live_pid,
+    say,
+    spawn,
+    stop_pid,
+    wait_for,
+    write_if_changed,
+)
 
 
 def up(settings: Settings) -> Settings:
@@ -30,39 +40,38 @@ def up(settings: Settings) -> Settings:
     started = time.monotonic()
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     nodes = start(settings)  # the JVMs boot while PostgreSQL and Podman come up
-    settings = stack._up_postgres(settings)
-    stack._up_podman(settings)
+    settings = postgres.up(settings)
+    podman_service.up(settings)
     wait(settings, nodes)
-    stack.ensure_topics(settings)
+    kafka_broker.ensure_topics(settings)
     secure(settings)
-    stack._say(f"up in {time.monotonic() - started:.1f}s")
+    say(f"up in {time.monotonic() - started:.1f}s")
     return settings
 
 
 def down(settings: Settings) -> None:
     """``stack.down``, and the cluster's nodes."""
     if stop(settings):
-        stack._say("kafka: cluster nodes stopped")
+        say("kafka: cluster nodes stopped")
     stack.down(settings)
 
 
-def status(settings: Settings) -> list[stack.ComponentStatus]:
+def status(settings: Settings) -> list[ComponentStatus]:
     """``stack.status`` with the cluster's state for Kafka's."""
-    down = [n.node_id for n in cc.nodes(settings) if not stack._kafka_answers(n.settings)]
+    down = [n.node_id for n in cc.nodes(settings) if not kafka_broker.answers(n.settings)]
     if down:
-        kafka = stack.ComponentStatus("kafka", False, f"nodes {down} not answering")
+        kafka = ComponentStatus("kafka", False, f"nodes {down} not answering")
     else:
         where = cc.bootstrap_list(settings)
-        kafka = stack.ComponentStatus("kafka", True, f"{settings.kafka_brokers} nodes at {where}")
-    components = [kafka, stack._postgres_status(settings), stack._podman_status(settings)]
-    for c in components:
-        print(f"{c.name:<10} {'up' if c.running else 'DOWN':<5} {c.detail}", flush=True)
+        kafka = ComponentStatus("kafka", True, f"{settings.kafka_brokers} nodes at {where}")
+    components = [kafka, postgres.status(settings), podman_service.status(settings)]
+    stack.show(components)
     return components
 
 
 def start(settings: Settings) -> dict[int, subprocess.Popen[bytes]]:
     """Start every node that does not run; return the new processes by node id."""
-    stack._resolve_kafka_libs(settings)
+    kafka_broker.resolve_libs(settings)
     started = {}
     for node in cc.nodes(settings):
         proc = start_node(settings, node)
@@ -74,30 +83,30 @@ def start(settings: Settings) -> dict[int, subprocess.Popen[bytes]]:
 def start_node(settings: Settings, node: cc.Node) -> subprocess.Popen[bytes] | None:
     """Start ``node`` unless it runs (None then); its storage is formatted on first start."""
     paths = cfg.kafka_paths(node.settings)
-    pid = stack._live_pid(paths.pid, str(paths.properties))
+    pid = live_pid(paths.pid, str(paths.properties))
     if pid is not None:
         problem = kafka_auth.storage_problem(node.settings)  # started before authentication
         if problem:
-            raise stack.StackError(problem)
-        stack._say(f"kafka: node {node.node_id} running (pid {pid})")
+            raise StackError(problem)
+        say(f"kafka: node {node.node_id} running (pid {pid})")
         return None
     paths.home.mkdir(parents=True, exist_ok=True)
     template = cfg.KAFKA_PROPERTIES_TEMPLATE.read_text()
     rendered = cc.node_properties(template, settings, node)
     properties, jvm_options = kafka_auth.prepare_broker(node.settings, rendered)  # JAAS per node
-    stack._write_if_changed(paths.properties, properties)
+    write_if_changed(paths.properties, properties)
     shared_id = cc.cluster_home(settings) / "cluster.id"
     if not shared_id.exists():
         shared_id.write_text(cfg.new_kafka_cluster_id() + "\n")
-    stack._write_if_changed(paths.cluster_id, shared_id.read_text())
-    stack._format_kafka_storage(node.settings)  # with the admin's SCRAM credential
+    write_if_changed(paths.cluster_id, shared_id.read_text())
+    kafka_broker.format_storage(node.settings)  # with the admin's SCRAM credential
     java = cfg.kafka_java_command(node.settings, "kafka.Kafka", str(paths.properties))
-    proc = stack._spawn(
+    proc = spawn(
         kafka_auth.with_jvm_options(java, jvm_options),
         log=paths.log,
         pidfile=paths.pid,
     )
-    stack._say(f"kafka: node {node.node_id} starting (pid {proc.pid}) on {node.address}")
+    say(f"kafka: node {node.node_id} starting (pid {proc.pid}) on {node.address}")
     return proc
 
 
@@ -105,26 +114,26 @@ def wait(settings: Settings, procs: dict[int, subprocess.Popen[bytes]]) -> None:
     """Block until every node answers a metadata request."""
     started = time.monotonic()
     for node in cc.nodes(settings):
-        stack._wait_for(
-            partial(stack._kafka_answers, node.settings),
+        wait_for(
+            partial(kafka_broker.answers, node.settings),
             what=f"kafka node {node.node_id}",
-            timeout=stack.KAFKA_START_TIMEOUT,
+            timeout=kafka_broker.START_TIMEOUT,
             log=cfg.kafka_paths(node.settings).log,
             proc=procs.get(node.node_id),
         )
     if procs:
-        stack._say(f"kafka: {len(procs)} node(s) ready after {time.monotonic() - started:.1f}s")
+        say(f"kafka: {len(procs)} node(s) ready after {time.monotonic() - started:.1f}s")
 
 
 def secure(settings: Settings) -> None:
     """The roles' SCRAM users and their ACLs on the settings' names, created once the cluster
     answers (the metadata log replicates them to every node), as for the single broker."""
-    stack._ensure_auth(settings)
+    kafka_broker.ensure_auth(settings)
 
 
 def node_pid(node: cc.Node) -> int | None:
     paths = cfg.kafka_paths(node.settings)
-    return stack._live_pid(paths.pid, str(paths.properties))
+    return live_pid(paths.pid, str(paths.properties))
 
 
 def stop(settings: Settings) -> int:
@@ -141,7 +150,7 @@ def stop(settings: Settings) -> int:
 
 def _stop_node(node: cc.Node) -> bool:
     paths = cfg.kafka_paths(node.settings)
-    return stack._stop_pid(paths.pid, str(paths.properties), f"kafka node {node.node_id}")
+    return stop_pid(paths.pid, str(paths.properties), f"kafka node {node.node_id}")
 
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")

@@ -1,6 +1,7 @@
 """Pure helpers for the local stack: file locations, rendered configs and command lines.
 
-Nothing here starts a process or touches the network; services/stack.py does that.
+Nothing here starts a process or touches the network; the component modules (kafka_broker,
+postgres, podman_service, cluster) do that.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from typing import Any
 
 from services.common.settings import Settings
 from services.localstack import config as cfg
-from services.localstack import kafka_auth, stack
+from services.localstack import kafka_auth, kafka_broker
+from services.localstack.processes import spawn
 
 
 def free_port() -> int:
@@ -49,7 +50,7 @@ def start(
     ``tls`` its client listener takes SASL_SSL instead of SASL_PLAINTEXT."""
     paths = cfg.kafka_paths(settings)
     paths.home.mkdir(parents=True, exist_ok=True)
-    stack._resolve_kafka_libs(settings)
+    kafka_broker.resolve_libs(settings)
     properties = cfg.render_server_properties(cfg.KAFKA_PROPERTIES_TEMPLATE.read_text(), settings)
     if advertised is not None:
         properties = properties.replace(
@@ -58,8 +59,8 @@ def start(
         )
     properties, jvm_options = kafka_auth.prepare_broker(settings, properties, tls)
     paths.properties.write_text(properties)
-    stack._format_kafka_storage(settings)
-    return stack._spawn(
+    kafka_broker.format_storage(settings)
+    return spawn(
         kafka_auth.with_jvm_options(
             cfg.kafka_java_command(settings, "kafka.Kafka", str(paths.properties)), jvm_options
         ),
@@ -71,8 +72,8 @@ def start(
 def wait_ready(settings: Settings, proc: subprocess.Popen[bytes]) -> None:
     """Block until the broker answers a metadata request at ``settings.kafka_bootstrap``, then
     create the roles' users (as the local stack's `up` does)."""
-    stack._wait_kafka(settings, proc)
-    stack._ensure_auth(settings)
+    kafka_broker.wait(settings, proc)
+    kafka_broker.ensure_auth(settings)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

@@ -100,10 +100,42 @@ async def _delete_all(address: str, deadline: float) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running_up(base: Settings, scratch: Path) -> AsyncIterator[RunningUp]:
-    """``sandstream up --no-stack`` in an isolated environment, stopped and removed after."""
+async def up_process(settings: Settings, log_path: Path) -> AsyncIterator[RunningUp]:
+    """``sandstream up --no-stack`` with ``settings``, stopped (SIGTERM) after; its output
+    appended to ``log_path``."""
+    env = {**os.environ, **settings.as_env()}
+    with log_path.open("ab") as log_file:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            UP_PROGRAM,
+            "up",
+            "--no-stack",
+            cwd=PROJECT_ROOT,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+        address = f"127.0.0.1:{settings.openshell_port}"
+        try:
+            await _healthy(address, time.monotonic() + UP_TIMEOUT, process)
+            yield RunningUp(settings, f"http://{address}", log_path)
+        finally:
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), 60)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+
+
+@contextlib.asynccontextmanager
+async def isolated_up_settings(base: Settings, scratch: Path) -> AsyncIterator[Settings]:
+    """The settings of a `sandstream up` in an isolated environment of its own (free ports,
+    unauthenticated local OpenShell calls), removed after."""
     async with isolated(base, "osc-") as (settings, _pool):
-        settings = settings.model_copy(
+        yield settings.model_copy(
             update={
                 "api_port": free_port(),
                 "openshell_port": free_port(),
@@ -111,35 +143,21 @@ async def running_up(base: Settings, scratch: Path) -> AsyncIterator[RunningUp]:
                 "run_dir": scratch / "run",
             }
         )
-        log_path = scratch / "up.log"
-        env = {**os.environ, **settings.as_env()}
-        with log_path.open("wb") as log_file:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-c",
-                UP_PROGRAM,
-                "up",
-                "--no-stack",
-                cwd=PROJECT_ROOT,
-                env=env,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-            )
-            address = f"127.0.0.1:{settings.openshell_port}"
-            try:
-                await _healthy(address, time.monotonic() + UP_TIMEOUT, process)
-                try:
-                    yield RunningUp(settings, f"http://{address}", log_path)
-                finally:
-                    await _delete_all(address, time.monotonic() + 120)
-            finally:
-                if process.returncode is None:
-                    process.send_signal(signal.SIGTERM)
-                try:
-                    await asyncio.wait_for(process.wait(), 60)
-                except TimeoutError:
-                    process.kill()
-                    await process.wait()
+
+
+@contextlib.asynccontextmanager
+async def running_up(base: Settings, scratch: Path) -> AsyncIterator[RunningUp]:
+    """``sandstream up --no-stack`` in an isolated environment; the sandboxes left are deleted,
+    then it is stopped and the environment removed."""
+    async with (
+        isolated_up_settings(base, scratch) as settings,
+        up_process(settings, scratch / "up.log") as up,
+    ):
+        address = f"127.0.0.1:{settings.openshell_port}"
+        try:
+            yield up
+        finally:
+            await _delete_all(address, time.monotonic() + 120)
 
 
 def run_suite(runner: Path, endpoint: str, timeout: float = RUN_TIMEOUT) -> int:

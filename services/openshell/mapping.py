@@ -1,9 +1,11 @@
 """OpenShell's resource model <-> sandstream's: pure functions, no I/O.
 
-See docs/openshell-compat.md for the mapping in prose. Phases: sandstream's Completed (the main
-process ended with 0) is STOPPED, with its exit code, and a tombstone (Deleted) is only ever
-seen by a watch, as DELETING, right before the stream ends. ``metadata.id`` is the
-incarnation's stable id, ``metadata.resource_version`` the row version.
+See docs/openshell-compat.md for the mapping in prose. Answers are built in the served schema
+(``proto/served.proto``): both protocol generations' fields at once. Phases: sandstream's
+Completed (the main process ended with 0) is COMPLETED for a 0.1 client and STOPPED, with its
+exit code, for a 0.0 one (its enum has no COMPLETED); a tombstone (Deleted) is only ever seen
+by a watch, as DELETING, right before the stream ends. ``metadata.id`` is the incarnation's
+stable id, ``metadata.resource_version`` the row version.
 """
 
 from __future__ import annotations
@@ -14,16 +16,22 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Final
+from typing import Final, TypeAlias
 
+from google.protobuf.timestamp_pb2 import Timestamp
 from pydantic import ValidationError
 
-from events.common import SANDBOX_NAME_PATTERN, Phase, SandboxSpec
+from events.common import PROVIDER_NAME_PATTERN, SANDBOX_NAME_PATTERN, Phase, SandboxSpec
 from services.api.readmodel import SandboxView
-from services.openshell.proto import datamodel_pb2, openshell_pb2
-from services.openshell.proto.openshell_pb2 import SandboxPhase
+from services.openshell.proto import served_pb2
+from services.openshell.proto.served_pb2 import SandboxPhase
+from services.openshell.proto.vendored.v0_0_116 import openshell_pb2 as os_0_0
+from services.openshell.proto.vendored.v0_1_5 import datamodel_pb2 as dm_0_1
+from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os_0_1
+from services.openshell.wire import Generation
 
 DEFAULT_WORKSPACE: Final = "default"
+CreateRequest: TypeAlias = os_0_0.CreateSandboxRequest | os_0_1.CreateSandboxRequest
 # The main process of a spec without a command: keeps the sandbox running until stopped.
 DEFAULT_COMMAND: Final = ("sleep", "infinity")
 GENERATED_PREFIX: Final = "sandbox-"
@@ -46,50 +54,73 @@ class InvalidRequest(ValueError):
     """A request that cannot be mapped: INVALID_ARGUMENT with this message (naming the field)."""
 
 
-def phase_of(phase: Phase) -> SandboxPhase.ValueType:
+def phase_of(phase: Phase, generation: Generation = Generation.V0_0) -> SandboxPhase.ValueType:
+    if phase is Phase.COMPLETED and generation is Generation.V0_1:
+        return SandboxPhase.SANDBOX_PHASE_COMPLETED
     return PHASES[phase]
 
 
-def _millis(moment: datetime) -> int:
+def millis(moment: datetime) -> int:
     return int(moment.timestamp() * 1000)
 
 
-def sandbox_message(view: SandboxView) -> openshell_pb2.Sandbox:
-    """The OpenShell resource of a sandstream row."""
-    deleting = view.phase in (Phase.DELETING, Phase.DELETED)
-    metadata = datamodel_pb2.ObjectMeta(
-        id=str(view.id),
-        name=view.name,
-        created_at_ms=_millis(view.created_at),
-        labels=view.labels,
-        resource_version=view.version,
+def timestamp(moment: datetime) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromDatetime(moment)
+    return stamp
+
+
+def object_meta(
+    name: str, object_id: str, created: datetime, version: int, labels: Mapping[str, str]
+) -> served_pb2.ObjectMeta:
+    """Metadata with both generations' creation time (``created_at_ms`` and ``created_time``)."""
+    return served_pb2.ObjectMeta(
+        id=object_id,
+        name=name,
+        created_at_ms=millis(created),
+        created_time=timestamp(created),
+        labels=labels,
+        resource_version=version,
         workspace=DEFAULT_WORKSPACE,
-        deletion_timestamp_ms=_millis(view.updated_at) if deleting else 0,
     )
-    spec = openshell_pb2.SandboxSpec(
+
+
+def sandbox_message(
+    view: SandboxView, generation: Generation = Generation.V0_0
+) -> served_pb2.Sandbox:
+    """The OpenShell resource of a sandstream row, readable by both generations (only the
+    phase of a Completed sandbox depends on the reader's generation)."""
+    metadata = object_meta(view.name, str(view.id), view.created_at, view.version, view.labels)
+    if view.phase in (Phase.DELETING, Phase.DELETED):
+        metadata.deletion_timestamp_ms = millis(view.updated_at)
+        metadata.deletion_time.CopyFrom(timestamp(view.updated_at))
+    spec = served_pb2.SandboxSpec(
         environment=view.spec.env,
-        template=openshell_pb2.SandboxTemplate(image=view.spec.image, labels=view.labels),
+        template=served_pb2.SandboxTemplate(image=view.spec.image, labels=view.labels),
         providers=view.providers,
         command=view.spec.command,
     )
-    changed = view.updated_at.isoformat()
-    status = openshell_pb2.SandboxStatus(
+    status = served_pb2.SandboxStatus(
         sandbox_name=view.name,
         conditions=[
-            openshell_pb2.SandboxCondition(
+            served_pb2.SandboxCondition(
                 type=c.type,
                 status=c.status,
                 reason=c.reason,
                 message=c.message,
-                last_transition_time=changed,
+                last_transition_time=view.updated_at.isoformat(),
+                transition_time=timestamp(view.updated_at),
             )
             for c in view.conditions
         ],
-        phase=phase_of(view.phase),
+        phase=phase_of(view.phase, generation),
+        restart_count=view.restart_count,
     )
+    if view.next_restart_at is not None:
+        status.next_restart_time.CopyFrom(timestamp(view.next_restart_at))
     if view.exit_code is not None and view.phase in (Phase.ERROR, Phase.COMPLETED):
         status.exit_code = view.exit_code
-    return openshell_pb2.Sandbox(metadata=metadata, spec=spec, status=status)
+    return served_pb2.Sandbox(metadata=metadata, spec=spec, status=status)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,9 +161,11 @@ _FIELDS_OF_SPEC: Final = {"image": "spec.template.image", "command": "spec.comma
 
 
 def new_sandbox(
-    request: openshell_pb2.CreateSandboxRequest, *, default_image: str, command_id: str | None
+    request: CreateRequest, *, default_image: str, command_id: str | None
 ) -> NewSandbox:
-    """The sandstream sandbox a CreateSandbox request asks for; InvalidRequest if it cannot be.
+    """The sandstream sandbox a CreateSandbox request (of either generation: their spec, name,
+    labels and annotations agree) asks for; InvalidRequest if it cannot be. The workspace is
+    the caller's to check.
 
     The spec is checked before a name is generated (a request without a spec names nothing).
     """
@@ -155,8 +188,6 @@ def new_sandbox(
     for field, given in unsupported:
         if given:
             raise InvalidRequest(f"{field}: not supported by sandstream")
-    if request.workspace not in ("", DEFAULT_WORKSPACE):
-        raise InvalidRequest(f"workspace {request.workspace!r}: only {DEFAULT_WORKSPACE!r} exists")
     labels = {**template.labels, **request.labels}
     env = {**template.environment, **spec.environment}
     try:
@@ -173,7 +204,7 @@ def new_sandbox(
         raise InvalidRequest(message) from None
     providers = list(spec.providers)
     for provider in providers:
-        if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", provider):
+        if not re.fullmatch(PROVIDER_NAME_PATTERN, provider):
             raise InvalidRequest(f"spec.providers: invalid provider name {provider!r}")
     return NewSandbox(sandbox_name(request.name, command_id), checked, providers)
 
@@ -197,8 +228,8 @@ def label_filters(selector: str) -> list[str]:
     return filters
 
 
-def page(
-    items: list[openshell_pb2.Sandbox], limit: int, offset: int
-) -> list[openshell_pb2.Sandbox]:
-    """OpenShell's limit/offset over the full list (sorted by name); limit 0 means all."""
-    return items[offset : offset + limit] if limit else items[offset:]
+def selected_workspace(selector: dm_0_1.WorkspaceSelector) -> str | None:
+    """The workspace a 0.1 selector names; None for all workspaces."""
+    if selector.WhichOneof("selection") == "all_workspaces":
+        return None
+    return selector.workspace

@@ -20,16 +20,19 @@ from typing import Final
 
 import grpc
 
+from drivers.logs import LogSource
 from events.publisher import CommandPublisher
 from services.api.gateway import CommandGateway
+from services.api.providers import ProviderService
 from services.api.readmodel import ChangeFeed
 from services.api.server import Tls
 from services.common.entrypoint import run_until_signalled
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.common.tokens import TokenStore
-from services.openshell.proto import openshell_pb2_grpc
-from services.openshell.service import Authenticator, OpenShellService, Pool
+from services.openshell.exec_rpc import ExecLimits
+from services.openshell.handlers import OpenShellService
+from services.openshell.service import Authenticator, Door, Pool
 
 log = logging.getLogger("sandstream.openshell")
 
@@ -83,21 +86,29 @@ async def start_openshell(
     tokens: TokenStore,
     driver: object | None,
     driver_name: str = "podman",
+    logs: LogSource | None = None,
 ) -> RunningOpenShell:
     """Start serving; raises OpenShellConfigError or OSError (the port is taken)."""
     from drivers.protocol import ExecDriver
 
     check_settings(settings)
-    service = OpenShellService(
+    door = Door(
         pool=pool,
         gateway=gateway,
         auth=Authenticator(tokens, settings.openshell_allow_unauthenticated),
         driver=driver if isinstance(driver, ExecDriver) else None,
+        logs=logs,
+        providers=ProviderService(settings, pool, gateway),
         driver_name=driver_name,
         default_image=settings.sandbox_image,
     )
+    limits = ExecLimits(
+        timeout=float(settings.openshell_exec_timeout_seconds),
+        per_token=settings.openshell_exec_sessions_per_token,
+        total=settings.openshell_exec_sessions,
+    )
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    openshell_pb2_grpc.add_OpenShellServicer_to_server(service, server)  # type: ignore[arg-type]
+    server.add_generic_rpc_handlers((OpenShellService(door, limits).generic_handler(),))
     host = settings.openshell_host
     target = (
         f"[{host}]:{settings.openshell_port}"
@@ -125,9 +136,11 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     """The OpenShell API as its own role: until ``stop`` is set."""
     from services.common.database import connect_pool
     from services.executor.backends import podman_driver
+    from services.executor.log_sources import log_source
 
     tokens = TokenStore.from_file(settings.tokens_file)
     driver = podman_driver(settings)
+    logs = log_source(settings)
     pool = await connect_pool(settings)
     feed = ChangeFeed(pool)
     try:
@@ -137,7 +150,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             await feed.start()
             gateway = CommandGateway(pool, publisher, feed)
             running = await start_openshell(
-                settings, pool=pool, gateway=gateway, tokens=tokens, driver=driver
+                settings, pool=pool, gateway=gateway, tokens=tokens, driver=driver, logs=logs
             )
             log.info("OpenShell API on %s", running.address)
             try:
@@ -148,6 +161,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     finally:
         await pool.close()
         await driver.close()
+        await logs.close()
 
 
 def main() -> None:

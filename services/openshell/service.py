@@ -1,59 +1,51 @@
-"""The servicer of ``openshell.v1.OpenShell``: a second door into the same house.
+"""The door's plumbing: authentication, command ids, submitting commands, finding sandboxes.
 
 Commands are built like the HTTP API builds them (a command id, the token's name as actor,
 ``occurred_at`` at this edge) and go through the HTTP API's ``CommandGateway`` (the same
 publisher) onto the commands topic; the answer waits for the processor's outcome of that
-command id. Reads come from the projection,
-watches from the change feed that also serves ``/v1/watch``, exec from the driver (inside the
-sandbox). Nothing here keeps state of its own.
+command id. Reads come from the projection, watches from the change feed that also serves
+``/v1/watch``, exec and logs from the runtime. Nothing here keeps state of its own. The RPCs
+live in one module per resource (sandboxes, exec, watch, logs, providers); ``handlers.py``
+registers them under OpenShell's method paths.
 
-A client may send its own command id in the metadata ``sandstream-command-id``: a retry with
-the same id (after a lost answer) gets the first outcome back and publishes nothing again.
+A command's id is the request's ``request_id`` (OpenShell 0.1), else the metadata
+``sandstream-command-id``, else a new one: a retry with the same id (after a lost answer) gets
+the first outcome back and publishes nothing again.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import importlib.metadata
-import logging
 import re
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Final, NoReturn, TypeAlias
 
 import asyncpg
 import grpc
 
-from drivers.protocol import DriverError, ExecDriver, ExecExit
-from events.commands import (
-    Command,
-    CreateSandbox,
-    DeleteSandbox,
-    StartSandbox,
-    StopSandbox,
-)
-from events.common import SANDBOX_NAME_PATTERN, Phase
+from drivers.logs import LogSource
+from drivers.protocol import ExecDriver
+from events.commands import Command
+from events.common import COMMAND_ID_PATTERN, SANDBOX_NAME_PATTERN, Phase
 from events.outcomes import Code, CommandOutcome
-from events.publisher import new_command_id, now
 from projections.store import SANDBOX_COLUMNS
 from services.api import readmodel
-from services.api.gateway import CommandGateway, PublishFailed
-from services.api.readmodel import InvalidArgument, SandboxView
-from services.common.tokens import READ, WRITE, Denied, Principal, TokenStore
+from services.api.gateway import CommandGateway, CommandTooLarge, PublishFailed
+from services.api.idempotency import IdempotencyConflict
+from services.api.providers import ProviderService
+from services.api.readmodel import SandboxView
+from services.common.tokens import SCOPES, Denied, Principal, TokenStore
 from services.openshell import mapping
-from services.openshell.proto import openshell_pb2 as pb
-from services.openshell.proto import sandbox_pb2
-
-log = logging.getLogger("sandstream.openshell")
 
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
 Context: TypeAlias = grpc.aio.ServicerContext[object, object]
 
 COMMAND_ID_KEY: Final = "sandstream-command-id"
-LOCAL_PRINCIPAL: Final = Principal("openshell-local", frozenset({READ, WRITE}))
+LOCAL_PRINCIPAL: Final = Principal("openshell-local", frozenset(SCOPES))
 OUTCOME_WAIT: Final = 30.0  # seconds an RPC waits for the processor to decide its command
-_COMMAND_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_COMMAND_ID = re.compile(COMMAND_ID_PATTERN)
 
 STATUS_OF: Final[dict[Code, grpc.StatusCode]] = {
     Code.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
@@ -69,6 +61,11 @@ def version() -> str:
         return importlib.metadata.version("sandstream")
     except importlib.metadata.PackageNotFoundError:
         return "0+unknown"
+
+
+async def abort(context: Context, code: grpc.StatusCode, message: str) -> NoReturn:
+    await context.abort(code, message)
+    raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +102,7 @@ class Authenticator:
         return checked
 
 
-def _metadata(context: Context) -> dict[str, str]:
+def metadata_of(context: Context) -> dict[str, str]:
     found: dict[str, str] = {}
     for key, value in context.invocation_metadata() or ():
         if isinstance(value, str):
@@ -139,312 +136,104 @@ async def sandbox_by_id(pool: Pool, sandbox_id: uuid.UUID) -> SandboxView | None
     return readmodel.sandbox_view(record) if found else None
 
 
-class OpenShellService:
-    """The RPCs; registered with ``add_OpenShellServicer_to_server``."""
+@dataclass
+class Door:
+    """What every RPC shares: the read model, the command gateway, the token check, and the
+    runtime's capabilities (exec, logs), with the plumbing the RPCs have in common."""
 
-    def __init__(
-        self,
-        *,
-        pool: Pool,
-        gateway: CommandGateway,
-        auth: Authenticator,
-        driver: ExecDriver | None,
-        driver_name: str,
-        default_image: str,
-        outcome_wait: float = OUTCOME_WAIT,
-    ) -> None:
-        self.pool = pool
-        self.gateway = gateway
-        self.feed = gateway.feed
-        self.auth = auth
-        self.driver = driver
-        self.driver_name = driver_name
-        self.default_image = default_image
-        self.outcome_wait = outcome_wait
+    pool: Pool
+    gateway: CommandGateway
+    auth: Authenticator
+    driver: ExecDriver | None
+    logs: LogSource | None
+    providers: ProviderService | None
+    driver_name: str
+    default_image: str
+    outcome_wait: float = OUTCOME_WAIT
 
-    # -- plumbing ------------------------------------------------------------------------------
-
-    async def _authorize(self, context: Context, scope: str) -> Principal:
-        checked = self.auth.check(_metadata(context), scope)
+    async def authorize(self, context: Context, scope: str) -> Principal:
+        checked = self.auth.check(metadata_of(context), scope)
         if isinstance(checked, Principal):
             return checked
-        await _abort(context, *checked)
+        await abort(context, *checked)
 
-    async def _command_id(self, context: Context) -> str | None:
-        given = _metadata(context).get(COMMAND_ID_KEY)
-        if given is None:
-            return None
-        if not _COMMAND_ID.fullmatch(given):
-            await _abort(
+    async def command_id(self, context: Context, request_id: str = "") -> str | None:
+        """The client's id for this command: ``request_id`` or the metadata; None if neither."""
+        given = metadata_of(context).get(COMMAND_ID_KEY)
+        for where, value in (("request_id", request_id), (f"metadata {COMMAND_ID_KEY}", given)):
+            if value and not _COMMAND_ID.fullmatch(value):
+                await abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{where}: must be 1-128 characters from A-Z a-z 0-9 . _ : -",
+                )
+        if request_id and given and request_id != given:
+            await abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"metadata {COMMAND_ID_KEY}: must be 1-128 characters from A-Z a-z 0-9 . _ : -",
+                f"request_id {request_id!r} and metadata {COMMAND_ID_KEY} {given!r} differ",
             )
-        return given
+        return request_id or given or None
 
-    async def _submit(self, command: Command, context: Context) -> CommandOutcome:
+    async def submit(
+        self, command: Command, context: Context, *, reject: bool = True
+    ) -> CommandOutcome:
         """The command's outcome, through the HTTP API's gateway: the known one for a retried
-        command id, else published once and awaited. Rejections end the RPC with their status."""
+        command id, else published once and awaited. Rejections end the RPC with their status
+        (unless ``reject`` is False), as do the gateway's refusals, mapped like the HTTP API
+        maps them."""
         try:
             submitted = await self.gateway.submit(command, self.outcome_wait)
         except PublishFailed:
-            await _abort(
+            await abort(
                 context,
                 grpc.StatusCode.UNAVAILABLE,
                 "Kafka did not acknowledge the command; it may still be applied: retry with "
-                f"metadata {COMMAND_ID_KEY}={command.command_id}",
+                f"the same request_id (or metadata {COMMAND_ID_KEY}) {command.command_id}",
             )
+        except IdempotencyConflict as exc:
+            await abort(context, grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except CommandTooLarge as exc:
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         outcome = submitted.outcome
         if outcome is None:
-            await _abort(
+            await abort(
                 context,
                 grpc.StatusCode.UNAVAILABLE,
                 f"the command was published but not decided within {self.outcome_wait:.0f}s; "
-                f"retry with metadata {COMMAND_ID_KEY}={command.command_id}",
+                f"retry with the same request_id (or metadata {COMMAND_ID_KEY}) "
+                f"{command.command_id}",
             )
-        if not outcome.accepted:
-            await _abort(context, STATUS_OF[outcome.code], outcome.message)
+        if reject and not outcome.accepted:
+            await abort(context, STATUS_OF[outcome.code], outcome.message)
         return outcome
 
-    async def _lifecycle(
-        self,
-        kind: type[StartSandbox | StopSandbox | DeleteSandbox],
-        name: str,
-        workspace: str,
-        context: Context,
-    ) -> CommandOutcome:
-        principal = await self._authorize(context, WRITE)
-        await self._check_name(name, workspace, context)
-        command = kind(
-            type=kind.__name__,
-            command_id=await self._command_id(context) or new_command_id(),
-            key=name,
-            occurred_at=now(),
-            actor=principal.name,
-        )
-        return await self._submit(command, context)
-
-    async def _check_name(self, name: str, workspace: str, context: Context) -> None:
+    async def check_name(self, name: str, workspace: str | None, context: Context) -> None:
+        """A sandbox name in the one workspace; NOT_FOUND for another workspace or a name no
+        sandbox can have."""
         if workspace not in ("", mapping.DEFAULT_WORKSPACE):
-            await _abort(context, grpc.StatusCode.NOT_FOUND, f"workspace {workspace!r} not found")
+            shown = "all workspaces" if workspace is None else repr(workspace)
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"workspace {shown} not found")
         if not name:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "name: required")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "name: required")
         if not re.fullmatch(SANDBOX_NAME_PATTERN, name):
-            # No sandbox can have such a name.
-            await _abort(context, grpc.StatusCode.NOT_FOUND, f"sandbox {name!r} not found")
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"sandbox {name!r} not found")
 
-    async def _current(self, name: str, context: Context) -> pb.SandboxResponse:
+    async def row(self, name: str, context: Context) -> SandboxView:
         view = await readmodel.get_sandbox(self.pool, name)
         if view is None:
-            await _abort(context, grpc.StatusCode.NOT_FOUND, f"sandbox {name!r} not found")
-        return pb.SandboxResponse(sandbox=mapping.sandbox_message(view))
-
-    async def _incarnation(self, raw_id: str, context: Context) -> SandboxView:
-        try:
-            sandbox_id = uuid.UUID(raw_id)
-        except ValueError:
-            await _abort(context, grpc.StatusCode.NOT_FOUND, f"sandbox id {raw_id!r} not found")
-        view = await sandbox_by_id(self.pool, sandbox_id)
-        if view is None or view.phase is Phase.DELETED:
-            await _abort(context, grpc.StatusCode.NOT_FOUND, f"sandbox id {raw_id!r} not found")
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"sandbox {name!r} not found")
         return view
 
-    # -- operations ----------------------------------------------------------------------------
-
-    async def Health(self, request: pb.HealthRequest, context: Context) -> pb.HealthResponse:
-        return pb.HealthResponse(status=pb.SERVICE_STATUS_HEALTHY, version=version())
-
-    async def GetGatewayInfo(
-        self, request: pb.GetGatewayInfoRequest, context: Context
-    ) -> pb.GetGatewayInfoResponse:
-        await self._authorize(context, READ)
-        driver = pb.ComputeDriverInfo(
-            name=self.driver_name,
-            capabilities=pb.ComputeDriverCapabilities(
-                driver_name=self.driver_name, driver_version=version()
-            ),
-        )
-        return pb.GetGatewayInfoResponse(
-            status=pb.SERVICE_STATUS_HEALTHY, gateway_version=version(), compute_drivers=[driver]
-        )
-
-    async def GetSandboxConfig(
-        self, request: sandbox_pb2.GetSandboxConfigRequest, context: Context
-    ) -> sandbox_pb2.GetSandboxConfigResponse:
-        await self._authorize(context, READ)
-        return sandbox_pb2.GetSandboxConfigResponse()  # sandstream has no sandbox policies
-
-    # -- commands ------------------------------------------------------------------------------
-
-    async def CreateSandbox(
-        self, request: pb.CreateSandboxRequest, context: Context
-    ) -> pb.SandboxResponse:
-        principal = await self._authorize(context, WRITE)
-        command_id = await self._command_id(context)
-        try:
-            wanted = mapping.new_sandbox(
-                request, default_image=self.default_image, command_id=command_id
-            )
-        except mapping.InvalidRequest as exc:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        command = CreateSandbox(
-            type="CreateSandbox",
-            command_id=command_id or new_command_id(),
-            key=wanted.name,
-            occurred_at=now(),
-            actor=principal.name,
-            spec=wanted.spec,
-            providers=wanted.providers,
-        )
-        outcome = await self._submit(command, context)
-        view = await readmodel.get_sandbox(self.pool, wanted.name)
-        if view is None or view.id != outcome.sandbox_id:
-            await _abort(
-                context,
-                grpc.StatusCode.NOT_FOUND,
-                f"sandbox {wanted.name!r} was created and is gone already",
-            )
-        return pb.SandboxResponse(sandbox=mapping.sandbox_message(view))
-
-    async def StopSandbox(
-        self, request: pb.StopSandboxRequest, context: Context
-    ) -> pb.SandboxResponse:
-        await self._lifecycle(StopSandbox, request.name, request.workspace, context)
-        return await self._current(request.name, context)
-
-    async def StartSandbox(
-        self, request: pb.StartSandboxRequest, context: Context
-    ) -> pb.SandboxResponse:
-        await self._lifecycle(StartSandbox, request.name, request.workspace, context)
-        return await self._current(request.name, context)
-
-    async def DeleteSandbox(
-        self, request: pb.DeleteSandboxRequest, context: Context
-    ) -> pb.DeleteSandboxResponse:
-        await self._lifecycle(DeleteSandbox, request.name, request.workspace, context)
-        return pb.DeleteSandboxResponse(deleted=True)
-
-    # -- reads ---------------------------------------------------------------------------------
-
-    async def GetSandbox(
-        self, request: pb.GetSandboxRequest, context: Context
-    ) -> pb.SandboxResponse:
-        await self._authorize(context, READ)
-        await self._check_name(request.name, request.workspace, context)
-        return await self._current(request.name, context)
-
-    async def ListSandboxes(
-        self, request: pb.ListSandboxesRequest, context: Context
-    ) -> pb.ListSandboxesResponse:
-        await self._authorize(context, READ)
-        if request.workspace not in ("", mapping.DEFAULT_WORKSPACE):
-            return pb.ListSandboxesResponse()
-        try:
-            labels = mapping.label_filters(request.label_selector)
-            items: list[pb.Sandbox] = []
-            token: str | None = None
-            wanted = request.offset + request.limit if request.limit else None
-            while True:
-                found = await readmodel.list_sandboxes(
-                    self.pool, labels=labels, limit=readmodel.MAX_PAGE, page_token=token
-                )
-                items += [mapping.sandbox_message(v) for v in found.items]
-                token = found.next_page_token
-                if token is None or (wanted is not None and len(items) >= wanted):
-                    break
-        except (mapping.InvalidRequest, InvalidArgument) as exc:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return pb.ListSandboxesResponse(
-            sandboxes=mapping.page(items, request.limit, request.offset)
-        )
-
-    async def WatchSandbox(
-        self, request: pb.WatchSandboxRequest, context: Context
-    ) -> AsyncIterator[pb.SandboxStreamEvent]:
-        """Snapshots of one incarnation: the current one, then one per change of its row.
-
-        Ends after the tombstone (sent as DELETING), when the name is re-created (another
-        incarnation), or with ``stop_on_terminal`` at READY or ERROR.
-        """
-        await self._authorize(context, READ)
-        view = await self._incarnation(request.id, context)
-        terminal = (Phase.READY, Phase.ERROR) if request.stop_on_terminal else ()
-        if request.follow_status:
-            yield pb.SandboxStreamEvent(sandbox=mapping.sandbox_message(view))
-        if view.phase in terminal:
-            return
-        cursor = view.change_seq
-        while not self.feed.closed:
-            mark = self.feed.mark()
-            horizon = await self.feed.horizon(mark)
-            while horizon is not None and horizon > cursor:
-                rows = await readmodel.changes_after(self.pool, cursor, horizon, names=[view.name])
-                full = len(rows) == readmodel.CHANGES_PAGE
-                cursor = rows[-1].change_seq if full else horizon
-                for row in rows:
-                    if row.id != view.id:
-                        return  # the name was re-created: this incarnation is gone
-                    if request.follow_status:
-                        yield pb.SandboxStreamEvent(sandbox=mapping.sandbox_message(row))
-                    if row.phase is Phase.DELETED or row.phase in terminal:
-                        return
-            await self.feed.wait(mark, self.feed.poll_interval)
-
-    # -- exec ----------------------------------------------------------------------------------
-
-    async def ExecSandbox(
-        self, request: pb.ExecSandboxRequest, context: Context
-    ) -> AsyncIterator[pb.ExecSandboxEvent]:
-        """The command runs in the sandbox through the driver; output chunks, then the exit."""
-        await self._authorize(context, WRITE)
-        if not request.command:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "command: required")
-        if request.stdin:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "stdin: not supported")
-        view = await self._incarnation(request.sandbox_id, context)
-        if view.phase is not Phase.READY:
-            await _abort(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"sandbox {view.name!r} is {view.phase.value}, not Ready",
-            )
-        if self.driver is None:
-            await _abort(context, grpc.StatusCode.UNIMPLEMENTED, "the driver cannot exec")
-        stream = self.driver.exec_stream(
-            view.name,
-            view.generation,
-            list(request.command),
-            env=dict(request.environment),
-            workdir=request.workdir or None,
-        )
-        try:
-            async with asyncio.timeout(request.timeout_seconds or None):
-                async for event in stream:
-                    if isinstance(event, ExecExit):
-                        yield pb.ExecSandboxEvent(
-                            exit=pb.ExecSandboxExit(exit_code=event.exit_code)
-                        )
-                    elif event.stream == "stdout":
-                        yield pb.ExecSandboxEvent(stdout=pb.ExecSandboxStdout(data=event.data))
-                    else:
-                        yield pb.ExecSandboxEvent(stderr=pb.ExecSandboxStderr(data=event.data))
-        except TimeoutError:
-            await _abort(
-                context,
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"the command ran longer than {request.timeout_seconds}s",
-            )
-        except DriverError as exc:
-            code = (
-                grpc.StatusCode.UNAVAILABLE
-                if exc.retryable
-                else grpc.StatusCode.FAILED_PRECONDITION
-            )
-            await _abort(context, code, exc.reason)
-        finally:
-            await stream.aclose()
-
-
-async def _abort(context: Context, code: grpc.StatusCode, message: str) -> NoReturn:
-    await context.abort(code, message)
-    raise AssertionError("unreachable: abort raises")  # pragma: no cover
+    async def resolve(self, reference: str, context: Context) -> SandboxView:
+        """The live sandbox a Watch, Exec or logs request names in its field 1: an incarnation
+        id (OpenShell 0.0) or a name (0.1). An id is tried first, then a name: a UUID-shaped
+        name is a valid sandbox name too, and an incarnation id never names another sandbox."""
+        view: SandboxView | None = None
+        with contextlib.suppress(ValueError):  # not an id
+            view = await sandbox_by_id(self.pool, uuid.UUID(reference))
+        if view is None and re.fullmatch(SANDBOX_NAME_PATTERN, reference):
+            view = await readmodel.get_sandbox(self.pool, reference)
+        if view is None or view.phase is Phase.DELETED:
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"sandbox {reference!r} not found")
+        return view

@@ -229,6 +229,7 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
                 gateway=app.state.api.gateway,
                 tokens=app.state.tokens,
                 driver=driver,
+                logs=app.state.api.logs,
             )
         _banner(settings, api.url, tokens, time.monotonic() - started, openshell)
         source = sync_source(settings)

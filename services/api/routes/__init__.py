@@ -1,2 +1,12 @@
-"""One ``APIRouter`` per resource: commands, sandboxes, history, watch and operations
-(health, readiness, metrics); ``services.api.app`` includes them in this order."""
+"""One ``APIRouter`` per resource; ``services.api.app`` includes them in the order of
+``ROUTE_MODULES`` (the order of the paths in docs/openapi.json):
+
+- ``commands``: create, start, stop, restart, delete; a command's status by id.
+- ``lifecycle``: hold, release, extend (the time to live); the attention counts.
+- ``sandboxes``: the list and one sandbox by name.
+- ``history``: every input about a sandbox, in order.
+- ``watch``: row changes and every decided event as server-sent events.
+- ``audit``: a sandbox's state at a time or input, explain, the hash chains, export.
+- ``operations``: health, readiness, metrics.
+- ``providers``: providers (create, list, replace credentials, delete), attach and detach.
+"""

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
-from events.common import SANDBOX_NAME_PATTERN
+from events.common import INT64_MAX, SANDBOX_NAME_PATTERN
 from services.api.deps import Auditor, State
 from services.api.errors import ApiError
 from services.api.models import NamePath, responses
@@ -140,7 +140,7 @@ async def state_at(
     topic: Annotated[
         Literal["commands", "observations"] | None, Query(description="with offset: the input")
     ] = None,
-    offset: Annotated[int | None, Query(ge=0, le=2**63 - 1)] = None,
+    offset: Annotated[int | None, Query(ge=0, le=INT64_MAX)] = None,
 ) -> AuditAnswer:
     if (time is None) == (offset is None) or (offset is None) != (topic is None):
         raise ApiError(422, "INVALID_ARGUMENT", "give either 'time', or 'topic' and 'offset'")

@@ -20,7 +20,7 @@ from events.commands import (
     StartSandbox,
     StopSandbox,
 )
-from events.common import SANDBOX_NAME_PATTERN, SandboxSpec
+from events.common import COMMAND_ID_PATTERN, SANDBOX_NAME_PATTERN, SandboxSpec
 from events.outcomes import CommandOutcome
 from events.publisher import new_command_id, now
 from services.api import idempotency, readmodel
@@ -161,7 +161,7 @@ router.delete(
     tags=["commands"],
 )
 async def get_command(
-    command_id: Annotated[str, Path(pattern=r"^[A-Za-z0-9._:-]{1,128}$")],
+    command_id: Annotated[str, Path(pattern=COMMAND_ID_PATTERN)],
     principal: Reader,
     state: State,
     sandbox: Annotated[

@@ -7,6 +7,7 @@ from uuid import UUID
 
 from fastapi import APIRouter, Query
 
+from events.common import INT32_MAX
 from services.api import readmodel
 from services.api.deps import Reader, State
 from services.api.errors import ApiError
@@ -28,13 +29,13 @@ async def get_history(
     principal: Reader,
     state: State,
     limit: Annotated[int, Query(ge=1, le=readmodel.MAX_HISTORY_PAGE)] = 100,
-    page_token: Annotated[str | None, Query(max_length=2000)] = None,
+    page_token: Annotated[str | None, Query(max_length=readmodel.PAGE_TOKEN_MAX_LENGTH)] = None,
     incarnation: Annotated[
         UUID | None, Query(description="only this incarnation (a sandbox_id)")
     ] = None,
     generation: Annotated[
         int | None,
-        Query(ge=1, le=2**31 - 1, description="only inputs about this generation"),
+        Query(ge=1, le=INT32_MAX, description="only inputs about this generation"),
     ] = None,
 ) -> HistoryPage:
     page = await readmodel.history(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from events.commands import ExtendSandbox, HoldSandbox, ReleaseSandbox
+from events.commands import ExtendSandbox, HoldSandbox, ReleaseSandbox, SetRestartPolicy
 from events.publisher import new_command_id, now
 from services.api import readmodel
 from services.api.deps import Reader, State, Writer
@@ -21,6 +21,7 @@ from services.api.models import (
     LifecycleBody,
     LifecycleRequest,
     NamePath,
+    RestartPolicyRequest,
     WaitQuery,
     responses,
 )
@@ -96,6 +97,34 @@ async def extend_sandbox(
         actor=principal.name,
         expected_version=body.expected_version,
         ttl_seconds=body.ttl_seconds,
+    )
+    return await submit(state.gateway, command, wait)
+
+
+@router.post(
+    "/v1/sandboxes/{name}:restart-policy",
+    response_model=CommandStatus,
+    responses=COMMAND_RESPONSES,
+    summary="Set a sandbox's restart policy, its back-off and its limit",
+    tags=["commands"],
+)
+async def set_restart_policy(
+    name: NamePath,
+    body: RestartPolicyRequest,
+    principal: Writer,
+    state: State,
+    wait: WaitQuery = None,
+) -> JSONResponse:
+    command = SetRestartPolicy(
+        type="SetRestartPolicy",
+        command_id=body.command_id or new_command_id(),
+        key=name,
+        occurred_at=now(),
+        actor=principal.name,
+        expected_version=body.expected_version,
+        restart_policy=body.restart_policy,
+        restart_backoff=body.restart_backoff,
+        max_restarts=body.max_restarts,
     )
     return await submit(state.gateway, command, wait)
 

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from events.commands import AttachProvider, DetachProvider
-from events.common import INT64_MAX, CommandId, ProviderName
+from events.common import INT64_MAX, PROVIDER_NAME_PATTERN, CommandId, ProviderName
 from events.publisher import new_command_id, now
 from services.api.deps import ProviderReader, ProviderWriter, State, Writer
 from services.api.errors import ApiError
@@ -33,7 +33,7 @@ Credentials = Annotated[
     dict[EnvName, SecretValue],
     Field(max_length=256, description="key (the environment variable) -> value; write-only"),
 ]
-ProviderPath = Annotated[str, Path(pattern=r"^[A-Za-z0-9._-]{1,128}$", description="provider")]
+ProviderPath = Annotated[str, Path(pattern=PROVIDER_NAME_PATTERN, description="provider")]
 
 
 class _Strict(BaseModel):

@@ -32,7 +32,7 @@ async def list_sandboxes(
     ] = [],  # noqa: B006
     include_deleted: Annotated[bool, Query(description="include tombstones")] = False,
     limit: Annotated[int, Query(ge=1, le=readmodel.MAX_PAGE)] = 100,
-    page_token: Annotated[str | None, Query(max_length=2000)] = None,
+    page_token: Annotated[str | None, Query(max_length=readmodel.PAGE_TOKEN_MAX_LENGTH)] = None,
 ) -> SandboxList:
     return await readmodel.list_sandboxes(
         state.pool,

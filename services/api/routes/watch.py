@@ -1,4 +1,5 @@
-"""The watch: row changes as server-sent events, resumable from a cursor (a change_seq)."""
+"""The watches: row changes (``/v1/watch``, a change_seq cursor) and every decided event
+(``/v1/watch/events``, an outbox id cursor) as server-sent events, resumable from a cursor."""
 
 from __future__ import annotations
 
@@ -7,26 +8,26 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Annotated, Final, TypeAlias
+from typing import Annotated, Final
 from uuid import UUID
 
-import asyncpg
 from fastapi import APIRouter, Header, Query
 from fastapi.responses import StreamingResponse
 
-from events.common import SANDBOX_NAME_PATTERN
+from events.common import INT32_MAX, INT64_MAX, SANDBOX_NAME_PATTERN
 from projections.store import DATABASE_ERRORS
-from services.api import decided_feed, readmodel
+from services.api import readmodel
 from services.api.deps import Reader, State
 from services.api.errors import ApiError
 from services.api.models import SSE_EVENT_SCHEMA, responses
 from services.api.readmodel import ChangeFeed
 from services.common import metrics
+from services.common.database import Pool
 
 log = logging.getLogger("sandstream.api")
 
 HEARTBEAT: Final = 15.0  # seconds between watch bookmarks when nothing changes
-Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
+MAX_WATCH_SECONDS: Final = 86400  # the longest ?timeout= a stream may ask for
 
 router = APIRouter()
 
@@ -50,7 +51,7 @@ async def watch(
     state: State,
     cursor: Annotated[
         int | None,
-        Query(ge=0, le=2**63 - 1, description="resume after this change_seq (an event id)"),
+        Query(ge=0, le=INT64_MAX, description="resume after this change_seq (an event id)"),
     ] = None,
     name: Annotated[
         list[Annotated[str, Query(pattern=SANDBOX_NAME_PATTERN)]],
@@ -63,10 +64,11 @@ async def watch(
         UUID | None, Query(description="only this incarnation's row (a sandbox_id)")
     ] = None,
     generation: Annotated[
-        int | None, Query(ge=1, le=2**31 - 1, description="only while at this generation")
+        int | None, Query(ge=1, le=INT32_MAX, description="only while at this generation")
     ] = None,
     timeout: Annotated[
-        float | None, Query(gt=0, le=86400, description="end the stream after this many s")
+        float | None,
+        Query(gt=0, le=MAX_WATCH_SECONDS, description="end the stream after this many s"),
     ] = None,
     last_event_id: Annotated[
         str | None, Header(alias="Last-Event-ID", description="overrides cursor")
@@ -188,7 +190,7 @@ async def watch_events(
     state: State,
     cursor: Annotated[
         int | None,
-        Query(ge=0, le=2**63 - 1, description="resume after this sequence number (an event id)"),
+        Query(ge=0, le=INT64_MAX, description="resume after this sequence number (an event id)"),
     ] = None,
     name: Annotated[
         list[Annotated[str, Query(pattern=SANDBOX_NAME_PATTERN)]],
@@ -198,10 +200,11 @@ async def watch_events(
         UUID | None, Query(description="only this incarnation's events (a sandbox_id)")
     ] = None,
     generation: Annotated[
-        int | None, Query(ge=1, le=2**31 - 1, description="only events at this generation")
+        int | None, Query(ge=1, le=INT32_MAX, description="only events at this generation")
     ] = None,
     timeout: Annotated[
-        float | None, Query(gt=0, le=86400, description="end the stream after this many s")
+        float | None,
+        Query(gt=0, le=MAX_WATCH_SECONDS, description="end the stream after this many s"),
     ] = None,
     last_event_id: Annotated[
         str | None, Header(alias="Last-Event-ID", description="overrides cursor")
@@ -228,7 +231,7 @@ def _resume_point(cursor: int | None, last_event_id: str | None) -> int | None:
         return cursor
     try:
         start = int(last_event_id)
-        if not 0 <= start <= 2**63 - 1:
+        if not 0 <= start <= INT64_MAX:
             raise ValueError
     except ValueError:
         raise ApiError(
@@ -253,7 +256,7 @@ async def decided_stream(
     metrics.API_WATCHERS.inc()
     try:
         yield ": sandstream decided events\nretry: 2000\n\n"
-        oldest = await decided_feed.retained_from(pool, topic)
+        oldest = await readmodel.retained_from(pool, topic)
         if oldest is not None and cursor < oldest - 1:
             gap = {"cursor": cursor, "retained_from": oldest,
                    "message": f"events after {cursor} and before {oldest} are no longer "
@@ -264,16 +267,16 @@ async def decided_stream(
         last_sent = loop.time()
         while not feed.closed:
             mark = feed.mark()
-            horizon = await decided_feed.event_horizon(pool)
+            horizon = await readmodel.event_horizon(pool)
             while horizon is not None and horizon > cursor:
-                found = await decided_feed.events_after(
+                found = await readmodel.events_after(
                     pool, topic, cursor, horizon, names=names,
                     incarnation=narrow.incarnation, generation=narrow.generation,
                 )  # fmt: skip
                 for event in found:
                     yield _sse("decided", event.body, event.seq)
                     last_sent = loop.time()
-                full = len(found) == decided_feed.EVENTS_PAGE
+                full = len(found) == readmodel.EVENTS_PAGE
                 cursor = found[-1].seq if full else horizon
             now_ = loop.time()
             if deadline is not None and now_ >= deadline:

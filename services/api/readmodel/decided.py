@@ -1,10 +1,6 @@
-"""The feed of decided events, from the outbox: every event the processor decided, in commit
-order (per sandbox: version order), each with its outbox id as the cursor.
-
-Outbox ids are drawn inside the processor's write statements, which all hold a write lock on
-the sandboxes table from their start (the same argument as the row change feed's horizon in
-readmodel.py): read the id sequence, wait for the writers of that moment to end, and every id
-up to it is committed or rolled back.
+"""The feed of decided events (``/v1/watch/events``), from the outbox: every event the
+processor decided, in commit order (per sandbox: version order), each with its outbox id as the
+cursor, read up to ``horizon.event_horizon``.
 
 The outbox may be pruned by housekeeping (docs/operations.md): a cursor below the oldest
 retained id is answered with a gap notice saying from where the feed is complete.
@@ -12,38 +8,18 @@ retained id is answered with a gap notice saying from where the feed is complete
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 from uuid import UUID
 
-from services.api.readmodel import Pool, _writers
+from services.common.database import Pool
 
 
 @dataclass(frozen=True, slots=True)
 class Decided:
     seq: int  # the outbox id: the cursor
     body: str  # the event as published on the events topic
-
-
-async def event_horizon(pool: Pool, timeout: float = 2.0) -> int | None:
-    """The highest outbox id below which every id is committed (None: not known yet)."""
-    async with pool.acquire() as conn:
-        row = await conn.fetchrow("SELECT last_value, is_called FROM outbox_id_seq")
-        assert row is not None
-        last = int(row["last_value"]) if row["is_called"] else 0
-        writers = await _writers(conn)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        delay = 0.002
-        while writers:
-            if loop.time() > deadline:
-                return None
-            await asyncio.sleep(delay)  # a writer's commit does not notify before its lock goes
-            delay = min(delay * 2, 0.05)
-            writers = await _writers(conn, writers)
-    return last
 
 
 RETAINED_FROM: Final = "SELECT min(id) FROM outbox WHERE topic = $1"
@@ -59,7 +35,7 @@ async def retained_from(pool: Pool, topic: str) -> int | None:
     return int(value) if value is not None else None
 
 
-EVENTS_PAGE = 500
+EVENTS_PAGE: Final = 500  # events per read of the feed
 
 
 _NARROW: Final = (

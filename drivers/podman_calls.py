@@ -1,0 +1,272 @@
+"""The Podman driver's blocking halves: each operation as synchronous calls of the ``podman``
+package, one client per worker thread. They run only in the driver's worker threads.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import logging
+import math
+import threading
+from uuid import UUID
+
+from podman import PodmanClient
+from podman.errors import APIError, NotFound
+
+from drivers.labels import workspace_labels
+from drivers.launch_precheck import launch_precheck
+from drivers.podman_objects import (
+    Container,
+    container_name,
+    read_container,
+    remove_volume,
+    volume_name,
+)
+from drivers.podman_secrets import add_secrets, remove_secrets
+from drivers.podman_spec import create_args
+from drivers.protocol import (
+    LABEL_KEY,
+    LABEL_MANAGED_BY,
+    LABEL_SANDBOX_ID,
+    MANAGED_BY,
+    DriverError,
+    LaunchResult,
+    LaunchSpec,
+    OpResult,
+    grace_period,
+    observed_state,
+)
+from events.common import SandboxResources
+from events.observations import ObservedState
+
+log = logging.getLogger("sandstream.drivers.podman")
+
+
+class PodmanCalls:
+    """Launch, stop, kill, delete and the reads, as blocking Podman calls."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        stop_timeout: float,
+        request_timeout: float,
+        init: bool,
+        limits: SandboxResources,
+    ) -> None:
+        self.base_url = base_url
+        self.stop_timeout = stop_timeout
+        self.request_timeout = request_timeout
+        self.init = init
+        self.limits = limits
+        self._local = threading.local()
+        self._clients: builtins.list[PodmanClient] = []
+        self._clients_lock = threading.Lock()
+
+    def client(self) -> PodmanClient:
+        """One client per worker thread (a requests session is not meant to be shared)."""
+        client: PodmanClient | None = getattr(self._local, "client", None)
+        if client is None:
+            client = PodmanClient(base_url=self.base_url, timeout=self.request_timeout)
+            self._local.client = client
+            with self._clients_lock:
+                self._clients.append(client)
+        return client
+
+    def close(self) -> None:
+        with self._clients_lock:
+            clients, self._clients = self._clients, []
+        for client in clients:
+            client.close()  # type: ignore[no-untyped-call]
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def list(
+        self, key: str | None, sandbox_id: UUID | None = None, generation: int | None = None
+    ) -> builtins.list[Container]:
+        """Our containers (of ``key``, of one incarnation, of one generation), sorted."""
+        # One label filter on the server (the most selective); the rest is checked here.
+        label = f"{LABEL_KEY}={key}" if key is not None else f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+        listed = self.client().containers.list(all=True, filters=[f"label={label}"])
+        found = [read_container(c.attrs) for c in listed]
+        return sorted(
+            (
+                c
+                for c in found
+                if c is not None
+                and key in (None, c.info.key)
+                and sandbox_id in (None, c.info.sandbox_id)
+                and generation in (None, c.info.generation)
+            ),
+            key=lambda c: (c.info.key, c.info.generation, c.info.runtime_id),
+        )
+
+    def volumes(self, key: str, sandbox_id: UUID | None) -> builtins.list[str]:
+        """Our workspace volumes of ``key`` (of one incarnation).
+
+        Podman 4.3 ORs several label filters on volumes (it ANDs them on containers), so
+        the server filters on the key label alone and the rest is checked here.
+        """
+        listed = self.client().volumes.list(filters=[f"label={LABEL_KEY}={key}"])
+        names = []
+        for volume in listed:
+            labels = volume.attrs.get("Labels") or {}
+            if (
+                labels.get(LABEL_MANAGED_BY) == MANAGED_BY
+                and labels.get(LABEL_KEY) == key
+                and (sandbox_id is None or labels.get(LABEL_SANDBOX_ID) == str(sandbox_id))
+            ):
+                names.append(str(volume.name))
+        return sorted(names)
+
+    def exit_code(self, runtime_id: str) -> int | None:
+        try:
+            attrs = self.client().containers.get(runtime_id).attrs
+        except NotFound:
+            return None
+        container = read_container(attrs)
+        return container.info.exit_code if container else None
+
+    def observe(self, key: str, generation: int | None) -> tuple[ObservedState | None, int | None]:
+        """What the backend looks like now, for a DriverError: the generation's runtime (or
+        the newest one), "absent" when nothing of the key is left, None when only its
+        workspace is (not absent, not a runtime state either)."""
+        found = self.list(key, generation=generation)
+        if found:
+            info = found[-1].info
+            return observed_state(info.state), info.exit_code
+        if generation is None and self.volumes(key, None):
+            return None, None
+        return "absent", None
+
+    def exec(self, key: str, generation: int, command: builtins.list[str]) -> tuple[int, str]:
+        found = self.list(key, generation=generation)
+        if not found:
+            raise DriverError(f"no runtime of {key} generation {generation}", retryable=False)
+        container = self.client().containers.get(found[-1].info.runtime_id)
+        code, output = container.exec_run(command, demux=True)
+        out, err = output if isinstance(output, tuple) else (output, None)
+        return int(code if code is not None else -1), (out or b"").decode() + (err or b"").decode()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def launch(self, spec: LaunchSpec) -> LaunchResult:
+        plan = launch_precheck(spec, self.list(spec.key))
+        for container in plan.replace:
+            if container.info.generation == spec.generation:
+                log.warning("replacing %s: it has another identity or incarnation",
+                            container.info.runtime_id)  # fmt: skip
+            self._stop_and_remove(container.info.runtime_id, self.grace(container))
+            remove_secrets(self.client(), container.info.key, container.info.generation)
+        if plan.refusal is not None:
+            raise plan.refusal
+        adopted = plan.current is not None
+        runtime_id = plan.current.info.runtime_id if plan.current else self._create(spec)
+        if plan.starts:
+            self.client().containers.get(runtime_id).start()
+        return LaunchResult(runtime_id, spec.generation, spec.identity, plan.starts, adopted)
+
+    def _create(self, spec: LaunchSpec) -> str:
+        client = self.client()
+        volume = volume_name(spec.key, spec.sandbox_id)
+        try:
+            client.volumes.get(volume)
+        except NotFound:
+            try:
+                client.volumes.create(volume, labels=workspace_labels(spec.key, spec.sandbox_id))
+            except APIError as exc:
+                if "already exists" not in str(exc):
+                    raise
+        args = create_args(
+            spec, volume=volume, init=self.init, stop_timeout=self.stop_timeout, limits=self.limits
+        )
+        if spec.secrets:
+            add_secrets(client, spec, args)
+        try:
+            return str(client.containers.create(spec.spec.image, **args).id)
+        except APIError as exc:
+            if "already in use" not in str(exc):
+                raise
+        # The name is taken: by a concurrent launch of the same generation, or by a stranger.
+        name = container_name(spec.key, spec.generation)
+        container = read_container(client.containers.get(name).attrs)
+        if container is None or container.info.generation != spec.generation:
+            raise DriverError(
+                f"container name {name} is in use by a container sandstream does not manage",
+                retryable=False,
+            )
+        return container.info.runtime_id
+
+    def grace(self, container: Container, timeout: float | None = None) -> float:
+        """The grace period for stopping ``container`` (its own is its stop-timeout label)."""
+        return grace_period(timeout, container.stop_timeout, self.stop_timeout)
+
+    def stop(self, key: str, generation: int, timeout: float | None) -> OpResult:
+        found = self.list(key, generation=generation)
+        if not found:
+            return OpResult("already_absent")
+        info = found[-1].info
+        grace = self.grace(found[-1], timeout)
+        if info.state == "running" and not self._stop_container(info.runtime_id, grace):
+            return OpResult("already_absent")
+        exit_code = self.exit_code(info.runtime_id) if info.state != "created" else None
+        return OpResult("succeeded", info.runtime_id, exit_code)
+
+    def kill(self, key: str, generation: int) -> OpResult:
+        found = self.list(key, generation=generation)
+        if not found:
+            return OpResult("already_absent")
+        info = found[-1].info
+        if info.state == "running":
+            response = self.client().api.post(
+                f"/containers/{info.runtime_id}/kill",
+                params={"signal": "SIGKILL"},
+                timeout=self.request_timeout,
+            )
+            if response.status_code == 404:
+                return OpResult("already_absent")
+            # Refused when it stopped in between ("container state improper"): that is fine.
+            if response.status_code != 204 and self._running(info.runtime_id):
+                response.raise_for_status()
+                raise APIError(f"unexpected status {response.status_code} from kill")
+        return OpResult("succeeded", info.runtime_id, self.exit_code(info.runtime_id))
+
+    def delete(self, key: str, sandbox_id: UUID | None) -> bool:
+        containers = self.list(key, sandbox_id)
+        for container in containers:
+            self._stop_and_remove(container.info.runtime_id, self.grace(container))
+            remove_secrets(self.client(), container.info.key, container.info.generation)
+        volumes = self.volumes(key, sandbox_id)
+        client = self.client()
+        for volume in volumes:
+            remove_volume(client, volume)
+        return bool(containers or volumes)
+
+    def _running(self, runtime_id: str) -> bool:
+        try:
+            attrs = self.client().containers.get(runtime_id).attrs
+        except NotFound:
+            return False
+        container = read_container(attrs)
+        return container is not None and container.info.state == "running"
+
+    def _stop_container(self, runtime_id: str, grace: float) -> bool:
+        """SIGTERM, then SIGKILL after ``grace`` seconds; False if the container is gone."""
+        seconds = max(0, math.ceil(grace))
+        response = self.client().api.post(
+            f"/containers/{runtime_id}/stop",
+            params={"timeout": seconds},
+            timeout=seconds * 1.5 + self.request_timeout,
+        )
+        if response.status_code == 404:
+            return False
+        if response.status_code not in (204, 304):  # 304: it was not running any more
+            response.raise_for_status()
+            raise APIError(f"unexpected status {response.status_code} from stop")
+        return True
+
+    def _stop_and_remove(self, runtime_id: str, grace: float) -> None:
+        if self._stop_container(runtime_id, grace):
+            with contextlib.suppress(NotFound):
+                self.client().containers.remove(runtime_id, force=True)

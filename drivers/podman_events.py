@@ -1,0 +1,120 @@
+"""The Podman watch stream's mapping: container events and listings to observations (ids,
+times, exit codes), and the removal of a runtime that vanished while the stream was away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from drivers.labels import parse_labels
+from drivers.podman_objects import ACTOR, Container, from_nanos, parse_time
+from drivers.protocol import WatchObservation
+from events.observations import RuntimeRemoved, RuntimeSnapshot, RuntimeState
+
+# The container events that change what a sandbox looks like; the rest (init, cleanup, kill,
+# exec, exec_died, attach, ...) are ignored.
+EVENT_STATES: Final[Mapping[str, RuntimeState]] = {
+    "create": "created",
+    "start": "running",
+    "died": "exited",
+}
+EVENT_REMOVE: Final = "remove"
+
+
+def snapshot_from_list(container: Container, *, actor: str = ACTOR) -> RuntimeSnapshot:
+    """A source="list" snapshot; its id is stable while the container's state is unchanged."""
+    info, since = container.info, container.since
+    stamp = int(since.timestamp()) if since else 0
+    return RuntimeSnapshot(
+        type="RuntimeSnapshot",
+        observation_id=f"podman-list:{info.runtime_id}:{info.state}:{stamp}",
+        key=info.key,
+        generation=info.generation,
+        occurred_at=since or datetime.now(UTC),
+        actor=actor,
+        state=info.state,
+        exit_code=info.exit_code,
+        runtime_id=info.runtime_id,
+        source="list",
+    )
+
+
+def observation_from_event(
+    event: Mapping[str, Any], *, actor: str = ACTOR, exit_code: int | None = None
+) -> WatchObservation | None:
+    """Map one Podman container event to an observation; None for events we ignore.
+
+    Podman 4.3 puts the container's labels in ``Actor.Attributes`` and, on ``died``, the exit
+    code in ``containerExitCode``. ``exit_code`` overrides it (after an inspect).
+    """
+    action = str(event.get("Action") or event.get("status") or "")
+    if action not in EVENT_STATES and action != EVENT_REMOVE:
+        return None
+    if event.get("Type", event.get("type", "container")) != "container":
+        return None
+    event_actor = event.get("Actor") or {}
+    attributes = event_actor.get("Attributes") or {}
+    labels = parse_labels(attributes)
+    if labels is None:
+        return None
+    runtime_id = str(event_actor.get("ID") or event.get("id") or "")
+    nanos = event.get("timeNano")
+    if isinstance(nanos, int) and nanos > 0:
+        occurred_at = from_nanos(nanos)
+    else:
+        seconds = event.get("time")
+        occurred_at = parse_time(seconds) or datetime.now(UTC)
+        nanos = int(occurred_at.timestamp() * 1_000_000_000)
+    observation_id = f"podman:{runtime_id}:{nanos}:{action}"
+    if action == EVENT_REMOVE:
+        return RuntimeRemoved(
+            type="RuntimeRemoved",
+            observation_id=observation_id,
+            key=labels.key,
+            generation=labels.generation,
+            occurred_at=occurred_at,
+            actor=actor,
+            runtime_id=runtime_id or None,
+            source="watch",
+        )
+    state = EVENT_STATES[action]
+    if state == "exited" and exit_code is None:
+        exit_code = event_exit_code(event)
+    return RuntimeSnapshot(
+        type="RuntimeSnapshot",
+        observation_id=observation_id,
+        key=labels.key,
+        generation=labels.generation,
+        occurred_at=occurred_at,
+        actor=actor,
+        state=state,
+        exit_code=exit_code if state == "exited" else None,
+        runtime_id=runtime_id or None,
+        source="watch",
+    )
+
+
+def event_exit_code(event: Mapping[str, Any]) -> int | None:
+    attributes = (event.get("Actor") or {}).get("Attributes") or {}
+    try:
+        return int(attributes["containerExitCode"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def removed_while_away(
+    runtime_id: str, key: str, generation: int, *, actor: str = ACTOR
+) -> RuntimeRemoved:
+    """A runtime known before a reconnect and missing from the new listing."""
+    return RuntimeRemoved(
+        type="RuntimeRemoved",
+        observation_id=f"podman-list:{runtime_id}:removed",
+        key=key,
+        generation=generation,
+        occurred_at=datetime.now(UTC),
+        actor=actor,
+        runtime_id=runtime_id,
+        source="list",
+    )

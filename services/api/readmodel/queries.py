@@ -1,0 +1,149 @@
+"""The reads of the API's pages: a sandbox, the list (keyset pages on the name), a name's
+history, and the input offsets the processor has stored (readiness)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+from uuid import UUID
+
+from events.common import Phase
+from services.api.readmodel.horizon import change_horizon
+from services.api.readmodel.pages import (
+    decode_page_token,
+    encode_page_token,
+    page_position,
+    parse_label_filters,
+)
+from services.api.readmodel.views import (
+    VIEW_COLUMNS,
+    HistoryPage,
+    SandboxList,
+    SandboxView,
+    history_entry,
+    sandbox_view,
+)
+from services.common.database import Pool
+
+
+async def get_sandbox(pool: Pool, name: str) -> SandboxView | None:
+    """The live row of ``name``; None for an unknown name or a tombstone."""
+    record = await pool.fetchrow(
+        f"SELECT {VIEW_COLUMNS} FROM sandboxes WHERE key = $1 AND phase <> 'Deleted'", name
+    )
+    return sandbox_view(record) if record is not None else None
+
+
+async def sandbox_exists(pool: Pool, name: str) -> bool:
+    """Whether the name has a row at all (a live sandbox or a tombstone)."""
+    return bool(await pool.fetchval("SELECT EXISTS (SELECT 1 FROM sandboxes WHERE key = $1)", name))
+
+
+async def list_sandboxes(
+    pool: Pool,
+    *,
+    phases: Sequence[Phase] = (),
+    labels: Sequence[str] = (),
+    include_deleted: bool = False,
+    limit: int = 100,
+    page_token: str | None = None,
+) -> SandboxList:
+    equal, present = parse_label_filters(labels)
+    wanted = sorted({p.value for p in phases})
+    # Tombstones only when asked for: by include_deleted or by filtering on phase Deleted.
+    deleted_ok = include_deleted or Phase.DELETED.value in wanted
+    filters = {"phase": wanted, "eq": equal, "has": present, "deleted": deleted_ok}
+    after = decode_page_token(page_token, "sandboxes", filters) if page_token else None
+    if after is not None:
+        after = page_position("page_token", after, str)
+    query, args = list_query(wanted, deleted_ok, equal, present, after, limit + 1)
+    async with pool.acquire() as conn:
+        cursor = await change_horizon(conn)
+        records = await conn.fetch(query, *args)
+    items = [sandbox_view(r) for r in records[:limit]]
+    token = None
+    if len(records) > limit:
+        token = encode_page_token("sandboxes", filters, items[-1].name)
+    return SandboxList(items=items, next_page_token=token, cursor=cursor or 0)
+
+
+def list_query(
+    phases: list[str],
+    deleted_ok: bool,
+    equal: dict[str, str],
+    present: list[str],
+    after: str | None,
+    limit: int,
+) -> tuple[str, list[Any]]:
+    """A page of the list: the statement, with the filters given only, and its arguments. A
+    filter written to hold when not given (an empty label set) still counted in the planner's
+    estimate of the matching rows: each page then sorted the whole table instead of walking
+    the key index from where it starts (tests/test_read_plans.py)."""
+    clauses = [] if deleted_ok else ["phase <> 'Deleted'"]
+    args: list[Any] = []
+    for clause, value in (
+        ("phase = ANY(${}::text[])", phases or None),
+        ("(spec -> 'labels') @> ${}::jsonb", json.dumps(equal) if equal else None),
+        ("(spec -> 'labels') ?& ${}::text[]", present or None),
+        ("key > ${}", after),
+    ):
+        if value is not None:
+            args.append(value)
+            clauses.append(clause.format(len(args)))
+    where = (" WHERE " + " AND ".join(clauses)) if clauses else ""
+    args.append(limit)
+    return f"SELECT {VIEW_COLUMNS} FROM sandboxes{where} ORDER BY key LIMIT ${len(args)}", args
+
+
+async def history(
+    pool: Pool,
+    name: str,
+    *,
+    limit: int = 100,
+    page_token: str | None = None,
+    incarnation: UUID | None = None,
+    generation: int | None = None,
+) -> HistoryPage | None:
+    """The history of a name, oldest first; None if the name never had a row or an input.
+
+    ``incarnation`` keeps the entries that left that incarnation's row behind (from its
+    create on); ``generation`` the observations of that generation and the commands decided
+    while the row was at it.
+    """
+    # Filters that are not set stay out of the token's fingerprint (tokens of before hold).
+    context: dict[str, Any] = {"name": name}
+    if incarnation is not None:
+        context["incarnation"] = str(incarnation)
+    if generation is not None:
+        context["generation"] = generation
+    after = decode_page_token(page_token, "history", context) if page_token else 0
+    after = page_position("page_token", after, int)
+    records = await pool.fetch(
+        'SELECT id, topic, partition, "offset", message_type, command_id, disposition, reason, '
+        "phase, generation, version, event_types, message, occurred_at, recorded_at, sandbox_id "
+        "FROM history WHERE key = $1 AND id > $2 "
+        "AND ($4::uuid IS NULL OR sandbox_id = $4) "
+        "AND ($5::int IS NULL OR coalesce((message->>'generation')::int, generation) = $5) "
+        "ORDER BY id LIMIT $3",
+        name,
+        after,
+        limit + 1,
+        incarnation,
+        generation,
+    )
+    if not records and after == 0 and not await sandbox_exists(pool, name):
+        return None
+    items = [history_entry(r) for r in records[:limit]]
+    token = None
+    if len(records) > limit:
+        token = encode_page_token("history", context, items[-1].seq)
+    return HistoryPage(name=name, items=items, next_page_token=token)
+
+
+async def stored_input_offsets(pool: Pool, topics: Sequence[str]) -> dict[tuple[str, int], int]:
+    records = await pool.fetch(
+        "SELECT topic, partition, next_offset FROM input_offsets WHERE topic = ANY($1::text[])",
+        list(topics),
+    )
+    return {(r["topic"], r["partition"]): r["next_offset"] for r in records}

@@ -1,0 +1,217 @@
+"""What the read model answers with: the views of a sandbox row, a page of rows, a history
+entry and a command's status, built from records without I/O."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any, Final, Literal
+from uuid import UUID
+
+from pydantic import BaseModel, Field
+
+from events.common import Deadline, ExitPolicy, ExpiryPolicy, Hold, LastExit, Phase, SandboxSpec
+from events.outcomes import Code, CommandOutcome
+from projections.store import SANDBOX_COLUMNS, sandbox_from_record
+
+PROGRESSING = (Phase.PROVISIONING, Phase.STARTING, Phase.STOPPING, Phase.DELETING)
+# The columns ``sandbox_view`` reads: the row and its position in the change feed.
+VIEW_COLUMNS: Final = f"{SANDBOX_COLUMNS}, change_seq"
+
+
+class Condition(BaseModel):
+    """A yes/no summary of the phase, in the style of Kubernetes conditions."""
+
+    type: Literal["Ready", "Progressing", "Failed"]
+    status: Literal["True", "False"]
+    reason: str = Field(description="the phase the condition was derived from")
+    message: str = ""
+
+
+class SandboxView(BaseModel):
+    id: UUID = Field(description="this incarnation's stable id")
+    name: str
+    phase: Phase
+    generation: int = Field(description="bumped by every create, start and restart")
+    version: int = Field(description="+1 per accepted change; use as expected_version")
+    spec: SandboxSpec
+    labels: dict[str, str]
+    providers: list[str]
+    identity: str = Field(description="the current generation's runtime identity (not a secret)")
+    conditions: list[Condition]
+    exit_code: int | None
+    reason: str | None = Field(description="why the sandbox is in Error (or a failed operation)")
+    created_at: datetime
+    updated_at: datetime
+    change_seq: int = Field(description="position of this row's last change in the watch feed")
+    deadline: Deadline | None = Field(
+        default=None, description="the current phase's deadline (Provisioning, Starting, ...)"
+    )
+    expires_at: datetime | None = Field(
+        default=None, description="when the time to live ends (then on_expiry applies)"
+    )
+    on_expiry: ExpiryPolicy = "stop"
+    on_exit: ExitPolicy = Field(
+        default="keep", description="delete: deleted once its main process ended"
+    )
+    hold: Hold | None = Field(
+        default=None, description="an operator's hold: start and restart are refused"
+    )
+    restart_count: int = Field(
+        default=0, description="restarts the restart policy made of this incarnation"
+    )
+    last_exit: LastExit | None = Field(
+        default=None, description="how the last generation the restart policy saw ended"
+    )
+    next_restart_at: datetime | None = Field(
+        default=None, description="when the restart the restart policy scheduled is due"
+    )
+
+
+class SandboxList(BaseModel):
+    items: list[SandboxView]
+    next_page_token: str | None = Field(
+        description="pass as page_token for the next page; absent on the last page"
+    )
+    cursor: int = Field(
+        description="watch cursor: /v1/watch?cursor=<this> follows every change after this list"
+    )
+
+
+class HistoryEntry(BaseModel):
+    seq: int = Field(description="position in the history (ascending)")
+    topic: str
+    partition: int
+    offset: int
+    message_type: str | None
+    command_id: str | None
+    disposition: str = Field(
+        description="applied, idempotent, rejected, ignored, duplicate or dead-lettered"
+    )
+    reason: str
+    phase: Phase | None
+    generation: int | None
+    version: int | None
+    events: list[str] = Field(description="the decided events this input produced")
+    message: dict[str, Any] | None = Field(description="the input message as recorded")
+    occurred_at: datetime | None
+    recorded_at: datetime
+    sandbox_id: UUID | None = Field(
+        default=None, description="the incarnation of the row after this input (null: none)"
+    )
+
+
+class HistoryPage(BaseModel):
+    name: str
+    items: list[HistoryEntry]
+    next_page_token: str | None
+
+
+class CommandStatus(BaseModel):
+    command_id: str
+    name: str
+    command_type: str
+    status: Literal["pending", "accepted", "rejected"]
+    code: Code | None = Field(description="OK when accepted; the rejection code; null if pending")
+    message: str
+    sandbox_id: UUID | None = None
+    phase: Phase | None = Field(default=None, description="the phase right after the decision")
+    generation: int | None = None
+    version: int | None = None
+    identity: str | None = Field(
+        default=None,
+        description="the runtime identity of the sandbox's generation right after the decision "
+        "(for create, start and restart: the one the command minted)",
+    )
+
+
+def command_status(outcome: CommandOutcome) -> CommandStatus:
+    return CommandStatus(
+        command_id=outcome.command_id,
+        name=outcome.key,
+        command_type=outcome.command_type,
+        status=outcome.status,
+        code=outcome.code,
+        message=outcome.message,
+        sandbox_id=outcome.sandbox_id,
+        phase=outcome.phase,
+        generation=outcome.generation,
+        version=outcome.version,
+        identity=outcome.identity,
+    )
+
+
+def pending_status(command_id: str, name: str, command_type: str, message: str) -> CommandStatus:
+    return CommandStatus(
+        command_id=command_id,
+        name=name,
+        command_type=command_type,
+        status="pending",
+        code=None,
+        message=message,
+    )
+
+
+def conditions(phase: Phase, reason: str | None) -> list[Condition]:
+    def cond(kind: Literal["Ready", "Progressing", "Failed"], on: bool, msg: str = "") -> Condition:
+        return Condition(type=kind, status="True" if on else "False", reason=phase.value,
+                         message=msg)  # fmt: skip
+
+    return [
+        cond("Ready", phase is Phase.READY),
+        cond("Progressing", phase in PROGRESSING),
+        cond("Failed", phase is Phase.ERROR, reason or ""),
+    ]
+
+
+def sandbox_view(record: Any) -> SandboxView:
+    s = sandbox_from_record(record)
+    return SandboxView(
+        id=s.sandbox_id,
+        name=s.key,
+        phase=s.phase,
+        generation=s.generation,
+        version=s.version,
+        spec=s.spec,
+        labels=dict(s.spec.labels),
+        providers=list(s.providers),
+        identity=s.identity,
+        conditions=conditions(s.phase, s.reason),
+        exit_code=s.exit_code,
+        reason=s.reason,
+        created_at=s.created_at,
+        updated_at=s.updated_at,
+        change_seq=record["change_seq"],
+        deadline=s.deadline,
+        expires_at=s.expires_at,
+        on_expiry=s.on_expiry,
+        on_exit=s.on_exit,
+        hold=s.hold,
+        restart_count=s.restarts.count if s.restarts else 0,
+        last_exit=s.restarts.last_exit if s.restarts else None,
+        next_restart_at=(
+            s.deadline.due_at if s.deadline is not None and s.deadline.kind == "restart" else None
+        ),
+    )
+
+
+def history_entry(r: Any) -> HistoryEntry:
+    """A record of the history table as the API shows it."""
+    return HistoryEntry(
+        seq=r["id"],
+        topic=r["topic"],
+        partition=r["partition"],
+        offset=r["offset"],
+        message_type=r["message_type"],
+        command_id=r["command_id"],
+        disposition=r["disposition"],
+        reason=r["reason"],
+        phase=Phase(r["phase"]) if r["phase"] else None,
+        generation=r["generation"],
+        version=r["version"],
+        events=list(r["event_types"]),
+        message=json.loads(r["message"]) if r["message"] is not None else None,
+        occurred_at=r["occurred_at"],
+        recorded_at=r["recorded_at"],
+        sandbox_id=r["sandbox_id"],
+    )

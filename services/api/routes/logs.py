@@ -1,0 +1,77 @@
+"""A sandbox's output: read from its runtime (Podman's container log, the Pod's log), never
+stored. JSON Lines, one ``{"at", "stream", "text"}`` per line of output; with ``follow=true``
+the answer stays open and streams new lines as they are written, until the runtime stops or
+the client leaves. Readable with ``sandbox:read`` (docs/security.md says what that shows)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Annotated, Final
+
+from fastapi import APIRouter, Query
+from fastapi.responses import StreamingResponse
+
+from drivers.logs import LogLine, LogsUnavailable
+from services.api import readmodel
+from services.api.deps import Reader, State
+from services.api.errors import ApiError
+from services.api.models import NamePath, responses
+
+router = APIRouter()
+
+MAX_TAIL: Final = 10_000
+
+
+def line_json(line: LogLine) -> str:
+    return json.dumps({"at": line.at.isoformat(), "stream": line.stream, "text": line.text}) + "\n"
+
+
+@router.get(
+    "/v1/sandboxes/{name}/logs",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "description": "one JSON object per line of output: `at`, `stream` (stdout or "
+            "stderr), `text`",
+            "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+        },
+        **responses(401, 403, 404, 422, 503),
+    },
+    summary="The sandbox's output (its current runtime's), optionally followed",
+    tags=["sandboxes"],
+)
+async def sandbox_logs(
+    name: NamePath,
+    principal: Reader,
+    state: State,
+    tail: Annotated[int | None, Query(ge=0, le=MAX_TAIL, description="the last N lines")] = None,
+    since: Annotated[datetime | None, Query(description="lines written at or after")] = None,
+    follow: Annotated[bool, Query(description="stream new lines until the runtime stops")] = False,
+) -> StreamingResponse:
+    if since is not None and since.tzinfo is None:
+        raise ApiError(422, "INVALID_ARGUMENT", "query parameter 'since': needs a time zone")
+    view = await readmodel.get_sandbox(state.pool, name)
+    if view is None:
+        raise ApiError(404, "NOT_FOUND", f"sandbox {name!r} not found")
+    source = state.logs
+    if source is None:
+        raise ApiError(503, "UNAVAILABLE", "this API has no log source")
+    lines = source.read(view.name, view.generation, tail=tail, since=since, follow=follow)
+    try:
+        first = await anext(aiter(lines), None)
+    except LogsUnavailable as exc:
+        raise ApiError(503, "UNAVAILABLE", f"logs of {name!r}: {exc}") from exc
+
+    async def body() -> AsyncIterator[str]:
+        if first is None:
+            return
+        yield line_json(first)
+        try:
+            async for line in lines:
+                yield line_json(line)
+        except LogsUnavailable:
+            return  # the runtime's stream broke off after the answer began: it ends here
+
+    return StreamingResponse(body(), media_type="application/x-ndjson")

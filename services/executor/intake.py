@@ -1,0 +1,190 @@
+"""The executor's consumer of the events topic: records decoded into work items for the
+sandboxes' queues, the offsets committed per partition, and the rebalances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.errors import KafkaError
+from pydantic import ValidationError
+
+from events.codec import EVENTS, DecodeError, decode
+from events.decided import SandboxDeleteRetried, SandboxStopEscalated
+from services.common import metrics
+from services.common.kafka_clients import kafka_client_args
+from services.common.settings import Settings
+from services.executor.calls import DriverCalls
+from services.executor.intents import intent_of
+from services.executor.progress import Ownership, PartitionProgress, WorkItem, until_idle
+from services.executor.queues import SandboxQueues
+
+log = logging.getLogger("sandstream.executor")
+
+
+class Intake:
+    """Consumes ``settings.topic_events`` in the executor group (auto-commit off)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        ownership: Ownership,
+        queues: SandboxQueues,
+        calls: DriverCalls,
+        *,
+        revoke_grace: float,
+    ) -> None:
+        self.settings = settings
+        self.ownership = ownership
+        self.queues = queues
+        self.calls = calls
+        self.revoke_grace = revoke_grace
+        self.consumer: AIOKafkaConsumer | None = None
+        self.assigned = asyncio.Event()
+        self._kills: set[asyncio.Task[None]] = set()
+
+    async def start(self, assign_timeout: float) -> None:
+        """Join the group; returns once partitions are assigned (or after ``assign_timeout``),
+        so a new group's starting position is fixed before anything is decided after it."""
+        self.consumer = AIOKafkaConsumer(
+            **kafka_client_args(self.settings, "executor"),
+            group_id=self.settings.executor_group,
+            enable_auto_commit=False,
+            # A new group starts at the end: what was decided before it joined is the reconcile
+            # loop's to pick up from the rows (never a replay of the whole log).
+            auto_offset_reset="latest",
+            session_timeout_ms=self.settings.kafka_session_timeout_ms,
+            heartbeat_interval_ms=max(300, self.settings.kafka_session_timeout_ms // 4),
+            client_id="executor",
+        )
+        self.ownership.consumer = self.consumer
+        self.consumer.subscribe([self.settings.topic_events], listener=_Rebalance(self))
+        await self.consumer.start()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.assigned.wait(), assign_timeout)
+
+    async def poll(self) -> None:
+        """Fetch what is there (up to 0.1 s) and queue it: never waits for a driver call."""
+        assert self.consumer is not None
+        batch = await self.consumer.getmany(timeout_ms=100, max_records=1000)
+        for tp, records in batch.items():
+            for record in records:
+                self.enqueue(tp, record)
+
+    async def stop(self) -> None:
+        for task in self._kills:
+            task.cancel()
+        await asyncio.gather(*self._kills, return_exceptions=True)
+        if self.consumer is not None:
+            await self.consumer.stop()
+
+    def enqueue(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes]) -> None:
+        progress = self.ownership.owned.get(tp)
+        if progress is None or self.ownership.closing:
+            return  # not (or no longer) ours: whoever owns the partition gets it
+        progress.highest_seen = max(progress.highest_seen, record.offset)
+        try:
+            event = decode(EVENTS, record.value)
+        except (DecodeError, ValidationError) as exc:
+            log.error("skipping undecodable event at %s:%d: %s", tp, record.offset, exc)
+            return
+        if isinstance(event, SandboxStopEscalated):
+            progress.pending.add(record.offset)
+            kill = asyncio.create_task(self._kill(event, record.offset, progress))
+            self._kills.add(kill)
+            kill.add_done_callback(self._kills.discard)
+            return
+        intent = intent_of(event)
+        if intent is None:
+            return
+        if isinstance(event, SandboxDeleteRetried) and self.queues.deleting(
+            event.key, event.sandbox_id
+        ):
+            log.info("delete retry %d of %s skipped: its delete is still queued or running",
+                     event.deadline.attempt, event.key)  # fmt: skip
+            return
+        progress.pending.add(record.offset)
+        self.queues.add(WorkItem(intent, tp, record.offset, progress))
+
+    async def _kill(
+        self, event: SandboxStopEscalated, offset: int, progress: PartitionProgress
+    ) -> None:
+        """Kill the runtime of the event's generation now, outside the key's queue."""
+        progress.running.add(offset)
+        try:
+            await self.calls.kill(event)
+        finally:
+            progress.running.discard(offset)
+            progress.finish(offset)
+
+    # -- offsets and rebalances --------------------------------------------------------------
+
+    async def commit(self, progress: dict[TopicPartition, PartitionProgress] | None = None) -> None:
+        assert self.consumer is not None
+        # A copy: a rebalance may revoke partitions while the commit is in flight, and the
+        # progress it marks is the one whose offsets were sent.
+        chosen = dict(self.ownership.owned if progress is None else progress)
+        offsets = {tp: p.committable() for tp, p in chosen.items()}
+        offsets = {tp: o for tp, o in offsets.items() if o > max(0, chosen[tp].committed)}
+        if not offsets:
+            return
+        try:
+            await self.consumer.commit(offsets)
+        except KafkaError as exc:
+            log.warning("offset commit failed (will retry): %s", exc)
+            return
+        for tp, offset in offsets.items():
+            chosen[tp].committed = offset
+
+    async def on_assigned(self, assigned: set[TopicPartition]) -> None:
+        assert self.consumer is not None
+        owned = self.ownership.owned
+        fresh = []
+        for tp in assigned:
+            owned.setdefault(tp, PartitionProgress())
+            if await self.consumer.committed(tp) is None:
+                fresh.append(tp)
+        if fresh:
+            # Fix a new group's position at the end now (not at its first fetch, which may
+            # come after more was decided) and commit it, so a restart resumes from there.
+            ends = await self.consumer.end_offsets(fresh)
+            for tp in fresh:
+                self.consumer.seek(tp, ends[tp])
+                owned[tp].highest_seen = ends[tp] - 1
+            try:
+                await self.consumer.commit({tp: ends[tp] for tp in fresh})
+                for tp in fresh:
+                    owned[tp].committed = ends[tp]
+            except KafkaError as exc:
+                log.warning("committing the starting offsets failed (will retry): %s", exc)
+        log.info("executor assigned %s", sorted(tp.partition for tp in assigned))
+        metrics.ASSIGNED_PARTITIONS.labels("executor").set(len(owned))
+        self.assigned.set()
+
+    async def on_revoked(self, revoked: set[TopicPartition]) -> None:
+        """Drop the queued intents of ``revoked``, let running ones finish, commit."""
+        owned = self.ownership.owned
+        gone = {tp: p for tp in revoked if (p := owned.pop(tp, None)) is not None}
+        metrics.ASSIGNED_PARTITIONS.labels("executor").set(len(owned))
+        if not gone:
+            return
+        self.queues.wake(set(gone))  # the retry back-off of a revoked intent gives up
+        if not await until_idle(list(gone.values()), self.revoke_grace):
+            log.warning("revoke: driver calls of %s still running; their results will follow",
+                        sorted(tp.partition for tp in gone))  # fmt: skip
+        await self.commit(gone)
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, intake: Intake) -> None:
+        self.intake = intake
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self.intake.on_revoked(revoked)
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        await self.intake.on_assigned(assigned)

@@ -1,0 +1,180 @@
+"""ExecSandbox: a command inside the sandbox, through the driver (Podman's exec API).
+
+Bounded three ways (settings ``openshell_exec_*``): every command ends by a deadline (the
+client's ``execution_timeout`` / ``timeout_seconds``, never above the setting, which is also
+the default), one token has at most so many sessions open at once, and all tokens together at
+most so many (each session holds a thread reading Podman's stream while it runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import grpc
+
+from drivers.protocol import DriverError, ExecExit
+from events.common import Phase
+from services.common.tokens import EXEC
+from services.openshell import mapping, wire
+from services.openshell.proto import openshell_pb2 as pinned
+from services.openshell.proto.vendored.v0_0_116 import openshell_pb2 as os_0_0
+from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os_0_1
+from services.openshell.service import Context, Door, abort
+
+
+@dataclass(frozen=True, slots=True)
+class ExecRequest:
+    reference: str  # an incarnation id (0.0) or a name (0.1)
+    workspace: str | None
+    command: list[str]
+    environment: dict[str, str]
+    workdir: str
+    stdin: bytes
+    timeout: float | None  # seconds; None: the client set none
+
+
+def exec_request(raw: bytes) -> ExecRequest:
+    decoded = wire.decode(raw, os_0_0.ExecSandboxRequest, os_0_1.ExecSandboxRequest)
+    if decoded.new is not None:
+        n = decoded.new
+        timeout = (
+            n.execution_timeout.ToTimedelta().total_seconds()
+            if n.HasField("execution_timeout")
+            else None
+        )
+        return ExecRequest(
+            n.sandbox,
+            mapping.selected_workspace(n.workspace_scope),
+            list(n.command),
+            dict(n.environment),
+            n.workdir,
+            n.stdin,
+            timeout,
+        )
+    assert decoded.old is not None
+    o = decoded.old
+    return ExecRequest(
+        o.sandbox_id,
+        "",
+        list(o.command),
+        dict(o.environment),
+        o.workdir,
+        o.stdin,
+        float(o.timeout_seconds) or None,
+    )
+
+
+@dataclass
+class ExecLimits:
+    """The sessions open now, per token and in all; the bounds they are held to."""
+
+    timeout: float
+    per_token: int
+    total: int
+    open: Counter[str] = field(default_factory=Counter)
+
+    def refusal(self, token: str) -> str | None:
+        if sum(self.open.values()) >= self.total:
+            return f"{self.total} exec sessions are running (the most this gateway allows)"
+        if self.open[token] >= self.per_token:
+            return (
+                f"token {token!r} has {self.open[token]} exec sessions running (the most "
+                "one token may have)"
+            )
+        return None
+
+    @contextmanager
+    def session(self, token: str) -> Iterator[None]:
+        self.open[token] += 1
+        try:
+            yield
+        finally:
+            self.open[token] -= 1
+            if not self.open[token]:
+                del self.open[token]
+
+
+class ExecRpcs:
+    def __init__(self, door: Door, limits: ExecLimits) -> None:
+        self.door = door
+        self.limits = limits
+
+    async def ExecSandbox(
+        self, raw: bytes, context: Context
+    ) -> AsyncIterator[pinned.ExecSandboxEvent]:
+        """Output chunks as they come, then the exit; DEADLINE_EXCEEDED past the limit."""
+        principal = await self.door.authorize(context, EXEC)
+        try:
+            request = exec_request(raw)
+        except wire.Malformed as exc:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not request.command:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "command: required")
+        if request.stdin:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "stdin: not supported")
+        limit = self.limits.timeout
+        if request.timeout is not None and request.timeout > limit:
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"execution_timeout: at most {limit:.0f} seconds",
+            )
+        if request.workspace not in ("", mapping.DEFAULT_WORKSPACE):
+            await abort(
+                context, grpc.StatusCode.NOT_FOUND, f"workspace {request.workspace!r} not found"
+            )
+        view = await self.door.resolve(request.reference, context)
+        if view.phase is not Phase.READY:
+            await abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"sandbox {view.name!r} is {view.phase.value}, not Ready",
+            )
+        driver = self.door.driver
+        if driver is None:
+            await abort(context, grpc.StatusCode.UNIMPLEMENTED, "the driver cannot exec")
+        refused = self.limits.refusal(principal.name)
+        if refused is not None:
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+        timeout = request.timeout or limit
+        with self.limits.session(principal.name):
+            stream = driver.exec_stream(
+                view.name,
+                view.generation,
+                request.command,
+                env=request.environment,
+                workdir=request.workdir or None,
+            )
+            try:
+                async with asyncio.timeout(timeout):
+                    async for event in stream:
+                        yield _event(event)
+            except TimeoutError:
+                await abort(
+                    context,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"the command ran longer than {timeout:g}s",
+                )
+            except DriverError as exc:
+                code = (
+                    grpc.StatusCode.UNAVAILABLE
+                    if exc.retryable
+                    else grpc.StatusCode.FAILED_PRECONDITION
+                )
+                await abort(context, code, exc.reason)
+            finally:
+                await stream.aclose()
+
+
+def _event(event: object) -> pinned.ExecSandboxEvent:
+    """The event in both generations' words (ExecSandboxEvent did not change)."""
+    if isinstance(event, ExecExit):
+        return pinned.ExecSandboxEvent(exit=pinned.ExecSandboxExit(exit_code=event.exit_code))
+    stream, data = getattr(event, "stream", ""), getattr(event, "data", b"")
+    if stream == "stdout":
+        return pinned.ExecSandboxEvent(stdout=pinned.ExecSandboxStdout(data=data))
+    return pinned.ExecSandboxEvent(stderr=pinned.ExecSandboxStderr(data=data))

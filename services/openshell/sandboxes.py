@@ -1,0 +1,264 @@
+"""The sandbox RPCs: Health, gateway info, create, get, list, stop, start, delete.
+
+Each request is parsed with the schema of the generation that wrote it (``wire.decode``) and
+answered in the served schema, which both generations read (``proto/served.proto``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+
+from events.commands import CreateSandbox, DeleteSandbox, StartSandbox, StopSandbox
+from events.outcomes import Code
+from events.publisher import new_command_id, now
+from services.api import readmodel
+from services.api.readmodel import InvalidArgument
+from services.common.tokens import PROVIDER_WRITE, READ, WRITE
+from services.openshell import mapping, wire
+from services.openshell.proto import openshell_pb2 as pinned
+from services.openshell.proto import sandbox_pb2, served_pb2
+from services.openshell.proto.vendored.v0_0_116 import openshell_pb2 as os_0_0
+from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os_0_1
+from services.openshell.service import STATUS_OF, Context, Door, abort, version
+from services.openshell.wire import Generation
+
+DEFAULT_PAGE = 100  # sandboxes per answer when a 0.1 client asks for no page size
+MAX_OFFSET = 10_000  # the deepest a 0.0 client's offset may reach (each answer reads it all)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A request naming one sandbox, in either generation's words."""
+
+    name: str
+    workspace: str | None  # None: all workspaces
+    generation: Generation
+    request_id: str = ""
+    allow_missing: bool = False
+
+
+def target(raw: bytes, old: type[Message], new: type[Message]) -> Target:
+    """Get, Stop, Start and Delete requests: a name, a workspace (and in 0.1 maybe a request
+    id and allow_missing), in fields both generations' messages name alike."""
+    decoded = wire.decode(raw, old, new)
+    m: Any
+    if decoded.new is not None:
+        m = decoded.new
+        return Target(
+            m.name,
+            mapping.selected_workspace(m.workspace_scope),
+            Generation.V0_1,
+            getattr(m, "request_id", ""),
+            getattr(m, "allow_missing", False),
+        )
+    m = decoded.old
+    return Target(m.name, m.workspace, Generation.V0_0)
+
+
+class SandboxRpcs:
+    def __init__(self, door: Door) -> None:
+        self.door = door
+
+    async def _decode(self, raw: bytes, old: type, new: type, context: Context) -> Target:
+        try:
+            return target(raw, old, new)
+        except wire.Malformed as exc:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def _answer(
+        self, name: str, generation: Generation, context: Context
+    ) -> served_pb2.SandboxResponse:
+        view = await self.door.row(name, context)
+        return served_pb2.SandboxResponse(sandbox=mapping.sandbox_message(view, generation))
+
+    # -- the gateway ---------------------------------------------------------------------------
+
+    async def Health(self, raw: bytes, context: Context) -> pinned.HealthResponse:
+        return pinned.HealthResponse(status=pinned.SERVICE_STATUS_HEALTHY, version=version())
+
+    async def GetGatewayInfo(self, raw: bytes, context: Context) -> pinned.GetGatewayInfoResponse:
+        await self.door.authorize(context, READ)
+        name = self.door.driver_name
+        driver = pinned.ComputeDriverInfo(
+            name=name,
+            capabilities=pinned.ComputeDriverCapabilities(
+                driver_name=name, driver_version=version()
+            ),
+        )
+        return pinned.GetGatewayInfoResponse(
+            status=pinned.SERVICE_STATUS_HEALTHY,
+            gateway_version=version(),
+            compute_drivers=[driver],
+        )
+
+    async def GetSandboxConfig(
+        self, raw: bytes, context: Context
+    ) -> sandbox_pb2.GetSandboxConfigResponse:
+        await self.door.authorize(context, READ)
+        return sandbox_pb2.GetSandboxConfigResponse()  # sandstream has no sandbox policies
+
+    # -- commands ------------------------------------------------------------------------------
+
+    async def CreateSandbox(self, raw: bytes, context: Context) -> served_pb2.SandboxResponse:
+        principal = await self.door.authorize(context, WRITE)
+        try:
+            decoded = wire.decode(raw, os_0_0.CreateSandboxRequest, os_0_1.CreateSandboxRequest)
+        except wire.Malformed as exc:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        request: mapping.CreateRequest
+        if decoded.new is not None:
+            request, request_id = decoded.new, decoded.new.request_id
+            workspace = mapping.selected_workspace(decoded.new.workspace_scope)
+            unsupported = [
+                f
+                for f in ("workload_template", "service_exposures")
+                if f in {d.name for d, _ in decoded.new.ListFields()}
+            ]
+            if unsupported:
+                await abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{unsupported[0]}: not supported by sandstream",
+                )
+        else:
+            assert decoded.old is not None
+            request, request_id, workspace = decoded.old, "", decoded.old.workspace
+        command_id = await self.door.command_id(context, request_id)
+        try:
+            if workspace not in ("", mapping.DEFAULT_WORKSPACE):
+                raise mapping.InvalidRequest(
+                    f"workspace {workspace!r}: only {mapping.DEFAULT_WORKSPACE!r} exists"
+                )
+            wanted = mapping.new_sandbox(
+                request, default_image=self.door.default_image, command_id=command_id
+            )
+        except mapping.InvalidRequest as exc:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if wanted.providers and PROVIDER_WRITE not in principal.scopes:
+            await abort(
+                context,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"token {principal.name!r} lacks the scope {PROVIDER_WRITE} "
+                "(attaching providers at create needs it, as attaching later does)",
+            )
+        command = CreateSandbox(
+            type="CreateSandbox",
+            command_id=command_id or new_command_id(),
+            key=wanted.name,
+            occurred_at=now(),
+            actor=principal.name,
+            spec=wanted.spec,
+            providers=wanted.providers,
+        )
+        outcome = await self.door.submit(command, context)
+        view = await readmodel.get_sandbox(self.door.pool, wanted.name)
+        if view is None or view.id != outcome.sandbox_id:
+            await abort(
+                context,
+                grpc.StatusCode.NOT_FOUND,
+                f"sandbox {wanted.name!r} was created and is gone already",
+            )
+        return served_pb2.SandboxResponse(sandbox=mapping.sandbox_message(view, decoded.generation))
+
+    async def _lifecycle(
+        self,
+        kind: type[StartSandbox | StopSandbox | DeleteSandbox],
+        request: Target,
+        context: Context,
+    ) -> tuple[Code, str]:
+        """The command's outcome code and incarnation id (ALREADY_ABSENT's NOT_FOUND passes)."""
+        principal = await self.door.authorize(context, WRITE)
+        await self.door.check_name(request.name, request.workspace, context)
+        command = kind(
+            type=kind.__name__,
+            command_id=await self.door.command_id(context, request.request_id) or new_command_id(),
+            key=request.name,
+            occurred_at=now(),
+            actor=principal.name,
+        )
+        outcome = await self.door.submit(command, context, reject=False)
+        if not outcome.accepted and not (request.allow_missing and outcome.code is Code.NOT_FOUND):
+            await abort(context, STATUS_OF[outcome.code], outcome.message)
+        return outcome.code, str(outcome.sandbox_id or "")
+
+    async def StopSandbox(self, raw: bytes, context: Context) -> served_pb2.SandboxResponse:
+        request = await self._decode(
+            raw, os_0_0.StopSandboxRequest, os_0_1.StopSandboxRequest, context
+        )
+        await self._lifecycle(StopSandbox, request, context)
+        return await self._answer(request.name, request.generation, context)
+
+    async def StartSandbox(self, raw: bytes, context: Context) -> served_pb2.SandboxResponse:
+        request = await self._decode(
+            raw, os_0_0.StartSandboxRequest, os_0_1.StartSandboxRequest, context
+        )
+        await self._lifecycle(StartSandbox, request, context)
+        return await self._answer(request.name, request.generation, context)
+
+    async def DeleteSandbox(self, raw: bytes, context: Context) -> served_pb2.DeleteSandboxResponse:
+        request = await self._decode(
+            raw, os_0_0.DeleteSandboxRequest, os_0_1.DeleteSandboxRequest, context
+        )
+        code, sandbox_id = await self._lifecycle(DeleteSandbox, request, context)
+        if code is Code.NOT_FOUND:  # allow_missing
+            return served_pb2.DeleteSandboxResponse(
+                deleted=False, outcome=served_pb2.DELETION_OUTCOME_ALREADY_ABSENT
+            )
+        # Accepted: the row is Deleting; the runtime and workspace are removed after this.
+        return served_pb2.DeleteSandboxResponse(
+            deleted=True, outcome=served_pb2.DELETION_OUTCOME_ACCEPTED, sandbox_id=sandbox_id
+        )
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    async def GetSandbox(self, raw: bytes, context: Context) -> served_pb2.SandboxResponse:
+        await self.door.authorize(context, READ)
+        request = await self._decode(
+            raw, os_0_0.GetSandboxRequest, os_0_1.GetSandboxRequest, context
+        )
+        await self.door.check_name(request.name, request.workspace, context)
+        return await self._answer(request.name, request.generation, context)
+
+    async def ListSandboxes(self, raw: bytes, context: Context) -> served_pb2.ListSandboxesResponse:
+        """One page, sorted by name: ``page_size`` and ``page_token`` (0.1), or ``limit`` and
+        ``offset`` (0.0); without a size, a page of DEFAULT_PAGE with its next_page_token."""
+        await self.door.authorize(context, READ)
+        try:
+            decoded = wire.decode(raw, os_0_0.ListSandboxesRequest, os_0_1.ListSandboxesRequest)
+        except wire.Malformed as exc:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        token: str | None = None
+        if decoded.new is not None:
+            m = decoded.new
+            workspace = mapping.selected_workspace(m.workspace_scope)
+            size, skip, token, selector = m.page_size, 0, m.page_token or None, m.label_selector
+            if size < 0:
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "page_size: negative")
+        else:
+            assert decoded.old is not None
+            o = decoded.old
+            workspace = None if o.all_workspaces else o.workspace
+            size, skip, selector = o.limit, o.offset, o.label_selector
+            if skip > MAX_OFFSET:
+                await abort(
+                    context, grpc.StatusCode.INVALID_ARGUMENT, f"offset: at most {MAX_OFFSET}"
+                )
+        if workspace not in (None, "", mapping.DEFAULT_WORKSPACE):
+            return served_pb2.ListSandboxesResponse()
+        size = min(size or DEFAULT_PAGE, readmodel.MAX_PAGE)
+        try:
+            labels = mapping.label_filters(selector)
+            found = await readmodel.list_sandboxes(
+                self.door.pool, labels=labels, limit=size + skip, page_token=token
+            )
+        except (mapping.InvalidRequest, InvalidArgument) as exc:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        items = found.items[skip:]
+        return served_pb2.ListSandboxesResponse(
+            sandboxes=[mapping.sandbox_message(v, decoded.generation) for v in items],
+            next_page_token=found.next_page_token or "",
+        )

@@ -1,0 +1,315 @@
+"""The restart policy in the pure core (spec.restart_policy): scheduled restarts with a back-off,
+the limit, the reset after a stable run, what cancels a scheduled restart; and a property test
+of random runs against an independent model of the policy. Time comes only from the messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import factories as f
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from events.common import Phase, RestartBackoff, RestartPolicy, SandboxSpec
+from events.decided import (
+    SandboxRestartScheduled,
+    SandboxRestartsExhausted,
+    SandboxStarting,
+)
+from projections.lifecycle import DEFAULT_LIMITS, Decision
+
+P = Phase
+RESET = DEFAULT_LIMITS.restart_reset_seconds
+
+
+def policy_spec(
+    policy: RestartPolicy | None,
+    initial: float = 1.0,
+    maximum: float = 8.0,
+    max_restarts: int | None = None,
+) -> SandboxSpec:
+    return SandboxSpec(
+        image=f.IMAGE,
+        restart_policy=policy,
+        restart_backoff=RestartBackoff(initial_seconds=initial, max_seconds=maximum),
+        max_restarts=max_restarts,
+    )
+
+
+def created(spec: SandboxSpec, t: float = 0) -> f.Harness:
+    h = f.Harness()
+    h.send(f.create(sandbox_spec=spec, occurred_at=f.at(t)))
+    return h
+
+
+def due_restart(h: f.Harness, occurred_at: datetime | None = None) -> Decision:
+    row = h.row()
+    assert row.deadline is not None and row.deadline.kind == "restart", row
+    return h.send(
+        f.due(
+            deadline="restart",
+            due_at=row.deadline.due_at,
+            generation=row.generation,
+            occurred_at=occurred_at,
+        )
+    )
+
+
+def test_never_is_the_default_and_serializes_as_before() -> None:
+    spec = f.spec()
+    assert spec.restart_policy is None
+    assert "restart" not in spec.model_dump_json()
+    h = created(spec)
+    h.send(f.running(occurred_at=f.at(1)))
+    d = h.send(f.exited(exit_code=1, occurred_at=f.at(2)))
+    assert [e.type for e in d.events] == ["SandboxFailed"]
+    assert (h.row().phase, h.row().deadline, h.row().restarts) == (P.ERROR, None, None)
+
+
+def test_on_failure_restarts_with_doubling_delays_up_to_max_restarts() -> None:
+    h = created(policy_spec("OnFailure", initial=1, maximum=3, max_restarts=3))
+    dues, t = [], 1.0
+    for generation in range(1, 5):
+        h.send(f.running(generation=generation, occurred_at=f.at(t)))
+        d = h.send(f.exited(generation=generation, exit_code=1, occurred_at=f.at(t + 1)))
+        if generation == 4:
+            assert [e.type for e in d.events] == ["SandboxFailed", "SandboxRestartsExhausted"]
+            break
+        assert "restart_policy OnFailure" in d.reason
+        row = h.row()
+        assert row.phase is P.ERROR and row.deadline is not None
+        dues.append((row.deadline.due_at - f.at(t + 1)).total_seconds())
+        started = due_restart(h)
+        (event,) = started.events
+        assert isinstance(event, SandboxStarting)
+        assert (event.policy, event.attempt, event.generation) == (
+            "OnFailure",
+            generation,
+            generation + 1,
+        )
+        assert "restart_policy OnFailure" in started.reason
+        t = (row.deadline.due_at - f.T0).total_seconds() + 1
+    assert dues == [1.0, 2.0, 3.0]  # doubling, capped at the maximum
+    row = h.row()
+    assert row.phase is P.ERROR and row.deadline is None
+    assert row.reason is not None and row.reason.startswith("RestartLimit")
+    assert "max_restarts 3" in row.reason and "exited with code 1" in row.reason
+    assert row.restarts is not None and row.restarts.count == 3
+    assert row.restarts.last_exit is not None and row.restarts.last_exit.exit_code == 1
+    assert h.rebuilt() == {f.KEY: row}
+
+
+@pytest.mark.parametrize(
+    ("policy", "exit_code", "restarts"),
+    [("OnFailure", 0, False), ("OnFailure", 2, True), ("Always", 0, True), ("Never", 2, False)],
+)
+def test_which_exits_each_policy_restarts_after(
+    policy: RestartPolicy, exit_code: int, restarts: bool
+) -> None:
+    h = created(policy_spec(policy))
+    h.send(f.running(occurred_at=f.at(1)))
+    h.send(f.exited(exit_code=exit_code, occurred_at=f.at(2)))
+    row = h.row()
+    assert (row.deadline is not None) == restarts
+    assert row.phase is (P.COMPLETED if exit_code == 0 else P.ERROR)
+
+
+def test_a_vanished_runtime_a_failed_launch_and_a_launch_timeout_are_failures() -> None:
+    h = created(policy_spec("OnFailure"))
+    h.send(f.running(occurred_at=f.at(1)))
+    h.send(f.removed(occurred_at=f.at(2)))
+    assert h.row().deadline is not None and h.row().deadline.kind == "restart"  # type: ignore[union-attr]
+    due_restart(h)
+    h.send(f.failed(generation=2, reason="image gone", occurred_at=f.at(5)))
+    row = h.row()
+    assert row.deadline is not None and row.deadline.kind == "restart"
+    assert row.restarts is not None and row.restarts.last_exit is not None
+    assert row.restarts.last_exit.reason == "image gone"
+    due_restart(h)
+    launch = h.row().deadline
+    assert launch is not None and launch.kind == "launch"
+    d = h.send(f.due(deadline="launch", due_at=launch.due_at, generation=3))
+    assert [e.type for e in d.events] == ["SandboxTimedOut", "SandboxRestartScheduled"]
+
+
+@pytest.mark.parametrize(
+    "cancel",
+    [
+        lambda: f.stop(occurred_at=f.at(3)),
+        lambda: f.hold(occurred_at=f.at(3)),
+        lambda: f.delete(occurred_at=f.at(3)),
+        lambda: f.restart(occurred_at=f.at(3)),
+        lambda: f.set_restart_policy(restart_policy="Never", occurred_at=f.at(3)),
+    ],
+    ids=["stop", "hold", "delete", "restart", "never"],
+)
+def test_stop_hold_delete_a_newer_generation_or_never_cancel_a_scheduled_restart(
+    cancel: Any,
+) -> None:
+    h = created(policy_spec("Always"))
+    h.send(f.running(occurred_at=f.at(1)))
+    h.send(f.exited(exit_code=0, occurred_at=f.at(2)))
+    scheduled = h.row().deadline
+    assert scheduled is not None and scheduled.kind == "restart"
+    h.send(cancel())
+    row = h.row()
+    assert row.deadline is None or row.deadline.kind != "restart"
+    d = h.send(f.due(deadline="restart", due_at=scheduled.due_at, generation=1))
+    assert (d.disposition, d.events) == ("ignored", ())
+
+
+def test_a_repeated_due_restarts_once() -> None:
+    h = created(policy_spec("OnFailure"))
+    h.send(f.exited(exit_code=1, occurred_at=f.at(2)))
+    first, again = due_restart(h), None
+    deadline = h.steps[-2].decision.state.deadline  # type: ignore[union-attr]
+    assert deadline is not None
+    again = h.send(f.due(deadline="restart", due_at=deadline.due_at, generation=1))
+    assert first.disposition == "applied" and again.disposition == "ignored"
+    assert h.row().generation == 2
+
+
+def test_ready_long_enough_resets_the_back_off() -> None:
+    h = created(policy_spec("OnFailure", initial=1, maximum=100))
+    h.send(f.exited(exit_code=1, occurred_at=f.at(1)))  # restart 1: 1 s
+    due_restart(h)
+    h.send(f.running(generation=2, occurred_at=f.at(3)))
+    h.send(f.exited(generation=2, exit_code=1, occurred_at=f.at(4)))  # restart 2: 2 s
+    assert h.row().deadline.due_at == f.at(6)  # type: ignore[union-attr]
+    due_restart(h)
+    h.send(f.running(generation=3, occurred_at=f.at(7)))
+    d = h.send(f.exited(generation=3, exit_code=1, occurred_at=f.at(7 + RESET)))
+    scheduled = d.events[-1]
+    assert isinstance(scheduled, SandboxRestartScheduled) and scheduled.backoff_reset
+    assert (scheduled.deadline.attempt, scheduled.deadline.due_at) == (1, f.at(8 + RESET))
+
+
+def test_set_restart_policy_is_versioned_and_idempotent() -> None:
+    h = created(policy_spec(None))
+    d = h.send(f.set_restart_policy(restart_policy="OnFailure", expected_version=7))
+    assert d.outcome is not None and d.outcome.code.value == "ABORTED"
+    d = h.send(f.set_restart_policy(restart_policy="OnFailure", max_restarts=2, expected_version=1))
+    assert d.disposition == "applied" and h.row().spec.max_restarts == 2
+    d = h.send(f.set_restart_policy(restart_policy="OnFailure", max_restarts=2))
+    assert d.disposition == "idempotent"
+
+
+def test_a_held_sandbox_is_not_restarted() -> None:
+    h = created(policy_spec("Always"))
+    h.send(f.hold(occurred_at=f.at(1)))
+    d = h.send(f.exited(exit_code=1, occurred_at=f.at(2)))
+    assert [e.type for e in d.events] == ["SandboxFailed"]
+
+
+# -- property: random runs against an independent model ------------------------------------------
+
+EXITS = ("exited 0", "exited non-zero", "vanished", "launch failed", "launch timed out")
+NEEDS_NO_READY = ("launch failed", "launch timed out")
+
+
+@dataclass
+class Model:
+    """The policy as the issue states it, written apart from the core."""
+
+    policy: str
+    initial: float
+    maximum: float
+    max_restarts: int | None
+    in_a_row: int = 0
+    total: int = 0
+
+    def after(self, exit_kind: str, ready_for: float | None) -> tuple[str, float | None]:
+        """("restart", delay) | ("limit", None) | ("stay", None) for one exit."""
+        failure = exit_kind != "exited 0"
+        if self.policy == "Never" or (self.policy == "OnFailure" and not failure):
+            return "stay", None
+        if ready_for is not None and ready_for >= RESET:
+            self.in_a_row = 0
+        if self.max_restarts is not None and self.in_a_row >= self.max_restarts:
+            return "limit", None
+        self.in_a_row += 1
+        self.total += 1
+        return "restart", min(self.initial * 2 ** (self.in_a_row - 1), self.maximum)
+
+
+def run_generation(
+    h: f.Harness, generation: int, t: float, kind: str, ready: float | None
+) -> float:
+    """Drive one generation to its exit of ``kind``; the exit's time (seconds from T0)."""
+    if kind in NEEDS_NO_READY:
+        ready = None
+    if ready is not None:
+        h.send(f.running(generation=generation, occurred_at=f.at(t)))
+        t += ready
+    match kind:
+        case "exited 0" | "exited non-zero":
+            code = 0 if kind == "exited 0" else 1
+            h.send(f.exited(generation=generation, exit_code=code, occurred_at=f.at(t)))
+        case "vanished":
+            h.send(f.removed(generation=generation, occurred_at=f.at(t)))
+        case "launch failed":
+            h.send(f.failed(generation=generation, occurred_at=f.at(t)))
+        case "launch timed out":
+            launch = h.row().deadline
+            assert launch is not None and launch.kind == "launch"
+            h.send(f.due(deadline="launch", due_at=launch.due_at, generation=generation))
+            t = (launch.due_at - f.T0).total_seconds()
+    return t
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    policy=st.sampled_from(["Never", "OnFailure", "Always"]),
+    initial=st.sampled_from([0.5, 1.0, 3.0]),
+    maximum=st.sampled_from([3.0, 10.0, 300.0]),
+    max_restarts=st.none() | st.integers(0, 4),
+    runs=st.lists(
+        st.tuples(
+            st.sampled_from(EXITS), st.none() | st.sampled_from([0.5, 60.0, RESET, RESET * 2])
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_random_runs_follow_the_model(
+    policy: RestartPolicy,
+    initial: float,
+    maximum: float,
+    max_restarts: int | None,
+    runs: list[tuple[str, float | None]],
+) -> None:
+    model = Model(policy, initial, max(initial, maximum), max_restarts)
+    spec = policy_spec(policy, initial, max(initial, maximum), max_restarts)
+    h = created(spec)
+    t = 0.0
+    for generation, (kind, ready) in enumerate(runs, start=1):
+        t = run_generation(h, generation, t + 1, kind, ready)
+        expect, delay = model.after(kind, None if kind in NEEDS_NO_READY else ready)
+        row = h.row()
+        assert row.generation == generation
+        if expect == "stay":
+            assert row.deadline is None and row.phase in (P.ERROR, P.COMPLETED)
+            assert row.reason is None or not row.reason.startswith("RestartLimit")
+            break
+        if expect == "limit":
+            assert (row.phase, row.deadline) == (P.ERROR, None)
+            assert row.reason is not None and row.reason.startswith("RestartLimit")
+            assert isinstance(h.events()[-1], SandboxRestartsExhausted)
+            break
+        assert delay is not None and row.deadline is not None
+        assert row.deadline.kind == "restart"
+        assert row.deadline.due_at == f.at(t) + timedelta(seconds=delay)
+        assert row.deadline.attempt == model.in_a_row
+        started = due_restart(h)
+        assert f"restart_policy {policy}" in started.reason
+        t = (row.deadline.due_at - f.T0).total_seconds()
+        assert h.row().restarts is not None and h.row().restarts.count == model.total  # type: ignore[union-attr]
+    assert h.rebuilt() == {f.KEY: h.row()}
+    history = [s.decision.reason for s in h.steps]
+    restarts = [r for r in history if r.startswith("DeadlineDue(restart")]
+    assert len(restarts) == model.total
+    assert all(f"restart_policy {policy}" in r for r in restarts)
