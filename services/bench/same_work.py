@@ -21,10 +21,12 @@ that path until its row is plain again. It keeps every row in memory (it is the 
 of a fresh schema), and has no ownership, rebalance, dead-letter, decide-ahead or retry
 machinery: a record that fails validation stops it (``Unsupported``).
 
-Coupling, kept here: the write statement and its COPY columns (``projections.store``), the
-chain's canonical content (``projections.chain``), the name-based ids and ``fold``
-(``projections``). The common path's reasons and event layouts are written out below; the
-equality test fails when the lifecycle rules change them.
+Coupling, kept here: the write statement, the positions it reads a product row at and its COPY
+columns (``projections.store``, two of them private names), the chain's canonical content
+(``projections.chain``), the name-based ids, the deadlines, the observation table and ``fold``
+(``projections.lifecycle``); nothing of services/processor. The common path's reasons and
+event layouts are written out below; the equality test fails when the lifecycle rules change
+them.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any, TypeAlias
 from uuid import UUID
 
@@ -58,7 +60,9 @@ from projections.lifecycle import (
     Sandbox,
     event_id_for,
     identity_for,
+    launch_deadline,
     sandbox_id_for,
+    stop_deadline,
 )
 from projections.store import (
     _WRITE_BATCH,
@@ -66,6 +70,7 @@ from projections.store import (
     COPY_ABOVE,
     HISTORY_COLUMNS,
     OUTBOX_COLUMNS,
+    _sandbox_positions,
     mark_published,
 )
 from services.bench import cpu
@@ -102,7 +107,7 @@ class Row:
     version: int
     phase: str
     spec: str  # the spec's JSON
-    grace: float | None  # the spec's stop_timeout_seconds
+    spec_model: SandboxSpec
     created_at: datetime
     updated_at: datetime
     exit_code: int | None = None
@@ -114,7 +119,7 @@ class Row:
         deadline = Deadline.model_validate_json(self.deadline) if self.deadline else None
         return Sandbox(
             key, self.sandbox_id, Phase(self.phase), self.generation, self.version,
-            SandboxSpec.model_validate_json(self.spec), (), self.identity, self.exit_code,
+            self.spec_model, (), self.identity, self.exit_code,
             self.reason, self.created_at, self.updated_at, deadline=deadline,
         )  # fmt: skip
 
@@ -187,11 +192,7 @@ class SameWork:
             return self._general(record, message, cause, batch)
         elif kind == "StopSandbox" and row.phase in STOPPABLE and message.expected_version is None:
             phase_was, event = row.phase, "SandboxStopping"
-            if self.limits.stop_margin_seconds is None:
-                row.deadline = None
-            else:
-                grace = self.limits.stop_grace_seconds if row.grace is None else row.grace
-                row.deadline = self._deadline("stop", at, grace + self.limits.stop_margin_seconds)
+            row.deadline = _deadline_json(stop_deadline(row.spec_model, at, self.limits))
             row.phase = "Stopping"
             why = f"StopSandbox accepted: sandbox {key!r} is Stopping"
             extra = f',"deadline":{row.deadline or "null"}'
@@ -301,18 +302,11 @@ class SameWork:
         spec = message.spec
         row = Row(
             sandbox_id, identity_for(sandbox_id, 1, message.command_id), 1, 1, "Provisioning",
-            spec.__pydantic_serializer__.to_json(spec).decode(), spec.stop_timeout_seconds,
-            at, at,
+            spec.__pydantic_serializer__.to_json(spec).decode(), spec, at, at,
+            deadline=_deadline_json(launch_deadline(at, self.limits)),
         )  # fmt: skip
-        if self.limits.launch_seconds is not None:
-            row.deadline = self._deadline("launch", at, self.limits.launch_seconds)
         self.rows[key] = row
         return row
-
-    @staticmethod
-    def _deadline(kind: str, at: datetime, seconds: float) -> str:
-        due = timestamp(at + timedelta(seconds=seconds))
-        return f'{{"kind":"{kind}","due_at":"{due}","attempt":0}}'
 
     @staticmethod
     def _event(
@@ -337,7 +331,7 @@ class SameWork:
         out: list[tuple[Any, ...]] = []
         for key, (p, base) in batch.changed.items():
             if (s := self.general.get(key)) is not None:
-                out.append(_general_positions(p, s, base))
+                out.append(_sandbox_positions(p, s, base))
                 continue
             r = self.rows[key]
             out.append(
@@ -396,6 +390,11 @@ def _plain(create: Any) -> bool:
     )
 
 
+def _deadline_json(deadline: Deadline | None) -> str | None:
+    """The deadline the lifecycle computes, as the row's and the event's JSON."""
+    return None if deadline is None else deadline.__pydantic_serializer__.to_json(deadline).decode()
+
+
 def _seen(snapshot: Any) -> str:
     """A runtime snapshot's kind of observation, as the lifecycle names it."""
     if snapshot.state == "exited":
@@ -409,19 +408,8 @@ def _plain_row(s: Sandbox) -> Row | None:
         return None
     return Row(
         s.sandbox_id, s.identity, s.generation, s.version, s.phase.value,
-        s.spec.model_dump_json(), s.spec.stop_timeout_seconds, s.created_at, s.updated_at,
+        s.spec.model_dump_json(), s.spec, s.created_at, s.updated_at,
         s.exit_code, s.reason, s.deadline.model_dump_json() if s.deadline else None,
-    )  # fmt: skip
-
-
-def _general_positions(partition: int, s: Sandbox, base: int | None) -> tuple[Any, ...]:
-    """A product row as the statement's decided_rows reads it."""
-    return (
-        s.key, s.sandbox_id, s.phase.value, s.generation, s.version, ",".join(s.providers),
-        s.identity, s.exit_code, s.reason, s.created_at, s.updated_at, partition, s.expires_at,
-        s.on_expiry, s.on_exit, base, orjson.Fragment(s.spec.model_dump_json()),
-        orjson.Fragment(s.deadline.model_dump_json()) if s.deadline else None,
-        orjson.Fragment(s.hold.model_dump_json()) if s.hold else None, s.awaited,
     )  # fmt: skip
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.settings import Settings, load_settings
-from services.localstack.kube_build import BuildError, _download, _go_build, _wrapper, go_version
+from services.localstack.kube_build import BuildError, _download, _go_build, _wrapper, check_go
 
 MODULE = "sigs.k8s.io/agent-sandbox"
 VERSION = "v1.0.1"
@@ -85,7 +84,7 @@ def build(settings: Settings, say: Callable[[str], None]) -> AgentSandbox:
     built = files(settings)
     if not missing(settings):
         return built
-    _check_go()
+    check_go(MIN_GO, f"agent-sandbox {VERSION}")
     started = time.monotonic()
     say(f"building agent-sandbox {VERSION} into {built.home} (a first build: ~3 minutes)")
     src = _wrapper(settings, "agent-sandbox", VERSION, {MODULE: VERSION}, [CONTROLLER_PACKAGE])
@@ -100,18 +99,6 @@ def build(settings: Settings, say: Callable[[str], None]) -> AgentSandbox:
         staged.replace(target)
     say(f"agent-sandbox built in {time.monotonic() - started:.0f}s")
     return built
-
-
-def _check_go() -> None:
-    need = f"Go {MIN_GO[0]}.{MIN_GO[1]} or newer (https://go.dev/dl)"
-    if shutil.which("go") is None:
-        raise BuildError(f"`go` is not installed: building agent-sandbox needs {need}")
-    found = subprocess.run(["go", "env", "GOVERSION"], capture_output=True, text=True, check=False)
-    version = go_version(found.stdout)
-    if version is None or version < MIN_GO:
-        raise BuildError(
-            f"found {found.stdout.strip() or 'an unknown Go'}; agent-sandbox {VERSION} needs {need}"
-        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
