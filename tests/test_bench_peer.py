@@ -18,6 +18,7 @@ from services.bench.peer import (
     PEER,
     Plan,
     SandstreamApi,
+    Track,
     above_idle,
     goals,
     highest_rate,
@@ -205,3 +206,15 @@ def test_cpu_per_sandbox_leaves_out_what_each_process_spends_idle() -> None:
     per = above_idle(used, idle, seconds=100.0, sandboxes=300)
     assert per == {"sandstream up": 15.0 / 300, "kube-apiserver": 8.0 / 300}
     assert above_idle({"x": 3.0}, {}, 10.0, 3) == {"x": 1.0}
+
+
+def test_a_watch_listed_again_counts_what_was_asked_to_go_and_is_missing_as_gone() -> None:
+    """After a 410 the deletions in the gap are not delivered: a name asked to go that the new
+    listing lacks is gone; one still listed, or never asked to go, is not."""
+    track = Track(deleting={"a": 1.0, "b": 1.0})
+    track.listed("pod_gone", "gone")([{"metadata": {"name": "b"}}, {"metadata": {"name": "c"}}])
+    assert set(track.pod_gone) == set(track.gone) == {"a"}
+    pods = Track(deleting={"x": 1.0})
+    api = SandstreamApi("http://127.0.0.1:1", "t", "ns", "img")
+    pods.listed("pod_gone", None, name_of=api.item_of)([{"metadata": {"name": "sandstream-x-g1"}}])
+    assert pods.pod_gone == {}

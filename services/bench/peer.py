@@ -132,6 +132,21 @@ class Track:
             table[name] = time.perf_counter()
             self.changed.set()
 
+    def listed(
+        self, *tables: str | None, name_of: Callable[[str], str | None] = lambda n: n
+    ) -> Callable[[list[dict[str, Any]]], None]:
+        """For a watch listed again: what is asked to go and is not in the list is gone (its
+        deletion fell in the gap); noted in the ``tables`` named."""
+
+        def gone(items: list[dict[str, Any]]) -> None:
+            present = {name_of(i["metadata"]["name"]) for i in items}
+            for name in [n for n in self.deleting if n not in present]:
+                for table in tables:
+                    if table is not None:
+                        self.note(getattr(self, table), name)
+
+        return gone
+
     def settled(self, names: Iterable[str], table: Mapping[str, float]) -> bool:
         """Every one of ``names`` is in ``table``, or its request failed."""
         return all(n in table or n in self.failed for n in names)
@@ -221,7 +236,9 @@ class AgentSandboxes:
             elif sandbox_ready(sandbox):
                 track.note(track.ready, name)
 
-        await self.kube.watch(self.path, seen, await self.kube.resource_version(self.path))
+        await self.kube.watch(
+            self.path, seen, await self.kube.resource_version(self.path), track.listed("gone")
+        )
 
 
 class SandstreamApi:
@@ -313,7 +330,8 @@ async def watch_pods(kube: Kube, system: System, track: Track, reports: bool) ->
             if reports:
                 track.note(track.ready, name)
 
-    await kube.watch(path, seen, await kube.resource_version(path))
+    listed = track.listed("pod_gone", "gone" if reports else None, name_of=system.item_of)
+    await kube.watch(path, seen, await kube.resource_version(path), listed)
 
 
 # ------------------------------------------------------------------------------ CPU

@@ -129,13 +129,18 @@ class Kube:
         return str(answer["metadata"]["resourceVersion"])
 
     async def watch(
-        self, path: str, on_event: Callable[[str, dict[str, Any]], None], resource_version: str
+        self,
+        path: str,
+        on_event: Callable[[str, dict[str, Any]], None],
+        resource_version: str,
+        on_list: Callable[[list[dict[str, Any]]], None] | None = None,
     ) -> None:
         """Follow ``path``'s changes from ``resource_version`` until cancelled, calling
         ``on_event(type, object)`` for each. A stream the apiserver ends (it closes those that
         fall behind under load, and each after its timeout) is resumed from the last version
-        seen; a 410 Gone starts again from a fresh listing's version (events in between are
-        lost, and it says so)."""
+        seen; after a 410 Gone (the version is older than the apiserver keeps) it lists
+        ``path`` again, hands every object to ``on_event`` as ``ADDED`` and the whole list to
+        ``on_list`` (so that deletions missed meanwhile can be told), and watches from there."""
         version = resource_version
         while True:
             params = {"watch": "1", "resourceVersion": version, "allowWatchBookmarks": "true",
@@ -161,8 +166,13 @@ class Kube:
                         if event["type"] != "BOOKMARK":
                             on_event(event["type"], obj)
             except WatchGone:
-                print(f"  (watch of {path} expired: events may have been missed)", flush=True)
-                version = await self.resource_version(path)
+                listed = await self.get(path)
+                version = str(listed["metadata"]["resourceVersion"])
+                items = listed.get("items") or []
+                for item in items:
+                    on_event("ADDED", item)
+                if on_list is not None:
+                    on_list(items)
             except (httpx.TransportError, httpx.StreamError):
                 await asyncio.sleep(0.2)
 
