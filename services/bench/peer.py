@@ -401,15 +401,18 @@ class Bench:
     tracks: dict[str, Track]
     idle: dict[str, float] = field(default_factory=dict)  # party -> CPU s per s, all idle
 
-    async def measure_idle(self, seconds: float) -> None:
+    async def measure_idle(self, seconds: float, say: bool = False) -> None:
         """Every party's CPU per second while nothing is asked of anyone (both control planes
-        running): what a phase's CPU figures leave out, per second it lasted."""
+        running), measured in the pause before each phase: what the phase's CPU figures leave
+        out, per second it lasted (an estimate taken once at the start ran high: a broker just
+        booted is busier than one a few minutes old)."""
         before, began = mark(await self.parties.now()), time.perf_counter()
         await asyncio.sleep(seconds)
         after, lasted = mark(await self.parties.now()), time.perf_counter() - began
         self.idle = {party: cpu / lasted for party, cpu in spent(before, after).items()}
-        shown = ", ".join(f"{p} {c * 1000:.0f}" for p, c in sorted(self.idle.items()))
-        print(f"idle, CPU ms per second over {lasted:.0f} s: {shown}", flush=True)
+        if say:
+            shown = ", ".join(f"{p} {c * 1000:.0f}" for p, c in sorted(self.idle.items()))
+            print(f"idle, CPU ms per second over {lasted:.0f} s: {shown}", flush=True)
 
     async def warm(self, system: System) -> None:
         """Open the client's connections again right before a phase (a server closes those
@@ -448,6 +451,7 @@ class Bench:
 
     async def burst(self, system: System, tag: str) -> BurstFigures:
         track = self.tracks[system.label]
+        await self.measure_idle(self.plan.gap)
         await self.warm(system)
         names = [f"{tag}-{i}" for i in range(self.plan.sandboxes)]
         requests_before = request_counts(await self.admin.metrics())
@@ -477,6 +481,7 @@ class Bench:
 
     async def sustained(self, system: System, rate: int, tag: str) -> Summary:
         track = self.tracks[system.label]
+        await asyncio.sleep(self.plan.gap)
         await self.warm(system)
         count = round(rate * self.plan.seconds)
         names = [f"{tag}-{i}" for i in range(count)]
@@ -627,7 +632,7 @@ async def _run(settings: Settings, plan: Plan) -> None:
                     watches.append(
                         asyncio.ensure_future(watch_pods(client, s, track, s.label == FLOOR))
                     )
-                await bench.measure_idle(plan.idle)
+                await bench.measure_idle(plan.idle, say=True)
                 await _phases(bench, systems)
             finally:
                 for task in watches:
@@ -646,7 +651,6 @@ async def _phases(bench: Bench, systems: Sequence[System]) -> None:
     for i, order in enumerate(orders(systems, plan.rounds)):
         print(f"burst round {i + 1} of {plan.rounds} ({plan.sandboxes} at once)", flush=True)
         for system in order:
-            await asyncio.sleep(plan.gap)
             bursts[system.label].append(await bench.burst(system, f"b{i}"))
     sustained: dict[int, dict[str, Summary | None]] = {}
     for i, rate in enumerate(plan.rates):
@@ -658,7 +662,6 @@ async def _phases(bench: Bench, systems: Sequence[System]) -> None:
                       "a lower rate")  # fmt: skip
                 sustained[rate][system.label] = None
                 continue
-            await asyncio.sleep(plan.gap)
             sustained[rate][system.label] = await bench.sustained(system, rate, f"s{rate}")
     print(report(plan, {k: median_figures(v) for k, v in bursts.items()}, sustained))
 

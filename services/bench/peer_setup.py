@@ -119,7 +119,14 @@ class Cluster:
 @asynccontextmanager
 async def own_cluster(base: Settings, home: Path) -> AsyncIterator[Cluster]:
     settings = cluster_settings(base, home)
-    await asyncio.to_thread(kubernetes.up, settings)
+    starting = asyncio.ensure_future(asyncio.to_thread(kubernetes.up, settings))
+    try:
+        await asyncio.shield(starting)
+    except BaseException:  # cancelled (SIGTERM) or failed: what the start began is stopped
+        with contextlib.suppress(Exception):
+            await starting  # the thread goes on starting components until it returns
+        await asyncio.to_thread(kubernetes.down, settings)
+        raise
     token = (kubernetes.paths(settings).pki / "token").read_text().strip()
     admin = Kube(
         f"https://127.0.0.1:{settings.kube_apiserver_port}",
