@@ -12,23 +12,9 @@ from drivers.kube_objects import PodSettings, pod_manifest
 from drivers.protocol import LaunchSpec
 from events.common import SandboxSpec
 from services.bench import cpu
-from services.bench.peer import (
-    FLOOR,
-    OURS,
-    PEER,
-    Plan,
-    SandstreamApi,
-    Track,
-    above_idle,
-    goals,
-    highest_rate,
-    median_figures,
-    orders,
-    plan,
-    pod_spec,
-    report,
-)
+from services.bench.peer import above_idle, orders
 from services.bench.peer_kube import yaml_documents
+from services.bench.peer_report import Plan, goals, highest_rate, median_figures, plan, report
 from services.bench.peer_setup import SANDSTREAM_RBAC
 from services.bench.peer_stats import (
     BurstFigures,
@@ -44,6 +30,7 @@ from services.bench.peer_stats import (
     summarize,
     top_requests,
 )
+from services.bench.peer_systems import FLOOR, OURS, PEER, SandstreamApi, Track, pod_spec
 
 RUNNING: dict[str, Any] = {
     "status": {
