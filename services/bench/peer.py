@@ -128,7 +128,7 @@ class Bench:
     tracks: dict[str, Track]
     idle: dict[str, float] = field(default_factory=dict)  # party -> CPU s per s, all idle
 
-    async def measure_idle(self, seconds: float, say: bool = False) -> None:
+    async def measure_idle(self, seconds: float) -> None:
         """Every party's CPU per second while nothing is asked of anyone (both control planes
         running), measured in the pause before each phase: what the phase's CPU figures leave
         out, per second it lasted (an estimate taken once at the start ran high: a broker just
@@ -137,9 +137,8 @@ class Bench:
         await asyncio.sleep(seconds)
         after, lasted = mark(await self.parties.now()), time.perf_counter() - began
         self.idle = {party: cpu / lasted for party, cpu in spent(before, after).items()}
-        if say:
-            shown = ", ".join(f"{p} {c * 1000:.0f}" for p, c in sorted(self.idle.items()))
-            print(f"idle, CPU ms per second over {lasted:.0f} s: {shown}", flush=True)
+        shown = ", ".join(f"{p} {c * 1000:.0f}" for p, c in sorted(self.idle.items()) if c)
+        print(f"  idle, CPU ms per second over {lasted:.0f} s: {shown}", flush=True)
 
     async def warm(self, system: System) -> None:
         """Open the client's connections again right before a phase (a server closes those
@@ -305,7 +304,7 @@ async def _run(settings: Settings, plan: Plan) -> None:
                     watches.append(
                         asyncio.ensure_future(watch_pods(client, s, track, s.label == FLOOR))
                     )
-                await bench.measure_idle(plan.idle, say=True)
+                await bench.measure_idle(plan.idle)
                 await _phases(bench, systems)
             finally:
                 for task in watches:
