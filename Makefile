@@ -3,7 +3,7 @@
 
 PY := .venv/bin/python
 
-.PHONY: setup stack up down prune lint test bench bench-peer soak chaos k8s k8s-down conformance
+.PHONY: setup stack up down prune lint test bench bench-peer soak chaos k8s k8s-down conformance image helm deploy-test
 
 setup:  ## install Debian packages and the virtualenv (idempotent)
 	bash compose/bootstrap.sh
@@ -26,7 +26,7 @@ lint: setup
 	.venv/bin/ruff format --check .
 	.venv/bin/mypy
 
-test: stack k8s lint
+test: stack k8s helm lint
 	.venv/bin/pytest -q
 
 bench: stack k8s
@@ -45,6 +45,11 @@ bench-peer: stack
 soak: stack
 	.venv/bin/pytest -q -m soak
 
+# The chart's Deployments under podman kube play and the compose file under podman-compose, from
+# the image, each with a sandbox round trip (minutes each: outside `make test`; CI runs both).
+deploy-test: stack helm image
+	.venv/bin/pytest -q -m deploy
+
 # The fault-injection checker, long form (docs/reliability.md); the suite runs a short one.
 # It starts a private Kafka cluster and PostgreSQL of its own; the stack is not needed.
 CHAOS_ARGS ?= --seed 2 --sandboxes 300 --podman 4 --duration 240
@@ -59,6 +64,16 @@ k8s: setup  ## build what is missing and start the local Kubernetes cluster (ide
 
 k8s-down:  ## stop the local Kubernetes cluster
 	$(PY) -m services.localstack.kubernetes down
+
+# helm v4 for the chart's tests, built from the Go module proxy beside the cluster's binaries.
+helm: setup  ## build helm if missing (a few minutes the first time)
+	$(PY) -m services.localstack.helm_build
+
+# -- sandstream's OCI image (services/localstack/image.py, deploy/image/Containerfile): a Debian
+# 12 base by mmdebstrap (built once per recipe), the dependencies' wheels (downloaded once), the
+# checkout's wheel; a no-op when nothing changed.
+image: setup  ## build localhost/sandstream:<version> into Podman (no registry)
+	$(PY) -m services.localstack.image
 
 # OpenShell's conformance runner and CLI (see docs/openshell-compat.md): the shared tools folder
 # next to the checkout has builds; OPENSHELL_CONFORMANCE / OPENSHELL_CLI override.

@@ -51,6 +51,7 @@ from drivers.protocol import (
     grace_period,
     observed_state,
 )
+from events.backoff import Backoff
 
 # The configuration is imported from here by its users (settings, provider-sync, tests).
 __all__ = ["KubeConfig", "KubernetesDriver", "api_client", "parse_node_selector"]
@@ -106,7 +107,8 @@ class KubernetesDriver:
         removed (source="list")."""
         reported = Reported(self.actor)
         version: str | None = None
-        delay = self.cfg.reconnect_delay
+        cfg = self.cfg
+        backoff = Backoff(cfg.reconnect_delay, cfg.max_reconnect_delay, log, "kubernetes watch")
         while not self._closed:
             try:
                 if version is None:
@@ -116,22 +118,20 @@ class KubernetesDriver:
                         yield observation
                 async with contextlib.aclosing(self._api.watch_pods(version)) as events:
                     async for kind, pod in events:
-                        delay = self.cfg.reconnect_delay
+                        backoff.succeeded()
                         version = str(pod.get("metadata", {}).get("resourceVersion") or version)
                         if kind == "BOOKMARK":
                             continue
                         for observation in reported.observe(kind, pod):
                             yield observation
-                delay = self.cfg.reconnect_delay  # the server ended the watch: resume at once
+                backoff.succeeded()  # the server ended the watch: resume at once
             except Gone:
                 log.info("kubernetes watch: resourceVersion %s expired; listing again", version)
                 version = None
             except (*TRANSPORT_ERRORS, ApiStatusError) as exc:
                 if self._closed:
                     return
-                log.warning("kubernetes watch: %s; reconnecting in %.1fs", describe(exc), delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.cfg.max_reconnect_delay)
+                await asyncio.sleep(backoff.failed(describe(exc)))
 
     async def close(self) -> None:
         self._closed = True

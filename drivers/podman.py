@@ -49,6 +49,7 @@ from drivers.protocol import (
     RuntimeInfo,
     WatchObservation,
 )
+from events.backoff import Backoff
 from events.common import SandboxResources
 from events.observations import RuntimeRemoved, RuntimeSnapshot
 
@@ -152,7 +153,7 @@ class PodmanDriver:
         reconnect but missing from the new listing are reported removed (source="list").
         """
         known: dict[str, tuple[str, int]] = {}  # runtime id -> (key, generation)
-        delay = self._reconnect_delay
+        backoff = Backoff(self._reconnect_delay, self._max_reconnect_delay, log, "podman watch")
         while not self._closed:
             stream = EventStream(self.base_url, asyncio.get_running_loop())
             self._streams.add(stream)
@@ -164,11 +165,9 @@ class PodmanDriver:
                 except BACKEND_ERRORS as exc:
                     if self._closed:
                         return
-                    log.warning("podman watch: cannot connect (%s); retrying in %.1fs", exc, delay)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, self._max_reconnect_delay)
+                    await asyncio.sleep(backoff.failed(f"cannot connect ({exc})"))
                     continue
-                delay = self._reconnect_delay
+                backoff.succeeded()
                 listed = {c.info.runtime_id: (c.info.key, c.info.generation) for c in listing}
                 for container in listing:
                     yield snapshot_from_list(container, actor=self.actor)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -81,13 +80,3 @@ def storable(text: str) -> str:
     history columns that record a refused record's key or the reason it was refused."""
     text = text.replace("\x00", "\\x00")
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def printable(raw: bytes | None) -> tuple[str | None, str]:
-    """A raw payload as text for a dead-letter record, and the encoding used."""
-    if raw is None:
-        return None, "none"
-    try:
-        return raw.decode("utf-8"), "utf-8"
-    except UnicodeDecodeError:
-        return base64.b64encode(raw).decode(), "base64"

@@ -72,8 +72,12 @@ class AttachProvider(VersionedCommand):
 
 
 class DetachProvider(VersionedCommand):
+    """Take a provider off this sandbox. A Ready sandbox restarts without its values (its agent
+    must stop seeing them) unless ``restart`` is false: then they leave at its next start."""
+
     type: Literal["DetachProvider"]
     provider: ProviderName
+    restart: bool = True
 
 
 class ProviderRotation(Strict):

@@ -139,14 +139,16 @@ class ProviderDetached(EventBase):
 
 
 class AgentRestarted(EventBase):
-    """Credentials of attached providers rotated and the sandbox was running: a new generation.
+    """Credentials of attached providers rotated (``providers``), or providers were detached
+    (``detached``), while the agent ran with their old values: a new generation.
 
     Intent: like SandboxStarting, remove the older generations' runtimes and launch this one
-    (which reads the current values at launch).
+    (which reads the current values, of the providers attached now, at launch).
     """
 
     type: Literal["AgentRestarted"]
     providers: list[ProviderName]
+    detached: list[ProviderName] = Field(default_factory=list)
     previous_generation: Generation
     spec: SandboxSpec
     identity: str

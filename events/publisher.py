@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
 import uuid
 from collections.abc import Mapping
@@ -13,6 +13,7 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
+from events.backoff import STOPPED, Backoff, retry
 from events.codec import encode
 from events.commands import Command
 from events.observations import Observation
@@ -79,15 +80,6 @@ async def publish_until_sent(
     stop: asyncio.Event | None = None,
 ) -> bool:
     """Publish, retrying Kafka errors with back-off until sent (True) or ``stop`` (False)."""
-    delay = 0.2
-    while True:
-        try:
-            await publish_observation(producer, topic, observation)
-            return True
-        except KafkaError as exc:
-            _log.warning("publishing %s failed, retrying: %s", observation.observation_id, exc)
-        with contextlib.suppress(TimeoutError):  # the back-off, cut short by ``stop``
-            await asyncio.wait_for((stop or asyncio.Event()).wait(), timeout=delay)
-        if stop is not None and stop.is_set():
-            return False
-        delay = min(delay * 2, 5.0)
+    backoff = Backoff(0.2, 5.0, _log, f"publishing {observation.observation_id}")
+    publish = functools.partial(publish_observation, producer, topic, observation)
+    return await retry(publish, backoff=backoff, retry_on=(KafkaError,), stop=stop) is not STOPPED

@@ -9,6 +9,16 @@ COMMANDS = "sandbox.commands"
 OBSERVATIONS = "sandbox.observations"
 EVENTS = "sandbox.events"
 DEADLETTER = "sandbox.deadletter"
+# The processor's chain checkpoints: the newest hash of each history chain a batch wrote, so
+# that the record in PostgreSQL can be checked against the log (docs/audit.md).
+CHECKPOINTS = "sandbox.checkpoints"
+
+# The largest record the project's producers send (key and value): Kafka's default
+# message.max.bytes, 1,048,588 bytes a record batch, with room for the batch's own bytes.
+MAX_RECORD_BYTES = 1_000_000
+# The largest input record the processor decides: what it decides from one (an event carrying
+# the spec it holds, and the fields the event adds) then fits in MAX_RECORD_BYTES.
+MAX_INPUT_BYTES = 900_000
 
 # PostgreSQL NOTIFY channel the processor signals after each committed batch.
 CHANGES_CHANNEL = "sandstream_changes"

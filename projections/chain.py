@@ -28,6 +28,18 @@ def chain_of(key: str | None, partition: int) -> ChainId:
     return (key, None) if key is not None else (None, partition)
 
 
+# A chain as the log's checkpoints name it: by its key, or, for a key longer than this (only
+# a dead letter's key can be), by the key's sha256, so that a checkpoint stays small.
+LABEL_MAX: Final = 255
+
+
+def chain_label(chain: ChainId) -> ChainId:
+    key = chain[0]
+    if key is None or len(key) <= LABEL_MAX:
+        return chain
+    return ("sha256:" + hashlib.sha256(key.encode()).hexdigest(), None)
+
+
 # The content an entry's hash covers, in the order of the history row's fields.
 CONTENT_FIELDS: Final = (
     "key", "topic", "partition", "offset", "message_type", "command_id", "disposition", "reason",

@@ -6,7 +6,9 @@ rotation will do to each attached sandbox (the receipt). Pure: no values, no I/O
   (the agent must stop seeing it). Setting the same value again changes nothing.
 - A rotation restarts each attached sandbox once for all the providers it rotates with, by the
   rule of ``projections.lifecycle.rotation_action``; the restart's command id is derived from
-  (sandbox, rotated providers and their revisions), so a redelivery never restarts twice.
+  (sandbox, rotated providers, their incarnations and revisions), so a redelivery never
+  restarts twice, and a provider deleted and created again (revisions from 1 again) never
+  repeats an id of the one before.
 """
 
 from __future__ import annotations
@@ -58,9 +60,12 @@ def classify(
     return ProviderChange(provider, keys)
 
 
-def rotation_command_id(sandbox: str, rotations: Mapping[str, int]) -> str:
-    """The restart command's id: the same (sandbox, providers, revisions) give the same id."""
-    parts = ",".join(f"{p}@{rotations[p]}" for p in sorted(rotations))
+def rotation_command_id(
+    sandbox: str, rotations: Mapping[str, int], incarnations: Mapping[str, UUID]
+) -> str:
+    """The restart command's id: the same (sandbox, providers, incarnations, revisions) give
+    the same id; another incarnation of a provider (deleted, then created again) another."""
+    parts = ",".join(f"{p}/{incarnations[p]}@{rotations[p]}" for p in sorted(rotations))
     return "rotate-" + uuid5(_ROTATION_NS, f"{sandbox}/{parts}").hex
 
 
@@ -76,11 +81,14 @@ class ReceiptLine:
 
 
 def plan(
-    rotations: Mapping[str, int], sandboxes: Iterable[Sandbox], restart: bool
+    rotations: Mapping[str, int],
+    sandboxes: Iterable[Sandbox],
+    restart: bool,
+    incarnations: Mapping[str, UUID],
 ) -> list[ReceiptLine]:
     """One line per live sandbox attached to a rotated provider (``rotations``: provider ->
-    revision), in name order. A sandbox attached to several rotated providers gets one line and
-    one command naming all of them."""
+    revision; ``incarnations``: provider -> its incarnation), in name order. A sandbox attached
+    to several rotated providers gets one line and one command naming all of them."""
     lines = []
     for sandbox in sorted(sandboxes, key=lambda s: s.key):
         if sandbox.tombstoned:
@@ -96,7 +104,7 @@ def plan(
                 providers=tuple(sorted(mine)),
                 action="restart" if restarts else "skip",
                 reason=f"{sandbox.phase.value}: restarts once" if restarts else action,
-                command_id=rotation_command_id(sandbox.key, mine),
+                command_id=rotation_command_id(sandbox.key, mine, incarnations),
             )
         )
     return lines

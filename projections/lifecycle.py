@@ -362,11 +362,18 @@ def held(state: Sandbox) -> bool:
 
 def rotation_action(state: Sandbox, restart: bool) -> str:
     """RESTART, or why not: the one rule for the processor and for an update's receipt."""
+    return _restart_rule(state, restart, ROTATION_TABLE, NO_RESTART, HELD)
+
+
+def _restart_rule(
+    state: Sandbox, restart: bool, table: dict[Phase, str], not_asked: str, on_hold: str
+) -> str:
+    """RESTART or why not, by ``table`` unless no restart was asked for or a hold keeps it."""
     if not restart:
-        return NO_RESTART
+        return not_asked
     if held(state):
-        return HELD
-    return ROTATION_TABLE[state.phase]
+        return on_hold
+    return table[state.phase]
 
 
 def stale_rotations(state: Sandbox, read: dict[str, int] | None) -> dict[str, int]:
@@ -377,6 +384,62 @@ def stale_rotations(state: Sandbox, read: dict[str, int] | None) -> dict[str, in
         for p, r in state.awaited.items()
         if p in state.providers and (read is None or read.get(p, 0) < r)
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Detaching a provider (DetachProvider): what losing a provider does to a sandbox in each phase
+# that admits the command (COMMAND_TABLE). The agent must stop seeing the provider's values,
+# as after a rotation: RESTART records ProviderDetached and AgentRestarted (``detached``) in
+# one decision, a new generation whose launch reads only the providers still attached; any
+# other entry is why it does not restart (the outcome's message), the values leaving at its
+# next start.
+#
+# DETACH_PENDING (Provisioning, Starting): the pending launch reads the attached providers when
+# it runs, which may be before or after the detach. The detached provider is recorded in the
+# row (``awaited``, revision 0: "must not have been read"); if the launch's report names it
+# (or is unknown), the sandbox restarts once more, at once, without it.
+
+DETACH_PENDING: Final = "launch pending: it restarts once more if that launch read the provider"
+DETACH_TABLE: Final[dict[Phase, str]] = {
+    P.PROVISIONING: DETACH_PENDING,
+    P.STARTING: DETACH_PENDING,
+    P.READY: RESTART,
+    P.STOPPING: "stopping: its next start runs without the provider's values",
+    P.STOPPED: "stopped: its next start runs without the provider's values",
+    P.COMPLETED: "completed: its next start runs without the provider's values",
+    P.ERROR: "in error: its next start runs without the provider's values",
+}
+DETACH_NO_RESTART: Final = (
+    "restart not requested (no-restart): the provider's values leave at the next start"
+)
+DETACH_HELD: Final = "held: the provider's values leave at its next start"
+# The row's reason while a restart that drops detached providers is in flight.
+DETACH_RESTART: Final = "restarting without detached providers: "
+
+
+def detach_action(state: Sandbox, restart: bool) -> str:
+    """RESTART, or why not: what detaching a provider does to ``state``."""
+    return _restart_rule(state, restart, DETACH_TABLE, DETACH_NO_RESTART, DETACH_HELD)
+
+
+def stale_detaches(state: Sandbox, read: dict[str, int] | None) -> list[str]:
+    """The providers detached while a launch was pending that the launch which read ``read``
+    did read (or may have: None, unknown): the agent must restart without these."""
+    return sorted(
+        p
+        for p in state.awaited
+        if p not in state.providers and (read is None or read.get(p, 0) > 0)
+    )
+
+
+def restart_reason(rotated: list[str], detached: list[str]) -> str:
+    """The row's reason while a restart for rotated or detached providers is in flight."""
+    parts = []
+    if rotated:
+        parts.append(ROTATION_RESTART + ", ".join(rotated))
+    if detached:
+        parts.append(DETACH_RESTART + ", ".join(detached))
+    return "; ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -586,11 +649,10 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
     SandboxDeleting: lambda s, e: {"phase": P.DELETING, "deadline": e.deadline},
     SandboxDeleted: lambda s, e: {"phase": P.DELETED, "deadline": None},
     ProviderAttached: lambda s, e: {"providers": tuple(sorted({*s.providers, e.provider}))},
-    ProviderDetached: lambda s, e: {"providers": tuple(p for p in s.providers
-                                                       if p != e.provider)},
+    ProviderDetached: lambda s, e: _detached(s, e),
     AgentRestarted: lambda s, e: {"phase": P.STARTING, "spec": e.spec, "identity": e.identity,
                                   "exit_code": None, "deadline": e.deadline,
-                                  "reason": ROTATION_RESTART + ", ".join(e.providers),
+                                  "reason": restart_reason(e.providers, e.detached),
                                   **_restarts_on_start(s, e)},
     AgentRestartSkipped: lambda s, e: _merge_awaited(s, e),
     AgentRestartFailed: lambda s, e: {"phase": P.ERROR, "exit_code": e.exit_code,
@@ -611,6 +673,17 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
     SandboxReleased: lambda s, e: {"hold": None},
     **RESTART_CHANGES,
 }  # fmt: skip
+
+
+def _detached(state: Sandbox, event: ProviderDetached) -> dict[str, Any]:
+    """The provider leaves the row; while a launch is pending, it is awaited (revision 0:
+    that launch must not have read it, DETACH_PENDING)."""
+    changes: dict[str, Any] = {
+        "providers": tuple(p for p in state.providers if p != event.provider)
+    }
+    if state.phase in _LAUNCH_PENDING:
+        changes["awaited"] = {event.provider: 0, **state.awaited}
+    return changes
 
 
 def _merge_awaited(state: Sandbox, event: AgentRestartSkipped) -> dict[str, Any]:
@@ -765,6 +838,8 @@ def _decide_command(
             )
         return Decision(state, (), "idempotent", why, _outcome(command, Code.OK, why, state))
 
+    if isinstance(command, DetachProvider):
+        return _detach(state, command, cause, limits)
     common = _common(state, command, cause)
     at = command.occurred_at
     event: DecidedEvent
@@ -807,10 +882,6 @@ def _decide_command(
         case AttachProvider():
             event = built(
                 ProviderAttached, type="ProviderAttached", **common, provider=command.provider
-            )
-        case DetachProvider():
-            event = built(
-                ProviderDetached, type="ProviderDetached", **common, provider=command.provider
             )
         case _:
             raise AssertionError(command)
@@ -889,6 +960,37 @@ def _rotate(state: Sandbox, command: RotateCredentials, cause: Cause, limits: Li
     return Decision(new_state, events, "applied", why, _outcome(command, Code.OK, why, new_state))
 
 
+def _detach(state: Sandbox, command: DetachProvider, cause: Cause, limits: Limits) -> Decision:
+    """ProviderDetached, and in Ready a restart without the provider (DETACH_TABLE)."""
+    action = detach_action(state, command.restart)
+    provider = command.provider
+    new_state, events = _emit(
+        state,
+        built(
+            ProviderDetached,
+            type="ProviderDetached",
+            **_common(state, command, cause),
+            provider=provider,
+        ),
+    )
+    if action == RESTART:
+        new_state, events = _then(
+            new_state,
+            events,
+            command,
+            cause,
+            lambda c: _agent_restarted(
+                new_state, c, [], command.command_id, limits, detached=[provider]
+            ),
+        )
+        why = (
+            f"provider {provider!r} detached: restart without it: generation {new_state.generation}"
+        )
+    else:
+        why = f"provider {provider!r} detached: {action}"
+    return Decision(new_state, events, "applied", why, _outcome(command, Code.OK, why, new_state))
+
+
 def _ignore(state: Sandbox | None, why: str) -> Decision:
     return Decision(state, (), "ignored", why)
 
@@ -943,9 +1045,11 @@ def _restart_if_stale(
     limits: Limits,
 ) -> tuple[Sandbox, tuple[DecidedEvent, ...]]:
     """The launch that ``pending`` awaited reported what it read: restart once more if it
-    missed a rotation decided while it was pending (the agent must run the newest values)."""
-    stale = stale_rotations(pending, obs.credentials)
-    if not stale:
+    missed a rotation decided while it was pending, or read a provider detached meanwhile (the
+    agent must run the newest values, and none of a detached provider)."""
+    stale = sorted(stale_rotations(pending, obs.credentials))
+    gone = stale_detaches(pending, obs.credentials)
+    if not stale and not gone:
         return state, events
     if held(state):  # a hold made meanwhile: the newest values wait for the next start
         return _then(
@@ -957,8 +1061,8 @@ def _restart_if_stale(
                 AgentRestartSkipped,
                 type="AgentRestartSkipped",
                 **c,
-                providers=sorted(stale),
-                reason=HELD,
+                providers=stale + gone,
+                reason=HELD if stale else DETACH_HELD,
             ),
         )
     return _then(
@@ -966,7 +1070,7 @@ def _restart_if_stale(
         events,
         obs,
         cause,
-        lambda c: _agent_restarted(state, c, sorted(stale), obs.observation_id, limits),
+        lambda c: _agent_restarted(state, c, stale, obs.observation_id, limits, detached=gone),
     )
 
 
@@ -976,14 +1080,17 @@ def _agent_restarted(
     providers: list[str],
     id_source: str,
     limits: Limits,
+    detached: list[str] | None = None,
 ) -> AgentRestarted:
-    """A rotation restart of ``state`` at the next generation, for ``providers``."""
+    """A restart of ``state`` at the next generation, for rotated ``providers`` and detached
+    ones."""
     generation = next_generation(state)
     return built(
         AgentRestarted,
         type="AgentRestarted",
         **(common | {"generation": generation}),
         providers=providers,
+        detached=detached or [],
         previous_generation=state.generation,
         spec=state.spec,
         identity=identity_for(state.sandbox_id, generation, id_source),
@@ -1030,7 +1137,7 @@ def _observation_event(
         case P.ERROR if (
             kind == "launch_failed"
             and state.phase is P.STARTING
-            and (state.reason or "").startswith(ROTATION_RESTART)
+            and (state.reason or "").startswith((ROTATION_RESTART, DETACH_RESTART))
         ):
             reason = getattr(obs, "reason", None) or "launch failed"
             return built(

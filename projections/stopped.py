@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
 
+from projections.chain import Chains, HistoryContent, chain_of
+
 if TYPE_CHECKING:
     from projections.store import Connection
 
@@ -85,13 +87,32 @@ async def skip_record(
                 raise NotStoppedThere(
                     f"{topic} partition {partition}: its stored offset is not {offset}"
                 )
+        reason = f"skipped by {actor}: {note} (the processor could not store it: {stopped.reason})"
+        # Linked onto its chain like every entry the processor writes (the partition is
+        # stopped: nothing else writes the chain meanwhile); its head by the processor's probes.
+        head = await (
+            conn.fetchval(_KEYED_HEAD, stopped.key)
+            if stopped.key is not None
+            else conn.fetchval(_UNKEYED_HEAD, partition)
+        )
+        content: HistoryContent = (
+            stopped.key, topic, partition, offset, None, None, "skipped", reason, None, None,
+            None, [], None, None, None,
+        )  # fmt: skip
+        prev, own = Chains({chain_of(stopped.key, partition): head}).linked(content)
         await conn.execute(
             'INSERT INTO history (key, topic, partition, "offset", disposition, reason, '
-            "event_types) VALUES ($1, $2, $3, $4, 'skipped', $5, '{}')",
-            stopped.key, topic, partition, offset,
-            f"skipped by {actor}: {note} (the processor could not store it: {stopped.reason})",
+            "event_types, prev_hash, entry_hash) VALUES ($1, $2, $3, $4, 'skipped', $5, '{}', "
+            "$6, $7)",
+            stopped.key, topic, partition, offset, reason, prev, own,
         )  # fmt: skip
     return stopped
+
+
+_KEYED_HEAD = "SELECT entry_hash FROM history WHERE key = $1 ORDER BY id DESC LIMIT 1"
+_UNKEYED_HEAD = (
+    "SELECT entry_hash FROM history WHERE key IS NULL AND partition = $1 ORDER BY id DESC LIMIT 1"
+)
 
 
 async def retry_record(conn: Connection, topic: str, partition: int, offset: int) -> None:

@@ -501,6 +501,18 @@ ORDER BY id
 """
 
 
+async def set_aside_outbox(
+    conn: Connection, records: Sequence[tuple[int, OutboxRecord]], reason: str
+) -> None:
+    """Record outbox records that will never be sent (``outbox_set_aside``); once is enough."""
+    await conn.executemany(
+        "INSERT INTO outbox_set_aside (outbox_id, partition, topic, key, size, reason) "
+        "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (outbox_id) DO NOTHING",
+        [(i, r.partition, r.topic, r.key, len(r.key or b"") + len(r.value), reason)
+         for i, r in records],
+    )  # fmt: skip
+
+
 async def unpublished_outbox(conn: Connection, partition: int) -> list[tuple[int, OutboxRecord]]:
     rows = await conn.fetch(_UNPUBLISHED, partition)
     return [(r["id"], OutboxRecord(partition, r["topic"], r["key"], r["value"])) for r in rows]

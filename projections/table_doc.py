@@ -12,6 +12,9 @@ from pathlib import Path
 from projections.lifecycle import (
     COMMAND_TABLE,
     DEADLINE_TABLE,
+    DETACH_HELD,
+    DETACH_NO_RESTART,
+    DETACH_TABLE,
     EXIT_KINDS,
     FOLLOW_OBSERVED,
     HELD,
@@ -149,6 +152,33 @@ def render() -> str:
         "rotations that arrive while its restart is pending, and a second time only when its "
         "launch had already read an older value (it must end up on the newest). Leaving the "
         "launch phases or a new generation clears `awaited`.",
+        "",
+        "### Detaching a provider (DetachProvider) by phase",
+        "",
+        "| phase | detaching an attached provider |",
+        "|---|---|",
+    ]
+    for phase, action in DETACH_TABLE.items():
+        cell = (
+            "**restart**: ProviderDetached, then AgentRestarted (`detached`), a new generation "
+            "launched without the provider"
+            if action == RESTART
+            else f"ProviderDetached only ({action})"
+        )
+        lines.append(f"| {phase.value} | {cell} |")
+    lines += [
+        "",
+        "The agent must stop seeing a detached provider's values, as it must stop running a "
+        "rotated value: a Ready sandbox restarts at once (both events on the one command). "
+        f"With `restart: false` no phase restarts ({DETACH_NO_RESTART}); a held sandbox does "
+        f"not either ({DETACH_HELD}). Deleting refuses the detach (the commands table). A "
+        "failed launch of that restart is AgentRestartFailed → Error, as for a rotation.",
+        "",
+        "A detach while a launch is pending records the provider in the row's `awaited` with "
+        "revision 0 (that launch must not have read it). On the launch's result: Ready, and if "
+        "its `credentials` name the detached provider (it read the values before the detach) "
+        "or are unknown, AgentRestarted at once without it; the running snapshot waits for that "
+        "result, as for an awaited rotation.",
     ]
     return "\n".join(lines)
 

@@ -39,6 +39,7 @@ READER = "sst_test-reader"
 WRITER = "sst_test-writer"
 AUDITOR = "sst_test-auditor"
 KEEPER = "sst_test-keeper"  # provider scopes only
+INSPECTOR = "sst_test-inspector"  # reads sandboxes and the audit
 
 
 def tokens() -> TokenStore:
@@ -48,6 +49,7 @@ def tokens() -> TokenStore:
         writer=(WRITER, WRITE),
         auditor=(AUDITOR, AUDIT),
         keeper=(KEEPER, PROVIDER_READ, PROVIDER_WRITE),
+        inspector=(INSPECTOR, READ, AUDIT),
     )
 
 
@@ -89,10 +91,12 @@ async def running_api(
     settings_update: dict[str, Any] | None = None,
     topic_override: str | None = None,
     tls: Tls | None = None,
+    token_store: TokenStore | None = None,
     with_scheduler: bool = False,
 ) -> AsyncIterator[Api]:
     """The API over a fresh environment; with ``driver=None`` no processor runs at all, with
-    ``with_scheduler`` the deadline scheduler runs beside the processor."""
+    ``with_scheduler`` the deadline scheduler runs beside the processor; with ``token_store``
+    its tokens instead of the in-memory ones of ``tokens()``."""
     async with isolated_env(partitions) as env:
         if settings_update:
             env.settings = env.settings.model_copy(update=settings_update)
@@ -113,7 +117,12 @@ async def running_api(
         await publisher.__aenter__()
         extra = {} if publish_timeout is None else {"publish_timeout": publish_timeout}
         app = create_app(
-            env.settings, env.pool, publisher, tokens(), poll_interval=poll_interval, **extra
+            env.settings,
+            env.pool,
+            publisher,
+            token_store or tokens(),
+            poll_interval=poll_interval,
+            **extra,
         )
         server = await start_api(app, "127.0.0.1", 0, access_log=False, tls=tls)
         try:

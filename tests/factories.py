@@ -194,10 +194,15 @@ def _provider(model: type[P]) -> Callable[..., P]:
         expected_version: int | None = None,
         actor: str = USER,
         occurred_at: datetime = T0,
+        **more: Any,  # DetachProvider's restart
     ) -> P:
         base = _base(key, command_id, actor, occurred_at)
         return model(
-            type=model.__name__, provider=provider, expected_version=expected_version, **base
+            type=model.__name__,
+            provider=provider,
+            expected_version=expected_version,
+            **base,
+            **more,
         )
 
     return build

@@ -282,6 +282,7 @@ async def test_the_http_audit_answers_with_the_actor_the_token_named() -> None:
 
 
 async def test_verify_says_where_retention_cut_the_log_and_does_not_guess() -> None:
+    """It once exited 0 although a sandbox could not be verified."""
     async with isolated_env() as env:
         await recorded_run(env)
         [row] = await env.fetch("SELECT partition FROM sandboxes WHERE key = $1", NAME)
@@ -297,9 +298,14 @@ async def test_verify_says_where_retention_cut_the_log_and_does_not_guess() -> N
         assert f"{tp.topic}[{tp.partition}] from 3" in report.reach.statement()
         assert report.not_verifiable == {NAME}
         assert report.divergences == []
+        assert not report.ok  # a sandbox not verified is not a verified record
         said = cli(env, "verify")
+        assert said.returncode == 1
         assert "retention has deleted the oldest input records" in said.stderr
-        assert f"not verifiable (inputs older than the log): {NAME}" in said.stdout
+        assert f"✗ not verifiable (inputs older than the log): {NAME} (--accept-un" in said.stdout
+        accepted = cli(env, "verify", "--accept-unverifiable")
+        assert accepted.returncode == 0, accepted.stdout + accepted.stderr
+        assert f"not verifiable (inputs older than the log): {NAME}\n" in accepted.stdout
 
 
 async def test_verify_while_inputs_arrive_finds_no_false_divergence() -> None:

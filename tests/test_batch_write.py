@@ -34,7 +34,9 @@ from projections.store import (
     unpublished_outbox,
     write_batch,
 )
-from services.processor.consumer import Parsed, parse, plan_batch, refused_for_content
+from services.processor.failures import refused_for_content
+from services.processor.intake import Parsed, parse
+from services.processor.plan import plan_batch
 
 INLINE, COPY = 10**9, 0  # copy_above: never copy, always copy
 TABLES = ("history", "outbox", "sandboxes", "command_outcomes", "input_offsets")

@@ -23,7 +23,7 @@ from services.bench.stages import consumer_records, stages_cpu
 from services.bench.workload import lifecycle_messages, produce_all
 from services.common.settings import Settings
 from services.localstack.isolation import isolated
-from services.processor.consumer import Parsed, parse
+from services.processor.intake import Parsed, parse
 
 
 async def test_ceiling_records_every_input_once_with_consecutive_versions(

@@ -10,18 +10,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import signal
 import stat
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import pytest
 import pytest_asyncio
-from apikit import unique
-from harness import eventually, isolated_env
+from harness import eventually
+from upkit import SANDSTREAM, Up, running_up
 
 from services.cli.client import EXIT_FAILED, CliError
 from services.cli.sandbox import _submit
@@ -29,89 +26,13 @@ from services.common.settings import PROJECT_ROOT, load_settings
 from services.common.tokens import SCOPES
 from services.executor.backends import podman_driver
 
-SANDSTREAM = str(PROJECT_ROOT / ".venv" / "bin" / "sandstream")
 IMAGE = load_settings().sandbox_image
-
-
-@dataclass(frozen=True)
-class Result:
-    code: int
-    out: str
-    err: str
-
-
-@dataclass
-class Up:
-    proc: asyncio.subprocess.Process
-    url: str
-    env: dict[str, str]
-    run_dir: Path
-    log: Path
-    banner: str
-    names: list[str] = field(default_factory=list)
-
-    async def cli(self, *args: str, timeout: float = 120, **env: str) -> Result:
-        proc = await asyncio.create_subprocess_exec(
-            SANDSTREAM,
-            *args,
-            env={**self.env, "SANDSTREAM_API_URL": self.url, **env},
-            cwd=PROJECT_ROOT,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-        assert proc.returncode is not None
-        return Result(proc.returncode, out.decode(), err.decode())
-
-    def name(self, prefix: str) -> str:
-        self.names.append(unique(prefix))
-        return self.names[-1]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def up(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Up]:
-    async with isolated_env() as env:
-        run_dir = tmp_path_factory.mktemp("run")
-        variables = {
-            **env.env_vars(),
-            "SANDSTREAM_RUN_DIR": str(run_dir),
-            "SANDSTREAM_API_PORT": "0",
-            "SANDSTREAM_OPENSHELL_PORT": "0",
-            "COLUMNS": "200",
-        }
-        for inherited in ("SANDSTREAM_TOKEN", "SANDSTREAM_TOKEN_FILE", "SANDSTREAM_API_URL"):
-            variables.pop(inherited, None)
-        log = run_dir / "up.log"
-        with log.open("wb") as log_file:
-            proc = await asyncio.create_subprocess_exec(
-                SANDSTREAM, "up", env=variables, cwd=PROJECT_ROOT,
-                stdout=asyncio.subprocess.PIPE, stderr=log_file,
-            )  # fmt: skip
-        assert proc.stdout is not None
-        banner: list[str] = []
-        url = None
-        try:
-            async with asyncio.timeout(120):
-                while url is None:
-                    line = (await proc.stdout.readline()).decode()
-                    assert line, f"`sandstream up` ended early:\n{''.join(banner)}{log.read_text()}"
-                    banner.append(line)
-                    if match := re.match(r"^\s+API\s+(http://\S+)", line):
-                        url = match.group(1)
-                while "Ctrl-C" not in banner[-1]:
-                    banner.append((await proc.stdout.readline()).decode())
-            running = Up(proc, url, variables, run_dir, log, "".join(banner))
-            yield running
-        finally:
-            if proc.returncode is None:
-                proc.send_signal(signal.SIGTERM)
-                await asyncio.wait_for(proc.wait(), 60)
-            driver = podman_driver(env.settings)
-            try:
-                for name in running.names if url else []:
-                    await driver.delete(name)
-            finally:
-                await driver.close()
+    async with running_up(tmp_path_factory.mktemp("run")) as running:
+        yield running
 
 
 def lines(text: str) -> list[str]:
@@ -377,6 +298,38 @@ async def test_a_revoked_or_expired_token_is_refused_by_the_running_api(up: Up) 
     assert r.code == 1 and "a token named 'ci-revoked' exists already" in r.err
 
 
+async def test_sandbox_logs_prints_the_output_and_follows_it_as_it_is_written(up: Up) -> None:
+    name = up.name("logs")
+    script = "echo to-err >&2; i=0; while true; do echo tick-$i; i=$((i+1)); sleep 0.5; done"
+    r = await up.cli("sandbox", "create", name, "--image", IMAGE, "--", "sh", "-c", script)
+    assert r.code == 0, r.err
+    r = await up.cli("sandbox", "logs", name, "--tail", "2")
+    assert r.code == 0, r.err
+    assert len(lines(r.out) + lines(r.err)) == 2
+    r = await up.cli("sandbox", "logs", name)
+    assert "to-err" in lines(r.err) and lines(r.out)[0] == "tick-0"
+
+    proc = await asyncio.create_subprocess_exec(
+        SANDSTREAM, "sandbox", "logs", name, "-f", "--tail", "1",
+        env={**up.env, "SANDSTREAM_API_URL": up.url}, cwd=PROJECT_ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        async with asyncio.timeout(60):
+            first = (await proc.stdout.readline()).decode().strip()
+            later = [(await proc.stdout.readline()).decode().strip() for _ in range(3)]
+    finally:
+        proc.kill()
+        await proc.wait()
+    # Lines written after `logs -f` began arrive through it, in order.
+    ticks = [int(t.removeprefix("tick-")) for t in [first, *later]]
+    assert ticks == list(range(ticks[0], ticks[0] + 4))
+    r = await up.cli("sandbox", "logs", "no-such-sandbox")
+    assert r.code != 0 and "not found" in (r.out + r.err)
+
+
+# These two come last among those using `up`: the second stops it.
 async def test_a_second_up_refuses_to_start(up: Up) -> None:
     r = await up.cli("up", timeout=60)
     assert r.code == 1
@@ -420,34 +373,3 @@ def test_a_rejection_decided_after_the_first_wait_fails_the_command() -> None:
     assert failed.value.code == EXIT_FAILED
     assert failed.value.message == f"rejected: {why} (FAILED_PRECONDITION)"
     assert client.paths == ["POST /v1/sandboxes/x:stop", "GET /v1/commands/c-1"]
-
-
-async def test_sandbox_logs_prints_the_output_and_follows_it_as_it_is_written(up: Up) -> None:
-    name = up.name("logs")
-    script = "echo to-err >&2; i=0; while true; do echo tick-$i; i=$((i+1)); sleep 0.5; done"
-    r = await up.cli("sandbox", "create", name, "--image", IMAGE, "--", "sh", "-c", script)
-    assert r.code == 0, r.err
-    r = await up.cli("sandbox", "logs", name, "--tail", "2")
-    assert r.code == 0, r.err
-    assert len(lines(r.out) + lines(r.err)) == 2
-    r = await up.cli("sandbox", "logs", name)
-    assert "to-err" in lines(r.err) and lines(r.out)[0] == "tick-0"
-
-    proc = await asyncio.create_subprocess_exec(
-        SANDSTREAM, "sandbox", "logs", name, "-f", "--tail", "1",
-        env={**up.env, "SANDSTREAM_API_URL": up.url}, cwd=PROJECT_ROOT,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    try:
-        async with asyncio.timeout(60):
-            first = (await proc.stdout.readline()).decode().strip()
-            later = [(await proc.stdout.readline()).decode().strip() for _ in range(3)]
-    finally:
-        proc.kill()
-        await proc.wait()
-    # Lines written after `logs -f` began arrive through it, in order.
-    ticks = [int(t.removeprefix("tick-")) for t in [first, *later]]
-    assert ticks == list(range(ticks[0], ticks[0] + 4))
-    r = await up.cli("sandbox", "logs", "no-such-sandbox")
-    assert r.code != 0 and "not found" in (r.out + r.err)

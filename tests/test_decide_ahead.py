@@ -28,9 +28,10 @@ from services.audit.chains import check_chains
 from services.common import metrics
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
-from services.processor import consumer
-from services.processor.ahead import View
-from services.processor.consumer import Processor, decide_batch, deciding, parse
+from services.processor import write
+from services.processor.consumer import Processor
+from services.processor.intake import parse
+from services.processor.plan import View, decide_batch, deciding
 
 Records = list[ConsumerRecord[bytes, bytes]]
 Poll = dict[TopicPartition, Records]
@@ -93,7 +94,7 @@ def hold_first_write(
     """Hold the next write until the poll after it has been decided ahead, then run
     ``meanwhile`` (another writer, a rebalance) before letting the write go to PostgreSQL."""
     decided = asyncio.Event()
-    decide = processor._decide
+    decide = processor.reader.decide
 
     async def deciding(conn: Any, inputs: Any, after: Any = None) -> Any:
         out = await decide(conn, inputs, after)
@@ -101,21 +102,21 @@ def hold_first_write(
             decided.set()
         return out
 
-    monkeypatch.setattr(processor, "_decide", deciding)
-    write = consumer.write_batch  # type: ignore[attr-defined]
+    monkeypatch.setattr(processor.reader, "decide", deciding)
+    write_batch = write.write_batch
     held = [True]
 
     async def writing(conn: Any, batch: Any) -> list[int]:
         if held.pop() if held else False:
             await asyncio.wait_for(decided.wait(), 30)
             await meanwhile()
-        return await write(conn, batch)
+        return await write_batch(conn, batch)
 
-    monkeypatch.setattr(consumer, "write_batch", writing)
+    monkeypatch.setattr(write, "write_batch", writing)
 
 
 async def apply_held(processor: Processor) -> int:
-    held = processor._take_held()
+    held = processor.polls.take_held()
     assert held is not None, "the next poll was not fetched ahead"
     return await processor.process(held)
 
@@ -133,15 +134,15 @@ ROW_CACHE = pytest.mark.parametrize("row_cache", [20_000, 0], ids=["rows-kept", 
 def hold_write_until_fetched(monkeypatch: pytest.MonkeyPatch, processor: Processor) -> None:
     """Hold the next write until the processor has taken the next poll (deterministic: the
     write could otherwise be done before the poll made during it)."""
-    write = consumer.write_batch  # type: ignore[attr-defined]
+    write_batch = write.write_batch
     held = [True]
 
     async def writing(conn: Any, batch: Any) -> list[int]:
         if held.pop() if held else False:
-            await eventually(lambda: processor._held, bool, what="the next poll to be taken")
-        return await write(conn, batch)
+            await eventually(lambda: processor.polls.held, bool, what="the next poll to be taken")
+        return await write_batch(conn, batch)
 
-    monkeypatch.setattr(consumer, "write_batch", writing)
+    monkeypatch.setattr(write, "write_batch", writing)
 
 
 async def test_a_small_poll_has_the_next_fetched_meanwhile_and_a_full_one_has_it_decided(
@@ -163,10 +164,10 @@ async def test_a_small_poll_has_the_next_fetched_meanwhile_and_a_full_one_has_it
             hold_write_until_fetched(monkeypatch, processor)
             polls.polls.append(poll_of(records[1:2]))
             assert await processor.process(poll_of(records[:1])) == 1  # 1 < max_records
-            assert processor._held == poll_of(records[1:2])  # taken during the write...
+            assert processor.polls.held == poll_of(records[1:2])  # taken during the write...
             assert ahead("decided") == decided  # ...and not decided
             polls.polls += [poll_of(records[2:3]), poll_of(records[3:])]
-            nxt = await processor._next_poll()  # with what was fetched since, up to 2
+            nxt = await processor.polls.next()  # with what was fetched since, up to 2
             assert nxt == poll_of(records[1:3])
             assert await processor.process(nxt) == 2  # 2 == max_records
             assert ahead("decided") == decided + 1
@@ -278,7 +279,7 @@ async def test_a_poll_decided_ahead_is_not_written_for_a_partition_revoked_meanw
         creates = [r for r in records if r.offset == 0]
         attaches = [r for r in records if r.offset == 1]
         processor, polls = await queued_processor(env, "revoked", max_records=2)
-        processor._owned = {0, 1}
+        processor.owned.partitions = {0, 1}
         revoked: list[asyncio.Task[None]] = []
 
         async def rebalance() -> None:
@@ -341,7 +342,7 @@ async def run_while_second_joins(
         await env.wait_applied(len(inputs), timeout=120)
         assert joined, "the second processor never joined during a write"
         second = await joined[0]
-        await eventually(lambda: second._owned, bool, what="the second to own partitions")
+        await eventually(lambda: second.owned.partitions, bool, what="the second to own partitions")
         await wait_outbox_drained(env)
     finally:
         stop.set()
@@ -362,14 +363,14 @@ async def test_a_rebalance_begun_while_a_write_is_in_flight_is_not_waited_for_by
     async with isolated_env(partitions=2) as env:
         await publish(env, inputs)
         first = Processor(env.settings, env.pool, name="first", max_records=20)
-        decide_ahead = first._decide_ahead
+        decide_ahead = first.polls.decide_ahead
         joined: list[asyncio.Task[Processor]] = []
 
         async def second_joins_first(inflight: Any) -> Any:
             await second_joins(env, first, joined)  # while this write is in flight
             return await decide_ahead(inflight)
 
-        monkeypatch.setattr(first, "_decide_ahead", second_joins_first)
+        monkeypatch.setattr(first.polls, "decide_ahead", second_joins_first)
         await run_while_second_joins(env, first, inputs, joined)
 
 
@@ -384,7 +385,7 @@ async def test_a_rebalance_begun_while_a_poll_waits_during_a_write_does_not_hold
     async with isolated_env(partitions=2) as env:
         await publish(env, inputs)
         first = Processor(env.settings, env.pool, name="first", max_records=5000)
-        fetch_during = first._fetch_during
+        fetch_during = first.polls.fetch_during
         joined: list[asyncio.Task[Processor]] = []
 
         async def second_joins_meanwhile(write: Any) -> None:
@@ -404,7 +405,7 @@ async def test_a_rebalance_begun_while_a_poll_waits_during_a_write_does_not_hold
             await second_joins(env, first, joined)
             await polling
 
-        monkeypatch.setattr(first, "_fetch_during", second_joins_meanwhile)
+        monkeypatch.setattr(first.polls, "fetch_during", second_joins_meanwhile)
         await run_while_second_joins(env, first, inputs, joined)
 
 
@@ -423,7 +424,7 @@ async def test_a_crash_between_a_write_and_the_poll_decided_ahead_of_it_loses_no
     async with isolated_env(partitions=2) as env:
         await publish(env, inputs)
         first = Processor(env.settings, env.pool, name="dies", max_records=20)
-        take = first._take_ahead
+        take = first.polls.take_ahead
         taken = [0]
 
         def crash_at_the_third(records: Any) -> Any:
@@ -434,7 +435,7 @@ async def test_a_crash_between_a_write_and_the_poll_decided_ahead_of_it_loses_no
                     raise Crash
             return found
 
-        monkeypatch.setattr(first, "_take_ahead", crash_at_the_third)
+        monkeypatch.setattr(first.polls, "take_ahead", crash_at_the_third)
         await first.start()
         try:
             with pytest.raises(Crash):

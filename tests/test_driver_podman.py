@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -494,6 +496,29 @@ async def test_watcher_lists_again_after_a_reconnect(
         await watcher.wait_for(snapshot(key, 1, "exited"), "exit after reconnect", start=mark)
     finally:
         await watcher.stop()
+
+
+async def test_a_watch_that_cannot_reach_podman_logs_the_outage_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: the watch logged a warning at every reconnect attempt, one every few
+    seconds for as long as Podman was away. Now an outage's first failure is a warning and the
+    later ones are debug lines (events/backoff.py)."""
+    caplog.set_level(logging.DEBUG, logger="sandstream.drivers.podman")
+    away = PodmanDriver(f"unix://{tmp_path}/no-podman.sock", reconnect_delay=0.001,
+                        max_reconnect_delay=0.001)  # fmt: skip
+    watcher = Watcher(away)
+
+    def failures() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.getMessage().startswith("podman watch: cannot")]
+
+    try:
+        await eventually(failures, lambda found: len(found) >= 4, "four failed connects")
+    finally:
+        await watcher.stop()
+        await away.close()
+    levels = [r.levelno for r in failures()]
+    assert levels[0] == logging.WARNING and set(levels[1:]) == {logging.DEBUG}, levels
 
 
 # -- event mapping, on events as Podman 4.3 sends them -------------------------------------------

@@ -18,7 +18,7 @@ from projections.store import SANDBOX_COLUMNS, mark_published, sandbox_from_reco
 from services.common import metrics
 from services.common.database import connect_pool
 from services.common.kafka_clients import kafka_client_args
-from services.processor import consumer
+from services.processor import publish as publish_stage
 from services.processor.consumer import Processor
 from services.processor.rebuild import rebuild_and_compare
 
@@ -193,7 +193,8 @@ async def test_the_processor_resumes_after_postgresql_ends_its_sessions(
         processor = await env.start_processor("p1", max_records=50)
         [(_, _, task)] = env.processors
         await publish_and_settle(env, inputs, 300)
-        sessions = [c.get_server_pid() for c in (processor._conn, processor._cursor_conn)]
+        conns = (processor.writer.conn, processor.publisher.cursor_conn)
+        sessions = [c.get_server_pid() for c in conns]
         terminated = await env.fetch(
             "SELECT pg_terminate_backend(pid) AS done FROM unnest($1::int[]) AS pid", sessions
         )
@@ -224,7 +225,7 @@ async def test_the_processor_resumes_when_postgresql_s_goodbye_comes_before_the_
                 await processor.start()
                 task = asyncio.create_task(processor.run(stop))
                 await publish_and_settle(env, inputs, 100)
-                conns = (processor._conn, processor._cursor_conn)
+                conns = (processor.writer.conn, processor.publisher.cursor_conn)
                 await say_goodbye(env, proxy, [c.get_server_pid() for c in conns])
                 # Both goodbyes are in the processor's sockets before anything makes it query.
                 await publish_and_settle(env, inputs, len(inputs), start=100)
@@ -272,12 +273,15 @@ async def test_a_publish_cursor_moves_only_past_records_that_are_all_acknowledge
         try:
             assert await processor.process_partition(0, records[:1]) == 1
             assert await processor.process_partition(0, records[1:]) == 1
-            first, second = producer.sent  # one SandboxCreated each
-            second.set_result(None)
+            # Each batch sent its SandboxCreated and its chain checkpoint.
+            first, second = producer.sent[:2], producer.sent[2:]
+            for future in second:
+                future.set_result(None)
             with pytest.raises(TimeoutError):  # the first batch is still unacknowledged
                 await asyncio.wait_for(processor.drain(), timeout=0.5)
             assert await env.fetchval(cursor) is None
-            first.set_result(None)
+            for future in first:
+                future.set_result(None)
             await processor.drain()
             assert await env.fetchval(cursor) == await env.fetchval("SELECT max(id) FROM outbox")
         finally:
@@ -292,14 +296,14 @@ async def test_publish_cursors_are_written_once_per_interval_and_at_once_for_a_d
 ) -> None:
     """At a steady rate the cursor is not written for every batch: what is acknowledged within
     the interval is written together, and a drain (revoke, stop) writes it at once."""
-    monkeypatch.setattr(consumer, "_CURSOR_EVERY", 3600.0)  # no write falls due by time
+    monkeypatch.setattr(publish_stage, "_CURSOR_EVERY", 3600.0)  # no write falls due by time
     writes: list[dict[int, list[int]]] = []
 
     async def counted(conn: Any, acked: dict[int, list[int]]) -> dict[int, int]:
         writes.append({p: list(ids) for p, ids in acked.items()})
         return await mark_published(conn, acked)
 
-    monkeypatch.setattr(consumer, "mark_published", counted)
+    monkeypatch.setattr(publish_stage, "mark_published", counted)
     async with isolated_env(partitions=1) as env:
         await publish(env, [f.create(f"k{i}", command_id=f"c{i}") for i in range(5)])
         records = await env.read_topic(env.settings.topic_commands)
@@ -310,7 +314,7 @@ async def test_publish_cursors_are_written_once_per_interval_and_at_once_for_a_d
             assert await processor.process_partition(0, records[:1]) == 1
             await processor.drain()
             first = await env.fetchval(cursor)
-            assert first == await env.fetchval("SELECT min(id) FROM outbox")
+            assert first == await env.fetchval("SELECT max(id) FROM outbox")
             for record in records[1:]:  # four batches, each acknowledged by Kafka
                 assert await processor.process_partition(0, [record]) == 1
             await eventually(
@@ -321,7 +325,8 @@ async def test_publish_cursors_are_written_once_per_interval_and_at_once_for_a_d
             assert await env.fetchval(cursor) == first  # not written for each batch
             await processor.drain()
             assert await env.fetchval(cursor) == await env.fetchval("SELECT max(id) FROM outbox")
-            assert len(writes) == 2 and len(writes[1][0]) == 4  # the four batches together
+            # The four batches together (an event and a chain checkpoint each).
+            assert len(writes) == 2 and len(writes[1][0]) == 8
         finally:
             await processor.stop()
 
@@ -415,7 +420,7 @@ async def test_rows_kept_from_an_earlier_batch_are_not_used_once_another_writer_
         records, processor = await _create_and_two_attaches(env, "cached")
         try:
             assert await processor.process_partition(0, records[:1]) == 1
-            assert len(processor._rows) == 1
+            assert len(processor.rows) == 1
             conflicts = conflicts_so_far()
             # Another writer applies c1 and commits before the processor's next read.
             async with env.pool.acquire() as other, other.transaction():

@@ -27,7 +27,9 @@ from events.topics import partition_for
 from projections.store import BatchWrite, RowVersionMoved, sandbox_from_record, write_batch
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import PROJECT_ROOT
-from services.processor.consumer import InputsLost, PartitionCountChanged, Processor
+from services.processor.consumer import Processor
+from services.processor.intake import PartitionCountChanged
+from services.processor.ownership import InputsLost
 from services.processor.rebuild import rebuild_and_compare
 
 
@@ -180,7 +182,7 @@ async def test_poison_records_on_both_topics_are_dead_lettered_and_the_processor
             [(s.topic_commands, o) for o in range(1, 5)]
             + [(s.topic_observations, o) for o in range(3)]
         )
-        assert {d["key"] for d in letters} >= {"bad\x00key", "nul-spec", "base"}
+        assert {d["key"]["text"] for d in letters} >= {"bad\x00key", "nul-spec", "base"}
 
 
 async def refuse_poison_rows(env: Env) -> None:

@@ -107,6 +107,7 @@ async def test_each_role_can_write_and_read_exactly_the_topics_granted_to_it() -
             s.topic_observations: {"executor", "watcher", "scheduler"},
             s.topic_events: {"processor"},
             s.topic_deadletter: {"processor"},
+            s.topic_checkpoints: {"processor"},
         }
 
 

@@ -38,11 +38,19 @@ from events.commands import (
     Command,
     CreateSandbox,
     DeleteSandbox,
+    DetachProvider,
     RestartSandbox,
     StartSandbox,
 )
 from events.common import Cause, Phase
-from events.decided import DecidedEvent, SandboxCreated, SandboxDeleting, SandboxStopping
+from events.decided import (
+    AgentRestarted,
+    DecidedEvent,
+    ProviderDetached,
+    SandboxCreated,
+    SandboxDeleting,
+    SandboxStopping,
+)
 from events.observations import (
     DeadlineDue,
     DriverOperationResult,
@@ -59,11 +67,13 @@ from projections.lifecycle import (
     EXIT_EVENTS,
     PHASE_DEADLINES,
     REFUSED_WHILE_HELD,
+    RESTART,
     Admission,
     Decision,
     Message,
     Sandbox,
     admission,
+    detach_action,
     evolve,
     is_held,
 )
@@ -145,8 +155,21 @@ class LifecycleMachine(RuleBasedStateMachine):
         events = d.events
         # The events and outcome, built without validation, are exactly what validation builds.
         f.assert_decided_as_validated(d)
-        # One event per input, except an expiry or a process end followed by its policy's.
-        assert len(events) <= (2 if is_observation(message) else 1)
+        # One event per input, except an expiry or a process end followed by its policy's, a
+        # launch report followed by the restart it calls for, and a detach that restarts.
+        assert len(events) <= 2
+        if len(events) == 2 and not is_observation(message):
+            assert isinstance(message, DetachProvider), message
+            assert isinstance(events[0], ProviderDetached) and isinstance(events[1], AgentRestarted)
+        if isinstance(message, DetachProvider) and prev is not None and events:
+            # The detach rule: the provider leaves the row; a restart exactly where DETACH_TABLE
+            # says so, without the provider.
+            assert new is not None and message.provider not in new.providers
+            restarts = detach_action(prev, message.restart) == RESTART
+            assert (len(events) == 2) == restarts
+            if restarts:
+                assert events[1].detached == [message.provider]  # type: ignore[union-attr]
+                assert new.generation == prev.generation + 1 and new.phase is P.STARTING
         assert all(e.key == message.key for e in events)
 
         # Version bumps by exactly the number of events, and nothing changes without one.
@@ -183,7 +206,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             assert d.outcome is not None and d.outcome.command_id == command_id
             self.first_outcome[command_id] = d.outcome
             assert d.outcome.accepted == (d.disposition in ("applied", "idempotent"))
-            assert len(events) == (1 if d.disposition == "applied" else 0)
+            assert (len(events) >= 1) == (d.disposition == "applied")
             # A hold refuses start and restart, whatever the phase.
             if prev is not None and is_held(prev) and message.type in REFUSED_WHILE_HELD:
                 assert not d.outcome.accepted
@@ -253,12 +276,19 @@ class LifecycleMachine(RuleBasedStateMachine):
                 and message.operation == "delete"
                 and message.outcome == "failed"
             ), message
-        # Observations never touch another generation than the row's; the one that moves it on
-        # is a restart policy's deadline falling due, which starts the next generation.
+        # Observations never touch another generation than the row's; the ones that move it on
+        # are a restart policy's deadline falling due, which starts the next generation, and a
+        # launch report whose launch read a provider detached (or a value rotated) while it was
+        # pending, which restarts it at once.
         if events and is_observation(message):
             assert message.generation == prev.generation  # type: ignore[union-attr]
             restart_due = isinstance(message, DeadlineDue) and message.deadline == "restart"
-            assert new.generation == prev.generation + (1 if restart_due else 0), message
+            restarted = isinstance(events[-1], AgentRestarted)
+            if restarted:
+                assert isinstance(message, DriverOperationResult) and prev.awaited
+            assert new.generation == prev.generation + (1 if restart_due or restarted else 0), (
+                message
+            )
 
     @invariant()
     def rebuild_from_the_log(self) -> None:
@@ -298,14 +328,19 @@ class LifecycleMachine(RuleBasedStateMachine):
         provider=st.sampled_from(PROVIDERS),
         version=st.sampled_from(["none", "none", "none", "exact", "off"]),
         off=st.sampled_from([-2, -1, 1, 2]),
+        restart=st.booleans(),
     )
-    def command(self, command_type: str, key: str, provider: str, version: str, off: int) -> None:
+    def command(
+        self, command_type: str, key: str, provider: str, version: str, off: int, restart: bool
+    ) -> None:
         state = self.states.get(key)
         current = state.version if state else 0
         expected = {"none": None, "exact": current, "off": max(0, current + off)}[version]
         kw: dict[str, Any] = {"command_id": self.command_id(key), "expected_version": expected}
         if command_type in ("AttachProvider", "DetachProvider"):
             kw["provider"] = provider
+        if command_type == "DetachProvider":
+            kw["restart"] = restart
         d = self.send(f.VERSIONED_COMMANDS[command_type](key, **kw))
         if version == "off" and expected != current and d.outcome is not None:
             assert d.outcome.code.value in ("ABORTED", "NOT_FOUND")

@@ -27,7 +27,8 @@ from test_exactly_once import (
 )
 
 from events.codec import EVENTS, decode
-from services.processor.consumer import AssignmentFailed, Processor
+from services.processor.consumer import Processor
+from services.processor.ownership import AssignmentFailed
 
 
 async def test_a_publish_cursor_never_moves_past_an_outbox_record_nobody_sent() -> None:

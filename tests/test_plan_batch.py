@@ -10,11 +10,13 @@ from aiokafka import ConsumerRecord
 
 from events.codec import encode
 from events.topics import partition_for
-from projections.chain import CONTENT_FIELDS, chain_of, chain_rows
+from projections.chain import CONTENT_FIELDS, ChainId, chain_of, chain_rows
 from projections.fold import fold
 from projections.store import HistoryRow
 from services.common.settings import Settings
-from services.processor.consumer import Parsed, parse, plan_batch
+from services.processor.checkpoints import parse_checkpoint
+from services.processor.intake import Parsed, parse
+from services.processor.plan import plan_batch
 
 PARTITIONS = 4
 SETTINGS = Settings().model_copy(
@@ -69,8 +71,37 @@ def test_history_linked_while_planning_is_what_chain_rows_links() -> None:
     unlinked = plan_batch(items, result, read, SETTINGS)
     linked = plan_batch(items, result, read, SETTINGS, chain_heads=heads)
     assert linked.history == chain_rows(unlinked.history, heads)
-    assert dataclasses.replace(linked, history=[]) == dataclasses.replace(unlinked, history=[])
+    # Linked, a batch also checkpoints its chains' heads (tested below); nothing else differs.
+    events = [o for o in linked.outbox if o.topic != SETTINGS.topic_checkpoints]
+    assert dataclasses.replace(linked, history=[], outbox=events) == dataclasses.replace(
+        unlinked, history=[]
+    )
     dispositions = {h.disposition for h in linked.history}
     assert {"applied", "duplicate", "dead-lettered"} <= dispositions
     assert [h.key for h in linked.history].count(None) == 2  # the unkeyed dead letters
     assert all(h.entry_hash is not None for h in linked.history)
+
+
+def test_a_linked_batch_checkpoints_each_partitions_chain_heads_in_one_record() -> None:
+    """One checkpoint per input partition the batch wrote (not one per input), naming the
+    newest hash of every chain it wrote there, and that partition's offsets after it."""
+    items = [parse(r, SETTINGS.topic_commands, PARTITIONS) for r in batch()]
+    parsed = [i for i in items if isinstance(i, Parsed)]
+    result = fold({}, {}, ((p.cause, p.message) for p in parsed))
+    read = {(r.topic, r.partition): 0 for r in batch()}
+    plan = plan_batch(items, result, read, SETTINGS, chain_heads={})
+    records = [o for o in plan.outbox if o.topic == SETTINGS.topic_checkpoints]
+    newest: dict[int, dict[ChainId, bytes | None]] = {}
+    for h in plan.history:
+        label = (h.key, None) if h.key is not None else (None, h.partition)
+        newest.setdefault(h.partition, {})[label] = h.entry_hash
+    assert sorted(r.partition for r in records) == sorted(newest)
+    for r in records:
+        checkpoint = parse_checkpoint(r.value)
+        assert r.key == str(r.partition).encode() and checkpoint.partition == r.partition
+        assert checkpoint.heads == newest[r.partition]
+        after = sum(new for (_, p), (_, new) in plan.offsets.items() if p == r.partition)
+        assert checkpoint.order == after
+    assert len(plan.history) > len(records)
+    unlinked = plan_batch(items, result, read, SETTINGS)  # nothing linked: nothing to anchor
+    assert not [o for o in unlinked.outbox if o.topic == SETTINGS.topic_checkpoints]

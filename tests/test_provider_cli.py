@@ -69,10 +69,16 @@ async def test_provider_commands_take_values_from_files_and_env_and_never_print_
         got = await cli("provider", "get", name, "-o", "json")
         assert json.loads(got.output)["revision"] == 2
 
+        kept = await cli("sandbox", "detach", sandbox, name, "--no-restart")
+        assert kept.exit_code == 0 and "no-restart" in kept.output, kept.output
+        async with api.client() as c:
+            assert (await c.get(f"/v1/sandboxes/{sandbox}")).json()["generation"] == 2
+        assert (await cli("sandbox", "attach", sandbox, name)).exit_code == 0
+
         refused = await cli("provider", "delete", name)
         assert refused.exit_code == 1 and "attached" in said(refused)
         forced = await cli("provider", "delete", name, "--force")
         assert forced.exit_code == 0 and sandbox in forced.output
 
-        for result in (created, attached, updated, listed, got, refused, forced):
+        for result in (created, attached, updated, listed, got, kept, refused, forced):
             assert first not in said(result) and second not in said(result)

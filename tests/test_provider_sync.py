@@ -24,10 +24,10 @@ from pydantic import SecretStr
 
 from drivers.podman import PodmanDriver
 from drivers.protocol import DriverError, LaunchResult, LaunchSpec, OpResult, RuntimeInfo
-from services.api.provider_sources import DirectorySource
-from services.api.provider_sync import ProviderSync
 from services.common.settings import load_settings
 from services.executor.backends import podman_driver
+from services.provider_sync.controller import ProviderSync
+from services.provider_sync.sources import DirectorySource
 
 KEY = SecretStr(base64.b64encode(secrets.token_bytes(32)).decode())
 AGENT = ["sh", "-c", "env > /tmp/agent.env; exec sleep 3600"]

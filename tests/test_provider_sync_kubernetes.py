@@ -24,11 +24,11 @@ from typer.testing import CliRunner
 
 from drivers.fake import FakeDriver
 from drivers.kubernetes import KubeConfig
-from services.api.kube_secrets import KubeSecretSource
-from services.api.provider_sources import PROVIDER_ANNOTATION, read_secrets
-from services.api.provider_sync import ProviderSync, sync_source
 from services.cli.main import app
 from services.common.settings import Settings
+from services.provider_sync.controller import ProviderSync, sync_source
+from services.provider_sync.kube_secrets import KubeSecretSource
+from services.provider_sync.sources import PROVIDER_ANNOTATION, read_secrets
 
 KEY = SecretStr(base64.b64encode(secrets.token_bytes(32)).decode())
 

@@ -1,14 +1,20 @@
 """The /v1/providers routes' answers to bad input and missing scopes (real PostgreSQL and Kafka;
-no processor is needed: nothing here is attached to a sandbox)."""
+the in-memory fake driver where a sandbox must be attached, none elsewhere)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import secrets
 
 import apikit
-from apikit import KEEPER, READER, WRITER, unique
+from apikit import KEEPER, READER, WRITER, create_body, unique
+from harness import eventually
 from pydantic import SecretStr
+from typer.testing import CliRunner
+
+from drivers.fake import FakeDriver
+from services.cli.main import app
 
 KEY = SecretStr(base64.b64encode(secrets.token_bytes(32)).decode())
 
@@ -58,7 +64,8 @@ async def test_bad_input_and_missing_scopes_get_clear_errors_and_change_nothing(
 
         assert (await c.delete("/v1/providers/nope")).status_code == 404
         deleted = await c.delete(f"/v1/providers/{name}")
-        assert deleted.status_code == 200 and deleted.json() == {"name": name, "detached": []}
+        assert deleted.status_code == 200
+        assert deleted.json() == {"name": name, "detached": [], "unsent": []}
         assert (await c.get(f"/v1/providers/{name}")).status_code == 404
 
 
@@ -106,3 +113,72 @@ async def test_a_malformed_provider_request_from_a_provider_token_is_422_not_403
         answer = await keeper.post("/v1/providers", json={"name": 5, "credentials": {}})
         assert answer.status_code == 422, answer.text
         assert "name" in answer.json()["message"]
+
+
+async def test_creating_a_sandbox_with_providers_needs_provider_write_as_attach_does() -> None:
+    """A sandbox:write token once created a sandbox with a provider attached (201), handing
+    the provider's values to an agent it controls: attaching at create needs provider:write,
+    exactly as :attach does, and a refused create publishes nothing."""
+    name = unique("p-create")
+    async with (
+        apikit.running_api(None, settings_update={"credentials_key": KEY}) as api,
+        api.client() as admin,
+        api.client(WRITER) as writer,
+    ):
+        created = await admin.post("/v1/providers", json={"name": name, "credentials": {"K": "v"}})
+        assert created.status_code == 201, created.text
+        body = {**apikit.create_body(unique("sb")), "providers": [name]}
+        refused = await writer.post("/v1/sandboxes", json=body)
+        assert refused.status_code == 403, refused.text
+        assert refused.json() == {
+            "code": "PERMISSION_DENIED",
+            "message": "token 'writer' lacks the scope provider:write "
+            "(needed to attach providers at create)",
+        }
+        assert await api.commands_published() == 0
+        # The CLI's create calls the same route: refused, with the reason, exit 1.
+        argv = ["--url", api.url, "--token", WRITER, "sandbox", "create", unique("sb"),
+                "--image", "registry.example/agent:1", "--provider", name, "--no-wait"]  # fmt: skip
+        cli = await asyncio.to_thread(CliRunner().invoke, app, argv)
+        assert cli.exit_code == 1
+        assert "lacks the scope provider:write" in cli.output + str(cli.exception or "")
+        assert await api.commands_published() == 0
+        # Without providers the same token creates; with provider:write (admin) so can it.
+        plain = await writer.post("/v1/sandboxes", json=apikit.create_body(unique("sb")))
+        assert plain.status_code == 202, plain.text
+        attached = await admin.post("/v1/sandboxes", json=body)
+        assert attached.status_code == 202, attached.text
+        assert await api.commands_published() == 2
+
+
+async def test_a_forced_delete_detaches_so_it_needs_sandbox_write_as_well() -> None:
+    """A forced delete detaches the provider from every sandbox, as a detach does: a token
+    with only the provider scopes is refused before anything is sent (it used to publish a
+    DetachProvider to every attached sandbox)."""
+    p, sb = unique("forced"), unique("sb")
+    async with (
+        apikit.running_api(FakeDriver(), settings_update={"credentials_key": KEY}) as api,
+        api.client() as admin,
+        api.client(KEEPER) as keeper,
+    ):
+        created = await admin.post("/v1/providers", json={"name": p, "credentials": {"K": "v"}})
+        assert created.status_code == 201, created.text
+        body = create_body(sb) | {"providers": [p]}
+        assert (await admin.post("/v1/sandboxes", json=body)).status_code in (201, 202)
+        await api.wait_phase(sb, "Ready")
+        published = await api.commands_published()
+
+        denied = await keeper.delete(f"/v1/providers/{p}", params={"force": "true"})
+        assert denied.status_code == 403, denied.text
+        assert denied.json()["code"] == "PERMISSION_DENIED"
+        assert "sandbox:write" in denied.json()["message"]
+        assert await api.commands_published() == published  # no DetachProvider was sent
+        assert (await admin.get(f"/v1/providers/{p}")).status_code == 200
+        unforced = await keeper.delete(f"/v1/providers/{p}")
+        assert (unforced.status_code, unforced.json()["code"]) == (412, "FAILED_PRECONDITION")
+
+        forced = await admin.delete(f"/v1/providers/{p}", params={"force": "true"})
+        assert forced.status_code == 200 and forced.json()["detached"] == [sb], forced.text
+        await eventually(lambda: admin.get(f"/v1/sandboxes/{sb}"),
+                         lambda r: r.json()["providers"] == [],
+                         what=f"{p} detached from {sb}")  # fmt: skip

@@ -348,3 +348,116 @@ async def test_a_rotation_while_a_restart_is_pending_restarts_once_onto_the_newe
         for name in (unread, read):
             await driver.delete(name)
         await driver.close()
+
+
+async def test_a_provider_deleted_and_created_again_restarts_its_sandboxes_on_rotation() -> None:
+    """A provider deleted (forced) and created again starts at revision 1 again. Rotation
+    command ids once derived from (sandbox, provider, revision) alone, so the new provider's
+    first rotation repeated the id of the old one's: the receipt said `restart`, the processor
+    took the command for a duplicate, and the agent kept the old value."""
+    settings = load_settings()
+    driver = podman_driver(settings, stop_timeout=5)
+    p, name = unique("again"), unique("again")
+    values = {tag: value(tag) for tag in ("old1", "old2", "new1", "new2")}
+    try:
+        async with (
+            apikit.running_api(driver, settings_update={"credentials_key": KEY}) as api,
+            api.client() as c,
+        ):
+
+            async def rotate(v: str) -> dict[str, Any]:
+                r = await c.put(f"/v1/providers/{p}/credentials",
+                                json={"credentials": {"API_KEY": v}})  # fmt: skip
+                assert r.status_code == 200, r.text
+                (line,) = r.json()["sandboxes"]
+                assert line["action"] == "restart", line
+                return dict(line)
+
+            async def create_provider(v: str) -> None:
+                r = await c.post("/v1/providers", json={"name": p, "credentials": {"API_KEY": v}})
+                assert r.status_code == 201, r.text
+
+            async def ready_at(generation: int) -> None:
+                await eventually(
+                    lambda: c.get(f"/v1/sandboxes/{name}"),
+                    lambda r: (r.json()["phase"], r.json()["generation"]) == ("Ready", generation),
+                    what=f"{name} Ready at generation {generation}",
+                )
+
+            await create_provider(values["old1"])
+            body = create_body(name, command=AGENT) | {"providers": [p]}
+            body["spec"]["image"] = api.env.settings.sandbox_image
+            assert (
+                await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+            ).status_code == 201
+            await api.wait_phase(name, "Ready")
+            first = await rotate(values["old2"])  # revision 2 of the first provider
+            await ready_at(2)
+
+            r = await c.delete(f"/v1/providers/{p}", params={"force": "true"})
+            assert r.status_code == 200 and r.json()["detached"] == [name], r.text
+            detached = await eventually(
+                lambda: c.get(f"/v1/sandboxes/{name}"),
+                lambda r: r.json()["providers"] == [] and r.json()["phase"] == "Ready",
+                what=f"{name} Ready without {p}",
+            )
+            await create_provider(values["new1"])
+            r = await c.post(f"/v1/sandboxes/{name}:attach", params={"wait": 30},
+                             json={"provider": p})  # fmt: skip
+            assert r.status_code == 200 and r.json()["status"] == "accepted", r.text
+
+            generation = detached.json()["generation"]
+            again = await rotate(values["new2"])  # revision 2 again, of the new provider
+            await ready_at(generation + 1)
+            assert await env_in(driver, name, generation + 1, "API_KEY") == values["new2"]
+            assert again["command_id"] != first["command_id"]
+    finally:
+        await driver.delete(name)
+        await driver.close()
+
+
+async def test_a_provider_detached_from_a_ready_sandbox_leaves_its_running_agent() -> None:
+    """A Ready sandbox that loses a provider restarts without its values: the new agent no
+    longer sees them (a detach once left them in the running agent, out of reach of every
+    later rotation). With no_restart it keeps running; the values leave at its next start."""
+    settings = load_settings()
+    driver = podman_driver(settings, stop_timeout=5)
+    p, q, name = unique("gone-p"), unique("gone-q"), unique("detached")
+    values = {"p": value("p"), "q": value("q")}
+    try:
+        async with (
+            apikit.running_api(driver, settings_update={"credentials_key": KEY}) as api,
+            api.client() as c,
+        ):
+            for provider, key, v in ((p, "P_KEY", values["p"]), (q, "Q_KEY", values["q"])):
+                r = await c.post("/v1/providers",
+                                 json={"name": provider, "credentials": {key: v}})  # fmt: skip
+                assert r.status_code == 201, r.text
+            body = create_body(name, command=AGENT) | {"providers": [p, q]}
+            body["spec"]["image"] = api.env.settings.sandbox_image
+            r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+            assert r.status_code == 201, r.text
+            await api.wait_phase(name, "Ready")
+            assert await env_in(driver, name, 1, "P_KEY") == values["p"]
+
+            r = await c.post(f"/v1/sandboxes/{name}:detach", params={"wait": 30},
+                             json={"provider": p})  # fmt: skip
+            assert r.status_code == 200 and r.json()["status"] == "accepted", r.text
+            await eventually(
+                lambda: c.get(f"/v1/sandboxes/{name}"),
+                lambda r: (r.json()["phase"], r.json()["generation"]) == ("Ready", 2),
+                what=f"{name} restarted without {p}",
+            )
+            assert await env_in(driver, name, 2, "P_KEY") == ""
+            assert await env_in(driver, name, 2, "Q_KEY") == values["q"]
+            (restart,) = events_of(await history(c, name), "AgentRestarted")
+            assert "without" in restart["reason"]
+
+            r = await c.post(f"/v1/sandboxes/{name}:detach", params={"wait": 30},
+                             json={"provider": q, "no_restart": True})  # fmt: skip
+            assert r.status_code == 200 and "no-restart" in r.json()["message"], r.text
+            row = (await c.get(f"/v1/sandboxes/{name}")).json()
+            assert (row["phase"], row["generation"], row["providers"]) == ("Ready", 2, [])
+    finally:
+        await driver.delete(name)
+        await driver.close()

@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from harness import isolated_env
 
 from events.common import Phase
 from services.api import readmodel
-from services.api.readmodel import SandboxView, changes, decided, queries
+from services.api.readmodel import SandboxView, changes, decided, queries, trend
 from services.openshell.service import BY_ID, sandbox_by_id
 
 ROWS = 20_000  # sandboxes, with two history entries each
@@ -312,3 +313,55 @@ async def test_the_named_event_feed_answers_as_the_filter_did() -> None:
             pool, "events", 0, 10 * ROWS, names=["k8"], incarnation=row_id(7)
         ) == []  # fmt: skip
         await check(0, 5, lambda b: True)
+
+
+# -- the console's chart of phase counts over the last hours -------------------------------------
+
+# A week of history: every sandbox created (Provisioning, then Ready) and stopped, one input per
+# 6 s of the week (100,800), 600 of them in the last hour; recorded_at grows with the id, as
+# appended.
+WEEK = 7 * 86400
+FILL_WEEK = f"""
+INSERT INTO history (key, topic, partition, "offset", disposition, reason, event_types, phase,
+                     recorded_at)
+SELECT 'k' || (i / 5 + 1), 'commands', 0, i, 'applied', '', '{{}}',
+       (ARRAY['Provisioning', 'Ready', 'Ready', 'Stopping', 'Stopped'])[i % 5 + 1],
+       now() - make_interval(secs => {WEEK}) + make_interval(secs => i * 6)
+FROM generate_series(0, {WEEK // 6 - 1}) AS i
+"""
+
+
+async def test_the_chart_reads_the_hours_it_shows_not_the_whole_history() -> None:
+    """The phase changes of the last hour are found through the BRIN index on recorded_at: the
+    history entries read are those of the window (and the index's range around its start),
+    not the week's; the previous entry of each sandbox by its key index."""
+    async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
+        await conn.execute(FILL_WEEK)  # (not FILL: its history is all of this hour)
+        await conn.execute("ANALYZE history")
+        await conn.execute("SELECT brin_summarize_new_values('history_recorded')")  # autovacuum's
+        total = await conn.fetchval("SELECT count(*) FROM history")
+        async with conn.transaction():
+            await conn.execute("SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off")
+            start = await conn.fetchval("SELECT now() - interval '1 hour'")
+            plan = await conn.fetchval(
+                f"EXPLAIN (ANALYZE, FORMAT JSON) {trend.MOVES}", start, 60.0, trend.BUCKETS
+            )
+        nodes = list(plan_nodes(json.loads(plan)[0]["Plan"]))
+        on_history = [n for n in nodes if n.get("Relation Name") == "history"]
+        assert {n["Node Type"] for n in on_history} == {"Bitmap Heap Scan", "Index Scan"}, nodes
+        window = next(n for n in on_history if n["Node Type"] == "Bitmap Heap Scan")
+        assert "history_recorded" in json.dumps(nodes)
+        read = window["Actual Rows"] + window.get("Rows Removed by Index Recheck", 0)
+        assert 600 <= read < total / 20, (read, total)
+        pool: Any = OneConnection(conn)
+        found = await trend.phase_trend(pool, 1)
+        assert found.now == await trend.live_counts(pool) and len(found.counts) == trend.BUCKETS
+        # A window that takes longer than the statement timeout is said so, not waited for.
+        with pytest.raises(trend.TrendTooLarge, match="last 24 h takes longer than 1ms"):
+            await trend.phase_trend(pool, 24, timeout="1ms")
+
+
+def plan_nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield node
+    for child in node.get("Plans", []):
+        yield from plan_nodes(child)

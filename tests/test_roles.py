@@ -183,13 +183,15 @@ async def test_provider_sync_processes_one_active_keeps_providers_in_step(
     tmp_path: Path,
 ) -> None:
     """Two `provider-sync` processes on one directory: one holds the lease and creates the
-    provider the directory holds, the other stands by."""
+    provider the directory holds, the other stands by. A value file that is not UTF-8 is
+    skipped (its file named in the log); the process goes on."""
     import base64
     import secrets
 
     secrets_dir = tmp_path / "providers"
     (secrets_dir / "gh").mkdir(parents=True)
     (secrets_dir / "gh" / "TOKEN").write_text("one")
+    (secrets_dir / "gh" / "BROKEN").write_bytes(b"\xff\xfe")
     key = {"SANDSTREAM_CREDENTIALS_KEY": base64.b64encode(secrets.token_bytes(32)).decode()}
     async with roles_env(tmp_path) as roles:
         syncs = [roles.start("provider-sync", "--dir", str(secrets_dir), env=key)
@@ -200,6 +202,9 @@ async def test_provider_sync_processes_one_active_keeps_providers_in_step(
         await eventually(lambda: roles.env.fetch("SELECT name FROM providers"),
                          lambda rows: [r["name"] for r in rows] == ["gh"],
                          what="the provider created from the directory")  # fmt: skip
+        keys = await roles.env.fetch("SELECT key FROM provider_credentials")
+        assert [r["key"] for r in keys] == ["TOKEN"]
+        assert "skipping gh/BROKEN: not UTF-8 text" in roles.logs()
         for s in syncs:
             s.proc.send_signal(signal.SIGTERM)
         assert [s.exit_code() for s in syncs] == [EXIT_STOPPED] * 2, roles.logs()
@@ -235,6 +240,7 @@ async def test_a_role_that_cannot_start_exits_3_saying_why(
 
 def layout_commands() -> list[list[str]]:
     """The sandstream commands of compose/Procfile and compose/docker-compose.yml."""
+    import re
     import shlex
 
     import yaml
@@ -246,7 +252,12 @@ def layout_commands() -> list[list[str]]:
         if line.strip() and not line.startswith("#")
     ]
     compose = yaml.safe_load((PROJECT_ROOT / "compose" / "docker-compose.yml").read_text())
-    commands += [s["command"] for s in compose["services"].values() if "command" in s]
+    # the image's entry point is `sandstream`; ${VAR:-default} as compose expands it unset
+    commands += [
+        ["sandstream", *(re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", a) for a in s["command"])]
+        for s in compose["services"].values()
+        if "command" in s
+    ]
     return commands
 
 

@@ -10,6 +10,7 @@ the receipt predicts exactly what the fold decides.
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from uuid import NAMESPACE_URL, UUID, uuid4, uuid5
 
 import factories as f
 import pytest
@@ -36,10 +37,14 @@ PENDING = {P.PROVISIONING, P.STARTING}  # a launch of the current generation is 
 LIVE = [p for p in Phase if p is not P.DELETED]
 
 
+# Each provider's incarnation (one per name here: nothing is deleted and created again).
+INCARNATIONS = {p: uuid5(NAMESPACE_URL, p) for p in ("p", "q", "r")}
+
+
 def rotate(key: str, rotations: dict[str, int], restart: bool = True) -> RotateCredentials:
     return RotateCredentials(
         type="RotateCredentials",
-        command_id=rotation_command_id(key, rotations),
+        command_id=rotation_command_id(key, rotations, INCARNATIONS),
         key=key,
         occurred_at=datetime(2026, 1, 1, tzinfo=UTC),
         actor="test",
@@ -136,10 +141,15 @@ def test_the_rotate_command_round_trips_through_the_codec() -> None:
     assert decode(COMMANDS, encode(command)) == command
 
 
-def test_command_ids_are_deterministic_and_distinct_per_revision() -> None:
-    assert rotation_command_id("a", {"p": 1, "q": 2}) == rotation_command_id("a", {"q": 2, "p": 1})
-    assert rotation_command_id("a", {"p": 1}) != rotation_command_id("a", {"p": 2})
-    assert rotation_command_id("a", {"p": 1}) != rotation_command_id("b", {"p": 1})
+def test_command_ids_are_deterministic_and_distinct_per_revision_and_incarnation() -> None:
+    def rid(sandbox: str, rotations: dict[str, int], inc: dict[str, UUID] = INCARNATIONS) -> str:
+        return rotation_command_id(sandbox, rotations, inc)
+
+    assert rid("a", {"p": 1, "q": 2}) == rid("a", {"q": 2, "p": 1})
+    assert rid("a", {"p": 1}) != rid("a", {"p": 2})
+    assert rid("a", {"p": 1}) != rid("b", {"p": 1})
+    # A provider deleted and created again starts at revision 1 again: its ids are new.
+    assert rid("a", {"p": 2}) != rid("a", {"p": 2}, {"p": uuid4()})
 
 
 sandboxes = st.lists(
@@ -167,7 +177,7 @@ def test_a_rotation_restarts_each_running_attached_sandbox_exactly_once(
         for message in f.path_to(phase, f"sb-{i}", providers=sorted(attached)):
             h.send(message)
     rows = [h.row(f"sb-{i}") for i in range(len(boxes))]
-    receipt = plan(rotated, rows, restart)
+    receipt = plan(rotated, rows, restart, INCARNATIONS)
     before = {r.key: r for r in rows}
     commands = [rotate(line.sandbox, {p: rotated[p] for p in line.providers}, restart)
                 for line in receipt]  # fmt: skip
@@ -200,7 +210,7 @@ def test_a_held_sandbox_is_skipped_and_restarts_again_once_released() -> None:
     h.send(f.hold(key=f.KEY))
     (event,) = h.send(rotate(f.KEY, {"p": 2})).events
     assert isinstance(event, AgentRestartSkipped) and event.reason == HELD
-    assert plan({"p": 2}, [h.row()], True)[0].reason == HELD
+    assert plan({"p": 2}, [h.row()], True, INCARNATIONS)[0].reason == HELD
     assert h.row().generation == 1
     h.send(f.release(key=f.KEY))
     (event,) = h.send(rotate(f.KEY, {"p": 3})).events

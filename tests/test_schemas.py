@@ -15,7 +15,7 @@ from events import schema_export
 from events.codec import COMMANDS, EVENTS, OBSERVATIONS, DecodeError, check_key, decode, encode
 from events.commands import Command
 from events.common import Phase
-from events.deadletter import DeadLetter, SourceRecord
+from events.deadletter import dead_letter
 from events.decided import DecidedEvent
 from events.observations import Observation
 from events.outcomes import CommandOutcome
@@ -122,12 +122,8 @@ def test_round_trip_of_outcome_and_dead_letter() -> None:
         version=7,
         identity="rid-x",
     )
-    letter = DeadLetter(
-        reason="field 'key': String should match pattern",
-        source=SourceRecord(topic="sandbox.commands", partition=1, offset=5, timestamp=f.T0),
-        key=None,
-        value="{}",
-        value_encoding="utf-8",
+    letter = dead_letter(
+        "field 'key': String should match pattern", "sandbox.commands", 1, 5, f.T0, None, b"{}"
     )
     for model in (outcome, letter):
         adapter: TypeAdapter[Any] = TypeAdapter(type(model))

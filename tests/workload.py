@@ -24,7 +24,9 @@ def commands(count: int, keys: int, seed: int) -> list[Command]:
     """``count`` commands over ``keys`` sandboxes; some are retries of an earlier command id."""
     rng = random.Random(seed)
     kinds = list(f.COMMAND_BUILDERS)
-    weights = [3, 3, 3, 2, 1, 1, 1, 1, 1, 1]  # ..., hold, release, extend
+    # Creates, starts, stops and restarts most; a command type added later weighs 1 by default.
+    heavy = {"CreateSandbox": 3, "StartSandbox": 3, "StopSandbox": 3, "RestartSandbox": 2}
+    weights = [heavy.get(kind, 1) for kind in kinds]
     issued: dict[str, list[Command]] = {}
     out: list[Command] = []
     for i in range(count):

@@ -5,7 +5,8 @@
 - ``routes/``: one router per resource (commands, sandboxes, history, watch, providers, audit,
   lifecycle, operations).
 - ``readmodel/``: the reads: views, pages, queries, outcomes, the change horizon, both feeds,
-  the attention counts (its docstring lists its modules).
+  the attention counts, the phase trend (its docstring lists its modules).
+- ``console/``: the operator's web console under ``/ui/`` (its docstring lists its modules).
 - ``deps``: the bearer-token check with its scope, and the shared state (pool, feed, gateway).
 - ``guard``: the front gate: authentication and the body size limit before any parsing.
 - ``gateway``: commands in: publish once, answer retries with the first outcome, wait for it.
@@ -16,7 +17,9 @@
 - ``probe``: the readiness probe of Kafka (the input topics' end offsets, the log's identity).
 - ``server``: serving the app with uvicorn in the embedding process's loop, TLS when given.
 - ``openapi_export``: docs/openapi.json, checked in and compared by a test.
-- ``providers``: provider updates: store the values, restart each attached sandbox once.
-- ``provider_sync``, ``provider_sources``, ``kube_secrets``: the provider-sync controller and
-  where it reads the desired values (a directory, or Kubernetes Secrets).
+- ``providers``: the provider service, the one place provider writes are decided (updates and
+  their receipts, attach, detach, delete) for every door and the provider-sync controller
+  (services/provider_sync/).
+- ``provider_outbox``: the commands a provider change owes sandboxes, stored with the change
+  until Kafka acknowledges them (docs/adr/0005).
 """

@@ -8,6 +8,8 @@ to Kafka through the gateway; reads only query PostgreSQL; nothing here calls a 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -15,8 +17,9 @@ from fastapi import FastAPI
 
 from drivers.logs import LogSource
 from events.publisher import CommandPublisher
+from services.api import console
 from services.api.deps import ApiState, Pool
-from services.api.gateway import PUBLISH_TIMEOUT, CommandGateway
+from services.api.gateway import CommandGateway
 from services.api.guard import GuardMiddleware
 from services.api.handlers import install_error_handlers
 from services.api.middleware import MetricsMiddleware
@@ -53,7 +56,7 @@ def create_app(
     tokens: TokenStore,
     *,
     poll_interval: float = 1.0,
-    publish_timeout: float = PUBLISH_TIMEOUT,
+    publish_timeout: float | None = None,
     down: Callable[[], dict[str, str]] | None = None,
     logs: LogSource | None = None,
 ) -> FastAPI:
@@ -64,15 +67,27 @@ def create_app(
     feed = ChangeFeed(pool, poll_interval=poll_interval)
     probe = KafkaProbe(settings, publisher)
     gateway = CommandGateway(
-        pool, publisher, feed, poll_interval=poll_interval, publish_timeout=publish_timeout
+        pool,
+        publisher,
+        feed,
+        poll_interval=poll_interval,
+        publish_timeout=publish_timeout or settings.api_publish_timeout_seconds,
     )
+    provider_service = ProviderService(settings, pool, gateway)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await feed.start()
+        # Every API process relays the provider outbox (docs/adr/0005). Cancelled at shutdown
+        # rather than awaited: a send in flight may wait out the publish timeout, and what it
+        # leaves stays stored for the next relay.
+        relay = asyncio.create_task(provider_service.relay(asyncio.Event()), name="provider relay")
         try:
             yield
         finally:
+            relay.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await relay
             await feed.close()
             await probe.close()
             if own_logs:
@@ -91,9 +106,10 @@ def create_app(
     app.state.api = ApiState(settings, pool, feed, gateway, probe, down, logs)
     # Last added runs first: metrics see every answer, the guard's 401/403/413 included.
     app.add_middleware(GuardMiddleware, max_body_bytes=settings.api_max_body_bytes)
-    app.state.providers = ProviderService(settings, pool, gateway)
+    app.state.providers = provider_service
     app.add_middleware(MetricsMiddleware)
     install_error_handlers(app)
     for module in ROUTE_MODULES:
         app.include_router(module.router)
+    console.mount(app)  # the operator's console under /ui/
     return app

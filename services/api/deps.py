@@ -73,6 +73,17 @@ def check_auth(request: Request, scope: str) -> Principal:
     return checked
 
 
+def require_also(principal: Principal, scope: str, needed_for: str) -> None:
+    """A second scope a request needs beyond its route's (403 without it): attaching a
+    provider, at create or later, also needs provider:write."""
+    if scope not in principal.scopes:
+        raise ApiError(
+            403,
+            "PERMISSION_DENIED",
+            f"token {principal.name!r} lacks the scope {scope} (needed {needed_for})",
+        )
+
+
 def _known_query(route: Any) -> frozenset[str]:
     known: frozenset[str] | None = getattr(route, "_sandstream_query", None)
     if known is None:

@@ -1,17 +1,21 @@
 """The API's front gate, before any route or body parsing: authentication and a body size
 limit. A request under ``/v1/`` without a valid token for its method's scope is answered 401
-or 403 before a byte of its body is read; a body above the limit is answered 413 (from its
-Content-Length at once, or as soon as the streamed bytes pass it) and never parsed."""
+or 403 before a byte of its body is read; a body above the limit (under ``/v1/`` and the
+console's ``/ui/``) is answered 413 (from its Content-Length at once, or as soon as the streamed
+bytes pass it) and never parsed."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, Final
 
 from starlette.requests import Request
 
 from services.api.deps import READ_METHODS, check_auth, request_scope
 from services.api.errors import ApiError, error_response
+
+# The JSON API and the console: bodies above the limit are refused under both.
+GUARDED: Final = ("/v1/", "/ui/")
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -24,12 +28,14 @@ class GuardMiddleware:
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not str(scope.get("path", "")).startswith("/v1/"):
+        path = str(scope.get("path", ""))
+        if scope["type"] != "http" or not path.startswith(GUARDED):
             await self.app(scope, receive, send)
             return
         request = Request(scope)
         try:
-            check_auth(request, request_scope(request.method, request.url.path))
+            if path.startswith("/v1/"):  # the console (/ui/) signs in with its own cookie
+                check_auth(request, request_scope(request.method, request.url.path))
         except ApiError as denied:
             await _answer(scope, receive, send, denied)
             return

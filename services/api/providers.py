@@ -1,32 +1,83 @@
-"""Provider updates: store the values (encrypted), then send each attached sandbox its one
-restart command, and answer with the receipt (what will happen to every attached sandbox).
+"""The provider service: the one place where provider writes are decided, whichever door
+they come through (the HTTP routes, the provider-sync controller, the OpenShell API).
 
-The API route and the provider-sync controller both go through ``ProviderService``. Values pass
-through here on their way into PostgreSQL and are never logged, published or returned.
+- ``update``: store the values (encrypted) and each attached sandbox's one restart command in
+  one transaction, send the commands, and answer with the receipt (what will happen to every
+  attached sandbox, and which commands Kafka has not acknowledged yet: pending).
+- ``attachment``: the AttachProvider or DetachProvider command a caller may send.
+- ``delete``: delete a provider; forced, detach it from every sandbox (the DetachProvider
+  commands stored in the delete's transaction, then sent).
+- ``relay``: send the stored commands Kafka has not acknowledged yet, until it does (every
+  process that holds a ProviderService runs it: docs/adr/0005).
+
+Who may do what is checked here too (``ScopeMissing``): attaching hands a provider's values to
+an agent and detaching takes them away, so both need ``sandbox:write`` and ``provider:write``,
+and so does a forced delete (it detaches). Values pass through here on their way into
+PostgreSQL and are never logged, published or returned.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Final
 
-from events.commands import DetachProvider, ProviderRotation, RotateCredentials
-from events.publisher import CommandPublisher, new_command_id, now
+from events.backoff import pause
+from events.commands import (
+    AttachProvider,
+    Command,
+    DetachProvider,
+    ProviderRotation,
+    RotateCredentials,
+)
+from events.publisher import new_command_id, now
 from projections.credentials import ReceiptLine, plan
+from services.api import provider_outbox
 from services.api.gateway import CommandGateway, Pool, PublishFailed
-from services.api.readmodel import ChangeFeed
-from services.common import providers
+from services.common import metrics, providers
 from services.common.credentials import Vault, load_key
-from services.common.database import connect_pool
-from services.common.kafka_clients import kafka_client_args
 from services.common.providers import Applied, Update
 from services.common.settings import Settings
+from services.common.tokens import PROVIDER_WRITE, WRITE, Principal
 
 log = logging.getLogger("sandstream.providers")
+
+
+class ScopeMissing(PermissionError):
+    """The caller's token lacks a scope the request needs."""
+
+    def __init__(self, principal: Principal, scope: str, needed_for: str) -> None:
+        super().__init__(f"token {principal.name!r} lacks the scope {scope} (needed {needed_for})")
+
+
+class ProviderInUse(Exception):
+    """A delete without force of a provider that sandboxes have attached."""
+
+    def __init__(self, name: str, sandboxes: list[str]) -> None:
+        super().__init__(
+            f"provider {name!r} is attached to {', '.join(sandboxes)} (force=true detaches it)"
+        )
+
+
+def require_scopes(principal: Principal, needed_for: str, *scopes: str) -> None:
+    for scope in scopes:
+        if scope not in principal.scopes:
+            raise ScopeMissing(principal, scope, needed_for)
+
+
+# Attaching hands a provider's values to an agent, detaching takes them away: both are
+# sandbox writes and provider writes.
+ATTACHING: Final = (WRITE, PROVIDER_WRITE)
+
+
+@dataclass(frozen=True, slots=True)
+class Deleted:
+    name: str
+    detached: list[str]  # the sandboxes it was detached from (a forced delete)
+    unsent: list[str] = field(default_factory=list)  # detaches Kafka has not acknowledged yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +85,9 @@ class Receipt:
     applied: list[Applied]
     sandboxes: list[ReceiptLine]
     restart: bool
-    unsent: list[str] = field(default_factory=list)  # command ids Kafka did not acknowledge
+    # Command ids Kafka has not acknowledged yet: stored with the values, sent by the relay
+    # until it does (pending, not lost).
+    unsent: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -59,79 +112,140 @@ class ProviderService:
         create: bool | None = False,
         at: datetime | None = None,
     ) -> Receipt:
-        """Store ``updates`` in one transaction, then publish one RotateCredentials per
-        attached live sandbox of the rotated providers (restart or recorded skip)."""
+        """Store ``updates`` and one RotateCredentials per attached live sandbox of the rotated
+        providers (restart or recorded skip) in one transaction; then send the commands."""
         vault = await self.vault()
-        async with self.pool.acquire() as conn:
+        async with self.pool.acquire() as conn, conn.transaction():
             applied = await providers.apply_updates(
                 conn, vault, list(updates), at or now(), create=create
             )
             rotations = {a.change.provider: a.revision for a in applied if a.change.rotated}
             attached = await providers.attached_sandboxes(conn, rotations) if rotations else []
-        lines = plan(rotations, attached, restart)
-        commands = [
-            RotateCredentials(
-                type="RotateCredentials",
-                command_id=line.command_id,
-                key=line.sandbox,
-                occurred_at=now(),
-                actor=actor,
-                rotations=[
-                    ProviderRotation(provider=p, revision=rotations[p]) for p in line.providers
-                ],
-                restart=restart,
-            )
-            for line in lines
-        ]
-        unsent = await self._publish(commands)
+            incarnations = {a.change.provider: a.incarnation for a in applied}
+            lines = plan(rotations, attached, restart, incarnations)
+            commands = [
+                RotateCredentials(
+                    type="RotateCredentials",
+                    command_id=line.command_id,
+                    key=line.sandbox,
+                    occurred_at=now(),
+                    actor=actor,
+                    rotations=[
+                        ProviderRotation(provider=p, revision=rotations[p]) for p in line.providers
+                    ],
+                    restart=restart,
+                )
+                for line in lines
+            ]
+            await provider_outbox.store(conn, commands)
+        unsent = await self.send(commands)
         log.info(
-            "providers updated by %s: %s; %d attached sandboxes (%d restarts)",
+            "providers updated by %s: %s; %d attached sandboxes (%d restarts, %d pending)",
             actor,
             ", ".join(f"{a.change.provider}@{a.revision}" for a in applied),
             len(lines),
             sum(1 for line in lines if line.action == "restart"),
+            len(unsent),
         )
         return Receipt(applied, lines, restart, unsent)
 
-    async def detach_everywhere(self, provider: str, actor: str) -> list[str]:
-        """Send DetachProvider to every live sandbox that has ``provider`` attached."""
+    async def attachment(
+        self,
+        kind: type[AttachProvider | DetachProvider],
+        sandbox: str,
+        provider: str,
+        *,
+        principal: Principal,
+        command_id: str | None = None,
+        expected_version: int | None = None,
+        restart: bool = True,
+    ) -> AttachProvider | DetachProvider:
+        """The command that attaches ``provider`` to ``sandbox`` or detaches it (a Ready
+        sandbox restarts without its values unless not ``restart``), for the door to submit;
+        ScopeMissing, or ProviderMissing (an attach of a provider that does not exist)."""
+        require_scopes(principal, "to attach or detach a provider", *ATTACHING)
+        common = {
+            "command_id": command_id or new_command_id(),
+            "key": sandbox,
+            "occurred_at": now(),
+            "actor": principal.name,
+            "expected_version": expected_version,
+            "provider": provider,
+        }
+        if kind is DetachProvider:
+            return DetachProvider(type="DetachProvider", restart=restart, **common)
         async with self.pool.acquire() as conn:
-            attached = await providers.attached_sandboxes(conn, [provider])
-        commands = [
-            DetachProvider(
-                type="DetachProvider",
-                command_id=new_command_id(),
-                key=s.key,
-                occurred_at=now(),
-                actor=actor,
-                provider=provider,
-            )
-            for s in attached
-        ]
-        await self._publish(commands)
-        return [s.key for s in attached]
+            if await providers.get_provider(conn, provider) is None:
+                raise providers.ProviderMissing(provider)
+        return AttachProvider(type="AttachProvider", **common)
 
-    async def _publish(self, commands: list[RotateCredentials] | list[DetachProvider]) -> list[str]:
+    async def delete(
+        self, name: str, *, principal: Principal, force: bool = False, restart: bool = True
+    ) -> Deleted:
+        """Delete provider ``name``; refused (ProviderInUse) while attached, unless ``force``:
+        then detached from every sandbox (each Ready one restarting without its values unless
+        not ``restart``), which needs the scopes of a detach as well. The DetachProvider
+        commands are stored in the delete's transaction, then sent."""
+        require_scopes(principal, "to delete a provider", PROVIDER_WRITE)
+        if force:
+            require_scopes(principal, "to detach it from its sandboxes (force)", *ATTACHING)
+        async with self.pool.acquire() as conn, conn.transaction():
+            if not await providers.delete_provider(conn, name):
+                raise providers.ProviderMissing(name)
+            attached = [s.key for s in await providers.attached_sandboxes(conn, [name])]
+            if attached and not force:
+                raise ProviderInUse(name, attached)  # rolls the delete back
+            commands = [
+                DetachProvider(
+                    type="DetachProvider",
+                    command_id=new_command_id(),
+                    key=key,
+                    occurred_at=now(),
+                    actor=principal.name,
+                    provider=name,
+                    restart=restart,
+                )
+                for key in attached
+            ]
+            await provider_outbox.store(conn, commands)
+        return Deleted(name, attached, await self.send(commands))
+
+    async def send(self, commands: Sequence[Command]) -> list[str]:
+        """Publish stored outbox commands; forget those Kafka acknowledged (or that were
+        decided already: a duplicate is harmless), and return the ids of the others, which
+        stay stored for the relay."""
         results = await asyncio.gather(
             *(self.gateway.submit(c, None) for c in commands), return_exceptions=True
         )
-        unsent = []
+        sent, unsent, why = [], [], ""
         for command, result in zip(commands, results, strict=True):
-            if isinstance(result, PublishFailed):
-                unsent.append(command.command_id)
-            elif isinstance(result, BaseException):
-                raise result
+            if not isinstance(result, BaseException):
+                sent.append(command.command_id)
+                continue
+            if not isinstance(result, PublishFailed):
+                log.error("sending %s %s failed: %r (kept for the relay)",
+                          command.type, command.command_id, result)  # fmt: skip
+            unsent.append(command.command_id)
+            why = repr(result.__cause__ or result)
+        if sent:
+            await provider_outbox.delivered(self.pool, sent)
+        if unsent:
+            await provider_outbox.failed(self.pool, unsent, why)
         return unsent
 
-
-@asynccontextmanager
-async def open_service(settings: Settings) -> AsyncIterator[ProviderService]:
-    """A ProviderService with its own pool and publisher (the provider-sync command)."""
-    pool = await connect_pool(settings)
-    try:
-        client = kafka_client_args(settings, "provider-sync")
-        async with CommandPublisher(client, topic=settings.topic_commands) as pub:
-            gateway = CommandGateway(pool, pub, ChangeFeed(pool))
-            yield ProviderService(settings, pool, gateway)
-    finally:
-        await pool.close()
+    async def relay(self, stop: asyncio.Event) -> None:
+        """Until ``stop``: every ``provider_outbox_seconds``, send the stored commands at least
+        that old (a request sends its own first) until Kafka acknowledged them. Never ends on
+        an error: it logs it and tries again at the next interval."""
+        interval = self.settings.provider_outbox_seconds
+        while not await pause(stop, interval):
+            try:
+                commands = await provider_outbox.due(self.pool, interval)
+                unsent = await self.send(commands) if commands else []
+                metrics.PROVIDER_OUTBOX.set(await provider_outbox.pending(self.pool))
+            except Exception as exc:  # the relay outlives any one failure
+                log.warning("relaying the provider outbox failed (will retry): %r", exc)
+                continue
+            if commands:
+                log.info("relayed %d stored provider commands; %d not acknowledged yet",
+                         len(commands), len(unsent))  # fmt: skip

@@ -2,7 +2,8 @@
 
 - ``entries``: the recorded history (one entry per input with its decision), read in order.
 - ``reach``: how far back the input topics still reach (retention) and what that means.
-- ``chains``: the hash chain of each sandbox's history checked link by link.
+- ``chains``: the hash chain of each sandbox's history checked link by link, and against
+  ``anchors``: the newest head of each chain the processor's checkpoints on the log name.
 - ``verify``: every recorded input re-decided from the log into a scratch schema with today's
   (or pinned) rules, compared with what was recorded; the first divergence per sandbox.
 - ``timeline``: a sandbox's state as of a time or an input (``at``) and the causal chain of

@@ -8,8 +8,9 @@ A fixture is two files in ``tests/golden/``:
   resulting phase/generation/version/incarnation, events, chain hash), then the final rows and
   the command outcomes.
 
-The replay is the processor's own path (parse, fold, batch planning, hash chain) with the
-default topic names, so event ids and hashes do not depend on where the run was recorded.
+The replay is the processor's own path (its intake and plan stages: parse, fold, batch
+planning, hash chain) with the default topic names, so event ids and hashes do not depend on
+where the run was recorded.
 
 Recording (``record``) reads a live environment's history and log, replays it, and refuses if
 the replay does not reproduce the run's decisions. ``regenerate`` rewrites every expected file
@@ -36,15 +37,15 @@ import asyncpg
 from aiokafka import ConsumerRecord
 
 from events.topics import COMMANDS, DEADLETTER, EVENTS, OBSERVATIONS
-from projections.chain import ChainId, chain_of
-from projections.fold import Rules, fold
+from projections.fold import Rules
 from projections.lifecycle import Sandbox, decide
 from projections.store import HistoryRow
 from services.audit.entries import ENTRY_COLUMNS, entry_from_record
 from services.audit.log import read_partition
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import PROJECT_ROOT, Settings
-from services.processor.consumer import Parsed, parse, plan_batch
+from services.processor.intake import parse
+from services.processor.plan import Replay
 
 GOLDEN_DIR = PROJECT_ROOT / "tests" / "golden"
 ROLES = {"commands": COMMANDS, "observations": OBSERVATIONS}
@@ -106,41 +107,28 @@ def replay(
             "kafka_partitions": partitions,
         }
     )
-    states: dict[str, Sandbox | None] = {}
-    outcomes: dict[Any, Any] = {}
-    heads: dict[ChainId, bytes | None] = {}
-    offsets: dict[tuple[str, int], int] = {}
+    decider = Replay(settings, rules)
     history: list[HistoryRow] = []
     for start in range(0, len(inputs), chunk):
         items = [
-            parse(i.record(), COMMANDS, settings.kafka_partitions)
+            parse(
+                i.record(),
+                COMMANDS,
+                settings.kafka_partitions,
+                max_bytes=settings.processor_max_input_bytes,
+            )
             for i in inputs[start : start + chunk]
         ]
-        parsed = [i for i in items if isinstance(i, Parsed)]
-        result = fold(
-            states,
-            outcomes,
-            ((p.cause, p.message) for p in parsed),
-            rules,
-            settings.lifecycle_limits,
-        )
-        touched = {(i.record.topic, i.record.partition) for i in items}
-        at = {tp: offsets.get(tp, 0) for tp in touched}
-        plan = plan_batch(items, result, at, settings, chain_heads=heads)
-        rows = plan.history
-        heads.update({chain_of(h.key, h.partition): h.entry_hash for h in rows})
-        offsets.update({tp: new for tp, (_, new) in plan.offsets.items()})
-        states, outcomes = result.states, {**outcomes, **result.outcomes}
-        history.extend(rows)
+        history.extend(decider.decide(items).plan.history)
     lines = [json.dumps({"history": _history(h)}, sort_keys=True) for h in history]
     lines += [
         json.dumps({"row": _row(s)}, sort_keys=True)
-        for _, s in sorted(states.items())
+        for _, s in sorted(decider.states.items())
         if s is not None
     ]
     lines += [
         json.dumps({"outcome": o.model_dump(mode="json")}, sort_keys=True)
-        for _, o in sorted(outcomes.items())
+        for _, o in sorted(decider.outcomes.items())
     ]
     return lines
 

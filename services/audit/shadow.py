@@ -2,9 +2,10 @@
 compared with it, and switched in atomically with the processor fenced.
 
 - ``build``: replay every recorded input (in the live history's decision order, bytes from the
-  log) into a fresh schema made by the migrations, the way the processor decides a batch: read
-  the rows, outcomes, chain heads and offsets from that schema, fold, plan, write with the
-  offsets compare-and-set. Nothing is published: the shadow's outbox is marked as published.
+  log) into a fresh schema made by the migrations, through the processor's own read and plan
+  stages: read the rows, outcomes, chain heads and offsets from that schema, fold, plan, write
+  with the offsets compare-and-set. Nothing is published: the shadow's outbox is marked as
+  published.
 - ``diff``: decisions, rows and command outcomes that differ, and how far the live is ahead.
 - ``promote``: in one transaction on the live schema: lock its input offsets (the processor's
   writes wait; reads go on), catch the shadow up to them, refuse if they differ and a processor
@@ -25,23 +26,24 @@ import asyncpg
 from aiokafka.admin import AIOKafkaAdminClient
 
 from events.topics import CHANGES_CHANNEL
-from projections.chain import chain_of
-from projections.fold import Rules, fold
+from projections.fold import Rules
 from projections.lifecycle import decide
-from projections.store import read_batch, write_batch
+from projections.store import write_batch
 from services.audit.entries import ENTRY_COLUMNS, entry_from_record
 from services.audit.log import read_partition
 from services.common.kafka_clients import kafka_client_args
 from services.common.migrations import apply_migrations
 from services.common.settings import Settings
-from services.processor.consumer import Parsed, Rejected, history_key, parse, plan_batch
+from services.processor.intake import Item, input_topics, inputs_of, parse
+from services.processor.read import Reader
+from services.processor.row_cache import RowCache
 
 if TYPE_CHECKING:
     from projections.store import Connection
 
 TABLES = (
-    "sandboxes", "history", "command_outcomes", "outbox", "outbox_cursor", "input_offsets",
-    "schema_migrations",
+    "sandboxes", "history", "command_outcomes", "outbox", "outbox_cursor", "outbox_set_aside",
+    "input_offsets", "schema_migrations",
 )  # fmt: skip
 SEQUENCES = ("sandbox_changes", "history_id_seq", "outbox_id_seq")  # carried over on promote
 CHUNK = 1000
@@ -64,35 +66,15 @@ async def _offsets(conn: Connection, schema: str) -> dict[tuple[str, int], int]:
     return {(r["topic"], r["partition"]): r["next_offset"] for r in rows}
 
 
-async def apply(
-    out: Connection, settings: Settings, items: Sequence[Parsed | Rejected], rules: Rules
-) -> None:
+async def apply(out: Connection, settings: Settings, items: Sequence[Item], rules: Rules) -> None:
     """Decide ``items`` (of one partition, in order) into ``out``'s schema as the processor
     does; items below that schema's stored offsets are skipped (already applied)."""
     if not items:
         return
-    p = items[0].record.partition
-    parsed = [i for i in items if isinstance(i, Parsed)]
-    read = await read_batch(
-        out,
-        [(settings.topic_commands, p), (settings.topic_observations, p)],
-        {i.message.key for i in parsed},
-        {(i.message.key, i.cause.command_id) for i in parsed if i.cause.command_id},
-        {chain_of(history_key(i), p) for i in items},
-    )
-    todo = [i for i in items if i.record.offset >= read.offsets[(i.record.topic, p)]]
-    if not todo:
-        return
-    fresh = [i for i in todo if isinstance(i, Parsed)]
-    result = fold(
-        read.sandboxes,
-        read.outcomes,
-        ((i.cause, i.message) for i in fresh),
-        rules,
-        settings.lifecycle_limits,
-    )
-    plan = plan_batch(todo, result, read.offsets, settings, read.sandboxes, read.chain_heads)
-    await write_batch(out, plan)
+    inputs = inputs_of([i.record for i in items], list(items), input_topics(settings))
+    decided = await Reader(settings, RowCache(0), rules).decide(out, inputs)
+    if decided is not None:
+        await write_batch(out, decided.plan)
 
 
 async def replay_partition(
@@ -119,8 +101,14 @@ async def replay_partition(
             f"{e.topic}[{p}]@{e.offset} is recorded but no longer in the log (retention): "
             "a shadow cannot be rebuilt from the log alone"
         )
+    s = settings
     items = [
-        parse(records[(e.topic, e.offset)], settings.topic_commands, settings.kafka_partitions)
+        parse(
+            records[(e.topic, e.offset)],
+            s.topic_commands,
+            s.kafka_partitions,
+            max_bytes=s.processor_max_input_bytes,
+        )
         for e in entries
     ]
     for start in range(0, len(items), CHUNK):

@@ -11,7 +11,9 @@ resulting rows and command outcomes. The first divergence of each sandbox is rep
 It also proves completeness: a log record below the stored offsets without a history entry,
 or a history entry whose record is not in the log (nor deleted by retention), is a divergence.
 A sandbox with inputs older than the log's beginning cannot be re-decided from an empty state;
-it is reported as not verifiable rather than guessed at.
+it is reported as not verifiable rather than guessed at, and the report is not ok unless the
+caller accepts that (``Options.accept_unverifiable``). The history's chains are checked
+against the log's checkpoints, read first (``anchors``).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ import asyncpg
 
 from events.codec import encode
 from projections.chain import ChainId, chain_of
-from projections.fold import Rules, fold
+from projections.fold import Rules
 from projections.lifecycle import decide
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record, write_batch
+from services.audit.anchors import read_anchors
 from services.audit.chains import ChainReport, check_chains
 from services.audit.entries import ENTRY_COLUMNS, Entry, entry_from_record
 from services.audit.log import Record, read_partition
@@ -39,7 +42,8 @@ from services.audit.reach import Reach, log_reach
 from services.common.kafka_clients import kafka_client_args
 from services.common.migrations import apply_migrations
 from services.common.settings import Settings
-from services.processor.consumer import Parsed, parse, plan_batch
+from services.processor.intake import Parsed, parse
+from services.processor.plan import Replay
 
 CHUNK = 1000  # inputs replayed per scratch write
 
@@ -57,6 +61,9 @@ class Options:
     rules: Rules = decide
     rules_name: str = "projections.lifecycle.decide (this checkout)"
     keep_scratch: bool = False
+    # A sandbox whose oldest inputs retention deleted cannot be re-decided: without this, the
+    # report is not ok while there is one (the caller accepts that it was not verified).
+    accept_unverifiable: bool = False
 
     def reports(self, entry: Entry) -> bool:
         at = entry.occurred_at
@@ -108,14 +115,17 @@ class Report:
     pending: int = 0  # log records not decided yet (at or above the stored offsets)
     not_verifiable: set[str] = field(default_factory=set)  # inputs older than the log
     chains: ChainReport | None = None
+    accept_unverifiable: bool = False
 
     @property
     def ok(self) -> bool:
-        return not self.divergences and (self.chains is None or self.chains.intact)
+        verified = not self.not_verifiable or self.accept_unverifiable
+        return not self.divergences and verified and (self.chains is None or self.chains.intact)
 
 
 async def verify(settings: Settings, options: Options = Options()) -> Report:
     scratch = f"audit_{uuid.uuid4().hex[:12]}"
+    anchors = await read_anchors(settings)  # before the history: see read_anchors
     live = await asyncpg.connect(
         settings.pg_dsn, server_settings={"search_path": settings.pg_schema}
     )
@@ -127,6 +137,7 @@ async def verify(settings: Settings, options: Options = Options()) -> Report:
             )
             partitions = sorted(r["partition"] for r in found)
         report = Report(await log_reach(settings), options.rules_name, scratch)
+        report.accept_unverifiable = options.accept_unverifiable
         await apply_migrations(settings.pg_dsn, schema=scratch)
         out = await asyncpg.connect(settings.pg_dsn, server_settings={"search_path": scratch})
         try:
@@ -137,7 +148,7 @@ async def verify(settings: Settings, options: Options = Options()) -> Report:
             if not options.keep_scratch:
                 await out.execute(f'DROP SCHEMA "{scratch}" CASCADE')
             await out.close()
-        report.chains = await check_chains(live, options.key)
+        report.chains = await check_chains(live, options.key, anchors)
         return report
     finally:
         await live.close()
@@ -244,35 +255,26 @@ async def _partition(
     replayable = [e for e in wanted if e.key not in gone]
 
     # Replay into the scratch schema, CHUNK inputs per write, exactly as the processor would.
-    states: dict[str, Any] = {}
-    outcomes: dict[tuple[str, str], Any] = {}
-    heads: dict[ChainId, bytes | None] = {}
-    offsets = {(commands, p): 0, (observations, p): 0}
+    decider = Replay(settings, options.rules, offsets={(commands, p): 0, (observations, p): 0})
     redecided_events: dict[tuple[str, int], list[tuple[str, bytes]]] = defaultdict(list)
     for start in range(0, len(replayable), CHUNK):
         chunk = replayable[start : start + CHUNK]
         items = [
-            parse(by_position[(e.topic, e.offset)], commands, settings.kafka_partitions)
+            parse(
+                by_position[(e.topic, e.offset)],
+                commands,
+                settings.kafka_partitions,
+                max_bytes=settings.processor_max_input_bytes,
+            )
             for e in chunk
         ]
         for entry, item in zip(chunk, items, strict=True):
             if isinstance(item, Parsed) and entry.message != item.record.value.decode():
                 diverge(entry, "the recorded input body differs from the log", entry.message
                         or "", item.record.value.decode(), "in the log")  # fmt: skip
-        parsed = [i for i in items if isinstance(i, Parsed)]
-        result = fold(
-            states,
-            outcomes,
-            ((i.cause, i.message) for i in parsed),
-            options.rules,
-            settings.lifecycle_limits,
-        )
-        plan = plan_batch(items, result, offsets, settings, states, heads)
-        await write_batch(out, plan)
-        states, outcomes = result.states, {**outcomes, **result.outcomes}
-        heads.update({chain_of(h.key, h.partition): h.entry_hash for h in plan.history})
-        offsets = {tp: new for tp, (_, new) in plan.offsets.items()}
-        for step in result.steps:
+        decided = decider.decide(items)
+        await write_batch(out, decided.plan)
+        for step in decided.result.steps:
             for event in step.decision.events:
                 cause = (step.cause.topic, step.cause.offset)
                 redecided_events[cause].append((str(event.event_id), encode(event)))

@@ -77,8 +77,7 @@ async def throughput(settings: Settings, keys: int, max_records: int) -> None:
 def _backend_pids(processor: Processor) -> list[int]:
     """The PostgreSQL backends of the processor's batch, decide-ahead and publish-cursor
     connections."""
-    conns = (processor._conn, processor._cursor_conn, processor._ahead_conn)
-    return [c.get_server_pid() for c in conns if c]
+    return [c.get_server_pid() for c in processor.connections()]
 
 
 async def timed_drain(

@@ -24,13 +24,13 @@ from services.processor.consumer import Processor
 # stage -> (file suffix, function name) whose cumulative time the stage is.
 STAGES: Final = {
     "decode + validate": ("events/codec.py", "decode"),
-    "parse (all)": ("services/processor/consumer.py", "parse"),
+    "parse (all)": ("services/processor/intake.py", "parse"),
     "decide (fold)": ("projections/fold.py", "fold"),
     "encode": ("events/codec.py", "encode"),
-    "plan (all)": ("services/processor/consumer.py", "plan_batch"),
+    "plan (all)": ("services/processor/plan.py", "plan_batch"),
     "write": ("projections/store.py", "write_batch"),
-    "publish": ("services/processor/consumer.py", "_publish"),
-    "apply (all)": ("services/processor/consumer.py", "_apply"),
+    "publish": ("services/processor/publish.py", "publish"),
+    "apply (all)": ("services/processor/write.py", "apply"),
 }
 
 

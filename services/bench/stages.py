@@ -22,7 +22,8 @@ from projections.fold import OutcomeKey, fold
 from projections.lifecycle import Sandbox
 from services.bench.workload import lifecycle_messages
 from services.common.settings import Settings
-from services.processor.consumer import Parsed, parse, plan_batch
+from services.processor.intake import Parsed, parse
+from services.processor.plan import plan_batch
 
 BATCH = 5_000
 STAGES = ("parse", "decide", "plan")

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 
 from aiokafka.admin import AIOKafkaAdminClient
 
+from events.backoff import pause
 from services.chaos.launch import RoleProcess
 from services.chaos.postgres import PrivatePostgres
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
-from services.common.tasks import stopped_within
 from services.localstack import cluster
 from services.localstack import cluster_config as cc
 
@@ -65,7 +65,7 @@ class Faults:
         """A fault every ``interval`` seconds (uniformly drawn) until ``stop``: every kind once
         in each round of ``len(KINDS)``, in a random order, so short runs see them all."""
         order: list[str] = []
-        while not await stopped_within(stop, self.rng.uniform(*interval)):
+        while not await pause(stop, self.rng.uniform(*interval)):
             if not order:
                 order = self.rng.sample(KINDS, len(KINDS))
             kind = order.pop()

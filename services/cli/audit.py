@@ -21,7 +21,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from projections.lifecycle import decide
 from services.audit import entries, export, page, shadow, timeline
-from services.audit.chains import check_chains
+from services.audit.anchors import read_anchors
+from services.audit.chains import ChainReport, check_chains
 from services.audit.reach import Reach, log_reach
 from services.audit.verify import Options, load_rules, verify
 from services.cli.client import EXIT_FAILED, fail, settings_of
@@ -76,13 +77,21 @@ def verify_command(
         typer.Option(help="module[:function] of pinned rules (a release's decide)"),
     ] = None,
     keep_scratch: Annotated[bool, typer.Option(help="keep the scratch schema")] = False,
+    accept_unverifiable: Annotated[
+        bool,
+        typer.Option(
+            help="exit 0 even if some sandboxes could not be verified (their oldest inputs "
+            "are no longer in the log)"
+        ),
+    ] = False,
     output: OutputOpt = Output.table,
 ) -> None:
     """Re-decide every input from the log in a scratch schema and compare with the record;
-    check the history's hash chains. Exits 1 on any divergence or broken link."""
+    check the history's hash chains against the log's checkpoints. Exits 1 on any divergence
+    or broken link, and when a sandbox could not be verified (unless accepted)."""
     options = Options(
         key=sandbox, since=_utc(since), until=_utc(until), from_offset=from_offset,
-        to_offset=to_offset, keep_scratch=keep_scratch,
+        to_offset=to_offset, keep_scratch=keep_scratch, accept_unverifiable=accept_unverifiable,
     )  # fmt: skip
     if rules is not None:
         try:
@@ -100,7 +109,7 @@ def verify_command(
                 "inputs": report.inputs, "sandboxes": report.sandboxes,
                 "pending": report.pending, "not_verifiable": sorted(report.not_verifiable),
                 "divergences": [asdict(d) for d in report.divergences],
-                "broken_links": [b.describe() for b in chains.broken],
+                "broken_links": _chain_problems(chains), "anchored_chains": chains.anchored,
                 "scratch_schema": report.scratch if keep_scratch else None,
             }
         )  # fmt: skip
@@ -115,27 +124,26 @@ def verify_command(
         if report.pending:
             out.print(f"{report.pending} newer inputs are not decided yet (not compared)")
         if report.not_verifiable:
+            mark = "" if accept_unverifiable else "✗ "
             out.print(
-                "not verifiable (inputs older than the log): "
-                + ", ".join(sorted(report.not_verifiable)),
+                f"{mark}not verifiable (inputs older than the log): "
+                + ", ".join(sorted(report.not_verifiable))
+                + ("" if accept_unverifiable else " (--accept-unverifiable to accept that)"),
                 markup=False,
                 soft_wrap=True,
             )
         for d in report.divergences:
             out.print(f"✗ divergence: {d.describe()}", markup=False, soft_wrap=True)
-        unchained = f" ({chains.unchained} older entries unchained)" if chains.unchained else ""
         out.print(
-            f"history chains: {chains.chains} chains, {chains.checked} entries"
-            + (", intact" if chains.intact else "")
-            + unchained,
+            f"history chains: {_chains_summary(chains)}" + (", intact" if chains.intact else ""),
             markup=False,
             soft_wrap=True,
         )
-        for b in chains.broken:
-            out.print(f"✗ broken link: {b.describe()}", markup=False, soft_wrap=True)
+        _print_problems(chains)
         mark = "✓" if report.ok else "✗"
         out.print(
-            f"{mark} {len(report.divergences)} divergences, {len(chains.broken)} broken links",
+            f"{mark} {len(report.divergences)} divergences, "
+            f"{len(_chain_problems(chains))} broken links",
             markup=False,
             soft_wrap=True,
         )
@@ -152,19 +160,40 @@ def chain_command(
     ctx: typer.Context,
     sandbox: Annotated[str | None, typer.Option("--sandbox", help="only this sandbox")] = None,
 ) -> None:
-    """Check the history's hash chains only (fast: PostgreSQL alone). Exits 1 on a broken link."""
-    report = _run(settings_of(ctx), lambda conn: check_chains(conn, sandbox))
-    for b in report.broken:
-        out.print(f"✗ broken link: {b.describe()}", markup=False, soft_wrap=True)
+    """Check the history's hash chains, and that each still holds the newest head the log's
+    checkpoints name (PostgreSQL and the checkpoints topic; no replay). Exits 1 on a broken
+    link or a chain cut short."""
+    settings = settings_of(ctx)
+    anchors = asyncio.run(read_anchors(settings))  # first: see read_anchors
+    report = _run(settings, lambda conn: check_chains(conn, sandbox, anchors))
+    _print_problems(report)
     mark = "✓" if report.intact else "✗"
-    unchained = f", {report.unchained} older entries unchained" if report.unchained else ""
-    out.print(
-        f"{mark} {report.chains} chains, {report.checked} entries{unchained}",
-        markup=False,
-        soft_wrap=True,
-    )
+    out.print(f"{mark} {_chains_summary(report)}", markup=False, soft_wrap=True)
     if not report.intact:
         raise typer.Exit(EXIT_FAILED)
+
+
+def _chains_summary(report: ChainReport) -> str:
+    unchained = f", {report.unchained} older entries unchained" if report.unchained else ""
+    anchored = (
+        f", {report.anchored} chains' heads checked against the log's checkpoints"
+        if report.anchored is not None
+        else ""
+    )
+    return f"{report.chains} chains, {report.checked} entries{unchained}{anchored}"
+
+
+def _chain_problems(report: ChainReport) -> list[str]:
+    return (
+        [f"broken link: {b.describe()}" for b in report.broken]
+        + [f"cut short: {c.describe()}" for c in report.cut]
+        + [f"unreadable checkpoint: {u}" for u in report.unreadable]
+    )
+
+
+def _print_problems(report: ChainReport) -> None:
+    for problem in _chain_problems(report):
+        out.print(f"✗ {problem}", markup=False, soft_wrap=True)
 
 
 def _steps(settings: Settings, name: str) -> tuple[list[timeline.Step], Reach]:

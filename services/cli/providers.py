@@ -24,7 +24,7 @@ from services.common.entrypoint import LOG_FORMAT
 from services.common.settings import Settings
 
 if TYPE_CHECKING:
-    from services.api.provider_sources import Source
+    from services.provider_sync.sources import Source
 
 app = typer.Typer(help="Credential providers: values in, key names and fingerprints out.")
 
@@ -95,9 +95,10 @@ def show_receipt(receipt: dict[str, Any], output: Output) -> None:
             table.add_row(line["sandbox"], ", ".join(line["providers"]), line["action"],
                           line["reason"])  # fmt: skip
         print_table(table)
-    if receipt["unsent"]:
-        fail(f"Kafka did not take {len(receipt['unsent'])} restart commands: "
-             + ", ".join(receipt["unsent"]))  # fmt: skip
+    pending = [line["sandbox"] for line in receipt["sandboxes"] if line["delivery"] == "pending"]
+    if pending:
+        print(f"pending: Kafka has not acknowledged the commands for {', '.join(pending)} yet; "
+              "they are stored with the values and sent until it does")  # fmt: skip
 
 
 @app.command("create")
@@ -159,45 +160,75 @@ def delete(
     ctx: typer.Context,
     name: str,
     force: Annotated[bool, typer.Option("--force", help="detach it everywhere first")] = False,
+    no_restart: Annotated[
+        bool,
+        typer.Option(
+            "--no-restart",
+            help="with --force: Ready sandboxes keep running (its values leave at their next "
+            "start) instead of restarting without it",
+        ),
+    ] = False,
 ) -> None:
-    """Delete a provider (refused while attached unless --force)."""
-    params = {"force": "true"} if force else None
+    """Delete a provider (refused while attached unless --force; a Ready sandbox it is
+    detached from restarts without its values)."""
+    params = {"force": str(force).lower(), "no_restart": str(no_restart).lower()}
     result = _client(ctx).request("DELETE", f"/v1/providers/{name}", params=params).json()
     detached = f" (detached from {', '.join(result['detached'])})" if result["detached"] else ""
     print(f"✓ Deleted provider {name}{detached}")
+    if result["unsent"]:
+        print(f"pending: Kafka has not acknowledged {len(result['unsent'])} detach commands yet; "
+              "they are stored and sent until it does")  # fmt: skip
 
 
-def _attachment(verb: str, suffix: str) -> None:
-    def command(
-        ctx: typer.Context,
-        name: Annotated[str, typer.Argument(help="the sandbox name")],
-        provider: Annotated[str, typer.Argument(help="the provider name")],
-        output: OutputOpt = Output.table,
-    ) -> None:
-        outcome = (
-            _client(ctx)
-            .request(
-                "POST",
-                f"/v1/sandboxes/{name}{suffix}",
-                json_body={"provider": provider},
-                params={"wait": "30"},
-                ok=(200, 202),
-            )
-            .json()
+SandboxName = Annotated[str, typer.Argument(help="the sandbox name")]
+ProviderArg = Annotated[str, typer.Argument(help="the provider name")]
+
+
+def _attachment(ctx: typer.Context, name: str, suffix: str, body: dict[str, Any],
+                output: Output) -> None:  # fmt: skip
+    outcome = (
+        _client(ctx)
+        .request(
+            "POST",
+            f"/v1/sandboxes/{name}{suffix}",
+            json_body=body,
+            params={"wait": "30"},
+            ok=(200, 202),
         )
-        if output is Output.json:
-            print_json(outcome)
-        elif outcome["status"] == "rejected":
-            fail(f"rejected: {outcome['message']} ({outcome['code']})")
-        else:
-            print(f"✓ {outcome['message']}")
+        .json()
+    )
+    if output is Output.json:
+        print_json(outcome)
+    elif outcome["status"] == "rejected":
+        fail(f"rejected: {outcome['message']} ({outcome['code']})")
+    else:
+        print(f"✓ {outcome['message']}")
 
-    command.__doc__ = f"{verb.capitalize()} a provider (applies at the sandbox's next start)."
-    sandbox.app.command(verb)(command)
+
+@sandbox.app.command("attach")
+def attach(
+    ctx: typer.Context, name: SandboxName, provider: ProviderArg, output: OutputOpt = Output.table
+) -> None:
+    """Attach a provider (applies at the sandbox's next start)."""
+    _attachment(ctx, name, ":attach", {"provider": provider}, output)
 
 
-_attachment("attach", ":attach")
-_attachment("detach", ":detach")
+@sandbox.app.command("detach")
+def detach(
+    ctx: typer.Context,
+    name: SandboxName,
+    provider: ProviderArg,
+    no_restart: Annotated[
+        bool,
+        typer.Option(
+            "--no-restart", help="keep a Ready sandbox running: the values leave at its next start"
+        ),
+    ] = False,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Detach a provider: a Ready sandbox restarts without its values (unless --no-restart)."""
+    body = {"provider": provider, "no_restart": no_restart}
+    _attachment(ctx, name, ":detach", body, output)
 
 
 def provider_sync(
@@ -224,7 +255,7 @@ def provider_sync(
 ) -> None:
     """Keep providers in step with a directory (the layout of a mounted Kubernetes Secret) or
     with Kubernetes Secrets selected by label; one instance is active (a lease)."""
-    from services.api.provider_sync import sync_source
+    from services.provider_sync.controller import sync_source
 
     settings: Settings = ctx.obj["settings"]
     if (directory is None) == (kube_selector is None):
@@ -243,8 +274,8 @@ def provider_sync(
 
 
 async def _sync_once(settings: Settings, source: Source, restart: bool) -> None:
-    from services.api.provider_sync import ProviderSync
-    from services.api.providers import open_service
+    from services.provider_sync.controller import ProviderSync
+    from services.provider_sync.service import open_service
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     async with open_service(settings) as service:
@@ -254,4 +285,6 @@ async def _sync_once(settings: Settings, source: Source, restart: bool) -> None:
         finally:
             await source.close()
         print("nothing changed" if receipt is None else
-              f"updated {', '.join(a.change.provider for a in receipt.applied)}")  # fmt: skip
+              f"updated {', '.join(a.change.provider for a in receipt.applied)}"
+              + (f" ({len(receipt.unsent)} commands pending: the API sends them)"
+                 if receipt.unsent else ""))  # fmt: skip

@@ -14,6 +14,8 @@ import httpx
 import typer
 from rich.table import Table
 
+from events.backoff import Backoff
+from services.api.readmodel import input_label
 from services.cli.client import (
     EXIT_TIMEOUT,
     MAX_SERVER_WAIT,
@@ -105,7 +107,7 @@ def _submit(
     A request that times out, cannot connect or gets a 503 is sent again, unchanged (the same
     command_id, the same expected_version), until the deadline: the API answers a repeat with
     the first outcome, so a retry never runs a command twice."""
-    delay = 0.5
+    backoff = Backoff(0.5, 5.0)
     while True:
         wait = max(0.0, min(MAX_SERVER_WAIT, deadline - time.monotonic()))
         try:
@@ -122,12 +124,12 @@ def _submit(
         except (httpx.TransportError, ApiFailure) as exc:
             if isinstance(exc, ApiFailure) and exc.status != 503:
                 raise
+            delay = backoff.next()
             if time.monotonic() + delay >= deadline:
                 if isinstance(exc, ApiFailure):
                     raise
                 fail(f"cannot reach the API at {client.url} ({exc}); is `sandstream up` running?")
             time.sleep(delay)  # back-off before sending the same command again
-            delay = min(delay * 2, 5.0)
     outcome: dict[str, Any] = response.json()
     while outcome["status"] == "pending":
         remaining = deadline - time.monotonic()
@@ -452,7 +454,7 @@ def history(
         message = item.get("message") or {}
         table.add_row(
             clock(item["occurred_at"]),
-            _input_label(item),
+            input_label(item.get("message_type"), item.get("message")),
             dash(message.get("actor")),
             item["disposition"],
             dash(item["phase"]),
@@ -461,23 +463,6 @@ def history(
             item["reason"],
         )
     print_table(table)
-
-
-def _input_label(item: dict[str, Any]) -> str:
-    message = item.get("message") or {}
-    kind = item.get("message_type") or "?"
-    if kind == "RuntimeSnapshot":
-        state, code = message.get("state"), message.get("exit_code")
-        if state == "exited" and code is not None:
-            return f"Snapshot(exited {code})"
-        return f"Snapshot({state})"
-    if kind == "DriverOperationResult":
-        return f"Result({message.get('operation')} {message.get('outcome')})"
-    if kind == "RuntimeRemoved":
-        return "Removed"
-    if kind == "DeadlineDue":
-        return f"Deadline({message.get('deadline')})"
-    return kind.removesuffix("Sandbox") if kind != "CreateSandbox" else "Create"
 
 
 @app.command("logs")

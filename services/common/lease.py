@@ -33,10 +33,11 @@ from typing import Any
 
 import asyncpg
 
+from events.backoff import pause
 from projections.store import DATABASE_ERRORS
 from services.common import metrics
 from services.common.settings import Settings
-from services.common.tasks import STOP_TIMEOUT, stopped_within
+from services.common.tasks import STOP_TIMEOUT
 
 log = logging.getLogger("sandstream.lease")
 
@@ -86,7 +87,7 @@ class Lease:
                 if await self._acquire():
                     await self._hold(stop, work)
                     continue
-                if await stopped_within(stop, self.interval):
+                if await pause(stop, self.interval):
                     return
         finally:
             await self._release()

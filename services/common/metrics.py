@@ -39,6 +39,11 @@ OUTBOX_GAPS = Counter(
     "sandstream_outbox_gaps_total",
     "Publish cursors stopped below an outbox record committed by another owner and not sent",
 )
+OUTBOX_SET_ASIDE = Counter(
+    "sandstream_outbox_set_aside_total",
+    "Outbox records set aside, not sent: larger than the largest record the processor sends",
+    ["topic"],
+)
 TASK_RESTARTS = Counter(
     "sandstream_task_restarts_total",
     "Long-running tasks of `sandstream up` restarted after they crashed",
@@ -80,6 +85,11 @@ API_REQUEST_SECONDS = Histogram(
     "HTTP request time by method and route template (watch streams: their whole life)",
     ["method", "route"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+)
+PROVIDER_OUTBOX = Gauge(
+    "sandstream_provider_outbox_pending",
+    "Commands of provider changes (rotation restarts, detaches of a forced delete) stored and "
+    "not yet acknowledged by Kafka, as the last relay pass of this process counted them",
 )
 API_COMMANDS = Counter(
     "sandstream_api_commands_total",

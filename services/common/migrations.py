@@ -1,8 +1,10 @@
 """A small SQL migration runner.
 
 Migrations are plain SQL files named ``NNNN_name.sql`` (e.g. ``0001_phase_rows.sql``) in
-``compose/migrations/``. They are applied in lexical order, each exactly once and each in its
-own transaction, and recorded in a ``schema_migrations`` table in the target schema.
+``compose/migrations/`` (installed from a wheel, as in the image: in
+``<prefix>/share/sandstream/migrations``, where pyproject.toml's data-files put them). They are
+applied in lexical order, each exactly once and each in its own transaction, and recorded in a
+``schema_migrations`` table in the target schema.
 
 With ``schema=...`` everything (the migrations' objects and ``schema_migrations``) goes into
 that schema, created if missing, with ``search_path`` set to it alone, so a fresh copy of the
@@ -12,6 +14,7 @@ whole database layout can be built next to the live one (the rebuild tool relies
 from __future__ import annotations
 
 import re
+import sysconfig
 from pathlib import Path
 
 import asyncpg
@@ -19,6 +22,7 @@ import asyncpg
 from services.common.settings import PROJECT_ROOT
 
 MIGRATIONS_DIR = PROJECT_ROOT / "compose" / "migrations"
+INSTALLED_MIGRATIONS = Path(sysconfig.get_path("data")) / "share" / "sandstream" / "migrations"
 MIGRATION_FILE = re.compile(r"^\d{4}_[A-Za-z0-9_]+\.sql$")
 
 _CREATE_TABLE = """
@@ -50,11 +54,23 @@ def discover_migrations(directory: Path) -> list[Path]:
     return files
 
 
+def default_directory(checkout: Path, installed: Path) -> Path:
+    """Where the migrations are: the checkout's (a development install runs from it), else the
+    wheel's installed copy. MigrationError when neither exists: a schema migrated with nothing
+    would only fail later, in every role."""
+    for directory in (checkout, installed):
+        if directory.is_dir():
+            return directory
+    raise MigrationError(f"no migrations found: neither {checkout} nor {installed} exists")
+
+
 async def apply_migrations(
     dsn: str, directory: Path | None = None, schema: str | None = None
 ) -> list[str]:
     """Apply pending migrations; return the names of the newly applied files, in order."""
-    files = discover_migrations(directory if directory is not None else MIGRATIONS_DIR)
+    if directory is None:
+        directory = default_directory(MIGRATIONS_DIR, INSTALLED_MIGRATIONS)
+    files = discover_migrations(directory)
     conn: asyncpg.Connection = await asyncpg.connect(dsn)
     try:
         if schema is not None:

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeAlias
+from uuid import UUID, uuid4
 
 import asyncpg
 
@@ -107,6 +108,7 @@ class Applied:
     change: ProviderChange
     revision: int
     created: bool
+    incarnation: UUID  # this provider's, not an earlier one's of the same name
 
 
 class ProviderMissing(LookupError):
@@ -139,7 +141,8 @@ async def apply_updates(
     async with conn.transaction():
         for update in wanted:
             row = await conn.fetchrow(
-                "SELECT type, revision FROM providers WHERE name = $1 FOR UPDATE", update.name
+                "SELECT type, revision, incarnation FROM providers WHERE name = $1 FOR UPDATE",
+                update.name,
             )
             if row is not None and create is True:
                 raise ProviderExists(update.name)
@@ -157,14 +160,16 @@ async def apply_updates(
             desired = {k: vault.fingerprint(update.name, k, v) for k, v in update.values.items()}
             change = classify(update.name, applied, desired)
             revision = row["revision"] if row is not None else 0
+            incarnation = row["incarnation"] if row is not None else uuid4()
             if row is None:
                 revision = 1
                 await conn.execute(
-                    "INSERT INTO providers (name, type, revision, created_at, updated_at) "
-                    "VALUES ($1, $2, 1, $3, $3)",
+                    "INSERT INTO providers (name, type, revision, created_at, updated_at, "
+                    "incarnation) VALUES ($1, $2, 1, $3, $3, $4)",
                     update.name,
                     update.type or "generic",
                     now,
+                    incarnation,
                 )
             elif change.changed:
                 revision += 1
@@ -195,7 +200,7 @@ async def apply_updates(
                     desired[key],
                     now,
                 )
-            results.append(Applied(change, revision, created=row is None))
+            results.append(Applied(change, revision, row is None, incarnation))
     return results
 
 

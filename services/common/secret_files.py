@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 from pydantic import SecretStr
@@ -12,14 +13,17 @@ from pydantic import SecretStr
 
 def create_secret_file(path: Path, value: str) -> bool:
     """Write ``value`` to ``path`` with mode 0600 from the start, unless the file exists (a
-    concurrent writer's value stands); True if written."""
+    concurrent writer's value stands); True if written. The file appears whole: it is written
+    aside and linked into place, so a reader never sees it half-written."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    partial = _written_aside(path, value + "\n")
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.link(partial, path)  # atomic, and fails if the file exists
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        out.write(value + "\n")
+    finally:
+        os.unlink(partial)
+    _sync_directory(path.parent)
     return True
 
 
@@ -43,12 +47,37 @@ def check_private(path: Path) -> None:
 
 
 def replace_secret_file(path: Path, value: str) -> None:
-    """Replace ``path`` with ``value``, mode 0600 from the first byte on (written aside, then
-    renamed over it)."""
+    """Replace ``path`` with ``value``, mode 0600 from the first byte on: written aside (and
+    flushed to disk), then renamed over it, so a reader sees the old file or the new one,
+    never a part of either (nor, after a crash, an empty one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.unlink(missing_ok=True)
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        out.write(value)
-    partial.replace(path)
+    partial = _written_aside(path, value)
+    try:
+        os.replace(partial, path)
+    except BaseException:
+        os.unlink(partial)
+        raise
+    _sync_directory(path.parent)
+
+
+def _written_aside(path: Path, value: str) -> str:
+    """A new file beside ``path`` (mode 0600 from its creation) holding ``value``, on disk."""
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(value)
+            out.flush()
+            os.fsync(out.fileno())
+    except BaseException:
+        os.unlink(partial)
+        raise
+    return partial
+
+
+def _sync_directory(directory: Path) -> None:
+    """Flush a directory's entries (a rename or link in it) to disk."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -63,13 +63,21 @@ class Settings(BaseSettings):
     topic_observations: str = names.OBSERVATIONS
     topic_events: str = names.EVENTS
     topic_deadletter: str = names.DEADLETTER
+    topic_checkpoints: str = names.CHECKPOINTS
     # How long a consumer that died without leaving (SIGKILL) keeps its partitions.
     kafka_session_timeout_ms: int = Field(default=10_000, ge=1000)
     # How long a Kafka request (a send's acknowledgement included) may take before it fails;
     # the processor then backs off and resumes from PostgreSQL instead of stopping.
     kafka_request_timeout_ms: int = Field(default=40_000, ge=1000)
+    # The largest record the processor sends (key and value; below the topics'
+    # max.message.bytes): an outbox record above it is set aside, never sent (a dead letter is
+    # at most 16 KiB, so it always fits).
+    kafka_max_record_bytes: int = Field(default=names.MAX_RECORD_BYTES, ge=64 * 1024)
     processor_group: str = "sandstream-processor"
     processor_max_records: int = Field(default=5000, ge=1)  # per poll, across partitions
+    # The largest input record value the processor decides; a larger one is dead-lettered.
+    # Keep it 64 KiB or more below kafka_max_record_bytes, so what is decided from it fits.
+    processor_max_input_bytes: int = Field(default=names.MAX_INPUT_BYTES, ge=1024)
     # How long the broker may hold the processor's fetch when nothing is new. A partition whose
     # records are still buffered is left out of the fetch in flight, so its next records wait
     # for that fetch to return: a long wait shows up as latency at moderate rates.
@@ -144,6 +152,9 @@ class Settings(BaseSettings):
     kube_apiserver_port: int = 16443
     kube_etcd_port: int = 16379  # and the next port for etcd's peer listener
     kube_kwok_port: int = 16247
+    # sandstream's image (`make image`, services/localstack/image.py) keeps its dependencies'
+    # wheels here (default $XDG_CACHE_HOME/sandstream/image, beside kube_home's default).
+    image_home: Path | None = None
 
     # Executor and reconciler (services/executor.py, services/watcher.py)
     executor_concurrency: int = Field(default=64, ge=1)  # driver calls in flight at once
@@ -165,6 +176,9 @@ class Settings(BaseSettings):
     provider_sync_dir: Path | None = None
     provider_sync_kube_selector: str | None = None
     provider_sync_kube_namespace: str | None = None
+    # Every API and provider-sync process sends the stored commands of provider changes that
+    # Kafka has not acknowledged yet this often, each once it is this old (docs/providers.md).
+    provider_outbox_seconds: float = Field(default=5.0, gt=0)
     # Operator lifecycle (the processor records the deadlines; the scheduler says when they
     # fall due). 0 turns a deadline off.
     launch_timeout_seconds: float = Field(default=300, ge=0)  # Provisioning/Starting
@@ -181,6 +195,9 @@ class Settings(BaseSettings):
     # API
     api_host: str = "127.0.0.1"
     api_port: int = 8787
+    # How long the API waits for Kafka to acknowledge a command before it answers 503 (a
+    # provider change's commands: pending, sent later by the relay).
+    api_publish_timeout_seconds: float = Field(default=15.0, gt=0)
     # Where clients (the CLI) reach the API; default http(s)://{api_host}:{api_port}.
     api_url: str | None = None
     # TLS: with a certificate (PEM, the chain after it) and its key the API speaks https only.
@@ -273,10 +290,11 @@ class Settings(BaseSettings):
 
     @property
     def kube_home_path(self) -> Path:
-        if self.kube_home:
-            return self.kube_home
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        return (Path(xdg) if xdg else Path.home() / ".cache") / "sandstream" / "kubernetes"
+        return self.kube_home or _user_cache() / "sandstream" / "kubernetes"
+
+    @property
+    def image_home_path(self) -> Path:
+        return self.image_home or _user_cache() / "sandstream" / "image"
 
     @property
     def api_base_url(self) -> str:
@@ -317,12 +335,13 @@ class Settings(BaseSettings):
         return PROJECT_ROOT / "compose" / "podman" / "containers.conf"
 
     @property
-    def topics(self) -> tuple[str, str, str, str]:
+    def topics(self) -> tuple[str, str, str, str, str]:
         return (
             self.topic_commands,
             self.topic_observations,
             self.topic_events,
             self.topic_deadletter,
+            self.topic_checkpoints,
         )
 
     def as_env(self) -> dict[str, str]:
@@ -339,6 +358,11 @@ class Settings(BaseSettings):
         }
         found["SANDSTREAM_PG_PASSWORD_FILE"] = str(self.pg_password_path)
         return found
+
+
+def _user_cache() -> Path:
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg) if xdg else Path.home() / ".cache"
 
 
 def pg_password_path(state_dir: Path, configured: Path | None) -> Path:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from events.backoff import Backoff, pause
 from services.common import metrics
 
 log = logging.getLogger("sandstream.tasks")
@@ -52,7 +53,7 @@ class Tasks:
 
     async def _supervised(self, name: str, run: Run, first_delay: float) -> None:
         loop = asyncio.get_running_loop()
-        delay = first_delay
+        backoff = Backoff(first_delay, RESTART_MAX)
         while not self.stop_event.is_set():
             started = loop.time()
             metrics.TASK_UP.labels(name).set(1)
@@ -61,15 +62,15 @@ class Tasks:
                 await run(self.stop_event)
             except Exception as exc:
                 if loop.time() - started > RESTART_RESET:
-                    delay = first_delay
+                    backoff.succeeded()
+                delay = backoff.next()
                 metrics.TASK_UP.labels(name).set(0)
                 metrics.TASK_RESTARTS.labels(name).inc()
                 self.failures[name] = repr(exc)
                 log.error("%s crashed: %r; starting it again in %.1fs", name, exc, delay,
                           exc_info=exc)  # fmt: skip
-                if await stopped_within(self.stop_event, delay):
+                if await pause(self.stop_event, delay):
                     return
-                delay = min(delay * 2, RESTART_MAX)
                 continue
             return
 
@@ -96,13 +97,6 @@ class Tasks:
         self.tasks.clear()
         for task in failed:
             log.error("%s ended with %r", task.get_name(), task.exception())
-
-
-async def stopped_within(stop: asyncio.Event, seconds: float) -> bool:
-    """Sleep ``seconds`` unless ``stop`` is set first; returns whether it is set."""
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), timeout=seconds)
-    return stop.is_set()
 
 
 async def first_of(*events: asyncio.Event) -> None:

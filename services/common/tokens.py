@@ -11,7 +11,8 @@ its scopes and the sha256 of its value::
 A token may also carry ``"max_stop_timeout_seconds": N``: the longest grace period its
 creates may ask for (default: ``settings.api_max_stop_timeout_seconds``). ``expires_at`` and
 ``revoked_at`` (optional) end a token; a running store re-reads the file when it changes, so
-``sandstream token revoke`` takes effect at the next request, without a restart.
+``sandstream token revoke`` takes effect at the next request, without a restart; while the
+file is not valid it refuses every token (it fails closed). Edits replace the file atomically.
 
 The plaintext exists once: ``ensure_tokens`` (called by ``sandstream up``) writes the admin
 token to ``settings.admin_token_file`` (mode 0600) when it creates the tokens file, and
@@ -26,9 +27,11 @@ import fcntl
 import hashlib
 import hmac
 import json
+import logging
 import os
 import re
 import secrets
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -40,6 +43,10 @@ from services.common.settings import Settings
 
 READ: Final = "sandbox:read"
 WRITE: Final = "sandbox:write"
+# Exec (OpenShell's ExecSandbox) runs a command inside the agent's sandbox, which sees all the
+# agent sees: its attached providers' values included. So it is a scope of its own, never
+# implied by sandbox:write (a tokens file made before it existed gives it to no token).
+EXEC: Final = "sandbox:exec"
 AUDIT: Final = "audit:read"  # the audit routes: whole histories, exports, chain checks
 # Providers: reading shows names, key names and fingerprints (never values); writing sets
 # values, deletes providers, and is needed (with sandbox:write) to attach or detach one.
@@ -47,10 +54,10 @@ PROVIDER_READ: Final = "provider:read"
 PROVIDER_WRITE: Final = "provider:write"
 # Operations: /metrics and the checks of /readyz (addresses, lag, errors of the parts).
 OPS: Final = "ops:read"
-# Running commands inside a sandbox: they read everything its agent can, provider values too.
-EXEC: Final = "sandbox:exec"
-SCOPES: Final = (READ, WRITE, AUDIT, PROVIDER_READ, PROVIDER_WRITE, OPS, EXEC)
+SCOPES: Final = (READ, WRITE, EXEC, AUDIT, PROVIDER_READ, PROVIDER_WRITE, OPS)
 TOKEN_PREFIX: Final = "sst_"
+
+log = logging.getLogger("sandstream.tokens")
 
 
 class TokenFileError(RuntimeError):
@@ -101,13 +108,27 @@ def new_token_value() -> str:
     return TOKEN_PREFIX + secrets.token_urlsafe(32)
 
 
+# The answer to every token while the tokens file is not valid: what is wrong with the file
+# (its path, its mode, the parser's message) goes to the log, not to whoever sent a token.
+TOKENS_UNAVAILABLE: Final = (
+    "no token can be checked now: the server's tokens file is not valid (its log says why); "
+    "every token is refused until it is"
+)
+
+
 class TokenStore:
-    """The known tokens; ``from_file`` stores re-read the file when it changes."""
+    """The known tokens; ``from_file`` stores re-read the file when it changes.
+
+    A ``from_file`` store fails closed: while the file is missing, unreadable, readable by
+    others or not a valid tokens document, it refuses every token (``problem`` says why) and
+    logs that once per change of the file; it accepts them again once the file is valid.
+    """
 
     def __init__(self, tokens: list[StoredToken], path: Path | None = None) -> None:
         self._tokens = list(tokens)
         self._path = path
         self._stamp = _stamp(path) if path is not None else None
+        self._problem: str | None = None
 
     @classmethod
     def from_file(cls, path: Path) -> TokenStore:
@@ -123,15 +144,28 @@ class TokenStore:
             ]
         )
 
+    @property
+    def problem(self) -> str | None:
+        """Why every token is refused now (what is wrong with the tokens file), or None."""
+        self._refresh()
+        return self._problem
+
     def _refresh(self) -> None:
         if self._path is None:
             return
-        stamp = _stamp(self._path)
-        if stamp != self._stamp:
-            # Keep serving the tokens we had if the file is being rewritten or broken.
-            with contextlib.suppress(TokenFileError):
-                self._tokens = read_tokens(self._path)
-                self._stamp = stamp
+        stamp = _stamp(self._path)  # before the read: a change during it is read again
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        try:
+            tokens = read_tokens(self._path)
+        except TokenFileError as exc:
+            self._tokens, self._problem = [], str(exc)
+            log.error("refusing every token: %s", exc)
+            return
+        if self._problem is not None:
+            log.warning("tokens file %s is valid again: accepting its tokens", self._path)
+        self._tokens, self._problem = tokens, None
 
     def lookup(self, value: str) -> StoredToken | None:
         """The stored token with this value (revoked or expired ones included)."""
@@ -146,6 +180,8 @@ class TokenStore:
     def authorize(self, value: str, scope: str, now: datetime | None = None) -> Principal | Denied:
         """The principal of a token value if it is live and holds ``scope``; else why not."""
         found = self.lookup(value)
+        if self._problem is not None:
+            return Denied(401, TOKENS_UNAVAILABLE)
         if found is None:
             return Denied(401, "invalid bearer token")
         ended = found.ended(now or datetime.now(UTC))
@@ -218,6 +254,8 @@ def check_private(path: Path) -> None:
 
 def read_tokens(path: Path) -> list[StoredToken]:
     try:
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO would block the reader forever
+            raise TokenFileError(f"tokens file {path} is not a regular file")
         check_private(path)
         raw = json.loads(path.read_text(encoding="utf-8"))
         tokens = []

@@ -6,12 +6,12 @@ it, the provider values a launch reads, retries of transient failures, and the r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 
 from drivers.protocol import Driver, DriverError, LaunchResult, OpResult, operation_result
+from events.backoff import Backoff, delay_after, pause, retry
 from events.common import Phase
 from events.decided import DecidedEvent
 from events.observations import DriverOperationResult
@@ -43,7 +43,7 @@ class RetryPolicy:
 
     def delay(self, attempt: int) -> float:
         """The pause after failed attempt number ``attempt`` (1-based)."""
-        return float(min(self.first_delay * 2 ** (attempt - 1), self.max_delay))
+        return delay_after(attempt, self.first_delay, self.max_delay)
 
     def next_delay(self, attempt: int, elapsed: float) -> float | None:
         """The pause before another attempt, or None when it is time to give up."""
@@ -115,8 +115,7 @@ class DriverCalls:
             log.warning("%s of %s failed (attempt %d), retrying in %.1fs: %s",
                         intent.operation, intent.key, attempt, delay, result.reason)  # fmt: skip
             news.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(news.wait(), delay)  # a later intent cuts it short
+            await pause(news, delay)  # a later intent cuts it short
             if not current(item):
                 return None
             if any(current(i) for i in later):
@@ -209,17 +208,17 @@ class DriverCalls:
 
     async def _unwanted(self, item: WorkItem) -> str | None:
         """Read the row (retrying while PostgreSQL is unreachable) and judge the intent."""
-        delay = 0.2
-        while True:
+
+        async def judge() -> str | None:
             try:
                 return unwanted(item.intent, await read_row(self.pool, item.intent.key))
-            except CONNECTION_ERRORS as exc:
+            except CONNECTION_ERRORS:
                 if not self.ownership.current(item):
                     return "no longer this executor's"
-                log.warning("cannot read the row of %s (%s); again in %.1fs",
-                            item.intent.key, exc, delay)  # fmt: skip
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                raise
+
+        backoff = Backoff(0.2, 5.0, log, f"reading the row of {item.intent.key}")
+        return await retry(judge, backoff=backoff, retry_on=CONNECTION_ERRORS)
 
     async def _dropped(self, intent: Intent, why: str) -> None:
         log.debug("%s of %s generation %d dropped: %s",

@@ -36,13 +36,13 @@ import asyncpg
 from aiokafka import AIOKafkaProducer
 
 from drivers.protocol import Driver, RuntimeInfo
+from events.backoff import pause
 from events.common import Phase
 from events.observations import Observation, RuntimeRemoved, RuntimeSnapshot
 from events.publisher import publish_observation
 from projections.lifecycle import Sandbox
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record
 from services.common.settings import Settings
-from services.common.tasks import stopped_within
 from services.executor.clock import Clock, utcnow
 
 log = logging.getLogger("sandstream.reconcile")
@@ -260,5 +260,5 @@ class Reconciler:
                 await self.run_once()
             except Exception:
                 log.exception("reconcile pass failed; next pass in %ss", self.interval)
-            if await stopped_within(stop, self.interval):
+            if await pause(stop, self.interval):
                 return

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaProducer
 
 from drivers.protocol import Driver
+from events.backoff import Backoff, pause
 from events.publisher import publish_until_sent
 from services.common.settings import Settings
-from services.common.tasks import stopped_within
 
 log = logging.getLogger("sandstream.watcher")
 
@@ -34,24 +34,28 @@ class Watcher:
     settings: Settings
 
     async def run(self, stop: asyncio.Event) -> None:
-        delay = 0.2
+        backoff = Backoff(0.2, 5.0)
         while not stop.is_set():
             stream = self.driver.watch()
+            failure: Exception | None = None
             try:
                 async for observation in stream:
                     if not await publish_until_sent(
                         self.producer, self.settings.topic_observations, observation, stop
                     ):
                         return
-                    delay = 0.2
+                    backoff.succeeded()
                     if stop.is_set():
                         return
-                log.warning("driver watch stream ended; reopening in %.1fs", delay)
-            except Exception:
-                log.exception("driver watch stream failed; reopening in %.1fs", delay)
+            except Exception as exc:
+                failure = exc
             finally:
                 with contextlib.suppress(Exception):
                     await stream.aclose()  # type: ignore[attr-defined]
-            if await stopped_within(stop, delay):
+            delay = backoff.next()
+            if failure is None:
+                log.warning("driver watch stream ended; reopening in %.1fs", delay)
+            else:
+                log.error("driver watch stream failed; reopening in %.1fs", delay, exc_info=failure)
+            if await pause(stop, delay):
                 return
-            delay = min(delay * 2, 5.0)

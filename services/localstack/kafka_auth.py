@@ -243,6 +243,7 @@ def role_grants(settings: Settings) -> list[Grant]:
         ("processor", topic, s.topic_observations, read),
         ("processor", topic, s.topic_events, write),
         ("processor", topic, s.topic_deadletter, write),
+        ("processor", topic, s.topic_checkpoints, write),
         ("processor", group, s.processor_group, read),
         ("executor", topic, s.topic_events, read),
         ("executor", topic, s.topic_observations, write),  # the driver calls' outcomes

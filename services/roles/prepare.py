@@ -12,7 +12,7 @@ from aiokafka.errors import KafkaError
 
 from services.common.credentials import create_key_file
 from services.common.kafka_clients import KafkaCredentialsError
-from services.common.migrations import apply_migrations
+from services.common.migrations import MigrationError, apply_migrations
 from services.common.settings import Settings
 from services.common.tokens import TokenFileError, ensure_tokens
 from services.localstack import stack
@@ -31,7 +31,7 @@ def prepare(settings: Settings) -> str | None:
     schema = None if settings.pg_schema == "public" else settings.pg_schema
     try:
         asyncio.run(apply_migrations(settings.pg_dsn, schema=schema))
-    except (OSError, asyncpg.PostgresError) as exc:
+    except (OSError, asyncpg.PostgresError, MigrationError) as exc:
         return f"cannot migrate PostgreSQL: {exc!r}"
     try:
         tokens = ensure_tokens(settings)

@@ -8,8 +8,8 @@ import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.api.provider_sync import ProviderSync, sync_source
-from services.api.providers import open_service
+from services.provider_sync.controller import ProviderSync, sync_source
+from services.provider_sync.service import open_service
 from services.roles.leased import LeasedRole
 
 
@@ -29,4 +29,7 @@ class ProviderSyncRole(LeasedRole):
             raise ValueError("provider sync: give a directory or a Kubernetes label selector")
         async with open_service(self.settings) as service:
             sync = ProviderSync(service, source, restart=self.restart, interval=self.interval)
-            await sync.run(lost)
+            # It relays the provider outbox too (the API processes do as well: docs/adr/0005).
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(sync.run(lost))
+                tasks.create_task(service.relay(lost))

@@ -24,7 +24,7 @@ import asyncpg
 from drivers.protocol import Driver
 from services.common.database import connect_pool
 from services.common.settings import Settings
-from services.common.tasks import Tasks, first_of
+from services.common.tasks import Run, Tasks, first_of
 from services.executor.driver_side import DriverSide
 from services.executor.executor import Executor, RetryPolicy
 from services.executor.reconcile import Reconciler
@@ -112,6 +112,11 @@ class ControlPlane:
             executor_concurrency=self.executor_concurrency,
             retry=self.retry,
         )
+
+    def supervise(self, name: str, run: Run) -> None:
+        """Run one more part of the process (``sandstream up``'s provider sync) under the same
+        supervision: started again after a crash, reported by ``down()`` meanwhile."""
+        self._tasks.supervise(name, run)
 
     def down(self) -> dict[str, str]:
         """Supervised parts waiting to be started again after a crash, with their error."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -26,7 +27,7 @@ from aiokafka.errors import KafkaError
 
 from events.publisher import CommandPublisher
 from services.api.app import create_app
-from services.api.provider_sync import ProviderSync, sync_source
+from services.api.providers import ProviderService
 from services.api.server import Tls, bind, start_api
 from services.common.credentials import create_key_file
 from services.common.kafka_clients import kafka_client_args
@@ -43,6 +44,7 @@ from services.openshell.server import (
     is_loopback,
     start_openshell,
 )
+from services.provider_sync.controller import ProviderSync, sync_source
 
 log = logging.getLogger("sandstream.up")
 
@@ -209,7 +211,6 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
     pool = None
     publisher = CommandPublisher(kafka_client_args(settings, "api"), topic=settings.topic_commands)
     api = None
-    sync_task: asyncio.Future[None] | None = None
     openshell: RunningOpenShell | None = None
     code = 0
     try:
@@ -232,18 +233,15 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
                 logs=app.state.api.logs,
             )
         _banner(settings, api.url, tokens, time.monotonic() - started, openshell)
-        source = sync_source(settings)
-        if source is not None:
-            sync = ProviderSync(app.state.providers, source)
-            sync_task = asyncio.ensure_future(sync.run(signals.stop))
+        if sync_source(settings) is not None:
+            sync = functools.partial(_run_provider_sync, settings, app.state.providers)
+            plane.supervise("provider sync", sync)
 
         waiters: dict[asyncio.Future[Any], str] = {
             asyncio.ensure_future(signals.stop.wait()): "signal",
             asyncio.ensure_future(plane.stopping.wait()): "control plane",
             asyncio.ensure_future(asyncio.shield(api.task)): "api",
         }
-        if sync_task is not None:
-            waiters[asyncio.ensure_future(asyncio.shield(sync_task))] = "provider sync"
         done, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:
             task.cancel()
@@ -256,10 +254,6 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
         code = 1
     finally:
         log.info("stopping the API, processor, executor, watcher and scheduler")
-        if sync_task is not None:
-            sync_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await sync_task
         if openshell is not None:
             await openshell.stop()
         if api is not None:
@@ -280,6 +274,17 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
     return code
 
 
+async def _run_provider_sync(
+    settings: Settings, service: ProviderService, stop: asyncio.Event
+) -> None:
+    """The provider-sync controller on the source the settings name, until ``stop``: a part of
+    ``up`` supervised like the control plane's (a crash is reported and it starts again with a
+    source of its own; it never stops the rest)."""
+    source = sync_source(settings)
+    assert source is not None  # checked before it was supervised
+    await ProviderSync(service, source).run(stop)
+
+
 def _banner(
     settings: Settings,
     url: str,
@@ -298,6 +303,7 @@ def _banner(
     lines = [
         f"sandstream is up ({seconds:.1f}s)",
         f"  API         {url}   (OpenAPI: {url}/docs)",
+        f"  Console     {url}/ui/   (sign in with a token)",
         f"  OpenShell   {_openshell_line(settings, openshell)}",
         f"  token       {token_line}",
         f"  tokens      {shown(tokens.tokens_file)}",

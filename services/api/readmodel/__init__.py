@@ -13,7 +13,8 @@ nothing else. One module a job:
 - ``changes``: the row change feed (``ChangeFeed``: LISTEN and a shared horizon query;
   ``changes_after``).
 - ``decided``: the feed of decided events from the outbox.
-- ``counts``: the sandboxes that need an operator's attention.
+- ``counts``: the sandboxes that need an operator's attention (counted, and named with why).
+- ``trend``: live sandboxes per phase now and over the last hours, from the history.
 
 The names callers use are re-exported here (``from services.api.readmodel import SandboxView``,
 ``readmodel.list_sandboxes``): the package is the read model's interface, its modules are how
@@ -21,7 +22,7 @@ it is kept. Inside the package, modules import each other by module, never throu
 """
 
 from services.api.readmodel.changes import CHANGES_PAGE, ChangeFeed, changes_after
-from services.api.readmodel.counts import Attention, attention
+from services.api.readmodel.counts import Attention, NeedsAttention, attention, needing_attention
 from services.api.readmodel.decided import (
     EVENTS_PAGE,
     Decided,
@@ -43,8 +44,16 @@ from services.api.readmodel.queries import (
     get_sandbox,
     history,
     list_sandboxes,
+    recent_history,
     sandbox_exists,
     stored_input_offsets,
+)
+from services.api.readmodel.trend import (
+    TREND_WINDOWS,
+    Trend,
+    TrendTooLarge,
+    live_counts,
+    phase_trend,
 )
 from services.api.readmodel.views import (
     CommandStatus,
@@ -55,6 +64,7 @@ from services.api.readmodel.views import (
     SandboxView,
     command_status,
     conditions,
+    input_label,
     pending_status,
     sandbox_view,
 )
@@ -65,6 +75,7 @@ __all__ = [
     "MAX_HISTORY_PAGE",
     "MAX_PAGE",
     "PAGE_TOKEN_MAX_LENGTH",
+    "TREND_WINDOWS",
     "Attention",
     "ChangeFeed",
     "CommandStatus",
@@ -73,8 +84,11 @@ __all__ = [
     "HistoryEntry",
     "HistoryPage",
     "InvalidArgument",
+    "NeedsAttention",
     "SandboxList",
     "SandboxView",
+    "Trend",
+    "TrendTooLarge",
     "attention",
     "await_outcome",
     "change_horizon",
@@ -90,9 +104,14 @@ __all__ = [
     "get_outcome",
     "get_sandbox",
     "history",
+    "input_label",
     "list_sandboxes",
+    "live_counts",
+    "needing_attention",
     "parse_label_filters",
     "pending_status",
+    "phase_trend",
+    "recent_history",
     "retained_from",
     "sandbox_exists",
     "sandbox_view",

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Final
 from uuid import UUID
 
+from events.backoff import Backoff, pause
 from events.topics import CHANGES_CHANNEL
 from projections.store import DATABASE_ERRORS
 from services.api.readmodel.horizon import current_horizon
@@ -77,14 +78,14 @@ class ChangeFeed:
         changed.set()
 
     async def _listen(self) -> None:
-        delay = 0.5
+        backoff = Backoff(0.5, 10.0, log, "change feed LISTEN (watchers poll meanwhile)")
         while not self._closed.is_set():
             lost = asyncio.Event()
             try:
                 async with self.pool.acquire() as conn:
                     conn.add_termination_listener(_setter(lost))
                     await conn.add_listener(CHANGES_CHANNEL, self._notify)
-                    delay = 0.5
+                    backoff.succeeded()
                     try:
                         while not self._closed.is_set() and not lost.is_set():
                             with contextlib.suppress(TimeoutError):
@@ -94,12 +95,11 @@ class ChangeFeed:
                     finally:
                         if not conn.is_closed():
                             await conn.remove_listener(CHANGES_CHANNEL, self._notify)
+                delay = backoff.next()  # the connection was lost: LISTEN again
             except DATABASE_ERRORS as exc:
-                log.warning("change feed: LISTEN failed (%s); polling until it is back", exc)
+                delay = backoff.failed(exc)
             self._notify()  # whatever was missed meanwhile: let watchers look
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._closed.wait(), timeout=delay)
-            delay = min(delay * 2, 10.0)
+            await pause(self._closed, delay)
 
 
 CHANGES_PAGE: Final = 500  # rows per read of the change feed

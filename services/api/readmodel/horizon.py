@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Literal
 
+from events.backoff import Backoff
 from services.common.database import Pool
 
 # The sequences drawn under the sandboxes table's write lock: rows' change_seq, outbox ids.
@@ -43,12 +44,11 @@ async def committed_through(conn: Any, sequence: Drawn, timeout: float = 2.0) ->
     if writers:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        delay = 0.002
+        polls = Backoff(0.002, 0.05)  # writers last milliseconds: poll fast, then less often
         while writers:
             if loop.time() > deadline:
                 return None
-            await asyncio.sleep(delay)  # a writer's commit does not notify before its lock goes
-            delay = min(delay * 2, 0.05)
+            await asyncio.sleep(polls.next())  # a commit does not notify before its lock goes
             writers = await _writers(conn, writers)
     return last
 

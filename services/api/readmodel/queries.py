@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 from uuid import UUID
 
-from events.common import Phase
+from events.common import INT64_MAX, Phase
 from services.api.readmodel.horizon import change_horizon
 from services.api.readmodel.pages import (
     decode_page_token,
@@ -17,7 +17,9 @@ from services.api.readmodel.pages import (
     parse_label_filters,
 )
 from services.api.readmodel.views import (
+    HISTORY_COLUMNS,
     VIEW_COLUMNS,
+    HistoryEntry,
     HistoryPage,
     SandboxList,
     SandboxView,
@@ -27,10 +29,12 @@ from services.api.readmodel.views import (
 from services.common.database import Pool
 
 
-async def get_sandbox(pool: Pool, name: str) -> SandboxView | None:
-    """The live row of ``name``; None for an unknown name or a tombstone."""
+async def get_sandbox(pool: Pool, name: str, include_deleted: bool = False) -> SandboxView | None:
+    """The live row of ``name`` (or its tombstone, when asked for); None for an unknown name."""
     record = await pool.fetchrow(
-        f"SELECT {VIEW_COLUMNS} FROM sandboxes WHERE key = $1 AND phase <> 'Deleted'", name
+        f"SELECT {VIEW_COLUMNS} FROM sandboxes WHERE key = $1 AND ($2 OR phase <> 'Deleted')",
+        name,
+        include_deleted,
     )
     return sandbox_view(record) if record is not None else None
 
@@ -104,12 +108,14 @@ async def history(
     page_token: str | None = None,
     incarnation: UUID | None = None,
     generation: int | None = None,
+    after: int = 0,
 ) -> HistoryPage | None:
     """The history of a name, oldest first; None if the name never had a row or an input.
 
     ``incarnation`` keeps the entries that left that incarnation's row behind (from its
     create on); ``generation`` the observations of that generation and the commands decided
-    while the row was at it.
+    while the row was at it. ``after`` starts after that seq where no page token is given (a
+    live tail's position).
     """
     # Filters that are not set stay out of the token's fingerprint (tokens of before hold).
     context: dict[str, Any] = {"name": name}
@@ -117,12 +123,11 @@ async def history(
         context["incarnation"] = str(incarnation)
     if generation is not None:
         context["generation"] = generation
-    after = decode_page_token(page_token, "history", context) if page_token else 0
+    if page_token:
+        after = decode_page_token(page_token, "history", context)
     after = page_position("page_token", after, int)
     records = await pool.fetch(
-        'SELECT id, topic, partition, "offset", message_type, command_id, disposition, reason, '
-        "phase, generation, version, event_types, message, occurred_at, recorded_at, sandbox_id "
-        "FROM history WHERE key = $1 AND id > $2 "
+        f"SELECT {HISTORY_COLUMNS} FROM history WHERE key = $1 AND id > $2 "
         "AND ($4::uuid IS NULL OR sandbox_id = $4) "
         "AND ($5::int IS NULL OR coalesce((message->>'generation')::int, generation) = $5) "
         "ORDER BY id LIMIT $3",
@@ -139,6 +144,23 @@ async def history(
     if len(records) > limit:
         token = encode_page_token("history", context, items[-1].seq)
     return HistoryPage(name=name, items=items, next_page_token=token)
+
+
+async def recent_history(
+    pool: Pool, name: str, limit: int, before: int | None = None
+) -> tuple[list[HistoryEntry], bool]:
+    """The last ``limit`` entries of a name (before the seq ``before``), oldest first, and
+    whether earlier ones exist: the history read backwards through ``history_key``."""
+    records = await pool.fetch(
+        f"SELECT {HISTORY_COLUMNS} FROM history WHERE key = $1 AND id < $2 "
+        "ORDER BY id DESC LIMIT $3",
+        name,
+        INT64_MAX if before is None else before,
+        limit + 1,
+    )
+    items = [history_entry(r) for r in records[:limit]]
+    items.reverse()
+    return items, len(records) > limit
 
 
 async def stored_input_offsets(pool: Pool, topics: Sequence[str]) -> dict[tuple[str, int], int]:

@@ -17,6 +17,11 @@ from projections.store import SANDBOX_COLUMNS, sandbox_from_record
 PROGRESSING = (Phase.PROVISIONING, Phase.STARTING, Phase.STOPPING, Phase.DELETING)
 # The columns ``sandbox_view`` reads: the row and its position in the change feed.
 VIEW_COLUMNS: Final = f"{SANDBOX_COLUMNS}, change_seq"
+# The columns ``history_entry`` reads.
+HISTORY_COLUMNS: Final = (
+    'id, topic, partition, "offset", message_type, command_id, disposition, reason, phase, '
+    "generation, version, event_types, message, occurred_at, recorded_at, sandbox_id"
+)
 
 
 class Condition(BaseModel):
@@ -215,3 +220,22 @@ def history_entry(r: Any) -> HistoryEntry:
         recorded_at=r["recorded_at"],
         sandbox_id=r["sandbox_id"],
     )
+
+
+def input_label(message_type: str | None, message: dict[str, Any] | None) -> str:
+    """A history entry's input in a few words: ``Stop``, ``Snapshot(exited 137)``,
+    ``Result(launch succeeded)``, ``Deadline(launch)`` (the CLI's and the console's)."""
+    message = message or {}
+    kind = message_type or "?"
+    if kind == "RuntimeSnapshot":
+        state, code = message.get("state"), message.get("exit_code")
+        if state == "exited" and code is not None:
+            return f"Snapshot(exited {code})"
+        return f"Snapshot({state})"
+    if kind == "DriverOperationResult":
+        return f"Result({message.get('operation')} {message.get('outcome')})"
+    if kind == "RuntimeRemoved":
+        return "Removed"
+    if kind == "DeadlineDue":
+        return f"Deadline({message.get('deadline')})"
+    return kind.removesuffix("Sandbox") if kind != "CreateSandbox" else "Create"

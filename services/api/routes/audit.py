@@ -182,6 +182,9 @@ async def explain(name: NamePath, principal: Auditor, state: State) -> AuditAnsw
     response_model=ChainAnswer,
     responses=responses(401, 403, 422, 503),
     summary="Check the history's hash chains and name the first broken link of each",
+    description="From PostgreSQL alone: altered, removed, reordered entries and removed hashes; "
+    "not a chain whose newest entries were deleted, which takes the log's checkpoints "
+    "(`sandstream audit chain`, docs/audit.md).",
     tags=["audit"],
 )
 async def chains(

@@ -24,7 +24,7 @@ from events.common import COMMAND_ID_PATTERN, SANDBOX_NAME_PATTERN, SandboxSpec
 from events.outcomes import CommandOutcome
 from events.publisher import new_command_id, now
 from services.api import idempotency, readmodel
-from services.api.deps import Reader, State, Writer
+from services.api.deps import Reader, State, Writer, require_also
 from services.api.errors import STATUS_OF, ApiError, error_response
 from services.api.gateway import CommandGateway, CommandTooLarge, PublishFailed
 from services.api.idempotency import IdempotencyConflict
@@ -38,6 +38,7 @@ from services.api.models import (
     responses,
 )
 from services.api.readmodel import CommandStatus
+from services.common.tokens import PROVIDER_WRITE
 
 router = APIRouter()
 
@@ -80,11 +81,15 @@ async def submit(gateway: CommandGateway, command: Command, wait: float | None) 
     response_model=CommandStatus,
     responses=COMMAND_RESPONSES,
     summary="Create a sandbox",
+    description="Needs sandbox:write; a create that attaches providers (`providers`) also "
+    "needs provider:write, as attaching one later does.",
     tags=["commands"],
 )
 async def create_sandbox(
     body: CreateSandboxRequest, principal: Writer, state: State, wait: WaitQuery = None
 ) -> JSONResponse:
+    if body.providers:  # an attached provider's values reach the agent this token controls
+        require_also(principal, PROVIDER_WRITE, "to attach providers at create")
     cap = principal.max_stop_timeout
     cap = state.settings.api_max_stop_timeout_seconds if cap is None else cap
     asked = body.spec.stop_timeout_seconds

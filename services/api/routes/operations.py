@@ -22,7 +22,7 @@ from services.api.deps import Operator, State, denial
 from services.api.models import Check, HealthBody, ReadyBody, responses
 from services.common import metrics
 from services.common.log_identity import differences, recorded_identity
-from services.common.tokens import OPS, Denied, sees_operations
+from services.common.tokens import OPS, TOKENS_UNAVAILABLE, Denied, bearer_of, sees_operations
 
 router = APIRouter()
 
@@ -47,6 +47,8 @@ async def healthz() -> HealthBody:
     "not ready, what failed and why.",
 )
 async def readyz(request: Request, state: State) -> JSONResponse:
+    if request.app.state.tokens.problem is not None:
+        return _tokens_unavailable(request)
     detailed = _detailed(request)
     topics = [state.settings.topic_commands, state.settings.topic_observations]
     checks: dict[str, Check] = {}
@@ -104,8 +106,7 @@ async def readyz(request: Request, state: State) -> JSONResponse:
     if not detailed:
         if ready:
             return JSONResponse({"status": "ready"}, 200)
-        message = f"not ready (the checks need a token with the {OPS} scope)"
-        return JSONResponse({"code": "UNAVAILABLE", "message": message, "status": "not ready"}, 503)
+        return _bare_not_ready(NEEDS_OPS)
     body = ReadyBody(
         status="ready" if ready else "not ready",
         checks=checks,
@@ -116,6 +117,22 @@ async def readyz(request: Request, state: State) -> JSONResponse:
         return JSONResponse(body, 200)
     failing = "; ".join(f"{k}: {c.detail}" for k, c in checks.items() if not c.ok)
     return JSONResponse({"code": "UNAVAILABLE", "message": f"not ready: {failing}", **body}, 503)
+
+
+def _tokens_unavailable(request: Request) -> JSONResponse:
+    """Not ready: the tokens file is not valid, so every token is refused. Nobody can be
+    known to hold ops:read now: a probe gets the bare answer, a caller that sent a token the
+    cause without its details (the log has them), where it would otherwise get a 401."""
+    if bearer_of(request.headers.get("authorization")) is None:
+        return _bare_not_ready(NEEDS_OPS)
+    return _bare_not_ready(f"not ready: tokens: {TOKENS_UNAVAILABLE}")
+
+
+NEEDS_OPS = f"not ready (the checks need a token with the {OPS} scope)"
+
+
+def _bare_not_ready(message: str) -> JSONResponse:
+    return JSONResponse({"code": "UNAVAILABLE", "message": message, "status": "not ready"}, 503)
 
 
 def _detailed(request: Request) -> bool:

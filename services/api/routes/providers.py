@@ -3,8 +3,10 @@ detach a provider on a sandbox. Responses carry key names, fingerprints and time
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse
@@ -12,17 +14,16 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from events.commands import AttachProvider, DetachProvider
 from events.common import INT64_MAX, PROVIDER_NAME_PATTERN, CommandId, ProviderName
-from events.publisher import new_command_id, now
-from services.api.deps import ProviderReader, ProviderWriter, State, Writer
+from services.api.deps import ApiState, ProviderReader, ProviderWriter, State, Writer
 from services.api.errors import ApiError
 from services.api.models import COMMAND_RESPONSES, NamePath, WaitQuery, responses
-from services.api.providers import ProviderService, Receipt
+from services.api.providers import ProviderInUse, ProviderService, Receipt, ScopeMissing
 from services.api.readmodel import CommandStatus
 from services.api.routes.commands import submit
 from services.common import providers
 from services.common.credentials import CredentialKeyError
 from services.common.providers import ProviderExists, ProviderInfo, ProviderMissing, Update
-from services.common.tokens import PROVIDER_WRITE, Principal
+from services.common.tokens import Principal
 
 router = APIRouter()
 
@@ -71,6 +72,14 @@ class AttachRequest(_Strict):
     expected_version: int | None = Field(default=None, ge=0, le=INT64_MAX)  # a `bigint` column
 
 
+class DetachRequest(AttachRequest):
+    no_restart: bool = Field(
+        default=False,
+        description="leave a Ready sandbox running: the provider's values leave at its next "
+        "start (by default it restarts without them)",
+    )
+
+
 class KeyView(BaseModel):
     name: str
     fingerprint: str = Field(description="HMAC-SHA256 of the value under this installation's salt")
@@ -106,6 +115,10 @@ class SandboxActionView(BaseModel):
     action: Literal["restart", "skip"]
     reason: str
     command_id: str
+    delivery: Literal["sent", "pending"] = Field(
+        description="sent: Kafka acknowledged the command; pending: not yet, it is stored with "
+        "the values and sent again until Kafka acknowledges it (nothing to retry)"
+    )
 
 
 class UpdateReceipt(BaseModel):
@@ -115,12 +128,19 @@ class UpdateReceipt(BaseModel):
         "the history records what was decided)"
     )
     restart: bool
-    unsent: list[str] = Field(description="restart commands Kafka did not acknowledge")
+    unsent: list[str] = Field(
+        description="the command ids Kafka has not acknowledged yet (delivery pending): stored "
+        "with the values and sent until it does"
+    )
 
 
 class DeleteResult(BaseModel):
     name: str
     detached: list[str]
+    unsent: list[str] = Field(
+        description="the DetachProvider command ids Kafka has not acknowledged yet: stored with "
+        "the delete and sent until it does"
+    )
 
 
 def service(request: Request) -> ProviderService:
@@ -161,6 +181,7 @@ def receipt_view(receipt: Receipt) -> UpdateReceipt:
                 action=line.action,
                 reason=line.reason,
                 command_id=line.command_id,
+                delivery="pending" if line.command_id in receipt.unsent else "sent",
             )
             for line in receipt.sandboxes
         ],
@@ -185,16 +206,27 @@ async def _update(
                 f"credentials: {', '.join(reserved)} of provider {update.name!r}: names starting "
                 f"with {providers.RESERVED_PREFIX} are reserved",
             )
-    try:
+    with refusals():
         return await service(request).update(
             updates, actor=principal.name, restart=restart, create=create
         )
+
+
+@contextmanager
+def refusals() -> Iterator[None]:
+    """The provider service's refusals as the API's answers."""
+    try:
+        yield
+    except ScopeMissing as exc:
+        raise ApiError(403, "PERMISSION_DENIED", str(exc)) from exc
     except CredentialKeyError as exc:
         raise ApiError(503, "UNAVAILABLE", f"credentials key: {exc}") from exc
     except ProviderMissing as exc:
         raise ApiError(404, "NOT_FOUND", str(exc)) from exc
     except ProviderExists as exc:
         raise ApiError(409, "ALREADY_EXISTS", str(exc)) from exc
+    except ProviderInUse as exc:
+        raise ApiError(412, "FAILED_PRECONDITION", str(exc)) from exc
 
 
 PROVIDER_RESPONSES = responses(401, 403, 404, 409, 413, 422, 503)
@@ -291,66 +323,90 @@ async def update_providers(
     "/v1/providers/{provider}",
     response_model=DeleteResult,
     responses=responses(401, 403, 404, 412, 422, 503),
-    summary="Delete a provider (refused while attached, unless forced: then detached too)",
+    summary="Delete a provider (refused while attached, unless forced: then detached too, "
+    "which needs sandbox:write as well)",
     tags=["providers"],
 )
 async def delete_provider(
     provider: ProviderPath,
     principal: ProviderWriter,
+    request: Request,
+    force: Annotated[
+        bool,
+        Query(description="detach it from every sandbox and delete (needs sandbox:write too)"),
+    ] = False,
+    no_restart: Annotated[
+        bool,
+        Query(
+            description="with force: the Ready sandboxes it is detached from keep running "
+            "(its values leave at their next start) instead of restarting without them"
+        ),
+    ] = False,
+) -> DeleteResult:
+    with refusals():
+        deleted = await service(request).delete(
+            provider, principal=principal, force=force, restart=not no_restart
+        )
+    return DeleteResult(name=deleted.name, detached=deleted.detached, unsent=deleted.unsent)
+
+
+async def _attachment(
+    kind: type[AttachProvider | DetachProvider],
+    name: str,
+    body: AttachRequest,
+    principal: Principal,
+    state: ApiState,
+    request: Request,
+    wait: float | None,
+    restart: bool = True,
+) -> JSONResponse:
+    with refusals():
+        command = await service(request).attachment(
+            kind,
+            name,
+            body.provider,
+            principal=principal,
+            command_id=body.command_id,
+            expected_version=body.expected_version,
+            restart=restart,
+        )
+    return await submit(state.gateway, command, wait)
+
+
+@router.post(
+    "/v1/sandboxes/{name}:attach",
+    response_model=CommandStatus,
+    responses=COMMAND_RESPONSES,
+    summary="Attach a provider (needs sandbox:write and provider:write; applies at the next start)",
+    tags=["commands"],
+)
+async def attach_provider(
+    name: NamePath,
+    body: AttachRequest,
+    principal: Writer,
     state: State,
     request: Request,
-    force: Annotated[bool, Query(description="detach it from every sandbox and delete")] = False,
-) -> DeleteResult:
-    async with state.pool.acquire() as conn:
-        if await providers.get_provider(conn, provider) is None:
-            raise ApiError(404, "NOT_FOUND", f"provider {provider!r} not found")
-        attached = [s.key for s in await providers.attached_sandboxes(conn, [provider])]
-    if attached and not force:
-        raise ApiError(
-            412,
-            "FAILED_PRECONDITION",
-            f"provider {provider!r} is attached to {', '.join(attached)} (force=true detaches it)",
-        )
-    detached = await service(request).detach_everywhere(provider, principal.name) if force else []
-    async with state.pool.acquire() as conn:
-        await providers.delete_provider(conn, provider)
-    return DeleteResult(name=provider, detached=detached)
+    wait: WaitQuery = None,
+) -> JSONResponse:
+    return await _attachment(AttachProvider, name, body, principal, state, request, wait)
 
 
-def _attach_handler(kind: type[AttachProvider | DetachProvider]) -> Any:
-    async def handler(
-        name: NamePath, body: AttachRequest, principal: Writer, state: State, wait: WaitQuery = None
-    ) -> JSONResponse:
-        if PROVIDER_WRITE not in principal.scopes:
-            raise ApiError(
-                403,
-                "PERMISSION_DENIED",
-                f"token {principal.name!r} lacks the scope {PROVIDER_WRITE}",
-            )
-        if kind is AttachProvider:
-            async with state.pool.acquire() as conn:
-                if await providers.get_provider(conn, body.provider) is None:
-                    raise ApiError(404, "NOT_FOUND", f"provider {body.provider!r} not found")
-        command = kind(
-            type=kind.__name__,
-            command_id=body.command_id or new_command_id(),
-            key=name,
-            occurred_at=now(),
-            actor=principal.name,
-            expected_version=body.expected_version,
-            provider=body.provider,
-        )
-        return await submit(state.gateway, command, wait)
-
-    handler.__name__ = f"{kind.__name__[:6].lower()}_provider"
-    return handler
-
-
-for _verb, _kind in (("attach", AttachProvider), ("detach", DetachProvider)):
-    router.post(
-        f"/v1/sandboxes/{{name}}:{_verb}",
-        response_model=CommandStatus,
-        responses=COMMAND_RESPONSES,
-        summary=f"{_verb.capitalize()} a provider (needs sandbox:write and provider:write)",
-        tags=["commands"],
-    )(_attach_handler(_kind))
+@router.post(
+    "/v1/sandboxes/{name}:detach",
+    response_model=CommandStatus,
+    responses=COMMAND_RESPONSES,
+    summary="Detach a provider (needs sandbox:write and provider:write; a Ready sandbox "
+    "restarts without its values unless no_restart)",
+    tags=["commands"],
+)
+async def detach_provider(
+    name: NamePath,
+    body: DetachRequest,
+    principal: Writer,
+    state: State,
+    request: Request,
+    wait: WaitQuery = None,
+) -> JSONResponse:
+    return await _attachment(
+        DetachProvider, name, body, principal, state, request, wait, not body.no_restart
+    )

@@ -3,7 +3,8 @@ Secrets selected by label. Each source answers two questions: a cheap ``signatur
 changes whenever any value may have changed, and ``read``, every provider's keys and values.
 
 Both apply the same rules to what they find: names that are not valid provider or key names,
-or key names under the reserved prefix, are skipped and logged by name (never a value).
+key names under the reserved prefix, and values that are not UTF-8 text are skipped and logged
+by name (never a value).
 """
 
 from __future__ import annotations
@@ -72,10 +73,19 @@ def read_directory(root: Path) -> Desired:
         for file in sorted(folder.iterdir()):
             if file.name.startswith(".") or not file.is_file():
                 continue
-            if valid_key(folder.name, file.name):
-                values[file.name] = file.read_text()
+            if valid_key(folder.name, file.name) and (value := read_value(file)) is not None:
+                values[file.name] = value
         found[folder.name] = values
     return found
+
+
+def read_value(file: Path) -> str | None:
+    """The text of a value file; None (logged by name, never the bytes) when it is not UTF-8."""
+    try:
+        return file.read_bytes().decode()
+    except UnicodeDecodeError:
+        log.warning("skipping %s/%s: not UTF-8 text", file.parent.name, file.name)
+        return None
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The provider-sync controller's Kubernetes source: Secrets selected by label in a namespace,
-one Secret per provider (services/api/provider_sources.py says how a Secret maps to one).
+one Secret per provider (services/provider_sync/sources.py says how a Secret maps to one).
 
 Imported only when that source is configured (it loads the Kubernetes client).
 """
@@ -15,7 +15,7 @@ from kubernetes_asyncio.client import ApiException, CoreV1Api
 from kubernetes_asyncio.config import ConfigException
 
 from drivers.kubernetes import KubeConfig, api_client
-from services.api.provider_sources import Desired, SourceUnavailable, read_secrets
+from services.provider_sync.sources import Desired, SourceUnavailable, read_secrets
 
 
 @dataclass

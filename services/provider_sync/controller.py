@@ -1,5 +1,5 @@
 """The provider-sync controller: keeps providers in step with an outside source
-(services/api/provider_sources.py: a directory, or Kubernetes Secrets selected by label).
+(services/provider_sync/sources.py: a directory, or Kubernetes Secrets selected by label).
 
 The controller checks the source every ``interval`` seconds and, when anything in it changed
 (or a previous reconcile failed), sends **one** update with every provider whose values differ
@@ -22,11 +22,11 @@ from pathlib import Path
 from aiokafka.errors import KafkaError
 
 from projections.store import CONNECTION_ERRORS
-from services.api.provider_sources import SOURCE_ERRORS, DirectorySource, Source
 from services.api.providers import ProviderService, Receipt
 from services.common import providers
 from services.common.providers import Update
 from services.common.settings import Settings
+from services.provider_sync.sources import SOURCE_ERRORS, DirectorySource, Source
 
 log = logging.getLogger("sandstream.provider-sync")
 
@@ -48,7 +48,7 @@ def sync_source(
     if not selector:
         return None
     from drivers.kubernetes import KubeConfig
-    from services.api.kube_secrets import KubeSecretSource
+    from services.provider_sync.kube_secrets import KubeSecretSource
 
     cfg = KubeConfig(
         namespace=namespace or settings.provider_sync_kube_namespace or settings.kube_namespace,

@@ -1,0 +1,90 @@
+"""One bad file or one failing reconcile never stops the control plane.
+
+A value file that is not UTF-8 is skipped with a log line naming it (the directory source, as
+the Kubernetes Secrets source does with such a key). Inside a real `sandstream up`, the
+provider-sync controller is a supervised part: a reconcile that raises (here: its table is
+away) is reported in /readyz and the controller starts again, while the API keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from harness import eventually, isolated_env
+from upkit import running_up
+
+from services.provider_sync.sources import read_directory
+
+NOT_UTF8 = b"\xff\xfe not text"
+
+
+def provider_dir(root: Path) -> Path:
+    (root / "gh").mkdir(parents=True)
+    (root / "gh" / "TOKEN").write_text("one")
+    (root / "gh" / "BROKEN").write_bytes(NOT_UTF8)
+    return root
+
+
+def test_a_value_that_is_not_utf8_is_skipped_and_its_file_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="sandstream.provider-sync")
+    assert read_directory(provider_dir(tmp_path)) == {"gh": {"TOKEN": "one"}}
+    assert "skipping gh/BROKEN: not UTF-8 text" in caplog.text
+    assert "not text" not in caplog.text  # the bytes are never logged
+
+
+async def test_up_supervises_provider_sync_a_crash_is_reported_and_started_again(
+    tmp_path: Path,
+) -> None:
+    source = provider_dir(tmp_path / "providers")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    async with isolated_env() as env:
+        # Every reconcile raises while the providers table is away.
+        await env.fetchval("ALTER TABLE providers RENAME TO providers_away")
+        variables = {"SANDSTREAM_PROVIDER_SYNC_DIR": str(source)}
+        async with running_up(run_dir, variables, env) as up:
+            admin = {"Authorization": f"Bearer {up.admin_token()}"}
+            async with httpx.AsyncClient(base_url=up.url, headers=admin, timeout=30) as client:
+
+                async def readiness() -> Any:
+                    try:
+                        return await client.get("/readyz")
+                    except httpx.TransportError:
+                        assert up.proc.returncode is None, up.log.read_text()[-3000:]
+                        return None
+
+                down = await eventually(
+                    readiness,
+                    lambda r: r is not None and r.status_code == 503
+                    and "provider sync restarting after" in r.json()["checks"]["control_plane"]
+                    ["detail"],
+                    timeout=60,
+                    what="/readyz to report the crashed provider sync",
+                )  # fmt: skip
+                assert "UndefinedTable" in down.json()["checks"]["control_plane"]["detail"]
+                assert (await client.get("/healthz")).status_code == 200
+
+                await env.fetchval("ALTER TABLE providers_away RENAME TO providers")
+                gh = await eventually(
+                    lambda: client.get("/v1/providers/gh"),
+                    lambda r: r.status_code == 200,
+                    timeout=60,
+                    what="the provider-sync controller, started again, to create gh",
+                )
+                assert [k["name"] for k in gh.json()["keys"]] == ["TOKEN"]
+                await eventually(
+                    readiness,
+                    lambda r: r is not None and r.status_code == 200,
+                    timeout=30,
+                    what="/readyz ready again",
+                )
+            assert up.proc.returncode is None
+        log = up.log.read_text()
+        assert "skipping gh/BROKEN: not UTF-8 text" in log
+        assert "provider sync crashed" in log
