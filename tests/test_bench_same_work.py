@@ -60,6 +60,18 @@ async def tables(settings: Settings) -> dict[str, list[dict[str, Any]]]:
         await conn.close()
 
 
+def running(observation_id: str, key: str) -> RuntimeSnapshot:
+    return RuntimeSnapshot(
+        type="RuntimeSnapshot",
+        observation_id=observation_id,
+        key=key,
+        generation=1,
+        state="running",
+        occurred_at=T0,
+        actor="bench",
+    )
+
+
 def waves(keys: int) -> list[list[tuple[str, bytes, bytes]]]:
     """The benchmark's log (varied) cut into its four phases, each on one topic, so that its
     order does not depend on how the polls fall; with inputs off the common path mixed in: a
@@ -71,25 +83,9 @@ def waves(keys: int) -> list[list[tuple[str, bytes, bytes]]]:
     exited_early = [r for r in phases[3] if int(r[1].decode().rsplit("-", 1)[1]) in EARLY]
     early = {r[1] for r in exited_early}
     phases[1] = [r for r in phases[1] if r[1] not in early] + exited_early
-    ghost = RuntimeSnapshot(
-        type="RuntimeSnapshot",
-        observation_id="ghost",
-        key="ghost-1",
-        generation=1,
-        state="running",
-        occurred_at=T0,
-        actor="bench",
-    )
+    ghost = running("ghost", "ghost-1")
     phases[1].append(("observations", b"ghost-1", encode(ghost)))
-    late = RuntimeSnapshot(
-        type="RuntimeSnapshot",
-        observation_id="late",
-        key="bench-2",
-        generation=1,
-        state="running",
-        occurred_at=T0,
-        actor="bench",
-    )
+    late = running("late", "bench-2")
     phases[3].insert(0, ("observations", b"bench-2", encode(late)))  # ignored while Stopping
     repeated = next(r for r in phases[0] if r[1] == b"bench-0")
     taken = CreateSandbox(

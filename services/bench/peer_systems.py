@@ -204,23 +204,26 @@ class SandstreamApi:
         return pod_name.removeprefix("sandstream-").rpartition("-g")[0] or None
 
     async def create(self, name: str) -> None:
-        # A command id of its own: a request sent again after a dropped connection (one the
-        # server closed while it sat idle) is the same command, not a second one.
+        # A command id of its own: a create sent again is the same command, not a second one.
         body = {"name": name, "command_id": f"create-{name}",
                 "spec": {"image": self.image, "command": COMMAND}}  # fmt: skip
+        await self._send("POST", "/v1/sandboxes", (200, 201, 202), json=body)
+
+    async def delete(self, name: str) -> None:
+        await self._send("DELETE", f"/v1/sandboxes/{name}", (200, 202, 404))
+
+    async def _send(self, method: str, path: str, ok: tuple[int, ...], **kwargs: Any) -> None:
+        """Sent again once after a dropped connection (one the server closed while it sat
+        idle: uvicorn closes them after 5 s, and a burst's deletes follow a long wait for
+        Ready); both requests are idempotent."""
         for attempt in (1, 2):
             try:
-                response = await self.client.post("/v1/sandboxes", json=body)
+                response = await self.client.request(method, path, **kwargs)
                 break
             except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):
                 if attempt == 2:
                     raise
-        if response.status_code not in (200, 201, 202):
-            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
-
-    async def delete(self, name: str) -> None:
-        response = await self.client.delete(f"/v1/sandboxes/{name}")
-        if response.status_code not in (200, 202, 404):
+        if response.status_code not in ok:
             raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
 
     async def watch(self, track: Track) -> None:
