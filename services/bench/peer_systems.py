@@ -182,6 +182,12 @@ class AgentSandboxes:
         )
 
 
+# Idle connections dropped before uvicorn's 5 s closes them under a request.
+LIMITS = httpx.Limits(
+    max_connections=CONNECTIONS, max_keepalive_connections=CONNECTIONS, keepalive_expiry=2.0
+)
+
+
 class SandstreamApi:
     """Sandboxes created and deleted through sandstream's HTTP API; Ready and gone as its
     watch (server-sent events) shows the rows."""
@@ -193,7 +199,7 @@ class SandstreamApi:
         self.client = httpx.AsyncClient(
             base_url=url,
             headers={"Authorization": f"Bearer {token}"},
-            limits=httpx.Limits(max_connections=CONNECTIONS, max_keepalive_connections=CONNECTIONS),
+            limits=LIMITS,
             timeout=httpx.Timeout(REQUEST_TIMEOUT, connect=10.0),
         )
 
