@@ -8,6 +8,9 @@ import math
 from typing import Any
 from uuid import uuid4
 
+import httpx
+import pytest
+
 from drivers.kube_objects import PodSettings, pod_manifest
 from drivers.protocol import LaunchSpec
 from events.common import SandboxSpec
@@ -176,7 +179,7 @@ def test_the_report_shows_the_three_side_by_side_with_ratios_and_the_goals() -> 
 
 
 def test_rounds_alternate_the_order_and_medians_combine_them() -> None:
-    assert [[*o] for o in orders(["a", "b", "c"], 3)] == [  # type: ignore[list-item]
+    assert [[*o] for o in orders(["a", "b", "c"], 3)] == [  # type: ignore[list-item, comparison-overlap]
         ["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"],
     ]  # fmt: skip
     runs = [_figures(1.0, 2.0, 4.0), _figures(3.0, 1.0, 6.0), _figures(2.0, 5.0, 5.0)]
@@ -205,3 +208,37 @@ def test_a_watch_listed_again_counts_what_was_asked_to_go_and_is_missing_as_gone
     api = SandstreamApi("http://127.0.0.1:1", "t", "ns", "img")
     pods.listed("pod_gone", None, name_of=api.item_of)([{"metadata": {"name": "sandstream-x-g1"}}])
     assert pods.pod_gone == {}
+
+
+def test_a_phase_waits_for_no_sandbox_whose_request_failed() -> None:
+    """A create or delete that failed never goes: waiting for it held a phase for its whole
+    timeout."""
+    track = Track(deleting={"a": 1.0, "b": 1.0}, gone={"a": 2.0}, pod_gone={"a": 2.0})
+    assert not track.all_gone(["a", "b"])
+    track.failed["b"] = "ReadError: "
+    assert track.all_gone(["a", "b"])
+    assert math.isnan(span(track.deleting, track.gone_at()))  # and all gone stays unmeasured
+
+
+async def test_sandstream_requests_are_sent_again_once_after_a_dropped_connection() -> None:
+    """The server closes idle connections: a create or delete that meets one is sent again;
+    a second drop is a failure."""
+    sent: list[str] = []
+
+    def dropping_first(request: httpx.Request) -> httpx.Response:
+        sent.append(request.method)
+        if len(sent) % 2:
+            raise httpx.ReadError("closed", request=request)
+        return httpx.Response(202, json={})
+
+    api = SandstreamApi("http://127.0.0.1:1", "t", "ns", "img")
+    api.client._transport = httpx.MockTransport(dropping_first)
+    await api.delete("a")
+    await api.create("a")
+    assert sent == ["DELETE", "DELETE", "POST", "POST"]
+    api.client._transport = httpx.MockTransport(
+        lambda r: (_ for _ in ()).throw(httpx.ReadError("closed", request=r))
+    )
+    with pytest.raises(httpx.ReadError):
+        await api.delete("a")
+    await api.close()

@@ -185,7 +185,7 @@ class Bench:
         await self._all(self._create(track, system, n) for n in names)
         await track.until(lambda: track.settled(names, track.ready), self.plan.timeout)
         await self._all(self._request(track, track.deleting, system.delete, n) for n in names)
-        await track.until(lambda: track.settled(names, track.gone_at()), self.plan.timeout)
+        await track.until(lambda: track.all_gone(names), self.plan.timeout)
         cpu_after, lasted = mark(await self.parties.now()), time.perf_counter() - began
         delta = counts_delta(requests_before, request_counts(await self.admin.metrics()))
         n = len(names)
@@ -230,7 +230,7 @@ class Bench:
             flush=True,
         )
         await self._all(self._request(track, track.deleting, system.delete, n) for n in names)
-        await track.until(lambda: track.settled(names, track.gone_at()), self.plan.timeout)
+        await track.until(lambda: track.all_gone(names), self.plan.timeout)
         return summary
 
 

@@ -92,6 +92,10 @@ class Track:
         """Every one of ``names`` is in ``table``, or its request failed."""
         return all(n in table or n in self.failed for n in names)
 
+    def all_gone(self, names: Iterable[str]) -> bool:
+        """Every one of ``names`` gone, or its request failed (so it never will be)."""
+        return self.settled(names, self.gone_at())
+
     def gone_at(self) -> dict[str, float]:
         """Gone: reported so and the Pod gone, whichever came last."""
         return {n: max(t, self.pod_gone[n]) for n, t in self.gone.items() if n in self.pod_gone}
