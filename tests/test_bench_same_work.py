@@ -9,6 +9,7 @@ the clock columns (recorded_at, decided_at, updated_at)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 from collections import Counter
@@ -43,6 +44,7 @@ TABLES = {
     "input_offsets": "SELECT topic, partition, next_offset FROM input_offsets "
     "ORDER BY topic, partition",
 }
+CHECKPOINTS_SUFFIX = "checkpoints"  # the run's own chain checkpoints topic
 UNPUBLISHED = (
     "SELECT count(*) FROM outbox o LEFT JOIN outbox_cursor c ON c.partition = o.partition "
     "WHERE o.id > coalesce(c.published_id, 0)"
@@ -58,6 +60,22 @@ async def tables(settings: Settings) -> dict[str, list[dict[str, Any]]]:
         return {name: [dict(r) for r in await conn.fetch(sql)] for name, sql in TABLES.items()}
     finally:
         await conn.close()
+
+
+def checkpointed(found: dict[str, list[dict[str, Any]]]) -> dict[tuple[int, str | None], str]:
+    """The newest checkpointed head of every chain, and the checkpoints taken out of the
+    outbox rows (found is changed)."""
+    heads: dict[tuple[int, str | None], str] = {}
+    kept = []
+    for row in found["outbox"]:
+        if not row["topic"].endswith(CHECKPOINTS_SUFFIX):
+            kept.append(row)
+            continue
+        checkpoint = json.loads(row["value"])
+        for label, head in checkpoint["heads"]:
+            heads[(checkpoint["partition"], label)] = head
+    found["outbox"] = kept
+    return heads
 
 
 def running(observation_id: str, key: str) -> RuntimeSnapshot:
@@ -156,8 +174,13 @@ async def test_the_same_work_ceiling_writes_exactly_what_the_processor_writes(
             _, err = await asyncio.wait_for(processor.communicate(), 60)
         assert processor.returncode in (0, -15), err.decode()[-2000:]
         expected = await tables(s)
+        # A chain checkpoint is written per poll: how many there are depends on how the polls
+        # fall, what they end on does not.
+        heads = checkpointed(expected)
+        assert len(heads) == KEYS + 1  # every sandbox's chain and the unknown one's
         for ceiling in (small_s, large_s):
             got = await tables(ceiling)
+            assert checkpointed(got) == heads, ceiling.pg_schema
             for name in TABLES:
                 assert len(got[name]) == len(expected[name]), (name, ceiling.pg_schema)
                 for mine, theirs in zip(got[name], expected[name], strict=True):

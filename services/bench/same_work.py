@@ -70,12 +70,14 @@ from projections.store import (
     COPY_ABOVE,
     HISTORY_COLUMNS,
     OUTBOX_COLUMNS,
+    HistoryRow,
     _sandbox_positions,
     mark_published,
 )
 from services.bench import cpu
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
+from services.processor.checkpoints import checkpoint_records
 
 Record: TypeAlias = ConsumerRecord[bytes, bytes]
 _cause = builder(Cause, "topic", "partition", "offset", "message_type", "command_id")
@@ -140,6 +142,7 @@ class SameWork:
     def __init__(self, settings: Settings) -> None:
         self.commands = settings.topic_commands
         self.events = settings.topic_events
+        self.checkpoints = settings.topic_checkpoints
         self.partitions = settings.kafka_partitions
         self.limits: Limits = settings.lifecycle_limits
         self.rows: dict[str, Row] = {}
@@ -341,6 +344,16 @@ class SameWork:
                  orjson.Fragment(r.deadline) if r.deadline is not None else None, None, {})
             )  # fmt: skip
         return out
+
+    def checkpoint_records(
+        self, batch: Batch, moved: dict[tuple[str, int], int]
+    ) -> list[tuple[int, str, bytes, bytes]]:
+        """The poll's chain checkpoints, as the processor puts them after its events (its own
+        pure function, on the poll's history rows and offsets)."""
+        history = [HistoryRow(*h) for h in batch.history]
+        offsets = {tp: (self.offsets.get(tp, 0), n) for tp, n in moved.items()}
+        records = checkpoint_records(history, offsets, self.checkpoints)
+        return [(r.partition, r.topic, r.key or b"", r.value) for r in records]
 
     async def write(
         self,
@@ -544,6 +557,7 @@ class Drain:
             for record in heapq.merge(*lists, key=lambda r: r.timestamp):
                 ceiling.decide(record, batch)
                 moved[(record.topic, p)] = record.offset + 1
+        batch.outbox += ceiling.checkpoint_records(batch, moved)
         ids = await ceiling.write(self.conn, batch, moved)
         await self.publisher.publish(ids, batch.outbox)
         self.applied += len(batch.history)
