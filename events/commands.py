@@ -117,8 +117,8 @@ class ExtendSandbox(VersionedCommand):
 
 class SetRestartPolicy(VersionedCommand):
     """Change the restart policy, its back-off and its limit (each as in the spec; the back-off
-    and the limit unset: the defaults). Setting Never cancels a scheduled restart; any other
-    change applies from the next exit on."""
+    and the limit unset: the defaults). A scheduled restart stays only if the new values would
+    have scheduled it (Never cancels it); otherwise they apply from the next exit on."""
 
     type: Literal["SetRestartPolicy"]
     restart_policy: RestartPolicy

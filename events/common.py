@@ -190,7 +190,8 @@ class LastExit(Strict):
 class Restarts(Strict):
     """A sandbox's restart-policy record: ``count`` restarts of this incarnation in all,
     ``attempt`` of them in a row (since the back-off last reset), the last exit, and since when
-    the current generation is Ready (None: it is not)."""
+    the sandbox runs Ready without an exit (None: it is not Ready; a restart for rotated
+    credentials does not end the run)."""
 
     count: Annotated[int, Field(ge=0)] = 0
     attempt: Annotated[int, Field(ge=0)] = 0

@@ -490,8 +490,21 @@ RESTART_POLICY_TABLE: Final[dict[RestartPolicy, tuple[bool, ...]]] = {
     "OnFailure": (N,       Y,               Y,        Y,             Y),
     "Always":    (Y,       Y,               Y,        Y,             Y),
 }  # fmt: skip
-# What cancels a scheduled restart: anything that replaces the row's deadline (stop, delete, a
-# start, a restart, a Ready runtime), a hold, and setting the policy to Never.
+# What an input does to a scheduled restart (the row's deadline of kind restart) while it waits.
+# "kept" or "cancelled" first: tests/test_restart_policy.py drives every entry.
+PENDING_RESTART_TABLE: Final[dict[str, str]] = {
+    "DeadlineDue(restart)": "kept until then: the restart, a new generation naming the policy",
+    "StopSandbox": "cancelled: Stopping replaces the deadline",
+    "DeleteSandbox": "cancelled: Deleting replaces the deadline",
+    "StartSandbox, RestartSandbox": "cancelled: the operator's new generation starts at once, "
+    "and the count of restarts in a row starts again",
+    "HoldSandbox": "cancelled (the reason says so); a release does not schedule it again",
+    "SetRestartPolicy": "kept if the new policy would have scheduled it (it restarts after that "
+    "exit, and the attempt is within max_restarts), else cancelled (the reason says why)",
+    "RotateCredentials": "kept: the restart reads the newest values",
+    "DeadlineDue(ttl)": "cancelled when the expiry stops or deletes the sandbox (on_expiry)",
+    "the generation seen running": "cancelled: Ready",
+}
 DEFAULT_BACKOFF: Final = RestartBackoff()
 RESTART_LIMIT: Final = "RestartLimit"
 
@@ -521,30 +534,44 @@ def _started_reason(event: SandboxStarting) -> str | None:
     return f"restarted by restart_policy {event.policy} (restart {event.attempt} in a row)"
 
 
-def _restarts_on_start(state: Sandbox, event: SandboxStarting | AgentRestarted) -> dict[str, Any]:
+def _restarts_on_start(state: Sandbox, event: SandboxStarting) -> dict[str, Any]:
     """A new generation is not Ready yet; a policy restart counts, an operator's start or
-    restart begins a new run of attempts."""
+    restart begins a new run of attempts. (A rotation or detach restart, AgentRestarted,
+    changes none of this: sandstream's own restart does not end the run that resets the
+    back-off.)"""
     if state.restarts is None:
         return {}
     r = state.restarts
-    if isinstance(event, SandboxStarting) and event.attempt is not None:
+    if event.attempt is not None:
         r = r.model_copy(update={"count": r.count + 1, "attempt": event.attempt})
-    elif isinstance(event, SandboxStarting):
+    else:
         r = r.model_copy(update={"attempt": 0})
     return {"restarts": r.model_copy(update={"ready_since": None})}
 
 
 def _restarts_on_ready(state: Sandbox, event: SandboxReady) -> dict[str, Any]:
-    """Under a policy, remember since when the generation is Ready (for the back-off reset)."""
+    """Under a policy, remember since when the sandbox runs Ready (for the back-off reset); a
+    run that a rotation restart went through goes on."""
     if (state.spec.restart_policy or "Never") == "Never" and state.restarts is None:
         return {}
-    return {"restarts": _restarts(state).model_copy(update={"ready_since": event.occurred_at})}
+    record = _restarts(state)
+    if record.ready_since is not None:
+        return {}
+    return {"restarts": record.model_copy(update={"ready_since": event.occurred_at})}
 
 
-def _cancel_restart(state: Sandbox) -> dict[str, Any]:
-    if state.deadline is not None and state.deadline.kind == "restart":
-        return {"deadline": None}
-    return {}
+def _cancel_restart(state: Sandbox, why: str) -> dict[str, Any]:
+    """Clear a scheduled restart, and the row's reason that announced it: the exit's reason
+    and why the restart will not happen."""
+    if state.deadline is None or state.deadline.kind != "restart":
+        return {}
+    last = _restarts(state).last_exit
+    exit_reason = last.reason if last is not None else state.reason
+    return {"deadline": None, "reason": f"{exit_reason}; scheduled restart cancelled: {why}"}
+
+
+def _held_cancels(state: Sandbox, e: SandboxHeld) -> dict[str, Any]:
+    return _cancel_restart(state, f"held by {e.hold.by}")
 
 
 def _exited(state: Sandbox, e: SandboxRestartScheduled | SandboxRestartsExhausted) -> Restarts:
@@ -562,6 +589,10 @@ def _exited(state: Sandbox, e: SandboxRestartScheduled | SandboxRestartsExhauste
 
 
 def _policy_changes(state: Sandbox, e: RestartPolicyChanged) -> dict[str, Any]:
+    """The spec's restart fields become the event's. A restart scheduled under the old ones
+    stays only if the new ones would have scheduled it: the policy restarts the exit it waits
+    after (Completed: exit 0; Error: a failure, which every policy treats alike) and its
+    attempt is within ``max_restarts``."""
     spec = state.spec.model_copy(
         update={
             "restart_policy": None if e.restart_policy == "Never" else e.restart_policy,
@@ -569,8 +600,17 @@ def _policy_changes(state: Sandbox, e: RestartPolicyChanged) -> dict[str, Any]:
             "max_restarts": e.max_restarts,
         }
     )
-    cancel = _cancel_restart(state) if e.restart_policy == "Never" else {}
-    return {"spec": spec, **cancel}
+    pending = state.deadline
+    if pending is None or pending.kind != "restart":
+        return {"spec": spec}
+    exit_kind: ExitKind = "exited 0" if state.phase is P.COMPLETED else "exited non-zero"
+    if not restarts_on(e.restart_policy, exit_kind):
+        why = f"restart_policy {e.restart_policy} does not restart after {exit_kind}"
+        return {"spec": spec, **_cancel_restart(state, why)}
+    if e.max_restarts is not None and pending.attempt > e.max_restarts:
+        why = f"restart {pending.attempt} in a row is past max_restarts {e.max_restarts}"
+        return {"spec": spec, **_cancel_restart(state, why)}
+    return {"spec": spec}
 
 
 def _scheduled_reason(e: SandboxRestartScheduled) -> str:
@@ -652,8 +692,7 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
     ProviderDetached: lambda s, e: _detached(s, e),
     AgentRestarted: lambda s, e: {"phase": P.STARTING, "spec": e.spec, "identity": e.identity,
                                   "exit_code": None, "deadline": e.deadline,
-                                  "reason": restart_reason(e.providers, e.detached),
-                                  **_restarts_on_start(s, e)},
+                                  "reason": restart_reason(e.providers, e.detached)},
     AgentRestartSkipped: lambda s, e: _merge_awaited(s, e),
     AgentRestartFailed: lambda s, e: {"phase": P.ERROR, "exit_code": e.exit_code,
                                       "reason": e.reason, "deadline": None},
@@ -669,7 +708,7 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
     SandboxExpired: lambda s, e: {"expires_at": None,
                                   "reason": f"Expired: time to live ended ({e.policy})"},
     SandboxExtended: lambda s, e: {"expires_at": e.expires_at},
-    SandboxHeld: lambda s, e: {"hold": e.hold, **_cancel_restart(s)},
+    SandboxHeld: lambda s, e: {"hold": e.hold, **_held_cancels(s, e)},
     SandboxReleased: lambda s, e: {"hold": None},
     **RESTART_CHANGES,
 }  # fmt: skip
@@ -1361,9 +1400,8 @@ _ENDS_GENERATION: Final = (SandboxCompleted, SandboxFailed, AgentRestartFailed, 
 
 
 def policy_unchanged(spec: SandboxSpec, command: SetRestartPolicy) -> bool:
-    policy = None if command.restart_policy == "Never" else command.restart_policy
-    return (spec.restart_policy, spec.restart_backoff, spec.max_restarts) == (
-        policy,
+    return (spec.restart_policy or "Never", spec.restart_backoff, spec.max_restarts) == (
+        command.restart_policy,
         command.restart_backoff,
         command.max_restarts,
     )

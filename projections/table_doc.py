@@ -20,6 +20,7 @@ from projections.lifecycle import (
     HELD,
     NO_RESTART,
     OBSERVATION_TABLE,
+    PENDING_RESTART_TABLE,
     PHASE_COLUMNS,
     PHASE_DEADLINES,
     REFUSED_WHILE_HELD,
@@ -113,11 +114,20 @@ def render() -> str:
         "in a row, at most `restart_backoff.max_seconds`; default 1 s to 300 s). When "
         "`max_restarts` restarts in a row were made already, the exit ends in Error instead "
         "(SandboxRestartsExhausted, reason `RestartLimit: ...`). A generation that was Ready for "
-        "at least the processor's `restart_reset_seconds` (default 600 s) before it ended resets "
-        "the count of restarts in a row. A stop, delete, start or restart replaces the scheduled "
-        "restart's deadline, and a hold or SetRestartPolicy to Never clears it: the DeadlineDue "
-        "then is ignored. A held sandbox is not restarted. The completion policy "
-        "(`on_exit=delete`) applies only to an exit the policy does not restart.",
+        "at least `restart_reset_seconds` (setting `SANDSTREAM_RESTART_RESET_SECONDS`, default "
+        "600 s) before it ended resets the count of restarts in a row (SandboxRestartScheduled "
+        "records `backoff_reset`); a restart for rotated credentials or a detached provider "
+        "does not end that run. A held sandbox is not restarted. The completion policy "
+        "(`on_exit=delete`) applies only "
+        "to an exit the policy does not restart, and to the exit that reaches the limit. Every "
+        "restart's history entry names the policy and the attempt (so does the row's reason "
+        "until the new generation is Ready).",
+        "",
+        "| while a restart is scheduled | what becomes of it |",
+        "|---|---|",
+        *(f"| {what} | {effect} |" for what, effect in PENDING_RESTART_TABLE.items()),
+        "",
+        "A DeadlineDue for a restart that is no longer scheduled is ignored.",
         "",
         "### Credential rotation (RotateCredentials) by phase",
         "",

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -101,11 +102,14 @@ class Admin:
     async def patch_pod(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
         await self.core.patch_namespaced_pod(name, namespace, patch)
 
-    async def exit_pod(self, namespace: str, name: str, code: int) -> None:
-        """The sandbox's container ends with ``code``, as a kubelet would report it (kwok has
-        no containers: the status is written through pods/status)."""
+    async def exit_pod(
+        self, namespace: str, name: str, code: int, at: datetime | None = None
+    ) -> None:
+        """The sandbox's container ends with ``code`` (at ``at``: its ``finishedAt``, which
+        the watcher reports as the exit's time; default a fixed time), as a kubelet would
+        report it (kwok has no containers: the status is written through pods/status)."""
         phase = "Succeeded" if code == 0 else "Failed"
-        now = "2030-01-01T00:00:00Z"
+        now = at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ") if at else "2030-01-01T00:00:00Z"
         status = {
             "phase": phase,
             "containerStatuses": [

@@ -5,11 +5,13 @@ with tokens (no unauthenticated calls); and the helpers the tests share."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.message import Message
 from harness import Env
 from pipeline_support import podman_env, running_plane
 from podman import PodmanClient
@@ -32,6 +34,7 @@ WAIT = 60.0
 EXEC_LIMIT = 5  # seconds an exec may run here (the setting; the default is an hour)
 EXEC_SESSIONS = 2  # exec sessions one token may have open here
 Phase = pb.SandboxPhase
+PATH = "/openshell.v1.OpenShell/"
 
 
 @dataclass
@@ -42,6 +45,7 @@ class Gateway:
     new_name: Any  # () -> a fresh sandbox name, cleaned up afterwards
     made: list[str]
     env: Env
+    commands: CommandGateway  # the door's own command gateway, for commands it cannot send
 
 
 def auth(token: str = ADMIN, command_id: str | None = None) -> list[tuple[str, str]]:
@@ -51,49 +55,60 @@ def auth(token: str = ADMIN, command_id: str | None = None) -> list[tuple[str, s
     return metadata
 
 
+@asynccontextmanager
+async def running_gateway(
+    podman: PodmanClient, prefix: str = "osapi", **settings: Any
+) -> AsyncIterator[Gateway]:
+    """A gateway on a control plane of its own; ``settings`` override the environment's."""
+    async with podman_env(podman, prefix) as (env, driver, keys):
+        env.settings = env.settings.model_copy(update=settings)
+        async with (
+            running_plane(env, driver, removing=keys),
+            CommandPublisher(
+                kafka_client_args(env.settings, "api"), topic=env.settings.topic_commands
+            ) as pub,
+        ):
+            feed = ChangeFeed(env.pool)
+            await feed.start()
+            tokens = TokenStore.of(
+                admin=(ADMIN, READ, WRITE, EXEC, PROVIDER_READ, PROVIDER_WRITE),
+                reader=(READER, READ),
+                writer=(WRITER, READ, WRITE),
+            )
+            served = env.settings.model_copy(
+                update={
+                    "openshell_port": 0,
+                    "openshell_exec_timeout_seconds": EXEC_LIMIT,
+                    "openshell_exec_sessions_per_token": EXEC_SESSIONS,
+                }
+            )
+            gateway = CommandGateway(env.pool, pub, feed)
+            logs = log_source(served)
+            server = await start_openshell(
+                served, pool=env.pool, gateway=gateway, tokens=tokens, driver=driver, logs=logs
+            )
+            try:
+                async with grpc.aio.insecure_channel(server.address) as channel:
+                    yield Gateway(
+                        openshell_pb2_grpc.OpenShellStub(channel),
+                        channel,
+                        server,
+                        keys,
+                        keys.made,
+                        env,
+                        gateway,
+                    )
+            finally:
+                await feed.close()
+                await server.stop(0)
+                await logs.close()
+
+
 @pytest.fixture(scope="module", name="gateway")
 async def gateway_fixture(podman: PodmanClient) -> AsyncIterator[Gateway]:
     """Import it into a test module (``gateway_fixture``) to get one gateway per module."""
-    async with (
-        podman_env(podman, "osapi") as (env, driver, keys),
-        running_plane(env, driver, removing=keys),
-        CommandPublisher(
-            kafka_client_args(env.settings, "api"), topic=env.settings.topic_commands
-        ) as pub,
-    ):
-        feed = ChangeFeed(env.pool)
-        await feed.start()
-        tokens = TokenStore.of(
-            admin=(ADMIN, READ, WRITE, EXEC, PROVIDER_READ, PROVIDER_WRITE),
-            reader=(READER, READ),
-            writer=(WRITER, READ, WRITE),
-        )
-        settings = env.settings.model_copy(
-            update={
-                "openshell_port": 0,
-                "openshell_exec_timeout_seconds": EXEC_LIMIT,
-                "openshell_exec_sessions_per_token": EXEC_SESSIONS,
-            }
-        )
-        gateway = CommandGateway(env.pool, pub, feed)
-        logs = log_source(settings)
-        server = await start_openshell(
-            settings, pool=env.pool, gateway=gateway, tokens=tokens, driver=driver, logs=logs
-        )
-        try:
-            async with grpc.aio.insecure_channel(server.address) as channel:
-                yield Gateway(
-                    openshell_pb2_grpc.OpenShellStub(channel),
-                    channel,
-                    server,
-                    keys,
-                    keys.made,
-                    env,
-                )
-        finally:
-            await feed.close()
-            await server.stop(0)
-            await logs.close()
+    async with running_gateway(podman) as gateway:
+        yield gateway
 
 
 async def create(gw: Gateway, name: str, **request: Any) -> pb.Sandbox:
@@ -115,6 +130,25 @@ async def wait_phase(gw: Gateway, sandbox_id: str, phase: int) -> pb.Sandbox:
             stream.cancel()
             return sandbox
     raise AssertionError(f"the watch ended before {Phase.Name(phase)}")
+
+
+def call(gw: Gateway, method: str, request: Message, answer: type[Message], **kw: Any) -> Any:
+    """A unary call with any generation's messages on OpenShell's method path."""
+    rpc = gw.channel.unary_unary(
+        PATH + method,
+        request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=answer.FromString,
+    )
+    return rpc(request, metadata=kw.pop("metadata", auth()), timeout=kw.pop("timeout", WAIT))
+
+
+def stream(gw: Gateway, method: str, request: Message, answer: type[Message], **kw: Any) -> Any:
+    rpc = gw.channel.unary_stream(
+        PATH + method,
+        request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=answer.FromString,
+    )
+    return rpc(request, metadata=kw.pop("metadata", auth()), timeout=kw.pop("timeout", WAIT))
 
 
 async def status_of(call: Any) -> grpc.StatusCode:

@@ -92,6 +92,13 @@ async def wait_phase(
     return await wait_row(env, key, check, what, timeout)
 
 
+async def wait_restart_limit(env: Env, key: str, timeout: float = 30.0) -> dict[str, Any]:
+    """The row once the restart policy gave up (SandboxRestartsExhausted: reason RestartLimit)."""
+    return await wait_row(
+        env, key, lambda r: (r["reason"] or "").startswith("RestartLimit"), "the limit", timeout
+    )
+
+
 async def history(env: Env, key: str) -> list[dict[str, Any]]:
     rows = await env.fetch(
         'SELECT topic, partition, "offset", message_type, disposition, reason, phase, '

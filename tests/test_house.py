@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -165,19 +166,26 @@ def test_openapi_document_is_current() -> None:
 
 
 # Role packages split into rooms a reader can hold in one sitting: no module over ~600 lines,
-# no class over ~300, each module named in the package docstring. Others join as they split.
-SPLIT_PACKAGES = ("services.processor",)
+# no class over ~300, each module (and sub-package) named in the package docstring on a line
+# of its own (``- ``name``: what it holds``).
+# Generated protobuf code is not a room anyone reads.
+SPLIT_PACKAGES = tuple(
+    sorted(n for n, p in modules() if n.startswith("services.") and p.name == "__init__.py"
+           and not n.endswith(".proto") and ".proto." not in n)
+)  # fmt: skip
 MAX_MODULE_LINES, MAX_CLASS_LINES = 600, 300
+# A room that must stay larger, and why.
+LARGER_ROOMS = {
+    "settings.py: class Settings": "one field per SANDSTREAM_* setting with the comment that "
+    "documents it: the one place an operator reads them all",
+}
 
 
 def _package_modules(package: str) -> list[Path]:
     return sorted(PROJECT_ROOT.joinpath(*package.split(".")).glob("*.py"))
 
 
-@pytest.mark.parametrize("package", SPLIT_PACKAGES)
-def test_a_split_package_has_no_module_or_class_too_long_to_read_in_one_sitting(
-    package: str,
-) -> None:
+def _oversized(package: str) -> list[str]:
     too_long = []
     for path in _package_modules(package):
         text = path.read_text()
@@ -187,14 +195,30 @@ def test_a_split_package_has_no_module_or_class_too_long_to_read_in_one_sitting(
             if isinstance(node, ast.ClassDef):
                 lines = (node.end_lineno or node.lineno) - node.lineno + 1
                 if lines > MAX_CLASS_LINES:
-                    too_long.append(f"{path.name}: class {node.name}, {lines} lines")
-    assert not too_long
+                    too_long.append(f"{path.name}: class {node.name}")
+    return too_long
+
+
+@pytest.mark.parametrize("package", SPLIT_PACKAGES)
+def test_a_split_package_has_no_module_or_class_too_long_to_read_in_one_sitting(
+    package: str,
+) -> None:
+    assert [room for room in _oversized(package) if room not in LARGER_ROOMS] == []
+
+
+def test_every_larger_room_is_still_larger() -> None:
+    """An exemption goes when its room shrinks back under the limit."""
+    oversized = {room for package in SPLIT_PACKAGES for room in _oversized(package)}
+    assert set(LARGER_ROOMS) <= oversized
 
 
 @pytest.mark.parametrize("package", SPLIT_PACKAGES)
 def test_a_split_package_names_each_of_its_modules_in_its_docstring(package: str) -> None:
     init = PROJECT_ROOT.joinpath(*package.split("."), "__init__.py")
     doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-    listed = {line.split("``")[1] for line in doc.splitlines() if line.startswith("- ``")}
+    heads = [line.partition(":")[0] for line in doc.splitlines() if line.startswith("- ``")]
+    listed = {name for head in heads for name in re.findall(r"``(\w+)/?``", head)}
+    folder = PROJECT_ROOT.joinpath(*package.split("."))
     names = {p.stem for p in _package_modules(package)} - {"__init__", "__main__"}
+    names |= {p.parent.name for p in folder.glob("*/__init__.py")}
     assert listed == names

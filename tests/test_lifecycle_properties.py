@@ -42,13 +42,17 @@ from events.commands import (
     RestartSandbox,
     StartSandbox,
 )
-from events.common import Cause, Phase
+from events.common import Cause, Phase, RestartPolicy, SandboxSpec
 from events.decided import (
     AgentRestarted,
     DecidedEvent,
     ProviderDetached,
+    SandboxCompleted,
     SandboxCreated,
     SandboxDeleting,
+    SandboxRestartScheduled,
+    SandboxRestartsExhausted,
+    SandboxStarting,
     SandboxStopping,
 )
 from events.observations import (
@@ -81,6 +85,16 @@ from projections.lifecycle import (
 P = Phase
 KEYS = ("a", "b", "c")
 PROVIDERS = ("gh", "gl", "aws")
+POLICIES: tuple[RestartPolicy, ...] = ("Never", "OnFailure", "Always")
+# Specs a create picks from: no restart policy, and the policies with and without a limit.
+SPECS = (
+    f.spec(),
+    f.spec(),
+    SandboxSpec(image=f.IMAGE, restart_policy="OnFailure"),
+    SandboxSpec(image=f.IMAGE, restart_policy="Always", max_restarts=1),
+    SandboxSpec(image=f.IMAGE, restart_policy="OnFailure", max_restarts=0),
+    SandboxSpec(image=f.IMAGE, restart_policy="Always"),
+)
 OBSERVATION_TYPES = (RuntimeSnapshot, RuntimeRemoved, DriverOperationResult, DeadlineDue)
 
 keys = st.sampled_from(KEYS)
@@ -155,9 +169,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         events = d.events
         # The events and outcome, built without validation, are exactly what validation builds.
         f.assert_decided_as_validated(d)
-        # One event per input, except an expiry or a process end followed by its policy's, a
-        # launch report followed by the restart it calls for, and a detach that restarts.
-        assert len(events) <= 2
+        # One event per input, except an expiry or a process end followed by its policy's
+        # (an exit that reaches the restart limit: the exit, the limit, the completion policy),
+        # a launch report followed by the restart it calls for, and a detach that restarts.
+        limit = len(events) > 1 and isinstance(events[1], SandboxRestartsExhausted)
+        assert len(events) <= (3 if limit else 2)
         if len(events) == 2 and not is_observation(message):
             assert isinstance(message, DetachProvider), message
             assert isinstance(events[0], ProviderDetached) and isinstance(events[1], AgentRestarted)
@@ -290,6 +306,34 @@ class LifecycleMachine(RuleBasedStateMachine):
                 message
             )
 
+        self.check_restart_policy(prev, message, events, new)
+
+    def check_restart_policy(
+        self, prev: Sandbox, message: Message, events: tuple[DecidedEvent, ...], new: Sandbox
+    ) -> None:
+        """A restart is scheduled only after an exit the row's policy restarts, never while
+        held, and given up exactly at max_restarts; a restart's falling due starts the next
+        generation under the policy, counting it."""
+        policy = prev.spec.restart_policy
+        made = prev.restarts.attempt if prev.restarts else 0
+        for i, event in enumerate(events):
+            if isinstance(event, SandboxRestartScheduled | SandboxRestartsExhausted):
+                assert i == 1 and policy is not None and not is_held(prev), (policy, events)
+                assert is_observation(message)
+                assert policy == "Always" or not isinstance(events[0], SandboxCompleted)
+            if isinstance(event, SandboxRestartsExhausted):
+                limit = prev.spec.max_restarts
+                assert limit is not None and event.restarts == limit <= made, (limit, made)
+            if isinstance(event, SandboxRestartScheduled):
+                limit = prev.spec.max_restarts
+                assert limit is None or event.deadline.attempt <= limit
+        if isinstance(message, DeadlineDue) and message.deadline == "restart" and events:
+            (started,) = events
+            assert isinstance(started, SandboxStarting) and prev.deadline is not None
+            assert (started.policy, started.attempt) == (policy, prev.deadline.attempt)
+            assert prev.restarts is not None and new.restarts is not None
+            assert new.restarts.count == prev.restarts.count + 1
+
     @invariant()
     def rebuild_from_the_log(self) -> None:
         rows: dict[str, Sandbox] = {}
@@ -307,14 +351,22 @@ class LifecycleMachine(RuleBasedStateMachine):
         ttl=st.sampled_from([None, None, 1, 60]),
         on_expiry=st.sampled_from(["stop", "delete"]),
         on_exit=st.sampled_from(["keep", "delete"]),
+        spec=st.sampled_from(SPECS),
     )
     def create(
-        self, key: str, providers: list[str], ttl: int | None, on_expiry: str, on_exit: str
+        self,
+        key: str,
+        providers: list[str],
+        ttl: int | None,
+        on_expiry: str,
+        on_exit: str,
+        spec: SandboxSpec,
     ) -> None:
         self.send(
             f.create(
                 key,
                 command_id=self.command_id(key),
+                sandbox_spec=spec,
                 providers=providers,
                 ttl_seconds=ttl,
                 on_expiry=on_expiry,
@@ -339,6 +391,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         kw: dict[str, Any] = {"command_id": self.command_id(key), "expected_version": expected}
         if command_type in ("AttachProvider", "DetachProvider"):
             kw["provider"] = provider
+        if command_type == "SetRestartPolicy":  # from the values drawn already
+            kw["restart_policy"] = POLICIES[PROVIDERS.index(provider)]
+            kw["max_restarts"] = {-2: None, -1: None, 1: 0, 2: 1}[off]
         if command_type == "DetachProvider":
             kw["restart"] = restart
         d = self.send(f.VERSIONED_COMMANDS[command_type](key, **kw))
@@ -350,7 +405,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         """A command the row admits (or a create when the name is free): drives deep paths."""
         state = self.states.get(key)
         if state is None or state.tombstoned:
-            self.send(f.create(key, command_id=self.command_id(key)))
+            spec = SPECS[choice % len(SPECS)]
+            self.send(f.create(key, command_id=self.command_id(key), sandbox_spec=spec))
             return
         admitted = [
             c
@@ -369,6 +425,9 @@ class LifecycleMachine(RuleBasedStateMachine):
             kw["provider"] = PROVIDERS[choice % len(PROVIDERS)]
         if command_type == "DetachProvider":
             kw["provider"] = (state.providers or PROVIDERS)[0]
+        if command_type == "SetRestartPolicy":
+            kw["restart_policy"] = POLICIES[choice % len(POLICIES)]
+            kw["max_restarts"] = (None, 1)[choice % 2]
         d = self.send(f.VERSIONED_COMMANDS[command_type](key, **kw))
         assert d.outcome is not None and d.outcome.accepted
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import grpc
@@ -26,6 +27,7 @@ from openshell_support import (
 )
 from pipeline_support import history
 
+from events.commands import HoldSandbox
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto import openshell_pb2_grpc
 
@@ -82,6 +84,31 @@ async def test_unknown_names_are_not_found(gateway: Gateway) -> None:
         pb.WatchSandboxRequest(id=str(uuid.uuid4()), follow_status=True), metadata=auth()
     )
     assert await status_of(watch.read()) == grpc.StatusCode.NOT_FOUND
+
+
+async def test_the_processors_rejections_keep_their_codes(gateway: Gateway) -> None:
+    """A rejected command ends the RPC with the outcome's code and message (a held sandbox
+    refuses start)."""
+    name = gateway.new_name()
+    sandbox_id = (await create(gateway, name)).metadata.id
+    await wait_phase(gateway, sandbox_id, Phase.SANDBOX_PHASE_READY)
+    again = gateway.stub.CreateSandbox(
+        pb.CreateSandboxRequest(name=name, spec=pb.SandboxSpec()), metadata=auth()
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as exists:
+        await again
+    assert exists.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert exists.value.details() == f"sandbox {name!r} already exists (phase: Ready)"
+    hold = HoldSandbox(
+        type="HoldSandbox", command_id=str(uuid.uuid4()), key=name, actor="test",
+        occurred_at=datetime.now(UTC), reason="investigating",
+    )  # fmt: skip
+    assert (await gateway.commands.submit(hold, WAIT)).outcome is not None
+    start = gateway.stub.StartSandbox(pb.StartSandboxRequest(name=name), metadata=auth())
+    with pytest.raises(grpc.aio.AioRpcError) as held:
+        await start
+    assert held.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "investigating" in (held.value.details() or "")
 
 
 async def test_invalid_specs_are_invalid_argument_and_create_nothing(gateway: Gateway) -> None:
@@ -234,7 +261,7 @@ async def test_tokens_and_scopes_are_checked(gateway: Gateway) -> None:
 
 
 async def test_methods_outside_the_subset_are_unimplemented(gateway: Gateway) -> None:
-    call = gateway.channel.unary_unary("/openshell.v1.OpenShell/CreateProvider")
+    call = gateway.channel.unary_unary("/openshell.v1.OpenShell/GetProviderCredentials")
     assert await status_of(call(b"", metadata=auth())) == grpc.StatusCode.UNIMPLEMENTED
 
 

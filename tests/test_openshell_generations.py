@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import grpc
 import pytest
-from google.protobuf.message import Message
 from openshell_support import (
     EXEC_LIMIT,
     EXEC_SESSIONS,
@@ -20,37 +20,22 @@ from openshell_support import (
     Gateway,
     Phase,
     auth,
+    call,
     create,
     gateway_fixture,  # noqa: F401  (the module's gateway)
     status_of,
+    stream,
     wait_phase,
 )
+from pipeline_support import history
 
+from events.commands import CreateSandbox
+from events.common import SandboxSpec
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto.vendored.v0_1_5 import datamodel_pb2 as dm1
 from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os1
 
 SCOPE = dm1.WorkspaceSelector(workspace="default")
-PATH = "/openshell.v1.OpenShell/"
-
-
-def call(gw: Gateway, method: str, request: Message, answer: type[Message], **kw: Any) -> Any:
-    """A 0.1 client's unary call: its own messages on OpenShell's method path."""
-    rpc = gw.channel.unary_unary(
-        PATH + method,
-        request_serializer=lambda m: m.SerializeToString(),
-        response_deserializer=answer.FromString,
-    )
-    return rpc(request, metadata=kw.pop("metadata", auth()), timeout=kw.pop("timeout", WAIT))
-
-
-def stream(gw: Gateway, method: str, request: Message, answer: type[Message], **kw: Any) -> Any:
-    rpc = gw.channel.unary_stream(
-        PATH + method,
-        request_serializer=lambda m: m.SerializeToString(),
-        response_deserializer=answer.FromString,
-    )
-    return rpc(request, metadata=kw.pop("metadata", auth()), timeout=kw.pop("timeout", WAIT))
 
 
 async def ready(gw: Gateway, name: str, **request: Any) -> str:
@@ -185,6 +170,59 @@ async def test_a_completed_sandbox_is_completed_for_0_1_and_stopped_for_0_0(
     assert old.sandbox.status.HasField("exit_code") and old.sandbox.status.exit_code == 0
 
 
+async def test_a_0_1_create_with_a_restart_policy_sets_it_and_answers_it(gateway: Gateway) -> None:
+    name = gateway.new_name()
+    request = os1.CreateSandboxRequest(
+        name=name,
+        workspace_scope=SCOPE,
+        spec=os1.SandboxSpec(
+            command=["sleep", "3600"], restart_policy=os1.SANDBOX_RESTART_POLICY_ON_FAILURE
+        ),
+    )
+    created = await call(gateway, "CreateSandbox", request, os1.SandboxResponse)
+    assert created.sandbox.spec.restart_policy == os1.SANDBOX_RESTART_POLICY_ON_FAILURE
+    spec = await gateway.env.fetchval("SELECT spec FROM sandboxes WHERE key = $1", name)
+    assert '"restart_policy": "OnFailure"' in spec
+    unknown = os1.CreateSandboxRequest(
+        name=gateway.new_name(), workspace_scope=SCOPE, spec=os1.SandboxSpec(restart_policy=9)
+    )
+    refused = call(gateway, "CreateSandbox", unknown, os1.SandboxResponse)
+    assert await status_of(refused) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_watch_sends_every_version_also_two_decided_on_one_input(gateway: Gateway) -> None:
+    """A sandbox deleted by its completion policy: the exit is decided as Completed and then
+    Deleting on one input, one row write. The watch sends both versions (it sent Deleting
+    only), each change once and in order."""
+    name = gateway.new_name()
+    spec = SandboxSpec(
+        image=gateway.env.settings.sandbox_image,
+        command=["sh", "-c", "while [ ! -e /tmp/go ]; do sleep 0.1; done"],
+    )
+    create_command = CreateSandbox(
+        type="CreateSandbox", command_id=str(uuid.uuid4()), key=name, actor="test",
+        occurred_at=datetime.now(UTC), spec=spec, on_exit="delete",
+    )  # fmt: skip
+    assert (await gateway.commands.submit(create_command, WAIT)).outcome is not None
+    request = os1.WatchSandboxRequest(sandbox=name, workspace_scope=SCOPE, follow_status=True)
+    watch = stream(gateway, "WatchSandbox", request, os1.SandboxStreamEvent)
+    seen = []
+    async for event in watch:
+        seen.append(event.sandbox)
+        if event.sandbox.status.phase == os1.SANDBOX_PHASE_READY:
+            break
+    go = os1.ExecSandboxRequest(sandbox=name, workspace_scope=SCOPE, command=["touch", "/tmp/go"])
+    assert [e async for e in stream(gateway, "ExecSandbox", go, os1.ExecSandboxEvent)][-1].exit
+    seen += [event.sandbox async for event in watch]  # until the tombstone ends it
+    phases = [s.status.phase for s in seen]
+    assert phases[phases.index(os1.SANDBOX_PHASE_READY) :] == [
+        os1.SANDBOX_PHASE_READY, os1.SANDBOX_PHASE_COMPLETED, os1.SANDBOX_PHASE_DELETING,
+        os1.SANDBOX_PHASE_DELETING,  # the tombstone
+    ]  # fmt: skip
+    versions = [s.metadata.resource_version for s in seen]
+    assert versions == list(range(versions[0], versions[0] + len(versions)))
+
+
 # -- request ids ---------------------------------------------------------------------------------
 
 
@@ -204,7 +242,70 @@ async def test_request_id_replays_the_first_outcome_and_refuses_another_request(
     assert await status_of(refused) == grpc.StatusCode.ALREADY_EXISTS  # was UNKNOWN
 
 
+async def test_a_command_too_large_for_a_kafka_record_is_resource_exhausted(
+    gateway: Gateway,
+) -> None:
+    """Within the gRPC message limit (4 MiB), above Kafka's record size (1 MiB): retrying
+    cannot help, so RESOURCE_EXHAUSTED (as the HTTP API's 413), never a retryable UNAVAILABLE
+    nor INTERNAL; nothing is created."""
+    name = gateway.new_name()
+    env = {f"V{i}": "x" * 9000 for i in range(200)}  # about 1.8 MB
+    request = os1.CreateSandboxRequest(
+        name=name, workspace_scope=SCOPE, spec=os1.SandboxSpec(environment=env)
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await call(gateway, "CreateSandbox", request, os1.SandboxResponse)
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "too large for a Kafka record" in (raised.value.details() or "")
+    get = os1.GetSandboxRequest(name=name, workspace_scope=SCOPE)
+    assert await status_of(call(gateway, "GetSandbox", get, os1.SandboxResponse)) == (
+        grpc.StatusCode.NOT_FOUND
+    )
+
+
 # -- bounds and scopes ---------------------------------------------------------------------------
+
+
+async def test_a_spec_beyond_the_records_bounds_is_invalid_argument_and_never_logged(
+    gateway: Gateway,
+) -> None:
+    """Bounds the API's records keep (an environment value of at most 10,000 characters, at
+    most 256 variables, an image name of at most 500), sent by either generation: refused
+    before anything is submitted, naming the field, and no command of the name on the commands
+    topic nor in the history."""
+    old, new = gateway.new_name(), gateway.new_name()
+    long_value = pb.SandboxSpec(environment={"BIG": "x" * 10_001})
+    with pytest.raises(grpc.aio.AioRpcError) as value:
+        await gateway.stub.CreateSandbox(
+            pb.CreateSandboxRequest(name=old, spec=long_value), metadata=auth()
+        )
+    many = os1.SandboxSpec(environment={f"V{i}": "1" for i in range(257)})
+    with pytest.raises(grpc.aio.AioRpcError) as count:
+        await call(
+            gateway,
+            "CreateSandbox",
+            os1.CreateSandboxRequest(name=new, workspace_scope=SCOPE, spec=many),
+            os1.SandboxResponse,
+        )
+    image = pb.SandboxSpec(template=pb.SandboxTemplate(image="i" * 501))
+    with pytest.raises(grpc.aio.AioRpcError) as long_image:
+        await gateway.stub.CreateSandbox(
+            pb.CreateSandboxRequest(name=old, spec=image), metadata=auth()
+        )
+    for raised, field in (
+        (value, "spec.environment.BIG"),
+        (count, "spec.environment"),
+        (long_image, "spec.template.image"),
+    ):
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (raised.value.details() or "").startswith(field + ":"), raised.value.details()
+    accepted = gateway.new_name()  # within the bounds: its command is on the topic
+    await create(gateway, accepted, spec=pb.SandboxSpec(environment={"BIG": "x" * 10_000}))
+    env = gateway.env
+    logged = {r.key for r in await env.read_topic(env.settings.topic_commands)}
+    assert accepted.encode() in logged
+    assert old.encode() not in logged and new.encode() not in logged
+    assert await history(env, old) == [] and await history(env, new) == []
 
 
 async def test_exec_has_a_default_limit_and_a_cap_of_sessions_per_token(gateway: Gateway) -> None:

@@ -1,16 +1,37 @@
 """The door's error mapping on a real gRPC server: a lost database is UNAVAILABLE and anything
-else INTERNAL, each with a plain message, never UNKNOWN with an exception's text."""
+else INTERNAL, each with a plain message, never UNKNOWN with an exception's text; a command
+Kafka did not acknowledge or no processor decided in time is UNAVAILABLE naming the id to retry
+with; a watch that loses its database ends UNAVAILABLE (real PostgreSQL and Kafka)."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import asyncpg
 import grpc
 import pytest
+from harness import isolated_env
+from tcp_proxy import TcpProxy
 
+from events.publisher import CommandPublisher
+from services.api.gateway import CommandGateway
+from services.api.readmodel import ChangeFeed
+from services.common.database import connect_pool
+from services.common.kafka_clients import kafka_client_args
+from services.common.settings import Settings
+from services.common.tokens import TokenStore
+from services.localstack.private_broker import free_port
 from services.openshell import handlers
+from services.openshell.exec_rpc import ExecLimits
 from services.openshell.proto import openshell_pb2 as pb
+from services.openshell.proto.vendored.v0_1_5 import datamodel_pb2 as dm1
+from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os1
+from services.openshell.service import Authenticator, Door
+
+SCOPE = dm1.WorkspaceSelector(workspace="default")
 
 
 async def lost_database(raw: bytes, context: object) -> pb.HealthResponse:
@@ -35,6 +56,13 @@ async def channel() -> AsyncIterator[grpc.aio.Channel]:
         "Stream": handlers._streaming("Stream", streaming_lost),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", methods),))
+    async with serving(server) as opened:
+        yield opened
+
+
+@asynccontextmanager
+async def serving(server: grpc.aio.Server) -> AsyncIterator[grpc.aio.Channel]:
+    """A channel to ``server``, started on a free port and stopped after."""
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
@@ -64,3 +92,114 @@ async def test_a_lost_database_is_unavailable_and_nothing_internal_leaks(
     late = await failure(stream.read())
     assert late.code() == grpc.StatusCode.UNAVAILABLE
     assert "10.0.0.7" not in (late.details() or "")
+
+
+# -- the door's own mappings, on real PostgreSQL and Kafka ----------------------------------------
+
+
+@asynccontextmanager
+async def door_channel(
+    settings: Settings, pool: Any, gateway: CommandGateway, **door: Any
+) -> AsyncIterator[grpc.aio.Channel]:
+    """The OpenShell door over ``pool`` and ``gateway`` (unauthenticated local calls)."""
+    served = Door(
+        pool=pool, gateway=gateway, auth=Authenticator(TokenStore.of(), True), driver=None,
+        logs=None, providers=None, driver_name="podman", default_image=settings.sandbox_image,
+        events_topic=settings.topic_events, **door,
+    )  # fmt: skip
+    server = grpc.aio.server()
+    limits = ExecLimits(timeout=5.0, per_token=1, total=1)
+    server.add_generic_rpc_handlers((handlers.OpenShellService(served, limits).generic_handler(),))
+    async with serving(server) as opened:
+        yield opened
+
+
+def rpc(channel: grpc.aio.Channel, method: str, request: Any, answer: Any) -> Any:
+    """A 0.1 client's call (a stream for Watch)."""
+    make = channel.unary_stream if method == "WatchSandbox" else channel.unary_unary
+    return make(
+        f"/openshell.v1.OpenShell/{method}",
+        request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=answer.FromString,
+    )(request, timeout=60)
+
+
+def create_call(channel: grpc.aio.Channel, request_id: str) -> Any:
+    request = os1.CreateSandboxRequest(
+        name="door", workspace_scope=SCOPE, spec=os1.SandboxSpec(), request_id=request_id
+    )
+    return rpc(channel, "CreateSandbox", request, os1.SandboxResponse)
+
+
+async def test_a_command_kafka_does_not_acknowledge_is_unavailable_naming_the_request_id() -> None:
+    """Without the mapping: INTERNAL, and the client cannot tell a retry would do."""
+    async with (
+        isolated_env(partitions=1) as env,
+        CommandPublisher(
+            kafka_client_args(env.settings, "api"), topic=f"missing-{uuid.uuid4().hex[:8]}"
+        ) as publisher,
+    ):
+        feed = ChangeFeed(env.pool)
+        gateway = CommandGateway(env.pool, publisher, feed, publish_timeout=0.5)
+        async with door_channel(env.settings, env.pool, gateway) as channel:
+            lost = await failure(create_call(channel, "req-kafka-gone"))
+    assert lost.code() == grpc.StatusCode.UNAVAILABLE
+    assert "retry with the same request_id" in (lost.details() or "")
+    assert "req-kafka-gone" in (lost.details() or "")
+
+
+async def test_a_command_not_decided_in_time_is_unavailable() -> None:
+    """Published, but no processor decides it: UNAVAILABLE (retry with the same id), not an
+    answer without an outcome."""
+    async with (
+        isolated_env(partitions=1) as env,
+        CommandPublisher(
+            kafka_client_args(env.settings, "api"), topic=env.settings.topic_commands
+        ) as publisher,
+    ):
+        feed = ChangeFeed(env.pool, poll_interval=0.1)
+        await feed.start()
+        try:
+            gateway = CommandGateway(env.pool, publisher, feed)
+            async with door_channel(env.settings, env.pool, gateway, outcome_wait=0.5) as channel:
+                late = await failure(create_call(channel, "req-undecided"))
+        finally:
+            await feed.close()
+    assert late.code() == grpc.StatusCode.UNAVAILABLE
+    assert "not decided within" in (late.details() or "")
+    assert "req-undecided" in (late.details() or "")
+
+
+async def test_a_watch_whose_database_is_lost_ends_unavailable() -> None:
+    """The status part of a watch failed inside its own task, and the stream then ended as if
+    the watch were done (OK): a client took that for the end of the sandbox."""
+    async with isolated_env(partitions=1) as env:
+        await env.pool.execute(
+            "INSERT INTO sandboxes (key, sandbox_id, phase, generation, version, spec, providers,"
+            " identity, created_at, updated_at, partition, change_seq) VALUES ('door', $1,"
+            " 'Ready', 1, 2, '{\"image\": \"x\"}', '{}', 'i', now(), now(), 0, 1)",
+            uuid.uuid4(),
+        )
+        proxy = TcpProxy(free_port(), env.settings.pg_port)
+        await proxy.restore()
+        moved = env.settings.model_copy(update={"pg_port": proxy.port})
+        pool = await connect_pool(moved)
+        feed = ChangeFeed(pool, poll_interval=0.1)
+        await feed.start()
+        try:
+            gateway = CommandGateway(pool, None, feed)  # type: ignore[arg-type]  (no commands)
+            async with door_channel(env.settings, pool, gateway) as channel:
+                request = os1.WatchSandboxRequest(
+                    sandbox="door", workspace_scope=SCOPE, follow_status=True
+                )
+                watch = rpc(channel, "WatchSandbox", request, os1.SandboxStreamEvent)
+                first = await watch.read()
+                assert first.sandbox.status.phase == os1.SANDBOX_PHASE_READY
+                await proxy.cut()
+                lost = await failure(watch.read())
+        finally:
+            await feed.close()
+            await proxy.cut()
+            pool.terminate()
+    assert lost.code() == grpc.StatusCode.UNAVAILABLE
+    assert lost.details() == handlers.UNAVAILABLE_MESSAGE

@@ -107,6 +107,39 @@ def test_the_restart_count_and_next_restart_time_reach_0_1_readers() -> None:
     assert (idle.restart_count, idle.HasField("next_restart_time")) == (0, False)
 
 
+@pytest.mark.parametrize(
+    ("requested", "policy"),
+    [
+        (v0_1_5.SANDBOX_RESTART_POLICY_UNSPECIFIED, None),
+        (v0_1_5.SANDBOX_RESTART_POLICY_NEVER, None),
+        (v0_1_5.SANDBOX_RESTART_POLICY_ON_FAILURE, "OnFailure"),
+        (v0_1_5.SANDBOX_RESTART_POLICY_ALWAYS, "Always"),
+    ],
+)
+def test_a_0_1_restart_policy_maps_onto_the_spec_and_back(requested: int, policy: str) -> None:
+    request = v0_1_5.CreateSandboxRequest(
+        name="a",
+        spec=v0_1_5.SandboxSpec(restart_policy=requested),  # type: ignore[arg-type]
+    )
+    wanted = new_sandbox(request, default_image=IMAGE, command_id=None)
+    assert wanted.spec.restart_policy == policy
+    answer = mapping.sandbox_message(view(Phase.READY, restart_policy=policy)).spec
+    read = v0_1_5.SandboxSpec.FromString(answer.SerializeToString())
+    never = v0_1_5.SANDBOX_RESTART_POLICY_NEVER
+    assert read.restart_policy == (requested if policy else never)
+    old = pb.SandboxSpec.FromString(answer.SerializeToString())  # a 0.0 reader skips it
+    assert old.template.image == IMAGE
+
+
+def test_an_unknown_0_1_restart_policy_is_invalid() -> None:
+    request = v0_1_5.CreateSandboxRequest(
+        name="a",
+        spec=v0_1_5.SandboxSpec(restart_policy=7),  # type: ignore[arg-type]
+    )
+    with pytest.raises(InvalidRequest, match=r"spec\.restart_policy"):
+        new_sandbox(request, default_image=IMAGE, command_id=None)
+
+
 def test_deleting_rows_carry_a_deletion_timestamp() -> None:
     message = mapping.sandbox_message(view(Phase.DELETING))
     assert message.metadata.deletion_timestamp_ms == message.metadata.created_at_ms

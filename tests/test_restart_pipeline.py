@@ -11,12 +11,20 @@ from pathlib import Path
 
 import factories as f
 from harness import eventually
-from pipeline_support import PodmanKeys, command, history, podman_env, running_plane, wait_row
+from pipeline_support import (
+    PodmanKeys,
+    command,
+    history,
+    podman_env,
+    running_plane,
+    wait_phase,
+    wait_restart_limit,
+)
 from podman import PodmanClient
 from role_processes import roles_env
 
 from events.codec import EVENTS, decode
-from events.common import Deadline, RestartBackoff, SandboxSpec
+from events.common import Deadline, RestartBackoff, RestartPolicy, SandboxSpec
 from events.decided import SandboxRestartScheduled, SandboxRestartsExhausted, SandboxStarting
 from events.publisher import now
 
@@ -42,13 +50,7 @@ async def test_a_process_that_always_fails_is_restarted_with_back_off_until_the_
             await env.publisher() as pub,
         ):
             await command(env, pub, f.create(key, sandbox_spec=spec, occurred_at=now()))
-            row = await wait_row(
-                env,
-                key,
-                lambda r: (r["reason"] or "").startswith("RestartLimit"),
-                "the restart limit",
-                timeout=WAIT,
-            )
+            row = await wait_restart_limit(env, key, WAIT)
         assert row["phase"] == "Error" and row["generation"] == 4
         assert "max_restarts 3" in row["reason"] and "code 1" in row["reason"]
         records = await env.read_topic(env.settings.topic_events)
@@ -68,6 +70,84 @@ async def test_a_process_that_always_fails_is_restarted_with_back_off_until_the_
         restarts = [h for h in await history(env, key) if h["message_type"] == "DeadlineDue"]
         assert len(restarts) == 3
         assert all("restart_policy OnFailure" in h["reason"] for h in restarts)
+
+
+async def test_always_restarts_an_exit_0_and_never_restarts_no_exit(
+    podman: PodmanClient,
+) -> None:
+    """Always restarts a process that exits 0 (up to its max_restarts, then Error naming the
+    policy); Never leaves a process that exits 1 in Error with nothing scheduled."""
+    async with podman_env(podman, "rsta") as (env, driver, keys):
+        env.settings = env.settings.model_copy(update=FAST)
+        always, never = keys(), keys()
+
+        def spec(policy: RestartPolicy, code: int) -> SandboxSpec:
+            return SandboxSpec(
+                image=env.settings.sandbox_image,
+                command=["sh", "-c", f"exit {code}"],
+                restart_policy=policy,
+                restart_backoff=RestartBackoff(initial_seconds=0.2, max_seconds=0.2),
+                max_restarts=1,
+            )
+
+        async with (
+            running_plane(env, driver, with_scheduler=True, removing=keys),
+            await env.publisher() as pub,
+        ):
+            await command(
+                env, pub, f.create(never, sandbox_spec=spec("Never", 1), occurred_at=now())
+            )
+            await command(
+                env, pub, f.create(always, sandbox_spec=spec("Always", 0), occurred_at=now())
+            )
+            failed = await wait_phase(env, never, "Error", timeout=WAIT)
+            row = await wait_restart_limit(env, always, WAIT)
+        assert (row["phase"], row["generation"], row["exit_code"]) == ("Error", 2, 0)
+        assert "restart_policy Always made 1 restarts in a row (max_restarts 1)" in row["reason"]
+        records = await env.read_topic(env.settings.topic_events)
+        events = [decode(EVENTS, r.value) for r in records if r.key == always.encode()]
+        assert [e.type for e in events if e.type == "SandboxCompleted"] == ["SandboxCompleted"] * 2
+        starts = [e for e in events if isinstance(e, SandboxStarting)]
+        assert [(e.policy, e.attempt, e.generation) for e in starts] == [("Always", 1, 2)]
+        restarts = [h for h in await history(env, always) if h["message_type"] == "DeadlineDue"]
+        assert len(restarts) == 1 and "restart_policy Always" in restarts[0]["reason"]
+        # Never: the exit is the end, decided with nothing scheduled and no second generation.
+        assert (failed["generation"], failed["exit_code"]) == (1, 1)
+        assert await env.fetchval("SELECT deadline FROM sandboxes WHERE key = $1", never) is None
+        ended = [decode(EVENTS, r.value) for r in records if r.key == never.encode()]
+        assert "SandboxFailed" in [e.type for e in ended]
+        assert not [e for e in ended if isinstance(e, SandboxRestartScheduled | SandboxStarting)]
+
+
+async def test_on_failure_restarts_a_failed_launch(podman: PodmanClient) -> None:
+    """A launch that cannot succeed (an image Podman does not know: the driver reports it at
+    once, without retrying) is a failure: OnFailure restarts it, up to max_restarts."""
+    async with podman_env(podman, "rstl") as (env, driver, keys):
+        env.settings = env.settings.model_copy(update=FAST)
+        key = keys()
+        spec = SandboxSpec(
+            image="localhost/sandstream-no-such-image:0",
+            command=["true"],
+            restart_policy="OnFailure",
+            restart_backoff=RestartBackoff(initial_seconds=0.2, max_seconds=0.2),
+            max_restarts=1,
+        )
+        async with (
+            running_plane(env, driver, with_scheduler=True, removing=keys),
+            await env.publisher() as pub,
+        ):
+            await command(env, pub, f.create(key, sandbox_spec=spec, occurred_at=now()))
+            row = await wait_restart_limit(env, key, WAIT)
+        assert (row["phase"], row["generation"]) == ("Error", 2)
+        assert "image not known" in row["reason"], row["reason"]
+        records = await env.read_topic(env.settings.topic_events)
+        events = [decode(EVENTS, r.value) for r in records if r.key == key.encode()]
+        (scheduled,) = [e for e in events if isinstance(e, SandboxRestartScheduled)]
+        assert "image not known" in scheduled.reason
+        starts = [e for e in events if isinstance(e, SandboxStarting)]
+        assert [(e.policy, e.attempt, e.generation) for e in starts] == [("OnFailure", 1, 2)]
+        restarts = [h for h in await history(env, key) if h["message_type"] == "DeadlineDue"]
+        assert len(restarts) == 1 and "restart_policy OnFailure" in restarts[0]["reason"]
 
 
 async def test_a_control_plane_killed_before_a_scheduled_restart_restarts_exactly_once(
@@ -109,10 +189,7 @@ async def test_a_control_plane_killed_before_a_scheduled_restart_restarts_exactl
             assert now() < due, "the plane was killed after the due time: nothing was shown"
             await eventually(now, lambda t: t > due, timeout=30, what="the due time to pass")
             second = [roles.start(r) for r in plane]
-            row = await wait_row(
-                env, key, lambda r: (r["reason"] or "").startswith("RestartLimit"),
-                "the restart limit", timeout=WAIT,
-            )  # fmt: skip
+            row = await wait_restart_limit(env, key, WAIT)
             assert row["generation"] == 2
             records = await env.read_topic(env.settings.topic_events)
             events = [decode(EVENTS, r.value) for r in records if r.key == key.encode()]

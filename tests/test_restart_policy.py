@@ -20,7 +20,15 @@ from events.decided import (
     SandboxRestartsExhausted,
     SandboxStarting,
 )
-from projections.lifecycle import DEFAULT_LIMITS, Decision
+from projections.lifecycle import (
+    DEFAULT_LIMITS,
+    EXIT_KINDS,
+    PENDING_RESTART_TABLE,
+    RESTART_POLICY_TABLE,
+    Decision,
+    restarts_on,
+)
+from services.scheduler.scheduler import deadline_due
 
 P = Phase
 RESET = DEFAULT_LIMITS.restart_reset_seconds
@@ -136,30 +144,57 @@ def test_a_vanished_runtime_a_failed_launch_and_a_launch_timeout_are_failures() 
     assert [e.type for e in d.events] == ["SandboxTimedOut", "SandboxRestartScheduled"]
 
 
-@pytest.mark.parametrize(
-    "cancel",
-    [
-        lambda: f.stop(occurred_at=f.at(3)),
-        lambda: f.hold(occurred_at=f.at(3)),
-        lambda: f.delete(occurred_at=f.at(3)),
-        lambda: f.restart(occurred_at=f.at(3)),
-        lambda: f.set_restart_policy(restart_policy="Never", occurred_at=f.at(3)),
+# What each entry of PENDING_RESTART_TABLE sends while the restart waits (at 3 s), and the
+# outcome it claims: True when the restart is kept.
+PENDING_INPUTS: dict[str, list[tuple[Any, bool]]] = {
+    "DeadlineDue(restart)": [],  # the restart itself: test_on_failure_restarts_with_...
+    "StopSandbox": [(lambda: f.stop(occurred_at=f.at(3)), False)],
+    "DeleteSandbox": [(lambda: f.delete(occurred_at=f.at(3)), False)],
+    "StartSandbox, RestartSandbox": [
+        (lambda: f.start(occurred_at=f.at(3)), False),
+        (lambda: f.restart(occurred_at=f.at(3)), False),
     ],
-    ids=["stop", "hold", "delete", "restart", "never"],
-)
-def test_stop_hold_delete_a_newer_generation_or_never_cancel_a_scheduled_restart(
-    cancel: Any,
-) -> None:
-    h = created(policy_spec("Always"))
+    "HoldSandbox": [(lambda: f.hold(occurred_at=f.at(3)), False)],
+    "SetRestartPolicy": [
+        (lambda: f.set_restart_policy(restart_policy="Always", occurred_at=f.at(3)), True),
+        (lambda: f.set_restart_policy(restart_policy="Never", occurred_at=f.at(3)), False),
+    ],
+    "RotateCredentials": [(lambda: f.rotate(occurred_at=f.at(3)), True)],
+    "DeadlineDue(ttl)": [(lambda: f.due(deadline="ttl", due_at=f.at(3)), False)],
+    "the generation seen running": [(lambda: f.running(occurred_at=f.at(3)), False)],
+}
+PENDING_CASES = [
+    (what, make, kept) for what, inputs in PENDING_INPUTS.items() for make, kept in inputs
+]
+
+
+def test_every_entry_of_the_pending_restart_table_is_driven() -> None:
+    assert set(PENDING_INPUTS) == set(PENDING_RESTART_TABLE)
+    for what, inputs in PENDING_INPUTS.items():
+        claims = {PENDING_RESTART_TABLE[what].startswith(w) for w in ("kept", "cancelled")}
+        assert claims == {True, False} or "else cancelled" in PENDING_RESTART_TABLE[what], what
+        for _, kept in inputs:
+            claim = "kept" if kept else "cancelled"
+            assert claim in PENDING_RESTART_TABLE[what], (what, claim)
+
+
+@pytest.mark.parametrize(("what", "make", "kept"), PENDING_CASES, ids=lambda v: str(v)[:30])
+def test_what_an_input_does_to_a_scheduled_restart(what: str, make: Any, kept: bool) -> None:
+    h = f.Harness()
+    spec = policy_spec("Always")
+    h.send(f.create(sandbox_spec=spec, providers=["github"], ttl_seconds=3, occurred_at=f.at(0)))
     h.send(f.running(occurred_at=f.at(1)))
-    h.send(f.exited(exit_code=0, occurred_at=f.at(2)))
+    h.send(f.exited(exit_code=1, occurred_at=f.at(2)))
     scheduled = h.row().deadline
     assert scheduled is not None and scheduled.kind == "restart"
-    h.send(cancel())
+    d = h.send(make())
+    assert d.disposition == "applied", d.reason
     row = h.row()
-    assert row.deadline is None or row.deadline.kind != "restart"
-    d = h.send(f.due(deadline="restart", due_at=scheduled.due_at, generation=1))
-    assert (d.disposition, d.events) == ("ignored", ())
+    assert (row.deadline == scheduled) == kept, row
+    if not kept and row.phase in (P.ERROR, P.COMPLETED):
+        assert "restarts it at" not in (row.reason or "")
+    late = h.send(f.due(deadline="restart", due_at=scheduled.due_at, generation=1))
+    assert (late.disposition == "applied") == kept, late.reason
 
 
 def test_a_repeated_due_restarts_once() -> None:
@@ -313,3 +348,157 @@ def test_random_runs_follow_the_model(
     restarts = [r for r in history if r.startswith("DeadlineDue(restart")]
     assert len(restarts) == model.total
     assert all(f"restart_policy {policy}" in r for r in restarts)
+
+
+# -- review: the policy across the other features ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("restart", "types"),
+    [
+        (lambda at: f.rotate(occurred_at=at), ["AgentRestarted"]),
+        (
+            lambda at: f.detach(provider="github", occurred_at=at),
+            ["ProviderDetached", "AgentRestarted"],
+        ),
+    ],
+    ids=["rotation", "detach"],
+)
+def test_a_rotation_or_detach_restart_does_not_end_the_stable_run_that_resets_the_back_off(
+    restart: Any, types: list[str]
+) -> None:
+    """A generation Ready for longer than the reset, then restarted for rotated credentials or
+    a detached provider (sandstream's own restart, not a failure), then crashing soon after: the
+    sandbox ran stable for long, so the crash is the first restart in a row again, not one past
+    max_restarts."""
+    h = f.Harness()
+    spec = policy_spec("OnFailure", initial=1, maximum=100, max_restarts=1)
+    h.send(f.create(sandbox_spec=spec, providers=["github"], occurred_at=f.at(0)))
+    h.send(f.exited(exit_code=1, occurred_at=f.at(1)))  # restart 1 of at most 1
+    due_restart(h)
+    h.send(f.running(generation=2, occurred_at=f.at(3)))
+    restarted = h.send(restart(f.at(3 + RESET + 60)))
+    assert [e.type for e in restarted.events] == types
+    h.send(f.running(generation=3, occurred_at=f.at(4 + RESET + 60)))
+    d = h.send(f.exited(generation=3, exit_code=1, occurred_at=f.at(5 + RESET + 60)))
+    scheduled = d.events[-1]
+    assert isinstance(scheduled, SandboxRestartScheduled), d.reason
+    assert scheduled.backoff_reset and scheduled.deadline.attempt == 1
+    assert h.rebuilt() == {f.KEY: h.row()}
+
+
+def test_a_generation_ready_briefly_after_a_rotation_restart_is_no_stable_run() -> None:
+    h = f.Harness()
+    spec = policy_spec("OnFailure", initial=1, maximum=100, max_restarts=1)
+    h.send(f.create(sandbox_spec=spec, providers=["github"], occurred_at=f.at(0)))
+    h.send(f.exited(exit_code=1, occurred_at=f.at(1)))
+    due_restart(h)
+    h.send(f.running(generation=2, occurred_at=f.at(3)))
+    h.send(f.rotate(occurred_at=f.at(4)))
+    h.send(f.running(generation=3, occurred_at=f.at(5)))
+    d = h.send(f.exited(generation=3, exit_code=1, occurred_at=f.at(6)))
+    assert isinstance(d.events[-1], SandboxRestartsExhausted)
+
+
+@pytest.mark.parametrize(
+    ("cancel", "why"),
+    [
+        (lambda: f.hold(occurred_at=f.at(3)), "held by"),
+        (lambda: f.set_restart_policy(restart_policy="Never", occurred_at=f.at(3)), "Never"),
+    ],
+    ids=["hold", "never"],
+)
+def test_a_cancelled_restart_is_not_announced_in_the_reason(cancel: Any, why: str) -> None:
+    h = created(policy_spec("OnFailure"))
+    h.send(f.running(occurred_at=f.at(1)))
+    h.send(f.exited(exit_code=3, occurred_at=f.at(2)))
+    assert "restarts it at" in (h.row().reason or "")
+    h.send(cancel())
+    row = h.row()
+    assert row.deadline is None
+    assert row.reason is not None and "restarts it at" not in row.reason
+    assert row.reason.startswith("runtime exited with code 3") and why in row.reason
+    assert h.rebuilt() == {f.KEY: row}
+
+
+def test_setting_on_failure_cancels_a_restart_scheduled_after_exit_0() -> None:
+    """Always scheduled a restart after exit 0; the policy becomes OnFailure, which does not
+    restart after exit 0: the restart must not happen (and never under OnFailure's name)."""
+    h = created(policy_spec("Always"))
+    h.send(f.running(occurred_at=f.at(1)))
+    h.send(f.exited(exit_code=0, occurred_at=f.at(2)))
+    scheduled = h.row().deadline
+    assert scheduled is not None and scheduled.kind == "restart"
+    h.send(f.set_restart_policy(restart_policy="OnFailure", occurred_at=f.at(2.5)))
+    row = h.row()
+    assert (row.phase, row.deadline) == (P.COMPLETED, None)
+    assert row.reason is not None and "restart_policy OnFailure" in row.reason
+    d = h.send(f.due(deadline="restart", due_at=scheduled.due_at, generation=1))
+    assert (d.disposition, d.events) == ("ignored", ())
+
+
+def test_setting_always_keeps_a_restart_scheduled_after_a_failure() -> None:
+    h = created(policy_spec("OnFailure"))
+    h.send(f.exited(exit_code=1, occurred_at=f.at(2)))
+    h.send(f.set_restart_policy(restart_policy="Always", occurred_at=f.at(2.5)))
+    started = due_restart(h)
+    (event,) = started.events
+    assert isinstance(event, SandboxStarting) and event.policy == "Always"
+
+
+def test_lowering_max_restarts_below_a_pending_restart_cancels_it() -> None:
+    h = created(policy_spec("OnFailure", max_restarts=5))
+    for generation in (1, 2):
+        h.send(f.exited(generation=generation, exit_code=1, occurred_at=f.at(10 * generation)))
+        due_restart(h, occurred_at=f.at(10 * generation + 5))
+    h.send(f.exited(generation=3, exit_code=1, occurred_at=f.at(30)))
+    scheduled = h.row().deadline
+    assert scheduled is not None and scheduled.attempt == 3
+    h.send(f.set_restart_policy(max_restarts=2, occurred_at=f.at(31)))
+    row = h.row()
+    assert row.deadline is None
+    assert row.reason is not None and "max_restarts 2" in row.reason
+    d = h.send(f.due(deadline="restart", due_at=scheduled.due_at, generation=3))
+    assert (d.disposition, d.events) == ("ignored", ())
+
+
+def test_never_set_again_on_a_spec_that_names_never_is_idempotent() -> None:
+    h = created(policy_spec("Never"))
+    d = h.send(
+        f.set_restart_policy(
+            restart_policy="Never", restart_backoff=RestartBackoff(initial_seconds=1, max_seconds=8)
+        )
+    )
+    assert d.disposition == "idempotent", d.reason
+
+
+def test_two_schedulers_due_messages_for_one_restart_restart_it_once() -> None:
+    """The scheduler's lease moves while a restart is due: the old and the new holder both
+    publish its DeadlineDue (the same id, their own clocks). One restart, and its identity is
+    the same whichever message came first."""
+    identities = []
+    for first, second in ((5.0, 5.5), (5.5, 5.0)):
+        h = f.Harness()
+        h.send(
+            f.create(command_id="c1", sandbox_spec=policy_spec("OnFailure"), occurred_at=f.at(0))
+        )
+        h.send(f.exited(exit_code=1, occurred_at=f.at(2)))
+        row = h.row()
+        assert row.deadline is not None
+        due_at, version = row.deadline.due_at, row.version
+        messages = [
+            deadline_due(f.KEY, 1, version, "restart", due_at, f.at(t)) for t in (first, second)
+        ]
+        a, b = h.send(messages[0]), h.send(messages[1])
+        assert (a.disposition, b.disposition, b.events) == ("applied", "ignored", ())
+        assert h.row().generation == 2
+        identities.append(h.row().identity)
+    assert identities[0] == identities[1]
+
+
+def test_the_failure_kinds_share_each_policy_row() -> None:
+    """A policy change judges a pending restart by the phase it waits in (Completed: after exit
+    0; Error: after a failure), which holds while every failure kind restarts alike."""
+    failures = [k for k in EXIT_KINDS if k != "exited 0"]
+    for policy in RESTART_POLICY_TABLE:
+        assert len({restarts_on(policy, k) for k in failures}) == 1

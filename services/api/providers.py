@@ -4,6 +4,8 @@ they come through (the HTTP routes, the provider-sync controller, the OpenShell 
 - ``update``: store the values (encrypted) and each attached sandbox's one restart command in
   one transaction, send the commands, and answer with the receipt (what will happen to every
   attached sandbox, and which commands Kafka has not acknowledged yet: pending).
+- ``rotate``: rotate one key to its stored value (OpenShell's RotateProviderCredential of a
+  static credential): the next revision, with the same restarts and receipt as an update.
 - ``attachment``: the AttachProvider or DetachProvider command a caller may send.
 - ``delete``: delete a provider; forced, detach it from every sandbox (the DetachProvider
   commands stored in the delete's transaction, then sent).
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final
@@ -39,7 +41,7 @@ from services.api import provider_outbox
 from services.api.gateway import CommandGateway, Pool, PublishFailed
 from services.common import metrics, providers
 from services.common.credentials import Vault, load_key
-from services.common.providers import Applied, Update
+from services.common.providers import Applied, Conn, Update
 from services.common.settings import Settings
 from services.common.tokens import PROVIDER_WRITE, WRITE, Principal
 
@@ -115,10 +117,28 @@ class ProviderService:
         """Store ``updates`` and one RotateCredentials per attached live sandbox of the rotated
         providers (restart or recorded skip) in one transaction; then send the commands."""
         vault = await self.vault()
+        wanted = list(updates)
+
+        async def apply(conn: Conn) -> list[Applied]:
+            return await providers.apply_updates(conn, vault, wanted, at or now(), create=create)
+
+        return await self._rotate(apply, actor=actor, restart=restart)
+
+    async def rotate(self, name: str, key: str, *, actor: str, restart: bool = True) -> Receipt:
+        """Rotate ``key`` of provider ``name`` to its stored value (a static credential has no
+        new value to fetch): the same restarts and receipt as an update that replaced it."""
+        await self.vault()  # the restarts read the values: CredentialKeyError now if they cannot
+
+        async def apply(conn: Conn) -> list[Applied]:
+            return [await providers.reapply(conn, name, key, now())]
+
+        return await self._rotate(apply, actor=actor, restart=restart)
+
+    async def _rotate(
+        self, apply: Callable[[Conn], Awaitable[list[Applied]]], *, actor: str, restart: bool
+    ) -> Receipt:
         async with self.pool.acquire() as conn, conn.transaction():
-            applied = await providers.apply_updates(
-                conn, vault, list(updates), at or now(), create=create
-            )
+            applied = await apply(conn)
             rotations = {a.change.provider: a.revision for a in applied if a.change.rotated}
             attached = await providers.attached_sandboxes(conn, rotations) if rotations else []
             incarnations = {a.change.provider: a.incarnation for a in applied}

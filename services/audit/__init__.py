@@ -12,4 +12,10 @@
 
 Imports common and processor (to re-decide exactly as the processor does: its parser and its
 batch planner).
+
+- ``anchors``: the chain heads the log vouches for (the processor's checkpoints).
+- ``golden``: recorded input logs of real runs, replayed through today's rules in CI.
+- ``log``: read one partition of some topics from their beginning to their end as of the call.
+- ``page``: ``explain --html``, one self-contained page of the causal chain.
+- ``shadow``: a read model rebuilt beside the live one, compared, switched in atomically.
 """

@@ -9,7 +9,13 @@ from typing import Annotated, Any
 import typer
 
 from services.cli.client import ApiFailure, client_of, fail
-from services.cli.lifecycle_options import duration_seconds
+from services.cli.lifecycle_options import (
+    MaxRestartsOpt,
+    RestartBackoffOpt,
+    RestartChoice,
+    duration_seconds,
+    restart_body,
+)
 from services.cli.render import Output, OutputOpt, out, print_json
 from services.cli.sandbox import (
     CommandIdOpt,
@@ -96,29 +102,16 @@ def extend(
 def restart_policy(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="the sandbox name")],
-    policy: Annotated[str, typer.Argument(help="Never, OnFailure or Always")],
-    backoff: Annotated[
-        str | None, typer.Option("--backoff", help="first delay and cap, e.g. 1s:5m")
-    ] = None,
-    max_restarts: Annotated[
-        int | None, typer.Option("--max-restarts", help="restarts in a row, then Error")
-    ] = None,
+    policy: Annotated[RestartChoice, typer.Argument(help="Never, OnFailure or Always")],
+    backoff: RestartBackoffOpt = None,
+    max_restarts: MaxRestartsOpt = None,
     command_id: CommandIdOpt = None,
     expected_version: ExpectedVersionOpt = None,
     timeout: TimeoutOpt = 60.0,
     output: OutputOpt = Output.table,
 ) -> None:
-    """Set a sandbox's restart policy (Never cancels a scheduled restart)."""
-    body = {**_command_body(command_id, expected_version), "restart_policy": policy,
-            "max_restarts": max_restarts, "restart_backoff": backoff_body(backoff)}  # fmt: skip
+    """Set a sandbox's restart policy, its back-off and its limit (each left out: the default).
+    A scheduled restart the new policy would not make is cancelled."""
+    body = {**_command_body(command_id, expected_version),
+            **restart_body(policy, backoff, max_restarts)}  # fmt: skip
     _send(ctx, name, ":restart-policy", body, f"Sandbox {name} restarts: {policy}", timeout, output)
-
-
-def backoff_body(backoff: str | None) -> dict[str, float] | None:
-    """``1s:5m`` as the API's restart_backoff."""
-    if backoff is None:
-        return None
-    first, _, cap = backoff.partition(":")
-    initial = duration_seconds(first, "--backoff")
-    maximum = duration_seconds(cap, "--backoff") if cap else max(initial, 300)
-    return {"initial_seconds": initial, "max_seconds": maximum}

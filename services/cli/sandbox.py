@@ -28,8 +28,12 @@ from services.cli.client import (
 from services.cli.lifecycle_options import (
     ExitChoice,
     ExpiryChoice,
+    MaxRestartsOpt,
+    RestartBackoffOpt,
+    RestartChoice,
     duration_seconds,
     lifecycle_fields,
+    restart_body,
 )
 from services.cli.render import (
     Output,
@@ -272,6 +276,16 @@ def create(
         ExitChoice,
         typer.Option("--on-exit", help="delete: delete it once its main process ended"),
     ] = ExitChoice.keep,
+    restart_policy: Annotated[
+        RestartChoice | None,
+        typer.Option(
+            "--restart-policy",
+            help="restart it after its main process ends: OnFailure (non-zero exit, vanished, "
+            "failed launch) or Always (also exit 0); default Never",
+        ),
+    ] = None,
+    restart_backoff: RestartBackoffOpt = None,
+    max_restarts: MaxRestartsOpt = None,
     command_id: CommandIdOpt = None,
     timeout: TimeoutOpt = 120.0,
     no_wait: NoWaitOpt = False,
@@ -286,6 +300,7 @@ def create(
     }
     if stop_timeout is not None:
         spec["stop_timeout_seconds"] = stop_timeout
+    spec.update(restart_body(restart_policy, restart_backoff, max_restarts))
     body: dict[str, Any] = {"name": name, "spec": spec, "providers": provider}
     if ttl is not None:
         body["ttl_seconds"] = duration_seconds(ttl, "--ttl")

@@ -1,2 +1,25 @@
 """What every role shares: settings, metrics, the PostgreSQL pool, migrations, task supervision
-and the process entry point. Imports no other package of services/."""
+and the process entry point. Imports no other package of services/.
+
+Modules:
+
+- ``credentials``: credential values at rest.
+- ``database``: the PostgreSQL pool every role opens.
+- ``entrypoint``: run one long-lived service in the foreground until SIGINT or SIGTERM.
+- ``health``: the health endpoint of a role process.
+- ``kafka_clients``: the Kafka principal each part of sandstream connects as, and the aiokafka
+  options for it.
+- ``lease``: single-active roles.
+- ``log_filter``: rate-limited logging of the Kafka client.
+- ``log_identity``: which Kafka log the offsets in PostgreSQL belong to.
+- ``metrics``: prometheus metrics of the roles (exposed by the API's /metrics under `sandstream up`,
+  and by each role process's health endpoint when the roles run as separate processes).
+- ``migrations``: the SQL migration runner.
+- ``providers``: providers in PostgreSQL.
+- ``secret_files``: secrets kept in files of their own (mode 0600).
+- ``serving``: serving an ASGI app with uvicorn inside the embedding process's event loop (the HTTP
+  API, the roles' health endpoints).
+- ``settings``: one settings object for ports, paths and credentials.
+- ``tasks``: named long-running tasks of one process sharing a stop event.
+- ``tokens``: bearer tokens with scopes.
+"""

@@ -54,13 +54,14 @@ class ProviderInfo:
     created_at: datetime
     updated_at: datetime
     keys: list[KeyInfo]
+    incarnation: UUID  # this provider's, not an earlier one's of the same name
 
     def fingerprints(self) -> dict[str, str]:
         return {k.name: k.fingerprint for k in self.keys}
 
 
 _SELECT = """
-SELECT p.name, p.type, p.revision, p.created_at, p.updated_at,
+SELECT p.name, p.type, p.revision, p.created_at, p.updated_at, p.incarnation,
        coalesce(array_agg(c.key ORDER BY c.key) FILTER (WHERE c.key IS NOT NULL), '{}') AS keys,
        coalesce(array_agg(c.fingerprint ORDER BY c.key) FILTER (WHERE c.key IS NOT NULL), '{}')
            AS fingerprints,
@@ -75,7 +76,15 @@ def _info(r: Any) -> ProviderInfo:
         KeyInfo(k, f, t)
         for k, f, t in zip(r["keys"], r["fingerprints"], r["key_times"], strict=True)
     ]
-    return ProviderInfo(r["name"], r["type"], r["revision"], r["created_at"], r["updated_at"], keys)
+    return ProviderInfo(
+        r["name"],
+        r["type"],
+        r["revision"],
+        r["created_at"],
+        r["updated_at"],
+        keys,
+        r["incarnation"],
+    )
 
 
 async def list_providers(conn: Conn, names: Iterable[str] | None = None) -> list[ProviderInfo]:
@@ -115,6 +124,11 @@ class ProviderMissing(LookupError):
     def __init__(self, name: str) -> None:
         super().__init__(f"provider {name!r} not found")
         self.name = name
+
+
+class CredentialMissing(LookupError):
+    def __init__(self, name: str, key: str) -> None:
+        super().__init__(f"provider {name!r} has no credential {key!r}")
 
 
 class ProviderExists(Exception):
@@ -202,6 +216,29 @@ async def apply_updates(
                 )
             results.append(Applied(change, revision, row is None, incarnation))
     return results
+
+
+async def reapply(conn: Conn, name: str, key: str, now: datetime) -> Applied:
+    """A rotation of ``key`` to its stored value (a static credential's rotation): the next
+    revision, so that every attached sandbox restarts on it as after a new value."""
+    row = await conn.fetchrow(
+        "UPDATE providers SET revision = revision + 1, updated_at = $2 WHERE name = $1 "
+        "RETURNING revision, incarnation",
+        name,
+        now,
+    )
+    if row is None:
+        raise ProviderMissing(name)
+    touched = await conn.execute(
+        "UPDATE provider_credentials SET updated_at = $3 WHERE provider = $1 AND key = $2",
+        name,
+        key,
+        now,
+    )
+    if touched == "UPDATE 0":
+        raise CredentialMissing(name, key)
+    change = ProviderChange(name, {key: "rotated"})
+    return Applied(change, row["revision"], False, row["incarnation"])
 
 
 async def delete_provider(conn: Conn, name: str) -> bool:

@@ -185,6 +185,10 @@ class Settings(BaseSettings):
     stop_margin_seconds: float = Field(default=30, ge=0)  # Stopping: grace period + this
     delete_retry_seconds: float = Field(default=120, ge=0)  # Deleting: first retry, then x2
     delete_retry_max_seconds: float = Field(default=1800, ge=0)
+    # The restart policy: a generation Ready at least this long before it ends resets the
+    # back-off (its restart is the first in a row again). Decided when the exit is, and recorded
+    # in the decided event, so a rebuild reproduces it whatever this is then.
+    restart_reset_seconds: float = Field(default=600, ge=0)
     # Time to live of a sandbox created without one (None: lives until deleted).
     default_ttl_seconds: int | None = Field(default=None, ge=1)
     # The scheduler looks for due deadlines at least this often (and on every change).
@@ -249,6 +253,7 @@ class Settings(BaseSettings):
             stop_margin_seconds=self.stop_margin_seconds or None,
             delete_seconds=self.delete_retry_seconds or None,
             delete_backoff_max_seconds=self.delete_retry_max_seconds,
+            restart_reset_seconds=self.restart_reset_seconds,
         )
 
     @field_validator("pg_password", mode="after")

@@ -18,4 +18,12 @@ schema) for tests and benchmarks. Not used by the running roles. Imports service
 - ``private_broker``: a broker of a test's own, for tests that must lose their broker.
 - ``isolation``: isolated environments (own topics, groups, schema) and ``prune``.
 - ``kubernetes``, ``kube_build``: the local Kubernetes control plane, and its build.
+
+- ``compose_env``: the variables compose/docker-compose.yml reads, for the local stack (or an
+  isolated environment of it).
+- ``helm_build``: build ``helm`` (v4) from the Go module proxy, cached beside the local cluster's
+  binaries.
+- ``image``: build sandstream's OCI image without any container registry (``make image``).
+- ``kube_play``: run the Helm chart's rendered Deployments on this machine with ``podman kube
+  play``, from the image (`make image`), against the local stack's Kafka and PostgreSQL.
 """

@@ -20,6 +20,8 @@ from google.protobuf.message import Message
 from projections.store import CONNECTION_ERRORS
 from services.openshell.exec_rpc import ExecLimits, ExecRpcs
 from services.openshell.logs import LogRpcs
+from services.openshell.providers import PROVIDER_METHODS, ProviderRpcs
+from services.openshell.sandbox_providers import SandboxProviderRpcs
 from services.openshell.sandboxes import SandboxRpcs
 from services.openshell.service import Context, Door
 from services.openshell.watch import WatchRpcs
@@ -38,6 +40,7 @@ UNARY: Final = (
     "StartSandbox",
     "DeleteSandbox",
     "GetSandboxLogs",
+    *PROVIDER_METHODS,
 )
 STREAMING: Final = ("ExecSandbox", "WatchSandbox")
 UNAVAILABLE_MESSAGE: Final = "the gateway's database is unavailable; retry"
@@ -94,6 +97,8 @@ class OpenShellService:
             ExecRpcs(door, limits),
             WatchRpcs(door),
             LogRpcs(door),
+            ProviderRpcs(door),
+            SandboxProviderRpcs(door),
         )
 
     def method(self, name: str) -> Any:

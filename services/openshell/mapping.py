@@ -21,10 +21,16 @@ from typing import Final, TypeAlias
 from google.protobuf.timestamp_pb2 import Timestamp
 from pydantic import ValidationError
 
-from events.common import PROVIDER_NAME_PATTERN, SANDBOX_NAME_PATTERN, Phase, SandboxSpec
+from events.common import (
+    PROVIDER_NAME_PATTERN,
+    SANDBOX_NAME_PATTERN,
+    Phase,
+    RestartPolicy,
+    SandboxSpec,
+)
 from services.api.readmodel import SandboxView
 from services.openshell.proto import served_pb2
-from services.openshell.proto.served_pb2 import SandboxPhase
+from services.openshell.proto.served_pb2 import SandboxPhase, SandboxRestartPolicy
 from services.openshell.proto.vendored.v0_0_116 import openshell_pb2 as os_0_0
 from services.openshell.proto.vendored.v0_1_5 import datamodel_pb2 as dm_0_1
 from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os_0_1
@@ -48,6 +54,19 @@ PHASES: Final[Mapping[Phase, SandboxPhase.ValueType]] = {
     Phase.DELETED: SandboxPhase.SANDBOX_PHASE_DELETING,
 }
 _NAME = re.compile(SANDBOX_NAME_PATTERN)
+# 0.1's SandboxSpec.restart_policy (OpenShell #2798) <-> sandstream's spec.restart_policy.
+# UNSPECIFIED is sandstream's default, Never; the back-off and max_restarts, which OpenShell's
+# spec does not carry, are sandstream's defaults (1 s doubling to 5 min, no limit).
+RESTART_POLICIES: Final[Mapping[RestartPolicy, SandboxRestartPolicy.ValueType]] = {
+    "Never": SandboxRestartPolicy.SANDBOX_RESTART_POLICY_NEVER,
+    "OnFailure": SandboxRestartPolicy.SANDBOX_RESTART_POLICY_ON_FAILURE,
+    "Always": SandboxRestartPolicy.SANDBOX_RESTART_POLICY_ALWAYS,
+}
+_REQUESTED_POLICY: Final[Mapping[int, RestartPolicy | None]] = {
+    SandboxRestartPolicy.SANDBOX_RESTART_POLICY_UNSPECIFIED: None,
+    SandboxRestartPolicy.SANDBOX_RESTART_POLICY_NEVER: None,
+    **{int(v): k for k, v in RESTART_POLICIES.items() if k != "Never"},
+}
 
 
 class InvalidRequest(ValueError):
@@ -99,6 +118,7 @@ def sandbox_message(
         template=served_pb2.SandboxTemplate(image=view.spec.image, labels=view.labels),
         providers=view.providers,
         command=view.spec.command,
+        restart_policy=RESTART_POLICIES[view.spec.restart_policy or "Never"],
     )
     status = served_pb2.SandboxStatus(
         sandbox_name=view.name,
@@ -190,12 +210,14 @@ def new_sandbox(
             raise InvalidRequest(f"{field}: not supported by sandstream")
     labels = {**template.labels, **request.labels}
     env = {**template.environment, **spec.environment}
+    restart_policy = requested_restart_policy(request)
     try:
         checked = SandboxSpec(
             image=template.image or default_image,
             command=list(spec.command) or list(DEFAULT_COMMAND),
             env=env,
             labels=labels,
+            restart_policy=restart_policy,
         )
     except ValidationError as exc:
         message = _describe(exc)
@@ -207,6 +229,17 @@ def new_sandbox(
         if not re.fullmatch(PROVIDER_NAME_PATTERN, provider):
             raise InvalidRequest(f"spec.providers: invalid provider name {provider!r}")
     return NewSandbox(sandbox_name(request.name, command_id), checked, providers)
+
+
+def requested_restart_policy(request: CreateRequest) -> RestartPolicy | None:
+    """A 0.1 request's ``spec.restart_policy`` (0.0 has none): None for Never or unspecified;
+    INVALID_ARGUMENT for a value this release does not know."""
+    if not isinstance(request, os_0_1.CreateSandboxRequest):
+        return None
+    value = request.spec.restart_policy
+    if value not in _REQUESTED_POLICY:
+        raise InvalidRequest(f"spec.restart_policy: unknown value {value}")
+    return _REQUESTED_POLICY[value]
 
 
 # ---------------------------------------------------------------------------------------------

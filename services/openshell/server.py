@@ -101,6 +101,7 @@ async def start_openshell(
         providers=ProviderService(settings, pool, gateway),
         driver_name=driver_name,
         default_image=settings.sandbox_image,
+        events_topic=settings.topic_events,
     )
     limits = ExecLimits(
         timeout=float(settings.openshell_exec_timeout_seconds),

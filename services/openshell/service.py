@@ -149,6 +149,7 @@ class Door:
     providers: ProviderService | None
     driver_name: str
     default_image: str
+    events_topic: str  # where the decided events go (the outbox rows the watch reads)
     outcome_wait: float = OUTCOME_WAIT
 
     async def authorize(self, context: Context, scope: str) -> Principal:

@@ -1,13 +1,18 @@
-"""WatchSandbox: status snapshots of one incarnation, its log lines, and resumable cursors.
+"""WatchSandbox: status snapshots of one incarnation, one per change, its log lines, and
+resumable cursors.
 
-The cursor of a snapshot is ``<change_seq>.<version>``: the row's position in the change feed
-(PostgreSQL's, so it survives a restart of the gateway) and its version. A 0.1 client resuming
-with ``resume_after_cursor`` gets the current snapshot only if the row changed after it, then
-every later change: nothing twice. The read model keeps each row's latest state only, so
-changes between two reads are coalesced into the newer snapshot; a resumed client that missed
-more than one change is told so with a warning before that snapshot (0.1 only: a 0.0 client
-never resumes and gets exactly the stream it always got). With ``follow_logs``, the runtime's
-output lines are sent too, as they are written, until the runtime stops.
+A change is one version of the sandbox's row (each decided event makes one). The stream sends
+a snapshot of every version in order: the row change feed says when and how far the row moved,
+and the versions it skipped (several decided between two reads, or by one input) are rebuilt
+from the decided events (``readmodel.versions``). The cursor of a snapshot is
+``<change_seq>.<version>``: where the change feed was read and the version. A 0.1 client
+resuming with ``resume_after_cursor`` gets every version after the cursor's, then the live
+stream: nothing twice, also after the gateway restarted (everything is in PostgreSQL). The
+versions it missed are rebuilt by folding the incarnation's events from its creation, at most
+``readmodel.REPLAY_EVENTS``; where the events are no longer kept, or are more than that, the
+stream ends with RESOURCE_EXHAUSTED (as OpenShell ends a watch that lagged behind): watch
+again without a cursor. With ``follow_logs``, the runtime's output lines are sent too, as
+they are written, until the runtime stops.
 """
 
 from __future__ import annotations
@@ -16,14 +21,14 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Final
 
 import grpc
 
 from drivers.logs import LogsUnavailable
 from events.common import Phase
+from projections.lifecycle import Sandbox
 from services.api import readmodel
-from services.api.readmodel import SandboxView
+from services.api.readmodel import Row, SandboxView
 from services.common.tokens import READ
 from services.openshell import mapping, wire
 from services.openshell.logs import log_message
@@ -32,9 +37,6 @@ from services.openshell.proto.vendored.v0_0_116 import openshell_pb2 as os_0_0
 from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os_0_1
 from services.openshell.service import Context, Door, abort
 from services.openshell.wire import Generation
-
-_STATUS_END: Final = object()
-_LOGS_END: Final = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +49,6 @@ class WatchRequest:
     log_tail: int
     stop_on_terminal: bool
     resume_after: tuple[int, int] | None  # (change_seq, version)
-
-
-def cursor_of(view: SandboxView) -> str:
-    return f"{view.change_seq}.{view.version}"
 
 
 def parse_cursor(text: str) -> tuple[int, int]:
@@ -89,6 +87,17 @@ def watch_request(raw: bytes) -> WatchRequest:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _End:
+    """One part of the watch (status or logs) ended; with ``error``, the RPC ends with it."""
+
+    part: str
+    error: BaseException | None = None
+
+
+_Item = served_pb2.SandboxStreamEvent | _End
+
+
 class WatchRpcs:
     def __init__(self, door: Door) -> None:
         self.door = door
@@ -109,18 +118,38 @@ class WatchRpcs:
                 context, grpc.StatusCode.NOT_FOUND, f"workspace {request.workspace!r} not found"
             )
         view = await self.door.resolve(request.reference, context)
-        queue: asyncio.Queue[served_pb2.SandboxStreamEvent | object] = asyncio.Queue(maxsize=256)
+        if request.resume_after is not None and request.resume_after[1] > view.version:
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"resume_after_cursor: version {request.resume_after[1]} is ahead of the "
+                f"sandbox's ({view.version}): not a cursor of this sandbox",
+            )
+        queue: asyncio.Queue[_Item] = asyncio.Queue(maxsize=256)
         tasks = []
         if request.follow_status or not request.follow_logs:
             tasks.append(asyncio.create_task(self._status(view, request, queue)))
         if request.follow_logs:
             tasks.append(asyncio.create_task(self._logs(view, request, queue)))
         # The status stream decides when the watch ends; a logs-only watch, its logs.
-        last = _LOGS_END if len(tasks) == 1 and request.follow_logs else _STATUS_END
+        last = "logs" if len(tasks) == 1 and request.follow_logs else "status"
         try:
-            while (item := await queue.get()) is not last:
+            while True:
+                item = await queue.get()
                 if isinstance(item, served_pb2.SandboxStreamEvent):
                     yield item
+                    continue
+                if isinstance(item.error, readmodel.VersionsLost):
+                    await abort(
+                        context,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"changes were lost to this watch: {item.error}; watch again without "
+                        "a cursor to start from the sandbox's state now",
+                    )
+                if item.error is not None:
+                    raise item.error
+                if item.part == last:
+                    return
         finally:
             for task in tasks:
                 task.cancel()
@@ -129,72 +158,19 @@ class WatchRpcs:
                     await task
 
     async def _status(
-        self,
-        view: SandboxView,
-        request: WatchRequest,
-        queue: asyncio.Queue[served_pb2.SandboxStreamEvent | object],
+        self, view: SandboxView, request: WatchRequest, queue: asyncio.Queue[_Item]
     ) -> None:
+        """The status part; its failure ends the RPC (a lost database: UNAVAILABLE)."""
+        error: BaseException | None = None
         try:
-            await self._follow_status(view, request, queue)
+            await _StatusStream(self.door, view, request, queue).run()
+        except Exception as exc:
+            error = exc
         finally:
-            await queue.put(_STATUS_END)
-
-    async def _follow_status(
-        self,
-        view: SandboxView,
-        request: WatchRequest,
-        queue: asyncio.Queue[served_pb2.SandboxStreamEvent | object],
-    ) -> None:
-        terminal = (Phase.READY, Phase.ERROR) if request.stop_on_terminal else ()
-        send = request.follow_status
-
-        async def emit(row: SandboxView) -> None:
-            if send:
-                message = mapping.sandbox_message(row, request.generation)
-                await queue.put(
-                    served_pb2.SandboxStreamEvent(sandbox=message, cursor=cursor_of(row))
-                )
-
-        cursor = view.change_seq
-        if request.resume_after is None:
-            await emit(view)
-        else:
-            cursor, seen_version = request.resume_after
-            if view.version > seen_version:
-                if view.version > seen_version + 1 and send:
-                    missed = view.version - seen_version - 1
-                    warning = served_pb2.SandboxStreamWarning(
-                        message=f"{missed} changes after the cursor were coalesced: the next "
-                        "snapshot is the sandbox's state now"
-                    )
-                    await queue.put(served_pb2.SandboxStreamEvent(warning=warning))
-                await emit(view)
-            cursor = max(cursor, view.change_seq)
-        if view.phase in terminal:
-            return
-        feed = self.door.gateway.feed
-        while not feed.closed:
-            mark = feed.mark()
-            horizon = await feed.horizon(mark)
-            while horizon is not None and horizon > cursor:
-                rows = await readmodel.changes_after(
-                    self.door.pool, cursor, horizon, names=[view.name]
-                )
-                full = len(rows) == readmodel.CHANGES_PAGE
-                cursor = rows[-1].change_seq if full else horizon
-                for row in rows:
-                    if row.id != view.id:
-                        return  # the name was re-created: this incarnation is gone
-                    await emit(row)
-                    if row.phase is Phase.DELETED or row.phase in terminal:
-                        return
-            await feed.wait(mark, feed.poll_interval)
+            await queue.put(_End("status", error))
 
     async def _logs(
-        self,
-        view: SandboxView,
-        request: WatchRequest,
-        queue: asyncio.Queue[served_pb2.SandboxStreamEvent | object],
+        self, view: SandboxView, request: WatchRequest, queue: asyncio.Queue[_Item]
     ) -> None:
         try:
             source = self.door.logs
@@ -208,4 +184,91 @@ class WatchRpcs:
             warning = served_pb2.SandboxStreamWarning(message=f"logs: {exc}")
             await queue.put(served_pb2.SandboxStreamEvent(warning=warning))
         finally:
-            await queue.put(_LOGS_END)
+            await queue.put(_End("logs"))
+
+
+class _Ended(Exception):
+    """The status part is done: the tombstone, another incarnation, or a terminal phase."""
+
+
+@dataclass
+class _StatusStream:
+    """Snapshots of every version of one incarnation, from the start or after a cursor."""
+
+    door: Door
+    view: SandboxView
+    request: WatchRequest
+    queue: asyncio.Queue[_Item]
+
+    async def run(self) -> None:
+        row = await readmodel.get_row(self.door.pool, self.view.name)
+        if row is None or row.sandbox.sandbox_id != self.view.id:
+            return  # deleted and created again since it was resolved
+        try:
+            first = await self._first(row)
+            await self._send(first, row.change_seq)
+            if not first and self._ends(row.sandbox):
+                return  # resumed after the version that ended the stream
+            await self._follow(row)
+        except _Ended:
+            return
+
+    async def _first(self, row: Row) -> list[Sandbox]:
+        """The versions to send first: the row; or, resuming, every version after the cursor."""
+        if self.request.resume_after is None:
+            return [row.sandbox]
+        seen = self.request.resume_after[1]
+        now = row.sandbox
+        if now.version - seen <= 1 or not self.request.follow_status:
+            return [now] if now.version > seen else []
+        versions = await readmodel.incarnation_versions(
+            self.door.pool, self.door.events_topic, now.key, now.sandbox_id, now.version
+        )
+        return [v for v in versions[:-1] if v.version > seen] + [now]
+
+    async def _follow(self, row: Row) -> None:
+        """Every later version, read as the change feed says the row moved."""
+        door, last, cursor = self.door, row.sandbox, row.change_seq
+        feed = door.gateway.feed
+        while not feed.closed:
+            mark = feed.mark()
+            horizon = await feed.horizon(mark)
+            while horizon is not None and horizon > cursor:
+                rows = await readmodel.changed_rows(
+                    door.pool, cursor, horizon, names=[self.view.name]
+                )
+                full = len(rows) == readmodel.CHANGES_PAGE
+                cursor = rows[-1].change_seq if full else horizon
+                for changed in rows:
+                    if changed.sandbox.sandbox_id != self.view.id:
+                        return  # the name was re-created: this incarnation is gone
+                    await self._send(await self._since(last, changed), changed.change_seq)
+                    last = changed.sandbox
+            await feed.wait(mark, feed.poll_interval)
+
+    async def _since(self, last: Sandbox, changed: Row) -> list[Sandbox]:
+        """The versions from ``last`` (excluded) to the changed row (included)."""
+        now = changed.sandbox
+        if now.version <= last.version:
+            return []
+        if now.version == last.version + 1 or not self.request.follow_status:
+            return [now]
+        between = await readmodel.versions_after(
+            self.door.pool, self.door.events_topic, last, now.version - 1
+        )
+        return [*between, now]
+
+    def _ends(self, version: Sandbox) -> bool:
+        terminal = (Phase.READY, Phase.ERROR) if self.request.stop_on_terminal else ()
+        return version.phase is Phase.DELETED or version.phase in terminal
+
+    async def _send(self, versions: list[Sandbox], change_seq: int) -> None:
+        for version in versions:
+            if self.request.follow_status:
+                message = mapping.sandbox_message(
+                    readmodel.view_of(version, change_seq), self.request.generation
+                )
+                cursor = f"{change_seq}.{version.version}"
+                await self.queue.put(served_pb2.SandboxStreamEvent(sandbox=message, cursor=cursor))
+            if self._ends(version):
+                raise _Ended

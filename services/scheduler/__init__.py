@@ -6,4 +6,8 @@ them) never makes anything happen twice.
 
 ``python -m services.scheduler`` runs it alone; ``sandstream up`` runs it in the control plane.
 Imports services.common only.
+
+Modules:
+
+- ``scheduler``: publish a DeadlineDue for every deadline of a live row that has passed.
 """

@@ -12,6 +12,8 @@ nothing else. One module a job:
   committed.
 - ``changes``: the row change feed (``ChangeFeed``: LISTEN and a shared horizon query;
   ``changes_after``).
+- ``versions``: every version of a sandbox's row, rebuilt from its decided events (the
+  outbox) with the processor's ``evolve``.
 - ``decided``: the feed of decided events from the outbox.
 - ``counts``: the sandboxes that need an operator's attention (counted, and named with why).
 - ``trend``: live sandboxes per phase now and over the last hours, from the history.
@@ -21,7 +23,7 @@ The names callers use are re-exported here (``from services.api.readmodel import
 it is kept. Inside the package, modules import each other by module, never through here.
 """
 
-from services.api.readmodel.changes import CHANGES_PAGE, ChangeFeed, changes_after
+from services.api.readmodel.changes import CHANGES_PAGE, ChangeFeed, changed_rows, changes_after
 from services.api.readmodel.counts import Attention, NeedsAttention, attention, needing_attention
 from services.api.readmodel.decided import (
     EVENTS_PAGE,
@@ -41,6 +43,7 @@ from services.api.readmodel.pages import (
     parse_label_filters,
 )
 from services.api.readmodel.queries import (
+    get_row,
     get_sandbox,
     history,
     list_sandboxes,
@@ -55,11 +58,18 @@ from services.api.readmodel.trend import (
     live_counts,
     phase_trend,
 )
+from services.api.readmodel.versions import (
+    REPLAY_EVENTS,
+    VersionsLost,
+    incarnation_versions,
+    versions_after,
+)
 from services.api.readmodel.views import (
     CommandStatus,
     Condition,
     HistoryEntry,
     HistoryPage,
+    Row,
     SandboxList,
     SandboxView,
     command_status,
@@ -67,6 +77,7 @@ from services.api.readmodel.views import (
     input_label,
     pending_status,
     sandbox_view,
+    view_of,
 )
 
 __all__ = [
@@ -75,6 +86,7 @@ __all__ = [
     "MAX_HISTORY_PAGE",
     "MAX_PAGE",
     "PAGE_TOKEN_MAX_LENGTH",
+    "REPLAY_EVENTS",
     "TREND_WINDOWS",
     "Attention",
     "ChangeFeed",
@@ -85,13 +97,16 @@ __all__ = [
     "HistoryPage",
     "InvalidArgument",
     "NeedsAttention",
+    "Row",
     "SandboxList",
     "SandboxView",
     "Trend",
     "TrendTooLarge",
+    "VersionsLost",
     "attention",
     "await_outcome",
     "change_horizon",
+    "changed_rows",
     "changes_after",
     "command_status",
     "conditions",
@@ -102,8 +117,10 @@ __all__ = [
     "events_after",
     "fetch_outcome",
     "get_outcome",
+    "get_row",
     "get_sandbox",
     "history",
+    "incarnation_versions",
     "input_label",
     "list_sandboxes",
     "live_counts",
@@ -116,4 +133,6 @@ __all__ = [
     "sandbox_exists",
     "sandbox_view",
     "stored_input_offsets",
+    "versions_after",
+    "view_of",
 ]

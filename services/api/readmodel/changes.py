@@ -7,14 +7,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Final, TypedDict, Unpack
 from uuid import UUID
 
 from events.backoff import Backoff, pause
 from events.topics import CHANGES_CHANNEL
 from projections.store import DATABASE_ERRORS
 from services.api.readmodel.horizon import current_horizon
-from services.api.readmodel.views import VIEW_COLUMNS, SandboxView, sandbox_view
+from services.api.readmodel.views import VIEW_COLUMNS, Row, SandboxView, row_of
 from services.common.database import Pool
 
 log = logging.getLogger("sandstream.api")
@@ -123,7 +123,7 @@ CHANGES_OF_NAMES: Final = (
 )
 
 
-async def changes_after(
+async def changed_rows(
     pool: Pool,
     cursor: int,
     horizon: int,
@@ -133,7 +133,7 @@ async def changes_after(
     limit: int = CHANGES_PAGE,
     incarnation: UUID | None = None,
     generation: int | None = None,
-) -> list[SandboxView]:
+) -> list[Row]:
     """Rows changed after ``cursor`` up to ``horizon``, in change order (optionally only one
     incarnation's, or only while at one generation)."""
     records = await pool.fetch(
@@ -146,4 +146,19 @@ async def changes_after(
         incarnation,
         generation,
     )
-    return [sandbox_view(r) for r in records]
+    return [row_of(r) for r in records]
+
+
+class Narrowed(TypedDict, total=False):
+    names: Sequence[str]
+    live_only: bool
+    limit: int
+    incarnation: UUID | None
+    generation: int | None
+
+
+async def changes_after(
+    pool: Pool, cursor: int, horizon: int, **narrowed: Unpack[Narrowed]
+) -> list[SandboxView]:
+    """``changed_rows`` as the API shows them."""
+    return [row.view for row in await changed_rows(pool, cursor, horizon, **narrowed)]

@@ -21,9 +21,11 @@ from services.api.readmodel.views import (
     VIEW_COLUMNS,
     HistoryEntry,
     HistoryPage,
+    Row,
     SandboxList,
     SandboxView,
     history_entry,
+    row_of,
     sandbox_view,
 )
 from services.common.database import Pool
@@ -37,6 +39,12 @@ async def get_sandbox(pool: Pool, name: str, include_deleted: bool = False) -> S
         include_deleted,
     )
     return sandbox_view(record) if record is not None else None
+
+
+async def get_row(pool: Pool, name: str) -> Row | None:
+    """The row of ``name`` as stored (also a tombstone), and its position in the change feed."""
+    record = await pool.fetchrow(f"SELECT {VIEW_COLUMNS} FROM sandboxes WHERE key = $1", name)
+    return row_of(record) if record is not None else None
 
 
 async def sandbox_exists(pool: Pool, name: str) -> bool:

@@ -4,6 +4,7 @@ entry and a command's status, built from records without I/O."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final, Literal
 from uuid import UUID
@@ -12,6 +13,7 @@ from pydantic import BaseModel, Field
 
 from events.common import Deadline, ExitPolicy, ExpiryPolicy, Hold, LastExit, Phase, SandboxSpec
 from events.outcomes import Code, CommandOutcome
+from projections.lifecycle import Sandbox
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record
 
 PROGRESSING = (Phase.PROVISIONING, Phase.STARTING, Phase.STOPPING, Phase.DELETING)
@@ -169,8 +171,29 @@ def conditions(phase: Phase, reason: str | None) -> list[Condition]:
     ]
 
 
+@dataclass(frozen=True, slots=True)
+class Row:
+    """A row as the processor keeps it (what its decided events fold from), and its position
+    in the change feed."""
+
+    sandbox: Sandbox
+    change_seq: int
+
+    @property
+    def view(self) -> SandboxView:
+        return view_of(self.sandbox, self.change_seq)
+
+
+def row_of(record: Any) -> Row:
+    return Row(sandbox_from_record(record), record["change_seq"])
+
+
 def sandbox_view(record: Any) -> SandboxView:
-    s = sandbox_from_record(record)
+    return view_of(sandbox_from_record(record), record["change_seq"])
+
+
+def view_of(s: Sandbox, change_seq: int) -> SandboxView:
+    """The view of a row (as stored, or a version of it rebuilt from its events)."""
     return SandboxView(
         id=s.sandbox_id,
         name=s.key,
@@ -186,7 +209,7 @@ def sandbox_view(record: Any) -> SandboxView:
         reason=s.reason,
         created_at=s.created_at,
         updated_at=s.updated_at,
-        change_seq=record["change_seq"],
+        change_seq=change_seq,
         deadline=s.deadline,
         expires_at=s.expires_at,
         on_expiry=s.on_expiry,

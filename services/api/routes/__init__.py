@@ -9,4 +9,6 @@
 - ``audit``: a sandbox's state at a time or input, explain, the hash chains, export.
 - ``operations``: health, readiness, metrics.
 - ``providers``: providers (create, list, replace credentials, delete), attach and detach.
+
+- ``logs``: a sandbox's output, read from its runtime, never stored.
 """

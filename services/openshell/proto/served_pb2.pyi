@@ -30,6 +30,26 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _SandboxRestartPolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SandboxRestartPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SandboxRestartPolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SANDBOX_RESTART_POLICY_UNSPECIFIED: _SandboxRestartPolicy.ValueType  # 0
+    SANDBOX_RESTART_POLICY_NEVER: _SandboxRestartPolicy.ValueType  # 1
+    SANDBOX_RESTART_POLICY_ON_FAILURE: _SandboxRestartPolicy.ValueType  # 2
+    SANDBOX_RESTART_POLICY_ALWAYS: _SandboxRestartPolicy.ValueType  # 3
+
+class SandboxRestartPolicy(_SandboxRestartPolicy, metaclass=_SandboxRestartPolicyEnumTypeWrapper):
+    """0.1"""
+
+SANDBOX_RESTART_POLICY_UNSPECIFIED: SandboxRestartPolicy.ValueType  # 0
+SANDBOX_RESTART_POLICY_NEVER: SandboxRestartPolicy.ValueType  # 1
+SANDBOX_RESTART_POLICY_ON_FAILURE: SandboxRestartPolicy.ValueType  # 2
+SANDBOX_RESTART_POLICY_ALWAYS: SandboxRestartPolicy.ValueType  # 3
+Global___SandboxRestartPolicy: _TypeAlias = SandboxRestartPolicy  # noqa: Y015
+
 class _SandboxPhase:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -256,6 +276,9 @@ class SandboxSpec(_message.Message):
     TEMPLATE_FIELD_NUMBER: _builtins.int
     PROVIDERS_FIELD_NUMBER: _builtins.int
     COMMAND_FIELD_NUMBER: _builtins.int
+    RESTART_POLICY_FIELD_NUMBER: _builtins.int
+    restart_policy: Global___SandboxRestartPolicy.ValueType
+    """0.1"""
     @_builtins.property
     def environment(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
@@ -271,10 +294,11 @@ class SandboxSpec(_message.Message):
         template: Global___SandboxTemplate | None = ...,
         providers: _abc.Iterable[_builtins.str] | None = ...,
         command: _abc.Iterable[_builtins.str] | None = ...,
+        restart_policy: Global___SandboxRestartPolicy.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["template", b"template"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "environment", b"environment", "providers", b"providers", "template", b"template"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "environment", b"environment", "providers", b"providers", "restart_policy", b"restart_policy", "template", b"template"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,104 @@
+"""What the provider RPCs share: the provider service, its refusals as statuses, decoding a
+request of either generation in the one workspace, and a write's caller and mutation id.
+
+The RPCs are ``providers`` (the providers and their refresh) and ``sandbox_providers`` (a
+sandbox's providers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Any, Final, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from events.publisher import new_command_id
+from services.api.providers import ProviderInUse, ProviderService, ScopeMissing
+from services.common import providers
+from services.common.credentials import CredentialKeyError
+from services.common.providers import (
+    CredentialMissing,
+    ProviderExists,
+    ProviderInfo,
+    ProviderMissing,
+)
+from services.common.tokens import PROVIDER_WRITE, Principal
+from services.openshell import mapping, wire
+from services.openshell.service import Context, Door, abort
+
+T = TypeVar("T")
+
+REFUSALS: Final[tuple[tuple[type[Exception], grpc.StatusCode], ...]] = (
+    (ScopeMissing, grpc.StatusCode.PERMISSION_DENIED),
+    (CredentialKeyError, grpc.StatusCode.UNAVAILABLE),
+    (ProviderMissing, grpc.StatusCode.NOT_FOUND),
+    (CredentialMissing, grpc.StatusCode.NOT_FOUND),
+    (ProviderExists, grpc.StatusCode.ALREADY_EXISTS),
+    (ProviderInUse, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+
+# Attach and detach: each generation's request, the receipt's kind, the answer and its flag.
+def sent(decoded: wire.Decoded[Any, Any]) -> Any:
+    """The request as its generation's schema reads it."""
+    return decoded.new if decoded.new is not None else decoded.old
+
+
+def workspace_of(decoded: wire.Decoded[Any, Any]) -> str | None:
+    if decoded.new is not None:
+        return mapping.selected_workspace(decoded.new.workspace_scope)
+    return str(sent(decoded).workspace)
+
+
+class ProviderCalls:
+    """The helpers of the provider RPCs, over the shared Door."""
+
+    def __init__(self, door: Door) -> None:
+        self.door = door
+
+    async def _service(self, context: Context) -> ProviderService:
+        if self.door.providers is None:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, "this gateway has no providers")
+        return self.door.providers
+
+    async def _refused(self, call: Awaitable[T], context: Context) -> T:
+        """The call's result; the provider service's refusals as statuses."""
+        try:
+            return await call
+        except tuple(kind for kind, _ in REFUSALS) as exc:
+            status = next(s for kind, s in REFUSALS if isinstance(exc, kind))
+            await abort(context, status, str(exc))
+
+    async def _decode(
+        self, raw: bytes, old: type[Message], new: type[Message], context: Context
+    ) -> wire.Decoded[Any, Any]:
+        """The request, in the default workspace (NOT_FOUND for another)."""
+        try:
+            decoded = wire.decode(raw, old, new)
+        except wire.Malformed as exc:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        workspace = workspace_of(decoded)
+        if workspace not in ("", mapping.DEFAULT_WORKSPACE):
+            shown = "all workspaces" if workspace is None else repr(workspace)
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"workspace {shown} not found")
+        return decoded
+
+    async def _request_id(self, decoded: wire.Decoded[Any, Any], context: Context) -> str:
+        given = getattr(decoded.new, "request_id", "") if decoded.new is not None else ""
+        return await self.door.command_id(context, given) or new_command_id()
+
+    async def _write(
+        self, raw: bytes, old: type[Message], new: type[Message], context: Context
+    ) -> tuple[Principal, wire.Decoded[Any, Any], str]:
+        """A provider write's caller (``provider:write``), request and mutation id."""
+        principal = await self.door.authorize(context, PROVIDER_WRITE)
+        decoded = await self._decode(raw, old, new, context)
+        return principal, decoded, await self._request_id(decoded, context)
+
+    async def _info(self, name: str, context: Context) -> ProviderInfo:
+        async with self.door.pool.acquire() as conn:
+            info = await providers.get_provider(conn, name)
+        if info is None:
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"provider {name!r} not found")
+        return info
