@@ -3,7 +3,7 @@
 
 PY := .venv/bin/python
 
-.PHONY: setup stack up down prune lint test bench soak chaos k8s k8s-down conformance image helm deploy-test
+.PHONY: setup stack up down prune lint test bench bench-peer soak chaos k8s k8s-down conformance image helm deploy-test
 
 setup:  ## install Debian packages and the virtualenv (idempotent)
 	bash compose/bootstrap.sh
@@ -31,6 +31,16 @@ test: stack k8s helm lint
 
 bench: stack k8s
 	$(PY) -m services.bench
+
+# sandstream beside kubernetes-sigs/agent-sandbox and bare Pods (docs/benchmarks.md): starts a
+# Kubernetes cluster of its own (the binaries `make k8s` builds), builds agent-sandbox's
+# controller on its first run (~4.5 minutes of CPU, cached beside the cluster's binaries).
+# PEER_ARGS=--quick for a short form.
+PEER_ARGS ?=
+bench-peer: stack
+	$(PY) -m services.localstack.kubernetes build
+	$(PY) -m services.localstack.agent_sandbox build
+	$(PY) -m services.bench peer $(PEER_ARGS)
 
 soak: stack
 	.venv/bin/pytest -q -m soak

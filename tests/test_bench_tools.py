@@ -18,9 +18,9 @@ from services.bench import ceiling, cpu
 from services.bench import processor as bench_processor
 from services.bench.fold import decoded_log, fold_cpu
 from services.bench.main import run
-from services.bench.processor import lifecycle_messages, produce_all
 from services.bench.rebuild import copies, rebuild_figures, template_events
 from services.bench.stages import consumer_records, stages_cpu
+from services.bench.workload import lifecycle_messages, produce_all
 from services.common.settings import Settings
 from services.localstack.isolation import isolated
 from services.processor.intake import Parsed, parse

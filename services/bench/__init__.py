@@ -10,10 +10,18 @@ Modules:
 - ``kube``: create and stop latency of the whole pipeline, Podman beside Kubernetes (part of ``make
   bench``).
 - ``main``: ``python -m services.bench
-  [all|processor|latency|scaleout|rebuild|profile|fold|stages|drivers] [--quick]``.
+  [all|processor|latency|scaleout|rebuild|profile|fold|stages|drivers|peer] [--quick]``.
+- ``peer``, ``peer_setup``, ``peer_systems``, ``peer_kube``, ``peer_stats``, ``peer_report``:
+  sandstream beside kubernetes-sigs/agent-sandbox and bare Pods on one Kubernetes cluster
+  (``make bench-peer``): the phases and the CPU of every process; what a run starts and stops;
+  the three systems as the load generator sees them; its Kubernetes client; readiness, latency
+  figures and the apiserver's counter; the plan, the lines, the medians, the report and the
+  goals.
 - ``processor``: the processor's throughput and latency beside the ceiling and Kafka's own.
 - ``profile``: profile of the processor's hot path.
 - ``rebuild``: rebuilding the rows from the log: time and memory.
+- ``same_work``: the same-work ceiling: exactly the processor's writes with the least Python.
 - ``scaleout``: throughput as processors join the group.
 - ``stages``: CPU of the processor's pure stages.
+- ``workload``: the generated log the processor benchmarks drain.
 """

@@ -13,6 +13,7 @@ For a paced run, ``machine_mark``/``machine_budget`` also count the cores' busy 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -116,3 +117,34 @@ def _backends(pids: Iterable[int]) -> dict[int, float] | None:
     except (OSError, IndexError, ValueError):
         return None
     return spent
+
+
+def connected_ports(pid: int, remote_port: int) -> list[int]:
+    """The local ports of process ``pid``'s TCP connections to ``remote_port`` (IPv4 and IPv6;
+    empty when /proc cannot tell): how a process's PostgreSQL backends are found, by the
+    client ports pg_stat_activity shows."""
+    try:
+        inodes = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(int(target[8:-1]))
+        tables = [Path(f"/proc/{pid}/net/{name}").read_text() for name in ("tcp", "tcp6")]
+    except OSError:
+        return []
+    return [port for table in tables for port in ports_to(table, inodes, remote_port)]
+
+
+def ports_to(tcp_table: str, inodes: set[int], remote_port: int) -> list[int]:
+    """From a /proc/net/tcp table: the local ports of the sockets ``inodes`` whose remote port
+    is ``remote_port``."""
+    ports = []
+    for line in tcp_table.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 10:
+            continue
+        local, remote, inode = fields[1], fields[2], int(fields[9])
+        if inode in inodes and int(remote.rsplit(":", 1)[1], 16) == remote_port:
+            ports.append(int(local.rsplit(":", 1)[1], 16))
+    return ports

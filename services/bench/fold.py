@@ -19,7 +19,7 @@ from events.commands import CommandBase
 from events.common import Cause
 from projections.fold import OutcomeKey, fold
 from projections.lifecycle import Message, Sandbox
-from services.bench.processor import lifecycle_messages
+from services.bench.workload import lifecycle_messages
 
 BATCH = 5_000
 

@@ -1,6 +1,8 @@
-"""``python -m services.bench [all|processor|latency|scaleout|rebuild|profile|fold|stages|drivers]
-[--quick]``: the benchmarks, each printed beside its same-run reference (see
-docs/benchmarks.md). ``latency`` is the latency part of ``processor`` alone."""
+"""``python -m services.bench [all|processor|latency|scaleout|rebuild|profile|fold|stages|drivers|
+peer] [--quick]``: the benchmarks, each printed beside its same-run reference (see
+docs/benchmarks.md). ``latency`` is the latency part of ``processor`` alone; ``peer``
+(services/bench/peer.py, ``make bench-peer``) is not part of ``all``: it starts a Kubernetes
+cluster of its own and takes about a quarter of an hour."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import time
 
 from services.bench import drivers as bench_drivers
 from services.bench import kube as bench_kube
+from services.bench import peer
 from services.bench.fold import fold_figures
 from services.bench.processor import latency, throughput
 from services.bench.profile import profile
@@ -30,11 +33,17 @@ CHOICES = (
     "fold",
     "stages",
     "drivers",
+    "peer",
 )
 
 
-async def run(which: str, quick: bool, latency_rate: int = 1000) -> None:
+async def run(
+    which: str, quick: bool, latency_rate: int = 1000, peer_plan: peer.Plan | None = None
+) -> None:
     settings = Settings()
+    if which == "peer":
+        await peer.run(settings, peer_plan or peer.plan(quick))
+        return
     print(f"sandstream benchmarks  (partitions={settings.kafka_partitions}, one processor)")
     keys = 5_000 if quick else 25_000
     if which in ("all", "processor"):
@@ -69,6 +78,14 @@ def main() -> None:
         choices=CHOICES,
     )
     parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke check")
+    parser.add_argument(
+        "--sandboxes", type=int, default=300, help="peer: sandboxes per burst (default 300)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="peer: burst rounds (default 3, --quick 1)"
+    )
     args = parser.parse_args()
     collect_less_often()  # as the processor's own process does (the ceiling runs under it too)
-    asyncio.run(run(args.which, args.quick))
+    asyncio.run(
+        run(args.which, args.quick, peer_plan=peer.plan(args.quick, args.sandboxes, args.rounds))
+    )

@@ -3,8 +3,10 @@
 - processor throughput: one processor drains a pre-filled log of commands and observations;
 - command-to-row latency: commands paced at a fixed rate, each timed from send until its
   outcome row is committed (seen through the processor's per-batch NOTIFY);
-- beside each, a reference measured in the same run: the ceiling projector
-  (``services.bench.ceiling``) on the same log, Kafka's own produce-to-consume latency;
+- beside each, references measured in the same run: the same-work ceiling
+  (``services.bench.same_work``: the processor's own rows, history, outcomes and outbox with
+  the least Python) and the minimal ceiling (``services.bench.ceiling``) on the same log,
+  Kafka's own produce-to-consume latency;
 - scale-out (two processor processes), rebuild of a 1,000,000-input log, a cProfile by stage
   (``python -m services.bench profile``, not part of ``all``);
 - the driver figures of ``services.bench.drivers`` (stop latency, unrelated-sandbox delay).
@@ -20,87 +22,37 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
-from datetime import UTC, datetime, timedelta
+from collections.abc import Callable
 
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from events.codec import encode
-from events.commands import CreateSandbox, StopSandbox
-from events.common import SandboxSpec
-from events.observations import RuntimeSnapshot
+from events.commands import CreateSandbox
 from events.topics import CHANGES_CHANNEL
-from services.bench import ceiling, cpu
+from services.bench import ceiling, cpu, same_work
+from services.bench.workload import SPEC, T0, lifecycle_messages, produce_all
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.localstack.config import kafka_paths
 from services.localstack.isolation import isolated
 from services.processor.consumer import Processor
 
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
-SPEC = SandboxSpec(image="localhost/sandstream-base:1", command=["sleep", "3600"])
-
-
-def lifecycle_messages(keys: int) -> tuple[list[tuple[str, bytes, bytes]], int]:
-    """Per key: create, running, stop, exited — 4 messages, every one a state change."""
-    out: list[tuple[str, bytes, bytes]] = []
-    for phase in range(4):
-        for k in range(keys):
-            key = f"bench-{k}"
-            at = T0 + timedelta(milliseconds=phase)
-            common = {"key": key, "occurred_at": at, "actor": "bench"}
-            message: CreateSandbox | StopSandbox | RuntimeSnapshot
-            topic = "commands"
-            if phase == 0:
-                message = CreateSandbox(
-                    type="CreateSandbox", command_id=f"c-{k}", spec=SPEC, **common
-                )
-            elif phase == 2:
-                message = StopSandbox(type="StopSandbox", command_id=f"s-{k}", **common)
-            else:
-                topic = "observations"
-                message = RuntimeSnapshot(
-                    type="RuntimeSnapshot",
-                    observation_id=f"o{phase}-{k}",
-                    generation=1,
-                    state="running" if phase == 1 else "exited",
-                    exit_code=None if phase == 1 else 143,
-                    **common,
-                )
-            out.append((topic, key.encode(), encode(message)))
-    return out, len(out)
-
-
-async def produce_all(settings: Settings, records: Sequence[tuple[str, bytes, bytes]]) -> None:
-    producer = AIOKafkaProducer(
-        **kafka_client_args(settings, "admin"),  # writes both inputs: the API's and a driver's
-        enable_idempotence=True,
-        acks="all",
-        linger_ms=20,
-        max_batch_size=512 * 1024,
-    )
-    await producer.start()
-    topics = {"commands": settings.topic_commands, "observations": settings.topic_observations}
-    try:
-        for start in range(0, len(records), 20_000):
-            futures = [
-                await producer.send(topics[t], value=v, key=k)
-                for t, k, v in records[start : start + 20_000]
-            ]
-            await asyncio.gather(*futures)
-    finally:
-        await producer.stop()
-
 
 async def throughput(settings: Settings, keys: int, max_records: int) -> None:
-    """The ceiling projector, then the processor, on one generated log; prints both and the
-    ratio (absolute figures move 2x between runs here; the ratio is what to steer by)."""
-    async with isolated(settings, "bench") as (s, pool):
+    """The minimal ceiling, the same-work ceiling (into a schema of its own), then the
+    processor, on one generated log; prints the three and the processor's ratio to each
+    (absolute figures move 2x between runs here; the ratios are what to steer by)."""
+    async with (
+        isolated(settings, "bench") as (s, pool),
+        isolated(settings, "bench-same") as (same, _),
+    ):
         records, total = lifecycle_messages(keys)
         await produce_all(s, records)
         broker = cpu.broker_pid(kafka_paths(s).pid)
         roof, roof_cpu = await ceiling.measured_drain(s, total, max_records, broker)
+        same_s = s.model_copy(update={"pg_schema": same.pg_schema})
+        work, work_cpu = await same_work.measured_drain(same_s, total, max_records, broker)
         processor = Processor(s, pool, max_records=max_records, name="bench")
         await processor.start()
         stop = asyncio.Event()
@@ -114,9 +66,11 @@ async def throughput(settings: Settings, keys: int, max_records: int) -> None:
         rate = (total - first) / elapsed
         print(
             f"throughput  {total:>7} inputs  max_records={max_records:<6} "
-            f"processor {rate:>9,.0f}/s  ceiling {roof:>9,.0f}/s  "
-            f"processor/ceiling {rate / roof:.2f}\n"
-            f"            CPU: processor {used}; ceiling {roof_cpu}"
+            f"processor {rate:>9,.0f}/s  same-work ceiling {work:>9,.0f}/s  "
+            f"minimal ceiling {roof:>9,.0f}/s\n"
+            f"            processor/same-work {rate / work:.2f}  processor/minimal "
+            f"{rate / roof:.2f}\n"
+            f"            CPU: processor {used}; same-work {work_cpu}; minimal {roof_cpu}"
         )
 
 

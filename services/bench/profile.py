@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 from typing import Final
 
-from services.bench.processor import applied, lifecycle_messages, produce_all
+from services.bench.processor import applied
+from services.bench.workload import lifecycle_messages, produce_all
 from services.common.settings import Settings
 from services.localstack.isolation import isolated
 from services.processor.consumer import Processor

@@ -22,7 +22,7 @@ from events.codec import COMMANDS, OBSERVATIONS, decode, encode
 from events.common import Cause
 from projections.fold import fold
 from projections.lifecycle import Message
-from services.bench.processor import lifecycle_messages
+from services.bench.workload import lifecycle_messages
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.localstack.isolation import isolated

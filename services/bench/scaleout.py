@@ -14,7 +14,8 @@ import re
 import sys
 
 from services.bench import ceiling
-from services.bench.processor import lifecycle_messages, produce_all, timed_drain
+from services.bench.processor import timed_drain
+from services.bench.workload import lifecycle_messages, produce_all
 from services.common.settings import Settings
 from services.localstack.isolation import isolated
 

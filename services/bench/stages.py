@@ -20,7 +20,7 @@ from events.topics import partition_for
 from projections.chain import ChainId, chain_of
 from projections.fold import OutcomeKey, fold
 from projections.lifecycle import Sandbox
-from services.bench.processor import lifecycle_messages
+from services.bench.workload import lifecycle_messages
 from services.common.settings import Settings
 from services.processor.intake import Parsed, parse
 from services.processor.plan import plan_batch

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from services.common.settings import Settings, load_settings
-from services.localstack.kube_build import BuildError, _check_go, _go_build, _wrapper
+from services.localstack.kube_build import BuildError, _go_build, _wrapper, check_go
 
 HELM_VERSION = "v4.3.2"
 HELM_MODULE = "helm.sh/helm/v4"
@@ -38,7 +38,7 @@ def build_helm(settings: Settings, say: Callable[[str], None]) -> Path:
     target = helm_path(settings)
     if target.exists():
         return target
-    _check_go(MIN_GO, f"helm {HELM_VERSION}")
+    check_go(MIN_GO, f"helm {HELM_VERSION}")
     started = time.monotonic()
     say(f"building helm {HELM_VERSION} into {target.parent}")
     src = _wrapper(settings, "helm", HELM_VERSION, {HELM_MODULE: HELM_VERSION}, [HELM_PACKAGE])

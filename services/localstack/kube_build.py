@@ -144,7 +144,7 @@ def build(settings: Settings, say: Callable[[str], None]) -> None:
     """Build whatever is missing; a no-op (milliseconds) when every binary is cached."""
     if not missing(settings):
         return
-    _check_go()
+    check_go()
     started = time.monotonic()
     bins = binaries(settings)
     say(f"building the missing binaries into {bins.home} (a first build: ~10 minutes)")
@@ -182,14 +182,16 @@ def go_version(text: str) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
-def _check_go(minimum: tuple[int, int] = MIN_GO, building: str = "the local cluster") -> None:
+def check_go(minimum: tuple[int, int] = MIN_GO, what: str = "the local cluster") -> None:
+    """A ``go`` on the PATH at least ``minimum``, or a BuildError saying what building
+    ``what`` needs."""
     need = f"Go {minimum[0]}.{minimum[1]} or newer (https://go.dev/dl; Debian 12's golang is older)"
     if shutil.which("go") is None:
-        raise BuildError(f"`go` is not installed: building {building} needs {need}")
+        raise BuildError(f"`go` is not installed: building {what} needs {need}")
     found = subprocess.run(["go", "env", "GOVERSION"], capture_output=True, text=True, check=False)
     version = go_version(found.stdout)
     if version is None or version < minimum:
-        raise BuildError(f"found {found.stdout.strip() or 'an unknown Go'}; need {need}")
+        raise BuildError(f"found {found.stdout.strip() or 'an unknown Go'}; {what} needs {need}")
 
 
 def _build_kubernetes(settings: Settings, bins: KubeBinaries, say: Callable[[str], None]) -> None:
