@@ -8,7 +8,9 @@ import asyncio
 import json
 import os
 import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -37,7 +39,9 @@ async def test_podman_compose_runs_the_roles_and_serves_a_sandbox_round_trip(
         project = f"sst-pc-{uuid.uuid4().hex[:6]}"
         variables = compose_env(env, local_credentials(env), ports)
         run_env = {**podman_env(env), **variables}
-        compose = ["podman-compose", "--project-name", project, "--file", str(COMPOSE_FILE)]
+        # The virtualenv's podman-compose (a dev dependency): CI does not put .venv/bin on the PATH.
+        runner = str(Path(sys.executable).with_name("podman-compose"))
+        compose = [runner, "--project-name", project, "--file", str(COMPOSE_FILE)]
         try:
             started = await asyncio.to_thread(
                 subprocess.run, [*compose, "up", "--detach"], env=run_env,
