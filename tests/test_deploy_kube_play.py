@@ -7,6 +7,8 @@ host's Podman, through its socket mounted into the executor and the watcher."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import uuid
 from typing import Any
 
@@ -58,8 +60,24 @@ async def test_the_chart_on_podman_serves_a_sandbox_and_a_stopped_processor_hand
                     timeout=120, interval=0.5, what="two processors sharing the partitions",
                 )  # fmt: skip
                 assert not shares[0] & shares[1]
+                # Every pod's tokens step ran once and stayed exited: restarted under the
+                # running roles, it rewrote their tokens file and they refused every token.
+                for release, role in _played(deployment):
+                    step = f"{deployment.pod(role, release=release)}-tokens"
+                    assert _restarts_and_state(env, step) == (0, "exited"), step
 
                 name = await create_ready(api, podman, env)
+
+                # A role that fails (here: its process SIGKILLed from outside Podman, which
+                # `podman kill` would count as a stop by the user) is restarted.
+                scheduler = deployment.container("scheduler")
+                pid = podman_cli(env, "inspect", "--format", "{{.State.Pid}}", scheduler)
+                os.kill(int(pid.stdout), signal.SIGKILL)
+                await eventually(
+                    lambda: asyncio.to_thread(_restarts_and_state, env, scheduler),
+                    lambda found: found[0] >= 1 and found[1] == "running",
+                    timeout=120, interval=0.5, what="the killed scheduler restarted",
+                )  # fmt: skip
 
                 # SIGTERM (podman stop) to the first processor's container: it drains and leaves
                 # the group, and the second one takes every partition.
@@ -94,3 +112,19 @@ async def _partitions(api: httpx.AsyncClient, *health_urls: str) -> list[set[int
             body = {}
         found.append(set(body.get("partitions") or []))
     return found
+
+
+def _played(deployment: kube_play.LocalDeployment) -> list[tuple[str, str]]:
+    """(release, role) of every pod the test plays: each role, and the second processor."""
+    return [(deployment.release, r) for r in kube_play.PLAYED_ROLES] + [
+        (deployment.processor_release, "processor")
+    ]
+
+
+def _restarts_and_state(env: Settings, container: str) -> tuple[int, str]:
+    found = podman_cli(
+        env, "inspect", "--format", "{{.RestartCount}} {{.State.Status}}", container
+    )  # fmt: skip
+    assert found.returncode == 0, found.stderr
+    count, state = found.stdout.split()
+    return int(count), state

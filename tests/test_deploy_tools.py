@@ -59,7 +59,7 @@ def test_the_dependencies_key_follows_the_runtime_dependencies_only() -> None:
     assert image.dependencies_key(PYPROJECT.replace("a==1", "a==1.1")) != key
 
 
-def test_kube_play_leaves_ports_out_and_keeps_init_containers() -> None:
+def test_kube_play_leaves_ports_out_keeps_init_containers_and_restarts_on_failure() -> None:
     mounts = [{"name": "run", "mountPath": "/run"}, {"name": "sock", "mountPath": "/s"}]
     pod = {
         "containers": [{"ports": [1], "volumeMounts": mounts}],
@@ -75,6 +75,7 @@ def test_kube_play_leaves_ports_out_and_keeps_init_containers() -> None:
     spec = played["spec"]["template"]["spec"]
     assert "ports" not in spec["containers"][0]
     assert played["metadata"]["annotations"][kube_play.INIT_TYPE] == "always"
+    assert spec["restartPolicy"] == "OnFailure"  # kube play gives it to the init steps too
     # an emptyDir named after its pod (kube play would share one "run" among all pods)
     assert [v["name"] for v in spec["volumes"]] == ["d-run", "sock"]
     assert [m["name"] for m in spec["containers"][0]["volumeMounts"]] == ["d-run", "sock"]

@@ -31,6 +31,12 @@ Where kube play (Podman 4.3) cannot express the chart, and what is done instead:
   fail doing so ("cannot remove container ... as it is running"); the played objects ask for
   init containers that stay (``io.podman.annotations.init.container.type: always``), which
   run again whenever the pod starts, as the tokens step may.
+- Restart policy: kube play 4.3 gives every container of a pod the pod's ``restartPolicy``,
+  init containers included, so under a Deployment's ``Always`` the tokens step restarted as
+  soon as it exited, several times a second, rewriting the tokens file under the running
+  roles (which then refused every token while they read it half-written). The played pods
+  restart ``OnFailure``: an init step that succeeded stays exited, a role that fails (exit
+  code not 0) is restarted, and a role exits 0 only when it was told to stop.
 """
 
 from __future__ import annotations
@@ -199,9 +205,12 @@ INIT_TYPE = "io.podman.annotations.init.container.type"
 
 def for_podman(obj: Mapping[str, Any]) -> dict[str, Any]:
     """A Deployment or Pod as kube play runs it on the host network: no ``ports`` lists, init
-    containers that stay, emptyDirs named after their pod."""
+    containers that stay, a Deployment's pods restarted on failure only, emptyDirs named after
+    their pod."""
     out: dict[str, Any] = json.loads(json.dumps(obj))
     spec = out["spec"]["template"]["spec"] if out["kind"] == "Deployment" else out["spec"]
+    if out["kind"] == "Deployment":
+        spec["restartPolicy"] = "OnFailure"
     for container in spec["containers"]:
         container.pop("ports", None)
     out["metadata"].setdefault("annotations", {})[INIT_TYPE] = "always"
