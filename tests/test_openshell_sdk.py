@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import subprocess
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,10 @@ async def test_the_official_sdk_runs_a_whole_lifecycle(
     version: str, settings: Settings, tmp_path: Path
 ) -> None:
     python = await asyncio.to_thread(sdk_python, settings.cache_dir, version)
-    name = f"sdk-{version.replace('.', '-')}-{os.getpid()}"
+    # A name of this run's own: the worker's pid comes again in a later run (pids wrap), and
+    # a runtime a killed run left under the name (generation 2: the lifecycle restarts it)
+    # makes the launch of generation 1 "superseded", an Error before Ready.
+    name = f"sdk-{version.replace('.', '-')}-{uuid.uuid4().hex[:8]}"
     async with running_up(settings, tmp_path) as up:
         steps = await asyncio.to_thread(run_sdk, python, up.endpoint, name)
     assert steps["health"][0]["status"] == 1  # SERVICE_STATUS_HEALTHY
