@@ -9,7 +9,9 @@ names and force-removes everything of them afterwards.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -18,6 +20,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from harness import Env, eventually, isolated_env
 from podman import PodmanClient
+from podman.errors import NotFound
 
 from drivers.podman import PodmanDriver, remove_volume
 from drivers.protocol import LABEL_KEY, Driver
@@ -207,6 +210,13 @@ def volumes_of(client: PodmanClient, key: str) -> list[str]:
     return sorted(v.name for v in client.volumes.list(filters=[f"label={LABEL_KEY}={key}"]))
 
 
+def secrets_of(client: PodmanClient, key: str) -> list[str]:
+    """The Podman secrets of every generation of ``key`` (drivers/podman_secrets.py names
+    them ``sandstream-<key>-g<generation>--<NAME>``)."""
+    own = re.compile(re.escape(f"sandstream-{key}-g") + r"\d+--")
+    return sorted(str(s.name) for s in client.secrets.list() if own.match(str(s.name)))
+
+
 def status_of(client: PodmanClient, name: str) -> str | None:
     try:
         return str(client.containers.get(name).attrs["State"]["Status"])
@@ -228,7 +238,8 @@ async def await_podman(
 
 
 class PodmanKeys:
-    """Unique sandbox names; ``cleanup()`` force-removes their containers and volumes."""
+    """Unique sandbox names; ``cleanup()`` force-removes their containers, volumes and
+    secrets."""
 
     def __init__(self, client: PodmanClient, prefix: str) -> None:
         self.client = client
@@ -247,8 +258,15 @@ class PodmanKeys:
                 # A delete the killed runtime let finish, or the plane's own, may remove it
                 # first.
                 remove_volume(self.client, name, force=True)
+            # Removing a container leaves its generation's secrets (the driver removes them
+            # beside it; a force-remove does not).
+            for secret in secrets_of(self.client, key):
+                with contextlib.suppress(NotFound):
+                    self.client.secrets.remove(secret)
         leftovers = {
-            k: [c["name"] for c in containers_of(self.client, k)] + volumes_of(self.client, k)
+            k: [c["name"] for c in containers_of(self.client, k)]
+            + volumes_of(self.client, k)
+            + secrets_of(self.client, k)
             for k in self.made
         }
         assert not any(leftovers.values()), f"cleanup left {leftovers}"
