@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import uuid
 from typing import Any
 
 import httpx
@@ -40,10 +39,13 @@ def sandbox_containers(podman: PodmanClient, name: str) -> list[Any]:
     return list(podman.containers.list(all=True, filters={"label": f"{LABEL_KEY}={name}"}))
 
 
-async def create_ready(api: httpx.AsyncClient, podman: PodmanClient, settings: Settings) -> str:
-    """A sandbox created through ``api``; returns its name once it is Ready and its container
-    runs on the host's Podman."""
-    name = f"deploy-{uuid.uuid4().hex[:8]}"
+async def create_ready(
+    api: httpx.AsyncClient, podman: PodmanClient, settings: Settings, name: str
+) -> None:
+    """The sandbox ``name`` created through ``api``; returns once it is Ready and its
+    container runs on the host's Podman. Name it with a PodmanKeys whose ``cleanup()`` the
+    test runs after stopping the deployment: a test that fails before its delete leaves the
+    container running on the host's Podman otherwise."""
     body = {"name": name, "spec": {"image": settings.sandbox_image, "command": ["sleep", "600"]}}
     created = await api.post("/v1/sandboxes", params={"wait": 60}, json=body)
     assert created.status_code == 201, created.text
@@ -58,7 +60,6 @@ async def create_ready(api: httpx.AsyncClient, podman: PodmanClient, settings: S
     (container,) = sandbox_containers(podman, name)
     container.reload()  # a listed container's attributes are the list's summary
     assert container.status == "running"
-    return name
 
 
 async def delete_gone(api: httpx.AsyncClient, podman: PodmanClient, name: str) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from deploy_support import create_ready, current_image, delete_gone, podman_cli, wait_api_ready
+from pipeline_support import PodmanKeys
 from podman import PodmanClient
 
 from services.common.settings import PROJECT_ROOT, Settings
@@ -42,6 +43,7 @@ async def test_podman_compose_runs_the_roles_and_serves_a_sandbox_round_trip(
         # The virtualenv's podman-compose (a dev dependency): CI does not put .venv/bin on the PATH.
         runner = str(Path(sys.executable).with_name("podman-compose"))
         compose = [runner, "--project-name", project, "--file", str(COMPOSE_FILE)]
+        keys = PodmanKeys(podman, "deploy")  # the sandboxes: their containers are the host's
         try:
             started = await asyncio.to_thread(
                 subprocess.run, [*compose, "up", "--detach"], env=run_env,
@@ -58,13 +60,17 @@ async def test_podman_compose_runs_the_roles_and_serves_a_sandbox_round_trip(
                 timeout=90,
             ) as api:
                 await wait_api_ready(api)
-                name = await create_ready(api, podman, env)
+                name = keys()
+                await create_ready(api, podman, env, name)
                 await delete_gone(api, podman, name)
         finally:
-            await asyncio.to_thread(
-                subprocess.run, [*compose, "down", "--volumes"], env=run_env,
-                capture_output=True, text=True, check=False,
-            )  # fmt: skip
+            try:
+                await asyncio.to_thread(
+                    subprocess.run, [*compose, "down", "--volumes"], env=run_env,
+                    capture_output=True, text=True, check=False,
+                )  # fmt: skip
+            finally:
+                await asyncio.to_thread(keys.cleanup)
         left = podman_cli(env, "ps", "--all", "--filter", f"name={project}", "--format", "json")
         assert json.loads(left.stdout or "[]") == []
 

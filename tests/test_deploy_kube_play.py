@@ -16,6 +16,7 @@ import httpx
 import pytest
 from deploy_support import create_ready, current_image, delete_gone, podman_cli, wait_api_ready
 from harness import eventually
+from pipeline_support import PodmanKeys
 from podman import PodmanClient
 
 from services.common.entrypoint import EXIT_STOPPED
@@ -43,6 +44,7 @@ async def test_the_chart_on_podman_serves_a_sandbox_and_a_stopped_processor_hand
         deployment = kube_play.LocalDeployment(
             env, release=f"sst-kp-{uuid.uuid4().hex[:6]}", ports=ports
         )
+        keys = PodmanKeys(podman, "deploy")  # the sandboxes: their containers are the host's
         try:
             await asyncio.to_thread(kube_play.up, deployment, second_processor=True)
             token = deployment.admin_token_file.read_text().strip()
@@ -66,7 +68,8 @@ async def test_the_chart_on_podman_serves_a_sandbox_and_a_stopped_processor_hand
                     step = f"{deployment.pod(role, release=release)}-tokens"
                     assert _restarts_and_state(env, step) == (0, "exited"), step
 
-                name = await create_ready(api, podman, env)
+                name = keys()
+                await create_ready(api, podman, env, name)
 
                 # A role that fails (here: its process SIGKILLed from outside Podman, which
                 # `podman kill` would count as a stop by the user) is restarted.
@@ -97,7 +100,10 @@ async def test_the_chart_on_podman_serves_a_sandbox_and_a_stopped_processor_hand
                 # the delete is decided by the processor that took over
                 await delete_gone(api, podman, name)
         finally:
-            await asyncio.to_thread(kube_play.down, deployment)
+            try:
+                await asyncio.to_thread(kube_play.down, deployment)
+            finally:
+                await asyncio.to_thread(keys.cleanup)
         leftovers = podman_cli(env, "pod", "ps", "--filter", f"name={deployment.release}")
         assert deployment.release not in leftovers.stdout
 
