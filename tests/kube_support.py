@@ -2,6 +2,9 @@
 node, `make k8s` starts it), a namespace per test module, and an admin client for looking (and
 reaching) behind the driver's back.
 
+A test module imports the fixtures ``admin_fixture``, ``ns_fixture`` and ``keys_fixture`` to
+get ``admin`` and ``ns`` (one each per module) and ``keys`` (per test).
+
 The tests never start a cluster: without one they FAIL with the command that starts it.
 """
 
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 from harness import eventually
 from kubernetes_asyncio import client, config
 
@@ -210,6 +214,32 @@ async def namespace(admin: Admin, prefix: str = "t") -> AsyncIterator[str]:
         yield name
     finally:
         await admin.core.delete_namespace(name)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session", name="admin")
+async def admin_fixture(settings: Settings) -> AsyncIterator[Admin]:
+    """The module's admin client."""
+    async with admin_client(settings) as admin:
+        yield admin
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session", name="ns")
+async def ns_fixture(admin: Admin, request: pytest.FixtureRequest) -> AsyncIterator[str]:
+    """The module's namespace, named after it (``sst-<module>-<tag>``), deleted after."""
+    module = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_").replace("_", "-")
+    async with namespace(admin, module) as name:
+        yield name
+
+
+@pytest_asyncio.fixture(loop_scope="session", name="keys")
+async def keys_fixture(admin: Admin, ns: str) -> AsyncIterator[Keys]:
+    """The test's sandbox names in the module's namespace; their Pods, secrets and claims are
+    removed after it."""
+    made = Keys(admin, ns, "k")
+    try:
+        yield made
+    finally:
+        await made.cleanup()
 
 
 @dataclass(frozen=True)

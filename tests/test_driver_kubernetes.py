@@ -26,10 +26,12 @@ from kube_support import (
     Admin,
     Keys,
     OwnApiserver,
-    admin_client,
+    admin_fixture,  # noqa: F401  (the module's admin client)
     env_of,
+    keys_fixture,  # noqa: F401  (the test's sandbox names)
     namespace,
     new_driver,
+    ns_fixture,  # noqa: F401  (the module's namespace)
     own_apiserver,
     phase_of,
     wait_pods,
@@ -68,18 +70,6 @@ from services.executor.backends import describe_driver, driver_from_settings
 IMAGE = "registry.example/agent:1"
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def admin(settings: Settings) -> AsyncIterator[Admin]:
-    async with admin_client(settings) as a:
-        yield a
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def ns(admin: Admin) -> AsyncIterator[str]:
-    async with namespace(admin, "drv") as name:
-        yield name
-
-
 @pytest_asyncio.fixture(loop_scope="session")
 async def driver(admin: Admin, ns: str) -> AsyncIterator[KubernetesDriver]:
     d = new_driver(admin, ns)
@@ -87,15 +77,6 @@ async def driver(admin: Admin, ns: str) -> AsyncIterator[KubernetesDriver]:
         yield d
     finally:
         await d.close()
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def keys(admin: Admin, ns: str) -> AsyncIterator[Keys]:
-    made = Keys(admin, ns, "k")
-    try:
-        yield made
-    finally:
-        await made.cleanup()
 
 
 def launch_spec(key: str, generation: int = 1, sandbox_id: uuid.UUID | None = None,

@@ -23,7 +23,6 @@ from typing import Any
 import apikit
 import factories as f
 import httpx
-import pytest_asyncio
 from apikit import create_body, unique
 from harness import Env, eventually, isolated_env
 from kube_support import (
@@ -31,10 +30,11 @@ from kube_support import (
     HoldingDriver,
     Keys,
     OwnApiserver,
-    admin_client,
+    admin_fixture,  # noqa: F401  (the module's admin client)
     env_of,
-    namespace,
+    keys_fixture,  # noqa: F401  (the test's sandbox names)
     new_driver,
+    ns_fixture,  # noqa: F401  (the module's namespace)
     own_apiserver,
     wait_pods,
 )
@@ -53,27 +53,6 @@ from services.localstack.kubernetes import STORAGE_CLASS
 IMAGE = "registry.example/agent:1"
 SPEC = SandboxSpec(image=IMAGE, command=["sleep", "3600"])
 CREDENTIALS_KEY = SecretStr(base64.b64encode(secrets.token_bytes(32)).decode())
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def admin(settings: Settings) -> AsyncIterator[Admin]:
-    async with admin_client(settings) as a:
-        yield a
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def ns(admin: Admin) -> AsyncIterator[str]:
-    async with namespace(admin, "pipe") as name:
-        yield name
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def keys(admin: Admin, ns: str) -> AsyncIterator[Keys]:
-    made = Keys(admin, ns, "p")
-    try:
-        yield made
-    finally:
-        await made.cleanup()
 
 
 @asynccontextmanager

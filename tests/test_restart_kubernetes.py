@@ -16,7 +16,14 @@ from datetime import timedelta
 import factories as f
 import pytest_asyncio
 from harness import Env, eventually, isolated_env
-from kube_support import Admin, Keys, admin_client, namespace, new_driver
+from kube_support import (
+    Admin,
+    Keys,
+    admin_fixture,  # noqa: F401  (the module's admin client)
+    keys_fixture,  # noqa: F401  (the test's sandbox names)
+    new_driver,
+    ns_fixture,  # noqa: F401  (the module's namespace)
+)
 from pipeline_support import (
     command,
     history,
@@ -36,32 +43,10 @@ from events.decided import (
 )
 from events.publisher import CommandPublisher, now
 from services.audit.verify import Options, verify
-from services.common.settings import Settings
 from services.processor.rebuild import rebuild_and_compare
 
 WAIT = 90.0
 IMAGE = "registry.example/agent:1"
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def admin(settings: Settings) -> AsyncIterator[Admin]:
-    async with admin_client(settings) as a:
-        yield a
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def ns(admin: Admin) -> AsyncIterator[str]:
-    async with namespace(admin, "rst") as name:
-        yield name
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def keys(admin: Admin, ns: str) -> AsyncIterator[Keys]:
-    made = Keys(admin, ns, "r")
-    try:
-        yield made
-    finally:
-        await made.cleanup()
 
 
 @pytest_asyncio.fixture(loop_scope="session")
