@@ -113,12 +113,35 @@ async def _running_up(env: Env, run_dir: Path, extra: dict[str, str]) -> AsyncIt
         running = Up(proc, url, variables, run_dir, log, "".join(banner), env)
         yield running
     finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            await asyncio.wait_for(proc.wait(), 60)
-        driver = podman_driver(env.settings)
         try:
-            for name in running.names if running else []:
-                await driver.delete(name)
+            await _stopped(proc)
         finally:
-            await driver.close()
+            await _removed(env, running.names if running else [])
+
+
+async def _stopped(proc: asyncio.subprocess.Process) -> None:
+    """SIGTERM, then SIGKILL if it has not ended within a minute (it is not left running)."""
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), 60)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise
+
+
+async def _removed(env: Env, names: list[str]) -> None:
+    """Delete every name's runtimes from Podman, each even when one before it failed (a
+    failed delete left the later names' containers on the shared Podman)."""
+    driver = podman_driver(env.settings)
+    failed = []
+    try:
+        for name in names:
+            try:
+                await driver.delete(name)
+            except Exception as exc:
+                failed.append(f"{name}: {exc!r}")
+    finally:
+        await driver.close()
+    assert not failed, f"could not remove {failed}"
