@@ -50,6 +50,9 @@ class ControlPlane:
     processor: Processor | None = None
     driver_side: DriverSide | None = None
     scheduler: Scheduler | None = None
+    # Set once an executor has been assigned its partitions (a new group's starting position,
+    # the end of the events topic, is then fixed): `sandstream up` takes commands after that.
+    executor_assigned: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: Tasks = field(default_factory=Tasks)
 
     @property
@@ -72,6 +75,7 @@ class ControlPlane:
         self._tasks.spawn("processor", self.processor.run(self._tasks.stop_event))
         self.driver_side = self._new_driver_side()
         await self.driver_side.start(self._tasks)
+        self._note_assignment(self.driver_side)
         if self.with_scheduler:
             self.scheduler = Scheduler(self.settings, self.pool)
             await self.scheduler.start()
@@ -97,11 +101,17 @@ class ControlPlane:
         side = self.driver_side = self._new_driver_side()
         try:
             await side.start()
+            self._note_assignment(side)
             await first_of(stop, side.stopping)
             if not stop.is_set():
                 raise RuntimeError("a driver-side task (executor, watcher, reconciler) crashed")
         finally:
             await side.stop()
+
+    def _note_assignment(self, side: DriverSide) -> None:
+        """The executor's start returns once assigned or after its assign timeout."""
+        if side.executor is not None and side.executor.intake.assigned.is_set():
+            self.executor_assigned.set()
 
     def _new_driver_side(self) -> DriverSide:
         return DriverSide(

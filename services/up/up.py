@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 from aiokafka.errors import KafkaError
@@ -46,9 +46,13 @@ from services.openshell.server import (
 )
 from services.provider_sync.controller import ProviderSync, sync_source
 
+if TYPE_CHECKING:
+    from services.up.control_plane import ControlPlane
+
 log = logging.getLogger("sandstream.up")
 
 STOP_WAIT = 60.0  # how long `down` waits for a running `up` to finish
+EXECUTOR_JOIN_WAIT = 60.0  # how long `up` waits for its executor to join before taking commands
 
 
 def configure_logging(level: int = logging.INFO) -> None:
@@ -216,6 +220,7 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
     try:
         started = time.monotonic()
         plane = await open_control_plane(settings, driver, with_scheduler=True, supervised=True)
+        await _executor_joined(plane, signals.stop)
         pool = await connect_pool(settings)
         await publisher.__aenter__()
         app = create_app(
@@ -283,6 +288,26 @@ async def _run_provider_sync(
     source = sync_source(settings)
     assert source is not None  # checked before it was supervised
     await ProviderSync(service, source).run(stop)
+
+
+async def _executor_joined(plane: ControlPlane, stop: asyncio.Event) -> None:
+    """Take no command before the executor has joined its group (at most EXECUTOR_JOIN_WAIT).
+    A new group starts at the end of the events topic: a sandbox decided before that is not
+    the executor's to launch, and would wait for the reconcile pass to pick it up (two passes,
+    a minute by default)."""
+    from services.common.tasks import first_of
+
+    if plane.executor_assigned.is_set():
+        return
+    log.info("waiting for the executor to join its consumer group before taking commands")
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(first_of(plane.executor_assigned, stop), EXECUTOR_JOIN_WAIT)
+    if not plane.executor_assigned.is_set() and not stop.is_set():
+        log.warning(
+            "the executor has not joined its consumer group after %.0fs: taking commands; "
+            "sandboxes created before it joins are launched by the reconcile pass",
+            EXECUTOR_JOIN_WAIT,
+        )
 
 
 def _banner(
