@@ -176,37 +176,55 @@ async def test_a_command_not_decided_in_time_is_unavailable() -> None:
     assert "req-undecided" in (late.details() or "")
 
 
+@asynccontextmanager
+async def door_over_a_proxy(env: Any) -> AsyncIterator[tuple[grpc.aio.Channel, TcpProxy]]:
+    """The door over a pool that reaches PostgreSQL through a proxy the test can cut, with one
+    Ready row named 'door' (no commands: the gateway has no publisher)."""
+    await env.pool.execute(
+        "INSERT INTO sandboxes (key, sandbox_id, phase, generation, version, spec, providers,"
+        " identity, created_at, updated_at, partition, change_seq) VALUES ('door', $1,"
+        " 'Ready', 1, 2, '{\"image\": \"x\"}', '{}', 'i', now(), now(), 0, 1)",
+        uuid.uuid4(),
+    )
+    proxy = TcpProxy(free_port(), env.settings.pg_port)
+    await proxy.restore()
+    moved = env.settings.model_copy(update={"pg_port": proxy.port})
+    pool = await connect_pool(moved)
+    feed = ChangeFeed(pool, poll_interval=0.1)
+    await feed.start()
+    try:
+        gateway = CommandGateway(pool, None, feed)  # type: ignore[arg-type]  (no commands)
+        async with door_channel(env.settings, pool, gateway) as channel:
+            yield channel, proxy
+    finally:
+        await feed.close()
+        await proxy.cut()
+        pool.terminate()
+
+
 async def test_a_watch_whose_database_is_lost_ends_unavailable() -> None:
     """The status part of a watch failed inside its own task, and the stream then ended as if
     the watch were done (OK): a client took that for the end of the sandbox."""
-    async with isolated_env(partitions=1) as env:
-        await env.pool.execute(
-            "INSERT INTO sandboxes (key, sandbox_id, phase, generation, version, spec, providers,"
-            " identity, created_at, updated_at, partition, change_seq) VALUES ('door', $1,"
-            " 'Ready', 1, 2, '{\"image\": \"x\"}', '{}', 'i', now(), now(), 0, 1)",
-            uuid.uuid4(),
-        )
-        proxy = TcpProxy(free_port(), env.settings.pg_port)
-        await proxy.restore()
-        moved = env.settings.model_copy(update={"pg_port": proxy.port})
-        pool = await connect_pool(moved)
-        feed = ChangeFeed(pool, poll_interval=0.1)
-        await feed.start()
-        try:
-            gateway = CommandGateway(pool, None, feed)  # type: ignore[arg-type]  (no commands)
-            async with door_channel(env.settings, pool, gateway) as channel:
-                request = os1.WatchSandboxRequest(
-                    sandbox="door", workspace_scope=SCOPE, follow_status=True
-                )
-                watch = rpc(channel, "WatchSandbox", request, os1.SandboxStreamEvent)
-                first = await watch.read()
-                assert first.sandbox.status.phase == os1.SANDBOX_PHASE_READY
-                await proxy.cut()
-                lost = await failure(watch.read())
-        finally:
-            await feed.close()
-            await proxy.cut()
-            pool.terminate()
+    async with isolated_env(partitions=1) as env, door_over_a_proxy(env) as (channel, proxy):
+        request = os1.WatchSandboxRequest(sandbox="door", workspace_scope=SCOPE, follow_status=True)
+        watch = rpc(channel, "WatchSandbox", request, os1.SandboxStreamEvent)
+        first = await watch.read()
+        assert first.sandbox.status.phase == os1.SANDBOX_PHASE_READY
+        await proxy.cut()
+        lost = await failure(watch.read())
+    assert lost.code() == grpc.StatusCode.UNAVAILABLE
+    assert lost.details() == handlers.UNAVAILABLE_MESSAGE
+
+
+async def test_a_read_whose_database_is_lost_is_unavailable_without_its_details() -> None:
+    """A real loss (PostgreSQL cut off) under GetSandbox: UNAVAILABLE with the plain message.
+    The door without the mapping answered UNKNOWN with asyncpg's text."""
+    async with isolated_env(partitions=1) as env, door_over_a_proxy(env) as (channel, proxy):
+        get = os1.GetSandboxRequest(name="door", workspace_scope=SCOPE)
+        found = await rpc(channel, "GetSandbox", get, os1.SandboxResponse)
+        assert found.sandbox.metadata.name == "door"
+        await proxy.cut()
+        lost = await failure(rpc(channel, "GetSandbox", get, os1.SandboxResponse))
     assert lost.code() == grpc.StatusCode.UNAVAILABLE
     assert lost.details() == handlers.UNAVAILABLE_MESSAGE
 
