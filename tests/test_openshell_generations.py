@@ -13,8 +13,11 @@ from typing import Any
 import grpc
 import pytest
 from openshell_support import (
+    ADMIN,
     EXEC_LIMIT,
     EXEC_SESSIONS,
+    EXEC_TOTAL,
+    EXECUTOR,
     WAIT,
     WRITER,
     Gateway,
@@ -325,6 +328,38 @@ async def test_exec_has_a_default_limit_and_a_cap_of_sessions_per_token(gateway:
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await asyncio.wait_for(running.read(), EXEC_LIMIT + WAIT)
             assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        for running in calls:
+            running.cancel()
+
+
+async def test_exec_has_a_cap_of_sessions_in_all_tokens_together(gateway: Gateway) -> None:
+    """Each session holds a thread reading Podman's stream: past the gateway's cap (here one
+    token at its own cap and another below it), one more is RESOURCE_EXHAUSTED naming the
+    gateway's cap, not the token's. Before the caps, every session was served."""
+    name = gateway.new_name()
+    sandbox_id = await ready(gateway, name)
+    sleeper = pb.ExecSandboxRequest(
+        sandbox_id=sandbox_id, command=["sh", "-c", "echo started; exec sleep 60"]
+    )
+    tokens = [ADMIN] * EXEC_SESSIONS + [EXECUTOR] * (EXEC_TOTAL - EXEC_SESSIONS)
+    assert EXEC_TOTAL - EXEC_SESSIONS < EXEC_SESSIONS  # EXECUTOR stays below its own cap
+    calls = [gateway.stub.ExecSandbox(sleeper, metadata=auth(token)) for token in tokens]
+    try:
+        for running in calls:  # each session is open once its first output arrived
+            assert (await running.read()).stdout.data == b"started\n"
+        one_more = gateway.stub.ExecSandbox(sleeper, metadata=auth(EXECUTOR))
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await one_more.read()
+            one_more.cancel()  # served: end it before failing
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert raised.value.details() == (
+            f"{EXEC_TOTAL} exec sessions are running (the most this gateway allows)"
+        )
+        for running in calls:  # the gateway's limit ends them, each freeing its place
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await asyncio.wait_for(running.read(), EXEC_LIMIT + WAIT)
+            assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     finally:
         for running in calls:
             running.cancel()
