@@ -341,6 +341,20 @@ async def test_exec_has_a_default_limit_and_a_cap_of_sessions_per_token(gateway:
         assert await status_of(third.read()) == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+async def test_exec_refuses_a_timeout_beyond_the_gateways_limit(gateway: Gateway) -> None:
+    """A client cannot ask its way past the limit, in either generation: INVALID_ARGUMENT,
+    before the sandbox is looked up. Before the bound, any timeout was taken."""
+    name = gateway.new_name()  # never created: the refusal comes first
+    new = os1.ExecSandboxRequest(sandbox=name, workspace_scope=SCOPE, command=["true"])
+    new.execution_timeout.seconds = EXEC_LIMIT + 1
+    old = pb.ExecSandboxRequest(sandbox_id=name, command=["true"], timeout_seconds=EXEC_LIMIT + 1)
+    for request in (new, old):
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            _ = [e async for e in stream(gateway, "ExecSandbox", request, os1.ExecSandboxEvent)]
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert raised.value.details() == f"execution_timeout: at most {EXEC_LIMIT} seconds"
+
+
 async def test_exec_has_a_cap_of_sessions_in_all_tokens_together(gateway: Gateway) -> None:
     """Each session holds a thread reading Podman's stream: past the gateway's cap (here one
     token at its own cap and another below it), one more is RESOURCE_EXHAUSTED naming the
