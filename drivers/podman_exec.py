@@ -194,9 +194,16 @@ async def exec_stream(
     def end() -> None:
         with starting:
             exec_id = holder.get("exec_id")
-        if exec_id is not None:
+        if exec_id is None:
+            return
+        try:
             ending = end_exec(base_url, exec_id, grace=grace, request_timeout=request_timeout)
-            log.info("exec %s left before its exit: %s", exec_id, ending)
+        except Exception as exc:  # the caller is leaving already: say it, do not replace why
+            log.warning("exec %s left before its exit; ending its command failed: %s",
+                        exec_id, exc)  # fmt: skip
+        else:
+            if ending in ("terminated", "killed"):
+                log.info("exec %s left before its exit: its command %s", exec_id, ending)
 
     thread = threading.Thread(target=run, name="podman-exec", daemon=True)
     thread.start()
