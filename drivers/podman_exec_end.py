@@ -45,10 +45,11 @@ def end_exec(base_url: str, exec_id: str, *, grace: float, request_timeout: floa
             return "exited"
         try:
             pidfd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            return "exited"
         except OSError as exc:
-            log.warning("exec %s: cannot reach its process %d here (%s)", exec_id, pid, exc)
+            if isinstance(exc, ProcessLookupError) and _running(client, exec_id)[0] != pid:
+                return "exited"  # ended between the look and the pin
+            log.warning("exec %s: its process %d is out of reach here (%s; another PID "
+                        "namespace than Podman's?): not signalled", exec_id, pid, exc)  # fmt: skip
             return "unreachable"
         try:
             if container not in _cgroups(pid):

@@ -6,6 +6,7 @@ Fails (never skips) when the service or the sandbox image is missing (see confte
 from __future__ import annotations
 
 import asyncio
+import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -140,6 +141,35 @@ async def test_a_command_that_ignores_sigterm_is_killed_after_the_grace(
     finally:
         await impatient.close()
     assert running_with(podman, container_name(key, 1), marker) == []
+
+
+async def test_an_exec_out_of_reach_of_this_pid_namespace_is_not_signalled(
+    settings: Settings,
+    driver: PodmanDriver,
+    running: Callable[[], asyncio.Future[str]],
+    podman: PodmanClient,
+) -> None:
+    """Ending from a process in a PID namespace of its own (as a gateway in a container of
+    its own would be): Podman's PID names nothing there, so nothing is signalled."""
+    key = await running()
+    marker = f"{uuid.uuid4().int % 100_000 + 400_000}"
+    stream = driver.exec_stream(key, 1, ["sh", "-c", f"echo first; sleep {marker}"])
+    assert await asyncio.wait_for(anext(stream), WAIT) == ExecOutput("stdout", b"first\n")
+    container = container_name(key, 1)
+    (exec_id,) = podman.containers.get(container).attrs["ExecIDs"]
+    ending = (f"from drivers.podman_exec_end import end_exec; "
+              f"print(end_exec({settings.podman_url!r}, {exec_id!r}, grace=0.5, "
+              f"request_timeout={WAIT}))")  # fmt: skip
+    elsewhere = await asyncio.create_subprocess_exec(
+        "unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", ending,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(elsewhere.communicate(), WAIT)
+    assert out.decode().strip() == "unreachable", err.decode()
+    assert b"out of reach here" in err and b"not signalled" in err
+    assert f"sleep {marker}" in running_with(podman, container, marker)
+    await asyncio.wait_for(stream.aclose(), WAIT)  # from here, where Podman's PIDs are
+    assert running_with(podman, container, marker) == []
 
 
 async def test_exec_in_a_missing_or_stopped_runtime_is_a_driver_error(
