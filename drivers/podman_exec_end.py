@@ -6,7 +6,8 @@ works for every image: ``GET /exec/{id}/json`` gives the exec process's PID as t
 service sees it, and where this process shares that PID namespace (it runs on the Podman host,
 not in a container of its own) it signals that process from here. runc starts every exec
 process as the leader of a session and a process group of its own, so signalling the group
-reaches the command's children too, except those that left it (``setsid``, ``setpgid``).
+reaches the command's children too, except those that left it (``setsid``, ``setpgid``); an
+exec process that leads no group of its own (another runtime) is signalled alone.
 
 The ending: SIGTERM to the group, then SIGKILL once ``grace`` seconds have passed with a member
 still alive. Against PID reuse the process is pinned with a pidfd, and signalled only when its
