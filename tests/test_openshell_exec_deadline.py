@@ -11,6 +11,7 @@ import pytest
 from exec_support import running_with
 from harness import eventually
 from openshell_support import (
+    EXEC_LIMIT,
     WAIT,
     Gateway,
     Phase,
@@ -55,7 +56,7 @@ async def test_the_deadline_ends_the_command_and_its_children_before_deadline_ex
         sandbox=name, workspace_scope=dm1.WorkspaceSelector(workspace="default"),
         command=sleeper(marker),
     )  # fmt: skip
-    request.execution_timeout.seconds = 2
+    request.execution_timeout.seconds = EXEC_LIMIT  # long enough to start under load
     call = stream(gateway, "ExecSandbox", request, os1.ExecSandboxEvent)
     assert (await call.read()).stdout.data == b"started\n"
     assert len(running_with(podman, container, f"sleep {marker}")) == 3  # sh -c, two sleeps
