@@ -561,7 +561,7 @@ def test_event_mapping() -> None:
     start = observation_from_event(_event("start", OURS))
     assert isinstance(start, RuntimeSnapshot) and start.exit_code is None
     assert isinstance(observation_from_event(_event("remove", OURS)), RuntimeRemoved)
-    for ignored in ("init", "cleanup", "kill", "exec", "exec_died", "attach"):
+    for ignored in ("init", "cleanup", "kill", "stop", "exec", "exec_died", "attach"):
         assert observation_from_event(_event(ignored, OURS)) is None
     assert observation_from_event(_event("start", {LABEL_KEY: "box-1"})) is None
     bad_generation = {**OURS, LABEL_GENERATION: "zero"}
@@ -829,7 +829,8 @@ async def test_a_container_stopping_behind_sandstreams_back_is_reported_stopping
     period on an entrypoint that ignores SIGTERM, Podman shows the container as "stopping";
     the driver reported it as running. Now the inspect answer, get, list, the reconcile pass
     (an orphan's report; under a Stopped row, no stray to stop again) and the watcher's
-    listing all report it stopping. A stop with no grace period still ends it (SIGKILL)."""
+    listing all report it stopping; exec_stream refuses it. A stop with no grace period still
+    ends it (SIGKILL)."""
     key = keys()
     spec = stubborn_spec(settings, key, 1, stop_timeout=None)
     await launch_stubborn(driver, spec)
@@ -872,6 +873,9 @@ async def test_a_container_stopping_behind_sandstreams_back_is_reported_stopping
         stopped_row = LiveRow(key, spec.sandbox_id, 1, Phase.STOPPED)
         assert stray_runtimes([stopped_row], listed) == []  # on its way out: no second stop
         assert reconcile([stopped_row], listed, datetime.now(UTC)) == []
+        with pytest.raises(DriverError, match="no running runtime"):
+            async for _ in driver.exec_stream(key, 1, ["true"]):
+                pass
         assert status_of(podman, key, 1) == "stopping"  # all of the above seen while stopping
 
         # The driver's own stop of a stopping container is still sent, and ends it.
