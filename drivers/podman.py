@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import logging
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
@@ -29,6 +30,7 @@ from drivers import podman_exec
 from drivers.daemon_pool import DaemonThreadPool
 from drivers.podman_calls import PodmanCalls
 from drivers.podman_events import observation_from_event, removed_while_away, snapshot_from_list
+from drivers.podman_exec_end import EXEC_GRACE
 from drivers.podman_objects import (
     ACTOR,
     BACKEND_ERRORS,
@@ -77,8 +79,10 @@ class PodmanDriver:
         read_workers: int = 8,
         init: bool = True,
         limits: SandboxResources = DEFAULT_LIMITS,
+        exec_grace: float = EXEC_GRACE,
     ) -> None:
         self.base_url = base_url
+        self.exec_grace = exec_grace  # an exec left early: seconds from SIGTERM to SIGKILL
         self.stop_timeout = float(stop_timeout)
         self.actor = actor
         # An init process (catatonit) as PID 1 forwards SIGTERM to the entrypoint, which a
@@ -243,11 +247,13 @@ class PodmanDriver:
             raise DriverError(f"no running runtime of {key} generation {generation}",
                               retryable=False)  # fmt: skip
         runtime_id = found[-1].info.runtime_id
-        async for event in podman_exec.exec_stream(
+        events = podman_exec.exec_stream(
             self.base_url, runtime_id, command, env=env, workdir=workdir,
-            request_timeout=self._request_timeout,
-        ):  # fmt: skip
-            yield event
+            request_timeout=self._request_timeout, grace=self.exec_grace,
+        )  # fmt: skip
+        async with contextlib.aclosing(events):  # closed with this one: the command ends now
+            async for event in events:
+                yield event
 
     # -- plumbing ----------------------------------------------------------------------------
 

@@ -4,6 +4,10 @@
 output multiplexed in frames (an 8-byte header: stream type, three zero bytes, big-endian
 length), and ``GET /exec/{id}/json`` gives the exit code once the stream has ended. The
 command runs inside the container: nothing is spawned in the calling process.
+
+Leaving the iteration before the exit (a deadline, a cancelled caller) ends the command: SIGTERM
+to its process group, SIGKILL after a grace, from the host by the session's PID
+(drivers/podman_exec_end.py says how, and when it cannot); the iteration ends after that.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import asyncio
 import builtins
 import contextlib
 import json
+import logging
 import socket
 import struct
 import threading
@@ -20,7 +25,10 @@ from typing import Any, Final
 
 from podman import PodmanClient
 
+from drivers.podman_exec_end import EXEC_GRACE, end_exec
 from drivers.protocol import DriverError, ExecEvent, ExecExit, ExecOutput
+
+log = logging.getLogger("sandstream.drivers.podman")
 
 _STREAMS: Final = {1: "stdout", 2: "stderr"}
 _HEADER: Final = struct.Struct(">BxxxL")
@@ -107,12 +115,15 @@ async def exec_stream(
     env: Mapping[str, str] | None = None,
     workdir: str | None = None,
     request_timeout: float = 60.0,
+    grace: float = EXEC_GRACE,
 ) -> AsyncGenerator[ExecEvent, None]:
-    """Run ``command`` in the container ``runtime_id``: its output as it comes, then the exit."""
+    """Run ``command`` in the container ``runtime_id``: its output as it comes, then the exit.
+    Left before the exit, the command is ended (``grace``: seconds from SIGTERM to SIGKILL)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[ExecOutput | _Done] = asyncio.Queue()
     started: asyncio.Future[str] = loop.create_future()
     leaving = threading.Event()
+    starting = threading.Lock()  # held from the leaving check until the session has started
     holder: dict[str, Any] = {}
 
     def put(item: ExecOutput | _Done) -> None:
@@ -146,14 +157,17 @@ async def exec_stream(
                 settle(DriverError("exec: the runtime is not running", retryable=False))
                 return
             created.raise_for_status()
-            exec_id = str(created.json()["Id"])
-            # The output may idle for as long as the command likes: no read timeout.
-            response = client.api.post(
-                f"/exec/{exec_id}/start",
-                data=json.dumps({"Detach": False, "Tty": False}),
-                stream=True,
-                timeout=(request_timeout, None),
-            )
+            exec_id = holder["exec_id"] = str(created.json()["Id"])
+            with starting:  # a caller gone by now finds the session either started or never
+                if leaving.is_set():
+                    return
+                # The output may idle for as long as the command likes: no read timeout.
+                response = client.api.post(
+                    f"/exec/{exec_id}/start",
+                    data=json.dumps({"Detach": False, "Tty": False}),
+                    stream=True,
+                    timeout=(request_timeout, None),
+                )
             if response.status_code == 409:
                 settle(DriverError("exec: the runtime is not running", retryable=False))
                 return
@@ -177,8 +191,23 @@ async def exec_stream(
                     response.close()
             client.close()  # type: ignore[no-untyped-call]
 
+    def end() -> None:
+        with starting:
+            exec_id = holder.get("exec_id")
+        if exec_id is None:
+            return
+        try:
+            ending = end_exec(base_url, exec_id, grace=grace, request_timeout=request_timeout)
+        except Exception as exc:  # the caller is leaving already: say it, do not replace why
+            log.warning("exec %s left before its exit; ending its command failed: %s",
+                        exec_id, exc)  # fmt: skip
+        else:
+            if ending in ("terminated", "killed"):
+                log.info("exec %s left before its exit: its command %s", exec_id, ending)
+
     thread = threading.Thread(target=run, name="podman-exec", daemon=True)
     thread.start()
+    exited = False
     try:
         try:
             exec_id = await started
@@ -191,12 +220,16 @@ async def exec_stream(
         if item.error is not None:
             raise DriverError(f"exec output broke off: {item.error}", retryable=True)
         code = await asyncio.to_thread(_exit_code, base_url, exec_id, request_timeout)
+        exited = True
         yield ExecExit(code)
     finally:
         leaving.set()
         response = holder.get("response")
         if response is not None:
             _shutdown(response)
+        if not exited:
+            # In a thread of its own: the command is ended even if this wait is cancelled too.
+            await asyncio.to_thread(end)
 
 
 def _exit_code(base_url: str, exec_id: str, request_timeout: float) -> int:

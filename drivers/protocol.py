@@ -248,7 +248,8 @@ class ExecDriver(Protocol):
         output chunks as they come, then one :class:`ExecExit`.
 
         Raises DriverError when the runtime does not exist or is not running. Leaving the
-        iteration early stops reading; the command itself is not signalled.
+        iteration before the exit ends the command (SIGTERM, then SIGKILL after a grace) where
+        the driver can signal it, and returns once it has (drivers/podman_exec_end.py).
         """
         ...
 

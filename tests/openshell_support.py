@@ -30,9 +30,11 @@ from services.openshell.service import COMMAND_ID_KEY
 ADMIN = "sst_admin-token-for-tests"
 READER = "sst_reader-token-for-tests"
 WRITER = "sst_writer-token-for-tests"  # sandbox:read and :write, nothing else
+EXECUTOR = "sst_executor-token-for-tests"  # sandbox:read and :exec
 WAIT = 60.0
 EXEC_LIMIT = 5  # seconds an exec may run here (the setting; the default is an hour)
 EXEC_SESSIONS = 2  # exec sessions one token may have open here
+EXEC_TOTAL = 3  # exec sessions all tokens together may have open here
 Phase = pb.SandboxPhase
 PATH = "/openshell.v1.OpenShell/"
 
@@ -74,12 +76,14 @@ async def running_gateway(
                 admin=(ADMIN, READ, WRITE, EXEC, PROVIDER_READ, PROVIDER_WRITE),
                 reader=(READER, READ),
                 writer=(WRITER, READ, WRITE),
+                executor=(EXECUTOR, READ, EXEC),
             )
             served = env.settings.model_copy(
                 update={
                     "openshell_port": 0,
                     "openshell_exec_timeout_seconds": EXEC_LIMIT,
                     "openshell_exec_sessions_per_token": EXEC_SESSIONS,
+                    "openshell_exec_sessions": EXEC_TOTAL,
                 }
             )
             gateway = CommandGateway(env.pool, pub, feed)

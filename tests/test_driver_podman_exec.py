@@ -6,13 +6,17 @@ Fails (never skips) when the service or the sandbox image is missing (see confte
 from __future__ import annotations
 
 import asyncio
+import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 
 import pytest
+from exec_support import running_with
+from harness import eventually
 from podman import PodmanClient
 
 from drivers.podman import PodmanDriver
+from drivers.podman_objects import container_name
 from drivers.protocol import (
     DriverError,
     ExecDriver,
@@ -98,7 +102,74 @@ async def test_exec_output_arrives_while_the_command_still_runs(
     stream = driver.exec_stream(key, 1, ["sh", "-c", "echo first; sleep 600"])
     first = await asyncio.wait_for(anext(stream), WAIT)
     assert first == ExecOutput("stdout", b"first\n")
-    await asyncio.wait_for(stream.aclose(), WAIT)  # leaving early does not wait for the command
+    await asyncio.wait_for(stream.aclose(), WAIT)
+
+
+async def test_leaving_an_exec_early_terminates_the_command_and_its_background_children(
+    driver: PodmanDriver, running: Callable[[], asyncio.Future[str]], podman: PodmanClient
+) -> None:
+    key = await running()
+    marker = f"{uuid.uuid4().int % 100_000 + 100_000}"  # a sleep no other test runs
+    script = (f'trap "echo term > /tmp/{marker}; exit 0" TERM; sleep {marker} & '
+              f"echo first; sleep {marker}; wait")  # fmt: skip
+    stream = driver.exec_stream(key, 1, ["sh", "-c", script])
+    assert await asyncio.wait_for(anext(stream), WAIT) == ExecOutput("stdout", b"first\n")
+    container = container_name(key, 1)
+    await eventually(lambda: running_with(podman, container, marker),
+                     lambda now: now.count(f"sleep {marker}") == 2, timeout=WAIT,
+                     what="both sleeps running")  # fmt: skip
+    await asyncio.wait_for(stream.aclose(), WAIT)
+    # Ended once aclose returns: SIGTERM reached the shell (its trap ran) and both sleeps.
+    assert running_with(podman, container, marker) == []
+    events = await asyncio.wait_for(collect(driver.exec_stream(key, 1, ["cat", f"/tmp/{marker}"])),
+                                    WAIT)  # fmt: skip
+    assert joined(events, "stdout") == b"term\n"
+
+
+async def test_a_command_that_ignores_sigterm_is_killed_after_the_grace(
+    settings: Settings, running: Callable[[], asyncio.Future[str]], podman: PodmanClient
+) -> None:
+    key = await running()
+    marker = f"{uuid.uuid4().int % 100_000 + 200_000}"
+    # The shell ignores SIGTERM (each short sleep may die of it; the loop goes on).
+    script = f'trap "" TERM; echo first; while :; do sleep 1; done # {marker}'
+    impatient = PodmanDriver(settings.podman_url, stop_timeout=1, exec_grace=0.5)
+    try:
+        stream = impatient.exec_stream(key, 1, ["sh", "-c", script])
+        assert await asyncio.wait_for(anext(stream), WAIT) == ExecOutput("stdout", b"first\n")
+        await asyncio.wait_for(stream.aclose(), WAIT)
+    finally:
+        await impatient.close()
+    assert running_with(podman, container_name(key, 1), marker) == []
+
+
+async def test_an_exec_out_of_reach_of_this_pid_namespace_is_not_signalled(
+    settings: Settings,
+    driver: PodmanDriver,
+    running: Callable[[], asyncio.Future[str]],
+    podman: PodmanClient,
+) -> None:
+    """Ending from a process in a PID namespace of its own (as a gateway in a container of
+    its own would be): Podman's PID names nothing there, so nothing is signalled."""
+    key = await running()
+    marker = f"{uuid.uuid4().int % 100_000 + 400_000}"
+    stream = driver.exec_stream(key, 1, ["sh", "-c", f"echo first; sleep {marker}"])
+    assert await asyncio.wait_for(anext(stream), WAIT) == ExecOutput("stdout", b"first\n")
+    container = container_name(key, 1)
+    (exec_id,) = podman.containers.get(container).attrs["ExecIDs"]
+    ending = (f"from drivers.podman_exec_end import end_exec; "
+              f"print(end_exec({settings.podman_url!r}, {exec_id!r}, grace=0.5, "
+              f"request_timeout={WAIT}))")  # fmt: skip
+    elsewhere = await asyncio.create_subprocess_exec(
+        "unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", ending,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(elsewhere.communicate(), WAIT)
+    assert out.decode().strip() == "unreachable", err.decode()
+    assert b"out of reach here" in err and b"not signalled" in err
+    assert f"sleep {marker}" in running_with(podman, container, marker)
+    await asyncio.wait_for(stream.aclose(), WAIT)  # from here, where Podman's PIDs are
+    assert running_with(podman, container, marker) == []
 
 
 async def test_exec_in_a_missing_or_stopped_runtime_is_a_driver_error(

@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
 
 import grpc
 import pytest
 from openshell_support import (
+    ADMIN,
     EXEC_LIMIT,
     EXEC_SESSIONS,
+    EXEC_TOTAL,
+    EXECUTOR,
     WAIT,
     WRITER,
     Gateway,
@@ -308,19 +313,19 @@ async def test_a_spec_beyond_the_records_bounds_is_invalid_argument_and_never_lo
     assert await history(env, old) == [] and await history(env, new) == []
 
 
-async def test_exec_has_a_default_limit_and_a_cap_of_sessions_per_token(gateway: Gateway) -> None:
-    name = gateway.new_name()
-    sandbox_id = await ready(gateway, name)
+@asynccontextmanager
+async def sleepers(gw: Gateway, tokens: list[str]) -> AsyncIterator[Any]:
+    """One exec session per token in a Ready sandbox, each open (its first output arrived);
+    yields a call that opens one more. No timeout asked: the gateway's limit must end each."""
+    sandbox_id = await ready(gw, gw.new_name())
     sleeper = pb.ExecSandboxRequest(
         sandbox_id=sandbox_id, command=["sh", "-c", "echo started; exec sleep 60"]
     )
-    calls = [gateway.stub.ExecSandbox(sleeper, metadata=auth()) for _ in range(EXEC_SESSIONS)]
+    calls = [gw.stub.ExecSandbox(sleeper, metadata=auth(token)) for token in tokens]
     try:
-        for running in calls:  # each session is open once its first output arrived
+        for running in calls:
             assert (await running.read()).stdout.data == b"started\n"
-        third = gateway.stub.ExecSandbox(sleeper, metadata=auth())
-        assert await status_of(third.read()) == grpc.StatusCode.RESOURCE_EXHAUSTED
-        # No timeout asked: the gateway's limit ends them.
+        yield lambda token: gw.stub.ExecSandbox(sleeper, metadata=auth(token))
         for running in calls:
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await asyncio.wait_for(running.read(), EXEC_LIMIT + WAIT)
@@ -328,6 +333,43 @@ async def test_exec_has_a_default_limit_and_a_cap_of_sessions_per_token(gateway:
     finally:
         for running in calls:
             running.cancel()
+
+
+async def test_exec_has_a_default_limit_and_a_cap_of_sessions_per_token(gateway: Gateway) -> None:
+    async with sleepers(gateway, [ADMIN] * EXEC_SESSIONS) as one_more:
+        third = one_more(ADMIN)
+        assert await status_of(third.read()) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_exec_refuses_a_timeout_beyond_the_gateways_limit(gateway: Gateway) -> None:
+    """A client cannot ask its way past the limit, in either generation: INVALID_ARGUMENT,
+    before the sandbox is looked up. Before the bound, any timeout was taken."""
+    name = gateway.new_name()  # never created: the refusal comes first
+    new = os1.ExecSandboxRequest(sandbox=name, workspace_scope=SCOPE, command=["true"])
+    new.execution_timeout.seconds = EXEC_LIMIT + 1
+    old = pb.ExecSandboxRequest(sandbox_id=name, command=["true"], timeout_seconds=EXEC_LIMIT + 1)
+    for request in (new, old):
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            _ = [e async for e in stream(gateway, "ExecSandbox", request, os1.ExecSandboxEvent)]
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert raised.value.details() == f"execution_timeout: at most {EXEC_LIMIT} seconds"
+
+
+async def test_exec_has_a_cap_of_sessions_in_all_tokens_together(gateway: Gateway) -> None:
+    """Each session holds a thread reading Podman's stream: past the gateway's cap (here one
+    token at its own cap and another below it), one more is RESOURCE_EXHAUSTED naming the
+    gateway's cap, not the token's. Before the caps, every session was served."""
+    tokens = [ADMIN] * EXEC_SESSIONS + [EXECUTOR] * (EXEC_TOTAL - EXEC_SESSIONS)
+    assert EXEC_TOTAL - EXEC_SESSIONS < EXEC_SESSIONS  # EXECUTOR stays below its own cap
+    async with sleepers(gateway, tokens) as one_more:
+        fourth = one_more(EXECUTOR)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await fourth.read()
+            fourth.cancel()  # served: end it before failing
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert raised.value.details() == (
+            f"{EXEC_TOTAL} exec sessions are running (the most this gateway allows)"
+        )
 
 
 async def test_exec_needs_the_exec_scope_and_providers_at_create_need_provider_write(

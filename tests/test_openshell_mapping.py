@@ -10,16 +10,22 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
+from drivers.podman import PodmanDriver
 from events.common import Phase, SandboxSpec
 from services.api.readmodel import SandboxView, conditions
 from services.common.settings import Settings
 from services.common.tokens import READ, WRITE, Principal, TokenStore
 from services.openshell import mapping
 from services.openshell.mapping import InvalidRequest, new_sandbox
-from services.openshell.proto import generate
+from services.openshell.proto import generate, openshell_pb2_grpc
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as v0_1_5
-from services.openshell.server import OpenShellConfigError, check_settings, start_openshell
+from services.openshell.server import (
+    OpenShellConfigError,
+    check_settings,
+    exec_driver,
+    start_openshell,
+)
 from services.openshell.service import LOCAL_PRINCIPAL, Authenticator
 
 OS = pb.SandboxPhase
@@ -302,3 +308,34 @@ async def test_a_second_server_on_a_taken_port_fails_to_start(settings: Settings
             )
     finally:
         await first.stop(0)
+
+
+async def test_gateway_info_names_the_configured_driver(settings: Settings) -> None:
+    """GetGatewayInfo reports the driver the sandboxes run on (it said "podman" whatever it
+    was)."""
+    idle = SimpleNamespace(feed=None)  # GetGatewayInfo reads no row
+    served = await start_openshell(
+        settings.model_copy(update={"openshell_port": 0, "driver": "kubernetes"}),
+        pool=None,  # type: ignore[arg-type]
+        gateway=idle,  # type: ignore[arg-type]
+        tokens=TokenStore.of(reader=("sst_reader", READ)),
+        driver=None,
+    )
+    try:
+        async with grpc.aio.insecure_channel(served.address) as channel:
+            stub = openshell_pb2_grpc.OpenShellStub(channel)
+            info = await stub.GetGatewayInfo(
+                pb.GetGatewayInfoRequest(), metadata=[("authorization", "Bearer sst_reader")]
+            )
+        assert [d.name for d in info.compute_drivers] == ["kubernetes"]
+    finally:
+        await served.stop(0)
+
+
+def test_the_openshell_role_alone_execs_through_podman_only_when_sandboxes_run_there(
+    settings: Settings,
+) -> None:
+    """Run alone under the Kubernetes driver, the role has no exec driver (ExecSandbox answers
+    UNIMPLEMENTED), instead of a Podman driver aimed at a socket the deployment lacks."""
+    assert exec_driver(settings.model_copy(update={"driver": "kubernetes"})) is None
+    assert isinstance(exec_driver(settings.model_copy(update={"driver": "podman"})), PodmanDriver)

@@ -4,6 +4,12 @@ Bounded three ways (settings ``openshell_exec_*``): every command ends by a dead
 client's ``execution_timeout`` / ``timeout_seconds``, never above the setting, which is also
 the default), one token has at most so many sessions open at once, and all tokens together at
 most so many (each session holds a thread reading Podman's stream while it runs).
+
+The deadline, and a client that cancels or goes away, end the command too: the RPC leaves the
+driver's stream early, and the driver ends what it started (the Podman driver: SIGTERM to the
+command's process group, SIGKILL after a grace, signalled from the host by the exec session's
+PID, which works for any image where the gateway shares the Podman service's PID namespace;
+drivers/podman_exec_end.py). DEADLINE_EXCEEDED goes out once that is done.
 """
 
 from __future__ import annotations
@@ -154,6 +160,7 @@ class ExecRpcs:
                     async for event in stream:
                         yield _event(event)
             except TimeoutError:
+                await stream.aclose()  # ends the command before the status goes out
                 await abort(
                     context,
                     grpc.StatusCode.DEADLINE_EXCEEDED,

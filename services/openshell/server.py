@@ -16,7 +16,7 @@ import asyncio
 import ipaddress
 import logging
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import grpc
 
@@ -33,6 +33,9 @@ from services.common.tokens import TokenStore
 from services.openshell.exec_rpc import ExecLimits
 from services.openshell.handlers import OpenShellService
 from services.openshell.service import Authenticator, Door, Pool
+
+if TYPE_CHECKING:
+    from drivers.podman import PodmanDriver
 
 log = logging.getLogger("sandstream.openshell")
 
@@ -85,10 +88,11 @@ async def start_openshell(
     gateway: CommandGateway,
     tokens: TokenStore,
     driver: object | None,
-    driver_name: str = "podman",
+    driver_name: str | None = None,
     logs: LogSource | None = None,
 ) -> RunningOpenShell:
-    """Start serving; raises OpenShellConfigError or OSError (the port is taken)."""
+    """Start serving; raises OpenShellConfigError or OSError (the port is taken).
+    ``driver_name`` (what GetGatewayInfo reports) defaults to ``settings.driver``."""
     from drivers.protocol import ExecDriver
 
     check_settings(settings)
@@ -99,7 +103,7 @@ async def start_openshell(
         driver=driver if isinstance(driver, ExecDriver) else None,
         logs=logs,
         providers=ProviderService(settings, pool, gateway),
-        driver_name=driver_name,
+        driver_name=driver_name or settings.driver,
         default_image=settings.sandbox_image,
         events_topic=settings.topic_events,
     )
@@ -136,11 +140,10 @@ async def start_openshell(
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     """The OpenShell API as its own role: until ``stop`` is set."""
     from services.common.database import connect_pool
-    from services.executor.backends import podman_driver
     from services.executor.log_sources import log_source
 
     tokens = TokenStore.from_file(settings.tokens_file)
-    driver = podman_driver(settings)
+    driver = exec_driver(settings)
     logs = log_source(settings)
     pool = await connect_pool(settings)
     feed = ChangeFeed(pool)
@@ -161,8 +164,18 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                 await running.stop()
     finally:
         await pool.close()
-        await driver.close()
+        if driver is not None:
+            await driver.close()
         await logs.close()
+
+
+def exec_driver(settings: Settings) -> PodmanDriver | None:
+    """The driver ExecSandbox runs commands through when this role runs alone: Podman's, when
+    the sandboxes run on Podman; none otherwise (the Kubernetes driver has no exec, so the
+    answer is UNIMPLEMENTED, as from ``sandstream up`` with it, not a Podman socket's error)."""
+    from services.executor.backends import podman_driver
+
+    return podman_driver(settings) if settings.driver == "podman" else None
 
 
 def main() -> None:
