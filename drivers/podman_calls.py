@@ -17,6 +17,7 @@ from podman.errors import APIError, NotFound
 from drivers.labels import workspace_labels
 from drivers.launch_precheck import launch_precheck
 from drivers.podman_objects import (
+    ALIVE,
     Container,
     container_name,
     read_container,
@@ -208,7 +209,8 @@ class PodmanCalls:
             return OpResult("already_absent")
         info = found[-1].info
         grace = self.grace(found[-1], timeout)
-        if info.state == "running" and not self._stop_container(info.runtime_id, grace):
+        # A stop of one still stopping is sent too: a shorter grace period shortens its stop.
+        if info.state in ALIVE and not self._stop_container(info.runtime_id, grace):
             return OpResult("already_absent")
         exit_code = self.exit_code(info.runtime_id) if info.state != "created" else None
         return OpResult("succeeded", info.runtime_id, exit_code)
@@ -218,7 +220,7 @@ class PodmanCalls:
         if not found:
             return OpResult("already_absent")
         info = found[-1].info
-        if info.state == "running":
+        if info.state in ALIVE:  # a stopping one too: forcing a stop under way is the point
             response = self.client().api.post(
                 f"/containers/{info.runtime_id}/kill",
                 params={"signal": "SIGKILL"},
@@ -227,7 +229,7 @@ class PodmanCalls:
             if response.status_code == 404:
                 return OpResult("already_absent")
             # Refused when it stopped in between ("container state improper"): that is fine.
-            if response.status_code != 204 and self._running(info.runtime_id):
+            if response.status_code != 204 and self._alive(info.runtime_id):
                 response.raise_for_status()
                 raise APIError(f"unexpected status {response.status_code} from kill")
         return OpResult("succeeded", info.runtime_id, self.exit_code(info.runtime_id))
@@ -243,13 +245,13 @@ class PodmanCalls:
             remove_volume(client, volume)
         return bool(containers or volumes)
 
-    def _running(self, runtime_id: str) -> bool:
+    def _alive(self, runtime_id: str) -> bool:
         try:
             attrs = self.client().containers.get(runtime_id).attrs
         except NotFound:
             return False
         container = read_container(attrs)
-        return container is not None and container.info.state == "running"
+        return container is not None and container.info.state in ALIVE
 
     def _stop_container(self, runtime_id: str, grace: float) -> bool:
         """SIGTERM, then SIGKILL after ``grace`` seconds; False if the container is gone."""

@@ -22,15 +22,17 @@ from events.observations import RuntimeState
 log = logging.getLogger("sandstream.drivers.podman")
 
 ACTOR: Final = "podman-watcher"
-# Podman container statuses -> the three states of the protocol. "stopping" still has a
-# process; "stopped" has none but is not cleaned up yet; "removing" is on its way out.
+# Podman container statuses -> the states of the protocol. "stopping" (a stop has sent its
+# signal and waits out the grace period) still has a process but is on its way out: stopping,
+# never running, which would lift an Error row to Ready. "stopped" has no process but is not
+# cleaned up yet; "removing" is on its way out.
 STATES: Final[Mapping[str, RuntimeState]] = {
     "created": "created",
     "configured": "created",
     "initialized": "created",
     "running": "running",
     "paused": "running",
-    "stopping": "running",
+    "stopping": "stopping",
     "stopped": "exited",
     "exited": "exited",
     "dead": "exited",
@@ -41,6 +43,8 @@ _PERMANENT = ("image not known", "invalid reference format", "executable file no
 # Errors from the podman package and the HTTP stack under it (requests' exceptions are
 # OSErrors, and so are socket errors): these become DriverErrors; anything else is a bug.
 BACKEND_ERRORS: Final = (PodmanError, OSError)
+# The states with a process, which a stop or a kill still has to end.
+ALIVE: Final[frozenset[RuntimeState]] = frozenset({"running", "stopping"})
 
 
 def container_name(key: str, generation: int) -> str:
@@ -94,8 +98,9 @@ class Container:
     since: datetime | None  # when it entered its current state
     name: str | None
     stop_timeout: int | None = None  # from the stop-timeout label, if any
-    # Podman shows a stop under way as "stopping" (running): a launch adopts such a container
-    # of its generation, whose exit the watcher then reports.
+    # Podman shows a stop under way as "stopping", which is not "terminating": a launch adopts
+    # such a container of its generation (it does not replace it), whose exit the watcher then
+    # reports.
     terminating: bool = False
 
 
@@ -119,7 +124,13 @@ def read_container(attrs: Mapping[str, Any]) -> Container | None:
         log.warning("container %s has unknown status %r; skipped", attrs.get("Id"), status)
         return None
     created = parse_time(attrs.get("Created"))
-    since = {"created": created, "running": parse_time(started), "exited": parse_time(finished)}
+    # Podman records no time for the start of a stop: a stopping container's is its start.
+    since = {
+        "created": created,
+        "running": parse_time(started),
+        "stopping": parse_time(started),
+        "exited": parse_time(finished),
+    }
     names = attrs.get("Names")
     name = attrs.get("Name") or (names[0] if names else None)
     info = RuntimeInfo(

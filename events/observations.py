@@ -24,7 +24,8 @@ from events.common import (
 )
 
 # "stopping": it still runs, but its removal is under way (a Kubernetes Pod with a deletion
-# timestamp): it will end in an exit or a removal, and no phase takes it as running.
+# timestamp, a Podman container in Podman's "stopping" state): it will end in an exit or a
+# removal, and no phase takes it as running.
 RuntimeState = Literal["created", "running", "stopping", "exited"]
 ObservedState = Literal["created", "running", "exited", "absent"]
 Source = Literal["watch", "list", "reconcile"]

@@ -13,10 +13,12 @@ import logging
 import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import factories as f
 import harness
 import pytest
 from pipeline_support import IGNORE_TERM, trap_set
@@ -31,7 +33,8 @@ from drivers.podman import (
     remove_volume,
     volume_name,
 )
-from drivers.podman_events import observation_from_event
+from drivers.podman_events import observation_from_event, snapshot_from_list
+from drivers.podman_objects import read_container
 from drivers.protocol import (
     IDENTITY_ENV,
     LABEL_GENERATION,
@@ -44,9 +47,10 @@ from drivers.protocol import (
     RuntimeInfo,
     WatchObservation,
 )
-from events.common import SandboxResources, SandboxSpec
+from events.common import Phase, SandboxResources, SandboxSpec
 from events.observations import RuntimeRemoved, RuntimeSnapshot
 from services.common.settings import PROJECT_ROOT, Settings
+from services.executor.reconcile import LiveRow, reconcile, stray_runtimes
 
 STOP_TIMEOUT = 10.0
 WAIT = 20.0  # deadline of every wait on the backend
@@ -180,7 +184,7 @@ async def keys(driver: PodmanDriver) -> AsyncIterator[Callable[[], str]]:
     for key in made:
         try:
             for runtime in await driver.get(key):
-                if runtime.state == "running":
+                if runtime.state in ("running", "stopping"):
                     await driver.kill(key, runtime.generation)
             await driver.delete(key)
         except DriverError as exc:
@@ -557,7 +561,7 @@ def test_event_mapping() -> None:
     start = observation_from_event(_event("start", OURS))
     assert isinstance(start, RuntimeSnapshot) and start.exit_code is None
     assert isinstance(observation_from_event(_event("remove", OURS)), RuntimeRemoved)
-    for ignored in ("init", "cleanup", "kill", "exec", "exec_died", "attach"):
+    for ignored in ("init", "cleanup", "kill", "stop", "exec", "exec_died", "attach"):
         assert observation_from_event(_event(ignored, OURS)) is None
     assert observation_from_event(_event("start", {LABEL_KEY: "box-1"})) is None
     bad_generation = {**OURS, LABEL_GENERATION: "zero"}
@@ -769,3 +773,121 @@ def test_a_volume_gone_already_counts_as_removed(podman: PodmanClient) -> None:
     remove_volume(SimpleNamespace(volumes=Refusing(raced)), "v")  # type: ignore[arg-type]
     with pytest.raises(APIError, match="volume is being used"):
         remove_volume(SimpleNamespace(volumes=Refusing("volume is being used")), "v")  # type: ignore[arg-type]
+
+
+# -- Podman's "stopping" state --------------------------------------------------------------------
+
+
+def stopping_attrs(key: str, generation: int, *, inspect: bool) -> dict[str, Any]:
+    """A container in Podman's "stopping" state, as Podman 4.3 shows it in an inspect answer
+    (State a dict) or a list item (State a string): only the fields the driver reads."""
+    spec = LaunchSpec(key, uuid.uuid4(), generation, "rid", SandboxSpec(image="x"))
+    cid = "58c7b72ab2b4382ef270703e2f2271014f93a0c62ccf58d0ffa5875666585eaa"
+    if inspect:
+        return {
+            "Id": cid, "Name": container_name(key, generation),
+            "Created": "2026-12-03T19:53:39.9Z", "Config": {"Labels": runtime_labels(spec)},
+            "State": {"Status": "stopping", "Running": False, "ExitCode": 0,
+                      "StartedAt": "2026-12-03T19:53:40.265968909Z",
+                      "FinishedAt": "0001-01-01T00:00:00Z"},
+        }  # fmt: skip
+    return {
+        "Id": cid, "Names": [container_name(key, generation)], "Created": 1796327619,
+        "Labels": runtime_labels(spec), "State": "stopping", "ExitCode": 0,
+        "StartedAt": 1796327620, "ExitedAt": -62135596800,
+    }  # fmt: skip
+
+
+def test_podmans_stopping_state_maps_to_a_stopping_runtime_that_lifts_no_row() -> None:
+    """Regression: Podman's "stopping" (a stop sent its signal and waits out the grace period)
+    was mapped to running, so a listing of a sandbox in Error whose stop was under way (e.g.
+    the cleanup stop of a timed-out launch) lifted the row to Ready. It is a stopping runtime,
+    in an inspect answer and a list item alike, and its snapshot changes no phase."""
+    for inspect in (True, False):
+        container = read_container(stopping_attrs(f.KEY, 1, inspect=inspect))
+        assert container is not None
+        assert (container.info.state, container.info.exit_code) == ("stopping", None)
+        assert container.since is not None  # its start (a list item has whole seconds)
+        assert container.since.replace(microsecond=0) == datetime(
+            2026, 12, 3, 19, 53, 40, tzinfo=UTC
+        )
+    for phase in (Phase.ERROR, Phase.READY, Phase.STOPPING, Phase.STOPPED, Phase.PROVISIONING):
+        h = f.harness_in(phase)
+        generation = h.row().generation
+        container = read_container(stopping_attrs(f.KEY, generation, inspect=False))
+        assert container is not None
+        listed = snapshot_from_list(container)
+        assert listed.state == "stopping" and ":stopping:" in listed.observation_id
+        assert h.send(listed).disposition == "ignored", phase
+        assert h.row().phase is phase
+
+
+async def test_a_container_stopping_behind_sandstreams_back_is_reported_stopping_never_running(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings, podman: PodmanClient
+) -> None:
+    """Regression: while `podman stop --time 60` (from outside sandstream) waits out its grace
+    period on an entrypoint that ignores SIGTERM, Podman shows the container as "stopping";
+    the driver reported it as running. Now the inspect answer, get, list, the reconcile pass
+    (an orphan's report; under a Stopped row, no stray to stop again) and the watcher's
+    listing all report it stopping; exec_stream refuses it. A stop with no grace period still
+    ends it (SIGKILL)."""
+    key = keys()
+    spec = stubborn_spec(settings, key, 1, stop_timeout=None)
+    await launch_stubborn(driver, spec)
+    name = container_name(key, 1)
+    outside = await asyncio.create_subprocess_exec(
+        "podman", "--url", settings.podman_url, "stop", "--time", "60", name,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    watcher: Watcher | None = None
+    try:
+        await eventually(
+            lambda: status_of(podman, key, 1), lambda s: s == "stopping", "podman stop under way"
+        )
+        inspected = read_container(
+            await asyncio.to_thread(lambda: podman.containers.get(name).attrs)
+        )
+        [got] = await driver.get(key)
+        listed = [info for info in await driver.list() if info.key == key]
+        [orphan] = reconcile([], listed, datetime.now(UTC))
+        assert isinstance(orphan, RuntimeSnapshot)
+        watcher = await Watcher.started(driver)
+        seen = await watcher.wait_for(
+            lambda o: o.key == key and o.source == "list", "the watcher's listing of it"
+        )
+        assert isinstance(seen, RuntimeSnapshot)
+        reported = {
+            "inspect": inspected.info.state if inspected else None,
+            "get": got.state,
+            "list": [info.state for info in listed],
+            "reconcile orphan": orphan.state,
+            "watch listing": seen.state,
+        }
+        assert reported == {
+            "inspect": "stopping",
+            "get": "stopping",
+            "list": ["stopping"],
+            "reconcile orphan": "stopping",
+            "watch listing": "stopping",
+        }
+        stopped_row = LiveRow(key, spec.sandbox_id, 1, Phase.STOPPED)
+        assert stray_runtimes([stopped_row], listed) == []  # on its way out: no second stop
+        assert reconcile([stopped_row], listed, datetime.now(UTC)) == []
+        with pytest.raises(DriverError, match="no running runtime"):
+            async for _ in driver.exec_stream(key, 1, ["true"]):
+                pass
+        assert status_of(podman, key, 1) == "stopping"  # all of the above seen while stopping
+
+        # The driver's own stop of a stopping container is still sent, and ends it.
+        stopped = await asyncio.wait_for(driver.stop(key, 1, timeout=0), WAIT)
+        assert (stopped.outcome, stopped.exit_code) == ("succeeded", 137)
+        assert (await watcher.wait_snapshot(key, 1, "exited")).exit_code == 137
+        assert not [o for o in watcher.of(key) if isinstance(o, RuntimeSnapshot)
+                    and o.state == "running"]  # fmt: skip
+        assert await asyncio.wait_for(outside.wait(), WAIT) == 0
+    finally:
+        if watcher is not None:
+            await watcher.stop()
+        if outside.returncode is None:
+            outside.kill()
+            await outside.wait()

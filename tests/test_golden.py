@@ -7,12 +7,17 @@ then review `git diff tests/golden`."""
 from __future__ import annotations
 
 import json
+import shutil
+import sys
+from pathlib import Path
 
 import changed_rules
 import pytest
 from harness import isolated_env
 
+from projections import lifecycle
 from services.audit import golden
+from services.audit.verify import load_rules
 
 FIXTURES = golden.fixture_names()
 
@@ -34,6 +39,30 @@ def test_a_golden_log_gives_exactly_its_recorded_outcome(name: str) -> None:
 def test_a_changed_rule_fails_the_golden_check() -> None:
     difference = golden.check("podman-session", rules=changed_rules.decide)
     assert difference is not None and "StopSandbox" in (difference.expected or "")
+
+
+def test_a_copy_of_the_rules_under_another_name_decides_with_its_own_modules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """How ``audit verify --rules`` pins a release: its rules package copied under another
+    name. The copy's modules import each other, not today's: a rule changed in the copy's
+    admission table is what the copy decides with."""
+    copy = tmp_path / "rules_copy"
+    shutil.copytree(Path(lifecycle.__file__).parent, copy)
+    table = copy / "commands.py"
+    stop_row = '"StopSandbox":    (A,          A,       A,'
+    text = table.read_text()
+    assert stop_row in text
+    table.write_text(text.replace(stop_row, '"StopSandbox":    (A,          A,       R,'))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        rules = load_rules("rules_copy")
+        assert rules.__module__ == "rules_copy.decisions"
+        difference = golden.check("podman-session", rules=rules)
+        assert difference is not None and "StopSandbox" in (difference.expected or "")
+    finally:
+        for name in [m for m in sys.modules if m.split(".")[0] == "rules_copy"]:
+            del sys.modules[name]
 
 
 async def test_the_real_processor_decides_a_golden_log_as_recorded() -> None:

@@ -13,7 +13,8 @@ from events.common import Cause, Deadline, Phase, Strict
 from events.decided import AgentRestartSkipped, DecidedEvent, SandboxCreated, SandboxReady
 from events.outcomes import Code, CommandOutcome
 from events.trusted import builder, built
-from projections.lifecycle import _CHANGES, _EVENTS, COMMON_FIELDS, _common, _event
+from projections.lifecycle.emit import _EVENTS, COMMON_FIELDS, common_fields, new_event
+from projections.lifecycle.rows import _CHANGES
 
 CAUSE = Cause(topic="t", partition=0, offset=7, message_type="CreateSandbox", command_id="c-1")
 COMMON: dict[str, Any] = {
@@ -139,15 +140,15 @@ def test_a_builder_refuses_unknown_missing_and_repeated_fields() -> None:
 
 
 def test_the_rules_positional_events_are_what_validation_builds() -> None:
-    """The rules build their most frequent events from ``_common``'s values by position: its
+    """The rules build their most frequent events from ``common_fields``'s values by position: its
     order is COMMON_FIELDS, and each one is what validation builds from the same names."""
     harness = f.harness_in(Phase.READY)
     row, message = harness.row(), f.running()
-    common = _common(row, message, f.cause(message))
+    common = common_fields(row, message, f.cause(message))
     assert tuple(common) == COMMON_FIELDS
     deadline = Deadline(kind="stop", due_at=f.at(40))
     for cls in _EVENTS:
         extra = {"deadline": deadline} if "deadline" in cls.model_fields else {}
-        ours = _event(cls, common, *extra.values())
+        ours = new_event(cls, common, *extra.values())
         assert ours == cls(type=cls.__name__, **common, **extra)
         f.assert_as_validated(ours)

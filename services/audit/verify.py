@@ -77,7 +77,7 @@ class Options:
 
 def load_rules(spec: str) -> Rules:
     """``module`` or ``module:function``: a ``decide(state, message, cause, limits)`` of other
-    rules, e.g. a release's projections/lifecycle.py saved under another module name."""
+    rules, e.g. a release's projections/lifecycle package copied under another name."""
     module_name, _, attribute = spec.partition(":")
     rules: Rules = getattr(importlib.import_module(module_name), attribute or "decide")
     return rules

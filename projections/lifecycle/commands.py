@@ -1,0 +1,79 @@
+"""Which phase admits which command: ``COMMAND_TABLE`` (admit, idempotent, reject) and the
+lookups ``decide`` makes on it.
+"""
+
+# ruff: noqa: E741
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Final
+
+from events.common import (
+    Phase,
+)
+
+from .model import P
+
+# Commands: which phase admits what.
+#   ADMIT       the command is accepted and changes the row (one event, version + 1)
+#   IDEMPOTENT  accepted, the row already is what the command asks for: no event, no new version
+#   REJECT      FAILED_PRECONDITION, with a message naming the current phase
+
+
+class Admission(Enum):
+    ADMIT = "admit"
+    IDEMPOTENT = "idempotent"
+    REJECT = "reject"
+
+
+A, I, R = Admission.ADMIT, Admission.IDEMPOTENT, Admission.REJECT
+
+
+PHASE_COLUMNS: Final = (
+    P.PROVISIONING, P.STARTING, P.READY, P.STOPPING, P.STOPPED, P.COMPLETED, P.ERROR, P.DELETING,
+)  # fmt: skip
+
+
+COMMAND_TABLE: Final[dict[str, tuple[Admission, ...]]] = {
+    #                 Provisioning Starting Ready Stopping Stopped Completed Error Deleting
+    "StartSandbox":   (I,          I,       I,    R,       A,      A,        A,    R),
+    "StopSandbox":    (A,          A,       A,    I,       I,      A,        A,    R),
+    "RestartSandbox": (A,          A,       A,    A,       A,      A,        A,    R),
+    "DeleteSandbox":  (A,          A,       A,    A,       A,      A,        A,    I),
+    "AttachProvider": (A,          A,       A,    A,       A,      A,        A,    R),
+    "DetachProvider": (A,          A,       A,    A,       A,      A,        A,    R),
+    "HoldSandbox":    (A,          A,       A,    A,       A,      A,        A,    R),
+    "ReleaseSandbox": (A,          A,       A,    A,       A,      A,        A,    R),
+    "ExtendSandbox":  (A,          A,       A,    A,       A,      A,        A,    R),
+    "SetRestartPolicy": (A,        A,       A,    A,       A,      A,        A,    R),
+}  # fmt: skip
+
+
+# A held sandbox refuses these (FAILED_PRECONDITION naming who holds it and why) in every
+# phase; stop and delete stay admitted. Hold on a held and release on an unheld sandbox are
+# idempotent.
+REFUSED_WHILE_HELD: Final = ("StartSandbox", "RestartSandbox")
+
+
+VERB = {
+    "StartSandbox": "start",
+    "StopSandbox": "stop",
+    "RestartSandbox": "restart",
+    "DeleteSandbox": "delete",
+    "AttachProvider": "attach a provider",
+    "DetachProvider": "detach a provider",
+    "HoldSandbox": "hold",
+    "ReleaseSandbox": "release",
+    "ExtendSandbox": "extend",
+    "SetRestartPolicy": "set the restart policy",
+}
+
+
+def admission(command_type: str, phase: Phase) -> Admission:
+    return COMMAND_TABLE[command_type][PHASE_COLUMNS.index(phase)]
+
+
+def admitting_phases(command_type: str) -> list[Phase]:
+    row = COMMAND_TABLE[command_type]
+    return [p for p, a in zip(PHASE_COLUMNS, row, strict=True) if a is A]

@@ -1,0 +1,161 @@
+"""What a ``DeadlineDue`` naming exactly the row's deadline does (``DEADLINE_TABLE``): a
+launch timed out, a stop escalated, a delete retried, an expiry, a scheduled restart; and the
+completion policy once the main process's end is recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from events.common import (
+    Cause,
+    DeadlineKind,
+)
+from events.decided import (
+    DecidedEvent,
+    SandboxDeleteRetried,
+    SandboxDeleting,
+    SandboxExpired,
+    SandboxStopEscalated,
+    SandboxStopping,
+    SandboxTimedOut,
+)
+from events.observations import (
+    DeadlineDue,
+)
+from events.trusted import built
+
+from .commands import Admission, admission
+from .deadlines import (
+    EXIT_EVENTS,
+    PROVISIONING_TIMEOUT,
+    delete_deadline,
+    stop_deadline,
+)
+from .emit import (
+    common_fields,
+    emit_event,
+    ignored,
+    new_event,
+    not_current_generation,
+    then_decide,
+)
+from .model import Decision, Limits, Message, Sandbox, is_held
+from .restart_policy import (
+    apply_restart_policy,
+    policy_note,
+    scheduled_restart_due,
+)
+
+# Deadlines, time to live, completion policy (operator lifecycle)
+
+
+# What a DeadlineDue naming exactly the row's deadline does (anything else is ignored: stale
+# generation, a deadline the row no longer holds, a repeat). The ttl deadline is the row's
+# expires_at, in any live phase.
+DEADLINE_TABLE: Final[dict[DeadlineKind, str]] = {
+    "launch": "→ Error, reason ProvisioningTimeout; intent: stop the runtime if it came up "
+    "(then the completion policy applies)",
+    "stop": "stays Stopping, deadline cleared; intent: kill the runtime now (forced)",
+    "delete": "stays Deleting, the delete is asked for again; the next deadline is twice as "
+    "far out (up to a ceiling), and `reason` counts the retries",
+    "restart": "(Error or Completed: a restart the restart policy scheduled) SandboxStarting "
+    "naming the policy and the attempt: a new generation and identity, as any restart",
+    "ttl": "SandboxExpired, then the policy: stop (when the phase admits a stop) or delete "
+    "(when it admits a delete); deferred while held",
+}
+
+
+def _delete_now(
+    state: Sandbox,
+    events: tuple[DecidedEvent, ...],
+    message: Message,
+    cause: Cause,
+    limits: Limits,
+) -> tuple[Sandbox, tuple[DecidedEvent, ...]]:
+    deadline = delete_deadline(state.spec, message.occurred_at, limits)
+    return then_decide(
+        state,
+        events,
+        message,
+        cause,
+        lambda c: new_event(SandboxDeleting, c, deadline),
+    )
+
+
+def completion_policy(
+    state: Sandbox,
+    events: tuple[DecidedEvent, ...],
+    message: Message,
+    cause: Cause,
+    limits: Limits,
+) -> tuple[Sandbox, tuple[DecidedEvent, ...]]:
+    """The completion policy, once the main process's end is recorded."""
+    if state.on_exit != "delete" or is_held(state) or not isinstance(events[-1], EXIT_EVENTS):
+        return state, events
+    return _delete_now(state, events, message, cause, limits)
+
+
+def decide_deadline(
+    state: Sandbox | None, due: DeadlineDue, cause: Cause, limits: Limits
+) -> Decision:
+    what = f"DeadlineDue({due.deadline} at {due.due_at.isoformat()}) of generation {due.generation}"
+    if (not_current := not_current_generation(state, due.generation, what)) is not None:
+        return not_current
+    assert state is not None  # not_current_generation answered for a missing row
+    at = due.occurred_at
+    events: tuple[DecidedEvent, ...]
+    if due.deadline == "ttl":
+        if state.expires_at != due.due_at:
+            return ignored(state, f"not pending: {what}, the row expires at {state.expires_at}")
+        if state.hold is not None:
+            return ignored(state, f"held by {state.hold.by}: {what} deferred until released")
+        policy = state.on_expiry
+        new_state, events = emit_event(
+            state,
+            built(
+                SandboxExpired,
+                type="SandboxExpired",
+                **common_fields(state, due, cause),
+                policy=policy,
+            ),
+        )
+        if policy == "delete" and admission("DeleteSandbox", new_state.phase) is Admission.ADMIT:
+            new_state, events = _delete_now(new_state, events, due, cause, limits)
+        elif policy == "stop" and admission("StopSandbox", new_state.phase) is Admission.ADMIT:
+            deadline = stop_deadline(new_state.spec, at, limits)
+            new_state, events = then_decide(
+                new_state,
+                events,
+                due,
+                cause,
+                lambda c: new_event(SandboxStopping, c, deadline),
+            )
+    else:
+        pending = state.deadline
+        if pending is None or (pending.kind, pending.due_at) != (due.deadline, due.due_at):
+            return ignored(state, f"not pending: {what}, the row's deadline is {pending}")
+        common = common_fields(state, due, cause)
+        event: DecidedEvent
+        match pending.kind:
+            case "launch":
+                event = built(
+                    SandboxTimedOut, type="SandboxTimedOut", **common, reason=PROVISIONING_TIMEOUT
+                )
+            case "stop":
+                event = new_event(SandboxStopEscalated, common)
+            case "delete":
+                again = delete_deadline(state.spec, at, limits, pending.attempt + 1)
+                assert again is not None  # pending exists, so delete deadlines are on
+                event = built(
+                    SandboxDeleteRetried, type="SandboxDeleteRetried", **common, deadline=again
+                )
+            case "restart":
+                return scheduled_restart_due(state, due, cause, limits, what)
+        new_state, events = emit_event(state, event)
+        new_state, events = apply_restart_policy(
+            new_state, events, due, "launch timed out", cause, limits
+        )
+        new_state, events = completion_policy(new_state, events, due, cause, limits)
+    why = f"{what}: {state.phase} -> {new_state.phase} ({events[0].type})" + policy_note(events)
+    return Decision(new_state, events, "applied", why)

@@ -1,0 +1,94 @@
+"""Deadlines as values: which phases carry one (``PHASE_DEADLINES``) and when it falls due
+(launch, stop with its grace and margin, delete with its back-off), computed from a message's
+``occurred_at`` and the ``Limits``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Final, Literal
+
+from events.common import (
+    Deadline,
+    Phase,
+    SandboxSpec,
+)
+from events.decided import (
+    SandboxCompleted,
+    SandboxFailed,
+    SandboxRestartsExhausted,
+    SandboxTimedOut,
+)
+from events.trusted import builder
+
+from .model import Limits, P
+
+# Which phases carry a deadline, of which kind. Entering one records it in the row (computed
+# from the entering message's occurred_at and the Limits); leaving it clears it.
+PHASE_DEADLINES: Final[dict[Phase, Literal["launch", "stop", "delete"]]] = {
+    P.PROVISIONING: "launch",
+    P.STARTING: "launch",
+    P.STOPPING: "stop",
+    P.DELETING: "delete",
+}
+
+
+# The completion policy on_exit=delete: a sandbox whose main process ended (SandboxCompleted,
+# SandboxFailed, SandboxTimedOut) is deleted in the same decision, unless it is held.
+EXIT_EVENTS: Final = (SandboxCompleted, SandboxFailed, SandboxTimedOut, SandboxRestartsExhausted)
+
+
+PROVISIONING_TIMEOUT: Final = "ProvisioningTimeout"
+
+
+def moment_after(at: datetime, seconds: float) -> datetime:
+    return at + timedelta(seconds=seconds)
+
+
+# The deadlines are built without validation: an aware time (the message's, plus seconds), a
+# kind of the literal and a count from zero are what validation would accept unchanged.
+_deadline = builder(Deadline, "kind", "due_at")
+
+
+counted_deadline = builder(Deadline, "kind", "due_at", "attempt")
+
+
+def grace_of(spec: SandboxSpec, limits: Limits) -> float:
+    """The grace period of stopping a runtime of ``spec``: the sandbox's, else the driver's."""
+    if spec.stop_timeout_seconds is not None:
+        return spec.stop_timeout_seconds
+    return limits.stop_grace_seconds
+
+
+def launch_deadline(
+    at: datetime, limits: Limits, *, replacing: SandboxSpec | None = None
+) -> Deadline | None:
+    """When a launch decided at ``at`` is given up (ProvisioningTimeout): the launch timeout
+    counted from when the executor stops retrying it, which is its retry window after the
+    launch can begin, i.e. after the generation it replaces (``replacing``: a start, restart
+    or rotation restart) has been stopped with its grace period. So the executor's own report
+    (Ready, or the failure after its retries: AgentRestartFailed for a rotation) is decided
+    first, and a slow-stopping agent is not timed out by its own stop."""
+    if limits.launch_seconds is None:
+        return None
+    begins = grace_of(replacing, limits) if replacing is not None else 0.0
+    return _deadline(
+        "launch", moment_after(at, begins + limits.launch_retry_seconds + limits.launch_seconds)
+    )
+
+
+def stop_deadline(spec: SandboxSpec, at: datetime, limits: Limits) -> Deadline | None:
+    """The grace period (the sandbox's, else the driver's) plus the margin."""
+    if limits.stop_margin_seconds is None:
+        return None
+    return _deadline("stop", moment_after(at, grace_of(spec, limits) + limits.stop_margin_seconds))
+
+
+def delete_deadline(
+    spec: SandboxSpec, at: datetime, limits: Limits, attempt: int = 0
+) -> Deadline | None:
+    """A delete stops running runtimes first (grace period), then waits with back-off."""
+    if limits.delete_seconds is None:
+        return None
+    wait = min(limits.delete_seconds * 2**attempt, limits.delete_backoff_max_seconds)
+    return counted_deadline("delete", moment_after(at, grace_of(spec, limits) + wait), attempt)

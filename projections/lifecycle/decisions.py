@@ -1,0 +1,485 @@
+"""``decide(state, message, cause, limits)``: the one entry of the rules. It routes a command
+through the admission table and its verb, an observation through the observation table, and a
+``DeadlineDue`` to the deadline rules.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from events.commands import (
+    AttachProvider,
+    Command,
+    CreateSandbox,
+    DeleteSandbox,
+    DetachProvider,
+    ExtendSandbox,
+    HoldSandbox,
+    ReleaseSandbox,
+    RestartSandbox,
+    RotateCredentials,
+    SetRestartPolicy,
+    StartSandbox,
+    StopSandbox,
+)
+from events.common import (
+    Cause,
+    Hold,
+)
+from events.decided import (
+    AgentRestarted,
+    AgentRestartFailed,
+    AgentRestartSkipped,
+    DecidedEvent,
+    ProviderAttached,
+    ProviderDetached,
+    RestartPolicyChanged,
+    SandboxCompleted,
+    SandboxCreated,
+    SandboxDeleted,
+    SandboxDeleting,
+    SandboxExtended,
+    SandboxFailed,
+    SandboxHeld,
+    SandboxOperationFailed,
+    SandboxReady,
+    SandboxReleased,
+    SandboxStarting,
+    SandboxStopped,
+    SandboxStopping,
+)
+from events.observations import (
+    DeadlineDue,
+    DriverOperationResult,
+    Observation,
+    RuntimeRemoved,
+    RuntimeSnapshot,
+)
+from events.outcomes import Code
+from events.trusted import built
+
+from .commands import (
+    REFUSED_WHILE_HELD,
+    VERB,
+    Admission,
+    admission,
+    admitting_phases,
+)
+from .deadline_due import completion_policy, decide_deadline
+from .deadlines import delete_deadline, launch_deadline, stop_deadline
+from .emit import (
+    common_fields,
+    emit_event,
+    ignored,
+    new_event,
+    not_current_generation,
+    outcome_of,
+    rejected,
+    then_decide,
+)
+from .identity import (
+    event_id_for,
+    identity_for,
+    next_generation,
+    sandbox_id_for,
+)
+from .model import DEFAULT_LIMITS, Decision, Limits, Message, P, Sandbox
+from .observations import (
+    FOLLOW_OBSERVED,
+    OBSERVATION_TABLE,
+    OBSERVED_PHASE,
+    ObservationKind,
+    Target,
+    observation_kind,
+)
+from .providers import (
+    DETACH_HELD,
+    DETACH_RESTART,
+    HELD,
+    RESTART,
+    RESTART_PENDING,
+    ROTATION_RESTART,
+    detach_action,
+    held,
+    rotation_action,
+    stale_detaches,
+    stale_rotations,
+)
+from .restart_policy import (
+    OBSERVED_EXIT,
+    apply_restart_policy,
+    policy_note,
+    policy_unchanged,
+)
+
+# decide
+
+
+def decide(
+    state: Sandbox | None, message: Message, cause: Cause, limits: Limits = DEFAULT_LIMITS
+) -> Decision:
+    """The new row, the decided events and the outcome of one input message."""
+    if isinstance(message, DeadlineDue):
+        return decide_deadline(state, message, cause, limits)
+    if isinstance(message, RuntimeSnapshot | RuntimeRemoved | DriverOperationResult):
+        return _decide_observation(state, message, cause, limits)
+    return _decide_command(state, message, cause, limits)
+
+
+def _decide_command(
+    state: Sandbox | None, command: Command, cause: Cause, limits: Limits
+) -> Decision:
+    if isinstance(command, CreateSandbox):
+        return _create(state, command, cause, limits)
+    if state is None or state.tombstoned:
+        return rejected(state, command, Code.NOT_FOUND, f"sandbox {command.key!r} not found")
+    if isinstance(command, RotateCredentials):
+        return _rotate(state, command, cause, limits)
+    expected = command.expected_version
+    if expected is not None and expected != state.version:
+        why = (
+            f"expected version {expected} but sandbox {command.key!r} is at version {state.version}"
+        )
+        return rejected(state, command, Code.ABORTED, why)
+
+    verb = VERB[command.type]
+    rule = admission(command.type, state.phase)
+    if rule is Admission.REJECT:
+        allowed = ", ".join(p.value for p in admitting_phases(command.type))
+        why = f"sandbox must be {allowed} to {verb} (current phase: {state.phase})"
+        return rejected(state, command, Code.FAILED_PRECONDITION, why)
+    if command.type in REFUSED_WHILE_HELD and state.hold is not None:
+        hold = state.hold
+        why = (
+            f"sandbox {command.key!r} is held by {hold.by} since {hold.since.isoformat()}: "
+            f"{hold.reason} (release it to {verb})"
+        )
+        return rejected(state, command, Code.FAILED_PRECONDITION, why)
+    held = state.hold is not None
+    if isinstance(command, HoldSandbox | ReleaseSandbox) and held == isinstance(
+        command, HoldSandbox
+    ):
+        rule = Admission.IDEMPOTENT
+    if isinstance(command, AttachProvider | DetachProvider):
+        attached = command.provider in state.providers
+        if attached == isinstance(command, AttachProvider):
+            rule = Admission.IDEMPOTENT
+    if isinstance(command, SetRestartPolicy) and policy_unchanged(state.spec, command):
+        rule = Admission.IDEMPOTENT
+    if rule is Admission.IDEMPOTENT:
+        why = f"nothing to do: sandbox {command.key!r} is {state.phase}"
+        if isinstance(command, AttachProvider | DetachProvider):
+            why = f"nothing to do: provider {command.provider!r} is already " + (
+                "attached" if isinstance(command, AttachProvider) else "detached"
+            )
+        if isinstance(command, HoldSandbox | ReleaseSandbox):
+            why = f"nothing to do: sandbox {command.key!r} is " + (
+                f"already held by {state.hold.by}: {state.hold.reason}"
+                if state.hold is not None
+                else "not held"
+            )
+        return Decision(state, (), "idempotent", why, outcome_of(command, Code.OK, why, state))
+
+    if isinstance(command, DetachProvider):
+        return _detach(state, command, cause, limits)
+    common = common_fields(state, command, cause)
+    at = command.occurred_at
+    event: DecidedEvent
+    match command:
+        case StartSandbox() | RestartSandbox():
+            generation = next_generation(state)
+            event = built(
+                SandboxStarting,
+                type="SandboxStarting",
+                **(common | {"generation": generation}),
+                reason="start" if isinstance(command, StartSandbox) else "restart",
+                previous_generation=state.generation,
+                spec=state.spec,
+                identity=identity_for(state.sandbox_id, generation, command.command_id),
+                deadline=launch_deadline(at, limits, replacing=state.spec),
+            )
+        case StopSandbox():
+            deadline = stop_deadline(state.spec, at, limits)
+            event = new_event(SandboxStopping, common, deadline)
+        case DeleteSandbox():
+            deadline = delete_deadline(state.spec, at, limits)
+            event = new_event(SandboxDeleting, common, deadline)
+        case SetRestartPolicy():
+            event = built(
+                RestartPolicyChanged,
+                type="RestartPolicyChanged",
+                **common,
+                restart_policy=command.restart_policy,
+                restart_backoff=command.restart_backoff,
+                max_restarts=command.max_restarts,
+            )
+        case HoldSandbox():
+            hold = built(Hold, by=command.actor, reason=command.reason, since=at)
+            event = built(SandboxHeld, type="SandboxHeld", **common, hold=hold)
+        case ReleaseSandbox():
+            event = new_event(SandboxReleased, common)
+        case ExtendSandbox():
+            expires_at = at + timedelta(seconds=command.ttl_seconds)
+            event = built(SandboxExtended, type="SandboxExtended", **common, expires_at=expires_at)
+        case AttachProvider():
+            event = built(
+                ProviderAttached, type="ProviderAttached", **common, provider=command.provider
+            )
+        case _:
+            raise AssertionError(command)
+    new_state, events = emit_event(state, event)
+    why = f"{command.type} accepted: sandbox {command.key!r} is {new_state.phase}"
+    return Decision(new_state, events, "applied", why, outcome_of(command, Code.OK, why, new_state))
+
+
+def _create(
+    state: Sandbox | None, command: CreateSandbox, cause: Cause, limits: Limits
+) -> Decision:
+    if state is not None and not state.tombstoned:
+        why = f"sandbox {command.key!r} already exists (phase: {state.phase})"
+        return rejected(state, command, Code.ALREADY_EXISTS, why)
+    # A re-create after delete starts above the tombstone's generation, so nothing of the old
+    # incarnation can ever match the new one.
+    generation = next_generation(state) if state is not None else 1
+    version = state.version + 1 if state is not None else 1
+    sandbox_id = sandbox_id_for(command.key, generation, command.command_id)
+    event = built(
+        SandboxCreated,
+        type="SandboxCreated",
+        event_id=event_id_for(cause),
+        key=command.key,
+        sandbox_id=sandbox_id,
+        version=version,
+        generation=generation,
+        occurred_at=command.occurred_at,
+        actor=command.actor,
+        cause=cause,
+        spec=command.spec,
+        providers=sorted(set(command.providers)),
+        identity=identity_for(sandbox_id, generation, command.command_id),
+        deadline=launch_deadline(command.occurred_at, limits),
+        expires_at=(
+            command.occurred_at + timedelta(seconds=command.ttl_seconds)
+            if command.ttl_seconds is not None
+            else None
+        ),
+        on_expiry=command.on_expiry,
+        on_exit=command.on_exit,
+    )
+    new_state, events = emit_event(state, event)
+    why = f"sandbox {command.key!r} created at generation {generation}"
+    return Decision(new_state, events, "applied", why, outcome_of(command, Code.OK, why, new_state))
+
+
+def _rotate(state: Sandbox, command: RotateCredentials, cause: Cause, limits: Limits) -> Decision:
+    named = sorted({r.provider for r in command.rotations})
+    attached = [p for p in named if p in state.providers]
+    if not attached:
+        why = f"nothing to do: {', '.join(named)} not attached to sandbox {command.key!r}"
+        return Decision(state, (), "idempotent", why, outcome_of(command, Code.OK, why, state))
+    action = rotation_action(state, command.restart)
+    common = common_fields(state, command, cause)
+    event: DecidedEvent
+    if action == RESTART:
+        event = _agent_restarted(state, common, attached, command.command_id, limits)
+        why = f"restart for rotated {', '.join(attached)}: generation {event.generation}"
+    else:
+        awaits: dict[str, int] = {}
+        if action == RESTART_PENDING:
+            for r in command.rotations:
+                if r.provider in attached:
+                    awaits[r.provider] = max(r.revision, awaits.get(r.provider, 0))
+        event = built(
+            AgentRestartSkipped,
+            type="AgentRestartSkipped",
+            **common,
+            providers=attached,
+            reason=action,
+            awaits=awaits,
+        )
+        why = f"restart skipped for rotated {', '.join(attached)}: {action}"
+    new_state, events = emit_event(state, event)
+    return Decision(new_state, events, "applied", why, outcome_of(command, Code.OK, why, new_state))
+
+
+def _detach(state: Sandbox, command: DetachProvider, cause: Cause, limits: Limits) -> Decision:
+    """ProviderDetached, and in Ready a restart without the provider (DETACH_TABLE)."""
+    action = detach_action(state, command.restart)
+    provider = command.provider
+    new_state, events = emit_event(
+        state,
+        built(
+            ProviderDetached,
+            type="ProviderDetached",
+            **common_fields(state, command, cause),
+            provider=provider,
+        ),
+    )
+    if action == RESTART:
+        new_state, events = then_decide(
+            new_state,
+            events,
+            command,
+            cause,
+            lambda c: _agent_restarted(
+                new_state, c, [], command.command_id, limits, detached=[provider]
+            ),
+        )
+        why = (
+            f"provider {provider!r} detached: restart without it: generation {new_state.generation}"
+        )
+    else:
+        why = f"provider {provider!r} detached: {action}"
+    return Decision(new_state, events, "applied", why, outcome_of(command, Code.OK, why, new_state))
+
+
+def _decide_observation(
+    state: Sandbox | None, obs: Observation, cause: Cause, limits: Limits
+) -> Decision:
+    kind = observation_kind(obs)
+    what = f"{obs.type}({kind}) of generation {obs.generation}"
+    if (not_current := not_current_generation(state, obs.generation, what)) is not None:
+        return not_current
+    assert state is not None  # not_current_generation answered for a missing row
+
+    target = OBSERVATION_TABLE[state.phase].get(kind)
+    if target is None:
+        return ignored(state, f"no effect in phase {state.phase}: {what}")
+    if state.awaited and kind == "running":
+        return ignored(state, f"{what}: awaiting the launch's report of the values it read")
+    event = _observation_event(state, obs, kind, target, common_fields(state, obs, cause))
+    new_state, events = emit_event(state, event)
+    if state.awaited and kind == "launch_succeeded":
+        assert isinstance(obs, DriverOperationResult)
+        new_state, events = _restart_if_stale(state, new_state, events, obs, cause, limits)
+    new_state, events = apply_restart_policy(
+        new_state, events, obs, OBSERVED_EXIT.get(kind), cause, limits
+    )
+    new_state, events = completion_policy(new_state, events, obs, cause, limits)
+    why = f"{what}: {state.phase} -> {new_state.phase}" + policy_note(events)
+    return Decision(new_state, events, "applied", why)
+
+
+def _restart_if_stale(
+    pending: Sandbox,
+    state: Sandbox,
+    events: tuple[DecidedEvent, ...],
+    obs: DriverOperationResult,
+    cause: Cause,
+    limits: Limits,
+) -> tuple[Sandbox, tuple[DecidedEvent, ...]]:
+    """The launch that ``pending`` awaited reported what it read: restart once more if it
+    missed a rotation decided while it was pending, or read a provider detached meanwhile (the
+    agent must run the newest values, and none of a detached provider)."""
+    stale = sorted(stale_rotations(pending, obs.credentials))
+    gone = stale_detaches(pending, obs.credentials)
+    if not stale and not gone:
+        return state, events
+    if held(state):  # a hold made meanwhile: the newest values wait for the next start
+        return then_decide(
+            state,
+            events,
+            obs,
+            cause,
+            lambda c: built(
+                AgentRestartSkipped,
+                type="AgentRestartSkipped",
+                **c,
+                providers=stale + gone,
+                reason=HELD if stale else DETACH_HELD,
+            ),
+        )
+    return then_decide(
+        state,
+        events,
+        obs,
+        cause,
+        lambda c: _agent_restarted(state, c, stale, obs.observation_id, limits, detached=gone),
+    )
+
+
+def _agent_restarted(
+    state: Sandbox,
+    common: dict,  # type: ignore[type-arg]
+    providers: list[str],
+    id_source: str,
+    limits: Limits,
+    detached: list[str] | None = None,
+) -> AgentRestarted:
+    """A restart of ``state`` at the next generation, for rotated ``providers`` and detached
+    ones."""
+    generation = next_generation(state)
+    return built(
+        AgentRestarted,
+        type="AgentRestarted",
+        **(common | {"generation": generation}),
+        providers=providers,
+        detached=detached or [],
+        previous_generation=state.generation,
+        spec=state.spec,
+        identity=identity_for(state.sandbox_id, generation, id_source),
+        deadline=launch_deadline(common["occurred_at"], limits, replacing=state.spec),
+    )
+
+
+def _observation_event(
+    state: Sandbox,
+    obs: Observation,
+    kind: ObservationKind,
+    target: Target,
+    common: dict,  # type: ignore[type-arg]
+) -> DecidedEvent:
+    exit_code = getattr(obs, "exit_code", None)
+    if target == FOLLOW_OBSERVED:
+        # A failed stop or delete: the row follows what the backend looks like now.
+        assert isinstance(obs, DriverOperationResult)
+        phase = OBSERVED_PHASE[obs.observed] if obs.observed else P.ERROR
+        if phase is P.DELETED and obs.operation != "delete":
+            phase = P.STOPPED  # a stop that finds nothing left has stopped it
+        if phase is P.DELETED:
+            return new_event(SandboxDeleted, common)
+        return built(
+            SandboxOperationFailed,
+            type="SandboxOperationFailed",
+            **common,
+            operation=obs.operation,
+            phase=phase,
+            reason=obs.reason or f"{obs.operation} failed",
+            exit_code=exit_code,
+        )
+    match target:
+        case P.READY:
+            return new_event(SandboxReady, common)
+        case P.STOPPED:
+            return new_event(SandboxStopped, common)
+        case P.COMPLETED:
+            return built(
+                SandboxCompleted, type="SandboxCompleted", **common, exit_code=exit_code or 0
+            )
+        case P.DELETED:
+            return new_event(SandboxDeleted, common)
+        case P.ERROR if (
+            kind == "launch_failed"
+            and state.phase is P.STARTING
+            and (state.reason or "").startswith((ROTATION_RESTART, DETACH_RESTART))
+        ):
+            reason = getattr(obs, "reason", None) or "launch failed"
+            return built(
+                AgentRestartFailed,
+                type="AgentRestartFailed",
+                **common,
+                reason=reason,
+                exit_code=exit_code,
+            )
+        case P.ERROR:
+            reasons = {
+                "exited_error": f"runtime exited with code {exit_code}"
+                if exit_code is not None
+                else "runtime exited with an unknown code",
+                "removed": "runtime removed outside sandstream",
+            }
+            reason = getattr(obs, "reason", None) or reasons.get(kind, f"{kind.replace('_', ' ')}")
+            return built(
+                SandboxFailed, type="SandboxFailed", **common, reason=reason, exit_code=exit_code
+            )
+    raise AssertionError(f"no event leads to {target}")

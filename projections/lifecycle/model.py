@@ -1,0 +1,118 @@
+"""The read model's row (``Sandbox``), the processor's ``Limits`` and a ``Decision``: the
+values every other module of the rules reads or returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Final, Literal
+from uuid import UUID
+
+from events.commands import (
+    Command,
+)
+from events.common import (
+    Deadline,
+    ExitPolicy,
+    ExpiryPolicy,
+    Hold,
+    Phase,
+    Restarts,
+    SandboxSpec,
+)
+from events.decided import (
+    DecidedEvent,
+)
+from events.observations import (
+    Observation,
+)
+from events.outcomes import CommandOutcome
+
+Message = Command | Observation
+
+
+Disposition = Literal["applied", "idempotent", "rejected", "ignored", "duplicate"]
+
+
+SANDBOX_NS: Final = UUID("6f1c9a52-4d3b-4a8e-9a57-0d5b1e0c7a11")
+
+
+IDENTITY_NS: Final = UUID("0b7d3e8c-2f41-4c55-8f0e-6a2d9c4b1e22")
+
+
+EVENT_NS: Final = UUID("9e4a1f6d-7c28-4b93-a1d5-3f8e2b6c0d33")
+
+
+# Phase is a StrEnum: a member formats as its value (f"{phase}" writes what phase.value is,
+# without the enum property's Python call on every reason).
+P = Phase
+
+
+@dataclass(frozen=True, slots=True)
+class Sandbox:
+    """One row of the read model: a live sandbox, or the tombstone of a deleted one."""
+
+    key: str
+    sandbox_id: UUID
+    phase: Phase
+    generation: int
+    version: int
+    spec: SandboxSpec
+    providers: tuple[str, ...]
+    identity: str
+    exit_code: int | None
+    reason: str | None
+    created_at: datetime
+    updated_at: datetime
+    # Operator lifecycle (deadlines, time to live, completion policy, hold).
+    deadline: Deadline | None = field(default=None, kw_only=True)
+    expires_at: datetime | None = field(default=None, kw_only=True)
+    on_expiry: ExpiryPolicy = field(default="stop", kw_only=True)
+    on_exit: ExitPolicy = field(default="keep", kw_only=True)
+    hold: Hold | None = field(default=None, kw_only=True)
+    # Rotations decided while this generation's launch was pending (provider -> revision): the
+    # launch must report having read at least these, or the agent restarts once more.
+    awaited: dict[str, int] = field(default_factory=dict, kw_only=True)
+    # The restart policy's record (None: nothing to record yet, e.g. under Never).
+    restarts: Restarts | None = field(default=None, kw_only=True)
+
+    @property
+    def tombstoned(self) -> bool:
+        return self.phase is P.DELETED
+
+
+def is_held(sandbox: Sandbox | None) -> bool:
+    """Whether an operator holds the sandbox: start, restart, expiry, the completion policy and
+    credential rotation all leave a held sandbox alone."""
+    return sandbox is not None and sandbox.hold is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """How long each guarded phase may last (seconds; None: no deadline). The processor's
+    configuration: the deadlines it computes travel in the decided events, so the rebuild from
+    the log reproduces them whatever the configuration is then."""
+
+    launch_seconds: float | None = 300.0
+    # How long the executor retries a transient launch failure before it reports it (its
+    # executor_retry_seconds): the launch deadline lies beyond it, so that report is decided.
+    launch_retry_seconds: float = 600.0
+    stop_grace_seconds: float = 10.0  # the driver's grace when the spec sets none
+    stop_margin_seconds: float | None = 30.0
+    delete_seconds: float | None = 120.0  # the first retry; each further one waits twice as long
+    delete_backoff_max_seconds: float = 1800.0
+    # A generation Ready at least this long before it ends resets the restart back-off.
+    restart_reset_seconds: float = 600.0
+
+
+DEFAULT_LIMITS: Final = Limits()
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    state: Sandbox | None
+    events: tuple[DecidedEvent, ...]
+    disposition: Disposition
+    reason: str
+    outcome: CommandOutcome | None = None

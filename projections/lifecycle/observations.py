@@ -1,0 +1,107 @@
+"""What an observation of the current generation does in each phase: ``OBSERVATION_TABLE``,
+and ``observation_kind``, which names the kind of a driver's observation.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal, assert_never
+
+from events.common import (
+    Phase,
+)
+from events.observations import (
+    DeadlineDue,
+    DriverOperationResult,
+    Observation,
+    ObservedState,
+    RuntimeRemoved,
+    RuntimeSnapshot,
+)
+
+from .model import P
+
+# Observations of the current generation: what they do in each phase.
+# Older generations are stale, newer than issued are unknown: both ignored before this table.
+
+
+ObservationKind = Literal[
+    "created", "running", "stopping", "exited_ok", "exited_error", "removed",
+    "launch_succeeded", "launch_failed",
+    "stop_succeeded", "stop_absent", "stop_failed",
+    "delete_succeeded", "delete_absent", "delete_failed",
+]  # fmt: skip
+
+
+FOLLOW_OBSERVED: Final = "follow observed"  # the phase the backend was seen in after a failure
+
+
+Target = Phase | Literal["follow observed"]
+
+
+_LAUNCHING: dict[ObservationKind, Target] = {
+    "running": P.READY,
+    "launch_succeeded": P.READY,
+    "exited_ok": P.COMPLETED,
+    "exited_error": P.ERROR,
+    "removed": P.ERROR,
+    "launch_failed": P.ERROR,
+}
+
+
+OBSERVATION_TABLE: Final[dict[Phase, dict[ObservationKind, Target]]] = {
+    P.PROVISIONING: _LAUNCHING,
+    P.STARTING: _LAUNCHING,
+    P.READY: {"exited_ok": P.COMPLETED, "exited_error": P.ERROR, "removed": P.ERROR},
+    P.STOPPING: {
+        "exited_ok": P.STOPPED,
+        "exited_error": P.STOPPED,
+        "removed": P.STOPPED,
+        "stop_succeeded": P.STOPPED,
+        "stop_absent": P.STOPPED,
+        "stop_failed": FOLLOW_OBSERVED,
+    },
+    # Stopped: snapshots that describe the stop itself only confirm it. Only an accepted
+    # start, restart or delete leaves Stopped.
+    P.STOPPED: {},
+    P.COMPLETED: {},
+    # Only "running" lifts Error: a stopping runtime (its removal under way, e.g. the cleanup
+    # stop of a timed-out launch) is no sign of life. "stopping" changes nothing anywhere: the
+    # exit or the removal that follows decides.
+    P.ERROR: {"running": P.READY},
+    # Deleting is monotonic: ordinary snapshots change nothing, removal tombstones.
+    P.DELETING: {
+        "removed": P.DELETED,
+        "delete_succeeded": P.DELETED,
+        "delete_absent": P.DELETED,
+        "delete_failed": FOLLOW_OBSERVED,
+    },
+}
+
+
+OBSERVED_PHASE: dict[ObservedState, Phase] = {
+    "running": P.READY,
+    "created": P.STOPPED,  # exists, not running: a start recovers it
+    "exited": P.STOPPED,
+    "absent": P.DELETED,
+}
+
+
+def observation_kind(obs: Observation) -> ObservationKind:
+    match obs:
+        case RuntimeSnapshot(state="exited"):
+            return "exited_ok" if obs.exit_code == 0 else "exited_error"
+        case RuntimeSnapshot(state="running"):
+            return "running"
+        case RuntimeSnapshot(state="stopping"):
+            return "stopping"
+        case RuntimeSnapshot():
+            return "created"
+        case RuntimeRemoved():
+            return "removed"
+        case DriverOperationResult(operation=op, outcome=outcome):
+            suffix = {"succeeded": "succeeded", "failed": "failed", "already_absent": "absent"}
+            kind = f"{op}_{suffix[outcome]}"
+            return "launch_failed" if kind == "launch_absent" else kind  # type: ignore[return-value]
+        case DeadlineDue():
+            raise ValueError("a deadline is decided by DEADLINE_TABLE, not OBSERVATION_TABLE")
+    assert_never(obs)

@@ -1,0 +1,160 @@
+"""``evolve``: apply one decided event to a row, used live by ``decide`` and by the rebuild from
+the log (``_CHANGES``, one entry per event type).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, Final
+
+from events.decided import (
+    AgentRestarted,
+    AgentRestartFailed,
+    AgentRestartSkipped,
+    DecidedEvent,
+    ProviderAttached,
+    ProviderDetached,
+    SandboxCompleted,
+    SandboxCreated,
+    SandboxDeleted,
+    SandboxDeleteRetried,
+    SandboxDeleting,
+    SandboxExpired,
+    SandboxExtended,
+    SandboxFailed,
+    SandboxHeld,
+    SandboxOperationFailed,
+    SandboxReady,
+    SandboxReleased,
+    SandboxStarting,
+    SandboxStopEscalated,
+    SandboxStopped,
+    SandboxStopping,
+    SandboxTimedOut,
+)
+from projections.records import maker, replaced
+
+from .model import P, Sandbox
+from .providers import restart_reason
+from .restarts import (
+    RESTART_CHANGES,
+    held_cancels,
+    restarts_on_ready,
+    restarts_on_start,
+    started_reason,
+)
+
+# evolve: apply one decided event to a row (used live and by the rebuild from the log)
+
+
+_LAUNCH_PENDING: Final = (P.PROVISIONING, P.STARTING)
+
+
+_new_row = maker(Sandbox)  # every field, in order: Sandbox(...) through its slots
+
+
+def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
+    if type(event) is SandboxCreated:  # the decided events are final classes
+        return _new_row(
+            event.key, event.sandbox_id, P.PROVISIONING, event.generation, event.version,
+            event.spec, tuple(sorted(set(event.providers))), event.identity,
+            None,  # exit_code
+            None,  # reason
+            event.occurred_at,  # created_at
+            event.occurred_at,  # updated_at
+            event.deadline, event.expires_at, event.on_expiry, event.on_exit,
+            None,  # hold
+            {},  # awaited
+            None,  # restarts
+        )  # fmt: skip
+    if state is None:
+        raise ValueError(f"{event.type} for {event.key!r} before SandboxCreated")
+    new = replaced(
+        state,
+        version=event.version,
+        generation=event.generation,
+        updated_at=event.occurred_at,
+        **_changes(state, event),
+    )
+    # Awaited rotations belong to one pending launch: a new generation or a phase past the
+    # launch (its report decided, or it failed: the next start reads the newest) clears them.
+    if new.awaited and (new.generation != state.generation or new.phase not in _LAUNCH_PENDING):
+        new = replace(new, awaited={})
+    return new
+
+
+# The fields each event sets besides version, generation and updated_at, by the event's type
+# (one dict lookup: a match over the classes runs an isinstance check per case). A phase change
+# sets the new phase's deadline (None for phases without one).
+_Changes = Callable[[Sandbox, Any], dict[str, Any]]
+
+
+_CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
+    SandboxStarting: lambda s, e: {"phase": P.STARTING, "spec": e.spec, "identity": e.identity,
+                                   "exit_code": None, "reason": started_reason(e),
+                                   "deadline": e.deadline, **restarts_on_start(s, e)},
+    SandboxReady: lambda s, e: {"phase": P.READY, "exit_code": None, "reason": None,
+                                "deadline": None, **restarts_on_ready(s, e)},
+    SandboxStopping: lambda s, e: {"phase": P.STOPPING, "deadline": e.deadline},
+    SandboxStopped: lambda s, e: {"phase": P.STOPPED, "reason": None, "deadline": None},
+    SandboxCompleted: lambda s, e: {"phase": P.COMPLETED, "exit_code": e.exit_code,
+                                    "reason": None, "deadline": None},
+    SandboxFailed: lambda s, e: {"phase": P.ERROR, "exit_code": e.exit_code, "reason": e.reason,
+                                 "deadline": None},
+    SandboxOperationFailed: lambda s, e: {"phase": e.phase, "exit_code": e.exit_code,
+                                          "reason": e.reason, "deadline": None},
+    SandboxDeleting: lambda s, e: {"phase": P.DELETING, "deadline": e.deadline},
+    SandboxDeleted: lambda s, e: {"phase": P.DELETED, "deadline": None},
+    ProviderAttached: lambda s, e: {"providers": tuple(sorted({*s.providers, e.provider}))},
+    ProviderDetached: lambda s, e: _detached(s, e),
+    AgentRestarted: lambda s, e: {"phase": P.STARTING, "spec": e.spec, "identity": e.identity,
+                                  "exit_code": None, "deadline": e.deadline,
+                                  "reason": restart_reason(e.providers, e.detached)},
+    AgentRestartSkipped: lambda s, e: _merge_awaited(s, e),
+    AgentRestartFailed: lambda s, e: {"phase": P.ERROR, "exit_code": e.exit_code,
+                                      "reason": e.reason, "deadline": None},
+    SandboxTimedOut: lambda s, e: {"phase": P.ERROR, "exit_code": None, "reason": e.reason,
+                                   "deadline": None},
+    SandboxStopEscalated: lambda s, e: {
+        "reason": "StopTimeout: the stop outlived its grace period; killing", "deadline": None
+    },
+    SandboxDeleteRetried: lambda s, e: {
+        "reason": f"DeleteTimeout: not deleted yet; retry {e.deadline.attempt}",
+        "deadline": e.deadline,
+    },
+    SandboxExpired: lambda s, e: {"expires_at": None,
+                                  "reason": f"Expired: time to live ended ({e.policy})"},
+    SandboxExtended: lambda s, e: {"expires_at": e.expires_at},
+    SandboxHeld: lambda s, e: {"hold": e.hold, **held_cancels(s, e)},
+    SandboxReleased: lambda s, e: {"hold": None},
+    **RESTART_CHANGES,
+}  # fmt: skip
+
+
+def _detached(state: Sandbox, event: ProviderDetached) -> dict[str, Any]:
+    """The provider leaves the row; while a launch is pending, it is awaited (revision 0:
+    that launch must not have read it, DETACH_PENDING)."""
+    changes: dict[str, Any] = {
+        "providers": tuple(p for p in state.providers if p != event.provider)
+    }
+    if state.phase in _LAUNCH_PENDING:
+        changes["awaited"] = {event.provider: 0, **state.awaited}
+    return changes
+
+
+def _merge_awaited(state: Sandbox, event: AgentRestartSkipped) -> dict[str, Any]:
+    if not event.awaits:
+        return {}
+    merged = dict(state.awaited)
+    for provider, revision in event.awaits.items():
+        merged[provider] = max(revision, merged.get(provider, 0))
+    return {"awaited": merged}
+
+
+def _changes(state: Sandbox, event: DecidedEvent) -> dict[str, Any]:
+    """The fields an event sets besides version, generation and updated_at."""
+    changes = _CHANGES.get(type(event))
+    if changes is None:
+        raise ValueError(f"unexpected event {event.type}")
+    return changes(state, event)
