@@ -91,8 +91,7 @@ async def test_a_retried_credentials_put_rotates_and_restarts_once() -> None:
         assert await api.env.fetchval("SELECT generation FROM sandboxes WHERE key = $1", box) == 3
 
         stored = await api.env.fetch(
-            "SELECT fingerprint, outcome::text AS outcome FROM api_commands "
-            "WHERE command_id = $1",
+            "SELECT fingerprint, outcome::text AS outcome FROM api_commands WHERE command_id = $1",
             put["command_id"],
         )
         assert len(stored) == 1
@@ -109,29 +108,31 @@ async def wait_generation(api: apikit.Api, name: str, generation: int) -> None:
 
 async def test_a_retried_create_and_delete_answer_their_first_outcome() -> None:
     p = unique("rid-c")
-    async with apikit.running_api(FakeDriver(), settings_update=SETTINGS) as api:
-        async with api.client() as c:
-            make = {"name": p, "credentials": {"K": "one"}, "command_id": "mk-" + p}
-            made = [await c.post("/v1/providers", json=make) for _ in range(2)]
-            assert [m.status_code for m in made] == [201, 201], made[1].text
-            assert made[1].json() == made[0].json()
-            conflict(await c.post("/v1/providers", json={**make, "credentials": {"K": "two"}}))
-            conflict(await c.post("/v1/providers", json={**make, "name": unique("rid-o")}))
-            assert (await c.get(f"/v1/providers/{p}")).json()["revision"] == 1
+    async with (
+        apikit.running_api(FakeDriver(), settings_update=SETTINGS) as api,
+        api.client() as c,
+    ):
+        make = {"name": p, "credentials": {"K": "one"}, "command_id": "mk-" + p}
+        made = [await c.post("/v1/providers", json=make) for _ in range(2)]
+        assert [m.status_code for m in made] == [201, 201], made[1].text
+        assert made[1].json() == made[0].json()
+        conflict(await c.post("/v1/providers", json={**make, "credentials": {"K": "two"}}))
+        conflict(await c.post("/v1/providers", json={**make, "name": unique("rid-o")}))
+        assert (await c.get(f"/v1/providers/{p}")).json()["revision"] == 1
 
-            drop = {"command_id": "rm-" + p}
-            dropped = [await c.request("DELETE", f"/v1/providers/{p}", json=drop)
-                       for _ in range(2)]  # fmt: skip
-            assert [d.status_code for d in dropped] == [200, 200], dropped[1].text
-            assert dropped[1].json() == dropped[0].json() == {
-                "name": p, "detached": [], "unsent": []
-            }  # fmt: skip
-            conflict(await c.request(
-                "DELETE", f"/v1/providers/{p}", params={"force": "true"}, json=drop
-            ))  # fmt: skip
-            # A new id is a new request: the provider is gone.
-            gone = await c.request("DELETE", f"/v1/providers/{p}", json={"command_id": "rm2-" + p})
-            assert gone.status_code == 404, gone.text
+        drop = {"command_id": "rm-" + p}
+        dropped = [await c.request("DELETE", f"/v1/providers/{p}", json=drop)
+                   for _ in range(2)]  # fmt: skip
+        assert [d.status_code for d in dropped] == [200, 200], dropped[1].text
+        assert dropped[1].json() == dropped[0].json() == {
+            "name": p, "detached": [], "unsent": []
+        }  # fmt: skip
+        conflict(await c.request(
+            "DELETE", f"/v1/providers/{p}", params={"force": "true"}, json=drop
+        ))  # fmt: skip
+        # A new id is a new request: the provider is gone.
+        gone = await c.request("DELETE", f"/v1/providers/{p}", json={"command_id": "rm2-" + p})
+        assert gone.status_code == 404, gone.text
 
 
 class LosesTheFirstAnswer(Client):
