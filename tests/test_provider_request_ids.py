@@ -78,8 +78,11 @@ async def test_a_retried_credentials_put_rotates_and_restarts_once() -> None:
             assert late.json() == receipt
             assert (await c.get(f"/v1/providers/{p}")).json()["revision"] == 3
 
-            # The same id for another request: other values, another verb.
+            # The same id for another request: other values, flags, verb, caller.
             conflict(await c.put(path, json={**put, "credentials": {"K": other}}))
+            conflict(await c.put(path, json={**put, "no_restart": True}))
+            async with api.client(apikit.KEEPER) as keeper:
+                conflict(await keeper.put(path, json=put))
             conflict(await c.request(
                 "DELETE", f"/v1/providers/{p}", json={"command_id": put["command_id"]}
             ))  # fmt: skip
@@ -118,6 +121,19 @@ async def test_a_retried_create_and_delete_answer_their_first_outcome() -> None:
         assert made[1].json() == made[0].json()
         conflict(await c.post("/v1/providers", json={**make, "credentials": {"K": "two"}}))
         conflict(await c.post("/v1/providers", json={**make, "name": unique("rid-o")}))
+        # A refused write records nothing.
+        exists = await c.post("/v1/providers", json={**make, "command_id": "again-" + p})
+        assert exists.status_code == 409 and exists.json()["code"] == "ALREADY_EXISTS"
+        known = "SELECT command_id FROM api_commands WHERE command_id = $1"
+        assert await api.env.fetch(known, "again-" + p) == []
+        # One namespace with the sandbox commands' ids, both ways.
+        stop = await c.post(
+            f"/v1/sandboxes/{unique()}:stop", json={"command_id": make["command_id"]}
+        )
+        assert stop.status_code == 409 and stop.json()["code"] == "IDEMPOTENCY_CONFLICT", stop.text
+        used = await c.post(f"/v1/sandboxes/{unique()}:stop", json={"command_id": "cmd-" + p})
+        assert used.status_code == 202, used.text
+        conflict(await c.post("/v1/providers", json={**make, "command_id": "cmd-" + p}))
         assert (await c.get(f"/v1/providers/{p}")).json()["revision"] == 1
 
         drop = {"command_id": "rm-" + p}
@@ -130,6 +146,8 @@ async def test_a_retried_create_and_delete_answer_their_first_outcome() -> None:
         conflict(await c.request(
             "DELETE", f"/v1/providers/{p}", params={"force": "true"}, json=drop
         ))  # fmt: skip
+        gone = await c.post("/v1/providers", json=make)  # the create's retry, too late
+        assert gone.status_code == 404 and "deleted since" in gone.json()["message"], gone.text
         # A new id is a new request: the provider is gone.
         gone = await c.request("DELETE", f"/v1/providers/{p}", json={"command_id": "rm2-" + p})
         assert gone.status_code == 404, gone.text
