@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import secrets
-from typing import Any
 
 import apikit
 import factories as f
@@ -18,10 +17,11 @@ import httpx
 from apikit import unique
 from harness import eventually
 from pydantic import SecretStr
+from test_cli_retry import LosesTheFirstAnswer
 
 from drivers.fake import FakeDriver
 from events.publisher import now
-from services.cli.client import Client, Connection
+from services.cli.client import Connection
 from services.cli.providers import _write
 
 KEY = SecretStr(base64.b64encode(secrets.token_bytes(32)).decode())
@@ -153,17 +153,8 @@ async def test_a_retried_create_and_delete_answer_their_first_outcome() -> None:
         assert gone.status_code == 404, gone.text
 
 
-class LosesTheFirstAnswer(Client):
-    """The first write is delivered and applied, but its answer never arrives."""
-
-    lost = 0
-
-    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        response = super().request(method, path, **kwargs)
-        if method == "PUT" and not self.lost:
-            self.lost += 1
-            raise httpx.ReadTimeout("the answer was lost")
-        return response
+class LosesTheFirstPut(LosesTheFirstAnswer):
+    method = "PUT"
 
 
 async def test_the_cli_resends_a_write_whose_answer_is_lost_without_a_second_revision() -> None:
@@ -172,7 +163,7 @@ async def test_the_cli_resends_a_write_whose_answer_is_lost_without_a_second_rev
         async with api.client() as c:
             r = await c.post("/v1/providers", json={"name": p, "credentials": {"K": "one"}})
             assert r.status_code == 201, r.text
-        client = LosesTheFirstAnswer(api.env.settings, Connection(api.url, apikit.ADMIN, None))
+        client = LosesTheFirstPut(api.env.settings, Connection(api.url, apikit.ADMIN, None))
         body = {"credentials": {"K": "two"}, "no_restart": False}  # `sandstream provider update`
         receipt = await asyncio.to_thread(
             _write, client, "PUT", f"/v1/providers/{p}/credentials", body, None, 60.0
