@@ -109,7 +109,7 @@ async def wait_generation(api: apikit.Api, name: str, generation: int) -> None:
     )
 
 
-async def test_a_retried_create_and_delete_answer_their_first_outcome() -> None:
+async def test_a_retried_create_update_and_delete_answer_their_first_outcome() -> None:
     p = unique("rid-c")
     async with (
         apikit.running_api(FakeDriver(), settings_update=SETTINGS) as api,
@@ -135,6 +135,14 @@ async def test_a_retried_create_and_delete_answer_their_first_outcome() -> None:
         assert used.status_code == 202, used.text
         conflict(await c.post("/v1/providers", json={**make, "command_id": "cmd-" + p}))
         assert (await c.get(f"/v1/providers/{p}")).json()["revision"] == 1
+
+        many = {"providers": [{"name": p, "credentials": {"K": "two"}}], "command_id": "up-" + p}
+        ups = [await c.post("/v1/providers:update", json=many) for _ in range(2)]
+        assert [u.status_code for u in ups] == [200, 200], ups[1].text
+        assert ups[1].json() == ups[0].json()
+        assert [(x["revision"], x["rotated"]) for x in ups[0].json()["providers"]] == [(2, ["K"])]
+        conflict(await c.post("/v1/providers:update", json={**many, "create_missing": True}))
+        assert (await c.get(f"/v1/providers/{p}")).json()["revision"] == 2
 
         drop = {"command_id": "rm-" + p}
         dropped = [await c.request("DELETE", f"/v1/providers/{p}", json=drop)
