@@ -12,7 +12,7 @@ import json
 import re
 import stat
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import pytest
@@ -361,6 +361,9 @@ class _Replies:
     def request(self, method: str, path: str, **_: object) -> httpx.Response:
         self.paths.append(f"{method} {path}")
         return httpx.Response(200, json=self.bodies.pop(0))
+
+    def retried(self, send: Callable[[], httpx.Response], deadline: float) -> httpx.Response:
+        return send()  # every answer arrives: nothing to send again
 
 
 def test_a_rejection_decided_after_the_first_wait_fails_the_command() -> None:
