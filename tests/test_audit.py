@@ -273,6 +273,34 @@ async def test_without_pyarrow_parquet_export_fails_at_once_naming_the_extra(
         ]  # fmt: skip
 
 
+IMPORT_EVERY_MODULE = """
+import importlib, pkgutil
+import events, projections, drivers, services
+for package in (events, projections, drivers, services):
+    for m in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        if not m.name.endswith("__main__"):
+            try:
+                importlib.import_module(m.name)
+            except ImportError as e:
+                print(m.name, e)
+"""
+
+
+def test_only_the_parquet_module_needs_pyarrow() -> None:
+    """The API, the OpenShell server, every role and command import without the extra."""
+    imported = subprocess.run(
+        [sys.executable, "-c", WITHOUT_PYARROW + IMPORT_EVERY_MODULE],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert imported.returncode == 0, imported.stderr
+    assert imported.stdout.splitlines() == ["services.audit.parquet No module named 'pyarrow'"], (
+        imported.stdout
+    )
+
+
 async def test_the_http_audit_answers_with_the_actor_the_token_named() -> None:
     async with apikit.running_api(FakeDriver()) as api:
         name = apikit.unique("aud")
