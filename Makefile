@@ -3,7 +3,7 @@
 
 PY := .venv/bin/python
 
-.PHONY: setup stack up down prune lint test bench bench-peer soak chaos k8s k8s-down conformance image helm deploy-test
+.PHONY: setup stack up down prune lint test bench bench-peer soak chaos k8s k8s-down conformance screenshots image helm deploy-test
 
 setup:  ## install Debian packages and the virtualenv (idempotent)
 	bash compose/bootstrap.sh
@@ -80,6 +80,9 @@ image: setup  ## build localhost/sandstream:<version> into Podman (no registry)
 OPENSHELL_CONFORMANCE ?= $(abspath $(wildcard ../shared/tools/openshell/openshell-conformance))
 OPENSHELL_CLI ?= $(abspath $(wildcard ../shared/tools/openshell/openshell))
 export OPENSHELL_CONFORMANCE OPENSHELL_CLI
+
+screenshots: stack  ## retake docs/img/'s console screenshots (the browser tests, writing there)
+	SANDSTREAM_SCREENSHOTS=docs $(PY) -m pytest -q tests/test_console_browser.py
 
 conformance: stack  ## OpenShell's suite twice and its CLI against a `sandstream up` of their own
 	$(PY) -m services.openshell.conformance --runs 2

@@ -3,8 +3,11 @@
 Every history entry carries the hash of the entry before it in its chain and the hash of its
 own content chained to that: ``entry_hash = sha256(prev_hash || canonical(content))``. A chain
 is one sandbox key; entries without a key (dead letters of unkeyed records, which can land on
-any partition) are chained per input partition instead, so every chain has a single writer.
-Changing, removing or reordering one entry breaks the link at that entry or the one after it.
+any partition) are chained per input partition instead. A keyed chain can have two writers at
+once (a record dead-lettered on a partition its key is not on joins its key's chain from that
+partition's owner): the database refuses a second link to one entry (``CHAIN_LINKS``), and
+the refused writer links again onto the new head. Changing, removing or reordering one entry
+breaks the link at that entry or the one after it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ from projections.records import replaced
 
 ChainId = tuple[str | None, int | None]  # (key, None), or (None, partition) for unkeyed entries
 GENESIS = b""  # the "previous hash" of a chain's first entry
+# The unique indexes that keep every chain one line: no two entries after one entry, one first
+# entry per chain (compose/migrations/0135_history_chain_links.sql).
+CHAIN_LINKS: Final = frozenset(
+    {"history_chain_next", "history_chain_first", "history_chain_first_unkeyed"}
+)
 
 
 def chain_of(key: str | None, partition: int) -> ChainId:

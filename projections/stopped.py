@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from projections.chain import Chains, HistoryContent, chain_of
+import asyncpg
+
+from projections.chain import CHAIN_LINKS, Chains, HistoryContent, chain_of
 
 if TYPE_CHECKING:
     from projections.store import Connection
@@ -88,25 +90,40 @@ async def skip_record(
                     f"{topic} partition {partition}: its stored offset is not {offset}"
                 )
         reason = f"skipped by {actor}: {note} (the processor could not store it: {stopped.reason})"
-        # Linked onto its chain like every entry the processor writes (the partition is
-        # stopped: nothing else writes the chain meanwhile); its head by the processor's probes.
+        await _link_skipped(conn, stopped, reason)
+    return stopped
+
+
+async def _link_skipped(conn: Connection, stopped: StoppedPartition, reason: str) -> None:
+    """Write the skip's history entry linked onto its chain like every entry the processor
+    writes (its head by the processor's probes). The partition is stopped, but its chain can
+    still move: a record on a partition its key is not on joins its key's chain, which the
+    owner of the key's partition writes. The database refuses a second link to one head
+    (``CHAIN_LINKS``); then the entry is linked again onto the new head."""
+    key, topic, partition, offset = stopped.key, stopped.topic, stopped.partition, stopped.offset
+    content: HistoryContent = (
+        key, topic, partition, offset, None, None, "skipped", reason, None, None, None, [],
+        None, None, None,
+    )  # fmt: skip
+    while True:
         head = await (
-            conn.fetchval(_KEYED_HEAD, stopped.key)
-            if stopped.key is not None
+            conn.fetchval(_KEYED_HEAD, key)
+            if key is not None
             else conn.fetchval(_UNKEYED_HEAD, partition)
         )
-        content: HistoryContent = (
-            stopped.key, topic, partition, offset, None, None, "skipped", reason, None, None,
-            None, [], None, None, None,
-        )  # fmt: skip
-        prev, own = Chains({chain_of(stopped.key, partition): head}).linked(content)
-        await conn.execute(
-            'INSERT INTO history (key, topic, partition, "offset", disposition, reason, '
-            "event_types, prev_hash, entry_hash) VALUES ($1, $2, $3, $4, 'skipped', $5, '{}', "
-            "$6, $7)",
-            stopped.key, topic, partition, offset, reason, prev, own,
-        )  # fmt: skip
-    return stopped
+        prev, own = Chains({chain_of(key, partition): head}).linked(content)
+        try:
+            async with conn.transaction():  # a savepoint: a refused link leaves the skip whole
+                await conn.execute(
+                    'INSERT INTO history (key, topic, partition, "offset", disposition, reason, '
+                    "event_types, prev_hash, entry_hash) VALUES ($1, $2, $3, $4, 'skipped', $5, "
+                    "'{}', $6, $7)",
+                    key, topic, partition, offset, reason, prev, own,
+                )  # fmt: skip
+            return
+        except asyncpg.UniqueViolationError as exc:
+            if exc.constraint_name not in CHAIN_LINKS:
+                raise
 
 
 _KEYED_HEAD = "SELECT entry_hash FROM history WHERE key = $1 ORDER BY id DESC LIMIT 1"

@@ -16,7 +16,7 @@ from pydantic import TypeAdapter
 from events.common import Deadline, Hold, Phase, Restarts, SandboxSpec
 from events.outcomes import CommandOutcome
 from events.topics import CHANGES_CHANNEL
-from projections.chain import ChainId
+from projections.chain import CHAIN_LINKS, ChainId
 from projections.lifecycle import Sandbox
 
 if TYPE_CHECKING:
@@ -252,6 +252,12 @@ class OffsetsMoved(Exception):
     batch was decided on stale rows and nothing of it was written."""
 
 
+class ChainMoved(Exception):
+    """Another writer linked an entry onto a chain head the batch was decided on (a dead
+    letter's entry joins its key's chain from another partition): the database refuses a
+    second link to one entry (migration 0135), and nothing of the batch was written."""
+
+
 HISTORY_COLUMNS: Final = (
     "key", "topic", "partition", "offset", "message_type", "command_id", "disposition", "reason",
     "phase", "generation", "version", "event_types", "message", "occurred_at", "sandbox_id",
@@ -397,7 +403,8 @@ async def write_batch(
 ) -> list[int]:
     """Write a decided batch atomically; returns the outbox ids in order.
 
-    Raises OffsetsMoved (and writes nothing) if the offsets are no longer those it was read at.
+    Raises OffsetsMoved (and writes nothing) if the offsets are no longer those it was read at,
+    ChainMoved if a chain head it links onto is no longer its chain's head.
     """
     try:
         if len(batch.history) + len(batch.outbox) <= copy_above:
@@ -419,6 +426,10 @@ async def write_batch(
     except (asyncpg.SerializationError, asyncpg.DeadlockDetectedError) as exc:
         # Two writers of one partition can also deadlock on its offset rows: the same race.
         raise OffsetsMoved(str(exc)) from exc
+    except asyncpg.UniqueViolationError as exc:
+        if exc.constraint_name in CHAIN_LINKS:
+            raise ChainMoved(str(exc)) from exc
+        raise
     except asyncpg.PostgresError as exc:
         if exc.sqlstate == ROW_VERSION_MOVED:
             raise RowVersionMoved(str(exc)) from exc

@@ -21,13 +21,15 @@ from services.cli.sandbox import _command_body, _submit
 
 
 class LosesTheFirstAnswer(Client):
-    """The first command is delivered and applied, but its answer never arrives."""
+    """The first request of ``method`` is delivered and applied, but its answer never
+    arrives."""
 
+    method = "POST"
     lost = 0
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         response = super().request(method, path, **kwargs)
-        if method == "POST" and not self.lost:
+        if method == self.method and not self.lost:
             self.lost += 1
             raise httpx.ReadTimeout("the answer was lost")
         return response

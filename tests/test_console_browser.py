@@ -3,15 +3,19 @@ it downloads), against a real `sandstream up` (Kafka, PostgreSQL, the Podman dri
 browser for the module. Every wait is on a DOM condition with a deadline; "live" means the page
 was not reloaded (a mark set on its window survives).
 
-The two screenshots in docs/img/ are taken here: console-fleet.png and console-sandbox.png.
+The two screenshots in docs/img/ are taken here: console-fleet.png and console-sandbox.png, into
+docs/img/ under `make screenshots` (SANDSTREAM_SCREENSHOTS=docs), else into a scratch folder, so
+a test run leaves the checkout as it was.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Final
 
 import factories as f
@@ -32,11 +36,23 @@ CHROMIUM: Final = "/usr/bin/chromium"  # Debian's (compose/bootstrap.sh installs
 FLAGS: Final = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update",
                 "--disable-sync"]  # fmt: skip
-SHOTS: Final = PROJECT_ROOT / "docs" / "img"
+DOCS_SHOTS: Final = PROJECT_ROOT / "docs" / "img"
 IMAGE: Final = load_settings().sandbox_image
 LIVE: Final = "html[data-live='open']"  # the page's script says its live feed is open
 LIVE_WAIT: Final = 15_000  # ms for a page's live feed to open
 PHASE_WAIT: Final = 60_000  # ms for a sandbox to reach a phase on Podman
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the screenshots go: docs/img/ when asked for, a scratch folder otherwise."""
+    if os.environ.get("SANDSTREAM_SCREENSHOTS") == "docs":
+        return DOCS_SHOTS
+    return tmp_path_factory.mktemp("shots")
+
+
+def taken(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -115,7 +131,7 @@ async def ready(up: Up, name: str, generation: int) -> None:
 
 
 async def test_the_fleet_page_shows_a_new_sandbox_within_a_second_without_a_reload(
-    up: Up, browser: Browser
+    up: Up, browser: Browser, shots: Path
 ) -> None:
     page = await signed_in(browser, up, up.admin_token())
     await live_page(page, f"{up.url}/ui/")
@@ -134,12 +150,13 @@ async def test_the_fleet_page_shows_a_new_sandbox_within_a_second_without_a_relo
     await held.wait_for(timeout=10_000)
     assert await not_reloaded(page)
     await page.reload()  # the chart is drawn when the page loads
-    await page.screenshot(path=SHOTS / "console-fleet.png", full_page=True)
+    await page.screenshot(path=shots / "console-fleet.png", full_page=True)
+    taken(shots / "console-fleet.png")
     await page.context.close()
 
 
 async def test_the_sandbox_page_shows_a_late_ignored_observation_with_its_reason(
-    up: Up, browser: Browser
+    up: Up, browser: Browser, shots: Path
 ) -> None:
     name = await create(up, "late", team="research")
     await ready(up, name, 1)
@@ -158,7 +175,8 @@ async def test_the_sandbox_page_shows_a_late_ignored_observation_with_its_reason
     assert await entry.locator(".reason").inner_text() == (
         "stale: RuntimeSnapshot(exited_error) of generation 1, current generation is 2"
     )
-    await page.screenshot(path=SHOTS / "console-sandbox.png", full_page=True)
+    await page.screenshot(path=shots / "console-sandbox.png", full_page=True)
+    taken(shots / "console-sandbox.png")
     await page.context.close()
 
 

@@ -336,3 +336,36 @@ async def test_attach_rotate_detach_over_grpc_restart_the_ready_sandbox(gateway:
               os1.DeleteProviderResponse)  # fmt: skip
     ask.never_carried(first, second)
     await gateway.stub.DeleteSandbox(pb.DeleteSandboxRequest(name=name), metadata=auth())
+
+
+async def test_provider_writes_retried_with_their_request_id_answer_the_first_outcome(
+    gateway: Gateway,
+) -> None:
+    """A retried create, rotation and delete (0.1's request_id, 0.0's command-id metadata)
+    change nothing a second time; the id reused for another request is ALREADY_EXISTS."""
+    name, value = provider_name(), secret()
+    made = dm1.Provider(metadata=dm1.ObjectMeta(name=name), credentials={"K": value})
+    create_req = os1.CreateProviderRequest(provider=made, request_id="mk-" + name)
+    created = [await call(gateway, "CreateProvider", create_req, os1.ProviderResponse)
+               for _ in range(2)]  # fmt: skip
+    assert created[1].provider.metadata.id == created[0].provider.metadata.id
+    assert created[1].mutation_id == "mk-" + name
+
+    rotate = os0.RotateProviderCredentialRequest(provider=name, credential_key="K")
+    by_id = auth(command_id="rot-" + name)
+    for _ in range(2):
+        await call(gateway, "RotateProviderCredential", rotate,
+                   os0.RotateProviderCredentialResponse, metadata=by_id)  # fmt: skip
+    got = await call(gateway, "GetProvider", os0.GetProviderRequest(name=name),
+                     os0.ProviderResponse)  # fmt: skip
+    assert got.provider.metadata.resource_version == 2  # one rotation, not two
+
+    update = os1.UpdateProviderRequest(provider=made, request_id="rot-" + name)
+    reused = await refused(gateway, "UpdateProvider", update)
+    assert reused.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "command_id 'rot-" in (reused.details() or "")
+
+    delete = os1.DeleteProviderRequest(name=name, request_id="rm-" + name)
+    deleted = [await call(gateway, "DeleteProvider", delete, os1.DeleteProviderResponse)
+               for _ in range(2)]  # fmt: skip
+    assert [d.outcome for d in deleted] == [os1.DELETION_OUTCOME_COMPLETED] * 2

@@ -54,6 +54,16 @@ async def failed(pool: Pool, command_ids: Iterable[str], error: str) -> None:
     )
 
 
+async def stored(conn: Conn, command_ids: Sequence[str]) -> list[str]:
+    """Which of ``command_ids`` are still stored (not acknowledged by Kafka yet), in order."""
+    rows = await conn.fetch(
+        "SELECT command_id FROM provider_outbox WHERE command_id = ANY($1::text[])",
+        list(command_ids),
+    )
+    found = {r["command_id"] for r in rows}
+    return [i for i in command_ids if i in found]
+
+
 async def pending(pool: Pool) -> int:
     """How many commands wait for Kafka's acknowledgement."""
     return int(await pool.fetchval("SELECT count(*) FROM provider_outbox"))

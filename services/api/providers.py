@@ -12,6 +12,13 @@ they come through (the HTTP routes, the provider-sync controller, the OpenShell 
 - ``relay``: send the stored commands Kafka has not acknowledged yet, until it does (every
   process that holds a ProviderService runs it: docs/adr/0005).
 
+Each write may carry a request id (``request_id``: the commands' ``command_id``, one
+namespace with them, services/api/idempotency.py): the id is recorded in the write's own
+transaction with a fingerprint of the request (values as HMACs under the installation's salt)
+and the outcome, so a retry with the same id and request gets the first outcome back and
+changes nothing (no second revision, no second restart), and the same id with another request
+is ``IdempotencyConflict``.
+
 Who may do what is checked here too (``ScopeMissing``): attaching hands a provider's values to
 an agent and detaching takes them away, so both need ``sandbox:write`` and ``provider:write``,
 and so does a forced delete (it detaches). Values pass through here on their way into
@@ -23,9 +30,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Final
+from typing import Any, Final
+
+from pydantic import TypeAdapter
 
 from events.backoff import pause
 from events.commands import (
@@ -37,7 +46,7 @@ from events.commands import (
 )
 from events.publisher import new_command_id, now
 from projections.credentials import ReceiptLine, plan
-from services.api import provider_outbox
+from services.api import idempotency, provider_outbox
 from services.api.gateway import CommandGateway, Pool, PublishFailed
 from services.common import metrics, providers
 from services.common.credentials import Vault, load_key
@@ -80,6 +89,7 @@ class Deleted:
     name: str
     detached: list[str]  # the sandboxes it was detached from (a forced delete)
     unsent: list[str] = field(default_factory=list)  # detaches Kafka has not acknowledged yet
+    detached_ids: list[str] = field(default_factory=list)  # the DetachProvider command ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +100,44 @@ class Receipt:
     # Command ids Kafka has not acknowledged yet: stored with the values, sent by the relay
     # until it does (pending, not lost).
     unsent: list[str] = field(default_factory=list)
+
+
+def asked_values(vault: Vault, update: Update) -> dict[str, Any]:
+    """An update as its request fingerprint sees it: the values as their HMACs."""
+    values = {k: vault.fingerprint(update.name, k, v) for k, v in update.values.items()}
+    return {"name": update.name, "type": update.type, "values": values}
+
+
+RECEIPT: Final = TypeAdapter(Receipt)
+DELETED: Final = TypeAdapter(Deleted)
+
+
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """A provider write under a request id: what it is (``verb`` of ``subject``) and the
+    fingerprint of what it asks (``idempotency.digest`` of it, values already HMACs)."""
+
+    request_id: str
+    verb: str
+    subject: str
+    fingerprint: str
+
+    @classmethod
+    def of(cls, request_id: str | None, verb: str, subject: str, body: Any) -> Asked | None:
+        if not request_id:
+            return None
+        return cls(request_id, verb, subject, idempotency.digest(body))
+
+    async def claim(self, conn: Conn, actor: str) -> Any:
+        """The first outcome if this is a retry, None if the id is new (then recorded in the
+        caller's transaction); IdempotencyConflict for another request under the id."""
+        first = await idempotency.claim(
+            conn, self.request_id, self.subject, self.verb, actor, self.fingerprint
+        )
+        if first is None:
+            return None
+        assert first.outcome is not None  # recorded in the transaction that wrote the outcome
+        return first.outcome
 
 
 @dataclass
@@ -113,51 +161,66 @@ class ProviderService:
         restart: bool = True,
         create: bool | None = False,
         at: datetime | None = None,
+        request_id: str | None = None,
     ) -> Receipt:
         """Store ``updates`` and one RotateCredentials per attached live sandbox of the rotated
-        providers (restart or recorded skip) in one transaction; then send the commands."""
+        providers (restart or recorded skip) in one transaction; then send the commands. A
+        create (``create`` True) and an update are different requests under a request id."""
         vault = await self.vault()
         wanted = list(updates)
+        in_order = sorted(wanted, key=lambda u: u.name)
+        asked = Asked.of(
+            request_id,
+            "CreateProvider" if create is True else "UpdateProviders",
+            ",".join(u.name for u in in_order),
+            {"providers": [asked_values(vault, u) for u in in_order],
+             "restart": restart, "create": create},
+        )  # fmt: skip
 
         async def apply(conn: Conn) -> list[Applied]:
             return await providers.apply_updates(conn, vault, wanted, at or now(), create=create)
 
-        return await self._rotate(apply, actor=actor, restart=restart)
+        return await self._rotate(apply, actor=actor, restart=restart, asked=asked)
 
-    async def rotate(self, name: str, key: str, *, actor: str, restart: bool = True) -> Receipt:
+    async def rotate(
+        self,
+        name: str,
+        key: str,
+        *,
+        actor: str,
+        restart: bool = True,
+        request_id: str | None = None,
+    ) -> Receipt:
         """Rotate ``key`` of provider ``name`` to its stored value (a static credential has no
         new value to fetch): the same restarts and receipt as an update that replaced it."""
         await self.vault()  # the restarts read the values: CredentialKeyError now if they cannot
+        body = {"key": key, "restart": restart}
+        asked = Asked.of(request_id, "RotateProviderCredential", name, body)
 
         async def apply(conn: Conn) -> list[Applied]:
             return [await providers.reapply(conn, name, key, now())]
 
-        return await self._rotate(apply, actor=actor, restart=restart)
+        return await self._rotate(apply, actor=actor, restart=restart, asked=asked)
 
     async def _rotate(
-        self, apply: Callable[[Conn], Awaitable[list[Applied]]], *, actor: str, restart: bool
+        self,
+        apply: Callable[[Conn], Awaitable[list[Applied]]],
+        *,
+        actor: str,
+        restart: bool,
+        asked: Asked | None,
     ) -> Receipt:
         async with self.pool.acquire() as conn, conn.transaction():
-            applied = await apply(conn)
-            rotations = {a.change.provider: a.revision for a in applied if a.change.rotated}
-            attached = await providers.attached_sandboxes(conn, rotations) if rotations else []
-            incarnations = {a.change.provider: a.incarnation for a in applied}
-            lines = plan(rotations, attached, restart, incarnations)
-            commands = [
-                RotateCredentials(
-                    type="RotateCredentials",
-                    command_id=line.command_id,
-                    key=line.sandbox,
-                    occurred_at=now(),
-                    actor=actor,
-                    rotations=[
-                        ProviderRotation(provider=p, revision=rotations[p]) for p in line.providers
-                    ],
-                    restart=restart,
-                )
-                for line in lines
-            ]
-            await provider_outbox.store(conn, commands)
+            first = await asked.claim(conn, actor) if asked else None
+            if first is None:
+                applied, lines, commands = await self._store(conn, apply, actor, restart)
+                if asked:
+                    kept = RECEIPT.dump_python(Receipt(applied, lines, restart), mode="json")
+                    await idempotency.keep_outcome(conn, asked.request_id, kept)
+        if first is not None:  # a retry: the first receipt, with what is still unsent now
+            receipt = RECEIPT.validate_python(first)
+            ids = [line.command_id for line in receipt.sandboxes]
+            return replace(receipt, unsent=await provider_outbox.stored(self.pool, ids))
         unsent = await self.send(commands)
         log.info(
             "providers updated by %s: %s; %d attached sandboxes (%d restarts, %d pending)",
@@ -168,6 +231,36 @@ class ProviderService:
             len(unsent),
         )
         return Receipt(applied, lines, restart, unsent)
+
+    async def _store(
+        self,
+        conn: Conn,
+        apply: Callable[[Conn], Awaitable[list[Applied]]],
+        actor: str,
+        restart: bool,
+    ) -> tuple[list[Applied], list[ReceiptLine], list[Command]]:
+        """Apply the change and store the restarts it owes (in the caller's transaction)."""
+        applied = await apply(conn)
+        rotations = {a.change.provider: a.revision for a in applied if a.change.rotated}
+        attached = await providers.attached_sandboxes(conn, rotations) if rotations else []
+        incarnations = {a.change.provider: a.incarnation for a in applied}
+        lines = plan(rotations, attached, restart, incarnations)
+        commands: list[Command] = [
+            RotateCredentials(
+                type="RotateCredentials",
+                command_id=line.command_id,
+                key=line.sandbox,
+                occurred_at=now(),
+                actor=actor,
+                rotations=[
+                    ProviderRotation(provider=p, revision=rotations[p]) for p in line.providers
+                ],
+                restart=restart,
+            )
+            for line in lines
+        ]
+        await provider_outbox.store(conn, commands)
+        return applied, lines, commands
 
     async def attachment(
         self,
@@ -200,7 +293,13 @@ class ProviderService:
         return AttachProvider(type="AttachProvider", **common)
 
     async def delete(
-        self, name: str, *, principal: Principal, force: bool = False, restart: bool = True
+        self,
+        name: str,
+        *,
+        principal: Principal,
+        force: bool = False,
+        restart: bool = True,
+        request_id: str | None = None,
     ) -> Deleted:
         """Delete provider ``name``; refused (ProviderInUse) while attached, unless ``force``:
         then detached from every sandbox (each Ready one restarting without its values unless
@@ -209,7 +308,13 @@ class ProviderService:
         require_scopes(principal, "to delete a provider", PROVIDER_WRITE)
         if force:
             require_scopes(principal, "to detach it from its sandboxes (force)", *ATTACHING)
+        asked = Asked.of(request_id, "DeleteProvider", name, {"force": force, "restart": restart})
         async with self.pool.acquire() as conn, conn.transaction():
+            first = await asked.claim(conn, principal.name) if asked else None
+            if first is not None:
+                deleted = DELETED.validate_python(first)
+                unsent = await provider_outbox.stored(conn, deleted.detached_ids)
+                return replace(deleted, unsent=unsent)
             if not await providers.delete_provider(conn, name):
                 raise providers.ProviderMissing(name)
             attached = [s.key for s in await providers.attached_sandboxes(conn, [name])]
@@ -228,7 +333,11 @@ class ProviderService:
                 for key in attached
             ]
             await provider_outbox.store(conn, commands)
-        return Deleted(name, attached, await self.send(commands))
+            ids = [c.command_id for c in commands]
+            if asked:
+                kept = DELETED.dump_python(Deleted(name, attached, detached_ids=ids), mode="json")
+                await idempotency.keep_outcome(conn, asked.request_id, kept)
+        return Deleted(name, attached, await self.send(commands), ids)
 
     async def send(self, commands: Sequence[Command]) -> list[str]:
         """Publish stored outbox commands; forget those Kafka acknowledged (or that were

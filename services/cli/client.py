@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import ssl
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -12,6 +13,7 @@ from typing import Any, NoReturn
 import httpx
 import typer
 
+from events.backoff import Backoff
 from services.common.settings import Settings
 from services.common.tokens import TokenFileError, read_token_value
 
@@ -91,6 +93,25 @@ class Client:
         if response.status_code not in ok:
             raise ApiFailure.of(response)
         return response
+
+    def retried(self, send: Callable[[], httpx.Response], deadline: float) -> httpx.Response:
+        """``send``'s answer; a send that times out, cannot connect or gets a 503 is sent
+        again (the caller's request is the same each time, its idempotency key included, so
+        the API answers a repeat with the first outcome), with back-off, until ``deadline``
+        (``time.monotonic``). ``send`` passes ``transport_errors=True`` to ``request``."""
+        backoff = Backoff(0.5, 5.0)
+        while True:
+            try:
+                return send()
+            except (httpx.TransportError, ApiFailure) as exc:
+                if isinstance(exc, ApiFailure) and exc.status != 503:
+                    raise
+                delay = backoff.next()
+                if time.monotonic() + delay >= deadline:
+                    if isinstance(exc, ApiFailure):
+                        raise
+                    fail(f"cannot reach the API at {self.url} ({exc}); is `sandstream up` running?")
+                time.sleep(delay)  # back-off before sending the same request again
 
     def pages(self, path: str, params: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """The items of a paginated GET, following ``next_page_token`` to the end."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -20,6 +22,7 @@ from services.cli import sandbox
 from services.cli.client import Client, fail
 from services.cli.render import Output, OutputOpt, clock, print_json, print_table
 from services.cli.roles import HealthHost, HealthPort, PortFile, run_role_command
+from services.cli.sandbox import CommandIdOpt
 from services.common.entrypoint import LOG_FORMAT
 from services.common.settings import Settings
 
@@ -39,6 +42,32 @@ FromEnv = Annotated[
 NoRestart = Annotated[
     bool, typer.Option("--no-restart", help="restart no one: values apply at the next start")
 ]
+RetryOpt = Annotated[
+    float,
+    typer.Option(
+        "--timeout", min=0.1, help="seconds to keep resending a write the API did not answer"
+    ),
+]
+
+
+def _write(
+    client: Client,
+    method: str,
+    path: str,
+    body: dict[str, Any],
+    command_id: str | None,
+    timeout: float,
+    **request: Any,
+) -> Any:
+    """A provider write's answer (JSON). The request id is chosen here, once, and every resend
+    (``Client.retried``: a timeout, no connection, a 503) carries it: the API answers a repeat
+    with the first outcome, so a resent rotation restarts no one twice."""
+    sent = {**body, "command_id": command_id or f"cli-{uuid.uuid4().hex}"}
+
+    def send() -> Any:
+        return client.request(method, path, json_body=sent, transport_errors=True, **request)
+
+    return client.retried(send, time.monotonic() + timeout).json()
 
 
 def read_values(from_file: Path | None, from_env: list[str]) -> dict[str, str]:
@@ -108,11 +137,13 @@ def create(
     type_: Annotated[str, typer.Option("--type", help="the kind of credential")] = "generic",
     from_file: FromFile = None,
     from_env: FromEnv = [],  # noqa: B006
+    command_id: CommandIdOpt = None,
+    timeout: RetryOpt = 60.0,
     output: OutputOpt = Output.table,
 ) -> None:
     """Create a provider; its first values are a baseline (nothing restarts)."""
     body = {"name": name, "type": type_, "credentials": read_values(from_file, from_env)}
-    created = _client(ctx).request("POST", "/v1/providers", json_body=body, ok=(201,)).json()
+    created = _write(_client(ctx), "POST", "/v1/providers", body, command_id, timeout, ok=(201,))
     _show(created, output)
 
 
@@ -143,6 +174,8 @@ def update(
     from_file: FromFile = None,
     from_env: FromEnv = [],  # noqa: B006
     no_restart: NoRestart = False,
+    command_id: CommandIdOpt = None,
+    timeout: RetryOpt = 60.0,
     output: OutputOpt = Output.table,
 ) -> None:
     """Replace a provider's values (keys left out are removed); prints what happens to every
@@ -151,8 +184,8 @@ def update(
     if not values:
         fail("no values: pass --from-file and/or --from-env")
     body = {"credentials": values, "no_restart": no_restart}
-    receipt = _client(ctx).request("PUT", f"/v1/providers/{name}/credentials", json_body=body)
-    show_receipt(receipt.json(), output)
+    path = f"/v1/providers/{name}/credentials"
+    show_receipt(_write(_client(ctx), "PUT", path, body, command_id, timeout), output)
 
 
 @app.command("delete")
@@ -168,11 +201,14 @@ def delete(
             "start) instead of restarting without it",
         ),
     ] = False,
+    command_id: CommandIdOpt = None,
+    timeout: RetryOpt = 60.0,
 ) -> None:
     """Delete a provider (refused while attached unless --force; a Ready sandbox it is
     detached from restarts without its values)."""
     params = {"force": str(force).lower(), "no_restart": str(no_restart).lower()}
-    result = _client(ctx).request("DELETE", f"/v1/providers/{name}", params=params).json()
+    path = f"/v1/providers/{name}"
+    result = _write(_client(ctx), "DELETE", path, {}, command_id, timeout, params=params)
     detached = f" (detached from {', '.join(result['detached'])})" if result["detached"] else ""
     print(f"✓ Deleted provider {name}{detached}")
     if result["unsent"]:

@@ -14,7 +14,6 @@ import httpx
 import typer
 from rich.table import Table
 
-from events.backoff import Backoff
 from services.api.readmodel import input_label
 from services.cli.client import (
     EXIT_TIMEOUT,
@@ -111,29 +110,20 @@ def _submit(
     A request that times out, cannot connect or gets a 503 is sent again, unchanged (the same
     command_id, the same expected_version), until the deadline: the API answers a repeat with
     the first outcome, so a retry never runs a command twice."""
-    backoff = Backoff(0.5, 5.0)
-    while True:
+
+    def send() -> httpx.Response:
         wait = max(0.0, min(MAX_SERVER_WAIT, deadline - time.monotonic()))
-        try:
-            response = client.request(
-                method,
-                path,
-                json_body=body,
-                params={"wait": f"{wait:.3f}"},
-                timeout=wait + 30,
-                ok=(200, 201, 202),
-                transport_errors=True,
-            )
-            break
-        except (httpx.TransportError, ApiFailure) as exc:
-            if isinstance(exc, ApiFailure) and exc.status != 503:
-                raise
-            delay = backoff.next()
-            if time.monotonic() + delay >= deadline:
-                if isinstance(exc, ApiFailure):
-                    raise
-                fail(f"cannot reach the API at {client.url} ({exc}); is `sandstream up` running?")
-            time.sleep(delay)  # back-off before sending the same command again
+        return client.request(
+            method,
+            path,
+            json_body=body,
+            params={"wait": f"{wait:.3f}"},
+            timeout=wait + 30,
+            ok=(200, 201, 202),
+            transport_errors=True,
+        )
+
+    response = client.retried(send, deadline)
     outcome: dict[str, Any] = response.json()
     while outcome["status"] == "pending":
         remaining = deadline - time.monotonic()

@@ -21,6 +21,11 @@ ROW_VERSION_CONFLICTS = Counter(
     "Batches decided again because a sandbox row was not at the version they were decided "
     "from (a sandbox written from two partitions: should stay 0)",
 )
+CHAIN_CONFLICTS = Counter(
+    "sandstream_chain_conflicts_total",
+    "Batches decided again because another writer linked an entry onto a history chain head "
+    "they linked onto (a record dead-lettered on a partition its key is not on)",
+)
 DECIDED_AHEAD = Counter(
     "sandstream_decided_ahead_total",
     "Polls the processor decided while the previous poll's write was in flight (decided), "

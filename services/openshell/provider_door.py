@@ -1,5 +1,6 @@
 """What the provider RPCs share: the provider service, its refusals as statuses, decoding a
-request of either generation in the one workspace, and a write's caller and mutation id.
+request of either generation in the one workspace, and a write's caller and request id (the
+idempotency key the sandbox commands take: ``request_id`` or the metadata).
 
 The RPCs are ``providers`` (the providers and their refresh) and ``sandbox_providers`` (a
 sandbox's providers).
@@ -14,6 +15,7 @@ import grpc
 from google.protobuf.message import Message
 
 from events.publisher import new_command_id
+from services.api.idempotency import IdempotencyConflict
 from services.api.providers import ProviderInUse, ProviderService, ScopeMissing
 from services.common import providers
 from services.common.credentials import CredentialKeyError
@@ -36,6 +38,7 @@ REFUSALS: Final[tuple[tuple[type[Exception], grpc.StatusCode], ...]] = (
     (CredentialMissing, grpc.StatusCode.NOT_FOUND),
     (ProviderExists, grpc.StatusCode.ALREADY_EXISTS),
     (ProviderInUse, grpc.StatusCode.FAILED_PRECONDITION),
+    (IdempotencyConflict, grpc.StatusCode.ALREADY_EXISTS),  # as for the sandbox commands
 )
 
 
@@ -84,17 +87,22 @@ class ProviderCalls:
             await abort(context, grpc.StatusCode.NOT_FOUND, f"workspace {shown} not found")
         return decoded
 
-    async def _request_id(self, decoded: wire.Decoded[Any, Any], context: Context) -> str:
+    async def _given_id(self, decoded: wire.Decoded[Any, Any], context: Context) -> str | None:
+        """The client's request id, if it gave one."""
         given = getattr(decoded.new, "request_id", "") if decoded.new is not None else ""
-        return await self.door.command_id(context, given) or new_command_id()
+        return await self.door.command_id(context, given)
+
+    async def _request_id(self, decoded: wire.Decoded[Any, Any], context: Context) -> str:
+        return await self._given_id(decoded, context) or new_command_id()
 
     async def _write(
         self, raw: bytes, old: type[Message], new: type[Message], context: Context
-    ) -> tuple[Principal, wire.Decoded[Any, Any], str]:
-        """A provider write's caller (``provider:write``), request and mutation id."""
+    ) -> tuple[Principal, wire.Decoded[Any, Any], str | None]:
+        """A provider write's caller (``provider:write``), request and the client's request
+        id (the write's idempotency key; the mutation id when given)."""
         principal = await self.door.authorize(context, PROVIDER_WRITE)
         decoded = await self._decode(raw, old, new, context)
-        return principal, decoded, await self._request_id(decoded, context)
+        return principal, decoded, await self._given_id(decoded, context)
 
     async def _info(self, name: str, context: Context) -> ProviderInfo:
         async with self.door.pool.acquire() as conn:

@@ -16,7 +16,7 @@ from typing import Final
 
 import grpc
 
-from events.publisher import now
+from events.publisher import new_command_id, now
 from services.common import providers
 from services.common.providers import CredentialMissing, ProviderMissing, Update
 from services.common.tokens import PROVIDER_READ
@@ -47,9 +47,10 @@ class ProviderRpcs(ProviderCalls):
 
     async def CreateProvider(self, raw: bytes, context: Context) -> served_pb2.ProviderResponse:
         """A provider with its first values (a baseline: nothing restarts)."""
-        principal, decoded, mutation_id = await self._write(
+        principal, decoded, request_id = await self._write(
             raw, os_0_0.CreateProviderRequest, os_0_1.CreateProviderRequest, context
         )
+        mutation_id = request_id or new_command_id()
         request = sent(decoded)
         try:
             wanted = messages.provider_input(request.provider)
@@ -57,7 +58,8 @@ class ProviderRpcs(ProviderCalls):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         service = await self._service(context)
         update = Update(wanted.name, wanted.credentials, wanted.type)
-        await self._refused(service.update([update], actor=principal.name, create=True), context)
+        created = service.update([update], actor=principal.name, create=True, request_id=request_id)
+        await self._refused(created, context)
         info = await self._info(wanted.name, context)
         return served_pb2.ProviderResponse(
             provider=messages.provider_message(info), mutation_id=mutation_id
@@ -107,9 +109,10 @@ class ProviderRpcs(ProviderCalls):
         """New values for the provider (its whole set of keys; none: unchanged); the type is
         fixed at create. ``target_receipts``: what the update does to each attached live
         sandbox (a restart, or why not)."""
-        principal, decoded, mutation_id = await self._write(
+        principal, decoded, request_id = await self._write(
             raw, os_0_0.UpdateProviderRequest, os_0_1.UpdateProviderRequest, context
         )
+        mutation_id = request_id or new_command_id()
         request = sent(decoded)
         given = {d.name for d, _ in request.ListFields()}
         expirations = ("credential_expires_at_ms", "credential_expiration_times",
@@ -131,9 +134,10 @@ class ProviderRpcs(ProviderCalls):
         if wanted.credentials:
             service = await self._service(context)
             update = Update(wanted.name, wanted.credentials)
-            receipt = await self._refused(
-                service.update([update], actor=principal.name, create=False), context
+            updated = service.update(
+                [update], actor=principal.name, create=False, request_id=request_id
             )
+            receipt = await self._refused(updated, context)
             receipts = messages.target_receipts(receipt, mutation_id, now())
         info = await self._info(wanted.name, context)
         return served_pb2.ProviderResponse(
@@ -146,7 +150,7 @@ class ProviderRpcs(ProviderCalls):
         self, raw: bytes, context: Context
     ) -> served_pb2.DeleteProviderResponse:
         """Refused (FAILED_PRECONDITION) while sandboxes have it attached: detach it first."""
-        principal, decoded, _ = await self._write(
+        principal, decoded, request_id = await self._write(
             raw, os_0_0.DeleteProviderRequest, os_0_1.DeleteProviderRequest, context
         )
         name = sent(decoded).name
@@ -155,7 +159,7 @@ class ProviderRpcs(ProviderCalls):
 
         async def delete() -> bool:
             try:
-                await service.delete(name, principal=principal)
+                await service.delete(name, principal=principal, request_id=request_id)
             except ProviderMissing:
                 if not allow_missing:
                     raise
@@ -177,14 +181,19 @@ class ProviderRpcs(ProviderCalls):
     ) -> served_pb2.RotateProviderCredentialResponse:
         """A static credential's rotation: every attached sandbox restarts on its stored value,
         as after an update that replaced it (the same receipts and outbox)."""
-        principal, decoded, _ = await self._write(
+        principal, decoded, request_id = await self._write(
             raw, os_0_0.RotateProviderCredentialRequest, os_0_1.RotateProviderCredentialRequest,
             context,
         )  # fmt: skip
         request = sent(decoded)
         service = await self._service(context)
         await self._refused(
-            service.rotate(request.provider, request.credential_key, actor=principal.name),
+            service.rotate(
+                request.provider,
+                request.credential_key,
+                actor=principal.name,
+                request_id=request_id,
+            ),
             context,
         )
         info = await self._info(request.provider, context)

@@ -14,7 +14,13 @@ from typing import Any
 
 import asyncpg
 
-from projections.store import OffsetsMoved, OutboxRecord, RowVersionMoved, write_batch
+from projections.store import (
+    ChainMoved,
+    OffsetsMoved,
+    OutboxRecord,
+    RowVersionMoved,
+    write_batch,
+)
 from services.common import metrics
 from services.processor.ahead import PollAhead, Polls
 from services.processor.failures import (
@@ -102,6 +108,14 @@ class Writer:
                 metrics.WRITE_CONFLICTS.inc()
                 log.info("%s: another writer moved the offsets, deciding again: %s", self.name, exc)
                 self.rows.clear()
+                decided = None
+                continue
+            except ChainMoved as exc:
+                # Another partition's writer linked onto a head this batch read (a dead letter
+                # of a key that is not on its partition joins that key's chain): the database
+                # refused the fork; decided again on the new head.
+                metrics.CHAIN_CONFLICTS.inc()
+                log.warning("%s: a history chain moved, deciding again: %s", self.name, exc)
                 decided = None
                 continue
             except RowVersionMoved as exc:

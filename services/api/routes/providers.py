@@ -1,5 +1,9 @@
 """Providers: create, list, get, update credentials (one or several), delete; and attach or
-detach a provider on a sandbox. Responses carry key names, fingerprints and times only."""
+detach a provider on a sandbox. Responses carry key names, fingerprints and times only.
+
+Every write takes the commands' idempotency key, ``command_id`` in the body (a delete's body
+is optional and holds only it): a retry with the same id gets the first outcome.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Body, Path, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -16,6 +20,7 @@ from events.commands import AttachProvider, DetachProvider
 from events.common import INT64_MAX, PROVIDER_NAME_PATTERN, CommandId, ProviderName
 from services.api.deps import ApiState, ProviderReader, ProviderWriter, State, Writer
 from services.api.errors import ApiError
+from services.api.idempotency import IdempotencyConflict
 from services.api.models import COMMAND_RESPONSES, NamePath, WaitQuery, responses
 from services.api.providers import ProviderInUse, ProviderService, Receipt, ScopeMissing
 from services.api.readmodel import CommandStatus
@@ -41,13 +46,21 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class CreateProviderRequest(_Strict):
+class _Write(_Strict):
+    command_id: CommandId | None = Field(
+        default=None,
+        description="the idempotency key (as a command's): a retry with the same id and "
+        "request gets the first outcome and changes nothing; another request under it is 409",
+    )
+
+
+class CreateProviderRequest(_Write):
     name: ProviderName
     type: ProviderType = "generic"
     credentials: Credentials = Field(default_factory=dict)
 
 
-class UpdateCredentialsRequest(_Strict):
+class UpdateCredentialsRequest(_Write):
     credentials: Credentials
     no_restart: bool = Field(
         default=False, description="apply without restarting anyone (they apply at next start)"
@@ -60,10 +73,14 @@ class ProviderValues(_Strict):
     credentials: Credentials
 
 
-class UpdateProvidersRequest(_Strict):
+class UpdateProvidersRequest(_Write):
     providers: list[ProviderValues] = Field(min_length=1, max_length=256)
     no_restart: bool = False
     create_missing: bool = Field(default=False, description="create providers that do not exist")
+
+
+class DeleteProviderRequest(_Write):
+    pass
 
 
 class AttachRequest(_Strict):
@@ -196,6 +213,7 @@ async def _update(
     updates: list[Update],
     restart: bool,
     create: bool | None,
+    request_id: str | None,
 ) -> Receipt:
     for update in updates:
         reserved = sorted(k for k in update.values if k.startswith(providers.RESERVED_PREFIX))
@@ -208,7 +226,7 @@ async def _update(
             )
     with refusals():
         return await service(request).update(
-            updates, actor=principal.name, restart=restart, create=create
+            updates, actor=principal.name, restart=restart, create=create, request_id=request_id
         )
 
 
@@ -227,6 +245,8 @@ def refusals() -> Iterator[None]:
         raise ApiError(409, "ALREADY_EXISTS", str(exc)) from exc
     except ProviderInUse as exc:
         raise ApiError(412, "FAILED_PRECONDITION", str(exc)) from exc
+    except IdempotencyConflict as exc:
+        raise ApiError(409, "IDEMPOTENCY_CONFLICT", str(exc)) from exc
 
 
 PROVIDER_RESPONSES = responses(401, 403, 404, 409, 413, 422, 503)
@@ -244,10 +264,11 @@ async def create_provider(
     body: CreateProviderRequest, principal: ProviderWriter, state: State, request: Request
 ) -> JSONResponse:
     update = Update(body.name, body.credentials, body.type)
-    await _update(request, principal, [update], restart=True, create=True)
+    await _update(request, principal, [update], True, True, body.command_id)
     async with state.pool.acquire() as conn:
         info = await providers.get_provider(conn, body.name)
-    assert info is not None
+    if info is None:  # a retried create of a provider deleted since
+        raise ApiError(404, "NOT_FOUND", f"provider {body.name!r} was deleted since it was created")
     return JSONResponse(
         view(info).model_dump(mode="json"), 201, headers={"Location": f"/v1/providers/{body.name}"}
     )
@@ -296,7 +317,9 @@ async def update_credentials(
     request: Request,
 ) -> UpdateReceipt:
     update = Update(provider, body.credentials)
-    receipt = await _update(request, principal, [update], not body.no_restart, create=False)
+    receipt = await _update(
+        request, principal, [update], not body.no_restart, False, body.command_id
+    )
     return receipt_view(receipt)
 
 
@@ -315,14 +338,16 @@ async def update_providers(
         raise ApiError(422, "INVALID_ARGUMENT", "providers: a provider is named twice")
     updates = [Update(p.name, p.credentials, p.type) for p in body.providers]
     create = None if body.create_missing else False
-    receipt = await _update(request, principal, updates, not body.no_restart, create=create)
+    receipt = await _update(
+        request, principal, updates, not body.no_restart, create, body.command_id
+    )
     return receipt_view(receipt)
 
 
 @router.delete(
     "/v1/providers/{provider}",
     response_model=DeleteResult,
-    responses=responses(401, 403, 404, 412, 422, 503),
+    responses=responses(401, 403, 404, 409, 412, 422, 503),
     summary="Delete a provider (refused while attached, unless forced: then detached too, "
     "which needs sandbox:write as well)",
     tags=["providers"],
@@ -342,10 +367,15 @@ async def delete_provider(
             "(its values leave at their next start) instead of restarting without them"
         ),
     ] = False,
+    body: Annotated[DeleteProviderRequest | None, Body()] = None,
 ) -> DeleteResult:
     with refusals():
         deleted = await service(request).delete(
-            provider, principal=principal, force=force, restart=not no_restart
+            provider,
+            principal=principal,
+            force=force,
+            restart=not no_restart,
+            request_id=body.command_id if body else None,
         )
     return DeleteResult(name=deleted.name, detached=deleted.detached, unsent=deleted.unsent)
 
