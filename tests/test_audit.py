@@ -207,9 +207,11 @@ async def test_export_round_trips_as_json_lines_and_parquet(tmp_path: Any) -> No
             assert link(prev, content).hex() == line["entry_hash"]
 
 
-def cli(env: Env, *args: str) -> subprocess.CompletedProcess[str]:
+def cli(env: Env, *args: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
+    """`sandstream audit ARGS` in a subprocess, after ``prelude`` (Python run first)."""
+    main = prelude + "from services.cli.main import main; main()"
     return subprocess.run(
-        [sys.executable, "-c", "from services.cli.main import main; main()", "audit", *args],
+        [sys.executable, "-c", main, "audit", *args],
         cwd=PROJECT_ROOT,
         env={**env.env_vars(), "PYTHONPATH": str(PROJECT_ROOT / "tests")},
         capture_output=True,
@@ -236,6 +238,67 @@ async def test_the_cli_verifies_explains_and_fails_on_a_changed_rule(tmp_path: A
         )
         missing = cli(env, "at", NAME, "--offset", "commands:999")
         assert missing.returncode == 1 and "no input of this sandbox" in missing.stderr
+
+
+# An install without the parquet extra (the container image): pyarrow does not import.
+WITHOUT_PYARROW = """
+import sys
+class NoPyarrow:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "pyarrow":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoPyarrow())
+"""
+
+
+async def test_without_pyarrow_parquet_export_fails_at_once_naming_the_extra(
+    tmp_path: Any,
+) -> None:
+    async with isolated_env() as env:
+        await env.start_processor()
+        await feed(env, life()[:2])
+        target = tmp_path / "h.parquet"
+        refused = cli(env, "export", str(target), "--format", "parquet", prelude=WITHOUT_PYARROW)
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert "pip install 'sandstream[parquet]'" in refused.stderr
+        assert "Traceback" not in refused.stderr
+        assert "log reach" not in refused.stdout + refused.stderr  # failed before reading the log
+        assert not target.exists()
+        jsonl = tmp_path / "h.jsonl"
+        exported = cli(env, "export", str(jsonl), prelude=WITHOUT_PYARROW)
+        assert exported.returncode == 0, exported.stderr
+        assert "exported 2 inputs (jsonl)" in exported.stderr
+        assert [json.loads(line)["message_type"] for line in jsonl.read_text().splitlines()] == [
+            "CreateSandbox", "DriverOperationResult",
+        ]  # fmt: skip
+
+
+IMPORT_EVERY_MODULE = """
+import importlib, pkgutil
+import events, projections, drivers, services
+for package in (events, projections, drivers, services):
+    for m in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        if not m.name.endswith("__main__"):
+            try:
+                importlib.import_module(m.name)
+            except ImportError as e:
+                print(m.name, e)
+"""
+
+
+def test_only_the_parquet_module_needs_pyarrow() -> None:
+    """The API, the OpenShell server, every role and command import without the extra."""
+    imported = subprocess.run(
+        [sys.executable, "-c", WITHOUT_PYARROW + IMPORT_EVERY_MODULE],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert imported.returncode == 0, imported.stderr
+    assert imported.stdout.splitlines() == ["services.audit.parquet No module named 'pyarrow'"], (
+        imported.stdout
+    )
 
 
 async def test_the_http_audit_answers_with_the_actor_the_token_named() -> None:

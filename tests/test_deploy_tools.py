@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import base64
 import json
+import tomllib
 import uuid
 from pathlib import Path
 
 import asyncpg
 import pytest
+from packaging.requirements import Requirement
 
 from services.common import migrations
-from services.common.settings import Settings
+from services.common.settings import PROJECT_ROOT, Settings
 from services.localstack import image, kube_play
 
 PYPROJECT = """
@@ -57,6 +59,19 @@ def test_the_dependencies_key_follows_the_runtime_dependencies_only() -> None:
     key = image.dependencies_key(PYPROJECT)
     assert image.dependencies_key(PYPROJECT.replace("pytest==9", "pytest==10")) == key
     assert image.dependencies_key(PYPROJECT.replace("a==1", "a==1.1")) != key
+    # A dependency moved into an extra leaves the image: the cached wheels are not reused.
+    moved = PYPROJECT.replace('"b==2", ', "").replace("dev = [", 'parquet = ["b==2"]\ndev = [')
+    assert image.dependencies_key(moved) != key
+    assert image.dependencies_key(moved.replace("b==2", "b==3")) == image.dependencies_key(moved)
+
+
+def test_pyarrow_comes_with_the_parquet_extra_and_stays_out_of_the_image() -> None:
+    project = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["project"]
+    runtime = [Requirement(r).name for r in project["dependencies"]]
+    extras = project["optional-dependencies"]
+    assert "pyarrow" not in runtime  # the image installs the runtime dependencies only
+    assert [Requirement(r).name for r in extras["parquet"]] == ["pyarrow"]
+    assert "sandstream[parquet]" in extras["dev"]  # the tests exercise the Parquet export
 
 
 def test_kube_play_leaves_ports_out_keeps_init_containers_and_restarts_on_failure() -> None:

@@ -17,5 +17,7 @@ batch planner).
 - ``golden``: recorded input logs of real runs, replayed through today's rules in CI.
 - ``log``: read one partition of some topics from their beginning to their end as of the call.
 - ``page``: ``explain --html``, one self-contained page of the causal chain.
+- ``parquet``: the export's Parquet form; the one module that imports pyarrow (the ``parquet``
+  extra, which the container image leaves out).
 - ``shadow``: a read model rebuilt beside the live one, compared, switched in atomically.
 """

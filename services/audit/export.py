@@ -2,49 +2,30 @@
 
 Rows come from the history in decision order, one keyset page at a time (``entries.stream``),
 and go out as they come: a JSON line each, or one Parquet row group per page. Memory is one
-page whatever the history's size. Each row carries its hash-chain links, so an exported file
-can be checked without the database (``projections.chain.link`` over its content).
+page whatever the history's size. Parquet is written by ``services.audit.parquet`` and needs
+pyarrow, the ``parquet`` extra; JSON Lines needs only the base install. Each row carries its
+hash-chain links, so an exported file can be checked without the database
+(``projections.chain.link`` over its content).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from services.audit.entries import Entry, Filter, stream
 
 FORMATS = ("jsonl", "parquet")
+PARQUET_EXTRA = "sandstream[parquet]"
 
-SCHEMA = pa.schema(
-    [
-        ("id", pa.int64()),
-        ("key", pa.string()),
-        ("topic", pa.string()),
-        ("partition", pa.int32()),
-        ("offset", pa.int64()),
-        ("message_type", pa.string()),
-        ("command_id", pa.string()),
-        ("actor", pa.string()),
-        ("disposition", pa.string()),
-        ("reason", pa.string()),
-        ("phase", pa.string()),
-        ("generation", pa.int32()),
-        ("version", pa.int64()),
-        ("event_types", pa.list_(pa.string())),
-        ("message", pa.string()),
-        ("occurred_at", pa.timestamp("us", tz="UTC")),
-        ("recorded_at", pa.timestamp("us", tz="UTC")),
-        ("sandbox_id", pa.string()),
-        ("prev_hash", pa.string()),
-        ("entry_hash", pa.string()),
-    ]
-)
+
+class MissingExtra(RuntimeError):
+    """A format needs an optional dependency that is not installed; the message names the extra."""
+
 
 if TYPE_CHECKING:
     from projections.store import Connection
@@ -82,6 +63,17 @@ async def json_lines(conn: Connection, which: Filter, chunk: int = 1000) -> Asyn
         yield "".join(json_line(e) for e in page)
 
 
+def require_parquet() -> None:
+    """Raise MissingExtra, naming the extra to install, when pyarrow does not import."""
+    try:
+        importlib.import_module("pyarrow.parquet")
+    except ImportError as e:
+        raise MissingExtra(
+            f"Parquet export needs pyarrow, which does not import here ({e}): "
+            f"install the parquet extra, pip install '{PARQUET_EXTRA}', or use --format jsonl"
+        ) from e
+
+
 async def export(
     conn: Connection,
     which: Filter,
@@ -94,18 +86,15 @@ async def export(
     ``progress`` is told how many rows each page added. Returns the number of rows."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
-    written = 0
     if fmt == "parquet":
         if not isinstance(target, Path):
             raise ValueError("Parquet needs a file path")
-        with pq.ParquetWriter(target, SCHEMA, compression="zstd") as writer:
-            async for page in stream(conn, which, chunk):
-                writer.write_batch(pa.RecordBatch.from_pylist([as_row(e) for e in page], SCHEMA))
-                written += len(page)
-                progress(len(page))
-            if written == 0:  # an empty file still has the schema
-                writer.write_table(SCHEMA.empty_table())
-        return written
+        require_parquet()
+        from services.audit import parquet  # pyarrow: the parquet extra's, imported when asked
+
+        rows = ([as_row(e) for e in page] async for page in stream(conn, which, chunk))
+        return await parquet.write(rows, target, progress)
+    written = 0
     out: IO[str]
     with (
         target.open("w", encoding="utf-8") if isinstance(target, Path) else _Borrowed(target)

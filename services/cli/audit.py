@@ -372,6 +372,11 @@ def export_command(
         fail(f"--format must be one of {', '.join(export.FORMATS)}", 2)
     if str(target) == "-" and fmt != "jsonl":
         fail("only JSON Lines can go to stdout", 2)
+    if fmt == "parquet":
+        try:  # before anything is read or written
+            export.require_parquet()
+        except export.MissingExtra as e:
+            fail(str(e), 2)
     which = entries.Filter(key=sandbox, since=_utc(since), until=_utc(until), types=types or ())
     reach = asyncio.run(log_reach(settings))
     err.print(reach.statement(), markup=False, soft_wrap=True)

@@ -46,7 +46,7 @@ INPUTS_LABEL = "io.sandstream.image.inputs"
 SUITE = "bookworm"
 # What the base holds beyond Debian's essential packages: Python (python3-venv for the pip
 # wheel the build installs with), the CA bundle (TLS to Kafka, PostgreSQL, Kubernetes),
-# useradd, and the C++ runtime pyarrow links against.
+# useradd, and the C++ runtime grpcio and protobuf link against.
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "passwd", "libstdc++6")
 BASE_EXCLUDES = (
     "/usr/share/doc/*",
