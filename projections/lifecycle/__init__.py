@@ -13,6 +13,7 @@ the tables changes nothing and is recorded as ignored.
 Time enters only through the log: a deadline is recorded in the row (computed from the
 message's ``occurred_at`` and the ``Limits`` the processor is configured with), and only a
 ``DeadlineDue`` message naming exactly that deadline acts on it.
+
 The modules import each other relatively, so a release's rules copied under another package
 name (``sandstream audit verify --rules``, docs/audit.md) decide with their own modules.
 

@@ -2,6 +2,7 @@
 lookups ``decide`` makes on it.
 """
 
+# The one-letter names A/I/R keep the transition table readable at a glance.
 # ruff: noqa: E741
 
 from __future__ import annotations
@@ -9,9 +10,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Final
 
-from events.common import (
-    Phase,
-)
+from events.common import Phase
 
 from .model import P
 

@@ -20,9 +20,7 @@ from events.decided import (
     SandboxStopping,
     SandboxTimedOut,
 )
-from events.observations import (
-    DeadlineDue,
-)
+from events.observations import DeadlineDue
 from events.trusted import built
 
 from .commands import Admission, admission

@@ -9,12 +9,8 @@ from typing import Any, Final, TypeVar
 
 from pydantic import BaseModel
 
-from events.commands import (
-    Command,
-)
-from events.common import (
-    Cause,
-)
+from events.commands import Command
+from events.common import Cause
 from events.decided import (
     DecidedEvent,
     SandboxDeleted,

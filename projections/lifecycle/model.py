@@ -9,9 +9,7 @@ from datetime import datetime
 from typing import Final, Literal
 from uuid import UUID
 
-from events.commands import (
-    Command,
-)
+from events.commands import Command
 from events.common import (
     Deadline,
     ExitPolicy,
@@ -21,12 +19,8 @@ from events.common import (
     Restarts,
     SandboxSpec,
 )
-from events.decided import (
-    DecidedEvent,
-)
-from events.observations import (
-    Observation,
-)
+from events.decided import DecidedEvent
+from events.observations import Observation
 from events.outcomes import CommandOutcome
 
 Message = Command | Observation

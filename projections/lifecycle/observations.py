@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from typing import Final, Literal, assert_never
 
-from events.common import (
-    Phase,
-)
+from events.common import Phase
 from events.observations import (
     DeadlineDue,
     DriverOperationResult,

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from events.common import (
-    Phase,
-)
+from events.common import Phase
 
 from .model import P, Sandbox, is_held
 

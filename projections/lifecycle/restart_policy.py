@@ -8,9 +8,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Final
 
-from events.commands import (
-    SetRestartPolicy,
-)
+from events.commands import SetRestartPolicy
 from events.common import (
     Cause,
     SandboxSpec,
@@ -25,9 +23,7 @@ from events.decided import (
     SandboxStarting,
     SandboxTimedOut,
 )
-from events.observations import (
-    DeadlineDue,
-)
+from events.observations import DeadlineDue
 from events.trusted import built
 
 from .deadlines import counted_deadline, launch_deadline, moment_after
