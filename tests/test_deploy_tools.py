@@ -10,6 +10,7 @@ import base64
 import json
 import tomllib
 import uuid
+import zipfile
 from pathlib import Path
 
 import asyncpg
@@ -154,3 +155,17 @@ async def test_without_a_checkout_the_installed_migrations_are_applied(
             await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
         finally:
             await conn.close()
+
+
+def test_sandstreams_wheel_holds_no_module_left_in_build_by_an_earlier_build(
+    tmp_path: Path,
+) -> None:
+    """setuptools packs whatever the checkout's build/lib holds: a module removed since an
+    earlier build (as projections/lifecycle.py became a package) rode along into the image."""
+    stale = PROJECT_ROOT / "build" / "lib" / "projections" / "removed_since_left_over.py"
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_text("GONE = True\n")
+    wheel = image._build_wheel(tmp_path)
+    names = zipfile.ZipFile(tmp_path / wheel).namelist()
+    assert "projections/lifecycle/__init__.py" in names
+    assert not [n for n in names if "removed_since_left_over" in n]

@@ -208,6 +208,9 @@ def _ensure_base(settings: Settings, say: Callable[[str], None], rebuild: bool) 
 def _build_wheel(out: Path) -> str:
     """sandstream's wheel from the checkout into ``out``; its file name."""
     env = {**os.environ, "SOURCE_DATE_EPOCH": SOURCE_DATE_EPOCH}
+    # setuptools builds through the checkout's build/ and packs whatever build/lib holds: a
+    # module removed since an earlier build would ride along in the wheel. Built from scratch.
+    shutil.rmtree(PROJECT_ROOT / "build", ignore_errors=True)
     _run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(out),
          str(PROJECT_ROOT)],
