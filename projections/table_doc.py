@@ -119,7 +119,12 @@ def render() -> str:
         "records `backoff_reset`); a restart for rotated credentials or a detached provider "
         "does not end that run. A held sandbox is not restarted. The completion policy "
         "(`on_exit=delete`) applies only "
-        "to an exit the policy does not restart, and to the exit that reaches the limit. Every "
+        "to an exit the policy does not restart (SandboxCompleted, SandboxFailed, "
+        "SandboxTimedOut), and to the exit that reaches the limit (SandboxRestartsExhausted, "
+        "whatever the exit was: a failed launch of a rotation or detach restart, "
+        "AgentRestartFailed, included). A failed launch of such a restart that does not reach "
+        "a limit (under Never, or with no policy) is no exit the completion policy acts on: the "
+        "sandbox stays in Error (`tests/test_restart_policy.py`). Every "
         "restart's history entry names the policy and the attempt (so does the row's reason "
         "until the new generation is Ready).",
         "",

@@ -272,10 +272,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         # A held sandbox is never deleted or stopped by a policy.
         if is_held(prev) and is_observation(message):
             assert not any(isinstance(e, SandboxDeleting | SandboxStopping) for e in events)
-        # The completion policy deletes once the end is recorded, never otherwise.
-        if any(isinstance(e, SandboxDeleting) for e in events) and is_observation(message):
+        # The completion policy deletes once the end is recorded, never otherwise: right after
+        # an exit event (the end itself, or the exit that reached the restart limit).
+        deleting = [i for i, e in enumerate(events) if isinstance(e, SandboxDeleting)]
+        if deleting and is_observation(message):
             assert isinstance(message, DeadlineDue) or (
-                prev.on_exit == "delete" and isinstance(events[0], EXIT_EVENTS)
+                prev.on_exit == "delete"
+                and deleting[0] > 0
+                and isinstance(events[deleting[0] - 1], EXIT_EVENTS)
             )
         # The tombstone is only reached from Deleting.
         if new.tombstoned and not prev.tombstoned:

@@ -504,3 +504,27 @@ def test_the_failure_kinds_share_each_policy_row() -> None:
     failures = [k for k in EXIT_KINDS if k != "exited 0"]
     for policy in RESTART_POLICY_TABLE:
         assert len({restarts_on(policy, k) for k in failures}) == 1
+
+
+@pytest.mark.parametrize(
+    ("policy", "types"),
+    [
+        ("OnFailure", ["AgentRestartFailed", "SandboxRestartsExhausted", "SandboxDeleting"]),
+        ("Always", ["AgentRestartFailed", "SandboxRestartsExhausted", "SandboxDeleting"]),
+        ("Never", ["AgentRestartFailed"]),
+        (None, ["AgentRestartFailed"]),
+    ],
+)
+def test_a_failed_rotation_restart_meets_the_completion_policy_only_at_the_restart_limit(
+    policy: RestartPolicy | None, types: list[str]
+) -> None:
+    """Found by the lifecycle property test, whose invariant had not followed the restart
+    policy: a failed launch of a rotation restart (AgentRestartFailed) is no exit the
+    completion policy acts on by itself; reaching the restart limit is (docs/state-machine.md)."""
+    spec = SandboxSpec(image=f.IMAGE, restart_policy=policy, max_restarts=0 if policy else None)
+    h = f.Harness()
+    h.send(f.create(f.KEY, providers=["p"], sandbox_spec=spec, on_exit="delete"))
+    h.send(f.running(f.KEY, 1), f.rotate(f.KEY, {"p": 2}))
+    decision = h.send(f.failed(f.KEY, 2, "launch"))
+    assert [e.type for e in decision.events] == types
+    assert h.row().phase is (Phase.DELETING if policy in ("OnFailure", "Always") else Phase.ERROR)
