@@ -351,3 +351,59 @@ async def test_a_lease_holder_hearing_postgresql_s_goodbye_before_the_close_take
         finally:
             stop.set()
             await asyncio.wait_for(task, timeout=30)
+
+
+async def test_a_lease_holder_whose_work_fails_on_postgresql_gives_the_lease_up_and_takes_it_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found with the chaos checker's PostgreSQL restart: the watcher's work opens its own
+    connections when it starts, and a restart could fail them before the lease's own check
+    saw anything. The work ended by itself, and the lease re-raised its error: the process
+    exited 1. A work that fails on PostgreSQL's trouble is a lost lease, taken again."""
+    import asyncpg
+
+    from services.common.lease import Lease
+
+    caplog.set_level(logging.INFO, logger="sandstream.lease")
+    async with isolated_env(lease_check_seconds=0.2) as env:
+        lease = Lease(env.settings, "test")
+        sessions: asyncio.Queue[int] = asyncio.Queue()
+        runs: list[asyncio.Event] = []
+
+        async def work(lost: asyncio.Event) -> None:
+            runs.append(lost)
+            conn = await asyncpg.connect(env.settings.pg_dsn)
+            try:
+                await sessions.put(conn.get_server_pid())
+                await conn.fetchval("SELECT pg_sleep(60)")  # ends when the session does
+            finally:
+                conn.terminate()
+
+        stop = asyncio.Event()
+        task = asyncio.create_task(lease.run(stop, work))
+        try:
+            first = await asyncio.wait_for(sessions.get(), timeout=30)
+            # Only the work's session ends: the lease's own check still passes.
+            await env.pool.execute("SELECT pg_terminate_backend($1)", first)
+            await asyncio.wait_for(sessions.get(), timeout=30)  # the work runs again
+            assert not task.done()
+            assert len(runs) == 2 and runs[0].is_set() and not runs[1].is_set()
+            assert lease.acquisitions == 2
+            assert "lease test given up: its work failed on PostgreSQL" in caplog.text
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, timeout=30)
+
+
+async def test_a_lease_holder_whose_work_fails_otherwise_raises_the_error() -> None:
+    """Any other failure of the work is a crash: ``Lease.run`` raises it (the role's process
+    then exits 1, for its supervisor to restart it)."""
+    from services.common.lease import Lease
+
+    async with isolated_env(lease_check_seconds=0.2) as env:
+
+        async def work(lost: asyncio.Event) -> None:
+            raise ValueError("the work's own bug")
+
+        with pytest.raises(ValueError, match="the work's own bug"):
+            await asyncio.wait_for(Lease(env.settings, "test").run(asyncio.Event(), work), 30)

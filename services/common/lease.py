@@ -13,6 +13,9 @@ that gets the lock runs the role's work until it stops, and the others wait as s
   answered within the same time); when the check fails it stops the work at once, before
   PostgreSQL can have released the lock to anyone else (the check fails well within
   ``RELEASE_AFTER_SECONDS``), and goes back to trying.
+- **A work that fails on PostgreSQL.** A work whose own connection is lost or refused (a
+  restart the check has not seen yet) gives the lease up and tries again, as a lost lease;
+  any other failure of the work is raised (the process exits, for a supervisor to restart).
 - **Scope.** The lock's key is derived from the schema and the lease's name, so isolated
   environments (one schema each) never share a lease.
 
@@ -34,7 +37,7 @@ from typing import Any
 import asyncpg
 
 from events.backoff import pause
-from projections.store import DATABASE_ERRORS
+from projections.store import CONNECTION_ERRORS, DATABASE_ERRORS
 from services.common import metrics
 from services.common.settings import Settings
 from services.common.tasks import STOP_TIMEOUT
@@ -133,7 +136,16 @@ class Lease:
             await _finish(task)
         if ended_by_itself and not stop.is_set():
             await self._release()
-            task.result()  # raises the work's error
+            try:
+                task.result()  # raises the work's error
+            except CONNECTION_ERRORS as exc:
+                # PostgreSQL went away under the work before this check saw it (a restart):
+                # as a lost lease, not a crash. A standby may take it meanwhile.
+                self.last_error = repr(exc)
+                log.warning("lease %s given up: its work failed on PostgreSQL (%r); trying "
+                            "to take it again", self.name, exc)  # fmt: skip
+                await pause(stop, self.interval)
+                return
             raise RuntimeError(f"the work of lease {self.name} ended by itself")
         if not stop.is_set():
             log.warning("lease %s lost (%s): work stopped; trying to take it again",
