@@ -34,13 +34,16 @@ class CommandPublisher:
     """Publishes commands keyed by sandbox name with an idempotent producer (acks=all).
 
     ``publish`` returns once the broker acknowledged the record, with its partition and offset.
-    ``client`` holds the connection's keyword arguments (bootstrap servers, security).
+    ``client`` holds the connection's keyword arguments (bootstrap servers, security);
+    ``principal`` is the Kafka principal it connects as (``User:<name>``), None without SASL.
     """
 
     def __init__(
         self, client: Mapping[str, Any], topic: str = COMMANDS, **producer_args: Any
     ) -> None:
         self.topic = topic
+        user = client.get("sasl_plain_username")
+        self.principal = f"User:{user}" if user else None
         self.producer = AIOKafkaProducer(
             **client, enable_idempotence=True, acks="all", **producer_args
         )

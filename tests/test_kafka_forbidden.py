@@ -1,0 +1,117 @@
+"""Kafka refusing the API's commands for want of an ACL (real broker, real ACLs: the API
+principal's grant on the commands topic is deleted, then granted again) is not a lost broker:
+the HTTP API answers 500 KAFKA_FORBIDDEN and the OpenShell door INTERNAL, never the retryable
+503 or UNAVAILABLE, naming the topic and the principal and saying the command was not
+accepted; once the ACL is granted again a retry with the same command id publishes it once.
+A provider change's commands wait in the provider outbox meanwhile and the API's own relay
+sends them once the ACL is back."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import secrets
+
+import apikit
+import factories as f
+import grpc
+from apikit import create_body, unique
+from harness import eventually, isolated_env
+from pydantic import SecretStr
+from test_dead_letters import drop_grant
+from test_openshell_handlers import create_call, door_channel, failure
+
+from drivers.fake import FakeDriver
+from events.publisher import CommandPublisher, now
+from services.api import provider_outbox
+from services.api.gateway import CommandGateway
+from services.api.readmodel import ChangeFeed
+from services.common.kafka_clients import kafka_client_args
+from services.localstack import kafka_auth
+
+
+async def test_a_command_kafka_refuses_by_acl_is_500_kafka_forbidden_and_a_retry_publishes_it() -> (
+    None
+):
+    async with apikit.running_api(None) as api, api.client() as c:
+        s = api.env.settings
+        user = kafka_auth.usernames(s)["api"]
+        before = await c.post("/v1/sandboxes", json=create_body(unique()))
+        assert before.status_code == 202  # the producer has the topic's metadata from here on
+        await asyncio.to_thread(drop_grant, s, "api", s.topic_commands)
+        body = create_body(unique("acl")) | {"command_id": "c-forbidden"}
+        refused = await c.post("/v1/sandboxes", json=body)
+        assert refused.status_code == 500, refused.text
+        answer = refused.json()
+        assert answer["code"] == "KAFKA_FORBIDDEN" and answer["command_id"] == "c-forbidden"
+        message = answer["message"]
+        assert "TopicAuthorizationFailedError" in message
+        assert f"User:{user} lacks the ACL Write on topic {s.topic_commands!r}" in message
+        assert "was not accepted" in message and "operator" in message
+        unknown = await c.get("/v1/commands/c-forbidden")
+        assert unknown.status_code == 404  # not published
+        ready = await c.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["checks"]["kafka"]["ok"] is False
+        await asyncio.to_thread(kafka_auth.grant, s)
+        retried = await c.post("/v1/sandboxes", json=body)
+        assert retried.status_code == 202, retried.text
+        assert retried.json()["command_id"] == "c-forbidden"
+        assert await api.commands_published() == 2
+
+
+async def test_a_command_kafka_refuses_by_acl_is_internal_at_the_openshell_door() -> None:
+    async with (
+        isolated_env(partitions=1) as env,
+        CommandPublisher(
+            kafka_client_args(env.settings, "api"), topic=env.settings.topic_commands
+        ) as publisher,
+    ):
+        s = env.settings
+        user = kafka_auth.usernames(s)["api"]
+        await asyncio.to_thread(drop_grant, s, "api", s.topic_commands)
+        gateway = CommandGateway(env.pool, publisher, ChangeFeed(env.pool))
+        async with door_channel(s, env.pool, gateway, outcome_wait=0.5) as channel:
+            refused = await failure(create_call(channel, "req-forbidden"))
+            assert refused.code() == grpc.StatusCode.INTERNAL
+            details = refused.details() or ""
+            assert "'req-forbidden'" in details and "TopicAuthorizationFailedError" in details
+            assert f"User:{user} lacks the ACL Write on topic {s.topic_commands!r}" in details
+            assert "was not accepted" in details
+            await asyncio.to_thread(kafka_auth.grant, s)
+            # Published now; no processor decides it, so the door says it is pending.
+            pending = await failure(create_call(channel, "req-forbidden"))
+        assert pending.code() == grpc.StatusCode.UNAVAILABLE
+        assert "published but not decided" in (pending.details() or "")
+        assert len(await env.read_topic(s.topic_commands)) == 1
+
+
+async def test_a_rotation_kafka_refuses_by_acl_waits_in_the_outbox_and_the_relay_sends_it() -> None:
+    key = SecretStr(base64.b64encode(secrets.token_bytes(32)).decode())
+    settings = {"credentials_key": key, "provider_outbox_seconds": 0.2}
+    p, name = unique("acl-p"), unique("acl-r")
+    async with apikit.running_api(FakeDriver(), settings_update=settings) as api, api.client() as c:
+        env, s = api.env, api.env.settings
+        async with await env.publisher() as publisher:
+            await publisher.publish(f.create(name, providers=[p], occurred_at=now()))
+        await api.wait_phase(name, "Ready")
+        r = await c.post("/v1/providers", json={"name": p, "credentials": {"K": "one"}})
+        assert r.status_code == 201, r.text
+        await asyncio.to_thread(drop_grant, s, "api", s.topic_commands)
+        r = await c.put(f"/v1/providers/{p}/credentials", json={"credentials": {"K": "two"}})
+        assert r.status_code == 200, r.text  # the values are stored; the restart is owed
+        [line] = r.json()["sandboxes"]
+        assert (line["action"], line["delivery"]) == ("restart", "pending")
+        stored = await eventually(
+            lambda: env.fetch("SELECT attempts, last_error FROM provider_outbox"),
+            lambda rows: len(rows) == 1 and rows[0]["attempts"] >= 2,
+            what="the relay trying the stored restart again",
+        )
+        assert "TopicAuthorizationFailedError" in stored[0]["last_error"]
+        await asyncio.to_thread(kafka_auth.grant, s)
+        await eventually(lambda: provider_outbox.pending(env.pool), lambda n: n == 0,
+                         what="the relay sending the restart once the ACL is back")  # fmt: skip
+        await eventually(
+            lambda: env.fetchval("SELECT generation FROM sandboxes WHERE key = $1", name),
+            lambda generation: generation == 2,
+            what=f"{name} restarted with the new values",
+        )
