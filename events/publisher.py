@@ -11,7 +11,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import (
+    ClusterAuthorizationFailedError,
+    KafkaError,
+    TopicAuthorizationFailedError,
+)
 
 from events.backoff import STOPPED, Backoff, retry
 from events.codec import encode
@@ -44,9 +48,9 @@ class CommandPublisher:
         self.topic = topic
         user = client.get("sasl_plain_username")
         self.principal = f"User:{user}" if user else None
-        self.producer = AIOKafkaProducer(
-            **client, enable_idempotence=True, acks="all", **producer_args
-        )
+        self._args = {**client, "enable_idempotence": True, "acks": "all", **producer_args}
+        self.producer = AIOKafkaProducer(**self._args)
+        self._renewing = asyncio.Lock()
 
     async def __aenter__(self) -> CommandPublisher:
         await self.producer.start()
@@ -56,10 +60,35 @@ class CommandPublisher:
         await self.producer.stop()
 
     async def publish(self, command: Command) -> tuple[int, int]:
-        meta = await self.producer.send_and_wait(
-            self.topic, value=encode(command), key=record_key(command.key)
-        )
+        producer = self.producer
+        try:
+            meta = await producer.send_and_wait(
+                self.topic, value=encode(command), key=record_key(command.key)
+            )
+        except (TopicAuthorizationFailedError, ClusterAuthorizationFailedError):
+            try:
+                await asyncio.shield(self._renew(producer))
+            except Exception as exc:  # the refusal is the answer; the next one tries again
+                _log.warning("replacing the refused producer failed: %r", exc)
+            raise
         return meta.partition, meta.offset
+
+    async def _renew(self, refused: AIOKafkaProducer) -> None:
+        """Replace ``refused`` by a new producer (unless that was done already). aiokafka does
+        not roll back the sequence number of a batch the broker refused, so the idempotent
+        producer's next batch on that partition would be refused as out of order
+        (OutOfOrderSequenceNumber), and every one after it, long after the ACL is granted."""
+        async with self._renewing:
+            if refused is not self.producer:
+                return
+            fresh = AIOKafkaProducer(**self._args)
+            try:
+                await fresh.start()
+            except BaseException:
+                await fresh.stop()
+                raise
+            self.producer = fresh
+        await refused.stop()  # its other batches are sent (or refused) first
 
     async def publish_many(self, commands: list[Command]) -> None:
         futures = [

@@ -58,10 +58,11 @@ class PublishForbidden(Exception):
         else:  # the idempotent producer's id (Kafka 2.8+ also takes Write on any topic)
             missing = "IdempotentWrite on the cluster"
         who = publisher.principal or "the API's Kafka principal"
+        self.why = f"{who} lacks the ACL {missing} ({type(cause).__name__})"
         super().__init__(
-            f"Kafka refused command {command.command_id!r} ({type(cause).__name__}): {who} "
-            f"lacks the ACL {missing}. The command was not accepted; no retry helps until an "
-            "operator grants the ACL, then a retry with the same command id publishes it"
+            f"Kafka refused command {command.command_id!r}: {self.why}. The command was not "
+            "accepted; no retry helps until an operator grants the ACL, then a retry with the "
+            "same command id publishes it"
         )
         self.command_id = command.command_id
 
@@ -99,6 +100,8 @@ class CommandGateway:
         self.feed = feed
         self.poll_interval = poll_interval
         self.publish_timeout = publish_timeout
+        # Why Kafka refused the last command for want of an ACL; None once one is published.
+        self.refused: str | None = None
 
     async def wait_outcome(
         self, command_id: str, key: str | None, timeout: float
@@ -142,11 +145,13 @@ class CommandGateway:
             metrics.API_COMMANDS.labels(command.type, "forbidden").inc()
             forbidden = PublishForbidden(command, exc, self.publisher)
             log.error("publishing %s: %s", command.type, forbidden)
+            self.refused = forbidden.why
             raise forbidden from exc
         except (KafkaError, TimeoutError) as exc:
             metrics.API_COMMANDS.labels(command.type, "unavailable").inc()
             log.warning("publishing %s %s failed: %r", command.type, command.command_id, exc)
             raise PublishFailed(command, exc) from exc
+        self.refused = None
         await idempotency.mark_published(self.pool, command.command_id)
         metrics.API_COMMANDS.labels(command.type, "published").inc()
         outcome = await self.wait_outcome(command.command_id, command.key, wait) if wait else None
