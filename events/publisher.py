@@ -50,6 +50,7 @@ class CommandPublisher:
         self.principal = f"User:{user}" if user else None
         self._args = {**client, "enable_idempotence": True, "acks": "all", **producer_args}
         self.producer = AIOKafkaProducer(**self._args)
+        self._refused: AIOKafkaProducer | None = None  # replaced before its next send
         self._renewing = asyncio.Lock()
 
     async def __aenter__(self) -> CommandPublisher:
@@ -60,35 +61,36 @@ class CommandPublisher:
         await self.producer.stop()
 
     async def publish(self, command: Command) -> tuple[int, int]:
-        producer = self.producer
+        producer = await self._usable()
+        sent = await producer.send(self.topic, value=encode(command), key=record_key(command.key))
         try:
-            meta = await producer.send_and_wait(
-                self.topic, value=encode(command), key=record_key(command.key)
-            )
+            meta = await sent
         except (TopicAuthorizationFailedError, ClusterAuthorizationFailedError):
-            try:
-                await asyncio.shield(self._renew(producer))
-            except Exception as exc:  # the refusal is the answer; the next one tries again
-                _log.warning("replacing the refused producer failed: %r", exc)
+            # aiokafka does not take back the sequence number of a batch the broker refused:
+            # this producer's next batch on the partition would be refused as out of order
+            # (OutOfOrderSequenceNumber), and every one after it, long after the ACL is granted.
+            self._refused = producer
             raise
         return meta.partition, meta.offset
 
-    async def _renew(self, refused: AIOKafkaProducer) -> None:
-        """Replace ``refused`` by a new producer (unless that was done already). aiokafka does
-        not roll back the sequence number of a batch the broker refused, so the idempotent
-        producer's next batch on that partition would be refused as out of order
-        (OutOfOrderSequenceNumber), and every one after it, long after the ACL is granted."""
+    async def _usable(self) -> AIOKafkaProducer:
+        """The producer, a new one if the broker refused one of its batches. Starting it fails
+        while the principal may not produce idempotently at all (ClusterAuthorizationFailedError,
+        without Write on any topic); the next publish tries again."""
+        if self._refused is not self.producer:
+            return self.producer
         async with self._renewing:
-            if refused is not self.producer:
-                return
-            fresh = AIOKafkaProducer(**self._args)
-            try:
-                await fresh.start()
-            except BaseException:
-                await fresh.stop()
-                raise
-            self.producer = fresh
-        await refused.stop()  # its other batches are sent (or refused) first
+            if self._refused is self.producer:
+                fresh = AIOKafkaProducer(**self._args)
+                try:
+                    await fresh.start()
+                except BaseException:
+                    await fresh.stop()
+                    raise
+                refused, self.producer = self.producer, fresh
+                self._refused = None
+                await asyncio.shield(refused.stop())  # its other batches are sent first
+        return self.producer
 
     async def publish_many(self, commands: list[Command]) -> None:
         futures = [

@@ -55,8 +55,8 @@ class PublishForbidden(Exception):
     def __init__(self, command: Command, cause: KafkaError, publisher: CommandPublisher) -> None:
         if isinstance(cause, TopicAuthorizationFailedError):
             missing = f"Write on topic {publisher.topic!r}"
-        else:  # the idempotent producer's id (Kafka 2.8+ also takes Write on any topic)
-            missing = "IdempotentWrite on the cluster"
+        else:  # an idempotent producer's id: Kafka 3.0+ takes Write on any topic instead
+            missing = f"IdempotentWrite on the cluster (or Write on topic {publisher.topic!r})"
         who = publisher.principal or "the API's Kafka principal"
         self.why = f"{who} lacks the ACL {missing} ({type(cause).__name__})"
         super().__init__(
