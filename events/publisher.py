@@ -11,7 +11,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import (
+    ClusterAuthorizationFailedError,
+    KafkaError,
+    TopicAuthorizationFailedError,
+)
 
 from events.backoff import STOPPED, Backoff, retry
 from events.codec import encode
@@ -34,16 +38,20 @@ class CommandPublisher:
     """Publishes commands keyed by sandbox name with an idempotent producer (acks=all).
 
     ``publish`` returns once the broker acknowledged the record, with its partition and offset.
-    ``client`` holds the connection's keyword arguments (bootstrap servers, security).
+    ``client`` holds the connection's keyword arguments (bootstrap servers, security);
+    ``principal`` is the Kafka principal it connects as (``User:<name>``), None without SASL.
     """
 
     def __init__(
         self, client: Mapping[str, Any], topic: str = COMMANDS, **producer_args: Any
     ) -> None:
         self.topic = topic
-        self.producer = AIOKafkaProducer(
-            **client, enable_idempotence=True, acks="all", **producer_args
-        )
+        user = client.get("sasl_plain_username")
+        self.principal = f"User:{user}" if user else None
+        self._args = {**client, "enable_idempotence": True, "acks": "all", **producer_args}
+        self.producer = AIOKafkaProducer(**self._args)
+        self._refused: AIOKafkaProducer | None = None  # replaced before its next send
+        self._renewing = asyncio.Lock()
 
     async def __aenter__(self) -> CommandPublisher:
         await self.producer.start()
@@ -53,10 +61,36 @@ class CommandPublisher:
         await self.producer.stop()
 
     async def publish(self, command: Command) -> tuple[int, int]:
-        meta = await self.producer.send_and_wait(
-            self.topic, value=encode(command), key=record_key(command.key)
-        )
+        producer = await self._usable()
+        sent = await producer.send(self.topic, value=encode(command), key=record_key(command.key))
+        try:
+            meta = await sent
+        except (TopicAuthorizationFailedError, ClusterAuthorizationFailedError):
+            # aiokafka does not take back the sequence number of a batch the broker refused:
+            # this producer's next batch on the partition would be refused as out of order
+            # (OutOfOrderSequenceNumber), and every one after it, long after the ACL is granted.
+            self._refused = producer
+            raise
         return meta.partition, meta.offset
+
+    async def _usable(self) -> AIOKafkaProducer:
+        """The producer, a new one if the broker refused one of its batches. Starting it fails
+        while the principal may not produce idempotently at all (ClusterAuthorizationFailedError,
+        without Write on any topic); the next publish tries again."""
+        if self._refused is not self.producer:
+            return self.producer
+        async with self._renewing:
+            if self._refused is self.producer:
+                fresh = AIOKafkaProducer(**self._args)
+                try:
+                    await fresh.start()
+                except BaseException:
+                    await fresh.stop()
+                    raise
+                refused, self.producer = self.producer, fresh
+                self._refused = None
+                await asyncio.shield(refused.stop())  # its other batches are sent first
+        return self.producer
 
     async def publish_many(self, commands: list[Command]) -> None:
         futures = [

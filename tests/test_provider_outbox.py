@@ -2,12 +2,12 @@
 the commands a provider change owes its sandboxes are stored with the change and sent until
 Kafka acknowledges them.
 
-An API whose Kafka never acknowledges (it publishes to a topic that does not exist) answers a
-rotation and a forced delete with the commands `pending`; they stay stored, its relay counts
-the failed attempts, and two other API replicas (services of their own over a working
-producer) both send them: the processor decides the first and takes the second for a
-duplicate (as it does a late copy from a producer that outlived an outage), so each sandbox
-restarts once.
+An API whose Kafka never takes a command (it publishes to a topic that does not exist, which
+Kafka refuses as it refuses a topic its principal may not write) answers a rotation and a
+forced delete with the commands `pending`; they stay stored, its relay counts the failed
+attempts, and two other API replicas (services of their own over a working producer) both
+send them: the processor decides the first and takes the second for a duplicate (as it does a
+late copy from a producer that outlived an outage), so each sandbox restarts once.
 """
 
 from __future__ import annotations

@@ -71,7 +71,9 @@ def create_app(
         publisher,
         feed,
         poll_interval=poll_interval,
-        publish_timeout=publish_timeout or settings.api_publish_timeout_seconds,
+        publish_timeout=settings.api_publish_timeout_seconds
+        if publish_timeout is None
+        else publish_timeout,
     )
     provider_service = ProviderService(settings, pool, gateway)
 

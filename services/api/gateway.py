@@ -12,7 +12,12 @@ from dataclasses import dataclass
 from typing import Final, TypeAlias
 
 import asyncpg
-from aiokafka.errors import KafkaError, MessageSizeTooLargeError
+from aiokafka.errors import (
+    ClusterAuthorizationFailedError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    TopicAuthorizationFailedError,
+)
 
 from events.commands import Command
 from events.outcomes import CommandOutcome
@@ -35,6 +40,29 @@ class PublishFailed(Exception):
         super().__init__(
             f"Kafka did not acknowledge the command ({type(cause).__name__}); it may still be "
             f"applied: retry with the same command_id {command.command_id!r}"
+        )
+        self.command_id = command.command_id
+
+
+# Kafka's refusals for want of an ACL: no retry fixes them, an operator must grant the ACL.
+FORBIDDEN_BY_KAFKA: Final = (TopicAuthorizationFailedError, ClusterAuthorizationFailedError)
+
+
+class PublishForbidden(Exception):
+    """Kafka refused the command for want of an ACL: it was not published, and retrying cannot
+    help until an operator grants the API's principal the ACL."""
+
+    def __init__(self, command: Command, cause: KafkaError, publisher: CommandPublisher) -> None:
+        if isinstance(cause, TopicAuthorizationFailedError):
+            missing = f"Write on topic {publisher.topic!r}"
+        else:  # an idempotent producer's id: Kafka 3.0+ takes Write on any topic instead
+            missing = f"IdempotentWrite on the cluster (or Write on topic {publisher.topic!r})"
+        who = publisher.principal or "the API's Kafka principal"
+        self.why = f"{who} lacks the ACL {missing} ({type(cause).__name__})"
+        super().__init__(
+            f"Kafka refused command {command.command_id!r}: {self.why}. The command was not "
+            "accepted; no retry helps until an operator grants the ACL, then a retry with the "
+            "same command id publishes it"
         )
         self.command_id = command.command_id
 
@@ -72,6 +100,8 @@ class CommandGateway:
         self.feed = feed
         self.poll_interval = poll_interval
         self.publish_timeout = publish_timeout
+        # Why Kafka refused the last command for want of an ACL; None once one is published.
+        self.refused: str | None = None
 
     async def wait_outcome(
         self, command_id: str, key: str | None, timeout: float
@@ -90,8 +120,8 @@ class CommandGateway:
     async def submit(self, command: Command, wait: float | None) -> Submitted:
         """Publish ``command`` unless its id is known, then wait up to ``wait`` seconds for the
         outcome. Raises ``IdempotencyConflict`` when its id was first used for another request,
-        ``CommandTooLarge`` when it cannot fit in a record, ``PublishFailed`` when Kafka does
-        not acknowledge it."""
+        ``CommandTooLarge`` when it cannot fit in a record, ``PublishForbidden`` when Kafka
+        refuses it for want of an ACL, ``PublishFailed`` when Kafka does not acknowledge it."""
         first = await idempotency.record(self.pool, command)
         known = await readmodel.get_outcome(self.pool, command.command_id, command.key)
         if known is not None and known.command_type != command.type:
@@ -111,10 +141,17 @@ class CommandGateway:
         except MessageSizeTooLargeError as exc:
             metrics.API_COMMANDS.labels(command.type, "too_large").inc()
             raise CommandTooLarge(command) from exc
+        except FORBIDDEN_BY_KAFKA as exc:
+            metrics.API_COMMANDS.labels(command.type, "forbidden").inc()
+            forbidden = PublishForbidden(command, exc, self.publisher)
+            log.error("publishing %s: %s", command.type, forbidden)
+            self.refused = forbidden.why
+            raise forbidden from exc
         except (KafkaError, TimeoutError) as exc:
             metrics.API_COMMANDS.labels(command.type, "unavailable").inc()
             log.warning("publishing %s %s failed: %r", command.type, command.command_id, exc)
             raise PublishFailed(command, exc) from exc
+        self.refused = None
         await idempotency.mark_published(self.pool, command.command_id)
         metrics.API_COMMANDS.labels(command.type, "published").inc()
         outcome = await self.wait_outcome(command.command_id, command.key, wait) if wait else None

@@ -124,6 +124,8 @@ def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
         412: "FAILED_PRECONDITION: the phase does not admit the command (or, for a provider, "
         "it is still attached)",
         422: "INVALID_ARGUMENT: the request names the offending field",
+        500: "KAFKA_FORBIDDEN: Kafka refused the command for want of an ACL (not accepted; "
+        "an operator must grant it, then retry with the same command_id)",
         503: "UNAVAILABLE: Kafka or PostgreSQL cannot be reached",
     }
     return {c: {"model": ErrorBody, "description": described[c]} for c in codes}
@@ -131,7 +133,7 @@ def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 COMMAND_RESPONSES = {
     202: {"model": CommandStatus, "description": "published; the outcome is pending"},
-    **responses(401, 403, 404, 409, 412, 413, 422, 503),
+    **responses(401, 403, 404, 409, 412, 413, 422, 500, 503),
 }
 
 WaitQuery = Annotated[

@@ -47,7 +47,7 @@ from events.commands import (
 from events.publisher import new_command_id, now
 from projections.credentials import ReceiptLine, plan
 from services.api import idempotency, provider_outbox
-from services.api.gateway import CommandGateway, Pool, PublishFailed
+from services.api.gateway import CommandGateway, Pool, PublishFailed, PublishForbidden
 from services.common import metrics, providers
 from services.common.credentials import Vault, load_key
 from services.common.providers import Applied, Conn, Update
@@ -351,7 +351,7 @@ class ProviderService:
             if not isinstance(result, BaseException):
                 sent.append(command.command_id)
                 continue
-            if not isinstance(result, PublishFailed):
+            if not isinstance(result, PublishFailed | PublishForbidden):  # the gateway logged it
                 log.error("sending %s %s failed: %r (kept for the relay)",
                           command.type, command.command_id, result)  # fmt: skip
             unsent.append(command.command_id)

@@ -99,7 +99,8 @@ PROVIDER_OUTBOX = Gauge(
 API_COMMANDS = Counter(
     "sandstream_api_commands_total",
     "Commands received by the API: published, retry (answered from a stored outcome), "
-    "unavailable (Kafka did not acknowledge)",
+    "unavailable (Kafka did not acknowledge), forbidden (Kafka refused it for want of an ACL), "
+    "too_large",
     ["type", "result"],
 )
 API_WATCHERS = Gauge("sandstream_api_watch_streams", "Open /v1/watch streams")

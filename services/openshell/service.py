@@ -32,7 +32,7 @@ from events.common import COMMAND_ID_PATTERN, SANDBOX_NAME_PATTERN, Phase
 from events.outcomes import Code, CommandOutcome
 from projections.store import SANDBOX_COLUMNS
 from services.api import readmodel
-from services.api.gateway import CommandGateway, CommandTooLarge, PublishFailed
+from services.api.gateway import CommandGateway, CommandTooLarge, PublishFailed, PublishForbidden
 from services.api.idempotency import IdempotencyConflict
 from services.api.providers import ProviderService
 from services.api.readmodel import SandboxView
@@ -185,6 +185,8 @@ class Door:
         maps them."""
         try:
             submitted = await self.gateway.submit(command, self.outcome_wait)
+        except PublishForbidden as exc:  # INTERNAL, not the retryable UNAVAILABLE
+            await abort(context, grpc.StatusCode.INTERNAL, str(exc))
         except PublishFailed:
             await abort(
                 context,

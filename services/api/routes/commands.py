@@ -26,7 +26,7 @@ from events.publisher import new_command_id, now
 from services.api import idempotency, readmodel
 from services.api.deps import Reader, State, Writer, require_also
 from services.api.errors import STATUS_OF, ApiError, error_response
-from services.api.gateway import CommandGateway, CommandTooLarge, PublishFailed
+from services.api.gateway import CommandGateway, CommandTooLarge, PublishFailed, PublishForbidden
 from services.api.idempotency import IdempotencyConflict
 from services.api.models import (
     COMMAND_RESPONSES,
@@ -57,6 +57,8 @@ async def submit(gateway: CommandGateway, command: Command, wait: float | None) 
     created = isinstance(command, CreateSandbox)
     try:
         submitted = await gateway.submit(command, wait)
+    except PublishForbidden as exc:  # a 500, not the retryable 503: only an operator can fix it
+        return error_response(500, "KAFKA_FORBIDDEN", str(exc), command_id=exc.command_id)
     except PublishFailed as exc:
         return error_response(503, "UNAVAILABLE", str(exc), command_id=exc.command_id)
     except IdempotencyConflict as exc:

@@ -63,7 +63,10 @@ async def readyz(request: Request, state: State) -> JSONResponse:
         return_exceptions=True,
     )
     if isinstance(kafka, BaseException):
-        checks["kafka"] = Check(ok=False, detail=f"{type(kafka).__name__}: {kafka}")
+        detail = f"{type(kafka).__name__}: {kafka}"
+        if state.gateway.refused:  # (the probe may only time out on a topic it may not read)
+            detail += f"; the last command was refused: {state.gateway.refused}"
+        checks["kafka"] = Check(ok=False, detail=detail)
     else:
         ends = kafka
         checks["kafka"] = Check(ok=True, detail=state.settings.kafka_bootstrap)
