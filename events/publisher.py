@@ -48,8 +48,8 @@ class CommandPublisher:
         self.topic = topic
         user = client.get("sasl_plain_username")
         self.principal = f"User:{user}" if user else None
-        self._args = {**client, "enable_idempotence": True, "acks": "all", **producer_args}
-        self.producer = AIOKafkaProducer(**self._args)
+        self._args = {**client, **producer_args}
+        self.producer = self._new_producer()
         self._refused: AIOKafkaProducer | None = None  # replaced before its next send
         self._renewing = asyncio.Lock()
 
@@ -73,6 +73,9 @@ class CommandPublisher:
             raise
         return meta.partition, meta.offset
 
+    def _new_producer(self) -> AIOKafkaProducer:
+        return AIOKafkaProducer(**self._args, enable_idempotence=True, acks="all")
+
     async def _usable(self) -> AIOKafkaProducer:
         """The producer, a new one if the broker refused one of its batches. Starting it fails
         while the principal may not produce idempotently at all (ClusterAuthorizationFailedError,
@@ -81,7 +84,7 @@ class CommandPublisher:
             return self.producer
         async with self._renewing:
             if self._refused is self.producer:
-                fresh = AIOKafkaProducer(**self._args)
+                fresh = self._new_producer()
                 try:
                     await fresh.start()
                 except BaseException:

@@ -372,6 +372,10 @@ async def test_a_lease_holder_whose_work_fails_on_postgresql_gives_the_lease_up_
 
         async def work(lost: asyncio.Event) -> None:
             runs.append(lost)
+            if len(runs) > 1:  # taken again: runs until stopped
+                await sessions.put(0)
+                await lost.wait()
+                return
             conn = await asyncpg.connect(env.settings.pg_dsn)
             try:
                 await sessions.put(conn.get_server_pid())
