@@ -86,8 +86,32 @@ async def test_an_oversized_command_is_413_not_a_retryable_503() -> None:
             r = await c.post("/v1/sandboxes", json=create_body(unique(), env=env))
         assert r.status_code == 413, r.text
         assert r.json()["code"] == "PAYLOAD_TOO_LARGE"
-        assert "too large for a Kafka record" in r.json()["message"]
+        assert "the processor decides" in r.json()["message"]
         assert await big.commands_published() == before
+
+
+async def test_a_command_above_what_the_processor_decides_is_413_and_never_accepted() -> None:
+    """The processor dead-letters an input above its limit, so a command the body limit and
+    Kafka let through but above that limit was accepted (202) and never decided. Now a 413
+    naming the limit, for its retry too, and nothing recorded under its id nor published."""
+    limit = 20_000
+    async with apikit.running_api(
+        FakeDriver(), settings_update={"processor_max_input_bytes": limit}
+    ) as small:
+        before = await small.commands_published()
+        body = {**create_body(unique(), env={"A": "x" * 9000, "B": "x" * 9000, "C": "x" * 9000}),
+                "command_id": "too-big-1"}  # fmt: skip
+        async with small.client() as c:
+            first = await c.post("/v1/sandboxes", json=body)
+            again = await c.post("/v1/sandboxes", json=body)
+            status = await c.get("/v1/commands/too-big-1")
+        for r in (first, again):
+            assert r.status_code == 413, r.text
+            assert r.json()["code"] == "PAYLOAD_TOO_LARGE"
+            assert f"above the {limit} bytes the processor decides" in r.json()["message"]
+        assert status.status_code == 404, status.text
+        assert await small.env.fetch("SELECT 1 FROM api_commands") == []
+        assert await small.commands_published() == before
 
 
 # -- malformed parameters and page tokens ---------------------------------------------------------

@@ -72,6 +72,7 @@ def create_app(
         feed,
         poll_interval=poll_interval,
         publish_timeout=publish_timeout or settings.api_publish_timeout_seconds,
+        max_bytes=settings.processor_max_input_bytes,
     )
     provider_service = ProviderService(settings, pool, gateway)
 
