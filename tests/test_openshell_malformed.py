@@ -171,3 +171,65 @@ async def test_an_execution_timeout_out_of_range_is_invalid_argument(
             pass
     await invalid_argument(raised.value, "execution_timeout")
     assert words in (raised.value.details() or "")
+
+
+LONG = "a" * 20_000
+WIDE = "\u20ac" * 20_000  # three bytes each in UTF-8, nine once percent-encoded in a trailer
+
+
+@pytest.mark.parametrize(
+    ("method", "request_", "code", "start", "end"),
+    [
+        (
+            "CreateSandbox",
+            os1.CreateSandboxRequest(name=LONG, workspace_scope=SCOPE, spec=os1.SandboxSpec()),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "name '",
+            "",
+        ),
+        (
+            "CreateSandbox",
+            os1.CreateSandboxRequest(
+                name="long-label",
+                workspace_scope=SCOPE,
+                labels={LONG + "!": "v"},
+                spec=os1.SandboxSpec(),
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "labels",
+            "",
+        ),
+        (
+            "GetSandbox",
+            os1.GetSandboxRequest(name=WIDE, workspace_scope=SCOPE),
+            grpc.StatusCode.NOT_FOUND,
+            "sandbox '",
+            "not found",
+        ),
+        (
+            "GetSandbox",
+            os1.GetSandboxRequest(name="x", workspace_scope=dm1.WorkspaceSelector(workspace=WIDE)),
+            grpc.StatusCode.NOT_FOUND,
+            "workspace '",
+            "not found",
+        ),
+    ],
+    ids=["name", "label-key", "missing-name", "workspace"],
+)
+async def test_an_error_echoing_a_huge_value_still_names_the_field_and_fits_the_metadata(
+    gateway: Gateway,
+    method: str,
+    request_: Message,
+    code: grpc.StatusCode,
+    start: str,
+    end: str,
+) -> None:
+    """A 20,000-character value echoed whole made the message exceed the client's 16 KB
+    metadata limit: the client saw RESOURCE_EXHAUSTED, not the status nor the field. Now the
+    echo is cut in the middle: the status, the field and what is wrong arrive."""
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await call(gateway, method, request_, Message)
+    details = raised.value.details() or ""
+    assert raised.value.code() == code, (raised.value.code(), details[:300])
+    assert details.startswith(start) and details.endswith(end), details
+    assert "characters cut]" in details and len(details) < 1000
