@@ -7,12 +7,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import apikit
+import factories as f
 import pytest
 import pytest_asyncio
 from apikit import Api, create_body, unique
 
 from drivers.fake import FakeDriver
+from events.codec import encode
+from events.publisher import CommandPublisher, now
 from services.api import readmodel
+from services.api.gateway import CommandGateway, CommandTooLarge
+from services.api.readmodel import ChangeFeed
+from services.common.kafka_clients import kafka_client_args
 
 # The filters a plain list's page token is bound to.
 LIST_FILTERS = {"phase": [], "eq": {}, "has": [], "deleted": False}
@@ -112,6 +118,31 @@ async def test_a_command_above_what_the_processor_decides_is_413_and_never_accep
         assert status.status_code == 404, status.text
         assert await small.env.fetch("SELECT 1 FROM api_commands") == []
         assert await small.commands_published() == before
+
+
+async def test_the_gateway_takes_a_command_of_exactly_the_limit_and_refuses_one_byte_more(
+    api: Api,
+) -> None:
+    """The bound is the processor's: a value of at most ``processor_max_input_bytes`` is
+    decided (tests/test_dead_letters.py), so a command of exactly the limit is published and
+    one a byte above it is refused before its id is recorded."""
+    env = api.env
+    at, above = unique(), unique()
+    command = f.create(at, command_id=at, occurred_at=now())
+    size = len(encode(command))
+    bigger = f.create(above, command_id=above, occurred_at=now(), image=f.IMAGE + "x")
+    assert len(encode(bigger)) == size + 1
+    async with CommandPublisher(
+        kafka_client_args(env.settings, "api"), topic=env.settings.topic_commands
+    ) as publisher:
+        gateway = CommandGateway(env.pool, publisher, ChangeFeed(env.pool), max_bytes=size)
+        taken = await gateway.submit(command, 30)
+        with pytest.raises(CommandTooLarge) as refused:
+            await gateway.submit(bigger, 30)
+    assert taken.outcome is not None and taken.outcome.accepted
+    assert f"is {size + 1} bytes encoded, above the {size} bytes" in str(refused.value)
+    recorded = await env.fetch("SELECT command_id FROM api_commands WHERE command_id = $1", above)
+    assert recorded == []
 
 
 # -- malformed parameters and page tokens ---------------------------------------------------------
