@@ -86,7 +86,9 @@ async def running_gateway(
                     "openshell_exec_sessions": EXEC_TOTAL,
                 }
             )
-            gateway = CommandGateway(env.pool, pub, feed)
+            gateway = CommandGateway(
+                env.pool, pub, feed, max_bytes=env.settings.processor_max_input_bytes
+            )
             logs = log_source(served)
             server = await start_openshell(
                 served, pool=env.pool, gateway=gateway, tokens=tokens, driver=driver, logs=logs

@@ -7,12 +7,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import apikit
+import factories as f
 import pytest
 import pytest_asyncio
 from apikit import Api, create_body, unique
 
 from drivers.fake import FakeDriver
+from events.codec import encode
+from events.publisher import CommandPublisher, now
 from services.api import readmodel
+from services.api.gateway import CommandGateway, CommandTooLarge
+from services.api.readmodel import ChangeFeed
+from services.common.kafka_clients import kafka_client_args
 
 # The filters a plain list's page token is bound to.
 LIST_FILTERS = {"phase": [], "eq": {}, "has": [], "deleted": False}
@@ -86,8 +92,57 @@ async def test_an_oversized_command_is_413_not_a_retryable_503() -> None:
             r = await c.post("/v1/sandboxes", json=create_body(unique(), env=env))
         assert r.status_code == 413, r.text
         assert r.json()["code"] == "PAYLOAD_TOO_LARGE"
-        assert "too large for a Kafka record" in r.json()["message"]
+        assert "the processor decides" in r.json()["message"]
         assert await big.commands_published() == before
+
+
+async def test_a_command_above_what_the_processor_decides_is_413_and_never_accepted() -> None:
+    """The processor dead-letters an input above its limit, so a command the body limit and
+    Kafka let through but above that limit was accepted (202) and never decided. Now a 413
+    naming the limit, for its retry too, and nothing recorded under its id nor published."""
+    limit = 20_000
+    async with apikit.running_api(
+        FakeDriver(), settings_update={"processor_max_input_bytes": limit}
+    ) as small:
+        before = await small.commands_published()
+        body = {**create_body(unique(), env={"A": "x" * 9000, "B": "x" * 9000, "C": "x" * 9000}),
+                "command_id": "too-big-1"}  # fmt: skip
+        async with small.client() as c:
+            first = await c.post("/v1/sandboxes", json=body)
+            again = await c.post("/v1/sandboxes", json=body)
+            status = await c.get("/v1/commands/too-big-1")
+        for r in (first, again):
+            assert r.status_code == 413, r.text
+            assert r.json()["code"] == "PAYLOAD_TOO_LARGE"
+            assert f"above the {limit} bytes the processor decides" in r.json()["message"]
+        assert status.status_code == 404, status.text
+        assert await small.env.fetch("SELECT 1 FROM api_commands") == []
+        assert await small.commands_published() == before
+
+
+async def test_the_gateway_takes_a_command_of_exactly_the_limit_and_refuses_one_byte_more(
+    api: Api,
+) -> None:
+    """The bound is the processor's: a value of at most ``processor_max_input_bytes`` is
+    decided (tests/test_dead_letters.py), so a command of exactly the limit is published and
+    one a byte above it is refused before its id is recorded."""
+    env = api.env
+    at, above = unique(), unique()
+    command = f.create(at, command_id=at, occurred_at=now())
+    size = len(encode(command))
+    bigger = f.create(above, command_id=above, occurred_at=now(), image=f.IMAGE + "x")
+    assert len(encode(bigger)) == size + 1
+    async with CommandPublisher(
+        kafka_client_args(env.settings, "api"), topic=env.settings.topic_commands
+    ) as publisher:
+        gateway = CommandGateway(env.pool, publisher, ChangeFeed(env.pool), max_bytes=size)
+        taken = await gateway.submit(command, 30)
+        with pytest.raises(CommandTooLarge) as refused:
+            await gateway.submit(bigger, 30)
+    assert taken.outcome is not None and taken.outcome.accepted
+    assert f"is {size + 1} bytes encoded, above the {size} bytes" in str(refused.value)
+    recorded = await env.fetch("SELECT command_id FROM api_commands WHERE command_id = $1", above)
+    assert recorded == []
 
 
 # -- malformed parameters and page tokens ---------------------------------------------------------
@@ -198,3 +253,44 @@ async def test_a_nul_in_a_spec_is_422_and_never_reaches_the_processor(
     assert r.json()["message"].startswith(field), r.json()["message"]
     assert "NUL" in r.json()["message"]
     assert await api.commands_published() == before
+
+
+YEAR_0 = "0001-01-01T00:00:00+14:00"  # in UTC: 0000-12-31T10:00:00, before year 1
+YEAR_10000 = "9999-12-31T23:00:00-14:00"  # in UTC: 10000-01-01T13:00:00
+
+
+@pytest.mark.parametrize(
+    ("path", "params", "field"),
+    [
+        ("/v1/audit/export", {"since": YEAR_0}, "since"),
+        ("/v1/audit/export", {"until": YEAR_0}, "until"),
+        ("/v1/audit/export", {"since": YEAR_10000}, "since"),
+        ("/v1/audit/sandboxes/{name}/at", {"time": YEAR_0}, "time"),
+        ("/v1/sandboxes/{name}/logs", {"since": YEAR_0}, "since"),
+        ("/v1/sandboxes/{name}/logs", {"since": YEAR_10000}, "since"),
+    ],
+)
+async def test_a_time_out_of_range_in_utc_is_422_naming_it(
+    api: Api, path: str, params: dict[str, str], field: str
+) -> None:
+    """A time Python and PostgreSQL's driver cannot hold once in UTC. The export answered 200
+    with an empty body (its stream failed once begun: "date value out of range"); every route
+    that takes a time now refuses it first. The sandbox exists, so a route would go on to
+    read it."""
+    name = unique()
+    async with api.client() as c:
+        made = await c.post("/v1/sandboxes", params={"wait": 30}, json=create_body(name))
+        assert made.status_code == 201, made.text
+    async with api.client(apikit.AUDITOR if "audit" in path else apikit.ADMIN) as c:
+        r = await c.get(path.format(name=name), params=params)
+    assert r.status_code == 422, r.text
+    assert r.json()["code"] == "INVALID_ARGUMENT"
+    assert r.json()["message"].startswith(f"query parameter {field!r}: out of range")
+
+
+async def test_a_time_at_the_edge_of_the_range_in_utc_is_taken(api: Api) -> None:
+    async with api.client(apikit.AUDITOR) as c:
+        early = await c.get("/v1/audit/export", params={"since": "0001-01-01T00:00:00-01:00"})
+        late = await c.get("/v1/audit/export", params={"until": "9999-12-31T23:59:59+01:00"})
+    for r in (early, late):
+        assert r.status_code == 200, r.text

@@ -261,11 +261,54 @@ async def test_a_command_too_large_for_a_kafka_record_is_resource_exhausted(
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await call(gateway, "CreateSandbox", request, os1.SandboxResponse)
     assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "too large for a Kafka record" in (raised.value.details() or "")
+    assert "the processor decides" in (raised.value.details() or "")
     get = os1.GetSandboxRequest(name=name, workspace_scope=SCOPE)
     assert await status_of(call(gateway, "GetSandbox", get, os1.SandboxResponse)) == (
         grpc.StatusCode.NOT_FOUND
     )
+
+
+async def test_a_command_above_what_the_processor_decides_is_refused_before_it_is_accepted(
+    gateway: Gateway,
+) -> None:
+    """A command within Kafka's record size but above the processor's input limit, from either
+    generation (within every field's bounds: 10,000-character values), was published, then
+    dead-lettered and never decided: the client waited 30 s for UNAVAILABLE, and its retries
+    likewise. Now RESOURCE_EXHAUSTED naming the limit, at once and again on a retry with the
+    same request_id; nothing recorded under the id, nothing on the commands topic, no history."""
+    env = gateway.env
+    limit = env.settings.processor_max_input_bytes
+    assert limit + 30_000 < env.settings.kafka_max_record_bytes  # Kafka would take it
+    environment = {f"V{i}": "x" * 9999 for i in range(limit // 10_000 + 1)}
+    image = "localhost/sandstream-base:1"
+    old, new = gateway.new_name(), gateway.new_name()
+    request_id = str(uuid.uuid4())
+    request = os1.CreateSandboxRequest(
+        name=new,
+        workspace_scope=SCOPE,
+        spec=os1.SandboxSpec(template=os1.SandboxTemplate(image=image), environment=environment),
+        request_id=request_id,
+    )
+    refused = []
+    for _ in range(2):  # the first try and its retry
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await call(gateway, "CreateSandbox", request, os1.SandboxResponse, timeout=20)
+        refused.append(raised.value)
+    spec = pb.SandboxSpec(template=pb.SandboxTemplate(image=image), environment=environment)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await gateway.stub.CreateSandbox(
+            pb.CreateSandboxRequest(name=old, spec=spec), metadata=auth(), timeout=20
+        )
+    refused.append(raised.value)
+    for error in refused:
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+        details = error.details() or ""
+        assert f"above the {limit} bytes the processor decides" in details, details
+    recorded = await env.fetch("SELECT 1 FROM api_commands WHERE command_id = $1", request_id)
+    assert recorded == []
+    logged = {r.key for r in await env.read_topic(env.settings.topic_commands)}
+    assert old.encode() not in logged and new.encode() not in logged
+    assert await history(env, old) == [] and await history(env, new) == []
 
 
 # -- bounds and scopes ---------------------------------------------------------------------------

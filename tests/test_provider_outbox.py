@@ -24,7 +24,10 @@ from harness import Env, eventually
 from pydantic import SecretStr
 
 from drivers.fake import FakeDriver
+from events.codec import encode
+from events.commands import DetachProvider, ProviderRotation, RotateCredentials
 from events.publisher import CommandPublisher, now
+from events.topics import MAX_INPUT_BYTES
 from services.api import provider_outbox
 from services.api.gateway import CommandGateway
 from services.api.providers import ProviderService
@@ -124,3 +127,22 @@ async def history_types(api: apikit.Api, name: str) -> list[str]:
         "SELECT event_types FROM history WHERE key = $1 ORDER BY id", name
     )
     return [t for r in rows for t in (r["event_types"] or [])]
+
+
+def test_the_largest_outbox_command_is_far_below_the_processors_input_limit() -> None:
+    """The outbox holds names and revisions, never a provider's values: its largest command
+    (a rotation of 64 providers with the longest names, ids and actor) is a few kilobytes, so
+    the gateway's size refusal (a command above ``processor_max_input_bytes``) can never keep
+    one stored for ever, however large the values written."""
+    common: dict[str, Any] = {
+        "command_id": "c" * 128,
+        "key": "s" * 63,
+        "occurred_at": now(),
+        "actor": "\U0001f600" * 200,
+    }
+    rotations = [
+        ProviderRotation(provider=f"{i:02d}" + "p" * 126, revision=2**62) for i in range(64)
+    ]
+    rotate = RotateCredentials(type="RotateCredentials", rotations=rotations, **common)
+    detach = DetachProvider(type="DetachProvider", provider="p" * 128, **common)
+    assert max(len(encode(rotate)), len(encode(detach))) < 16 * 1024 < MAX_INPUT_BYTES

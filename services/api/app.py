@@ -74,6 +74,7 @@ def create_app(
         publish_timeout=settings.api_publish_timeout_seconds
         if publish_timeout is None
         else publish_timeout,
+        max_bytes=settings.processor_max_input_bytes,
     )
     provider_service = ProviderService(settings, pool, gateway)
 

@@ -4,6 +4,7 @@ the phase; malformed requests are answered after authentication."""
 from __future__ import annotations
 
 import logging
+from datetime import UTC, datetime
 from typing import Any, Final
 
 from fastapi.responses import JSONResponse
@@ -41,6 +42,26 @@ class ApiError(Exception):
         self.code = code
         self.message = message
         self.headers = headers
+
+
+def query_time(name: str, value: datetime | None) -> datetime | None:
+    """A time query parameter in UTC; a 422 naming it when it has no time zone or when its UTC
+    time falls outside 0001-01-01 to 9999-12-31 (``0001-01-01T00:00:00+14:00`` is in year 0
+    in UTC), which neither Python nor PostgreSQL's driver can hold: never a 5xx, nor an empty
+    200 from a stream that broke once it had begun."""
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        raise ApiError(422, "INVALID_ARGUMENT", f"query parameter {name!r}: needs a time zone")
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise ApiError(
+            422,
+            "INVALID_ARGUMENT",
+            f"query parameter {name!r}: out of range: in UTC it must fall within "
+            "0001-01-01T00:00:00Z and 9999-12-31T23:59:59.999999Z",
+        ) from None
 
 
 class ErrorBody(BaseModel):

@@ -19,9 +19,11 @@ from aiokafka.errors import (
     TopicAuthorizationFailedError,
 )
 
+from events.codec import encode
 from events.commands import Command
 from events.outcomes import CommandOutcome
 from events.publisher import CommandPublisher
+from events.topics import MAX_INPUT_BYTES
 from services.api import idempotency, readmodel
 from services.api.idempotency import IdempotencyConflict
 from services.api.readmodel import ChangeFeed
@@ -68,13 +70,22 @@ class PublishForbidden(Exception):
 
 
 class CommandTooLarge(Exception):
-    """The command does not fit in a Kafka record: retrying cannot help."""
+    """The command is larger than the processor decides (or than a Kafka record): retrying
+    cannot help."""
 
-    def __init__(self, command: Command) -> None:
-        super().__init__(
-            f"command {command.command_id!r} is too large for a Kafka record: make its spec "
-            "smaller (env, command, labels)"
+    def __init__(self, command: Command, size: int | None = None, limit: int | None = None) -> None:
+        what = (
+            f"is {size} bytes encoded, above the {limit} bytes the processor decides "
+            "(SANDSTREAM_PROCESSOR_MAX_INPUT_BYTES)"
+            if size is not None
+            else "is too large for a Kafka record"
         )
+        super().__init__(
+            f"command {command.command_id!r} {what}: make its spec smaller (env, command, "
+            "labels); it was not accepted"
+        )
+        self.size = size
+        self.limit = limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +105,11 @@ class CommandGateway:
         *,
         poll_interval: float = 1.0,
         publish_timeout: float = PUBLISH_TIMEOUT,
+        max_bytes: int = MAX_INPUT_BYTES,
     ) -> None:
+        """``max_bytes``: the largest encoded command accepted, the processor's
+        ``processor_max_input_bytes`` (it dead-letters a larger record, so one published would
+        be accepted and never decided)."""
         self.pool = pool
         self.publisher = publisher
         self.feed = feed
@@ -102,6 +117,7 @@ class CommandGateway:
         self.publish_timeout = publish_timeout
         # Why Kafka refused the last command for want of an ACL; None once one is published.
         self.refused: str | None = None
+        self.max_bytes = max_bytes
 
     async def wait_outcome(
         self, command_id: str, key: str | None, timeout: float
@@ -120,8 +136,13 @@ class CommandGateway:
     async def submit(self, command: Command, wait: float | None) -> Submitted:
         """Publish ``command`` unless its id is known, then wait up to ``wait`` seconds for the
         outcome. Raises ``IdempotencyConflict`` when its id was first used for another request,
-        ``CommandTooLarge`` when it cannot fit in a record, ``PublishForbidden`` when Kafka
-        refuses it for want of an ACL, ``PublishFailed`` when Kafka does not acknowledge it."""
+        ``CommandTooLarge`` when it is larger than the processor decides or than a record (before
+        anything is recorded or published), ``PublishForbidden`` when Kafka refuses it for want
+        of an ACL, ``PublishFailed`` when Kafka does not acknowledge it."""
+        size = len(encode(command))
+        if size > self.max_bytes:
+            metrics.API_COMMANDS.labels(command.type, "too_large").inc()
+            raise CommandTooLarge(command, size, self.max_bytes)
         first = await idempotency.record(self.pool, command)
         known = await readmodel.get_outcome(self.pool, command.command_id, command.key)
         if known is not None and known.command_type != command.type:

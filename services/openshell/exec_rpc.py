@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.duration_pb2 import Duration
 
 from drivers.protocol import DriverError, ExecExit
 from events.common import Phase
@@ -43,14 +44,26 @@ class ExecRequest:
     timeout: float | None  # seconds; None: the client set none
 
 
+def execution_timeout(duration: Duration) -> float:
+    """0.1's ``execution_timeout`` (a Duration) in seconds; Malformed (INVALID_ARGUMENT) when
+    negative or not a Duration (nanos beyond a second, or of the other sign). Any size: the
+    caller holds it to the limit."""
+    seconds, nanos = duration.seconds, duration.nanos
+    if not -999_999_999 <= nanos <= 999_999_999 or seconds * nanos < 0:
+        raise wire.Malformed(
+            "execution_timeout: nanos must be within ±999999999, of the sign of seconds"
+        )
+    if seconds < 0 or nanos < 0:
+        raise wire.Malformed("execution_timeout: must not be negative")
+    return float(seconds) + nanos / 1e9
+
+
 def exec_request(raw: bytes) -> ExecRequest:
     decoded = wire.decode(raw, os_0_0.ExecSandboxRequest, os_0_1.ExecSandboxRequest)
     if decoded.new is not None:
         n = decoded.new
         timeout = (
-            n.execution_timeout.ToTimedelta().total_seconds()
-            if n.HasField("execution_timeout")
-            else None
+            execution_timeout(n.execution_timeout) if n.HasField("execution_timeout") else None
         )
         return ExecRequest(
             n.sandbox,

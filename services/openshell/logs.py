@@ -6,10 +6,11 @@ no level), the time in both generations' fields."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Final
 
 import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from drivers.logs import LogLine, LogsUnavailable
 from services.api.readmodel import SandboxView
@@ -23,6 +24,11 @@ from services.openshell.service import Context, Door, abort
 SOURCE: Final = "sandbox"
 DEFAULT_LINES: Final = 1000  # lines answered when the client asks for none
 MAX_LINES: Final = 10_000
+EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
+# A protobuf Timestamp's range, which is also Python's: 0001-01-01 to 9999-12-31 (UTC).
+FIRST_SECOND: Final = -62_135_596_800
+LAST_SECOND: Final = 253_402_300_799
+RANGE: Final = "0001-01-01T00:00:00Z to 9999-12-31T23:59:59Z"
 
 
 def log_message(view: SandboxView, line: LogLine) -> served_pb2.SandboxLogLine:
@@ -46,11 +52,27 @@ class LogsRequest:
     sources: list[str]
 
 
+def since_time(at: Timestamp) -> datetime:
+    """0.1's ``since_time`` (a Timestamp); Malformed (INVALID_ARGUMENT) outside its range."""
+    if not FIRST_SECOND <= at.seconds <= LAST_SECOND:
+        raise wire.Malformed(f"since_time: seconds out of range ({RANGE})")
+    if not 0 <= at.nanos <= 999_999_999:
+        raise wire.Malformed("since_time: nanos out of range (0 to 999999999)")
+    return at.ToDatetime(tzinfo=UTC)
+
+
+def since_ms(ms: int) -> datetime:
+    """0.0's ``since_ms`` (milliseconds since the epoch); Malformed outside the range."""
+    if not FIRST_SECOND * 1000 <= ms <= LAST_SECOND * 1000 + 999:
+        raise wire.Malformed(f"since_ms: out of range ({RANGE})")
+    return EPOCH + timedelta(milliseconds=ms)
+
+
 def logs_request(raw: bytes) -> LogsRequest:
     decoded = wire.decode(raw, os_0_0.GetSandboxLogsRequest, os_0_1.GetSandboxLogsRequest)
     if decoded.new is not None:
         n = decoded.new
-        since = n.since_time.ToDatetime(tzinfo=UTC) if n.HasField("since_time") else None
+        since = since_time(n.since_time) if n.HasField("since_time") else None
         return LogsRequest(
             n.sandbox,
             mapping.selected_workspace(n.workspace_scope),
@@ -60,7 +82,7 @@ def logs_request(raw: bytes) -> LogsRequest:
         )
     assert decoded.old is not None
     o = decoded.old
-    since = datetime.fromtimestamp(o.since_ms / 1000, UTC) if o.since_ms else None
+    since = since_ms(o.since_ms) if o.since_ms else None
     return LogsRequest(o.sandbox_id, o.workspace, o.lines, since, list(o.sources))
 
 

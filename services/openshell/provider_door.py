@@ -8,15 +8,18 @@ sandbox's providers).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable
 from typing import Any, Final, TypeVar
 
 import grpc
 from google.protobuf.message import Message
 
+from events.common import PROVIDER_NAME_PATTERN
 from events.publisher import new_command_id
 from services.api.idempotency import IdempotencyConflict
 from services.api.providers import ProviderInUse, ProviderService, ScopeMissing
+from services.api.routes.providers import CREDENTIAL_KEY_PATTERN
 from services.common import providers
 from services.common.credentials import CredentialKeyError
 from services.common.providers import (
@@ -52,6 +55,26 @@ def workspace_of(decoded: wire.Decoded[Any, Any]) -> str | None:
     if decoded.new is not None:
         return mapping.selected_workspace(decoded.new.workspace_scope)
     return str(sent(decoded).workspace)
+
+
+# What the HTTP API answers 422 for, in its words (a name or key outside them is no provider's).
+CHECKS: Final[dict[str, tuple[str, str]]] = {
+    "provider": (PROVIDER_NAME_PATTERN, "must be 1-128 characters from A-Z a-z 0-9 . _ -"),
+    "key": (
+        CREDENTIAL_KEY_PATTERN,
+        "must be an environment variable name: a letter or '_', then up to 255 letters, "
+        "digits or '_'",
+    ),
+}
+
+
+async def check(context: Context, kind: str, field: str, value: str) -> None:
+    """INVALID_ARGUMENT naming ``field`` when ``value`` is no provider name (``kind``
+    "provider") or credential key ("key") the HTTP API accepts; its 422, before anything
+    reaches PostgreSQL (which cannot hold a NUL)."""
+    pattern, words = CHECKS[kind]
+    if not re.fullmatch(pattern, value):
+        await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {words}")
 
 
 class ProviderCalls:

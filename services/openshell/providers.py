@@ -25,7 +25,7 @@ from services.openshell import provider_messages as messages
 from services.openshell.proto import served_pb2
 from services.openshell.proto.vendored.v0_0_116 import openshell_pb2 as os_0_0
 from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os_0_1
-from services.openshell.provider_door import ProviderCalls, sent
+from services.openshell.provider_door import ProviderCalls, check, sent
 from services.openshell.service import Context, abort
 
 PROVIDER_METHODS: Final = (
@@ -70,7 +70,9 @@ class ProviderRpcs(ProviderCalls):
         decoded = await self._decode(
             raw, os_0_0.GetProviderRequest, os_0_1.GetProviderRequest, context
         )
-        info = await self._info(sent(decoded).name, context)
+        name = sent(decoded).name
+        await check(context, "provider", "name", name)
+        info = await self._info(name, context)
         return served_pb2.ProviderResponse(provider=messages.provider_message(info))
 
     async def ListProviders(self, raw: bytes, context: Context) -> served_pb2.ListProvidersResponse:
@@ -154,6 +156,7 @@ class ProviderRpcs(ProviderCalls):
             raw, os_0_0.DeleteProviderRequest, os_0_1.DeleteProviderRequest, context
         )
         name = sent(decoded).name
+        await check(context, "provider", "name", name)
         allow_missing = decoded.new is not None and decoded.new.allow_missing
         service = await self._service(context)
 
@@ -186,6 +189,8 @@ class ProviderRpcs(ProviderCalls):
             context,
         )  # fmt: skip
         request = sent(decoded)
+        await check(context, "provider", "provider", request.provider)
+        await check(context, "key", "credential_key", request.credential_key)
         service = await self._service(context)
         await self._refused(
             service.rotate(
@@ -210,6 +215,8 @@ class ProviderRpcs(ProviderCalls):
             context,
         )  # fmt: skip
         request = sent(decoded)
+        await check(context, "provider", "provider", request.provider)
+        await check(context, "key", "credential_key", request.credential_key)
         if request.strategy != messages.STATIC:
             named = messages.strategy_name(request.strategy)
             await abort(

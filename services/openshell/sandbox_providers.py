@@ -19,7 +19,7 @@ from services.openshell import provider_messages as messages
 from services.openshell.proto import served_pb2
 from services.openshell.proto.vendored.v0_0_116 import openshell_pb2 as os_0_0
 from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os_0_1
-from services.openshell.provider_door import ProviderCalls, sent
+from services.openshell.provider_door import ProviderCalls, check, sent
 from services.openshell.service import Context, abort
 from services.openshell.wire import Generation
 
@@ -81,10 +81,11 @@ class SandboxProviderRpcs(ProviderCalls):
         decoded = await self._decode(raw, old, new, context)
         request = sent(decoded)
         if decoded.new is not None:
-            sandbox, provider = request.sandbox, request.provider
+            sandbox, provider, field = request.sandbox, request.provider, "provider"
         else:
-            sandbox, provider = request.sandbox_name, request.provider_name
+            sandbox, provider, field = request.sandbox_name, request.provider_name, "provider_name"
         await self.door.check_name(sandbox, "", context)
+        await check(context, "provider", field, provider)
         command_id = await self._request_id(decoded, context)
         service = await self._service(context)
         command = await self._refused(

@@ -63,8 +63,24 @@ def version() -> str:
         return "0+unknown"
 
 
+# The most of an error message sent: its start (which names the field) and its end (which
+# says what is wrong), an echoed value cut in between. Sent percent-encoded in a trailer, so at
+# most about 10 KB: within the 16 KB of metadata a gRPC client takes, however long the input.
+DETAILS_HEAD: Final = 600
+DETAILS_TAIL: Final = 200
+
+
+def bounded(message: str) -> str:
+    """``message``, or its first DETAILS_HEAD and last DETAILS_TAIL characters around a mark
+    saying how many were cut."""
+    cut = len(message) - DETAILS_HEAD - DETAILS_TAIL
+    if cut <= 0:
+        return message
+    return f"{message[:DETAILS_HEAD]}…[{cut} characters cut]…{message[-DETAILS_TAIL:]}"
+
+
 async def abort(context: Context, code: grpc.StatusCode, message: str) -> NoReturn:
-    await context.abort(code, message)
+    await context.abort(code, bounded(message))
     raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from events.common import INT64_MAX, SANDBOX_NAME_PATTERN
 from services.api.deps import Auditor, State
-from services.api.errors import ApiError
+from services.api.errors import ApiError, query_time
 from services.api.models import NamePath, responses
 from services.audit import entries, export, timeline
 from services.audit.chains import check_chains
@@ -144,8 +144,7 @@ async def state_at(
 ) -> AuditAnswer:
     if (time is None) == (offset is None) or (offset is None) != (topic is None):
         raise ApiError(422, "INVALID_ARGUMENT", "give either 'time', or 'topic' and 'offset'")
-    if time is not None and time.tzinfo is None:
-        raise ApiError(422, "INVALID_ARGUMENT", "query parameter 'time': needs a time zone")
+    time = query_time("time", time)
     steps = await _steps(state, name)
     settings = state.settings
     position = None
@@ -228,9 +227,7 @@ async def export_history(
         list[Annotated[str, Query(max_length=100)]], Query(description="input types (repeatable)")
     ] = [],  # noqa: B006
 ) -> StreamingResponse:
-    for field, value in (("since", since), ("until", until)):
-        if value is not None and value.tzinfo is None:
-            raise ApiError(422, "INVALID_ARGUMENT", f"query parameter {field!r}: needs a time zone")
+    since, until = query_time("since", since), query_time("until", until)
     which = entries.Filter(key=name, since=since, until=until, types=type)
 
     async def lines() -> AsyncIterator[str]:

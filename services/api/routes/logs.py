@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from drivers.logs import LogLine, LogsUnavailable
 from services.api import readmodel
 from services.api.deps import Reader, State
-from services.api.errors import ApiError
+from services.api.errors import ApiError, query_time
 from services.api.models import NamePath, responses
 
 router = APIRouter()
@@ -50,8 +50,7 @@ async def sandbox_logs(
     since: Annotated[datetime | None, Query(description="lines written at or after")] = None,
     follow: Annotated[bool, Query(description="stream new lines until the runtime stops")] = False,
 ) -> StreamingResponse:
-    if since is not None and since.tzinfo is None:
-        raise ApiError(422, "INVALID_ARGUMENT", "query parameter 'since': needs a time zone")
+    since = query_time("since", since)
     view = await readmodel.get_sandbox(state.pool, name)
     if view is None:
         raise ApiError(404, "NOT_FOUND", f"sandbox {name!r} not found")

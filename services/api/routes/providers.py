@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from fastapi import APIRouter, Body, Path, Query, Request
 from fastapi.responses import JSONResponse
@@ -32,7 +32,8 @@ from services.common.tokens import Principal
 
 router = APIRouter()
 
-EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")]
+CREDENTIAL_KEY_PATTERN: Final = r"^[A-Za-z_][A-Za-z0-9_]{0,255}$"
+EnvName = Annotated[str, StringConstraints(pattern=CREDENTIAL_KEY_PATTERN)]
 SecretValue = Annotated[str, StringConstraints(max_length=65_536)]
 ProviderType = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
 Credentials = Annotated[
