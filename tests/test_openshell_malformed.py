@@ -19,6 +19,7 @@ from openshell_support import EXEC_LIMIT, Gateway, call, running_gateway, stream
 from podman import PodmanClient
 from pydantic import SecretStr
 
+from services.openshell.proto.vendored.v0_0_116 import datamodel_pb2 as dm0
 from services.openshell.proto.vendored.v0_0_116 import openshell_pb2 as os0
 from services.openshell.proto.vendored.v0_1_5 import datamodel_pb2 as dm1
 from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os1
@@ -233,3 +234,25 @@ async def test_an_error_echoing_a_huge_value_still_names_the_field_and_fits_the_
     assert raised.value.code() == code, (raised.value.code(), details[:300])
     assert details.startswith(start) and details.endswith(end), details
     assert "characters cut]" in details and len(details) < 1000
+
+
+@pytest.mark.parametrize("generation", ["0.0", "0.1"])
+async def test_a_nul_in_a_provider_value_is_invalid_argument(
+    gateway: Gateway, generation: str
+) -> None:
+    """A value becomes an environment variable, which cannot hold a NUL: accepted before, the
+    agent saw it cut. Refused by the same check as the HTTP API's 422."""
+    name = f"nul-{secrets.token_hex(4)}"
+    request: Message
+    if generation == "0.0":
+        old = dm0.Provider(metadata=dm0.ObjectMeta(name=name), credentials={"K": "v\x00"})
+        request = os0.CreateProviderRequest(provider=old)
+    else:
+        new = dm1.Provider(
+            metadata=dm1.ObjectMeta(name=name), type="generic", credentials={"K": "v\x00"}
+        )
+        request = os1.CreateProviderRequest(provider=new, workspace_scope=SCOPE)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await call(gateway, "CreateProvider", request, Message)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value
+    assert "NUL" in (raised.value.details() or ""), raised.value.details()

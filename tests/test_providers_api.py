@@ -182,3 +182,29 @@ async def test_a_forced_delete_detaches_so_it_needs_sandbox_write_as_well() -> N
         await eventually(lambda: admin.get(f"/v1/sandboxes/{sb}"),
                          lambda r: r.json()["providers"] == [],
                          what=f"{p} detached from {sb}")  # fmt: skip
+
+
+async def test_a_value_with_a_nul_is_422_naming_the_credentials_and_stores_nothing() -> None:
+    """A hostile pass found a NUL accepted in a value (201) and then cut where the agent read
+    it (on Podman it saw ``K=v``): an environment variable cannot hold one. It is refused as a
+    NUL in a spec's env is, at create, at a credentials PUT and in a bulk update."""
+    name = unique("api-nul")
+    async with (
+        apikit.running_api(None, settings_update={"credentials_key": KEY}) as api,
+        api.client() as c,
+    ):
+        made = await c.post("/v1/providers", json={"name": name, "credentials": {"K": "v\x00"}})
+        assert made.status_code == 422, made.text
+        assert "credentials" in made.json()["message"] and "NUL" in made.json()["message"]
+        assert (await c.get(f"/v1/providers/{name}")).status_code == 404
+
+        made = await c.post("/v1/providers", json={"name": name, "credentials": {"K": "v"}})
+        assert made.status_code == 201, made.text
+        put = await c.put(f"/v1/providers/{name}/credentials",
+                          json={"credentials": {"K": "w\x00"}})  # fmt: skip
+        bulk = await c.post("/v1/providers:update", json={"providers": [
+            {"name": name, "credentials": {"K": "\x00"}}]})  # fmt: skip
+        for answer in (put, bulk):
+            assert answer.status_code == 422, answer.text
+            assert "NUL" in answer.json()["message"]
+        assert (await c.get(f"/v1/providers/{name}")).json()["revision"] == 1

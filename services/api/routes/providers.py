@@ -14,7 +14,7 @@ from typing import Annotated, Final, Literal
 
 from fastapi import APIRouter, Body, Path, Query, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from events.commands import AttachProvider, DetachProvider
 from events.common import INT64_MAX, PROVIDER_NAME_PATTERN, CommandId, ProviderName
@@ -34,7 +34,16 @@ router = APIRouter()
 
 CREDENTIAL_KEY_PATTERN: Final = r"^[A-Za-z_][A-Za-z0-9_]{0,255}$"
 EnvName = Annotated[str, StringConstraints(pattern=CREDENTIAL_KEY_PATTERN)]
-SecretValue = Annotated[str, StringConstraints(max_length=65_536)]
+
+
+def _settable(value: str) -> str:
+    # A value becomes an environment variable, which cannot hold a NUL: the agent would see it cut.
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters (an environment variable cannot)")
+    return value
+
+
+SecretValue = Annotated[str, StringConstraints(max_length=65_536), AfterValidator(_settable)]
 ProviderType = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,64}$")]
 Credentials = Annotated[
     dict[EnvName, SecretValue],
