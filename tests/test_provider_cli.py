@@ -82,3 +82,18 @@ async def test_provider_commands_take_values_from_files_and_env_and_never_print_
 
         for result in (created, attached, updated, listed, got, kept, refused, forced):
             assert first not in said(result) and second not in said(result)
+
+
+def test_a_values_file_that_is_not_utf8_is_refused_in_words_without_its_bytes(
+    tmp_path: Path,
+) -> None:
+    """Found by a hostile pass: such a file ended in a Python traceback. Now it is a plain
+    refusal (exit 1) naming the file and the offset, not the bytes, before any request."""
+    values = tmp_path / "values.env"
+    values.write_bytes(b"API_KEY=s3cr3t-\xff\xfe\n")
+    argv = ["--url", "http://127.0.0.1:9", "--token", ADMIN,
+            "provider", "create", "p", "--from-file", str(values)]  # fmt: skip
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 1, said(result)
+    assert f"cannot read {values}: not UTF-8 text (at byte 15)" in said(result)
+    assert "s3cr3t" not in said(result) and "Traceback" not in said(result)

@@ -77,6 +77,8 @@ def read_values(from_file: Path | None, from_env: list[str]) -> dict[str, str]:
             text = from_file.read_text()
         except OSError as exc:
             fail(f"cannot read {from_file}: {exc.strerror}")
+        except UnicodeDecodeError as exc:  # the bytes are not shown: they may be a secret
+            fail(f"cannot read {from_file}: not UTF-8 text (at byte {exc.start})")
         for number, line in enumerate(text.splitlines(), 1):
             if not line.strip() or line.lstrip().startswith("#"):
                 continue
