@@ -322,6 +322,10 @@ async def test_attach_rotate_detach_over_grpc_restart_the_ready_sandbox(gateway:
     assert await value_in(gateway, sandbox_id, "K") == second
     in_use = await refused(gateway, "DeleteProvider", os1.DeleteProviderRequest(name=provider))
     assert in_use.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # The door has no force flag: the message says to detach first (it offered force=true).
+    assert (in_use.details() or "").endswith(f"is attached to {name}: detach it first (or, over "
+                                             "HTTP, delete with force=true, which detaches it; "
+                                             "the CLI's --force)")  # fmt: skip
 
     detached = await ask(
         gateway,

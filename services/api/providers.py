@@ -69,7 +69,8 @@ class ProviderInUse(Exception):
 
     def __init__(self, name: str, sandboxes: list[str]) -> None:
         super().__init__(
-            f"provider {name!r} is attached to {', '.join(sandboxes)} (force=true detaches it)"
+            f"provider {name!r} is attached to {', '.join(sandboxes)}: detach it first (or, "
+            "over HTTP, delete with force=true, which detaches it; the CLI's --force)"
         )
 
 
