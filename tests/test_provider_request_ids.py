@@ -30,7 +30,10 @@ SETTINGS = {"credentials_key": KEY}
 
 def conflict(r: httpx.Response) -> None:
     assert r.status_code == 409, r.text
-    assert r.json()["code"] == "IDEMPOTENCY_CONFLICT" and "command_id" in r.json()["message"]
+    body = r.json()
+    assert body["code"] == "IDEMPOTENCY_CONFLICT" and "command_id" in body["message"]
+    # The body names the key as a sandbox command's conflict does (it had no command_id).
+    assert body.get("command_id") and body["command_id"] in body["message"], body
 
 
 async def rotations(api: apikit.Api, name: str) -> list[str]:

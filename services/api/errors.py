@@ -35,13 +35,19 @@ _PATTERN_WORDS: Final = {
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, code: str, message: str, headers: dict[str, str] | None = None
+        self,
+        status: int,
+        code: str,
+        message: str,
+        headers: dict[str, str] | None = None,
+        **extra: Any,  # more fields of the error body, e.g. command_id
     ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.headers = headers
+        self.extra = extra
 
 
 def query_time(name: str, value: datetime | None) -> datetime | None:

@@ -21,7 +21,7 @@ log = logging.getLogger("sandstream.api")
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.code, exc.message, exc.headers)
+        return error_response(exc.status, exc.code, exc.message, exc.headers, **exc.extra)
 
     @app.exception_handler(InvalidArgument)
     async def invalid_argument(_: Request, exc: InvalidArgument) -> JSONResponse:

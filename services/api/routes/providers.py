@@ -256,7 +256,7 @@ def refusals() -> Iterator[None]:
     except ProviderInUse as exc:
         raise ApiError(412, "FAILED_PRECONDITION", str(exc)) from exc
     except IdempotencyConflict as exc:
-        raise ApiError(409, "IDEMPOTENCY_CONFLICT", str(exc)) from exc
+        raise ApiError(409, "IDEMPOTENCY_CONFLICT", str(exc), command_id=exc.command_id) from exc
 
 
 PROVIDER_RESPONSES = responses(401, 403, 404, 409, 413, 422, 503)
