@@ -16,7 +16,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from drivers.kube_objects import api_error_message, pod_name
 from drivers.kubernetes import KubeConfig, api_client
-from drivers.logs import LogLine, LogsUnavailable
+from drivers.logs import LogLine, LogsUnavailable, backend_since, backend_tail
 
 
 def parse_line(raw: bytes) -> LogLine:
@@ -51,6 +51,7 @@ class KubeLogs:
         since: datetime | None = None,
         follow: bool = False,
     ) -> AsyncIterator[LogLine]:
+        tail, since = backend_tail(tail), backend_since(since)
         args: dict[str, Any] = {"timestamps": True, "follow": follow, "_preload_content": False}
         if tail is not None:
             args["tail_lines"] = tail

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Literal, Protocol, runtime_checkable
+from datetime import UTC, datetime
+from typing import Final, Literal, Protocol, runtime_checkable
+
+MAX_TAIL: Final = 10_000  # the most lines a read's tail may ask a backend for
+EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +32,20 @@ class LogsUnavailable(Exception):
     """The backend cannot serve this runtime's logs (unreachable, or it keeps none)."""
 
 
+def backend_tail(tail: int | None) -> int | None:
+    """The tail a source asks its backend for: ``tail`` held to 0…MAX_TAIL (None: all lines).
+    The doors refuse or clamp a larger tail already; this holds whatever a caller asks, since a
+    backend may size its buffers by the tail (Podman allocates a channel of ``tail`` entries:
+    a tail of 2**32-1 ran the Podman service out of memory)."""
+    return None if tail is None else min(max(tail, 0), MAX_TAIL)
+
+
+def backend_since(since: datetime | None) -> datetime | None:
+    """The start a source asks its backend for: a time before the epoch is the epoch (every
+    line), never a negative time (Podman read one as no line at all)."""
+    return None if since is None else max(since, EPOCH)
+
+
 @runtime_checkable
 class LogSource(Protocol):
     def read(
@@ -41,7 +58,8 @@ class LogSource(Protocol):
         follow: bool = False,
     ) -> AsyncIterator[LogLine]:
         """The lines of the generation's runtime, oldest first: the last ``tail`` of them
-        (all when None), only those recorded at or after ``since``; with ``follow``, then the
+        (all when None; at most MAX_TAIL), only those recorded at or after ``since`` (every
+        line for a time before the epoch); with ``follow``, then the
         new ones as they are written, until the runtime stops or the caller leaves. A runtime
         that does not exist (not launched yet, or removed) has no lines. Raises
         LogsUnavailable."""

@@ -1,4 +1,5 @@
-"""Streamed exec in a Podman container: Podman's exec API, read by a thread into a queue.
+"""Streamed exec in a Podman container: Podman's exec API, read by a thread into a bounded
+buffer (the thread waits while the caller has OUTPUT_CHUNKS chunks not yet taken).
 
 ``POST /containers/{id}/exec`` creates the exec session, ``POST /exec/{id}/start`` streams the
 output multiplexed in frames (an 8-byte header: stream type, three zero bytes, big-endian
@@ -32,6 +33,7 @@ log = logging.getLogger("sandstream.drivers.podman")
 
 _STREAMS: Final = {1: "stdout", 2: "stderr"}
 _HEADER: Final = struct.Struct(">BxxxL")
+OUTPUT_CHUNKS: Final = 16  # output chunks (frames of Podman's stream) read ahead of the caller
 
 
 class _Done:
@@ -39,6 +41,66 @@ class _Done:
 
     def __init__(self, error: BaseException | None) -> None:
         self.error = error
+
+
+class OutputBuffer:
+    """The chunks the reading thread has handed over and the caller has not taken yet: at most
+    ``size``. The thread waits for room before it reads on (so Podman's stream, and the command
+    writing into it, wait for a caller that does not read); the end marker takes no room.
+    ``most`` is the largest number ever held, ``waiting`` whether the thread waits for room."""
+
+    def __init__(self, size: int = OUTPUT_CHUNKS) -> None:
+        if size < 1:
+            raise ValueError("an output buffer holds one chunk at least")
+        self.size = size
+        self.most = 0
+        self.waiting = False
+        self._room = threading.Semaphore(size)
+        self._held = 0
+        self._count = threading.Lock()
+        self._queue: asyncio.Queue[ExecOutput | _Done] = asyncio.Queue()
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    def put(
+        self, loop: asyncio.AbstractEventLoop, item: ExecOutput, leaving: threading.Event
+    ) -> bool:
+        """From the thread: hand ``item`` over once there is room; False when the caller left
+        meanwhile (nothing handed over)."""
+        if not self._room.acquire(blocking=False):
+            self.waiting = True
+            self._room.acquire()
+            self.waiting = False
+        if leaving.is_set():
+            self._room.release()
+            return False
+        with self._count:
+            self._held += 1
+            self.most = max(self.most, self._held)
+        self._hand(loop, item)
+        return True
+
+    def end(self, loop: asyncio.AbstractEventLoop, done: _Done) -> None:
+        """From the thread: the end marker (it takes no room)."""
+        self._hand(loop, done)
+
+    def _hand(self, loop: asyncio.AbstractEventLoop, item: ExecOutput | _Done) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
+            loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def get(self) -> ExecOutput | _Done:
+        item = await self._queue.get()
+        if isinstance(item, ExecOutput):
+            with self._count:
+                self._held -= 1
+            self._room.release()
+        return item
+
+    def wake(self) -> None:
+        """The caller is leaving: a thread waiting for room wakes (and hands nothing over)."""
+        self._room.release()
 
 
 def _read_exact(raw: Any, size: int) -> bytes:
@@ -116,19 +178,17 @@ async def exec_stream(
     workdir: str | None = None,
     request_timeout: float = 60.0,
     grace: float = EXEC_GRACE,
+    buffer: OutputBuffer | None = None,
 ) -> AsyncGenerator[ExecEvent, None]:
     """Run ``command`` in the container ``runtime_id``: its output as it comes, then the exit.
-    Left before the exit, the command is ended (``grace``: seconds from SIGTERM to SIGKILL)."""
+    Left before the exit, the command is ended (``grace``: seconds from SIGTERM to SIGKILL).
+    At most ``buffer.size`` chunks (OUTPUT_CHUNKS by default) are read ahead of the caller."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[ExecOutput | _Done] = asyncio.Queue()
+    chunks = OutputBuffer() if buffer is None else buffer
     started: asyncio.Future[str] = loop.create_future()
     leaving = threading.Event()
     starting = threading.Lock()  # held from the leaving check until the session has started
     holder: dict[str, Any] = {}
-
-    def put(item: ExecOutput | _Done) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
-            loop.call_soon_threadsafe(queue.put_nowait, item)
 
     def settle(value: str | BaseException) -> None:
         def _set() -> None:
@@ -177,14 +237,13 @@ async def exec_stream(
             if leaving.is_set():
                 return
             for output in frames(response.raw):
-                if leaving.is_set():
+                if leaving.is_set() or not chunks.put(loop, output, leaving):
                     return
-                put(output)
-            put(_Done(None))
+            chunks.end(loop, _Done(None))
         except Exception as exc:  # every failure goes to the caller
             if not started.done():
                 settle(exc)
-            put(_Done(exc))
+            chunks.end(loop, _Done(exc))
         finally:
             if response is not None:
                 with contextlib.suppress(Exception):
@@ -215,7 +274,7 @@ async def exec_stream(
             raise
         except Exception as exc:
             raise DriverError(f"exec failed: {exc}", retryable=False) from exc
-        while not isinstance(item := await queue.get(), _Done):
+        while not isinstance(item := await chunks.get(), _Done):
             yield item
         if item.error is not None:
             raise DriverError(f"exec output broke off: {item.error}", retryable=True)
@@ -224,6 +283,7 @@ async def exec_stream(
         yield ExecExit(code)
     finally:
         leaving.set()
+        chunks.wake()  # a thread waiting for room reads no further
         response = holder.get("response")
         if response is not None:
             _shutdown(response)

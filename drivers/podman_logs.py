@@ -2,8 +2,9 @@
 
 ``GET /containers/{name}/logs?stdout&stderr&timestamps`` answers the container's output as
 multiplexed frames (an 8-byte header: stream, three zero bytes, big-endian length), each frame
-a line prefixed with its RFC 3339 time; ``follow`` keeps the response open until the container
-stops. The socket is Podman's REST API (the driver's ``unix://`` URL), spoken with httpx.
+a line, or a part of one (``Frames`` joins them), prefixed with its RFC 3339 time; ``follow``
+keeps the response open until the container stops. The socket is Podman's REST API (the
+driver's ``unix://`` URL), spoken with httpx.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from drivers.logs import LogLine, LogsUnavailable
+from drivers.logs import LogLine, LogsUnavailable, backend_since, backend_tail
 from drivers.podman import container_name
 
 _HEADER: Final = struct.Struct(">BxxxL")
@@ -24,29 +25,54 @@ _STREAMS: Final[dict[int, Literal["stdout", "stderr"]]] = {1: "stdout", 2: "stde
 API: Final = "http://podman/v4.0.0/libpod"
 
 
-def parse_line(stream: Literal["stdout", "stderr"], frame: bytes) -> LogLine:
-    """A frame's line: ``<RFC 3339 time> <text>`` (the time as Podman wrote it)."""
+def _stamped(frame: bytes) -> tuple[datetime, bytes]:
     stamp, _, text = frame.partition(b" ")
     try:
-        at = datetime.fromisoformat(stamp.decode().replace("Z", "+00:00")).astimezone(UTC)
+        return datetime.fromisoformat(stamp.decode().replace("Z", "+00:00")).astimezone(UTC), text
     except ValueError:
-        at, text = datetime.now(UTC), frame
-    return LogLine(at, stream, text.decode(errors="replace").removesuffix("\n"))
+        return datetime.now(UTC), frame
 
 
-def frames(buffer: bytearray) -> list[LogLine]:
-    """The complete frames at the start of ``buffer`` (consumed); a partial one stays."""
-    lines = []
-    while len(buffer) >= _HEADER.size:
-        kind, length = _HEADER.unpack_from(buffer)
-        if len(buffer) < _HEADER.size + length:
-            break
-        frame = bytes(buffer[_HEADER.size : _HEADER.size + length])
-        del buffer[: _HEADER.size + length]
-        stream = _STREAMS.get(kind)
-        if stream is not None:
-            lines.append(parse_line(stream, frame))
-    return lines
+class Frames:
+    """The lines of a log stream's frames, as the bytes arrive. Podman keeps a line it read in
+    parts (its monitor reads the output in blocks, which may end mid-line) as partial entries,
+    and its API ends the frame of a whole line (or a line's last part) with a newline and the
+    frame of any other part without one: the parts are joined into one line here, with the
+    time of its first part. A part still waiting for the rest when the stream ends is a line
+    of its own (``rest``)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._parts: dict[Literal["stdout", "stderr"], tuple[datetime, bytes]] = {}
+
+    def feed(self, chunk: bytes) -> list[LogLine]:
+        """The lines whose frames are complete once ``chunk`` is added."""
+        self._buffer += chunk
+        buffer, lines = self._buffer, []
+        while len(buffer) >= _HEADER.size:
+            kind, length = _HEADER.unpack_from(buffer)
+            if len(buffer) < _HEADER.size + length:
+                break
+            frame = bytes(buffer[_HEADER.size : _HEADER.size + length])
+            del buffer[: _HEADER.size + length]
+            stream = _STREAMS.get(kind)
+            if stream is None:
+                continue
+            at, text = _stamped(frame)
+            if stream in self._parts:
+                first, before = self._parts.pop(stream)
+                at, text = first, before + text
+            if text.endswith(b"\n"):
+                lines.append(LogLine(at, stream, text[:-1].decode(errors="replace")))
+            else:
+                self._parts[stream] = (at, text)
+        return lines
+
+    def rest(self) -> list[LogLine]:
+        """The parts that never got their end, each as a line (oldest first)."""
+        parts = sorted(self._parts.items(), key=lambda part: part[1][0])
+        self._parts.clear()
+        return [LogLine(at, stream, text.decode(errors="replace")) for stream, (at, text) in parts]
 
 
 class PodmanLogs:
@@ -69,6 +95,7 @@ class PodmanLogs:
         since: datetime | None = None,
         follow: bool = False,
     ) -> AsyncIterator[LogLine]:
+        tail, since = backend_tail(tail), backend_since(since)
         params: dict[str, str | int] = {
             "stdout": "true",
             "stderr": "true",
@@ -86,11 +113,12 @@ class PodmanLogs:
                 if response.status_code != 200:
                     body = (await response.aread()).decode(errors="replace")[:200]
                     raise LogsUnavailable(f"Podman answered {response.status_code}: {body}")
-                buffer = bytearray()
+                lines = Frames()
                 async for chunk in response.aiter_raw():
-                    buffer += chunk
-                    for line in frames(buffer):
+                    for line in lines.feed(chunk):
                         yield line
+                for line in lines.rest():
+                    yield line
         except httpx.HTTPError as exc:
             raise LogsUnavailable(f"Podman's API: {type(exc).__name__}: {exc}") from exc
 

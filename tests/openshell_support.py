@@ -4,7 +4,7 @@ with tokens (no unauthenticated calls); and the helpers the tests share."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +16,7 @@ from harness import Env
 from pipeline_support import podman_env, running_plane
 from podman import PodmanClient
 
+from drivers.logs import LogSource
 from events.publisher import CommandPublisher
 from services.api.gateway import CommandGateway
 from services.api.readmodel import ChangeFeed
@@ -59,9 +60,13 @@ def auth(token: str = ADMIN, command_id: str | None = None) -> list[tuple[str, s
 
 @asynccontextmanager
 async def running_gateway(
-    podman: PodmanClient, prefix: str = "osapi", **settings: Any
+    podman: PodmanClient,
+    prefix: str = "osapi",
+    wrap_logs: Callable[[LogSource], LogSource] | None = None,
+    **settings: Any,
 ) -> AsyncIterator[Gateway]:
-    """A gateway on a control plane of its own; ``settings`` override the environment's."""
+    """A gateway on a control plane of its own; ``settings`` override the environment's;
+    ``wrap_logs`` stands between the gateway and the driver's log source."""
     async with podman_env(podman, prefix) as (env, driver, keys):
         env.settings = env.settings.model_copy(update=settings)
         async with (
@@ -90,8 +95,9 @@ async def running_gateway(
                 env.pool, pub, feed, max_bytes=env.settings.processor_max_input_bytes
             )
             logs = log_source(served)
+            door_logs = logs if wrap_logs is None else wrap_logs(logs)
             server = await start_openshell(
-                served, pool=env.pool, gateway=gateway, tokens=tokens, driver=driver, logs=logs
+                served, pool=env.pool, gateway=gateway, tokens=tokens, driver=driver, logs=door_logs
             )
             try:
                 async with grpc.aio.insecure_channel(server.address) as channel:

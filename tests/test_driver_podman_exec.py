@@ -6,6 +6,7 @@ Fails (never skips) when the service or the sandbox image is missing (see confte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -15,7 +16,9 @@ from exec_support import running_with
 from harness import eventually
 from podman import PodmanClient
 
+from drivers import podman_exec
 from drivers.podman import PodmanDriver
+from drivers.podman_exec import OutputBuffer
 from drivers.podman_objects import container_name
 from drivers.protocol import (
     DriverError,
@@ -103,6 +106,54 @@ async def test_exec_output_arrives_while_the_command_still_runs(
     first = await asyncio.wait_for(anext(stream), WAIT)
     assert first == ExecOutput("stdout", b"first\n")
     await asyncio.wait_for(stream.aclose(), WAIT)
+
+
+TOTAL = 20_000_000  # bytes of output, many times the buffer's chunks
+
+
+async def test_output_a_caller_does_not_take_is_read_ahead_only_as_far_as_the_buffer(
+    settings: Settings, running: Callable[[], asyncio.Future[str]]
+) -> None:
+    """Regression: the reading thread queued all the output a caller did not take (an exec of
+    ``head -c 300000000 /dev/zero`` read once grew the gateway by 300 MB). Now it waits for room
+    once the buffer holds its size, and every byte still arrives once the caller reads."""
+    key = await running()
+    buffer = OutputBuffer(4)
+    events = podman_exec.exec_stream(
+        settings.podman_url, container_name(key, 1), ["head", "-c", str(TOTAL), "/dev/zero"],
+        buffer=buffer,
+    )  # fmt: skip
+    async with contextlib.aclosing(events):
+        first = await asyncio.wait_for(anext(events), WAIT)
+        assert isinstance(first, ExecOutput)
+        # The thread fills the buffer and waits for room: it reads no further.
+        await eventually(lambda: (buffer.waiting, buffer.held), lambda now: now == (True, 4),
+                         timeout=WAIT, what="a full buffer and the thread waiting")  # fmt: skip
+        assert buffer.most == 4
+        rest = await asyncio.wait_for(collect(events), WAIT)
+    assert len(first.data) + len(joined(rest, "stdout")) == TOTAL
+    assert rest[-1] == ExecExit(0)
+    assert buffer.most == 4
+
+
+async def test_leaving_while_the_reading_thread_waits_for_room_ends_the_command(
+    settings: Settings, running: Callable[[], asyncio.Future[str]], podman: PodmanClient
+) -> None:
+    key = await running()
+    marker = f"{uuid.uuid4().int % 100_000 + 300_000}"
+    buffer = OutputBuffer(2)
+    script = f"while :; do head -c 1000000 /dev/zero; done # {marker}"
+    events = podman_exec.exec_stream(
+        settings.podman_url, container_name(key, 1), ["sh", "-c", script], buffer=buffer,
+        grace=0.5,
+    )  # fmt: skip
+    assert isinstance(await asyncio.wait_for(anext(events), WAIT), ExecOutput)
+    await eventually(lambda: buffer.waiting, bool, timeout=WAIT,
+                     what="the reading thread waiting for room")  # fmt: skip
+    await asyncio.wait_for(events.aclose(), WAIT)
+    assert running_with(podman, container_name(key, 1), marker) == []
+    await eventually(lambda: buffer.waiting, lambda waiting: not waiting, timeout=WAIT,
+                     what="the reading thread woken")  # fmt: skip
 
 
 async def test_leaving_an_exec_early_terminates_the_command_and_its_background_children(

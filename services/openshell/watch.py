@@ -11,8 +11,9 @@ stream: nothing twice, also after the gateway restarted (everything is in Postgr
 versions it missed are rebuilt by folding the incarnation's events from its creation, at most
 ``readmodel.REPLAY_EVENTS``; where the events are no longer kept, or are more than that, the
 stream ends with RESOURCE_EXHAUSTED (as OpenShell ends a watch that lagged behind): watch
-again without a cursor. With ``follow_logs``, the runtime's output lines are sent too, as
-they are written, until the runtime stops.
+again without a cursor. With ``follow_logs``, the runtime's output lines are sent too (the
+last ``log_tail_lines`` first, at most MAX_LINES; every line when 0), as they are written,
+until the runtime stops.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from services.api import readmodel
 from services.api.readmodel import Row, SandboxView
 from services.common.tokens import READ
 from services.openshell import mapping, wire
-from services.openshell.logs import log_message
+from services.openshell.logs import MAX_LINES, log_message
 from services.openshell.proto import served_pb2
 from services.openshell.proto.vendored.v0_0_116 import openshell_pb2 as os_0_0
 from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os_0_1
@@ -176,9 +177,9 @@ class WatchRpcs:
             source = self.door.logs
             if source is None:
                 raise LogsUnavailable("this gateway has no log source")
-            async for line in source.read(
-                view.name, view.generation, tail=request.log_tail or None, follow=True
-            ):
+            # 0: every line; at most MAX_LINES, as GetSandboxLogs' ``lines``.
+            tail = min(request.log_tail, MAX_LINES) if request.log_tail else None
+            async for line in source.read(view.name, view.generation, tail=tail, follow=True):
                 await queue.put(served_pb2.SandboxStreamEvent(log=log_message(view, line)))
         except LogsUnavailable as exc:
             warning = served_pb2.SandboxStreamWarning(message=f"logs: {exc}")

@@ -8,20 +8,18 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from datetime import datetime
-from typing import Annotated, Final
+from typing import Annotated
 
 from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 
-from drivers.logs import LogLine, LogsUnavailable
+from drivers.logs import MAX_TAIL, LogLine, LogsUnavailable
 from services.api import readmodel
 from services.api.deps import Reader, State
 from services.api.errors import ApiError, query_time
 from services.api.models import NamePath, responses
 
 router = APIRouter()
-
-MAX_TAIL: Final = 10_000
 
 
 def line_json(line: LogLine) -> str:
