@@ -182,3 +182,24 @@ async def test_a_forced_delete_detaches_so_it_needs_sandbox_write_as_well() -> N
         await eventually(lambda: admin.get(f"/v1/sandboxes/{sb}"),
                          lambda r: r.json()["providers"] == [],
                          what=f"{p} detached from {sb}")  # fmt: skip
+
+
+async def test_creating_a_sandbox_with_a_missing_provider_is_404_as_attach_is() -> None:
+    """It used to create a Ready sandbox attached to a provider that does not exist; the CLI's
+    create calls the same route. Nothing is published."""
+    missing, sb = unique("nope"), unique("sb")
+    async with (
+        apikit.running_api(None, settings_update={"credentials_key": KEY}) as api,
+        api.client() as admin,
+    ):
+        body = create_body(sb) | {"providers": [missing]}
+        refused = await admin.post("/v1/sandboxes", json=body)
+        assert refused.status_code == 404, refused.text
+        assert refused.json() == {
+            "code": "NOT_FOUND",
+            "message": f"field 'providers': provider {missing!r} not found",
+        }
+        attach = await admin.post(f"/v1/sandboxes/{sb}:attach", json={"provider": missing})
+        assert attach.status_code == 404, attach.text
+        assert attach.json()["message"] == f"provider {missing!r} not found"
+        assert await api.commands_published() == 0
