@@ -428,3 +428,74 @@ async def test_exec_needs_the_exec_scope_and_providers_at_create_need_provider_w
     )
     create_call = gateway.stub.CreateSandbox(with_providers, metadata=auth(WRITER))
     assert await status_of(create_call) == grpc.StatusCode.PERMISSION_DENIED
+
+
+# -- references and nested 0.1 fields ------------------------------------------------------------
+
+
+async def test_a_reference_that_is_one_sandboxs_id_and_anothers_name_is_refused(
+    gateway: Gateway,
+) -> None:
+    """A UUID is a valid sandbox name: a sandbox named with another one's incarnation id. Exec,
+    logs and watch by that string reached the sandbox whose id it is (a 0.1 client meant the
+    named one); now they are refused, and each sandbox is still reached by what only it has."""
+    first = gateway.new_name()
+    first_id = await ready(gateway, first)
+    twin_id = await ready(gateway, first_id)  # named with the first sandbox's incarnation id
+    assert twin_id != first_id
+    got = await call(
+        gateway, "GetSandbox", os1.GetSandboxRequest(name=first_id, workspace_scope=SCOPE),
+        os1.SandboxResponse,
+    )  # fmt: skip
+    assert got.sandbox.metadata.id == twin_id
+    hostname = os1.ExecSandboxRequest(sandbox=first_id, workspace_scope=SCOPE, command=["true"])
+    logs = os1.GetSandboxLogsRequest(sandbox=first_id, workspace_scope=SCOPE)
+    watch = os1.WatchSandboxRequest(sandbox=first_id, workspace_scope=SCOPE, follow_status=False)
+    for method, request, answer in (
+        ("ExecSandbox", hostname, os1.ExecSandboxEvent),
+        ("WatchSandbox", watch, os1.SandboxStreamEvent),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            _ = [e async for e in stream(gateway, method, request, answer)]
+        assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION, method
+        assert first in (raised.value.details() or ""), method
+    refused = call(gateway, "GetSandboxLogs", logs, os1.GetSandboxLogsResponse)
+    assert await status_of(refused) == grpc.StatusCode.FAILED_PRECONDITION
+    for reference in (first, twin_id):  # each by a reference only it has
+        ok = os1.ExecSandboxRequest(sandbox=reference, workspace_scope=SCOPE, command=["true"])
+        events = [e async for e in stream(gateway, "ExecSandbox", ok, os1.ExecSandboxEvent)]
+        assert events[-1].exit.exit_code == 0
+
+
+async def test_a_0_1_only_field_inside_the_spec_makes_a_create_0_1(gateway: Gateway) -> None:
+    """Without workspace_scope or request_id (a grpcurl client), a restart policy in the spec
+    was read as 0.0 and dropped, and an unknown one accepted."""
+    name = gateway.new_name()
+    request = os1.CreateSandboxRequest(
+        name=name,
+        spec=os1.SandboxSpec(
+            command=["sleep", "3600"], restart_policy=os1.SANDBOX_RESTART_POLICY_ON_FAILURE
+        ),
+    )
+    created = await call(gateway, "CreateSandbox", request, os1.SandboxResponse)
+    assert created.sandbox.spec.restart_policy == os1.SANDBOX_RESTART_POLICY_ON_FAILURE
+    spec = await gateway.env.fetchval("SELECT spec FROM sandboxes WHERE key = $1", name)
+    assert '"restart_policy": "OnFailure"' in spec
+    unknown = os1.CreateSandboxRequest(
+        name=gateway.new_name(), spec=os1.SandboxSpec(restart_policy=99)
+    )
+    refused = call(gateway, "CreateSandbox", unknown, os1.SandboxResponse)
+    assert await status_of(refused) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_create_naming_a_missing_provider_is_not_found_and_creates_nothing(
+    gateway: Gateway,
+) -> None:
+    """As an attach of a missing provider is (it used to create a sandbox attached to none)."""
+    name, missing = gateway.new_name(), gateway.new_name()
+    request = pb.CreateSandboxRequest(name=name, spec=pb.SandboxSpec(providers=[missing]))
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await gateway.stub.CreateSandbox(request, metadata=auth())
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+    assert raised.value.details() == f"spec.providers: provider {missing!r} not found"
+    assert await gateway.env.fetchval("SELECT count(*) FROM sandboxes WHERE key = $1", name) == 0

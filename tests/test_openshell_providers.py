@@ -373,3 +373,17 @@ async def test_provider_writes_retried_with_their_request_id_answer_the_first_ou
     deleted = [await call(gateway, "DeleteProvider", delete, os1.DeleteProviderResponse)
                for _ in range(2)]  # fmt: skip
     assert [d.outcome for d in deleted] == [os1.DELETION_OUTCOME_COMPLETED] * 2
+
+
+async def test_a_0_1_only_field_inside_the_provider_makes_a_create_0_1(gateway: Gateway) -> None:
+    """credential_expiration_times (0.1 only, not kept) with no top-level 0.1 field: it was
+    read as 0.0 and accepted; it is refused by name as with a request_id."""
+    name = provider_name()
+    provider = dm1.Provider(metadata=dm1.ObjectMeta(name=name), credentials={"K": secret()})
+    provider.credential_expiration_times["K"].seconds = 2_000_000_000
+    error = await refused(gateway, "CreateProvider", os1.CreateProviderRequest(provider=provider))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "credential_expiration_times" in (error.details() or "")
+    assert await status_of(
+        call(gateway, "GetProvider", os1.GetProviderRequest(name=name), os1.ProviderResponse)
+    ) == grpc.StatusCode.NOT_FOUND  # fmt: skip

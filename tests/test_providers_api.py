@@ -208,3 +208,24 @@ async def test_a_value_with_a_nul_is_422_naming_the_credentials_and_stores_nothi
             assert answer.status_code == 422, answer.text
             assert "NUL" in answer.json()["message"]
         assert (await c.get(f"/v1/providers/{name}")).json()["revision"] == 1
+
+
+async def test_creating_a_sandbox_with_a_missing_provider_is_404_as_attach_is() -> None:
+    """It used to create a Ready sandbox attached to a provider that does not exist; the CLI's
+    create calls the same route. Nothing is published."""
+    missing, sb = unique("nope"), unique("sb")
+    async with (
+        apikit.running_api(None, settings_update={"credentials_key": KEY}) as api,
+        api.client() as admin,
+    ):
+        body = create_body(sb) | {"providers": [missing]}
+        refused = await admin.post("/v1/sandboxes", json=body)
+        assert refused.status_code == 404, refused.text
+        assert refused.json() == {
+            "code": "NOT_FOUND",
+            "message": f"field 'providers': provider {missing!r} not found",
+        }
+        attach = await admin.post(f"/v1/sandboxes/{sb}:attach", json={"provider": missing})
+        assert attach.status_code == 404, attach.text
+        assert attach.json()["message"] == f"provider {missing!r} not found"
+        assert await api.commands_published() == 0

@@ -103,6 +103,17 @@ class Receipt:
     unsent: list[str] = field(default_factory=list)
 
 
+async def require_existing(pool: Pool, names: Sequence[str]) -> None:
+    """ProviderMissing for the first of ``names`` no provider has: the check of an attach,
+    and of a create that attaches providers, at every door. It is made before the command is
+    sent; the processor holds no provider check (a provider deleted in between stays attached
+    by name, with no values, as docs/providers.md says)."""
+    async with pool.acquire() as conn:
+        for name in names:
+            if await providers.get_provider(conn, name) is None:
+                raise providers.ProviderMissing(name)
+
+
 def asked_values(vault: Vault, update: Update) -> dict[str, Any]:
     """An update as its request fingerprint sees it: the values as their HMACs."""
     values = {k: vault.fingerprint(update.name, k, v) for k, v in update.values.items()}
@@ -288,9 +299,7 @@ class ProviderService:
         }
         if kind is DetachProvider:
             return DetachProvider(type="DetachProvider", restart=restart, **common)
-        async with self.pool.acquire() as conn:
-            if await providers.get_provider(conn, provider) is None:
-                raise providers.ProviderMissing(provider)
+        await require_existing(self.pool, [provider])
         return AttachProvider(type="AttachProvider", **common)
 
     async def delete(

@@ -16,7 +16,9 @@ from events.commands import CreateSandbox, DeleteSandbox, StartSandbox, StopSand
 from events.outcomes import Code
 from events.publisher import new_command_id, now
 from services.api import readmodel
+from services.api.providers import require_existing
 from services.api.readmodel import InvalidArgument
+from services.common.providers import ProviderMissing
 from services.common.tokens import PROVIDER_WRITE, READ, WRITE
 from services.openshell import mapping, wire
 from services.openshell.proto import openshell_pb2 as pinned
@@ -145,6 +147,10 @@ class SandboxRpcs:
                 f"token {principal.name!r} lacks the scope {PROVIDER_WRITE} "
                 "(attaching providers at create needs it, as attaching later does)",
             )
+        try:  # as an attach of a missing provider is refused
+            await require_existing(self.door.pool, wanted.providers)
+        except ProviderMissing as exc:
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"spec.providers: {exc}")
         command = CreateSandbox(
             type="CreateSandbox",
             command_id=command_id or new_command_id(),

@@ -246,13 +246,24 @@ class Door:
 
     async def resolve(self, reference: str, context: Context) -> SandboxView:
         """The live sandbox a Watch, Exec or logs request names in its field 1: an incarnation
-        id (OpenShell 0.0) or a name (0.1). An id is tried first, then a name: a UUID-shaped
-        name is a valid sandbox name too, and an incarnation id never names another sandbox."""
-        view: SandboxView | None = None
+        id (OpenShell 0.0) or a name (0.1). A UUID is a valid sandbox name too, so a reference
+        that is the id of one live sandbox and the name of another is refused
+        (FAILED_PRECONDITION) rather than guessed: no reading of it can misroute the call."""
+        by_id: SandboxView | None = None
         with contextlib.suppress(ValueError):  # not an id
-            view = await sandbox_by_id(self.pool, uuid.UUID(reference))
-        if view is None and re.fullmatch(SANDBOX_NAME_PATTERN, reference):
-            view = await readmodel.get_sandbox(self.pool, reference)
-        if view is None or view.phase is Phase.DELETED:
+            by_id = await sandbox_by_id(self.pool, uuid.UUID(reference))
+        by_name: SandboxView | None = None
+        if re.fullmatch(SANDBOX_NAME_PATTERN, reference):
+            by_name = await readmodel.get_sandbox(self.pool, reference)
+        live = [v for v in (by_id, by_name) if v is not None and v.phase is not Phase.DELETED]
+        if len(live) == 2 and live[0].id != live[1].id:
+            await abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{reference!r} is the name of sandbox {reference!r} and the incarnation id of "
+                f"sandbox {live[0].name!r}: ask for one of them by a reference only it has",
+            )
+        view = live[0] if live else None
+        if view is None:
             await abort(context, grpc.StatusCode.NOT_FOUND, f"sandbox {reference!r} not found")
         return view

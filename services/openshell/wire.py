@@ -3,8 +3,8 @@
 OpenShell 0.1 changed some request fields in place: a ``WorkspaceSelector`` message in the tag
 of the old ``workspace`` string, a ``page_token`` string in the tag of the old ``offset``
 integer, a bool where a string was. Both generations call the same method paths, so the
-server reads each request's top-level fields (their numbers and wire types, without a schema)
-and compares them with the two vendored schemas:
+server reads each request's fields (their numbers and wire types, without a schema), those
+of its nested messages too, and compares them with the two vendored schemas:
 
 - a field only the new schema declares (``request_id``, ``workspace_scope`` at a new tag,
   ``allow_missing``, ``execution_timeout``...) says 0.1; one only the old schema declares
@@ -122,9 +122,31 @@ def _other(side: Generation) -> Generation:
     return Generation.V0_0 if side is Generation.V0_1 else Generation.V0_1
 
 
+def _votes(raw: bytes, old: Descriptor, new: Descriptor) -> set[Generation]:
+    """The evidence of every field of ``raw``, and of the fields of each message field both
+    schemas declare as a message (a 0.1-only field inside ``spec`` or ``provider`` says 0.1
+    as a top-level one does)."""
+    votes: set[Generation] = set()
+    for found in top_fields(raw):
+        if (evidence := _evidence(found, old, new)) is not None:
+            votes.add(evidence)
+            continue
+        in_old = old.fields_by_number.get(found.number)
+        in_new = new.fields_by_number.get(found.number)
+        if (
+            found.payload is not None
+            and in_old is not None
+            and in_new is not None
+            and in_old.message_type is not None
+            and in_new.message_type is not None
+        ):
+            votes |= _votes(found.payload, in_old.message_type, in_new.message_type)
+    return votes
+
+
 def generation_of(raw: bytes, old: Descriptor, new: Descriptor) -> Generation:
     """The generation whose schema ``raw`` was written with (0.0 when both read it alike)."""
-    votes = {e for f in top_fields(raw) if (e := _evidence(f, old, new)) is not None}
+    votes = _votes(raw, old, new)
     if len(votes) > 1:
         raise Malformed("the request mixes fields of OpenShell 0.0 and 0.1")
     return votes.pop() if votes else Generation.V0_0

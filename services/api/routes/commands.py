@@ -37,7 +37,9 @@ from services.api.models import (
     WaitQuery,
     responses,
 )
+from services.api.providers import require_existing
 from services.api.readmodel import CommandStatus
+from services.common.providers import ProviderMissing
 from services.common.tokens import PROVIDER_WRITE
 
 router = APIRouter()
@@ -92,6 +94,10 @@ async def create_sandbox(
 ) -> JSONResponse:
     if body.providers:  # an attached provider's values reach the agent this token controls
         require_also(principal, PROVIDER_WRITE, "to attach providers at create")
+        try:  # as an attach of a missing provider is refused
+            await require_existing(state.pool, body.providers)
+        except ProviderMissing as exc:
+            raise ApiError(404, "NOT_FOUND", f"field 'providers': {exc}") from exc
     cap = principal.max_stop_timeout
     cap = state.settings.api_max_stop_timeout_seconds if cap is None else cap
     asked = body.spec.stop_timeout_seconds
