@@ -229,3 +229,24 @@ async def test_creating_a_sandbox_with_a_missing_provider_is_404_as_attach_is() 
         assert attach.status_code == 404, attach.text
         assert attach.json()["message"] == f"provider {missing!r} not found"
         assert await api.commands_published() == 0
+
+
+async def test_a_retried_create_gets_its_first_answer_after_its_provider_was_deleted() -> None:
+    """A retry with the same command_id is answered from the first request: the provider check
+    of a create (above) runs only for an id not yet recorded. With the check first, the retry
+    of a create whose provider was deleted in between was a 404."""
+    provider, sb = unique("rp"), unique("sb")
+    async with (
+        apikit.running_api(None, settings_update={"credentials_key": KEY}) as api,
+        api.client() as admin,
+    ):
+        made = await admin.post("/v1/providers", json={"name": provider, "credentials": {"K": "v"}})
+        assert made.status_code == 201, made.text
+        body = create_body(sb) | {"providers": [provider], "command_id": "rp-" + sb}
+        first = await admin.post("/v1/sandboxes", json=body)
+        assert first.status_code == 202, first.text  # no processor here: published, pending
+        assert (await admin.delete(f"/v1/providers/{provider}")).status_code == 200
+        again = await admin.post("/v1/sandboxes", json=body)
+        assert again.status_code == 202, again.text
+        assert again.json()["command_id"] == "rp-" + sb
+        assert await api.commands_published() == 1

@@ -103,12 +103,16 @@ class Receipt:
     unsent: list[str] = field(default_factory=list)
 
 
-async def require_existing(pool: Pool, names: Sequence[str]) -> None:
+async def require_existing(pool: Pool, names: Sequence[str], command_id: str | None = None) -> None:
     """ProviderMissing for the first of ``names`` no provider has: the check of an attach,
     and of a create that attaches providers, at every door. It is made before the command is
     sent; the processor holds no provider check (a provider deleted in between stays attached
-    by name, with no values, as docs/providers.md says)."""
+    by name, with no values, as docs/providers.md says). A ``command_id`` already recorded is a
+    retry (or a conflict): the gateway answers it from the first request, whatever happened to
+    the providers since, so it is not checked again."""
     async with pool.acquire() as conn:
+        if command_id is not None and await idempotency.recorded(conn, command_id) is not None:
+            return
         for name in names:
             if await providers.get_provider(conn, name) is None:
                 raise providers.ProviderMissing(name)
@@ -289,8 +293,9 @@ class ProviderService:
         sandbox restarts without its values unless not ``restart``), for the door to submit;
         ScopeMissing, or ProviderMissing (an attach of a provider that does not exist)."""
         require_scopes(principal, "to attach or detach a provider", *ATTACHING)
+        command_id = command_id or new_command_id()
         common = {
-            "command_id": command_id or new_command_id(),
+            "command_id": command_id,
             "key": sandbox,
             "occurred_at": now(),
             "actor": principal.name,
@@ -299,7 +304,7 @@ class ProviderService:
         }
         if kind is DetachProvider:
             return DetachProvider(type="DetachProvider", restart=restart, **common)
-        await require_existing(self.pool, [provider])
+        await require_existing(self.pool, [provider], command_id)
         return AttachProvider(type="AttachProvider", **common)
 
     async def delete(

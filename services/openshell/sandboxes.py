@@ -148,7 +148,7 @@ class SandboxRpcs:
                 "(attaching providers at create needs it, as attaching later does)",
             )
         try:  # as an attach of a missing provider is refused
-            await require_existing(self.door.pool, wanted.providers)
+            await require_existing(self.door.pool, wanted.providers, command_id)
         except ProviderMissing as exc:
             await abort(context, grpc.StatusCode.NOT_FOUND, f"spec.providers: {exc}")
         command = CreateSandbox(

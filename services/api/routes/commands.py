@@ -95,7 +95,7 @@ async def create_sandbox(
     if body.providers:  # an attached provider's values reach the agent this token controls
         require_also(principal, PROVIDER_WRITE, "to attach providers at create")
         try:  # as an attach of a missing provider is refused
-            await require_existing(state.pool, body.providers)
+            await require_existing(state.pool, body.providers, body.command_id)
         except ProviderMissing as exc:
             raise ApiError(404, "NOT_FOUND", f"field 'providers': {exc}") from exc
     cap = principal.max_stop_timeout
