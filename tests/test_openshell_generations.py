@@ -175,21 +175,28 @@ async def test_a_completed_sandbox_is_completed_for_0_1_and_stopped_for_0_0(
     assert old.sandbox.status.HasField("exit_code") and old.sandbox.status.exit_code == 0
 
 
-async def test_a_0_1_create_with_a_restart_policy_sets_it_and_answers_it(gateway: Gateway) -> None:
+@pytest.mark.parametrize("scoped", [True, False], ids=["workspace_scope", "spec-only"])
+async def test_a_0_1_create_with_a_restart_policy_sets_it_and_answers_it(
+    gateway: Gateway, scoped: bool
+) -> None:
+    """Also without workspace_scope or request_id (a grpcurl client): the restart policy in
+    the spec makes the create 0.1. It was read as 0.0 then, the policy dropped and an unknown
+    one accepted."""
     name = gateway.new_name()
+    scope = {"workspace_scope": SCOPE} if scoped else {}
     request = os1.CreateSandboxRequest(
         name=name,
-        workspace_scope=SCOPE,
         spec=os1.SandboxSpec(
             command=["sleep", "3600"], restart_policy=os1.SANDBOX_RESTART_POLICY_ON_FAILURE
         ),
+        **scope,
     )
     created = await call(gateway, "CreateSandbox", request, os1.SandboxResponse)
     assert created.sandbox.spec.restart_policy == os1.SANDBOX_RESTART_POLICY_ON_FAILURE
     spec = await gateway.env.fetchval("SELECT spec FROM sandboxes WHERE key = $1", name)
     assert '"restart_policy": "OnFailure"' in spec
     unknown = os1.CreateSandboxRequest(
-        name=gateway.new_name(), workspace_scope=SCOPE, spec=os1.SandboxSpec(restart_policy=9)
+        name=gateway.new_name(), spec=os1.SandboxSpec(restart_policy=99), **scope
     )
     refused = call(gateway, "CreateSandbox", unknown, os1.SandboxResponse)
     assert await status_of(refused) == grpc.StatusCode.INVALID_ARGUMENT
@@ -465,27 +472,6 @@ async def test_a_reference_that_is_one_sandboxs_id_and_anothers_name_is_refused(
         ok = os1.ExecSandboxRequest(sandbox=reference, workspace_scope=SCOPE, command=["true"])
         events = [e async for e in stream(gateway, "ExecSandbox", ok, os1.ExecSandboxEvent)]
         assert events[-1].exit.exit_code == 0
-
-
-async def test_a_0_1_only_field_inside_the_spec_makes_a_create_0_1(gateway: Gateway) -> None:
-    """Without workspace_scope or request_id (a grpcurl client), a restart policy in the spec
-    was read as 0.0 and dropped, and an unknown one accepted."""
-    name = gateway.new_name()
-    request = os1.CreateSandboxRequest(
-        name=name,
-        spec=os1.SandboxSpec(
-            command=["sleep", "3600"], restart_policy=os1.SANDBOX_RESTART_POLICY_ON_FAILURE
-        ),
-    )
-    created = await call(gateway, "CreateSandbox", request, os1.SandboxResponse)
-    assert created.sandbox.spec.restart_policy == os1.SANDBOX_RESTART_POLICY_ON_FAILURE
-    spec = await gateway.env.fetchval("SELECT spec FROM sandboxes WHERE key = $1", name)
-    assert '"restart_policy": "OnFailure"' in spec
-    unknown = os1.CreateSandboxRequest(
-        name=gateway.new_name(), spec=os1.SandboxSpec(restart_policy=99)
-    )
-    refused = call(gateway, "CreateSandbox", unknown, os1.SandboxResponse)
-    assert await status_of(refused) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_a_create_naming_a_missing_provider_is_not_found_and_creates_nothing(
