@@ -62,6 +62,19 @@ async def test_an_unauthenticated_request_is_refused_before_its_body_is_looked_a
         assert r.status_code == 403 and r.json()["code"] == "PERMISSION_DENIED", r.text
 
 
+async def test_two_authorization_headers_are_refused_whichever_they_are(api: Api) -> None:
+    """A hostile pass found the HTTP door reading the first of two Authorization headers and
+    the gRPC door the last: which one was meant is no guess, so both doors refuse two."""
+    for first, second in ((apikit.READER, apikit.ADMIN), (apikit.ADMIN, apikit.ADMIN)):
+        two = [("Authorization", f"Bearer {first}"), ("Authorization", f"Bearer {second}")]
+        async with api.client(token=None) as c:
+            for method, path in (("GET", "/v1/sandboxes"), ("GET", "/readyz"),
+                                 ("GET", "/metrics"), ("POST", "/v1/sandboxes")):  # fmt: skip
+                r = await c.request(method, path, headers=two, json=create_body(unique()))
+                assert r.status_code == 401, (method, path, r.text)
+                assert "more than one Authorization header" in r.json()["message"], r.text
+
+
 async def test_a_body_above_the_limit_is_413_declared_or_streamed(api: Api) -> None:
     limit = api.env.settings.api_max_body_bytes
     before = await api.commands_published()

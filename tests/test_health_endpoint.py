@@ -40,6 +40,11 @@ async def test_a_role_health_endpoint_hides_detail_and_metrics_without_the_ops_s
             assert (detailed["reason"], detailed["partitions"]) == (SECRET_DETAIL, [0, 1])
             metrics = await ops.get("/metrics")
             assert metrics.status_code == 200 and "python_info" in metrics.text
+        two = [("authorization", f"Bearer {admin}"), ("authorization", f"Bearer {admin}")]
+        async with httpx.AsyncClient(base_url=health.url, timeout=5) as twice:
+            for path in ("/readyz", "/metrics"):  # one token per request, as at the API
+                refused = await twice.get(path, headers=two)
+                assert refused.status_code == 401 and SECRET_DETAIL not in refused.text
     finally:
         await health.stop()
 

@@ -15,7 +15,7 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
-from openshell_support import EXEC_LIMIT, Gateway, call, running_gateway, stream
+from openshell_support import EXEC_LIMIT, Gateway, auth, call, running_gateway, stream
 from podman import PodmanClient
 from pydantic import SecretStr
 
@@ -256,3 +256,12 @@ async def test_a_nul_in_a_provider_value_is_invalid_argument(
         await call(gateway, "CreateProvider", request, Message)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value
     assert "NUL" in (raised.value.details() or ""), raised.value.details()
+
+
+async def test_two_authorization_entries_are_unauthenticated(gateway: Gateway) -> None:
+    """The door read the last of two entries where the HTTP API read the first: both refuse."""
+    two = auth() + auth()
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await call(gateway, "ListProviders", os1.ListProvidersRequest(), Message, metadata=two)
+    assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED, raised.value
+    assert "more than one Authorization header" in (raised.value.details() or "")

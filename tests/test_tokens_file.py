@@ -217,7 +217,7 @@ def test_the_grpc_door_refuses_every_token_of_a_broken_file_too(tmp_path: Path) 
     path = tmp_path / "tokens.json"
     admin = auth.add_token(path, "admin", (auth.READ,))
     door = Authenticator(auth.TokenStore.from_file(path))
-    metadata = {"authorization": f"Bearer {admin}"}
+    metadata = [f"Bearer {admin}"]
     assert isinstance(door.check(metadata, auth.READ), auth.Principal)
     path.chmod(0o644)
     assert door.check(metadata, auth.READ) == (

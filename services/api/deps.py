@@ -67,7 +67,7 @@ def denial(denied: Denied) -> ApiError:
 
 def check_auth(request: Request, scope: str) -> Principal:
     tokens: TokenStore = request.app.state.tokens
-    checked = authorize_header(tokens, request.headers.get("authorization"), scope)
+    checked = authorize_header(tokens, request.headers.getlist("authorization"), scope)
     if isinstance(checked, Denied):
         raise denial(checked)
     return checked

@@ -55,7 +55,7 @@ def health_app(role: str, readiness: ReadinessCheck, tokens: TokenStore | None =
         return JSONResponse({"status": "ok", "role": role, "pid": os.getpid()})
 
     async def readyz(request: Request) -> JSONResponse:
-        detailed = sees_operations(tokens, request.headers.get("authorization"))
+        detailed = sees_operations(tokens, request.headers.getlist("authorization"))
         if isinstance(detailed, Denied):
             return _denied(detailed)
         try:
@@ -70,7 +70,7 @@ def health_app(role: str, readiness: ReadinessCheck, tokens: TokenStore | None =
     async def get_metrics(request: Request) -> Response:
         if tokens is None:
             return _denied(Denied(403, "no tokens file: the metrics need a token with " + OPS))
-        checked = authorize_header(tokens, request.headers.get("authorization"), OPS)
+        checked = authorize_header(tokens, request.headers.getlist("authorization"), OPS)
         if isinstance(checked, Denied):
             return _denied(checked)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

@@ -32,7 +32,7 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -195,24 +195,42 @@ class TokenStore:
 MISSING_TOKEN: Final = "missing bearer token (Authorization: Bearer <token>)"
 
 
+# Sent twice, one reader might take the first and another the last: which was meant is no guess.
+TWO_TOKENS: Final = "more than one Authorization header (or authorization metadata entry)"
+
+
 def bearer_of(header: str | None) -> str | None:
     """The token of an ``Authorization: Bearer <token>`` header value, if it is one."""
     scheme, _, value = (header or "").partition(" ")
     return value.strip() if scheme.lower() == "bearer" and value.strip() else None
 
 
-def authorize_header(tokens: TokenStore, header: str | None, scope: str) -> Principal | Denied:
-    """The check every HTTP endpoint behind a scope makes, given its Authorization header."""
+def the_header(headers: Sequence[str]) -> str | Denied | None:
+    """A request's one Authorization header (every value it sent, in order); None without one,
+    Denied 401 with several."""
+    if len(headers) > 1:
+        return Denied(401, TWO_TOKENS)
+    return headers[0] if headers else None
+
+
+def authorize_header(tokens: TokenStore, headers: Sequence[str], scope: str) -> Principal | Denied:
+    """The check every HTTP endpoint behind a scope makes, given its Authorization headers."""
+    header = the_header(headers)
+    if isinstance(header, Denied):
+        return header
     value = bearer_of(header)
     if value is None:
         return Denied(401, MISSING_TOKEN)
     return tokens.authorize(value, scope)
 
 
-def sees_operations(tokens: TokenStore | None, header: str | None) -> bool | Denied:
+def sees_operations(tokens: TokenStore | None, headers: Sequence[str]) -> bool | Denied:
     """Whether a caller may see operational detail (the checks behind a readiness answer):
     False without a token or without the ops:read scope; a token that is sent must be valid
     (Denied 401 otherwise). Probes without a token still get ready or not."""
+    header = the_header(headers)
+    if isinstance(header, Denied):
+        return header
     value = bearer_of(header)
     if value is None or tokens is None:
         return False if value is None else Denied(401, "no tokens file: no token is valid")

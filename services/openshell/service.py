@@ -19,6 +19,7 @@ import contextlib
 import importlib.metadata
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, NoReturn, TypeAlias
 
@@ -36,7 +37,7 @@ from services.api.gateway import CommandGateway, CommandTooLarge, PublishFailed,
 from services.api.idempotency import IdempotencyConflict
 from services.api.providers import ProviderService
 from services.api.readmodel import SandboxView
-from services.common.tokens import SCOPES, Denied, Principal, TokenStore
+from services.common.tokens import SCOPES, TWO_TOKENS, Denied, Principal, TokenStore
 from services.openshell import mapping
 
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
@@ -96,9 +97,12 @@ class Authenticator:
     allow_unauthenticated: bool = False
 
     def check(
-        self, metadata: dict[str, str], scope: str
+        self, authorization: Sequence[str], scope: str
     ) -> Principal | tuple[grpc.StatusCode, str]:
-        header = metadata.get("authorization", "")
+        """``authorization``: every value of the metadata key, in order."""
+        if len(authorization) > 1:
+            return grpc.StatusCode.UNAUTHENTICATED, TWO_TOKENS
+        header = authorization[0] if authorization else ""
         scheme, _, value = header.partition(" ")
         if not header:
             if self.allow_unauthenticated:
@@ -169,7 +173,9 @@ class Door:
     outcome_wait: float = OUTCOME_WAIT
 
     async def authorize(self, context: Context, scope: str) -> Principal:
-        checked = self.auth.check(metadata_of(context), scope)
+        sent = context.invocation_metadata() or ()
+        given = [v for k, v in sent if k.lower() == "authorization" and isinstance(v, str)]
+        checked = self.auth.check(given, scope)
         if isinstance(checked, Principal):
             return checked
         await abort(context, *checked)

@@ -140,7 +140,7 @@ def _bare_not_ready(message: str) -> JSONResponse:
 
 def _detailed(request: Request) -> bool:
     """Whether this caller may see the checks. A token, when sent, must be valid."""
-    seen = sees_operations(request.app.state.tokens, request.headers.get("authorization"))
+    seen = sees_operations(request.app.state.tokens, request.headers.getlist("authorization"))
     if isinstance(seen, Denied):
         raise denial(seen)
     return seen
