@@ -122,9 +122,16 @@ class PodmanCalls:
         return sorted(names)
 
     def exit_code(self, runtime_id: str) -> int | None:
+        """The container's exit code; None once it is gone. Removed while asked (a kill that
+        ended a stop, whose delete then removed it), Podman 4.3 answers 500 "no such container"
+        rather than 404: gone too."""
         try:
             attrs = self.client().containers.get(runtime_id).attrs
         except NotFound:
+            return None
+        except APIError as exc:
+            if "no such container" not in str(exc):
+                raise
             return None
         container = read_container(attrs)
         return container.info.exit_code if container else None

@@ -307,6 +307,29 @@ async def test_a_slow_stop_of_one_sandbox_does_not_delay_another(
     assert containers_of(podman, stubborn) == []
 
 
+def test_a_container_removed_while_its_exit_code_is_read_has_none(
+    driver: PodmanDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the slow-stop test above in CI: its kill ended the stop, the first delete's
+    thread removed the container at once, and the kill's read of the exit code met Podman 4.3's
+    500 "no such container" (not a 404): the kill failed. A stand-in client answers as Podman
+    did then (the race itself cannot be timed); any other error still raises."""
+    gone = "container 0123 does not exist in database: no such container"
+    calls = driver._sync
+
+    def answering(error: str) -> Any:
+        def get(_: str) -> Any:
+            raise APIError(error, explanation=error)
+
+        return lambda: SimpleNamespace(containers=SimpleNamespace(get=get))
+
+    monkeypatch.setattr(calls, "client", answering(gone))
+    assert calls.exit_code("0123") is None
+    monkeypatch.setattr(calls, "client", answering("something else went wrong"))
+    with pytest.raises(APIError):
+        calls.exit_code("0123")
+
+
 async def test_a_repeated_launch_never_starts_a_stopped_generation_again(
     driver: PodmanDriver, keys: Callable[[], str], settings: Settings
 ) -> None:
