@@ -170,3 +170,24 @@ async def isolated_env(
                 stop.set()
                 await asyncio.wait_for(task, 30)
                 await processor.stop()
+
+
+@dataclass
+class OneConnection:
+    """A stand-in for the pool that hands out one connection, so that the scans of what runs
+    on it are counted in its transaction."""
+
+    conn: Any
+
+    @asynccontextmanager
+    async def acquire(self) -> AsyncIterator[Any]:
+        yield self.conn
+
+    async def fetchrow(self, query: str, *args: Any) -> Any:
+        return await self.conn.fetchrow(query, *args)
+
+    async def fetch(self, query: str, *args: Any) -> Any:
+        return await self.conn.fetch(query, *args)
+
+    async def fetchval(self, query: str, *args: Any) -> Any:
+        return await self.conn.fetchval(query, *args)

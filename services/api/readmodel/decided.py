@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 from uuid import UUID
 
-from services.common.database import Pool
+from services.common.database import Pool, planned_for_now
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,10 +27,9 @@ RETAINED_FROM: Final = "SELECT min(id) FROM outbox WHERE topic = $1"
 
 async def retained_from(pool: Pool, topic: str) -> int | None:
     """The oldest outbox id still kept for ``topic`` (None: none kept)."""
-    async with pool.acquire() as conn, conn.transaction():
-        # Planned for the outbox as it is now (the first id of the topic, through the primary
-        # key): a generic plan kept from when it was empty scanned it whole at every start.
-        await conn.execute("SET LOCAL plan_cache_mode = force_custom_plan")
+    # Planned for the outbox as it is now (the first id of the topic, through the primary
+    # key): a generic plan kept from when it was empty scanned it whole at every start.
+    async with planned_for_now(pool) as conn:
         value: Any = await conn.fetchval(RETAINED_FROM, topic)
     return int(value) if value is not None else None
 

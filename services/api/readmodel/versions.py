@@ -28,7 +28,7 @@ from uuid import UUID
 from events.codec import EVENTS, decode
 from events.decided import DecidedEvent, SandboxCreated
 from projections.lifecycle import Sandbox, evolve
-from services.common.database import Pool
+from services.common.database import Pool, planned_for_now
 
 REPLAY_EVENTS: Final = 10_000  # events one replay of an incarnation reads, at most
 _FIRST_PAGE: Final = 16
@@ -52,7 +52,8 @@ async def _newest_first(
     """The key's decided events, newest first, a page at a time (each twice the last)."""
     below, size = _TOP, max(1, first_page)
     while True:
-        records = await pool.fetch(NEWEST_FIRST, key, below, topic, size)
+        async with planned_for_now(pool) as conn:  # the outbox may have been analysed empty
+            records = await conn.fetch(NEWEST_FIRST, key, below, topic, size)
         for record in records:
             yield decode(EVENTS, record["body"])
         if len(records) < size:
