@@ -8,7 +8,7 @@ import logging
 import uuid
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import (
@@ -34,8 +34,67 @@ def now() -> datetime:
     return datetime.now(UTC)
 
 
+# What the broker answers a principal lacking an ACL: no retry fixes it, an operator does.
+REFUSED_FOR_ACL: Final = (TopicAuthorizationFailedError, ClusterAuthorizationFailedError)
+
+
+class RenewingProducer:
+    """An idempotent producer (acks=all) replaced after the broker refused one of its batches
+    for want of an ACL. aiokafka does not take back the sequence number of a refused batch: the
+    producer's next batch on that partition, and every one after it, would be refused as out of
+    order (OutOfOrderSequenceNumber), long after the ACL is granted, until a restart.
+    ``client`` holds the connection's keyword arguments (bootstrap servers, security)."""
+
+    def __init__(self, client: Mapping[str, Any], **producer_args: Any) -> None:
+        self._args = {**client, **producer_args}
+        self.current = self._new_producer()
+        self._refused: AIOKafkaProducer | None = None  # replaced before its next send
+        self._renewing = asyncio.Lock()
+
+    def _new_producer(self) -> AIOKafkaProducer:
+        return AIOKafkaProducer(**self._args, enable_idempotence=True, acks="all")
+
+    async def start(self) -> None:
+        await self.current.start()
+
+    async def stop(self) -> None:
+        await self.current.stop()
+
+    async def send_and_wait(
+        self, topic: str, value: bytes | None = None, key: bytes | None = None
+    ) -> Any:
+        """Send one record and wait for its acknowledgement (the record's metadata)."""
+        producer = await self._usable()
+        sent = await producer.send(topic, value=value, key=key)
+        try:
+            return await sent
+        except REFUSED_FOR_ACL:
+            self._refused = producer
+            raise
+
+    async def _usable(self) -> AIOKafkaProducer:
+        """The producer, a new one if the broker refused one of its batches. Starting it fails
+        while the principal may not produce idempotently at all (ClusterAuthorizationFailedError,
+        without Write on any topic); the next send tries again."""
+        if self._refused is not self.current:
+            return self.current
+        async with self._renewing:
+            if self._refused is self.current:
+                fresh = self._new_producer()
+                try:
+                    await fresh.start()
+                except BaseException:
+                    await fresh.stop()
+                    raise
+                refused, self.current = self.current, fresh
+                self._refused = None
+                await asyncio.shield(refused.stop())  # its other batches are sent first
+        return self.current
+
+
 class CommandPublisher:
-    """Publishes commands keyed by sandbox name with an idempotent producer (acks=all).
+    """Publishes commands keyed by sandbox name with an idempotent producer (acks=all), a new
+    one after a refusal for want of an ACL (``RenewingProducer``).
 
     ``publish`` returns once the broker acknowledged the record, with its partition and offset.
     ``client`` holds the connection's keyword arguments (bootstrap servers, security);
@@ -48,10 +107,7 @@ class CommandPublisher:
         self.topic = topic
         user = client.get("sasl_plain_username")
         self.principal = f"User:{user}" if user else None
-        self._args = {**client, **producer_args}
-        self.producer = self._new_producer()
-        self._refused: AIOKafkaProducer | None = None  # replaced before its next send
-        self._renewing = asyncio.Lock()
+        self.producer = RenewingProducer(client, **producer_args)
 
     async def __aenter__(self) -> CommandPublisher:
         await self.producer.start()
@@ -61,57 +117,29 @@ class CommandPublisher:
         await self.producer.stop()
 
     async def publish(self, command: Command) -> tuple[int, int]:
-        producer = await self._usable()
-        sent = await producer.send(self.topic, value=encode(command), key=record_key(command.key))
-        try:
-            meta = await sent
-        except (TopicAuthorizationFailedError, ClusterAuthorizationFailedError):
-            # aiokafka does not take back the sequence number of a batch the broker refused:
-            # this producer's next batch on the partition would be refused as out of order
-            # (OutOfOrderSequenceNumber), and every one after it, long after the ACL is granted.
-            self._refused = producer
-            raise
+        meta = await self.producer.send_and_wait(
+            self.topic, value=encode(command), key=record_key(command.key)
+        )
         return meta.partition, meta.offset
 
-    def _new_producer(self) -> AIOKafkaProducer:
-        return AIOKafkaProducer(**self._args, enable_idempotence=True, acks="all")
-
-    async def _usable(self) -> AIOKafkaProducer:
-        """The producer, a new one if the broker refused one of its batches. Starting it fails
-        while the principal may not produce idempotently at all (ClusterAuthorizationFailedError,
-        without Write on any topic); the next publish tries again."""
-        if self._refused is not self.producer:
-            return self.producer
-        async with self._renewing:
-            if self._refused is self.producer:
-                fresh = self._new_producer()
-                try:
-                    await fresh.start()
-                except BaseException:
-                    await fresh.stop()
-                    raise
-                refused, self.producer = self.producer, fresh
-                self._refused = None
-                await asyncio.shield(refused.stop())  # its other batches are sent first
-        return self.producer
-
     async def publish_many(self, commands: list[Command]) -> None:
+        producer = self.producer.current
         futures = [
-            await self.producer.send(self.topic, value=encode(c), key=record_key(c.key))
+            await producer.send(self.topic, value=encode(c), key=record_key(c.key))
             for c in commands
         ]
         await asyncio.gather(*futures)
 
 
 async def publish_observation(
-    producer: AIOKafkaProducer, topic: str, observation: Observation
+    producer: RenewingProducer, topic: str, observation: Observation
 ) -> None:
     """Send one observation, keyed by its sandbox, and wait for the broker's acknowledgement."""
     await producer.send_and_wait(topic, value=encode(observation), key=observation.key.encode())
 
 
 async def publish_until_sent(
-    producer: AIOKafkaProducer,
+    producer: RenewingProducer,
     topic: str,
     observation: Observation,
     stop: asyncio.Event | None = None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -20,8 +21,9 @@ from typing import Any
 import apikit
 import factories as f
 import grpc
+import pytest
 from aiokafka import AIOKafkaClient
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, TopicAuthorizationFailedError
 from apikit import create_body, unique
 from confluent_kafka.admin import (
     AclBinding,
@@ -42,7 +44,13 @@ from test_dead_letters import drop_grant
 from test_openshell_handlers import create_call, door_channel, failure
 
 from drivers.fake import FakeDriver
-from events.publisher import CommandPublisher, now
+from events.publisher import (
+    CommandPublisher,
+    RenewingProducer,
+    now,
+    publish_observation,
+    publish_until_sent,
+)
 from services.api import provider_outbox
 from services.api.gateway import CommandGateway
 from services.api.readmodel import ChangeFeed
@@ -210,6 +218,35 @@ def change_acls(
         while admin.describe_acls(only).result(30):
             assert time.monotonic() < deadline, "the ACL is still listed"
             time.sleep(0.05)  # the poll interval; the deadline bounds the wait
+
+
+async def test_an_observation_refused_by_acl_is_sent_once_the_acl_is_granted_again() -> None:
+    """The watcher's, the executor's and the scheduler's producer. After a refused batch,
+    aiokafka's idempotent producer had the broker refuse every later one on that partition as
+    out of order (OutOfOrderSequenceNumber): the role retried a report forever after the grant,
+    and never delivered it until it restarted. The refused producer is replaced before the next
+    send."""
+    async with isolated_env(partitions=1) as env:
+        s = env.settings
+        producer = RenewingProducer(kafka_client_args(s, "watcher"))
+        await producer.start()
+        try:
+            first = f.running("k1")
+            await publish_observation(producer, s.topic_observations, first)
+            await asyncio.to_thread(drop_grant, s, "watcher", s.topic_observations)
+            refused = f.running("k1", generation=2)
+            for _ in range(2):  # a role retries (one refusal alone did not wedge it here)
+                with pytest.raises(TopicAuthorizationFailedError):
+                    await publish_observation(producer, s.topic_observations, refused)
+            await asyncio.to_thread(kafka_auth.grant, s)
+            sent = publish_until_sent(producer, s.topic_observations, refused)
+            assert await asyncio.wait_for(sent, 30) is True
+        finally:
+            await producer.stop()
+        ids = [json.loads(r.value)["observation_id"] for r in await env.read_topic(
+            s.topic_observations
+        )]  # fmt: skip
+        assert ids == [first.observation_id, refused.observation_id]
 
 
 @asynccontextmanager

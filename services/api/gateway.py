@@ -12,17 +12,12 @@ from dataclasses import dataclass
 from typing import Final, TypeAlias
 
 import asyncpg
-from aiokafka.errors import (
-    ClusterAuthorizationFailedError,
-    KafkaError,
-    MessageSizeTooLargeError,
-    TopicAuthorizationFailedError,
-)
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError, TopicAuthorizationFailedError
 
 from events.codec import encode
 from events.commands import Command
 from events.outcomes import CommandOutcome
-from events.publisher import CommandPublisher
+from events.publisher import REFUSED_FOR_ACL, CommandPublisher
 from events.topics import MAX_INPUT_BYTES
 from services.api import idempotency, readmodel
 from services.api.idempotency import IdempotencyConflict
@@ -44,10 +39,6 @@ class PublishFailed(Exception):
             f"applied: retry with the same command_id {command.command_id!r}"
         )
         self.command_id = command.command_id
-
-
-# Kafka's refusals for want of an ACL: no retry fixes them, an operator must grant the ACL.
-FORBIDDEN_BY_KAFKA: Final = (TopicAuthorizationFailedError, ClusterAuthorizationFailedError)
 
 
 class PublishForbidden(Exception):
@@ -162,7 +153,7 @@ class CommandGateway:
         except MessageSizeTooLargeError as exc:
             metrics.API_COMMANDS.labels(command.type, "too_large").inc()
             raise CommandTooLarge(command) from exc
-        except FORBIDDEN_BY_KAFKA as exc:
+        except REFUSED_FOR_ACL as exc:
             metrics.API_COMMANDS.labels(command.type, "forbidden").inc()
             forbidden = PublishForbidden(command, exc, self.publisher)
             log.error("publishing %s: %s", command.type, forbidden)

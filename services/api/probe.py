@@ -54,7 +54,7 @@ class KafkaProbe:
             partitions = []
             for topic in topics:
                 # The producer waits for the topic's metadata (the consumer's cache may lack it).
-                found = await self.publisher.producer.partitions_for(topic)
+                found = await self.publisher.producer.current.partitions_for(topic)
                 partitions += [TopicPartition(topic, p) for p in sorted(found)]
             ends = await consumer.end_offsets(partitions)
         except BaseException:

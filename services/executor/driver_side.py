@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 import asyncpg
-from aiokafka import AIOKafkaProducer
 
 from drivers.protocol import Driver
+from events.publisher import RenewingProducer
 from services.common.database import connect_pool
 from services.common.kafka_clients import Role, kafka_client_args
 from services.common.settings import Settings
@@ -51,7 +51,7 @@ class DriverSide:
     executor: Executor | None = None
     watcher: Watcher | None = None
     reconciler: Reconciler | None = None
-    _producer: AIOKafkaProducer | None = None
+    _producer: RenewingProducer | None = None
     _tasks: Tasks = field(default_factory=Tasks)
 
     @property
@@ -64,9 +64,7 @@ class DriverSide:
         interval = self.reconcile_interval or self.settings.reconcile_interval_seconds
         # The watcher's and the reconcile loop's reports; an executor alone reports nothing.
         role: Role = "watcher" if "watcher" in self.parts else "executor"
-        self._producer = AIOKafkaProducer(
-            **kafka_client_args(self.settings, role), enable_idempotence=True, acks="all"
-        )
+        self._producer = RenewingProducer(kafka_client_args(self.settings, role))
         await self._producer.start()
         stop = self._tasks.stop_event
         if "executor" in self.parts:

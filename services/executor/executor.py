@@ -54,11 +54,11 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer
 
 from drivers.protocol import Driver, RuntimeInfo
 from events.observations import DriverOperationResult
-from events.publisher import publish_until_sent
+from events.publisher import RenewingProducer, publish_until_sent
 from projections.lifecycle import Sandbox
 from services.common.kafka_clients import kafka_client_args
 from services.common.providers import LaunchValues
@@ -93,7 +93,7 @@ class Executor:
     # The attached providers' values for a launch (services/executor/credentials.py); None:
     # launches get no provider values (tests of the executor alone).
     credentials: CredentialSource | None = None
-    producer: AIOKafkaProducer | None = None
+    producer: RenewingProducer | None = None
     ownership: Ownership = field(init=False)
     calls: DriverCalls = field(init=False)
     queues: SandboxQueues = field(init=False)
@@ -124,9 +124,7 @@ class Executor:
         """Connect and join the group; returns once partitions are assigned (or after
         ``assign_timeout``), so a new group's starting position is fixed before anything
         is decided after it."""
-        self.producer = AIOKafkaProducer(
-            **kafka_client_args(self.settings, "executor"), enable_idempotence=True, acks="all"
-        )
+        self.producer = RenewingProducer(kafka_client_args(self.settings, "executor"))
         await self.producer.start()
         await self.intake.start(self.assign_timeout)
 
@@ -179,6 +177,7 @@ class Executor:
         return await self.credentials(key) if self.credentials is not None else None
 
     async def _publish(self, result: DriverOperationResult) -> None:
+        assert self.producer is not None  # started
         await publish_until_sent(self.producer, self.settings.topic_observations, result)
 
     # -- introspection (tests, health) -------------------------------------------------------

@@ -33,13 +33,12 @@ from datetime import datetime
 from uuid import UUID
 
 import asyncpg
-from aiokafka import AIOKafkaProducer
 
 from drivers.protocol import Driver, RuntimeInfo
 from events.backoff import pause
 from events.common import Phase
 from events.observations import Observation, RuntimeRemoved, RuntimeSnapshot
-from events.publisher import publish_observation
+from events.publisher import RenewingProducer, publish_observation
 from projections.lifecycle import Sandbox
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record
 from services.common.settings import Settings
@@ -191,7 +190,7 @@ class Reconciler:
 
     driver: Driver
     pool: asyncpg.Pool[asyncpg.Record]
-    producer: AIOKafkaProducer
+    producer: RenewingProducer
     settings: Settings
     interval: float
     clock: Clock = utcnow

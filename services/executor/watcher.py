@@ -11,11 +11,9 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
-from aiokafka import AIOKafkaProducer
-
 from drivers.protocol import Driver
 from events.backoff import Backoff, pause
-from events.publisher import publish_until_sent
+from events.publisher import RenewingProducer, publish_until_sent
 from services.common.settings import Settings
 
 log = logging.getLogger("sandstream.watcher")
@@ -30,7 +28,7 @@ class Watcher:
     """
 
     driver: Driver
-    producer: AIOKafkaProducer
+    producer: RenewingProducer
     settings: Settings
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -22,11 +22,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
-from aiokafka import AIOKafkaProducer
 
 from events.common import Deadline, DeadlineKind
 from events.observations import DeadlineDue
-from events.publisher import publish_until_sent
+from events.publisher import RenewingProducer, publish_until_sent
 from events.topics import CHANGES_CHANNEL
 from projections.store import CONNECTION_ERRORS
 from services.common import metrics
@@ -95,7 +94,7 @@ class Scheduler:
     pool: asyncpg.Pool[asyncpg.Record]
     clock: Callable[[], datetime] = utcnow
     batch: int = 1000
-    producer: AIOKafkaProducer | None = None
+    producer: RenewingProducer | None = None
     published: int = 0  # DeadlineDue messages sent since start
     rounds: int = 0  # rounds completed since start
     _sent: set[str] = field(default_factory=set)  # ids sent for rows still due
@@ -103,9 +102,7 @@ class Scheduler:
     _listener: Any = None
 
     async def start(self) -> None:
-        self.producer = AIOKafkaProducer(
-            **kafka_client_args(self.settings, "scheduler"), enable_idempotence=True, acks="all"
-        )
+        self.producer = RenewingProducer(kafka_client_args(self.settings, "scheduler"))
         await self.producer.start()
         self._listener = await self.pool.acquire()
         await self._listener.add_listener(CHANGES_CHANNEL, self._notified)
