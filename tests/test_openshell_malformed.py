@@ -265,3 +265,44 @@ async def test_two_authorization_entries_are_unauthenticated(gateway: Gateway) -
         await call(gateway, "ListProviders", os1.ListProvidersRequest(), Message, metadata=two)
     assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED, raised.value
     assert "more than one Authorization header" in (raised.value.details() or "")
+
+
+class Encoded(bytes):
+    """Bytes sent as they are: a request no message class would build."""
+
+    def SerializeToString(self) -> bytes:  # the protobuf method call() uses
+        return bytes(self)
+
+
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out.append(low | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def length_delimited(number: int, payload: bytes) -> bytes:
+    return varint((number << 3) | 2) + varint(len(payload)) + payload
+
+
+async def test_a_create_nesting_a_struct_thousands_deep_is_invalid_argument(
+    gateway: Gateway,
+) -> None:
+    """``spec.template.resources`` is a google.protobuf.Struct, which nests: the check for
+    0.1-only fields inside messages followed it 3,000 levels down and overflowed the C stack,
+    and the gateway's process ended with a segmentation fault. The nesting read is bounded as
+    protobuf's parser bounds it; the gateway answers INVALID_ARGUMENT and serves on."""
+    struct = b""
+    for _ in range(3000):  # Struct{fields: {"k": Value{struct_value: <struct>}}}
+        value = length_delimited(5, struct)
+        struct = length_delimited(1, length_delimited(1, b"k") + length_delimited(2, value))
+    spec = length_delimited(6, length_delimited(7, struct))  # spec.template.resources
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await call(gateway, "CreateSandbox", Encoded(length_delimited(1, spec)), Message)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value
+    assert "nests messages deeper than 100" in (raised.value.details() or "")
+    request = os1.ListProvidersRequest(workspace_scope=SCOPE)
+    assert isinstance(await call(gateway, "ListProviders", request, os1.ListProvidersResponse),
+                      os1.ListProvidersResponse)  # fmt: skip

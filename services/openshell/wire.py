@@ -122,10 +122,18 @@ def _other(side: Generation) -> Generation:
     return Generation.V0_0 if side is Generation.V0_1 else Generation.V0_1
 
 
-def _votes(raw: bytes, old: Descriptor, new: Descriptor) -> set[Generation]:
+# The deepest nesting read for evidence, as protobuf's own parser (upb) reads no deeper: a
+# request nesting google.protobuf.Struct thousands deep overflowed the C stack and ended the
+# process (a segmentation fault), before the check of the nesting was bounded.
+MAX_DEPTH: Final = 100
+
+
+def _votes(raw: bytes, old: Descriptor, new: Descriptor, depth: int = 0) -> set[Generation]:
     """The evidence of every field of ``raw``, and of the fields of each message field both
     schemas declare as a message (a 0.1-only field inside ``spec`` or ``provider`` says 0.1
     as a top-level one does)."""
+    if depth > MAX_DEPTH:
+        raise Malformed(f"the request nests messages deeper than {MAX_DEPTH}")
     votes: set[Generation] = set()
     for found in top_fields(raw):
         if (evidence := _evidence(found, old, new)) is not None:
@@ -140,7 +148,7 @@ def _votes(raw: bytes, old: Descriptor, new: Descriptor) -> set[Generation]:
             and in_old.message_type is not None
             and in_new.message_type is not None
         ):
-            votes |= _votes(found.payload, in_old.message_type, in_new.message_type)
+            votes |= _votes(found.payload, in_old.message_type, in_new.message_type, depth + 1)
     return votes
 
 
