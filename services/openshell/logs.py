@@ -12,7 +12,7 @@ from typing import Final
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from drivers.logs import MAX_TAIL, LogLine, LogsUnavailable
+from drivers.logs import EPOCH, MAX_TAIL, LogLine, LogsUnavailable
 from services.api.readmodel import SandboxView
 from services.common.tokens import READ
 from services.openshell import mapping, wire
@@ -24,7 +24,6 @@ from services.openshell.service import Context, Door, abort
 SOURCE: Final = "sandbox"
 DEFAULT_LINES: Final = 1000  # lines answered when the client asks for none
 MAX_LINES: Final = MAX_TAIL  # 10000; a larger ``lines`` is read as this
-EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 # A protobuf Timestamp's range, which is also Python's: 0001-01-01 to 9999-12-31 (UTC).
 FIRST_SECOND: Final = -62_135_596_800
 LAST_SECOND: Final = 253_402_300_799

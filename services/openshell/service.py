@@ -37,7 +37,7 @@ from services.api.gateway import CommandGateway, CommandTooLarge, PublishFailed,
 from services.api.idempotency import IdempotencyConflict
 from services.api.providers import ProviderService
 from services.api.readmodel import SandboxView
-from services.common.tokens import SCOPES, TWO_TOKENS, Denied, Principal, TokenStore
+from services.common.tokens import SCOPES, Denied, Principal, TokenStore, the_header
 from services.openshell import mapping
 
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
@@ -100,9 +100,9 @@ class Authenticator:
         self, authorization: Sequence[str], scope: str
     ) -> Principal | tuple[grpc.StatusCode, str]:
         """``authorization``: every value of the metadata key, in order."""
-        if len(authorization) > 1:
-            return grpc.StatusCode.UNAUTHENTICATED, TWO_TOKENS
-        header = authorization[0] if authorization else ""
+        header = the_header(authorization) or ""
+        if isinstance(header, Denied):  # sent twice
+            return grpc.StatusCode.UNAUTHENTICATED, header.message
         scheme, _, value = header.partition(" ")
         if not header:
             if self.allow_unauthenticated:
