@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -411,3 +412,32 @@ async def test_a_lease_holder_whose_work_fails_otherwise_raises_the_error() -> N
 
         with pytest.raises(ValueError, match="the work's own bug"):
             await asyncio.wait_for(Lease(env.settings, "test").run(asyncio.Event(), work), 30)
+
+
+async def test_the_openshell_role_alone_takes_its_publish_timeout_and_size_limit_from_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Run alone, the OpenShell role built its gateway with the default 15 s publish timeout,
+    whatever SANDSTREAM_API_PUBLISH_TIMEOUT_SECONDS said (the API and provider-sync read it).
+    Every role now builds its gateway from its settings in one place."""
+    from services.openshell import server
+
+    built: list[Any] = []
+    stop = asyncio.Event()
+
+    async def started(settings: Any, **parts: Any) -> Any:  # stands in for the gRPC server
+        built.append(parts["gateway"])
+        stop.set()
+
+        async def no_server() -> None:
+            return None
+
+        return SimpleNamespace(address="-", stop=no_server)
+
+    monkeypatch.setattr(server, "start_openshell", started)
+    async with isolated_env(
+        partitions=1, api_publish_timeout_seconds=2.5, processor_max_input_bytes=500_000
+    ) as env:
+        await asyncio.wait_for(server.serve(env.settings, stop), 60)
+    [gateway] = built
+    assert (gateway.publish_timeout, gateway.max_bytes) == (2.5, 500_000)

@@ -66,16 +66,10 @@ def create_app(
     logs = log_source(settings) if logs is None else logs
     feed = ChangeFeed(pool, poll_interval=poll_interval)
     probe = KafkaProbe(settings, publisher)
-    gateway = CommandGateway(
-        pool,
-        publisher,
-        feed,
-        poll_interval=poll_interval,
-        publish_timeout=settings.api_publish_timeout_seconds
-        if publish_timeout is None
-        else publish_timeout,
-        max_bytes=settings.processor_max_input_bytes,
-    )
+    gateway = CommandGateway.of_role(
+        settings, pool, publisher, feed, poll_interval=poll_interval,
+        publish_timeout=publish_timeout,
+    )  # fmt: skip
     provider_service = ProviderService(settings, pool, gateway)
 
     @asynccontextmanager

@@ -23,6 +23,7 @@ from services.api import idempotency, readmodel
 from services.api.idempotency import IdempotencyConflict
 from services.api.readmodel import ChangeFeed
 from services.common import metrics
+from services.common.settings import Settings
 
 log = logging.getLogger("sandstream.api")
 
@@ -109,6 +110,30 @@ class CommandGateway:
         # Why Kafka refused the last command for want of an ACL; None once one is published.
         self.refused: str | None = None
         self.max_bytes = max_bytes
+
+    @classmethod
+    def of_role(
+        cls,
+        settings: Settings,
+        pool: Pool,
+        publisher: CommandPublisher,
+        feed: ChangeFeed,
+        *,
+        poll_interval: float = 1.0,
+        publish_timeout: float | None = None,
+    ) -> CommandGateway:
+        """The gateway a role runs (the API, OpenShell's door, provider-sync): the publish
+        timeout (unless given) and the size limit from ``settings``."""
+        if publish_timeout is None:
+            publish_timeout = settings.api_publish_timeout_seconds
+        return cls(
+            pool,
+            publisher,
+            feed,
+            poll_interval=poll_interval,
+            publish_timeout=publish_timeout,
+            max_bytes=settings.processor_max_input_bytes,
+        )
 
     async def wait_outcome(
         self, command_id: str, key: str | None, timeout: float

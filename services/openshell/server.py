@@ -152,9 +152,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             kafka_client_args(settings, "api"), topic=settings.topic_commands
         ) as publisher:
             await feed.start()
-            gateway = CommandGateway(
-                pool, publisher, feed, max_bytes=settings.processor_max_input_bytes
-            )
+            gateway = CommandGateway.of_role(settings, pool, publisher, feed)
             running = await start_openshell(
                 settings, pool=pool, gateway=gateway, tokens=tokens, driver=driver, logs=logs
             )

@@ -25,13 +25,7 @@ async def open_service(settings: Settings) -> AsyncIterator[ProviderService]:
     try:
         client = kafka_client_args(settings, "provider-sync")
         async with CommandPublisher(client, topic=settings.topic_commands) as pub:
-            gateway = CommandGateway(
-                pool,
-                pub,
-                ChangeFeed(pool),
-                publish_timeout=settings.api_publish_timeout_seconds,
-                max_bytes=settings.processor_max_input_bytes,
-            )
+            gateway = CommandGateway.of_role(settings, pool, pub, ChangeFeed(pool))
             yield ProviderService(settings, pool, gateway)
     finally:
         await pool.close()
