@@ -13,7 +13,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import time
 from typing import Any
 
 import factories as f
@@ -32,7 +31,6 @@ from confluent_kafka.admin import (
     AclBindingFilter,
     AclOperation,
     AclPermissionType,
-    AdminClient,
     ResourcePatternType,
     ResourceType,
 )
@@ -360,10 +358,4 @@ def drop_grant(settings: Settings, role: str, topic: str) -> None:
         ResourceType.TOPIC, topic, ResourcePatternType.LITERAL, f"User:{user}", "*",
         AclOperation.ANY, AclPermissionType.ANY,
     )  # fmt: skip
-    admin = AdminClient(kafka_auth.admin_config(settings))
-    for future in admin.delete_acls([only]).values():
-        future.result(timeout=30)
-    deadline = time.monotonic() + 30
-    while admin.describe_acls(only).result(30):
-        assert time.monotonic() < deadline, "the ACL is still listed"
-        time.sleep(0.05)
+    kafka_auth.delete_acls(settings, [only])

@@ -13,7 +13,6 @@ import asyncio
 import base64
 import json
 import secrets
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -27,7 +26,6 @@ from aiokafka.errors import KafkaError, TopicAuthorizationFailedError
 from apikit import create_body, unique
 from confluent_kafka.admin import (
     AclBinding,
-    AclBindingFilter,
     AclOperation,
     AclPermissionType,
     AdminClient,
@@ -208,16 +206,7 @@ def change_acls(
             lambda: admin.describe_acls(kafka_auth.EVERY_ACL).result(30), [create]
         )
     if delete is not None:
-        only = AclBindingFilter(
-            delete.restype, delete.name, delete.resource_pattern_type, delete.principal,
-            delete.host, delete.operation, delete.permission_type,
-        )  # fmt: skip
-        for future in admin.delete_acls([only]).values():
-            future.result(timeout=30)
-        deadline = time.monotonic() + 30
-        while admin.describe_acls(only).result(30):
-            assert time.monotonic() < deadline, "the ACL is still listed"
-            time.sleep(0.05)  # the poll interval; the deadline bounds the wait
+        kafka_auth.delete_acls(settings, [kafka_auth.matching(delete)])
 
 
 async def test_an_observation_refused_by_acl_is_sent_once_the_acl_is_granted_again() -> None:

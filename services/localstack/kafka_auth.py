@@ -379,31 +379,49 @@ def wait_until_described(
     """Poll until ``describe`` lists every binding. The controller acknowledges a created ACL
     once it is in the metadata log; a broker's authorizer applies it when it replays that log,
     a moment later, and a client that asks in between is refused (TOPIC_AUTHORIZATION_FAILED)."""
+    _poll_until(
+        lambda: set(bindings) <= set(describe()),
+        f"kafka: {len(bindings)} ACLs created but not in force after {timeout}s",
+        timeout,
+    )
+
+
+def _poll_until(done: Callable[[], bool], failure: str, timeout: float) -> None:
+    """Return once ``done()``; RuntimeError(``failure``) after ``timeout`` seconds. (The
+    admin API has nothing to wait on but its answers.)"""
     deadline = time.monotonic() + timeout
-    while not set(bindings) <= set(describe()):
+    while not done():
         if time.monotonic() > deadline:
-            raise RuntimeError(
-                f"kafka: {len(bindings)} ACLs created but not in force after {timeout}s"
-            )
+            raise RuntimeError(failure)
         time.sleep(0.05)  # the poll interval; the deadline above bounds the wait
+
+
+def matching(binding: AclBinding) -> AclBindingFilter:
+    """The filter that matches ``binding`` alone."""
+    b = binding
+    return AclBindingFilter(
+        b.restype, b.name, b.resource_pattern_type, b.principal, b.host, b.operation,
+        b.permission_type,
+    )  # fmt: skip
+
+
+def delete_acls(
+    settings: Settings, filters: list[AclBindingFilter], timeout: float = ADMIN_TIMEOUT
+) -> None:
+    """Delete the ACLs ``filters`` match, and return once the broker lists none of them."""
+    admin = AdminClient(admin_config(settings))
+    _wait_all(admin.delete_acls(filters), "deleting ACL")
+    _poll_until(
+        lambda: not any(admin.describe_acls(f).result(timeout) for f in filters),
+        f"kafka: {len(filters)} ACL filters deleted but still listed after {timeout}s",
+        timeout,
+    )
 
 
 def revoke(settings: Settings) -> None:
     """Delete the ACLs ``grant`` created for these settings."""
-    filters = [
-        AclBindingFilter(
-            b.restype,
-            b.name,
-            b.resource_pattern_type,
-            b.principal,
-            b.host,
-            b.operation,
-            b.permission_type,
-        )
-        for b in _bindings(settings)
-    ]
     admin = AdminClient(admin_config(settings))
-    _wait_all(admin.delete_acls(filters), "deleting ACL")
+    _wait_all(admin.delete_acls([matching(b) for b in _bindings(settings)]), "deleting ACL")
 
 
 if __name__ == "__main__":
