@@ -24,6 +24,7 @@ from role_processes import all_ready, assigned_metric, one_active, roles_env, sh
 
 from services.common.entrypoint import EXIT_START_FAILED, EXIT_STOPPED
 from services.common.settings import PROJECT_ROOT
+from services.common.tokens import ensure_tokens
 
 SLEEP = ["sh", "-c", "exec sleep 3600"]
 
@@ -415,7 +416,7 @@ async def test_a_lease_holder_whose_work_fails_otherwise_raises_the_error() -> N
 
 
 async def test_the_openshell_role_alone_takes_its_publish_timeout_and_size_limit_from_settings(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Run alone, the OpenShell role built its gateway with the default 15 s publish timeout,
     whatever SANDSTREAM_API_PUBLISH_TIMEOUT_SECONDS said (the API and provider-sync read it).
@@ -436,8 +437,12 @@ async def test_the_openshell_role_alone_takes_its_publish_timeout_and_size_limit
 
     monkeypatch.setattr(server, "start_openshell", started)
     async with isolated_env(
-        partitions=1, api_publish_timeout_seconds=2.5, processor_max_input_bytes=500_000
+        partitions=1,
+        api_publish_timeout_seconds=2.5,
+        processor_max_input_bytes=500_000,
+        run_dir=tmp_path,  # a tokens file of its own (a fresh clone has none yet)
     ) as env:
+        ensure_tokens(env.settings)
         await asyncio.wait_for(server.serve(env.settings, stop), 60)
     [gateway] = built
     assert (gateway.publish_timeout, gateway.max_bytes) == (2.5, 500_000)
