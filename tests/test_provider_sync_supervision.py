@@ -1,9 +1,10 @@
 """One bad file or one failing reconcile never stops the control plane.
 
-A value file that is not UTF-8 is skipped with a log line naming it (the directory source, as
-the Kubernetes Secrets source does with such a key). Inside a real `sandstream up`, the
-provider-sync controller is a supervised part: a reconcile that raises (here: its table is
-away) is reported in /readyz and the controller starts again, while the API keeps serving.
+A value file that is not UTF-8 is reported with a log line naming it and its stored value
+kept (the directory source, as the Kubernetes Secrets source does with such a key). Inside a
+real `sandstream up`, the provider-sync controller is a supervised part: a reconcile that
+raises (here: its table is away) is reported in /readyz and the controller starts again,
+while the API keeps serving.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from upkit import running_up
 from services.provider_sync.sources import read_directory
 
 NOT_UTF8 = b"\xff\xfe not text"
+BROKEN_LOGGED = "keeping the stored value of gh/BROKEN: its value cannot be read (not UTF-8 text)"
 
 
 def provider_dir(root: Path) -> Path:
@@ -29,12 +31,12 @@ def provider_dir(root: Path) -> Path:
     return root
 
 
-def test_a_value_that_is_not_utf8_is_skipped_and_its_file_named(
+def test_a_value_that_is_not_utf8_is_read_as_unreadable_and_its_file_named(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="sandstream.provider-sync")
-    assert read_directory(provider_dir(tmp_path)) == {"gh": {"TOKEN": "one"}}
-    assert "skipping gh/BROKEN: not UTF-8 text" in caplog.text
+    assert read_directory(provider_dir(tmp_path)) == {"gh": {"BROKEN": None, "TOKEN": "one"}}
+    assert BROKEN_LOGGED in caplog.text
     assert "not text" not in caplog.text  # the bytes are never logged
 
 
@@ -86,5 +88,5 @@ async def test_up_supervises_provider_sync_a_crash_is_reported_and_started_again
                 )
             assert up.proc.returncode is None
         log = up.log.read_text()
-        assert "skipping gh/BROKEN: not UTF-8 text" in log
+        assert BROKEN_LOGGED in log
         assert "provider sync crashed" in log
