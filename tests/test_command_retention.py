@@ -1,0 +1,122 @@
+"""The API forgets command ids after SANDSTREAM_API_COMMAND_RETENTION_HOURS (30 days), on real
+PostgreSQL and Kafka with the fake driver.
+
+At the real retention: an id recorded 31 days ago is forgotten by the sweep, one of 29 days is
+kept. A retry of a forgotten create is published again and the processor's own de-duplication
+(command_outcomes, per sandbox and id, never forgotten) answers it with the first outcome:
+nothing is decided twice. A different request under a forgotten id is no longer refused: on
+the same sandbox the processor answers it with the first outcome too and does nothing. The
+sweep every API process runs is the same code with a retention scaled to a second.
+"""
+
+from __future__ import annotations
+
+import apikit
+import httpx
+from apikit import create_body, unique
+from harness import eventually
+
+from drivers.fake import FakeDriver
+from services.api import idempotency
+
+
+async def age(api: apikit.Api, command_id: str, days: int) -> None:
+    """Make ``command_id``'s record as old as ``days`` (the real retention is in days)."""
+    await api.env.fetchval(
+        "UPDATE api_commands SET recorded_at = now() - make_interval(days => $2) "
+        "WHERE command_id = $1",
+        command_id,
+        days,
+    )
+
+
+async def test_ids_older_than_the_retention_are_forgotten_and_a_retry_decides_nothing_twice() -> (
+    None
+):
+    driver = FakeDriver()
+    name, kept = unique("forgot"), unique("kept")
+    async with apikit.running_api(driver) as api, api.client() as c:
+        retention = api.env.settings.api_command_retention_hours
+        assert retention == 30 * 24
+        first = await c.post("/v1/sandboxes", params={"wait": 30},
+                             json={**create_body(name), "command_id": "c-old"})  # fmt: skip
+        assert first.status_code == 201, first.text
+        other = await c.post("/v1/sandboxes", params={"wait": 30},
+                             json={**create_body(kept), "command_id": "c-new"})  # fmt: skip
+        assert other.status_code == 201, other.text
+        await age(api, "c-old", 31)
+        await age(api, "c-new", 29)
+        assert await idempotency.forget_expired(api.env.pool, retention) == 1
+        assert await idempotency.recorded(api.env.pool, "c-old") is None
+        assert await idempotency.recorded(api.env.pool, "c-new") is not None
+        status = await c.get("/v1/commands/c-old")  # the processor's outcome still answers
+        assert (status.status_code, status.json()["status"]) == (200, "accepted")
+
+        async def forgotten_then(path: str, body: dict[str, object]) -> httpx.Response:
+            await age(api, "c-old", 31)  # a request records the id anew: forget it again
+            await idempotency.forget_expired(api.env.pool, retention)
+            assert await idempotency.recorded(api.env.pool, "c-old") is None
+            return await c.post(path, params={"wait": 30}, json={**body, "command_id": "c-old"})
+
+        # The same request: answered from the processor's outcome, nothing published.
+        again = await forgotten_then("/v1/sandboxes", create_body(name))
+        assert (again.status_code, again.json()) == (first.status_code, first.json())
+        # Another command type on the same sandbox: still a conflict (the outcome's type).
+        stop = await forgotten_then(f"/v1/sandboxes/{name}:stop", {})
+        assert stop.status_code == 409, stop.text
+        # The same type with another body: the first outcome, and nothing done.
+        changed = await forgotten_then("/v1/sandboxes", create_body(name, image="other:2"))
+        assert (changed.status_code, changed.json()) == (first.status_code, first.json())
+        row = (await c.get(f"/v1/sandboxes/{name}")).json()
+        assert (row["phase"], row["generation"]) == ("Ready", 1)
+        assert len(driver.calls_for("launch", name)) == 1
+        history = (await c.get(f"/v1/sandboxes/{name}/history")).json()["items"]
+        assert [h["disposition"] for h in history if h["command_id"] == "c-old"] == ["applied"]
+        # Another sandbox: no longer refused; the id is free for it.
+        elsewhere = unique("elsewhere")
+        new = await forgotten_then("/v1/sandboxes", create_body(elsewhere))
+        assert new.status_code == 201, new.text
+        await api.wait_phase(elsewhere, "Ready")
+
+
+async def test_every_api_process_sweeps_expired_ids() -> None:
+    """The retention scaled to one second (the sweep then runs every quarter second): the
+    record of a command disappears without a call, through the same ``forget_expired``."""
+    async with (
+        apikit.running_api(
+            FakeDriver(), settings_update={"api_command_retention_hours": 1 / 3600}
+        ) as api,
+        api.client() as c,
+    ):
+        assert idempotency.sweep_seconds(1 / 3600) == 0.25
+        assert idempotency.sweep_seconds(720) == idempotency.SWEEP_MAX_SECONDS
+        body = {**create_body(unique("swept")), "command_id": "c-swept"}
+        r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+        assert r.status_code == 201, r.text
+        await eventually(
+            lambda: idempotency.recorded(api.env.pool, "c-swept"),
+            lambda found: found is None,
+            timeout=15,
+            what="the API's sweep to forget c-swept",
+        )
+
+
+class ForgottenBetween:
+    """A connection on which the id is taken at the insert, then forgotten by the sweep before
+    it is read (the race, set up exactly)."""
+
+    def __init__(self) -> None:
+        self.inserts = 0
+
+    async def fetchval(self, query: str, *args: object) -> object:
+        self.inserts += 1
+        return None if self.inserts == 1 else True  # taken at first, free the second time
+
+    async def fetchrow(self, query: str, *args: object) -> object:
+        return None  # gone by the time it is read
+
+
+async def test_a_claim_racing_the_sweep_claims_the_id_anew() -> None:
+    conn = ForgottenBetween()
+    assert await idempotency.claim(conn, "c-race", "k", "CreateSandbox", "admin", "f") is None
+    assert conn.inserts == 2
