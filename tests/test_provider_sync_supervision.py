@@ -90,3 +90,17 @@ async def test_up_supervises_provider_sync_a_crash_is_reported_and_started_again
         log = up.log.read_text()
         assert BROKEN_LOGGED in log
         assert "provider sync crashed" in log
+
+
+def test_a_value_file_whose_link_dangles_is_unreadable_not_removed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A key whose symbolic link points at nothing for now (its target being replaced by a
+    tool that does not swap atomically) keeps its stored value, like an unreadable file; a
+    folder under a provider is still no key."""
+    caplog.set_level(logging.WARNING, logger="sandstream.provider-sync")
+    (tmp_path / "gh").mkdir()
+    (tmp_path / "gh" / "TOKEN").symlink_to(tmp_path / "gh" / ".TOKEN.new")
+    (tmp_path / "gh" / "NESTED").mkdir()
+    assert read_directory(tmp_path) == {"gh": {"TOKEN": None}}
+    assert "keeping the stored value of gh/TOKEN" in caplog.text

@@ -73,7 +73,8 @@ def read_directory(root: Path) -> Desired:
             continue
         values: dict[str, str | None] = {}
         for file in sorted(folder.iterdir()):
-            if file.name.startswith(".") or not file.is_file():
+            # A dangling link is a value file whose target is being replaced (read: kept).
+            if file.name.startswith(".") or not (file.is_file() or file.is_symlink()):
                 continue
             if valid_key(folder.name, file.name):
                 values[file.name] = read_value(file)
