@@ -409,6 +409,27 @@ async def test_a_new_executor_group_starts_where_the_decided_work_begins() -> No
         assert operations() == calls
 
 
+class DatabaseDown:
+    """A pool whose every query fails to connect (PostgreSQL down, injected)."""
+
+    async def fetch(self, *_: object) -> None:
+        raise ConnectionRefusedError("postgresql down (injected)")
+
+
+async def test_a_new_group_that_cannot_read_the_rows_joins_at_the_end() -> None:
+    """PostgreSQL is down while a new executor group joins: it cannot find its waiting rows,
+    so it starts (and commits) at the end as before, at once, rather than failing the
+    assignment (no position fixed, ``start`` waiting out its whole assign timeout)."""
+    async with isolated_env() as env:
+        executor = Executor(env.settings, FakeDriver(), DatabaseDown(), assign_timeout=20)  # type: ignore[arg-type]
+        await executor.start()
+        try:
+            assert executor.intake.assigned.is_set()
+            assert await caught_up(env.settings, env.settings.executor_group)
+        finally:
+            await executor.stop()
+
+
 async def test_an_older_generation_left_running_under_a_newer_row_is_stopped() -> None:
     """Found by the chaos checker: generation 1 of x was launched by an executor that died
     before reporting it; x is then restarted and stopped while no executor runs, so its row

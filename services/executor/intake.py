@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from events.codec import EVENTS, DecodeError, decode
 from events.decided import SandboxDeleteRetried, SandboxStopEscalated
+from projections.store import DATABASE_ERRORS
 from services.common import metrics
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
@@ -183,8 +184,13 @@ class Intake:
         ends: dict[TopicPartition, int] = await self.consumer.end_offsets(fresh)
         if self.pool is None:
             return ends
+        try:
+            rows = await progressing_rows(self.pool)
+        except DATABASE_ERRORS as exc:  # the reconcile loop hands the rows over later
+            log.warning("new group: cannot read the waiting rows (%r); starting at the end", exc)
+            return ends
         oldest: dict[TopicPartition, int] = {}
-        for row in await progressing_rows(self.pool):
+        for row in rows:
             tp = self.ownership.partition_of(row.key)
             if tp in ends:
                 at = int((row.updated_at - CLOCK_MARGIN).timestamp() * 1000)
