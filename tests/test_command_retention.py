@@ -11,13 +11,20 @@ sweep every API process runs is the same code with a retention scaled to a secon
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
 import apikit
 import httpx
+import pytest
 from apikit import create_body, unique
-from harness import eventually
+from harness import eventually, isolated_env
 
 from drivers.fake import FakeDriver
 from services.api import idempotency
+from services.common.tokens import ensure_tokens
 
 
 async def age(api: apikit.Api, command_id: str, days: int) -> None:
@@ -120,3 +127,41 @@ async def test_a_claim_racing_the_sweep_claims_the_id_anew() -> None:
     conn = ForgottenBetween()
     assert await idempotency.claim(conn, "c-race", "k", "CreateSandbox", "admin", "f") is None
     assert conn.inserts == 2
+
+
+def test_a_retention_of_almost_nothing_does_not_sweep_in_a_busy_loop() -> None:
+    assert idempotency.sweep_seconds(1e-9) == idempotency.SWEEP_MIN_SECONDS
+
+
+async def test_the_openshell_role_alone_forgets_expired_ids_too(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The OpenShell role run without the HTTP API records command ids as well: it sweeps them
+    (at the real retention: a record of 31 days is forgotten at its start)."""
+    from services.openshell import server
+
+    async def started(settings: Any, **parts: Any) -> Any:  # stands in for the gRPC server
+        async def no_server() -> None:
+            return None
+
+        return SimpleNamespace(address="-", stop=no_server)
+
+    monkeypatch.setattr(server, "start_openshell", started)
+    async with isolated_env(partitions=1, run_dir=tmp_path) as env:
+        ensure_tokens(env.settings)
+        await env.fetchval(
+            "INSERT INTO api_commands (command_id, key, command_type, actor, fingerprint, "
+            "recorded_at) VALUES ('c-grpc', 'k', 'CreateSandbox', 'admin', 'f', "
+            "now() - interval '31 days')"
+        )
+        stop = asyncio.Event()
+        role = asyncio.create_task(server.serve(env.settings, stop))
+        try:
+            await eventually(
+                lambda: idempotency.recorded(env.pool, "c-grpc"),
+                lambda found: found is None,
+                what="the OpenShell role to forget c-grpc",
+            )
+        finally:
+            stop.set()
+            await asyncio.wait_for(role, 30)

@@ -35,8 +35,10 @@ from events.commands import Command
 log = logging.getLogger("sandstream.api")
 
 # The sweep runs at most this far apart, and four times per retention period when that is
-# shorter; each statement deletes at most a chunk (short transactions, short locks).
+# shorter (but never more often than SWEEP_MIN_SECONDS, however short the retention); each
+# statement deletes at most a chunk (short transactions, short locks).
 SWEEP_MAX_SECONDS: Final = 3600.0
+SWEEP_MIN_SECONDS: Final = 0.25
 SWEEP_CHUNK: Final = 10_000
 
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
@@ -148,7 +150,8 @@ async def forget_expired(pool: Pool, retention_hours: float) -> int:
         gone: int = await pool.fetchval(
             "WITH gone AS (DELETE FROM api_commands WHERE command_id IN ("
             "SELECT command_id FROM api_commands "
-            "WHERE recorded_at < now() - make_interval(secs => $1) LIMIT $2) RETURNING 1) "
+            "WHERE recorded_at < now() - make_interval(secs => $1) ORDER BY recorded_at "
+            "LIMIT $2) RETURNING 1) "
             "SELECT count(*) FROM gone",
             retention_hours * 3600,
             SWEEP_CHUNK,
@@ -159,7 +162,7 @@ async def forget_expired(pool: Pool, retention_hours: float) -> int:
 
 
 def sweep_seconds(retention_hours: float) -> float:
-    return min(SWEEP_MAX_SECONDS, retention_hours * 3600 / 4)
+    return max(SWEEP_MIN_SECONDS, min(SWEEP_MAX_SECONDS, retention_hours * 3600 / 4))
 
 
 async def keep_forgetting(pool: Pool, retention_hours: float, stop: asyncio.Event) -> None:
