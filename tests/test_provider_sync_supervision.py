@@ -9,7 +9,9 @@ while the API keeps serving.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,8 @@ import pytest
 from harness import eventually, isolated_env
 from upkit import running_up
 
-from services.provider_sync.sources import read_directory
+from services.provider_sync.controller import ProviderSync
+from services.provider_sync.sources import Desired, read_directory
 
 NOT_UTF8 = b"\xff\xfe not text"
 BROKEN_LOGGED = "keeping the stored value of gh/BROKEN: its value cannot be read (not UTF-8 text)"
@@ -104,3 +107,43 @@ def test_a_value_file_whose_link_dangles_is_unreadable_not_removed(
     (tmp_path / "gh" / "NESTED").mkdir()
     assert read_directory(tmp_path) == {"gh": {"TOKEN": None}}
     assert "keeping the stored value of gh/TOKEN" in caplog.text
+
+
+class Writing:
+    """A source whose signature moves for a few checks (a value file being written), then
+    stays; it holds nothing, so each reconcile is only counted."""
+
+    def __init__(self, signatures: list[int]) -> None:
+        self.signatures = signatures
+        self.checks = 0
+
+    async def signature(self) -> Hashable:
+        self.checks += 1
+        return self.signatures[min(self.checks, len(self.signatures)) - 1]
+
+    async def read(self) -> Desired:
+        return {}
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_the_loop_reads_a_source_only_once_it_stopped_changing() -> None:
+    """A file written over several checks (an ASCII value cut short is still valid text, so it
+    cannot be told from a whole one): the loop reconciles once the source kept the same
+    signature for one interval, not at each step of the write."""
+    source = Writing([1, 2, 3, 3])
+    passes: list[int] = []
+
+    class Counted(ProviderSync):
+        async def reconcile(self) -> None:
+            passes.append(source.checks)
+
+    stop = asyncio.Event()
+    loop = Counted(service=None, source=source, interval=0.01)  # type: ignore[arg-type]
+    task = asyncio.create_task(loop.run(stop))
+    await eventually(lambda: asyncio.sleep(0, source.checks), lambda n: n >= 8,
+                     what="the loop to check the source eight times")  # fmt: skip
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    assert passes == [4]  # the first check that found the signature of the one before

@@ -106,15 +106,19 @@ class ProviderSync:
         return receipt
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Reconcile on every change of the source until ``stop``; then close the source."""
+        """Reconcile on every change of the source until ``stop``; then close the source. A
+        change is acted on once the source kept it for one interval: a value file still being
+        written (its size or time still moving) is not read half-way."""
         seen: Hashable | None = None
+        settling: Hashable | None = None
         try:
             while not stop.is_set():
                 try:
                     current = await self.source.signature()
-                    if current != seen:
+                    if current != seen and current == settling:
                         await self.reconcile()
                         seen = current
+                    settling = current
                 except (KafkaError, *CONNECTION_ERRORS, *SOURCE_ERRORS) as exc:
                     log.warning("reconcile failed (will retry): %r", exc)
                 with contextlib.suppress(TimeoutError):
