@@ -354,8 +354,9 @@ async def test_a_replayed_log_calls_no_driver_for_what_the_rows_moved_past() -> 
 
 async def test_a_new_executor_group_starts_where_the_decided_work_begins() -> None:
     """Commands decided while no executor ran (the separate-process layout, an executor joining
-    later): a new executor group reads their intents from the log at once, with no reconcile
-    pass (its interval is an hour), and the intents the rows moved past call no driver. Once
+    later): a new executor group reads their intents from the log at once, well before the
+    reconcile loop at its real interval (30 s: it hands a row over at its second pass) could,
+    and the intents the rows moved past call no driver. Once
     no row waits, a new group starts at the end (it reads nothing), and an executor of a group
     with committed offsets resumes from them (it reads nothing either)."""
     driver = FakeDriver()
@@ -368,16 +369,16 @@ async def test_a_new_executor_group_starts_where_the_decided_work_begins() -> No
             assert await phase(env, "early") == "Provisioning"
             assert await phase(env, "gone") == "Deleting"
 
+            assert env.settings.reconcile_interval_seconds == 30
+
             def driver_side() -> DriverSide:
-                return DriverSide(
-                    env.settings, driver, env.pool, reconcile_interval=3600, retry=FAST_RETRY
-                )
+                return DriverSide(env.settings, driver, env.pool, retry=FAST_RETRY)
 
             side = driver_side()
             await side.start()
             try:
-                await wait_phase(env, "early", "Ready", timeout=20)
-                await wait_phase(env, "gone", "Deleted", timeout=20)
+                await wait_phase(env, "early", "Ready", timeout=15)
+                await wait_phase(env, "gone", "Deleted", timeout=15)
                 await command(env, pub, f.create("late"))  # decided after the group joined
                 await wait_phase(env, "late", "Ready")
                 assert side.reconciler is not None and side.reconciler.picked_up == 0
