@@ -86,6 +86,35 @@ async def test_ids_older_than_the_retention_are_forgotten_and_a_retry_decides_no
         await api.wait_phase(elsewhere, "Ready")
 
 
+async def test_a_command_still_undecided_past_the_retention_is_published_again_once_decided() -> (
+    None
+):
+    """Published but not decided (no processor runs: as when its partition is stopped) when
+    its id is forgotten: a retry publishes it again, and once a processor runs the repeat is
+    recorded as a duplicate; it is decided once."""
+    async with apikit.running_api(None) as api, api.client() as c:
+        retention = api.env.settings.api_command_retention_hours
+        name = unique("undecided")
+        body = {**create_body(name), "command_id": "c-late"}
+        first = await c.post("/v1/sandboxes", json=body)
+        assert first.status_code == 202, first.text
+        await age(api, "c-late", 31)
+        await idempotency.forget_expired(api.env.pool, retention)
+        assert (await c.get("/v1/commands/c-late")).status_code == 404  # pending and forgotten
+        again = await c.post("/v1/sandboxes", json=body)
+        assert again.status_code == 202, again.text
+        assert await api.commands_published() == 2
+        await api.env.start_processor()
+        history = await eventually(
+            lambda: api.env.fetch(
+                "SELECT disposition FROM history WHERE command_id = 'c-late' ORDER BY id"
+            ),
+            lambda rows: len(rows) == 2,
+            what="both copies decided",
+        )
+        assert [r["disposition"] for r in history] == ["applied", "duplicate"]
+
+
 async def test_every_api_process_sweeps_expired_ids() -> None:
     """The retention scaled to one second (the sweep then runs every quarter second): the
     record of a command disappears without a call, through the same ``forget_expired``."""
