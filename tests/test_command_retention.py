@@ -12,6 +12,8 @@ sweep every API process runs is the same code with a retention scaled to a secon
 from __future__ import annotations
 
 import asyncio
+import base64
+import secrets
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +23,7 @@ import httpx
 import pytest
 from apikit import create_body, unique
 from harness import eventually, isolated_env
+from pydantic import SecretStr
 
 from drivers.fake import FakeDriver
 from services.api import idempotency
@@ -113,6 +116,37 @@ async def test_a_command_still_undecided_past_the_retention_is_published_again_o
             what="both copies decided",
         )
         assert [r["disposition"] for r in history] == ["applied", "duplicate"]
+
+
+async def test_a_provider_write_retried_after_the_retention_is_a_new_write() -> None:
+    """A provider write has no processor record to fall back on: retried after its id was
+    forgotten, it is judged as a write without an id. The same values again change nothing
+    (no revision, no restart); a retried create of a provider that exists is refused."""
+    key = base64.b64encode(secrets.token_bytes(32)).decode()
+    p = unique("late-p")
+    async with (
+        apikit.running_api(FakeDriver(), settings_update={"credentials_key": SecretStr(key)})
+        as api,
+        api.client() as c,
+    ):  # fmt: skip
+        retention = api.env.settings.api_command_retention_hours
+        create = {"name": p, "credentials": {"K": "one"}, "command_id": "pc-" + p}
+        assert (await c.post("/v1/providers", json=create)).status_code == 201
+        put = {"credentials": {"K": "two"}, "command_id": "pu-" + p}
+        path = f"/v1/providers/{p}/credentials"
+        first = await c.put(path, json=put)
+        assert [x["revision"] for x in first.json()["providers"]] == [2], first.text
+        for command_id in (create["command_id"], put["command_id"]):
+            await age(api, command_id, 31)
+        assert await idempotency.forget_expired(api.env.pool, retention) == 2
+
+        again = await c.put(path, json=put)
+        assert again.status_code == 200, again.text
+        assert [(x["revision"], x["rotated"]) for x in again.json()["providers"]] == [(2, [])]
+        assert (await c.get(f"/v1/providers/{p}")).json()["revision"] == 2
+        created = await c.post("/v1/providers", json=create)
+        assert created.status_code == 409, created.text
+        assert created.json()["code"] == "ALREADY_EXISTS"
 
 
 async def test_every_api_process_sweeps_expired_ids() -> None:
