@@ -16,7 +16,9 @@ from typing import Any
 from uuid import UUID
 
 import factories as f
-from aiokafka import TopicPartition
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaTimeoutError
 from aiokafka.partitioner import DefaultPartitioner
 from harness import Env, eventually, isolated_env
 from pipeline_support import (
@@ -423,6 +425,31 @@ async def test_a_new_group_that_cannot_read_the_rows_joins_at_the_end() -> None:
     assignment (no position fixed, ``start`` waiting out its whole assign timeout)."""
     async with isolated_env() as env:
         executor = Executor(env.settings, FakeDriver(), DatabaseDown(), assign_timeout=20)  # type: ignore[arg-type]
+        await executor.start()
+        try:
+            assert executor.intake.assigned.is_set()
+            assert await caught_up(env.settings, env.settings.executor_group)
+        finally:
+            await executor.stop()
+
+
+async def test_a_new_group_that_cannot_look_up_offsets_by_time_joins_at_the_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A row waits, but the broker does not answer the look-up by time (a timeout, injected):
+    the new group starts (and commits) at the end at once, and the reconcile loop is left to
+    hand the row over, rather than the assignment failing."""
+    async with isolated_env() as env:
+        await env.start_processor()
+        async with await env.publisher() as pub:
+            await command(env, pub, f.create("waiting"))
+        assert await phase(env, "waiting") == "Provisioning"
+
+        async def no_answer(*_: object) -> None:
+            raise KafkaTimeoutError("no answer (injected)")
+
+        monkeypatch.setattr(AIOKafkaConsumer, "offsets_for_times", no_answer)
+        executor = Executor(env.settings, FakeDriver(), env.pool, assign_timeout=20)
         await executor.start()
         try:
             assert executor.intake.assigned.is_set()

@@ -195,7 +195,11 @@ class Intake:
             if tp in ends:
                 at = int((row.updated_at - CLOCK_MARGIN).timestamp() * 1000)
                 oldest[tp] = min(oldest.get(tp, at), at)
-        found = await self.consumer.offsets_for_times(oldest) if oldest else {}
+        try:
+            found = await self.consumer.offsets_for_times(oldest) if oldest else {}
+        except KafkaError as exc:
+            log.warning("new group: cannot look up offsets by time (%r); starting at the end", exc)
+            return ends
         starts = {tp: min(end, found[tp].offset if found.get(tp) else end)
                   for tp, end in ends.items()}  # fmt: skip
         for tp in sorted(oldest, key=lambda t: t.partition):
