@@ -349,6 +349,18 @@ async def rewind_group(settings: Settings, group: str, offset: int = 0) -> None:
         await consumer.stop()
 
 
+async def forget_group(settings: Settings, group: str) -> None:
+    """Delete the (empty) consumer group ``group`` with its committed offsets: an executor of
+    that group then joins as a new group."""
+    from confluent_kafka.admin import AdminClient
+
+    from services.localstack.kafka_auth import admin_config
+
+    admin = AdminClient(admin_config(settings))
+    for future in admin.delete_consumer_groups([group]).values():
+        await asyncio.to_thread(future.result, 30)
+
+
 async def caught_up(settings: Settings, group: str) -> bool:
     """Whether ``group`` has committed the end of every partition of the events topic."""
     consumer = AIOKafkaConsumer(

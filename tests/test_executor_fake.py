@@ -16,13 +16,16 @@ from typing import Any
 from uuid import UUID
 
 import factories as f
-from aiokafka import TopicPartition
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaTimeoutError
 from aiokafka.partitioner import DefaultPartitioner
 from harness import Env, eventually, isolated_env
 from pipeline_support import (
     caught_up,
     command,
     encode_all,
+    forget_group,
     history,
     phase,
     processor_caught_up,
@@ -351,9 +354,13 @@ async def test_a_replayed_log_calls_no_driver_for_what_the_rows_moved_past() -> 
         assert [len(await driver_results(env, k)) for k in ("x", "y", "z")] == results_before
 
 
-async def test_a_new_executor_group_starts_at_the_end_and_the_reconciler_picks_up() -> None:
-    """Commands decided while no executor ran: a new group does not replay the log, and the
-    reconcile loop hands the executor what the rows still want, once."""
+async def test_a_new_executor_group_starts_where_the_decided_work_begins() -> None:
+    """Commands decided while no executor ran (the separate-process layout, an executor joining
+    later): a new executor group reads their intents from the log at once, well before the
+    reconcile loop at its real interval (30 s: it hands a row over at its second pass) could,
+    and the intents the rows moved past call no driver. Once
+    no row waits, a new group starts at the end (it reads nothing), and an executor of a group
+    with committed offsets resumes from them (it reads nothing either)."""
     driver = FakeDriver()
     async with isolated_env() as env:
         await env.start_processor()
@@ -363,22 +370,92 @@ async def test_a_new_executor_group_starts_at_the_end_and_the_reconciler_picks_u
             await command(env, pub, f.delete("gone"))
             assert await phase(env, "early") == "Provisioning"
             assert await phase(env, "gone") == "Deleting"
-            side = DriverSide(
-                env.settings, driver, env.pool, reconcile_interval=0.3, retry=FAST_RETRY
-            )
+
+            assert env.settings.reconcile_interval_seconds == 30
+
+            def driver_side() -> DriverSide:
+                return DriverSide(env.settings, driver, env.pool, retry=FAST_RETRY)
+
+            side = driver_side()
             await side.start()
             try:
-                await wait_phase(env, "early", "Ready")
-                await wait_phase(env, "gone", "Deleted")
+                await wait_phase(env, "early", "Ready", timeout=15)
+                await wait_phase(env, "gone", "Deleted", timeout=15)
                 await command(env, pub, f.create("late"))  # decided after the group joined
                 await wait_phase(env, "late", "Ready")
-                assert side.reconciler is not None and side.reconciler.picked_up == 2
+                assert side.reconciler is not None and side.reconciler.picked_up == 0
             finally:
                 await side.stop()
         assert len(driver.calls_for("launch", "early")) == 1
         assert len(driver.calls_for("delete", "gone")) == 1
-        assert len(driver.calls_for("launch", "gone")) == 0  # its launch was never replayed
+        assert len(driver.calls_for("launch", "gone")) == 0  # superseded by its delete
         assert len(driver.calls_for("launch", "late")) == 1
+
+        def operations() -> int:  # driver calls that act (a reconcile pass lists)
+            return sum(1 for c in driver.calls if c.op != "list")
+
+        calls = operations()
+
+        group = env.settings.executor_group
+        for new_group in (True, False):
+            if new_group:
+                await forget_group(env.settings, group)
+            side = driver_side()
+            await side.start()
+            try:
+                await eventually(lambda: caught_up(env.settings, group), bool,
+                                 what="the executor group at the end of the log")  # fmt: skip
+                assert side.executor is not None
+                assert (side.executor.dropped, side.executor.skipped) == (0, 0), new_group
+            finally:
+                await side.stop()
+        assert operations() == calls
+
+
+class DatabaseDown:
+    """A pool whose every query fails to connect (PostgreSQL down, injected)."""
+
+    async def fetch(self, *_: object) -> None:
+        raise ConnectionRefusedError("postgresql down (injected)")
+
+
+async def test_a_new_group_that_cannot_read_the_rows_joins_at_the_end() -> None:
+    """PostgreSQL is down while a new executor group joins: it cannot find its waiting rows,
+    so it starts (and commits) at the end as before, at once, rather than failing the
+    assignment (no position fixed, ``start`` waiting out its whole assign timeout)."""
+    async with isolated_env() as env:
+        executor = Executor(env.settings, FakeDriver(), DatabaseDown(), assign_timeout=20)  # type: ignore[arg-type]
+        await executor.start()
+        try:
+            assert executor.intake.assigned.is_set()
+            assert await caught_up(env.settings, env.settings.executor_group)
+        finally:
+            await executor.stop()
+
+
+async def test_a_new_group_that_cannot_look_up_offsets_by_time_joins_at_the_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A row waits, but the broker does not answer the look-up by time (a timeout, injected):
+    the new group starts (and commits) at the end at once, and the reconcile loop is left to
+    hand the row over, rather than the assignment failing."""
+    async with isolated_env() as env:
+        await env.start_processor()
+        async with await env.publisher() as pub:
+            await command(env, pub, f.create("waiting"))
+        assert await phase(env, "waiting") == "Provisioning"
+
+        async def no_answer(*_: object) -> None:
+            raise KafkaTimeoutError("no answer (injected)")
+
+        monkeypatch.setattr(AIOKafkaConsumer, "offsets_for_times", no_answer)
+        executor = Executor(env.settings, FakeDriver(), env.pool, assign_timeout=20)
+        await executor.start()
+        try:
+            assert executor.intake.assigned.is_set()
+            assert await caught_up(env.settings, env.settings.executor_group)
+        finally:
+            await executor.stop()
 
 
 async def test_an_older_generation_left_running_under_a_newer_row_is_stopped() -> None:

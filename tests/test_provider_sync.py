@@ -12,18 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import apikit
+import pytest
 from apikit import create_body, unique
 from harness import eventually
 from pydantic import SecretStr
 
+from drivers.fake import FakeDriver
 from drivers.podman import PodmanDriver
 from drivers.protocol import DriverError, LaunchResult, LaunchSpec, OpResult, RuntimeInfo
+from services.common import metrics
 from services.common.settings import load_settings
 from services.executor.backends import podman_driver
 from services.provider_sync.controller import ProviderSync
@@ -207,3 +211,65 @@ async def test_a_restart_that_keeps_failing_transiently_is_reported_failed_after
     finally:
         await podman.delete(name)
         await podman.close()
+
+
+async def test_a_value_file_caught_half_written_keeps_the_stored_value_and_restarts_no_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A value file that is not UTF-8 (a write caught half-way through a multi-byte character)
+    is reported by name and its stored value kept: the update does not take the key as
+    removed, so no attached agent restarts. A rotation of another key in the same pass still
+    goes through (keeping the unreadable one); the finished write rotates it."""
+    caplog.set_level(logging.WARNING, logger="sandstream.provider-sync")
+    p, name = unique("half-p"), unique("half")
+    write(tmp_path, p, "TOKEN", "t-one")
+    write(tmp_path, p, "OTHER", "o-one")
+    async with (
+        apikit.running_api(FakeDriver(), settings_update={"credentials_key": KEY}) as api,
+        api.client() as c,
+    ):
+        sync = ProviderSync(api.app.state.providers, DirectorySource(tmp_path))
+        assert await sync.reconcile() is not None
+        body = create_body(name)
+        body["providers"] = [p]
+        r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+        assert r.status_code == 201, r.text
+        await api.wait_phase(name, "Ready")
+        before = (await c.get(f"/v1/providers/{p}")).json()
+
+        (tmp_path / p / "TOKEN").write_bytes("t-twö".encode()[:-1])  # cut inside the ö
+        assert await sync.reconcile() is None  # nothing changed: nothing sent
+        assert "keeping the stored value of " + f"{p}/TOKEN" in caplog.text
+        assert "t-tw" not in caplog.text  # the bytes are never logged
+        assert metrics.PROVIDER_SYNC_UNREADABLE._value.get() == 1
+        assert (await c.get(f"/v1/providers/{p}")).json() == before
+
+        write(tmp_path, p, "OTHER", "o-two")  # rotated while TOKEN is still unreadable
+        receipt = await sync.reconcile()
+        assert receipt is not None
+        (applied,) = receipt.applied
+        assert (applied.change.of("rotated"), applied.change.of("removed")) == (["OTHER"], [])
+        after = (await c.get(f"/v1/providers/{p}")).json()
+        assert [k["name"] for k in after["keys"]] == ["OTHER", "TOKEN"]
+        token = [k for k in after["keys"] if k["name"] == "TOKEN"]
+        assert token == [k for k in before["keys"] if k["name"] == "TOKEN"]
+
+        await eventually(
+            lambda: c.get(f"/v1/sandboxes/{name}"),
+            lambda resp: (resp.json()["phase"], resp.json()["generation"]) == ("Ready", 2),
+            what=f"{name} restarted for the rotation of OTHER",
+        )
+
+        write(tmp_path, p, "TOKEN", "t-twö")  # the write finished
+        receipt = await sync.reconcile()
+        assert receipt is not None
+        (applied,) = receipt.applied
+        assert (applied.change.of("rotated"), applied.change.of("removed")) == (["TOKEN"], [])
+        assert metrics.PROVIDER_SYNC_UNREADABLE._value.get() == 0
+        await eventually(
+            lambda: c.get(f"/v1/sandboxes/{name}"),
+            lambda resp: (resp.json()["phase"], resp.json()["generation"]) == ("Ready", 3),
+            what=f"{name} restarted once per real rotation (generation 3), never for the cut",
+        )
+        history = (await c.get(f"/v1/sandboxes/{name}/history")).json()["items"]
+        assert len([h for h in history if "AgentRestarted" in h["events"]]) == 2

@@ -152,6 +152,10 @@ def test_a_secret_maps_to_a_provider_by_annotation_or_name_and_skips_bad_names()
         ]
     )
     assert found == {"a": {"API_KEY": "1"}, "Named_B": {"T": "4"}}
+    # A value that is not UTF-8 text: the key is there, its value unreadable (kept as stored).
+    binary = secret("f", {}, {})
+    binary["data"] = {"T": base64.b64encode(b"\xff\xfe").decode(), "U": "not base64!"}
+    assert read_secrets([binary]) == {"f": {"T": None, "U": None}}
 
 
 def test_provider_sync_takes_exactly_one_source() -> None:

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from drivers.logs import LogSource
 from events.publisher import CommandPublisher
-from services.api import console
+from services.api import console, idempotency
 from services.api.deps import ApiState, Pool
 from services.api.gateway import CommandGateway
 from services.api.guard import GuardMiddleware
@@ -79,12 +79,19 @@ def create_app(
         # rather than awaited: a send in flight may wait out the publish timeout, and what it
         # leaves stays stored for the next relay.
         relay = asyncio.create_task(provider_service.relay(asyncio.Event()), name="provider relay")
+        # Every API process forgets expired command ids (deleting what another already did is
+        # a no-op).
+        retention = settings.api_command_retention_hours
+        sweep = asyncio.create_task(
+            idempotency.keep_forgetting(pool, retention, asyncio.Event()), name="command ids"
+        )
         try:
             yield
         finally:
-            relay.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await relay
+            for task in (relay, sweep):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await feed.close()
             await probe.close()
             if own_logs:

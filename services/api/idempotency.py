@@ -11,18 +11,35 @@ published through the API.
 Provider writes (services/api/providers.py) share the key: ``claim`` records one in the
 write's own transaction, ``keep_outcome`` stores what it answered (a retry gets it back), and it
 is never published, so the command ids and the provider write ids are one namespace.
+
+Records are kept ``api_command_retention_hours`` (30 days by default; 0: forever), then
+forgotten by every API process's sweep (``keep_forgetting``): a retry after that is a new
+request to the API, and a command's is then answered by the processor's own de-duplication
+(docs/api.md, "Idempotency", says what that means).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 import asyncpg
 
+from events.backoff import pause
 from events.commands import Command
+
+log = logging.getLogger("sandstream.api")
+
+# The sweep runs at most this far apart, and four times per retention period when that is
+# shorter (but never more often than SWEEP_MIN_SECONDS, however short the retention); each
+# statement deletes at most a chunk (short transactions, short locks).
+SWEEP_MAX_SECONDS: Final = 3600.0
+SWEEP_MIN_SECONDS: Final = 0.25
+SWEEP_CHUNK: Final = 10_000
 
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
 Conn: TypeAlias = Any  # a pool, a connection or a pool connection proxy
@@ -82,19 +99,22 @@ async def claim(
     """Record the request with fingerprint ``mine`` under ``command_id``; the earlier record
     if the id was known (a retry), ``IdempotencyConflict`` if that record is of another request.
     In a transaction, a concurrent claim of the same id waits for it to end."""
-    inserted = await conn.fetchval(
-        "INSERT INTO api_commands (command_id, key, command_type, actor, fingerprint) "
-        "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (command_id) DO NOTHING RETURNING true",
-        command_id,
-        key,
-        command_type,
-        actor,
-        mine,
-    )
-    if inserted:
-        return None
-    first = await recorded(conn, command_id)
-    assert first is not None  # records are never removed
+    while True:
+        inserted = await conn.fetchval(
+            "INSERT INTO api_commands (command_id, key, command_type, actor, fingerprint) "
+            "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (command_id) DO NOTHING RETURNING true",
+            command_id,
+            key,
+            command_type,
+            actor,
+            mine,
+        )
+        if inserted:
+            return None
+        first = await recorded(conn, command_id)
+        if first is not None:
+            break
+        # Forgotten by the retention sweep between the two statements: claim it anew.
     if first.fingerprint != mine or first.actor != actor or first.command_type != command_type:
         raise IdempotencyConflict(command_id, first)
     return first
@@ -120,3 +140,42 @@ async def mark_published(pool: Pool, command_id: str) -> None:
         "UPDATE api_commands SET published = true WHERE command_id = $1 AND NOT published",
         command_id,
     )
+
+
+async def forget_expired(pool: Pool, retention_hours: float) -> int:
+    """Delete the records first used more than ``retention_hours`` ago (by the database's
+    clock, which stamped them), a chunk per statement; returns how many."""
+    total = 0
+    while True:
+        gone: int = await pool.fetchval(
+            "WITH gone AS (DELETE FROM api_commands WHERE command_id IN ("
+            "SELECT command_id FROM api_commands "
+            "WHERE recorded_at < now() - make_interval(secs => $1) ORDER BY recorded_at "
+            "LIMIT $2) RETURNING 1) "
+            "SELECT count(*) FROM gone",
+            retention_hours * 3600,
+            SWEEP_CHUNK,
+        )
+        total += gone
+        if gone < SWEEP_CHUNK:
+            return total
+
+
+def sweep_seconds(retention_hours: float) -> float:
+    return max(SWEEP_MIN_SECONDS, min(SWEEP_MAX_SECONDS, retention_hours * 3600 / 4))
+
+
+async def keep_forgetting(pool: Pool, retention_hours: float, stop: asyncio.Event) -> None:
+    """Until ``stop``: forget the expired records now, then every ``sweep_seconds``. Never
+    ends on an error (logged; tried again next time). Nothing with a retention of 0."""
+    if retention_hours <= 0:
+        return
+    while True:
+        try:
+            if forgotten := await forget_expired(pool, retention_hours):
+                log.info("forgot %d command ids first used over %g hours ago",
+                         forgotten, retention_hours)  # fmt: skip
+        except Exception as exc:  # the sweep outlives any one failure
+            log.warning("forgetting expired command ids failed (will retry): %r", exc)
+        if await pause(stop, sweep_seconds(retention_hours)):
+            return

@@ -121,7 +121,8 @@ async def require_existing(pool: Pool, names: Sequence[str], command_id: str | N
 def asked_values(vault: Vault, update: Update) -> dict[str, Any]:
     """An update as its request fingerprint sees it: the values as their HMACs."""
     values = {k: vault.fingerprint(update.name, k, v) for k, v in update.values.items()}
-    return {"name": update.name, "type": update.type, "values": values}
+    asked = {"name": update.name, "type": update.type, "values": values}
+    return asked | ({"keep": sorted(update.keep)} if update.keep else {})
 
 
 RECEIPT: Final = TypeAdapter(Receipt)

@@ -91,6 +91,11 @@ API_REQUEST_SECONDS = Histogram(
     ["method", "route"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
 )
+PROVIDER_SYNC_UNREADABLE = Gauge(
+    "sandstream_provider_sync_unreadable_values",
+    "Values the provider-sync controller found but could not read at its last pass (not UTF-8, "
+    "or unopenable): their stored values are kept; the log names them",
+)
 PROVIDER_OUTBOX = Gauge(
     "sandstream_provider_outbox_pending",
     "Commands of provider changes (rotation restarts, detaches of a forced delete) stored and "

@@ -105,11 +105,14 @@ async def get_provider(conn: Conn, name: str) -> ProviderInfo | None:
 
 @dataclass(frozen=True, slots=True)
 class Update:
-    """The desired values of one provider (all of its keys: keys left out are removed)."""
+    """The desired values of one provider (all of its keys: keys left out are removed, except
+    those in ``keep``, whose stored values stay as they are)."""
 
     name: str
     values: Mapping[str, str]
     type: str | None = None  # when creating; None keeps the existing type
+    # Keys whose value could not be read (the sync controller): a stored value stays.
+    keep: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +175,7 @@ async def apply_updates(
                     )
                 }
             desired = {k: vault.fingerprint(update.name, k, v) for k, v in update.values.items()}
+            desired |= {k: applied[k] for k in update.keep if k in applied and k not in desired}
             change = classify(update.name, applied, desired)
             revision = row["revision"] if row is not None else 0
             incarnation = row["incarnation"] if row is not None else uuid4()

@@ -179,6 +179,9 @@ class Settings(BaseSettings):
     # Every API and provider-sync process sends the stored commands of provider changes that
     # Kafka has not acknowledged yet this often, each once it is this old (docs/providers.md).
     provider_outbox_seconds: float = Field(default=5.0, gt=0)
+    # The API forgets a command id (its idempotency record, a provider write's kept answer)
+    # this long after it was first used; 0 keeps them forever (docs/api.md, "Idempotency").
+    api_command_retention_hours: float = Field(default=720, ge=0)
     # Operator lifecycle (the processor records the deadlines; the scheduler says when they
     # fall due). 0 turns a deadline off.
     launch_timeout_seconds: float = Field(default=300, ge=0)  # Provisioning/Starting

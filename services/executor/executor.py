@@ -21,9 +21,10 @@ queue and a worker per sandbox), ``calls`` (one driver call, its row check and r
   again, a deleted one never re-created.
 - **Offsets.** Per partition the committed offset is the oldest intent not yet finished (its
   result reported, or dropped), so a crash redelivers exactly the unfinished intents and what
-  follows them; the row check drops those the rows moved past. A new group starts at the end
-  of the topic; the reconcile loop hands it what rows decided earlier still want
-  (``pick_up``).
+  follows them; the row check drops those the rows moved past. A new group starts where the
+  decided work begins: per partition at the decision of its oldest row still waiting for a
+  driver call (less a clock margin), else at the end (``Intake.starts``); the reconcile loop
+  hands it what the log no longer shows (``pick_up``).
 - **Retries.** A failure the driver calls retryable is retried with exponential back-off for
   up to ``RetryPolicy.give_up_after`` seconds; a later intent of the same sandbox ends the
   retries at once (the failure is reported, and the later intent runs). A non-retryable
@@ -115,7 +116,12 @@ class Executor:
         )
         self.queues = SandboxQueues(self.ownership, self.calls, self._publish)
         self.intake = Intake(
-            self.settings, self.ownership, self.queues, self.calls, revoke_grace=self.revoke_grace
+            self.settings,
+            self.ownership,
+            self.queues,
+            self.calls,
+            revoke_grace=self.revoke_grace,
+            pool=self.pool,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from datetime import timedelta
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
@@ -15,6 +16,7 @@ from pydantic import ValidationError
 
 from events.codec import EVENTS, DecodeError, decode
 from events.decided import SandboxDeleteRetried, SandboxStopEscalated
+from projections.store import DATABASE_ERRORS
 from services.common import metrics
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
@@ -22,8 +24,14 @@ from services.executor.calls import DriverCalls
 from services.executor.intents import intent_of
 from services.executor.progress import Ownership, PartitionProgress, WorkItem, until_idle
 from services.executor.queues import SandboxQueues
+from services.executor.rows import Pool, progressing_rows
 
 log = logging.getLogger("sandstream.executor")
+
+# How much earlier than its oldest waiting row's decision a new group starts reading: the
+# events' record times are the publisher's clock, the rows' the decision's, so allow for skew
+# between machines (reading earlier is harmless: the row check drops what is done).
+CLOCK_MARGIN = timedelta(minutes=5)
 
 
 class Intake:
@@ -37,8 +45,10 @@ class Intake:
         calls: DriverCalls,
         *,
         revoke_grace: float,
+        pool: Pool | None = None,
     ) -> None:
         self.settings = settings
+        self.pool = pool  # the rows, for a new group's starting position (None: the end)
         self.ownership = ownership
         self.queues = queues
         self.calls = calls
@@ -54,8 +64,8 @@ class Intake:
             **kafka_client_args(self.settings, "executor"),
             group_id=self.settings.executor_group,
             enable_auto_commit=False,
-            # A new group starts at the end: what was decided before it joined is the reconcile
-            # loop's to pick up from the rows (never a replay of the whole log).
+            # A new group's position is set on assignment (``starts``); should a committed
+            # offset ever be out of range, the end (never a replay of the whole log).
             auto_offset_reset="latest",
             session_timeout_ms=self.settings.kafka_session_timeout_ms,
             heartbeat_interval_ms=max(300, self.settings.kafka_session_timeout_ms // 4),
@@ -149,21 +159,53 @@ class Intake:
             if await self.consumer.committed(tp) is None:
                 fresh.append(tp)
         if fresh:
-            # Fix a new group's position at the end now (not at its first fetch, which may
-            # come after more was decided) and commit it, so a restart resumes from there.
-            ends = await self.consumer.end_offsets(fresh)
+            # Fix a new group's position now (not at its first fetch, which may come after
+            # more was decided) and commit it, so a restart resumes from there.
+            starts = await self.starts(fresh)
             for tp in fresh:
-                self.consumer.seek(tp, ends[tp])
-                owned[tp].highest_seen = ends[tp] - 1
+                self.consumer.seek(tp, starts[tp])
+                owned[tp].highest_seen = starts[tp] - 1
             try:
-                await self.consumer.commit({tp: ends[tp] for tp in fresh})
+                await self.consumer.commit(starts)
                 for tp in fresh:
-                    owned[tp].committed = ends[tp]
+                    owned[tp].committed = starts[tp]
             except KafkaError as exc:
                 log.warning("committing the starting offsets failed (will retry): %s", exc)
         log.info("executor assigned %s", sorted(tp.partition for tp in assigned))
         metrics.ASSIGNED_PARTITIONS.labels("executor").set(len(owned))
         self.assigned.set()
+
+    async def starts(self, fresh: list[TopicPartition]) -> dict[TopicPartition, int]:
+        """Where a new group reads each of ``fresh``: from the decision of the oldest row of
+        that partition still waiting for a driver call (less ``CLOCK_MARGIN``), else from the
+        end. The ends are read before the rows: an intent published after them is read from
+        the end anyway, and one published before belongs to a row the read sees."""
+        assert self.consumer is not None
+        ends: dict[TopicPartition, int] = await self.consumer.end_offsets(fresh)
+        if self.pool is None:
+            return ends
+        try:
+            rows = await progressing_rows(self.pool)
+        except DATABASE_ERRORS as exc:  # the reconcile loop hands the rows over later
+            log.warning("new group: cannot read the waiting rows (%r); starting at the end", exc)
+            return ends
+        oldest: dict[TopicPartition, int] = {}
+        for row in rows:
+            tp = self.ownership.partition_of(row.key)
+            if tp in ends:
+                at = int((row.updated_at - CLOCK_MARGIN).timestamp() * 1000)
+                oldest[tp] = min(oldest.get(tp, at), at)
+        try:
+            found = await self.consumer.offsets_for_times(oldest) if oldest else {}
+        except KafkaError as exc:
+            log.warning("new group: cannot look up offsets by time (%r); starting at the end", exc)
+            return ends
+        starts = {tp: min(end, found[tp].offset if found.get(tp) else end)
+                  for tp, end in ends.items()}  # fmt: skip
+        for tp in sorted(oldest, key=lambda t: t.partition):
+            log.info("new group: partition %d starts at offset %d (end %d), at its oldest "
+                     "waiting row's intents", tp.partition, starts[tp], ends[tp])  # fmt: skip
+        return starts
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
         """Drop the queued intents of ``revoked``, let running ones finish, commit."""

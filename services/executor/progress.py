@@ -58,14 +58,18 @@ class Ownership:
     # Whose metadata says how many partitions the topic has (None: the settings say).
     consumer: AIOKafkaConsumer | None = None
 
-    def owns(self, key: str) -> bool:
-        """Whether ``key``'s partition of the events topic is assigned here: only its owner
-        may act on a sandbox (another executor of the group serves the others)."""
+    def partition_of(self, key: str) -> TopicPartition:
+        """The partition of the events topic that ``key``'s events go to."""
         topic = self.settings.topic_events
         known = self.consumer.partitions_for_topic(topic) if self.consumer else None
         count = len(known) if known else self.settings.kafka_partitions
         partition = (murmur2(record_key(key)) & 0x7FFFFFFF) % count  # the default partitioner
-        return TopicPartition(topic, partition) in self.owned
+        return TopicPartition(topic, partition)
+
+    def owns(self, key: str) -> bool:
+        """Whether ``key``'s partition of the events topic is assigned here: only its owner
+        may act on a sandbox (another executor of the group serves the others)."""
+        return self.partition_of(key) in self.owned
 
     def current(self, item: WorkItem) -> bool:
         """Whether ``item`` is still this executor's to run (not revoked, not shutting down)."""

@@ -40,9 +40,9 @@ from events.common import Phase
 from events.observations import Observation, RuntimeRemoved, RuntimeSnapshot
 from events.publisher import RenewingProducer, publish_observation
 from projections.lifecycle import Sandbox
-from projections.store import SANDBOX_COLUMNS, sandbox_from_record
 from services.common.settings import Settings
 from services.executor.clock import Clock, utcnow
+from services.executor.rows import progressing_rows
 
 log = logging.getLogger("sandstream.reconcile")
 
@@ -165,17 +165,6 @@ async def live_rows(pool: asyncpg.Pool[asyncpg.Record]) -> list[LiveRow]:
         "SELECT key, sandbox_id, generation, phase FROM sandboxes WHERE phase <> 'Deleted'"
     )
     return [LiveRow(r["key"], r["sandbox_id"], r["generation"], Phase(r["phase"])) for r in rows]
-
-
-PROGRESSING = (Phase.PROVISIONING, Phase.STARTING, Phase.STOPPING, Phase.DELETING)
-
-
-async def progressing_rows(pool: asyncpg.Pool[asyncpg.Record]) -> list[Sandbox]:
-    records = await pool.fetch(
-        f"SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE phase = ANY($1::text[])",
-        [p.value for p in PROGRESSING],
-    )
-    return [sandbox_from_record(r) for r in records]
 
 
 @dataclass

@@ -6,6 +6,7 @@ from typing import TypeAlias
 
 import asyncpg
 
+from events.common import Phase
 from projections.lifecycle import Sandbox
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record
 
@@ -16,3 +17,15 @@ async def read_row(pool: Pool, key: str) -> Sandbox | None:
     """The row of ``key`` (live or its tombstone); None if the name never had one."""
     record = await pool.fetchrow(f"SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE key = $1", key)
     return sandbox_from_record(record) if record is not None else None
+
+
+# The phases whose row still waits for a driver call (a launch, stop or delete).
+PROGRESSING = (Phase.PROVISIONING, Phase.STARTING, Phase.STOPPING, Phase.DELETING)
+
+
+async def progressing_rows(pool: Pool) -> list[Sandbox]:
+    records = await pool.fetch(
+        f"SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE phase = ANY($1::text[])",
+        [p.value for p in PROGRESSING],
+    )
+    return [sandbox_from_record(r) for r in records]

@@ -22,6 +22,7 @@ import grpc
 
 from drivers.logs import LogSource
 from events.publisher import CommandPublisher
+from services.api import idempotency
 from services.api.gateway import CommandGateway
 from services.api.providers import ProviderService
 from services.api.readmodel import ChangeFeed
@@ -157,7 +158,10 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                 settings, pool=pool, gateway=gateway, tokens=tokens, driver=driver, logs=logs
             )
             log.info("OpenShell API on %s", running.address)
+            # Run alone, it forgets the expired command ids it records, as the API does.
+            retention = settings.api_command_retention_hours
             try:
+                await idempotency.keep_forgetting(pool, retention, stop)
                 await stop.wait()
             finally:
                 await feed.close()

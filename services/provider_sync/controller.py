@@ -7,7 +7,8 @@ from the stored ones: a sandbox attached to several of them restarts once.
 
 It compares salted fingerprints only and persists nothing of its own, so a restarted controller
 finds nothing changed, re-sends nothing and restarts no one. It never deletes a provider (one
-that disappears from the source is left as it was).
+that disappears from the source is left as it was), and a key whose value cannot be read (a
+file caught half-written) keeps its stored value: it is reported, never taken as removed.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from aiokafka.errors import KafkaError
 
 from projections.store import CONNECTION_ERRORS
 from services.api.providers import ProviderService, Receipt
-from services.common import providers
+from services.common import metrics, providers
 from services.common.providers import Update
 from services.common.settings import Settings
 from services.provider_sync.sources import SOURCE_ERRORS, DirectorySource, Source
@@ -58,6 +59,13 @@ def sync_source(
     return KubeSecretSource(cfg, selector)
 
 
+def update_of(name: str, found: dict[str, str | None]) -> Update:
+    """The update of provider ``name`` to what the source holds: the keys it could not read
+    keep their stored values (never removed, never rotated)."""
+    values = {k: v for k, v in found.items() if v is not None}
+    return Update(name, values, keep=frozenset(k for k, v in found.items() if v is None))
+
+
 @dataclass
 class ProviderSync:
     service: ProviderService
@@ -69,6 +77,9 @@ class ProviderSync:
     async def reconcile(self) -> Receipt | None:
         """One pass: one update of every provider that differs; None when nothing does."""
         desired = await self.source.read()
+        metrics.PROVIDER_SYNC_UNREADABLE.set(
+            sum(v is None for found in desired.values() for v in found.values())
+        )
         if not desired:
             return None
         vault = await self.service.vault()
@@ -76,11 +87,14 @@ class ProviderSync:
             stored = {
                 i.name: i.fingerprints() for i in await providers.list_providers(conn, desired)
             }
-        changed = [
-            Update(name, values)
-            for name, values in desired.items()
-            if stored.get(name) != {k: vault.fingerprint(name, k, v) for k, v in values.items()}
-        ]
+        changed = []
+        for name, found in desired.items():
+            update = update_of(name, found)
+            before = stored.get(name)
+            after = {k: vault.fingerprint(name, k, v) for k, v in update.values.items()}
+            after |= {k: before[k] for k in update.keep if before and k in before}
+            if before != after:
+                changed.append(update)
         if not changed:
             return None
         receipt = await self.service.update(
@@ -92,15 +106,19 @@ class ProviderSync:
         return receipt
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Reconcile on every change of the source until ``stop``; then close the source."""
+        """Reconcile on every change of the source until ``stop``; then close the source. A
+        change is acted on once the source kept it for one interval: a value file still being
+        written (its size or time still moving) is not read half-way."""
         seen: Hashable | None = None
+        settling: Hashable | None = None
         try:
             while not stop.is_set():
                 try:
                     current = await self.source.signature()
-                    if current != seen:
+                    if current != seen and current == settling:
                         await self.reconcile()
                         seen = current
+                    settling = current
                 except (KafkaError, *CONNECTION_ERRORS, *SOURCE_ERRORS) as exc:
                     log.warning("reconcile failed (will retry): %r", exc)
                 with contextlib.suppress(TimeoutError):

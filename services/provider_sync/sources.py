@@ -3,8 +3,9 @@ Secrets selected by label. Each source answers two questions: a cheap ``signatur
 changes whenever any value may have changed, and ``read``, every provider's keys and values.
 
 Both apply the same rules to what they find: names that are not valid provider or key names,
-key names under the reserved prefix, and values that are not UTF-8 text are skipped and logged
-by name (never a value).
+and key names under the reserved prefix, are skipped and logged by name. A value that cannot be
+read (not UTF-8 text, as a file caught half-written may be, or a file that cannot be opened) is
+``None``: the key is there, its stored value is kept (logged by name, never a value).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from services.common import providers
 
 log = logging.getLogger("sandstream.provider-sync")
 
-Desired = dict[str, dict[str, str]]  # provider -> key -> value
+# provider -> key -> value; None: the key is there but its value could not be read (keep it)
+Desired = dict[str, dict[str, str | None]]
 
 _PROVIDER = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
@@ -69,23 +71,32 @@ def read_directory(root: Path) -> Desired:
             continue
         if not valid_provider(folder.name, "folder"):
             continue
-        values = {}
+        values: dict[str, str | None] = {}
         for file in sorted(folder.iterdir()):
-            if file.name.startswith(".") or not file.is_file():
+            # A dangling link is a value file whose target is being replaced (read: kept).
+            if file.name.startswith(".") or not (file.is_file() or file.is_symlink()):
                 continue
-            if valid_key(folder.name, file.name) and (value := read_value(file)) is not None:
-                values[file.name] = value
+            if valid_key(folder.name, file.name):
+                values[file.name] = read_value(file)
         found[folder.name] = values
     return found
 
 
 def read_value(file: Path) -> str | None:
-    """The text of a value file; None (logged by name, never the bytes) when it is not UTF-8."""
+    """The text of a value file; None (logged by name, never the bytes) when it is not UTF-8
+    or cannot be read: its stored value is kept."""
     try:
         return file.read_bytes().decode()
     except UnicodeDecodeError:
-        log.warning("skipping %s/%s: not UTF-8 text", file.parent.name, file.name)
-        return None
+        unreadable(file.parent.name, file.name, "not UTF-8 text")
+    except OSError as exc:  # unreadable, or gone since the listing (the next pass sees that)
+        unreadable(file.parent.name, file.name, exc.strerror or type(exc).__name__)
+    return None
+
+
+def unreadable(provider: str, key: str, why: str) -> None:
+    log.warning("keeping the stored value of %s/%s: its value cannot be read (%s)",
+                provider, key, why)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -112,21 +123,22 @@ class DirectorySource:
         pass
 
 
-def secret_provider(secret: Mapping[str, Any]) -> tuple[str, dict[str, str]] | None:
+def secret_provider(secret: Mapping[str, Any]) -> tuple[str, dict[str, str | None]] | None:
     """(provider, key -> value) of one Secret: the provider is its ``sandstream.io/provider``
     annotation, else its name; the keys are its data keys. None when the name is not valid."""
     meta = secret.get("metadata") or {}
     name = str((meta.get("annotations") or {}).get(PROVIDER_ANNOTATION) or meta.get("name", ""))
     if not valid_provider(name, f"secret {meta.get('name')!r} of provider"):
         return None
-    values = {}
+    values: dict[str, str | None] = {}
     for key, encoded in sorted((secret.get("data") or {}).items()):
         if not valid_key(name, key):
             continue
         try:
             values[key] = base64.b64decode(encoded, validate=True).decode()
         except (binascii.Error, UnicodeDecodeError):
-            log.warning("skipping %s/%s: not UTF-8 text", name, key)
+            unreadable(name, key, "not UTF-8 text")
+            values[key] = None
     return name, values
 
 

@@ -1,14 +1,19 @@
 """Publish a DeadlineDue for every deadline of a live row that has passed.
 
-Each round reads the due rows (one indexed query), publishes what it has not published for
-that row version yet, then sleeps until the next recorded deadline, a change of the rows
-(NOTIFY) or ``scheduler_poll_seconds``, whichever comes first. The wall clock is read here and
-only here; the fold sees the time as the message's ``occurred_at``.
+Each round reads every due row (indexed queries, in pages of ``batch`` rows by key), publishes
+what it has not published for that row version yet, earliest due first, then sleeps until the
+next recorded deadline, a change of the rows (NOTIFY) or ``scheduler_poll_seconds``, whichever
+comes first. The wall clock is read here and only here; the fold sees the time as the
+message's ``occurred_at``.
 
 A message per (row version, deadline) is enough: if the fold acts on it, the row changes and
 the deadline is gone; if the fold ignores it (the row moved on in between), the version
 changed and the next round publishes anew if it is still due. After a restart everything due is
 published again, and the fold ignores what it already acted on.
+
+A round reads all due rows, not the first ``batch``: rows whose messages the fold cannot
+consume yet (their partition stopped at a poison record, or the processor down) stay due, and
+a first page of them must not hide the deadlines after them.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ _DUE = """
 SELECT key, generation, version, deadline, expires_at, hold IS NOT NULL AS held
 FROM sandboxes
 WHERE phase <> 'Deleted' AND (deadline_at <= $1 OR (expires_at <= $1 AND hold IS NULL))
-ORDER BY least(deadline_at, expires_at), key
+  AND key > $3
+ORDER BY key
 LIMIT $2
 """
 _NEXT = """
@@ -123,9 +129,10 @@ class Scheduler:
         """Publish what is due and not yet published for its row version; returns how many."""
         assert self.producer is not None
         now = self.clock()
-        records = await self.pool.fetch(_DUE, now, self.batch)
-        due = [m for r in records for m in due_messages(r, now)]
-        fresh = [m for m in due if m.observation_id not in self._sent]
+        due = [m for r in await self.due_rows(now) for m in due_messages(r, now)]
+        fresh = sorted(
+            (m for m in due if m.observation_id not in self._sent), key=lambda m: m.due_at
+        )
         for message in fresh:
             sent = await publish_until_sent(
                 self.producer, self.settings.topic_observations, message, stop
@@ -141,6 +148,17 @@ class Scheduler:
         self._sent &= {m.observation_id for m in due}
         self.rounds += 1
         return len(fresh)
+
+    async def due_rows(self, now: datetime) -> list[Any]:
+        """Every row with a deadline due at ``now``, read ``batch`` rows at a time."""
+        rows: list[Any] = []
+        after = ""
+        while True:
+            page = await self.pool.fetch(_DUE, now, self.batch, after)
+            rows += page
+            if len(page) < self.batch:
+                return rows
+            after = page[-1]["key"]
 
     async def next_due(self) -> datetime | None:
         value: datetime | None = await self.pool.fetchval(_NEXT, self.clock())
