@@ -136,6 +136,8 @@ def component_command(name: str, settings: Settings, bins: KubeBinaries) -> list
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",
             "--service-cluster-ip-range=10.96.0.0/16",
+            # Logs and exec reach a real node's kubelet at its IP (no DNS knows its name).
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
             "--profiling=false",
         ]
     kubeconfig = f"--kubeconfig={p.kubeconfig}"
@@ -351,11 +353,12 @@ class _Api:
                 f"creating {manifest['kind']}: HTTP {response.status_code} {response.text}"
             )
 
-    def node_ready(self) -> bool:
+    def node_ready(self, name: str = NODE_NAME) -> bool:
         try:
-            node = self.client.get(f"/api/v1/nodes/{NODE_NAME}").json()
+            response = self.client.get(f"/api/v1/nodes/{name}")
+            node = response.json() if response.status_code == 200 else {}
         except (httpx.HTTPError, ValueError):
-            return False
+            return False  # not registered yet (a kubelet registers itself)
         conditions = (node.get("status") or {}).get("conditions") or []
         return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
@@ -542,7 +545,10 @@ def stop_apiserver(settings: Settings, name: str) -> bool:
 
 
 def down(settings: Settings) -> None:
-    stopped = [name for name in reversed(COMPONENTS) if _stop(name, settings)]
+    from services.localstack import kube_node  # it builds on this module
+
+    stopped = kube_node.down(settings)
+    stopped += [name for name in reversed(COMPONENTS) if _stop(name, settings)]
     _say(f"stopped {', '.join(stopped)}" if stopped else "not running")
 
 
@@ -551,6 +557,9 @@ def status(settings: Settings) -> bool:
     for name in COMPONENTS:
         pid = _live_pid(p.pid(name))
         print(f"{name:<24} {'up' if pid else 'DOWN':<5} {f'pid {pid}' if pid else ''}")
+    for name in ("containerd", "kubelet"):  # the real node's, when it runs (kube_node.py)
+        if pid := _live_pid(p.pid(name)):
+            print(f"{name:<24} up    pid {pid}")
     ok = running(settings)
     print(
         f"{'api':<24} {'up' if ok else 'DOWN':<5} https://127.0.0.1:{settings.kube_apiserver_port}"
@@ -561,11 +570,20 @@ def status(settings: Settings) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.localstack.kubernetes")
     parser.add_argument("action", choices=["up", "down", "status", "build", "env"])
+    parser.add_argument(
+        "--real-node",
+        action="store_true",
+        help="up: also start a kubelet with containerd (services/localstack/kube_node.py)",
+    )
     args = parser.parse_args(argv)
     settings = load_settings()
     try:
         if args.action == "up":
             up(settings)
+            if args.real_node:
+                from services.localstack import kube_node
+
+                kube_node.up(settings)
         elif args.action == "down":
             down(settings)
         elif args.action == "status":

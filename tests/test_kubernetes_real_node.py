@@ -1,0 +1,275 @@
+"""The Kubernetes driver on a real node: a kubelet with containerd and runc runs the sandbox
+Pods' containers (`python -m services.localstack.kubernetes up --real-node`, `make k8s-node`).
+
+What kwok cannot prove, proven here with real processes: a SIGTERM the agent ignores is
+followed by SIGKILL at the end of the grace period, the exit code is the kernel's, a late
+status of the kubelet's own stop leaves Stopped alone, logs come from the container's output.
+The node is tainted; these tests' Pods tolerate the taint and select the node, so every other
+Kubernetes test stays on kwok's node. They fail (never skip) when the node is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import apikit
+import httpx
+import pytest
+import pytest_asyncio
+from apikit import create_body, unique
+from harness import eventually
+from kube_support import (
+    Admin,
+    HoldingDriver,
+    admin_fixture,  # noqa: F401  (the module's admin client)
+    new_driver,
+    ns_fixture,  # noqa: F401  (the module's namespace)
+)
+from pipeline_support import history
+
+from drivers.kube_config import parse_tolerations
+from drivers.kube_objects import pod_manifest
+from drivers.kubernetes import KubernetesDriver
+from drivers.protocol import LaunchSpec
+from events.common import SandboxSpec
+from events.observations import RuntimeRemoved, RuntimeSnapshot
+from services.common.settings import Settings
+from services.executor.backends import kube_config
+from services.localstack import kube_node
+from services.localstack.kube_node import NODE_LABEL, NODE_NAME, TAINT, TAINT_KEY
+
+START_HINT = "run `make k8s-node` (python -m services.localstack.kubernetes up --real-node)"
+# An agent that ignores SIGTERM: only the SIGKILL at the end of the grace period ends it.
+STUBBORN = ["sh", "-c", "trap '' TERM; echo agent up; while :; do sleep 0.2; done"]
+IMAGE = Settings().sandbox_image  # imported from Podman into the node's containerd
+GRACE = 3  # seconds: the stop's grace period in these tests
+SIGKILLED = 137  # 128 + SIGKILL: what the kernel reports for a process ended by SIGKILL
+
+
+def node_settings(settings: Settings, admin: Admin, ns: str) -> dict[str, Any]:
+    """The settings of a plane whose Kubernetes driver (and log source) uses the real node."""
+    return {
+        "driver": "kubernetes",
+        "kube_config": admin.kubeconfig,
+        "kube_namespace": ns,
+        "kube_node_selector": NODE_LABEL,
+        "kube_tolerations": TAINT,
+    }
+
+
+def node_driver(admin: Admin, ns: str) -> KubernetesDriver:
+    return new_driver(
+        admin, ns,
+        node_selector={TAINT_KEY: "true"}, tolerations=parse_tolerations(TAINT),
+        launch_timeout=60.0,
+    )  # fmt: skip
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session", name="node")
+async def node_fixture(admin: Admin) -> str:
+    """The real node's name, once it is Ready (the test fails with the command otherwise)."""
+    try:
+        found = await admin.core.read_node(NODE_NAME)
+    except Exception as exc:
+        pytest.fail(f"no real node {NODE_NAME} ({exc!r}); {START_HINT}")
+    ready = [c for c in found.status.conditions or [] if c.type == "Ready"]
+    if not ready or ready[0].status != "True":
+        pytest.fail(f"node {NODE_NAME} is not Ready; {START_HINT}")
+    return NODE_NAME
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def api(
+    settings: Settings, admin: Admin, ns: str, node: str
+) -> AsyncIterator[tuple[apikit.Api, HoldingDriver]]:
+    driver = HoldingDriver(node_driver(admin, ns))
+    update = node_settings(settings, admin, ns)
+    try:
+        async with apikit.running_api(driver, settings_update=update) as running:
+            yield running, driver
+    finally:
+        await driver.close()
+
+
+def container_of(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    (status,) = pod["status"]["containerStatuses"]
+    return status  # type: ignore[no-any-return]
+
+
+def test_tolerations_are_parsed_and_go_into_the_pod() -> None:
+    assert parse_tolerations(" a=b:NoSchedule, gpu:NoExecute ") == [
+        {"key": "a", "effect": "NoSchedule", "operator": "Equal", "value": "b"},
+        {"key": "gpu", "effect": "NoExecute", "operator": "Exists"},
+    ]
+    assert parse_tolerations("") == []
+    for bad in ("a=b", "a=b:Sometimes", ":NoSchedule"):
+        with pytest.raises(ValueError, match="tolerations: expected KEY"):
+            parse_tolerations(bad)
+    cfg = kube_config(Settings(driver="kubernetes", kube_tolerations=TAINT))
+    spec = LaunchSpec(
+        key="k", sandbox_id=uuid.uuid4(), generation=1, identity="rid",
+        spec=SandboxSpec(image="x", command=["true"]),
+    )  # fmt: skip
+    manifest = pod_manifest(spec, cfg.pod_settings)
+    assert manifest["spec"]["tolerations"] == [
+        {"key": TAINT_KEY, "effect": "NoSchedule", "operator": "Equal", "value": "true"}
+    ]
+
+
+async def test_lifecycle_with_a_real_container_sigkill_after_the_grace_and_its_exit_code(
+    api: tuple[apikit.Api, HoldingDriver], admin: Admin, ns: str, node: str
+) -> None:
+    """create → Ready (a container of the sandbox image runs on the node) → stop, which the
+    agent ignores: SIGKILL after the grace period, exit code 137 → start → logs → delete."""
+    running, _ = api
+    name = unique("rn")
+    try:
+        async with running.client() as c:
+            body = create_body(name, image=IMAGE, command=STUBBORN, stop_timeout_seconds=GRACE)
+            created = await c.post("/v1/sandboxes", params={"wait": 60}, json=body)
+            assert created.status_code == 201, created.text
+            await running.wait_phase(name, "Ready", timeout=60)
+            (pod,) = await admin.pods(ns, name)
+            assert pod["spec"]["nodeName"] == node
+            first = container_of(pod)
+            assert first["containerID"].startswith("containerd://") and "running" in first["state"]
+            assert await logs_of(c, name, lambda lines: "agent up" in lines) == ["agent up"]
+
+            started = time.monotonic()
+            stop = await c.post(f"/v1/sandboxes/{name}:stop", params={"wait": 60})
+            assert stop.status_code == 200, stop.text
+            await running.wait_phase(name, "Stopped", timeout=60)
+            took = time.monotonic() - started
+            assert GRACE <= took < GRACE + 20, took  # SIGTERM ignored: SIGKILL at the end
+            # The transition to Stopped carries the kernel's exit code of the SIGKILLed agent
+            # (the kubelet's status of the stop, or the stop's own result: whichever came first).
+            (into_stopped,) = [
+                h["message"] for h in await history(running.env, name)
+                if h["disposition"] == "applied" and h["phase"] == "Stopped"
+            ]  # fmt: skip
+            assert into_stopped["exit_code"] == SIGKILLED, into_stopped
+            # The kubelet reports the exit before it has removed the Pod: it goes right after.
+            await eventually(lambda: admin.pod_names(ns, name), lambda n: n == [], what="no Pod")
+
+            start = await c.post(f"/v1/sandboxes/{name}:start", params={"wait": 60})
+            assert start.status_code == 200 and start.json()["generation"] == 2, start.text
+            await running.wait_phase(name, "Ready", timeout=60)
+            (pod,) = await admin.pods(ns, name)
+            assert container_of(pod)["containerID"] != first["containerID"]
+
+            delete = await c.delete(f"/v1/sandboxes/{name}", params={"wait": 60})
+            assert delete.status_code == 200, delete.text
+            await running.wait_phase(name, "Deleted", timeout=60)
+            assert await admin.pod_names(ns, name) == []
+    finally:
+        await admin.remove_everything_of(ns, name)
+
+
+async def logs_of(
+    c: httpx.AsyncClient, name: str, done: Callable[[list[str]], bool], timeout: float = 30.0
+) -> list[str]:
+    """The sandbox's log lines through the HTTP API, once ``done(lines)`` holds."""
+
+    async def read() -> list[str]:
+        answer = await c.get(f"/v1/sandboxes/{name}/logs")
+        assert answer.status_code == 200, answer.text
+        return [json.loads(line)["text"] for line in answer.text.splitlines()]
+
+    lines: list[str] = await eventually(read, done, timeout=timeout, what=f"{name}'s log")
+    return lines
+
+
+async def test_an_agents_own_exit_is_an_error_with_the_kernels_exit_code(
+    api: tuple[apikit.Api, HoldingDriver], admin: Admin, ns: str, node: str
+) -> None:
+    running, _ = api
+    name = unique("rx")
+    try:
+        async with running.client() as c:
+            body = create_body(name, image=IMAGE, command=["sh", "-c", "echo bye; sleep 1; exit 7"])
+            created = await c.post("/v1/sandboxes", params={"wait": 60}, json=body)
+            assert created.status_code == 201, created.text
+            await running.wait_phase(name, "Error", timeout=60)
+            row = (await c.get(f"/v1/sandboxes/{name}")).json()
+            assert row["exit_code"] == 7, row
+            (pod,) = await admin.pods(ns, name)
+            assert container_of(pod)["state"]["terminated"]["exitCode"] == 7
+            assert await logs_of(c, name, lambda lines: "bye" in lines) == ["bye"]
+    finally:
+        await admin.remove_everything_of(ns, name)
+
+
+async def test_the_kubelets_late_stop_status_leaves_stopped_alone(
+    api: tuple[apikit.Api, HoldingDriver], admin: Admin, ns: str, node: str
+) -> None:
+    """Scenario 5 on a real node: the watch's reports of the stop (the kubelet's terminating
+    status with the SIGKILLed container, then the Pod's deletion) are held back and delivered
+    only after the row reached Stopped; they are ignored, and a start still recovers it."""
+    running, driver = api
+    name = unique("r5")
+    try:
+        async with running.client() as c:
+            body = create_body(name, image=IMAGE, command=STUBBORN, stop_timeout_seconds=GRACE)
+            created = await c.post("/v1/sandboxes", params={"wait": 60}, json=body)
+            assert created.status_code == 201, created.text
+            await running.wait_phase(name, "Ready", timeout=60)
+
+            driver.hold(name)
+            stop = await c.post(f"/v1/sandboxes/{name}:stop", params={"wait": 60})
+            assert stop.status_code == 200, stop.text
+            await running.wait_phase(name, "Stopped", timeout=60)
+            stopped = (await c.get(f"/v1/sandboxes/{name}")).json()
+            await eventually(lambda: driver.held_of(name),
+                             lambda held: any(isinstance(o, RuntimeRemoved) for o in held),
+                             what="the held deletion")  # fmt: skip
+            late = driver.release(name)
+            # The kubelet's own status of the stop is among them: the container SIGKILLed.
+            codes = {o.exit_code for o in late if isinstance(o, RuntimeSnapshot)}
+            assert SIGKILLED in codes, late
+            late_ids = {o.observation_id for o in late}
+
+            async def recorded() -> list[dict[str, Any]]:
+                return [
+                    h for h in await history(running.env, name)
+                    if h["message"] and h["message"].get("observation_id") in late_ids
+                ]  # fmt: skip
+
+            entries = await eventually(recorded, lambda hs: len(hs) == len(late),
+                                       what="the late reports in the history")  # fmt: skip
+            assert {h["disposition"] for h in entries} == {"ignored"}
+            assert {h["phase"] for h in entries} == {"Stopped"}
+            after = (await c.get(f"/v1/sandboxes/{name}")).json()
+            assert (after["phase"], after["version"]) == ("Stopped", stopped["version"])
+
+            start = await c.post(f"/v1/sandboxes/{name}:start", params={"wait": 60})
+            assert start.status_code == 200, start.text
+            await running.wait_phase(name, "Ready", timeout=60)
+            assert [(r.generation, r.state) for r in await driver.get(name)] == [(2, "running")]
+    finally:
+        await admin.remove_everything_of(ns, name)
+
+
+def test_the_nodes_files_live_in_its_folder_and_the_kubelet_allows_cgroup_v1(
+    tmp_path: Path,
+) -> None:
+    settings = Settings(state_dir=tmp_path / "state", kube_home=tmp_path / "cache")
+    p = kube_node.paths(settings)
+    assert p.home == tmp_path / "state" / "kubernetes" / "node"
+    toml = kube_node.containerd_config(p)
+    quoted = re.findall(r'"(/[^"]*)"', toml)
+    assert quoted and all(Path(q).is_relative_to(p.home) or q == "/usr/lib/cni" for q in quoted)
+    assert "SystemdCgroup = false" in toml and "restrict_oom_score_adj = true" in toml
+    config = kube_node.kubelet_config(settings, p)
+    assert (config["failCgroupV1"], config["cgroupDriver"]) == (False, "cgroupfs")
+    assert (config["address"], config["port"]) == (settings.kube_node_ip, 16250)
+    taint = {"key": TAINT_KEY, "value": "true", "effect": "NoSchedule"}
+    assert config["registerWithTaints"] == [taint]
+    command = kube_node.kubelet_command(settings, p)
+    assert Path(command[0]).is_relative_to(tmp_path / "cache")
+    assert f"--hostname-override={NODE_NAME}" in command
