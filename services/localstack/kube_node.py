@@ -243,8 +243,9 @@ def import_image(settings: Settings, image: str) -> bool:
 
 
 def _mounts_below(root: Path) -> list[str]:
-    """Mount points below ``root``, deepest first (so that each unmount finds it free)."""
-    prefix = str(root) + "/"
+    """Mount points at or below ``root``, deepest first (so that each unmount finds it free);
+    the kubelet mounts its root folder onto itself."""
+    prefix = str(root.resolve()) + "/"
     found = []
     for line in Path("/proc/self/mounts").read_text().splitlines():
         point = line.split()[1].replace("\\040", " ")
@@ -285,14 +286,17 @@ def up(settings: Settings) -> None:
 
 
 def _start_containerd(settings: Settings, p: NodePaths) -> None:
-    for tool in ("containerd", "ctr", "runc"):
-        if shutil.which(tool) is None:
+    found = {tool: shutil.which(tool) for tool in ("containerd", "ctr", "runc")}
+    for tool, path in found.items():
+        if path is None:
             raise cluster.ClusterError(f"{tool} not found; run compose/bootstrap.sh")
     p.cni_conf_dir.mkdir(parents=True, exist_ok=True)
     p.containerd_config.write_text(containerd_config(p))
     (p.cni_conf_dir / "10-sandstream.conflist").write_text(json.dumps(cni_conflist(p), indent=1))
     p.socket.parent.mkdir(parents=True, exist_ok=True)
-    proc = cluster._spawn("containerd", settings, ["containerd", f"--config={p.containerd_config}"])
+    # Its absolute path: the pid file records the binary, by which `down` recognises it.
+    command = [str(found["containerd"]), f"--config={p.containerd_config}"]
+    proc = cluster._spawn("containerd", settings, command)
     cluster._wait(
         lambda: subprocess.run(
             ["ctr", "--address", str(p.socket), "version"], capture_output=True, check=False
@@ -319,17 +323,19 @@ def _start_kubelet(settings: Settings, p: NodePaths) -> None:
 def down(settings: Settings) -> list[str]:
     """Stop the node; the names of the components that were running."""
     p = paths(settings)
-    if p.socket.exists() and cluster.live_pid(settings, "containerd"):
+    running_before = [name for name in reversed(COMPONENTS) if cluster.live_pid(settings, name)]
+    cluster._stop("kubelet", settings)  # first: a running kubelet registers its node again
+    if running_before:
         _remove_node_object(settings)
-        cluster._stop("kubelet", settings)
+    if cluster.live_pid(settings, "containerd"):
         _kill_containers(p)
-    stopped = [name for name in reversed(COMPONENTS) if cluster._stop(name, settings)]
+    cluster._stop("containerd", settings)
     for point in _mounts_below(p.home):
         subprocess.run(["umount", "--lazy", point], capture_output=True, check=False)
-    if stopped:
+    if running_before:
         address = f"{settings.kube_node_ip}/32"
         subprocess.run(["ip", "address", "del", address, "dev", "lo"], capture_output=True)
-    return stopped
+    return running_before
 
 
 def _remove_node_object(settings: Settings) -> None:
