@@ -10,11 +10,14 @@ Kubernetes test stays on kwok's node. They fail (never skip) when the node is mi
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +33,13 @@ from kube_support import (
     admin_fixture,  # noqa: F401  (the module's admin client)
     new_driver,
     ns_fixture,  # noqa: F401  (the module's namespace)
+    wait_pods,
 )
 from pipeline_support import history
 
 from drivers.kube_config import parse_tolerations
-from drivers.kube_objects import pod_manifest
+from drivers.kube_logs import KubeLogs
+from drivers.kube_objects import pod_manifest, pod_name
 from drivers.kubernetes import KubernetesDriver
 from drivers.protocol import LaunchSpec
 from events.common import SandboxSpec
@@ -273,3 +278,91 @@ def test_the_nodes_files_live_in_its_folder_and_the_kubelet_allows_cgroup_v1(
     command = kube_node.kubelet_command(settings, p)
     assert Path(command[0]).is_relative_to(tmp_path / "cache")
     assert f"--hostname-override={NODE_NAME}" in command
+
+
+async def test_provider_values_reach_the_agent_from_its_secret_and_the_next_generation_new_ones(
+    admin: Admin, ns: str, node: str
+) -> None:
+    """The container's env takes the provider value from the generation's Secret
+    (``secretKeyRef``, resolved by the kubelet); the next generation (a rotation's restart)
+    runs with the new value, and the old Pod and Secret are gone."""
+    driver = node_driver(admin, ns)
+    logs = KubeLogs(driver.cfg)
+    key = unique("rs")
+    show = ["sh", "-c", 'echo "key=$API_KEY"; while :; do sleep 1; done']
+    first = LaunchSpec(
+        key=key, sandbox_id=uuid.uuid4(), generation=1, identity="rid-1",
+        spec=SandboxSpec(image=IMAGE, command=show), secrets={"API_KEY": "value-one"},
+    )  # fmt: skip
+    second = replace(first, generation=2, identity="rid-2", secrets={"API_KEY": "value-two"})
+    try:
+        for spec, value in ((first, "value-one"), (second, "value-two")):
+            assert (await driver.launch(spec)).started
+            lines = await eventually(
+                functools.partial(read_lines, logs, key, spec.generation),
+                bool, what=f"generation {spec.generation}'s output",
+            )  # fmt: skip
+            assert lines == [f"key={value}"]
+        (pod,) = await admin.pods(ns, key)
+        assert pod["metadata"]["name"].endswith("-g2")
+        env = pod["spec"]["containers"][0]["env"]
+        assert {"name": "API_KEY", "valueFrom": {"secretKeyRef": {
+            "name": f"sandstream-{key}-g2", "key": "API_KEY"}}} in env  # fmt: skip
+        assert [s["metadata"]["name"] for s in await admin.secrets(ns, key)] == [
+            f"sandstream-{key}-g2"
+        ]
+    finally:
+        await admin.remove_everything_of(ns, key)
+        await logs.close()
+        await driver.close()
+
+
+async def read_lines(logs: KubeLogs, key: str, generation: int) -> list[str]:
+    return [line.text async for line in logs.read(key, generation)]
+
+
+async def test_a_held_deletion_delays_no_other_sandbox_on_the_node(
+    admin: Admin, ns: str, node: str
+) -> None:
+    """A Pod whose deletion a finalizer holds: the kubelet ends its container (SIGKILL after
+    the grace the agent ignores), the Pod stays; meanwhile another sandbox launches, stops
+    and is deleted with real containers. Released, the held stop returns the exit code."""
+    driver = node_driver(admin, ns)
+    stuck, free = unique("rh"), unique("rf")
+    polite = ["sh", "-c", "trap 'exit 0' TERM; while :; do sleep 0.2; done"]
+
+    def spec_of(key: str, command: list[str]) -> LaunchSpec:
+        return LaunchSpec(
+            key=key, sandbox_id=uuid.uuid4(), generation=1, identity=f"rid-{key}",
+            spec=SandboxSpec(image=IMAGE, command=command, stop_timeout_seconds=GRACE),
+        )  # fmt: skip
+
+    try:
+        assert (await driver.launch(spec_of(stuck, STUBBORN))).started
+        await admin.hold(ns, pod_name(stuck, 1))
+        stopping = asyncio.create_task(driver.stop(stuck, 1))
+        await wait_pods(
+            admin, ns, stuck, lambda p: bool(p and p[0]["metadata"].get("deletionTimestamp")),
+            what="its deletion to begin",
+        )  # fmt: skip
+
+        started = time.monotonic()
+        assert (await driver.launch(spec_of(free, polite))).started
+        assert (await driver.stop(free, 1)).outcome == "succeeded"
+        assert await driver.delete(free) is True
+        assert not stopping.done()  # the held stop still waits: nobody waited for it
+        assert time.monotonic() - started < 30
+
+        # The kubelet has ended the held Pod's container; only the finalizer keeps the Pod.
+        (held,) = await wait_pods(
+            admin, ns, stuck,
+            lambda p: "terminated" in container_of(p[0])["state"], what="its container ended",
+        )  # fmt: skip
+        assert container_of(held)["state"]["terminated"]["exitCode"] == SIGKILLED
+        await admin.release(ns, pod_name(stuck, 1))
+        result = await asyncio.wait_for(stopping, 30)
+        assert (result.outcome, result.exit_code) == ("succeeded", SIGKILLED)
+    finally:
+        for key in (stuck, free):
+            await admin.remove_everything_of(ns, key)
+        await driver.close()
