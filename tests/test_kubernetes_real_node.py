@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import apikit
+import factories as f
 import httpx
 import pytest
 import pytest_asyncio
 from apikit import create_body, unique
-from harness import eventually
+from harness import eventually, isolated_env
 from kube_support import (
     Admin,
     HoldingDriver,
@@ -35,15 +36,17 @@ from kube_support import (
     ns_fixture,  # noqa: F401  (the module's namespace)
     wait_pods,
 )
-from pipeline_support import history
+from pipeline_support import command, history, running_plane, wait_restart_limit
+from test_restart_kubernetes import assert_backoff, decided
 
 from drivers.kube_config import parse_tolerations
 from drivers.kube_logs import KubeLogs
 from drivers.kube_objects import pod_manifest, pod_name
 from drivers.kubernetes import KubernetesDriver
 from drivers.protocol import LaunchSpec
-from events.common import SandboxSpec
+from events.common import RestartBackoff, SandboxSpec
 from events.observations import RuntimeRemoved, RuntimeSnapshot
+from events.publisher import now
 from services.common.settings import Settings
 from services.executor.backends import kube_config
 from services.localstack import kube_node
@@ -365,4 +368,35 @@ async def test_a_held_deletion_delays_no_other_sandbox_on_the_node(
     finally:
         for key in (stuck, free):
             await admin.remove_everything_of(ns, key)
+        await driver.close()
+
+
+async def test_on_failure_restarts_a_real_exit_with_its_back_off_until_the_limit(
+    admin: Admin, ns: str, node: str
+) -> None:
+    """The agent exits 1 by itself a second after it starts (the kubelet reports the exit):
+    restarted after 0.5 s, then 1 s, then the limit leaves the row in Error with code 1."""
+    driver = node_driver(admin, ns)
+    key = unique("rb")
+    sandbox = SandboxSpec(
+        image=IMAGE, command=["sh", "-c", "echo try; sleep 1; exit 1"],
+        restart_policy="OnFailure", max_restarts=2,
+        restart_backoff=RestartBackoff(initial_seconds=0.5, max_seconds=1.0),
+    )  # fmt: skip
+    try:
+        async with (
+            isolated_env(scheduler_poll_seconds=0.5) as env,
+            running_plane(env, driver, with_scheduler=True, reconcile_interval=3600),
+            await env.publisher() as pub,
+        ):
+            await command(env, pub, f.create(key, sandbox_spec=sandbox, occurred_at=now()))
+            row = await wait_restart_limit(env, key, 120)
+            assert (row["phase"], row["generation"], row["exit_code"]) == ("Error", 3, 1)
+            assert_backoff(await decided(env, key, "SandboxRestartsExhausted"), "OnFailure",
+                           [0.5, 1.0])  # fmt: skip
+            (pod,) = await admin.pods(ns, key)
+            assert pod["spec"]["nodeName"] == node
+            assert container_of(pod)["state"]["terminated"]["exitCode"] == 1
+    finally:
+        await admin.remove_everything_of(ns, key)
         await driver.close()
