@@ -31,13 +31,14 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from services.common.settings import Settings
-from services.localstack import kubernetes as cluster
 from services.localstack.kube_build import binaries
+from services.localstack.processes import StackError, live_pid, spawn, stop_pid, wait_for
 
 NODE_NAME = "sandstream-node-0"
 TAINT_KEY = "sandstream.dev/real-node"
@@ -45,6 +46,7 @@ TAINT = f"{TAINT_KEY}=true:NoSchedule"  # the toleration's form in kube_tolerati
 NODE_LABEL = f"{TAINT_KEY}=true"  # the node selector's form in kube_node_selector
 PAUSE_IMAGE = "localhost/sandstream-pause:1"
 COMPONENTS = ("containerd", "kubelet")  # started in this order, stopped in the reverse one
+START_TIMEOUT = 120.0
 CNI_BRIDGE = "sandstream0"
 CNI_SUBNET = "10.85.0.0/16"
 
@@ -52,6 +54,16 @@ CNI_SUBNET = "10.85.0.0/16"
 @dataclass(frozen=True)
 class NodePaths:
     home: Path
+
+    def log(self, component: str) -> Path:
+        return self.home / f"{component}.log"
+
+    def pid(self, component: str) -> Path:
+        return self.home / f"{component}.pid"
+
+    def marker(self, component: str) -> str:
+        """A path in the component's command line, unique to this checkout."""
+        return str(self.containerd_config if component == "containerd" else self.kubelet_config)
 
     @property
     def containerd_config(self) -> Path:
@@ -81,7 +93,8 @@ class NodePaths:
 
 
 def paths(settings: Settings) -> NodePaths:
-    return NodePaths(cluster.paths(settings).home / "node")
+    """Beside the cluster's files (services/localstack/kubernetes.py: state_dir/kubernetes)."""
+    return NodePaths(settings.state_dir / "kubernetes" / "node")
 
 
 # --------------------------------------------------------------------------- pure renderers
@@ -180,7 +193,7 @@ def kubelet_command(settings: Settings, p: NodePaths) -> list[str]:
     return [
         str(binaries(settings).kube("kubelet")),
         f"--config={p.kubelet_config}",
-        f"--kubeconfig={cluster.paths(settings).kubeconfig}",
+        f"--kubeconfig={settings.state_dir / 'kubernetes' / 'kubeconfig'}",
         f"--root-dir={p.kubelet_root}",
         f"--cert-dir={p.kubelet_root / 'pki'}",
         f"--hostname-override={NODE_NAME}",
@@ -196,7 +209,7 @@ def _ctr(p: NodePaths, *args: str, check: bool = True) -> str:
     cmd = ["ctr", "--address", str(p.socket), "--namespace", "k8s.io", *args]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if check and result.returncode != 0:
-        raise cluster.ClusterError(f"{' '.join(cmd[3:])} failed: {result.stderr.strip()}")
+        raise StackError(f"{' '.join(cmd[3:])} failed: {result.stderr.strip()}")
     return result.stdout
 
 
@@ -204,7 +217,7 @@ def _podman(settings: Settings, *args: str, check: bool = True) -> str:
     env = {**os.environ, "CONTAINERS_CONF": str(settings.containers_conf)}
     result = subprocess.run(["podman", *args], capture_output=True, text=True, env=env)
     if check and result.returncode != 0:
-        raise cluster.ClusterError(f"podman {args[0]} failed: {result.stderr.strip()}")
+        raise StackError(f"podman {args[0]} failed: {result.stderr.strip()}")
     return result.stdout.strip()
 
 
@@ -214,7 +227,7 @@ def _ensure_pause_image(settings: Settings) -> None:
         return
     catatonit = Path("/usr/bin/catatonit")
     if not catatonit.exists():
-        raise cluster.ClusterError("catatonit not found; run compose/bootstrap.sh")
+        raise StackError("catatonit not found; run compose/bootstrap.sh")
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy(catatonit, Path(tmp) / "catatonit")
         rootfs = Path(tmp) / "rootfs.tar"
@@ -257,51 +270,55 @@ def _mounts_below(root: Path) -> list[str]:
 # --------------------------------------------------------------------------- entry points
 
 
+def pid_of(settings: Settings, component: str) -> int | None:
+    p = paths(settings)
+    return live_pid(p.pid(component), p.marker(component))
+
+
 def running(settings: Settings) -> bool:
-    return all(cluster.live_pid(settings, c) for c in COMPONENTS)
+    return all(pid_of(settings, c) for c in COMPONENTS)
 
 
-def up(settings: Settings) -> None:
-    """Start containerd and the kubelet (the cluster must be up), import the images, and wait
-    until the node is Ready; a running node is left as it is."""
+def up(settings: Settings, node_ready: Callable[[str], bool], say: Callable[[str], None]) -> None:
+    """Start containerd and the kubelet (the cluster must be up: ``node_ready`` asks its
+    apiserver), import the images, and wait until the node is Ready; a running node is left
+    as it is."""
     started = time.monotonic()
     p = paths(settings)
     fresh = not running(settings)
     if fresh:
         for name in reversed(COMPONENTS):  # leftovers of a half-started node
-            cluster._stop(name, settings)
-        _start_containerd(settings, p)
+            stop_pid(p.pid(name), p.marker(name), name)
+        _start_containerd(p)
     _ensure_pause_image(settings)
     for image in (PAUSE_IMAGE, settings.sandbox_image):  # before the kubelet needs them
         if import_image(settings, image):
-            cluster._say(f"node: imported {image} from Podman into containerd")
+            say(f"node: imported {image} from Podman into containerd")
     if fresh:
         _start_kubelet(settings, p)
-    api = cluster._Api(settings)
-    cluster._wait(
-        lambda: api.node_ready(NODE_NAME), what=f"node {NODE_NAME} Ready", component="kubelet",
-        settings=settings,
+    wait_for(
+        lambda: node_ready(NODE_NAME), what=f"node {NODE_NAME} Ready", timeout=START_TIMEOUT,
+        log=p.log("kubelet"),
     )  # fmt: skip
-    cluster._say(f"real node {NODE_NAME} Ready in {time.monotonic() - started:.1f}s")
+    say(f"real node {NODE_NAME} Ready in {time.monotonic() - started:.1f}s")
 
 
-def _start_containerd(settings: Settings, p: NodePaths) -> None:
+def _start_containerd(p: NodePaths) -> None:
     found = {tool: shutil.which(tool) for tool in ("containerd", "ctr", "runc")}
     for tool, path in found.items():
         if path is None:
-            raise cluster.ClusterError(f"{tool} not found; run compose/bootstrap.sh")
+            raise StackError(f"{tool} not found; run compose/bootstrap.sh")
     p.cni_conf_dir.mkdir(parents=True, exist_ok=True)
     p.containerd_config.write_text(containerd_config(p))
     (p.cni_conf_dir / "10-sandstream.conflist").write_text(json.dumps(cni_conflist(p), indent=1))
     p.socket.parent.mkdir(parents=True, exist_ok=True)
-    # Its absolute path: the pid file records the binary, by which `down` recognises it.
     command = [str(found["containerd"]), f"--config={p.containerd_config}"]
-    proc = cluster._spawn("containerd", settings, command)
-    cluster._wait(
+    proc = spawn(command, log=p.log("containerd"), pidfile=p.pid("containerd"))
+    wait_for(
         lambda: subprocess.run(
             ["ctr", "--address", str(p.socket), "version"], capture_output=True, check=False
         ).returncode == 0,
-        what="containerd", component="containerd", settings=settings, proc=proc,
+        what="containerd", timeout=START_TIMEOUT, log=p.log("containerd"), proc=proc,
     )  # fmt: skip
 
 
@@ -310,48 +327,45 @@ def _ensure_node_ip(settings: Settings) -> None:
     cmd = ["ip", "address", "replace", f"{settings.kube_node_ip}/32", "dev", "lo"]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
-        raise cluster.ClusterError(f"{' '.join(cmd)} failed: {result.stderr.strip()}")
+        raise StackError(f"{' '.join(cmd)} failed: {result.stderr.strip()}")
 
 
 def _start_kubelet(settings: Settings, p: NodePaths) -> None:
     _ensure_node_ip(settings)
     p.kubelet_root.mkdir(parents=True, exist_ok=True)
     p.kubelet_config.write_text(json.dumps(kubelet_config(settings, p), indent=1))
-    cluster._spawn("kubelet", settings, kubelet_command(settings, p))
+    spawn(kubelet_command(settings, p), log=p.log("kubelet"), pidfile=p.pid("kubelet"))
 
 
-def down(settings: Settings) -> list[str]:
-    """Stop the node; the names of the components that were running."""
+def down(settings: Settings, delete_node: Callable[[str], None]) -> list[str]:
+    """Stop the node (``delete_node`` removes its Node object from the cluster); the names of
+    the components that were running."""
     p = paths(settings)
-    running_before = [name for name in reversed(COMPONENTS) if cluster.live_pid(settings, name)]
-    cluster._stop("kubelet", settings)  # first: a running kubelet registers its node again
+    running_before = [name for name in reversed(COMPONENTS) if pid_of(settings, name)]
+    # The kubelet first: a running kubelet registers its node again.
+    stop_pid(p.pid("kubelet"), p.marker("kubelet"), "kubelet")
     if running_before:
-        _remove_node_object(settings)
-    if cluster.live_pid(settings, "containerd"):
+        delete_node(NODE_NAME)
+    if pid_of(settings, "containerd"):
         _kill_containers(p)
-    cluster._stop("containerd", settings)
-    for point in _mounts_below(p.home):
-        subprocess.run(["umount", "--lazy", point], capture_output=True, check=False)
+    stop_pid(p.pid("containerd"), p.marker("containerd"), "containerd")
+    for _ in range(5):  # a folder mounted twice (two kubelet runs) needs two unmounts
+        points = _mounts_below(p.home)
+        for point in points:
+            subprocess.run(["umount", "--lazy", point], capture_output=True, check=False)
+        if not points:
+            break
     if running_before:
         address = f"{settings.kube_node_ip}/32"
         subprocess.run(["ip", "address", "del", address, "dev", "lo"], capture_output=True)
     return running_before
 
 
-def _remove_node_object(settings: Settings) -> None:
-    """Delete the Node (its Pods are then deleted by the Pod garbage collector), if the
-    apiserver still answers."""
-    try:
-        cluster._Api(settings).client.delete(f"/api/v1/nodes/{NODE_NAME}")
-    except Exception:  # the cluster may be down already: the node is gone with it
-        return
-
-
 def _kill_containers(p: NodePaths) -> None:
     """Every container of this containerd, killed and removed (their shims exit with them)."""
     for task in _ctr(p, "tasks", "list", "--quiet", check=False).split():
         _ctr(p, "tasks", "kill", "--all", "--signal", "SIGKILL", task, check=False)
-    deadline = time.monotonic() + cluster.STOP_TIMEOUT
+    deadline = time.monotonic() + START_TIMEOUT
     while _ctr(p, "tasks", "list", "--quiet", check=False).split():
         for task in _ctr(p, "tasks", "list", "--quiet", check=False).split():
             _ctr(p, "tasks", "delete", "--force", task, check=False)
