@@ -26,16 +26,19 @@ import factories as f
 import httpx
 import pytest
 import pytest_asyncio
+import yaml
 from apikit import create_body, unique
 from harness import eventually, isolated_env
 from kube_support import (
     Admin,
     HoldingDriver,
     admin_fixture,  # noqa: F401  (the module's admin client)
+    namespace,
     new_driver,
     ns_fixture,  # noqa: F401  (the module's namespace)
     wait_pods,
 )
+from kubernetes_asyncio import client
 from pipeline_support import command, history, running_plane, wait_restart_limit
 from test_restart_kubernetes import assert_backoff, decided
 
@@ -43,11 +46,12 @@ from drivers.kube_config import parse_tolerations
 from drivers.kube_logs import KubeLogs
 from drivers.kube_objects import pod_manifest, pod_name
 from drivers.kubernetes import KubernetesDriver
+from drivers.logs import LogsUnavailable
 from drivers.protocol import LaunchSpec
 from events.common import RestartBackoff, SandboxSpec
 from events.observations import RuntimeRemoved, RuntimeSnapshot
 from events.publisher import now
-from services.common.settings import Settings
+from services.common.settings import PROJECT_ROOT, Settings
 from services.executor.backends import kube_config
 from services.localstack import kube_node
 from services.localstack.kube_node import NODE_LABEL, NODE_NAME, TAINT, TAINT_KEY
@@ -399,4 +403,73 @@ async def test_on_failure_restarts_a_real_exit_with_its_back_off_until_the_limit
             assert container_of(pod)["state"]["terminated"]["exitCode"] == 1
     finally:
         await admin.remove_everything_of(ns, key)
+        await driver.close()
+
+
+async def test_the_role_in_compose_reads_a_real_pods_log(
+    admin: Admin, node: str, tmp_path: Path
+) -> None:
+    """compose/kubernetes/rbac.yaml's account (the chart's Role is the same) reads a sandbox's
+    output through pods/log: what the API role needs for logs in-cluster."""
+    documents = list(
+        yaml.safe_load_all((PROJECT_ROOT / "compose/kubernetes/rbac.yaml").read_text())
+    )
+    async with namespace(admin, "rbac-logs") as ns:
+        for document in documents:
+            document["metadata"]["namespace"] = ns
+            for subject in document.get("subjects", []):
+                subject["namespace"] = ns
+        account, role, binding = documents
+        await admin.core.create_namespaced_service_account(ns, account)
+        rbac = client.RbacAuthorizationV1Api(admin.api)
+        await rbac.create_namespaced_role(ns, role)
+        await rbac.create_namespaced_role_binding(ns, binding)
+        issued = await admin.core.create_namespaced_service_account_token(
+            account["metadata"]["name"], ns, {"spec": {"expirationSeconds": 3600}}
+        )
+        kubeconfig = yaml.safe_load(admin.kubeconfig.read_text())
+        kubeconfig["users"][0]["user"] = {"token": issued.status.token}
+        path = tmp_path / "kubeconfig"
+        path.write_text(yaml.safe_dump(kubeconfig))
+        driver = node_driver(admin, ns)
+        logs = KubeLogs(replace(driver.cfg, kubeconfig=path))
+        key = unique("rl")
+        try:
+            spec = LaunchSpec(
+                key=key, sandbox_id=uuid.uuid4(), generation=1, identity="rid",
+                spec=SandboxSpec(image=IMAGE, command=["sh", "-c", "echo hello; sleep 3600"]),
+            )  # fmt: skip
+            assert (await driver.launch(spec)).started
+            lines = await eventually(
+                functools.partial(read_lines, logs, key, 1), bool, what="the output"
+            )
+            assert lines == ["hello"]
+        finally:
+            await admin.remove_everything_of(ns, key)
+            await logs.close()
+            await driver.close()
+
+
+async def test_a_log_the_cluster_cannot_serve_is_unavailable_never_a_line(
+    admin: Admin, ns: str
+) -> None:
+    """On kwok's node (no kubelet serves logs) the apiserver answers an error: the read
+    raises LogsUnavailable with it (it once yielded the error's Status object as a log line,
+    which the API then served as the sandbox's output)."""
+    driver = new_driver(admin, ns)  # kwok's node
+    logs = KubeLogs(driver.cfg)
+    key = unique("kl")
+    try:
+        spec = LaunchSpec(
+            key=key, sandbox_id=uuid.uuid4(), generation=1, identity="rid",
+            spec=SandboxSpec(image=IMAGE, command=["sleep", "3600"]),
+        )  # fmt: skip
+        assert (await driver.launch(spec)).started
+        with pytest.raises(LogsUnavailable, match="serves no log of Pod") as unavailable:
+            await read_lines(logs, key, 1)
+        assert '"kind":"Status"' not in str(unavailable.value)
+        assert await read_lines(logs, key, 2) == []  # no Pod of that generation: no lines
+    finally:
+        await admin.remove_everything_of(ns, key)
+        await logs.close()
         await driver.close()
