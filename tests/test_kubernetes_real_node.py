@@ -5,7 +5,9 @@ What kwok cannot prove, proven here with real processes: a SIGTERM the agent ign
 followed by SIGKILL at the end of the grace period, the exit code is the kernel's, a late
 status of the kubelet's own stop leaves Stopped alone, logs come from the container's output.
 The node is tainted; these tests' Pods tolerate the taint and select the node, so every other
-Kubernetes test stays on kwok's node. They fail (never skip) when the node is missing.
+Kubernetes test stays on kwok's node. They fail (never skip) when the node is missing. (Two
+tests here need no node: the pure one of tolerations, and the log read kwok's node cannot
+serve.)
 """
 
 from __future__ import annotations
