@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.settings import Settings
-from services.localstack.kube_build import binaries
+from services.localstack.kube_build import binaries, build
 from services.localstack.processes import StackError, live_pid, spawn, stop_pid, wait_for
 
 NODE_NAME = "sandstream-node-0"
@@ -242,7 +242,9 @@ def import_image(settings: Settings, image: str) -> bool:
     """Copy ``image`` from Podman into the node's containerd unless the same Podman image is
     there already; True when it imported."""
     p = paths(settings)
-    image_id = _podman(settings, "image", "inspect", "--format", "{{.Id}}", image)
+    image_id = _podman(settings, "images", "--quiet", "--no-trunc", image)
+    if not image_id:
+        raise StackError(f"image {image} is not in Podman: run `make stack` (or build it)")
     stamp = p.images / image.replace("/", "_").replace(":", "_")
     if stamp.exists() and stamp.read_text() == image_id:
         return False
@@ -285,6 +287,7 @@ def up(settings: Settings, node_ready: Callable[[str], bool], say: Callable[[str
     as it is."""
     started = time.monotonic()
     p = paths(settings)
+    build(settings, say)  # the kubelet, when a cluster built before it had one runs already
     fresh = not running(settings)
     if fresh:
         for name in reversed(COMPONENTS):  # leftovers of a half-started node
