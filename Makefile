@@ -3,7 +3,7 @@
 
 PY := .venv/bin/python
 
-.PHONY: setup stack up down prune lint test bench bench-peer soak chaos k8s k8s-down conformance screenshots image helm deploy-test
+.PHONY: setup stack up down prune lint test bench bench-peer soak chaos k8s k8s-node k8s-down conformance screenshots image helm deploy-test
 
 setup:  ## install Debian packages and the virtualenv (idempotent)
 	bash compose/bootstrap.sh
@@ -26,7 +26,7 @@ lint: setup
 	.venv/bin/ruff format --check .
 	.venv/bin/mypy
 
-test: stack k8s helm lint
+test: stack k8s-node helm lint
 	.venv/bin/pytest -q -n 2 --dist loadfile --durations=15
 
 bench: stack k8s
@@ -62,7 +62,13 @@ chaos: setup
 k8s: setup  ## build what is missing and start the local Kubernetes cluster (idempotent)
 	$(PY) -m services.localstack.kubernetes up
 
-k8s-down:  ## stop the local Kubernetes cluster
+# The cluster plus a real node (services/localstack/kube_node.py): a kubelet built with the
+# control plane (+~2 minutes on a first build), Debian's containerd and runc; its Pods run real
+# containers of images imported from Podman. kwok's node stays; the real one is tainted.
+k8s-node: setup  ## `make k8s` plus a real node (kubelet, containerd, runc) (idempotent)
+	$(PY) -m services.localstack.kubernetes up --real-node
+
+k8s-down:  ## stop the local Kubernetes cluster (and its real node)
 	$(PY) -m services.localstack.kubernetes down
 
 # helm v4 for the chart's tests, built from the Go module proxy beside the cluster's binaries.

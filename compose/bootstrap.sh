@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the local stack needs: Debian packages (Podman, runc, catatonit, static busybox,
 # PostgreSQL 15, Java 17, Maven; mmdebstrap for the image's Debian base; Chromium for the
-# console's browser tests) and the project's virtualenv (.venv, `pip install -e '.[dev]'`).
+# console's browser tests; containerd and the CNI plugins for the local cluster's real node) and the project's virtualenv (.venv, `pip install -e '.[dev]'`).
 # Idempotent and fast when everything is present: apt-get runs only for missing packages, and
 # pip only when pyproject.toml changed since the last install (a stamp file in .venv).
 set -euo pipefail
@@ -10,7 +10,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 PACKAGES=(podman runc catatonit busybox-static postgresql-15 openjdk-17-jre-headless maven openssl
-  mmdebstrap chromium)
+  mmdebstrap chromium containerd containernetworking-plugins)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do

@@ -4,7 +4,7 @@ there (``KubeConfig``), and the API client it connects with.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +30,7 @@ class KubeConfig:
     cpu_limit: str | None = None
     memory_limit: str | None = None
     node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: Sequence[Mapping[str, str]] = ()
     storage_class: str | None = None
     workspace_size: str = "1Gi"
     stop_timeout: float = 10.0  # grace period when neither caller nor sandbox sets one
@@ -50,6 +51,7 @@ class KubeConfig:
             cpu_limit=self.cpu_limit,
             memory_limit=self.memory_limit,
             node_selector=dict(self.node_selector),
+            tolerations=tuple(dict(t) for t in self.tolerations),
             storage_class=self.storage_class,
             workspace_size=self.workspace_size,
         )
@@ -83,3 +85,27 @@ def parse_node_selector(text: str) -> dict[str, str]:
             raise ValueError(f"node selector: expected KEY=VALUE, got {part!r}")
         selector[name.strip()] = value.strip()
     return selector
+
+
+_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+def parse_tolerations(text: str) -> list[dict[str, str]]:
+    """``"dedicated=agents:NoSchedule,gpu:NoExecute"`` -> Kubernetes tolerations (a key without
+    a value tolerates every value: operator Exists); ValueError names a bad part."""
+    tolerations = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        taint, sep, effect = part.rpartition(":")
+        key, has_value, value = taint.partition("=")
+        if not sep or not key.strip() or effect not in _EFFECTS:
+            raise ValueError(
+                f"tolerations: expected KEY[=VALUE]:EFFECT with EFFECT one of "
+                f"{', '.join(_EFFECTS)}, got {part!r}"
+            )
+        toleration = {"key": key.strip(), "effect": effect}
+        if has_value:
+            toleration |= {"operator": "Equal", "value": value.strip()}
+        else:
+            toleration["operator"] = "Exists"
+        tolerations.append(toleration)
+    return tolerations

@@ -59,16 +59,26 @@ class KubeLogs:
             args["since_seconds"] = max(1, int((datetime.now(UTC) - since).total_seconds()))
         core = await self._core()
         name = pod_name(key, generation)
+        status: int | None
+        body: Any
         try:
-            # Not preloaded: an aiohttp response whose body is read line by line.
+            # Not preloaded: an aiohttp response whose body is read line by line. Its status
+            # is not checked by the client: an error's Status object would read as a line.
             response: Any = await core.read_namespaced_pod_log(name, self.cfg.namespace, **args)
         except ApiException as exc:
-            if exc.status == 404:
-                return  # no Pod of that generation: no lines
+            status, body = exc.status, exc.body
+        else:
+            if 200 <= response.status < 300:
+                status, body = None, None
+            else:
+                status, body = response.status, await response.read()
+                response.release()
+        if status == 404:
+            return  # no Pod of that generation: no lines
+        if status is not None:
             raise LogsUnavailable(
-                f"the cluster serves no log of Pod {name}: {exc.status} "
-                f"{api_error_message(exc.body)}"
-            ) from exc
+                f"the cluster serves no log of Pod {name}: {status} {api_error_message(body)}"
+            )
         try:
             async for raw in response.content:
                 yield parse_line(raw)

@@ -57,6 +57,7 @@ class PodSettings:
     cpu_limit: str | None = None
     memory_limit: str | None = None
     node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, str], ...] = ()
     storage_class: str | None = None  # None: the workspace is an emptyDir (lives with the Pod)
     workspace_size: str = "1Gi"
 
@@ -195,6 +196,8 @@ def pod_manifest(spec: LaunchSpec, settings: PodSettings) -> dict[str, Any]:
         pod_spec["serviceAccountName"] = settings.service_account
     if settings.node_selector:
         pod_spec["nodeSelector"] = dict(settings.node_selector)
+    if settings.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in settings.tolerations]
     return {
         "apiVersion": "v1",
         "kind": "Pod",

@@ -36,7 +36,7 @@ from uuid import UUID
 from kubernetes_asyncio import config
 
 from drivers.kube_api import TRANSPORT_ERRORS, ApiStatusError, Gone, KubeApi, describe, retryable
-from drivers.kube_config import KubeConfig, api_client, parse_node_selector
+from drivers.kube_config import KubeConfig, api_client, parse_node_selector, parse_tolerations
 from drivers.kube_objects import ACTOR, PodView, claim_manifest, pod_manifest, read_pod
 from drivers.kube_waits import Deadline, await_pod, remove_pod
 from drivers.kube_watch import Reported
@@ -54,7 +54,13 @@ from drivers.protocol import (
 from events.backoff import Backoff
 
 # The configuration is imported from here by its users (settings, provider-sync, tests).
-__all__ = ["KubeConfig", "KubernetesDriver", "api_client", "parse_node_selector"]
+__all__ = [
+    "KubeConfig",
+    "KubernetesDriver",
+    "api_client",
+    "parse_node_selector",
+    "parse_tolerations",
+]
 
 log = logging.getLogger("sandstream.drivers.kubernetes")
 

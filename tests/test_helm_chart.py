@@ -73,9 +73,9 @@ def test_one_deployment_per_role_with_its_own_kafka_principal(settings: Settings
         assert env_of(pod["initContainers"][0])["TOKENS"] == {
             "secret": "sandstream-tokens", "key": "tokens.json",
         }  # fmt: skip
-        # the driver's ServiceAccount token only where the driver runs
+        # the driver's ServiceAccount token only where the driver runs or logs are read
         assert pod["automountServiceAccountToken"] is (
-            role in ("executor", "watcher", "provider-sync")
+            role in ("api", "executor", "watcher", "provider-sync")
         )
 
 

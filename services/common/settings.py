@@ -139,6 +139,7 @@ class Settings(BaseSettings):
     kube_cpu_limit: str | None = None  # e.g. "1", "500m"
     kube_memory_limit: str | None = None  # e.g. "512Mi"
     kube_node_selector: str = ""  # "key=value,key2=value2"
+    kube_tolerations: str = ""  # "key=value:Effect,key:Effect" (no value: operator Exists)
     kube_storage_class: str | None = None  # None: workspace in an emptyDir (docs/drivers.md)
     kube_workspace_size: str = "1Gi"
     # The local cluster (services/localstack/kubernetes.py): binaries and Go caches live in
@@ -152,6 +153,11 @@ class Settings(BaseSettings):
     kube_apiserver_port: int = 16443
     kube_etcd_port: int = 16379  # and the next port for etcd's peer listener
     kube_kwok_port: int = 16247
+    # The real node (`up --real-node`, services/localstack/kube_node.py): the kubelet's port on the
+    # node's address (added to the loopback device: a kubelet refuses 127.0.0.1), its healthz on
+    # the next port.
+    kube_kubelet_port: int = 16250
+    kube_node_ip: str = "10.86.0.1"
     # sandstream's image (`make image`, services/localstack/image.py) keeps its dependencies'
     # wheels here (default $XDG_CACHE_HOME/sandstream/image, beside kube_home's default).
     image_home: Path | None = None

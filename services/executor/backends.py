@@ -29,7 +29,7 @@ def podman_driver(settings: Settings, **kwargs: Any) -> PodmanDriver:
 
 def kube_config(settings: Settings) -> KubeConfig:
     """The Kubernetes driver's configuration; ValueError names a malformed setting."""
-    from drivers.kubernetes import KubeConfig, parse_node_selector
+    from drivers.kubernetes import KubeConfig, parse_node_selector, parse_tolerations
 
     return KubeConfig(
         namespace=settings.kube_namespace,
@@ -40,6 +40,7 @@ def kube_config(settings: Settings) -> KubeConfig:
         cpu_limit=settings.kube_cpu_limit,
         memory_limit=settings.kube_memory_limit,
         node_selector=parse_node_selector(settings.kube_node_selector),
+        tolerations=parse_tolerations(settings.kube_tolerations),
         storage_class=settings.kube_storage_class,
         workspace_size=settings.kube_workspace_size,
         stop_timeout=float(settings.stop_timeout_seconds),

@@ -18,6 +18,8 @@ schema) for tests and benchmarks. Not used by the running roles. Imports service
 - ``private_broker``: a broker of a test's own, for tests that must lose their broker.
 - ``isolation``: isolated environments (own topics, groups, schema) and ``prune``.
 - ``kubernetes``, ``kube_build``: the local Kubernetes control plane, and its build.
+- ``kube_node``: the local cluster's real node (a kubelet with containerd and runc,
+  ``kubernetes up --real-node``).
 - ``agent_sandbox``: build kubernetes-sigs/agent-sandbox's controller from the Go module proxy,
   with its CRD and ClusterRole, cached beside the local cluster's binaries (``make bench-peer``).
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from services.common.settings import Settings
 
-KUBE_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
+KUBE_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet")
 KUBE_BUILD_TAGS = "selinux,notest,grpcnotrace"
 # kwok's stock stages (paths under kustomize/stage/ in its module, without .yaml): a node that
 # initialises and heartbeats, Pods that become ready, complete, and finish a graceful delete.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import os
 import secrets
 import shutil
@@ -41,7 +42,9 @@ from typing import Any
 import httpx
 
 from services.common.settings import Settings, load_settings
+from services.localstack import kube_node
 from services.localstack.kube_build import BuildError, KubeBinaries, binaries, build
+from services.localstack.processes import StackError
 
 START_TIMEOUT = 120.0
 STOP_TIMEOUT = 20.0
@@ -136,6 +139,7 @@ def component_command(name: str, settings: Settings, bins: KubeBinaries) -> list
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",
             "--service-cluster-ip-range=10.96.0.0/16",
+            "--kubelet-preferred-address-types=InternalIP,Hostname",  # no DNS knows a node
             "--profiling=false",
         ]
     kubeconfig = f"--kubeconfig={p.kubeconfig}"
@@ -351,11 +355,16 @@ class _Api:
                 f"creating {manifest['kind']}: HTTP {response.status_code} {response.text}"
             )
 
-    def node_ready(self) -> bool:
+    def delete_node(self, name: str) -> None:
+        with contextlib.suppress(httpx.HTTPError):  # no apiserver: the node went with it
+            self.client.delete(f"/api/v1/nodes/{name}")
+
+    def node_ready(self, name: str = NODE_NAME) -> bool:
         try:
-            node = self.client.get(f"/api/v1/nodes/{NODE_NAME}").json()
+            response = self.client.get(f"/api/v1/nodes/{name}")
+            node = response.json() if response.status_code == 200 else {}
         except (httpx.HTTPError, ValueError):
-            return False
+            return False  # not registered yet (a kubelet registers itself)
         conditions = (node.get("status") or {}).get("conditions") or []
         return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
@@ -542,7 +551,8 @@ def stop_apiserver(settings: Settings, name: str) -> bool:
 
 
 def down(settings: Settings) -> None:
-    stopped = [name for name in reversed(COMPONENTS) if _stop(name, settings)]
+    stopped = kube_node.down(settings, _Api(settings).delete_node)
+    stopped += [name for name in reversed(COMPONENTS) if _stop(name, settings)]
     _say(f"stopped {', '.join(stopped)}" if stopped else "not running")
 
 
@@ -551,6 +561,9 @@ def status(settings: Settings) -> bool:
     for name in COMPONENTS:
         pid = _live_pid(p.pid(name))
         print(f"{name:<24} {'up' if pid else 'DOWN':<5} {f'pid {pid}' if pid else ''}")
+    for name in kube_node.COMPONENTS:  # the real node's, when it runs
+        if pid := kube_node.pid_of(settings, name):
+            print(f"{name:<24} up    pid {pid}")
     ok = running(settings)
     print(
         f"{'api':<24} {'up' if ok else 'DOWN':<5} https://127.0.0.1:{settings.kube_apiserver_port}"
@@ -561,11 +574,14 @@ def status(settings: Settings) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.localstack.kubernetes")
     parser.add_argument("action", choices=["up", "down", "status", "build", "env"])
+    parser.add_argument("--real-node", action="store_true", help="up: and a real node too")
     args = parser.parse_args(argv)
     settings = load_settings()
     try:
         if args.action == "up":
             up(settings)
+            if args.real_node:  # beside kwok's node (services/localstack/kube_node.py)
+                kube_node.up(settings, _Api(settings).node_ready, _say)
         elif args.action == "down":
             down(settings)
         elif args.action == "status":
@@ -574,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             build(settings, _say)
         else:
             print(f"export KUBECONFIG={kubeconfig_path(settings)}")
-    except (ClusterError, BuildError) as exc:
+    except (ClusterError, BuildError, StackError) as exc:
         print(f"kubernetes: {exc}", file=sys.stderr)
         return 1
     return 0
