@@ -10,7 +10,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 from aiokafka import ConsumerRecord, TopicPartition
 
@@ -55,6 +55,25 @@ def record_time(record: Record) -> datetime:
     return datetime.fromtimestamp(record.timestamp / 1000, tz=UTC)
 
 
+# A record's timestamp_type when the broker stamped it as it appended it (the topic's
+# message.timestamp.type=LogAppendTime; 0 is CreateTime, the producer's word).
+LOG_APPEND_TIME: Final = 1
+
+
+def entered(message: Message, record: Record) -> Message:
+    """A command as of when it entered the log: its ``occurred_at`` is never earlier than the
+    broker's append time. A command stored while Kafka was unreachable (the provider outbox)
+    keeps the time it was stored at; what the fold computes from it (a launch deadline) must
+    count from when it could be decided, not from before an outage. Time still enters through
+    the log: the append time is the record's, so a replay decides the same."""
+    if record.timestamp_type != LOG_APPEND_TIME or not isinstance(message, CommandBase):
+        return message
+    at = record_time(record)
+    if message.occurred_at >= at:
+        return message
+    return message.model_copy(update={"occurred_at": at})
+
+
 def parse(
     record: Record,
     commands_topic: str,
@@ -88,7 +107,7 @@ def parse(
         )
     command_id = message.command_id if isinstance(message, CommandBase) else None
     cause = _cause(record.topic, record.partition, record.offset, message.type, command_id)
-    return Parsed(record, cause, message)
+    return Parsed(record, cause, entered(message, record))
 
 
 def too_large(size: int, max_bytes: int) -> str:

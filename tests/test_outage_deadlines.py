@@ -1,0 +1,127 @@
+"""A command that reaches the log late (the provider outbox relaying a rotation after a long
+Kafka outage) gets its launch deadline from when it entered the log, not from when it was
+stored: issue "Trust, round four", item 1.
+
+The outage itself does not need re-enacting at its length: all the processor ever sees of it
+is a command whose ``occurred_at`` (the time the outbox stored it) lies before the time the
+broker appended it. The pipeline test publishes exactly that at the real scale (the default
+windows: grace + 600 s retries + 300 s launch, a command 30 minutes old), so it runs the path
+a real outage takes, with real Kafka, PostgreSQL and the scheduler.
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+
+import factories as f
+from aiokafka import ConsumerRecord
+from harness import Env, isolated_env
+from pipeline_support import command, running_plane, wait_phase
+from pydantic import SecretStr
+
+from drivers.fake import FakeDriver
+from events.codec import EVENTS, decode
+from events.decided import AgentRestarted
+from events.publisher import now
+from projections.lifecycle import grace_of
+from services.audit.verify import verify
+from services.processor.intake import LOG_APPEND_TIME, entered
+from services.scheduler.scheduler import Scheduler
+
+OUTAGE = timedelta(minutes=30)  # longer than the whole launch window (grace + 900 s)
+WAIT = 60.0
+# Launches read the attached providers' values: the vault needs its key.
+KEY = SecretStr(base64.b64encode(secrets.token_bytes(32)).decode())
+
+
+def _record(timestamp: datetime, timestamp_type: int) -> ConsumerRecord[bytes, bytes]:
+    return ConsumerRecord(
+        topic="t", partition=0, offset=0, timestamp=int(timestamp.timestamp() * 1000),
+        timestamp_type=timestamp_type, key=b"k", value=b"", checksum=None,
+        serialized_key_size=1, serialized_value_size=0, headers=(),
+    )  # fmt: skip
+
+
+def test_a_command_takes_effect_no_earlier_than_the_broker_appended_it() -> None:
+    stored = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    appended = stored + OUTAGE
+    rotation = f.rotate("a", occurred_at=stored)
+    assert entered(rotation, _record(appended, LOG_APPEND_TIME)).occurred_at == appended
+    # A producer's own stamp (CreateTime) is no log time; a later occurred_at is kept.
+    assert entered(rotation, _record(appended, 0)) is rotation
+    assert entered(rotation, _record(stored - OUTAGE, LOG_APPEND_TIME)) is rotation
+    # Observations keep their observer's time.
+    seen = f.running("a", occurred_at=stored)
+    assert entered(seen, _record(appended, LOG_APPEND_TIME)) is seen
+
+
+@asynccontextmanager
+async def scheduler_of(env: Env) -> AsyncIterator[Scheduler]:
+    """A scheduler whose rounds the test runs itself (``round``): no race with its loop."""
+    scheduler = Scheduler(env.settings, env.pool)
+    await scheduler.start()
+    try:
+        yield scheduler
+    finally:
+        await scheduler.stop()
+
+
+async def test_a_rotation_relayed_after_a_long_outage_restarts_the_agent_without_timing_out() -> (
+    None
+):
+    """Old code: the restart's deadline was stored-time + grace + 900 s, 15 minutes past, so
+    the scheduler's first round timed the new generation out (SandboxTimedOut, its cleanup
+    stop ended it). Now the deadline counts from the append time: nothing is due, the launch
+    (held in the driver meanwhile) reports, and the agent runs the new generation."""
+    driver = FakeDriver()
+    async with (
+        isolated_env(credentials_key=KEY) as env,
+        running_plane(env, driver),
+        scheduler_of(env) as scheduler,
+    ):
+        async with await env.publisher() as pub:
+            await command(env, pub, f.create("agent", providers=["gh"], occurred_at=now()))
+            await wait_phase(env, "agent", "Ready", timeout=WAIT)
+            held = driver.block("launch", "agent")
+            stored = now() - OUTAGE
+            rotation = f.rotate("agent", {"gh": 2}, actor="rotator", occurred_at=stored)
+            await command(env, pub, rotation)
+            await held.entered()
+            appended = await _append_time(env, rotation.command_id)
+            restarted = await _agent_restarted(env)
+            assert restarted.deadline is not None
+            limits = env.settings.lifecycle_limits
+            window = grace_of(restarted.spec, limits) + limits.launch_retry_seconds
+            assert limits.launch_seconds is not None
+            window += limits.launch_seconds
+            assert restarted.deadline.due_at == appended + timedelta(seconds=window)
+            assert restarted.occurred_at == appended
+            assert await scheduler.round() == 0  # nothing due: the window starts now
+            held.release()
+            row = await wait_phase(env, "agent", "Ready", timeout=WAIT, generation=2)
+        assert row["reason"] is None or "Timeout" not in row["reason"]
+        types = [
+            decode(EVENTS, r.value).type for r in await env.read_topic(env.settings.topic_events)
+        ]
+        assert "SandboxTimedOut" not in types and types.count("AgentRestarted") == 1
+        report = await verify(env.settings)  # re-deciding the log gives the same events
+        assert report.divergences == [] and report.ok
+
+
+async def _append_time(env: Env, command_id: str) -> datetime:
+    """When the broker appended the command (the topic records LogAppendTime)."""
+    for r in await env.read_topic(env.settings.topic_commands):
+        if command_id.encode() in (r.value or b""):
+            assert r.timestamp_type == LOG_APPEND_TIME
+            return datetime.fromtimestamp(r.timestamp / 1000, tz=UTC)
+    raise AssertionError(f"command {command_id} not in the log")
+
+
+async def _agent_restarted(env: Env) -> AgentRestarted:
+    found = [decode(EVENTS, r.value) for r in await env.read_topic(env.settings.topic_events)]
+    (restarted,) = [e for e in found if isinstance(e, AgentRestarted)]
+    return restarted
