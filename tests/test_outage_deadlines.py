@@ -19,7 +19,9 @@ from datetime import UTC, datetime, timedelta
 
 import factories as f
 from aiokafka import ConsumerRecord
-from harness import Env, isolated_env
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from harness import Env, eventually, isolated_env
 from pipeline_support import command, running_plane, wait_phase
 from pydantic import SecretStr
 
@@ -29,6 +31,8 @@ from events.decided import AgentRestarted
 from events.publisher import now
 from projections.lifecycle import grace_of
 from services.audit.verify import verify
+from services.common.kafka_clients import kafka_client_args
+from services.localstack.kafka_broker import DYNAMIC_TOPIC_CONFIG, _log_append_time
 from services.processor.intake import LOG_APPEND_TIME, entered
 from services.scheduler.scheduler import Scheduler
 
@@ -125,3 +129,40 @@ async def _agent_restarted(env: Env) -> AgentRestarted:
     found = [decode(EVENTS, r.value) for r in await env.read_topic(env.settings.topic_events)]
     (restarted,) = [e for e in found if isinstance(e, AgentRestarted)]
     return restarted
+
+
+async def _own_configs(env: Env, topic: str) -> dict[str, str]:
+    admin = AIOKafkaAdminClient(**kafka_client_args(env.settings, "admin"))
+    await admin.start()
+    try:
+        [found] = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
+        entries = found.resources[0][4]
+        return {e[0]: e[1] for e in entries if e[3] == DYNAMIC_TOPIC_CONFIG}
+    finally:
+        await admin.close()
+
+
+async def _set_configs(env: Env, topic: str, configs: dict[str, str]) -> None:
+    admin = AIOKafkaAdminClient(**kafka_client_args(env.settings, "admin"))
+    await admin.start()
+    try:
+        await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, configs)])
+    finally:
+        await admin.close()
+
+
+async def test_topics_made_before_are_switched_to_the_append_time_keeping_their_settings() -> None:
+    """An installation whose topics record CreateTime (made by an older version) gets
+    LogAppendTime from the stack's topic set-up; the topic's other settings stay."""
+    async with isolated_env(partitions=1) as env:
+        topic = env.settings.topic_commands
+        before = await _own_configs(env, topic)
+        assert before["message.timestamp.type"] == "LogAppendTime"  # made with it
+        older = {**before, "message.timestamp.type": "CreateTime", "retention.ms": "86400000"}
+        await _set_configs(env, topic, older)
+        # A change reaches the broker's view through the metadata log: poll for it.
+        await eventually(lambda: _own_configs(env, topic), lambda c: c == older, what="CreateTime")
+        assert await _log_append_time(env.settings) == [topic]
+        switched = {**older, "message.timestamp.type": "LogAppendTime"}
+        await eventually(lambda: _own_configs(env, topic), lambda c: c == switched, what="switched")
+        assert await _log_append_time(env.settings) == []  # nothing left to switch
