@@ -30,6 +30,7 @@ from events.codec import EVENTS, decode
 from events.decided import AgentRestarted
 from events.publisher import now
 from projections.lifecycle import grace_of
+from services.audit import entries, timeline
 from services.audit.verify import verify
 from services.common.kafka_clients import kafka_client_args
 from services.localstack.kafka_broker import DYNAMIC_TOPIC_CONFIG, _log_append_time
@@ -50,17 +51,17 @@ def _record(timestamp: datetime, timestamp_type: int) -> ConsumerRecord[bytes, b
     )  # fmt: skip
 
 
-def test_a_command_takes_effect_no_earlier_than_the_broker_appended_it() -> None:
+def test_a_relayed_command_takes_effect_no_earlier_than_the_broker_appended_it() -> None:
     stored = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
     appended = stored + OUTAGE
-    rotation = f.rotate("a", occurred_at=stored)
-    assert entered(rotation, _record(appended, LOG_APPEND_TIME)).occurred_at == appended
-    # A producer's own stamp (CreateTime) is no log time; a later occurred_at is kept.
-    assert entered(rotation, _record(appended, 0)) is rotation
-    assert entered(rotation, _record(stored - OUTAGE, LOG_APPEND_TIME)) is rotation
-    # Observations keep their observer's time.
-    seen = f.running("a", occurred_at=stored)
-    assert entered(seen, _record(appended, LOG_APPEND_TIME)) is seen
+    for relayed in (f.rotate("a", occurred_at=stored), f.detach("a", occurred_at=stored)):
+        assert entered(relayed, _record(appended, LOG_APPEND_TIME)).occurred_at == appended
+        # A producer's own stamp (CreateTime) is no log time; a later occurred_at is kept.
+        assert entered(relayed, _record(appended, 0)) is relayed
+        assert entered(relayed, _record(stored - OUTAGE, LOG_APPEND_TIME)) is relayed
+    # Commands stamped by their door when published, and observations, keep their time.
+    for kept in (f.create("a", occurred_at=stored), f.running("a", occurred_at=stored)):
+        assert entered(kept, _record(appended, LOG_APPEND_TIME)) is kept
 
 
 @asynccontextmanager
@@ -114,6 +115,14 @@ async def test_a_rotation_relayed_after_a_long_outage_restarts_the_agent_without
         assert "SandboxTimedOut" not in types and types.count("AgentRestarted") == 1
         report = await verify(env.settings)  # re-deciding the log gives the same events
         assert report.divergences == [] and report.ok
+        # So does the audit timeline, which re-decides the history's verbatim bodies.
+        async with env.pool.acquire() as conn:
+            recorded = await entries.of_sandbox(conn, "agent")
+        limits = env.settings.lifecycle_limits
+        steps = timeline.replay(recorded, env.settings.topic_commands, limits=limits)
+        [step] = [s for s in steps if s.entry.message_type == "RotateCredentials"]
+        assert step.agrees and step.state is not None
+        assert step.state.deadline == restarted.deadline
 
 
 async def _append_time(env: Env, command_id: str) -> datetime:

@@ -15,7 +15,7 @@ from typing import Any, Final, TypeAlias
 from aiokafka import ConsumerRecord, TopicPartition
 
 from events.codec import COMMANDS, OBSERVATIONS, DecodeError, check_key, decode, storable
-from events.commands import CommandBase
+from events.commands import CommandBase, DetachProvider, RotateCredentials
 from events.common import Cause
 from events.deadletter import key_text
 from events.topics import MAX_INPUT_BYTES, partition_for
@@ -60,18 +60,26 @@ def record_time(record: Record) -> datetime:
 LOG_APPEND_TIME: Final = 1
 
 
+# The commands a provider change owes its sandboxes: stored with the change, their occurred_at
+# the change's, and sent by the provider outbox until Kafka takes them, which may be long after
+# (docs/adr/0007). Every other command is stamped by its door right before it is published.
+RELAYED: Final = (RotateCredentials, DetachProvider)
+
+
+def as_of(message: Message, logged_at: datetime | None) -> Message:
+    """A relayed command as of when it entered the log (``logged_at``) when that is later
+    than its own time: what the fold computes from its time (a restart's launch deadline)
+    counts from when it could be decided, not from before an outage."""
+    if logged_at is None or not isinstance(message, RELAYED) or message.occurred_at >= logged_at:
+        return message
+    return message.model_copy(update={"occurred_at": logged_at})
+
+
 def entered(message: Message, record: Record) -> Message:
-    """A command as of when it entered the log: its ``occurred_at`` is never earlier than the
-    broker's append time. A command stored while Kafka was unreachable (the provider outbox)
-    keeps the time it was stored at; what the fold computes from it (a launch deadline) must
-    count from when it could be decided, not from before an outage. Time still enters through
-    the log: the append time is the record's, so a replay decides the same."""
-    if record.timestamp_type != LOG_APPEND_TIME or not isinstance(message, CommandBase):
-        return message
-    at = record_time(record)
-    if message.occurred_at >= at:
-        return message
-    return message.model_copy(update={"occurred_at": at})
+    """``as_of`` the broker's append time, when the topic records it. Time still enters
+    through the log: the append time is the record's, so a replay decides the same."""
+    logged = record_time(record) if record.timestamp_type == LOG_APPEND_TIME else None
+    return as_of(message, logged)
 
 
 def parse(
