@@ -26,7 +26,7 @@ from pipeline_support import command, running_plane, wait_phase
 from pydantic import SecretStr
 
 from drivers.fake import FakeDriver
-from events.codec import EVENTS, decode
+from events.codec import EVENTS, decode, encode
 from events.decided import AgentRestarted
 from events.publisher import now
 from projections.lifecycle import grace_of
@@ -51,10 +51,15 @@ def _record(timestamp: datetime, timestamp_type: int) -> ConsumerRecord[bytes, b
     )  # fmt: skip
 
 
-def test_a_relayed_command_takes_effect_no_earlier_than_the_broker_appended_it() -> None:
+def test_a_relayed_input_takes_effect_no_earlier_than_the_broker_appended_it() -> None:
     stored = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
     appended = stored + OUTAGE
-    for relayed in (f.rotate("a", occurred_at=stored), f.detach("a", occurred_at=stored)):
+    relayed_inputs = (
+        f.rotate("a", occurred_at=stored),
+        f.detach("a", occurred_at=stored),
+        f.due("a", "ttl", stored, occurred_at=stored),
+    )
+    for relayed in relayed_inputs:
         assert entered(relayed, _record(appended, LOG_APPEND_TIME)).occurred_at == appended
         # A producer's own stamp (CreateTime) is no log time; a later occurred_at is kept.
         assert entered(relayed, _record(appended, 0)) is relayed
@@ -123,6 +128,41 @@ async def test_a_rotation_relayed_after_a_long_outage_restarts_the_agent_without
         [step] = [s for s in steps if s.entry.message_type == "RotateCredentials"]
         assert step.agrees and step.state is not None
         assert step.state.deadline == restarted.deadline
+
+
+async def test_an_expiry_delivered_after_a_long_outage_stops_with_the_grace_period() -> None:
+    """The scheduler publishes a DeadlineDue until Kafka takes it, keeping its first time: after
+    an outage it arrives 30 minutes old. Old code: the expiry's stop deadline (that time + grace
+    + margin) was long past, the next round escalated the stop and the agent was killed
+    without its grace period. Now the stop counts from the append time: nothing is due while
+    the stop (held in the driver) runs, and it ends Stopped without a kill."""
+    driver = FakeDriver()
+    async with (
+        isolated_env() as env,
+        running_plane(env, driver),
+        scheduler_of(env) as scheduler,
+        await env.publisher() as pub,
+    ):
+        create = f.create("ttl", ttl_seconds=3600, on_expiry="stop", occurred_at=now())
+        await command(env, pub, create)
+        row = await wait_phase(env, "ttl", "Ready", timeout=WAIT)
+        expires_at = await env.fetchval("SELECT expires_at FROM sandboxes WHERE key = 'ttl'")
+        held = driver.block("stop", "ttl")
+        late = f.due(
+            "ttl", "ttl", expires_at, generation=row["generation"], occurred_at=now() - OUTAGE
+        )
+        await env.produce(
+            env.settings.topic_observations, [(b"ttl", encode(late))], role="scheduler"
+        )
+        await held.entered()
+        await wait_phase(env, "ttl", "Stopping", timeout=WAIT)
+        assert await scheduler.round() == 0  # the stop's grace period and margin start now
+        held.release()
+        await wait_phase(env, "ttl", "Stopped", timeout=WAIT)
+        events = await env.read_topic(env.settings.topic_events)
+    types = [decode(EVENTS, r.value).type for r in events]
+    assert "SandboxExpired" in types and "SandboxStopEscalated" not in types
+    assert driver.calls_for("kill", "ttl") == []
 
 
 async def _append_time(env: Env, command_id: str) -> datetime:

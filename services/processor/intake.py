@@ -18,6 +18,7 @@ from events.codec import COMMANDS, OBSERVATIONS, DecodeError, check_key, decode,
 from events.commands import CommandBase, DetachProvider, RotateCredentials
 from events.common import Cause
 from events.deadletter import key_text
+from events.observations import DeadlineDue
 from events.topics import MAX_INPUT_BYTES, partition_for
 from events.trusted import builder
 from projections.chain import ChainId, chain_of
@@ -60,16 +61,18 @@ def record_time(record: Record) -> datetime:
 LOG_APPEND_TIME: Final = 1
 
 
-# The commands a provider change owes its sandboxes: stored with the change, their occurred_at
-# the change's, and sent by the provider outbox until Kafka takes them, which may be long after
-# (docs/adr/0007). Every other command is stamped by its door right before it is published.
-RELAYED: Final = (RotateCredentials, DetachProvider)
+# Inputs that may reach the log long after their time, sent until Kafka takes them, whose
+# time is only when they fall to be decided: the commands a provider change owes its sandboxes
+# (stored with the change, sent by the provider outbox: docs/adr/0007) and the scheduler's
+# DeadlineDue (kept through an outage by publish_until_sent). Every other command is stamped
+# by its door right before it is published; every other observation carries when it was seen.
+RELAYED: Final = (RotateCredentials, DetachProvider, DeadlineDue)
 
 
 def as_of(message: Message, logged_at: datetime | None) -> Message:
-    """A relayed command as of when it entered the log (``logged_at``) when that is later
-    than its own time: what the fold computes from its time (a restart's launch deadline)
-    counts from when it could be decided, not from before an outage."""
+    """A relayed input as of when it entered the log (``logged_at``) when that is later than
+    its own time: what the fold computes from its time (a restart's launch deadline, an
+    expiry's stop deadline) counts from when it could be decided, not from before an outage."""
     if logged_at is None or not isinstance(message, RELAYED) or message.occurred_at >= logged_at:
         return message
     return message.model_copy(update={"occurred_at": logged_at})
