@@ -29,12 +29,13 @@ from drivers.fake import FakeDriver
 from events.codec import EVENTS, decode, encode
 from events.decided import AgentRestarted
 from events.publisher import now
+from events.topics import COMMANDS
 from projections.lifecycle import grace_of
-from services.audit import entries, timeline
+from services.audit import entries, golden, timeline
 from services.audit.verify import verify
 from services.common.kafka_clients import kafka_client_args
 from services.localstack.kafka_broker import DYNAMIC_TOPIC_CONFIG, _log_append_time
-from services.processor.intake import LOG_APPEND_TIME, entered
+from services.processor.intake import LOG_APPEND_TIME, Parsed, entered, parse
 from services.scheduler.scheduler import Scheduler
 
 OUTAGE = timedelta(minutes=30)  # longer than the whole launch window (grace + 900 s)
@@ -215,3 +216,20 @@ async def test_topics_made_before_are_switched_to_the_append_time_keeping_their_
         switched = {**older, "message.timestamp.type": "LogAppendTime"}
         await eventually(lambda: _own_configs(env, topic), lambda c: c == switched, what="switched")
         assert await _log_append_time(env.settings) == []  # nothing left to switch
+
+
+def test_a_golden_input_keeps_the_append_time_it_was_recorded_with() -> None:
+    """A golden log recorded from topics with LogAppendTime replays as the processor decided
+    it (a relayed rotation as of its append time); files recorded before read as CreateTime."""
+    stored = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    appended = stored + OUTAGE
+    body = encode(f.rotate("a", occurred_at=stored))
+    ms = int(appended.timestamp() * 1000)
+    recorded = golden.Input("commands", 0, 7, ms, b"a", body, LOG_APPEND_TIME)
+    again = golden.Input.from_json(recorded.to_json())
+    assert again == recorded and again.record().timestamp_type == LOG_APPEND_TIME
+    parsed = parse(again.record(), COMMANDS, 1)
+    assert isinstance(parsed, Parsed) and parsed.message.occurred_at == appended
+    older = {k: v for k, v in recorded.to_json().items() if k != "timestamp_type"}
+    assert golden.Input.from_json(older).record().timestamp_type == 0
+    assert "timestamp_type" not in golden.Input("commands", 0, 7, ms, b"a", body).to_json()

@@ -30,7 +30,7 @@ from drivers.protocol import LaunchResult, LaunchSpec
 from events.codec import EVENTS, decode
 from events.common import Phase, SandboxSpec
 from events.publisher import now
-from services.executor.intents import Intent, intent_of_row, takes_lane
+from services.executor.intents import Intent, intent_of, intent_of_row, takes_lane
 
 KEY = SecretStr(base64.b64encode(secrets.token_bytes(32)).decode())
 GRACE = 4  # seconds the old generation takes to stop
@@ -91,3 +91,19 @@ def test_a_picked_up_rotation_restart_takes_no_lane_either() -> None:
         row = f.harness_in(Phase.STARTING).row(f.KEY)
         intent = intent_of_row(dataclasses.replace(row, reason=reason))
         assert isinstance(intent, Intent) and takes_lane(intent) is laned, reason
+
+
+def test_rotation_and_detach_restarts_take_no_lane_an_operators_restart_does() -> None:
+    """From the decided events: AgentRestarted of a rotation and of a detach run without a
+    lane; SandboxStarting of an operator's restart waits for its caller's lane as before."""
+    cases = [
+        (f.rotate(f.KEY, {"github": 2}), False),
+        (f.detach(f.KEY, "github"), False),
+        (f.restart(f.KEY), True),
+    ]
+    for message, laned in cases:
+        h = f.harness_in(Phase.READY)
+        decision = h.send(message)
+        intents = [i for e in decision.events if (i := intent_of(e)) is not None]
+        assert [i.operation for i in intents] == ["launch"], message.type
+        assert takes_lane(intents[0]) is laned, message.type
