@@ -237,7 +237,11 @@ async def _log_append_time(settings: Settings) -> list[str]:
             for response in await admin.alter_configs(changes):
                 for code, message, _, topic in response.resources:
                     if code:
-                        raise StackError(f"kafka: configuring {topic} failed ({code}): {message}")
+                        raise StackError(
+                            f"kafka: setting message.timestamp.type=LogAppendTime on {topic} "
+                            f"failed ({code}): {message}; set it with kafka-configs.sh (see "
+                            "docs/operations.md, Retention) or grant the admin role AlterConfigs"
+                        )
         return stale
     finally:
         await admin.close()
