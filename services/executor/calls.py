@@ -147,7 +147,7 @@ class DriverCalls:
     def _lane(self, intent: Intent) -> asyncio.Semaphore | None:
         """Where the call waits its turn: a shared slot, or its caller's own lane when it may
         wait out a grace period (so slow sandboxes of one caller never hold the others up);
-        None for a rotation or detach restart, which waits for nothing (``takes_lane``)."""
+        None for a stop or a rotation or detach restart, which wait for nothing (``takes_lane``)."""
         if not is_slow(intent):
             return self._slots
         if not takes_lane(intent):

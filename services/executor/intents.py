@@ -149,12 +149,14 @@ def is_slow(intent: Intent) -> bool:
 
 
 def takes_lane(intent: Intent) -> bool:
-    """Whether a slow call waits for its caller's lane. A rotation or detach restart does not:
-    one provider change restarts every attached sandbox under one caller, and its launch
-    deadline (grace period + retry window + launch timeout after the decision) leaves no room
-    for a wait behind the caller's other restarts; a wait of k/width grace periods would time
-    the later ones out (docs/drivers.md). They are bounded by the driver alone."""
-    return is_slow(intent) and not intent.for_providers
+    """Whether a slow call waits for its caller's lane: a delete, and the launch of a start or
+    restart an operator asked for. Two slow calls do not, because a deadline counts from their
+    decision and leaves no room for a wait of k / width grace periods behind the caller's
+    others (docs/drivers.md): a stop (grace period + margin, then a kill, which came before
+    the SIGTERM of a stop still waiting) and a rotation or detach restart (grace period + retry
+    window + launch timeout: one provider change restarts every attached sandbox under one
+    caller). They are bounded by the driver alone."""
+    return is_slow(intent) and intent.operation != "stop" and not intent.for_providers
 
 
 def supersedes(later: Intent, earlier: Intent) -> bool:
