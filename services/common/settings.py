@@ -164,8 +164,9 @@ class Settings(BaseSettings):
 
     # Executor and reconciler (services/executor.py, services/watcher.py)
     executor_concurrency: int = Field(default=64, ge=1)  # driver calls in flight at once
-    # Slow calls (stop, delete, a restart's launch: they may wait out a grace period) run in
-    # their caller's own lane, at most this many at once per caller (token name).
+    # Slow calls (delete, an operator's restart's launch: they may wait out a grace period) run
+    # in their caller's own lane, at most this many at once per caller (token name); stops and
+    # rotation restarts take none (services/executor/intents.py, takes_lane).
     executor_slow_per_caller: int = Field(default=16, ge=1)
     # Per caller (token name) exceptions to it, e.g. SANDSTREAM_EXECUTOR_SLOW_CALLERS='{"ci": 4}'.
     executor_slow_callers: dict[str, int] = Field(default_factory=dict)
