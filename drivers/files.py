@@ -72,6 +72,7 @@ def sandbox_path(path: str) -> str:
 # put them (matched case-insensitively, first match wins).
 _ERRNO: Final[tuple[tuple[str, ErrorKind], ...]] = (
     ("no such container", "not_running"),
+    ("no container", "not_running"),
     ("is not running", "not_running"),
     ("container state improper", "not_running"),
     ("read-only file system", "read_only"),

@@ -202,14 +202,12 @@ async def _data(
     try:
         while True:
             for event in events:
-                if isinstance(event, Member):
-                    return  # the next member: the file's data is complete
-                piece = event.data[: size - sent]
-                sent += len(piece)
-                if piece:
+                if isinstance(event, Data) and sent < size:
+                    piece = event.data[: size - sent]
+                    sent += len(piece)
                     yield piece
-                if sent >= size:
-                    return
+            if sent >= size:
+                return
             chunk = await anext(chunks, None)
             if chunk is None:
                 raise CutShort(f"file broke off after {sent} of {size} bytes")
