@@ -96,8 +96,11 @@ async def test_dot_dot_resolves_by_name_inside_the_sandbox_and_a_nul_is_refused(
 async def test_symlinks_pointing_out_resolve_inside_the_sandbox_and_proc_gives_nothing(
     box: Sandbox, podman: PodmanClient
 ) -> None:
-    await run_in(podman, box, "sh", "-c", "mkdir -p /workspace/sl && ln -s / /workspace/sl/root"
-                 " && ln -s /proc/1 /workspace/sl/init")  # fmt: skip
+    links = (
+        "mkdir -p /workspace/sl/d && cd /workspace/sl && touch d/one && ln -s d dl"
+        " && ln -s / root && ln -s /proc/1 init"
+    )
+    await run_in(podman, box, "sh", "-c", links)
     identity = (await run_in(podman, box, "sh", "-c", "echo $SANDSTREAM_IDENTITY")).strip()
     assert identity
     async with box.api.client(FILES) as c:
@@ -114,6 +117,14 @@ async def test_symlinks_pointing_out_resolve_inside_the_sandbox_and_proc_gives_n
         # Writing through a symlink to / stays in the sandbox: the read-only root refuses it.
         r = await c.put(box.url("/content"), params={"path": "sl/root/etc/evil"}, content=b"x")
         assert (r.status_code, r.json()["code"]) == (409, "FAILED_PRECONDITION"), r.text
+        # A listing follows the symlink given as the directory; stat and remove take the link.
+        assert await names_in(c, box, "sl/dl") == {"one"}
+        r = await c.get(box.url("/stat"), params={"path": "sl/root"})
+        assert (r.json()["type"], r.json()["name"]) == ("symlink", "root"), r.text
+        r = await c.delete(box.url(), params={"path": "sl/root"})
+        assert r.status_code == 204, r.text
+        assert await names_in(c, box, "sl") == {"init", "d", "dl"}
+        assert (await c.get(box.url("/stat"), params={"path": "/etc"})).json()["type"] == "dir"
 
 
 async def test_the_read_only_root_answers_a_clear_409(box: Sandbox) -> None:
