@@ -393,3 +393,60 @@ async def test_a_tar_download_of_a_tree_holds_every_member(box: Sandbox) -> None
         r = await c.get(box.url("/content"), params={"path": "tree", "format": "tar"})
         got = members_of(r.content)
         assert all(got[f"tree/t/f{i}"] == (str(i) * 1000).encode() for i in range(50))
+
+
+async def test_a_slow_writer_holds_no_other_request_back(box: Sandbox) -> None:
+    """An upload whose client pauses mid-body waits for it (no timeout cuts it), and the API
+    answers other requests meanwhile."""
+    archive = tar_of([("slow.txt", "file", "s" * 100_000)])
+    paused, resume = asyncio.Event(), asyncio.Event()
+
+    async def slowly() -> AsyncIterator[bytes]:
+        yield archive[:30_000]
+        paused.set()
+        await resume.wait()
+        yield archive[30_000:]
+
+    async with box.api.client(FILES) as c, box.api.client(FILES) as other:
+        upload = asyncio.create_task(
+            c.put(box.url("/content"), params={"path": "slow", "format": "tar"}, content=slowly())
+        )
+        await paused.wait()
+        r = await other.get(box.url("/stat"), params={"path": "/workspace"})
+        assert r.status_code == 200, r.text
+        assert not upload.done()
+        resume.set()
+        r = await upload
+        assert r.status_code == 201, r.text
+        r = await other.get(box.url("/content"), params={"path": "slow/slow.txt"})
+        assert r.content == b"s" * 100_000
+
+
+async def test_a_sandbox_deleted_mid_upload_answers_a_4xx_or_503_not_a_500(
+    podman: PodmanClient,
+) -> None:
+    async with files_api() as box:
+        paused, resume = asyncio.Event(), asyncio.Event()
+
+        async def slowly() -> AsyncIterator[bytes]:
+            yield b"a" * 100_000
+            paused.set()
+            await resume.wait()
+            yield b"b" * 100_000
+
+        async with box.api.client(FILES) as c:
+            upload = asyncio.create_task(
+                c.put(
+                    box.url("/content"),
+                    params={"path": "gone.bin"},
+                    content=slowly(),
+                    headers={"Content-Length": "200000"},
+                )
+            )
+            await paused.wait()
+            container = podman.containers.get(container_name(box.name, 1))
+            await asyncio.to_thread(container.remove, force=True)
+            resume.set()
+            r = await upload
+            assert r.status_code in (409, 503), r.text
+            assert r.json()["code"] in ("FAILED_PRECONDITION", "UNAVAILABLE")
