@@ -98,7 +98,7 @@ async def test_symlinks_pointing_out_resolve_inside_the_sandbox_and_proc_gives_n
 ) -> None:
     links = (
         "mkdir -p /workspace/sl/d && cd /workspace/sl && touch d/one && ln -s d dl"
-        " && ln -s / root && ln -s /proc/1 init"
+        " && ln -s / root && ln -s /proc/1 init && ln -s d/one fl"
     )
     await run_in(podman, box, "sh", "-c", links)
     identity = (await run_in(podman, box, "sh", "-c", "echo $SANDSTREAM_IDENTITY")).strip()
@@ -123,8 +123,18 @@ async def test_symlinks_pointing_out_resolve_inside_the_sandbox_and_proc_gives_n
         assert (r.json()["type"], r.json()["name"]) == ("symlink", "root"), r.text
         r = await c.delete(box.url(), params={"path": "sl/root"})
         assert r.status_code == 204, r.text
-        assert await names_in(c, box, "sl") == {"init", "d", "dl"}
+        assert (await c.get(box.url("/stat"), params={"path": "sl/root"})).status_code == 404
         assert (await c.get(box.url("/stat"), params={"path": "/etc"})).json()["type"] == "dir"
+        # A raw upload to a symlink replaces the link (renamed over it), never writing through
+        # it; to a symlink to a directory it is refused as for a directory.
+        r = await c.put(box.url("/content"), params={"path": "sl/fl"}, content=b"file now")
+        assert r.status_code == 200 and r.json()["type"] == "file", r.text
+        r = await c.get(box.url("/content"), params={"path": "sl/d/one"})
+        assert (r.status_code, r.content) == (200, b""), r.text
+        r = await c.put(box.url("/content"), params={"path": "sl/dl"}, content=b"x")
+        assert (r.status_code, r.json()["code"]) == (400, "INVALID_ARGUMENT"), r.text
+        assert await names_in(c, box, "sl/d") == {"one"}  # and no temporary file left
+        assert (await c.get(box.url("/stat"), params={"path": "sl/dl"})).json()["type"] == "symlink"
 
 
 async def test_the_read_only_root_answers_a_clear_409(box: Sandbox) -> None:
