@@ -374,6 +374,32 @@ async def test_a_runtime_stream_that_breaks_off_breaks_the_answer_off(
         del source.read_tar
 
 
+@pytest.mark.parametrize(
+    ("first", "failure"),
+    [
+        (b"\0" * 100, FilesError("unavailable", "Podman's API: RemoteProtocolError")),
+        (b"not a tar header" * 40, None),
+    ],
+)
+async def test_a_runtime_archive_broken_before_its_first_member_is_503(
+    box: Sandbox, first: bytes, failure: FilesError | None
+) -> None:
+    source = box.api.app.state.api.files
+
+    async def broken(key: str, generation: int, path: str) -> AsyncIterator[bytes]:
+        yield first
+        if failure is not None:
+            raise failure
+
+    source.read_tar = broken
+    try:
+        async with box.api.client(FILES) as c:
+            r = await c.get(box.url("/content"), params={"path": "x"})
+            assert (r.status_code, r.json()["code"]) == (503, "UNAVAILABLE"), r.text
+    finally:
+        del source.read_tar
+
+
 async def test_an_empty_file_goes_both_ways(box: Sandbox) -> None:
     async with box.api.client(FILES) as c:
         r = await c.put(box.url("/content"), params={"path": "empty"}, content=b"")
