@@ -6,6 +6,8 @@ Fails (never skips) when the Podman service or the sandbox image is missing (con
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import AsyncIterator
 
 import pytest
@@ -97,3 +99,40 @@ async def test_list_stat_mkdir_move_and_remove(box: Sandbox) -> None:
         assert r.status_code == 204, r.text
         r = await c.get(box.url(), params={"path": "ops"})
         assert r.json()["entries"] == []
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def test_a_large_upload_is_streamed_not_held(box: Sandbox) -> None:
+    """128 MiB go through the API (in this process) while its resident memory grows by far
+    less than that: the body is streamed on to Podman, never held."""
+    size, piece = 128 * 1024 * 1024, bytes(64 * 1024)
+    start = resident_bytes()
+    peak = start
+    sending = True
+
+    async def body() -> AsyncIterator[bytes]:
+        for _ in range(size // len(piece)):
+            yield piece
+
+    async def sample() -> None:
+        nonlocal peak
+        while sending:
+            peak = max(peak, resident_bytes())
+            await asyncio.sleep(0.05)  # a sampling interval, not a synchronisation
+
+    sampler = asyncio.create_task(sample())
+    try:
+        async with box.api.client(FILES) as c:
+            r = await c.put(box.url("/content"), params={"path": "large.bin"}, content=body(),
+                            headers={"Content-Length": str(size)})  # fmt: skip
+            assert r.status_code == 201, r.text
+            assert r.json()["size"] == size
+            await c.delete(box.url(), params={"path": "large.bin"})
+    finally:
+        sending = False
+        await sampler
+    assert peak - start < 48 * 1024 * 1024, (start, peak)
