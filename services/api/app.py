@@ -3,7 +3,8 @@ once (see the package docstring for what each module holds).
 
 ``create_app(settings, pool, publisher, tokens)`` builds the FastAPI application. Commands go
 to Kafka through the gateway; reads only query PostgreSQL; nothing here calls a driver
-(logs are read from the runtime through a log source, never a lifecycle call).
+(logs are read, and files read and written, in the runtime through a log source and a file
+source, never a lifecycle call).
 """
 
 from __future__ import annotations
