@@ -486,3 +486,22 @@ async def test_a_sandbox_deleted_mid_upload_answers_a_4xx_or_503_not_a_500(
             r = await upload
             assert r.status_code in (409, 503), r.text
             assert r.json()["code"] in ("FAILED_PRECONDITION", "UNAVAILABLE")
+
+
+async def test_a_declared_length_above_the_limit_is_refused_before_a_byte_is_sent(
+    box: Sandbox,
+) -> None:
+    host, port = box.api.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(
+            f"PUT {box.url('/content')}?path=never HTTP/1.1\r\nHost: x\r\n"
+            f"Authorization: Bearer {FILES}\r\nContent-Length: {LIMIT + 1}\r\n\r\n".encode()
+        )
+        await writer.drain()
+        async with asyncio.timeout(30):
+            status = await reader.readline()
+        assert status.startswith(b"HTTP/1.1 413"), status
+    finally:
+        writer.close()
+        await writer.wait_closed()
