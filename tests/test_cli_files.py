@@ -75,6 +75,8 @@ async def test_cp_copies_a_directory_in_and_out_whole(box: Sandbox, tmp_path: Pa
 async def test_cp_copies_a_file_in_and_out(box: Sandbox, tmp_path: Path) -> None:
     local = tmp_path / "notes.txt"
     local.write_bytes(b"line\n" * 100_000)
+    r = await cli(box, "sandbox", "cp", str(local), f"{box.name}:/workspace/sandbox-docs")
+    assert r.exit_code == 0, said(r)  # a path naming "sandbox" is still a path
     r = await cli(box, "sandbox", "cp", str(local), f"{box.name}:/workspace/docs/notes.txt")
     assert r.exit_code == 0, r.output
     r = await cli(box, "sandbox", "cp", str(local), f"{box.name}:docs")  # into the directory
@@ -95,6 +97,8 @@ async def test_cp_needs_exactly_one_sandbox_side_and_says_what_is_missing(
     assert r.exit_code == 1 and "no such file or directory" in said(r)
     r = await cli(box, "sandbox", "cp", str(tmp_path / "absent"), f"{box.name}:/workspace")
     assert r.exit_code == 1 and "no such file or directory" in said(r)
+    r = await cli(box, "sandbox", "cp", str(tmp_path), "no-such-box:/workspace")
+    assert r.exit_code == 1 and "sandbox 'no-such-box' not found" in said(r)
     r = await cli(box, "sandbox", "cp", str(tmp_path), f"{box.name}:/etc/x")
     assert r.exit_code == 1 and "read-only file system" in said(r).lower()
 

@@ -52,7 +52,9 @@ def _remote_stat(client: Client, name: str, path: str) -> dict[str, Any] | None:
             "GET", _files(name) + "/stat", params={"path": path}
         ).json()
     except ApiFailure as exc:
-        if exc.status == 404 and exc.api_code == "NOT_FOUND" and "sandbox" not in exc.message:
+        # 404 for the path, not for the sandbox ("sandbox 'x' not found")
+        gone = exc.message.startswith("sandbox '")
+        if exc.status == 404 and exc.api_code == "NOT_FOUND" and not gone:
             return None
         raise
     return entry
