@@ -223,7 +223,7 @@ class Settings(BaseSettings):
     # suite sends no credentials); refused unless openshell_host is a loopback address.
     openshell_allow_unauthenticated: bool = False
     # With the API's certificate the gRPC API speaks TLS too; false keeps it plaintext
-    # (OpenShell's CLI and conformance runner speak https only with mutual TLS).
+    # (OpenShell's CLI connects to an https gateway only with mutual-TLS files of its own).
     openshell_tls: bool = True
     # Exec over the OpenShell API: the longest a command may run (also when the client sets no
     # limit), the sessions one token may have open at once, and all sessions at once (each

@@ -2,7 +2,7 @@
 
 ``start_openshell`` serves an :class:`OpenShellService` on ``host:port``, over TLS with the
 HTTP API's certificate when the settings name one (unless ``openshell_tls`` is false: OpenShell's
-CLI and conformance runner speak https only with mutual TLS). ``sandstream up``
+CLI connects to an https gateway only with mutual-TLS files of its own). ``sandstream up``
 runs it beside the HTTP API and shares its command gateway (the publisher), pool and change
 feed; ``python -m services.openshell`` runs it alone (with its own, and a Podman driver).
 
