@@ -82,12 +82,16 @@ async def tls_terminating_proxy(upstream: str, issued: tlskit.Issued) -> AsyncIt
 
 
 @contextlib.asynccontextmanager
-async def api_process(tmp_path: Path, trusted: str) -> AsyncIterator[tuple[Roles, RoleProcess]]:
+async def api_process(
+    tmp_path: Path, trusted: str, host: str = "127.0.0.1"
+) -> AsyncIterator[tuple[Roles, RoleProcess, str]]:
+    """The `sandstream api` process listening on ``host``; its URL over IPv4 loopback."""
     async with roles_env(tmp_path, partitions=1) as roles:
-        api = roles.start("api", "--port", "0",
+        api = roles.start("api", "--host", host, "--port", "0",
                           env={"SANDSTREAM_API_FORWARDED_ALLOW_IPS": trusted})  # fmt: skip
         await api.ready()
-        yield roles, api
+        port = (await api.readiness())["url"].rsplit(":", 1)[1]
+        yield roles, api, f"http://127.0.0.1:{port}"
 
 
 def _cookie(response: httpx.Response) -> Any:
@@ -109,14 +113,14 @@ async def _logged(api: RoleProcess, request_line: str, count: int) -> list[str]:
                             what=f"{count} access log lines of {request_line}")  # fmt: skip
 
 
+# On "::" (dual stack) the API sees the proxy as ::ffff:127.0.0.2: the IPv4 entry covers it.
+@pytest.mark.parametrize("host", ["127.0.0.1", "::"], ids=["ipv4", "dual-stack"])
 async def test_behind_a_trusted_tls_proxy_the_cookie_is_secure_and_the_log_names_the_client(
-    tmp_path: Path,
+    tmp_path: Path, host: str
 ) -> None:
     issued = tlskit.issue_for_localhost(tmp_path)
-    async with api_process(tmp_path, PROXY_SOURCE) as (roles, api):
+    async with api_process(tmp_path, PROXY_SOURCE, host) as (roles, api, upstream):
         token = roles.admin_token()
-        upstream = (await api.readiness())["url"]
-        assert upstream.startswith("http://127.0.0.1:")
         trusting = ssl.create_default_context(cafile=str(issued.ca))
         async with (
             tls_terminating_proxy(upstream, issued) as url,
@@ -149,9 +153,8 @@ async def test_behind_a_trusted_tls_proxy_the_cookie_is_secure_and_the_log_names
 async def test_forwarded_headers_from_an_untrusted_peer_change_nothing(tmp_path: Path) -> None:
     """The API trusts only 127.0.0.2; a client on 127.0.0.1 (uvicorn's default trusted proxy)
     claiming https and another address gets a cookie without Secure and is logged as itself."""
-    async with api_process(tmp_path, PROXY_SOURCE) as (roles, api):
+    async with api_process(tmp_path, PROXY_SOURCE) as (roles, api, url):
         token = roles.admin_token()
-        url = (await api.readiness())["url"]
         claims = {"X-Forwarded-Proto": "https", "X-Forwarded-For": FORGED}
         async with httpx.AsyncClient(base_url=url, headers=claims) as client:
             signed = await client.post("/ui/login", data={"token": token, "next": "/ui/"})
@@ -167,7 +170,9 @@ async def test_forwarded_headers_from_an_untrusted_peer_change_nothing(tmp_path:
 
 def test_only_addresses_and_networks_may_be_trusted() -> None:
     settings = Settings(api_forwarded_allow_ips="10.0.0.0/8, 127.0.0.2,,fd00::1")
-    assert settings.trusted_proxies == ("10.0.0.0/8", "127.0.0.2", "fd00::1")
+    assert settings.trusted_proxies == (
+        "10.0.0.0/8", "127.0.0.2", "fd00::1", "::ffff:10.0.0.0/104", "::ffff:127.0.0.2/128",
+    )  # fmt: skip
     assert Settings().trusted_proxies == ()
     # "*" would make uvicorn take the leftmost X-Forwarded-For entry: the client's own claim
     for bad in ("*", "ingress.local", "10.0.0.1/8"):

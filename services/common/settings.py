@@ -280,8 +280,14 @@ class Settings(BaseSettings):
 
     @property
     def trusted_proxies(self) -> tuple[str, ...]:
-        """api_forwarded_allow_ips as a list (empty: forwarded headers are never read)."""
-        return tuple(filter(None, (e.strip() for e in self.api_forwarded_allow_ips.split(","))))
+        """api_forwarded_allow_ips as a list (empty: forwarded headers are never read), each
+        IPv4 entry also as IPv6-mapped (how an API listening on ``::`` sees IPv4 peers)."""
+        entries = [e.strip() for e in self.api_forwarded_allow_ips.split(",") if e.strip()]
+        networks = [ipaddress.ip_network(e) for e in entries]
+        mapped = [
+            f"::ffff:{n.network_address}/{96 + n.prefixlen}" for n in networks if n.version == 4
+        ]
+        return (*entries, *mapped)
 
     @field_validator("pg_password", mode="after")
     @classmethod
