@@ -13,9 +13,17 @@ import os
 from pathlib import Path
 
 import pytest
+import tlskit
 
 from services.common.settings import Settings
-from services.openshell.conformance import CLI_ENV, RUNNER_ENV, cli_session, run_suite, running_up
+from services.openshell.conformance import (
+    CLI_ENV,
+    RUNNER_ENV,
+    GatewayTls,
+    cli_session,
+    run_suite,
+    running_up,
+)
 
 RUNS = 2  # twice in a row against one `up`: names, rows and containers of run 1 do not linger
 
@@ -37,6 +45,23 @@ async def test_openshell_conformance_suite_passes_twice_in_a_row(
         for _ in range(RUNS):
             codes.append(await asyncio.to_thread(run_suite, runner, up.endpoint))
     assert codes == [0] * RUNS, f"exit codes {codes}; see the runner's output above"
+
+
+async def test_openshell_conformance_suite_passes_over_tls(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """With the API's certificate the gateway speaks TLS (server authentication only): the
+    runner, which insists on a client certificate for https, passes with a CA to verify the
+    gateway and a pair of its own that the gateway never asks for."""
+    runner = openshell_tool(RUNNER_ENV)
+    (tmp_path / "client").mkdir()
+    gateway = tlskit.issue_for_localhost(tmp_path)
+    client = tlskit.issue_for_localhost(tmp_path / "client")
+    tls = GatewayTls(gateway.ca, gateway.cert, gateway.key, client.cert, client.key)
+    async with running_up(settings, tmp_path, tls) as up:
+        assert up.endpoint.startswith("https://")
+        code = await asyncio.to_thread(run_suite, runner, up.endpoint, tls=tls)
+    assert code == 0, f"exit code {code}; see the runner's output above"
 
 
 async def test_openshell_cli_session(settings: Settings, tmp_path: Path) -> None:

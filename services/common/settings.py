@@ -7,6 +7,7 @@ overridden by an environment variable named ``SANDSTREAM_<FIELD>`` (e.g.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 from functools import cached_property
@@ -219,6 +220,11 @@ class Settings(BaseSettings):
     api_tls_keyfile: Path | None = None
     # The CA a client (the CLI) verifies the API's certificate with (default: the system's).
     api_ca_file: Path | None = None
+    # The proxies (IP addresses or networks, comma-separated) whose X-Forwarded-Proto and
+    # X-Forwarded-For the API believes: the scheme (https: the console's cookie is Secure) and
+    # the client address it logs. Empty (the default): no one's; a header from any other peer
+    # changes nothing (docs/security.md).
+    api_forwarded_allow_ips: str = ""
     # OpenShell-compatible gRPC API (services/openshell/), run by `sandstream up` when enabled.
     openshell_enabled: bool = True
     openshell_host: str = "127.0.0.1"
@@ -226,6 +232,9 @@ class Settings(BaseSettings):
     # Calls without a bearer token act as a local admin: for local use (OpenShell's conformance
     # suite sends no credentials); refused unless openshell_host is a loopback address.
     openshell_allow_unauthenticated: bool = False
+    # With the API's certificate the gRPC API speaks TLS too; false keeps it plaintext
+    # (OpenShell's CLI connects to an https gateway only with mutual-TLS files of its own).
+    openshell_tls: bool = True
     # Exec over the OpenShell API: the longest a command may run (also when the client sets no
     # limit), the sessions one token may have open at once, and all sessions at once (each
     # holds a thread reading Podman's stream while it runs).
@@ -270,6 +279,30 @@ class Settings(BaseSettings):
             delete_backoff_max_seconds=self.delete_retry_max_seconds,
             restart_reset_seconds=self.restart_reset_seconds,
         )
+
+    @field_validator("api_forwarded_allow_ips", mode="after")
+    @classmethod
+    def _proxy_addresses(cls, value: str) -> str:
+        for entry in filter(None, (e.strip() for e in value.split(","))):
+            try:
+                ipaddress.ip_network(entry)  # an address is a network of one
+            except ValueError:
+                raise ValueError(
+                    f"{entry!r} is neither an IP address nor a network (e.g. 10.0.0.0/8): "
+                    "only the proxies' addresses are trusted, never a name or '*'"
+                ) from None
+        return value
+
+    @property
+    def trusted_proxies(self) -> tuple[str, ...]:
+        """api_forwarded_allow_ips as a list (empty: forwarded headers are never read), each
+        IPv4 entry also as IPv6-mapped (how an API listening on ``::`` sees IPv4 peers)."""
+        entries = [e.strip() for e in self.api_forwarded_allow_ips.split(",") if e.strip()]
+        networks = [ipaddress.ip_network(e) for e in entries]
+        mapped = [
+            f"::ffff:{n.network_address}/{96 + n.prefixlen}" for n in networks if n.version == 4
+        ]
+        return (*entries, *mapped)
 
     @field_validator("pg_password", mode="after")
     @classmethod

@@ -1,7 +1,8 @@
 """The OpenShell-compatible gRPC server (grpcio's asyncio server), in `up` or as its own role.
 
 ``start_openshell`` serves an :class:`OpenShellService` on ``host:port``, over TLS with the
-HTTP API's certificate when the settings name one. ``sandstream up``
+HTTP API's certificate when the settings name one (unless ``openshell_tls`` is false: OpenShell's
+CLI connects to an https gateway only with mutual-TLS files of its own). ``sandstream up``
 runs it beside the HTTP API and shares its command gateway (the publisher), pool and change
 feed; ``python -m services.openshell`` runs it alone (with its own, and a Podman driver).
 
@@ -122,7 +123,13 @@ async def start_openshell(
         else f"{host}:{settings.openshell_port}"
     )
     hint = "set SANDSTREAM_OPENSHELL_PORT (--openshell-port) or turn it off (--no-openshell)"
-    tls = Tls.of(settings)  # the HTTP API's certificate, when it has one
+    # the HTTP API's certificate, when it has one and openshell_tls leaves it on
+    tls = Tls.of(settings) if settings.openshell_tls else None
+    if tls is None and not is_loopback(host):
+        log.warning(
+            "the OpenShell API listens on %s without TLS: tokens cross the network in clear",
+            host,
+        )
     try:
         if tls is None:
             port = server.add_insecure_port(target)

@@ -226,7 +226,8 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
         app = create_app(
             settings, pool, publisher, TokenStore.from_file(tokens.tokens_file), down=plane.down
         )
-        api = await start_api(app, settings.api_host, settings.api_port, sock=sock, tls=tls)
+        api = await start_api(app, settings.api_host, settings.api_port, sock=sock, tls=tls,
+                              trusted_proxies=settings.trusted_proxies)  # fmt: skip
         if settings.openshell_enabled:
             # A second door: the API's command gateway, pool and change feed, the same driver.
             openshell = await start_openshell(
