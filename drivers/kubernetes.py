@@ -6,13 +6,18 @@ watch loop; the rest is in its own modules (docs/drivers.md):
 
 - ``kube_config``: ``KubeConfig`` and the API client it connects with;
 - ``kube_api``: the API calls in the namespace (Pods, claims, Secrets, one watch request);
+- ``kube_cache``: the Pod cache (one listing and watch of the namespace's sandstream Pods)
+  its calls read and wait on, instead of a listing and a watch each;
+- ``kube_pods``: a key's Pods as the calls read them (the cache, or the apiserver where a
+  lagging cache could be wrong), and the creation of a generation's Pod;
 - ``kube_waits``: waiting on one Pod until it runs or is gone, and removing it;
 - ``kube_watch``: what the watch stream reports of each Pod;
 - ``kube_objects``: the objects it makes and how it reads them back (pure).
 
-- **launch** creates the claim (if a storage class is configured) and the Pod, then waits on a
-  watch of that one Pod until it runs (or has already ended); older generations' Pods are
-  deleted first, with their grace periods, and awaited (drivers/launch_precheck.py).
+- **launch** creates the claim (if a storage class is configured) and the Pod, then waits
+  until it runs (or has already ended); older generations' Pods are deleted first, with their
+  grace periods, and awaited (drivers/launch_precheck.py), and the rules are applied again
+  once the cache has caught up with the create (it may have lagged behind another driver).
 - **stop** deletes the generation's Pod with the sandbox's grace period and waits until it is
   gone; the claim stays. **delete** removes the key's Pods, then its claims.
 - Calls of one key run one at a time (a lock per key); calls of different keys share nothing
@@ -42,10 +47,8 @@ from drivers.kube_objects import (
     ACTOR,
     PodView,
     claim_manifest,
-    pod_manifest,
-    pod_name,
-    read_pod,
 )
+from drivers.kube_pods import KeyPods
 from drivers.kube_waits import Deadline, await_pod, remove_pod
 from drivers.kube_watch import Reported
 from drivers.launch_precheck import launch_precheck
@@ -86,6 +89,7 @@ class KubernetesDriver:
         self._api = KubeApi(self.cfg)
         # The Pods as one watch shows them, for this driver's own calls (not its watch()).
         self._cache = PodCache(self._api, self.cfg.reconnect_delay, self.cfg.max_reconnect_delay)
+        self._pods_of = KeyPods(self._api, self._cache, self.cfg.request_timeout)
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self.listings = 0  # full listings taken by watch streams (the first, then after 410s)
         self._closed = False
@@ -173,7 +177,7 @@ class KubernetesDriver:
     # -- operations --------------------------------------------------------------------------
 
     async def _launch(self, spec: LaunchSpec) -> LaunchResult:
-        seen, cached = await self._key_views(spec.key)
+        seen, cached = await self._pods_of.views(spec.key)
         plan = launch_precheck(spec, seen)
         await asyncio.gather(*(self._remove_pod(v, self._grace(v)) for v in plan.replace))
         if plan.refusal is not None:
@@ -193,7 +197,7 @@ class KubernetesDriver:
                 )
             if spec.secrets:
                 await self._api.write_secret(spec)
-            current, adopted = await self._create_pod(spec)
+            current, adopted = await self._pods_of.create(spec, self._pods)
             if spec.secrets:
                 await self._api.own_secret(spec, current)
         try:
@@ -224,7 +228,7 @@ class KubernetesDriver:
         planned on may have lagged behind a Pod another driver made just before. A newer
         generation found now removes the Pod just made (the launch was superseded); older
         ones are replaced now."""
-        seen = await self._views_since(spec.key, version_number(created.resource_version))
+        seen = await self._pods_of.since(spec.key, version_number(created.resource_version))
         late = launch_precheck(spec, [v for v in seen if v.uid != created.uid])
         if any(v.info.generation > spec.generation for v in seen):
             await self._remove_pod(created, 0.0)
@@ -234,40 +238,8 @@ class KubernetesDriver:
             await asyncio.gather(*(self._remove_pod(v, self._grace(v)) for v in late.replace))
             await self._api.remove_secrets(spec.key, lambda _, g: g < spec.generation)
 
-    async def _create_pod(self, spec: LaunchSpec) -> tuple[PodView, bool]:
-        """The generation's Pod, and whether it existed already (made by an earlier launch)."""
-        manifest = pod_manifest(spec, self._pods)
-        name = manifest["metadata"]["name"]
-        created = await self._api.create("pods", manifest, exist_ok=True)
-        if created is not None and (view := read_pod(created)) is not None:
-            self._cache.note(view)
-            return view, False
-        # The name was taken: by an earlier launch of ours, or a stranger.
-        existing = await self._api.fetch_pod(name)
-        if existing is None:
-            raise DriverError(
-                f"pod {name} was taken, then removed, while it was being created", retryable=True
-            )
-        view = read_pod(existing)
-        if view is None or view.info.generation != spec.generation:
-            raise DriverError(
-                f"pod name {name} is in use by a pod sandstream does not manage", retryable=False
-            )
-        if view.terminating or (view.info.identity, view.info.sandbox_id) != (
-            spec.identity,
-            spec.sandbox_id,
-        ):
-            # Not this launch's to adopt (the cache the launch planned on had not seen it):
-            # retried, the launch replaces it first.
-            self._cache.note(view)
-            raise DriverError(
-                f"pod {name} exists for another incarnation or is being removed", retryable=True
-            )
-        self._cache.note(view)
-        return view, True
-
     async def _stop(self, key: str, generation: int, timeout: float | None) -> OpResult:
-        view = await self._generation_pod(key, generation)
+        view = await self._pods_of.generation(key, generation)
         if view is None:
             return OpResult("already_absent")
         last = await self._remove_pod(view, self._grace(view, timeout))
@@ -279,7 +251,7 @@ class KubernetesDriver:
     async def _kill(self, key: str, generation: int) -> OpResult:
         """Delete the generation's Pod with no grace period: the API server removes it at once
         (a kubelet then SIGKILLs its container), and a stop waiting for it returns too."""
-        view = await self._generation_pod(key, generation)
+        view = await self._pods_of.generation(key, generation)
         if view is None:
             return OpResult("already_absent")
         last = await self._remove_pod(view, 0.0)
@@ -291,7 +263,7 @@ class KubernetesDriver:
         def ours(views: builtins.list[PodView]) -> builtins.list[PodView]:
             return [v for v in views if sandbox_id in (None, v.info.sandbox_id)]
 
-        seen, cached = await self._key_views(key)
+        seen, cached = await self._pods_of.views(key)
         views = ours(seen)
         if cached and not views:
             views, cached = ours(await self._api.list_views(key)), False  # absent: confirmed
@@ -302,7 +274,7 @@ class KubernetesDriver:
             anchors = [version_number(v.resource_version) for v in removed if v is not None]
             since = max((a for a in anchors if a is not None), default=None)
             done = {v.uid for v in views}
-            again = await self._views_since(key, since)
+            again = await self._pods_of.since(key, since)
             later = [v for v in ours(again) if v.uid not in done]
             views += later
             removed += await self._remove_pods(later)
@@ -332,40 +304,6 @@ class KubernetesDriver:
 
     async def _remove_pods(self, views: builtins.list[PodView]) -> builtins.list[PodView | None]:
         return list(await asyncio.gather(*(self._remove_pod(v, self._grace(v)) for v in views)))
-
-    # -- reading the key's Pods --------------------------------------------------------------
-
-    async def _key_views(self, key: str) -> tuple[builtins.list[PodView], bool]:
-        """The key's Pods from the cache (True) or, when it cannot answer, a listing (False)."""
-        views = await self._cache.views(key, self.cfg.request_timeout)
-        if views is not None:
-            return views, True
-        return await self._api.list_views(key), False
-
-    async def _views_since(self, key: str, version: int | None) -> builtins.list[PodView]:
-        """The key's Pods as of ``version`` or later: the cache if it has caught up with it,
-        else (or without a version) a listing."""
-        if self._cache.live and version is not None and self._cache.version >= version:
-            views = await self._cache.views(key, 0)
-            if views is not None:
-                return views
-        return await self._api.list_views(key)
-
-    async def _generation_pod(self, key: str, generation: int) -> PodView | None:
-        """The generation's Pod: from the cache, and when the cache has none, read by name
-        (it may not have seen a Pod made a moment ago by another driver)."""
-        seen, cached = await self._key_views(key)
-        views = [v for v in seen if v.info.generation == generation]
-        if views:
-            return views[-1]
-        if not cached:
-            return None
-        pod = await self._api.fetch_pod(pod_name(key, generation))
-        view = read_pod(pod) if pod is not None else None
-        if view is None or (view.info.key, view.info.generation) != (key, generation):
-            return None
-        self._cache.note(view)
-        return view
 
     def _grace(self, view: PodView, timeout: float | None = None) -> float:
         return grace_period(timeout, view.stop_timeout, self.cfg.stop_timeout)

@@ -56,7 +56,7 @@ async def test_a_sandbox_costs_the_apiserver_its_pods_create_and_delete_and_no_m
     one driver: it asks for each Pod's create and delete, and beyond those only for what all
     ten share (its cache's listing). Bare Pods, measured in the same run, cost as much.
     The driver before the cache listed the key's Pods, Secrets and claims and watched the
-    one Pod in its calls: 9.5 requests per sandbox."""
+    one Pod in its calls: 9.2 to 9.5 requests per sandbox."""
     async with own_apiserver(settings, tmp_path) as server:
         kube = kube_client(settings, server.settings.kube_apiserver_port)
         try:
