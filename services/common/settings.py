@@ -213,9 +213,13 @@ class Settings(BaseSettings):
     openshell_enabled: bool = True
     openshell_host: str = "127.0.0.1"
     openshell_port: int = Field(default=8788, ge=0, le=65535)
-    # Calls without a bearer token act as a local admin: for local use (OpenShell's conformance
-    # suite sends no credentials); refused unless openshell_host is a loopback address.
+    # Calls without a bearer token act as the local principal `openshell-local`: for local use
+    # (OpenShell's conformance suite sends no credentials); refused unless openshell_host is a
+    # loopback address. That principal holds openshell_unauthenticated_scopes (comma-separated):
+    # by default sandboxes' reads and commands, not exec, providers or audit (any local user
+    # could use them).
     openshell_allow_unauthenticated: bool = False
+    openshell_unauthenticated_scopes: str = "sandbox:read,sandbox:write"
     # Exec over the OpenShell API: the longest a command may run (also when the client sets no
     # limit), the sessions one token may have open at once, and all sessions at once (each
     # holds a thread reading Podman's stream while it runs).
@@ -255,6 +259,22 @@ class Settings(BaseSettings):
             delete_backoff_max_seconds=self.delete_retry_max_seconds,
             restart_reset_seconds=self.restart_reset_seconds,
         )
+
+    @field_validator("openshell_unauthenticated_scopes", mode="after")
+    @classmethod
+    def _known_scopes(cls, value: str) -> str:
+        from services.common.tokens import SCOPES  # tokens imports this module
+
+        given = [s.strip() for s in value.split(",") if s.strip()]
+        unknown = sorted(set(given) - set(SCOPES))
+        if unknown:
+            raise ValueError(f"unknown scopes {', '.join(unknown)} (known: {', '.join(SCOPES)})")
+        return ",".join(given)
+
+    @property
+    def openshell_local_scopes(self) -> frozenset[str]:
+        """The scopes of an unauthenticated OpenShell call (when those are allowed)."""
+        return frozenset(s for s in self.openshell_unauthenticated_scopes.split(",") if s)
 
     @field_validator("pg_password", mode="after")
     @classmethod

@@ -99,7 +99,9 @@ async def start_openshell(
     door = Door(
         pool=pool,
         gateway=gateway,
-        auth=Authenticator(tokens, settings.openshell_allow_unauthenticated),
+        auth=Authenticator(
+            tokens, settings.openshell_allow_unauthenticated, settings.openshell_local_scopes
+        ),
         driver=driver if isinstance(driver, ExecDriver) else None,
         logs=logs,
         providers=ProviderService(settings, pool, gateway),

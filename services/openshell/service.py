@@ -37,14 +37,14 @@ from services.api.gateway import CommandGateway, CommandTooLarge, PublishFailed,
 from services.api.idempotency import IdempotencyConflict
 from services.api.providers import ProviderService
 from services.api.readmodel import SandboxView
-from services.common.tokens import SCOPES, Denied, Principal, TokenStore, the_header
+from services.common.tokens import READ, WRITE, Denied, Principal, TokenStore, the_header
 from services.openshell import mapping
 
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
 Context: TypeAlias = grpc.aio.ServicerContext[object, object]
 
 COMMAND_ID_KEY: Final = "sandstream-command-id"
-LOCAL_PRINCIPAL: Final = Principal("openshell-local", frozenset(SCOPES))
+LOCAL_NAME: Final = "openshell-local"  # the actor of unauthenticated calls' commands
 OUTCOME_WAIT: Final = 30.0  # seconds an RPC waits for the processor to decide its command
 _COMMAND_ID = re.compile(COMMAND_ID_PATTERN)
 
@@ -89,12 +89,18 @@ async def abort(context: Context, code: grpc.StatusCode, message: str) -> NoRetu
 class Authenticator:
     """Bearer tokens from the metadata (``authorization: Bearer <token>``), as the HTTP API.
 
-    With ``allow_unauthenticated``, a call without credentials acts as a local admin; a call
-    with credentials is always checked.
+    With ``allow_unauthenticated``, a call without credentials acts as the local principal
+    holding ``local_scopes`` (by default sandboxes' reads and commands: not exec, not providers);
+    a call with credentials is always checked.
     """
 
     tokens: TokenStore
     allow_unauthenticated: bool = False
+    local_scopes: frozenset[str] = frozenset({READ, WRITE})
+
+    @property
+    def local(self) -> Principal:
+        return Principal(LOCAL_NAME, self.local_scopes)
 
     def check(
         self, authorization: Sequence[str], scope: str
@@ -106,7 +112,7 @@ class Authenticator:
         scheme, _, value = header.partition(" ")
         if not header:
             if self.allow_unauthenticated:
-                return LOCAL_PRINCIPAL
+                return self._local(scope)
             return grpc.StatusCode.UNAUTHENTICATED, "missing bearer token (authorization metadata)"
         if scheme.lower() != "bearer" or not value.strip():
             return (
@@ -120,6 +126,16 @@ class Authenticator:
                 status = grpc.StatusCode.PERMISSION_DENIED
             return status, checked.message
         return checked
+
+    def _local(self, scope: str) -> Principal | tuple[grpc.StatusCode, str]:
+        if scope in self.local_scopes:
+            return self.local
+        granted = ", ".join(sorted(self.local_scopes)) or "no scope"
+        return (
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"a call without a token holds {granted} here, not {scope}: send a token with "
+            "that scope (or add it to SANDSTREAM_OPENSHELL_UNAUTHENTICATED_SCOPES)",
+        )
 
 
 def metadata_of(context: Context) -> dict[str, str]:
