@@ -185,6 +185,8 @@ def _await_phase(
             }
             try:
                 for event, _, data in client.events(params, read_timeout=remaining + 30):
+                    if event == "denied":  # the token lapsed: following again would be refused
+                        fail(data["message"])
                     if event != "sandbox":
                         continue
                     last = data
@@ -523,6 +525,8 @@ def watch(
             for event, event_id, data in client.events(params, read_timeout=(remaining or 0) + 60):
                 if event_id is not None:
                     position = event_id
+                if event == "denied":  # the token lapsed: resuming would be refused
+                    fail(data["message"])
                 if event != "sandbox":
                     continue
                 if output is Output.json:

@@ -192,6 +192,32 @@ class TokenStore:
         return Principal(found.name, found.scopes, found.max_stop_timeout)
 
 
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A check made when a long stream opened, kept to be made again: a watch asks ``lapsed``
+    at every wake, so a token revoked, expired or stripped of the scope (or a tokens file no
+    longer valid) ends the stream at its next wake rather than when it closes. ``value`` None:
+    a call that sent no token and was let in without one (nothing to revoke)."""
+
+    tokens: TokenStore
+    value: str | None
+    scope: str
+
+    def lapsed(self) -> Denied | None:
+        """Why the stream's token no longer holds its scope, or None while it does."""
+        if self.value is None:
+            return None
+        checked = self.tokens.authorize(self.value, self.scope)
+        return checked if isinstance(checked, Denied) else None
+
+
+def grant_of(tokens: TokenStore, headers: Sequence[str], scope: str) -> Grant:
+    """The grant of a request that ``authorize_header`` let in (its one bearer token)."""
+    header = the_header(headers)
+    value = bearer_of(header) if isinstance(header, str) else None
+    return Grant(tokens, value or "", scope)  # "" never holds: fail closed
+
+
 MISSING_TOKEN: Final = "missing bearer token (Authorization: Bearer <token>)"
 
 

@@ -37,7 +37,16 @@ from services.api.gateway import CommandGateway, CommandTooLarge, PublishFailed,
 from services.api.idempotency import IdempotencyConflict
 from services.api.providers import ProviderService
 from services.api.readmodel import SandboxView
-from services.common.tokens import READ, WRITE, Denied, Principal, TokenStore, the_header
+from services.common.tokens import (
+    READ,
+    WRITE,
+    Denied,
+    Grant,
+    Principal,
+    TokenStore,
+    grant_of,
+    the_header,
+)
 from services.openshell import mapping
 
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
@@ -121,11 +130,14 @@ class Authenticator:
             )
         checked = self.tokens.authorize(value.strip(), scope)
         if isinstance(checked, Denied):
-            status = grpc.StatusCode.UNAUTHENTICATED
-            if checked.status == 403:
-                status = grpc.StatusCode.PERMISSION_DENIED
-            return status, checked.message
+            return status_of(checked), checked.message
         return checked
+
+    def grant(self, authorization: Sequence[str], scope: str) -> Grant:
+        """What a long stream that ``check`` let in re-checks (nothing, if it sent no token)."""
+        if not the_header(authorization):
+            return Grant(self.tokens, None, scope)
+        return grant_of(self.tokens, authorization, scope)
 
     def _local(self, scope: str) -> Principal | tuple[grpc.StatusCode, str]:
         if scope in self.local_scopes:
@@ -136,6 +148,17 @@ class Authenticator:
             f"a call without a token holds {granted} here, not {scope}: send a token with "
             "that scope (or add it to SANDSTREAM_OPENSHELL_UNAUTHENTICATED_SCOPES)",
         )
+
+
+def status_of(denied: Denied) -> grpc.StatusCode:
+    if denied.status == 403:
+        return grpc.StatusCode.PERMISSION_DENIED
+    return grpc.StatusCode.UNAUTHENTICATED
+
+
+def _authorization(context: Context) -> list[str]:
+    sent = context.invocation_metadata() or ()
+    return [v for k, v in sent if k.lower() == "authorization" and isinstance(v, str)]
 
 
 def metadata_of(context: Context) -> dict[str, str]:
@@ -189,12 +212,14 @@ class Door:
     outcome_wait: float = OUTCOME_WAIT
 
     async def authorize(self, context: Context, scope: str) -> Principal:
-        sent = context.invocation_metadata() or ()
-        given = [v for k, v in sent if k.lower() == "authorization" and isinstance(v, str)]
-        checked = self.auth.check(given, scope)
+        checked = self.auth.check(_authorization(context), scope)
         if isinstance(checked, Principal):
             return checked
         await abort(context, *checked)
+
+    def grant(self, context: Context, scope: str) -> Grant:
+        """The check an authorized stream makes again at every wake (``Grant.lapsed``)."""
+        return self.auth.grant(_authorization(context), scope)
 
     async def command_id(self, context: Context, request_id: str = "") -> str | None:
         """The client's id for this command: ``request_id`` or the metadata; None if neither."""
