@@ -312,11 +312,10 @@ def test_unauthenticated_calls_hold_only_sandbox_reads_and_commands_unless_confi
     assert isinstance(wider.check([], WRITE), tuple)
 
 
-def test_unknown_unauthenticated_scopes_are_a_settings_error(settings: Settings) -> None:
-    with pytest.raises(ValueError, match="unknown scopes sandbox:everything"):
-        Settings(
-            **{**settings.model_dump(), "openshell_unauthenticated_scopes": "sandbox:everything"}
-        )
+def test_unknown_unauthenticated_scopes_are_refused_at_start(settings: Settings) -> None:
+    wrong = {"openshell_unauthenticated_scopes": "sandbox:read,sandbox:everything"}
+    with pytest.raises(OpenShellConfigError, match="unknown scopes sandbox:everything"):
+        check_settings(settings.model_copy(update=wrong))
 
 
 def test_unauthenticated_calls_are_refused_off_loopback(settings: Settings) -> None:
