@@ -39,7 +39,8 @@ from .model import P, Sandbox
 from .providers import restart_reason
 from .restarts import (
     RESTART_CHANGES,
-    held_cancels,
+    held_defers,
+    released,
     restarts_on_ready,
     restarts_on_start,
     started_reason,
@@ -126,8 +127,8 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
     SandboxExpired: lambda s, e: {"expires_at": None,
                                   "reason": f"Expired: time to live ended ({e.policy})"},
     SandboxExtended: lambda s, e: {"expires_at": e.expires_at},
-    SandboxHeld: lambda s, e: {"hold": e.hold, **held_cancels(s, e)},
-    SandboxReleased: lambda s, e: {"hold": None},
+    SandboxHeld: held_defers,
+    SandboxReleased: released,
     **RESTART_CHANGES,
 }  # fmt: skip
 
