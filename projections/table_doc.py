@@ -169,8 +169,15 @@ def render() -> str:
         "anything is awaited a running snapshot does not make the row Ready: "
         "Ready means running the newest values. So an agent restarts once for any number of "
         "rotations that arrive while its restart is pending, and a second time only when its "
-        "launch had already read an older value (it must end up on the newest). Leaving the "
-        "launch phases or a new generation clears `awaited`.",
+        "launch had already read an older value (it must end up on the newest).",
+        "",
+        "A rotation skipped in Error or Stopping is recorded in `awaited` too: that generation "
+        "may be seen running again (a running snapshot lifts Error to Ready; a failed stop "
+        "that finds it running makes it Ready), and then, as after a launch whose read is "
+        "unknown, it restarts at once onto the newest values (AgentRestartSkipped if held). "
+        "`awaited` is kept in Provisioning, Starting, Error and Stopping "
+        "(`projections.lifecycle.OWED_PHASES`); a new generation or any other phase clears it "
+        "(the next start reads the newest values).",
         "",
         "### Detaching a provider (DetachProvider) by phase",
         "",
@@ -197,7 +204,9 @@ def render() -> str:
         "revision 0 (that launch must not have read it). On the launch's result: Ready, and if "
         "its `credentials` name the detached provider (it read the values before the detach) "
         "or are unknown, AgentRestarted at once without it; the running snapshot waits for that "
-        "result, as for an awaited rotation.",
+        "result, as for an awaited rotation. A detach in Error or Stopping is recorded the same "
+        "way: if that generation is seen running again, it restarts at once without the "
+        "provider.",
     ]
     return "\n".join(lines)
 

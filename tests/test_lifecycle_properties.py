@@ -14,11 +14,12 @@ completion policy away, and defer a scheduled restart without dropping it.
 
 Credentials: rotations of attached and unattached providers (with and without a restart), and
 launch reports naming the revisions the launch read (or none: unknown). A rotation restarts
-exactly where ROTATION_TABLE says; one that waits for a pending launch is awaited in the row
-(only while a launch is pending); a launch that read an older value than one awaited, or a
-provider detached meanwhile, never leaves the row Ready on those values; a running snapshot
-never makes a row that awaits a launch's report Ready. Runtime snapshots include ``stopping``
-(a runtime on its way out), which changes nothing anywhere.
+exactly where ROTATION_TABLE says; one it defers while the generation may yet run on older
+values (a pending launch, Error, Stopping) is awaited in the row, and only then; the row never
+becomes Ready on values older than awaited (or with a provider detached meanwhile), whether
+through a launch report or a generation seen running again, unless a hold defers the restart;
+a running snapshot never makes a row that awaits a launch's report Ready. Runtime snapshots
+include ``stopping`` (a runtime on its way out), which changes nothing anywhere.
 """
 
 from __future__ import annotations
@@ -81,10 +82,11 @@ from projections.fold import fold
 from projections.lifecycle import (
     COMMAND_TABLE,
     EXIT_EVENTS,
+    OWED_PHASES,
     PHASE_DEADLINES,
     REFUSED_WHILE_HELD,
     RESTART,
-    RESTART_PENDING,
+    ROTATION_TABLE,
     Admission,
     Decision,
     Message,
@@ -343,8 +345,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             assert message.generation == prev.generation  # type: ignore[union-attr]
             restart_due = isinstance(message, DeadlineDue) and message.deadline == "restart"
             restarted = isinstance(events[-1], AgentRestarted)
-            if restarted:
-                assert isinstance(message, DriverOperationResult) and prev.awaited
+            if restarted:  # a launch report, or a generation seen running again, that owed
+                assert prev.awaited  # the newest values
             assert new.generation == prev.generation + (1 if restart_due or restarted else 0), (
                 message
             )
@@ -362,7 +364,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         (AgentRestartSkipped)."""
         events = d.events
         if new.awaited:
-            assert new.phase in LAUNCHING, new
+            assert new.phase in OWED_PHASES, new
         if isinstance(message, RotateCredentials) and d.disposition != "duplicate":
             named = {r.provider for r in message.rotations}
             attached = sorted(named & set(prev.providers))
@@ -378,14 +380,28 @@ class LifecycleMachine(RuleBasedStateMachine):
             else:
                 assert isinstance(event, AgentRestartSkipped) and event.reason == action
                 assert (new.phase, new.generation) == (prev.phase, prev.generation)
-            if action == RESTART_PENDING:
+            if prev.phase in OWED_PHASES and action == ROTATION_TABLE[prev.phase]:
                 for r in message.rotations:
                     if r.provider in attached:
                         assert new.awaited[r.provider] >= r.revision
         if not (prev.awaited and is_observation(message)):
             return
-        if isinstance(message, RuntimeSnapshot) and message.state == "running":
+        running = isinstance(message, RuntimeSnapshot) and message.state == "running"
+        if running and prev.phase in LAUNCHING:
             assert not events  # Ready waits for the launch's report of what it read
+        # Never Ready on values older than owed: the same generation reaching Ready without a
+        # launch report restarts at once (or skips, saying so, while held).
+        if new.phase is P.READY and new.generation == prev.generation and prev.phase is not P.READY:
+            fresh = (
+                isinstance(message, DriverOperationResult)
+                and message.operation == "launch"
+                and not read_stale(prev.awaited, prev.providers, message.credentials)
+            )
+            assert fresh or (is_held(prev) and isinstance(events[-1], AgentRestartSkipped)), (
+                prev,
+                message,
+                events,
+            )
         launched = (
             isinstance(message, DriverOperationResult)
             and message.operation == "launch"
