@@ -81,7 +81,10 @@ def render() -> str:
         "A held sandbox refuses "
         + ", ".join(REFUSED_WHILE_HELD)
         + " in every phase (FAILED_PRECONDITION naming who holds it, since when and why); "
-        "its time to live and its completion policy wait until it is released.",
+        "its time to live waits until it is released, and a restart the restart policy "
+        "scheduled waits too (it happens after the release). The completion policy does not "
+        "act on an exit while held, and the release does not act on it either: the sandbox "
+        "stays Completed or Error until deleted.",
         "",
         "### Deadlines",
         "",

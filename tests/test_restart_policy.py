@@ -560,3 +560,13 @@ def test_a_failed_rotation_restart_meets_the_completion_policy_only_at_the_resta
     decision = h.send(f.failed(f.KEY, 2, "launch"))
     assert [e.type for e in decision.events] == types
     assert h.row().phase is (Phase.DELETING if policy in ("OnFailure", "Always") else Phase.ERROR)
+
+
+def test_the_completion_policy_of_an_exit_while_held_does_not_act_at_the_release() -> None:
+    """What docs/state-machine.md says of holds: an exit while held is not deleted by
+    on_exit=delete, then or at the release (the sandbox stays Completed)."""
+    h = f.Harness()
+    h.send(f.create(on_exit="delete"), f.running(), f.hold())
+    assert [e.type for e in h.send(f.exited(exit_code=0)).events] == ["SandboxCompleted"]
+    assert [e.type for e in h.send(f.release()).events] == ["SandboxReleased"]
+    assert (h.row().phase, h.row().deadline) == (P.COMPLETED, None)
