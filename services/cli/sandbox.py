@@ -487,6 +487,8 @@ def logs(
         params["tail"] = tail
     try:
         for line in client_of(ctx).json_lines(f"/v1/sandboxes/{name}/logs", params):
+            if "denied" in line:  # the token lapsed while following
+                fail(line["denied"]["message"])
             target = sys.stderr if line["stream"] == "stderr" else sys.stdout
             print(line["text"], file=target, flush=True)
     except StreamBroken as exc:

@@ -22,6 +22,7 @@ compared with every stored hash with ``hmac.compare_digest``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import hashlib
@@ -32,11 +33,11 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from services.common import secret_files
 from services.common.settings import Settings
@@ -58,6 +59,7 @@ SCOPES: Final = (READ, WRITE, EXEC, AUDIT, PROVIDER_READ, PROVIDER_WRITE, OPS)
 TOKEN_PREFIX: Final = "sst_"
 
 log = logging.getLogger("sandstream.tokens")
+T = TypeVar("T")
 
 
 class TokenFileError(RuntimeError):
@@ -209,6 +211,34 @@ class Grant:
             return None
         checked = self.tokens.authorize(self.value, self.scope)
         return checked if isinstance(checked, Denied) else None
+
+
+async def while_granted(
+    items: AsyncIterator[T], grant: Grant, every: float
+) -> AsyncIterator[T | Denied]:
+    """``items`` for as long as ``grant`` holds: it is checked before each item and every
+    ``every`` seconds while none comes; once it lapses, why (a Denied) is the last item."""
+    source = aiter(items)
+    pending: asyncio.Future[T] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(source))
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if (lapsed := grant.lapsed()) is not None:
+                yield lapsed
+                return
+            if not done:
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield item
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
 
 
 def grant_of(tokens: TokenStore, headers: Sequence[str], scope: str) -> Grant:

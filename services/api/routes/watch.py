@@ -112,11 +112,15 @@ def _sse(event: str, data: str, event_id: int | None = None) -> str:
     return f"{head}event: {event}\ndata: {data}\n\n"
 
 
-def denied_event(denied: Denied) -> str:
-    """The last event of a stream whose token lapsed (the body of a 401 or 403 answer)."""
+def denied_body(denied: Denied, what: str) -> dict[str, object]:
+    """Why a stream whose token lapsed ended (the body of a 401 or 403 answer, and status)."""
     code = "UNAUTHENTICATED" if denied.status == 401 else "PERMISSION_DENIED"
-    body = {"status": denied.status, "code": code, "message": f"watch ended: {denied.message}"}
-    return _sse("denied", json.dumps(body))
+    return {"status": denied.status, "code": code, "message": f"{what} ended: {denied.message}"}
+
+
+def denied_event(denied: Denied) -> str:
+    """The last event of a watch whose token lapsed."""
+    return _sse("denied", json.dumps(denied_body(denied, "watch")))
 
 
 async def watch_stream(
