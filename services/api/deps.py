@@ -29,9 +29,11 @@ from services.common.tokens import (
     READ,
     WRITE,
     Denied,
+    Grant,
     Principal,
     TokenStore,
     authorize_header,
+    grant_of,
 )
 
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
@@ -79,6 +81,11 @@ def check_auth(request: Request, scope: str) -> Principal:
     if isinstance(checked, Denied):
         raise denial(checked)
     return checked
+
+
+def grant(request: Request, scope: str) -> Grant:
+    """What a long stream re-checks at every wake: the token it was let in with, and scope."""
+    return grant_of(request.app.state.tokens, request.headers.getlist("authorization"), scope)
 
 
 def require_also(principal: Principal, scope: str, needed_for: str) -> None:

@@ -229,12 +229,16 @@ class Settings(BaseSettings):
     openshell_enabled: bool = True
     openshell_host: str = "127.0.0.1"
     openshell_port: int = Field(default=8788, ge=0, le=65535)
-    # Calls without a bearer token act as a local admin: for local use (OpenShell's conformance
-    # suite sends no credentials); refused unless openshell_host is a loopback address.
+    # Calls without a bearer token act as the local principal `openshell-local`: for local use
+    # (OpenShell's conformance suite sends no credentials); refused unless openshell_host is a
+    # loopback address. That principal holds openshell_unauthenticated_scopes (comma-separated):
+    # by default sandboxes' reads and commands, not exec, providers or audit (any local user
+    # could use them).
     openshell_allow_unauthenticated: bool = False
     # With the API's certificate the gRPC API speaks TLS too; false keeps it plaintext
     # (OpenShell's CLI connects to an https gateway only with mutual-TLS files of its own).
     openshell_tls: bool = True
+    openshell_unauthenticated_scopes: str = "sandbox:read,sandbox:write"
     # Exec over the OpenShell API: the longest a command may run (also when the client sets no
     # limit), the sessions one token may have open at once, and all sessions at once (each
     # holds a thread reading Podman's stream while it runs).
@@ -303,6 +307,13 @@ class Settings(BaseSettings):
             f"::ffff:{n.network_address}/{96 + n.prefixlen}" for n in networks if n.version == 4
         ]
         return (*entries, *mapped)
+
+    @property
+    def openshell_local_scopes(self) -> frozenset[str]:
+        """The scopes of an unauthenticated OpenShell call (when those are allowed); the
+        OpenShell server refuses to start with an unknown one."""
+        given = self.openshell_unauthenticated_scopes.split(",")
+        return frozenset(s.strip() for s in given if s.strip())
 
     @field_validator("pg_password", mode="after")
     @classmethod

@@ -31,7 +31,7 @@ from services.api.server import Tls
 from services.common.entrypoint import run_until_signalled
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
-from services.common.tokens import TokenStore
+from services.common.tokens import SCOPES, TokenStore
 from services.openshell.exec_rpc import ExecLimits
 from services.openshell.handlers import OpenShellService
 from services.openshell.service import Authenticator, Door, Pool
@@ -71,6 +71,12 @@ def check_settings(settings: Settings) -> None:
             "unauthenticated OpenShell calls are for local use only: openshell_host "
             f"{settings.openshell_host!r} is not a loopback address"
         )
+    unknown = sorted(settings.openshell_local_scopes - set(SCOPES))
+    if unknown:
+        raise OpenShellConfigError(
+            f"openshell_unauthenticated_scopes: unknown scopes {', '.join(unknown)} "
+            f"(known: {', '.join(SCOPES)})"
+        )
 
 
 @dataclass
@@ -101,7 +107,9 @@ async def start_openshell(
     door = Door(
         pool=pool,
         gateway=gateway,
-        auth=Authenticator(tokens, settings.openshell_allow_unauthenticated),
+        auth=Authenticator(
+            tokens, settings.openshell_allow_unauthenticated, settings.openshell_local_scopes
+        ),
         driver=driver if isinstance(driver, ExecDriver) else None,
         logs=logs,
         providers=ProviderService(settings, pool, gateway),

@@ -345,7 +345,8 @@ def _openshell_line(settings: Settings, openshell: RunningOpenShell | None) -> s
     scheme = "grpcs" if openshell.tls else "grpc"
     line = f"{scheme}://{openshell.address}   (OpenShell's gRPC API)"
     if settings.openshell_allow_unauthenticated:
-        line += "  unauthenticated local calls allowed"
+        scopes = ", ".join(sorted(settings.openshell_local_scopes)) or "no scope"
+        line += f"  unauthenticated local calls allowed ({scopes})"
     return line
 
 
