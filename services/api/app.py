@@ -2,8 +2,9 @@
 once (see the package docstring for what each module holds).
 
 ``create_app(settings, pool, publisher, tokens)`` builds the FastAPI application. Commands go
-to Kafka through the gateway; reads only query PostgreSQL; nothing here calls a driver
-(logs are read from the runtime through a log source, never a lifecycle call).
+to Kafka through the gateway; reads only query PostgreSQL; nothing here makes a
+lifecycle call to a driver (logs are read from the runtime through a log source; exec runs a
+command through the driver's exec capability).
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Literal
 
 from fastapi import FastAPI
 
 from drivers.logs import LogSource
+from drivers.protocol import ExecDriver
 from events.publisher import CommandPublisher
 from services.api import console
 from services.api.deps import ApiState, Pool
@@ -29,6 +32,7 @@ from services.api.readmodel import ChangeFeed
 from services.api.routes import (
     audit,
     commands,
+    exec,
     history,
     lifecycle,
     operations,
@@ -39,13 +43,16 @@ from services.api.routes import (
 from services.api.routes import (
     logs as logs_routes,
 )
+from services.common.exec_sessions import ExecLimits
 from services.common.settings import Settings
 from services.common.tokens import TokenStore
+from services.executor.exec_sources import exec_source
 from services.executor.log_sources import log_source
 
 # The order of inclusion is the order of the paths in the OpenAPI document.
 ROUTE_MODULES = (
-    commands, lifecycle, sandboxes, logs_routes, history, watch, audit, operations, providers
+    commands, lifecycle, sandboxes, logs_routes, exec, history, watch, audit, operations,
+    providers,
 )  # fmt: skip
 
 
@@ -59,11 +66,17 @@ def create_app(
     publish_timeout: float | None = None,
     down: Callable[[], dict[str, str]] | None = None,
     logs: LogSource | None = None,
+    exec_driver: ExecDriver | Literal["settings"] | None = "settings",
+    exec_limits: ExecLimits | None = None,
 ) -> FastAPI:
     """``logs``: the runtime's log source (default: the one of ``settings``' driver, closed
-    with the app)."""
+    with the app); ``exec_driver``: the driver exec runs commands through (default: the one
+    of ``settings``, closed with the app; None: no exec); ``exec_limits``: the exec sessions'
+    bounds and counts (default: new ones of ``settings``)."""
     own_logs = logs is None
     logs = log_source(settings) if logs is None else logs
+    owned_exec = exec_source(settings) if exec_driver == "settings" else None
+    execs = owned_exec if exec_driver == "settings" else exec_driver
     feed = ChangeFeed(pool, poll_interval=poll_interval)
     probe = KafkaProbe(settings, publisher)
     gateway = CommandGateway.of_role(
@@ -89,6 +102,8 @@ def create_app(
             await probe.close()
             if own_logs:
                 await logs.close()
+            if owned_exec is not None:
+                await owned_exec.close()
 
     app = FastAPI(
         title="sandstream",
@@ -100,7 +115,8 @@ def create_app(
     )
     app.state.tokens = tokens
     app.state.feed = feed
-    app.state.api = ApiState(settings, pool, feed, gateway, probe, down, logs)
+    limits = ExecLimits.of(settings) if exec_limits is None else exec_limits
+    app.state.api = ApiState(settings, pool, feed, gateway, probe, down, logs, execs, limits)
     # Last added runs first: metrics see every answer, the guard's 401/403/413 included.
     app.add_middleware(GuardMiddleware, max_body_bytes=settings.api_max_body_bytes)
     app.state.providers = provider_service

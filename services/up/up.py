@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 from aiokafka.errors import KafkaError
 
+from drivers.protocol import ExecDriver
 from events.publisher import CommandPublisher
 from services.api.app import create_app
 from services.api.providers import ProviderService
@@ -224,7 +225,12 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
         pool = await connect_pool(settings)
         await publisher.__aenter__()
         app = create_app(
-            settings, pool, publisher, TokenStore.from_file(tokens.tokens_file), down=plane.down
+            settings,
+            pool,
+            publisher,
+            TokenStore.from_file(tokens.tokens_file),
+            down=plane.down,
+            exec_driver=driver if isinstance(driver, ExecDriver) else None,
         )
         api = await start_api(app, settings.api_host, settings.api_port, sock=sock, tls=tls)
         if settings.openshell_enabled:
@@ -236,6 +242,7 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
                 tokens=app.state.tokens,
                 driver=driver,
                 logs=app.state.api.logs,
+                limits=app.state.api.exec_limits,  # one count of exec sessions, both doors
             )
         _banner(settings, api.url, tokens, time.monotonic() - started, openshell)
         if sync_source(settings) is not None:
