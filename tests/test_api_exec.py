@@ -178,7 +178,7 @@ async def test_unknown_not_ready_and_malformed_are_clear(api: Api) -> None:
         assert (await c.post(f"/v1/sandboxes/{name}:stop")).status_code in (200, 202)
     await api.wait_phase(name, "Stopped", timeout=60)
     r = await exec_json(api, name, command=["true"])
-    assert (r.status_code, r.json()["code"]) == (412, "FAILED_PRECONDITION")
+    assert (r.status_code, r.json()["code"]) == (409, "FAILED_PRECONDITION")
     assert "is Stopped, not Ready" in r.json()["message"]
     bad: dict[str, Any]
     for bad in ({"command": []}, {"command": ["x"], "timeout": 0}, {"command": ["x"], "y": 1}):

@@ -28,7 +28,7 @@ from drivers.protocol import DriverError, ExecEvent, ExecExit, ExecOutput
 from events.common import Phase
 from services.api import readmodel
 from services.api.deps import ApiState, Executor, State
-from services.api.errors import ApiError
+from services.api.errors import ApiError, ErrorBody
 from services.api.models import SSE_EVENT_SCHEMA, NamePath, responses
 from services.api.readmodel import SandboxView
 from services.common.exec_sessions import ExecLimits, ExecTimedOut, within
@@ -85,15 +85,20 @@ STREAM_DESCRIPTION: Final = (
             "description": "the command ended (JSON); " + STREAM_DESCRIPTION,
             "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
         },
-        **responses(401, 403, 404, 412, 413, 422, 503),
+        **responses(401, 403, 404, 413, 422, 503),
+        409: {
+            "model": ErrorBody,
+            "description": "FAILED_PRECONDITION: the sandbox is not Ready (the message names "
+            "its phase), or its runtime is gone or not running",
+        },
         429: {
-            "model": responses(422)[422]["model"],
+            "model": ErrorBody,
             "description": "RESOURCE_EXHAUSTED: too many exec sessions (per token, per "
             "sandbox, or in all)",
         },
         501: {
-            "model": responses(422)[422]["model"],
-            "description": "UNIMPLEMENTED: this API's driver cannot exec",
+            "model": ErrorBody,
+            "description": "NOT_IMPLEMENTED: this API's driver cannot exec",
         },
     },
     summary="Run a command in a Ready sandbox (needs sandbox:exec)",
@@ -132,10 +137,10 @@ async def ready_sandbox(state: ApiState, name: str) -> SandboxView:
         raise ApiError(404, "NOT_FOUND", f"sandbox {name!r} not found")
     if view.phase is not Phase.READY:
         raise ApiError(
-            412, "FAILED_PRECONDITION", f"sandbox {name!r} is {view.phase.value}, not Ready"
+            409, "FAILED_PRECONDITION", f"sandbox {name!r} is {view.phase.value}, not Ready"
         )
     if state.exec_driver is None:
-        raise ApiError(501, "UNIMPLEMENTED", "this API's driver cannot exec")
+        raise ApiError(501, "NOT_IMPLEMENTED", "this API's driver cannot exec")
     return view
 
 
@@ -252,7 +257,7 @@ def driver_error(exc: DriverError) -> ApiError:
     precondition; a broken connection to the runtime is worth a retry."""
     if exc.retryable:
         return ApiError(503, "UNAVAILABLE", f"exec: {exc.reason}")
-    return ApiError(412, "FAILED_PRECONDITION", f"exec: {exc.reason}")
+    return ApiError(409, "FAILED_PRECONDITION", f"exec: {exc.reason}")
 
 
 class Capped:
