@@ -17,6 +17,7 @@ from typing import Literal
 
 from fastapi import FastAPI
 
+from drivers.files import FilesBackend
 from drivers.logs import LogSource
 from drivers.protocol import ExecDriver
 from events.publisher import CommandPublisher
@@ -33,6 +34,7 @@ from services.api.routes import (
     audit,
     commands,
     exec,
+    files,
     history,
     lifecycle,
     operations,
@@ -47,11 +49,12 @@ from services.common.exec_sessions import ExecLimits
 from services.common.settings import Settings
 from services.common.tokens import TokenStore
 from services.executor.exec_sources import exec_source
+from services.executor.file_sources import file_source
 from services.executor.log_sources import log_source
 
 # The order of inclusion is the order of the paths in the OpenAPI document.
 ROUTE_MODULES = (
-    commands, lifecycle, sandboxes, logs_routes, exec, history, watch, audit, operations,
+    commands, lifecycle, sandboxes, logs_routes, exec, files, history, watch, audit, operations,
     providers,
 )  # fmt: skip
 
@@ -66,15 +69,19 @@ def create_app(
     publish_timeout: float | None = None,
     down: Callable[[], dict[str, str]] | None = None,
     logs: LogSource | None = None,
+    files: FilesBackend | None = None,
     exec_driver: ExecDriver | Literal["settings"] | None = "settings",
     exec_limits: ExecLimits | None = None,
 ) -> FastAPI:
-    """``logs``: the runtime's log source (default: the one of ``settings``' driver, closed
-    with the app); ``exec_driver``: the driver exec runs commands through (default: the one
-    of ``settings``, closed with the app; None: no exec); ``exec_limits``: the exec sessions'
-    bounds and counts (default: new ones of ``settings``)."""
+    """``logs``, ``files``: the runtime's log and file sources (default: those of
+    ``settings``' driver, closed with the app); ``exec_driver``: the driver exec runs
+    commands through (default: the one of ``settings``, closed with the app; None: no exec);
+    ``exec_limits``: the exec sessions' bounds and counts (default: new ones of
+    ``settings``)."""
     own_logs = logs is None
     logs = log_source(settings) if logs is None else logs
+    own_files = files is None
+    files = file_source(settings) if files is None else files
     owned_exec = exec_source(settings) if exec_driver == "settings" else None
     execs = owned_exec if exec_driver == "settings" else exec_driver
     feed = ChangeFeed(pool, poll_interval=poll_interval)
@@ -102,6 +109,8 @@ def create_app(
             await probe.close()
             if own_logs:
                 await logs.close()
+            if own_files:
+                await files.close()
             if owned_exec is not None:
                 await owned_exec.close()
 
@@ -116,9 +125,13 @@ def create_app(
     app.state.tokens = tokens
     app.state.feed = feed
     limits = ExecLimits.of(settings) if exec_limits is None else exec_limits
-    app.state.api = ApiState(settings, pool, feed, gateway, probe, down, logs, execs, limits)
+    app.state.api = ApiState(settings, pool, feed, gateway, probe, down, logs, files, execs, limits)
     # Last added runs first: metrics see every answer, the guard's 401/403/413 included.
-    app.add_middleware(GuardMiddleware, max_body_bytes=settings.api_max_body_bytes)
+    app.add_middleware(
+        GuardMiddleware,
+        max_body_bytes=settings.api_max_body_bytes,
+        max_upload_bytes=settings.files_max_upload_bytes,
+    )
     app.state.providers = provider_service
     app.add_middleware(MetricsMiddleware)
     install_error_handlers(app)

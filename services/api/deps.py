@@ -3,6 +3,7 @@ check, and the application's shared state (pool, publisher, change feed, gateway
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, TypeAlias
@@ -11,6 +12,7 @@ import asyncpg
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from drivers.files import FilesBackend
 from drivers.logs import LogSource
 from drivers.protocol import ExecDriver
 from services.api.errors import ApiError
@@ -22,6 +24,8 @@ from services.common.settings import Settings
 from services.common.tokens import (
     AUDIT,
     EXEC,
+    FILES_READ,
+    FILES_WRITE,
     OPS,
     PROVIDER_READ,
     PROVIDER_WRITE,
@@ -41,12 +45,16 @@ SCOPED_PREFIXES: Final = (
     ("/v1/audit/", AUDIT, AUDIT),
     ("/v1/providers", PROVIDER_READ, PROVIDER_WRITE),
 )
+# A sandbox's files: /v1/sandboxes/{name}/files and below.
+FILES_PATH: Final = re.compile(r"^/v1/sandboxes/[^/]+/files(/|$)")
 
 
 def request_scope(method: str, path: str) -> str:
     """The scope a request must hold before anything of it is read or validated: the front
     gate and the answer to a malformed request both ask it (the routes check theirs again)."""
     reading = method in READ_METHODS
+    if FILES_PATH.match(path):
+        return FILES_READ if reading else FILES_WRITE
     if not reading and _is_exec(path):
         return EXEC
     for prefix, read_scope, write_scope in SCOPED_PREFIXES:
@@ -140,6 +148,8 @@ ProviderReader = Annotated[Principal, Depends(require(PROVIDER_READ))]
 ProviderWriter = Annotated[Principal, Depends(require(PROVIDER_WRITE))]
 Operator = Annotated[Principal, Depends(require(OPS))]
 Executor = Annotated[Principal, Depends(require(EXEC))]
+FilesReader = Annotated[Principal, Depends(require(FILES_READ))]
+FilesWriter = Annotated[Principal, Depends(require(FILES_WRITE))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,6 +169,8 @@ class ApiState:
     down: Callable[[], dict[str, str]] | None = None
     # The runtime's logs (GET /v1/sandboxes/{name}/logs); None: this API serves no logs.
     logs: LogSource | None = None
+    # The sandboxes' files (/v1/sandboxes/{name}/files); None: this API serves no files.
+    files: FilesBackend | None = None
     # The driver POST /v1/sandboxes/{name}/exec runs commands through (None: it cannot exec),
     # and the exec sessions' bounds and counts (shared with OpenShell's door under `up`).
     exec_driver: ExecDriver | None = None

@@ -233,6 +233,11 @@ class Settings(BaseSettings):
     # Request bodies above this are refused (413) unread; it stays below Kafka's message size
     # limit (1 MiB), so an accepted command always fits in a record.
     api_max_body_bytes: int = Field(default=512 * 1024, ge=1024)
+    # Files (/v1/sandboxes/{name}/files): an upload above this is refused with 413 (from its
+    # Content-Length at once, or once the streamed bytes pass it); a listing answers at most
+    # this many entries (saying when there were more).
+    files_max_upload_bytes: int = Field(default=1024 * 1024 * 1024, ge=1024)
+    files_list_max_entries: int = Field(default=10_000, ge=1, le=1_000_000)
     # The longest grace period (stop_timeout_seconds) a create may ask for, unless its token
     # sets its own max_stop_timeout_seconds (tokens file).
     api_max_stop_timeout_seconds: int = Field(default=600, ge=0, le=3600)

@@ -47,6 +47,11 @@ WRITE: Final = "sandbox:write"
 # agent sees: its attached providers' values included. So it is a scope of its own, never
 # implied by sandbox:write (a tokens file made before it existed gives it to no token).
 EXEC: Final = "sandbox:exec"
+# Files inside a sandbox: reading shows what the agent's files hold (its secrets included:
+# /run/secrets/sandstream/ holds its providers' values); writing changes what the agent runs.
+# Neither is implied by sandbox:read/write (a tokens file made before them gives them to none).
+FILES_READ: Final = "files:read"
+FILES_WRITE: Final = "files:write"
 AUDIT: Final = "audit:read"  # the audit routes: whole histories, exports, chain checks
 # Providers: reading shows names, key names and fingerprints (never values); writing sets
 # values, deletes providers, and is needed (with sandbox:write) to attach or detach one.
@@ -54,7 +59,9 @@ PROVIDER_READ: Final = "provider:read"
 PROVIDER_WRITE: Final = "provider:write"
 # Operations: /metrics and the checks of /readyz (addresses, lag, errors of the parts).
 OPS: Final = "ops:read"
-SCOPES: Final = (READ, WRITE, EXEC, AUDIT, PROVIDER_READ, PROVIDER_WRITE, OPS)
+SCOPES: Final = (
+    READ, WRITE, EXEC, FILES_READ, FILES_WRITE, AUDIT, PROVIDER_READ, PROVIDER_WRITE, OPS
+)  # fmt: skip
 TOKEN_PREFIX: Final = "sst_"
 
 log = logging.getLogger("sandstream.tokens")

@@ -20,4 +20,5 @@ observations: the processor decides.
 - ``backends``: the drivers built from the settings.
 - ``log_sources``: the runtime log readers of the configured backends (for the API's logs).
 - ``exec_sources``: the exec-capable driver of the settings (for the API's and OpenShell's exec).
+- ``file_sources``: the file sources of the configured backends (for the API's files routes).
 """

@@ -12,4 +12,5 @@
 
 - ``logs``: a sandbox's output, read from its runtime, never stored.
 - ``exec``: a command run in a Ready sandbox (one JSON answer, or server-sent events).
+- ``files``: a sandbox's files: upload, download, list, stat, mkdir, remove, move.
 """
