@@ -119,9 +119,18 @@ class SseParser:
 
 
 class SyncTransport:
+    """Closed, it opens a new connection pool at its next call (a killed sandbox's object,
+    closed by its ``with`` block, still answers ``kill()``)."""
+
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.http = httpx.Client(**config.client_args())
+        self._http = httpx.Client(**config.client_args())
+
+    @property
+    def http(self) -> httpx.Client:
+        if self._http.is_closed:
+            self._http = httpx.Client(**self.config.client_args())
+        return self._http
 
     def send(self, call: Call) -> httpx.Response:
         try:
@@ -143,13 +152,21 @@ class SyncTransport:
             raise _unreachable(self.config, exc) from exc
 
     def close(self) -> None:
-        self.http.close()
+        self._http.close()
 
 
 class AsyncTransport:
+    """As :class:`SyncTransport`, with ``httpx.AsyncClient``."""
+
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.http = httpx.AsyncClient(**config.client_args())
+        self._http = httpx.AsyncClient(**config.client_args())
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self._http.is_closed:
+            self._http = httpx.AsyncClient(**self.config.client_args())
+        return self._http
 
     async def send(self, call: Call) -> httpx.Response:
         try:
@@ -175,4 +192,4 @@ class AsyncTransport:
             raise _unreachable(self.config, exc) from exc
 
     async def close(self) -> None:
-        await self.http.aclose()
+        await self._http.aclose()

@@ -206,14 +206,18 @@ class AsyncSandbox:
         except NotFoundError:
             return False
 
-    async def stop(self) -> None:
-        """Stop it (its files stay) and wait until it is Stopped."""
-        await self._transport.send(lifecycle.command_call(self.name, "stop"))
+    async def stop(self, *, expected_version: int | None = None) -> None:
+        """Stop it (its files stay) and wait until it is Stopped; ``expected_version``: only
+        if the sandbox is at that version (else VersionConflictError)."""
+        body = lifecycle.versioned(expected_version)
+        await self._transport.send(lifecycle.command_call(self.name, "stop", body))
         await self._until("Stopped")
 
-    async def start(self) -> None:
-        """Start it again (a new runtime, the same workspace) and wait until it is Ready."""
-        await self._transport.send(lifecycle.command_call(self.name, "start"))
+    async def start(self, *, expected_version: int | None = None) -> None:
+        """Start it again (a new runtime, the same workspace) and wait until it is Ready;
+        ``expected_version`` as for :meth:`stop`."""
+        body = lifecycle.versioned(expected_version)
+        await self._transport.send(lifecycle.command_call(self.name, "start", body))
         await self._until("Ready")
 
     async def kill(self) -> bool:

@@ -61,6 +61,10 @@ def command_call(name: str, verb: Literal["stop", "start", "extend"],
                 ok=(200, 202))  # fmt: skip
 
 
+def versioned(expected_version: int | None) -> dict[str, Any]:
+    return {} if expected_version is None else {"expected_version": expected_version}
+
+
 def delete_call(name: str) -> Call:
     return Call("DELETE", f"/v1/sandboxes/{name}", {"wait": DECIDE_WAIT}, ok=(200, 202))
 

@@ -195,14 +195,18 @@ class Sandbox:
         except NotFoundError:
             return False
 
-    def stop(self) -> None:
-        """Stop it (its files stay) and wait until it is Stopped."""
-        self._transport.send(lifecycle.command_call(self.name, "stop"))
+    def stop(self, *, expected_version: int | None = None) -> None:
+        """Stop it (its files stay) and wait until it is Stopped; ``expected_version``: only
+        if the sandbox is at that version (else VersionConflictError)."""
+        body = lifecycle.versioned(expected_version)
+        self._transport.send(lifecycle.command_call(self.name, "stop", body))
         self._until("Stopped")
 
-    def start(self) -> None:
-        """Start it again (a new runtime, the same workspace) and wait until it is Ready."""
-        self._transport.send(lifecycle.command_call(self.name, "start"))
+    def start(self, *, expected_version: int | None = None) -> None:
+        """Start it again (a new runtime, the same workspace) and wait until it is Ready;
+        ``expected_version`` as for :meth:`stop`."""
+        body = lifecycle.versioned(expected_version)
+        self._transport.send(lifecycle.command_call(self.name, "start", body))
         self._until("Ready")
 
     def kill(self) -> bool:
