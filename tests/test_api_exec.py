@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
+from pathlib import Path
 from typing import Any
 
 import apikit
@@ -244,3 +246,92 @@ async def test_a_sandbox_deleted_mid_command_ends_the_answer_cleanly(api: Api) -
         rest = [e async for e in events]
     assert rest and rest[-1][0] in ("exit", "error"), rest
     assert sum(kind in ("exit", "error") for kind, _ in rest) == 1
+
+
+async def test_hostile_bodies_are_refused_naming_the_field_or_run(api: Api, sandbox: str) -> None:
+    """Regression: NUL bytes, an empty or '='-holding environment name and a relative working
+    directory reached Podman, whose error came back as the command's stderr with exit 125 or
+    127; now each is a 422 naming the field. A missing program or directory still runs, with
+    the runtime's exit code (127, as `podman exec` says), never a 5xx."""
+    refused: list[tuple[dict[str, Any], str]] = [
+        ({"command": ["echo", "a\x00b"]}, "command"),
+        ({"command": ["\x00"]}, "command"),
+        ({"command": ["true"], "env": {"": "x"}}, "env"),
+        ({"command": ["true"], "env": {"A=B": "x"}}, "env"),
+        ({"command": ["true"], "env": {"C": "\x00"}}, "env"),
+        ({"command": ["true"], "workdir": "tmp"}, "workdir"),
+        ({"command": ["true"], "workdir": "/\x00"}, "workdir"),
+    ]
+    for body, field in refused:
+        r = await exec_json(api, sandbox, **body)
+        assert (r.status_code, r.json()["code"]) == (422, "INVALID_ARGUMENT"), (body, r.text)
+        assert f"'{field}" in r.json()["message"], (body, r.text)
+    for body in ({"command": ["/no/such/program"]}, {"command": ["true"], "workdir": "/no/dir"}):
+        r = await exec_json(api, sandbox, **body)
+        assert (r.status_code, r.json()["exit_code"]) == (200, 127), (body, r.text)
+    r = await exec_json(api, sandbox, command=["wc", "-c"], stdin="\x00" * 1000)
+    assert (r.status_code, r.json()["stdout"].strip()) == (200, "1000"), r.text
+
+
+async def test_on_the_kubernetes_driver_exec_is_not_implemented() -> None:
+    """With ``driver=kubernetes`` the API has no exec-capable driver (the Kubernetes driver has
+    no exec yet): a Ready sandbox's exec is 501, not a Podman socket's error. (The sandboxes
+    here run on the fake driver; only the API's driver setting is Kubernetes.)"""
+    from drivers.fake import FakeDriver
+
+    async with apikit.running_api(
+        FakeDriver(), settings_update={"driver": "kubernetes"}, token_store=token_store()
+    ) as api:
+        name = unique("kube")
+        async with api.client() as c:
+            r = await c.post("/v1/sandboxes", json=create_body(name), params={"wait": 30})
+            assert r.status_code == 201, r.text
+        await api.wait_phase(name, "Ready")
+        r = await exec_json(api, name, command=["true"])
+        assert (r.status_code, r.json()["code"]) == (501, "NOT_IMPLEMENTED"), r.text
+
+
+def written_by(podman: PodmanClient, container: str, command: str) -> int | None:
+    """Bytes written so far by the container's process whose command line begins with
+    ``command`` (its /proc io counters, read from the host); None once it is gone."""
+    top = podman.containers.get(container).top(ps_args="hpid,args")
+    assert isinstance(top, dict)
+    for hpid, args in top["Processes"]:
+        if args.startswith(command):
+            try:
+                io = Path(f"/proc/{hpid}/io").read_text()
+            except OSError:
+                return None
+            return int(re.search(r"^wchar: (\d+)", io, re.M).group(1))  # type: ignore[union-attr]
+    return None
+
+
+async def test_a_slow_reader_holds_the_command_not_the_apis_memory(
+    api: Api, sandbox: str, podman: PodmanClient
+) -> None:
+    """A client that reads nothing of a 40 MB stream: the command is held at its writes far
+    below 40 MB (the API reads a few chunks ahead, never the whole output), and once the
+    client reads, every byte arrives and the exit follows."""
+    total = 40_000_000
+    marker = f"{total + uuid.uuid4().int % 1000}"
+    body = {"command": ["sh", "-c", f"head -c {marker} /dev/zero | tr '\\0' x"]}
+    container = container_of(sandbox)
+    async with api.client() as c, streamed(c, sandbox, body) as r:
+        assert r.status_code == 200
+        samples: list[int | None] = []
+
+        async def held() -> bool:
+            # tr writes the output (the shell runs head as a builtin of a forked sh)
+            samples.append(await asyncio.to_thread(written_by, podman, container, "tr "))
+            return len(samples) > 4 and samples[-1] is not None and len(set(samples[-4:])) == 1
+
+        await eventually(held, bool, interval=0.25, what="the writer to be held")
+        assert samples[-1] is not None and samples[-1] < total // 4, samples
+        received, others = 0, []
+        async for kind, data in sse_events(r):
+            if kind == "stdout":
+                received += len(data["data"])
+            else:
+                others.append((kind, data))
+    assert received == int(marker)
+    assert others == [("exit", {"exit_code": 0, "timed_out": False})]

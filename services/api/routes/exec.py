@@ -22,7 +22,7 @@ from typing import Annotated, Any, Final
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from drivers.protocol import DriverError, ExecEvent, ExecExit, ExecOutput
 from events.common import Phase
@@ -46,7 +46,7 @@ class ExecRequest(BaseModel):
     )
     env: dict[str, str] = Field(default_factory=dict, description="environment variables added")
     workdir: str | None = Field(
-        default=None, min_length=1, description="working directory (default: the image's)"
+        default=None, min_length=1, description="absolute working directory (default: the image's)"
     )
     timeout: float | None = Field(
         default=None,
@@ -59,6 +59,30 @@ class ExecRequest(BaseModel):
         description="the command's input (UTF-8), then its end; null: no input (an immediate "
         "end of input)",
     )
+
+    @field_validator("command")
+    @classmethod
+    def _argv(cls, command: list[str]) -> list[str]:
+        if any("\x00" in arg for arg in command):
+            raise ValueError("an argument contains a NUL character")
+        return command
+
+    @field_validator("env")
+    @classmethod
+    def _environment(cls, env: dict[str, str]) -> dict[str, str]:
+        for key, value in env.items():
+            if not key or "=" in key or "\x00" in key:
+                raise ValueError(f"{key!r}: a name must be non-empty, without '=' or NUL")
+            if "\x00" in value:
+                raise ValueError(f"{key!r}: the value contains a NUL character")
+        return env
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, workdir: str | None) -> str | None:
+        if workdir is not None and (not workdir.startswith("/") or "\x00" in workdir):
+            raise ValueError("must be an absolute path, without NUL")
+        return workdir
 
 
 class ExecResult(BaseModel):
