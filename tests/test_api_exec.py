@@ -248,6 +248,26 @@ async def test_a_sandbox_deleted_mid_command_ends_the_answer_cleanly(api: Api) -
     assert sum(kind in ("exit", "error") for kind, _ in rest) == 1
 
 
+async def test_a_sandbox_deleted_mid_command_answers_the_json_form(
+    api: Api, podman: PodmanClient
+) -> None:
+    """The JSON form of the above: an exit (the command was killed with its container) or a
+    409/503 naming the failure, never a 5xx of the API's own; the session is released."""
+    name = await ready_sandbox(api)
+    marker = f"{3000 + uuid.uuid4().int % 1000}"
+    call = asyncio.create_task(exec_json(api, name, command=["sleep", marker]))
+    await eventually(lambda: running_with(podman, container_of(name), f"sleep {marker}"), bool,
+                     what="the command")  # fmt: skip
+    async with api.client() as c:
+        assert (await c.delete(f"/v1/sandboxes/{name}")).status_code in (200, 202)
+    r = await asyncio.wait_for(call, 60)
+    assert r.status_code in (200, 409, 503), r.text
+    if r.status_code == 200:
+        assert r.json()["exit_code"] is not None and r.json()["exit_code"] != 0, r.text
+    await eventually(lambda: api.app.state.api.exec_limits.open_in[name],
+                     lambda n: n == 0, what="the session to end")  # fmt: skip
+
+
 async def test_hostile_bodies_are_refused_naming_the_field_or_run(api: Api, sandbox: str) -> None:
     """Regression: NUL bytes, an empty or '='-holding environment name and a relative working
     directory reached Podman, whose error came back as the command's stderr with exit 125 or
