@@ -98,7 +98,7 @@ async def test_symlinks_pointing_out_resolve_inside_the_sandbox_and_proc_gives_n
 ) -> None:
     links = (
         "mkdir -p /workspace/sl/d && cd /workspace/sl && touch d/one && ln -s d dl"
-        " && ln -s / root && ln -s /proc/1 init"
+        " && ln -s / root && ln -s /proc/1 init && ln -s d/one fl"
     )
     await run_in(podman, box, "sh", "-c", links)
     identity = (await run_in(podman, box, "sh", "-c", "echo $SANDSTREAM_IDENTITY")).strip()
@@ -123,8 +123,18 @@ async def test_symlinks_pointing_out_resolve_inside_the_sandbox_and_proc_gives_n
         assert (r.json()["type"], r.json()["name"]) == ("symlink", "root"), r.text
         r = await c.delete(box.url(), params={"path": "sl/root"})
         assert r.status_code == 204, r.text
-        assert await names_in(c, box, "sl") == {"init", "d", "dl"}
+        assert (await c.get(box.url("/stat"), params={"path": "sl/root"})).status_code == 404
         assert (await c.get(box.url("/stat"), params={"path": "/etc"})).json()["type"] == "dir"
+        # A raw upload to a symlink replaces the link (renamed over it), never writing through
+        # it; to a symlink to a directory it is refused as for a directory.
+        r = await c.put(box.url("/content"), params={"path": "sl/fl"}, content=b"file now")
+        assert r.status_code == 200 and r.json()["type"] == "file", r.text
+        r = await c.get(box.url("/content"), params={"path": "sl/d/one"})
+        assert (r.status_code, r.content) == (200, b""), r.text
+        r = await c.put(box.url("/content"), params={"path": "sl/dl"}, content=b"x")
+        assert (r.status_code, r.json()["code"]) == (400, "INVALID_ARGUMENT"), r.text
+        assert await names_in(c, box, "sl/d") == {"one"}  # and no temporary file left
+        assert (await c.get(box.url("/stat"), params={"path": "sl/dl"})).json()["type"] == "symlink"
 
 
 async def test_the_read_only_root_answers_a_clear_409(box: Sandbox) -> None:
@@ -364,6 +374,32 @@ async def test_a_runtime_stream_that_breaks_off_breaks_the_answer_off(
         del source.read_tar
 
 
+@pytest.mark.parametrize(
+    ("first", "failure"),
+    [
+        (b"\0" * 100, FilesError("unavailable", "Podman's API: RemoteProtocolError")),
+        (b"not a tar header" * 40, None),
+    ],
+)
+async def test_a_runtime_archive_broken_before_its_first_member_is_503(
+    box: Sandbox, first: bytes, failure: FilesError | None
+) -> None:
+    source = box.api.app.state.api.files
+
+    async def broken(key: str, generation: int, path: str) -> AsyncIterator[bytes]:
+        yield first
+        if failure is not None:
+            raise failure
+
+    source.read_tar = broken
+    try:
+        async with box.api.client(FILES) as c:
+            r = await c.get(box.url("/content"), params={"path": "x"})
+            assert (r.status_code, r.json()["code"]) == (503, "UNAVAILABLE"), r.text
+    finally:
+        del source.read_tar
+
+
 async def test_an_empty_file_goes_both_ways(box: Sandbox) -> None:
     async with box.api.client(FILES) as c:
         r = await c.put(box.url("/content"), params={"path": "empty"}, content=b"")
@@ -393,3 +429,60 @@ async def test_a_tar_download_of_a_tree_holds_every_member(box: Sandbox) -> None
         r = await c.get(box.url("/content"), params={"path": "tree", "format": "tar"})
         got = members_of(r.content)
         assert all(got[f"tree/t/f{i}"] == (str(i) * 1000).encode() for i in range(50))
+
+
+async def test_a_slow_writer_holds_no_other_request_back(box: Sandbox) -> None:
+    """An upload whose client pauses mid-body waits for it (no timeout cuts it), and the API
+    answers other requests meanwhile."""
+    archive = tar_of([("slow.txt", "file", "s" * 100_000)])
+    paused, resume = asyncio.Event(), asyncio.Event()
+
+    async def slowly() -> AsyncIterator[bytes]:
+        yield archive[:30_000]
+        paused.set()
+        await resume.wait()
+        yield archive[30_000:]
+
+    async with box.api.client(FILES) as c, box.api.client(FILES) as other:
+        upload = asyncio.create_task(
+            c.put(box.url("/content"), params={"path": "slow", "format": "tar"}, content=slowly())
+        )
+        await paused.wait()
+        r = await other.get(box.url("/stat"), params={"path": "/workspace"})
+        assert r.status_code == 200, r.text
+        assert not upload.done()
+        resume.set()
+        r = await upload
+        assert r.status_code == 201, r.text
+        r = await other.get(box.url("/content"), params={"path": "slow/slow.txt"})
+        assert r.content == b"s" * 100_000
+
+
+async def test_a_sandbox_deleted_mid_upload_answers_a_4xx_or_503_not_a_500(
+    podman: PodmanClient,
+) -> None:
+    async with files_api() as box:
+        paused, resume = asyncio.Event(), asyncio.Event()
+
+        async def slowly() -> AsyncIterator[bytes]:
+            yield b"a" * 100_000
+            paused.set()
+            await resume.wait()
+            yield b"b" * 100_000
+
+        async with box.api.client(FILES) as c:
+            upload = asyncio.create_task(
+                c.put(
+                    box.url("/content"),
+                    params={"path": "gone.bin"},
+                    content=slowly(),
+                    headers={"Content-Length": "200000"},
+                )
+            )
+            await paused.wait()
+            container = podman.containers.get(container_name(box.name, 1))
+            await asyncio.to_thread(container.remove, force=True)
+            resume.set()
+            r = await upload
+            assert r.status_code in (409, 503), r.text
+            assert r.json()["code"] in ("FAILED_PRECONDITION", "UNAVAILABLE")

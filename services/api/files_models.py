@@ -75,7 +75,8 @@ _DESCRIBED: Final = {
     413: "PAYLOAD_TOO_LARGE: the upload is above files_max_upload_bytes",
     422: "INVALID_ARGUMENT: a malformed parameter or body, named",
     501: "NOT_IMPLEMENTED: this sandbox's backend (or its image) cannot do it",
-    503: "UNAVAILABLE: the backend or PostgreSQL cannot be reached",
+    503: "UNAVAILABLE: the backend (Podman, the cluster or its node's exec) or PostgreSQL "
+    "cannot be reached",
 }
 
 

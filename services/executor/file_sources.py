@@ -1,5 +1,6 @@
 """The file sources of the configured backends, built from the settings like the log sources
-(log_sources.py): Podman's archive and exec APIs; Kubernetes and the fake driver serve none yet.
+(log_sources.py): Podman's archive and exec APIs, the Kubernetes exec subresource; the fake
+driver serves none.
 
 The API processes reach a Ready sandbox's files through these (``/v1/sandboxes/{name}/files``):
 a capability of the backend beside the lifecycle, never a lifecycle call.
@@ -10,6 +11,7 @@ from __future__ import annotations
 from drivers.files import FilesBackend, FileSource, NoFiles, RoutedFiles
 from drivers.podman_files import PodmanFiles
 from services.common.settings import Settings
+from services.executor.backends import kube_config
 
 
 def file_source(settings: Settings) -> FilesBackend:
@@ -23,7 +25,9 @@ def file_source(settings: Settings) -> FilesBackend:
 
 def _backend(settings: Settings, name: str) -> FileSource:
     if name == "kubernetes":
-        return NoFiles("the Kubernetes driver serves no files yet")
+        from drivers.kube_files import KubeFiles  # kubernetes-asyncio only when used
+
+        return KubeFiles(kube_config(settings))
     if name == "fake":
         return NoFiles("the fake driver keeps no files")
     return PodmanFiles(settings.podman_url)

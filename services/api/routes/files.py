@@ -145,12 +145,19 @@ async def download(
             headers={"Content-Disposition": f'attachment; filename="{_ascii(filename)}.tar"'},
         )
     scanner = TarScanner()
-    events = scanner.feed(first)
-    while not any(isinstance(e, Member) for e in events) and not scanner.ended:
-        chunk = await anext(chunks, None)
-        if chunk is None:
-            break
-        events += scanner.feed(chunk)
+    try:
+        events = scanner.feed(first)
+        while not any(isinstance(e, Member) for e in events) and not scanner.ended:
+            chunk = await anext(chunks, None)
+            if chunk is None:
+                break
+            events += scanner.feed(chunk)
+    except FilesError as exc:
+        await _close(chunks)
+        raise refused(exc) from exc
+    except TarError as exc:
+        await _close(chunks)
+        raise ApiError(503, "UNAVAILABLE", f"the runtime's archive of {where!r}: {exc}") from exc
     member = next((e for e in events if isinstance(e, Member)), None)
     if member is None or member.type != "file":
         await _close(chunks)
