@@ -293,16 +293,15 @@ async def test_hostile_bodies_are_refused_naming_the_field_or_run(api: Api, sand
     assert (r.status_code, r.json()["stdout"].strip()) == (200, "1000"), r.text
 
 
-async def test_on_the_kubernetes_driver_exec_is_not_implemented() -> None:
-    """With ``driver=kubernetes`` the API has no exec-capable driver (the Kubernetes driver has
-    no exec yet): a Ready sandbox's exec is 501, not a Podman socket's error. (The sandboxes
-    here run on the fake driver; only the API's driver setting is Kubernetes.)"""
+async def test_on_a_driver_without_exec_it_is_not_implemented() -> None:
+    """With ``driver=fake`` the API has no exec-capable driver: a Ready sandbox's exec is 501,
+    not a socket's error."""
     from drivers.fake import FakeDriver
 
     async with apikit.running_api(
-        FakeDriver(), settings_update={"driver": "kubernetes"}, token_store=token_store()
+        FakeDriver(), settings_update={"driver": "fake"}, token_store=token_store()
     ) as api:
-        name = unique("kube")
+        name = unique("fake")
         async with api.client() as c:
             r = await c.post("/v1/sandboxes", json=create_body(name), params={"wait": 30})
             assert r.status_code == 201, r.text

@@ -35,6 +35,7 @@ from services.openshell.handlers import OpenShellService
 from services.openshell.service import Authenticator, Door, Pool
 
 if TYPE_CHECKING:
+    from drivers.kube_exec import KubeExec
     from drivers.podman import PodmanDriver
 
 log = logging.getLogger("sandstream.openshell")
@@ -167,7 +168,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         await logs.close()
 
 
-def exec_driver(settings: Settings) -> PodmanDriver | None:
+def exec_driver(settings: Settings) -> PodmanDriver | KubeExec | None:
     """The driver ExecSandbox runs commands through when this role runs alone
     (services/executor/exec_sources.py)."""
     from services.executor.exec_sources import exec_source
