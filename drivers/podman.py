@@ -237,6 +237,7 @@ class PodmanDriver:
         *,
         env: Mapping[str, str] | None = None,
         workdir: str | None = None,
+        stdin: bytes | None = None,
     ) -> AsyncGenerator[ExecEvent, None]:
         """The ExecDriver capability: Podman's exec API, streamed (see drivers/podman_exec.py)."""
         found = await self._call(
@@ -248,7 +249,7 @@ class PodmanDriver:
                               retryable=False)  # fmt: skip
         runtime_id = found[-1].info.runtime_id
         events = podman_exec.exec_stream(
-            self.base_url, runtime_id, command, env=env, workdir=workdir,
+            self.base_url, runtime_id, command, env=env, workdir=workdir, stdin=stdin,
             request_timeout=self._request_timeout, grace=self.exec_grace,
         )  # fmt: skip
         async with contextlib.aclosing(events):  # closed with this one: the command ends now

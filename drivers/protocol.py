@@ -243,9 +243,11 @@ class ExecDriver(Protocol):
         *,
         env: Mapping[str, str] | None = None,
         workdir: str | None = None,
+        stdin: bytes | None = None,
     ) -> AsyncGenerator[ExecEvent, None]:
         """Run ``command`` in the generation's runtime, inside the runtime (never on the host):
-        output chunks as they come, then one :class:`ExecExit`.
+        output chunks as they come, then one :class:`ExecExit`. ``stdin``: the command's
+        input, closed after it (None: no input, the command reads its end at once).
 
         Raises DriverError when the runtime does not exist or is not running. Leaving the
         iteration before the exit ends the command (SIGTERM, then SIGKILL after a grace) where
