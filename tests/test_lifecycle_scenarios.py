@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
+from uuid import uuid4
 
 import factories as f
 import pytest
@@ -11,6 +13,7 @@ from events.codec import EVENTS, decode, encode
 from events.common import Phase
 from events.decided import (
     SandboxDeleted,
+    SandboxDeleteRetried,
     SandboxOperationFailed,
     SandboxReady,
     SandboxStarting,
@@ -18,7 +21,7 @@ from events.decided import (
 from events.observations import ObservedState
 from events.outcomes import Code
 from projections.fold import fold
-from projections.lifecycle import Message, identity_for
+from projections.lifecycle import Message, evolve, identity_for
 
 P = Phase
 
@@ -180,7 +183,6 @@ def test_scenario_3_deleting_is_monotonic() -> None:
 @pytest.mark.parametrize(
     "finish",
     [
-        pytest.param(lambda: f.removed(), id="runtime-removed"),
         pytest.param(lambda: f.deleted(), id="delete-succeeded"),
         pytest.param(lambda: f.result(operation="delete", outcome="already_absent"), id="absent"),
     ],
@@ -213,29 +215,87 @@ def test_scenario_3_delete_finalizes_to_a_tombstone(finish: Callable[[], Message
     assert h.row() == tomb
 
 
-@pytest.mark.parametrize(
-    ("observed", "phase"),
-    [("running", P.READY), ("exited", P.STOPPED), ("created", P.STOPPED), (None, P.ERROR)],
-)
-def test_scenario_3_failed_delete_recovers_from_the_observed_state(
-    observed: ObservedState | None, phase: Phase
-) -> None:
+def test_scenario_3_a_removed_runtime_does_not_finalize_a_delete() -> None:
+    """The delete removes the runtime first; its workspace may still be held (another container
+    mounting the volume). Only the delete's own report that nothing is left tombstones."""
     h = f.harness_in(P.DELETING)
-    decision = h.send(f.failed(operation="delete", observed=observed, reason="timeout"))
+    version = h.row().version
+    decision = h.send(f.removed())
+    assert decision.disposition == "ignored" and decision.events == ()
+    assert (h.row().phase, h.row().version) == (P.DELETING, version)
+    (event,) = h.send(f.deleted()).events
+    assert isinstance(event, SandboxDeleted) and h.row().tombstoned
+
+
+@pytest.mark.parametrize("observed", [None, "running", "created", "exited", "absent"])
+def test_scenario_3_a_failed_delete_stays_deleting_with_its_retries(
+    observed: ObservedState | None,
+) -> None:
+    """Whatever the backend looked like, a failed delete is recorded and retried, never undone
+    (it used to follow the observed phase: Ready, Stopped or Error, its deadline cleared)."""
+    h = f.harness_in(P.DELETING)
+    first = h.row().deadline
+    assert first is not None and first.attempt == 0
+    decision = h.send(f.failed(operation="delete", observed=observed, reason="volume in use"))
     (event,) = decision.events
     assert isinstance(event, SandboxOperationFailed)
-    assert (event.operation, event.phase, event.reason) == ("delete", phase, "timeout")
-    assert (h.row().phase, h.row().reason) == (phase, "timeout")
-    # And a new delete is accepted from there.
-    again = h.send(f.delete())
-    assert again.outcome is not None and again.outcome.accepted
+    assert (event.operation, event.phase) == ("delete", P.DELETING)
+    row = h.row()
+    assert (row.phase, row.deadline) == (P.DELETING, first)
+    assert row.reason == (
+        f"DeleteFailed: attempt 1 failed, still Deleting, retried at {first.due_at.isoformat()}: "
+        "volume in use"
+    )
+    # The deadline it kept asks for the delete again, and the next failure counts attempt 2.
+    (retried,) = h.send(f.due(deadline="delete", due_at=first.due_at)).events
+    assert isinstance(retried, SandboxDeleteRetried) and retried.deadline.attempt == 1
+    h.send(f.failed(operation="delete", observed=observed, reason="volume in use"))
+    assert (h.row().reason or "").startswith("DeleteFailed: attempt 2 failed, still Deleting")
+    assert h.row().deadline == retried.deadline
+    for command in (f.start(), f.stop(), f.restart()):  # still refused: nothing undid it
+        refused = h.send(command)
+        assert refused.outcome is not None and refused.outcome.code is Code.FAILED_PRECONDITION
+    (event,) = h.send(f.result(operation="delete", outcome="already_absent")).events
+    assert isinstance(event, SandboxDeleted) and h.row().tombstoned
+
+
+@pytest.mark.parametrize("why", ["ttl", "on_exit"])
+def test_scenario_3_a_decided_expiry_or_completion_delete_survives_its_failure(why: str) -> None:
+    """A time to live (on_expiry: delete) or completion policy (on_exit: delete) consumed its
+    trigger when it decided the delete; a failure must not leave the sandbox alive for good."""
+    h = f.Harness()
+    h.send(f.create(ttl_seconds=60, on_expiry="delete", on_exit="delete"), f.running())
+    expires_at = h.row().expires_at
+    assert expires_at is not None
+    if why == "ttl":
+        h.send(f.due(deadline="ttl", due_at=expires_at))
+    else:
+        h.send(f.exited(exit_code=0))
+    assert h.row().phase is P.DELETING
+    first = h.row().deadline
+    assert first is not None
+    # The executor reports a failure after its retry window (600 s), the backend still running.
+    later = first.due_at + timedelta(seconds=600)
+    h.send(f.failed(operation="delete", observed="running", occurred_at=later))
+    assert (h.row().phase, h.row().deadline) == (P.DELETING, first)
+    (retried,) = h.send(f.due(deadline="delete", due_at=first.due_at, occurred_at=later)).events
+    assert isinstance(retried, SandboxDeleteRetried)
     assert h.row().phase is P.DELETING
 
 
-def test_scenario_3_failed_delete_with_backend_gone_tombstones() -> None:
+def test_scenario_3_old_failed_delete_events_replay_as_they_were() -> None:
+    """A failed delete decided by the older rules (it followed the observed phase) rebuilds to
+    that phase: the rebuild from the log never rewrites history."""
     h = f.harness_in(P.DELETING)
-    (event,) = h.send(f.failed(operation="delete", observed="absent")).events
-    assert isinstance(event, SandboxDeleted) and h.row().tombstoned
+    row = h.row()
+    old = SandboxOperationFailed(
+        type="SandboxOperationFailed", event_id=uuid4(), key=row.key,
+        sandbox_id=row.sandbox_id, version=row.version + 1, generation=row.generation,
+        occurred_at=f.T0, actor="executor", cause=h.steps[-1].cause, operation="delete",
+        phase=P.READY, reason="timeout",
+    )  # fmt: skip
+    rebuilt = evolve(row, old)
+    assert (rebuilt.phase, rebuilt.deadline, rebuilt.reason) == (P.READY, None, "timeout")
 
 
 def test_scenario_3_recreate_is_untouched_by_the_old_incarnation() -> None:

@@ -70,6 +70,7 @@ from .model import (
 )
 from .observations import (
     FOLLOW_OBSERVED,
+    KEEP_DELETING,
     OBSERVATION_TABLE,
     ObservationKind,
     observation_kind,
@@ -114,6 +115,7 @@ __all__ = [
     "EXIT_KINDS",
     "FOLLOW_OBSERVED",
     "HELD",
+    "KEEP_DELETING",
     "NO_RESTART",
     "OBSERVATION_TABLE",
     "PENDING_RESTART_TABLE",

@@ -86,6 +86,7 @@ from .identity import (
 from .model import DEFAULT_LIMITS, Decision, Limits, Message, P, Sandbox
 from .observations import (
     FOLLOW_OBSERVED,
+    KEEP_DELETING,
     OBSERVATION_TABLE,
     OBSERVED_PHASE,
     ObservationKind,
@@ -422,6 +423,21 @@ def _agent_restarted(
     )
 
 
+def delete_failure_reason(state: Sandbox, reason: str | None) -> str:
+    """The row's reason after a failed delete: which attempt failed, why, and what comes next
+    (the history keeps one per failure)."""
+    deadline = state.deadline
+    attempt = 1 + (deadline.attempt if deadline is not None else 0)
+    then = (
+        f"retried at {deadline.due_at.isoformat()}"
+        if deadline is not None
+        else "retried by the reconcile loop"
+    )
+    return f"DeleteFailed: attempt {attempt} failed, still Deleting, {then}: " + (
+        reason or "delete failed"
+    )
+
+
 def _observation_event(
     state: Sandbox,
     obs: Observation,
@@ -430,6 +446,17 @@ def _observation_event(
     common: dict,  # type: ignore[type-arg]
 ) -> DecidedEvent:
     exit_code = getattr(obs, "exit_code", None)
+    if target == KEEP_DELETING:
+        assert isinstance(obs, DriverOperationResult)
+        return built(
+            SandboxOperationFailed,
+            type="SandboxOperationFailed",
+            **common,
+            operation="delete",
+            phase=P.DELETING,
+            reason=delete_failure_reason(state, obs.reason),
+            exit_code=exit_code,
+        )
     if target == FOLLOW_OBSERVED:
         # A failed stop or delete: the row follows what the backend looks like now.
         assert isinstance(obs, DriverOperationResult)
