@@ -1,0 +1,151 @@
+"""A decided delete finishes, on the real stack (Kafka, PostgreSQL, Podman, the scheduler):
+a time-to-live delete whose workspace volume another container holds stays Deleting, failing
+and retrying visibly, until the volume is free; then the volume is removed and only then is
+the row Deleted.
+
+The old rules ended it two ways, both tested here: the watcher's report that the sandbox's
+container was removed tombstoned the row at once (the volume, with the agent's files, stayed
+on Podman for good), and the executor's failure report, after its retry window, moved the row
+out of Deleting to the phase it observed with the deadline cleared (the time to live already
+consumed: alive for good).
+
+The windows are scaled down, keeping their relation at the defaults: the executor retries a
+transient failure for 600 s and the first delete retry falls due 120 s after the grace period,
+doubling up to 1800 s: here 5 s, 1 s and 15 s. The path is the same (the history below shows
+it): the scheduler's delete retry falls due while the executor still retries the first delete
+(skipped: a delete of the incarnation is running), the executor gives up and reports the
+failure ("gave up after N attempts"), the row stays Deleting with its deadline, the next
+retry deletes again. ``tests/test_lifecycle_scenarios.py`` decides the same sequence with
+the default limits and the failure at 600 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+from uuid import UUID
+
+import apikit
+from apikit import create_body, unique
+from harness import eventually
+from podman import PodmanClient
+from podman.errors import NotFound
+
+from drivers.podman import PodmanDriver, volume_name
+from services.common.settings import load_settings
+from services.executor.backends import podman_driver
+
+SCALED = {
+    "executor_retry_seconds": 5.0,
+    "delete_retry_seconds": 1.0,
+    "delete_retry_max_seconds": 15.0,
+    "scheduler_poll_seconds": 0.5,
+}
+TTL = 8  # seconds: long enough to start the foreign container first
+
+
+def volume_exists(client: PodmanClient, name: str) -> bool:
+    try:
+        client.volumes.get(name)
+    except NotFound:
+        return False
+    return True
+
+
+def hold_volume(client: PodmanClient, image: str, volume: str, name: str) -> str:
+    """A container sandstream does not manage, mounting ``volume`` (running)."""
+    container = client.containers.create(
+        image,
+        ["sleep", "600"],
+        name=name,
+        volumes={volume: {"bind": "/held", "mode": "rw"}},
+    )
+    container.start()
+    return str(container.id)
+
+
+async def history(c: Any, name: str) -> list[dict[str, Any]]:
+    r = await c.get(f"/v1/sandboxes/{name}/history", params={"limit": 1000})
+    assert r.status_code == 200, r.text
+    return r.json()["items"]  # type: ignore[no-any-return]
+
+
+def events_of(items: list[dict[str, Any]]) -> list[str]:
+    return [e for item in items for e in item["events"]]
+
+
+async def test_a_ttl_delete_with_a_held_volume_stays_deleting_until_the_volume_is_gone() -> None:
+    settings = load_settings()
+    podman: PodmanDriver = podman_driver(settings)  # type: ignore[assignment]
+    client = PodmanClient(base_url=podman.base_url, timeout=60)
+    name, holder = unique("heldvol"), unique("heldvol-holder")
+    volume = None
+    try:
+        async with (
+            apikit.running_api(podman, settings_update=SCALED, with_scheduler=True) as api,
+            api.client() as c,
+        ):
+            body = create_body(name, command=["sleep", "600"], stop_timeout_seconds=1)
+            body["spec"]["image"] = settings.sandbox_image
+            body |= {"ttl_seconds": TTL, "on_expiry": "delete"}
+            r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+            assert r.status_code == 201, r.text
+            await api.wait_phase(name, "Ready")
+            sandbox_id = UUID((await c.get(f"/v1/sandboxes/{name}")).json()["id"])
+            volume = volume_name(name, sandbox_id)
+            await asyncio.to_thread(hold_volume, client, settings.sandbox_image, volume, holder)
+
+            # The time to live deletes it; the container goes, the volume cannot.
+            await eventually(
+                lambda: podman.get(name), lambda rts: rts == [], timeout=30,
+                what="the sandbox's container to be removed",
+            )  # fmt: skip
+            # The executor gives up on the volume after its retry window and reports it.
+            items = await eventually(
+                lambda: history(c, name),
+                lambda items: any("SandboxOperationFailed" in i["events"] for i in items),
+                timeout=60,
+                what="the delete's failure report",
+            )
+            row = (await c.get(f"/v1/sandboxes/{name}")).json()
+            assert row["phase"] == "Deleting", row
+            assert row["deadline"] is not None and row["deadline"]["kind"] == "delete", row
+            failure = next(i for i in items if "SandboxOperationFailed" in i["events"])
+            assert failure["phase"] == "Deleting"
+            message = failure["message"]
+            assert (message["operation"], message["outcome"]) == ("delete", "failed")
+            assert "gave up after" in message["reason"], message
+            # The watcher saw the container go: recorded, and it changed nothing.
+            removed = [i for i in items if i["message_type"] == "RuntimeRemoved"]
+            assert removed and all(i["disposition"] == "ignored" for i in removed), removed
+            assert "SandboxDeleted" not in events_of(items)
+            assert await asyncio.to_thread(volume_exists, client, volume)
+            # A retry that falls due while the volume is still held fails again: still Deleting.
+            await eventually(
+                lambda: history(c, name),
+                lambda items: events_of(items).count("SandboxOperationFailed") >= 2,
+                timeout=60,
+                what="a second failed attempt",
+            )
+            row = (await c.get(f"/v1/sandboxes/{name}")).json()
+            assert row["phase"] == "Deleting", row
+            assert row["reason"].startswith("DeleteFailed: attempt "), row
+
+            # Released: the next retry removes the volume, and only then is the row Deleted.
+            await asyncio.to_thread(client.containers.remove, holder, force=True)
+            await api.wait_phase(name, "Deleted", timeout=60)
+            assert not await asyncio.to_thread(volume_exists, client, volume)
+            items = await history(c, name)
+            final = next(i for i in items if "SandboxDeleted" in i["events"])
+            assert final["message"]["operation"] == "delete"
+            assert final["message"]["outcome"] == "succeeded"
+            kinds = events_of(items)
+            assert kinds.index("SandboxExpired") < kinds.index("SandboxDeleting")
+            assert "SandboxDeleteRetried" in kinds
+    finally:
+        with contextlib.suppress(NotFound):
+            client.containers.remove(holder, force=True)
+        await podman.delete(name)
+        client.close()  # type: ignore[no-untyped-call]
+        await podman.close()
