@@ -14,7 +14,7 @@ from uuid import UUID
 from podman import PodmanClient
 from podman.errors import APIError, NotFound
 
-from drivers.labels import workspace_labels
+from drivers.labels import incarnation_of, workspace_labels
 from drivers.launch_precheck import launch_precheck
 from drivers.podman_objects import (
     ALIVE,
@@ -32,6 +32,7 @@ from drivers.protocol import (
     LABEL_SANDBOX_ID,
     MANAGED_BY,
     DriverError,
+    Incarnation,
     LaunchResult,
     LaunchSpec,
     OpResult,
@@ -120,6 +121,16 @@ class PodmanCalls:
             ):
                 names.append(str(volume.name))
         return sorted(names)
+
+    def incarnations(self) -> set[Incarnation]:
+        """The incarnations of our containers and workspace volumes. (Provider secrets carry
+        no labels in Podman 4.3: the delete removes them with their containers.)"""
+        found = {(c.info.key, c.info.sandbox_id) for c in self.list(None)}
+        volumes = self.client().volumes.list(filters=[f"label={LABEL_MANAGED_BY}={MANAGED_BY}"])
+        for volume in volumes:
+            if (incarnation := incarnation_of(volume.attrs.get("Labels"))) is not None:
+                found.add(incarnation)
+        return found
 
     def exit_code(self, runtime_id: str) -> int | None:
         """The container's exit code; None once it is gone. Removed while asked (a kill that

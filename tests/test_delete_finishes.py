@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from typing import Any
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import apikit
 from apikit import create_body, unique
@@ -32,7 +32,10 @@ from harness import eventually
 from podman import PodmanClient
 from podman.errors import NotFound
 
+from drivers.labels import workspace_labels
 from drivers.podman import PodmanDriver, volume_name
+from drivers.protocol import LaunchSpec
+from events.common import SandboxSpec
 from services.common.settings import load_settings
 from services.executor.backends import podman_driver
 
@@ -147,5 +150,89 @@ async def test_a_ttl_delete_with_a_held_volume_stays_deleting_until_the_volume_i
         with contextlib.suppress(NotFound):
             client.containers.remove(holder, force=True)
         await podman.delete(name)
+        client.close()  # type: ignore[no-untyped-call]
+        await podman.close()
+
+
+def zombie_launch(podman: PodmanDriver, key: str, sandbox_id: UUID, image: str) -> None:
+    """What a launch still running in an executor that lost its partition leaves behind after
+    the delete finished: a container of the incarnation and its workspace volume."""
+    spec = SandboxSpec(image=image, command=["sleep", "600"], stop_timeout_seconds=1)
+    podman._sync.launch(LaunchSpec(key, sandbox_id, 1, "rid-zombie", spec))
+
+
+async def test_a_deleted_incarnations_leftovers_are_collected_and_nothing_else() -> None:
+    settings = load_settings()
+    podman: PodmanDriver = podman_driver(settings)  # type: ignore[assignment]
+    client = PodmanClient(base_url=podman.base_url, timeout=60)
+    gone, live = unique("leftover"), unique("leftover-live")
+    stranger = (unique("leftover-stranger"), uuid4())  # another control plane's
+    image = settings.sandbox_image
+    try:
+        async with apikit.running_api(podman) as api, api.client() as c:
+            for name in (gone, live):
+                body = create_body(name, command=["sleep", "600"], stop_timeout_seconds=1)
+                body["spec"]["image"] = image
+                r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+                assert r.status_code == 201, r.text
+            first = UUID((await c.get(f"/v1/sandboxes/{gone}")).json()["id"])
+            live_id = UUID((await c.get(f"/v1/sandboxes/{live}")).json()["id"])
+            r = await c.delete(f"/v1/sandboxes/{gone}", params={"wait": 30})
+            assert r.status_code == 200, r.text
+            await api.wait_phase(gone, "Deleted")
+            await asyncio.to_thread(zombie_launch, podman, gone, first, image)
+            await asyncio.to_thread(zombie_launch, podman, *stranger, image)
+            assert await asyncio.to_thread(volume_exists, client, volume_name(gone, first))
+
+            reconciler = api.plane.reconciler  # type: ignore[union-attr]
+            assert reconciler is not None
+            await reconciler.run_once()
+            await eventually(
+                lambda: asyncio.to_thread(volume_exists, client, volume_name(gone, first)),
+                lambda exists: not exists, timeout=30,
+                what="the deleted incarnation's volume to be collected",
+            )  # fmt: skip
+            assert await podman.get(gone) == []
+            assert reconciler.collected == 1
+            # The live sandbox and the stranger are untouched.
+            assert [rt.state for rt in await podman.get(live)] == ["running"]
+            assert await asyncio.to_thread(volume_exists, client, volume_name(live, live_id))
+            assert [rt.sandbox_id for rt in await podman.get(stranger[0])] == [stranger[1]]
+            assert await asyncio.to_thread(volume_exists, client, volume_name(*stranger))
+            # The collection's result is recorded against the tombstone, which it left as is.
+            items = await history(c, gone)
+            collected = [
+                i for i in items
+                if (i["message"] or {}).get("observation_id") == f"result:leftover:{first}"
+            ]  # fmt: skip
+            assert [i["disposition"] for i in collected] == ["ignored"], collected
+
+            # Re-created: a leftover of the first incarnation goes, the new one stays Ready.
+            body = create_body(gone, command=["sleep", "600"], stop_timeout_seconds=1)
+            body["spec"]["image"] = image
+            r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+            assert r.status_code == 201, r.text
+            second = UUID((await c.get(f"/v1/sandboxes/{gone}")).json()["id"])
+            await api.wait_phase(gone, "Ready")
+            volume = volume_name(gone, first)
+            await asyncio.to_thread(
+                client.volumes.create, volume, labels=workspace_labels(gone, first)
+            )
+            await reconciler.run_once()
+            await eventually(
+                lambda: asyncio.to_thread(volume_exists, client, volume),
+                lambda exists: not exists, timeout=30,
+                what="the first incarnation's volume to be collected after the re-create",
+            )  # fmt: skip
+            assert await asyncio.to_thread(volume_exists, client, volume_name(gone, second))
+            assert [(rt.sandbox_id, rt.state) for rt in await podman.get(gone)] == [
+                (second, "running")
+            ]
+            assert await api.phase(gone) == "Ready"
+    finally:
+        for name in (gone, live, stranger[0]):
+            for runtime in await podman.get(name):
+                await podman.kill(name, runtime.generation)
+            await podman.delete(name)
         client.close()  # type: ignore[no-untyped-call]
         await podman.close()

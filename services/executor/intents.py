@@ -45,6 +45,9 @@ class Intent:
     # A stop of the current generation's runtime running under a Stopped row (the reconcile
     # loop's ``stop_stray``): wanted while the row is Stopped at that generation.
     stray: bool = False
+    # A delete of a tombstoned incarnation's leftovers (the reconcile loop's ``collect``):
+    # wanted while that incarnation is not live (its tombstone, or a name re-created since).
+    leftover: bool = False
 
 
 def intent_of(event: DecidedEvent) -> Intent | None:
@@ -107,6 +110,10 @@ STRAY_PHASES: Final = (Phase.STOPPED,)
 def unwanted(intent: Intent, row: Sandbox | None) -> str | None:
     """Why the row no longer wants ``intent`` (None: it does). The row is the truth, the
     intent only a hint: a redelivered or replayed intent the row has moved past is dropped."""
+    if intent.leftover:
+        if row is not None and row.sandbox_id == intent.sandbox_id and not row.tombstoned:
+            return f"incarnation {intent.sandbox_id} is live ({row.phase})"
+        return None
     if row is None:
         return "no row"
     if row.sandbox_id != intent.sandbox_id:
