@@ -9,6 +9,7 @@ import contextlib
 import logging
 import math
 import threading
+from typing import Any
 from uuid import UUID
 
 from podman import PodmanClient
@@ -200,8 +201,19 @@ class PodmanCalls:
         args = create_args(
             spec, volume=volume, init=self.init, stop_timeout=self.stop_timeout, limits=self.limits
         )
-        if spec.secrets:
-            add_secrets(client, spec, args)
+        if not spec.secrets:
+            return self._create_container(spec, args)
+        add_secrets(client, spec, args)
+        try:
+            return self._create_container(spec, args)
+        except BaseException:
+            # No container of ours refers to them: the delete would never find them, and they
+            # hold the provider values.
+            remove_secrets(client, spec.key, spec.generation)
+            raise
+
+    def _create_container(self, spec: LaunchSpec, args: dict[str, Any]) -> str:
+        client = self.client()
         try:
             return str(client.containers.create(spec.spec.image, **args).id)
         except APIError as exc:

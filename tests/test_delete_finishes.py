@@ -27,14 +27,15 @@ from typing import Any
 from uuid import UUID, uuid4
 
 import apikit
+import pytest
 from apikit import create_body, unique
 from harness import eventually
 from podman import PodmanClient
 from podman.errors import NotFound
 
 from drivers.labels import workspace_labels
-from drivers.podman import PodmanDriver, volume_name
-from drivers.protocol import LaunchSpec
+from drivers.podman import PodmanDriver, container_name, volume_name
+from drivers.protocol import DriverError, LaunchSpec
 from events.common import SandboxSpec
 from services.common.settings import load_settings
 from services.executor.backends import podman_driver
@@ -234,5 +235,51 @@ async def test_a_deleted_incarnations_leftovers_are_collected_and_nothing_else()
             for runtime in await podman.get(name):
                 await podman.kill(name, runtime.generation)
             await podman.delete(name)
+        client.close()  # type: ignore[no-untyped-call]
+        await podman.close()
+
+
+def our_secrets(client: PodmanClient, key: str) -> list[str]:
+    return sorted(
+        str(s.name) for s in client.secrets.list() if str(s.name).startswith(f"sandstream-{key}-g")
+    )
+
+
+async def test_a_failed_launch_leaves_no_provider_secret_for_the_delete_to_miss() -> None:
+    """The delete finds a generation's secrets through its container. A launch that failed
+    after writing them (missing image; its container name taken by a stranger) left them,
+    with the provider values, on Podman for good: the delete that followed removed nothing."""
+    settings = load_settings()
+    podman: PodmanDriver = podman_driver(settings)  # type: ignore[assignment]
+    client = PodmanClient(base_url=podman.base_url, timeout=60)
+    missing, taken = unique("nosecret-img"), unique("nosecret-name")
+    try:
+        spec = SandboxSpec(image="localhost/sandstream-missing:1", command=["sleep", "600"])
+        launch = LaunchSpec(missing, uuid4(), 1, "rid-1", spec, secrets={"TOKEN": "s3cret"})
+        with pytest.raises(DriverError, match="image not known"):
+            await podman.launch(launch)
+        assert await asyncio.to_thread(our_secrets, client, missing) == []
+
+        # A container sandstream does not manage holds the generation's container name.
+        await asyncio.to_thread(
+            lambda: client.containers.create(
+                settings.sandbox_image, ["sleep", "600"], name=container_name(taken, 1)
+            )
+        )
+        spec = SandboxSpec(image=settings.sandbox_image, command=["sleep", "600"])
+        launch = LaunchSpec(taken, uuid4(), 1, "rid-1", spec, secrets={"TOKEN": "s3cret"})
+        with pytest.raises(DriverError, match="does not manage"):
+            await podman.launch(launch)
+        assert await asyncio.to_thread(our_secrets, client, taken) == []
+        await podman.delete(taken, launch.sandbox_id)
+        assert await asyncio.to_thread(our_secrets, client, taken) == []
+    finally:
+        with contextlib.suppress(NotFound):
+            client.containers.remove(container_name(taken, 1), force=True)
+        for key in (missing, taken):
+            await podman.delete(key)
+            for name in await asyncio.to_thread(our_secrets, client, key):
+                with contextlib.suppress(NotFound):
+                    client.secrets.remove(name)
         client.close()  # type: ignore[no-untyped-call]
         await podman.close()
