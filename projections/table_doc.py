@@ -82,7 +82,7 @@ def render() -> str:
         "is left (its runtimes, workspace volume or claim, and the secrets the driver made for "
         "it) tombstones the row; a runtime seen removed is not that report (another container "
         "may still hold the workspace), and a failed delete stays Deleting (SandboxOperationFailed "
-        "with phase Deleting, `reason` naming the attempt and the next retry), its delete "
+        "with phase Deleting, `reason` naming the retries so far and the next retry), its delete "
         "deadline kept: the retries go on until the backend confirms.",
         "",
         "### Holds",

@@ -134,7 +134,7 @@ async def test_a_ttl_delete_with_a_held_volume_stays_deleting_until_the_volume_i
             )
             row = (await c.get(f"/v1/sandboxes/{name}")).json()
             assert row["phase"] == "Deleting", row
-            assert row["reason"].startswith("DeleteFailed: attempt "), row
+            assert row["reason"].startswith("DeleteFailed: still Deleting (retries so far: "), row
 
             # Released: the next retry removes the volume, and only then is the row Deleted.
             await asyncio.to_thread(client.containers.remove, holder, force=True)

@@ -409,7 +409,7 @@ def test_observation_cell(phase: Phase, kind: ObservationKind) -> None:
             assert (new.phase, event.phase, event.operation) == (P.DELETING,) * 2 + ("delete",)
             assert new.deadline == state.deadline is not None
             assert new.reason == event.reason
-            assert event.reason.startswith("DeleteFailed: attempt 1 failed, still Deleting, ")
+            assert event.reason.startswith("DeleteFailed: still Deleting (retries so far: 0; ")
             assert event.reason.endswith(": boom")
         elif target == FOLLOW_OBSERVED:
             expected_phase = _follow(obs.operation, observed)  # type: ignore[union-attr]

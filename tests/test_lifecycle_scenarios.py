@@ -243,14 +243,14 @@ def test_scenario_3_a_failed_delete_stays_deleting_with_its_retries(
     row = h.row()
     assert (row.phase, row.deadline) == (P.DELETING, first)
     assert row.reason == (
-        f"DeleteFailed: attempt 1 failed, still Deleting, retried at {first.due_at.isoformat()}: "
-        "volume in use"
+        "DeleteFailed: still Deleting (retries so far: 0; next retry at "
+        f"{first.due_at.isoformat()}): volume in use"
     )
-    # The deadline it kept asks for the delete again, and the next failure counts attempt 2.
+    # The deadline it kept asks for the delete again, and the next failure counts that retry.
     (retried,) = h.send(f.due(deadline="delete", due_at=first.due_at)).events
     assert isinstance(retried, SandboxDeleteRetried) and retried.deadline.attempt == 1
     h.send(f.failed(operation="delete", observed=observed, reason="volume in use"))
-    assert (h.row().reason or "").startswith("DeleteFailed: attempt 2 failed, still Deleting")
+    assert (h.row().reason or "").startswith("DeleteFailed: still Deleting (retries so far: 1;")
     assert h.row().deadline == retried.deadline
     for command in (f.start(), f.stop(), f.restart()):  # still refused: nothing undid it
         refused = h.send(command)

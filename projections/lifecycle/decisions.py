@@ -424,18 +424,16 @@ def _agent_restarted(
 
 
 def delete_failure_reason(state: Sandbox, reason: str | None) -> str:
-    """The row's reason after a failed delete: which attempt failed, why, and what comes next
-    (the history keeps one per failure)."""
+    """The row's reason after a failed delete: that it is still Deleting, how many retries the
+    delete deadline made so far, when the next one is due, and the driver's reason (the
+    history keeps one per failure)."""
     deadline = state.deadline
-    attempt = 1 + (deadline.attempt if deadline is not None else 0)
     then = (
-        f"retried at {deadline.due_at.isoformat()}"
+        f"retries so far: {deadline.attempt}; next retry at {deadline.due_at.isoformat()}"
         if deadline is not None
-        else "retried by the reconcile loop"
+        else "delete deadlines off; the reconcile loop asks again"
     )
-    return f"DeleteFailed: attempt {attempt} failed, still Deleting, {then}: " + (
-        reason or "delete failed"
-    )
+    return f"DeleteFailed: still Deleting ({then}): {reason or 'delete failed'}"
 
 
 def _observation_event(

@@ -1,0 +1,59 @@
+"""A failed delete is retried until the backend confirms, through the real pipeline (Kafka,
+PostgreSQL, the processor, the executor and its reconcile loop) over the fake driver: with
+delete deadlines turned off (``delete_retry_seconds`` 0), the reconcile loop's pick-up is what
+asks again, and every failure stays visible in the history while the row stays Deleting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import factories as f
+from harness import eventually, isolated_env
+from pipeline_support import command, history, phase, wait_phase
+
+from drivers.fake import FakeDriver
+from services.executor.calls import RetryPolicy
+from services.executor.driver_side import DriverSide
+
+FAST_RETRY = RetryPolicy(first_delay=0.01, max_delay=0.05, give_up_after=0.2)
+
+
+def failed_deletes(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        h
+        for h in items
+        if h["message_type"] == "DriverOperationResult"
+        and (h["message"]["operation"], h["message"]["outcome"]) == ("delete", "failed")
+    ]
+
+
+async def test_with_delete_deadlines_off_the_pick_up_retries_a_failed_delete() -> None:
+    driver = FakeDriver()
+    async with isolated_env() as env:
+        env.settings = env.settings.model_copy(update={"delete_retry_seconds": 0})
+        await env.start_processor()
+        side = DriverSide(env.settings, driver, env.pool, reconcile_interval=0.3, retry=FAST_RETRY)
+        await side.start()
+        try:
+            async with await env.publisher() as pub:
+                await command(env, pub, f.create("x"))
+                await wait_phase(env, "x", "Ready")
+                driver.fail("delete", "x", "workspace in use", retryable=False, times=3)
+                await command(env, pub, f.delete("x"))
+                failures = await eventually(
+                    lambda: history(env, "x"),
+                    lambda items: len(failed_deletes(items)) >= 2,
+                    what="two failed deletes recorded",
+                )
+                assert await phase(env, "x") in ("Deleting", "Deleted")
+                reasons = [h["reason"] for h in failed_deletes(failures)]
+                assert all(r.endswith("Deleting -> Deleting") for r in reasons), reasons
+                await wait_phase(env, "x", "Deleted", timeout=30)
+            items = await history(env, "x")
+            failed = failed_deletes(items)
+            assert len(failed) == 3
+            assert all((h["disposition"], h["phase"]) == ("applied", "Deleting") for h in failed)
+            assert len(driver.calls_for("delete", "x")) == 4
+            assert side.reconciler is not None and side.reconciler.picked_up >= 3
+        finally:
+            await side.stop()
