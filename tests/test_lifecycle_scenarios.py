@@ -283,6 +283,21 @@ def test_scenario_3_a_decided_expiry_or_completion_delete_survives_its_failure(w
     assert h.row().phase is P.DELETING
 
 
+def test_scenario_3_an_expiry_during_a_failing_delete_keeps_the_failure_as_the_reason() -> None:
+    """A sandbox deleted by hand keeps its time to live; when that falls due while the delete
+    is failing, the row still says why it is not deleted yet (it said "Expired")."""
+    h = f.Harness()
+    h.send(f.create(ttl_seconds=60), f.running(), f.delete())
+    h.send(f.failed(operation="delete", reason="volume in use"))
+    reason = h.row().reason
+    assert reason is not None and reason.startswith("DeleteFailed: ")
+    expires_at = h.row().expires_at
+    assert expires_at is not None
+    decision = h.send(f.due(deadline="ttl", due_at=expires_at))
+    assert [e.type for e in decision.events] == ["SandboxExpired"]
+    assert (h.row().phase, h.row().reason, h.row().expires_at) == (P.DELETING, reason, None)
+
+
 def test_scenario_3_old_failed_delete_events_replay_as_they_were() -> None:
     """A failed delete decided by the older rules (it followed the observed phase) rebuilds to
     that phase: the rebuild from the log never rewrites history."""

@@ -127,8 +127,11 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
         "reason": f"DeleteTimeout: not deleted yet; retry {e.deadline.attempt}",
         "deadline": e.deadline,
     },
+    # In Deleting the row's reason says why the delete is not done yet (DeleteFailed): an
+    # expiry falling due meanwhile changes nothing of that.
     SandboxExpired: lambda s, e: {"expires_at": None,
-                                  "reason": f"Expired: time to live ended ({e.policy})"},
+                                  "reason": s.reason if s.phase is P.DELETING
+                                  else f"Expired: time to live ended ({e.policy})"},
     SandboxExtended: lambda s, e: {"expires_at": e.expires_at},
     SandboxHeld: lambda s, e: {"hold": e.hold, **held_cancels(s, e)},
     SandboxReleased: lambda s, e: {"hold": None},
