@@ -11,7 +11,7 @@ consumed: alive for good).
 
 The windows are scaled down, keeping their relation at the defaults: the executor retries a
 transient failure for 600 s and the first delete retry falls due 120 s after the grace period,
-doubling up to 1800 s: here 5 s, 1 s and 15 s. The path is the same (the history below shows
+doubling up to 1800 s: here 6 s, 1.2 s and 18 s. The path is the same (the history below shows
 it): the scheduler's delete retry falls due while the executor still retries the first delete
 (skipped: a delete of the incarnation is running), the executor gives up and reports the
 failure ("gave up after N attempts"), the row stays Deleting with its deadline, the next
@@ -40,12 +40,16 @@ from events.common import SandboxSpec
 from services.common.settings import load_settings
 from services.executor.backends import podman_driver
 
+# The defaults (600 s, 120 s, 1800 s, and the driver's 10 s grace) divided by 100, the grace
+# rounded up to the sandbox's whole second: tests/test_lifecycle_scenarios.py decides the
+# delete's timeline at both scales and gets the same events in the same order.
 SCALED = {
-    "executor_retry_seconds": 5.0,
-    "delete_retry_seconds": 1.0,
-    "delete_retry_max_seconds": 15.0,
-    "scheduler_poll_seconds": 0.5,
+    "executor_retry_seconds": 6.0,
+    "delete_retry_seconds": 1.2,
+    "delete_retry_max_seconds": 18.0,
+    "scheduler_poll_seconds": 0.2,
 }
+GRACE = 1
 TTL = 8  # seconds: long enough to start the foreign container first
 
 
@@ -90,7 +94,7 @@ async def test_a_ttl_delete_with_a_held_volume_stays_deleting_until_the_volume_i
             apikit.running_api(podman, settings_update=SCALED, with_scheduler=True) as api,
             api.client() as c,
         ):
-            body = create_body(name, command=["sleep", "600"], stop_timeout_seconds=1)
+            body = create_body(name, command=["sleep", "600"], stop_timeout_seconds=GRACE)
             body["spec"]["image"] = settings.sandbox_image
             body |= {"ttl_seconds": TTL, "on_expiry": "delete"}
             r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
@@ -116,6 +120,10 @@ async def test_a_ttl_delete_with_a_held_volume_stays_deleting_until_the_volume_i
             assert row["phase"] == "Deleting", row
             assert row["deadline"] is not None and row["deadline"]["kind"] == "delete", row
             failure = next(i for i in items if "SandboxOperationFailed" in i["events"])
+            # The path of the real scale: the deadline's retry fell due while the executor still
+            # retried the first delete (so it was skipped), and the failure kept a deadline.
+            before = events_of(items[: items.index(failure)])
+            assert before[before.index("SandboxDeleting") :].count("SandboxDeleteRetried") >= 1
             assert failure["phase"] == "Deleting"
             message = failure["message"]
             assert (message["operation"], message["outcome"]) == ("delete", "failed")

@@ -21,7 +21,8 @@ from events.decided import (
 from events.observations import ObservedState
 from events.outcomes import Code
 from projections.fold import fold
-from projections.lifecycle import Message, evolve, identity_for
+from projections.lifecycle import DEFAULT_LIMITS, Limits, Message, decide, evolve, identity_for
+from services.common.settings import Settings
 
 P = Phase
 
@@ -296,6 +297,60 @@ def test_scenario_3_an_expiry_during_a_failing_delete_keeps_the_failure_as_the_r
     decision = h.send(f.due(deadline="ttl", due_at=expires_at))
     assert [e.type for e in decision.events] == ["SandboxExpired"]
     assert (h.row().phase, h.row().reason, h.row().expires_at) == (P.DELETING, reason, None)
+
+
+def delete_timeline(limits: Limits, grace: int, retry_window: float) -> list[tuple[str, int]]:
+    """The decided events of a delete whose first call keeps failing transiently: every
+    deadline falls due on time, and the executor reports the failure once its retry window
+    has passed (then the next deadline retries). (event type, deadline attempt after it)"""
+    h = f.Harness()
+    spec = f.spec(f.IMAGE).model_copy(update={"stop_timeout_seconds": grace})
+    h.send(f.create(sandbox_spec=spec), f.running())
+    out: list[tuple[str, int]] = []
+
+    def send(message: Message) -> None:
+        decision = decide(h.row(), message, f.cause(message), limits)
+        assert decision.state is not None
+        h.states[f.KEY] = decision.state
+        out.extend(
+            (e.type, getattr(decision.state.deadline, "attempt", -1)) for e in decision.events
+        )
+
+    send(f.delete())
+    report_at, reported = f.T0 + timedelta(seconds=retry_window), False
+    while True:
+        deadline = h.row().deadline
+        assert deadline is not None and h.row().phase is P.DELETING
+        if reported:
+            send(f.due(deadline="delete", due_at=deadline.due_at))
+            return out
+        if report_at < deadline.due_at:
+            send(f.failed(operation="delete", observed="absent", occurred_at=report_at))
+            reported = True
+        else:
+            send(f.due(deadline="delete", due_at=deadline.due_at))
+
+
+def test_scenario_3_the_scaled_delete_timeline_is_the_real_one() -> None:
+    """tests/test_delete_finishes.py runs a failing delete on Podman with its windows divided
+    by 100; with the defaults (600 s of executor retries, 120 s to 1800 s of delete back-off,
+    the driver's 10 s grace) the same events are decided in the same order."""
+    real = delete_timeline(DEFAULT_LIMITS, grace=10, retry_window=600)
+    scaled_settings = Settings(
+        executor_retry_seconds=6.0, delete_retry_seconds=1.2, delete_retry_max_seconds=18.0
+    )
+    scaled = delete_timeline(scaled_settings.lifecycle_limits, grace=1, retry_window=6.0)
+    assert (
+        real
+        == scaled
+        == [
+            ("SandboxDeleting", 0),
+            ("SandboxDeleteRetried", 1),
+            ("SandboxDeleteRetried", 2),
+            ("SandboxOperationFailed", 2),  # still Deleting, the deadline of retry 3 kept
+            ("SandboxDeleteRetried", 3),
+        ]
+    )
 
 
 def test_scenario_3_old_failed_delete_events_replay_as_they_were() -> None:
