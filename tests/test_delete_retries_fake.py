@@ -57,3 +57,39 @@ async def test_with_delete_deadlines_off_the_pick_up_retries_a_failed_delete() -
             assert side.reconciler is not None and side.reconciler.picked_up >= 3
         finally:
             await side.stop()
+
+
+async def test_a_failed_delete_waits_for_its_deadline_not_for_the_next_pick_up() -> None:
+    """The reconcile loop picks up a row unchanged in a progressing phase for a whole pass. A
+    Deleting row whose delete failed is unchanged until its deadline's retry: picked up, it was
+    deleted again every other pass (every minute at the defaults), undoing the back-off and
+    adding a failure to the history each time."""
+    driver = FakeDriver()
+    async with isolated_env() as env:
+        env.settings = env.settings.model_copy(update={"delete_retry_seconds": 3600})
+        await env.start_processor()
+        side = DriverSide(env.settings, driver, env.pool, reconcile_interval=0.2, retry=FAST_RETRY)
+        await side.start()
+        try:
+            async with await env.publisher() as pub:
+                await command(env, pub, f.create("x"))
+                await wait_phase(env, "x", "Ready")
+                driver.fail("delete", "x", "workspace in use", retryable=False, times=None)
+                await command(env, pub, f.delete("x"))
+                await eventually(
+                    lambda: history(env, "x"),
+                    lambda items: len(failed_deletes(items)) == 1,
+                    what="the failed delete recorded",
+                )
+                reconciler = side.reconciler
+                assert reconciler is not None
+                passes = reconciler.passes
+                await eventually(
+                    lambda: reconciler.passes, lambda n: n >= passes + 5,
+                    what="five more reconcile passes",
+                )  # fmt: skip
+            assert await phase(env, "x") == "Deleting"
+            assert len(driver.calls_for("delete", "x")) == 1
+            assert len(failed_deletes(await history(env, "x"))) == 1
+        finally:
+            await side.stop()

@@ -11,7 +11,7 @@ import factories as f
 
 from drivers.labels import incarnation_of, workspace_labels
 from events.common import Phase
-from services.executor.intents import Intent, unwanted
+from services.executor.intents import Intent, intent_of_row, unwanted
 from services.executor.reconcile import LiveRow, leftover_candidates
 
 P = Phase
@@ -46,3 +46,15 @@ def test_incarnation_of_reads_only_our_labels() -> None:
     assert incarnation_of({**labels, "io.sandstream.sandbox-id": "nope"}) is None
     assert incarnation_of({**labels, "io.sandstream.key": "Bad Key"}) is None
     assert incarnation_of(None) is None
+
+
+def test_a_failed_delete_awaiting_its_deadline_is_not_picked_up() -> None:
+    h = f.harness_in(P.DELETING)
+    assert intent_of_row(h.row()) is not None  # e.g. decided before this executor group joined
+    h.send(f.failed(operation="delete", reason="volume in use"))
+    assert intent_of_row(h.row()) is None  # its deadline asks again
+    assert intent_of_row(replace(h.row(), deadline=None)) is not None  # deadlines off
+    deadline = h.row().deadline
+    assert deadline is not None
+    h.send(f.due(deadline="delete", due_at=deadline.due_at))  # retried: a pick-up may help
+    assert intent_of_row(h.row()) is not None

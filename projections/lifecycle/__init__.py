@@ -61,11 +61,13 @@ from .identity import (
 )
 from .model import (
     DEFAULT_LIMITS,
+    DELETE_FAILED,
     Decision,
     Disposition,
     Limits,
     Message,
     Sandbox,
+    awaits_delete_retry,
     is_held,
 )
 from .observations import (
@@ -106,6 +108,7 @@ __all__ = [
     "DEADLINE_TABLE",
     "DEFAULT_BACKOFF",
     "DEFAULT_LIMITS",
+    "DELETE_FAILED",
     "DETACH_HELD",
     "DETACH_NO_RESTART",
     "DETACH_PENDING",
@@ -137,6 +140,7 @@ __all__ = [
     "Sandbox",
     "admission",
     "admitting_phases",
+    "awaits_delete_retry",
     "decide",
     "delete_deadline",
     "detach_action",

@@ -83,7 +83,7 @@ from .identity import (
     next_generation,
     sandbox_id_for,
 )
-from .model import DEFAULT_LIMITS, Decision, Limits, Message, P, Sandbox
+from .model import DEFAULT_LIMITS, DELETE_FAILED, Decision, Limits, Message, P, Sandbox
 from .observations import (
     FOLLOW_OBSERVED,
     KEEP_DELETING,
@@ -433,7 +433,7 @@ def delete_failure_reason(state: Sandbox, reason: str | None) -> str:
         if deadline is not None
         else "delete deadlines off; the reconcile loop asks again"
     )
-    return f"DeleteFailed: still Deleting ({then}): {reason or 'delete failed'}"
+    return f"{DELETE_FAILED}: still Deleting ({then}): {reason or 'delete failed'}"
 
 
 def _observation_event(

@@ -22,7 +22,7 @@ from events.decided import (
     SandboxTimedOut,
 )
 from events.observations import Operation
-from projections.lifecycle import Sandbox
+from projections.lifecycle import Sandbox, awaits_delete_retry
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +90,9 @@ def intent_of_row(row: Sandbox, actor: str = "reconciler") -> Intent | None:
         case Phase.STOPPING:
             return replace(base, operation="stop")
         case Phase.DELETING:
-            return replace(base, operation="delete")
+            # A failed delete waits for its deadline's retry: picking it up every other pass
+            # would undo the back-off (and add a failure to the history each time).
+            return None if awaits_delete_retry(row) else replace(base, operation="delete")
     return None
 
 
