@@ -5,15 +5,21 @@ asks again, and every failure stays visible in the history while the row stays D
 
 from __future__ import annotations
 
+import builtins
 from typing import Any
+from uuid import UUID, uuid4
 
 import factories as f
+from aiokafka import AIOKafkaProducer
 from harness import eventually, isolated_env
 from pipeline_support import command, history, phase, wait_phase
 
 from drivers.fake import FakeDriver
+from events.common import SandboxSpec
+from services.common.kafka_clients import kafka_client_args
 from services.executor.calls import RetryPolicy
 from services.executor.driver_side import DriverSide
+from services.executor.reconcile import Reconciler
 
 FAST_RETRY = RetryPolicy(first_delay=0.01, max_delay=0.05, give_up_after=0.2)
 
@@ -93,3 +99,33 @@ async def test_a_failed_delete_waits_for_its_deadline_not_for_the_next_pick_up()
             assert len(failed_deletes(await history(env, "x"))) == 1
         finally:
             await side.stop()
+
+
+class BrokenHoldings(FakeDriver):
+    """A backend whose listing of workspaces fails (its runtimes list fine)."""
+
+    async def incarnations(self) -> builtins.set[tuple[str, UUID]]:
+        raise RuntimeError("listing the volumes failed")
+
+
+async def test_a_failing_leftover_listing_leaves_the_reconcile_reports_alone() -> None:
+    async with isolated_env() as env:
+        await env.pool.execute(
+            "INSERT INTO sandboxes (key, sandbox_id, phase, generation, version, spec, "
+            "providers, identity, created_at, updated_at, partition, change_seq) "
+            "VALUES ('gone', $1, 'Ready', 1, 2, $2, '{}', 'rid-1', now(), now(), 0, 1)",
+            uuid4(),
+            SandboxSpec(image="x").model_dump_json(),
+        )
+        producer = AIOKafkaProducer(**kafka_client_args(env.settings, "watcher"))
+        await producer.start()
+        try:
+            reconciler = Reconciler(
+                BrokenHoldings(), env.pool, producer, env.settings, interval=3600,
+                collect=lambda key, sandbox_id, generation: True,
+            )  # fmt: skip
+            found = await reconciler.run_once()
+            assert [o.type for o in found] == ["RuntimeRemoved"]  # the vanished runtime
+            assert reconciler.passes == 1
+        finally:
+            await producer.stop()

@@ -285,7 +285,10 @@ class Reconciler:
             self.passes += 1
             return []
         rows = await live_rows(self.pool)
-        await self.collect_leftovers(rows)
+        try:
+            await self.collect_leftovers(rows)
+        except Exception:  # the reports and stops below do not depend on it
+            log.exception("collecting deleted incarnations' leftovers failed; next pass retries")
         runtimes = await self.driver.list()
         if self.stop_stale is not None:
             for runtime in stale_runtimes(rows, runtimes):
