@@ -163,6 +163,54 @@ async def test_a_ttl_delete_with_a_held_volume_stays_deleting_until_the_volume_i
         await podman.close()
 
 
+async def test_at_the_default_windows_a_held_volume_keeps_the_row_deleting_until_released() -> None:
+    """The reported case, unscaled: a time-to-live delete whose volume a container holds for
+    a while (here 10 s; the executor's 600 s retry window is never reached). The row was
+    Deleted within a second, when the watcher saw the container go; it must stay Deleting
+    while the volume is held and be Deleted, the volume gone, soon after the release (the
+    executor's retries are at most 10 s apart)."""
+    settings = load_settings()
+    podman: PodmanDriver = podman_driver(settings)  # type: ignore[assignment]
+    client = PodmanClient(base_url=podman.base_url, timeout=60)
+    name, holder = unique("heldvol-real"), unique("heldvol-real-holder")
+    update = {"scheduler_poll_seconds": 0.2}  # how soon the expiry is noticed, nothing else
+    try:
+        async with (
+            apikit.running_api(podman, settings_update=update, with_scheduler=True) as api,
+            api.client() as c,
+        ):
+            body = create_body(name, command=["sleep", "600"], stop_timeout_seconds=GRACE)
+            body["spec"]["image"] = settings.sandbox_image
+            body |= {"ttl_seconds": TTL, "on_expiry": "delete"}
+            r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+            assert r.status_code == 201, r.text
+            await api.wait_phase(name, "Ready")
+            volume = volume_name(name, UUID((await c.get(f"/v1/sandboxes/{name}")).json()["id"]))
+            await asyncio.to_thread(hold_volume, client, settings.sandbox_image, volume, holder)
+            await eventually(
+                lambda: podman.get(name), lambda rts: rts == [], timeout=30,
+                what="the sandbox's container to be removed",
+            )  # fmt: skip
+            loop = asyncio.get_running_loop()
+            held_until = loop.time() + 10
+            while loop.time() < held_until:  # observed over the hold, not waited on
+                assert await api.phase(name) == "Deleting"
+                assert await asyncio.to_thread(volume_exists, client, volume)
+                await asyncio.sleep(0.5)
+            items = await history(c, name)
+            removed = [i for i in items if i["message_type"] == "RuntimeRemoved"]
+            assert removed and all(i["disposition"] == "ignored" for i in removed), removed
+            await asyncio.to_thread(client.containers.remove, holder, force=True)
+            await api.wait_phase(name, "Deleted", timeout=30)
+            assert not await asyncio.to_thread(volume_exists, client, volume)
+    finally:
+        with contextlib.suppress(NotFound):
+            client.containers.remove(holder, force=True)
+        await podman.delete(name)
+        client.close()  # type: ignore[no-untyped-call]
+        await podman.close()
+
+
 def zombie_launch(podman: PodmanDriver, key: str, sandbox_id: UUID, image: str) -> None:
     """What a launch still running in an executor that lost its partition leaves behind after
     the delete finished: a container of the incarnation and its workspace volume."""
