@@ -284,6 +284,16 @@ def test_scenario_3_a_decided_expiry_or_completion_delete_survives_its_failure(w
     assert h.row().phase is P.DELETING
 
 
+def test_scenario_3_a_failed_delete_keeps_the_exit_code_of_the_agent() -> None:
+    """on_exit: delete after the agent exited 3: the failed delete's report (with the code of
+    whatever the backend showed) does not change what the row says about the agent's exit."""
+    h = f.Harness()
+    h.send(f.create(on_exit="delete"), f.running(), f.exited(exit_code=3))
+    assert (h.row().phase, h.row().exit_code) == (P.DELETING, 3)
+    h.send(f.failed(operation="delete", observed="exited", exit_code=137))
+    assert (h.row().phase, h.row().exit_code) == (P.DELETING, 3)
+
+
 def test_scenario_3_an_expiry_during_a_failing_delete_keeps_the_failure_as_the_reason() -> None:
     """A sandbox deleted by hand keeps its time to live; when that falls due while the delete
     is failing, the row still says why it is not deleted yet (it said "Expired")."""

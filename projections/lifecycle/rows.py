@@ -102,12 +102,13 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
                                     "reason": None, "deadline": None},
     SandboxFailed: lambda s, e: {"phase": P.ERROR, "exit_code": e.exit_code, "reason": e.reason,
                                  "deadline": None},
-    # A failed delete stays Deleting and keeps its deadline (the next retry); a failed stop,
-    # and a failed delete decided by older rules, follow the observed phase.
-    SandboxOperationFailed: lambda s, e: {"phase": e.phase, "exit_code": e.exit_code,
-                                          "reason": e.reason,
-                                          "deadline": s.deadline if e.phase is P.DELETING
-                                          else None},
+    # A failed delete stays Deleting and keeps its deadline (the next retry) and the exit code
+    # of the agent's process; a failed stop, and a failed delete decided by older rules,
+    # follow the observed phase.
+    SandboxOperationFailed: lambda s, e: (
+        {"reason": e.reason} if e.phase is P.DELETING
+        else {"phase": e.phase, "exit_code": e.exit_code, "reason": e.reason, "deadline": None}
+    ),
     SandboxDeleting: lambda s, e: {"phase": P.DELETING, "deadline": e.deadline},
     SandboxDeleted: lambda s, e: {"phase": P.DELETED, "deadline": None},
     ProviderAttached: lambda s, e: {"providers": tuple(sorted({*s.providers, e.provider}))},
