@@ -9,8 +9,11 @@ from uuid import uuid4
 
 import factories as f
 
+from drivers.fake import FakeDriver
 from drivers.labels import incarnation_of, workspace_labels
-from events.common import Phase
+from drivers.protocol import HoldingsDriver, LaunchSpec
+from drivers.routing import RoutingDriver
+from events.common import Phase, SandboxSpec
 from services.executor.intents import Intent, intent_of_row, unwanted
 from services.executor.reconcile import LiveRow, leftover_candidates
 
@@ -58,3 +61,16 @@ def test_a_failed_delete_awaiting_its_deadline_is_not_picked_up() -> None:
     assert deadline is not None
     h.send(f.due(deadline="delete", due_at=deadline.due_at))  # retried: a pick-up may help
     assert intent_of_row(h.row()) is not None
+
+
+async def test_a_routing_driver_lists_each_backends_incarnations_of_its_own_names() -> None:
+    default, routed = FakeDriver(), FakeDriver()
+    driver = RoutingDriver(default, routed, prefix="pm-")
+    mine, theirs, other = uuid4(), uuid4(), uuid4()
+    await default.launch(LaunchSpec("a", mine, 1, "rid", SandboxSpec(image="x")))
+    await default.launch(LaunchSpec("pm-b", theirs, 1, "rid", SandboxSpec(image="x")))  # not its
+    await routed.launch(LaunchSpec("pm-c", other, 1, "rid", SandboxSpec(image="x")))
+    assert isinstance(driver, HoldingsDriver)
+    assert await driver.incarnations() == {("a", mine), ("pm-c", other)}
+    await default.delete("a", mine)
+    assert await driver.incarnations() == {("pm-c", other)}
