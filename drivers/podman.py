@@ -45,6 +45,7 @@ from drivers.podman_stream import EventStream
 from drivers.protocol import (
     DriverError,
     ExecEvent,
+    Incarnation,
     LaunchResult,
     LaunchSpec,
     OpResult,
@@ -148,6 +149,12 @@ class PodmanDriver:
             self._sync.list, None, key=None, generation=None, what="list", exclusive=False
         )
         return [c.info for c in found]
+
+    async def incarnations(self) -> builtins.set[Incarnation]:
+        """The HoldingsDriver capability: incarnations with a container or a volume."""
+        return await self._call(
+            self._sync.incarnations, key=None, generation=None, what="list", exclusive=False
+        )
 
     async def watch(self) -> AsyncIterator[WatchObservation]:
         """Full listing, then events; after a broken stream, reconnect and list again.
