@@ -136,16 +136,11 @@ class CommandGateway:
         )
 
     async def wait_outcome(
-        self, command_id: str, key: str | None, timeout: float
+        self, command_id: str, key: str | None, timeout: float, *, published: bool = False
     ) -> CommandOutcome | None:
-        """The command's outcome once decided; None if ``timeout`` passes first."""
-        return await self._wait_outcome(command_id, key, timeout)
-
-    async def _wait_outcome(
-        self, command_id: str, key: str | None, timeout: float, published: bool = False
-    ) -> CommandOutcome | None:
-        """``wait_outcome``; ``published``: mark the command published on the connection of
-        the first look-up (one pool acquisition, and its reset round trip, fewer)."""
+        """The command's outcome once decided; None if ``timeout`` passes first.
+        ``published``: mark the command published first, on the connection of the first
+        look-up (a pool acquisition fewer: each ends in a reset, a round trip of its own)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
@@ -205,5 +200,5 @@ class CommandGateway:
         if not wait:
             await idempotency.mark_published(self.pool, command.command_id)
             return Submitted(None, retry=False)
-        outcome = await self._wait_outcome(command.command_id, command.key, wait, published=True)
+        outcome = await self.wait_outcome(command.command_id, command.key, wait, published=True)
         return Submitted(outcome, retry=False)
