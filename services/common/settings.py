@@ -229,18 +229,28 @@ class Settings(BaseSettings):
     openshell_enabled: bool = True
     openshell_host: str = "127.0.0.1"
     openshell_port: int = Field(default=8788, ge=0, le=65535)
-    # Calls without a bearer token act as a local admin: for local use (OpenShell's conformance
-    # suite sends no credentials); refused unless openshell_host is a loopback address.
+    # Calls without a bearer token act as the local principal `openshell-local`: for local use
+    # (OpenShell's conformance suite sends no credentials); refused unless openshell_host is a
+    # loopback address. That principal holds openshell_unauthenticated_scopes (comma-separated):
+    # by default sandboxes' reads and commands, not exec, providers or audit (any local user
+    # could use them).
     openshell_allow_unauthenticated: bool = False
     # With the API's certificate the gRPC API speaks TLS too; false keeps it plaintext
     # (OpenShell's CLI connects to an https gateway only with mutual-TLS files of its own).
     openshell_tls: bool = True
+    openshell_unauthenticated_scopes: str = "sandbox:read,sandbox:write"
     # Exec over the OpenShell API: the longest a command may run (also when the client sets no
     # limit), the sessions one token may have open at once, and all sessions at once (each
     # holds a thread reading Podman's stream while it runs).
     openshell_exec_timeout_seconds: int = Field(default=3600, ge=1, le=86_400)
     openshell_exec_sessions_per_token: int = Field(default=8, ge=1, le=1024)
     openshell_exec_sessions: int = Field(default=64, ge=1, le=4096)
+    # The three above hold the HTTP API's exec too (services/common/exec_sessions.py), with
+    # these: the sessions one sandbox may have open at once (both doors), and the most of each
+    # output (stdout, stderr) the HTTP API's non-streaming exec answers with (the rest is
+    # read and dropped, the answer says it was cut).
+    exec_sessions_per_sandbox: int = Field(default=8, ge=1, le=1024)
+    exec_output_max_bytes: int = Field(default=1024 * 1024, ge=1024, le=64 * 1024 * 1024)
     # Tokens file, admin token and pid file of `sandstream up` (default: state_dir).
     run_dir: Path | None = None
     # Request bodies above this are refused (413) unread; it stays below Kafka's message size
@@ -303,6 +313,13 @@ class Settings(BaseSettings):
             f"::ffff:{n.network_address}/{96 + n.prefixlen}" for n in networks if n.version == 4
         ]
         return (*entries, *mapped)
+
+    @property
+    def openshell_local_scopes(self) -> frozenset[str]:
+        """The scopes of an unauthenticated OpenShell call (when those are allowed); the
+        OpenShell server refuses to start with an unknown one."""
+        given = self.openshell_unauthenticated_scopes.split(",")
+        return frozenset(s.strip() for s in given if s.strip())
 
     @field_validator("pg_password", mode="after")
     @classmethod

@@ -33,6 +33,7 @@ from typing import Final
 import grpc
 
 from services.common.settings import PROJECT_ROOT, Settings, load_settings
+from services.common.tokens import SCOPES
 from services.localstack.isolation import isolated
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto import openshell_pb2_grpc
@@ -172,6 +173,8 @@ async def isolated_up_settings(
                 "api_port": free_port(),
                 "openshell_port": free_port(),
                 "openshell_allow_unauthenticated": True,
+                # The suite and the CLI session exec in sandboxes and manage providers.
+                "openshell_unauthenticated_scopes": ",".join(SCOPES),
                 "run_dir": scratch / "run",
                 **certificate,
             }
