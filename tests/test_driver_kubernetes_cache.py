@@ -12,6 +12,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from kube_support import (
     own_apiserver,
 )
 
-from drivers.kube_objects import pod_name
+from drivers.kube_objects import claim_name, pod_name, secret_manifest
 from drivers.kubernetes import KubernetesDriver
 from drivers.protocol import DriverError, LaunchSpec
 from events.common import SandboxSpec
@@ -183,3 +184,40 @@ async def test_a_stop_and_a_delete_whose_cache_missed_the_pod_still_remove_it(
     finally:
         await late.close()
         await other.close()
+
+
+# -- what a delete still looks for ---------------------------------------------------------------
+
+
+async def test_a_delete_removes_the_secret_of_a_launch_that_made_no_pod(
+    admin: Admin, ns: str, keys: Keys
+) -> None:
+    """A launch interrupted after writing its Secret left no Pod to refer to it: the delete,
+    finding no Pod, still looks for the key's Secrets."""
+    driver = new_driver(admin, ns)
+    key = keys()
+    try:
+        spec = replace(launch_spec(key), secrets={"API_KEY": "left-behind"})
+        await admin.core.create_namespaced_secret(ns, secret_manifest(spec))
+        assert await driver.delete(key, spec.sandbox_id) is True
+        assert await admin.secrets(ns, key) == []
+    finally:
+        await driver.close()
+
+
+async def test_a_delete_without_a_storage_class_removes_a_claim_its_pod_mounts(
+    admin: Admin, ns: str, keys: Keys
+) -> None:
+    """A sandbox launched while a storage class was configured, deleted by a driver without
+    one: its Pod mounts a claim, so the delete looks for the claims and removes it."""
+    before, after = new_driver(admin, ns), new_driver(admin, ns, storage_class=None)
+    key = keys()
+    spec = launch_spec(key)
+    try:
+        await before.launch(spec)
+        assert await admin.claims(ns, key) == [claim_name(key, spec.sandbox_id)]
+        assert await after.delete(key, spec.sandbox_id) is True
+        assert await admin.pod_names(ns, key) == [] and await admin.claims(ns, key) == []
+    finally:
+        await before.close()
+        await after.close()
