@@ -43,11 +43,7 @@ from kubernetes_asyncio import config
 from drivers.kube_api import TRANSPORT_ERRORS, ApiStatusError, Gone, KubeApi, describe, retryable
 from drivers.kube_cache import PodCache, version_number
 from drivers.kube_config import KubeConfig, api_client, parse_node_selector, parse_tolerations
-from drivers.kube_objects import (
-    ACTOR,
-    PodView,
-    claim_manifest,
-)
+from drivers.kube_objects import ACTOR, PodView, claim_manifest
 from drivers.kube_pods import KeyPods
 from drivers.kube_waits import Deadline, await_pod, remove_pod
 from drivers.kube_watch import Reported
