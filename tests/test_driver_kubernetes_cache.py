@@ -29,8 +29,18 @@ from kube_support import (
     own_apiserver,
 )
 
-from drivers.kube_objects import claim_name, pod_name, secret_manifest
-from drivers.kubernetes import KubernetesDriver
+from drivers.kube_api import KubeApi
+from drivers.kube_cache import PodCache
+from drivers.kube_objects import (
+    PodSettings,
+    PodView,
+    claim_name,
+    pod_manifest,
+    pod_name,
+    read_pod,
+    secret_manifest,
+)
+from drivers.kubernetes import KubeConfig, KubernetesDriver
 from drivers.protocol import DriverError, LaunchSpec
 from events.common import SandboxSpec
 from services.bench.kube_requests import bare_costs, driver_costs, kube_client, table
@@ -221,3 +231,42 @@ async def test_a_delete_without_a_storage_class_removes_a_claim_its_pod_mounts(
     finally:
         await before.close()
         await after.close()
+
+
+# -- the cache's own rules (no apiserver) --------------------------------------------------------
+
+
+def pod_at(key: str, uid: str, version: int, phase: str = "Running") -> dict[str, Any]:
+    pod = pod_manifest(launch_spec(key), PodSettings())
+    pod["metadata"] |= {"uid": uid, "resourceVersion": str(version)}
+    pod["status"] = {"phase": phase}
+    return pod
+
+
+def view_at(key: str, uid: str, version: int, phase: str = "Running") -> PodView:
+    view = read_pod(pod_at(key, uid, version, phase))
+    assert view is not None
+    return view
+
+
+async def test_the_cache_keeps_the_newest_version_and_never_brings_a_removed_pod_back() -> None:
+    cache = PodCache(KubeApi(KubeConfig()), 0.1, 1.0)
+    cache._listing([], "10")
+    cache.note(view_at("a", "u1", 12))  # the driver's own create, ahead of the watch
+    cache._event("ADDED", pod_at("a", "u1", 11, "Pending"))  # an older event arrives late
+    assert cache.pod("u1") == view_at("a", "u1", 12) and cache.version == 11
+    cache._event("DELETED", pod_at("a", "u1", 13))
+    cache.note(view_at("a", "u1", 12))  # a late answer of an earlier write
+    assert cache.pod("u1") is None and cache.last("u1") == view_at("a", "u1", 13)
+    assert await cache.views("a", 0) == []
+    await cache.close()  # its informer never ran: the views above were answered at once
+
+
+async def test_a_relisting_drops_what_it_misses_and_keeps_what_the_driver_wrote_since() -> None:
+    cache = PodCache(KubeApi(KubeConfig()), 0.1, 1.0)
+    cache._listing([view_at("a", "gone", 5), view_at("a", "stays", 6)], "10")
+    cache.note(view_at("a", "new", 21))  # created after the listing below was taken
+    cache._listing([view_at("a", "stays", 6)], "20")
+    assert [v.uid for v in await cache.views("a", 0) or []] == ["new", "stays"]
+    assert cache.pod("gone") is None and cache.version == 20
+    await cache.close()
