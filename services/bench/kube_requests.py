@@ -142,13 +142,14 @@ async def own_apiserver(settings: Settings, home: Path) -> AsyncIterator[tuple[i
     port = free_port_run(1)
     own = settings.model_copy(update={"kube_apiserver_port": port})
     name = f"kube-apiserver-bench-{os.getpid()}-{port}"
+    kubeconfig = home / f"{name}.kubeconfig"
     try:
         await asyncio.to_thread(local_cluster.start_apiserver, own, name)
-        kubeconfig = home / f"{name}.kubeconfig"
         local_cluster.write_kubeconfig(own, kubeconfig)
         yield port, kubeconfig
     finally:
         await asyncio.to_thread(local_cluster.stop_apiserver, own, name)
+        kubeconfig.unlink(missing_ok=True)
 
 
 def table(ours: Costs, bare: Costs) -> str:
