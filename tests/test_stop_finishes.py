@@ -5,6 +5,9 @@ with the runtime running stays Stopping, every failure and retry in its history,
 Stopped once a retry succeeds. It used to go back to Ready, the expiry consumed: the sandbox
 ran for good.
 
+On real Podman: the stops of a running container go to a Podman service that cannot be reached
+(the usual way a stop fails there), and the container keeps running until the service is back.
+
 The windows are scaled through the settings; tests/test_stop_finishes_rules.py decides the
 same timeline at these windows and at the defaults and finds the same events in the same
 order. The rules alone: tests/test_stop_finishes_rules.py.
@@ -19,9 +22,22 @@ from typing import Any
 
 import factories as f
 from harness import Env, eventually, isolated_env
-from pipeline_support import command, phase, wait_phase, wait_row
+from pipeline_support import (
+    SLEEPER,
+    command,
+    phase,
+    podman_env,
+    running_plane,
+    sandbox_spec,
+    status_of,
+    wait_phase,
+    wait_row,
+)
+from podman import PodmanClient
 
 from drivers.fake import FakeDriver
+from drivers.podman import PodmanDriver, container_name
+from drivers.protocol import OpResult
 from events.publisher import CommandPublisher, now
 from services.up.control_plane import ControlPlane
 
@@ -142,3 +158,66 @@ async def test_a_restart_takes_over_a_failing_stop() -> None:
         row = await wait_phase(env, "t", "Ready")
         assert row["generation"] == 2
         assert [r.generation for r in await driver.get("t") if r.state == "running"] == [2]
+
+
+class StopsUnreachable:
+    """The real Podman driver, except that while ``away`` its stops and kills go to a Podman
+    service that is not there (a socket nobody listens on): they fail as an outage does,
+    retryable, the backend unread, while the container runs on."""
+
+    def __init__(self, real: PodmanDriver, away: PodmanDriver) -> None:
+        self.real, self.absent, self.away = real, away, True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    async def stop(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
+        return await (self.absent if self.away else self.real).stop(key, generation, timeout)
+
+    async def kill(self, key: str, generation: int) -> OpResult:
+        return await (self.absent if self.away else self.real).kill(key, generation)
+
+
+async def test_on_podman_a_ttl_stop_that_cannot_reach_podman_stays_stopping_until_it_can(
+    podman: PodmanClient, tmp_path: Any
+) -> None:
+    async with podman_env(podman, "stopfail") as (env, real, keys):
+        env.settings = env.settings.model_copy(update={**SCALED, "launch_timeout_seconds": 60})
+        absent = PodmanDriver(f"unix://{tmp_path}/no-podman.sock")
+        driver = StopsUnreachable(real, absent)
+        key = keys()
+        name = container_name(key, 1)
+        try:
+            async with (
+                running_plane(
+                    env, driver, with_scheduler=True, removing=keys, reconcile_interval=0.5
+                ),
+                await env.publisher() as pub,
+            ):
+                spec = sandbox_spec(env.settings, SLEEPER, stop_timeout=1)
+                create = f.create(
+                    key, sandbox_spec=spec, ttl_seconds=1, on_expiry="stop", occurred_at=now()
+                )
+                await command(env, pub, create)
+                await wait_phase(env, key, "Ready", timeout=60)
+
+                def retried(found: Decided) -> bool:
+                    return len(failed_stops(found[0])) >= 2 and "SandboxStopRetried" in found[1]
+
+                items, _ = await eventually(
+                    lambda: decided(env, key), retried, timeout=60,
+                    what="two failed stops and a retry recorded",
+                )  # fmt: skip
+                assert await phase(env, key) == "Stopping"
+                assert status_of(podman, name) == "running"
+                for failure in failed_stops(items):
+                    assert failure["phase"] == "Stopping", failure["reason"]
+                    assert failure["message"]["observed"] is None  # the backend unread
+                driver.away = False  # Podman is back: the next retry stops the container
+                await wait_phase(env, key, "Stopped", timeout=60)
+                assert status_of(podman, name) == "exited"
+        finally:
+            await absent.close()
+        _, types = await decided(env, key)
+        assert types[:4] == ["SandboxCreated", "SandboxReady", "SandboxExpired", "SandboxStopping"]
+        assert "SandboxReady" not in types[3:] and types[-1] == "SandboxStopped"
