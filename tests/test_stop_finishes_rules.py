@@ -9,6 +9,7 @@ The same rules on the real pipeline: tests/test_stop_finishes.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime, timedelta
 from uuid import uuid4
 
@@ -27,6 +28,7 @@ from events.decided import (
 from events.observations import ObservedState
 from projections.lifecycle import DEFAULT_LIMITS, Limits, Message, decide, evolve
 from services.common.settings import Settings
+from services.executor.intents import intent_of, intent_of_row, unwanted
 
 P = Phase
 
@@ -242,3 +244,21 @@ def test_the_scaled_stop_timeline_is_the_real_one() -> None:
             ("SandboxStopRetried", 3),
         ]
     )
+
+
+def test_the_executor_stops_again_on_a_retry_and_leaves_a_failed_stop_to_its_deadline() -> None:
+    """SandboxStopRetried asks the executor for the stop; the reconcile loop's pick-up leaves a
+    failed stop to its retry deadline (picking it up every other pass would undo the back-off)
+    and picks it up again once retry deadlines are off."""
+    h = f.harness_in(P.STOPPING)
+    assert intent_of_row(h.row()) is not None  # e.g. decided before this executor group joined
+    h.send(f.failed(operation="stop", observed="running"))
+    assert intent_of_row(h.row()) is None
+    assert intent_of_row(replace(h.row(), deadline=None)) is not None  # retries off
+    deadline = h.row().deadline
+    assert deadline is not None
+    (retried,) = h.send(f.due(deadline="stop", due_at=deadline.due_at)).events
+    intent = intent_of(retried)
+    assert intent is not None and (intent.operation, intent.generation) == ("stop", 1)
+    assert unwanted(intent, h.row()) is None
+    assert intent_of_row(h.row()) is None  # the retry runs; the next deadline follows it
