@@ -34,6 +34,7 @@ from pipeline_support import (
     wait_row,
 )
 from podman import PodmanClient
+from test_stop_finishes_rules import SCALED_GRACE, SCALED_STOP_WINDOWS
 
 from drivers.fake import FakeDriver
 from drivers.podman import PodmanDriver, container_name
@@ -42,13 +43,11 @@ from events.publisher import CommandPublisher, now
 from services.up.control_plane import ControlPlane
 
 # The stop timeline's windows, scaled (the defaults: 600 s of executor retries, 30 s of stop
-# margin, 120 s to 1800 s of back-off).
+# margin, 120 s to 1800 s of back-off, a 10 s grace); the sandboxes here stop with the same
+# grace (SCALED_GRACE) through their spec or the driver's default.
 SCALED = {
-    "executor_retry_seconds": 1.0,
-    "stop_margin_seconds": 0.3,
-    "stop_timeout_seconds": 0,
-    "delete_retry_seconds": 0.5,
-    "delete_retry_max_seconds": 2.0,
+    **SCALED_STOP_WINDOWS,
+    "stop_timeout_seconds": SCALED_GRACE,
     "scheduler_poll_seconds": 0.2,
 }
 
@@ -139,7 +138,9 @@ async def test_a_failing_ttl_stop_stays_stopping_with_its_retries_until_one_stop
         assert not await running(driver, "t")
         _, types = await decided(env, "t")
         assert types.index("SandboxExpired") < types.index("SandboxStopping")
-        assert types.index("SandboxStopping") < types.index("SandboxOperationFailed")
+        # The path the scaled timeline proves the defaults take: the escalation's kill first.
+        assert types.index("SandboxStopping") < types.index("SandboxStopEscalated")
+        assert types.index("SandboxStopEscalated") < types.index("SandboxOperationFailed")
         assert types.index("SandboxOperationFailed") < types.index("SandboxStopRetried")
         assert "SandboxReady" not in types[types.index("SandboxStopping") :]
         assert types[-1] == "SandboxStopped"
@@ -194,7 +195,7 @@ async def test_on_podman_a_ttl_stop_that_cannot_reach_podman_stays_stopping_unti
                 ),
                 await env.publisher() as pub,
             ):
-                spec = sandbox_spec(env.settings, SLEEPER, stop_timeout=1)
+                spec = sandbox_spec(env.settings, SLEEPER, stop_timeout=SCALED_GRACE)
                 create = f.create(
                     key, sandbox_spec=spec, ttl_seconds=1, on_expiry="stop", occurred_at=now()
                 )
@@ -219,5 +220,8 @@ async def test_on_podman_a_ttl_stop_that_cannot_reach_podman_stays_stopping_unti
         finally:
             await absent.close()
         _, types = await decided(env, key)
-        assert types[:4] == ["SandboxCreated", "SandboxReady", "SandboxExpired", "SandboxStopping"]
+        assert types[:6] == [
+            "SandboxCreated", "SandboxReady", "SandboxExpired", "SandboxStopping",
+            "SandboxStopEscalated", "SandboxOperationFailed",
+        ]  # fmt: skip
         assert "SandboxReady" not in types[3:] and types[-1] == "SandboxStopped"

@@ -32,6 +32,17 @@ from services.executor.intents import intent_of, intent_of_row, unwanted
 
 P = Phase
 
+# The windows tests/test_stop_finishes.py runs at (the defaults divided by 100, the stop margin
+# and the grace period shorter still): test_the_scaled_stop_timeline_is_the_real_one proves
+# they decide the same events in the same order as the defaults.
+SCALED_STOP_WINDOWS = {
+    "executor_retry_seconds": 6.0,
+    "stop_margin_seconds": 0.3,
+    "delete_retry_seconds": 1.2,
+    "delete_retry_max_seconds": 18.0,
+}
+SCALED_GRACE = 0
+
 
 def ttl_stop() -> f.Harness:
     """A running sandbox whose time to live fell due with ``on_expiry: stop``."""
@@ -216,20 +227,19 @@ def stop_timeline(
 
 
 def test_the_scaled_stop_timeline_is_the_real_one() -> None:
-    """tests/test_stop_finishes.py runs a failing time-to-live stop with its windows divided by
-    100 or so; with the defaults (600 s of executor retries, 30 s of stop margin, 120 s to
+    """tests/test_stop_finishes.py runs a failing time-to-live stop at SCALED_STOP_WINDOWS and
+    SCALED_GRACE; with the defaults (600 s of executor retries, 30 s of stop margin, 120 s to
     1800 s of back-off, the driver's 10 s grace) the same events are decided in the same
     order: the escalation's kill, the failure (still Stopping, a retry deadline), retries
     (one skipped by the executor while the stop it asked for still runs), the next failure
     keeping the next retry's deadline."""
     real = stop_timeline(DEFAULT_LIMITS, grace=10, retry_window=600)
-    scaled_settings = Settings(
-        executor_retry_seconds=6.0,
-        stop_margin_seconds=0.3,
-        delete_retry_seconds=1.2,
-        delete_retry_max_seconds=18.0,
+    scaled_settings = Settings(**SCALED_STOP_WINDOWS)  # type: ignore[arg-type]
+    scaled = stop_timeline(
+        scaled_settings.lifecycle_limits,
+        grace=SCALED_GRACE,
+        retry_window=scaled_settings.executor_retry_seconds,
     )
-    scaled = stop_timeline(scaled_settings.lifecycle_limits, grace=0, retry_window=6.0)
     assert (
         real
         == scaled
