@@ -272,3 +272,21 @@ def test_the_executor_stops_again_on_a_retry_and_leaves_a_failed_stop_to_its_dea
     assert intent is not None and (intent.operation, intent.generation) == ("stop", 1)
     assert unwanted(intent, h.row()) is None
     assert intent_of_row(h.row()) is None  # the retry runs; the next deadline follows it
+
+
+def test_an_expiry_during_a_failing_stop_keeps_its_retries() -> None:
+    """A sandbox stopped by hand keeps its time to live; when that falls due while the stop is
+    failing, the row still says why it is not stopped, and the next DeadlineDue of the stop is
+    still the retry (not the escalation, which would end the retries with a kill that reports
+    nothing)."""
+    h = f.Harness()
+    h.send(f.create(ttl_seconds=600), f.running(), f.stop())
+    h.send(f.failed(operation="stop", observed="running", reason="podman: timeout"))
+    reason, retry, expires_at = h.row().reason, h.row().deadline, h.row().expires_at
+    assert reason is not None and retry is not None and expires_at is not None
+    assert [e.type for e in h.send(f.due(deadline="ttl", due_at=expires_at)).events] == [
+        "SandboxExpired"
+    ]
+    assert (h.row().phase, h.row().reason, h.row().deadline) == (P.STOPPING, reason, retry)
+    (event,) = h.send(f.due(deadline="stop", due_at=retry.due_at)).events
+    assert isinstance(event, SandboxStopRetried)

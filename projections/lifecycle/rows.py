@@ -36,7 +36,7 @@ from events.decided import (
 )
 from projections.records import maker, replaced
 
-from .model import STOP_FAILED, P, Sandbox
+from .model import STOP_FAILED, P, Sandbox, awaits_stop_retry
 from .providers import OWED_PHASES, restart_reason
 from .restarts import (
     RESTART_CHANGES,
@@ -133,11 +133,13 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
         "reason": f"DeleteTimeout: not deleted yet; retry {e.deadline.attempt}",
         "deadline": e.deadline,
     },
-    # In Deleting the row's reason says why the delete is not done yet (DeleteFailed): an
-    # expiry falling due meanwhile changes nothing of that.
-    SandboxExpired: lambda s, e: {"expires_at": None,
-                                  "reason": s.reason if s.phase is P.DELETING
-                                  else f"Expired: time to live ended ({e.policy})"},
+    # In Deleting the row's reason says why the delete is not done yet (DeleteFailed), and in
+    # a failing stop why it is not stopped yet (StopFailed, which also marks its deadline as
+    # the retry's): an expiry falling due meanwhile changes nothing of that.
+    SandboxExpired: lambda s, e: {"expires_at": None, "reason": (
+        s.reason if s.phase is P.DELETING or awaits_stop_retry(s)
+        else f"Expired: time to live ended ({e.policy})"
+    )},
     SandboxExtended: lambda s, e: {"expires_at": e.expires_at},
     SandboxHeld: held_defers,
     SandboxReleased: released,
