@@ -37,7 +37,7 @@ _WITH_PID: Final = 'echo "$$" >&2; exec "$@"'  # the PID first, then the command
 # A signal to the command's process group (or, should it lead none, to the process alone).
 # (No ``--``: busybox's kill takes it for a PID; a negative number after ``-s`` is a group.)
 _SIGNAL: Final = 'kill -s "$1" "-$2" 2>/dev/null || kill -s "$1" "$2" 2>/dev/null'
-_NO_SH: Final = ('"sh"', "not found")  # the runtime's words for an image without sh
+_NO_SH: Final = 'exec: "sh"'  # the runtime's words when the image has no sh
 EXEC_GRACE: Final = 5.0  # seconds between SIGTERM and SIGKILL
 _POLL: Final = 0.2
 
@@ -117,9 +117,13 @@ class KubeExec:
                     ended = isinstance(event, ExecExit)
                     yield event
             except DriverError as exc:
-                if not head.pending or not all(w in exc.reason for w in _NO_SH):
+                if (
+                    not head.pending
+                    or _start_failure(exc.reason) is None
+                    or _NO_SH not in exc.reason
+                ):
                     raise
-                async for event in self._run(key, generation, argv, stdin):  # no sh: as given
+                async for event in self._as_given(key, generation, argv, stdin):  # no sh
                     ended = isinstance(event, ExecExit)
                     yield event
         finally:
@@ -134,6 +138,21 @@ class KubeExec:
         async with contextlib.aclosing(events):
             async for event in events:
                 yield event
+
+    async def _as_given(
+        self, key: str, generation: int, argv: builtins.list[str], stdin: bytes | None
+    ) -> AsyncIterator[ExecEvent]:
+        """The command without ``sh``; a program the runtime cannot start is exit 127 (126
+        when not permitted) with the runtime's message on stderr, as ``sh`` would say it."""
+        try:
+            async for event in self._run(key, generation, argv, stdin):
+                yield event
+        except DriverError as exc:
+            code = _start_failure(exc.reason)
+            if code is None:
+                raise
+            yield ExecOutput("stderr", exc.reason.encode() + b"\n")
+            yield ExecExit(code)
 
     async def _end(self, key: str, generation: int, pid: int) -> None:
         """SIGTERM to the command left running, SIGKILL after the grace; errors are logged
@@ -159,3 +178,10 @@ class KubeExec:
 
     async def close(self) -> None:
         await self._pods.close()
+
+
+def _start_failure(reason: str) -> int | None:
+    """The shell's exit code for the runtime's failure to start a program, else None."""
+    if "unable to start container process" not in reason:
+        return None
+    return 126 if "permission denied" in reason else 127

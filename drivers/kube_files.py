@@ -41,14 +41,14 @@ def exit_of(status: bytes) -> int | str:
     try:
         parsed: dict[str, Any] = json.loads(status)
     except ValueError:
-        return status.decode(errors="replace")[:300]
+        return status.decode(errors="replace")[:1000]
     if parsed.get("status") == "Success":
         return 0
     if parsed.get("reason") == "NonZeroExitCode":
         for cause in parsed.get("details", {}).get("causes", []):
             if cause.get("reason") == "ExitCode" and str(cause.get("message", "")).isdigit():
                 return int(cause["message"])
-    return str(parsed.get("message") or parsed)[:300]
+    return str(parsed.get("message") or parsed)[:1000]
 
 
 class KubeFiles(ExecFiles):

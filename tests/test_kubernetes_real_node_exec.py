@@ -35,6 +35,7 @@ from test_kubernetes_real_node import (
 
 from drivers.kube_exec import EXEC_GRACE
 from services.common.settings import Settings
+from services.localstack.kube_node import PAUSE_IMAGE
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session", name="box")
@@ -285,3 +286,23 @@ async def test_the_root_outside_the_workspace_is_writable_as_the_pod_has_no_read
         assert (r.status_code, r.json()["path"]) == (201, "/opt/outside.txt"), r.text
         r = await c.delete(box.url(), params={"path": "/opt/outside.txt"})
         assert r.status_code == 204, r.text
+
+
+async def test_an_image_without_sh_runs_the_command_as_given(
+    box: Sandbox, admin: Admin, ns: str
+) -> None:
+    """The pause image holds nothing but catatonit: the command cannot start under ``sh``, so
+    it runs as given; a program missing there is exit 127 with the runtime's message."""
+    name = unique("rn")
+    try:
+        async with box.api.client() as c:
+            body = create_body(name, image=PAUSE_IMAGE, command=["/catatonit", "-P"])
+            r = await c.post("/v1/sandboxes", params={"wait": 60}, json=body)
+            assert r.status_code == 201, r.text
+            await box.api.wait_phase(name, "Ready", timeout=60)
+            r = await c.post(f"/v1/sandboxes/{name}/exec", json={"command": ["/nope"]})
+        assert r.status_code == 200, r.text
+        assert r.json()["exit_code"] == 127 and "/nope" in r.json()["stderr"], r.text
+        assert '"sh"' not in r.json()["stderr"], r.text
+    finally:
+        await admin.remove_everything_of(ns, name)
