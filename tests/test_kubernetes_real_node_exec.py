@@ -17,6 +17,7 @@ from typing import Any
 
 import apikit
 import httpx
+import pytest
 import pytest_asyncio
 from apikit import create_body, unique
 from files_support import FILES, Sandbox, members_of, tar_of, tokens
@@ -82,6 +83,9 @@ async def alive(box: Sandbox, pid_file: str) -> bool:
 
 
 async def wait_gone(box: Sandbox, pid_file: str, what: str) -> None:
+    """Wait for the process of ``pid_file`` (which must exist: the command started) to end."""
+    assert (await run(box, ["cat", pid_file]))["exit_code"] == 0, "the command never started"
+
     def gone(running: bool) -> bool:
         return not running
 
@@ -148,7 +152,7 @@ async def test_a_command_that_ignores_sigterm_is_killed_after_the_grace(box: San
     answer = await run(box, command, timeout=1)
     took = time.monotonic() - started
     assert answer["timed_out"] is True
-    assert EXEC_GRACE <= took < EXEC_GRACE + 10, took  # the answer waits for the ending
+    assert EXEC_GRACE <= took < EXEC_GRACE + 20, took  # the answer waits for the ending
     assert not await alive(box, pid_file)
 
 
@@ -170,6 +174,16 @@ async def test_a_client_that_leaves_ends_the_command_in_the_container(box: Sandb
         assert await alive(box, pid_file)
         await response.aclose()  # the client leaves
     await wait_gone(box, pid_file, "the left command gone")
+
+
+async def test_a_client_that_leaves_the_json_form_ends_the_command(box: Sandbox) -> None:
+    pid_file = f"/tmp/left-json-{uuid.uuid4().hex[:8]}"
+    command = ["sh", "-c", 'echo $$ > "$1"; exec sleep 300', "sh", pid_file]
+    async with box.api.client() as c:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and goes
+            await c.post(f"/v1/sandboxes/{box.name}/exec", json={"command": command},
+                         timeout=httpx.Timeout(60, read=3))  # fmt: skip
+    await wait_gone(box, pid_file, "the command of the client that left gone")
 
 
 async def test_files_go_both_ways_as_files_and_tars(box: Sandbox) -> None:
