@@ -11,8 +11,10 @@ command starts under the image's ``sh``, which reports its PID (the first line o
 from the caller) and then ``exec``s the command in its place; runc makes each exec process the
 leader of a process group of its own. Leaving the stream before the command's exit (the
 caller's timeout, a client gone) ends it from a second exec: ``kill`` SIGTERM to that group,
-SIGKILL once ``grace`` seconds have passed with it still there. An image without ``sh`` runs
-the command as given, which nothing can end but its own exit.
+SIGKILL once ``grace`` seconds have passed with a member still running (read from
+``/proc``: a zombie left to a PID 1 that reaps nothing does not count). An image without
+``sh`` runs the command as given, which nothing can end but its own exit; a program the
+runtime cannot start there is exit 127 (126 when not permitted), as ``sh`` would say it.
 Where no kubelet serves exec (a kwok node, as in the local cluster), the stream fails with a
 DriverError that carries the apiserver's reason.
 """
@@ -37,6 +39,13 @@ _WITH_PID: Final = 'echo "$$" >&2; exec "$@"'  # the PID first, then the command
 # A signal to the command's process group (or, should it lead none, to the process alone).
 # (No ``--``: busybox's kill takes it for a PID; a negative number after ``-s`` is a group.)
 _SIGNAL: Final = 'kill -s "$1" "-$2" 2>/dev/null || kill -s "$1" "$2" 2>/dev/null'
+# Whether a process of the group (or the process) "$1" still runs: a zombie does not (a Pod's
+# PID 1 need not reap the orphans it inherits). /proc/N/stat: "N (comm) state ppid pgrp ...".
+_RUNS: Final = (
+    'g=$1; for f in /proc/[0-9]*/stat; do read -r s 2>/dev/null < "$f" || continue; '
+    "n=${s%% *}; s=${s##*) }; set -- $s; "
+    '[ "$1" != Z ] && { [ "$3" = "$g" ] || [ "$n" = "$g" ]; } && exit 0; done; exit 1'
+)
 _NO_SH: Final = 'exec: "sh"'  # the runtime's words when the image has no sh
 EXEC_GRACE: Final = 5.0  # seconds between SIGTERM and SIGKILL
 _POLL: Final = 0.2
@@ -163,16 +172,21 @@ class KubeExec:
             deadline = asyncio.get_running_loop().time() + self.grace
             while asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(_POLL)
-                if not await self._signal(key, generation, "0", pid):
+                if not await self._runs(key, generation, pid):
                     return
             await self._signal(key, generation, "KILL", pid)
         except DriverError as exc:
             log.warning("exec in %s generation %d: could not end PID %d: %s",
                         key, generation, pid, exc.reason)  # fmt: skip
 
+    async def _runs(self, key: str, generation: int, pid: int) -> bool:
+        return await self._succeeds(key, generation, ["sh", "-c", _RUNS, "sh", str(pid)])
+
     async def _signal(self, key: str, generation: int, signal: str, pid: int) -> bool:
         """Whether the signal reached the process (group) ``pid``."""
-        argv = ["sh", "-c", _SIGNAL, "sh", signal, str(pid)]
+        return await self._succeeds(key, generation, ["sh", "-c", _SIGNAL, "sh", signal, str(pid)])
+
+    async def _succeeds(self, key: str, generation: int, argv: builtins.list[str]) -> bool:
         exits = [e async for e in self._run(key, generation, argv, None) if isinstance(e, ExecExit)]
         return exits == [ExecExit(0)]
 
