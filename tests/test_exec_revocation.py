@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -24,10 +25,11 @@ from exec_support import running_with
 from harness import eventually
 from podman import PodmanClient
 from test_watch_revocation import LAPSES, drop_scope
+from upkit import SANDSTREAM, running_up
 
 from drivers.podman_objects import container_name
 from services.common import tokens as auth
-from services.common.settings import load_settings
+from services.common.settings import PROJECT_ROOT, load_settings
 from services.executor.backends import podman_driver
 from services.openshell.proto import openshell_pb2 as pb
 
@@ -106,8 +108,7 @@ async def test_an_http_exec_ends_and_its_command_too_once_its_token_lapses(
             denied = events[-1][1]
             assert (denied["status"], denied["code"]) == (status, code)
             assert denied["message"].startswith("exec ended: " + message), denied
-            await eventually(lambda: running_with(podman, container, f"sleep {marker}"),
-                             lambda left: left == [], what="the command to be ended")  # fmt: skip
+            assert running_with(podman, container, f"sleep {marker}") == []  # ended before
 
             # The JSON form: the answer is the refusal, not the result of a finished command.
             if lapse != "revoked":  # the name is free again once its token is revoked
@@ -180,3 +181,65 @@ async def test_an_openshell_exec_ends_and_its_command_too_once_its_token_lapses(
             assert running_with(podman, container, f"sleep {kept_marker}") != []
             assert not kept.done()
             kept.cancel()
+
+
+async def test_the_cli_and_the_sdk_say_why_an_exec_ended_when_its_token_lapsed(
+    tmp_path: Path, podman: PodmanClient
+) -> None:
+    """Through a real `sandstream up`: `sandstream sandbox exec` exits 1 and the SDK's streamed
+    ``commands.run`` raises AuthenticationError, both with the server's "exec ended: …"
+    (before, neither knew the `denied` event: "the stream ended without the command's exit")."""
+    sys.path.insert(0, str(PROJECT_ROOT / "sdk" / "python"))
+    import sandstream_sdk as ss
+
+    async with running_up(tmp_path) as up:
+        name = up.name("xrevoke")
+        r = await up.cli("sandbox", "create", name, "--image", IMAGE, "--", "sleep", "3600")
+        assert r.code == 0, r.err
+        container = container_name(name, 1)
+
+        async def new_token(token: str) -> str:
+            r = await up.cli("token", "create", token, "--scope", auth.READ, "--scope", auth.EXEC)
+            assert r.code == 0, r.err
+            return r.out.strip()
+
+        async def revoke_when_running(token: str, marker: str) -> None:
+            await eventually(lambda: running_with(podman, container, f"sleep {marker}"),
+                             bool, what="the command to run")  # fmt: skip
+            r = await up.cli("token", "revoke", token)
+            assert r.code == 0, r.err
+
+        # The CLI.
+        marker = new_marker()
+        env = {**up.env, "SANDSTREAM_API_URL": up.url, "SANDSTREAM_TOKEN": await new_token("cli")}
+        proc = await asyncio.create_subprocess_exec(
+            SANDSTREAM, "sandbox", "exec", name, "--", *sleeper(marker), env=env,
+            cwd=PROJECT_ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            async with asyncio.timeout(60):
+                await revoke_when_running("cli", marker)
+                out, err = await proc.communicate()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        assert out == b"started\n"
+        assert proc.returncode == 1, err
+        assert "exec ended: token 'cli' was revoked at " in err.decode(), err
+
+        # The SDK, streamed to a callback (the JSON form is a 401, mapped as any answer is).
+        marker = new_marker()
+        sandbox = ss.Sandbox.connect(name, api_url=up.url, token=await new_token("sdk"))
+        seen: list[str] = []
+        running = asyncio.ensure_future(
+            asyncio.to_thread(sandbox.commands.run, sleeper(marker), on_stdout=seen.append,
+                              timeout=None)
+        )  # fmt: skip
+        async with asyncio.timeout(60):
+            await revoke_when_running("sdk", marker)
+            with pytest.raises(ss.AuthenticationError) as raised:
+                await running
+        assert seen == ["started\n"]
+        assert "exec ended: token 'sdk' was revoked at " in str(raised.value)
+        assert running_with(podman, container, f"sleep {marker}") == []

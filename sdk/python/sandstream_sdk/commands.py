@@ -66,6 +66,8 @@ class Streamed:
             )  # fmt: skip
         elif event == "error":
             raise error_of(409 if data.get("code") == "FAILED_PRECONDITION" else 503, data, "")
+        elif event == "denied":  # the token lapsed mid-run: the command was ended
+            raise error_of(int(data.get("status", 401)), data, "")
         return None
 
     def finish(self) -> CommandResult:

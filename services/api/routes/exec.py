@@ -261,6 +261,7 @@ class Session:
 
     async def events(self) -> AsyncIterator[str]:
         decoders = {s: codecs.getincrementaldecoder("utf-8")("replace") for s in STREAMS}
+        lapsed: Denied | None = None
         try:
             async with self.run() as events:
                 async for event in events:
@@ -270,8 +271,8 @@ class Session:
                             yield sse(event.stream, {"data": text})
                         continue
                     if isinstance(event, Denied):
-                        yield sse("denied", denied_body(event, "exec"))
-                        return
+                        lapsed = event
+                        break  # said once the command is ended, below
                     for stream, decoder in decoders.items():  # a character cut at the end
                         if rest := decoder.decode(b"", final=True):
                             yield sse(stream, {"data": rest})
@@ -283,6 +284,8 @@ class Session:
             yield sse("error", {"code": error.code, "message": error.message})
         except ApiError as exc:
             yield sse("error", {"code": exc.code, "message": exc.message})
+        if lapsed is not None:
+            yield sse("denied", denied_body(lapsed, "exec"))
 
 
 STREAMS: Final = ("stdout", "stderr")
