@@ -4,6 +4,7 @@ calls as the synchronous face, awaited)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from collections.abc import Mapping, Sequence
@@ -171,12 +172,17 @@ class AsyncSandbox:
             timeout=timeout,
         )  # fmt: skip
         transport = AsyncTransport(Config.of(api_url, token, request_timeout))
+        created = False
         try:
             await transport.send(call)
+            created = True
             info = lifecycle.info_of((await transport.send(lifecycle.get_call(name))).json())
             sandbox = cls(info, transport, wait_timeout)
             await sandbox._until("Ready")
         except BaseException:
+            if created:  # never handed out, so nobody else would delete it
+                with contextlib.suppress(Exception):
+                    await transport.send(lifecycle.delete_call(name))
             await transport.close()
             raise
         return sandbox

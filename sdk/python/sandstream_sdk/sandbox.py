@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -162,12 +163,17 @@ class Sandbox:
             timeout=timeout,
         )  # fmt: skip
         transport = SyncTransport(Config.of(api_url, token, request_timeout))
+        created = False
         try:
             transport.send(call)
+            created = True
             info = lifecycle.info_of(transport.send(lifecycle.get_call(name)).json())
             sandbox = cls(info, transport, wait_timeout)
             sandbox._until("Ready")
         except BaseException:
+            if created:  # never handed out, so nobody else would delete it
+                with contextlib.suppress(Exception):
+                    transport.send(lifecycle.delete_call(name))
             transport.close()
             raise
         return sandbox
