@@ -177,6 +177,29 @@ def test_sync_sandbox_commands_files_logs_and_lifecycle(up: Up, connection: dict
     sb.close()
 
 
+def test_a_streamed_run_hands_all_output_to_the_callback_and_keeps_a_bounded_part(
+    up: Up, connection: dict[str, str]
+) -> None:
+    """Regression: with a callback, ``commands.run`` kept every byte of the output in the
+    result as well, so a command printing gigabytes (a build, a followed log) grew the
+    caller's memory without bound. Now the callback gets it all and the result keeps 1 MiB
+    per output, saying it was cut."""
+    kept = 1024 * 1024
+    size = 3 * kept
+    seen = [0]
+
+    def count(text: str) -> None:
+        seen[0] += len(text)
+
+    with Sandbox.create(image=IMAGE, name=up.name("sdk-huge")) as sb:
+        result = sb.commands.run(f"head -c {size} /dev/zero | tr '\\0' x; echo done >&2",
+                                 on_stdout=count, timeout=120)  # fmt: skip
+    assert seen[0] == size
+    assert len(result.stdout) == kept and result.stdout_truncated, len(result.stdout)
+    assert set(result.stdout) == {"x"}
+    assert result.stderr == "done\n" and not result.stderr_truncated
+
+
 async def test_a_create_that_never_gets_ready_leaves_no_sandbox_behind(
     up: Up, connection: dict[str, str]
 ) -> None:

@@ -42,10 +42,10 @@ class AsyncCommands:
         check: bool = True,
     ) -> CommandResult:
         """Run ``cmd`` (a string through ``sh -c``, or an argv list) and wait for its end.
-        With ``on_stdout``/``on_stderr`` the output is streamed to them as it comes (and all
-        of it kept in the result); without, the result holds each output up to the server's
-        limit (``stdout_truncated`` says when cut). ``timeout`` (seconds; None: the server's
-        limit) ends the command and raises TimeoutError; a non-zero exit raises
+        With ``on_stdout``/``on_stderr`` the output is streamed to them as it comes (its first
+        MiB per output kept in the result); without, the result holds each output up to the
+        server's limit (``stdout_truncated`` says when cut). ``timeout`` (seconds; None: the
+        server's limit) ends the command and raises TimeoutError; a non-zero exit raises
         CommandExitError unless ``check=False``."""
         stream = on_stdout is not None or on_stderr is not None
         call = _commands.run_call(self._sandbox.name, cmd, env=envs, cwd=cwd, timeout=timeout,
