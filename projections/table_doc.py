@@ -36,6 +36,7 @@ KINDS = [
     "created", "running", "stopping", "exited_ok", "exited_error", "removed",
     "launch_succeeded", "launch_failed",
     "stop_succeeded", "stop_absent", "stop_failed",
+    "suspend_succeeded", "suspend_absent", "suspend_failed",
     "delete_succeeded", "delete_absent", "delete_failed",
 ]  # fmt: skip
 _CELL = {Admission.ADMIT: "**admit**", Admission.IDEMPOTENT: "idempotent", Admission.REJECT: "—"}

@@ -26,6 +26,8 @@ from events.decided import (
     SandboxStarting,
     SandboxStopped,
     SandboxStopping,
+    SandboxSuspended,
+    SandboxSuspending,
 )
 from events.observations import ObservedState
 from events.outcomes import Code
@@ -54,6 +56,8 @@ VERBS = {
     "StartSandbox": "start",
     "StopSandbox": "stop",
     "RestartSandbox": "restart",
+    "SuspendSandbox": "suspend",
+    "ResumeSandbox": "resume",
     "DeleteSandbox": "delete",
     "AttachProvider": "attach a provider",
     "DetachProvider": "detach a provider",
@@ -66,6 +70,8 @@ ADMITTED_EVENT = {
     "StartSandbox": (SandboxStarting, P.STARTING),
     "RestartSandbox": (SandboxStarting, P.STARTING),
     "StopSandbox": (SandboxStopping, P.STOPPING),
+    "SuspendSandbox": (SandboxSuspending, P.SUSPENDING),
+    "ResumeSandbox": (SandboxStarting, P.STARTING),
     "DeleteSandbox": (SandboxDeleting, P.DELETING),
     "AttachProvider": (ProviderAttached, None),  # None: the phase does not change
     "DetachProvider": (ProviderDetached, None),
@@ -77,6 +83,7 @@ ADMITTED_EVENT = {
 TARGET_EVENT = {
     P.READY: SandboxReady,
     P.STOPPED: SandboxStopped,
+    P.SUSPENDED: SandboxSuspended,
     P.COMPLETED: SandboxCompleted,
     P.ERROR: SandboxFailed,
     P.DELETED: SandboxDeleted,
@@ -160,7 +167,8 @@ def test_command_cell(command_type: str, phase: Phase, rule: Admission) -> None:
         if isinstance(event, SandboxStarting):
             assert new.generation == event.generation == state.generation + 1
             assert event.previous_generation == state.generation
-            assert event.reason == ("start" if command_type == "StartSandbox" else "restart")
+            reasons = {"StartSandbox": "start", "ResumeSandbox": "resume"}
+            assert event.reason == reasons.get(command_type, "restart")
             expected = identity_for(state.sandbox_id, new.generation, command.command_id)
             assert event.identity == new.identity == outcome.identity == expected
             assert new.identity != state.identity
@@ -416,14 +424,17 @@ def test_observation_cell(phase: Phase, kind: ObservationKind) -> None:
 
 
 def _follow(operation: str, observed: ObservedState | None) -> Phase:
-    """Where a failed stop or delete leaves the row, given what the backend looked like."""
+    """Where a failed stop, suspend or delete leaves the row, given what the backend looked
+    like."""
+    # Only a delete tombstones; a failed stop with the runtime gone is just stopped, a failed
+    # suspend with the runtime gone suspended (the workspace is kept).
+    gone = {"delete": P.DELETED, "suspend": P.SUSPENDED}.get(operation, P.STOPPED)
     return {
         None: P.ERROR,
         "running": P.READY,
         "created": P.STOPPED,
         "exited": P.STOPPED,
-        # Only a delete tombstones; a failed stop with the runtime gone is just stopped.
-        "absent": P.DELETED if operation == "delete" else P.STOPPED,
+        "absent": gone,
     }[observed]
 
 

@@ -54,13 +54,15 @@ from .restart_policy import (
 DEADLINE_TABLE: Final[dict[DeadlineKind, str]] = {
     "launch": "→ Error, reason ProvisioningTimeout; intent: stop the runtime if it came up "
     "(then the completion policy applies)",
-    "stop": "stays Stopping, deadline cleared; intent: kill the runtime now (forced)",
+    "stop": "stays Stopping (or Suspending), deadline cleared; intent: kill the runtime now "
+    "(forced)",
     "delete": "stays Deleting, the delete is asked for again; the next deadline is twice as "
     "far out (up to a ceiling), and `reason` counts the retries",
     "restart": "(Error or Completed: a restart the restart policy scheduled) SandboxStarting "
     "naming the policy and the attempt: a new generation and identity, as any restart",
     "ttl": "SandboxExpired, then the policy: stop (when the phase admits a stop) or delete "
-    "(when it admits a delete); deferred while held",
+    "(when it admits a delete); deferred while held. It keeps counting while Suspended (the "
+    "sandbox exists): stop then leaves it Suspended, delete deletes it with its workspace",
 }
 
 

@@ -6,6 +6,7 @@ through the admission table and its verb, an observation through the observation
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Final
 
 from events.commands import (
     AttachProvider,
@@ -17,10 +18,12 @@ from events.commands import (
     HoldSandbox,
     ReleaseSandbox,
     RestartSandbox,
+    ResumeSandbox,
     RotateCredentials,
     SetRestartPolicy,
     StartSandbox,
     StopSandbox,
+    SuspendSandbox,
 )
 from events.common import (
     Cause,
@@ -47,6 +50,8 @@ from events.decided import (
     SandboxStarting,
     SandboxStopped,
     SandboxStopping,
+    SandboxSuspended,
+    SandboxSuspending,
 )
 from events.observations import (
     DeadlineDue,
@@ -186,13 +191,13 @@ def _decide_command(
     at = command.occurred_at
     event: DecidedEvent
     match command:
-        case StartSandbox() | RestartSandbox():
+        case StartSandbox() | RestartSandbox() | ResumeSandbox():
             generation = next_generation(state)
             event = built(
                 SandboxStarting,
                 type="SandboxStarting",
                 **(common | {"generation": generation}),
-                reason="start" if isinstance(command, StartSandbox) else "restart",
+                reason=_START_REASON[command.type],
                 previous_generation=state.generation,
                 spec=state.spec,
                 identity=identity_for(state.sandbox_id, generation, command.command_id),
@@ -201,6 +206,9 @@ def _decide_command(
         case StopSandbox():
             deadline = stop_deadline(state.spec, at, limits)
             event = new_event(SandboxStopping, common, deadline)
+        case SuspendSandbox():
+            deadline = stop_deadline(state.spec, at, limits)
+            event = new_event(SandboxSuspending, common, deadline)
         case DeleteSandbox():
             deadline = delete_deadline(state.spec, at, limits)
             event = new_event(SandboxDeleting, common, deadline)
@@ -230,6 +238,13 @@ def _decide_command(
     new_state, events = emit_event(state, event)
     why = f"{command.type} accepted: sandbox {command.key!r} is {new_state.phase}"
     return Decision(new_state, events, "applied", why, outcome_of(command, Code.OK, why, new_state))
+
+
+_START_REASON: Final = {
+    "StartSandbox": "start",
+    "RestartSandbox": "restart",
+    "ResumeSandbox": "resume",
+}
 
 
 def _create(
@@ -435,7 +450,8 @@ def _observation_event(
         assert isinstance(obs, DriverOperationResult)
         phase = OBSERVED_PHASE[obs.observed] if obs.observed else P.ERROR
         if phase is P.DELETED and obs.operation != "delete":
-            phase = P.STOPPED  # a stop that finds nothing left has stopped it
+            # A stop that finds nothing left has stopped it; a suspend, suspended it.
+            phase = P.SUSPENDED if obs.operation == "suspend" else P.STOPPED
         if phase is P.DELETED:
             return new_event(SandboxDeleted, common)
         return built(
@@ -452,6 +468,8 @@ def _observation_event(
             return new_event(SandboxReady, common)
         case P.STOPPED:
             return new_event(SandboxStopped, common)
+        case P.SUSPENDED:
+            return new_event(SandboxSuspended, common)
         case P.COMPLETED:
             return built(
                 SandboxCompleted, type="SandboxCompleted", **common, exit_code=exit_code or 0

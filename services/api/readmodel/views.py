@@ -16,7 +16,9 @@ from events.outcomes import Code, CommandOutcome
 from projections.lifecycle import Sandbox
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record
 
-PROGRESSING = (Phase.PROVISIONING, Phase.STARTING, Phase.STOPPING, Phase.DELETING)
+PROGRESSING = (
+    Phase.PROVISIONING, Phase.STARTING, Phase.STOPPING, Phase.SUSPENDING, Phase.DELETING,
+)  # fmt: skip
 # The columns ``sandbox_view`` reads: the row and its position in the change feed.
 VIEW_COLUMNS: Final = f"{SANDBOX_COLUMNS}, change_seq"
 # The columns ``history_entry`` reads.
