@@ -47,7 +47,7 @@ from drivers.protocol import (
 )
 from events.observations import ObservedState, RuntimeRemoved, RuntimeSnapshot, RuntimeState
 
-FakeOp = Literal["launch", "stop", "kill", "delete", "get", "list"]
+FakeOp = Literal["launch", "stop", "suspend", "kill", "delete", "get", "list"]
 FAKE_EPOCH: Final = datetime(2025, 1, 1, tzinfo=UTC)
 SIGTERM_EXIT_CODE: Final = 143  # what a stopped runtime with an init process exits with
 SIGKILL_EXIT_CODE: Final = 137  # what a runtime killed after its grace period exits with
@@ -326,6 +326,21 @@ class FakeDriver:
         if runtime.state == "running":
             self._set_state(runtime, "exited", await self._terminate(runtime, timeout))
         return OpResult("succeeded", runtime.runtime_id, runtime.exit_code)
+
+    async def suspend(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
+        """Stop and remove the runtimes of ``generation`` and older; the workspace stays."""
+        runtime = self._runtimes.get(key, {}).get(generation)
+        grace = self._grace(runtime, timeout) if runtime is not None else None
+        await self._enter(Call("suspend", key, generation, timeout=timeout, grace=grace))
+        self._maybe_fail("suspend", key, generation)
+        doomed = [r for g, r in self._runtimes.get(key, {}).items() if g <= generation]
+        for runtime in sorted(doomed, key=lambda r: r.generation):
+            if runtime.state == "running":
+                self._set_state(runtime, "exited", await self._terminate(runtime, timeout))
+            self._remove(runtime)
+        if not doomed:
+            return OpResult("already_absent")
+        return OpResult("succeeded", doomed[-1].runtime_id, doomed[-1].exit_code)
 
     async def kill(self, key: str, generation: int) -> OpResult:
         await self._enter(Call("kill", key, generation))

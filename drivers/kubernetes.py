@@ -37,7 +37,14 @@ from kubernetes_asyncio import config
 
 from drivers.kube_api import TRANSPORT_ERRORS, ApiStatusError, Gone, KubeApi, describe, retryable
 from drivers.kube_config import KubeConfig, api_client, parse_node_selector, parse_tolerations
-from drivers.kube_objects import ACTOR, PodView, claim_manifest, pod_manifest, read_pod
+from drivers.kube_objects import (
+    ACTOR,
+    WORKSPACE_DIES_WITH_POD,
+    PodView,
+    claim_manifest,
+    pod_manifest,
+    read_pod,
+)
 from drivers.kube_waits import Deadline, await_pod, remove_pod
 from drivers.kube_watch import Reported
 from drivers.launch_precheck import launch_precheck
@@ -88,6 +95,11 @@ class KubernetesDriver:
     async def stop(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
         return await self._call(
             self._stop, key, generation, timeout, key=key, generation=generation
+        )
+
+    async def suspend(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
+        return await self._call(
+            self._suspend, key, generation, timeout, key=key, generation=generation
         )
 
     async def kill(self, key: str, generation: int) -> OpResult:
@@ -232,6 +244,22 @@ class KubernetesDriver:
         if last is None:
             return OpResult("already_absent")
         return OpResult("succeeded", view.uid, last.info.exit_code)
+
+    async def _suspend(self, key: str, generation: int, timeout: float | None) -> OpResult:
+        """Remove the Pods of ``generation`` and older; the workspace's claim stays. Without
+        a storage class the workspace is an emptyDir that dies with its Pod: refused."""
+        if self._pods.storage_class is None:
+            raise DriverError(WORKSPACE_DIES_WITH_POD, retryable=False)
+        views = [v for v in await self._api.list_views(key) if v.info.generation <= generation]
+        if not views:
+            return OpResult("already_absent")
+        removed = await asyncio.gather(
+            *(self._remove_pod(v, self._grace(v, timeout)) for v in views)
+        )
+        await self._api.remove_secrets(key, lambda _, g: g <= generation)
+        if all(last is None for last in removed):
+            return OpResult("already_absent")
+        return OpResult("succeeded", views[-1].uid)
 
     async def _kill(self, key: str, generation: int) -> OpResult:
         """Delete the generation's Pod with no grace period: the API server removes it at once

@@ -19,6 +19,7 @@ from events.decided import (
     SandboxDeleting,
     SandboxStarting,
     SandboxStopping,
+    SandboxSuspending,
     SandboxTimedOut,
 )
 from events.observations import Operation
@@ -69,6 +70,8 @@ def intent_of(event: DecidedEvent) -> Intent | None:
             )
         case SandboxStopping():
             return replace(base, operation="stop")
+        case SandboxSuspending():
+            return replace(base, operation="suspend")
         case SandboxTimedOut():  # a timed-out launch: clean up its runtime if it came up
             return replace(base, operation="stop", cleanup=True)
         case SandboxDeleting() | SandboxDeleteRetried():
@@ -97,6 +100,8 @@ def intent_of_row(row: Sandbox, actor: str = "reconciler") -> Intent | None:
             )
         case Phase.STOPPING:
             return replace(base, operation="stop")
+        case Phase.SUSPENDING:
+            return replace(base, operation="suspend")
         case Phase.DELETING:
             return replace(base, operation="delete")
     return None
@@ -106,6 +111,7 @@ def intent_of_row(row: Sandbox, actor: str = "reconciler") -> Intent | None:
 WANTED_PHASES: Final[dict[Operation, tuple[Phase, ...]]] = {
     "launch": (Phase.PROVISIONING, Phase.STARTING),
     "stop": (Phase.STOPPING,),
+    "suspend": (Phase.SUSPENDING,),
     "delete": (Phase.DELETING,),
 }
 # The cleanup stop of a timed-out launch (the row went to Error; a runtime that came up late
@@ -142,6 +148,11 @@ def unwanted(intent: Intent, row: Sandbox | None) -> str | None:
     return None
 
 
+# A suspend is a stop followed by the runtime's removal: its deadline counts from its decision
+# as a stop's does, so it takes no lane either.
+STOPS: Final = ("stop", "suspend")
+
+
 def is_slow(intent: Intent) -> bool:
     """Operations that may wait out a grace period (stop, delete, a launch replacing an older
     generation): they run in their caller's lane, never in the shared slots."""
@@ -156,7 +167,7 @@ def takes_lane(intent: Intent) -> bool:
     the SIGTERM of a stop still waiting) and a rotation or detach restart (grace period + retry
     window + launch timeout: one provider change restarts every attached sandbox under one
     caller). They are bounded by the driver alone."""
-    return is_slow(intent) and intent.operation != "stop" and not intent.for_providers
+    return is_slow(intent) and intent.operation not in STOPS and not intent.for_providers
 
 
 def supersedes(later: Intent, earlier: Intent) -> bool:
@@ -168,7 +179,7 @@ def supersedes(later: Intent, earlier: Intent) -> bool:
     """
     if later.key != earlier.key or later.sandbox_id != earlier.sandbox_id:
         return False
-    if earlier.operation not in ("launch", "stop"):
+    if earlier.operation not in ("launch", *STOPS):
         return False
     if later.operation == "delete":
         return True
