@@ -151,6 +151,19 @@ class _Runtime:
             source=source,
         )
 
+    def removal(self, observation_id: str, actor: str, at: datetime) -> RuntimeRemoved:
+        """Its removal, seen by a watch at ``at``."""
+        return RuntimeRemoved(
+            type="RuntimeRemoved",
+            observation_id=observation_id,
+            key=self.key,
+            generation=self.generation,
+            occurred_at=at,
+            actor=actor,
+            runtime_id=self.runtime_id,
+            source="watch",
+        )
+
 
 class _Relist:
     """Marker in a watcher queue: list everything again."""
@@ -334,10 +347,7 @@ class FakeDriver:
         await self._enter(Call("suspend", key, generation, timeout=timeout, grace=grace))
         self._maybe_fail("suspend", key, generation)
         doomed = [r for g, r in self._runtimes.get(key, {}).items() if g <= generation]
-        for runtime in sorted(doomed, key=lambda r: r.generation):
-            if runtime.state == "running":
-                self._set_state(runtime, "exited", await self._terminate(runtime, timeout))
-            self._remove(runtime)
+        await self._end(doomed, timeout)
         if not doomed:
             return OpResult("already_absent")
         return OpResult("succeeded", doomed[-1].runtime_id, doomed[-1].exit_code)
@@ -363,15 +373,19 @@ class FakeDriver:
         self._maybe_fail("delete", key, None)
         runtimes = self._runtimes.get(key, {})
         doomed = [r for r in runtimes.values() if sandbox_id in (None, r.sandbox_id)]
-        for runtime in sorted(doomed, key=lambda r: r.generation):
-            if runtime.state == "running":
-                self._set_state(runtime, "exited", await self._terminate(runtime, None))
-            self._remove(runtime)
+        await self._end(doomed, None)
         if not runtimes:
             self._runtimes.pop(key, None)
         workspaces = {(k, s) for k, s in self._workspaces if k == key and sandbox_id in (None, s)}
         self._workspaces -= workspaces
         return bool(doomed or workspaces)
+
+    async def _end(self, doomed: builtins.list[_Runtime], timeout: float | None) -> None:
+        """Stop the running ones of ``doomed`` (oldest first), then remove each."""
+        for runtime in sorted(doomed, key=lambda r: r.generation):
+            if runtime.state == "running":
+                self._set_state(runtime, "exited", await self._terminate(runtime, timeout))
+            self._remove(runtime)
 
     async def _terminate(self, runtime: _Runtime, timeout: float | None) -> int:
         """SIGTERM; a runtime that ignores it (with real_grace) is killed after its grace."""
@@ -478,18 +492,8 @@ class FakeDriver:
         del self._runtimes[runtime.key][runtime.generation]
         seq = self._next_seq()
         if self.auto_observe:
-            self._streams.put(
-                RuntimeRemoved(
-                    type="RuntimeRemoved",
-                    observation_id=f"fake:{runtime.runtime_id}:{seq}:removed",
-                    key=runtime.key,
-                    generation=runtime.generation,
-                    occurred_at=self._now(),
-                    actor=self.actor,
-                    runtime_id=runtime.runtime_id,
-                    source="watch",
-                )
-            )
+            observation_id = f"fake:{runtime.runtime_id}:{seq}:removed"
+            self._streams.put(runtime.removal(observation_id, self.actor, self._now()))
 
     def _listing(self) -> builtins.list[WatchObservation]:
         # Ids stable across listings while the runtime's state is unchanged.

@@ -41,7 +41,7 @@ class SandboxView(BaseModel):
     id: UUID = Field(description="this incarnation's stable id")
     name: str
     phase: Phase
-    generation: int = Field(description="bumped by every create, start and restart")
+    generation: int = Field(description="bumped by every create, start, restart and resume")
     version: int = Field(description="+1 per accepted change; use as expected_version")
     spec: SandboxSpec
     labels: dict[str, str]
