@@ -201,7 +201,34 @@ class _Streams:
             self.pending.append(observation)
 
 
-class FakeDriver:
+class _Calls:
+    """The calls a fake received, in order, and the holds placed on them (``block``)."""
+
+    def __init__(self) -> None:
+        self.calls: builtins.list[Call] = []
+        self._blocks: dict[tuple[FakeOp, str | None], BlockHandle] = {}
+
+    def block(self, op: FakeOp, key: str | None = None) -> BlockHandle:
+        """Hold calls of ``op`` on ``key`` (None: any key) until the handle is released."""
+        handle = self._blocks.get((op, key))
+        if handle is None or handle.released:
+            handle = self._blocks[(op, key)] = BlockHandle(op, key)
+        return handle
+
+    def calls_for(self, op: FakeOp | None = None, key: str | None = None) -> builtins.list[Call]:
+        return [
+            c for c in self.calls if (op is None or c.op == op) and (key is None or c.key == key)
+        ]
+
+    async def _enter(self, call: Call) -> None:
+        self.calls.append(call)
+        for block_key in ((call.op, call.key), (call.op, None)):
+            handle = self._blocks.get(block_key)
+            if handle is not None and not handle.released:
+                await handle._hold()
+
+
+class FakeDriver(_Calls):
     """The in-memory driver. ``auto_observe=False`` leaves watch streams to ``inject`` alone."""
 
     def __init__(
@@ -220,23 +247,15 @@ class FakeDriver:
         self.auto_observe = auto_observe
         self.stop_exit_code = stop_exit_code
         self.clock = clock
-        self.calls: builtins.list[Call] = []
+        super().__init__()
         self._runtimes: dict[str, dict[int, _Runtime]] = {}
         self._workspaces: set[tuple[str, UUID]] = set()
-        self._blocks: dict[tuple[FakeOp, str | None], BlockHandle] = {}
         self._failures: dict[tuple[FakeOp, str | None], deque[_Failure]] = {}
         self._streams = _Streams()
         self._seq = 0
         self._closed = False
 
     # -- hooks -------------------------------------------------------------------------------
-
-    def block(self, op: FakeOp, key: str | None = None) -> BlockHandle:
-        """Hold calls of ``op`` on ``key`` (None: any key) until the handle is released."""
-        handle = self._blocks.get((op, key))
-        if handle is None or handle.released:
-            handle = self._blocks[(op, key)] = BlockHandle(op, key)
-        return handle
 
     def fail(
         self,
@@ -274,11 +293,6 @@ class FakeDriver:
         if runtime is None:
             raise KeyError(f"no runtime {key} generation {generation}")
         self._set_state(runtime, "exited", exit_code)
-
-    def calls_for(self, op: FakeOp | None = None, key: str | None = None) -> builtins.list[Call]:
-        return [
-            c for c in self.calls if (op is None or c.op == op) and (key is None or c.key == key)
-        ]
 
     def stop_timeout_of(self, key: str, generation: int) -> int | None:
         """The stop_timeout_seconds the runtime was launched with (None: the default)."""
@@ -394,6 +408,12 @@ class FakeDriver:
         await asyncio.sleep(self._grace(runtime, timeout))
         return SIGKILL_EXIT_CODE
 
+    async def incarnations(self) -> builtins.set[tuple[str, UUID]]:
+        """The HoldingsDriver capability: incarnations with a runtime or a workspace."""
+        await self._enter(Call("list", None))
+        self._maybe_fail("list", None, None)
+        return {(r.key, r.sandbox_id) for r in self._all()} | set(self._workspaces)
+
     async def get(self, key: str) -> builtins.list[RuntimeInfo]:
         await self._enter(Call("get", key))
         self._maybe_fail("get", key, None)
@@ -444,13 +464,6 @@ class FakeDriver:
         if self.clock is not None:
             return self.clock()
         return FAKE_EPOCH + timedelta(milliseconds=self._seq)
-
-    async def _enter(self, call: Call) -> None:
-        self.calls.append(call)
-        for block_key in ((call.op, call.key), (call.op, None)):
-            handle = self._blocks.get(block_key)
-            if handle is not None and not handle.released:
-                await handle._hold()
 
     def _maybe_fail(self, op: FakeOp, key: str | None, generation: int | None) -> None:
         for failure_key in ((op, key), (op, None)):

@@ -26,6 +26,7 @@ from drivers.kube_objects import (
     secret_name,
     sort_views,
 )
+from drivers.labels import incarnation_of
 from drivers.protocol import LABEL_KEY, LABEL_MANAGED_BY, LABEL_SANDBOX_ID, MANAGED_BY, LaunchSpec
 
 # Statuses a retry can fix: conflicts, throttling, timeouts, the server's own trouble.
@@ -128,6 +129,24 @@ class KubeApi:
             if exc.status == 404:
                 return None
             raise
+
+    async def incarnations(self) -> set[tuple[str, UUID]]:
+        """The incarnations of our Pods, claims and Secrets in the namespace."""
+        core = await self.core()
+        found: set[tuple[str, UUID]] = set()
+        for list_objects in (
+            core.list_namespaced_pod,
+            core.list_namespaced_persistent_volume_claim,
+            core.list_namespaced_secret,
+        ):
+            answer = await self.answer(
+                list_objects(self.namespace, label_selector=MANAGED_SELECTOR, **self.opts())
+            )
+            for item in answer.get("items") or []:
+                incarnation = incarnation_of(item["metadata"].get("labels"))
+                if incarnation is not None:
+                    found.add(incarnation)
+        return found
 
     async def claims(self, key: str, sandbox_id: UUID | None) -> list[dict[str, Any]]:
         core = await self.core()

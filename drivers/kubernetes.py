@@ -111,6 +111,10 @@ class KubernetesDriver:
     async def delete(self, key: str, sandbox_id: UUID | None = None) -> bool:
         return await self._call(self._delete, key, sandbox_id, key=key, generation=None)
 
+    async def incarnations(self) -> builtins.set[tuple[str, UUID]]:
+        """The HoldingsDriver capability: incarnations with a Pod, a claim or a Secret."""
+        return await self._call(self._api.incarnations, key=None, generation=None)
+
     async def get(self, key: str) -> builtins.list[RuntimeInfo]:
         views = await self._call(self._api.list_views, key, key=None, generation=None)
         return [v.info for v in views]

@@ -18,6 +18,7 @@ from projections.lifecycle import (
     EXIT_KINDS,
     FOLLOW_OBSERVED,
     HELD,
+    KEEP_DELETING,
     NO_RESTART,
     OBSERVATION_TABLE,
     PENDING_RESTART_TABLE,
@@ -68,6 +69,8 @@ def render() -> str:
                 cells.append("·")
             elif target == FOLLOW_OBSERVED:
                 cells.append("observed phase")
+            elif target == KEEP_DELETING:
+                cells.append("stays, failure recorded")
             else:
                 cells.append(f"→ {target.value}")
         lines.append(f"| {kind} | " + " | ".join(cells) + " |")
@@ -75,14 +78,23 @@ def render() -> str:
         "",
         "· changes nothing (recorded as ignored, no new version). Observations of an older "
         "generation (stale), of a generation newer than any issued (unknown), of an unknown "
-        "sandbox or of a tombstone are ignored before this table is consulted.",
+        "sandbox or of a tombstone are ignored before this table is consulted. A decided "
+        "delete is never undone: only the delete's own report that nothing of the incarnation "
+        "is left (its runtimes, workspace volume or claim, and the secrets the driver made for "
+        "it) tombstones the row; a runtime seen removed is not that report (another container "
+        "may still hold the workspace), and a failed delete stays Deleting (SandboxOperationFailed "
+        "with phase Deleting, `reason` naming the retries so far and the next retry), its delete "
+        "deadline kept: the retries go on until the backend confirms.",
         "",
         "### Holds",
         "",
         "A held sandbox refuses "
         + ", ".join(REFUSED_WHILE_HELD)
         + " in every phase (FAILED_PRECONDITION naming who holds it, since when and why); "
-        "its time to live and its completion policy wait until it is released.",
+        "its time to live waits until it is released, and a restart the restart policy "
+        "scheduled waits too (it happens after the release). The completion policy does not "
+        "act on an exit while held, and the release does not act on it either: the sandbox "
+        "stays Completed or Error until deleted.",
         "",
         "### Deadlines",
         "",
@@ -118,7 +130,11 @@ def render() -> str:
         "at least `restart_reset_seconds` (setting `SANDSTREAM_RESTART_RESET_SECONDS`, default "
         "600 s) before it ended resets the count of restarts in a row (SandboxRestartScheduled "
         "records `backoff_reset`); a restart for rotated credentials or a detached provider "
-        "does not end that run. A held sandbox is not restarted. The completion policy "
+        "does not end that run. A hold defers a restart, never cancels it: an exit while "
+        "held schedules it as ever, its DeadlineDue while held is ignored (deferred until "
+        "released), and after ReleaseSandbox the scheduler's next DeadlineDue restarts it, at "
+        "once if it fell due meanwhile (the row's reason says `once released` while held). "
+        "The completion policy "
         "(`on_exit=delete`) applies only "
         "to an exit the policy does not restart (SandboxCompleted, SandboxFailed, "
         "SandboxTimedOut), and to the exit that reaches the limit (SandboxRestartsExhausted, "
@@ -166,8 +182,15 @@ def render() -> str:
         "anything is awaited a running snapshot does not make the row Ready: "
         "Ready means running the newest values. So an agent restarts once for any number of "
         "rotations that arrive while its restart is pending, and a second time only when its "
-        "launch had already read an older value (it must end up on the newest). Leaving the "
-        "launch phases or a new generation clears `awaited`.",
+        "launch had already read an older value (it must end up on the newest).",
+        "",
+        "A rotation skipped in Error or Stopping is recorded in `awaited` too: that generation "
+        "may be seen running again (a running snapshot lifts Error to Ready; a failed stop "
+        "that finds it running makes it Ready), and then, as after a launch whose read is "
+        "unknown, it restarts at once onto the newest values (AgentRestartSkipped if held). "
+        "`awaited` is kept in Provisioning, Starting, Error and Stopping "
+        "(`projections.lifecycle.OWED_PHASES`); a new generation or any other phase clears it "
+        "(the next start reads the newest values).",
         "",
         "### Detaching a provider (DetachProvider) by phase",
         "",
@@ -194,7 +217,9 @@ def render() -> str:
         "revision 0 (that launch must not have read it). On the launch's result: Ready, and if "
         "its `credentials` name the detached provider (it read the values before the detach) "
         "or are unknown, AgentRestarted at once without it; the running snapshot waits for that "
-        "result, as for an awaited rotation.",
+        "result, as for an awaited rotation. A detach in Error or Stopping is recorded the same "
+        "way: if that generation is seen running again, it restarts at once without the "
+        "provider.",
     ]
     return "\n".join(lines)
 

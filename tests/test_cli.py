@@ -175,6 +175,24 @@ async def test_a_wait_that_runs_out_exits_3_and_a_repeat_stop_waits_again(up: Up
     assert r.code == 0, r.err
 
 
+async def test_exec_streams_the_output_and_exits_with_the_commands_code(up: Up) -> None:
+    name = up.name("exec")
+    r = await up.cli("sandbox", "create", name, "--image", IMAGE, "--", "sleep", "3600")
+    assert r.code == 0, r.err
+    r = await up.cli("sandbox", "exec", name, "--env", "WHO=cli", "-w", "/tmp", "--",
+                     "sh", "-c", 'echo "$WHO $(pwd)"; echo oops >&2; exit 7')  # fmt: skip
+    assert (r.code, r.out, r.err) == (7, "cli /tmp\n", "oops\n"), r.err
+    r = await up.cli("sandbox", "exec", name, "-i", "--", "wc", "-l", stdin=b"a\nb\nc\n")
+    assert (r.code, r.out.strip()) == (0, "3"), r.err
+    r = await up.cli("sandbox", "exec", name, "--timeout", "0.5", "--", "sleep", "30")
+    assert r.code == 124 and "ran past its timeout" in r.err
+    ghost = up.name("ghost")
+    r = await up.cli("sandbox", "exec", ghost, "--", "true")
+    assert (r.code, r.err) == (1, f"✗ sandbox {ghost!r} not found\n")
+    r = await up.cli("sandbox", "delete", name)
+    assert r.code == 0, r.err
+
+
 async def test_watch_status_and_json_output(up: Up) -> None:
     name = up.name("watched")
     r = await up.cli("sandbox", "create", name, "--image", IMAGE, "-o", "json", "--",
@@ -343,6 +361,41 @@ async def test_sandbox_logs_prints_the_output_and_follows_it_as_it_is_written(up
     assert ticks == list(range(ticks[0], ticks[0] + 4))
     r = await up.cli("sandbox", "logs", "no-such-sandbox")
     assert r.code != 0 and "not found" in (r.out + r.err)
+
+
+async def test_a_followed_log_and_a_watch_end_when_their_token_is_revoked(up: Up) -> None:
+    """Regression: `sandbox logs -f` and `sandbox watch` went on after their token was revoked
+    (the server re-checked it at the next request only). Now the server ends both streams
+    within a second or so, saying why, and the CLI exits 1 with that message."""
+    name = up.name("revoked")
+    script = "i=0; while true; do echo tick-$i; i=$((i+1)); sleep 0.5; done"
+    r = await up.cli("sandbox", "create", name, "--image", IMAGE, "--", "sh", "-c", script)
+    assert r.code == 0, r.err
+    r = await up.cli("token", "create", "ci-follower", "--scope", "sandbox:read")
+    assert r.code == 0, r.err
+    env = {**up.env, "SANDSTREAM_API_URL": up.url, "SANDSTREAM_TOKEN": r.out.strip()}
+    followers = []
+    for args in (("logs", name, "-f", "--tail", "1"), ("watch", name)):
+        started = await asyncio.create_subprocess_exec(
+            SANDSTREAM, "sandbox", *args, env=env, cwd=PROJECT_ROOT,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        followers.append(started)
+    try:
+        async with asyncio.timeout(60):
+            for proc in followers:  # both streams are open and delivering
+                assert proc.stdout is not None and await proc.stdout.readline()
+            r = await up.cli("token", "revoke", "ci-follower")
+            assert r.code == 0, r.err
+            ended = [await proc.communicate() for proc in followers]
+    finally:
+        for proc in followers:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    for proc, (_, err), what in zip(followers, ended, ("logs", "watch"), strict=True):
+        assert proc.returncode == 1, (what, err)
+        assert f"{what} ended: token 'ci-follower' was revoked at " in err.decode(), err
 
 
 # These two come last among those using `up`: the second stops it.

@@ -67,11 +67,13 @@ def all_events() -> list[DecidedEvent]:
     """Decided events of every type, produced by the core itself."""
     h = f.Harness()
     h.send(f.create(providers=["gh"]), f.attach(provider="aws"), f.detach(provider="gh"))
-    h.send(f.running(), f.stop(), f.failed(operation="stop", observed="running"))
+    # (The launch's report says it did not read the detached provider: Ready, no restart.)
+    h.send(f.launched(credentials={"aws": 1}), f.stop())
+    h.send(f.failed(operation="stop", observed="running"))
     h.send(f.stop(), f.stopped(), f.start(), f.exited(generation=2, exit_code=0))
     h.send(f.restart(), f.exited(generation=3, exit_code=2))
     h.send(f.suspend(), f.suspended(generation=3), f.resume())
-    h.send(f.delete(), f.removed(generation=4))
+    h.send(f.delete(), f.deleted(generation=4))
     # Credential rotation: a skip (Stopped), a restart, and the restart's failed launch.
     h.send(f.create("rot", providers=["gh"]), f.running("rot"), f.stop("rot"))
     h.send(f.stopped("rot"), f.rotate("rot", {"gh": 2}), f.start("rot"), f.running("rot", 2))

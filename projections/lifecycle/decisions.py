@@ -88,9 +88,10 @@ from .identity import (
     next_generation,
     sandbox_id_for,
 )
-from .model import DEFAULT_LIMITS, Decision, Limits, Message, P, Sandbox
+from .model import DEFAULT_LIMITS, DELETE_FAILED, Decision, Limits, Message, P, Sandbox
 from .observations import (
     FOLLOW_OBSERVED,
+    KEEP_DELETING,
     OBSERVATION_TABLE,
     OBSERVED_PHASE,
     ObservationKind,
@@ -101,9 +102,10 @@ from .providers import (
     DETACH_HELD,
     DETACH_RESTART,
     HELD,
+    OWED_PHASES,
     RESTART,
-    RESTART_PENDING,
     ROTATION_RESTART,
+    ROTATION_TABLE,
     detach_action,
     held,
     rotation_action,
@@ -300,7 +302,7 @@ def _rotate(state: Sandbox, command: RotateCredentials, cause: Cause, limits: Li
         why = f"restart for rotated {', '.join(attached)}: generation {event.generation}"
     else:
         awaits: dict[str, int] = {}
-        if action == RESTART_PENDING:
+        if state.phase in OWED_PHASES and action == ROTATION_TABLE[state.phase]:
             for r in command.rotations:
                 if r.provider in attached:
                     awaits[r.provider] = max(r.revision, awaits.get(r.provider, 0))
@@ -360,13 +362,19 @@ def _decide_observation(
     target = OBSERVATION_TABLE[state.phase].get(kind)
     if target is None:
         return ignored(state, f"no effect in phase {state.phase}: {what}")
-    if state.awaited and kind == "running":
+    if state.awaited and kind == "running" and state.phase in (P.PROVISIONING, P.STARTING):
         return ignored(state, f"{what}: awaiting the launch's report of the values it read")
     event = _observation_event(state, obs, kind, target, common_fields(state, obs, cause))
     new_state, events = emit_event(state, event)
     if state.awaited and kind == "launch_succeeded":
         assert isinstance(obs, DriverOperationResult)
-        new_state, events = _restart_if_stale(state, new_state, events, obs, cause, limits)
+        new_state, events = _restart_if_stale(
+            state, new_state, events, obs, obs.credentials, cause, limits
+        )
+    elif state.awaited and new_state.phase is P.READY:  # Error or Stopping seen running again:
+        new_state, events = _restart_if_stale(  # what it read is unknown
+            state, new_state, events, obs, None, cause, limits
+        )
     new_state, events = apply_restart_policy(
         new_state, events, obs, OBSERVED_EXIT.get(kind), cause, limits
     )
@@ -379,15 +387,17 @@ def _restart_if_stale(
     pending: Sandbox,
     state: Sandbox,
     events: tuple[DecidedEvent, ...],
-    obs: DriverOperationResult,
+    obs: Observation,
+    read: dict[str, int] | None,
     cause: Cause,
     limits: Limits,
 ) -> tuple[Sandbox, tuple[DecidedEvent, ...]]:
-    """The launch that ``pending`` awaited reported what it read: restart once more if it
-    missed a rotation decided while it was pending, or read a provider detached meanwhile (the
-    agent must run the newest values, and none of a detached provider)."""
-    stale = sorted(stale_rotations(pending, obs.credentials))
-    gone = stale_detaches(pending, obs.credentials)
+    """The generation that ``pending`` owed rotations or detaches is Ready, having read
+    ``read`` (None: unknown): restart once more if it missed a rotation decided meanwhile, or
+    read a provider detached meanwhile (the agent must run the newest values, and none of a
+    detached provider)."""
+    stale = sorted(stale_rotations(pending, read))
+    gone = stale_detaches(pending, read)
     if not stale and not gone:
         return state, events
     if held(state):  # a hold made meanwhile: the newest values wait for the next start
@@ -437,6 +447,19 @@ def _agent_restarted(
     )
 
 
+def delete_failure_reason(state: Sandbox, reason: str | None) -> str:
+    """The row's reason after a failed delete: that it is still Deleting, how many retries the
+    delete deadline made so far, when the next one is due, and the driver's reason (the
+    history keeps one per failure)."""
+    deadline = state.deadline
+    then = (
+        f"retries so far: {deadline.attempt}; next retry at {deadline.due_at.isoformat()}"
+        if deadline is not None
+        else "delete deadlines off; the reconcile loop asks again"
+    )
+    return f"{DELETE_FAILED}: still Deleting ({then}): {reason or 'delete failed'}"
+
+
 def _observation_event(
     state: Sandbox,
     obs: Observation,
@@ -445,6 +468,17 @@ def _observation_event(
     common: dict,  # type: ignore[type-arg]
 ) -> DecidedEvent:
     exit_code = getattr(obs, "exit_code", None)
+    if target == KEEP_DELETING:
+        assert isinstance(obs, DriverOperationResult)
+        return built(
+            SandboxOperationFailed,
+            type="SandboxOperationFailed",
+            **common,
+            operation="delete",
+            phase=P.DELETING,
+            reason=delete_failure_reason(state, obs.reason),
+            exit_code=exit_code,
+        )
     if target == FOLLOW_OBSERVED:
         # A failed stop or delete: the row follows what the backend looks like now.
         assert isinstance(obs, DriverOperationResult)

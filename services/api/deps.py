@@ -3,31 +3,40 @@ check, and the application's shared state (pool, publisher, change feed, gateway
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, TypeAlias
 
 import asyncpg
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from drivers.files import FilesBackend
 from drivers.logs import LogSource
+from drivers.protocol import ExecDriver
 from services.api.errors import ApiError
 from services.api.gateway import CommandGateway
 from services.api.probe import KafkaProbe
 from services.api.readmodel import ChangeFeed
+from services.common.exec_sessions import ExecLimits
 from services.common.settings import Settings
 from services.common.tokens import (
     AUDIT,
+    EXEC,
+    FILES_READ,
+    FILES_WRITE,
     OPS,
     PROVIDER_READ,
     PROVIDER_WRITE,
     READ,
     WRITE,
     Denied,
+    Grant,
     Principal,
     TokenStore,
     authorize_header,
+    grant_of,
 )
 
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
@@ -38,16 +47,28 @@ SCOPED_PREFIXES: Final = (
     ("/v1/audit/", AUDIT, AUDIT),
     ("/v1/providers", PROVIDER_READ, PROVIDER_WRITE),
 )
+# A sandbox's files: /v1/sandboxes/{name}/files and below.
+FILES_PATH: Final = re.compile(r"^/v1/sandboxes/[^/]+/files(/|$)")
 
 
 def request_scope(method: str, path: str) -> str:
     """The scope a request must hold before anything of it is read or validated: the front
     gate and the answer to a malformed request both ask it (the routes check theirs again)."""
     reading = method in READ_METHODS
+    if FILES_PATH.match(path):
+        return FILES_READ if reading else FILES_WRITE
+    if not reading and _is_exec(path):
+        return EXEC
     for prefix, read_scope, write_scope in SCOPED_PREFIXES:
         if path.startswith(prefix):
             return read_scope if reading else write_scope
     return READ if reading else WRITE
+
+
+def _is_exec(path: str) -> bool:
+    """``/v1/sandboxes/{name}/exec``: sandbox:exec, not sandbox:write."""
+    parts = path.split("/")
+    return len(parts) == 5 and parts[:3] == ["", "v1", "sandboxes"] and parts[4] == "exec"
 
 
 _bearer = HTTPBearer(
@@ -71,6 +92,11 @@ def check_auth(request: Request, scope: str) -> Principal:
     if isinstance(checked, Denied):
         raise denial(checked)
     return checked
+
+
+def grant(request: Request, scope: str) -> Grant:
+    """What a long stream re-checks at every wake: the token it was let in with, and scope."""
+    return grant_of(request.app.state.tokens, request.headers.getlist("authorization"), scope)
 
 
 def require_also(principal: Principal, scope: str, needed_for: str) -> None:
@@ -128,6 +154,9 @@ Auditor = Annotated[Principal, Depends(require(AUDIT))]
 ProviderReader = Annotated[Principal, Depends(require(PROVIDER_READ))]
 ProviderWriter = Annotated[Principal, Depends(require(PROVIDER_WRITE))]
 Operator = Annotated[Principal, Depends(require(OPS))]
+Executor = Annotated[Principal, Depends(require(EXEC))]
+FilesReader = Annotated[Principal, Depends(require(FILES_READ))]
+FilesWriter = Annotated[Principal, Depends(require(FILES_WRITE))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,6 +176,14 @@ class ApiState:
     down: Callable[[], dict[str, str]] | None = None
     # The runtime's logs (GET /v1/sandboxes/{name}/logs); None: this API serves no logs.
     logs: LogSource | None = None
+    # The sandboxes' files (/v1/sandboxes/{name}/files); None: this API serves no files.
+    files: FilesBackend | None = None
+    # The driver POST /v1/sandboxes/{name}/exec runs commands through (None: it cannot exec),
+    # and the exec sessions' bounds and counts (shared with OpenShell's door under `up`).
+    exec_driver: ExecDriver | None = None
+    exec_limits: ExecLimits = field(
+        default_factory=lambda: ExecLimits(timeout=1.0, per_token=1, total=1)
+    )
 
 
 def api_state(request: Request) -> ApiState:

@@ -1,7 +1,8 @@
 """The OpenShell-compatible gRPC server (grpcio's asyncio server), in `up` or as its own role.
 
 ``start_openshell`` serves an :class:`OpenShellService` on ``host:port``, over TLS with the
-HTTP API's certificate when the settings name one. ``sandstream up``
+HTTP API's certificate when the settings name one (unless ``openshell_tls`` is false: OpenShell's
+CLI connects to an https gateway only with mutual-TLS files of its own). ``sandstream up``
 runs it beside the HTTP API and shares its command gateway (the publisher), pool and change
 feed; ``python -m services.openshell`` runs it alone (with its own, and a Podman driver).
 
@@ -28,14 +29,15 @@ from services.api.providers import ProviderService
 from services.api.readmodel import ChangeFeed
 from services.api.server import Tls
 from services.common.entrypoint import run_until_signalled
+from services.common.exec_sessions import ExecLimits
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
-from services.common.tokens import TokenStore
-from services.openshell.exec_rpc import ExecLimits
+from services.common.tokens import SCOPES, TokenStore
 from services.openshell.handlers import OpenShellService
 from services.openshell.service import Authenticator, Door, Pool
 
 if TYPE_CHECKING:
+    from drivers.kube_exec import KubeExec
     from drivers.podman import PodmanDriver
 
 log = logging.getLogger("sandstream.openshell")
@@ -70,6 +72,12 @@ def check_settings(settings: Settings) -> None:
             "unauthenticated OpenShell calls are for local use only: openshell_host "
             f"{settings.openshell_host!r} is not a loopback address"
         )
+    unknown = sorted(settings.openshell_local_scopes - set(SCOPES))
+    if unknown:
+        raise OpenShellConfigError(
+            f"openshell_unauthenticated_scopes: unknown scopes {', '.join(unknown)} "
+            f"(known: {', '.join(SCOPES)})"
+        )
 
 
 @dataclass
@@ -91,16 +99,20 @@ async def start_openshell(
     driver: object | None,
     driver_name: str | None = None,
     logs: LogSource | None = None,
+    limits: ExecLimits | None = None,
 ) -> RunningOpenShell:
     """Start serving; raises OpenShellConfigError or OSError (the port is taken).
-    ``driver_name`` (what GetGatewayInfo reports) defaults to ``settings.driver``."""
+    ``driver_name`` (what GetGatewayInfo reports) defaults to ``settings.driver``; ``limits``
+    (the exec sessions' bounds and counts) to new ones of ``settings``."""
     from drivers.protocol import ExecDriver
 
     check_settings(settings)
     door = Door(
         pool=pool,
         gateway=gateway,
-        auth=Authenticator(tokens, settings.openshell_allow_unauthenticated),
+        auth=Authenticator(
+            tokens, settings.openshell_allow_unauthenticated, settings.openshell_local_scopes
+        ),
         driver=driver if isinstance(driver, ExecDriver) else None,
         logs=logs,
         providers=ProviderService(settings, pool, gateway),
@@ -108,11 +120,7 @@ async def start_openshell(
         default_image=settings.sandbox_image,
         events_topic=settings.topic_events,
     )
-    limits = ExecLimits(
-        timeout=float(settings.openshell_exec_timeout_seconds),
-        per_token=settings.openshell_exec_sessions_per_token,
-        total=settings.openshell_exec_sessions,
-    )
+    limits = ExecLimits.of(settings) if limits is None else limits
     server = grpc.aio.server(options=SERVER_OPTIONS)
     server.add_generic_rpc_handlers((OpenShellService(door, limits).generic_handler(),))
     host = settings.openshell_host
@@ -122,7 +130,13 @@ async def start_openshell(
         else f"{host}:{settings.openshell_port}"
     )
     hint = "set SANDSTREAM_OPENSHELL_PORT (--openshell-port) or turn it off (--no-openshell)"
-    tls = Tls.of(settings)  # the HTTP API's certificate, when it has one
+    # the HTTP API's certificate, when it has one and openshell_tls leaves it on
+    tls = Tls.of(settings) if settings.openshell_tls else None
+    if tls is None and not is_loopback(host):
+        log.warning(
+            "the OpenShell API listens on %s without TLS: tokens cross the network in clear",
+            host,
+        )
     try:
         if tls is None:
             port = server.add_insecure_port(target)
@@ -173,13 +187,12 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         await logs.close()
 
 
-def exec_driver(settings: Settings) -> PodmanDriver | None:
-    """The driver ExecSandbox runs commands through when this role runs alone: Podman's, when
-    the sandboxes run on Podman; none otherwise (the Kubernetes driver has no exec, so the
-    answer is UNIMPLEMENTED, as from ``sandstream up`` with it, not a Podman socket's error)."""
-    from services.executor.backends import podman_driver
+def exec_driver(settings: Settings) -> PodmanDriver | KubeExec | None:
+    """The driver ExecSandbox runs commands through when this role runs alone
+    (services/executor/exec_sources.py)."""
+    from services.executor.exec_sources import exec_source
 
-    return podman_driver(settings) if settings.driver == "podman" else None
+    return exec_source(settings)
 
 
 def main() -> None:
