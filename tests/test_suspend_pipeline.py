@@ -5,12 +5,17 @@ generation on the kept workspace; a delete of a suspended sandbox removes the wo
 from __future__ import annotations
 
 import factories as f
+from harness import eventually
 from pipeline_support import command, wait_phase
 from test_executor_fake import pipeline
+from test_reconcile import OTHER, live, runtime
 
 from drivers.fake import FakeDriver
+from drivers.protocol import LaunchSpec
+from events.common import Phase
 from projections.lifecycle import Sandbox
 from services.executor.intents import Intent, intent_of_row, takes_lane, unwanted
+from services.executor.reconcile import suspended_leftovers
 
 
 async def test_suspend_removes_the_runtime_keeps_the_workspace_and_resume_launches_anew() -> None:
@@ -49,3 +54,34 @@ def test_a_suspending_row_wants_the_suspend_and_nothing_else() -> None:
     assert unwanted(intent, h.row()) == f"the row is Suspended (version {h.row().version})"
     launch = Intent("launch", row.key, row.sandbox_id, row.generation, "r", "u")
     assert unwanted(launch, row) is not None
+
+
+def test_the_reconcile_loop_finds_a_runtime_left_under_a_suspended_row() -> None:
+    rows = [
+        live("s", 3, Phase.SUSPENDED),
+        live("stopped", 2, Phase.STOPPED),
+        live("other", 2, Phase.SUSPENDED),
+    ]
+    runtimes = [
+        runtime("s", 3, "exited"),  # any state: a suspend removes it
+        runtime("s", 2, "exited"),  # older: a stale runtime or an orphan, as under any row
+        runtime("stopped", 2, "exited"),
+        runtime("other", 2, sandbox_id=OTHER),  # another incarnation
+    ]
+    assert [(r.key, r.generation) for r in suspended_leftovers(rows, runtimes)] == [("s", 3)]
+
+
+async def test_a_runtime_started_behind_a_suspended_rows_back_is_removed_again() -> None:
+    driver = FakeDriver()
+    async with pipeline(driver, reconcile_interval=0.2) as (env, _plane, pub):
+        await command(env, pub, f.create("s"))
+        await wait_phase(env, "s", "Ready")
+        await command(env, pub, f.suspend("s"))
+        suspended = await wait_phase(env, "s", "Suspended", generation=1)
+        spec = LaunchSpec("s", suspended["sandbox_id"], 1, suspended["identity"], f.spec())
+        await driver.launch(spec)  # behind sandstream's back
+        await eventually(lambda: driver.get("s"), lambda found: found == [], what="removed")
+        assert driver.has_workspace("s")
+        assert (await wait_phase(env, "s", "Suspended", generation=1))["version"] == suspended[
+            "version"
+        ]

@@ -45,7 +45,8 @@ class Intent:
     # ``stop_stale``): wanted while the row is at a newer generation and not launching.
     stale: bool = False
     # A stop of the current generation's runtime running under a Stopped row (the reconcile
-    # loop's ``stop_stray``): wanted while the row is Stopped at that generation.
+    # loop's ``stop_stray``): wanted while the row is Stopped at that generation; a suspend of
+    # one left under a Suspended row (``remove_suspended``): wanted while it is Suspended.
     stray: bool = False
     # The launch of a rotation or detach restart (AgentRestarted): it takes no lane, so one
     # provider change's restarts never wait behind one another (``takes_lane``).
@@ -122,8 +123,12 @@ WANTED_PHASES: Final[dict[Operation, tuple[Phase, ...]]] = {
 # The cleanup stop of a timed-out launch (the row went to Error; a runtime that came up late
 # moves it to Ready): wanted at that generation until the row moves on.
 CLEANUP_PHASES: Final = (Phase.ERROR, Phase.READY, Phase.STOPPING)
-# The stop of a runtime found running under a Stopped row of its generation.
-STRAY_PHASES: Final = (Phase.STOPPED,)
+# The stop of a runtime found running under a Stopped row of its generation, the suspend of
+# one left under a Suspended row.
+STRAY_PHASES: Final[dict[Operation, tuple[Phase, ...]]] = {
+    "stop": (Phase.STOPPED,),
+    "suspend": (Phase.SUSPENDED,),
+}
 
 
 def unwanted(intent: Intent, row: Sandbox | None) -> str | None:
@@ -148,7 +153,7 @@ def unwanted(intent: Intent, row: Sandbox | None) -> str | None:
     wanted = (
         CLEANUP_PHASES
         if intent.cleanup
-        else STRAY_PHASES
+        else STRAY_PHASES[intent.operation]
         if intent.stray
         else WANTED_PHASES[intent.operation]
     )
