@@ -5,8 +5,9 @@ generation on the kept workspace; a delete of a suspended sandbox removes the wo
 from __future__ import annotations
 
 import factories as f
-from harness import eventually
+from harness import eventually, isolated_env
 from pipeline_support import command, wait_phase
+from test_audit import feed
 from test_executor_fake import pipeline
 from test_reconcile import OTHER, live, runtime
 
@@ -14,6 +15,7 @@ from drivers.fake import FakeDriver
 from drivers.protocol import LaunchSpec
 from events.common import Phase
 from projections.lifecycle import Sandbox
+from services.audit import entries, timeline
 from services.executor.intents import Intent, intent_of_row, takes_lane, unwanted
 from services.executor.reconcile import suspended_leftovers
 
@@ -85,3 +87,21 @@ async def test_a_runtime_started_behind_a_suspended_rows_back_is_removed_again()
         assert (await wait_phase(env, "s", "Suspended", generation=1))["version"] == suspended[
             "version"
         ]
+
+
+async def test_the_audit_links_a_suspend_to_the_driver_result_it_got() -> None:
+    key = "aud"
+    async with isolated_env() as env:
+        await env.start_processor()
+        await feed(env, [
+            f.create(key, occurred_at=f.at(1)), f.launched(key, 1, occurred_at=f.at(2)),
+            f.suspend(key, occurred_at=f.at(3)), f.suspended(key, 1, occurred_at=f.at(4)),
+            f.resume(key, occurred_at=f.at(5)), f.launched(key, 2, occurred_at=f.at(6)),
+        ])  # fmt: skip
+        async with env.pool.acquire() as conn:
+            recorded = await entries.of_sandbox(conn, key)
+        story = timeline.explain(key, timeline.replay(recorded, env.settings.topic_commands))
+        calls = [c for cs in story.calls.values() for c in cs]
+        assert [(c.operation, c.generation, len(c.results)) for c in calls] == [
+            ("launch", 1, 1), ("suspend", 1, 1), ("launch", 2, 1),
+        ]  # fmt: skip
