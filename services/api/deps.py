@@ -186,7 +186,9 @@ class ApiState:
     )
 
 
-def api_state(request: Request) -> ApiState:
+async def api_state(request: Request) -> ApiState:
+    # A coroutine: FastAPI runs a plain function dependency in a worker thread, a thread hop
+    # (and a wait for the GIL) on every request.
     state: ApiState = request.app.state.api
     return state
 

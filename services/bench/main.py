@@ -1,6 +1,7 @@
-"""``python -m services.bench [all|processor|latency|scaleout|rebuild|profile|fold|stages|drivers|
-peer] [--quick]``: the benchmarks, each printed beside its same-run reference (see
-docs/benchmarks.md). ``latency`` is the latency part of ``processor`` alone; ``peer``
+"""``python -m services.bench [all|processor|latency|decided|scaleout|rebuild|profile|fold|stages|
+drivers|peer] [--quick]``: the benchmarks, each printed beside its same-run reference (see
+docs/benchmarks.md). ``latency`` is the latency part of ``processor`` alone; ``decided`` is
+request → decided outcome at low load, through the HTTP API; ``peer``
 (services/bench/peer.py, ``make bench-peer``) is not part of ``all``: it starts a Kubernetes
 cluster of its own and takes about a quarter of an hour."""
 
@@ -14,6 +15,7 @@ import time
 from services.bench import drivers as bench_drivers
 from services.bench import kube as bench_kube
 from services.bench import peer
+from services.bench.decided import decided_figures
 from services.bench.fold import fold_figures
 from services.bench.processor import latency, throughput
 from services.bench.profile import profile
@@ -27,6 +29,7 @@ CHOICES = (
     "all",
     "processor",
     "latency",
+    "decided",
     "scaleout",
     "rebuild",
     "profile",
@@ -51,6 +54,8 @@ async def run(
             await throughput(settings, keys, max_records)
     if which in ("all", "processor", "latency"):
         await latency(settings, rate=latency_rate, seconds=5 if quick else 15)
+    if which in ("all", "decided"):
+        await decided_figures(settings, 100 if quick else 400)
     if which in ("all", "scaleout"):
         await two_processors(settings, keys)
     if which in ("all", "rebuild"):
