@@ -189,3 +189,38 @@ async def rotate_while_suspended(api: Api, c: Any, name: str, provider: str) -> 
     assert "suspended: the new values apply when it resumes" in decided["reason"]
     after = await row(api, name)
     assert (after["phase"], after["generation"]) == ("Suspended", before["generation"])
+
+
+async def test_on_podman_an_exec_or_a_file_call_wakes_a_suspended_sandbox_a_read_does_not(
+    podman_api: tuple[Api, PodmanDriver], settings: Settings, podman: PodmanClient
+) -> None:
+    api, _ = podman_api
+    name = unique("wake")
+    async with api.client() as c:
+        await created(api, create_body(name, image=settings.sandbox_image, command=AGENT))
+        try:
+            path = f"/v1/sandboxes/{name}/exec"
+            r = await c.post(path, json={"command": ["sh", "-c", "echo kept > /workspace/f"]})
+            assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
+            for generation, call in ((1, "exec"), (2, "file")):
+                await c.post(f"/v1/sandboxes/{name}:suspend", params={"wait": 30})
+                suspended = await phase_is(api, name, "Suspended", generation)
+                # Reads of the row (one, the list) wake nothing.
+                assert (await row(api, name))["version"] == suspended["version"]
+                await c.get("/v1/sandboxes", params={"phase": "Suspended"})
+                assert containers_of(podman, name) == []
+                if call == "exec":
+                    r = await c.post(path, json={"command": ["cat", "/workspace/f"]})
+                    assert r.status_code == 200, r.text
+                    assert (r.json()["exit_code"], r.json()["stdout"]) == (0, "kept\n")
+                else:
+                    r = await c.get(
+                        f"/v1/sandboxes/{name}/files/content", params={"path": "/workspace/f"}
+                    )
+                    assert (r.status_code, r.content) == (200, b"kept\n"), r.text
+                woken = await row(api, name)
+                assert (woken["phase"], woken["generation"]) == ("Ready", generation + 1)
+            types = [h["message_type"] for h in await history(api.env, name)]
+            assert types.count("ResumeSandbox") == 2
+        finally:
+            await c.delete(f"/v1/sandboxes/{name}", params={"wait": 30})

@@ -35,6 +35,7 @@ from services.api.files_models import (
 )
 from services.api.guard import upload_too_large
 from services.api.models import NamePath
+from services.api.wake import woken_for_http
 
 router = APIRouter()
 log = logging.getLogger("sandstream.api.files")
@@ -78,11 +79,13 @@ def checked_path(field: str, path: str) -> str:
         raise ApiError(422, "INVALID_ARGUMENT", f"{field}: {exc}") from None
 
 
-async def ready(state: State, name: str) -> tuple[FileSource, str, int]:
-    """The source of a Ready sandbox's files, its key and generation (404, 409, 501 else)."""
+async def ready(state: State, name: str, actor: str) -> tuple[FileSource, str, int]:
+    """The source of a Ready sandbox's files, its key and generation (404, 409, 501 else); a
+    Suspended one is woken first (``services.api.wake``: 409, 504 when that fails)."""
     view = await readmodel.get_sandbox(state.pool, name)
     if view is None:
         raise ApiError(404, "NOT_FOUND", f"sandbox {name!r} not found")
+    view = await woken_for_http(state.gateway, view, actor, state.settings.wake_timeout_seconds)
     if view.phase != Phase.READY:
         raise ApiError(
             409,
@@ -130,7 +133,7 @@ async def download(
         Literal["raw", "tar"], Query(description="raw: the file's bytes; tar: a tar stream")
     ] = "raw",
 ) -> StreamingResponse:
-    source, key, generation = await ready(state, name)
+    source, key, generation = await ready(state, name, principal.name)
     where = checked_path("query parameter 'path'", path)
     chunks = aiter(source.read_tar(key, generation, where))
     try:
@@ -261,7 +264,7 @@ async def upload(
         Query(description="raw: the body is the file; tar: a tar extracted into directory path"),
     ] = "raw",
 ) -> FileEntryView:
-    source, key, generation = await ready(state, name)
+    source, key, generation = await ready(state, name, principal.name)
     where = checked_path("query parameter 'path'", path)
     limit = state.settings.files_max_upload_bytes
     body = _counted(request, limit)
@@ -339,7 +342,7 @@ async def _entry(source: FileSource, key: str, generation: int, path: str) -> Fi
 async def list_files(
     name: NamePath, principal: FilesReader, state: State, path: PathQuery = WORKSPACE_PATH
 ) -> FileList:
-    source, key, generation = await ready(state, name)
+    source, key, generation = await ready(state, name, principal.name)
     where = checked_path("query parameter 'path'", path)
     limit = state.settings.files_list_max_entries
     try:
@@ -358,7 +361,7 @@ async def list_files(
 async def stat_file(
     name: NamePath, principal: FilesReader, state: State, path: PathQuery
 ) -> FileEntryView:
-    source, key, generation = await ready(state, name)
+    source, key, generation = await ready(state, name, principal.name)
     return await _entry(source, key, generation, checked_path("query parameter 'path'", path))
 
 
@@ -372,7 +375,7 @@ async def stat_file(
 async def make_directory(
     name: NamePath, principal: FilesWriter, state: State, body: MkdirRequest
 ) -> FileEntryView:
-    source, key, generation = await ready(state, name)
+    source, key, generation = await ready(state, name, principal.name)
     where = checked_path("field 'path'", body.path)
     try:
         await source.mkdir(key, generation, where, body.parents)
@@ -396,7 +399,7 @@ async def remove_file(
     path: PathQuery,
     recursive: Annotated[bool, Query(description="remove a directory and all in it")] = False,
 ) -> Response:
-    source, key, generation = await ready(state, name)
+    source, key, generation = await ready(state, name, principal.name)
     where = _changeable("query parameter 'path'", path)
     try:
         await source.remove(key, generation, where, recursive)
@@ -421,7 +424,7 @@ def _changeable(field: str, path: str) -> str:
 async def move_file(
     name: NamePath, principal: FilesWriter, state: State, body: MoveRequest
 ) -> FileEntryView:
-    source, key, generation = await ready(state, name)
+    source, key, generation = await ready(state, name, principal.name)
     origin = _changeable("field 'source'", body.source)
     target = _changeable("field 'destination'", body.destination)
     try:
