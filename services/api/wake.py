@@ -4,7 +4,8 @@ in a sandbox (the HTTP API's exec and files, OpenShell's ExecSandbox) calls ``wo
 of the row never does.
 
 The resume's command id names the suspended generation (``wake:<id>:<generation>``), so calls
-that find the same suspended sandbox at once send one ResumeSandbox, and each waits for it.
+that find the same suspended sandbox at once are decided as one ResumeSandbox (one published
+twice is a duplicate), and each waits for it.
 """
 
 from __future__ import annotations
