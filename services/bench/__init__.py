@@ -11,8 +11,10 @@ Modules:
 - ``fold``: CPU of the decide stage alone.
 - ``kube``: create and stop latency of the whole pipeline, Podman beside Kubernetes (part of ``make
   bench``).
+- ``kube_requests``: the Kubernetes driver's apiserver requests per sandbox beside bare Pods'.
 - ``main``: ``python -m services.bench
-  [all|processor|latency|decided|scaleout|rebuild|profile|fold|stages|drivers|peer]
+  [all|processor|latency|decided|scaleout|rebuild|profile|fold|stages|drivers|peer|
+  kube-requests]
   [--quick]``.
 - ``peer``, ``peer_setup``, ``peer_systems``, ``peer_kube``, ``peer_stats``, ``peer_report``:
   sandstream beside kubernetes-sigs/agent-sandbox and bare Pods on one Kubernetes cluster
