@@ -47,7 +47,7 @@ from drivers.protocol import (
 )
 from events.observations import ObservedState, RuntimeRemoved, RuntimeSnapshot, RuntimeState
 
-FakeOp = Literal["launch", "stop", "kill", "delete", "get", "list"]
+FakeOp = Literal["launch", "stop", "suspend", "kill", "delete", "get", "list"]
 FAKE_EPOCH: Final = datetime(2025, 1, 1, tzinfo=UTC)
 SIGTERM_EXIT_CODE: Final = 143  # what a stopped runtime with an init process exits with
 SIGKILL_EXIT_CODE: Final = 137  # what a runtime killed after its grace period exits with
@@ -151,6 +151,19 @@ class _Runtime:
             source=source,
         )
 
+    def removal(self, observation_id: str, actor: str, at: datetime) -> RuntimeRemoved:
+        """Its removal, seen by a watch at ``at``."""
+        return RuntimeRemoved(
+            type="RuntimeRemoved",
+            observation_id=observation_id,
+            key=self.key,
+            generation=self.generation,
+            occurred_at=at,
+            actor=actor,
+            runtime_id=self.runtime_id,
+            source="watch",
+        )
+
 
 class _Relist:
     """Marker in a watcher queue: list everything again."""
@@ -188,7 +201,34 @@ class _Streams:
             self.pending.append(observation)
 
 
-class FakeDriver:
+class _Calls:
+    """The calls a fake received, in order, and the holds placed on them (``block``)."""
+
+    def __init__(self) -> None:
+        self.calls: builtins.list[Call] = []
+        self._blocks: dict[tuple[FakeOp, str | None], BlockHandle] = {}
+
+    def block(self, op: FakeOp, key: str | None = None) -> BlockHandle:
+        """Hold calls of ``op`` on ``key`` (None: any key) until the handle is released."""
+        handle = self._blocks.get((op, key))
+        if handle is None or handle.released:
+            handle = self._blocks[(op, key)] = BlockHandle(op, key)
+        return handle
+
+    def calls_for(self, op: FakeOp | None = None, key: str | None = None) -> builtins.list[Call]:
+        return [
+            c for c in self.calls if (op is None or c.op == op) and (key is None or c.key == key)
+        ]
+
+    async def _enter(self, call: Call) -> None:
+        self.calls.append(call)
+        for block_key in ((call.op, call.key), (call.op, None)):
+            handle = self._blocks.get(block_key)
+            if handle is not None and not handle.released:
+                await handle._hold()
+
+
+class FakeDriver(_Calls):
     """The in-memory driver. ``auto_observe=False`` leaves watch streams to ``inject`` alone."""
 
     def __init__(
@@ -207,23 +247,15 @@ class FakeDriver:
         self.auto_observe = auto_observe
         self.stop_exit_code = stop_exit_code
         self.clock = clock
-        self.calls: builtins.list[Call] = []
+        super().__init__()
         self._runtimes: dict[str, dict[int, _Runtime]] = {}
         self._workspaces: set[tuple[str, UUID]] = set()
-        self._blocks: dict[tuple[FakeOp, str | None], BlockHandle] = {}
         self._failures: dict[tuple[FakeOp, str | None], deque[_Failure]] = {}
         self._streams = _Streams()
         self._seq = 0
         self._closed = False
 
     # -- hooks -------------------------------------------------------------------------------
-
-    def block(self, op: FakeOp, key: str | None = None) -> BlockHandle:
-        """Hold calls of ``op`` on ``key`` (None: any key) until the handle is released."""
-        handle = self._blocks.get((op, key))
-        if handle is None or handle.released:
-            handle = self._blocks[(op, key)] = BlockHandle(op, key)
-        return handle
 
     def fail(
         self,
@@ -261,11 +293,6 @@ class FakeDriver:
         if runtime is None:
             raise KeyError(f"no runtime {key} generation {generation}")
         self._set_state(runtime, "exited", exit_code)
-
-    def calls_for(self, op: FakeOp | None = None, key: str | None = None) -> builtins.list[Call]:
-        return [
-            c for c in self.calls if (op is None or c.op == op) and (key is None or c.key == key)
-        ]
 
     def stop_timeout_of(self, key: str, generation: int) -> int | None:
         """The stop_timeout_seconds the runtime was launched with (None: the default)."""
@@ -327,6 +354,18 @@ class FakeDriver:
             self._set_state(runtime, "exited", await self._terminate(runtime, timeout))
         return OpResult("succeeded", runtime.runtime_id, runtime.exit_code)
 
+    async def suspend(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
+        """Stop and remove the runtimes of ``generation`` and older; the workspace stays."""
+        runtime = self._runtimes.get(key, {}).get(generation)
+        grace = self._grace(runtime, timeout) if runtime is not None else None
+        await self._enter(Call("suspend", key, generation, timeout=timeout, grace=grace))
+        self._maybe_fail("suspend", key, generation)
+        doomed = [r for g, r in self._runtimes.get(key, {}).items() if g <= generation]
+        await self._end(doomed, timeout)
+        if not doomed:
+            return OpResult("already_absent")
+        return OpResult("succeeded", doomed[-1].runtime_id, doomed[-1].exit_code)
+
     async def kill(self, key: str, generation: int) -> OpResult:
         await self._enter(Call("kill", key, generation))
         self._maybe_fail("kill", key, generation)
@@ -348,15 +387,19 @@ class FakeDriver:
         self._maybe_fail("delete", key, None)
         runtimes = self._runtimes.get(key, {})
         doomed = [r for r in runtimes.values() if sandbox_id in (None, r.sandbox_id)]
-        for runtime in sorted(doomed, key=lambda r: r.generation):
-            if runtime.state == "running":
-                self._set_state(runtime, "exited", await self._terminate(runtime, None))
-            self._remove(runtime)
+        await self._end(doomed, None)
         if not runtimes:
             self._runtimes.pop(key, None)
         workspaces = {(k, s) for k, s in self._workspaces if k == key and sandbox_id in (None, s)}
         self._workspaces -= workspaces
         return bool(doomed or workspaces)
+
+    async def _end(self, doomed: builtins.list[_Runtime], timeout: float | None) -> None:
+        """Stop the running ones of ``doomed`` (oldest first), then remove each."""
+        for runtime in sorted(doomed, key=lambda r: r.generation):
+            if runtime.state == "running":
+                self._set_state(runtime, "exited", await self._terminate(runtime, timeout))
+            self._remove(runtime)
 
     async def _terminate(self, runtime: _Runtime, timeout: float | None) -> int:
         """SIGTERM; a runtime that ignores it (with real_grace) is killed after its grace."""
@@ -422,13 +465,6 @@ class FakeDriver:
             return self.clock()
         return FAKE_EPOCH + timedelta(milliseconds=self._seq)
 
-    async def _enter(self, call: Call) -> None:
-        self.calls.append(call)
-        for block_key in ((call.op, call.key), (call.op, None)):
-            handle = self._blocks.get(block_key)
-            if handle is not None and not handle.released:
-                await handle._hold()
-
     def _maybe_fail(self, op: FakeOp, key: str | None, generation: int | None) -> None:
         for failure_key in ((op, key), (op, None)):
             queue = self._failures.get(failure_key)
@@ -469,18 +505,8 @@ class FakeDriver:
         del self._runtimes[runtime.key][runtime.generation]
         seq = self._next_seq()
         if self.auto_observe:
-            self._streams.put(
-                RuntimeRemoved(
-                    type="RuntimeRemoved",
-                    observation_id=f"fake:{runtime.runtime_id}:{seq}:removed",
-                    key=runtime.key,
-                    generation=runtime.generation,
-                    occurred_at=self._now(),
-                    actor=self.actor,
-                    runtime_id=runtime.runtime_id,
-                    source="watch",
-                )
-            )
+            observation_id = f"fake:{runtime.runtime_id}:{seq}:removed"
+            self._streams.put(runtime.removal(observation_id, self.actor, self._now()))
 
     def _listing(self) -> builtins.list[WatchObservation]:
         # Ids stable across listings while the runtime's state is unchanged.

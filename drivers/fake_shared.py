@@ -64,6 +64,10 @@ class SharedFakeDriver(FakeDriver):
         with self._shared():
             return await super().stop(key, generation, timeout)
 
+    async def suspend(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
+        with self._shared():
+            return await super().suspend(key, generation, timeout)
+
     async def kill(self, key: str, generation: int) -> OpResult:
         with self._shared():
             return await super().kill(key, generation)

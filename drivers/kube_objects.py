@@ -37,6 +37,11 @@ Pod = Mapping[str, Any]
 ACTOR: Final = "kubernetes-watcher"
 CONTAINER: Final = "sandbox"  # the one container of a sandbox Pod
 WORKSPACE_VOLUME: Final = "workspace"
+# Why a suspend is refused without a storage class (the API says so before it accepts one).
+WORKSPACE_DIES_WITH_POD: Final = (
+    "the Kubernetes driver runs without a storage class (SANDSTREAM_KUBE_STORAGE_CLASS unset): "
+    "the workspace is an emptyDir removed with the Pod, so a suspend would lose it"
+)
 # The sandbox's own labels, all of them, as JSON (Kubernetes label values are limited to 63
 # characters of a small alphabet; those that fit are Pod labels as well).
 ANNOTATION_LABELS: Final = "io.sandstream.labels"

@@ -43,7 +43,7 @@ from kubernetes_asyncio import config
 from drivers.kube_api import TRANSPORT_ERRORS, ApiStatusError, Gone, KubeApi, describe, retryable
 from drivers.kube_cache import PodCache, version_number
 from drivers.kube_config import KubeConfig, api_client, parse_node_selector, parse_tolerations
-from drivers.kube_objects import ACTOR, PodView, claim_manifest
+from drivers.kube_objects import ACTOR, WORKSPACE_DIES_WITH_POD, PodView, claim_manifest
 from drivers.kube_pods import KeyPods
 from drivers.kube_waits import Deadline, await_pod, remove_pod
 from drivers.kube_watch import Reported
@@ -98,6 +98,11 @@ class KubernetesDriver:
     async def stop(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
         return await self._call(
             self._stop, key, generation, timeout, key=key, generation=generation
+        )
+
+    async def suspend(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
+        return await self._call(
+            self._suspend, key, generation, timeout, key=key, generation=generation
         )
 
     async def kill(self, key: str, generation: int) -> OpResult:
@@ -247,6 +252,12 @@ class KubernetesDriver:
         if last is None:
             return OpResult("already_absent")
         return OpResult("succeeded", view.uid, last.info.exit_code)
+
+    async def _suspend(self, key: str, generation: int, timeout: float | None) -> OpResult:
+        # A stop removes the Pod and keeps the claim (an emptyDir would die with the Pod).
+        if self._pods.storage_class is None:
+            raise DriverError(WORKSPACE_DIES_WITH_POD, retryable=False)
+        return await self._stop(key, generation, timeout)
 
     async def _kill(self, key: str, generation: int) -> OpResult:
         """Delete the generation's Pod with no grace period: the API server removes it at once

@@ -126,6 +126,12 @@ class PodmanDriver:
             self._sync.stop, key, generation, timeout, key=key, generation=generation, what="stop"
         )
 
+    async def suspend(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
+        return await self._call(
+            self._sync.suspend, key, generation, timeout, key=key, generation=generation,
+            what="suspend",
+        )  # fmt: skip
+
     async def kill(self, key: str, generation: int) -> OpResult:
         # Not exclusive: the key's lock may be held by the very stop this kill is forcing.
         return await self._call(

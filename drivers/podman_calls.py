@@ -245,6 +245,16 @@ class PodmanCalls:
         exit_code = self.exit_code(info.runtime_id) if info.state != "created" else None
         return OpResult("succeeded", info.runtime_id, exit_code)
 
+    def suspend(self, key: str, generation: int, timeout: float | None) -> OpResult:
+        """Stop and remove the runtimes of ``generation`` and older; the volume stays."""
+        found = [c for c in self.list(key) if c.info.generation <= generation]
+        if not found:
+            return OpResult("already_absent")
+        for container in found:
+            self._stop_and_remove(container.info.runtime_id, self.grace(container, timeout))
+            remove_secrets(self.client(), container.info.key, container.info.generation)
+        return OpResult("succeeded", found[-1].info.runtime_id)
+
     def kill(self, key: str, generation: int) -> OpResult:
         found = self.list(key, generation=generation)
         if not found:

@@ -172,6 +172,15 @@ class Driver(Protocol):
         """
         ...
 
+    async def suspend(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
+        """Stop this generation's runtime and remove it (Podman: older ones left too), keeping
+        the workspace, so that a later launch of a newer generation finds it as it was.
+
+        Nothing of those generations left: ``already_absent``. ``timeout`` as for stop. A
+        driver whose workspace does not outlive its runtime refuses (not retryable).
+        """
+        ...
+
     async def kill(self, key: str, generation: int) -> OpResult:
         """Kill this generation's runtime at once (SIGKILL), keeping it and the workspace.
 

@@ -58,6 +58,9 @@ class RoutingDriver:
     async def stop(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
         return await self._for(key).stop(key, generation, timeout)
 
+    async def suspend(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
+        return await self._for(key).suspend(key, generation, timeout)
+
     async def kill(self, key: str, generation: int) -> OpResult:
         return await self._for(key).kill(key, generation)
 

@@ -58,6 +58,19 @@ class StopSandbox(VersionedCommand):
     type: Literal["StopSandbox"]
 
 
+class SuspendSandbox(VersionedCommand):
+    """Free the sandbox's compute: stop and remove its runtime, keep its workspace and
+    everything it is (name, incarnation, providers, policies) until ResumeSandbox."""
+
+    type: Literal["SuspendSandbox"]
+
+
+class ResumeSandbox(VersionedCommand):
+    """Bring a suspended sandbox back: a new generation on the same workspace."""
+
+    type: Literal["ResumeSandbox"]
+
+
 class RestartSandbox(VersionedCommand):
     type: Literal["RestartSandbox"]
 
@@ -131,6 +144,8 @@ Command = Annotated[
     | StartSandbox
     | StopSandbox
     | RestartSandbox
+    | SuspendSandbox
+    | ResumeSandbox
     | DeleteSandbox
     | AttachProvider
     | DetachProvider

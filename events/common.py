@@ -63,6 +63,10 @@ class Phase(StrEnum):
     READY = "Ready"
     STOPPING = "Stopping"
     STOPPED = "Stopped"
+    # Suspend: the runtime is removed, the workspace and everything else kept; resume starts a
+    # new generation on the same workspace.
+    SUSPENDING = "Suspending"
+    SUSPENDED = "Suspended"
     COMPLETED = "Completed"
     ERROR = "Error"
     DELETING = "Deleting"

@@ -66,7 +66,7 @@ class SandboxStarting(EventBase):
     """
 
     type: Literal["SandboxStarting"]
-    reason: Literal["start", "restart"]
+    reason: Literal["start", "restart", "resume"]
     previous_generation: Generation
     spec: SandboxSpec
     identity: str
@@ -92,6 +92,20 @@ class SandboxStopping(EventBase):
 
 class SandboxStopped(EventBase):
     type: Literal["SandboxStopped"]
+
+
+class SandboxSuspending(EventBase):
+    """Suspend accepted. Intent: stop this generation's runtime and remove it, keeping the
+    workspace."""
+
+    type: Literal["SandboxSuspending"]
+    deadline: Deadline | None = None
+
+
+class SandboxSuspended(EventBase):
+    """The runtime is gone, the workspace kept: nothing of the sandbox runs until a resume."""
+
+    type: Literal["SandboxSuspended"]
 
 
 class SandboxCompleted(EventBase):
@@ -282,6 +296,8 @@ DecidedEvent = Annotated[
     | SandboxStarting
     | SandboxReady
     | SandboxStopping
+    | SandboxSuspending
+    | SandboxSuspended
     | SandboxStopped
     | SandboxCompleted
     | SandboxFailed

@@ -29,7 +29,7 @@ from events.common import (
 RuntimeState = Literal["created", "running", "stopping", "exited"]
 ObservedState = Literal["created", "running", "exited", "absent"]
 Source = Literal["watch", "list", "reconcile"]
-Operation = Literal["launch", "stop", "delete"]
+Operation = Literal["launch", "stop", "suspend", "delete"]
 OperationOutcome = Literal["succeeded", "failed", "already_absent"]
 
 

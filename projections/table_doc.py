@@ -16,6 +16,7 @@ from projections.lifecycle import (
     DETACH_NO_RESTART,
     DETACH_TABLE,
     EXIT_KINDS,
+    FOLLOW_OBSERVED,
     HELD,
     KEEP_DELETING,
     KEEP_STOPPING,
@@ -37,6 +38,7 @@ KINDS = [
     "created", "running", "stopping", "exited_ok", "exited_error", "removed",
     "launch_succeeded", "launch_failed",
     "stop_succeeded", "stop_absent", "stop_failed",
+    "suspend_succeeded", "suspend_absent", "suspend_failed",
     "delete_succeeded", "delete_absent", "delete_failed",
 ]  # fmt: skip
 _CELL = {Admission.ADMIT: "**admit**", Admission.IDEMPOTENT: "idempotent", Admission.REJECT: "—"}
@@ -66,6 +68,8 @@ def render() -> str:
             target = OBSERVATION_TABLE[phase].get(kind)  # type: ignore[call-overload]
             if target is None:
                 cells.append("·")
+            elif target == FOLLOW_OBSERVED:
+                cells.append("observed phase")
             elif target == KEEP_STOPPING:
                 cells.append("stays unless seen not running")
             elif target == KEEP_DELETING:

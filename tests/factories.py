@@ -29,10 +29,12 @@ from events.commands import (
     ProviderRotation,
     ReleaseSandbox,
     RestartSandbox,
+    ResumeSandbox,
     RotateCredentials,
     SetRestartPolicy,
     StartSandbox,
     StopSandbox,
+    SuspendSandbox,
 )
 from events.common import Cause, Phase, RestartBackoff, RestartPolicy, SandboxSpec
 from events.decided import DecidedEvent
@@ -211,6 +213,8 @@ def _provider(model: type[P]) -> Callable[..., P]:
 start = _lifecycle(StartSandbox)
 stop = _lifecycle(StopSandbox)
 restart = _lifecycle(RestartSandbox)
+suspend = _lifecycle(SuspendSandbox)
+resume = _lifecycle(ResumeSandbox)
 delete = _lifecycle(DeleteSandbox)
 attach = _provider(AttachProvider)
 detach = _provider(DetachProvider)
@@ -312,6 +316,8 @@ VERSIONED_COMMANDS: dict[str, Callable[..., Command]] = {
     "StartSandbox": start,
     "StopSandbox": stop,
     "RestartSandbox": restart,
+    "SuspendSandbox": suspend,
+    "ResumeSandbox": resume,
     "DeleteSandbox": delete,
     "AttachProvider": attach,
     "DetachProvider": detach,
@@ -436,6 +442,11 @@ def stopped(key: str = KEY, generation: int = 1, **kw: Any) -> DriverOperationRe
     return result(key, generation, "stop", "succeeded", **kw)
 
 
+def suspended(key: str = KEY, generation: int = 1, **kw: Any) -> DriverOperationResult:
+    """The executor's report that the suspend of ``generation`` succeeded."""
+    return result(key, generation, "suspend", "succeeded", **kw)
+
+
 def deleted(key: str = KEY, generation: int = 1, **kw: Any) -> DriverOperationResult:
     """The executor's report that the delete succeeded."""
     return result(key, generation, "delete", "succeeded", **kw)
@@ -558,6 +569,8 @@ def path_to(phase: Phase, key: str = KEY, providers: Iterable[str] = ("github",)
         Phase.READY: [running(key, 1)],
         Phase.STOPPING: [running(key, 1), stop(key)],
         Phase.STOPPED: [running(key, 1), stop(key), stopped(key, 1)],
+        Phase.SUSPENDING: [running(key, 1), suspend(key)],
+        Phase.SUSPENDED: [running(key, 1), suspend(key), suspended(key, 1)],
         Phase.COMPLETED: [exited(key, 1, 0)],
         Phase.ERROR: [exited(key, 1, 3)],
         Phase.DELETING: [running(key, 1), delete(key)],

@@ -391,6 +391,9 @@ class HoldingDriver:
     async def stop(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
         return await self.inner.stop(key, generation, timeout)
 
+    async def suspend(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
+        return await self.inner.suspend(key, generation, timeout)
+
     async def kill(self, key: str, generation: int) -> OpResult:
         return await self.inner.kill(key, generation)
 

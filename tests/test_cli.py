@@ -108,6 +108,22 @@ async def test_the_readme_session(up: Up) -> None:
     assert (r.code, r.err.strip()) == (1, f"✗ sandbox {name!r} not found")
 
 
+async def test_suspend_and_resume_from_the_cli(up: Up) -> None:
+    name = up.name("susp")
+    r = await up.cli("sandbox", "create", name, "--image", IMAGE, "--", "sleep", "3600")
+    assert r.code == 0, r.err
+    r = await up.cli("sandbox", "suspend", name)
+    assert (r.code, lines(r.out)) == (0, [f"✓ Suspended sandbox {name} (generation 1)"]), r.err
+    r = await up.cli("sandbox", "list", "--phase", "Suspended", "-o", "json")
+    assert name in [s["name"] for s in json.loads(r.out)]
+    r = await up.cli("sandbox", "resume", name)
+    assert (r.code, lines(r.out)) == (0, [f"✓ Resumed sandbox {name} (generation 2)"]), r.err
+    r = await up.cli("sandbox", "resume", name)  # Ready: nothing to do
+    assert r.code == 0, r.err
+    r = await up.cli("sandbox", "delete", name)
+    assert r.code == 0, r.err
+
+
 async def test_rejections_and_failures_exit_non_zero_with_the_reason(up: Up) -> None:
     ghost = up.name("ghost")
     r = await up.cli("sandbox", "stop", ghost)

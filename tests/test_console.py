@@ -15,7 +15,7 @@ import apikit
 import httpx
 import pytest_asyncio
 from apikit import ADMIN, INSPECTOR, KEEPER, READER, Api, create_body, unique
-from harness import isolated_env
+from harness import eventually, isolated_env
 
 from drivers.fake import FakeDriver
 from events.common import Phase
@@ -376,3 +376,28 @@ async def test_the_chart_counts_phases_per_bucket_from_the_history() -> None:
         (1, 0, 0), (2, 0, 0), (2, 0, 0), (1, 0, 1), (1, 0, 1),
     ]  # fmt: skip
     assert counts[-1][Phase.PROVISIONING] == 0 and counts[8][Phase.PROVISIONING] == 0
+
+
+async def test_suspend_and_resume_are_console_actions(api: Api) -> None:
+    name = unique("susp")
+    await create_ready(api, name)
+    async with session(api, ADMIN) as client:
+        page = (await client.get(f"/ui/sandboxes/{name}")).text
+        suspend = form_of(page, f"/ui/sandboxes/{name}/suspend")
+        r = await client.post(f"/ui/sandboxes/{name}/suspend", data=suspend)
+        assert r.status_code == 303, r.text
+        assert notice((await client.get(r.headers["location"])).text).startswith(
+            "Suspend accepted:"
+        )
+    async with api.client() as c:
+
+        async def phase() -> str:
+            return str((await c.get(f"/v1/sandboxes/{name}")).json()["phase"])
+
+        await eventually(phase, lambda p: p == "Suspended", what="suspended")
+    async with session(api, ADMIN) as client:
+        page = (await client.get(f"/ui/sandboxes/{name}")).text
+        resume = form_of(page, f"/ui/sandboxes/{name}/resume")
+        r = await client.post(f"/ui/sandboxes/{name}/resume", data=resume)
+        assert r.status_code == 303, r.text
+        assert notice((await client.get(r.headers["location"])).text).startswith("Resume accepted:")

@@ -54,8 +54,10 @@ from events.commands import (
     DetachProvider,
     ReleaseSandbox,
     RestartSandbox,
+    ResumeSandbox,
     RotateCredentials,
     StartSandbox,
+    SuspendSandbox,
 )
 from events.common import Cause, Phase, RestartPolicy, SandboxSpec
 from events.decided import (
@@ -301,7 +303,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         if not new.tombstoned:
             kind = PHASE_DEADLINES.get(new.phase)
             # (A stop that was escalated to a kill has no further deadline.)
-            allowed = {kind, None} if new.phase is P.STOPPING else {kind}
+            allowed = {kind, None} if new.phase in (P.STOPPING, P.SUSPENDING) else {kind}
             # (A restart the restart policy scheduled waits in Error or Completed.)
             if new.phase in (P.ERROR, P.COMPLETED) and new.spec.restart_policy is not None:
                 allowed = {None, "restart"}
@@ -331,11 +333,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         # The tombstone is only reached from Deleting.
         if new.tombstoned and not prev.tombstoned:
             assert prev.phase is P.DELETING, (prev.phase, message)
-        # Stopped only leaves through an accepted start, restart or delete.
+        # Stopped only leaves through an accepted start, restart, suspend or delete.
+        expired = isinstance(message, DeadlineDue) and message.deadline == "ttl"
         if prev.phase is P.STOPPED and new.phase is not P.STOPPED:
-            expired = isinstance(message, DeadlineDue) and message.deadline == "ttl"
-            assert expired or isinstance(message, StartSandbox | RestartSandbox | DeleteSandbox)
+            assert expired or isinstance(
+                message, StartSandbox | RestartSandbox | SuspendSandbox | DeleteSandbox
+            )
             assert d.disposition == "applied"
+        self.check_suspend(prev, message, events, new, expired)
         # A decided delete is never undone: Deleting only leaves to Deleted, and only on the
         # delete's own report that nothing is left (not on a runtime's removal, not on a failure).
         if prev.phase is P.DELETING and new.phase is not P.DELETING:
@@ -448,6 +453,43 @@ class LifecycleMachine(RuleBasedStateMachine):
                 assert (new.phase, new.generation) == (P.STARTING, prev.generation + 1)
         else:
             assert len(events) == 1 and new.phase is P.READY, events
+
+    def check_suspend(
+        self,
+        prev: Sandbox,
+        message: Message,
+        events: tuple[DecidedEvent, ...],
+        new: Sandbox,
+        expired: bool,
+    ) -> None:
+        """Suspend keeps everything the sandbox is; nothing of the suspended generation revives
+        or regresses it; its removal is no exit; a resume starts a new generation of the same
+        incarnation."""
+        if isinstance(message, SuspendSandbox) and events:
+            assert new.phase is P.SUSPENDING and new.generation == prev.generation
+        # Suspended only leaves through an accepted resume, start, restart or delete, or an
+        # expiry whose policy deletes it; no observation of any generation changes it else.
+        if prev.phase is P.SUSPENDED:
+            if is_observation(message) and events:
+                assert expired, message
+            if new.phase is not P.SUSPENDED:
+                assert expired or isinstance(
+                    message, ResumeSandbox | StartSandbox | RestartSandbox | DeleteSandbox
+                ), message
+        # The suspend's stop and removal are no exit: no restart, no completion policy.
+        if prev.phase in (P.SUSPENDING, P.SUSPENDED) and is_observation(message):
+            assert not any(isinstance(e, (*EXIT_EVENTS, SandboxRestartScheduled)) for e in events)
+        # A resume: the next generation of the same incarnation, with everything it was.
+        if isinstance(message, ResumeSandbox) and events:
+            assert prev.phase is P.SUSPENDED and new.phase is P.STARTING
+            assert new.generation == prev.generation + 1
+            assert (new.sandbox_id, new.providers, new.spec, new.hold, new.expires_at) == (
+                prev.sandbox_id,
+                prev.providers,
+                prev.spec,
+                prev.hold,
+                prev.expires_at,
+            )
 
     def check_restart_policy(
         self, prev: Sandbox, message: Message, events: tuple[DecidedEvent, ...], new: Sandbox
@@ -709,6 +751,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             P.PROVISIONING: "launch",
             P.STARTING: "launch",
             P.STOPPING: "stop",
+            P.SUSPENDING: "suspend",
             P.DELETING: "delete",
         }
         operation = operations.get(state.phase)

@@ -26,11 +26,14 @@ from events.decided import (
     SandboxStarting,
     SandboxStopped,
     SandboxStopping,
+    SandboxSuspended,
+    SandboxSuspending,
 )
 from events.observations import ObservedState
 from events.outcomes import Code
 from projections.lifecycle import (
     COMMAND_TABLE,
+    FOLLOW_OBSERVED,
     KEEP_DELETING,
     KEEP_STOPPING,
     OBSERVATION_TABLE,
@@ -55,6 +58,8 @@ VERBS = {
     "StartSandbox": "start",
     "StopSandbox": "stop",
     "RestartSandbox": "restart",
+    "SuspendSandbox": "suspend",
+    "ResumeSandbox": "resume",
     "DeleteSandbox": "delete",
     "AttachProvider": "attach a provider",
     "DetachProvider": "detach a provider",
@@ -67,6 +72,8 @@ ADMITTED_EVENT = {
     "StartSandbox": (SandboxStarting, P.STARTING),
     "RestartSandbox": (SandboxStarting, P.STARTING),
     "StopSandbox": (SandboxStopping, P.STOPPING),
+    "SuspendSandbox": (SandboxSuspending, P.SUSPENDING),
+    "ResumeSandbox": (SandboxStarting, P.STARTING),
     "DeleteSandbox": (SandboxDeleting, P.DELETING),
     "AttachProvider": (ProviderAttached, None),  # None: the phase does not change
     "DetachProvider": (ProviderDetached, None),
@@ -78,6 +85,7 @@ ADMITTED_EVENT = {
 TARGET_EVENT = {
     P.READY: SandboxReady,
     P.STOPPED: SandboxStopped,
+    P.SUSPENDED: SandboxSuspended,
     P.COMPLETED: SandboxCompleted,
     P.ERROR: SandboxFailed,
     P.DELETED: SandboxDeleted,
@@ -161,7 +169,8 @@ def test_command_cell(command_type: str, phase: Phase, rule: Admission) -> None:
         if isinstance(event, SandboxStarting):
             assert new.generation == event.generation == state.generation + 1
             assert event.previous_generation == state.generation
-            assert event.reason == ("start" if command_type == "StartSandbox" else "restart")
+            reasons = {"StartSandbox": "start", "ResumeSandbox": "resume"}
+            assert event.reason == reasons.get(command_type, "restart")
             expected = identity_for(state.sandbox_id, new.generation, command.command_id)
             assert event.identity == new.identity == outcome.identity == expected
             assert new.identity != state.identity
@@ -384,7 +393,7 @@ def test_observation_kind_round_trips_through_the_factory(kind: ObservationKind)
 def test_observation_cell(phase: Phase, kind: ObservationKind) -> None:
     target = OBSERVATION_TABLE[phase].get(kind)
     observed_values: tuple[ObservedState | None, ...] = (
-        OBSERVED if target in (KEEP_STOPPING, KEEP_DELETING) else (None,)
+        OBSERVED if target in (KEEP_STOPPING, KEEP_DELETING, FOLLOW_OBSERVED) else (None,)
     )
     for observed in observed_values:
         state = row_in(phase)
@@ -426,9 +435,26 @@ def test_observation_cell(phase: Phase, kind: ObservationKind) -> None:
                 assert new.reason == event.reason
                 assert event.reason.startswith("StopFailed: still Stopping (retries so far: 0; ")
                 assert event.reason.endswith(": boom")
+        elif target == FOLLOW_OBSERVED:
+            expected_phase = _follow(observed)
+            assert isinstance(event, SandboxOperationFailed)
+            assert event.operation == "suspend" and event.reason == "boom"
+            assert new.phase is event.phase is expected_phase
         else:
             assert new.phase is target
             assert isinstance(event, TARGET_EVENT[target])
+
+
+def _follow(observed: ObservedState | None) -> Phase:
+    """Where a failed suspend leaves the row, given what the backend looked like (the
+    runtime gone: suspended, the workspace kept)."""
+    return {
+        None: P.ERROR,
+        "running": P.READY,
+        "created": P.STOPPED,
+        "exited": P.STOPPED,
+        "absent": P.SUSPENDED,
+    }[observed]
 
 
 @pytest.mark.parametrize(

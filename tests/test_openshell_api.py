@@ -27,7 +27,7 @@ from openshell_support import (
 )
 from pipeline_support import history
 
-from events.commands import HoldSandbox
+from events.commands import HoldSandbox, SuspendSandbox
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto import openshell_pb2_grpc
 
@@ -239,6 +239,27 @@ async def test_exec_streams_output_then_the_exit_and_core_dumps_are_off(gateway:
     await wait_phase(gateway, sandbox_id, Phase.SANDBOX_PHASE_STOPPED)
     not_ready = gateway.stub.ExecSandbox(request, metadata=auth())
     assert await status_of(not_ready.read()) == grpc.StatusCode.FAILED_PRECONDITION
+    await gateway.stub.DeleteSandbox(pb.DeleteSandboxRequest(name=name), metadata=auth())
+
+
+async def test_exec_on_a_suspended_sandbox_resumes_it_then_runs(gateway: Gateway) -> None:
+    name = gateway.new_name()
+    sandbox_id = (await create(gateway, name)).metadata.id
+    await wait_phase(gateway, sandbox_id, Phase.SANDBOX_PHASE_READY)
+    suspend = SuspendSandbox(
+        type="SuspendSandbox", command_id=str(uuid.uuid4()), key=name, actor="test",
+        occurred_at=datetime.now(UTC),
+    )  # fmt: skip
+    assert (await gateway.commands.submit(suspend, WAIT)).outcome is not None
+    await eventually(lambda: history_of(gateway, name),
+                     lambda h: h[-1]["phase"] == "Suspended", what="suspended")  # fmt: skip
+    request = pb.ExecSandboxRequest(sandbox_id=sandbox_id, command=["echo", "awake"])
+    events = [e async for e in gateway.stub.ExecSandbox(request, metadata=auth(), timeout=WAIT)]
+    assert events[-1].exit.exit_code == 0
+    assert b"".join(e.stdout.data for e in events if e.HasField("stdout")) == b"awake\n"
+    entries = await history_of(gateway, name)
+    resumes = [h for h in entries if h["message_type"] == "ResumeSandbox"]
+    assert [h["disposition"] for h in resumes] == ["applied"]
     await gateway.stub.DeleteSandbox(pb.DeleteSandboxRequest(name=name), metadata=auth())
 
 

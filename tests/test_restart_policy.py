@@ -149,6 +149,7 @@ def test_a_vanished_runtime_a_failed_launch_and_a_launch_timeout_are_failures() 
 PENDING_INPUTS: dict[str, list[tuple[Any, bool]]] = {
     "DeadlineDue(restart)": [],  # the restart itself: test_on_failure_restarts_with_...
     "StopSandbox": [(lambda: f.stop(occurred_at=f.at(3)), False)],
+    "SuspendSandbox": [(lambda: f.suspend(occurred_at=f.at(3)), False)],
     "DeleteSandbox": [(lambda: f.delete(occurred_at=f.at(3)), False)],
     "StartSandbox, RestartSandbox": [
         (lambda: f.start(occurred_at=f.at(3)), False),

@@ -33,6 +33,8 @@ def all_commands() -> list[Command]:
         f.start(expected_version=3),
         f.stop(),
         f.restart(expected_version=0),
+        f.suspend(),
+        f.resume(expected_version=5),
         f.delete(),
         f.attach(provider="gh"),
         f.detach(provider="gh", expected_version=9),
@@ -71,7 +73,8 @@ def all_events() -> list[DecidedEvent]:
     h.send(f.due(deadline="stop", due_at=h.row().deadline.due_at))  # type: ignore[union-attr]
     h.send(f.stopped(), f.start(), f.exited(generation=2, exit_code=0))
     h.send(f.restart(), f.exited(generation=3, exit_code=2))
-    h.send(f.delete(), f.deleted(generation=3))
+    h.send(f.suspend(), f.suspended(generation=3), f.resume())
+    h.send(f.delete(), f.deleted(generation=4))
     # Credential rotation: a skip (Stopped), a restart, and the restart's failed launch.
     h.send(f.create("rot", providers=["gh"]), f.running("rot"), f.stop("rot"))
     h.send(f.stopped("rot"), f.rotate("rot", {"gh": 2}), f.start("rot"), f.running("rot", 2))

@@ -73,6 +73,7 @@ from .model import (
     is_held,
 )
 from .observations import (
+    FOLLOW_OBSERVED,
     KEEP_DELETING,
     KEEP_STOPPING,
     OBSERVATION_TABLE,
@@ -119,6 +120,7 @@ __all__ = [
     "DETACH_TABLE",
     "EXIT_EVENTS",
     "EXIT_KINDS",
+    "FOLLOW_OBSERVED",
     "HELD",
     "KEEP_DELETING",
     "KEEP_STOPPING",

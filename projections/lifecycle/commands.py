@@ -30,35 +30,46 @@ A, I, R = Admission.ADMIT, Admission.IDEMPOTENT, Admission.REJECT
 
 
 PHASE_COLUMNS: Final = (
-    P.PROVISIONING, P.STARTING, P.READY, P.STOPPING, P.STOPPED, P.COMPLETED, P.ERROR, P.DELETING,
+    P.PROVISIONING, P.STARTING, P.READY, P.STOPPING, P.STOPPED, P.SUSPENDING, P.SUSPENDED,
+    P.COMPLETED, P.ERROR, P.DELETING,
 )  # fmt: skip
 
 
+# Suspend frees a sandbox's compute wherever a runtime of it may exist or run (a pending launch
+# included: its runtime is removed once it is up); a stop under way finishes first. Resume is
+# the start of a suspended sandbox (a start admits Suspended too); elsewhere it only confirms
+# a sandbox that runs or is about to.
 COMMAND_TABLE: Final[dict[str, tuple[Admission, ...]]] = {
-    #                 Provisioning Starting Ready Stopping Stopped Completed Error Deleting
-    "StartSandbox":   (I,          I,       I,    R,       A,      A,        A,    R),
-    "StopSandbox":    (A,          A,       A,    I,       I,      A,        A,    R),
-    "RestartSandbox": (A,          A,       A,    A,       A,      A,        A,    R),
-    "DeleteSandbox":  (A,          A,       A,    A,       A,      A,        A,    I),
-    "AttachProvider": (A,          A,       A,    A,       A,      A,        A,    R),
-    "DetachProvider": (A,          A,       A,    A,       A,      A,        A,    R),
-    "HoldSandbox":    (A,          A,       A,    A,       A,      A,        A,    R),
-    "ReleaseSandbox": (A,          A,       A,    A,       A,      A,        A,    R),
-    "ExtendSandbox":  (A,          A,       A,    A,       A,      A,        A,    R),
-    "SetRestartPolicy": (A,        A,       A,    A,       A,      A,        A,    R),
+    # Provisioning, Starting, Ready, Stopping, Stopped, Suspending, Suspended, Completed, Error,
+    # Deleting:
+    #                   Prov Start Ready Stopg Stopd Suspg Suspd Compl Error Delg
+    "StartSandbox":    (I,   I,    I,    R,    A,    R,    A,    A,    A,    R),
+    "StopSandbox":     (A,   A,    A,    I,    I,    I,    I,    A,    A,    R),
+    "RestartSandbox":  (A,   A,    A,    A,    A,    A,    A,    A,    A,    R),
+    "SuspendSandbox":  (A,   A,    A,    R,    A,    I,    I,    A,    A,    R),
+    "ResumeSandbox":   (I,   I,    I,    R,    R,    R,    A,    R,    R,    R),
+    "DeleteSandbox":   (A,   A,    A,    A,    A,    A,    A,    A,    A,    I),
+    "AttachProvider":  (A,   A,    A,    A,    A,    A,    A,    A,    A,    R),
+    "DetachProvider":  (A,   A,    A,    A,    A,    A,    A,    A,    A,    R),
+    "HoldSandbox":     (A,   A,    A,    A,    A,    A,    A,    A,    A,    R),
+    "ReleaseSandbox":  (A,   A,    A,    A,    A,    A,    A,    A,    A,    R),
+    "ExtendSandbox":   (A,   A,    A,    A,    A,    A,    A,    A,    A,    R),
+    "SetRestartPolicy":(A,   A,    A,    A,    A,    A,    A,    A,    A,    R),
 }  # fmt: skip
 
 
 # A held sandbox refuses these (FAILED_PRECONDITION naming who holds it and why) in every
-# phase; stop and delete stay admitted. Hold on a held and release on an unheld sandbox are
-# idempotent.
-REFUSED_WHILE_HELD: Final = ("StartSandbox", "RestartSandbox")
+# phase; stop, suspend and delete stay admitted (they start nothing). Hold on a held and
+# release on an unheld sandbox are idempotent.
+REFUSED_WHILE_HELD: Final = ("StartSandbox", "RestartSandbox", "ResumeSandbox")
 
 
 VERB = {
     "StartSandbox": "start",
     "StopSandbox": "stop",
     "RestartSandbox": "restart",
+    "SuspendSandbox": "suspend",
+    "ResumeSandbox": "resume",
     "DeleteSandbox": "delete",
     "AttachProvider": "attach a provider",
     "DetachProvider": "detach a provider",

@@ -56,16 +56,18 @@ from .restart_policy import (
 DEADLINE_TABLE: Final[dict[DeadlineKind, str]] = {
     "launch": "→ Error, reason ProvisioningTimeout; intent: stop the runtime if it came up "
     "(then the completion policy applies)",
-    "stop": "stays Stopping. Before the stop failed: deadline cleared; intent: kill the runtime "
-    "now (forced). After it failed (`reason` StopFailed): the stop is asked for again, the next "
-    "deadline twice as far out (the delete's back-off), and `reason` counts the retries",
+    "stop": "stays Stopping (or Suspending). Before the stop failed: deadline cleared; "
+    "intent: kill the runtime now (forced). After it failed (Stopping, `reason` StopFailed): "
+    "the stop is asked for again, the next deadline twice as far out (the delete's back-off), "
+    "and `reason` counts the retries",
     "delete": "stays Deleting, the delete is asked for again; the next deadline is twice as "
     "far out (up to a ceiling), and `reason` counts the retries",
     "restart": "(Error or Completed: a restart the restart policy scheduled) SandboxStarting "
     "naming the policy and the attempt: a new generation and identity, as any restart; "
     "deferred while held",
     "ttl": "SandboxExpired, then the policy: stop (when the phase admits a stop) or delete "
-    "(when it admits a delete); deferred while held",
+    "(when it admits a delete); deferred while held. It keeps counting while Suspended (the "
+    "sandbox exists): stop then leaves it Suspended, delete deletes it with its workspace",
 }
 
 

@@ -29,6 +29,7 @@ PHASE_DEADLINES: Final[dict[Phase, Literal["launch", "stop", "delete"]]] = {
     P.PROVISIONING: "launch",
     P.STARTING: "launch",
     P.STOPPING: "stop",
+    P.SUSPENDING: "stop",  # the suspend's stop: its grace period plus the margin, then a kill
     P.DELETING: "delete",
 }
 

@@ -6,6 +6,7 @@ through the admission table and its verb, an observation through the observation
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Final
 
 from events.commands import (
     AttachProvider,
@@ -17,10 +18,12 @@ from events.commands import (
     HoldSandbox,
     ReleaseSandbox,
     RestartSandbox,
+    ResumeSandbox,
     RotateCredentials,
     SetRestartPolicy,
     StartSandbox,
     StopSandbox,
+    SuspendSandbox,
 )
 from events.common import (
     Cause,
@@ -48,6 +51,8 @@ from events.decided import (
     SandboxStarting,
     SandboxStopped,
     SandboxStopping,
+    SandboxSuspended,
+    SandboxSuspending,
 )
 from events.observations import (
     DeadlineDue,
@@ -96,9 +101,11 @@ from .model import (
     awaits_stop_retry,
 )
 from .observations import (
+    FOLLOW_OBSERVED,
     KEEP_DELETING,
     KEEP_STOPPING,
     OBSERVATION_TABLE,
+    OBSERVED_PHASE,
     STOPPED_STATES,
     ObservationKind,
     Target,
@@ -199,13 +206,13 @@ def _decide_command(
     at = command.occurred_at
     event: DecidedEvent
     match command:
-        case StartSandbox() | RestartSandbox():
+        case StartSandbox() | RestartSandbox() | ResumeSandbox():
             generation = next_generation(state)
             event = built(
                 SandboxStarting,
                 type="SandboxStarting",
                 **(common | {"generation": generation}),
-                reason="start" if isinstance(command, StartSandbox) else "restart",
+                reason=_START_REASON[command.type],
                 previous_generation=state.generation,
                 spec=state.spec,
                 identity=identity_for(state.sandbox_id, generation, command.command_id),
@@ -214,6 +221,9 @@ def _decide_command(
         case StopSandbox():
             deadline = stop_deadline(state.spec, at, limits)
             event = new_event(SandboxStopping, common, deadline)
+        case SuspendSandbox():
+            deadline = stop_deadline(state.spec, at, limits)
+            event = new_event(SandboxSuspending, common, deadline)
         case DeleteSandbox():
             deadline = delete_deadline(state.spec, at, limits)
             event = new_event(SandboxDeleting, common, deadline)
@@ -243,6 +253,13 @@ def _decide_command(
     new_state, events = emit_event(state, event)
     why = f"{command.type} accepted: sandbox {command.key!r} is {new_state.phase}"
     return Decision(new_state, events, "applied", why, outcome_of(command, Code.OK, why, new_state))
+
+
+_START_REASON: Final = {
+    "StartSandbox": "start",
+    "RestartSandbox": "restart",
+    "ResumeSandbox": "resume",
+}
 
 
 def _create(
@@ -515,11 +532,26 @@ def _observation_event(
     if target == KEEP_STOPPING:
         assert isinstance(obs, DriverOperationResult)
         return _stop_failed(state, obs, common, limits)
+    if target == FOLLOW_OBSERVED:
+        # A failed suspend takes the phase the backend was seen in; none left: Suspended.
+        assert isinstance(obs, DriverOperationResult)
+        phase = OBSERVED_PHASE[obs.observed] if obs.observed else P.ERROR
+        return built(
+            SandboxOperationFailed,
+            type="SandboxOperationFailed",
+            **common,
+            operation=obs.operation,
+            phase=P.SUSPENDED if phase is P.DELETED else phase,
+            reason=obs.reason or f"{obs.operation} failed",
+            exit_code=exit_code,
+        )
     match target:
         case P.READY:
             return new_event(SandboxReady, common)
         case P.STOPPED:
             return new_event(SandboxStopped, common)
+        case P.SUSPENDED:
+            return new_event(SandboxSuspended, common)
         case P.COMPLETED:
             return built(
                 SandboxCompleted, type="SandboxCompleted", **common, exit_code=exit_code or 0

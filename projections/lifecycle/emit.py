@@ -20,6 +20,8 @@ from events.decided import (
     SandboxStopEscalated,
     SandboxStopped,
     SandboxStopping,
+    SandboxSuspended,
+    SandboxSuspending,
 )
 from events.outcomes import Code, CommandOutcome
 from events.trusted import builder
@@ -67,7 +69,8 @@ _EVENTS: Final[dict[type[BaseModel], Callable[..., Any]]] = {
     for cls, extra in (
         (SandboxReady, ()), (SandboxStopped, ()), (SandboxDeleted, ()), (SandboxReleased, ()),
         (SandboxStopEscalated, ()), (SandboxStopping, ("deadline",)),
-        (SandboxDeleting, ("deadline",)),
+        (SandboxDeleting, ("deadline",)), (SandboxSuspended, ()),
+        (SandboxSuspending, ("deadline",)),
     )
 }  # fmt: skip
 

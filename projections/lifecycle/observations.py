@@ -26,6 +26,7 @@ ObservationKind = Literal[
     "created", "running", "stopping", "exited_ok", "exited_error", "removed",
     "launch_succeeded", "launch_failed",
     "stop_succeeded", "stop_absent", "stop_failed",
+    "suspend_succeeded", "suspend_absent", "suspend_failed",
     "delete_succeeded", "delete_absent", "delete_failed",
 ]  # fmt: skip
 
@@ -39,7 +40,21 @@ KEEP_DELETING: Final = "keep deleting"
 KEEP_STOPPING: Final = "keep stopping"
 
 
-Target = Phase | Literal["keep deleting", "keep stopping"]
+# A failed suspend: the row takes the phase the backend was seen in (a runtime still running
+# is Ready again and usable; none left is Suspended). Unlike a stop or a delete, a suspend is
+# not retried: it frees compute and loses nothing when it fails, so asking again is the caller's.
+FOLLOW_OBSERVED: Final = "follow observed"
+
+
+Target = Phase | Literal["keep deleting", "keep stopping", "follow observed"]
+
+# The phase a failed suspend leaves, by what the backend was seen as (FOLLOW_OBSERVED).
+OBSERVED_PHASE: Final[dict[ObservedState, Phase]] = {
+    "running": P.READY,
+    "created": P.STOPPED,  # exists, not running: a start recovers it
+    "exited": P.STOPPED,
+    "absent": P.DELETED,
+}
 
 
 _LAUNCHING: dict[ObservationKind, Target] = {
@@ -67,6 +82,18 @@ OBSERVATION_TABLE: Final[dict[Phase, dict[ObservationKind, Target]]] = {
     # Stopped: snapshots that describe the stop itself only confirm it. Only an accepted
     # start, restart or delete leaves Stopped.
     P.STOPPED: {},
+    # Suspending: only the runtime's removal (seen, or the suspend's own result) suspends. Its
+    # exit is the suspend's stop, no exit of the agent: the restart and completion policies
+    # never see it. A failed suspend follows what the backend was seen in (absent: Suspended).
+    P.SUSPENDING: {
+        "removed": P.SUSPENDED,
+        "suspend_succeeded": P.SUSPENDED,
+        "suspend_absent": P.SUSPENDED,
+        "suspend_failed": FOLLOW_OBSERVED,
+    },
+    # Suspended: nothing of its generation runs or comes back; late snapshots and removals of
+    # it change nothing. Only an accepted resume, start, restart or delete leaves Suspended.
+    P.SUSPENDED: {},
     P.COMPLETED: {},
     # Only "running" lifts Error: a stopping runtime (its removal under way, e.g. the cleanup
     # stop of a timed-out launch) is no sign of life. "stopping" changes nothing anywhere: the

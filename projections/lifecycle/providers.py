@@ -58,6 +58,8 @@ ROTATION_TABLE: Final[dict[Phase, str]] = {
     P.READY: RESTART,
     P.STOPPING: "stopping: the new values apply at its next start",
     P.STOPPED: "stopped: the new values apply at its next start",
+    P.SUSPENDING: "suspending: the new values apply when it resumes",
+    P.SUSPENDED: "suspended: the new values apply when it resumes",
     P.COMPLETED: "completed: the new values apply at its next start",
     P.ERROR: "in error: the new values apply at its next start (at once if it is seen running "
     "again)",
@@ -117,6 +119,8 @@ DETACH_TABLE: Final[dict[Phase, str]] = {
     P.READY: RESTART,
     P.STOPPING: "stopping: its next start runs without the provider's values",
     P.STOPPED: "stopped: its next start runs without the provider's values",
+    P.SUSPENDING: "suspending: it resumes without the provider's values",
+    P.SUSPENDED: "suspended: it resumes without the provider's values",
     P.COMPLETED: "completed: its next start runs without the provider's values",
     P.ERROR: "in error: its next start runs without the provider's values (it restarts at once "
     "if it is seen running again)",

@@ -65,6 +65,7 @@ RESTART_POLICY_TABLE: Final[dict[RestartPolicy, tuple[bool, ...]]] = {
 PENDING_RESTART_TABLE: Final[dict[str, str]] = {
     "DeadlineDue(restart)": "kept until then: the restart, a new generation naming the policy",
     "StopSandbox": "cancelled: Stopping replaces the deadline",
+    "SuspendSandbox": "cancelled: Suspending replaces the deadline (a resume starts anew)",
     "DeleteSandbox": "cancelled: Deleting replaces the deadline",
     "StartSandbox, RestartSandbox": "cancelled: the operator's new generation starts at once, "
     "and the count of restarts in a row starts again",

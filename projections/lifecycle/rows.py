@@ -32,6 +32,8 @@ from events.decided import (
     SandboxStopped,
     SandboxStopping,
     SandboxStopRetried,
+    SandboxSuspended,
+    SandboxSuspending,
     SandboxTimedOut,
 )
 from projections.records import maker, replaced
@@ -98,6 +100,8 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
                                 "deadline": None, **restarts_on_ready(s, e)},
     SandboxStopping: lambda s, e: {"phase": P.STOPPING, "deadline": e.deadline},
     SandboxStopped: lambda s, e: {"phase": P.STOPPED, "reason": None, "deadline": None},
+    SandboxSuspending: lambda s, e: {"phase": P.SUSPENDING, "deadline": e.deadline},
+    SandboxSuspended: lambda s, e: {"phase": P.SUSPENDED, "reason": None, "deadline": None},
     SandboxCompleted: lambda s, e: {"phase": P.COMPLETED, "exit_code": e.exit_code,
                                     "reason": None, "deadline": None},
     SandboxFailed: lambda s, e: {"phase": P.ERROR, "exit_code": e.exit_code, "reason": e.reason,

@@ -11,8 +11,8 @@ from services.audit.timeline import Explanation, Step, describe_decision, descri
 
 COLOURS = {
     "Provisioning": "#8ecae6", "Starting": "#219ebc", "Ready": "#2a9d8f", "Stopping": "#e9c46a",
-    "Stopped": "#b5b5b5", "Completed": "#6a994e", "Error": "#e63946", "Deleting": "#f4a261",
-    "Deleted": "#444444",
+    "Stopped": "#b5b5b5", "Suspending": "#cdb4db", "Suspended": "#9d8bb0",
+    "Completed": "#6a994e", "Error": "#e63946", "Deleting": "#f4a261", "Deleted": "#444444",
 }  # fmt: skip
 WIDTH, LEFT, RIGHT = 1100, 20, 20
 

@@ -28,6 +28,7 @@ INTENTS = {
     "SandboxCreated": "launch",
     "SandboxStarting": "launch",
     "SandboxStopping": "stop",
+    "SandboxSuspending": "suspend",
     "SandboxDeleting": "delete",
 }
 

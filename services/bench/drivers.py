@@ -9,6 +9,10 @@
     sandbox B is stopped and started over and over; each command is timed from publish to the
     row reaching its phase. Target: p99 < 100 ms.
 
+(d) Resume against a cold create on real Podman: the same sandboxes created (command published
+    → Ready: a new volume, a new container), suspended (→ Suspended: the container removed, the
+    volume kept) and resumed (→ Ready: a new container on the kept volume), in one run.
+
 (c) Starvation: one caller deletes 100 sandboxes that ignore SIGTERM, each with an hour of
     grace (fake driver with real timing); while all 100 are stuck, another caller's creates
     (to Ready) and stops (to Stopped) are timed. Same target as (b).
@@ -35,7 +39,15 @@ import asyncpg
 from drivers.fake import IGNORES_SIGTERM, FakeDriver
 from drivers.protocol import LABEL_KEY
 from drivers.routing import RoutingDriver
-from events.commands import Command, CreateSandbox, DeleteSandbox, StartSandbox, StopSandbox
+from events.commands import (
+    Command,
+    CreateSandbox,
+    DeleteSandbox,
+    ResumeSandbox,
+    StartSandbox,
+    StopSandbox,
+    SuspendSandbox,
+)
 from events.common import SandboxSpec
 from events.publisher import CommandPublisher
 from events.topics import CHANGES_CHANNEL
@@ -189,6 +201,43 @@ async def stop_latency(
     ]
 
 
+# -- (d) resume beside a cold create --------------------------------------------------------
+
+
+async def resume_latency(settings: Settings, n: int = 5) -> list[Figures]:
+    from services.executor.backends import podman_driver
+
+    keys = [f"bench-resume-{uuid.uuid4().hex[:6]}-{i}" for i in range(n)]
+    spec = SandboxSpec(image=settings.sandbox_image, command=["sleep", "3600"])
+    created, suspended, resumed = [], [], []
+    async with isolated(settings, "benchr", kafka_partitions=4) as (s, pool):
+        driver = podman_driver(s)
+        plane = ControlPlane(s, driver, pool, reconcile_interval=3600)
+        rows = await Rows.open(s, pool)
+        await plane.start()
+        try:
+            async with CommandPublisher(kafka_client_args(s, "api"), topic=s.topic_commands) as pub:
+                for key in keys:  # one at a time: each figure is one sandbox's alone
+                    created.append(
+                        await timed(pub, rows, _cmd(CreateSandbox, key, spec=spec), "Ready")
+                    )
+                    suspended.append(await timed(pub, rows, _cmd(SuspendSandbox, key), "Suspended"))
+                    resumed.append(await timed(pub, rows, _cmd(ResumeSandbox, key), "Ready"))
+                    await pub.publish(_cmd(DeleteSandbox, key))
+                for key in keys:
+                    await rows.until(key, "Deleted")
+        finally:
+            await plane.stop()
+            await rows.close()
+            await driver.close()
+            await asyncio.to_thread(_force_remove, s, keys)
+    return [
+        Figures("cold create → Ready", created),
+        Figures("suspend → Suspended (container removed)", suspended),
+        Figures("resume → Ready (same volume)", resumed),
+    ]
+
+
 def _force_remove(settings: Settings, keys: Sequence[str]) -> None:
     """Leftovers of a failed run: SIGKILL and remove at once."""
     from podman import PodmanClient
@@ -304,6 +353,9 @@ async def main(settings: Settings, held_for: float = 30.0) -> None:
     figures, a_after = await unrelated_delay(settings, held_for)
     print(figures.line("ms", "target p99 < 100 ms"))
     print(f"  {'A tombstoned after its delete was released':<44} {a_after * 1000:6.1f} ms")
+    print("(d) resume beside a cold create, real Podman, one sandbox at a time")
+    for figures in await resume_latency(settings):
+        print(figures.line("s"))
     print("(c) another caller while one caller's 100 SIGTERM-ignoring deletes wait out 1 h")
     for figures in await starvation(settings):
         print(figures.line("ms", "target p99 < 100 ms"))

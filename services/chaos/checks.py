@@ -27,7 +27,7 @@ from services.processor.rebuild import rebuild_and_compare
 
 Kind = Literal["lost", "duplicated", "divergence", "ended"]
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
-PROGRESSING = ("Provisioning", "Starting", "Stopping", "Deleting")
+PROGRESSING = ("Provisioning", "Starting", "Stopping", "Suspending", "Deleting")
 
 
 @dataclass(frozen=True)

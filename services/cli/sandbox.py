@@ -92,9 +92,11 @@ GOALS = {
     "stop": Goal("Stopping", "Stopped", "Stopped"),
     "start": Goal("Starting", "Started", "Ready"),
     "restart": Goal("Restarting", "Restarted", "Ready"),
+    "suspend": Goal("Suspending", "Suspended", "Suspended"),
+    "resume": Goal("Resuming", "Resumed", "Ready"),
     "delete": Goal("Deleting", "Deleted", "Deleted"),
 }
-SETTLED = ("Ready", "Stopped", "Completed", "Error", "Deleted")
+SETTLED = ("Ready", "Stopped", "Suspended", "Completed", "Error", "Deleted")
 
 
 def _submit(
@@ -358,6 +360,19 @@ _register_lifecycle(
 )
 _register_lifecycle(
     "restart", "POST", ":restart", "Restart a sandbox (a new generation) and wait until Ready."
+)
+_register_lifecycle(
+    "suspend",
+    "POST",
+    ":suspend",
+    "Suspend a sandbox (its runtime removed, its workspace and everything else kept) and wait "
+    "until it is Suspended.",
+)
+_register_lifecycle(
+    "resume",
+    "POST",
+    ":resume",
+    "Resume a suspended sandbox (a new generation on the same workspace) and wait until Ready.",
 )
 _register_lifecycle(
     "delete", "DELETE", "", "Delete a sandbox (runtime and workspace) and wait until it is gone."

@@ -21,6 +21,7 @@ Modules:
 - ``serving``: serving an ASGI app with uvicorn inside the embedding process's event loop (the HTTP
   API, the roles' health endpoints).
 - ``settings``: one settings object for ports, paths and credentials.
+- ``suspend``: whether the configured driver keeps a workspace through a suspend.
 - ``tasks``: named long-running tasks of one process sharing a stop event.
 - ``tokens``: bearer tokens with scopes.
 """

@@ -213,6 +213,9 @@ class Settings(BaseSettings):
     # How long the API waits for Kafka to acknowledge a command before it answers 503 (a
     # provider change's commands: pending, sent later by the relay).
     api_publish_timeout_seconds: float = Field(default=15.0, gt=0)
+    # Wake on access: how long an exec or a file call on a Suspended sandbox waits for its
+    # resume to make it Ready before it fails (docs/api.md).
+    wake_timeout_seconds: float = Field(default=60.0, gt=0)
     # Where clients (the CLI) reach the API; default http(s)://{api_host}:{api_port}.
     api_url: str | None = None
     # TLS: with a certificate (PEM, the chain after it) and its key the API speaks https only.

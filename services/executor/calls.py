@@ -202,6 +202,8 @@ class DriverCalls:
                     return replace(launched, credentials=values.revisions)
                 case "stop":
                     return await self.driver.stop(intent.key, intent.generation)
+                case "suspend":
+                    return await self.driver.suspend(intent.key, intent.generation)
                 case "delete":
                     return await self.driver.delete(intent.key, intent.sandbox_id)
             raise AssertionError(intent.operation)
@@ -235,7 +237,7 @@ class DriverCalls:
             if (
                 row is not None
                 and (row.sandbox_id, row.generation) == (intent.sandbox_id, intent.generation)
-                and row.phase in (Phase.STOPPING, Phase.STOPPED)
+                and row.phase in (Phase.STOPPING, Phase.STOPPED, Phase.SUSPENDING)
             ):
                 await self._stop_older(intent)
 

@@ -283,6 +283,20 @@ class Executor:
         self.queues.add(WorkItem(intent))
         return True
 
+    def remove_suspended(self, runtime: RuntimeInfo) -> bool:
+        """Queue a suspend of ``runtime``, left under its Suspended row (the reconcile loop
+        calls this): the suspend removes it and keeps the workspace. Nothing is queued while
+        the sandbox has intents here, nor for another executor's partition."""
+        if not self._may_queue(runtime.key):
+            return False
+        log.warning("removing %s generation %d: its row is Suspended",
+                    runtime.key, runtime.generation)  # fmt: skip
+        result_id = f"result:suspended:{runtime.runtime_id}"
+        intent = Intent("suspend", runtime.key, runtime.sandbox_id, runtime.generation,
+                        result_id, "reconciler", stray=True)  # fmt: skip
+        self.queues.add(WorkItem(intent))
+        return True
+
     def collect(self, key: str, sandbox_id: UUID, generation: int) -> bool:
         """Queue a delete of incarnation ``sandbox_id`` of ``key``, which this store tombstoned
         (at ``generation``) and of which the backend still holds something (the reconcile loop

@@ -20,6 +20,7 @@ from events.decided import (
     SandboxStarting,
     SandboxStopping,
     SandboxStopRetried,
+    SandboxSuspending,
     SandboxTimedOut,
 )
 from events.observations import Operation
@@ -45,7 +46,8 @@ class Intent:
     # ``stop_stale``): wanted while the row is at a newer generation and not launching.
     stale: bool = False
     # A stop of the current generation's runtime running under a Stopped row (the reconcile
-    # loop's ``stop_stray``): wanted while the row is Stopped at that generation.
+    # loop's ``stop_stray``): wanted while the row is Stopped at that generation; a suspend of
+    # one left under a Suspended row (``remove_suspended``): wanted while it is Suspended.
     stray: bool = False
     # The launch of a rotation or detach restart (AgentRestarted): it takes no lane, so one
     # provider change's restarts never wait behind one another (``takes_lane``).
@@ -73,6 +75,8 @@ def intent_of(event: DecidedEvent) -> Intent | None:
             )
         case SandboxStopping() | SandboxStopRetried():
             return replace(base, operation="stop")
+        case SandboxSuspending():
+            return replace(base, operation="suspend")
         case SandboxTimedOut():  # a timed-out launch: clean up its runtime if it came up
             return replace(base, operation="stop", cleanup=True)
         case SandboxDeleting() | SandboxDeleteRetried():
@@ -102,6 +106,8 @@ def intent_of_row(row: Sandbox, actor: str = "reconciler") -> Intent | None:
         case Phase.STOPPING:
             # A failed stop waits for its retry deadline, as a failed delete does.
             return None if awaits_stop_retry(row) else replace(base, operation="stop")
+        case Phase.SUSPENDING:
+            return replace(base, operation="suspend")
         case Phase.DELETING:
             # A failed delete waits for its deadline's retry: picking it up every other pass
             # would undo the back-off (and add a failure to the history each time).
@@ -113,13 +119,18 @@ def intent_of_row(row: Sandbox, actor: str = "reconciler") -> Intent | None:
 WANTED_PHASES: Final[dict[Operation, tuple[Phase, ...]]] = {
     "launch": (Phase.PROVISIONING, Phase.STARTING),
     "stop": (Phase.STOPPING,),
+    "suspend": (Phase.SUSPENDING,),
     "delete": (Phase.DELETING,),
 }
 # The cleanup stop of a timed-out launch (the row went to Error; a runtime that came up late
 # moves it to Ready): wanted at that generation until the row moves on.
 CLEANUP_PHASES: Final = (Phase.ERROR, Phase.READY, Phase.STOPPING)
-# The stop of a runtime found running under a Stopped row of its generation.
-STRAY_PHASES: Final = (Phase.STOPPED,)
+# The stop of a runtime found running under a Stopped row of its generation, the suspend of
+# one left under a Suspended row.
+STRAY_PHASES: Final[dict[Operation, tuple[Phase, ...]]] = {
+    "stop": (Phase.STOPPED,),
+    "suspend": (Phase.SUSPENDED,),
+}
 
 
 def unwanted(intent: Intent, row: Sandbox | None) -> str | None:
@@ -144,13 +155,18 @@ def unwanted(intent: Intent, row: Sandbox | None) -> str | None:
     wanted = (
         CLEANUP_PHASES
         if intent.cleanup
-        else STRAY_PHASES
+        else STRAY_PHASES[intent.operation]
         if intent.stray
         else WANTED_PHASES[intent.operation]
     )
     if row.phase not in wanted:
         return f"the row is {row.phase} (version {row.version})"
     return None
+
+
+# A suspend is a stop followed by the runtime's removal: its deadline counts from its decision
+# as a stop's does, so it takes no lane either.
+STOPS: Final = ("stop", "suspend")
 
 
 def is_slow(intent: Intent) -> bool:
@@ -167,7 +183,7 @@ def takes_lane(intent: Intent) -> bool:
     the SIGTERM of a stop still waiting) and a rotation or detach restart (grace period + retry
     window + launch timeout: one provider change restarts every attached sandbox under one
     caller). They are bounded by the driver alone."""
-    return is_slow(intent) and intent.operation != "stop" and not intent.for_providers
+    return is_slow(intent) and intent.operation not in STOPS and not intent.for_providers
 
 
 def supersedes(later: Intent, earlier: Intent) -> bool:
@@ -179,7 +195,7 @@ def supersedes(later: Intent, earlier: Intent) -> bool:
     """
     if later.key != earlier.key or later.sandbox_id != earlier.sandbox_id:
         return False
-    if earlier.operation not in ("launch", "stop"):
+    if earlier.operation not in ("launch", *STOPS):
         return False
     if later.operation == "delete":
         return True

@@ -169,6 +169,23 @@ def stray_runtimes(rows: Iterable[LiveRow], runtimes: Iterable[RuntimeInfo]) -> 
     ]
 
 
+def suspended_leftovers(
+    rows: Iterable[LiveRow], runtimes: Iterable[RuntimeInfo]
+) -> list[RuntimeInfo]:
+    """Runtimes of a Suspended row's own incarnation and generation, in any state (pure): its
+    suspend removed them, so one left was made or kept behind sandstream's back, or the
+    suspend's removal was lost; no event will ask for it. (Older generations' are stale
+    runtimes or orphans, as under any row.)"""
+    by_key = {r.key: r for r in rows}
+    return [
+        rt
+        for rt in runtimes
+        if (row := by_key.get(rt.key)) is not None
+        and row.phase is Phase.SUSPENDED
+        and (row.sandbox_id, row.generation) == (rt.sandbox_id, rt.generation)
+    ]
+
+
 def leftover_candidates(rows: Iterable[LiveRow], held: Iterable[Incarnation]) -> set[Incarnation]:
     """The incarnations the backend holds that no live row is (pure): a deleted incarnation's
     leftovers, or a stranger's (another control plane's, or one created after the rows were
@@ -238,6 +255,9 @@ class Reconciler:
     stale_stopped: int = 0  # stale runtimes handed to stop_stale
     stop_stray: Callable[[RuntimeInfo], bool] | None = None  # the executor's stop_stray
     strays_stopped: int = 0  # runtimes under a Stopped row handed to stop_stray
+    # The executor's remove_suspended: suspend again a runtime left under a Suspended row.
+    remove_suspended: Callable[[RuntimeInfo], bool] | None = None
+    suspended_removed: int = 0  # runtimes under a Suspended row handed to remove_suspended
     # The executor's collect: delete a tombstoned incarnation's leftovers (key, sandbox id,
     # the tombstone's generation).
     collect: Callable[[str, UUID, int], bool] | None = None
@@ -269,7 +289,7 @@ class Reconciler:
     async def run_once(self) -> list[Observation]:
         """One pass; returns what it reported (new differences only)."""
         await self.pick_up_stuck()
-        acts = (self.stop_stale, self.stop_stray, self.collect)
+        acts = (self.stop_stale, self.stop_stray, self.remove_suspended, self.collect)
         if not self.report and all(act is None for act in acts):
             self.passes += 1
             return []
@@ -285,6 +305,9 @@ class Reconciler:
         if self.stop_stray is not None:
             for runtime in stray_runtimes(rows, runtimes):
                 self.strays_stopped += self.stop_stray(runtime)
+        if self.remove_suspended is not None:
+            for runtime in suspended_leftovers(rows, runtimes):
+                self.suspended_removed += self.remove_suspended(runtime)
         if not self.report:
             self.passes += 1
             return []

@@ -19,8 +19,10 @@ async def read_row(pool: Pool, key: str) -> Sandbox | None:
     return sandbox_from_record(record) if record is not None else None
 
 
-# The phases whose row still waits for a driver call (a launch, stop or delete).
-PROGRESSING = (Phase.PROVISIONING, Phase.STARTING, Phase.STOPPING, Phase.DELETING)
+# The phases whose row still waits for a driver call (a launch, stop, suspend or delete).
+PROGRESSING = (
+    Phase.PROVISIONING, Phase.STARTING, Phase.STOPPING, Phase.SUSPENDING, Phase.DELETING,
+)  # fmt: skip
 
 
 async def progressing_rows(pool: Pool) -> list[Sandbox]:

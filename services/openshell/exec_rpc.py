@@ -27,6 +27,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from drivers.protocol import DriverError, ExecExit
 from events.common import Phase
+from services.api.wake import WakeFailed, woken
 from services.common.exec_sessions import ExecLimits, ExecTimedOut, within
 from services.common.tokens import EXEC, RECHECK, Denied, while_granted
 from services.openshell import mapping, wire
@@ -118,6 +119,14 @@ class ExecRpcs:
                 context, grpc.StatusCode.NOT_FOUND, f"workspace {request.workspace!r} not found"
             )
         view = await self.door.resolve(request.reference, context)
+        try:  # a Suspended sandbox is resumed first (services/api/wake.py)
+            view = await woken(self.door.gateway, view, principal.name, self.door.wake_timeout)
+        except WakeFailed as exc:
+            late = exc.timed_out
+            status = (
+                grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.FAILED_PRECONDITION
+            )
+            await abort(context, status, f"sandbox {view.name!r} was Suspended and {exc.reason}")
         if view.phase is not Phase.READY:
             await abort(
                 context,

@@ -48,6 +48,9 @@ PHASES: Final[Mapping[Phase, SandboxPhase.ValueType]] = {
     Phase.READY: SandboxPhase.SANDBOX_PHASE_READY,
     Phase.STOPPING: SandboxPhase.SANDBOX_PHASE_STOPPING,
     Phase.STOPPED: SandboxPhase.SANDBOX_PHASE_STOPPED,
+    # OpenShell has no suspended phase: its clients see a suspended sandbox as stopped.
+    Phase.SUSPENDING: SandboxPhase.SANDBOX_PHASE_STOPPING,
+    Phase.SUSPENDED: SandboxPhase.SANDBOX_PHASE_STOPPED,
     Phase.COMPLETED: SandboxPhase.SANDBOX_PHASE_STOPPED,
     Phase.ERROR: SandboxPhase.SANDBOX_PHASE_ERROR,
     Phase.DELETING: SandboxPhase.SANDBOX_PHASE_DELETING,

@@ -119,6 +119,7 @@ async def start_openshell(
         driver_name=driver_name or settings.driver,
         default_image=settings.sandbox_image,
         events_topic=settings.topic_events,
+        wake_timeout=settings.wake_timeout_seconds,
     )
     limits = ExecLimits.of(settings) if limits is None else limits
     server = grpc.aio.server(options=SERVER_OPTIONS)

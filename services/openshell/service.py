@@ -210,6 +210,7 @@ class Door:
     default_image: str
     events_topic: str  # where the decided events go (the outbox rows the watch reads)
     outcome_wait: float = OUTCOME_WAIT
+    wake_timeout: float = 60.0  # an exec on a Suspended sandbox waits this long for Ready
 
     async def authorize(self, context: Context, scope: str) -> Principal:
         checked = self.auth.check(_authorization(context), scope)

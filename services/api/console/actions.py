@@ -15,7 +15,14 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
-from events.commands import DeleteSandbox, RestartSandbox, StartSandbox, StopSandbox
+from events.commands import (
+    DeleteSandbox,
+    RestartSandbox,
+    ResumeSandbox,
+    StartSandbox,
+    StopSandbox,
+    SuspendSandbox,
+)
 from events.common import COMMAND_ID_PATTERN
 from events.publisher import new_command_id
 from services.api.console.render import html
@@ -29,9 +36,12 @@ from services.api.routes import lifecycle as operator
 from services.common.tokens import WRITE
 
 WAIT: Final = 10.0  # seconds an action waits for its outcome before the page says "pending"
-Kind = type[StopSandbox | StartSandbox | RestartSandbox | DeleteSandbox]
+Kind = type[
+    StopSandbox | StartSandbox | RestartSandbox | SuspendSandbox | ResumeSandbox | DeleteSandbox
+]
 KINDS: Final[dict[str, Kind]] = {"stop": StopSandbox, "start": StartSandbox,
-                                 "restart": RestartSandbox, "delete": DeleteSandbox}  # fmt: skip
+                                 "restart": RestartSandbox, "suspend": SuspendSandbox,
+                                 "resume": ResumeSandbox, "delete": DeleteSandbox}  # fmt: skip
 COMMAND_TYPES: Final = {"hold": "HoldSandbox", "release": "ReleaseSandbox",
                         **{verb: kind.__name__ for verb, kind in KINDS.items()}}  # fmt: skip
 

@@ -25,7 +25,7 @@ from services.api.routes import commands
 from services.audit.chains import check_chains
 
 TIMELINE: Final = 200  # inputs on one page of the timeline
-VERBS: Final = ("stop", "start", "restart", "hold", "release", "delete")
+VERBS: Final = ("stop", "start", "restart", "suspend", "resume", "hold", "release", "delete")
 SANDBOX_PARTS: Final = "_sandbox.html"
 
 router = APIRouter(include_in_schema=False)

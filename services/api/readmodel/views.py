@@ -16,7 +16,9 @@ from events.outcomes import Code, CommandOutcome
 from projections.lifecycle import Sandbox
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record
 
-PROGRESSING = (Phase.PROVISIONING, Phase.STARTING, Phase.STOPPING, Phase.DELETING)
+PROGRESSING = (
+    Phase.PROVISIONING, Phase.STARTING, Phase.STOPPING, Phase.SUSPENDING, Phase.DELETING,
+)  # fmt: skip
 # The columns ``sandbox_view`` reads: the row and its position in the change feed.
 VIEW_COLUMNS: Final = f"{SANDBOX_COLUMNS}, change_seq"
 # The columns ``history_entry`` reads.
@@ -39,7 +41,7 @@ class SandboxView(BaseModel):
     id: UUID = Field(description="this incarnation's stable id")
     name: str
     phase: Phase
-    generation: int = Field(description="bumped by every create, start and restart")
+    generation: int = Field(description="bumped by every create, start, restart and resume")
     version: int = Field(description="+1 per accepted change; use as expected_version")
     spec: SandboxSpec
     labels: dict[str, str]

@@ -1,4 +1,5 @@
-"""Commands: create, stop, start, restart, delete, and a command's outcome by id.
+"""Commands: create, stop, start, restart, suspend, resume, delete, and a command's outcome
+by id.
 
 Commands are built here (``occurred_at`` is the time at this edge, ``actor`` the token's name)
 and handed to the gateway; the answer is 202 once Kafka acknowledged them, or with
@@ -7,7 +8,7 @@ and handed to the gateway; the answer is 202 once Kafka acknowledged them, or wi
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Final
 
 from fastapi import APIRouter, Path, Query
 from fastapi.responses import JSONResponse
@@ -17,8 +18,10 @@ from events.commands import (
     CreateSandbox,
     DeleteSandbox,
     RestartSandbox,
+    ResumeSandbox,
     StartSandbox,
     StopSandbox,
+    SuspendSandbox,
 )
 from events.common import COMMAND_ID_PATTERN, SANDBOX_NAME_PATTERN, SandboxSpec
 from events.outcomes import CommandOutcome
@@ -40,6 +43,7 @@ from services.api.models import (
 from services.api.providers import require_existing
 from services.api.readmodel import CommandStatus
 from services.common.providers import ProviderMissing
+from services.common.suspend import suspend_refusal
 from services.common.tokens import PROVIDER_WRITE
 
 router = APIRouter()
@@ -123,7 +127,12 @@ async def create_sandbox(
     return await submit(state.gateway, command, wait)
 
 
-def lifecycle(kind: type[StartSandbox | StopSandbox | RestartSandbox | DeleteSandbox]) -> Any:
+Lifecycle = (
+    StartSandbox | StopSandbox | RestartSandbox | SuspendSandbox | ResumeSandbox | DeleteSandbox
+)
+
+
+def lifecycle(kind: type[Lifecycle]) -> Any:
     """The handler of one lifecycle command on a named sandbox."""
     type_name = kind.__name__
 
@@ -135,6 +144,8 @@ def lifecycle(kind: type[StartSandbox | StopSandbox | RestartSandbox | DeleteSan
         wait: WaitQuery = None,
     ) -> JSONResponse:
         request = body or LifecycleRequest()
+        if kind is SuspendSandbox and (why := suspend_refusal(state.settings, name)) is not None:
+            raise ApiError(412, "FAILED_PRECONDITION", f"cannot suspend {name!r}: {why}")
         command = kind(
             type=type_name,
             command_id=request.command_id or new_command_id(),
@@ -149,12 +160,25 @@ def lifecycle(kind: type[StartSandbox | StopSandbox | RestartSandbox | DeleteSan
     return handler
 
 
-for _verb, _kind in (("stop", StopSandbox), ("start", StartSandbox), ("restart", RestartSandbox)):
+_SUMMARIES: Final = {
+    "stop": "Stop a sandbox",
+    "start": "Start a sandbox",
+    "restart": "Restart a sandbox",
+    "suspend": "Suspend a sandbox: remove its runtime, keep its workspace and everything it is",
+    "resume": "Resume a suspended sandbox: a new generation on the same workspace",
+}
+for _verb, _kind in (
+    ("stop", StopSandbox),
+    ("start", StartSandbox),
+    ("restart", RestartSandbox),
+    ("suspend", SuspendSandbox),
+    ("resume", ResumeSandbox),
+):
     router.post(
         f"/v1/sandboxes/{{name}}:{_verb}",
         response_model=CommandStatus,
         responses=COMMAND_RESPONSES,
-        summary=f"{_verb.capitalize()} a sandbox",
+        summary=_SUMMARIES[_verb],
         tags=["commands"],
     )(lifecycle(_kind))
 router.delete(

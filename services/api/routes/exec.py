@@ -35,6 +35,7 @@ from services.api.errors import ApiError, ErrorBody
 from services.api.models import SSE_EVENT_SCHEMA, NamePath, responses
 from services.api.readmodel import SandboxView
 from services.api.routes.watch import denied_body
+from services.api.wake import woken_for_http
 from services.common.exec_sessions import ExecLimits, ExecTimedOut, within
 from services.common.tokens import EXEC, RECHECK, Denied, Grant, while_granted
 
@@ -148,7 +149,7 @@ async def sandbox_exec(
         timeout = limits.deadline(body.timeout)
     except ValueError as exc:
         raise ApiError(422, "INVALID_ARGUMENT", f"timeout: {exc}") from exc
-    view = await ready_sandbox(state, name)
+    view = await ready_sandbox(state, name, principal.name)
     refused = limits.refusal(principal.name, view.name)
     if refused is not None:
         raise ApiError(429, "RESOURCE_EXHAUSTED", refused)
@@ -163,10 +164,12 @@ async def sandbox_exec(
     return await session.result(state.settings.exec_output_max_bytes)
 
 
-async def ready_sandbox(state: ApiState, name: str) -> SandboxView:
+async def ready_sandbox(state: ApiState, name: str, actor: str) -> SandboxView:
+    """The Ready sandbox ``name``; a Suspended one is woken first (``services.api.wake``)."""
     view = await readmodel.get_sandbox(state.pool, name)
     if view is None:
         raise ApiError(404, "NOT_FOUND", f"sandbox {name!r} not found")
+    view = await woken_for_http(state.gateway, view, actor, state.settings.wake_timeout_seconds)
     if view.phase is not Phase.READY:
         raise ApiError(
             409, "FAILED_PRECONDITION", f"sandbox {name!r} is {view.phase.value}, not Ready"

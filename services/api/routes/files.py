@@ -38,6 +38,7 @@ from services.api.files_models import (
 )
 from services.api.guard import upload_too_large
 from services.api.models import NamePath
+from services.api.wake import woken_for_http
 from services.common.tokens import FILES_READ, FILES_WRITE, RECHECK, Denied, Grant, while_granted
 
 router = APIRouter()
@@ -99,11 +100,13 @@ def checked_path(field: str, path: str) -> str:
         raise ApiError(422, "INVALID_ARGUMENT", f"{field}: {exc}") from None
 
 
-async def ready(state: State, name: str) -> tuple[FileSource, str, int]:
-    """The source of a Ready sandbox's files, its key and generation (404, 409, 501 else)."""
+async def ready(state: State, name: str, actor: str) -> tuple[FileSource, str, int]:
+    """The source of a Ready sandbox's files, its key and generation (404, 409, 501 else); a
+    Suspended one is woken first (``services.api.wake``: 409, 504 when that fails)."""
     view = await readmodel.get_sandbox(state.pool, name)
     if view is None:
         raise ApiError(404, "NOT_FOUND", f"sandbox {name!r} not found")
+    view = await woken_for_http(state.gateway, view, actor, state.settings.wake_timeout_seconds)
     if view.phase != Phase.READY:
         raise ApiError(
             409,
@@ -152,7 +155,7 @@ async def download(
         Literal["raw", "tar"], Query(description="raw: the file's bytes; tar: a tar stream")
     ] = "raw",
 ) -> StreamingResponse:
-    source, key, generation = await ready(state, name)
+    source, key, generation = await ready(state, name, principal.name)
     where = checked_path("query parameter 'path'", path)
     chunks = aiter(source.read_tar(key, generation, where))
     try:
@@ -284,7 +287,7 @@ async def upload(
         Query(description="raw: the body is the file; tar: a tar extracted into directory path"),
     ] = "raw",
 ) -> FileEntryView:
-    source, key, generation = await ready(state, name)
+    source, key, generation = await ready(state, name, principal.name)
     where = checked_path("query parameter 'path'", path)
     limit = state.settings.files_max_upload_bytes
     body = _counted(request, limit)
@@ -364,7 +367,7 @@ async def _entry(source: FileSource, key: str, generation: int, path: str) -> Fi
 async def list_files(
     name: NamePath, principal: FilesReader, state: State, path: PathQuery = WORKSPACE_PATH
 ) -> FileList:
-    source, key, generation = await ready(state, name)
+    source, key, generation = await ready(state, name, principal.name)
     where = checked_path("query parameter 'path'", path)
     limit = state.settings.files_list_max_entries
     try:
@@ -383,7 +386,7 @@ async def list_files(
 async def stat_file(
     name: NamePath, principal: FilesReader, state: State, path: PathQuery
 ) -> FileEntryView:
-    source, key, generation = await ready(state, name)
+    source, key, generation = await ready(state, name, principal.name)
     return await _entry(source, key, generation, checked_path("query parameter 'path'", path))
 
 
@@ -397,7 +400,7 @@ async def stat_file(
 async def make_directory(
     name: NamePath, principal: FilesWriter, state: State, body: MkdirRequest
 ) -> FileEntryView:
-    source, key, generation = await ready(state, name)
+    source, key, generation = await ready(state, name, principal.name)
     where = checked_path("field 'path'", body.path)
     try:
         await source.mkdir(key, generation, where, body.parents)
@@ -421,7 +424,7 @@ async def remove_file(
     path: PathQuery,
     recursive: Annotated[bool, Query(description="remove a directory and all in it")] = False,
 ) -> Response:
-    source, key, generation = await ready(state, name)
+    source, key, generation = await ready(state, name, principal.name)
     where = _changeable("query parameter 'path'", path)
     try:
         await source.remove(key, generation, where, recursive)
@@ -446,7 +449,7 @@ def _changeable(field: str, path: str) -> str:
 async def move_file(
     name: NamePath, principal: FilesWriter, state: State, body: MoveRequest
 ) -> FileEntryView:
-    source, key, generation = await ready(state, name)
+    source, key, generation = await ready(state, name, principal.name)
     origin = _changeable("field 'source'", body.source)
     target = _changeable("field 'destination'", body.destination)
     try:

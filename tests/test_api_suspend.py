@@ -1,0 +1,237 @@
+"""Suspend and resume over HTTP: on the real stack with the fake driver (the doors: wait,
+expected_version, command_id, the phase filter, the refusal without a workspace that outlives
+the runtime), and on real Podman (files written before a suspend are there after ten
+suspend/resume cycles; a rotation while suspended restarts nothing and the resume reads it)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import apikit
+import pytest_asyncio
+from apikit import Api, create_body, unique
+from harness import eventually
+from pipeline_support import history
+from podman import PodmanClient
+from pydantic import SecretStr
+from test_driver_podman import containers_of, volumes_of
+
+from drivers.fake import FakeDriver
+from drivers.kube_objects import WORKSPACE_DIES_WITH_POD
+from drivers.podman import PodmanDriver
+from services.common.settings import Settings
+
+# The agent records the value its environment was launched with.
+AGENT = ["sh", "-c", "echo $TOKEN > /tmp/token; exec sleep 3600"]
+KUBE = "kube-"  # names routed to a Kubernetes backend without a storage class (the API's view)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def api() -> AsyncIterator[Api]:
+    update = {"driver_route_prefix": KUBE, "driver_route": "kubernetes"}
+    async with apikit.running_api(FakeDriver(), settings_update=update) as running:
+        yield running
+
+
+async def row(api: Api, name: str) -> dict[str, Any]:
+    async with api.client() as c:
+        r = await c.get(f"/v1/sandboxes/{name}")
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+async def phase_is(api: Api, name: str, phase: str, generation: int) -> dict[str, Any]:
+    return dict(
+        await eventually(
+            lambda: row(api, name),
+            lambda v: (v["phase"], v["generation"]) == (phase, generation),
+            what=f"{name} {phase} at generation {generation}",
+            timeout=60,
+        )
+    )
+
+
+async def created(api: Api, body: dict[str, Any]) -> dict[str, Any]:
+    async with api.client() as c:
+        r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+        assert r.status_code == 201, r.text
+    return await phase_is(api, body["name"], "Ready", 1)
+
+
+async def test_suspend_and_resume_over_http_with_version_id_and_the_phase_filter(
+    api: Api,
+) -> None:
+    name = unique("susp")
+    ready = await created(api, create_body(name))
+    async with api.client() as c:
+        r = await c.post(f"/v1/sandboxes/{name}:suspend", params={"wait": 30})
+        assert r.status_code == 200 and r.json()["status"] == "accepted", r.text
+        assert r.json()["phase"] == "Suspending"
+        suspended = await phase_is(api, name, "Suspended", 1)
+        assert suspended["id"] == ready["id"]
+        listed = await c.get("/v1/sandboxes", params={"phase": "Suspended", "limit": 500})
+        assert name in [s["name"] for s in listed.json()["items"]], listed.text
+        ready_list = await c.get("/v1/sandboxes", params={"phase": "Ready", "limit": 500})
+        assert name not in [s["name"] for s in ready_list.json()["items"]]
+        stale = {"expected_version": suspended["version"] - 1}
+        r = await c.post(f"/v1/sandboxes/{name}:resume", params={"wait": 30}, json=stale)
+        assert r.status_code == 409 and r.json()["code"] == "ABORTED", r.text
+        body = {"expected_version": suspended["version"], "command_id": f"resume-{name}"}
+        first = await c.post(f"/v1/sandboxes/{name}:resume", params={"wait": 30}, json=body)
+        assert first.status_code == 200 and first.json()["status"] == "accepted", first.text
+        again = await c.post(f"/v1/sandboxes/{name}:resume", params={"wait": 30}, json=body)
+        assert again.json() == first.json()
+    resumed = await phase_is(api, name, "Ready", 2)
+    assert resumed["id"] == ready["id"]
+
+
+async def test_resume_of_a_sandbox_that_is_not_suspended_names_the_phase_it_needs(
+    api: Api,
+) -> None:
+    name = unique("nsusp")
+    await created(api, create_body(name))
+    async with api.client() as c:
+        await c.post(f"/v1/sandboxes/{name}:stop", params={"wait": 30})
+        await phase_is(api, name, "Stopped", 1)
+        r = await c.post(f"/v1/sandboxes/{name}:resume", params={"wait": 30})
+    assert r.status_code == 412, r.text
+    assert r.json()["message"] == "sandbox must be Suspended to resume (current phase: Stopped)"
+
+
+async def test_suspend_without_a_workspace_that_outlives_the_pod_is_refused_with_words(
+    api: Api,
+) -> None:
+    name = unique(KUBE + "x")
+    before = await created(api, create_body(name))
+    async with api.client() as c:
+        r = await c.post(f"/v1/sandboxes/{name}:suspend", params={"wait": 30})
+    assert r.status_code == 412, r.text
+    assert r.json() == {
+        "code": "FAILED_PRECONDITION",
+        "message": f"cannot suspend {name!r}: {WORKSPACE_DIES_WITH_POD}",
+    }
+    # Nothing was sent: the row and its history are as they were.
+    assert await row(api, name) == before
+    assert "SuspendSandbox" not in [h["message_type"] for h in await history(api.env, name)]
+
+
+# -- real Podman ----------------------------------------------------------------------------
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def podman_api(settings: Settings) -> AsyncIterator[tuple[Api, PodmanDriver]]:
+    driver = PodmanDriver(settings.podman_url, stop_timeout=10)
+    key = SecretStr(base64.b64encode(secrets.token_bytes(32)).decode())
+    try:
+        async with apikit.running_api(driver, settings_update={"credentials_key": key}) as api:
+            yield api, driver
+    finally:
+        await driver.close()
+
+
+async def test_on_podman_files_survive_ten_cycles_and_a_rotation_waits_for_the_resume(
+    podman_api: tuple[Api, PodmanDriver], settings: Settings, podman: PodmanClient
+) -> None:
+    api, driver = podman_api
+    name, provider = unique("psusp"), unique("ptok")
+    async with api.client() as c:
+        r = await c.post("/v1/providers", json={"name": provider, "credentials": {"TOKEN": "one"}})
+        assert r.status_code == 201, r.text
+        body = create_body(name, image=settings.sandbox_image, command=AGENT)
+        await created(api, body | {"providers": [provider]})
+        try:
+            assert await driver.exec(name, 1, ["cat", "/tmp/token"]) == (0, "one\n")
+            volumes = volumes_of(podman, name)
+            for generation in range(1, 11):
+                line = f"written by generation {generation}"
+                write = f"echo '{line}' >> /workspace/f"
+                assert (await driver.exec(name, generation, ["sh", "-c", write]))[0] == 0
+                r = await c.post(f"/v1/sandboxes/{name}:suspend", params={"wait": 30})
+                assert r.status_code == 200 and r.json()["status"] == "accepted", r.text
+                await phase_is(api, name, "Suspended", generation)
+                assert containers_of(podman, name) == []
+                assert volumes_of(podman, name) == volumes
+                if generation == 10:
+                    await rotate_while_suspended(api, c, name, provider)
+                r = await c.post(f"/v1/sandboxes/{name}:resume", params={"wait": 30})
+                assert r.status_code == 200 and r.json()["status"] == "accepted", r.text
+                await phase_is(api, name, "Ready", generation + 1)
+                code, out = await driver.exec(name, generation + 1, ["cat", "/workspace/f"])
+                assert code == 0
+                assert out.splitlines() == [
+                    f"written by generation {g}" for g in range(1, generation + 1)
+                ]
+            assert await driver.exec(name, 11, ["cat", "/tmp/token"]) == (0, "two\n")
+        finally:
+            await c.delete(f"/v1/sandboxes/{name}", params={"wait": 30})
+
+            async def status() -> int:
+                return int((await c.get(f"/v1/sandboxes/{name}")).status_code)
+
+            await eventually(status, lambda code: code == 404, what="deleted", timeout=60)
+    assert containers_of(podman, name) == [] and volumes_of(podman, name) == []
+
+
+async def rotate_while_suspended(api: Api, c: Any, name: str, provider: str) -> None:
+    """A rotation of the suspended sandbox's provider: decided as a skip, nothing started."""
+    before = await row(api, name)
+    r = await c.put(f"/v1/providers/{provider}/credentials", json={"credentials": {"TOKEN": "two"}})
+    assert r.status_code == 200, r.text
+
+    async def rotations() -> list[dict[str, Any]]:
+        return [h for h in await history(api.env, name) if h["message_type"] == "RotateCredentials"]
+
+    [decided] = await eventually(rotations, bool, what="the rotation decided", timeout=30)
+    assert decided["disposition"] == "applied"
+    assert "suspended: the new values apply when it resumes" in decided["reason"]
+    after = await row(api, name)
+    assert (after["phase"], after["generation"]) == ("Suspended", before["generation"])
+
+
+async def test_on_podman_an_exec_or_a_file_call_wakes_a_suspended_sandbox_a_read_does_not(
+    podman_api: tuple[Api, PodmanDriver], settings: Settings, podman: PodmanClient
+) -> None:
+    api, _ = podman_api
+    name = unique("wake")
+    async with api.client() as c:
+        await created(api, create_body(name, image=settings.sandbox_image, command=AGENT))
+        try:
+            path = f"/v1/sandboxes/{name}/exec"
+            r = await c.post(path, json={"command": ["sh", "-c", "echo kept > /workspace/f"]})
+            assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
+            for generation, call in ((1, "exec"), (2, "file")):
+                await c.post(f"/v1/sandboxes/{name}:suspend", params={"wait": 30})
+                suspended = await phase_is(api, name, "Suspended", generation)
+                # Reads of the row (one, the list) wake nothing.
+                assert (await row(api, name))["version"] == suspended["version"]
+                await c.get("/v1/sandboxes", params={"phase": "Suspended"})
+                assert containers_of(podman, name) == []
+                if call == "exec":  # two at once: one resume, both run
+                    both = await asyncio.gather(
+                        *(c.post(path, json={"command": ["cat", "/workspace/f"]}) for _ in "ab")
+                    )
+                    for r in both:
+                        assert r.status_code == 200, r.text
+                        assert (r.json()["exit_code"], r.json()["stdout"]) == (0, "kept\n")
+                else:
+                    r = await c.get(
+                        f"/v1/sandboxes/{name}/files/content", params={"path": "/workspace/f"}
+                    )
+                    assert (r.status_code, r.content) == (200, b"kept\n"), r.text
+                woken = await row(api, name)
+                assert (woken["phase"], woken["generation"]) == ("Ready", generation + 1)
+            # One resume decided per wake: calls at once share its command id, so one sent
+            # twice (both found it unpublished) is recorded as a duplicate.
+            resumes = [
+                h for h in await history(api.env, name) if h["message_type"] == "ResumeSandbox"
+            ]
+            assert [h["disposition"] for h in resumes if h["disposition"] != "duplicate"] == [
+                "applied",
+                "applied",
+            ]
+        finally:
+            await c.delete(f"/v1/sandboxes/{name}", params={"wait": 30})
