@@ -59,6 +59,11 @@ async def test_the_chart_on_the_real_node_serves_a_sandbox_pod_and_its_logs(
                     assert pod["spec"]["hostNetwork"] is True
                     assert _ready(pod), json.dumps(pod["status"])
                 await _sandbox_round_trip(admin, deployment)
+                # every probe held through the round trip: no container was restarted
+                for pod in await _pods(admin, ns, f"{INSTANCE}={release},{COMPONENT}!=prepare"):
+                    restarts = {c["name"]: c["restartCount"]
+                                for c in pod["status"]["containerStatuses"]}  # fmt: skip
+                    assert set(restarts.values()) == {0}, (_component(pod), restarts)
             finally:
                 await kube_chart.down(deployment)
             left = await _pods(admin, ns, f"{INSTANCE}={release}")
