@@ -12,6 +12,9 @@
   (the objects, pure).
 - ``logs``, ``podman_logs``, ``kube_logs``: a runtime's log (the LogSource protocol and its
   Podman and Kubernetes readers).
+- ``files``, ``files_exec``, ``podman_files``, ``kube_files``, ``tar_stream``: a runtime's files
+  (the FileSource protocol, the operations run through exec, the Podman and Kubernetes
+  implementations, and tar archives read and written as streams).
 - ``fake``, ``fake_shared``: the in-memory fake and its file-shared form.
 - ``routing``: two backends at once, by name prefix.
 - ``daemon_pool``: the daemon thread pool the Podman driver's calls run in.

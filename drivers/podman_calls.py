@@ -9,6 +9,7 @@ import contextlib
 import logging
 import math
 import threading
+from typing import Any
 from uuid import UUID
 
 from podman import PodmanClient
@@ -260,14 +261,32 @@ class PodmanCalls:
         container = read_container(attrs)
         return container is not None and container.info.state in ALIVE
 
+    def _paused(self, runtime_id: str) -> bool:
+        try:
+            attrs = self.client().containers.get(runtime_id).attrs
+        except NotFound:
+            return False
+        return bool((attrs.get("State") or {}).get("Status") == "paused")
+
     def _stop_container(self, runtime_id: str, grace: float) -> bool:
         """SIGTERM, then SIGKILL after ``grace`` seconds; False if the container is gone."""
         seconds = max(0, math.ceil(grace))
-        response = self.client().api.post(
-            f"/containers/{runtime_id}/stop",
-            params={"timeout": seconds},
-            timeout=seconds * 1.5 + self.request_timeout,
-        )
+
+        def send() -> Any:
+            return self.client().api.post(
+                f"/containers/{runtime_id}/stop",
+                params={"timeout": seconds},
+                timeout=seconds * 1.5 + self.request_timeout,
+            )
+
+        response = send()
+        if response.status_code >= 500 and self._paused(runtime_id):
+            # Podman refuses to stop a paused container ("container state improper"): thawed,
+            # it gets its SIGTERM and grace period as a running one does.
+            self.client().api.post(
+                f"/containers/{runtime_id}/unpause", timeout=self.request_timeout
+            )
+            response = send()
         if response.status_code == 404:
             return False
         if response.status_code not in (204, 304):  # 304: it was not running any more

@@ -14,11 +14,14 @@ from drivers.protocol import WatchObservation
 from events.observations import RuntimeRemoved, RuntimeSnapshot, RuntimeState
 
 # The container events that change what a sandbox looks like; the rest (init, cleanup, kill,
-# exec, exec_died, attach, ...) are ignored.
+# exec, exec_died, attach, ...) are ignored. A paused container is reported as the listings
+# report it (stopping: a process, running nothing); an unpaused one runs again.
 EVENT_STATES: Final[Mapping[str, RuntimeState]] = {
     "create": "created",
     "start": "running",
     "died": "exited",
+    "pause": "stopping",
+    "unpause": "running",
 }
 EVENT_REMOVE: Final = "remove"
 

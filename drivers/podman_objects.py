@@ -24,14 +24,15 @@ log = logging.getLogger("sandstream.drivers.podman")
 ACTOR: Final = "podman-watcher"
 # Podman container statuses -> the states of the protocol. "stopping" (a stop has sent its
 # signal and waits out the grace period) still has a process but is on its way out: stopping,
-# never running, which would lift an Error row to Ready. "stopped" has no process but is not
-# cleaned up yet; "removing" is on its way out.
+# never running, which would lift an Error row to Ready. "paused" (`podman pause`: frozen by
+# its cgroup) has a process that a stop must still end but runs nothing: stopping too, never
+# running. "stopped" has no process but is not cleaned up yet; "removing" is on its way out.
 STATES: Final[Mapping[str, RuntimeState]] = {
     "created": "created",
     "configured": "created",
     "initialized": "created",
     "running": "running",
-    "paused": "running",
+    "paused": "stopping",
     "stopping": "stopping",
     "stopped": "exited",
     "exited": "exited",

@@ -81,7 +81,10 @@ def render() -> str:
         "A held sandbox refuses "
         + ", ".join(REFUSED_WHILE_HELD)
         + " in every phase (FAILED_PRECONDITION naming who holds it, since when and why); "
-        "its time to live and its completion policy wait until it is released.",
+        "its time to live waits until it is released, and a restart the restart policy "
+        "scheduled waits too (it happens after the release). The completion policy does not "
+        "act on an exit while held, and the release does not act on it either: the sandbox "
+        "stays Completed or Error until deleted.",
         "",
         "### Deadlines",
         "",
@@ -117,7 +120,11 @@ def render() -> str:
         "at least `restart_reset_seconds` (setting `SANDSTREAM_RESTART_RESET_SECONDS`, default "
         "600 s) before it ended resets the count of restarts in a row (SandboxRestartScheduled "
         "records `backoff_reset`); a restart for rotated credentials or a detached provider "
-        "does not end that run. A held sandbox is not restarted. The completion policy "
+        "does not end that run. A hold defers a restart, never cancels it: an exit while "
+        "held schedules it as ever, its DeadlineDue while held is ignored (deferred until "
+        "released), and after ReleaseSandbox the scheduler's next DeadlineDue restarts it, at "
+        "once if it fell due meanwhile (the row's reason says `once released` while held). "
+        "The completion policy "
         "(`on_exit=delete`) applies only "
         "to an exit the policy does not restart (SandboxCompleted, SandboxFailed, "
         "SandboxTimedOut), and to the exit that reaches the limit (SandboxRestartsExhausted, "
@@ -165,8 +172,15 @@ def render() -> str:
         "anything is awaited a running snapshot does not make the row Ready: "
         "Ready means running the newest values. So an agent restarts once for any number of "
         "rotations that arrive while its restart is pending, and a second time only when its "
-        "launch had already read an older value (it must end up on the newest). Leaving the "
-        "launch phases or a new generation clears `awaited`.",
+        "launch had already read an older value (it must end up on the newest).",
+        "",
+        "A rotation skipped in Error or Stopping is recorded in `awaited` too: that generation "
+        "may be seen running again (a running snapshot lifts Error to Ready; a failed stop "
+        "that finds it running makes it Ready), and then, as after a launch whose read is "
+        "unknown, it restarts at once onto the newest values (AgentRestartSkipped if held). "
+        "`awaited` is kept in Provisioning, Starting, Error and Stopping "
+        "(`projections.lifecycle.OWED_PHASES`); a new generation or any other phase clears it "
+        "(the next start reads the newest values).",
         "",
         "### Detaching a provider (DetachProvider) by phase",
         "",
@@ -193,7 +207,9 @@ def render() -> str:
         "revision 0 (that launch must not have read it). On the launch's result: Ready, and if "
         "its `credentials` name the detached provider (it read the values before the detach) "
         "or are unknown, AgentRestarted at once without it; the running snapshot waits for that "
-        "result, as for an awaited rotation.",
+        "result, as for an awaited rotation. A detach in Error or Stopping is recorded the same "
+        "way: if that generation is seen running again, it restarts at once without the "
+        "provider.",
     ]
     return "\n".join(lines)
 

@@ -63,10 +63,12 @@ async def running_gateway(
     podman: PodmanClient,
     prefix: str = "osapi",
     wrap_logs: Callable[[LogSource], LogSource] | None = None,
+    token_store: TokenStore | None = None,
     **settings: Any,
 ) -> AsyncIterator[Gateway]:
     """A gateway on a control plane of its own; ``settings`` override the environment's;
-    ``wrap_logs`` stands between the gateway and the driver's log source."""
+    ``wrap_logs`` stands between the gateway and the driver's log source; ``token_store``
+    replaces the tokens of this module."""
     async with podman_env(podman, prefix) as (env, driver, keys):
         env.settings = env.settings.model_copy(update=settings)
         async with (
@@ -77,7 +79,7 @@ async def running_gateway(
         ):
             feed = ChangeFeed(env.pool)
             await feed.start()
-            tokens = TokenStore.of(
+            tokens = token_store or TokenStore.of(
                 admin=(ADMIN, READ, WRITE, EXEC, PROVIDER_READ, PROVIDER_WRITE),
                 reader=(READER, READ),
                 writer=(WRITER, READ, WRITE),

@@ -115,3 +115,32 @@ async def test_the_openshell_api_uses_the_same_certificate(tmp_path: Path) -> No
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         await server.stop(0)
+
+
+async def test_the_openshell_api_stays_plaintext_when_told_to_beside_a_tls_api(
+    tmp_path: Path,
+) -> None:
+    """OpenShell's CLI and conformance runner speak https only with mutual TLS: with
+    openshell_tls=false the gRPC API keeps plaintext while the HTTP API has its certificate."""
+    issued = tlskit.issue_for_localhost(tmp_path)
+    settings = Settings(
+        openshell_port=0,
+        openshell_tls=False,
+        api_tls_certfile=issued.cert,
+        api_tls_keyfile=issued.key,
+    )
+    idle = SimpleNamespace(feed=None)  # Health reaches no service
+    server = await start_openshell(
+        settings,
+        pool=None,
+        gateway=idle,
+        tokens=TokenStore([]),
+        driver=None,  # type: ignore[arg-type]
+    )
+    try:
+        assert not server.tls
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            answer = await OpenShellStub(channel).Health(pb.HealthRequest(), timeout=30)
+            assert answer.status == pb.SERVICE_STATUS_HEALTHY
+    finally:
+        await server.stop(0)

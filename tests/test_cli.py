@@ -329,6 +329,41 @@ async def test_sandbox_logs_prints_the_output_and_follows_it_as_it_is_written(up
     assert r.code != 0 and "not found" in (r.out + r.err)
 
 
+async def test_a_followed_log_and_a_watch_end_when_their_token_is_revoked(up: Up) -> None:
+    """Regression: `sandbox logs -f` and `sandbox watch` went on after their token was revoked
+    (the server re-checked it at the next request only). Now the server ends both streams
+    within a second or so, saying why, and the CLI exits 1 with that message."""
+    name = up.name("revoked")
+    script = "i=0; while true; do echo tick-$i; i=$((i+1)); sleep 0.5; done"
+    r = await up.cli("sandbox", "create", name, "--image", IMAGE, "--", "sh", "-c", script)
+    assert r.code == 0, r.err
+    r = await up.cli("token", "create", "ci-follower", "--scope", "sandbox:read")
+    assert r.code == 0, r.err
+    env = {**up.env, "SANDSTREAM_API_URL": up.url, "SANDSTREAM_TOKEN": r.out.strip()}
+    followers = []
+    for args in (("logs", name, "-f", "--tail", "1"), ("watch", name)):
+        started = await asyncio.create_subprocess_exec(
+            SANDSTREAM, "sandbox", *args, env=env, cwd=PROJECT_ROOT,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        followers.append(started)
+    try:
+        async with asyncio.timeout(60):
+            for proc in followers:  # both streams are open and delivering
+                assert proc.stdout is not None and await proc.stdout.readline()
+            r = await up.cli("token", "revoke", "ci-follower")
+            assert r.code == 0, r.err
+            ended = [await proc.communicate() for proc in followers]
+    finally:
+        for proc in followers:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    for proc, (_, err), what in zip(followers, ended, ("logs", "watch"), strict=True):
+        assert proc.returncode == 1, (what, err)
+        assert f"{what} ended: token 'ci-follower' was revoked at " in err.decode(), err
+
+
 # These two come last among those using `up`: the second stops it.
 async def test_a_second_up_refuses_to_start(up: Up) -> None:
     r = await up.cli("up", timeout=60)

@@ -914,3 +914,61 @@ async def test_a_container_stopping_behind_sandstreams_back_is_reported_stopping
         if outside.returncode is None:
             outside.kill()
             await outside.wait()
+
+
+async def test_a_paused_container_is_reported_stopping_never_running(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings, podman: PodmanClient
+) -> None:
+    """Regression: Podman's "paused" (`podman pause`: the agent frozen) was read as running, so
+    a listing of a paused sandbox in Error lifted the row to Ready. Now the inspect answer,
+    get, list, the watcher's pause event and its listing report it stopping (a process that
+    runs nothing), which lifts no row; exec refuses it; unpausing it is seen as running again;
+    a stop of a paused container ends it (Podman refuses to stop one: it failed before)."""
+    key = keys()
+    await driver.launch(spec_for(settings, key, 1, ["sleep", "600"]))
+    name = container_name(key, 1)
+    watcher = await Watcher.started(driver)
+    try:
+        await asyncio.to_thread(lambda: podman.containers.get(name).pause())
+        assert status_of(podman, key, 1) == "paused"
+        inspected = read_container(
+            await asyncio.to_thread(lambda: podman.containers.get(name).attrs)
+        )
+        [got] = await driver.get(key)
+        listed = [info.state for info in await driver.list() if info.key == key]
+        paused = await watcher.wait_snapshot(key, 1, "stopping")
+        reported = {
+            "inspect": inspected.info.state if inspected else None,
+            "get": got.state,
+            "list": listed,
+            "watch event": paused.state,
+        }
+        assert reported == {
+            "inspect": "stopping",
+            "get": "stopping",
+            "list": ["stopping"],
+            "watch event": "stopping",
+        }
+        container = read_container(
+            await asyncio.to_thread(lambda: podman.containers.get(name).attrs)
+        )
+        assert container is not None
+        for phase in (Phase.ERROR, Phase.STARTING):
+            h = f.harness_in(phase)
+            generation = h.row().generation
+            seen = snapshot_from_list(container).model_copy(update={"generation": generation})
+            assert h.send(seen).disposition == "ignored", phase
+            assert h.row().phase is phase
+        with pytest.raises(DriverError, match="no running runtime"):
+            async for _ in driver.exec_stream(key, 1, ["true"]):
+                pass
+        start = len(watcher.seen)
+        await asyncio.to_thread(lambda: podman.containers.get(name).unpause())
+        await watcher.wait_snapshot(key, 1, "running", start=start)
+        await asyncio.to_thread(lambda: podman.containers.get(name).pause())
+        await watcher.wait_snapshot(key, 1, "stopping", start=start)
+        stopped = await asyncio.wait_for(driver.stop(key, 1, timeout=0), WAIT)  # Podman refuses
+        assert stopped.outcome == "succeeded"  # to stop a paused container: it is thawed first
+        assert status_of(podman, key, 1) == "exited"
+    finally:
+        await watcher.stop()

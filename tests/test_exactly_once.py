@@ -42,7 +42,8 @@ async def assert_applied_exactly_once(env: Env, inputs: list[workload.Command]) 
         r["key"]: sandbox_from_record(r)
         for r in await env.fetch(f"SELECT {SANDBOX_COLUMNS} FROM sandboxes")
     }
-    assert live == workload.expected_rows(inputs)
+    logged = workload.as_logged(inputs, await env.read_topic(env.settings.topic_commands))
+    assert live == workload.expected_rows(logged)
     distinct_ids = {c.command_id for c in inputs}
     assert await env.fetchval("SELECT count(*) FROM command_outcomes") == len(distinct_ids)
     report = await rebuild_and_compare(env.settings)

@@ -561,9 +561,10 @@ async def test_an_intent_in_flight_during_a_rebalance_is_not_lost_or_doubled() -
 async def commands_queued_behind_a_busy_lane(
     driver: FakeDriver, makes: list[Any], generation: int
 ) -> int:
-    """y is Ready; the caller's slow lane (one wide) is busy with a held stop of another
-    sandbox while ``makes`` are decided for y, the last a stop of ``generation``; then the lane
-    is freed and y must end Stopped at that generation. The executor's dropped intents."""
+    """y is Ready; the caller's slow lane (one wide) is busy with a held delete of another
+    sandbox (a stop takes no lane) while ``makes`` are decided for y, the last a stop of
+    ``generation``; then the lane is freed and y must end Stopped at that generation. The
+    executor's dropped intents."""
     async with isolated_env() as env:
         settings = env.settings.model_copy(update={"executor_slow_per_caller": 1})
         plane = ControlPlane(settings, driver, env.pool, reconcile_interval=3600, retry=FAST_RETRY)
@@ -574,8 +575,8 @@ async def commands_queued_behind_a_busy_lane(
                 await command(env, pub, f.create("y"))
                 await wait_phase(env, "blocker", "Ready")
                 await wait_phase(env, "y", "Ready")
-                held = driver.block("stop", "blocker")
-                await command(env, pub, f.stop("blocker"))
+                held = driver.block("delete", "blocker")
+                await command(env, pub, f.delete("blocker"))
                 await held.entered()  # the caller's lane is taken
                 for make in makes:
                     await command(env, pub, make("y"))
@@ -603,13 +604,13 @@ async def test_a_restart_overtaken_by_a_stop_is_dropped_and_still_stops_the_olde
 async def test_a_chain_of_restarts_and_stops_overtaken_in_the_queue_stops_the_oldest_runtime() -> (
     None
 ):
-    """Found by the chaos checker: y's stop, restart, stop, restart, stop queue up behind the
-    busy lane. The first stop is then dropped (the row is at generation 3), the launches
-    between are skipped or dropped and never run, so the runtime still running is generation
-    1, not the last launch's previous generation (2): it must be stopped, not left running
-    under a Stopped row."""
+    """Found by the chaos checker: y's restart, stop, restart, stop queue up behind the busy
+    lane (the chain began with a stop then; a stop now takes no lane, so it runs at once and
+    the first restart is what waits). The launches are skipped or dropped and never run, so
+    the runtime still running is generation 1, not the last launch's previous generation (2):
+    it must be stopped, not left running under a Stopped row."""
     driver = FakeDriver()
-    chain = [f.stop, f.restart, f.stop, f.restart, f.stop]
+    chain = [f.restart, f.stop, f.restart, f.stop]
     await commands_queued_behind_a_busy_lane(driver, chain, 3)
     assert [c.generation for c in driver.calls_for("launch", "y")] == [1]
     assert [(i.generation, i.state) for i in await driver.get("y")] == [(1, "exited")]

@@ -8,15 +8,19 @@ from __future__ import annotations
 import base64
 import json
 import ssl
+import stat
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import tlskit
 import yaml
 from chart_support import CHART, ROLES, component, env_of, helm, of_kind, render
 from kube_support import admin_client, cluster_kubeconfig, namespace
 
+from services.api.server import Tls
 from services.common.settings import PROJECT_ROOT, Settings
 
 REQUIRED = {"kafka": {"bootstrap": "kafka.example:9093"}, "postgres": {"host": "pg.example"}}
@@ -172,6 +176,7 @@ def test_the_api_server_address_is_given_to_the_containers_with_the_driver_token
             "hostNetwork": True,
             **PLACEMENT,
             **API_SERVER,
+            "api": {"tls": {"secretName": "sst-tls"}, "forwardedAllowIps": ["10.0.0.0/8"]},
         },
         {"driver": "podman", "hostNetwork": True, "kafka": {"caConfigMap": "kafka-ca"}},
     ],
@@ -226,3 +231,70 @@ def _kube_http(kubeconfig: Path) -> httpx.AsyncClient:
         headers={"Authorization": f"Bearer {user['token']}"},
         timeout=30,
     )
+
+
+def _api_pod(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    pod: dict[str, Any] = of_kind(objects, "Deployment")["sst-sandstream-api"]["spec"]["template"]
+    return pod["spec"]
+
+
+def test_tls_from_a_secret_serves_the_api_and_the_grpc_api(
+    settings: Settings, tmp_path: Path
+) -> None:
+    values = {**REQUIRED, "api": {"tls": {"secretName": "sst-tls"},
+                                  "forwardedAllowIps": ["10.0.0.0/8", "192.0.2.7"]}}  # fmt: skip
+    objects = render(settings, values)
+    pod = _api_pod(objects)
+    api, openshell = pod["containers"]
+    for container in (api, openshell):
+        env = env_of(container)
+        assert env["SANDSTREAM_API_TLS_CERTFILE"] == "/run/sandstream/tls.crt"
+        assert env["SANDSTREAM_API_TLS_KEYFILE"] == "/run/sandstream/tls.key"
+    assert env_of(api)["SANDSTREAM_API_FORWARDED_ALLOW_IPS"] == "10.0.0.0/8,192.0.2.7"
+    (service,) = of_kind(objects, "Service").values()
+    protocols = {p["name"]: p["appProtocol"] for p in service["spec"]["ports"]}
+    assert protocols == {"http": "https", "grpc": "grpc"}
+    # only the API's pod reads the Secret
+    for deployment in of_kind(objects, "Deployment").values():
+        text = json.dumps(deployment)
+        assert ("sst-tls" in text) == (component(deployment) == "api")
+        assert ("SANDSTREAM_API_FORWARDED_ALLOW_IPS" in text) == (component(deployment) == "api")
+
+    # The init step's own script, run here: the files it writes are the pair, mode 0600 (the
+    # API refuses a key others can read), and the API's settings accept them.
+    (init,) = [c for c in pod["initContainers"] if c["name"] == "tls"]
+    assert env_of(init) == {"CERT": {"secret": "sst-tls", "key": "tls.crt"},
+                            "KEY": {"secret": "sst-tls", "key": "tls.key"}}  # fmt: skip
+    issued = tlskit.issue_for_localhost(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    script = init["command"][2].replace("/run/sandstream", str(run))
+    pair = {"CERT": issued.cert.read_text(), "KEY": issued.key.read_text()}
+    written = subprocess.run(
+        [*init["command"][:2], script], check=False, capture_output=True, text=True,
+        env={**pair, "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert written.returncode == 0, written.stderr
+    assert (run / "tls.key").read_bytes() == issued.key.read_bytes()
+    assert stat.S_IMODE((run / "tls.key").stat().st_mode) == 0o600
+    tls = Tls.of(Settings(api_tls_certfile=run / "tls.crt", api_tls_keyfile=run / "tls.key"))
+    assert tls is not None
+    ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(tls.certfile, tls.keyfile)
+
+
+def test_without_tls_the_api_speaks_http_and_trusts_no_proxy(settings: Settings) -> None:
+    objects = render(settings, REQUIRED)
+    pod = _api_pod(objects)
+    assert [c["name"] for c in pod["initContainers"]] == ["tokens"]
+    for container in pod["containers"]:
+        assert "SANDSTREAM_API_TLS_CERTFILE" not in env_of(container)
+    assert env_of(pod["containers"][0])["SANDSTREAM_API_FORWARDED_ALLOW_IPS"] == ""
+    (service,) = of_kind(objects, "Service").values()
+    assert service["spec"]["ports"][0]["appProtocol"] == "http"
+
+
+def test_the_grpc_api_can_stay_plaintext_beside_an_https_api(settings: Settings) -> None:
+    values = {**REQUIRED, "api": {"tls": {"secretName": "sst-tls"}, "openshell": {"tls": False}}}
+    api, openshell = _api_pod(render(settings, values))["containers"]
+    assert "SANDSTREAM_API_TLS_CERTFILE" in env_of(api)
+    assert "SANDSTREAM_API_TLS_CERTFILE" not in env_of(openshell)

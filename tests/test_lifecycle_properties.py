@@ -10,7 +10,16 @@ rebuilds the rows from the decided events alone, and all of these must agree exa
 Time arrives as the scheduler's DeadlineDue messages: for the row's deadline or expiry, for
 deadlines it no longer holds, for other generations, and always twice (a restarted scheduler
 catching up): the repeat must change nothing. Holds must keep start, restart, expiry and the
-completion policy away.
+completion policy away, and defer a scheduled restart without dropping it.
+
+Credentials: rotations of attached and unattached providers (with and without a restart), and
+launch reports naming the revisions the launch read (or none: unknown). A rotation restarts
+exactly where ROTATION_TABLE says; one it defers while the generation may yet run on older
+values (a pending launch, Error, Stopping) is awaited in the row, and only then; the row never
+becomes Ready on values older than awaited (or with a provider detached meanwhile), whether
+through a launch report or a generation seen running again, unless a hold defers the restart;
+a running snapshot never makes a row that awaits a launch's report Ready. Runtime snapshots
+include ``stopping`` (a runtime on its way out), which changes nothing anywhere.
 """
 
 from __future__ import annotations
@@ -39,17 +48,21 @@ from events.commands import (
     CreateSandbox,
     DeleteSandbox,
     DetachProvider,
+    ReleaseSandbox,
     RestartSandbox,
+    RotateCredentials,
     StartSandbox,
 )
 from events.common import Cause, Phase, RestartPolicy, SandboxSpec
 from events.decided import (
     AgentRestarted,
+    AgentRestartSkipped,
     DecidedEvent,
     ProviderDetached,
     SandboxCompleted,
     SandboxCreated,
     SandboxDeleting,
+    SandboxReady,
     SandboxRestartScheduled,
     SandboxRestartsExhausted,
     SandboxStarting,
@@ -69,9 +82,11 @@ from projections.fold import fold
 from projections.lifecycle import (
     COMMAND_TABLE,
     EXIT_EVENTS,
+    OWED_PHASES,
     PHASE_DEADLINES,
     REFUSED_WHILE_HELD,
     RESTART,
+    ROTATION_TABLE,
     Admission,
     Decision,
     Message,
@@ -80,6 +95,7 @@ from projections.lifecycle import (
     detach_action,
     evolve,
     is_held,
+    rotation_action,
 )
 
 P = Phase
@@ -102,6 +118,31 @@ keys = st.sampled_from(KEYS)
 generation_deltas = st.sampled_from([0, 0, 0, 0, 0, 0, -1, -2, 1, 2])
 exit_codes = st.sampled_from([0, 0, 1, 137, None])
 observed_states = st.sampled_from((None, *get_args(ObservedState)))
+revisions = st.integers(1, 4)
+# What a launch read: unknown (None), or some providers' revisions (0: not read).
+reads = st.one_of(
+    st.none(), st.dictionaries(st.sampled_from(PROVIDERS), st.integers(0, 4), max_size=3)
+)
+LAUNCHING = (P.PROVISIONING, P.STARTING)
+
+
+def newest_read(state: Sandbox, ahead: int = 0) -> dict[str, int]:
+    """What a launch that ran after every rotation the row awaits read: each attached
+    provider at (or ``ahead`` past) the awaited revision; none detached."""
+    return {p: state.awaited.get(p, 1) + ahead for p in state.providers}
+
+
+def read_stale(awaited: dict[str, int], providers: list[str], read: dict[str, int] | None) -> bool:
+    """Whether a launch that read ``read`` missed what the row awaited (the model, written
+    apart from the rules): an attached provider's rotation newer than what it read, or a
+    provider detached while it was pending that it read (unknown: both may be)."""
+    for provider, revision in awaited.items():
+        seen = None if read is None else read.get(provider, 0)
+        if provider in providers and (seen is None or seen < revision):
+            return True
+        if provider not in providers and (seen is None or seen > 0):
+            return True
+    return False
 
 
 def dumps(events: list[DecidedEvent]) -> list[dict[str, Any]]:
@@ -304,25 +345,100 @@ class LifecycleMachine(RuleBasedStateMachine):
             assert message.generation == prev.generation  # type: ignore[union-attr]
             restart_due = isinstance(message, DeadlineDue) and message.deadline == "restart"
             restarted = isinstance(events[-1], AgentRestarted)
-            if restarted:
-                assert isinstance(message, DriverOperationResult) and prev.awaited
+            if restarted:  # a launch report, or a generation seen running again, that owed
+                assert prev.awaited  # the newest values
             assert new.generation == prev.generation + (1 if restart_due or restarted else 0), (
                 message
             )
 
         self.check_restart_policy(prev, message, events, new)
+        self.check_credentials(prev, message, d, new)
+        # A runtime on its way out (stopping) changes nothing anywhere.
+        if isinstance(message, RuntimeSnapshot) and message.state == "stopping":
+            assert not events, events
+
+    def check_credentials(self, prev: Sandbox, message: Message, d: Decision, new: Sandbox) -> None:
+        """Rotations restart exactly where ROTATION_TABLE says; what a pending launch must
+        have read is awaited only while a launch is pending; the row is never Ready on values
+        older than awaited (nor with a detached provider's), unless a hold defers the restart
+        (AgentRestartSkipped)."""
+        events = d.events
+        if new.awaited:
+            assert new.phase in OWED_PHASES, new
+        if isinstance(message, RotateCredentials) and d.disposition != "duplicate":
+            named = {r.provider for r in message.rotations}
+            attached = sorted(named & set(prev.providers))
+            if prev.tombstoned or not attached:
+                assert not events
+                return
+            action = rotation_action(prev, message.restart)
+            (event,) = events
+            if action == RESTART:
+                assert isinstance(event, AgentRestarted) and event.providers == attached
+                assert (new.phase, new.generation) == (P.STARTING, prev.generation + 1)
+                assert new.awaited == {}
+            else:
+                assert isinstance(event, AgentRestartSkipped) and event.reason == action
+                assert (new.phase, new.generation) == (prev.phase, prev.generation)
+            if prev.phase in OWED_PHASES and action == ROTATION_TABLE[prev.phase]:
+                for r in message.rotations:
+                    if r.provider in attached:
+                        assert new.awaited[r.provider] >= r.revision
+        if not (prev.awaited and is_observation(message)):
+            return
+        running = isinstance(message, RuntimeSnapshot) and message.state == "running"
+        if running and prev.phase in LAUNCHING:
+            assert not events  # Ready waits for the launch's report of what it read
+        # Never Ready on values older than owed: the same generation reaching Ready without a
+        # launch report restarts at once (or skips, saying so, while held).
+        if new.phase is P.READY and new.generation == prev.generation and prev.phase is not P.READY:
+            fresh = (
+                isinstance(message, DriverOperationResult)
+                and message.operation == "launch"
+                and not read_stale(prev.awaited, prev.providers, message.credentials)
+            )
+            assert fresh or (is_held(prev) and isinstance(events[-1], AgentRestartSkipped)), (
+                prev,
+                message,
+                events,
+            )
+        launched = (
+            isinstance(message, DriverOperationResult)
+            and message.operation == "launch"
+            and message.outcome == "succeeded"
+            and message.generation == prev.generation
+            and prev.phase in LAUNCHING
+        )
+        if not launched:
+            return
+        assert isinstance(message, DriverOperationResult)
+        assert isinstance(events[0], SandboxReady)
+        if read_stale(prev.awaited, prev.providers, message.credentials):
+            assert len(events) == 2, events
+            if is_held(prev):  # the newest values wait for the release and the next start
+                assert isinstance(events[1], AgentRestartSkipped)
+            else:
+                assert isinstance(events[1], AgentRestarted)
+                assert (new.phase, new.generation) == (P.STARTING, prev.generation + 1)
+        else:
+            assert len(events) == 1 and new.phase is P.READY, events
 
     def check_restart_policy(
         self, prev: Sandbox, message: Message, events: tuple[DecidedEvent, ...], new: Sandbox
     ) -> None:
-        """A restart is scheduled only after an exit the row's policy restarts, never while
-        held, and given up exactly at max_restarts; a restart's falling due starts the next
-        generation under the policy, counting it."""
+        """A restart is scheduled only after an exit the row's policy restarts (held or not),
+        and given up exactly at max_restarts; a restart's falling due starts the next
+        generation under the policy, counting it, unless held: then it changes nothing, and a
+        release keeps the restart scheduled."""
         policy = prev.spec.restart_policy
         made = prev.restarts.attempt if prev.restarts else 0
+        if isinstance(message, DeadlineDue) and message.deadline == "restart" and is_held(prev):
+            assert not events, events
+        if isinstance(message, ReleaseSandbox) and events:
+            assert new.deadline == prev.deadline
         for i, event in enumerate(events):
             if isinstance(event, SandboxRestartScheduled | SandboxRestartsExhausted):
-                assert i == 1 and policy is not None and not is_held(prev), (policy, events)
+                assert i == 1 and policy is not None, (policy, events)
                 assert is_observation(message)
                 assert policy == "Always" or not isinstance(events[0], SandboxCompleted)
             if isinstance(event, SandboxRestartsExhausted):
@@ -458,7 +574,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(
         key=keys,
         delta=generation_deltas,
-        state=st.sampled_from(["created", "running", "exited"]),
+        state=st.sampled_from(["created", "running", "stopping", "exited"]),
         exit_code=exit_codes,
     )
     def snapshot(self, key: str, delta: int, state: Any, exit_code: int | None) -> None:
@@ -468,6 +584,61 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(key=keys, delta=generation_deltas)
     def removed(self, key: str, delta: int) -> None:
         self.send(f.removed(key, self.generation(key, delta)))
+
+    @rule(
+        key=keys,
+        rotated=st.dictionaries(st.sampled_from(PROVIDERS), revisions, min_size=1, max_size=3),
+        restart=st.sampled_from([True, True, True, False]),
+    )
+    def rotate(self, key: str, rotated: dict[str, int], restart: bool) -> None:
+        """Providers' values rotated (some perhaps not attached here), as provider-sync and
+        the provider routes send it."""
+        self.send(f.rotate(key, rotated, restart=restart, command_id=self.command_id(key)))
+
+    @rule(key=keys, read=reads, delta=generation_deltas)
+    def launch_reported(self, key: str, read: dict[str, int] | None, delta: int) -> None:
+        """A launch's success, naming the revisions of the providers it read."""
+        gen = self.generation(key, delta)
+        self.send(f.result(key, gen, "launch", "succeeded", credentials=read))
+
+    @rule(key=keys, ahead=st.integers(0, 1))
+    def launch_read_the_newest(self, key: str, ahead: int) -> None:
+        """The row's launch succeeded having read every attached provider at (or past) the
+        revision awaited, and no provider detached meanwhile: it must be Ready, no restart."""
+        state = self.states.get(key)
+        if state is None:
+            return
+        read = newest_read(state, ahead)
+        self.send(f.result(key, state.generation, "launch", "succeeded", credentials=read))
+
+    @rule(key=keys, revision=revisions, lag=st.integers(0, 1))
+    def rotate_during_a_launch(self, key: str, revision: int, lag: int) -> None:
+        """A rotation while a launch is pending, then that launch's report: it read the new
+        value (``lag`` 0: Ready) or the one before (a restart at once)."""
+        state = self.states.get(key)
+        if state is None or state.phase not in LAUNCHING or not state.providers:
+            return
+        provider = state.providers[0]
+        self.send(f.rotate(key, {provider: revision}, command_id=self.command_id(key)))
+        state = self.states[key]
+        assert state is not None
+        read = newest_read(state)
+        read[provider] -= lag
+        self.send(f.result(key, state.generation, "launch", "succeeded", credentials=read))
+
+    @rule(key=keys)
+    def hold_through_a_scheduled_restart(self, key: str) -> None:
+        """A hold, the scheduled restart falling due while held, the release, and the
+        scheduler's DeadlineDue again: the restart waits for the release, then happens."""
+        state = self.states.get(key)
+        if state is None or state.deadline is None or state.deadline.kind != "restart":
+            return
+        due = f.due(key, "restart", state.deadline.due_at, generation=state.generation)
+        if not is_held(state):
+            self.send(f.hold(key, command_id=self.command_id(key)))
+        assert not self.send(due).events
+        self.send(f.release(key, command_id=self.command_id(key)))
+        assert isinstance(self.send(due).events[0], SandboxStarting)
 
     @rule(
         key=keys,
@@ -494,9 +665,16 @@ class LifecycleMachine(RuleBasedStateMachine):
             )
         )
 
-    @rule(key=keys, ok=st.booleans(), observed=observed_states)
-    def progress(self, key: str, ok: bool = True, observed: ObservedState | None = None) -> None:
-        """What the executor and watcher report for the row's current intent, good or bad."""
+    @rule(key=keys, ok=st.booleans(), observed=observed_states, fresh=st.booleans())
+    def progress(
+        self,
+        key: str,
+        ok: bool = True,
+        observed: ObservedState | None = None,
+        fresh: bool = False,
+    ) -> None:
+        """What the executor and watcher report for the row's current intent, good or bad (a
+        launch read the newest values, or it is unknown what it read)."""
         state = self.states.get(key)
         if state is None:
             return
@@ -511,7 +689,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         if operation is None:
             self.send(f.exited(key, gen, 0) if ok else f.running(key, gen))
         elif ok:
-            self.send(f.result(key, gen, operation, "succeeded"))
+            read = newest_read(state) if fresh and operation == "launch" else None
+            self.send(f.result(key, gen, operation, "succeeded", credentials=read))
         else:
             self.send(f.failed(key, gen, operation, observed=observed))
 

@@ -14,7 +14,19 @@ from drivers.podman import PodmanDriver
 from events.common import Phase, SandboxSpec
 from services.api.readmodel import SandboxView, conditions
 from services.common.settings import Settings
-from services.common.tokens import READ, TWO_TOKENS, WRITE, Principal, TokenStore
+from services.common.tokens import (
+    AUDIT,
+    EXEC,
+    OPS,
+    PROVIDER_READ,
+    PROVIDER_WRITE,
+    READ,
+    SCOPES,
+    TWO_TOKENS,
+    WRITE,
+    Principal,
+    TokenStore,
+)
 from services.openshell import mapping
 from services.openshell.mapping import InvalidRequest, new_sandbox
 from services.openshell.proto import generate, openshell_pb2_grpc
@@ -26,7 +38,7 @@ from services.openshell.server import (
     exec_driver,
     start_openshell,
 )
-from services.openshell.service import LOCAL_PRINCIPAL, Authenticator
+from services.openshell.service import LOCAL_NAME, Authenticator
 
 OS = pb.SandboxPhase
 IMAGE = "localhost/base:1"
@@ -267,7 +279,7 @@ def test_unauthenticated_calls_only_when_allowed_and_credentials_are_always_chec
     tokens = TokenStore.of(admin=("sst_a", READ, WRITE), reader=("sst_r", READ))
     strict, local = Authenticator(tokens), Authenticator(tokens, allow_unauthenticated=True)
     assert strict.check([], READ)[0] == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[index]
-    assert local.check([], WRITE) == LOCAL_PRINCIPAL
+    assert local.check([], WRITE) == Principal(LOCAL_NAME, frozenset({READ, WRITE}))
     assert local.check(["Bearer sst_x"], READ)[0] == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[index]
     assert local.check(["Bearer sst_r"], WRITE)[0] == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[index]
     admin = strict.check(["Bearer sst_a"], WRITE)
@@ -275,6 +287,35 @@ def test_unauthenticated_calls_only_when_allowed_and_credentials_are_always_chec
     # Two entries are refused, whichever they are: the HTTP door read the first, this the last.
     for two in (["Bearer sst_r", "Bearer sst_a"], ["Bearer sst_a", "Bearer sst_a"]):
         assert strict.check(two, READ) == (grpc.StatusCode.UNAUTHENTICATED, TWO_TOKENS)
+
+
+def test_unauthenticated_calls_hold_only_sandbox_reads_and_commands_unless_configured(
+    settings: Settings,
+) -> None:
+    tokens = TokenStore.of(admin=("sst_a", *SCOPES))
+    local = Authenticator(tokens, allow_unauthenticated=True)
+    for scope in (EXEC, PROVIDER_WRITE, PROVIDER_READ, AUDIT, OPS):
+        refused = local.check([], scope)
+        assert isinstance(refused, tuple), scope
+        assert refused[0] == grpc.StatusCode.PERMISSION_DENIED
+        assert scope in refused[1] and "SANDSTREAM_OPENSHELL_UNAUTHENTICATED_SCOPES" in refused[1]
+    admin = local.check(["Bearer sst_a"], EXEC)  # a token still gets what it holds
+    assert isinstance(admin, Principal) and admin.name == "admin"
+    # The server builds its door from the settings: the default, then more scopes configured.
+    assert settings.openshell_local_scopes == {READ, WRITE}
+    configured = Settings(
+        **{**settings.model_dump(), "openshell_unauthenticated_scopes": f"{READ}, {EXEC}"}
+    )
+    assert configured.openshell_local_scopes == {READ, EXEC}
+    wider = Authenticator(tokens, True, configured.openshell_local_scopes)
+    assert wider.check([], EXEC) == Principal(LOCAL_NAME, frozenset({READ, EXEC}))
+    assert isinstance(wider.check([], WRITE), tuple)
+
+
+def test_unknown_unauthenticated_scopes_are_refused_at_start(settings: Settings) -> None:
+    wrong = {"openshell_unauthenticated_scopes": "sandbox:read,sandbox:everything"}
+    with pytest.raises(OpenShellConfigError, match="unknown scopes sandbox:everything"):
+        check_settings(settings.model_copy(update=wrong))
 
 
 def test_unauthenticated_calls_are_refused_off_loopback(settings: Settings) -> None:

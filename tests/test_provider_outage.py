@@ -71,8 +71,11 @@ class Stack:
 
 
 @asynccontextmanager
-async def stack_on_a_private_broker(tmp_path: Path) -> AsyncIterator[Stack]:
-    """A private broker, an isolated environment on it, the control plane with Podman."""
+async def stack_on_a_private_broker(
+    tmp_path: Path, with_scheduler: bool = False, **more: Any
+) -> AsyncIterator[Stack]:
+    """A private broker, an isolated environment on it (``more``: settings beyond SCALED), the
+    control plane with Podman (and the deadline scheduler, ``with_scheduler``)."""
     shared = Settings()  # PostgreSQL and Podman are the shared stack's, Kafka is our own
     listening = private_broker.private_settings(
         shared,
@@ -84,10 +87,16 @@ async def stack_on_a_private_broker(tmp_path: Path) -> AsyncIterator[Stack]:
     try:
         await broker_ready(listening, broker)
         (tmp_path / "run").mkdir()
-        async with roles_env(tmp_path / "run", base=listening, **SCALED) as roles:
+        async with roles_env(tmp_path / "run", base=listening, **(SCALED | more)) as roles:
             settings = roles.env.settings.model_copy(update={"credentials_key": SecretStr(KEY)})
             driver = podman_driver(settings, stop_timeout=5)
-            plane = ControlPlane(settings, driver, roles.env.pool, reconcile_interval=3600)
+            plane = ControlPlane(
+                settings,
+                driver,
+                roles.env.pool,
+                reconcile_interval=3600,
+                with_scheduler=with_scheduler,
+            )
             await plane.start()
             try:
                 yield Stack(roles, settings, driver, broker)

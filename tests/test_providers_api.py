@@ -8,12 +8,15 @@ import base64
 import secrets
 
 import apikit
+import factories as f
 from apikit import KEEPER, READER, WRITER, create_body, unique
 from harness import eventually
 from pydantic import SecretStr
 from typer.testing import CliRunner
 
 from drivers.fake import FakeDriver
+from events.common import Phase
+from events.decided import AgentRestarted, SandboxReady
 from services.cli.main import app
 
 KEY = SecretStr(base64.b64encode(secrets.token_bytes(32)).decode())
@@ -250,3 +253,51 @@ async def test_a_retried_create_gets_its_first_answer_after_its_provider_was_del
         assert again.status_code == 202, again.text
         assert again.json()["command_id"] == "rp-" + sb
         assert await api.commands_published() == 1
+
+
+async def test_a_provider_created_again_goes_on_from_its_last_revision() -> None:
+    """Regression: a provider deleted and created again under its name started again at
+    revision 1, while launches and rotations compare revisions as numbers. A launch that had
+    read the deleted provider's revision 3 then counted as having read the new one's rotation
+    to revision 2, and the agent stayed Ready on the deleted provider's values. Now the new
+    incarnation goes on from 4, and that launch restarts once more."""
+    name = unique("again")
+    async with (
+        apikit.running_api(None, settings_update={"credentials_key": KEY}) as api,
+        api.client() as c,
+    ):
+
+        async def revision() -> int:
+            got = await c.get(f"/v1/providers/{name}")
+            assert got.status_code == 200, got.text
+            return int(got.json()["revision"])
+
+        made = await c.post("/v1/providers", json={"name": name, "credentials": {"K": "a1"}})
+        assert made.status_code == 201, made.text
+        for value in ("a2", "a3"):
+            put = await c.put(f"/v1/providers/{name}/credentials",
+                              json={"credentials": {"K": value}})  # fmt: skip
+            assert put.status_code == 200, put.text
+        old_last = await revision()
+        assert old_last == 3
+        assert (await c.delete(f"/v1/providers/{name}")).status_code == 200
+        again = await c.post("/v1/providers", json={"name": name, "credentials": {"K": "b1"}})
+        assert again.status_code == 201, again.text
+        assert await revision() == old_last + 1  # not 1
+        rotated = await c.put(f"/v1/providers/{name}/credentials",
+                              json={"credentials": {"K": "b2"}})  # fmt: skip
+        assert rotated.status_code == 200, rotated.text
+        new_rotation = await revision()
+        # The unknown name gets 1, as ever.
+        fresh = unique("fresh")
+        first = await c.post("/v1/providers", json={"name": fresh, "credentials": {"K": "x"}})
+        assert first.status_code == 201
+        assert (await c.get(f"/v1/providers/{fresh}")).json()["revision"] == 1
+
+    # The rule with these revisions: a launch pending when the new provider's rotation came,
+    # which had read the deleted provider's last revision, must not leave the agent Ready.
+    h = f.harness_in(Phase.PROVISIONING, providers=[name])
+    h.send(f.rotate(rotations={name: new_rotation}))
+    d = h.send(f.result(credentials={name: old_last}))
+    assert [type(e) for e in d.events] == [SandboxReady, AgentRestarted], d.reason
+    assert h.row().phase is Phase.STARTING

@@ -205,3 +205,52 @@ async def test_a_control_plane_killed_before_a_scheduled_restart_restarts_exactl
                 p.kill()
     finally:
         await asyncio.to_thread(keys.cleanup)
+
+
+async def test_a_restart_deferred_by_a_hold_happens_after_the_release(
+    podman: PodmanClient,
+) -> None:
+    """Regression: a hold cancelled the restart Always had scheduled, and the release scheduled
+    none, so the agent stayed down. Here the hold comes before the due time; the scheduler's
+    DeadlineDue while held is ignored ("deferred until released"); after the release the
+    scheduler sends it again (the row's version changed) and the sandbox restarts."""
+    async with podman_env(podman, "rsth") as (env, driver, keys):
+        env.settings = env.settings.model_copy(update=FAST)
+        key = keys()
+        spec = SandboxSpec(
+            image=env.settings.sandbox_image,
+            command=["sh", "-c", "exit 1"],
+            restart_policy="Always",
+            restart_backoff=RestartBackoff(initial_seconds=2, max_seconds=2),
+            max_restarts=1,
+        )
+        async with (
+            running_plane(env, driver, with_scheduler=True, removing=keys),
+            await env.publisher() as pub,
+        ):
+            await command(env, pub, f.create(key, sandbox_spec=spec, occurred_at=now()))
+            await command(env, pub, f.hold(key, occurred_at=now()))
+
+            async def deferred() -> list[dict[str, object]]:
+                return [
+                    h
+                    for h in await history(env, key)
+                    if h["message_type"] == "DeadlineDue"
+                    and "deferred until released" in str(h["reason"])
+                ]
+
+            await eventually(deferred, bool, timeout=WAIT, what="the due restart, deferred")
+            row = await env.pool.fetchrow(
+                "SELECT generation, deadline FROM sandboxes WHERE key = $1", key
+            )
+            assert row is not None and row["generation"] == 1
+            assert Deadline.model_validate_json(row["deadline"]).kind == "restart"
+            await command(env, pub, f.release(key, occurred_at=now()))
+            row = await wait_restart_limit(env, key, WAIT)  # generation 2 ran and exited
+        assert row["generation"] == 2
+        records = await env.read_topic(env.settings.topic_events)
+        events = [decode(EVENTS, r.value) for r in records if r.key == key.encode()]
+        starts = [e for e in events if isinstance(e, SandboxStarting)]
+        assert [(e.policy, e.attempt, e.generation) for e in starts] == [("Always", 1, 2)]
+        released = [e for e in events if e.type == "SandboxReleased"]
+        assert released and starts[0].occurred_at >= released[0].occurred_at

@@ -154,7 +154,9 @@ PENDING_INPUTS: dict[str, list[tuple[Any, bool]]] = {
         (lambda: f.start(occurred_at=f.at(3)), False),
         (lambda: f.restart(occurred_at=f.at(3)), False),
     ],
-    "HoldSandbox": [(lambda: f.hold(occurred_at=f.at(3)), False)],
+    "HoldSandbox": [  # held, then released: the restart waited, and happens
+        (lambda: [f.hold(occurred_at=f.at(3)), f.release(occurred_at=f.at(4))], True)
+    ],
     "SetRestartPolicy": [
         (lambda: f.set_restart_policy(restart_policy="Always", occurred_at=f.at(3)), True),
         (lambda: f.set_restart_policy(restart_policy="Never", occurred_at=f.at(3)), False),
@@ -189,7 +191,8 @@ def test_what_an_input_does_to_a_scheduled_restart(what: str, make: Any, kept: b
     h.send(f.exited(exit_code=1, occurred_at=f.at(2)))
     scheduled = h.row().deadline
     assert scheduled is not None and scheduled.kind == "restart"
-    d = h.send(make())
+    made = make()
+    d = h.send(*made) if isinstance(made, list) else h.send(made)
     assert d.disposition == "applied", d.reason
     row = h.row()
     assert (row.deadline == scheduled) == kept, row
@@ -235,11 +238,41 @@ def test_set_restart_policy_is_versioned_and_idempotent() -> None:
     assert d.disposition == "idempotent"
 
 
-def test_a_held_sandbox_is_not_restarted() -> None:
+@pytest.mark.parametrize("due_while_held", [True, False], ids=["fell-due-held", "due-after"])
+@pytest.mark.parametrize("held_before_exit", [False, True], ids=["held-after", "held-before"])
+def test_a_hold_defers_a_scheduled_restart_until_the_release(
+    held_before_exit: bool, due_while_held: bool
+) -> None:
+    """Regression: a hold cancelled the restart the policy scheduled (and an exit while held
+    scheduled none), and the release scheduled nothing: under Always, a brief hold left the
+    agent down for good. Now the restart waits: its DeadlineDue while held changes nothing,
+    and after the release the next one (the scheduler sends it again) restarts it."""
     h = created(policy_spec("Always"))
-    h.send(f.hold(occurred_at=f.at(1)))
+    h.send(f.running(occurred_at=f.at(1)))
+    if held_before_exit:
+        h.send(f.hold(occurred_at=f.at(2)))
     d = h.send(f.exited(exit_code=1, occurred_at=f.at(2)))
-    assert [e.type for e in d.events] == ["SandboxFailed"]
+    assert isinstance(d.events[-1], SandboxRestartScheduled)
+    if not held_before_exit:
+        h.send(f.hold(occurred_at=f.at(2)))
+    row = h.row()
+    scheduled = row.deadline
+    assert scheduled is not None and scheduled.kind == "restart"
+    assert row.reason is not None and "once released (held by" in row.reason
+    if due_while_held:
+        early = h.send(f.due(deadline="restart", due_at=scheduled.due_at, generation=1))
+        assert early.disposition == "ignored" and "deferred until released" in early.reason
+        assert h.row().deadline == scheduled and h.row().generation == 1
+    h.send(f.release(occurred_at=f.at(20)))
+    row = h.row()
+    assert row.deadline == scheduled and row.reason is not None
+    assert "restarts it at" in row.reason and "held" not in row.reason
+    late = h.send(f.due(deadline="restart", due_at=scheduled.due_at, generation=1))
+    assert late.disposition == "applied", late.reason
+    started = late.events[0]
+    assert isinstance(started, SandboxStarting) and started.policy == "Always"
+    assert (h.row().phase, h.row().generation) == (P.STARTING, 2)
+    assert h.rebuilt() == {f.KEY: h.row()}
 
 
 # -- property: random runs against an independent model ------------------------------------------
@@ -405,10 +438,9 @@ def test_a_generation_ready_briefly_after_a_rotation_restart_is_no_stable_run() 
 @pytest.mark.parametrize(
     ("cancel", "why"),
     [
-        (lambda: f.hold(occurred_at=f.at(3)), "held by"),
         (lambda: f.set_restart_policy(restart_policy="Never", occurred_at=f.at(3)), "Never"),
     ],
-    ids=["hold", "never"],
+    ids=["never"],
 )
 def test_a_cancelled_restart_is_not_announced_in_the_reason(cancel: Any, why: str) -> None:
     h = created(policy_spec("OnFailure"))
@@ -528,3 +560,13 @@ def test_a_failed_rotation_restart_meets_the_completion_policy_only_at_the_resta
     decision = h.send(f.failed(f.KEY, 2, "launch"))
     assert [e.type for e in decision.events] == types
     assert h.row().phase is (Phase.DELETING if policy in ("OnFailure", "Always") else Phase.ERROR)
+
+
+def test_the_completion_policy_of_an_exit_while_held_does_not_act_at_the_release() -> None:
+    """What docs/state-machine.md says of holds: an exit while held is not deleted by
+    on_exit=delete, then or at the release (the sandbox stays Completed)."""
+    h = f.Harness()
+    h.send(f.create(on_exit="delete"), f.running(), f.hold())
+    assert [e.type for e in h.send(f.exited(exit_code=0)).events] == ["SandboxCompleted"]
+    assert [e.type for e in h.send(f.release()).events] == ["SandboxReleased"]
+    assert (h.row().phase, h.row().deadline) == (P.COMPLETED, None)

@@ -25,9 +25,11 @@ from projections.credentials import classify, plan, rotation_command_id
 from projections.lifecycle import (
     HELD,
     NO_RESTART,
+    OWED_PHASES,
     RESTART,
     RESTART_PENDING,
     ROTATION_TABLE,
+    Decision,
     rotation_action,
 )
 
@@ -99,7 +101,7 @@ def test_a_rotation_in_each_phase(phase: Phase) -> None:
         assert event.reason == ROTATION_TABLE[phase]
         assert (h.row().phase, h.row().generation) == (phase, before.generation)
         assert h.row().version == before.version + 1
-        assert event.awaits == ({"p": 2} if phase in PENDING else {})
+        assert event.awaits == ({"p": 2} if phase in OWED_PHASES else {})
         assert h.row().awaited == event.awaits
 
 
@@ -265,11 +267,65 @@ def test_a_detached_provider_is_no_longer_awaited() -> None:
     assert [e.type for e in decision.events] == ["SandboxReady"]
 
 
-def test_a_failed_pending_launch_clears_what_it_awaited() -> None:
+def test_a_failed_pending_launch_keeps_what_it_awaited_until_the_next_start() -> None:
     h = f.harness_in(P.READY, providers=["p"])
     h.send(rotate(f.KEY, {"p": 2}), rotate(f.KEY, {"p": 3}))
     h.send(f.failed(f.KEY, 2, "launch"))
-    assert (h.row().phase, h.row().awaited) == (P.ERROR, {})
+    assert (h.row().phase, h.row().awaited) == (P.ERROR, {"p": 3})
+    h.send(f.start(f.KEY))  # a new generation's launch reads the newest values
+    assert (h.row().phase, h.row().generation, h.row().awaited) == (P.STARTING, 3, {})
+
+
+def lift_to_ready(h: f.Harness, phase: Phase) -> Decision:
+    """What makes a generation in ``phase`` Ready again without a launch report: a running
+    snapshot (Error), a failed stop that finds the runtime running (Stopping)."""
+    generation = h.row().generation
+    if phase is P.ERROR:
+        return h.send(f.running(f.KEY, generation))
+    return h.send(f.failed(f.KEY, generation, "stop", observed="running"))
+
+
+@pytest.mark.parametrize("phase", [P.ERROR, P.STOPPING], ids=lambda p: p.value)
+@pytest.mark.parametrize("held", [False, True], ids=["free", "held"])
+def test_a_rotation_deferred_in_error_or_stopping_restarts_a_generation_seen_running_again(
+    phase: Phase, held: bool
+) -> None:
+    """Regression (found by the property test once it sent rotations): a rotation skipped in
+    Error or Stopping ("the new values apply at its next start") was forgotten, and the same
+    generation lifted to Ready (a running snapshot in Error, a failed stop finding it running)
+    ran on the rotated value. Now the rotation is awaited in those phases too, and that Ready
+    restarts at once onto the newest values (skipped, saying so, while held)."""
+    h = f.harness_in(phase, providers=["p"])
+    before = h.row()
+    (skipped,) = h.send(rotate(f.KEY, {"p": 2})).events
+    assert isinstance(skipped, AgentRestartSkipped) and skipped.reason == ROTATION_TABLE[phase]
+    assert h.row().awaited == {"p": 2}
+    if held:
+        h.send(f.hold(f.KEY))
+    d = lift_to_ready(h, phase)
+    if held:
+        assert isinstance(d.events[-1], AgentRestartSkipped) and d.events[-1].reason == HELD
+        assert (h.row().phase, h.row().generation) == (P.READY, before.generation)
+    else:
+        assert isinstance(d.events[-1], AgentRestarted) and d.events[-1].providers == ["p"]
+        assert (h.row().phase, h.row().generation) == (P.STARTING, before.generation + 1)
+    assert h.row().awaited == {}
+    assert h.rebuilt() == {f.KEY: h.row()}
+
+
+@pytest.mark.parametrize("phase", [P.ERROR, P.STOPPING], ids=lambda p: p.value)
+def test_a_detach_in_error_or_stopping_restarts_a_generation_seen_running_again(
+    phase: Phase,
+) -> None:
+    """The same for a detached provider: the generation seen running again may hold its values
+    (what it read is unknown), so it restarts at once without it."""
+    h = f.harness_in(phase, providers=["p", "q"])
+    (detached,) = h.send(f.detach(f.KEY, provider="q")).events
+    assert detached.type == "ProviderDetached" and h.row().awaited == {"q": 0}
+    d = lift_to_ready(h, phase)
+    restarted = d.events[-1]
+    assert isinstance(restarted, AgentRestarted) and restarted.detached == ["q"]
+    assert h.row().providers == ("p",) and h.row().phase is P.STARTING
 
 
 # One sandbox attached to p, q, r, Ready at first. Updates rotate some providers (each bumps

@@ -1,8 +1,9 @@
 """Slow sandboxes cannot starve the others (issue: 64 SIGTERM-ignoring sandboxes with a long
 stop timeout, deleted at once, used to hold every executor slot and Podman thread).
 
-A stop, a delete or a restart's launch may wait out a grace period; it runs in its caller's
-own lane (``executor_slow_per_caller`` at once per caller), never in the shared slots, and the
+A stop, a delete or a restart's launch may wait out a grace period; it never takes the shared
+slots (a delete and an operator's restart run in the caller's own lane,
+``executor_slow_per_caller`` at once per caller; a stop takes no lane at all), and the
 Podman driver gives each lifecycle call its own thread and reads their own pool. These tests
 assert behaviour (another caller's sandbox reaches Ready and Stopped while every stuck one is
 still Deleting); ``services/bench/drivers.py`` prints the latencies.

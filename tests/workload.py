@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import random
+from collections import defaultdict, deque
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
+from typing import Any, cast
 
 import factories as f
 
@@ -11,6 +14,7 @@ from events.commands import Command
 from events.common import Cause
 from projections.fold import fold
 from projections.lifecycle import Sandbox
+from services.processor.intake import entered
 
 BASE_TIME = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -50,3 +54,14 @@ def expected_rows(inputs: list[Command]) -> dict[str, Sandbox]:
     )
     result = fold({}, {}, causes)
     return {k: v for k, v in result.states.items() if v is not None}
+
+
+def as_logged(inputs: list[Command], records: Iterable[Any]) -> list[Command]:
+    """The inputs as the processor reads them from their records (the commands topic, in
+    partition and offset order): a relayed one (a detach, a rotation) as of its append time
+    when that is later than its own (services/processor/intake.py). A key's records are in one
+    partition, in the order its inputs were published."""
+    logged: dict[bytes, deque[Any]] = defaultdict(deque)
+    for record in records:
+        logged[record.key].append(record)
+    return [cast(Command, entered(c, logged[c.key.encode()].popleft())) for c in inputs]

@@ -58,7 +58,8 @@ DEADLINE_TABLE: Final[dict[DeadlineKind, str]] = {
     "delete": "stays Deleting, the delete is asked for again; the next deadline is twice as "
     "far out (up to a ceiling), and `reason` counts the retries",
     "restart": "(Error or Completed: a restart the restart policy scheduled) SandboxStarting "
-    "naming the policy and the attempt: a new generation and identity, as any restart",
+    "naming the policy and the attempt: a new generation and identity, as any restart; "
+    "deferred while held",
     "ttl": "SandboxExpired, then the policy: stop (when the phase admits a stop) or delete "
     "(when it admits a delete); deferred while held",
 }

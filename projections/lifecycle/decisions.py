@@ -96,9 +96,10 @@ from .providers import (
     DETACH_HELD,
     DETACH_RESTART,
     HELD,
+    OWED_PHASES,
     RESTART,
-    RESTART_PENDING,
     ROTATION_RESTART,
+    ROTATION_TABLE,
     detach_action,
     held,
     rotation_action,
@@ -285,7 +286,7 @@ def _rotate(state: Sandbox, command: RotateCredentials, cause: Cause, limits: Li
         why = f"restart for rotated {', '.join(attached)}: generation {event.generation}"
     else:
         awaits: dict[str, int] = {}
-        if action == RESTART_PENDING:
+        if state.phase in OWED_PHASES and action == ROTATION_TABLE[state.phase]:
             for r in command.rotations:
                 if r.provider in attached:
                     awaits[r.provider] = max(r.revision, awaits.get(r.provider, 0))
@@ -345,13 +346,19 @@ def _decide_observation(
     target = OBSERVATION_TABLE[state.phase].get(kind)
     if target is None:
         return ignored(state, f"no effect in phase {state.phase}: {what}")
-    if state.awaited and kind == "running":
+    if state.awaited and kind == "running" and state.phase in (P.PROVISIONING, P.STARTING):
         return ignored(state, f"{what}: awaiting the launch's report of the values it read")
     event = _observation_event(state, obs, kind, target, common_fields(state, obs, cause))
     new_state, events = emit_event(state, event)
     if state.awaited and kind == "launch_succeeded":
         assert isinstance(obs, DriverOperationResult)
-        new_state, events = _restart_if_stale(state, new_state, events, obs, cause, limits)
+        new_state, events = _restart_if_stale(
+            state, new_state, events, obs, obs.credentials, cause, limits
+        )
+    elif state.awaited and new_state.phase is P.READY:  # Error or Stopping seen running again:
+        new_state, events = _restart_if_stale(  # what it read is unknown
+            state, new_state, events, obs, None, cause, limits
+        )
     new_state, events = apply_restart_policy(
         new_state, events, obs, OBSERVED_EXIT.get(kind), cause, limits
     )
@@ -364,15 +371,17 @@ def _restart_if_stale(
     pending: Sandbox,
     state: Sandbox,
     events: tuple[DecidedEvent, ...],
-    obs: DriverOperationResult,
+    obs: Observation,
+    read: dict[str, int] | None,
     cause: Cause,
     limits: Limits,
 ) -> tuple[Sandbox, tuple[DecidedEvent, ...]]:
-    """The launch that ``pending`` awaited reported what it read: restart once more if it
-    missed a rotation decided while it was pending, or read a provider detached meanwhile (the
-    agent must run the newest values, and none of a detached provider)."""
-    stale = sorted(stale_rotations(pending, obs.credentials))
-    gone = stale_detaches(pending, obs.credentials)
+    """The generation that ``pending`` owed rotations or detaches is Ready, having read
+    ``read`` (None: unknown): restart once more if it missed a rotation decided meanwhile, or
+    read a provider detached meanwhile (the agent must run the newest values, and none of a
+    detached provider)."""
+    stale = sorted(stale_rotations(pending, read))
+    gone = stale_detaches(pending, read)
     if not stale and not gone:
         return state, events
     if held(state):  # a hold made meanwhile: the newest values wait for the next start

@@ -39,6 +39,15 @@ from .model import P, Sandbox, is_held
 RESTART: Final = "restart"
 
 
+# The phases whose generation may still be running, or be seen running again, on values older
+# than a rotation (or with a provider detached) decided in them: a pending launch (it may have
+# read before), Error (a running snapshot lifts it to Ready) and Stopping (a failed stop finds
+# it running: Ready again). A rotation or detach that the table defers in these phases is
+# recorded in the row (``awaited``); should that generation become Ready without a launch
+# report that read the newest values, it restarts at once (AgentRestarted; skipped if held).
+OWED_PHASES: Final = (P.PROVISIONING, P.STARTING, P.ERROR, P.STOPPING)
+
+
 RESTART_PENDING: Final = "restart already pending: the pending launch reads the newest values"
 
 
@@ -46,10 +55,12 @@ ROTATION_TABLE: Final[dict[Phase, str]] = {
     P.PROVISIONING: RESTART_PENDING,
     P.STARTING: RESTART_PENDING,
     P.READY: RESTART,
-    P.STOPPING: "stopping: the new values apply at its next start",
+    P.STOPPING: "stopping: the new values apply at its next start (at once if a failed stop "
+    "finds it running)",
     P.STOPPED: "stopped: the new values apply at its next start",
     P.COMPLETED: "completed: the new values apply at its next start",
-    P.ERROR: "in error: the new values apply at its next start",
+    P.ERROR: "in error: the new values apply at its next start (at once if it is seen running "
+    "again)",
     P.DELETING: "being deleted",
 }
 
@@ -104,10 +115,12 @@ DETACH_TABLE: Final[dict[Phase, str]] = {
     P.PROVISIONING: DETACH_PENDING,
     P.STARTING: DETACH_PENDING,
     P.READY: RESTART,
-    P.STOPPING: "stopping: its next start runs without the provider's values",
+    P.STOPPING: "stopping: its next start runs without the provider's values (it restarts at "
+    "once if a failed stop finds it running)",
     P.STOPPED: "stopped: its next start runs without the provider's values",
     P.COMPLETED: "completed: its next start runs without the provider's values",
-    P.ERROR: "in error: its next start runs without the provider's values",
+    P.ERROR: "in error: its next start runs without the provider's values (it restarts at once "
+    "if it is seen running again)",
 }
 
 

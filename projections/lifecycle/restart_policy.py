@@ -29,7 +29,7 @@ from events.trusted import built
 from .deadlines import counted_deadline, launch_deadline, moment_after
 from .emit import common_fields, emit_event, ignored, then_decide
 from .identity import identity_for, next_generation
-from .model import Decision, Limits, Message, Sandbox, is_held
+from .model import Decision, Limits, Message, Sandbox
 from .observations import ObservationKind
 from .restarts import (
     RESTART_LIMIT,
@@ -79,8 +79,7 @@ def apply_restart_policy(
         or exit_kind is None
         or not isinstance(ended, _ENDS_GENERATION)
         or not restarts_on(policy, exit_kind)
-        or is_held(state)
-    ):
+    ):  # held too: the restart is scheduled, and deferred until the release
         return state, events
     exit_code = getattr(ended, "exit_code", None)
     reason = getattr(ended, "reason", None) or f"runtime exited with code {exit_code}"
@@ -153,8 +152,10 @@ def scheduled_restart_due(
     pending = state.deadline
     assert pending is not None and pending.kind == "restart"
     policy = state.spec.restart_policy
-    if policy is None or is_held(state):  # both cancel it at once: defensive
-        return ignored(state, f"not pending: {what}, restart_policy {policy}, hold {state.hold}")
+    if state.hold is not None:
+        return ignored(state, f"held by {state.hold.by}: {what} deferred until released")
+    if policy is None:  # SetRestartPolicy Never cancels it at once: defensive
+        return ignored(state, f"not pending: {what}, restart_policy {policy}")
     generation = next_generation(state)
     event = built(
         SandboxStarting,

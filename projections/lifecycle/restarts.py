@@ -5,9 +5,11 @@ back-off, and what the restart-related events change in a row (``RESTART_CHANGES
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Final, Literal
 
 from events.common import (
+    Deadline,
     LastExit,
     RestartBackoff,
     RestartPolicy,
@@ -18,6 +20,7 @@ from events.decided import (
     RestartPolicyChanged,
     SandboxHeld,
     SandboxReady,
+    SandboxReleased,
     SandboxRestartScheduled,
     SandboxRestartsExhausted,
     SandboxStarting,
@@ -32,7 +35,10 @@ from .model import P, Sandbox
 # the exit's occurred_at plus the back-off (SandboxRestartScheduled); the scheduler's DeadlineDue
 # naming it starts the next generation (SandboxStarting with the policy). With ``max_restarts``
 # restarts in a row made already, the exit ends in Error instead (SandboxRestartsExhausted). A
-# held sandbox is not restarted (its completion policy waits as well).
+# hold defers a scheduled restart, never cancels it: an exit while held schedules it as ever,
+# a DeadlineDue while held changes nothing, and after the release the scheduler's next
+# DeadlineDue restarts it (at once if it fell due meanwhile). (The completion policy of an exit
+# while held still waits.)
 
 
 ExitKind = Literal["exited 0", "exited non-zero", "vanished", "launch failed", "launch timed out"]
@@ -62,7 +68,8 @@ PENDING_RESTART_TABLE: Final[dict[str, str]] = {
     "DeleteSandbox": "cancelled: Deleting replaces the deadline",
     "StartSandbox, RestartSandbox": "cancelled: the operator's new generation starts at once, "
     "and the count of restarts in a row starts again",
-    "HoldSandbox": "cancelled (the reason says so); a release does not schedule it again",
+    "HoldSandbox": "kept, deferred: a DeadlineDue while held changes nothing (the reason says "
+    "so); after ReleaseSandbox the next one restarts it, at once if it fell due meanwhile",
     "SetRestartPolicy": "kept if the new policy would have scheduled it (it restarts after that "
     "exit, and the attempt is within max_restarts), else cancelled (the reason says why)",
     "RotateCredentials": "kept: the restart reads the newest values",
@@ -138,8 +145,32 @@ def _cancel_restart(state: Sandbox, why: str) -> dict[str, Any]:
     return {"deadline": None, "reason": f"{exit_reason}; scheduled restart cancelled: {why}"}
 
 
-def held_cancels(state: Sandbox, e: SandboxHeld) -> dict[str, Any]:
-    return _cancel_restart(state, f"held by {e.hold.by}")
+def _restart_reason(state: Sandbox, deadline: Deadline, policy: str | None) -> str:
+    """The row's reason while a restart waits: the exit's reason and when it restarts."""
+    last = restarts_of(state).last_exit
+    exit_reason = last.reason if last is not None else state.reason
+    when = f"restarts it at {deadline.due_at.isoformat()} (restart {deadline.attempt} in a row)"
+    if state.hold is not None:
+        when += f", once released (held by {state.hold.by})"
+    return f"{exit_reason}; restart_policy {policy} {when}"
+
+
+def held_defers(state: Sandbox, e: SandboxHeld) -> dict[str, Any]:
+    """A scheduled restart stays, deferred until the release; the reason says so."""
+    held = replace(state, hold=e.hold)
+    pending = state.deadline
+    if pending is None or pending.kind != "restart":
+        return {"hold": e.hold}
+    return {"hold": e.hold, "reason": _restart_reason(held, pending, state.spec.restart_policy)}
+
+
+def released(state: Sandbox, e: SandboxReleased) -> dict[str, Any]:
+    """The release: a deferred restart is due again (the reason no longer says held)."""
+    free = replace(state, hold=None)
+    pending = state.deadline
+    if pending is None or pending.kind != "restart":
+        return {"hold": None}
+    return {"hold": None, "reason": _restart_reason(free, pending, state.spec.restart_policy)}
 
 
 def _exited(state: Sandbox, e: SandboxRestartScheduled | SandboxRestartsExhausted) -> Restarts:
@@ -181,16 +212,15 @@ def _policy_changes(state: Sandbox, e: RestartPolicyChanged) -> dict[str, Any]:
     return {"spec": spec}
 
 
-def _scheduled_reason(e: SandboxRestartScheduled) -> str:
-    return (
-        f"{e.reason}; restart_policy {e.policy} restarts it at {e.deadline.due_at.isoformat()} "
-        f"(restart {e.deadline.attempt} in a row)"
-    )
+def _scheduled(state: Sandbox, e: SandboxRestartScheduled) -> dict[str, Any]:
+    restarts = _exited(state, e)
+    exited = replace(state, restarts=restarts)
+    reason = _restart_reason(exited, e.deadline, e.policy)
+    return {"deadline": e.deadline, "reason": reason, "restarts": restarts}
 
 
 RESTART_CHANGES: Final[dict[type[Any], Callable[[Sandbox, Any], dict[str, Any]]]] = {
-    SandboxRestartScheduled: lambda s, e: {"deadline": e.deadline, "reason": _scheduled_reason(e),
-                                           "restarts": _exited(s, e)},
+    SandboxRestartScheduled: _scheduled,
     SandboxRestartsExhausted: lambda s, e: {"phase": P.ERROR, "exit_code": e.exit_code,
                                             "reason": e.reason, "deadline": None,
                                             "restarts": _exited(s, e)},

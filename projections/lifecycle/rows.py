@@ -36,19 +36,17 @@ from events.decided import (
 from projections.records import maker, replaced
 
 from .model import P, Sandbox
-from .providers import restart_reason
+from .providers import OWED_PHASES, restart_reason
 from .restarts import (
     RESTART_CHANGES,
-    held_cancels,
+    held_defers,
+    released,
     restarts_on_ready,
     restarts_on_start,
     started_reason,
 )
 
 # evolve: apply one decided event to a row (used live and by the rebuild from the log)
-
-
-_LAUNCH_PENDING: Final = (P.PROVISIONING, P.STARTING)
 
 
 _new_row = maker(Sandbox)  # every field, in order: Sandbox(...) through its slots
@@ -77,9 +75,10 @@ def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
         updated_at=event.occurred_at,
         **_changes(state, event),
     )
-    # Awaited rotations belong to one pending launch: a new generation or a phase past the
-    # launch (its report decided, or it failed: the next start reads the newest) clears them.
-    if new.awaited and (new.generation != state.generation or new.phase not in _LAUNCH_PENDING):
+    # Awaited rotations belong to one generation that may run on older values: a new
+    # generation, or a phase where it cannot (Ready: decided; Stopped, Completed, Deleting: the
+    # next start reads the newest), clears them.
+    if new.awaited and (new.generation != state.generation or new.phase not in OWED_PHASES):
         new = replace(new, awaited={})
     return new
 
@@ -126,19 +125,19 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
     SandboxExpired: lambda s, e: {"expires_at": None,
                                   "reason": f"Expired: time to live ended ({e.policy})"},
     SandboxExtended: lambda s, e: {"expires_at": e.expires_at},
-    SandboxHeld: lambda s, e: {"hold": e.hold, **held_cancels(s, e)},
-    SandboxReleased: lambda s, e: {"hold": None},
+    SandboxHeld: held_defers,
+    SandboxReleased: released,
     **RESTART_CHANGES,
 }  # fmt: skip
 
 
 def _detached(state: Sandbox, event: ProviderDetached) -> dict[str, Any]:
-    """The provider leaves the row; while a launch is pending, it is awaited (revision 0:
-    that launch must not have read it, DETACH_PENDING)."""
+    """The provider leaves the row; in OWED_PHASES it is awaited (revision 0: the generation
+    must not have read it, DETACH_PENDING)."""
     changes: dict[str, Any] = {
         "providers": tuple(p for p in state.providers if p != event.provider)
     }
-    if state.phase in _LAUNCH_PENDING:
+    if state.phase in OWED_PHASES:
         changes["awaited"] = {event.provider: 0, **state.awaited}
     return changes
 

@@ -1,5 +1,6 @@
 """The HTTP API: commands go to Kafka through ``gateway``; reads come from ``readmodel``
-(PostgreSQL); nothing here calls a driver. Imports services.common and services.audit.
+(PostgreSQL); nothing here calls a driver (logs and files are read and written through
+the backend's sources, never a lifecycle call). Imports services.common and services.audit.
 
 - ``app``: ``create_app`` assembles one router per resource with its dependencies and handlers.
 - ``routes/``: one router per resource (commands, sandboxes, history, watch, providers, audit,
@@ -12,6 +13,7 @@
 - ``gateway``: commands in: publish once, answer retries with the first outcome, wait for it.
 - ``idempotency``: what the API remembers of each command id it took in.
 - ``models``: request and response bodies that are not read-model views; shared declarations.
+- ``files_models``: the bodies, path parameter and error answers of the files routes.
 - ``errors``, ``handlers``: the JSON errors and the exception handlers that answer with them.
 - ``middleware``: request metrics by route template.
 - ``probe``: the readiness probe of Kafka (the input topics' end offsets, the log's identity).

@@ -3,7 +3,8 @@ once (see the package docstring for what each module holds).
 
 ``create_app(settings, pool, publisher, tokens)`` builds the FastAPI application. Commands go
 to Kafka through the gateway; reads only query PostgreSQL; nothing here calls a driver
-(logs are read from the runtime through a log source, never a lifecycle call).
+(logs are read, and files read and written, in the runtime through a log source and a file
+source, never a lifecycle call).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from drivers.files import FilesBackend
 from drivers.logs import LogSource
 from events.publisher import CommandPublisher
 from services.api import console, idempotency
@@ -29,6 +31,7 @@ from services.api.readmodel import ChangeFeed
 from services.api.routes import (
     audit,
     commands,
+    files,
     history,
     lifecycle,
     operations,
@@ -41,11 +44,13 @@ from services.api.routes import (
 )
 from services.common.settings import Settings
 from services.common.tokens import TokenStore
+from services.executor.file_sources import file_source
 from services.executor.log_sources import log_source
 
 # The order of inclusion is the order of the paths in the OpenAPI document.
 ROUTE_MODULES = (
-    commands, lifecycle, sandboxes, logs_routes, history, watch, audit, operations, providers
+    commands, lifecycle, sandboxes, logs_routes, files, history, watch, audit, operations,
+    providers,
 )  # fmt: skip
 
 
@@ -59,11 +64,14 @@ def create_app(
     publish_timeout: float | None = None,
     down: Callable[[], dict[str, str]] | None = None,
     logs: LogSource | None = None,
+    files: FilesBackend | None = None,
 ) -> FastAPI:
-    """``logs``: the runtime's log source (default: the one of ``settings``' driver, closed
-    with the app)."""
+    """``logs``, ``files``: the runtime's log and file sources (default: those of
+    ``settings``' driver, closed with the app)."""
     own_logs = logs is None
     logs = log_source(settings) if logs is None else logs
+    own_files = files is None
+    files = file_source(settings) if files is None else files
     feed = ChangeFeed(pool, poll_interval=poll_interval)
     probe = KafkaProbe(settings, publisher)
     gateway = CommandGateway.of_role(
@@ -96,6 +104,8 @@ def create_app(
             await probe.close()
             if own_logs:
                 await logs.close()
+            if own_files:
+                await files.close()
 
     app = FastAPI(
         title="sandstream",
@@ -107,9 +117,13 @@ def create_app(
     )
     app.state.tokens = tokens
     app.state.feed = feed
-    app.state.api = ApiState(settings, pool, feed, gateway, probe, down, logs)
+    app.state.api = ApiState(settings, pool, feed, gateway, probe, down, logs, files)
     # Last added runs first: metrics see every answer, the guard's 401/403/413 included.
-    app.add_middleware(GuardMiddleware, max_body_bytes=settings.api_max_body_bytes)
+    app.add_middleware(
+        GuardMiddleware,
+        max_body_bytes=settings.api_max_body_bytes,
+        max_upload_bytes=settings.files_max_upload_bytes,
+    )
     app.state.providers = provider_service
     app.add_middleware(MetricsMiddleware)
     install_error_handlers(app)

@@ -3,6 +3,7 @@ check, and the application's shared state (pool, publisher, change feed, gateway
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Final, TypeAlias
@@ -11,6 +12,7 @@ import asyncpg
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from drivers.files import FilesBackend
 from drivers.logs import LogSource
 from services.api.errors import ApiError
 from services.api.gateway import CommandGateway
@@ -19,15 +21,19 @@ from services.api.readmodel import ChangeFeed
 from services.common.settings import Settings
 from services.common.tokens import (
     AUDIT,
+    FILES_READ,
+    FILES_WRITE,
     OPS,
     PROVIDER_READ,
     PROVIDER_WRITE,
     READ,
     WRITE,
     Denied,
+    Grant,
     Principal,
     TokenStore,
     authorize_header,
+    grant_of,
 )
 
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
@@ -38,12 +44,16 @@ SCOPED_PREFIXES: Final = (
     ("/v1/audit/", AUDIT, AUDIT),
     ("/v1/providers", PROVIDER_READ, PROVIDER_WRITE),
 )
+# A sandbox's files: /v1/sandboxes/{name}/files and below.
+FILES_PATH: Final = re.compile(r"^/v1/sandboxes/[^/]+/files(/|$)")
 
 
 def request_scope(method: str, path: str) -> str:
     """The scope a request must hold before anything of it is read or validated: the front
     gate and the answer to a malformed request both ask it (the routes check theirs again)."""
     reading = method in READ_METHODS
+    if FILES_PATH.match(path):
+        return FILES_READ if reading else FILES_WRITE
     for prefix, read_scope, write_scope in SCOPED_PREFIXES:
         if path.startswith(prefix):
             return read_scope if reading else write_scope
@@ -71,6 +81,11 @@ def check_auth(request: Request, scope: str) -> Principal:
     if isinstance(checked, Denied):
         raise denial(checked)
     return checked
+
+
+def grant(request: Request, scope: str) -> Grant:
+    """What a long stream re-checks at every wake: the token it was let in with, and scope."""
+    return grant_of(request.app.state.tokens, request.headers.getlist("authorization"), scope)
 
 
 def require_also(principal: Principal, scope: str, needed_for: str) -> None:
@@ -128,6 +143,8 @@ Auditor = Annotated[Principal, Depends(require(AUDIT))]
 ProviderReader = Annotated[Principal, Depends(require(PROVIDER_READ))]
 ProviderWriter = Annotated[Principal, Depends(require(PROVIDER_WRITE))]
 Operator = Annotated[Principal, Depends(require(OPS))]
+FilesReader = Annotated[Principal, Depends(require(FILES_READ))]
+FilesWriter = Annotated[Principal, Depends(require(FILES_WRITE))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,6 +164,8 @@ class ApiState:
     down: Callable[[], dict[str, str]] | None = None
     # The runtime's logs (GET /v1/sandboxes/{name}/logs); None: this API serves no logs.
     logs: LogSource | None = None
+    # The sandboxes' files (/v1/sandboxes/{name}/files); None: this API serves no files.
+    files: FilesBackend | None = None
 
 
 def api_state(request: Request) -> ApiState:

@@ -6,6 +6,7 @@ bytes pass it) and never parsed."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Final
 
@@ -16,6 +17,9 @@ from services.api.errors import ApiError, error_response
 
 # The JSON API and the console: bodies above the limit are refused under both.
 GUARDED: Final = ("/v1/", "/ui/")
+# A file upload's body is streamed on to the sandbox, never read here: only its declared
+# length is checked, against its own limit (the route counts the bytes as they pass).
+STREAMED_UPLOAD: Final = re.compile(r"^/v1/sandboxes/[^/]+/files/content$")
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -23,9 +27,10 @@ Send = Callable[[Message], Awaitable[None]]
 
 
 class GuardMiddleware:
-    def __init__(self, app: Any, max_body_bytes: int) -> None:
+    def __init__(self, app: Any, max_body_bytes: int, max_upload_bytes: int | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.max_upload_bytes = max_upload_bytes
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         path = str(scope.get("path", ""))
@@ -43,6 +48,14 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         declared = request.headers.get("content-length")
+        if self.max_upload_bytes is not None and STREAMED_UPLOAD.match(path):
+            if declared is not None and (
+                not declared.isdigit() or int(declared) > self.max_upload_bytes
+            ):
+                await _answer(scope, receive, send, upload_too_large(self.max_upload_bytes))
+                return
+            await self.app(scope, receive, send)
+            return
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
             await _answer(scope, receive, send, self._too_large())
             return
@@ -80,6 +93,14 @@ class GuardMiddleware:
             "PAYLOAD_TOO_LARGE",
             f"request body: larger than {self.max_body_bytes} bytes (the API's limit)",
         )
+
+
+def upload_too_large(limit: int) -> ApiError:
+    return ApiError(
+        413,
+        "PAYLOAD_TOO_LARGE",
+        f"upload: larger than {limit} bytes (the files_max_upload_bytes setting)",
+    )
 
 
 async def _answer(scope: Message, receive: Receive, send: Send, error: ApiError) -> None:

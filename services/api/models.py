@@ -148,12 +148,13 @@ WaitQuery = Annotated[
 SSE_EVENT_SCHEMA: Final = {
     "type": "object",
     "properties": {
-        "event": {"type": "string", "enum": ["sandbox", "bookmark"]},
+        "event": {"type": "string", "enum": ["sandbox", "bookmark", "denied"]},
         "id": {"type": "string", "pattern": "^[0-9]+$", "description": "the change_seq"},
         "data": {
             "type": "string",
             "contentMediaType": "application/json",
-            "description": "a SandboxView (event: sandbox) or {cursor} (event: bookmark)",
+            "description": "a SandboxView (event: sandbox), {cursor} (event: bookmark) or "
+            "{status, code, message} (event: denied: the token lapsed; the stream ends)",
         },
         "retry": {"type": "integer"},
     },

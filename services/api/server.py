@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,7 +70,11 @@ async def start_api(
     access_log: bool = True,
     sock: socket.socket | None = None,
     tls: Tls | None = None,
+    trusted_proxies: Sequence[str] = (),
 ) -> RunningApi:
+    """Serve ``app``; X-Forwarded-Proto and -For count only from ``trusted_proxies`` (IP
+    addresses or networks; empty: from no one, so no client can claim https or another
+    address)."""
     sock = sock or bind(host, port)
     actual = sock.getsockname()[1]
     config = uvicorn.Config(
@@ -81,6 +86,8 @@ async def start_api(
         timeout_keep_alive=5,
         ssl_certfile=tls.certfile if tls else None,
         ssl_keyfile=tls.keyfile if tls else None,
+        proxy_headers=bool(trusted_proxies),
+        forwarded_allow_ips=list(trusted_proxies),
     )
     server = ApiServer(config)
     task = await serve_started(server, sock, name="api")

@@ -59,21 +59,26 @@ class Input:
     timestamp: int  # the record's timestamp (ms): a dead letter records it
     key: bytes | None
     value: bytes | None
+    # 1: the broker stamped it on append (LogAppendTime), which a command's time never
+    # precedes (services.processor.intake.entered); 0, CreateTime, is left out of the JSON.
+    timestamp_type: int = 0
 
     def to_json(self) -> dict[str, Any]:
+        kept = {"timestamp_type": self.timestamp_type} if self.timestamp_type else {}
         return {"role": self.role, "partition": self.partition, "offset": self.offset,
-                "timestamp": self.timestamp, "key": _text(self.key),
+                "timestamp": self.timestamp, **kept, "key": _text(self.key),
                 "value": _text(self.value)}  # fmt: skip
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Input:
         return cls(d["role"], d["partition"], d["offset"], d["timestamp"], _bytes(d["key"]),
-                   _bytes(d["value"]))  # fmt: skip
+                   _bytes(d["value"]), d.get("timestamp_type", 0))  # fmt: skip
 
     def record(self) -> ConsumerRecord[bytes, bytes]:
         return ConsumerRecord(
             topic=ROLES[self.role], partition=self.partition, offset=self.offset,
-            timestamp=self.timestamp, timestamp_type=0, key=self.key, value=self.value,
+            timestamp=self.timestamp, timestamp_type=self.timestamp_type, key=self.key,
+            value=self.value,
             checksum=None, serialized_key_size=len(self.key or b""),
             serialized_value_size=len(self.value or b""), headers=(),
         )  # fmt: skip
@@ -238,7 +243,8 @@ async def recorded_inputs(settings: Settings) -> list[Input]:
         r = records.get((e.topic, e.partition, e.offset))
         if r is None:
             raise RuntimeError(f"{e.topic}[{e.partition}]@{e.offset} is no longer in the log")
-        inputs.append(Input(roles[e.topic], e.partition, e.offset, r.timestamp, r.key, r.value))
+        stamped = (r.timestamp, r.key, r.value, r.timestamp_type)
+        inputs.append(Input(roles[e.topic], e.partition, e.offset, *stamped))
     replayed = [
         json.loads(line)["history"]
         for line in replay(inputs, partitions=settings.kafka_partitions)[: len(entries)]

@@ -21,6 +21,7 @@ from events.decided import DecidedEvent
 from projections.fold import Rules, fold
 from projections.lifecycle import DEFAULT_LIMITS, Limits, Sandbox, decide
 from services.audit.entries import Entry
+from services.processor.intake import as_of
 
 # The decided events that carry an intent, and the driver operation the executor runs for it.
 INTENTS = {
@@ -70,7 +71,8 @@ def replay(
             steps.append(Step(entry, state, (), entry.disposition, entry.reason))
             continue
         adapter: Any = COMMANDS if entry.topic == commands_topic else OBSERVATIONS
-        message = decode(adapter, entry.message.encode())
+        # The history keeps the body verbatim and the time it was decided as of.
+        message = as_of(decode(adapter, entry.message.encode()), entry.occurred_at)
         cause = Cause(
             topic=entry.topic,
             partition=entry.partition,

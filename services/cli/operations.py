@@ -84,7 +84,8 @@ def up_command(
         bool,
         typer.Option(
             "--openshell-allow-unauthenticated",
-            help="accept OpenShell calls without a token (loopback only, for local use)",
+            help="accept OpenShell calls without a token (loopback only, for local use; they "
+            "hold SANDSTREAM_OPENSHELL_UNAUTHENTICATED_SCOPES)",
         ),
     ] = False,
 ) -> None:

@@ -185,6 +185,8 @@ def _await_phase(
             }
             try:
                 for event, _, data in client.events(params, read_timeout=remaining + 30):
+                    if event == "denied":  # the token lapsed: following again would be refused
+                        fail(data["message"])
                     if event != "sandbox":
                         continue
                     last = data
@@ -485,6 +487,8 @@ def logs(
         params["tail"] = tail
     try:
         for line in client_of(ctx).json_lines(f"/v1/sandboxes/{name}/logs", params):
+            if "denied" in line:  # the token lapsed while following
+                fail(line["denied"]["message"])
             target = sys.stderr if line["stream"] == "stderr" else sys.stdout
             print(line["text"], file=target, flush=True)
     except StreamBroken as exc:
@@ -523,6 +527,8 @@ def watch(
             for event, event_id, data in client.events(params, read_timeout=(remaining or 0) + 60):
                 if event_id is not None:
                     position = event_id
+                if event == "denied":  # the token lapsed: resuming would be refused
+                    fail(data["message"])
                 if event != "sandbox":
                     continue
                 if output is Output.json:

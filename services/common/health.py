@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,24 @@ from services.common.tokens import OPS, Denied, TokenStore, authorize_header, se
 
 # A readiness check answering later than this counts as not ready.
 READINESS_TIMEOUT = 5.0
+PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+class _NoProbes(logging.Filter):
+    """Leaves the probes' requests out of the access log. uvicorn has one access logger per
+    process, and its ``access_log=False`` switches it off for every server in the process (the
+    API role's requests went unlogged)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        path = str(args[2]).partition("?")[0] if isinstance(args, tuple) and len(args) > 2 else ""
+        return path not in PROBE_PATHS
+
+
+def _quiet_probes() -> None:
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, _NoProbes) for f in access.filters):
+        access.addFilter(_NoProbes())
 
 
 @dataclass(frozen=True)
@@ -124,8 +143,12 @@ async def start_health(
     sock = bind(host, port)
     actual = sock.getsockname()[1]
     tokens = _tokens(tokens_file)
+    _quiet_probes()
     config = uvicorn.Config(
-        health_app(role, readiness, tokens), log_config=None, access_log=False, lifespan="off"
+        health_app(role, readiness, tokens),
+        log_config=None,
+        lifespan="off",
+        proxy_headers=False,  # uvicorn believes X-Forwarded-* from 127.0.0.1 by default
     )
     server = EmbeddedServer(config)
     task = await serve_started(server, sock, name="health")

@@ -179,15 +179,16 @@ async def apply_updates(
             change = classify(update.name, applied, desired)
             revision = row["revision"] if row is not None else 0
             incarnation = row["incarnation"] if row is not None else uuid4()
-            if row is None:
-                revision = 1
+            if row is None:  # after the revisions of the name's earlier incarnations
+                revision = 1 + await _revision_floor(conn, update.name)
                 await conn.execute(
                     "INSERT INTO providers (name, type, revision, created_at, updated_at, "
-                    "incarnation) VALUES ($1, $2, 1, $3, $3, $4)",
+                    "incarnation) VALUES ($1, $2, $5, $3, $3, $4)",
                     update.name,
                     update.type or "generic",
                     now,
                     incarnation,
+                    revision,
                 )
             elif change.changed:
                 revision += 1
@@ -246,7 +247,26 @@ async def reapply(conn: Conn, name: str, key: str, now: datetime) -> Applied:
 
 
 async def delete_provider(conn: Conn, name: str) -> bool:
-    return bool(await conn.fetchval("DELETE FROM providers WHERE name = $1 RETURNING true", name))
+    """Delete it, remembering its last revision: one created again under the name goes on
+    from there, so revisions compare across incarnations (migration 0139)."""
+    last = await conn.fetchval("DELETE FROM providers WHERE name = $1 RETURNING revision", name)
+    if last is None:
+        return False
+    await conn.execute(
+        "INSERT INTO provider_revision_floors (name, revision) VALUES ($1, $2) "
+        "ON CONFLICT (name) DO UPDATE "
+        "SET revision = greatest(provider_revision_floors.revision, EXCLUDED.revision)",
+        name,
+        last,
+    )
+    return True
+
+
+async def _revision_floor(conn: Conn, name: str) -> int:
+    floor = await conn.fetchval(
+        "SELECT revision FROM provider_revision_floors WHERE name = $1", name
+    )
+    return int(floor or 0)
 
 
 async def attached_sandboxes(conn: Conn, providers: Iterable[str]) -> list[Sandbox]:

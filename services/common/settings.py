@@ -7,6 +7,7 @@ overridden by an environment variable named ``SANDSTREAM_<FIELD>`` (e.g.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 from functools import cached_property
@@ -164,8 +165,9 @@ class Settings(BaseSettings):
 
     # Executor and reconciler (services/executor.py, services/watcher.py)
     executor_concurrency: int = Field(default=64, ge=1)  # driver calls in flight at once
-    # Slow calls (stop, delete, a restart's launch: they may wait out a grace period) run in
-    # their caller's own lane, at most this many at once per caller (token name).
+    # Slow calls (delete, an operator's restart's launch: they may wait out a grace period) run
+    # in their caller's own lane, at most this many at once per caller (token name); stops and
+    # rotation restarts take none (services/executor/intents.py, takes_lane).
     executor_slow_per_caller: int = Field(default=16, ge=1)
     # Per caller (token name) exceptions to it, e.g. SANDSTREAM_EXECUTOR_SLOW_CALLERS='{"ci": 4}'.
     executor_slow_callers: dict[str, int] = Field(default_factory=dict)
@@ -218,13 +220,25 @@ class Settings(BaseSettings):
     api_tls_keyfile: Path | None = None
     # The CA a client (the CLI) verifies the API's certificate with (default: the system's).
     api_ca_file: Path | None = None
+    # The proxies (IP addresses or networks, comma-separated) whose X-Forwarded-Proto and
+    # X-Forwarded-For the API believes: the scheme (https: the console's cookie is Secure) and
+    # the client address it logs. Empty (the default): no one's; a header from any other peer
+    # changes nothing (docs/security.md).
+    api_forwarded_allow_ips: str = ""
     # OpenShell-compatible gRPC API (services/openshell/), run by `sandstream up` when enabled.
     openshell_enabled: bool = True
     openshell_host: str = "127.0.0.1"
     openshell_port: int = Field(default=8788, ge=0, le=65535)
-    # Calls without a bearer token act as a local admin: for local use (OpenShell's conformance
-    # suite sends no credentials); refused unless openshell_host is a loopback address.
+    # Calls without a bearer token act as the local principal `openshell-local`: for local use
+    # (OpenShell's conformance suite sends no credentials); refused unless openshell_host is a
+    # loopback address. That principal holds openshell_unauthenticated_scopes (comma-separated):
+    # by default sandboxes' reads and commands, not exec, providers or audit (any local user
+    # could use them).
     openshell_allow_unauthenticated: bool = False
+    # With the API's certificate the gRPC API speaks TLS too; false keeps it plaintext
+    # (OpenShell's CLI connects to an https gateway only with mutual-TLS files of its own).
+    openshell_tls: bool = True
+    openshell_unauthenticated_scopes: str = "sandbox:read,sandbox:write"
     # Exec over the OpenShell API: the longest a command may run (also when the client sets no
     # limit), the sessions one token may have open at once, and all sessions at once (each
     # holds a thread reading Podman's stream while it runs).
@@ -236,6 +250,11 @@ class Settings(BaseSettings):
     # Request bodies above this are refused (413) unread; it stays below Kafka's message size
     # limit (1 MiB), so an accepted command always fits in a record.
     api_max_body_bytes: int = Field(default=512 * 1024, ge=1024)
+    # Files (/v1/sandboxes/{name}/files): an upload above this is refused with 413 (from its
+    # Content-Length at once, or once the streamed bytes pass it); a listing answers at most
+    # this many entries (saying when there were more).
+    files_max_upload_bytes: int = Field(default=1024 * 1024 * 1024, ge=1024)
+    files_list_max_entries: int = Field(default=10_000, ge=1, le=1_000_000)
     # The longest grace period (stop_timeout_seconds) a create may ask for, unless its token
     # sets its own max_stop_timeout_seconds (tokens file).
     api_max_stop_timeout_seconds: int = Field(default=600, ge=0, le=3600)
@@ -264,6 +283,37 @@ class Settings(BaseSettings):
             delete_backoff_max_seconds=self.delete_retry_max_seconds,
             restart_reset_seconds=self.restart_reset_seconds,
         )
+
+    @field_validator("api_forwarded_allow_ips", mode="after")
+    @classmethod
+    def _proxy_addresses(cls, value: str) -> str:
+        for entry in filter(None, (e.strip() for e in value.split(","))):
+            try:
+                ipaddress.ip_network(entry)  # an address is a network of one
+            except ValueError:
+                raise ValueError(
+                    f"{entry!r} is neither an IP address nor a network (e.g. 10.0.0.0/8): "
+                    "only the proxies' addresses are trusted, never a name or '*'"
+                ) from None
+        return value
+
+    @property
+    def trusted_proxies(self) -> tuple[str, ...]:
+        """api_forwarded_allow_ips as a list (empty: forwarded headers are never read), each
+        IPv4 entry also as IPv6-mapped (how an API listening on ``::`` sees IPv4 peers)."""
+        entries = [e.strip() for e in self.api_forwarded_allow_ips.split(",") if e.strip()]
+        networks = [ipaddress.ip_network(e) for e in entries]
+        mapped = [
+            f"::ffff:{n.network_address}/{96 + n.prefixlen}" for n in networks if n.version == 4
+        ]
+        return (*entries, *mapped)
+
+    @property
+    def openshell_local_scopes(self) -> frozenset[str]:
+        """The scopes of an unauthenticated OpenShell call (when those are allowed); the
+        OpenShell server refuses to start with an unknown one."""
+        given = self.openshell_unauthenticated_scopes.split(",")
+        return frozenset(s.strip() for s in given if s.strip())
 
     @field_validator("pg_password", mode="after")
     @classmethod

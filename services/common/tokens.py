@@ -22,6 +22,7 @@ compared with every stored hash with ``hmac.compare_digest``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import hashlib
@@ -32,11 +33,11 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from services.common import secret_files
 from services.common.settings import Settings
@@ -47,6 +48,11 @@ WRITE: Final = "sandbox:write"
 # agent sees: its attached providers' values included. So it is a scope of its own, never
 # implied by sandbox:write (a tokens file made before it existed gives it to no token).
 EXEC: Final = "sandbox:exec"
+# Files inside a sandbox: reading shows what the agent's files hold (its secrets included:
+# /run/secrets/sandstream/ holds its providers' values); writing changes what the agent runs.
+# Neither is implied by sandbox:read/write (a tokens file made before them gives them to none).
+FILES_READ: Final = "files:read"
+FILES_WRITE: Final = "files:write"
 AUDIT: Final = "audit:read"  # the audit routes: whole histories, exports, chain checks
 # Providers: reading shows names, key names and fingerprints (never values); writing sets
 # values, deletes providers, and is needed (with sandbox:write) to attach or detach one.
@@ -54,10 +60,13 @@ PROVIDER_READ: Final = "provider:read"
 PROVIDER_WRITE: Final = "provider:write"
 # Operations: /metrics and the checks of /readyz (addresses, lag, errors of the parts).
 OPS: Final = "ops:read"
-SCOPES: Final = (READ, WRITE, EXEC, AUDIT, PROVIDER_READ, PROVIDER_WRITE, OPS)
+SCOPES: Final = (
+    READ, WRITE, EXEC, FILES_READ, FILES_WRITE, AUDIT, PROVIDER_READ, PROVIDER_WRITE, OPS
+)  # fmt: skip
 TOKEN_PREFIX: Final = "sst_"
 
 log = logging.getLogger("sandstream.tokens")
+T = TypeVar("T")
 
 
 class TokenFileError(RuntimeError):
@@ -190,6 +199,60 @@ class TokenStore:
         if scope not in found.scopes:
             return Denied(403, f"token {found.name!r} lacks the scope {scope}")
         return Principal(found.name, found.scopes, found.max_stop_timeout)
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A check made when a long stream opened, kept to be made again: a watch asks ``lapsed``
+    at every wake, so a token revoked, expired or stripped of the scope (or a tokens file no
+    longer valid) ends the stream at its next wake rather than when it closes. ``value`` None:
+    a call that sent no token and was let in without one (nothing to revoke)."""
+
+    tokens: TokenStore
+    value: str | None
+    scope: str
+
+    def lapsed(self) -> Denied | None:
+        """Why the stream's token no longer holds its scope, or None while it does."""
+        if self.value is None:
+            return None
+        checked = self.tokens.authorize(self.value, self.scope)
+        return checked if isinstance(checked, Denied) else None
+
+
+async def while_granted(
+    items: AsyncIterator[T], grant: Grant, every: float
+) -> AsyncIterator[T | Denied]:
+    """``items`` for as long as ``grant`` holds: it is checked before each item and every
+    ``every`` seconds while none comes; once it lapses, why (a Denied) is the last item."""
+    source = aiter(items)
+    pending: asyncio.Future[T] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(source))
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if (lapsed := grant.lapsed()) is not None:
+                yield lapsed
+                return
+            if not done:
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield item
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+
+
+def grant_of(tokens: TokenStore, headers: Sequence[str], scope: str) -> Grant:
+    """The grant of a request that ``authorize_header`` let in (its one bearer token)."""
+    header = the_header(headers)
+    value = bearer_of(header) if isinstance(header, str) else None
+    return Grant(tokens, value or "", scope)  # "" never holds: fail closed
 
 
 MISSING_TOKEN: Final = "missing bearer token (Authorization: Bearer <token>)"

@@ -19,4 +19,5 @@ observations: the processor decides.
 - ``driver_side``: ``DriverSide``, executor + watcher + reconciler around one driver.
 - ``backends``: the drivers built from the settings.
 - ``log_sources``: the runtime log readers of the configured backends (for the API's logs).
+- ``file_sources``: the file sources of the configured backends (for the API's files routes).
 """

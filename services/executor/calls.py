@@ -20,7 +20,7 @@ from services.common import metrics
 from services.common.providers import LaunchValues
 from services.common.settings import Settings
 from services.executor.clock import Clock
-from services.executor.intents import Dropped, Intent, is_slow, unwanted
+from services.executor.intents import Dropped, Intent, is_slow, takes_lane, unwanted
 from services.executor.progress import Ownership, WorkItem
 from services.executor.rows import Pool, read_row
 
@@ -144,11 +144,14 @@ class DriverCalls:
             metrics.DRIVER_CALLS.labels("kill", "failed").inc()
             log.error("kill of %s generation %d failed: %r", event.key, event.generation, exc)
 
-    def _lane(self, intent: Intent) -> asyncio.Semaphore:
+    def _lane(self, intent: Intent) -> asyncio.Semaphore | None:
         """Where the call waits its turn: a shared slot, or its caller's own lane when it may
-        wait out a grace period (so slow sandboxes of one caller never hold the others up)."""
+        wait out a grace period (so slow sandboxes of one caller never hold the others up);
+        None for a stop or a rotation or detach restart, which wait for nothing (``takes_lane``)."""
         if not is_slow(intent):
             return self._slots
+        if not takes_lane(intent):
+            return None
         lane = self._lanes.get(intent.actor)
         if lane is None:
             width = self.settings.executor_slow_callers.get(intent.actor, self.slow_per_caller)
@@ -162,7 +165,8 @@ class DriverCalls:
         lane = self._lane(item.intent)
         self.waiting += 1
         try:
-            await lane.acquire()
+            if lane is not None:
+                await lane.acquire()
         finally:
             self.waiting -= 1
         try:
@@ -181,7 +185,8 @@ class DriverCalls:
             finally:
                 self.running -= 1
         finally:
-            lane.release()
+            if lane is not None:
+                lane.release()
 
     async def _driver_call(self, intent: Intent) -> CallResult:
         try:

@@ -9,8 +9,10 @@ queue and a worker per sandbox), ``calls`` (one driver call, its row check and r
 - **Serial per sandbox, concurrent across sandboxes, bounded.** Each key has its own queue and
   worker task, so a 30-second delete of A never delays B. Fast calls (a create's launch) share
   ``max_concurrency`` slots; slow ones (stop, delete, a start's or restart's launch, which may
-  wait out a grace period) run in their caller's own lane, ``slow_per_caller`` at once per
-  actor, so one caller's stuck sandboxes never hold a slot anyone else needs. Waiting for a
+  wait out a grace period) never do: deletes and an operator's starts and restarts run in
+  their caller's own lane, ``slow_per_caller`` at once per actor, so one caller's stuck
+  sandboxes never hold a slot anyone else needs; stops and rotation or detach restarts, whose
+  deadlines leave no room for a wait, take no lane (``intents.takes_lane``). Waiting for a
   slot or a lane, or a retry back-off, holds nothing else up.
 - **The poll loop never waits for the driver.** It only decodes and enqueues; driver calls run
   in the workers, so a slow call cannot get the consumer evicted from its group.

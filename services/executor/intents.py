@@ -23,6 +23,7 @@ from events.decided import (
 )
 from events.observations import Operation
 from projections.lifecycle import Sandbox
+from projections.lifecycle.providers import DETACH_RESTART, ROTATION_RESTART
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,9 @@ class Intent:
     # A stop of the current generation's runtime running under a Stopped row (the reconcile
     # loop's ``stop_stray``): wanted while the row is Stopped at that generation.
     stray: bool = False
+    # The launch of a rotation or detach restart (AgentRestarted): it takes no lane, so one
+    # provider change's restarts never wait behind one another (``takes_lane``).
+    for_providers: bool = False
 
 
 def intent_of(event: DecidedEvent) -> Intent | None:
@@ -61,6 +65,7 @@ def intent_of(event: DecidedEvent) -> Intent | None:
                 base,
                 launch=LaunchSpec.from_event(event),
                 previous_generation=event.previous_generation,
+                for_providers=isinstance(event, AgentRestarted),
             )
         case SandboxStopping():
             return replace(base, operation="stop")
@@ -82,8 +87,14 @@ def intent_of_row(row: Sandbox, actor: str = "reconciler") -> Intent | None:
             spec = LaunchSpec(row.key, row.sandbox_id, row.generation, row.identity, row.spec)
             if row.phase is Phase.PROVISIONING:
                 return replace(base, launch=spec)
-            # A start or restart: generations of one incarnation count up one at a time.
-            return replace(base, launch=spec, previous_generation=row.generation - 1)
+            # A start or restart: generations of one incarnation count up one at a time. The
+            # row's reason tells a rotation or detach restart (restart_reason) from the others.
+            return replace(
+                base,
+                launch=spec,
+                previous_generation=row.generation - 1,
+                for_providers=(row.reason or "").startswith((ROTATION_RESTART, DETACH_RESTART)),
+            )
         case Phase.STOPPING:
             return replace(base, operation="stop")
         case Phase.DELETING:
@@ -135,6 +146,17 @@ def is_slow(intent: Intent) -> bool:
     """Operations that may wait out a grace period (stop, delete, a launch replacing an older
     generation): they run in their caller's lane, never in the shared slots."""
     return intent.operation != "launch" or intent.previous_generation is not None
+
+
+def takes_lane(intent: Intent) -> bool:
+    """Whether a slow call waits for its caller's lane: a delete, and the launch of a start or
+    restart an operator asked for. Two slow calls do not, because a deadline counts from their
+    decision and leaves no room for a wait of k / width grace periods behind the caller's
+    others (docs/drivers.md): a stop (grace period + margin, then a kill, which came before
+    the SIGTERM of a stop still waiting) and a rotation or detach restart (grace period + retry
+    window + launch timeout: one provider change restarts every attached sandbox under one
+    caller). They are bounded by the driver alone."""
+    return is_slow(intent) and intent.operation != "stop" and not intent.for_providers
 
 
 def supersedes(later: Intent, earlier: Intent) -> bool:

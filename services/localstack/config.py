@@ -151,9 +151,12 @@ def min_insync_replicas(settings: Settings) -> int:
 def topic_configs(settings: Settings) -> dict[str, str]:
     """Configs every project topic is created with: retention explicit (forever by default),
     never left to the broker's default, since a replay needs the log from offset 0; on a
-    cluster, the replicas an acknowledged write needs."""
+    cluster, the replicas an acknowledged write needs; and the broker's append time on every
+    record, from which the processor counts a command's time (a command published late, after
+    an outage, takes effect when it enters the log: services/processor/intake.py)."""
     return {
         "retention.ms": str(settings.kafka_retention_ms),
+        "message.timestamp.type": "LogAppendTime",
         "retention.bytes": "-1",
         "min.insync.replicas": str(min_insync_replicas(settings)),
     }

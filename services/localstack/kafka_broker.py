@@ -10,6 +10,7 @@ import subprocess
 import time
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from services.common.kafka_clients import TLS_PROTOCOLS, kafka_client_args
 from services.common.settings import Settings
@@ -32,6 +33,7 @@ from services.localstack.processes import (
 START_TIMEOUT = 90.0
 TOPICS_READY_TIMEOUT = 30.0
 TOPIC_ALREADY_EXISTS = 36  # Kafka error code
+DYNAMIC_TOPIC_CONFIG = 1  # a config entry's source: set on the topic itself
 
 
 def _tls_problem(settings: Settings) -> str | None:
@@ -174,10 +176,14 @@ async def _list_topics(settings: Settings) -> list[str]:
 
 
 def ensure_topics(settings: Settings) -> None:
-    """Create the missing project topics and wait for their leaders; StackError if not."""
+    """Create the missing project topics and wait for their leaders; StackError if not. Topics
+    made before they recorded the broker's append time are switched to it."""
     created = asyncio.run(_create_topics(settings))
     if created:
         say(f"kafka: created topics {', '.join(created)}")
+    switched = asyncio.run(_log_append_time(settings))
+    if switched:
+        say(f"kafka: {', '.join(switched)} now record the broker's append time")
     say(f"kafka: topics ready ({settings.kafka_partitions} partitions each)")
 
 
@@ -205,6 +211,38 @@ async def _create_topics(settings: Settings) -> list[str]:
                     raise StackError(f"kafka: creating topic {topic} failed ({code}): {message}")
         await _wait_topics_ready(admin, settings)
         return missing
+    finally:
+        await admin.close()
+
+
+async def _log_append_time(settings: Settings) -> list[str]:
+    """Set message.timestamp.type=LogAppendTime on the project topics that lack it (the
+    processor counts a command's time from it: cfg.topic_configs). AlterConfigs replaces a
+    topic's whole set, so the topic's own other settings are sent along unchanged."""
+    wanted = "message.timestamp.type"
+    admin = AIOKafkaAdminClient(**kafka_client_args(settings, "admin"))
+    await admin.start()
+    try:
+        topics = [ConfigResource(ConfigResourceType.TOPIC, t) for t in settings.topics]
+        own: dict[str, dict[str, str]] = {}
+        for response in await admin.describe_configs(topics):
+            for _, _, _, name, entries in response.resources:
+                own[name] = {e[0]: e[1] for e in entries if e[3] == DYNAMIC_TOPIC_CONFIG}
+        stale = [t for t in settings.topics if own.get(t, {}).get(wanted) != "LogAppendTime"]
+        if stale:
+            changes = [
+                ConfigResource(ConfigResourceType.TOPIC, t, {**own[t], wanted: "LogAppendTime"})
+                for t in stale
+            ]
+            for response in await admin.alter_configs(changes):
+                for code, message, _, topic in response.resources:
+                    if code:
+                        raise StackError(
+                            f"kafka: setting message.timestamp.type=LogAppendTime on {topic} "
+                            f"failed ({code}): {message}; set it with kafka-configs.sh (see "
+                            "docs/operations.md, Retention) or grant the admin role AlterConfigs"
+                        )
+        return stale
     finally:
         await admin.close()
 

@@ -6,6 +6,10 @@ running local stack (topics, consumer groups and PostgreSQL schema of its own), 
 runs OpenShell's conformance runner (``$OPENSHELL_CONFORMANCE``) N times in a row, then
 removes what is left (sandboxes, the environment) and exits non-zero unless every run passed.
 ``--cli`` runs the scripted session with OpenShell's CLI (``$OPENSHELL_CLI``) instead.
+
+With a :class:`GatewayTls` the gateway serves TLS and the runner connects over https: it
+insists on a client certificate (``--tls-cert``, ``--tls-key``) for https, and any pair does,
+since the gateway asks for none (server authentication only).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Final
 import grpc
 
 from services.common.settings import PROJECT_ROOT, Settings, load_settings
+from services.common.tokens import SCOPES
 from services.localstack.isolation import isolated
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto import openshell_pb2_grpc
@@ -61,14 +66,36 @@ def tool(env_name: str) -> Path:
 
 
 @dataclass(frozen=True)
+class GatewayTls:
+    ca: Path  # what the gateway's certificate chains to
+    cert: Path  # the gateway's certificate and key (the HTTP API's too)
+    key: Path
+    client_cert: Path  # the runner's: any pair (the gateway asks for none)
+    client_key: Path
+
+    def runner_args(self) -> list[str]:
+        return ["--tls-ca", str(self.ca), "--tls-cert", str(self.client_cert),
+                "--tls-key", str(self.client_key)]  # fmt: skip
+
+
+@dataclass(frozen=True)
 class RunningUp:
     settings: Settings
-    endpoint: str  # http://127.0.0.1:PORT of the OpenShell gRPC API
+    endpoint: str  # http(s)://127.0.0.1:PORT of the OpenShell gRPC API
     log: Path
 
 
-async def _healthy(address: str, deadline: float, process: asyncio.subprocess.Process) -> None:
-    async with grpc.aio.insecure_channel(address) as channel:
+def _channel(address: str, tls: GatewayTls | None) -> grpc.aio.Channel:
+    if tls is None:
+        return grpc.aio.insecure_channel(address)
+    trusting = grpc.ssl_channel_credentials(root_certificates=tls.ca.read_bytes())
+    return grpc.aio.secure_channel(address, trusting)
+
+
+async def _healthy(
+    address: str, deadline: float, process: asyncio.subprocess.Process, tls: GatewayTls | None
+) -> None:
+    async with _channel(address, tls) as channel:
         stub = openshell_pb2_grpc.OpenShellStub(channel)
         while True:
             if process.returncode is not None:
@@ -82,9 +109,9 @@ async def _healthy(address: str, deadline: float, process: asyncio.subprocess.Pr
                 await asyncio.sleep(0.2)  # polling a port that is not open yet: no event to wait on
 
 
-async def _delete_all(address: str, deadline: float) -> None:
+async def _delete_all(address: str, deadline: float, tls: GatewayTls | None) -> None:
     """Delete every sandbox left (a failed scenario may leave some) and wait until gone."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with _channel(address, tls) as channel:
         stub = openshell_pb2_grpc.OpenShellStub(channel)
         while time.monotonic() < deadline:
             left = (await stub.ListSandboxes(pb.ListSandboxesRequest(), timeout=10)).sandboxes
@@ -100,7 +127,9 @@ async def _delete_all(address: str, deadline: float) -> None:
 
 
 @contextlib.asynccontextmanager
-async def up_process(settings: Settings, log_path: Path) -> AsyncIterator[RunningUp]:
+async def up_process(
+    settings: Settings, log_path: Path, tls: GatewayTls | None = None
+) -> AsyncIterator[RunningUp]:
     """``sandstream up --no-stack`` with ``settings``, stopped (SIGTERM) after; its output
     appended to ``log_path``."""
     env = {**os.environ, **settings.as_env()}
@@ -118,8 +147,9 @@ async def up_process(settings: Settings, log_path: Path) -> AsyncIterator[Runnin
         )
         address = f"127.0.0.1:{settings.openshell_port}"
         try:
-            await _healthy(address, time.monotonic() + UP_TIMEOUT, process)
-            yield RunningUp(settings, f"http://{address}", log_path)
+            await _healthy(address, time.monotonic() + UP_TIMEOUT, process, tls)
+            scheme = "https" if tls else "http"
+            yield RunningUp(settings, f"{scheme}://{address}", log_path)
         finally:
             if process.returncode is None:
                 process.send_signal(signal.SIGTERM)
@@ -131,38 +161,49 @@ async def up_process(settings: Settings, log_path: Path) -> AsyncIterator[Runnin
 
 
 @contextlib.asynccontextmanager
-async def isolated_up_settings(base: Settings, scratch: Path) -> AsyncIterator[Settings]:
+async def isolated_up_settings(
+    base: Settings, scratch: Path, tls: GatewayTls | None = None
+) -> AsyncIterator[Settings]:
     """The settings of a `sandstream up` in an isolated environment of its own (free ports,
-    unauthenticated local OpenShell calls), removed after."""
+    unauthenticated local OpenShell calls, ``tls``'s certificate), removed after."""
     async with isolated(base, "osc-") as (settings, _pool):
+        certificate = {"api_tls_certfile": tls.cert, "api_tls_keyfile": tls.key} if tls else {}
         yield settings.model_copy(
             update={
                 "api_port": free_port(),
                 "openshell_port": free_port(),
                 "openshell_allow_unauthenticated": True,
+                # The suite and the CLI session exec in sandboxes and manage providers.
+                "openshell_unauthenticated_scopes": ",".join(SCOPES),
                 "run_dir": scratch / "run",
+                **certificate,
             }
         )
 
 
 @contextlib.asynccontextmanager
-async def running_up(base: Settings, scratch: Path) -> AsyncIterator[RunningUp]:
+async def running_up(
+    base: Settings, scratch: Path, tls: GatewayTls | None = None
+) -> AsyncIterator[RunningUp]:
     """``sandstream up --no-stack`` in an isolated environment; the sandboxes left are deleted,
     then it is stopped and the environment removed."""
     async with (
-        isolated_up_settings(base, scratch) as settings,
-        up_process(settings, scratch / "up.log") as up,
+        isolated_up_settings(base, scratch, tls) as settings,
+        up_process(settings, scratch / "up.log", tls) as up,
     ):
         address = f"127.0.0.1:{settings.openshell_port}"
         try:
             yield up
         finally:
-            await _delete_all(address, time.monotonic() + 120)
+            await _delete_all(address, time.monotonic() + 120, tls)
 
 
-def run_suite(runner: Path, endpoint: str, timeout: float = RUN_TIMEOUT) -> int:
+def run_suite(
+    runner: Path, endpoint: str, timeout: float = RUN_TIMEOUT, tls: GatewayTls | None = None
+) -> int:
+    tls_args = tls.runner_args() if tls else []
     result = subprocess.run(
-        [str(runner), "run", "--gateway-endpoint", endpoint, "--timeout", "300"],
+        [str(runner), "run", "--gateway-endpoint", endpoint, "--timeout", "300", *tls_args],
         timeout=timeout,
         check=False,
     )

@@ -1,7 +1,8 @@
 """The OpenShell-compatible gRPC server (grpcio's asyncio server), in `up` or as its own role.
 
 ``start_openshell`` serves an :class:`OpenShellService` on ``host:port``, over TLS with the
-HTTP API's certificate when the settings name one. ``sandstream up``
+HTTP API's certificate when the settings name one (unless ``openshell_tls`` is false: OpenShell's
+CLI connects to an https gateway only with mutual-TLS files of its own). ``sandstream up``
 runs it beside the HTTP API and shares its command gateway (the publisher), pool and change
 feed; ``python -m services.openshell`` runs it alone (with its own, and a Podman driver).
 
@@ -30,7 +31,7 @@ from services.api.server import Tls
 from services.common.entrypoint import run_until_signalled
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
-from services.common.tokens import TokenStore
+from services.common.tokens import SCOPES, TokenStore
 from services.openshell.exec_rpc import ExecLimits
 from services.openshell.handlers import OpenShellService
 from services.openshell.service import Authenticator, Door, Pool
@@ -70,6 +71,12 @@ def check_settings(settings: Settings) -> None:
             "unauthenticated OpenShell calls are for local use only: openshell_host "
             f"{settings.openshell_host!r} is not a loopback address"
         )
+    unknown = sorted(settings.openshell_local_scopes - set(SCOPES))
+    if unknown:
+        raise OpenShellConfigError(
+            f"openshell_unauthenticated_scopes: unknown scopes {', '.join(unknown)} "
+            f"(known: {', '.join(SCOPES)})"
+        )
 
 
 @dataclass
@@ -100,7 +107,9 @@ async def start_openshell(
     door = Door(
         pool=pool,
         gateway=gateway,
-        auth=Authenticator(tokens, settings.openshell_allow_unauthenticated),
+        auth=Authenticator(
+            tokens, settings.openshell_allow_unauthenticated, settings.openshell_local_scopes
+        ),
         driver=driver if isinstance(driver, ExecDriver) else None,
         logs=logs,
         providers=ProviderService(settings, pool, gateway),
@@ -122,7 +131,13 @@ async def start_openshell(
         else f"{host}:{settings.openshell_port}"
     )
     hint = "set SANDSTREAM_OPENSHELL_PORT (--openshell-port) or turn it off (--no-openshell)"
-    tls = Tls.of(settings)  # the HTTP API's certificate, when it has one
+    # the HTTP API's certificate, when it has one and openshell_tls leaves it on
+    tls = Tls.of(settings) if settings.openshell_tls else None
+    if tls is None and not is_loopback(host):
+        log.warning(
+            "the OpenShell API listens on %s without TLS: tokens cross the network in clear",
+            host,
+        )
     try:
         if tls is None:
             port = server.add_insecure_port(target)

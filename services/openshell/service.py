@@ -37,14 +37,23 @@ from services.api.gateway import CommandGateway, CommandTooLarge, PublishFailed,
 from services.api.idempotency import IdempotencyConflict
 from services.api.providers import ProviderService
 from services.api.readmodel import SandboxView
-from services.common.tokens import SCOPES, Denied, Principal, TokenStore, the_header
+from services.common.tokens import (
+    READ,
+    WRITE,
+    Denied,
+    Grant,
+    Principal,
+    TokenStore,
+    grant_of,
+    the_header,
+)
 from services.openshell import mapping
 
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
 Context: TypeAlias = grpc.aio.ServicerContext[object, object]
 
 COMMAND_ID_KEY: Final = "sandstream-command-id"
-LOCAL_PRINCIPAL: Final = Principal("openshell-local", frozenset(SCOPES))
+LOCAL_NAME: Final = "openshell-local"  # the actor of unauthenticated calls' commands
 OUTCOME_WAIT: Final = 30.0  # seconds an RPC waits for the processor to decide its command
 _COMMAND_ID = re.compile(COMMAND_ID_PATTERN)
 
@@ -89,12 +98,18 @@ async def abort(context: Context, code: grpc.StatusCode, message: str) -> NoRetu
 class Authenticator:
     """Bearer tokens from the metadata (``authorization: Bearer <token>``), as the HTTP API.
 
-    With ``allow_unauthenticated``, a call without credentials acts as a local admin; a call
-    with credentials is always checked.
+    With ``allow_unauthenticated``, a call without credentials acts as the local principal
+    holding ``local_scopes`` (by default sandboxes' reads and commands: not exec, not providers);
+    a call with credentials is always checked.
     """
 
     tokens: TokenStore
     allow_unauthenticated: bool = False
+    local_scopes: frozenset[str] = frozenset({READ, WRITE})
+
+    @property
+    def local(self) -> Principal:
+        return Principal(LOCAL_NAME, self.local_scopes)
 
     def check(
         self, authorization: Sequence[str], scope: str
@@ -106,7 +121,7 @@ class Authenticator:
         scheme, _, value = header.partition(" ")
         if not header:
             if self.allow_unauthenticated:
-                return LOCAL_PRINCIPAL
+                return self._local(scope)
             return grpc.StatusCode.UNAUTHENTICATED, "missing bearer token (authorization metadata)"
         if scheme.lower() != "bearer" or not value.strip():
             return (
@@ -115,11 +130,35 @@ class Authenticator:
             )
         checked = self.tokens.authorize(value.strip(), scope)
         if isinstance(checked, Denied):
-            status = grpc.StatusCode.UNAUTHENTICATED
-            if checked.status == 403:
-                status = grpc.StatusCode.PERMISSION_DENIED
-            return status, checked.message
+            return status_of(checked), checked.message
         return checked
+
+    def grant(self, authorization: Sequence[str], scope: str) -> Grant:
+        """What a long stream that ``check`` let in re-checks (nothing, if it sent no token)."""
+        if not the_header(authorization):
+            return Grant(self.tokens, None, scope)
+        return grant_of(self.tokens, authorization, scope)
+
+    def _local(self, scope: str) -> Principal | tuple[grpc.StatusCode, str]:
+        if scope in self.local_scopes:
+            return self.local
+        granted = ", ".join(sorted(self.local_scopes)) or "no scope"
+        return (
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"a call without a token holds {granted} here, not {scope}: send a token with "
+            "that scope (or add it to SANDSTREAM_OPENSHELL_UNAUTHENTICATED_SCOPES)",
+        )
+
+
+def status_of(denied: Denied) -> grpc.StatusCode:
+    if denied.status == 403:
+        return grpc.StatusCode.PERMISSION_DENIED
+    return grpc.StatusCode.UNAUTHENTICATED
+
+
+def _authorization(context: Context) -> list[str]:
+    sent = context.invocation_metadata() or ()
+    return [v for k, v in sent if k.lower() == "authorization" and isinstance(v, str)]
 
 
 def metadata_of(context: Context) -> dict[str, str]:
@@ -173,12 +212,14 @@ class Door:
     outcome_wait: float = OUTCOME_WAIT
 
     async def authorize(self, context: Context, scope: str) -> Principal:
-        sent = context.invocation_metadata() or ()
-        given = [v for k, v in sent if k.lower() == "authorization" and isinstance(v, str)]
-        checked = self.auth.check(given, scope)
+        checked = self.auth.check(_authorization(context), scope)
         if isinstance(checked, Principal):
             return checked
         await abort(context, *checked)
+
+    def grant(self, context: Context, scope: str) -> Grant:
+        """The check an authorized stream makes again at every wake (``Grant.lapsed``)."""
+        return self.auth.grant(_authorization(context), scope)
 
     async def command_id(self, context: Context, request_id: str = "") -> str | None:
         """The client's id for this command: ``request_id`` or the metadata; None if neither."""

@@ -14,6 +14,11 @@ stream ends with RESOURCE_EXHAUSTED (as OpenShell ends a watch that lagged behin
 again without a cursor. With ``follow_logs``, the runtime's output lines are sent too (the
 last ``log_tail_lines`` first, at most MAX_LINES; every line when 0), as they are written,
 until the runtime stops.
+
+The call's token is checked again every RECHECK seconds (and before each message): once it is
+revoked, expires or no longer holds ``sandbox:read``, the stream ends with UNAUTHENTICATED (or
+PERMISSION_DENIED) saying why. A call let in without a token (the local unauthenticated mode)
+has nothing to re-check.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Final
 
 import grpc
 
@@ -36,8 +42,10 @@ from services.openshell.logs import MAX_LINES, log_message
 from services.openshell.proto import served_pb2
 from services.openshell.proto.vendored.v0_0_116 import openshell_pb2 as os_0_0
 from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os_0_1
-from services.openshell.service import Context, Door, abort
+from services.openshell.service import Context, Door, abort, status_of
 from services.openshell.wire import Generation
+
+RECHECK: Final = 1.0  # seconds at most between two checks of an open watch's token
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +118,7 @@ class WatchRpcs:
         incarnation), with ``stop_on_terminal`` at READY or ERROR, or (logs only) when the
         runtime's output ends."""
         await self.door.authorize(context, READ)
+        grant = self.door.grant(context, READ)
         try:
             request = watch_request(raw)
         except wire.Malformed as exc:
@@ -136,7 +145,11 @@ class WatchRpcs:
         last = "logs" if len(tasks) == 1 and request.follow_logs else "status"
         try:
             while True:
-                item = await queue.get()
+                item = await _next(queue)
+                if (lapsed := grant.lapsed()) is not None:
+                    await abort(context, status_of(lapsed), f"watch ended: {lapsed.message}")
+                if item is None:
+                    continue
                 if isinstance(item, served_pb2.SandboxStreamEvent):
                     yield item
                     continue
@@ -186,6 +199,14 @@ class WatchRpcs:
             await queue.put(served_pb2.SandboxStreamEvent(warning=warning))
         finally:
             await queue.put(_End("logs"))
+
+
+async def _next(queue: asyncio.Queue[_Item]) -> _Item | None:
+    """The next item, or None after RECHECK seconds without one (the token is due a check)."""
+    try:
+        return await asyncio.wait_for(queue.get(), RECHECK)
+    except TimeoutError:
+        return None
 
 
 class _Ended(Exception):

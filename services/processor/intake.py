@@ -10,14 +10,15 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 from aiokafka import ConsumerRecord, TopicPartition
 
 from events.codec import COMMANDS, OBSERVATIONS, DecodeError, check_key, decode, storable
-from events.commands import CommandBase
+from events.commands import CommandBase, DetachProvider, RotateCredentials
 from events.common import Cause
 from events.deadletter import key_text
+from events.observations import DeadlineDue
 from events.topics import MAX_INPUT_BYTES, partition_for
 from events.trusted import builder
 from projections.chain import ChainId, chain_of
@@ -55,6 +56,35 @@ def record_time(record: Record) -> datetime:
     return datetime.fromtimestamp(record.timestamp / 1000, tz=UTC)
 
 
+# A record's timestamp_type when the broker stamped it as it appended it (the topic's
+# message.timestamp.type=LogAppendTime; 0 is CreateTime, the producer's word).
+LOG_APPEND_TIME: Final = 1
+
+
+# Inputs that may reach the log long after their time, sent until Kafka takes them, whose
+# time is only when they fall to be decided: the commands a provider change owes its sandboxes
+# (stored with the change, sent by the provider outbox: docs/adr/0007) and the scheduler's
+# DeadlineDue (kept through an outage by publish_until_sent). Every other command is stamped
+# by its door right before it is published; every other observation carries when it was seen.
+RELAYED: Final = (RotateCredentials, DetachProvider, DeadlineDue)
+
+
+def as_of(message: Message, logged_at: datetime | None) -> Message:
+    """A relayed input as of when it entered the log (``logged_at``) when that is later than
+    its own time: what the fold computes from its time (a restart's launch deadline, an
+    expiry's stop deadline) counts from when it could be decided, not from before an outage."""
+    if logged_at is None or not isinstance(message, RELAYED) or message.occurred_at >= logged_at:
+        return message
+    return message.model_copy(update={"occurred_at": logged_at})
+
+
+def entered(message: Message, record: Record) -> Message:
+    """``as_of`` the broker's append time, when the topic records it. Time still enters
+    through the log: the append time is the record's, so a replay decides the same."""
+    logged = record_time(record) if record.timestamp_type == LOG_APPEND_TIME else None
+    return as_of(message, logged)
+
+
 def parse(
     record: Record,
     commands_topic: str,
@@ -88,7 +118,7 @@ def parse(
         )
     command_id = message.command_id if isinstance(message, CommandBase) else None
     cause = _cause(record.topic, record.partition, record.offset, message.type, command_id)
-    return Parsed(record, cause, message)
+    return Parsed(record, cause, entered(message, record))
 
 
 def too_large(size: int, max_bytes: int) -> str:

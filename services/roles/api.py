@@ -41,7 +41,11 @@ class ApiRole:
             await publisher.__aenter__()
             app = create_app(self.settings, pool, publisher, tokens)
             api = self.api = await start_api(
-                app, self.settings.api_host, self.settings.api_port, tls=Tls.of(self.settings)
+                app,
+                self.settings.api_host,
+                self.settings.api_port,
+                tls=Tls.of(self.settings),
+                trusted_proxies=self.settings.trusted_proxies,
             )
             self.started = True
             stopper = asyncio.create_task(stop.wait())

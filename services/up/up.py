@@ -226,7 +226,8 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
         app = create_app(
             settings, pool, publisher, TokenStore.from_file(tokens.tokens_file), down=plane.down
         )
-        api = await start_api(app, settings.api_host, settings.api_port, sock=sock, tls=tls)
+        api = await start_api(app, settings.api_host, settings.api_port, sock=sock, tls=tls,
+                              trusted_proxies=settings.trusted_proxies)  # fmt: skip
         if settings.openshell_enabled:
             # A second door: the API's command gateway, pool and change feed, the same driver.
             openshell = await start_openshell(
@@ -344,7 +345,8 @@ def _openshell_line(settings: Settings, openshell: RunningOpenShell | None) -> s
     scheme = "grpcs" if openshell.tls else "grpc"
     line = f"{scheme}://{openshell.address}   (OpenShell's gRPC API)"
     if settings.openshell_allow_unauthenticated:
-        line += "  unauthenticated local calls allowed"
+        scopes = ", ".join(sorted(settings.openshell_local_scopes)) or "no scope"
+        line += f"  unauthenticated local calls allowed ({scopes})"
     return line
 
 

@@ -32,7 +32,7 @@ from services.api.console.render import part
 from services.api.console.sandbox import SANDBOX_PARTS, checked_name, checked_position
 from services.api.console.session import COOKIE, Viewer, reader, token_store
 from services.api.deps import ApiState, api_state
-from services.common.tokens import READ, Denied
+from services.common.tokens import READ, Grant
 
 MIN_GAP: Final = 0.5  # seconds at least between two updates of one page
 HEARTBEAT: Final = 15.0  # seconds between comments that keep a quiet stream open
@@ -50,8 +50,7 @@ def sse(event: str, data: object, event_id: str | None = None) -> str:
 
 
 def still_signed_in(request: Request) -> bool:
-    value = request.cookies.get(COOKIE, "")
-    return not isinstance(token_store(request).authorize(value, READ), Denied)
+    return Grant(token_store(request), request.cookies.get(COOKIE, ""), READ).lapsed() is None
 
 
 async def follow(request: Request, state: ApiState, update: Update) -> AsyncIterator[str]:

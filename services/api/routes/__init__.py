@@ -11,4 +11,5 @@
 - ``providers``: providers (create, list, replace credentials, delete), attach and detach.
 
 - ``logs``: a sandbox's output, read from its runtime, never stored.
+- ``files``: a sandbox's files: upload, download, list, stat, mkdir, remove, move.
 """

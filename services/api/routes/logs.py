@@ -1,7 +1,10 @@
 """A sandbox's output: read from its runtime (Podman's container log, the Pod's log), never
 stored. JSON Lines, one ``{"at", "stream", "text"}`` per line of output; with ``follow=true``
-the answer stays open and streams new lines as they are written, until the runtime stops or
-the client leaves. Readable with ``sandbox:read`` (docs/security.md says what that shows)."""
+the answer stays open and streams new lines as they are written, until the runtime stops,
+the client leaves, or its token lapses (checked every second, as the watches do: revoked,
+expired, no longer holding ``sandbox:read``): then a last line ``{"denied": {"status",
+"code", "message"}}`` says why. Readable with ``sandbox:read`` (docs/security.md says what
+that shows)."""
 
 from __future__ import annotations
 
@@ -10,16 +13,19 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from drivers.logs import MAX_TAIL, LogLine, LogsUnavailable
 from services.api import readmodel
-from services.api.deps import Reader, State
+from services.api.deps import Reader, State, grant
 from services.api.errors import ApiError, query_time
 from services.api.models import NamePath, responses
+from services.api.routes.watch import denied_body
+from services.common.tokens import READ, Denied, while_granted
 
 router = APIRouter()
+RECHECK = 1.0  # seconds at most between two checks of a followed log's token
 
 
 def line_json(line: LogLine) -> str:
@@ -32,7 +38,8 @@ def line_json(line: LogLine) -> str:
     responses={
         200: {
             "description": "one JSON object per line of output: `at`, `stream` (stdout or "
-            "stderr), `text`",
+            "stderr), `text`; a followed log whose token lapses ends with "
+            '`{"denied": {status, code, message}}`',
             "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
         },
         **responses(401, 403, 404, 422, 503),
@@ -41,6 +48,7 @@ def line_json(line: LogLine) -> str:
     tags=["sandboxes"],
 )
 async def sandbox_logs(
+    request: Request,
     name: NamePath,
     principal: Reader,
     state: State,
@@ -61,12 +69,17 @@ async def sandbox_logs(
     except LogsUnavailable as exc:
         raise ApiError(503, "UNAVAILABLE", f"logs of {name!r}: {exc}") from exc
 
+    held = grant(request, READ)
+
     async def body() -> AsyncIterator[str]:
         if first is None:
             return
         yield line_json(first)
         try:
-            async for line in lines:
+            async for line in while_granted(lines, held, RECHECK):
+                if isinstance(line, Denied):
+                    yield json.dumps({"denied": denied_body(line, "logs")}) + "\n"
+                    return
                 yield line_json(line)
         except LogsUnavailable:
             return  # the runtime's stream broke off after the answer began: it ends here

@@ -1,5 +1,10 @@
 """The watches: row changes (``/v1/watch``, a change_seq cursor) and every decided event
-(``/v1/watch/events``, an outbox id cursor) as server-sent events, resumable from a cursor."""
+(``/v1/watch/events``, an outbox id cursor) as server-sent events, resumable from a cursor.
+
+A stream re-checks its token at every wake (at least once per poll interval of the change
+feed, 1 s): once the token is revoked, expired or no longer holds ``sandbox:read``, or the
+tokens file is not valid, it sends ``event: denied`` (``{"status", "code", "message"}``, as
+the error body of a refused request) and ends."""
 
 from __future__ import annotations
 
@@ -11,18 +16,19 @@ from dataclasses import dataclass
 from typing import Annotated, Final
 from uuid import UUID
 
-from fastapi import APIRouter, Header, Query
+from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
 from events.common import INT32_MAX, INT64_MAX, SANDBOX_NAME_PATTERN
 from projections.store import DATABASE_ERRORS
 from services.api import readmodel
-from services.api.deps import Reader, State
+from services.api.deps import Reader, State, grant
 from services.api.errors import ApiError
 from services.api.models import SSE_EVENT_SCHEMA, responses
 from services.api.readmodel import ChangeFeed
 from services.common import metrics
 from services.common.database import Pool
+from services.common.tokens import READ, Denied, Grant
 
 log = logging.getLogger("sandstream.api")
 
@@ -38,7 +44,8 @@ router = APIRouter()
     responses={
         200: {
             "description": "server-sent events: `event: sandbox` with the row as data and "
-            "`id:` its change_seq; `event: bookmark` every 15 s",
+            "`id:` its change_seq; `event: bookmark` every 15 s; `event: denied` (then the "
+            "end) once the token is revoked, expires or loses sandbox:read",
             "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
         },
         **responses(401, 403, 422),
@@ -47,6 +54,7 @@ router = APIRouter()
     tags=["sandboxes"],
 )
 async def watch(
+    request: Request,
     principal: Reader,
     state: State,
     cursor: Annotated[
@@ -84,6 +92,7 @@ async def watch(
             include_deleted,
             timeout,
             Narrow(incarnation, generation),
+            grant(request, READ),
         ),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -103,6 +112,17 @@ def _sse(event: str, data: str, event_id: int | None = None) -> str:
     return f"{head}event: {event}\ndata: {data}\n\n"
 
 
+def denied_body(denied: Denied, what: str) -> dict[str, object]:
+    """Why a stream whose token lapsed ended (the body of a 401 or 403 answer, and status)."""
+    code = "UNAUTHENTICATED" if denied.status == 401 else "PERMISSION_DENIED"
+    return {"status": denied.status, "code": code, "message": f"{what} ended: {denied.message}"}
+
+
+def denied_event(denied: Denied) -> str:
+    """The last event of a watch whose token lapsed."""
+    return _sse("denied", json.dumps(denied_body(denied, "watch")))
+
+
 async def watch_stream(
     pool: Pool,
     feed: ChangeFeed,
@@ -111,6 +131,7 @@ async def watch_stream(
     include_deleted: bool,
     timeout: float | None,
     narrow: Narrow | None = None,
+    grant: Grant | None = None,
 ) -> AsyncIterator[str]:
     narrow = narrow or Narrow()
     loop = asyncio.get_running_loop()
@@ -122,6 +143,9 @@ async def watch_stream(
         live_only = start is None and not include_deleted  # the first replay is a list
         last_sent = loop.time()
         while not feed.closed:
+            if grant is not None and (lapsed := grant.lapsed()) is not None:
+                yield denied_event(lapsed)
+                return
             mark = feed.mark()
             horizon = await feed.horizon(mark)
             if horizon is not None:
@@ -156,13 +180,14 @@ async def watch_stream(
 DECIDED_EVENT_SCHEMA: Final = {
     "type": "object",
     "properties": {
-        "event": {"type": "string", "enum": ["decided", "gap", "bookmark"]},
+        "event": {"type": "string", "enum": ["decided", "gap", "bookmark", "denied"]},
         "id": {"type": "string", "pattern": "^[0-9]+$", "description": "the sequence number"},
         "data": {
             "type": "string",
             "contentMediaType": "application/json",
             "description": "a decided event (event: decided), {cursor, retained_from, message} "
-            "(event: gap) or {cursor} (event: bookmark)",
+            "(event: gap), {cursor} (event: bookmark) or {status, code, message} (event: "
+            "denied)",
         },
         "retry": {"type": "integer"},
     },
@@ -177,7 +202,8 @@ DECIDED_EVENT_SCHEMA: Final = {
             "description": "server-sent events: `event: decided` with a decided event (as "
             "published on the events topic) as data and `id:` its sequence number, in commit "
             "order; `event: gap` when the cursor is older than what is retained; `event: "
-            "bookmark` every 15 s",
+            "bookmark` every 15 s; `event: denied` (then the end) once the token is revoked, "
+            "expires or loses sandbox:read",
             "content": {"text/event-stream": {"schema": DECIDED_EVENT_SCHEMA}},
         },
         **responses(401, 403, 422),
@@ -186,6 +212,7 @@ DECIDED_EVENT_SCHEMA: Final = {
     tags=["sandboxes"],
 )
 async def watch_events(
+    request: Request,
     principal: Reader,
     state: State,
     cursor: Annotated[
@@ -220,6 +247,7 @@ async def watch_events(
             name,
             Narrow(incarnation, generation),
             timeout,
+            grant(request, READ),
         ),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -250,6 +278,7 @@ async def decided_stream(
     names: list[str],
     narrow: Narrow,
     timeout: float | None,
+    grant: Grant | None = None,
 ) -> AsyncIterator[str]:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout if timeout else None
@@ -266,6 +295,9 @@ async def decided_stream(
             cursor = oldest - 1
         last_sent = loop.time()
         while not feed.closed:
+            if grant is not None and (lapsed := grant.lapsed()) is not None:
+                yield denied_event(lapsed)
+                return
             mark = feed.mark()
             horizon = await readmodel.event_horizon(pool)
             while horizon is not None and horizon > cursor:

@@ -219,6 +219,46 @@ kubernetesDriver.apiServer.host overrides the one the kubelet injects.
 {{- end }}
 {{- end -}}
 
+{{/*
+The API's certificate and key from the api.tls.secretName Secret (kubernetes.io/tls), written
+like the tokens file into the run directory, the key with mode 0600: sandstream refuses a key
+file others can read, and a Secret volume's files are group-readable under an fsGroup. A
+renewed certificate takes effect when the pods restart.
+*/}}
+{{- define "sandstream.tlsInit" -}}
+{{- $v := .Values -}}
+- name: tls
+  image: {{ include "sandstream.image" . }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  command: ["sh", "-c", "umask 077 && printf '%s' \"$CERT\" > /run/sandstream/tls.crt && printf '%s' \"$KEY\" > /run/sandstream/tls.key"]
+  env:
+    - name: CERT
+      valueFrom:
+        secretKeyRef:
+          name: {{ $v.api.tls.secretName | quote }}
+          key: tls.crt
+    - name: KEY
+      valueFrom:
+        secretKeyRef:
+          name: {{ $v.api.tls.secretName | quote }}
+          key: tls.key
+  securityContext:
+    {{- toYaml $v.securityContext | nindent 4 }}
+  resources:
+    requests: {cpu: 10m, memory: 16Mi}
+    limits: {memory: 64Mi}
+  volumeMounts:
+    - name: run
+      mountPath: /run/sandstream
+{{- end -}}
+
+{{- define "sandstream.tlsEnv" -}}
+- name: SANDSTREAM_API_TLS_CERTFILE
+  value: /run/sandstream/tls.crt
+- name: SANDSTREAM_API_TLS_KEYFILE
+  value: /run/sandstream/tls.key
+{{- end -}}
+
 {{- define "sandstream.probes" -}}
 startupProbe:
   httpGet:
