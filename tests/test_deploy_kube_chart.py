@@ -3,8 +3,9 @@
 containerd), the roles as Pods on the host's network against the local stack's Kafka and
 PostgreSQL in an isolated environment of this test's own (services/localstack/kube_chart.py
 says which values that takes). A sandbox created through the in-cluster API runs as a real Pod
-on the same node; its output is read through the API (the API Pod's token, the chart's Role),
-it is deleted, and ``helm uninstall`` leaves nothing of the release."""
+on the same node; its output is read through the HTTP API (the API Pod's token, the chart's Role)
+and through OpenShell's gRPC API beside it; it is deleted, and ``helm uninstall`` leaves nothing
+of the release."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import json
 import uuid
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 from deploy_support import current_image, wait_api_ready
@@ -24,6 +26,8 @@ from services.localstack.cluster import free_port_run
 from services.localstack.isolation import isolated
 from services.localstack.kube_node import NODE_NAME
 from services.localstack.kube_play import PLAYED_ROLES, LocalDeployment, Ports
+from services.openshell.proto.vendored.v0_1_5 import datamodel_pb2 as dm1
+from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os1
 
 # Minutes on a busy two-core machine: the image's import, then every role's first start.
 pytestmark = [pytest.mark.deploy, pytest.mark.timeout(1200)]
@@ -108,6 +112,8 @@ async def _sandbox_round_trip(admin: Admin, deployment: kube_chart.ClusterDeploy
 
         lines = await eventually(output, bool, timeout=30, interval=0.5, what=f"{name}'s output")
         assert lines == ["hello from the pod"]
+        # the same through OpenShell's gRPC API, the API Pod's second container
+        assert await _openshell_logs(deployment, token, name) == ["hello from the pod"]
 
         deleted = await api.delete(f"/v1/sandboxes/{name}", params={"wait": 60})
         assert deleted.status_code == 200, deleted.text
@@ -119,6 +125,23 @@ async def _sandbox_round_trip(admin: Admin, deployment: kube_chart.ClusterDeploy
                          what=f"{name} deleted")  # fmt: skip
         await eventually(lambda: admin.pods(ns, name), lambda found: not found, timeout=60,
                          what=f"{name}'s Pod removed")  # fmt: skip
+
+
+async def _openshell_logs(
+    deployment: kube_chart.ClusterDeployment, token: str, name: str
+) -> list[str]:
+    request = os1.GetSandboxLogsRequest(
+        sandbox=name, workspace_scope=dm1.WorkspaceSelector(workspace="default")
+    )
+    target = f"127.0.0.1:{deployment.local.ports.openshell}"
+    async with grpc.aio.insecure_channel(target) as channel:
+        rpc = channel.unary_unary(
+            "/openshell.v1.OpenShell/GetSandboxLogs",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=os1.GetSandboxLogsResponse.FromString,
+        )
+        answer = await rpc(request, metadata=[("authorization", f"Bearer {token}")], timeout=60)
+    return [line.message for line in answer.logs]
 
 
 async def _node_ready(admin: Admin) -> None:
