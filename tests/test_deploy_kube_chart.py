@@ -33,6 +33,7 @@ from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os1
 pytestmark = [pytest.mark.deploy, pytest.mark.timeout(1200)]
 START_HINT = "run `make k8s-node` (python -m services.localstack.kubernetes up --real-node)"
 INSTANCE, COMPONENT = "app.kubernetes.io/instance", "app.kubernetes.io/component"
+PG_SERVICE = {"metadata": {"name": "sandstream-pg"}, "spec": {"ports": [{"port": 5432}]}}
 # An agent that says hello and ends at once on SIGTERM (its trap runs within a second).
 AGENT = ["sh", "-c", "trap 'exit 0' TERM; echo hello from the pod; while :; do sleep 1; done"]
 
@@ -54,6 +55,9 @@ async def test_the_chart_on_the_real_node_serves_a_sandbox_pod_and_its_logs(
             deployment = kube_chart.ClusterDeployment(
                 LocalDeployment(env, release=release, ports=ports), ns, cluster_kubeconfig(settings)
             )
+            # A Service of the namespace whose kubelet variable reads as a setting
+            # (SANDSTREAM_PG_PORT=tcp://...), as the release "sandstream"'s own sandstream-api does
+            await admin.core.create_namespaced_service(ns, PG_SERVICE)
             try:
                 await kube_chart.up(deployment)  # --wait: every role's Pods Ready
                 roles = await _pods(admin, ns, f"{INSTANCE}={release},{COMPONENT}!=prepare")

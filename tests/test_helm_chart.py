@@ -151,6 +151,20 @@ def test_the_placement_values_reach_every_role_and_the_prepare_job(settings: Set
             assert not {"nodeSelector", "tolerations"} & set(obj["spec"]["template"]["spec"])
 
 
+def test_no_pod_gets_the_services_variables_which_read_as_sandstream_settings(
+    settings: Settings,
+) -> None:
+    """The kubelet gives a pod ``<SERVICE>_PORT=tcp://<ip>:<port>`` for every Service of its
+    namespace: the release ``sandstream``'s own Service ``sandstream-api`` makes
+    SANDSTREAM_API_PORT, which the roles read as their ``api_port`` setting and refused to start
+    on (found on the real node)."""
+    objects = render(settings, ALL_ROLES, release="sandstream")
+    assert "sandstream-api" in of_kind(objects, "Service")
+    pods = [o["spec"]["template"]["spec"] for o in objects if o["kind"] in ("Deployment", "Job")]
+    assert len(pods) == len(ROLES) + 1
+    assert all(pod.get("enableServiceLinks") is False for pod in pods)
+
+
 def test_the_api_server_address_is_given_to_the_containers_with_the_driver_token(
     settings: Settings,
 ) -> None:
