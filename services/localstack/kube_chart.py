@@ -9,7 +9,7 @@ Secrets in the namespace (those of kube_play: each role's SCRAM credential, the 
 password, a new credentials key, a new tokens file whose admin token it writes to
 ``<state_dir>/kube-play/<release>/admin.token``), and runs ``helm install --wait``: the prepare
 hook Job, then every role's Deployment until its Pods are Ready. ``down`` uninstalls the release
-(waiting for its Pods to go) and deletes the Secrets; the namespace stays.
+and deletes the Secrets, then waits until the release's Pods are gone; the namespace stays.
 
 What the local cluster needs of the chart's values, and why:
 
@@ -31,6 +31,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from services.localstack.kube_play import CHART, LocalDeployment, merged
 from services.localstack.kubernetes import kubeconfig_path
 
 INSTALL_TIMEOUT = 600  # seconds: the prepare Job and every role's first start, on a busy machine
+PODS_GONE_TIMEOUT = 120.0  # seconds: a role drains within its 75 s grace period
 TOLERATION = {"key": TAINT_KEY, "operator": "Equal", "value": "true", "effect": "NoSchedule"}
 
 
@@ -136,12 +138,12 @@ async def up(deployment: ClusterDeployment, timeout: int = INSTALL_TIMEOUT) -> N
 
 
 async def down(deployment: ClusterDeployment, timeout: int = INSTALL_TIMEOUT) -> None:
-    """Uninstall the release and delete the Secrets. The deletion cascades in the foreground:
-    a Deployment is gone only once its Pods are (the default, background, returns while they
-    are still draining)."""
+    """Uninstall the release, delete the Secrets, and wait until the release's Pods are gone:
+    ``helm uninstall --wait`` returns once its own objects are, while the Pods the garbage
+    collector deletes after them may still be draining."""
     result = await asyncio.to_thread(
         helm, deployment, "uninstall", deployment.release, "--ignore-not-found",
-        "--cascade", "foreground", "--wait", "--timeout", f"{timeout}s",
+        "--wait", "--timeout", f"{timeout}s",
     )  # fmt: skip
     async with core_api(deployment.kubeconfig) as core:
         for name in deployment.local.secret_names().values():
@@ -150,8 +152,23 @@ async def down(deployment: ClusterDeployment, timeout: int = INSTALL_TIMEOUT) ->
             except client.ApiException as exc:
                 if exc.status != 404:
                     raise
-    if result.returncode != 0:
-        raise ChartError(f"helm uninstall failed:\n{result.stderr.strip()}")
+        if result.returncode != 0:
+            raise ChartError(f"helm uninstall failed:\n{result.stderr.strip()}")
+        await _wait_pods_gone(core, deployment, PODS_GONE_TIMEOUT)
+
+
+async def _wait_pods_gone(
+    core: client.CoreV1Api, deployment: ClusterDeployment, timeout: float
+) -> None:
+    selector = f"app.kubernetes.io/instance={deployment.release}"
+    deadline = time.monotonic() + timeout
+    while pods := (
+        await core.list_namespaced_pod(deployment.namespace, label_selector=selector)
+    ).items:
+        if time.monotonic() > deadline:
+            names = [p.metadata.name for p in pods]
+            raise ChartError(f"the release's Pods still there after {timeout:.0f}s: {names}")
+        await asyncio.sleep(0.5)  # the poll interval; the deadline above bounds the wait
 
 
 def helm(deployment: ClusterDeployment, *args: str) -> subprocess.CompletedProcess[str]:
