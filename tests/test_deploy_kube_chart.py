@@ -33,7 +33,7 @@ from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os1
 pytestmark = [pytest.mark.deploy, pytest.mark.timeout(1200)]
 START_HINT = "run `make k8s-node` (python -m services.localstack.kubernetes up --real-node)"
 INSTANCE, COMPONENT = "app.kubernetes.io/instance", "app.kubernetes.io/component"
-PG_SERVICE = {"metadata": {"name": "sandstream-pg"}, "spec": {"ports": [{"port": 5432}]}}
+API_SERVICE = {"metadata": {"name": "sandstream-api"}, "spec": {"ports": [{"port": 8787}]}}
 # An agent that says hello and ends at once on SIGTERM (its trap runs within a second).
 AGENT = ["sh", "-c", "trap 'exit 0' TERM; echo hello from the pod; while :; do sleep 1; done"]
 
@@ -55,9 +55,9 @@ async def test_the_chart_on_the_real_node_serves_a_sandbox_pod_and_its_logs(
             deployment = kube_chart.ClusterDeployment(
                 LocalDeployment(env, release=release, ports=ports), ns, cluster_kubeconfig(settings)
             )
-            # A Service of the namespace whose kubelet variable reads as a setting
-            # (SANDSTREAM_PG_PORT=tcp://...), as the release "sandstream"'s own sandstream-api does
-            await admin.core.create_namespaced_service(ns, PG_SERVICE)
+            # The Service the release "sandstream" (the docs' name) makes, beside this release:
+            # its kubelet variable SANDSTREAM_API_PORT=tcp://... reads as the api_port setting
+            await admin.core.create_namespaced_service(ns, API_SERVICE)
             try:
                 await kube_chart.up(deployment)  # --wait: every role's Pods Ready
                 roles = await _pods(admin, ns, f"{INSTANCE}={release},{COMPONENT}!=prepare")
