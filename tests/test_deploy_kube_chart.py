@@ -74,6 +74,7 @@ async def test_the_chart_on_the_real_node_serves_a_sandbox_pod_and_its_logs(
                     assert set(restarts.values()) == {0}, (_component(pod), restarts)
             finally:
                 await kube_chart.down(deployment)
+            assert not deployment.local.home.exists()  # the tokens file and the admin token
             left = await _pods(admin, ns, f"{INSTANCE}={release}")
             assert not left, [p["metadata"]["name"] for p in left]
             secrets = await admin.core.list_namespaced_secret(ns)

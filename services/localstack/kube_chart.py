@@ -9,7 +9,8 @@ Secrets in the namespace (those of kube_play: each role's SCRAM credential, the 
 password, a new credentials key, a new tokens file whose admin token it writes to
 ``<state_dir>/kube-play/<release>/admin.token``), and runs ``helm install --wait``: the prepare
 hook Job, then every role's Deployment until its Pods are Ready. ``down`` uninstalls the release
-and deletes the Secrets, then waits until the release's Pods are gone; the namespace stays.
+and deletes the Secrets, waits until the release's Pods are gone, and removes the tokens file
+and the admin token; the namespace stays.
 
 What the local cluster needs of the chart's values, and why:
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -155,6 +157,7 @@ async def down(deployment: ClusterDeployment, timeout: int = INSTALL_TIMEOUT) ->
         if result.returncode != 0:
             raise ChartError(f"helm uninstall failed:\n{result.stderr.strip()}")
         await _wait_pods_gone(core, deployment, PODS_GONE_TIMEOUT)
+    shutil.rmtree(deployment.local.home, ignore_errors=True)  # the tokens file, the admin token
 
 
 async def _wait_pods_gone(
