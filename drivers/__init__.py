@@ -9,7 +9,7 @@
   (the event stream's thread), ``podman_exec`` (exec).
 - ``kubernetes``: ``KubernetesDriver``; its parts ``kube_config``, ``kube_api`` (API calls),
   ``kube_waits`` (waiting on one Pod), ``kube_watch`` (what the watch reports), ``kube_objects``
-  (the objects, pure).
+  (the objects, pure), ``kube_exec`` (exec, through the Pod's exec subresource).
 - ``logs``, ``podman_logs``, ``kube_logs``: a runtime's log (the LogSource protocol and its
   Podman and Kubernetes readers).
 - ``files``, ``files_exec``, ``podman_files``, ``kube_files``, ``tar_stream``: a runtime's files

@@ -365,6 +365,12 @@ class FakeDriver:
         await asyncio.sleep(self._grace(runtime, timeout))
         return SIGKILL_EXIT_CODE
 
+    async def incarnations(self) -> builtins.set[tuple[str, UUID]]:
+        """The HoldingsDriver capability: incarnations with a runtime or a workspace."""
+        await self._enter(Call("list", None))
+        self._maybe_fail("list", None, None)
+        return {(r.key, r.sandbox_id) for r in self._all()} | set(self._workspaces)
+
     async def get(self, key: str) -> builtins.list[RuntimeInfo]:
         await self._enter(Call("get", key))
         self._maybe_fail("get", key, None)

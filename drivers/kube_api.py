@@ -26,6 +26,7 @@ from drivers.kube_objects import (
     secret_name,
     sort_views,
 )
+from drivers.labels import incarnation_of
 from drivers.protocol import LABEL_KEY, LABEL_MANAGED_BY, LABEL_SANDBOX_ID, MANAGED_BY, LaunchSpec
 
 # Statuses a retry can fix: conflicts, throttling, timeouts, the server's own trouble.
@@ -129,6 +130,24 @@ class KubeApi:
                 return None
             raise
 
+    async def incarnations(self) -> set[tuple[str, UUID]]:
+        """The incarnations of our Pods, claims and Secrets in the namespace."""
+        core = await self.core()
+        found: set[tuple[str, UUID]] = set()
+        for list_objects in (
+            core.list_namespaced_pod,
+            core.list_namespaced_persistent_volume_claim,
+            core.list_namespaced_secret,
+        ):
+            answer = await self.answer(
+                list_objects(self.namespace, label_selector=MANAGED_SELECTOR, **self.opts())
+            )
+            for item in answer.get("items") or []:
+                incarnation = incarnation_of(item["metadata"].get("labels"))
+                if incarnation is not None:
+                    found.add(incarnation)
+        return found
+
     async def claims(self, key: str, sandbox_id: UUID | None) -> list[dict[str, Any]]:
         core = await self.core()
         answer = await self.answer(
@@ -194,9 +213,11 @@ class KubeApi:
         *,
         field_selector: str | None = None,
         timeout_seconds: int | None = None,
+        count: bool | None = None,
     ) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
         """(event type, object) of one watch request from ``version``, until the server ends
-        it. Raises Gone on 410 and ApiStatusError on other error events.
+        it. Raises Gone on 410 and ApiStatusError on other error events. ``count``: whether
+        it counts in ``watching`` (by default, a watch of every Pod does).
 
         The request is made and read here rather than with ``kubernetes_asyncio.watch.Watch``,
         which retries a 410 by itself and reconnects silently: this driver must relist on a
@@ -222,7 +243,7 @@ class KubeApi:
             aiohttp.ClientResponse, await core.list_namespaced_pod(self.namespace, **args)
         )
         self._responses.add(response)
-        counted = field_selector is None
+        counted = field_selector is None if count is None else count
         try:
             if response.status == 410:
                 raise Gone()
@@ -264,14 +285,13 @@ class KubeApi:
             await self.answer(replace(name, self.namespace, manifest, **self.opts()))
 
     async def own_secret(self, spec: LaunchSpec, pod: PodView) -> None:
-        """Make the Pod the Secret's owner: a Pod removed by anyone takes its Secret along."""
+        """Make the Pod the Secret's owner: a Pod removed by anyone takes its Secret along (one
+        removed already has its Secret collected at once)."""
         core = await self.core()
-        fresh = await self.fetch_pod(pod.name)
-        if fresh is None:
-            return  # gone already: the next launch or the delete removes the Secret
         name = secret_name(spec.key, spec.generation)
+        owner = {"metadata": {"name": pod.name, "uid": pod.uid}}
         await self.answer(
-            core.patch_namespaced_secret(name, self.namespace, owned_by(fresh), **self.opts())
+            core.patch_namespaced_secret(name, self.namespace, owned_by(owner), **self.opts())
         )
 
     async def remove_secrets(self, key: str, which: Callable[[UUID, int], bool]) -> int:

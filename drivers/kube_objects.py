@@ -223,6 +223,8 @@ class PodView:
     terminating: bool  # a deletion timestamp is set: the stop is in progress
     since: datetime | None  # when it entered its current state, if the status says
     stop_timeout: int | None  # the sandbox's own grace period (its label), if any
+    claim: str | None = None  # the workspace claim it mounts, if any
+    secret: str | None = None  # the Secret its env refers to (provider values), if any
 
     @property
     def uid(self) -> str:
@@ -310,7 +312,25 @@ def read_pod(pod: Pod) -> PodView | None:
         terminating=meta.get("deletionTimestamp") is not None,
         since=since,
         stop_timeout=labels.stop_timeout,
+        claim=_claim_of(pod),
+        secret=_secret_of(pod),
     )
+
+
+def _claim_of(pod: Pod) -> str | None:
+    for volume in (pod.get("spec") or {}).get("volumes") or []:
+        if volume.get("name") == WORKSPACE_VOLUME and volume.get("persistentVolumeClaim"):
+            return str(volume["persistentVolumeClaim"].get("claimName", "")) or None
+    return None
+
+
+def _secret_of(pod: Pod) -> str | None:
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for env in container.get("env") or []:
+            ref = (env.get("valueFrom") or {}).get("secretKeyRef") or {}
+            if ref.get("name"):
+                return str(ref["name"])
+    return None
 
 
 def sort_views(views: list[PodView]) -> list[PodView]:

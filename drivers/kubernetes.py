@@ -6,13 +6,18 @@ watch loop; the rest is in its own modules (docs/drivers.md):
 
 - ``kube_config``: ``KubeConfig`` and the API client it connects with;
 - ``kube_api``: the API calls in the namespace (Pods, claims, Secrets, one watch request);
+- ``kube_cache``: the Pod cache (one listing and watch of the namespace's sandstream Pods)
+  its calls read and wait on, instead of a listing and a watch each;
+- ``kube_pods``: a key's Pods as the calls read them (the cache, or the apiserver where a
+  lagging cache could be wrong), and the creation of a generation's Pod;
 - ``kube_waits``: waiting on one Pod until it runs or is gone, and removing it;
 - ``kube_watch``: what the watch stream reports of each Pod;
 - ``kube_objects``: the objects it makes and how it reads them back (pure).
 
-- **launch** creates the claim (if a storage class is configured) and the Pod, then waits on a
-  watch of that one Pod until it runs (or has already ended); older generations' Pods are
-  deleted first, with their grace periods, and awaited (drivers/launch_precheck.py).
+- **launch** creates the claim (if a storage class is configured) and the Pod, then waits
+  until it runs (or has already ended); older generations' Pods are deleted first, with their
+  grace periods, and awaited (drivers/launch_precheck.py), and the rules are applied again
+  once the cache has caught up with the create (it may have lagged behind another driver).
 - **stop** deletes the generation's Pod with the sandbox's grace period and waits until it is
   gone; the claim stays. **delete** removes the key's Pods, then its claims.
 - Calls of one key run one at a time (a lock per key); calls of different keys share nothing
@@ -36,8 +41,10 @@ from uuid import UUID
 from kubernetes_asyncio import config
 
 from drivers.kube_api import TRANSPORT_ERRORS, ApiStatusError, Gone, KubeApi, describe, retryable
+from drivers.kube_cache import PodCache, version_number
 from drivers.kube_config import KubeConfig, api_client, parse_node_selector, parse_tolerations
-from drivers.kube_objects import ACTOR, PodView, claim_manifest, pod_manifest, read_pod
+from drivers.kube_objects import ACTOR, PodView, claim_manifest
+from drivers.kube_pods import KeyPods
 from drivers.kube_waits import Deadline, await_pod, remove_pod
 from drivers.kube_watch import Reported
 from drivers.launch_precheck import launch_precheck
@@ -76,6 +83,9 @@ class KubernetesDriver:
         self.actor = actor
         self._pods = self.cfg.pod_settings
         self._api = KubeApi(self.cfg)
+        # The Pods as one watch shows them, for this driver's own calls (not its watch()).
+        self._cache = PodCache(self._api, self.cfg.reconnect_delay, self.cfg.max_reconnect_delay)
+        self._pods_of = KeyPods(self._api, self._cache, self.cfg.request_timeout)
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self.listings = 0  # full listings taken by watch streams (the first, then after 410s)
         self._closed = False
@@ -98,6 +108,10 @@ class KubernetesDriver:
 
     async def delete(self, key: str, sandbox_id: UUID | None = None) -> bool:
         return await self._call(self._delete, key, sandbox_id, key=key, generation=None)
+
+    async def incarnations(self) -> builtins.set[tuple[str, UUID]]:
+        """The HoldingsDriver capability: incarnations with a Pod, a claim or a Secret."""
+        return await self._call(self._api.incarnations, key=None, generation=None)
 
     async def get(self, key: str) -> builtins.list[RuntimeInfo]:
         views = await self._call(self._api.list_views, key, key=None, generation=None)
@@ -141,6 +155,7 @@ class KubernetesDriver:
 
     async def close(self) -> None:
         self._closed = True
+        await self._cache.close()
         await self._api.close()
 
     # -- extras ------------------------------------------------------------------------------
@@ -162,12 +177,15 @@ class KubernetesDriver:
     # -- operations --------------------------------------------------------------------------
 
     async def _launch(self, spec: LaunchSpec) -> LaunchResult:
-        plan = launch_precheck(spec, await self._api.list_views(spec.key))
+        seen, cached = await self._pods_of.views(spec.key)
+        plan = launch_precheck(spec, seen)
         await asyncio.gather(*(self._remove_pod(v, self._grace(v)) for v in plan.replace))
         if plan.refusal is not None:
             raise plan.refusal
-        # The replaced generations' Secrets go with their Pods (not left to the collector).
-        await self._api.remove_secrets(spec.key, lambda _, g: g < spec.generation)
+        if spec.generation > 1 or plan.replace:
+            # The replaced generations' Secrets go with their Pods (not left to the collector);
+            # a first generation has none older.
+            await self._api.remove_secrets(spec.key, lambda _, g: g < spec.generation)
         current = plan.current
         if current is not None and not plan.starts:
             return LaunchResult(current.uid, spec.generation, spec.identity, False, adopted=True)
@@ -179,7 +197,7 @@ class KubernetesDriver:
                 )
             if spec.secrets:
                 await self._api.write_secret(spec)
-            current, adopted = await self._create_pod(spec)
+            current, adopted = await self._pods_of.create(spec, self._pods)
             if spec.secrets:
                 await self._api.own_secret(spec, current)
         try:
@@ -188,6 +206,7 @@ class KubernetesDriver:
                 current,
                 lambda v: v is None or v.info.state != "created",
                 self.cfg.launch_timeout,
+                self._cache,
             )
         except Deadline:
             raise DriverError(
@@ -200,33 +219,29 @@ class KubernetesDriver:
             raise DriverError(
                 f"pod {current.name} was removed while it started", retryable=True, observed=None
             )
+        if cached and not adopted:
+            await self._recheck(spec, current)
         return LaunchResult(started.uid, spec.generation, spec.identity, True, adopted=adopted)
 
-    async def _create_pod(self, spec: LaunchSpec) -> tuple[PodView, bool]:
-        """The generation's Pod, and whether it existed already (made by an earlier launch)."""
-        manifest = pod_manifest(spec, self._pods)
-        name = manifest["metadata"]["name"]
-        created = await self._api.create("pods", manifest, exist_ok=True)
-        if created is not None and (view := read_pod(created)) is not None:
-            return view, False
-        # The name was taken: by an earlier launch of ours, or a stranger.
-        existing = await self._api.fetch_pod(name)
-        if existing is None:
-            raise DriverError(
-                f"pod {name} was taken, then removed, while it was being created", retryable=True
-            )
-        view = read_pod(existing)
-        if view is None or view.info.generation != spec.generation:
-            raise DriverError(
-                f"pod name {name} is in use by a pod sandstream does not manage", retryable=False
-            )
-        return view, True
+    async def _recheck(self, spec: LaunchSpec, created: PodView) -> None:
+        """The launch's rules again, over the key's Pods as of after its create: the cache it
+        planned on may have lagged behind a Pod another driver made just before. A newer
+        generation found now removes the Pod just made (the launch was superseded); older
+        ones are replaced now."""
+        seen = await self._pods_of.since(spec.key, version_number(created.resource_version))
+        late = launch_precheck(spec, [v for v in seen if v.uid != created.uid])
+        if any(v.info.generation > spec.generation for v in seen):
+            await self._remove_pod(created, 0.0)
+            assert late.refusal is not None
+            raise late.refusal
+        if late.replace:
+            await asyncio.gather(*(self._remove_pod(v, self._grace(v)) for v in late.replace))
+            await self._api.remove_secrets(spec.key, lambda _, g: g < spec.generation)
 
     async def _stop(self, key: str, generation: int, timeout: float | None) -> OpResult:
-        views = [v for v in await self._api.list_views(key) if v.info.generation == generation]
-        if not views:
+        view = await self._pods_of.generation(key, generation)
+        if view is None:
             return OpResult("already_absent")
-        view = views[-1]
         last = await self._remove_pod(view, self._grace(view, timeout))
         await self._api.remove_secrets(key, lambda _, g: g == generation)
         if last is None:
@@ -236,21 +251,41 @@ class KubernetesDriver:
     async def _kill(self, key: str, generation: int) -> OpResult:
         """Delete the generation's Pod with no grace period: the API server removes it at once
         (a kubelet then SIGKILLs its container), and a stop waiting for it returns too."""
-        views = [v for v in await self._api.list_views(key) if v.info.generation == generation]
-        if not views:
+        view = await self._pods_of.generation(key, generation)
+        if view is None:
             return OpResult("already_absent")
-        last = await self._remove_pod(views[-1], 0.0)
+        last = await self._remove_pod(view, 0.0)
         if last is None:
             return OpResult("already_absent")
-        return OpResult("succeeded", views[-1].uid, last.info.exit_code)
+        return OpResult("succeeded", view.uid, last.info.exit_code)
 
     async def _delete(self, key: str, sandbox_id: UUID | None) -> bool:
-        views = [
-            v for v in await self._api.list_views(key) if sandbox_id in (None, v.info.sandbox_id)
-        ]
-        await asyncio.gather(*(self._remove_pod(v, self._grace(v)) for v in views))
-        secrets = await self._api.remove_secrets(key, lambda i, _: sandbox_id in (None, i))
-        claims = await self._api.claims(key, sandbox_id)
+        def ours(views: builtins.list[PodView]) -> builtins.list[PodView]:
+            return [v for v in views if sandbox_id in (None, v.info.sandbox_id)]
+
+        seen, cached = await self._pods_of.views(key)
+        views = ours(seen)
+        if cached and not views:
+            views, cached = ours(await self._api.list_views(key)), False  # absent: confirmed
+        removed = await self._remove_pods(views)
+        if cached:
+            # Pods made meanwhile by another driver (the cache had not seen them yet).
+            # Their removals, seen by the cache, came after this delete began.
+            anchors = [version_number(v.resource_version) for v in removed if v is not None]
+            since = max((a for a in anchors if a is not None), default=None)
+            done = {v.uid for v in views}
+            again = await self._pods_of.since(key, since)
+            later = [v for v in ours(again) if v.uid not in done]
+            views += later
+            removed += await self._remove_pods(later)
+        # Secrets and claims are looked for unless the Pods removed show that there are none:
+        # a Pod refers to its Secret and mounts its claim.
+        secrets = 0
+        if not views or any(v.secret for v in views):
+            secrets = await self._api.remove_secrets(key, lambda i, _: sandbox_id in (None, i))
+        claims: builtins.list[dict[str, Any]] = []
+        if not views or self._pods.storage_class is not None or any(v.claim for v in views):
+            claims = await self._api.claims(key, sandbox_id)
         for claim in claims:
             await self._api.delete_object(
                 "persistentvolumeclaims", claim["metadata"]["name"], claim["metadata"]["uid"]
@@ -267,11 +302,14 @@ class KubernetesDriver:
             await asyncio.sleep(0.1)
         return bool(views or claims or secrets)
 
+    async def _remove_pods(self, views: builtins.list[PodView]) -> builtins.list[PodView | None]:
+        return list(await asyncio.gather(*(self._remove_pod(v, self._grace(v)) for v in views)))
+
     def _grace(self, view: PodView, timeout: float | None = None) -> float:
         return grace_period(timeout, view.stop_timeout, self.cfg.stop_timeout)
 
     async def _remove_pod(self, view: PodView, grace: float) -> PodView | None:
-        return await remove_pod(self._api, view, grace, self.cfg.removal_margin)
+        return await remove_pod(self._api, view, grace, self.cfg.removal_margin, self._cache)
 
     # -- plumbing ----------------------------------------------------------------------------
 

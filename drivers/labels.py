@@ -32,6 +32,19 @@ def workspace_labels(key: str, sandbox_id: UUID) -> dict[str, str]:
     return {LABEL_MANAGED_BY: MANAGED_BY, LABEL_KEY: key, LABEL_SANDBOX_ID: str(sandbox_id)}
 
 
+def incarnation_of(labels: Mapping[str, object] | None) -> tuple[str, UUID] | None:
+    """(key, sandbox id) from an object's labels if sandstream made it for an incarnation
+    (a runtime, a workspace, a Secret); None for anything else."""
+    if not labels or labels.get(LABEL_MANAGED_BY) != MANAGED_BY:
+        return None
+    key = str(labels.get(LABEL_KEY, ""))
+    try:
+        sandbox_id = UUID(str(labels.get(LABEL_SANDBOX_ID, "")))
+    except ValueError:
+        return None
+    return (key, sandbox_id) if _KEY.fullmatch(key) else None
+
+
 def generation_labels(key: str, sandbox_id: UUID, generation: int) -> dict[str, str]:
     """The labels of a generation's objects besides its runtime (its provider values)."""
     return {**workspace_labels(key, sandbox_id), LABEL_GENERATION: str(generation)}

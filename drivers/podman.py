@@ -45,6 +45,7 @@ from drivers.podman_stream import EventStream
 from drivers.protocol import (
     DriverError,
     ExecEvent,
+    Incarnation,
     LaunchResult,
     LaunchSpec,
     OpResult,
@@ -149,6 +150,12 @@ class PodmanDriver:
         )
         return [c.info for c in found]
 
+    async def incarnations(self) -> builtins.set[Incarnation]:
+        """The HoldingsDriver capability: incarnations with a container or a volume."""
+        return await self._call(
+            self._sync.incarnations, key=None, generation=None, what="list", exclusive=False
+        )
+
     async def watch(self) -> AsyncIterator[WatchObservation]:
         """Full listing, then events; after a broken stream, reconnect and list again.
 
@@ -237,6 +244,7 @@ class PodmanDriver:
         *,
         env: Mapping[str, str] | None = None,
         workdir: str | None = None,
+        stdin: bytes | None = None,
     ) -> AsyncGenerator[ExecEvent, None]:
         """The ExecDriver capability: Podman's exec API, streamed (see drivers/podman_exec.py)."""
         found = await self._call(
@@ -248,7 +256,7 @@ class PodmanDriver:
                               retryable=False)  # fmt: skip
         runtime_id = found[-1].info.runtime_id
         events = podman_exec.exec_stream(
-            self.base_url, runtime_id, command, env=env, workdir=workdir,
+            self.base_url, runtime_id, command, env=env, workdir=workdir, stdin=stdin,
             request_timeout=self._request_timeout, grace=self.exec_grace,
         )  # fmt: skip
         async with contextlib.aclosing(events):  # closed with this one: the command ends now

@@ -15,7 +15,7 @@ from uuid import UUID
 from podman import PodmanClient
 from podman.errors import APIError, NotFound
 
-from drivers.labels import workspace_labels
+from drivers.labels import incarnation_of, workspace_labels
 from drivers.launch_precheck import launch_precheck
 from drivers.podman_objects import (
     ALIVE,
@@ -33,6 +33,7 @@ from drivers.protocol import (
     LABEL_SANDBOX_ID,
     MANAGED_BY,
     DriverError,
+    Incarnation,
     LaunchResult,
     LaunchSpec,
     OpResult,
@@ -122,6 +123,16 @@ class PodmanCalls:
                 names.append(str(volume.name))
         return sorted(names)
 
+    def incarnations(self) -> set[Incarnation]:
+        """The incarnations of our containers and workspace volumes. (Provider secrets carry
+        no labels in Podman 4.3: the delete removes them with their containers.)"""
+        found = {(c.info.key, c.info.sandbox_id) for c in self.list(None)}
+        volumes = self.client().volumes.list(filters=[f"label={LABEL_MANAGED_BY}={MANAGED_BY}"])
+        for volume in volumes:
+            if (incarnation := incarnation_of(volume.attrs.get("Labels"))) is not None:
+                found.add(incarnation)
+        return found
+
     def exit_code(self, runtime_id: str) -> int | None:
         """The container's exit code; None once it is gone. Removed while asked (a kill that
         ended a stop, whose delete then removed it), Podman 4.3 answers 500 "no such container"
@@ -190,8 +201,19 @@ class PodmanCalls:
         args = create_args(
             spec, volume=volume, init=self.init, stop_timeout=self.stop_timeout, limits=self.limits
         )
-        if spec.secrets:
-            add_secrets(client, spec, args)
+        if not spec.secrets:
+            return self._create_container(spec, args)
+        add_secrets(client, spec, args)
+        try:
+            return self._create_container(spec, args)
+        except BaseException:
+            # No container of ours refers to them: the delete would never find them, and they
+            # hold the provider values.
+            remove_secrets(client, spec.key, spec.generation)
+            raise
+
+    def _create_container(self, spec: LaunchSpec, args: dict[str, Any]) -> str:
+        client = self.client()
         try:
             return str(client.containers.create(spec.spec.image, **args).id)
         except APIError as exc:

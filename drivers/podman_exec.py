@@ -6,6 +6,10 @@ output multiplexed in frames (an 8-byte header: stream type, three zero bytes, b
 length), and ``GET /exec/{id}/json`` gives the exit code once the stream has ended. The
 command runs inside the container: nothing is spawned in the calling process.
 
+With input (``stdin``), a command that exits without reading all of it makes Podman break the
+stream off (``connection reset``, after an ``Error: ... attach ...`` line on stderr): output not
+delivered by then is lost, but the exit code is still read and reported.
+
 Leaving the iteration before the exit (a deadline, a cancelled caller) ends the command: SIGTERM
 to its process group, SIGKILL after a grace, from the host by the session's PID
 (drivers/podman_exec_end.py says how, and when it cannot); the iteration ends after that.
@@ -142,6 +146,19 @@ def _socket_of(response: Any) -> socket.socket | None:
     return sock if isinstance(sock, socket.socket) else None
 
 
+def _feed(response: Any, stdin: bytes) -> None:
+    """Write ``stdin`` into the attached stream, then close its writing half (the command
+    reads the end of its input). In a thread of its own: a command that does not read its
+    input holds the write, never the output. A command gone already ends the write quietly."""
+    sock = _socket_of(response)
+    if sock is None:
+        log.warning("exec: no socket to write the command's input into")
+        return
+    with contextlib.suppress(OSError):
+        sock.sendall(stdin)
+        sock.shutdown(socket.SHUT_WR)
+
+
 def _shutdown(response: Any) -> None:
     """Shut the stream's socket down, which wakes the thread blocked reading it. Never close
     the response here: closing waits for the reading thread's buffer lock (the thread closes
@@ -153,10 +170,13 @@ def _shutdown(response: Any) -> None:
 
 
 def _exec_body(
-    command: builtins.list[str], env: Mapping[str, str] | None, workdir: str | None
+    command: builtins.list[str],
+    env: Mapping[str, str] | None,
+    workdir: str | None,
+    stdin: bool = False,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "AttachStdin": False,
+        "AttachStdin": stdin,
         "AttachStdout": True,
         "AttachStderr": True,
         "Tty": False,
@@ -176,11 +196,13 @@ async def exec_stream(
     *,
     env: Mapping[str, str] | None = None,
     workdir: str | None = None,
+    stdin: bytes | None = None,
     request_timeout: float = 60.0,
     grace: float = EXEC_GRACE,
     buffer: OutputBuffer | None = None,
 ) -> AsyncGenerator[ExecEvent, None]:
     """Run ``command`` in the container ``runtime_id``: its output as it comes, then the exit.
+    ``stdin``: the command's input, then its end (None: no input attached, as ``< /dev/null``).
     Left before the exit, the command is ended (``grace``: seconds from SIGTERM to SIGKILL).
     At most ``buffer.size`` chunks (OUTPUT_CHUNKS by default) are read ahead of the caller."""
     loop = asyncio.get_running_loop()
@@ -208,7 +230,7 @@ async def exec_stream(
         try:
             created = client.api.post(
                 f"/containers/{runtime_id}/exec",
-                data=json.dumps(_exec_body(command, env, workdir)),
+                data=json.dumps(_exec_body(command, env, workdir, stdin is not None)),
             )
             if created.status_code == 404:
                 settle(DriverError(f"exec: no container {runtime_id}", retryable=False))
@@ -236,6 +258,11 @@ async def exec_stream(
             settle(exec_id)
             if leaving.is_set():
                 return
+            if stdin is not None:
+                feeder = threading.Thread(
+                    target=_feed, args=(response, stdin), name="podman-exec-stdin", daemon=True
+                )
+                feeder.start()
             for output in frames(response.raw):
                 if leaving.is_set() or not chunks.put(loop, output, leaving):
                     return
@@ -276,9 +303,13 @@ async def exec_stream(
             raise DriverError(f"exec failed: {exc}", retryable=False) from exc
         while not isinstance(item := await chunks.get(), _Done):
             yield item
-        if item.error is not None:
+        if item.error is not None and stdin is None:
             raise DriverError(f"exec output broke off: {item.error}", retryable=True)
-        code = await asyncio.to_thread(_exit_code, base_url, exec_id, request_timeout)
+        try:
+            code = await asyncio.to_thread(_exit_code, base_url, exec_id, request_timeout)
+        except Exception as exc:
+            why = item.error or exc
+            raise DriverError(f"exec output broke off: {why}", retryable=True) from exc
         exited = True
         yield ExecExit(code)
     finally:

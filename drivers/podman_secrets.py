@@ -32,15 +32,21 @@ def secret_prefix(key: str, generation: int) -> str:
 def add_secrets(client: PodmanClient, spec: LaunchSpec, args: dict[str, Any]) -> None:
     """Create this generation's secrets and put the wrapper that exports them in the create
     ``args``; the command becomes the image's entrypoint and command, or the spec's."""
+    # The image first: a launch that fails on it must leave no secret behind (the delete
+    # finds a generation's secrets only through its container).
+    config = client.images.get(spec.spec.image).attrs.get("Config") or {}
     prefix = secret_prefix(spec.key, spec.generation)
     remove_secrets(client, spec.key, spec.generation)  # left by an interrupted launch
     mounts = []
-    for env_name, value in sorted(spec.secrets.items()):
-        client.secrets.create(prefix + env_name, value.encode())
-        mounts.append(
-            {"source": prefix + env_name, "target": f"{SECRETS_DIR}/{env_name}", "mode": 0o400}
-        )
-    config = client.images.get(spec.spec.image).attrs.get("Config") or {}
+    try:
+        for env_name, value in sorted(spec.secrets.items()):
+            client.secrets.create(prefix + env_name, value.encode())
+            mounts.append(
+                {"source": prefix + env_name, "target": f"{SECRETS_DIR}/{env_name}", "mode": 0o400}
+            )
+    except BaseException:
+        remove_secrets(client, spec.key, spec.generation)
+        raise
     argv = list(config.get("Entrypoint") or []) + list(spec.spec.command or config.get("Cmd") or [])
     args["secrets"] = mounts
     # Podman 4.3 mounts secrets before the tmpfs mounts, and cannot create their target in

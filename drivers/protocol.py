@@ -213,6 +213,21 @@ class Driver(Protocol):
         ...
 
 
+# One incarnation of a sandbox: (key, sandbox_id).
+Incarnation: TypeAlias = tuple[str, UUID]
+
+
+@runtime_checkable
+class HoldingsDriver(Protocol):
+    """A driver that can list what it holds beyond runtimes (an optional capability): the
+    reconcile loop compares it with the rows to collect a deleted incarnation's leftovers."""
+
+    async def incarnations(self) -> builtins.set[Incarnation]:
+        """Every incarnation of which the backend holds anything this driver made for it:
+        runtimes, workspaces, and the secrets it labels with the incarnation."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class ExecOutput:
     """A chunk of a command's output, as the runtime delivered it."""
@@ -243,9 +258,11 @@ class ExecDriver(Protocol):
         *,
         env: Mapping[str, str] | None = None,
         workdir: str | None = None,
+        stdin: bytes | None = None,
     ) -> AsyncGenerator[ExecEvent, None]:
         """Run ``command`` in the generation's runtime, inside the runtime (never on the host):
-        output chunks as they come, then one :class:`ExecExit`.
+        output chunks as they come, then one :class:`ExecExit`. ``stdin``: the command's
+        input, closed after it (None: no input, the command reads its end at once).
 
         Raises DriverError when the runtime does not exist or is not running. Leaving the
         iteration before the exit ends the command (SIGTERM, then SIGKILL after a grace) where

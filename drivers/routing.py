@@ -22,6 +22,8 @@ from uuid import UUID
 
 from drivers.protocol import (
     Driver,
+    HoldingsDriver,
+    Incarnation,
     LaunchResult,
     LaunchSpec,
     OpResult,
@@ -70,6 +72,15 @@ class RoutingDriver:
         mine = [rt for rt in default if not self.routes(rt.key)]
         mine += [rt for rt in routed if self.routes(rt.key)]
         return sorted(mine, key=lambda rt: (rt.key, rt.generation))
+
+    async def incarnations(self) -> builtins.set[Incarnation]:
+        """Each backend's incarnations of its own names (HoldingsDriver, where a backend has
+        it)."""
+        found: builtins.set[Incarnation] = set()
+        for driver in (self.default, self.routed):
+            if isinstance(driver, HoldingsDriver):
+                found |= {i for i in await driver.incarnations() if self._owns(driver, i[0])}
+        return found
 
     async def watch(self) -> AsyncIterator[WatchObservation]:
         """Both backends' streams, interleaved as they come, each filtered to its own names.

@@ -106,7 +106,8 @@ class SandboxFailed(EventBase):
 
 
 class SandboxOperationFailed(EventBase):
-    """A driver stop or delete failed; the row follows the phase the backend was observed in."""
+    """A driver stop or delete failed. After a stop the row follows the phase the backend was
+    observed in; after a delete it stays Deleting (``phase``), its deadline kept for the retry."""
 
     type: Literal["SandboxOperationFailed"]
     operation: Operation

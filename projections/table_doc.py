@@ -18,6 +18,7 @@ from projections.lifecycle import (
     EXIT_KINDS,
     FOLLOW_OBSERVED,
     HELD,
+    KEEP_DELETING,
     NO_RESTART,
     OBSERVATION_TABLE,
     PENDING_RESTART_TABLE,
@@ -67,6 +68,8 @@ def render() -> str:
                 cells.append("·")
             elif target == FOLLOW_OBSERVED:
                 cells.append("observed phase")
+            elif target == KEEP_DELETING:
+                cells.append("stays, failure recorded")
             else:
                 cells.append(f"→ {target.value}")
         lines.append(f"| {kind} | " + " | ".join(cells) + " |")
@@ -74,7 +77,13 @@ def render() -> str:
         "",
         "· changes nothing (recorded as ignored, no new version). Observations of an older "
         "generation (stale), of a generation newer than any issued (unknown), of an unknown "
-        "sandbox or of a tombstone are ignored before this table is consulted.",
+        "sandbox or of a tombstone are ignored before this table is consulted. A decided "
+        "delete is never undone: only the delete's own report that nothing of the incarnation "
+        "is left (its runtimes, workspace volume or claim, and the secrets the driver made for "
+        "it) tombstones the row; a runtime seen removed is not that report (another container "
+        "may still hold the workspace), and a failed delete stays Deleting (SandboxOperationFailed "
+        "with phase Deleting, `reason` naming the retries so far and the next retry), its delete "
+        "deadline kept: the retries go on until the backend confirms.",
         "",
         "### Holds",
         "",

@@ -15,8 +15,9 @@ layers (events, projections, drivers) and, of services/, only what this list nam
   recorded in a row falls due. Imports common.
 - ``api``: the HTTP API (app assembly, one router per resource, auth, read-model queries)
   and the provider service its routes and the provider-sync controller share. Imports common,
-  audit, and executor for its log sources only (``executor.log_sources``: a sandbox's output
-  is read from its runtime, never stored; the API makes no lifecycle call).
+  audit, and executor for its log and exec sources only (``executor.log_sources``,
+  ``executor.exec_sources``: a sandbox's output is read from its runtime, never stored, and
+  exec runs a command through the driver's exec capability; the API makes no lifecycle call).
 - ``provider_sync``: the provider-sync controller and its sources (a directory, Kubernetes
   Secrets). Imports common, api.
 - ``localstack``: the local stack (Kafka, PostgreSQL, Podman) and isolated test environments.

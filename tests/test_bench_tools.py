@@ -162,6 +162,19 @@ async def test_the_latency_choice_runs_the_latency_benchmark_alone(
     assert "machine, while sending:" in printed and "PostgreSQL" in printed, printed
 
 
+async def test_the_decided_choice_times_hold_and_release_through_the_api_beside_its_references(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every request got its decided answer (the run fails otherwise), printed beside Kafka's
+    and PostgreSQL's own round trips; no other benchmark runs."""
+    await run("decided", quick=True)
+    printed = capsys.readouterr().out
+    assert "throughput" not in printed and "latency " not in printed, printed
+    assert "decided     100 sequential :hold/:release with wait" in printed, printed
+    for line in ("API            p50", "Kafka alone    p50", "NOTIFY alone   p50"):
+        assert line in printed, printed
+
+
 def test_cpu_per_input_counts_the_broker_only_when_its_process_was_read(tmp_path: Any) -> None:
     pidfile = tmp_path / "broker.pid"
     pidfile.write_text(f"{os.getpid()}\n")

@@ -159,6 +159,24 @@ async def test_a_wait_that_runs_out_exits_3_and_a_repeat_stop_waits_again(up: Up
     assert r.code == 0, r.err
 
 
+async def test_exec_streams_the_output_and_exits_with_the_commands_code(up: Up) -> None:
+    name = up.name("exec")
+    r = await up.cli("sandbox", "create", name, "--image", IMAGE, "--", "sleep", "3600")
+    assert r.code == 0, r.err
+    r = await up.cli("sandbox", "exec", name, "--env", "WHO=cli", "-w", "/tmp", "--",
+                     "sh", "-c", 'echo "$WHO $(pwd)"; echo oops >&2; exit 7')  # fmt: skip
+    assert (r.code, r.out, r.err) == (7, "cli /tmp\n", "oops\n"), r.err
+    r = await up.cli("sandbox", "exec", name, "-i", "--", "wc", "-l", stdin=b"a\nb\nc\n")
+    assert (r.code, r.out.strip()) == (0, "3"), r.err
+    r = await up.cli("sandbox", "exec", name, "--timeout", "0.5", "--", "sleep", "30")
+    assert r.code == 124 and "ran past its timeout" in r.err
+    ghost = up.name("ghost")
+    r = await up.cli("sandbox", "exec", ghost, "--", "true")
+    assert (r.code, r.err) == (1, f"✗ sandbox {ghost!r} not found\n")
+    r = await up.cli("sandbox", "delete", name)
+    assert r.code == 0, r.err
+
+
 async def test_watch_status_and_json_output(up: Up) -> None:
     name = up.name("watched")
     r = await up.cli("sandbox", "create", name, "--image", IMAGE, "-o", "json", "--",

@@ -330,12 +330,14 @@ class LifecycleMachine(RuleBasedStateMachine):
             expired = isinstance(message, DeadlineDue) and message.deadline == "ttl"
             assert expired or isinstance(message, StartSandbox | RestartSandbox | DeleteSandbox)
             assert d.disposition == "applied"
-        # Deleting only leaves to Deleted, or through a failed delete result.
+        # A decided delete is never undone: Deleting only leaves to Deleted, and only on the
+        # delete's own report that nothing is left (not on a runtime's removal, not on a failure).
         if prev.phase is P.DELETING and new.phase is not P.DELETING:
-            assert new.phase is P.DELETED or (
+            assert new.phase is P.DELETED, message
+            assert (
                 isinstance(message, DriverOperationResult)
                 and message.operation == "delete"
-                and message.outcome == "failed"
+                and message.outcome in ("succeeded", "already_absent")
             ), message
         # Observations never touch another generation than the row's; the ones that move it on
         # are a restart policy's deadline falling due, which starts the next generation, and a

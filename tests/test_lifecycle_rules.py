@@ -32,6 +32,7 @@ from events.outcomes import Code
 from projections.lifecycle import (
     COMMAND_TABLE,
     FOLLOW_OBSERVED,
+    KEEP_DELETING,
     OBSERVATION_TABLE,
     PHASE_COLUMNS,
     Admission,
@@ -383,7 +384,7 @@ def test_observation_kind_round_trips_through_the_factory(kind: ObservationKind)
 def test_observation_cell(phase: Phase, kind: ObservationKind) -> None:
     target = OBSERVATION_TABLE[phase].get(kind)
     observed_values: tuple[ObservedState | None, ...] = (
-        OBSERVED if target == FOLLOW_OBSERVED else (None,)
+        OBSERVED if target in (FOLLOW_OBSERVED, KEEP_DELETING) else (None,)
     )
     for observed in observed_values:
         state = row_in(phase)
@@ -402,7 +403,15 @@ def test_observation_cell(phase: Phase, kind: ObservationKind) -> None:
         assert new.version == event.version == state.version + 1
         assert new.generation == event.generation == state.generation
         assert new.sandbox_id == state.sandbox_id and new.identity == state.identity
-        if target == FOLLOW_OBSERVED:
+        if target == KEEP_DELETING:
+            # Whatever the backend looked like: the delete stays decided, its deadline kept.
+            assert isinstance(event, SandboxOperationFailed)
+            assert (new.phase, event.phase, event.operation) == (P.DELETING,) * 2 + ("delete",)
+            assert new.deadline == state.deadline is not None
+            assert new.reason == event.reason
+            assert event.reason.startswith("DeleteFailed: still Deleting (retries so far: 0; ")
+            assert event.reason.endswith(": boom")
+        elif target == FOLLOW_OBSERVED:
             expected_phase = _follow(obs.operation, observed)  # type: ignore[union-attr]
             assert new.phase is expected_phase
             if expected_phase is P.DELETED:
@@ -438,7 +447,8 @@ def _follow(operation: str, observed: ObservedState | None) -> Phase:
         (P.DELETING, "running", None),
         (P.DELETING, "exited_ok", None),
         (P.DELETING, "stop_succeeded", None),
-        (P.DELETING, "removed", P.DELETED),
+        (P.DELETING, "removed", None),
+        (P.DELETING, "delete_succeeded", P.DELETED),
         (P.DELETING, "delete_absent", P.DELETED),
         (P.STOPPING, "running", None),
         (P.STOPPING, "stop_absent", P.STOPPED),

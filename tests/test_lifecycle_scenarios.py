@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
+from uuid import uuid4
 
 import factories as f
 import pytest
@@ -11,6 +13,7 @@ from events.codec import EVENTS, decode, encode
 from events.common import Phase
 from events.decided import (
     SandboxDeleted,
+    SandboxDeleteRetried,
     SandboxOperationFailed,
     SandboxReady,
     SandboxStarting,
@@ -18,7 +21,8 @@ from events.decided import (
 from events.observations import ObservedState
 from events.outcomes import Code
 from projections.fold import fold
-from projections.lifecycle import Message, identity_for
+from projections.lifecycle import DEFAULT_LIMITS, Limits, Message, decide, evolve, identity_for
+from services.common.settings import Settings
 
 P = Phase
 
@@ -180,7 +184,6 @@ def test_scenario_3_deleting_is_monotonic() -> None:
 @pytest.mark.parametrize(
     "finish",
     [
-        pytest.param(lambda: f.removed(), id="runtime-removed"),
         pytest.param(lambda: f.deleted(), id="delete-succeeded"),
         pytest.param(lambda: f.result(operation="delete", outcome="already_absent"), id="absent"),
     ],
@@ -213,29 +216,166 @@ def test_scenario_3_delete_finalizes_to_a_tombstone(finish: Callable[[], Message
     assert h.row() == tomb
 
 
-@pytest.mark.parametrize(
-    ("observed", "phase"),
-    [("running", P.READY), ("exited", P.STOPPED), ("created", P.STOPPED), (None, P.ERROR)],
-)
-def test_scenario_3_failed_delete_recovers_from_the_observed_state(
-    observed: ObservedState | None, phase: Phase
-) -> None:
+def test_scenario_3_a_removed_runtime_does_not_finalize_a_delete() -> None:
+    """The delete removes the runtime first; its workspace may still be held (another container
+    mounting the volume). Only the delete's own report that nothing is left tombstones."""
     h = f.harness_in(P.DELETING)
-    decision = h.send(f.failed(operation="delete", observed=observed, reason="timeout"))
+    version = h.row().version
+    decision = h.send(f.removed())
+    assert decision.disposition == "ignored" and decision.events == ()
+    assert (h.row().phase, h.row().version) == (P.DELETING, version)
+    (event,) = h.send(f.deleted()).events
+    assert isinstance(event, SandboxDeleted) and h.row().tombstoned
+
+
+@pytest.mark.parametrize("observed", [None, "running", "created", "exited", "absent"])
+def test_scenario_3_a_failed_delete_stays_deleting_with_its_retries(
+    observed: ObservedState | None,
+) -> None:
+    """Whatever the backend looked like, a failed delete is recorded and retried, never undone
+    (it used to follow the observed phase: Ready, Stopped or Error, its deadline cleared)."""
+    h = f.harness_in(P.DELETING)
+    first = h.row().deadline
+    assert first is not None and first.attempt == 0
+    decision = h.send(f.failed(operation="delete", observed=observed, reason="volume in use"))
     (event,) = decision.events
     assert isinstance(event, SandboxOperationFailed)
-    assert (event.operation, event.phase, event.reason) == ("delete", phase, "timeout")
-    assert (h.row().phase, h.row().reason) == (phase, "timeout")
-    # And a new delete is accepted from there.
-    again = h.send(f.delete())
-    assert again.outcome is not None and again.outcome.accepted
+    assert (event.operation, event.phase) == ("delete", P.DELETING)
+    row = h.row()
+    assert (row.phase, row.deadline) == (P.DELETING, first)
+    assert row.reason == (
+        "DeleteFailed: still Deleting (retries so far: 0; next retry at "
+        f"{first.due_at.isoformat()}): volume in use"
+    )
+    # The deadline it kept asks for the delete again, and the next failure counts that retry.
+    (retried,) = h.send(f.due(deadline="delete", due_at=first.due_at)).events
+    assert isinstance(retried, SandboxDeleteRetried) and retried.deadline.attempt == 1
+    h.send(f.failed(operation="delete", observed=observed, reason="volume in use"))
+    assert (h.row().reason or "").startswith("DeleteFailed: still Deleting (retries so far: 1;")
+    assert h.row().deadline == retried.deadline
+    for command in (f.start(), f.stop(), f.restart()):  # still refused: nothing undid it
+        refused = h.send(command)
+        assert refused.outcome is not None and refused.outcome.code is Code.FAILED_PRECONDITION
+    (event,) = h.send(f.result(operation="delete", outcome="already_absent")).events
+    assert isinstance(event, SandboxDeleted) and h.row().tombstoned
+
+
+@pytest.mark.parametrize("why", ["ttl", "on_exit"])
+def test_scenario_3_a_decided_expiry_or_completion_delete_survives_its_failure(why: str) -> None:
+    """A time to live (on_expiry: delete) or completion policy (on_exit: delete) consumed its
+    trigger when it decided the delete; a failure must not leave the sandbox alive for good."""
+    h = f.Harness()
+    h.send(f.create(ttl_seconds=60, on_expiry="delete", on_exit="delete"), f.running())
+    expires_at = h.row().expires_at
+    assert expires_at is not None
+    if why == "ttl":
+        h.send(f.due(deadline="ttl", due_at=expires_at))
+    else:
+        h.send(f.exited(exit_code=0))
+    assert h.row().phase is P.DELETING
+    first = h.row().deadline
+    assert first is not None
+    # The executor reports a failure after its retry window (600 s), the backend still running.
+    later = first.due_at + timedelta(seconds=600)
+    h.send(f.failed(operation="delete", observed="running", occurred_at=later))
+    assert (h.row().phase, h.row().deadline) == (P.DELETING, first)
+    (retried,) = h.send(f.due(deadline="delete", due_at=first.due_at, occurred_at=later)).events
+    assert isinstance(retried, SandboxDeleteRetried)
     assert h.row().phase is P.DELETING
 
 
-def test_scenario_3_failed_delete_with_backend_gone_tombstones() -> None:
+def test_scenario_3_a_failed_delete_keeps_the_exit_code_of_the_agent() -> None:
+    """on_exit: delete after the agent exited 3: the failed delete's report (with the code of
+    whatever the backend showed) does not change what the row says about the agent's exit."""
+    h = f.Harness()
+    h.send(f.create(on_exit="delete"), f.running(), f.exited(exit_code=3))
+    assert (h.row().phase, h.row().exit_code) == (P.DELETING, 3)
+    h.send(f.failed(operation="delete", observed="exited", exit_code=137))
+    assert (h.row().phase, h.row().exit_code) == (P.DELETING, 3)
+
+
+def test_scenario_3_an_expiry_during_a_failing_delete_keeps_the_failure_as_the_reason() -> None:
+    """A sandbox deleted by hand keeps its time to live; when that falls due while the delete
+    is failing, the row still says why it is not deleted yet (it said "Expired")."""
+    h = f.Harness()
+    h.send(f.create(ttl_seconds=60), f.running(), f.delete())
+    h.send(f.failed(operation="delete", reason="volume in use"))
+    reason = h.row().reason
+    assert reason is not None and reason.startswith("DeleteFailed: ")
+    expires_at = h.row().expires_at
+    assert expires_at is not None
+    decision = h.send(f.due(deadline="ttl", due_at=expires_at))
+    assert [e.type for e in decision.events] == ["SandboxExpired"]
+    assert (h.row().phase, h.row().reason, h.row().expires_at) == (P.DELETING, reason, None)
+
+
+def delete_timeline(limits: Limits, grace: int, retry_window: float) -> list[tuple[str, int]]:
+    """The decided events of a delete whose first call keeps failing transiently: every
+    deadline falls due on time, and the executor reports the failure once its retry window
+    has passed (then the next deadline retries). (event type, deadline attempt after it)"""
+    h = f.Harness()
+    spec = f.spec(f.IMAGE).model_copy(update={"stop_timeout_seconds": grace})
+    h.send(f.create(sandbox_spec=spec), f.running())
+    out: list[tuple[str, int]] = []
+
+    def send(message: Message) -> None:
+        decision = decide(h.row(), message, f.cause(message), limits)
+        assert decision.state is not None
+        h.states[f.KEY] = decision.state
+        out.extend(
+            (e.type, getattr(decision.state.deadline, "attempt", -1)) for e in decision.events
+        )
+
+    send(f.delete())
+    report_at, reported = f.T0 + timedelta(seconds=retry_window), False
+    while True:
+        deadline = h.row().deadline
+        assert deadline is not None and h.row().phase is P.DELETING
+        if reported:
+            send(f.due(deadline="delete", due_at=deadline.due_at))
+            return out
+        if report_at < deadline.due_at:
+            send(f.failed(operation="delete", observed="absent", occurred_at=report_at))
+            reported = True
+        else:
+            send(f.due(deadline="delete", due_at=deadline.due_at))
+
+
+def test_scenario_3_the_scaled_delete_timeline_is_the_real_one() -> None:
+    """tests/test_delete_finishes.py runs a failing delete on Podman with its windows divided
+    by 100; with the defaults (600 s of executor retries, 120 s to 1800 s of delete back-off,
+    the driver's 10 s grace) the same events are decided in the same order."""
+    real = delete_timeline(DEFAULT_LIMITS, grace=10, retry_window=600)
+    scaled_settings = Settings(
+        executor_retry_seconds=6.0, delete_retry_seconds=1.2, delete_retry_max_seconds=18.0
+    )
+    scaled = delete_timeline(scaled_settings.lifecycle_limits, grace=1, retry_window=6.0)
+    assert (
+        real
+        == scaled
+        == [
+            ("SandboxDeleting", 0),
+            ("SandboxDeleteRetried", 1),
+            ("SandboxDeleteRetried", 2),
+            ("SandboxOperationFailed", 2),  # still Deleting, the deadline of retry 3 kept
+            ("SandboxDeleteRetried", 3),
+        ]
+    )
+
+
+def test_scenario_3_old_failed_delete_events_replay_as_they_were() -> None:
+    """A failed delete decided by the older rules (it followed the observed phase) rebuilds to
+    that phase: the rebuild from the log never rewrites history."""
     h = f.harness_in(P.DELETING)
-    (event,) = h.send(f.failed(operation="delete", observed="absent")).events
-    assert isinstance(event, SandboxDeleted) and h.row().tombstoned
+    row = h.row()
+    old = SandboxOperationFailed(
+        type="SandboxOperationFailed", event_id=uuid4(), key=row.key,
+        sandbox_id=row.sandbox_id, version=row.version + 1, generation=row.generation,
+        occurred_at=f.T0, actor="executor", cause=h.steps[-1].cause, operation="delete",
+        phase=P.READY, reason="timeout",
+    )  # fmt: skip
+    rebuilt = evolve(row, old)
+    assert (rebuilt.phase, rebuilt.deadline, rebuilt.reason) == (P.READY, None, "timeout")
 
 
 def test_scenario_3_recreate_is_untouched_by_the_old_incarnation() -> None:

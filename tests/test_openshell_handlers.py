@@ -22,12 +22,12 @@ from events.publisher import CommandPublisher
 from services.api.gateway import CommandGateway
 from services.api.readmodel import MAX_PAGE, ChangeFeed
 from services.common.database import connect_pool
+from services.common.exec_sessions import ExecLimits
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.common.tokens import TokenStore
 from services.localstack.private_broker import free_port
 from services.openshell import handlers
-from services.openshell.exec_rpc import ExecLimits
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto.vendored.v0_1_5 import datamodel_pb2 as dm1
 from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os1

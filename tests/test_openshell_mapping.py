@@ -371,10 +371,14 @@ async def test_gateway_info_names_the_configured_driver(settings: Settings) -> N
         await served.stop(0)
 
 
-def test_the_openshell_role_alone_execs_through_podman_only_when_sandboxes_run_there(
+def test_the_openshell_role_alone_execs_through_the_backend_its_sandboxes_run_on(
     settings: Settings,
 ) -> None:
-    """Run alone under the Kubernetes driver, the role has no exec driver (ExecSandbox answers
-    UNIMPLEMENTED), instead of a Podman driver aimed at a socket the deployment lacks."""
-    assert exec_driver(settings.model_copy(update={"driver": "kubernetes"})) is None
+    """Run alone under the Kubernetes driver, the role execs through the Pods' exec
+    subresource, never a Podman driver aimed at a socket the deployment lacks; under the fake
+    driver it has none (ExecSandbox answers UNIMPLEMENTED)."""
+    from drivers.kube_exec import KubeExec
+
+    assert isinstance(exec_driver(settings.model_copy(update={"driver": "kubernetes"})), KubeExec)
     assert isinstance(exec_driver(settings.model_copy(update={"driver": "podman"})), PodmanDriver)
+    assert exec_driver(settings.model_copy(update={"driver": "fake"})) is None

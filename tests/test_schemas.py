@@ -70,7 +70,7 @@ def all_events() -> list[DecidedEvent]:
     h.send(f.failed(operation="stop", observed="running"))
     h.send(f.stop(), f.stopped(), f.start(), f.exited(generation=2, exit_code=0))
     h.send(f.restart(), f.exited(generation=3, exit_code=2))
-    h.send(f.delete(), f.removed(generation=3))
+    h.send(f.delete(), f.deleted(generation=3))
     # Credential rotation: a skip (Stopped), a restart, and the restart's failed launch.
     h.send(f.create("rot", providers=["gh"]), f.running("rot"), f.stop("rot"))
     h.send(f.stopped("rot"), f.rotate("rot", {"gh": 2}), f.start("rot"), f.running("rot", 2))

@@ -43,16 +43,20 @@ class Up:
     stack: Env
     names: list[str] = field(default_factory=list)
 
-    async def cli(self, *args: str, timeout: float = 120, **env: str) -> Result:
+    async def cli(
+        self, *args: str, timeout: float = 120, stdin: bytes | None = None, **env: str
+    ) -> Result:
+        """The CLI's answer; ``stdin``: what its standard input holds (else it inherits ours)."""
         proc = await asyncio.create_subprocess_exec(
             SANDSTREAM,
             *args,
             env={**self.env, "SANDSTREAM_API_URL": self.url, **env},
             cwd=PROJECT_ROOT,
+            stdin=None if stdin is None else asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        out, err = await asyncio.wait_for(proc.communicate(stdin), timeout)
         assert proc.returncode is not None
         return Result(proc.returncode, out.decode(), err.decode())
 

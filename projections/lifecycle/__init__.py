@@ -61,15 +61,18 @@ from .identity import (
 )
 from .model import (
     DEFAULT_LIMITS,
+    DELETE_FAILED,
     Decision,
     Disposition,
     Limits,
     Message,
     Sandbox,
+    awaits_delete_retry,
     is_held,
 )
 from .observations import (
     FOLLOW_OBSERVED,
+    KEEP_DELETING,
     OBSERVATION_TABLE,
     ObservationKind,
     observation_kind,
@@ -106,6 +109,7 @@ __all__ = [
     "DEADLINE_TABLE",
     "DEFAULT_BACKOFF",
     "DEFAULT_LIMITS",
+    "DELETE_FAILED",
     "DETACH_HELD",
     "DETACH_NO_RESTART",
     "DETACH_PENDING",
@@ -115,6 +119,7 @@ __all__ = [
     "EXIT_KINDS",
     "FOLLOW_OBSERVED",
     "HELD",
+    "KEEP_DELETING",
     "NO_RESTART",
     "OBSERVATION_TABLE",
     "OWED_PHASES",
@@ -137,6 +142,7 @@ __all__ = [
     "Sandbox",
     "admission",
     "admitting_phases",
+    "awaits_delete_retry",
     "decide",
     "delete_deadline",
     "detach_action",

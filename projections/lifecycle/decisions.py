@@ -83,9 +83,10 @@ from .identity import (
     next_generation,
     sandbox_id_for,
 )
-from .model import DEFAULT_LIMITS, Decision, Limits, Message, P, Sandbox
+from .model import DEFAULT_LIMITS, DELETE_FAILED, Decision, Limits, Message, P, Sandbox
 from .observations import (
     FOLLOW_OBSERVED,
+    KEEP_DELETING,
     OBSERVATION_TABLE,
     OBSERVED_PHASE,
     ObservationKind,
@@ -431,6 +432,19 @@ def _agent_restarted(
     )
 
 
+def delete_failure_reason(state: Sandbox, reason: str | None) -> str:
+    """The row's reason after a failed delete: that it is still Deleting, how many retries the
+    delete deadline made so far, when the next one is due, and the driver's reason (the
+    history keeps one per failure)."""
+    deadline = state.deadline
+    then = (
+        f"retries so far: {deadline.attempt}; next retry at {deadline.due_at.isoformat()}"
+        if deadline is not None
+        else "delete deadlines off; the reconcile loop asks again"
+    )
+    return f"{DELETE_FAILED}: still Deleting ({then}): {reason or 'delete failed'}"
+
+
 def _observation_event(
     state: Sandbox,
     obs: Observation,
@@ -439,6 +453,17 @@ def _observation_event(
     common: dict,  # type: ignore[type-arg]
 ) -> DecidedEvent:
     exit_code = getattr(obs, "exit_code", None)
+    if target == KEEP_DELETING:
+        assert isinstance(obs, DriverOperationResult)
+        return built(
+            SandboxOperationFailed,
+            type="SandboxOperationFailed",
+            **common,
+            operation="delete",
+            phase=P.DELETING,
+            reason=delete_failure_reason(state, obs.reason),
+            exit_code=exit_code,
+        )
     if target == FOLLOW_OBSERVED:
         # A failed stop or delete: the row follows what the backend looks like now.
         assert isinstance(obs, DriverOperationResult)

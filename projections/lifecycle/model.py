@@ -82,6 +82,20 @@ def is_held(sandbox: Sandbox | None) -> bool:
     return sandbox is not None and sandbox.hold is not None
 
 
+# The reason of a Deleting row whose last delete failed (decisions.delete_failure_reason).
+DELETE_FAILED: Final = "DeleteFailed"
+
+
+def awaits_delete_retry(sandbox: Sandbox) -> bool:
+    """A Deleting row whose delete failed and whose delete deadline will ask again: nothing is
+    to be done before then (the back-off, not a pick-up, times the next attempt)."""
+    return (
+        sandbox.phase is P.DELETING
+        and sandbox.deadline is not None
+        and (sandbox.reason or "").startswith(DELETE_FAILED)
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """How long each guarded phase may last (seconds; None: no deadline). The processor's

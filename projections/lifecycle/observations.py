@@ -31,9 +31,12 @@ ObservationKind = Literal[
 
 
 FOLLOW_OBSERVED: Final = "follow observed"  # the phase the backend was seen in after a failure
+# A failed delete: the row stays Deleting and records the failure (its reason and attempt);
+# the delete deadline's retries, or the reconcile loop's pick-up, ask for the delete again.
+KEEP_DELETING: Final = "keep deleting"
 
 
-Target = Phase | Literal["follow observed"]
+Target = Phase | Literal["follow observed", "keep deleting"]
 
 
 _LAUNCHING: dict[ObservationKind, Target] = {
@@ -66,12 +69,14 @@ OBSERVATION_TABLE: Final[dict[Phase, dict[ObservationKind, Target]]] = {
     # stop of a timed-out launch) is no sign of life. "stopping" changes nothing anywhere: the
     # exit or the removal that follows decides.
     P.ERROR: {"running": P.READY},
-    # Deleting is monotonic: ordinary snapshots change nothing, removal tombstones.
+    # Deleting is monotonic: a decided delete is never undone. Only the delete's own report
+    # that everything of the incarnation is gone (runtimes, workspace, secrets) tombstones:
+    # a runtime's removal is not that (its workspace may still be held by another container),
+    # and a failed delete stays Deleting, to be retried.
     P.DELETING: {
-        "removed": P.DELETED,
         "delete_succeeded": P.DELETED,
         "delete_absent": P.DELETED,
-        "delete_failed": FOLLOW_OBSERVED,
+        "delete_failed": KEEP_DELETING,
     },
 }
 

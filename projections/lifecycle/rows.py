@@ -101,8 +101,13 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
                                     "reason": None, "deadline": None},
     SandboxFailed: lambda s, e: {"phase": P.ERROR, "exit_code": e.exit_code, "reason": e.reason,
                                  "deadline": None},
-    SandboxOperationFailed: lambda s, e: {"phase": e.phase, "exit_code": e.exit_code,
-                                          "reason": e.reason, "deadline": None},
+    # A failed delete stays Deleting and keeps its deadline (the next retry) and the exit code
+    # of the agent's process; a failed stop, and a failed delete decided by older rules,
+    # follow the observed phase.
+    SandboxOperationFailed: lambda s, e: (
+        {"reason": e.reason} if e.phase is P.DELETING
+        else {"phase": e.phase, "exit_code": e.exit_code, "reason": e.reason, "deadline": None}
+    ),
     SandboxDeleting: lambda s, e: {"phase": P.DELETING, "deadline": e.deadline},
     SandboxDeleted: lambda s, e: {"phase": P.DELETED, "deadline": None},
     ProviderAttached: lambda s, e: {"providers": tuple(sorted({*s.providers, e.provider}))},
@@ -122,8 +127,11 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
         "reason": f"DeleteTimeout: not deleted yet; retry {e.deadline.attempt}",
         "deadline": e.deadline,
     },
+    # In Deleting the row's reason says why the delete is not done yet (DeleteFailed): an
+    # expiry falling due meanwhile changes nothing of that.
     SandboxExpired: lambda s, e: {"expires_at": None,
-                                  "reason": f"Expired: time to live ended ({e.policy})"},
+                                  "reason": s.reason if s.phase is P.DELETING
+                                  else f"Expired: time to live ended ({e.policy})"},
     SandboxExtended: lambda s, e: {"expires_at": e.expires_at},
     SandboxHeld: held_defers,
     SandboxReleased: released,

@@ -2,9 +2,10 @@
 once (see the package docstring for what each module holds).
 
 ``create_app(settings, pool, publisher, tokens)`` builds the FastAPI application. Commands go
-to Kafka through the gateway; reads only query PostgreSQL; nothing here calls a driver
-(logs are read, and files read and written, in the runtime through a log source and a file
-source, never a lifecycle call).
+to Kafka through the gateway; reads only query PostgreSQL; nothing here makes a
+lifecycle call to a driver (logs are read from the runtime through a log source, files read
+and written through a file source, and exec runs a command through the driver's exec
+capability).
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Literal
 
 from fastapi import FastAPI
 
 from drivers.files import FilesBackend
 from drivers.logs import LogSource
+from drivers.protocol import ExecDriver
 from events.publisher import CommandPublisher
 from services.api import console, idempotency
 from services.api.deps import ApiState, Pool
@@ -31,6 +34,7 @@ from services.api.readmodel import ChangeFeed
 from services.api.routes import (
     audit,
     commands,
+    exec,
     files,
     history,
     lifecycle,
@@ -42,14 +46,16 @@ from services.api.routes import (
 from services.api.routes import (
     logs as logs_routes,
 )
+from services.common.exec_sessions import ExecLimits
 from services.common.settings import Settings
 from services.common.tokens import TokenStore
+from services.executor.exec_sources import exec_source
 from services.executor.file_sources import file_source
 from services.executor.log_sources import log_source
 
 # The order of inclusion is the order of the paths in the OpenAPI document.
 ROUTE_MODULES = (
-    commands, lifecycle, sandboxes, logs_routes, files, history, watch, audit, operations,
+    commands, lifecycle, sandboxes, logs_routes, exec, files, history, watch, audit, operations,
     providers,
 )  # fmt: skip
 
@@ -65,13 +71,20 @@ def create_app(
     down: Callable[[], dict[str, str]] | None = None,
     logs: LogSource | None = None,
     files: FilesBackend | None = None,
+    exec_driver: ExecDriver | Literal["settings"] | None = "settings",
+    exec_limits: ExecLimits | None = None,
 ) -> FastAPI:
     """``logs``, ``files``: the runtime's log and file sources (default: those of
-    ``settings``' driver, closed with the app)."""
+    ``settings``' driver, closed with the app); ``exec_driver``: the driver exec runs
+    commands through (default: the one of ``settings``, closed with the app; None: no exec);
+    ``exec_limits``: the exec sessions' bounds and counts (default: new ones of
+    ``settings``)."""
     own_logs = logs is None
     logs = log_source(settings) if logs is None else logs
     own_files = files is None
     files = file_source(settings) if files is None else files
+    owned_exec = exec_source(settings) if exec_driver == "settings" else None
+    execs = owned_exec if exec_driver == "settings" else exec_driver
     feed = ChangeFeed(pool, poll_interval=poll_interval)
     probe = KafkaProbe(settings, publisher)
     gateway = CommandGateway.of_role(
@@ -106,6 +119,8 @@ def create_app(
                 await logs.close()
             if own_files:
                 await files.close()
+            if owned_exec is not None:
+                await owned_exec.close()
 
     app = FastAPI(
         title="sandstream",
@@ -117,7 +132,8 @@ def create_app(
     )
     app.state.tokens = tokens
     app.state.feed = feed
-    app.state.api = ApiState(settings, pool, feed, gateway, probe, down, logs, files)
+    limits = ExecLimits.of(settings) if exec_limits is None else exec_limits
+    app.state.api = ApiState(settings, pool, feed, gateway, probe, down, logs, files, execs, limits)
     # Last added runs first: metrics see every answer, the guard's 401/403/413 included.
     app.add_middleware(
         GuardMiddleware,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, TypeAlias
 
 import asyncpg
@@ -14,13 +14,16 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from drivers.files import FilesBackend
 from drivers.logs import LogSource
+from drivers.protocol import ExecDriver
 from services.api.errors import ApiError
 from services.api.gateway import CommandGateway
 from services.api.probe import KafkaProbe
 from services.api.readmodel import ChangeFeed
+from services.common.exec_sessions import ExecLimits
 from services.common.settings import Settings
 from services.common.tokens import (
     AUDIT,
+    EXEC,
     FILES_READ,
     FILES_WRITE,
     OPS,
@@ -54,10 +57,18 @@ def request_scope(method: str, path: str) -> str:
     reading = method in READ_METHODS
     if FILES_PATH.match(path):
         return FILES_READ if reading else FILES_WRITE
+    if not reading and _is_exec(path):
+        return EXEC
     for prefix, read_scope, write_scope in SCOPED_PREFIXES:
         if path.startswith(prefix):
             return read_scope if reading else write_scope
     return READ if reading else WRITE
+
+
+def _is_exec(path: str) -> bool:
+    """``/v1/sandboxes/{name}/exec``: sandbox:exec, not sandbox:write."""
+    parts = path.split("/")
+    return len(parts) == 5 and parts[:3] == ["", "v1", "sandboxes"] and parts[4] == "exec"
 
 
 _bearer = HTTPBearer(
@@ -143,6 +154,7 @@ Auditor = Annotated[Principal, Depends(require(AUDIT))]
 ProviderReader = Annotated[Principal, Depends(require(PROVIDER_READ))]
 ProviderWriter = Annotated[Principal, Depends(require(PROVIDER_WRITE))]
 Operator = Annotated[Principal, Depends(require(OPS))]
+Executor = Annotated[Principal, Depends(require(EXEC))]
 FilesReader = Annotated[Principal, Depends(require(FILES_READ))]
 FilesWriter = Annotated[Principal, Depends(require(FILES_WRITE))]
 
@@ -166,9 +178,17 @@ class ApiState:
     logs: LogSource | None = None
     # The sandboxes' files (/v1/sandboxes/{name}/files); None: this API serves no files.
     files: FilesBackend | None = None
+    # The driver POST /v1/sandboxes/{name}/exec runs commands through (None: it cannot exec),
+    # and the exec sessions' bounds and counts (shared with OpenShell's door under `up`).
+    exec_driver: ExecDriver | None = None
+    exec_limits: ExecLimits = field(
+        default_factory=lambda: ExecLimits(timeout=1.0, per_token=1, total=1)
+    )
 
 
-def api_state(request: Request) -> ApiState:
+async def api_state(request: Request) -> ApiState:
+    # A coroutine: FastAPI runs a plain function dependency in a worker thread, a thread hop
+    # (and a wait for the GIL) on every request.
     state: ApiState = request.app.state.api
     return state
 

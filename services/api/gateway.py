@@ -136,14 +136,20 @@ class CommandGateway:
         )
 
     async def wait_outcome(
-        self, command_id: str, key: str | None, timeout: float
+        self, command_id: str, key: str | None, timeout: float, *, published: bool = False
     ) -> CommandOutcome | None:
-        """The command's outcome once decided; None if ``timeout`` passes first."""
+        """The command's outcome once decided; None if ``timeout`` passes first.
+        ``published``: mark the command published first, on the connection of the first
+        look-up (a pool acquisition fewer: each ends in a reset, a round trip of its own)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
             mark = self.feed.mark()
-            outcome = await readmodel.get_outcome(self.pool, command_id, key)
+            async with self.pool.acquire() as conn:
+                if published:
+                    await idempotency.mark_published(conn, command_id)
+                    published = False
+                outcome = await readmodel.fetch_outcome(conn, command_id, key)
             remaining = deadline - loop.time()
             if outcome is not None or remaining <= 0:
                 return outcome
@@ -159,8 +165,9 @@ class CommandGateway:
         if size > self.max_bytes:
             metrics.API_COMMANDS.labels(command.type, "too_large").inc()
             raise CommandTooLarge(command, size, self.max_bytes)
-        first = await idempotency.record(self.pool, command)
-        known = await readmodel.get_outcome(self.pool, command.command_id, command.key)
+        async with self.pool.acquire() as conn:  # one acquisition (each ends in a reset)
+            first = await idempotency.record(conn, command)
+            known = await readmodel.fetch_outcome(conn, command.command_id, command.key)
         if known is not None and known.command_type != command.type:
             # Decided before the API recorded the id (published by another producer).
             raise IdempotencyConflict(
@@ -189,7 +196,9 @@ class CommandGateway:
             log.warning("publishing %s %s failed: %r", command.type, command.command_id, exc)
             raise PublishFailed(command, exc) from exc
         self.refused = None
-        await idempotency.mark_published(self.pool, command.command_id)
         metrics.API_COMMANDS.labels(command.type, "published").inc()
-        outcome = await self.wait_outcome(command.command_id, command.key, wait) if wait else None
+        if not wait:
+            await idempotency.mark_published(self.pool, command.command_id)
+            return Submitted(None, retry=False)
+        outcome = await self.wait_outcome(command.command_id, command.key, wait, published=True)
         return Submitted(outcome, retry=False)

@@ -120,10 +120,10 @@ async def claim(
     return first
 
 
-async def record(pool: Pool, command: Command) -> Recorded | None:
+async def record(conn: Conn, command: Command) -> Recorded | None:
     """Record ``command`` under its id (``claim``)."""
     mine = fingerprint(command)
-    return await claim(pool, command.command_id, command.key, command.type, command.actor, mine)
+    return await claim(conn, command.command_id, command.key, command.type, command.actor, mine)
 
 
 async def keep_outcome(conn: Conn, command_id: str, outcome: Any) -> None:
@@ -135,8 +135,8 @@ async def keep_outcome(conn: Conn, command_id: str, outcome: Any) -> None:
     )
 
 
-async def mark_published(pool: Pool, command_id: str) -> None:
-    await pool.execute(
+async def mark_published(conn: Conn, command_id: str) -> None:
+    await conn.execute(
         "UPDATE api_commands SET published = true WHERE command_id = $1 AND NOT published",
         command_id,
     )

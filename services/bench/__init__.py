@@ -5,12 +5,17 @@ Modules:
 
 - ``ceiling``: a minimal exactly-once projector, the reference the processor is measured against.
 - ``cpu``: CPU seconds spent per input, beside the wall-clock rates.
+- ``decided``: request → decided outcome at low load through the HTTP API, beside Kafka's and
+  PostgreSQL's own round trips.
 - ``drivers``: driver benchmarks (part of ``make bench``).
 - ``fold``: CPU of the decide stage alone.
 - ``kube``: create and stop latency of the whole pipeline, Podman beside Kubernetes (part of ``make
   bench``).
+- ``kube_requests``: the Kubernetes driver's apiserver requests per sandbox beside bare Pods'.
 - ``main``: ``python -m services.bench
-  [all|processor|latency|scaleout|rebuild|profile|fold|stages|drivers|peer] [--quick]``.
+  [all|processor|latency|decided|scaleout|rebuild|profile|fold|stages|drivers|peer|
+  kube-requests]
+  [--quick]``.
 - ``peer``, ``peer_setup``, ``peer_systems``, ``peer_kube``, ``peer_stats``, ``peer_report``:
   sandstream beside kubernetes-sigs/agent-sandbox and bare Pods on one Kubernetes cluster
   (``make bench-peer``): the phases and the CPU of every process; what a run starts and stops;

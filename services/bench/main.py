@@ -1,8 +1,11 @@
-"""``python -m services.bench [all|processor|latency|scaleout|rebuild|profile|fold|stages|drivers|
-peer] [--quick]``: the benchmarks, each printed beside its same-run reference (see
-docs/benchmarks.md). ``latency`` is the latency part of ``processor`` alone; ``peer``
+"""``python -m services.bench [all|processor|latency|decided|scaleout|rebuild|profile|fold|stages|
+drivers|peer|kube-requests] [--quick]``: the benchmarks, each printed beside its same-run
+reference (see docs/benchmarks.md). ``latency`` is the latency part of ``processor`` alone;
+``decided`` is request → decided outcome at low load, through the HTTP API; ``peer``
 (services/bench/peer.py, ``make bench-peer``) is not part of ``all``: it starts a Kubernetes
-cluster of its own and takes about a quarter of an hour."""
+cluster of its own and takes about a quarter of an hour. ``kube-requests``
+(services/bench/kube_requests.py) counts the Kubernetes driver's apiserver requests per
+sandbox beside bare Pods' on the local cluster (`make k8s`), in a minute."""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ import time
 
 from services.bench import drivers as bench_drivers
 from services.bench import kube as bench_kube
-from services.bench import peer
+from services.bench import kube_requests, peer
+from services.bench.decided import decided_figures
 from services.bench.fold import fold_figures
 from services.bench.processor import latency, throughput
 from services.bench.profile import profile
@@ -27,6 +31,7 @@ CHOICES = (
     "all",
     "processor",
     "latency",
+    "decided",
     "scaleout",
     "rebuild",
     "profile",
@@ -34,13 +39,21 @@ CHOICES = (
     "stages",
     "drivers",
     "peer",
+    "kube-requests",
 )
 
 
 async def run(
-    which: str, quick: bool, latency_rate: int = 1000, peer_plan: peer.Plan | None = None
+    which: str,
+    quick: bool,
+    latency_rate: int = 1000,
+    peer_plan: peer.Plan | None = None,
+    sandboxes: int | None = None,
 ) -> None:
     settings = Settings()
+    if which == "kube-requests":
+        await kube_requests.main(settings, sandboxes or (10 if quick else 30))
+        return
     if which == "peer":
         await peer.run(settings, peer_plan or peer.plan(quick))
         return
@@ -51,6 +64,8 @@ async def run(
             await throughput(settings, keys, max_records)
     if which in ("all", "processor", "latency"):
         await latency(settings, rate=latency_rate, seconds=5 if quick else 15)
+    if which in ("all", "decided"):
+        await decided_figures(settings, 100 if quick else 400)
     if which in ("all", "scaleout"):
         await two_processors(settings, keys)
     if which in ("all", "rebuild"):
@@ -79,13 +94,15 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke check")
     parser.add_argument(
-        "--sandboxes", type=int, default=300, help="peer: sandboxes per burst (default 300)"
+        "--sandboxes",
+        type=int,
+        default=None,
+        help="peer: sandboxes per burst (default 300); kube-requests: sandboxes (default 30)",
     )
     parser.add_argument(
         "--rounds", type=int, default=None, help="peer: burst rounds (default 3, --quick 1)"
     )
     args = parser.parse_args()
     collect_less_often()  # as the processor's own process does (the ceiling runs under it too)
-    asyncio.run(
-        run(args.which, args.quick, peer_plan=peer.plan(args.quick, args.sandboxes, args.rounds))
-    )
+    peer_plan = peer.plan(args.quick, args.sandboxes or 300, args.rounds)
+    asyncio.run(run(args.which, args.quick, peer_plan=peer_plan, sandboxes=args.sandboxes))

@@ -7,6 +7,7 @@ Modules:
 
 - ``audit``: `sandstream audit verify | chain | at | explain | export | rebuild | diff | promote`.
 - ``client``: the CLI's client of the HTTP API (errors, retries, exit codes).
+- ``exec``: `sandstream sandbox exec`.
 - ``files``: `sandstream sandbox cp` and `sandstream sandbox files ls | stat | mkdir | rm | mv`.
 - ``lifecycle``: `sandstream sandbox hold | release | extend`.
 - ``lifecycle_options``: the operator-lifecycle parts of `sandstream sandbox create` and `get`.

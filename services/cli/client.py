@@ -143,11 +143,25 @@ class Client:
         self, params: dict[str, Any], read_timeout: float
     ) -> Iterator[tuple[str, int | None, dict[str, Any]]]:
         """Server-sent events of /v1/watch: (event, id, data)."""
+        return self.sse("GET", "/v1/watch", params=params, read_timeout=read_timeout)
+
+    def sse(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, Any],
+        read_timeout: float | None,
+        json_body: Any = None,
+    ) -> Iterator[tuple[str, int | None, dict[str, Any]]]:
+        """A server-sent events answer: (event, id, data) as they arrive; ``read_timeout``
+        None: the stream may idle for as long as it likes."""
         try:
             with self.http.stream(
-                "GET",
-                "/v1/watch",
+                method,
+                path,
                 params=params,
+                json=json_body,
                 timeout=httpx.Timeout(30.0, read=read_timeout),
             ) as response:
                 if response.status_code != 200:

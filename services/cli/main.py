@@ -17,6 +17,7 @@ from typing import Annotated
 import typer
 
 from services.cli import audit, log, operations, processor, providers, roles, sandbox, tokens
+from services.cli import exec as _exec  # noqa: F401  (sandbox exec)
 from services.cli import files as _files  # noqa: F401  (sandbox cp, sandbox files ...)
 from services.cli import lifecycle as _lifecycle  # noqa: F401  (sandbox hold/release/extend)
 from services.cli.client import CliError, Connection

@@ -5,6 +5,7 @@ Modules:
 
 - ``credentials``: credential values at rest.
 - ``database``: the PostgreSQL pool every role opens.
+- ``exec_sessions``: what both exec doors hold a command to (deadline, session limits).
 - ``entrypoint``: run one long-lived service in the foreground until SIGINT or SIGTERM.
 - ``health``: the health endpoint of a role process.
 - ``kafka_clients``: the Kafka principal each part of sandstream connects as, and the aiokafka

@@ -20,9 +20,16 @@ class EmbeddedServer(uvicorn.Server):
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening socket (port 0: an ephemeral port); raises OSError when the port is taken."""
+    """A listening socket (port 0: an ephemeral port); raises OSError when the port is taken.
+
+    Made with the protocol named (IPPROTO_TCP): asyncio turns Nagle's algorithm off on the
+    connections it accepts only when their protocol says TCP, and a socket made with the default
+    (0) says nothing. With Nagle on, an answer written in two parts (uvicorn writes the headers,
+    then the body) waited for the client's delayed acknowledgement of the first: 40 ms more on
+    every request on Linux.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -245,6 +245,12 @@ class Settings(BaseSettings):
     openshell_exec_timeout_seconds: int = Field(default=3600, ge=1, le=86_400)
     openshell_exec_sessions_per_token: int = Field(default=8, ge=1, le=1024)
     openshell_exec_sessions: int = Field(default=64, ge=1, le=4096)
+    # The three above hold the HTTP API's exec too (services/common/exec_sessions.py), with
+    # these: the sessions one sandbox may have open at once (both doors), and the most of each
+    # output (stdout, stderr) the HTTP API's non-streaming exec answers with (the rest is
+    # read and dropped, the answer says it was cut).
+    exec_sessions_per_sandbox: int = Field(default=8, ge=1, le=1024)
+    exec_output_max_bytes: int = Field(default=1024 * 1024, ge=1024, le=64 * 1024 * 1024)
     # Tokens file, admin token and pid file of `sandstream up` (default: state_dir).
     run_dir: Path | None = None
     # Request bodies above this are refused (413) unread; it stays below Kafka's message size

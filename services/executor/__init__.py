@@ -19,5 +19,6 @@ observations: the processor decides.
 - ``driver_side``: ``DriverSide``, executor + watcher + reconciler around one driver.
 - ``backends``: the drivers built from the settings.
 - ``log_sources``: the runtime log readers of the configured backends (for the API's logs).
+- ``exec_sources``: the exec-capable driver of the settings (for the API's and OpenShell's exec).
 - ``file_sources``: the file sources of the configured backends (for the API's files routes).
 """

@@ -88,6 +88,7 @@ class DriverSide:
             pickup=self.executor.pick_up if self.executor else None,
             stop_stale=self.executor.stop_stale if self.executor else None,
             stop_stray=self.executor.stop_stray if self.executor else None,
+            collect=self.executor.collect if self.executor else None,
             report="watcher" in self.parts,
         )
         if self.executor is not None:

@@ -56,6 +56,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from uuid import UUID
 
 from aiokafka import AIOKafkaConsumer
 
@@ -278,6 +279,22 @@ class Executor:
                     runtime.key, runtime.generation)  # fmt: skip
         intent = Intent("stop", runtime.key, runtime.sandbox_id, runtime.generation,
                         f"result:stray:{runtime.runtime_id}", "reconciler", stray=True)  # fmt: skip
+        self.queues.add(WorkItem(intent))
+        return True
+
+    def collect(self, key: str, sandbox_id: UUID, generation: int) -> bool:
+        """Queue a delete of incarnation ``sandbox_id`` of ``key``, which this store tombstoned
+        (at ``generation``) and of which the backend still holds something (the reconcile loop
+        calls this): no event asks for it any more. Its result names the tombstone's
+        generation, which the processor records as ignored (the audit of the collection).
+        Nothing is queued while the sandbox has intents here, nor for another executor's
+        partition."""
+        if not self._may_queue(key):
+            return False
+        log.warning("collecting the leftovers of %s incarnation %s, deleted at generation %d",
+                    key, sandbox_id, generation)  # fmt: skip
+        intent = Intent("delete", key, sandbox_id, generation, f"result:leftover:{sandbox_id}",
+                        "reconciler", leftover=True)  # fmt: skip
         self.queues.add(WorkItem(intent))
         return True
 

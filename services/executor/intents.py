@@ -22,7 +22,7 @@ from events.decided import (
     SandboxTimedOut,
 )
 from events.observations import Operation
-from projections.lifecycle import Sandbox
+from projections.lifecycle import Sandbox, awaits_delete_retry
 from projections.lifecycle.providers import DETACH_RESTART, ROTATION_RESTART
 
 
@@ -49,6 +49,9 @@ class Intent:
     # The launch of a rotation or detach restart (AgentRestarted): it takes no lane, so one
     # provider change's restarts never wait behind one another (``takes_lane``).
     for_providers: bool = False
+    # A delete of a tombstoned incarnation's leftovers (the reconcile loop's ``collect``):
+    # wanted while that incarnation is not live (its tombstone, or a name re-created since).
+    leftover: bool = False
 
 
 def intent_of(event: DecidedEvent) -> Intent | None:
@@ -98,7 +101,9 @@ def intent_of_row(row: Sandbox, actor: str = "reconciler") -> Intent | None:
         case Phase.STOPPING:
             return replace(base, operation="stop")
         case Phase.DELETING:
-            return replace(base, operation="delete")
+            # A failed delete waits for its deadline's retry: picking it up every other pass
+            # would undo the back-off (and add a failure to the history each time).
+            return None if awaits_delete_retry(row) else replace(base, operation="delete")
     return None
 
 
@@ -118,6 +123,10 @@ STRAY_PHASES: Final = (Phase.STOPPED,)
 def unwanted(intent: Intent, row: Sandbox | None) -> str | None:
     """Why the row no longer wants ``intent`` (None: it does). The row is the truth, the
     intent only a hint: a redelivered or replayed intent the row has moved past is dropped."""
+    if intent.leftover:
+        if row is not None and row.sandbox_id == intent.sandbox_id and not row.tombstoned:
+            return f"incarnation {intent.sandbox_id} is live ({row.phase})"
+        return None
     if row is None:
         return "no row"
     if row.sandbox_id != intent.sandbox_id:

@@ -16,6 +16,15 @@ other way round. An executor process's pass passes them to ``stop_stale`` and ``
 (``Executor.stop_stale``, ``Executor.stop_stray``), which stop them if the sandbox's
 partition is its own.
 
+A third is a deleted incarnation's leftovers: what the backend still holds of an incarnation
+(its runtimes, workspace volume or claim, labelled secrets: ``HoldingsDriver.incarnations``)
+that this store tombstoned (the row's tombstone, or a history entry that left it Deleted).
+A decided delete only tombstones once the driver reported everything gone, but something can
+appear after that: a launch still running in an executor that lost its partition, a sandbox
+deleted under older rules (a runtime's removal used to tombstone it, its volume left behind).
+They are passed to ``collect`` (``Executor.collect``), which deletes that incarnation, and
+only it (never a live incarnation of the same name, nor anything this store never knew).
+
 It also hands the executor what the log can no longer deliver: a row that stays in a
 progressing phase (Provisioning, Starting, Stopping, Deleting) at the same version for a whole
 pass is passed to ``pickup`` (``Executor.pick_up``), which queues what the row wants unless
@@ -34,7 +43,7 @@ from uuid import UUID
 
 import asyncpg
 
-from drivers.protocol import Driver, RuntimeInfo
+from drivers.protocol import Driver, HoldingsDriver, Incarnation, RuntimeInfo
 from events.backoff import pause
 from events.common import Phase
 from events.observations import Observation, RuntimeRemoved, RuntimeSnapshot
@@ -160,6 +169,41 @@ def stray_runtimes(rows: Iterable[LiveRow], runtimes: Iterable[RuntimeInfo]) -> 
     ]
 
 
+def leftover_candidates(rows: Iterable[LiveRow], held: Iterable[Incarnation]) -> set[Incarnation]:
+    """The incarnations the backend holds that no live row is (pure): a deleted incarnation's
+    leftovers, or a stranger's (another control plane's, or one created after the rows were
+    read). ``deleted_incarnations`` tells them apart."""
+    live = {(r.key, r.sandbox_id) for r in rows}
+    return {i for i in held if i not in live}
+
+
+async def deleted_incarnations(
+    pool: asyncpg.Pool[asyncpg.Record], candidates: Iterable[Incarnation]
+) -> dict[Incarnation, int]:
+    """Which of ``candidates`` this store tombstoned, with the generation of the tombstone:
+    the row's tombstone, or (a name re-created since) the history entry that left it Deleted."""
+    wanted = sorted(candidates)
+    if not wanted:
+        return {}
+    records = await pool.fetch(
+        """
+        SELECT key, sandbox_id, generation FROM sandboxes
+         WHERE phase = 'Deleted' AND sandbox_id = ANY($1::uuid[])
+        UNION
+        SELECT key, sandbox_id, generation FROM history
+         WHERE phase = 'Deleted' AND sandbox_id = ANY($1::uuid[])
+        """,
+        [sandbox_id for _, sandbox_id in wanted],
+    )
+    keys = set(wanted)
+    found: dict[Incarnation, int] = {}
+    for r in records:
+        incarnation = (r["key"], r["sandbox_id"])
+        if incarnation in keys:
+            found[incarnation] = max(found.get(incarnation, 0), r["generation"])
+    return found
+
+
 async def live_rows(pool: asyncpg.Pool[asyncpg.Record]) -> list[LiveRow]:
     rows = await pool.fetch(
         "SELECT key, sandbox_id, generation, phase FROM sandboxes WHERE phase <> 'Deleted'"
@@ -194,6 +238,10 @@ class Reconciler:
     stale_stopped: int = 0  # stale runtimes handed to stop_stale
     stop_stray: Callable[[RuntimeInfo], bool] | None = None  # the executor's stop_stray
     strays_stopped: int = 0  # runtimes under a Stopped row handed to stop_stray
+    # The executor's collect: delete a tombstoned incarnation's leftovers (key, sandbox id,
+    # the tombstone's generation).
+    collect: Callable[[str, UUID, int], bool] | None = None
+    collected: int = 0  # deleted incarnations' leftovers handed to collect
     _progressing: set[tuple[str, UUID, int]] = field(default_factory=set)  # the last pass's
 
     async def pick_up_stuck(self) -> None:
@@ -207,13 +255,29 @@ class Reconciler:
                 self.picked_up += 1
         self._progressing = now
 
+    async def collect_leftovers(self, rows: list[LiveRow]) -> None:
+        """Hand the executor each tombstoned incarnation the backend still holds anything of.
+        ``rows`` were read before the listing (a sandbox created after is no candidate: this
+        store has not tombstoned it)."""
+        if self.collect is None or not isinstance(self.driver, HoldingsDriver):
+            return
+        candidates = leftover_candidates(rows, await self.driver.incarnations())
+        deleted = await deleted_incarnations(self.pool, candidates)
+        for (key, sandbox_id), generation in sorted(deleted.items()):
+            self.collected += self.collect(key, sandbox_id, generation)
+
     async def run_once(self) -> list[Observation]:
         """One pass; returns what it reported (new differences only)."""
         await self.pick_up_stuck()
-        if not self.report and self.stop_stale is None and self.stop_stray is None:
+        acts = (self.stop_stale, self.stop_stray, self.collect)
+        if not self.report and all(act is None for act in acts):
             self.passes += 1
             return []
         rows = await live_rows(self.pool)
+        try:
+            await self.collect_leftovers(rows)
+        except Exception:  # the reports and stops below do not depend on it
+            log.exception("collecting deleted incarnations' leftovers failed; next pass retries")
         runtimes = await self.driver.list()
         if self.stop_stale is not None:
             for runtime in stale_runtimes(rows, runtimes):

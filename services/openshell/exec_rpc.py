@@ -14,17 +14,15 @@ drivers/podman_exec_end.py). DEADLINE_EXCEEDED goes out once that is done.
 
 from __future__ import annotations
 
-import asyncio
-from collections import Counter
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf.duration_pb2 import Duration
 
 from drivers.protocol import DriverError, ExecExit
 from events.common import Phase
+from services.common.exec_sessions import ExecLimits, ExecTimedOut, within
 from services.common.tokens import EXEC
 from services.openshell import mapping, wire
 from services.openshell.proto import openshell_pb2 as pinned
@@ -87,36 +85,6 @@ def exec_request(raw: bytes) -> ExecRequest:
     )
 
 
-@dataclass
-class ExecLimits:
-    """The sessions open now, per token and in all; the bounds they are held to."""
-
-    timeout: float
-    per_token: int
-    total: int
-    open: Counter[str] = field(default_factory=Counter)
-
-    def refusal(self, token: str) -> str | None:
-        if sum(self.open.values()) >= self.total:
-            return f"{self.total} exec sessions are running (the most this gateway allows)"
-        if self.open[token] >= self.per_token:
-            return (
-                f"token {token!r} has {self.open[token]} exec sessions running (the most "
-                "one token may have)"
-            )
-        return None
-
-    @contextmanager
-    def session(self, token: str) -> Iterator[None]:
-        self.open[token] += 1
-        try:
-            yield
-        finally:
-            self.open[token] -= 1
-            if not self.open[token]:
-                del self.open[token]
-
-
 class ExecRpcs:
     def __init__(self, door: Door, limits: ExecLimits) -> None:
         self.door = door
@@ -133,8 +101,6 @@ class ExecRpcs:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not request.command:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "command: required")
-        if request.stdin:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "stdin: not supported")
         limit = self.limits.timeout
         if request.timeout is not None and request.timeout > limit:
             await abort(
@@ -156,29 +122,28 @@ class ExecRpcs:
         driver = self.door.driver
         if driver is None:
             await abort(context, grpc.StatusCode.UNIMPLEMENTED, "the driver cannot exec")
-        refused = self.limits.refusal(principal.name)
+        refused = self.limits.refusal(principal.name, view.name)
         if refused is not None:
             await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
-        timeout = request.timeout or limit
-        with self.limits.session(principal.name):
+        timeout = self.limits.deadline(request.timeout)
+        with self.limits.session(principal.name, view.name):
             stream = driver.exec_stream(
                 view.name,
                 view.generation,
                 request.command,
                 env=request.environment,
                 workdir=request.workdir or None,
+                stdin=request.stdin or None,
             )
             try:
-                async with asyncio.timeout(timeout):
-                    async for event in stream:
-                        yield _event(event)
-            except TimeoutError:
-                await stream.aclose()  # ends the command before the status goes out
-                await abort(
-                    context,
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"the command ran longer than {timeout:g}s",
-                )
+                async for event in within(stream, timeout):
+                    if isinstance(event, ExecTimedOut):
+                        await abort(
+                            context,
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"the command ran longer than {timeout:g}s",
+                        )
+                    yield _event(event)
             except DriverError as exc:
                 code = (
                     grpc.StatusCode.UNAVAILABLE

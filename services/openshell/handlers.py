@@ -18,7 +18,8 @@ import grpc
 from google.protobuf.message import Message
 
 from projections.store import CONNECTION_ERRORS
-from services.openshell.exec_rpc import ExecLimits, ExecRpcs
+from services.common.exec_sessions import ExecLimits
+from services.openshell.exec_rpc import ExecRpcs
 from services.openshell.logs import LogRpcs
 from services.openshell.providers import PROVIDER_METHODS, ProviderRpcs
 from services.openshell.sandbox_providers import SandboxProviderRpcs

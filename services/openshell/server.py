@@ -29,14 +29,15 @@ from services.api.providers import ProviderService
 from services.api.readmodel import ChangeFeed
 from services.api.server import Tls
 from services.common.entrypoint import run_until_signalled
+from services.common.exec_sessions import ExecLimits
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.common.tokens import SCOPES, TokenStore
-from services.openshell.exec_rpc import ExecLimits
 from services.openshell.handlers import OpenShellService
 from services.openshell.service import Authenticator, Door, Pool
 
 if TYPE_CHECKING:
+    from drivers.kube_exec import KubeExec
     from drivers.podman import PodmanDriver
 
 log = logging.getLogger("sandstream.openshell")
@@ -98,9 +99,11 @@ async def start_openshell(
     driver: object | None,
     driver_name: str | None = None,
     logs: LogSource | None = None,
+    limits: ExecLimits | None = None,
 ) -> RunningOpenShell:
     """Start serving; raises OpenShellConfigError or OSError (the port is taken).
-    ``driver_name`` (what GetGatewayInfo reports) defaults to ``settings.driver``."""
+    ``driver_name`` (what GetGatewayInfo reports) defaults to ``settings.driver``; ``limits``
+    (the exec sessions' bounds and counts) to new ones of ``settings``."""
     from drivers.protocol import ExecDriver
 
     check_settings(settings)
@@ -117,11 +120,7 @@ async def start_openshell(
         default_image=settings.sandbox_image,
         events_topic=settings.topic_events,
     )
-    limits = ExecLimits(
-        timeout=float(settings.openshell_exec_timeout_seconds),
-        per_token=settings.openshell_exec_sessions_per_token,
-        total=settings.openshell_exec_sessions,
-    )
+    limits = ExecLimits.of(settings) if limits is None else limits
     server = grpc.aio.server(options=SERVER_OPTIONS)
     server.add_generic_rpc_handlers((OpenShellService(door, limits).generic_handler(),))
     host = settings.openshell_host
@@ -188,13 +187,12 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         await logs.close()
 
 
-def exec_driver(settings: Settings) -> PodmanDriver | None:
-    """The driver ExecSandbox runs commands through when this role runs alone: Podman's, when
-    the sandboxes run on Podman; none otherwise (the Kubernetes driver has no exec, so the
-    answer is UNIMPLEMENTED, as from ``sandstream up`` with it, not a Podman socket's error)."""
-    from services.executor.backends import podman_driver
+def exec_driver(settings: Settings) -> PodmanDriver | KubeExec | None:
+    """The driver ExecSandbox runs commands through when this role runs alone
+    (services/executor/exec_sources.py)."""
+    from services.executor.exec_sources import exec_source
 
-    return podman_driver(settings) if settings.driver == "podman" else None
+    return exec_source(settings)
 
 
 def main() -> None:

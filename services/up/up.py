@@ -20,11 +20,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import asyncpg
 from aiokafka.errors import KafkaError
 
+from drivers.protocol import ExecDriver
 from events.publisher import CommandPublisher
 from services.api.app import create_app
 from services.api.providers import ProviderService
@@ -224,7 +225,12 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
         pool = await connect_pool(settings)
         await publisher.__aenter__()
         app = create_app(
-            settings, pool, publisher, TokenStore.from_file(tokens.tokens_file), down=plane.down
+            settings,
+            pool,
+            publisher,
+            TokenStore.from_file(tokens.tokens_file),
+            down=plane.down,
+            exec_driver=_exec_driver(settings, driver),
         )
         api = await start_api(app, settings.api_host, settings.api_port, sock=sock, tls=tls,
                               trusted_proxies=settings.trusted_proxies)  # fmt: skip
@@ -235,8 +241,9 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
                 pool=pool,
                 gateway=app.state.api.gateway,
                 tokens=app.state.tokens,
-                driver=driver,
+                driver=app.state.api.exec_driver,  # exec's driver and count: one for both doors
                 logs=app.state.api.logs,
+                limits=app.state.api.exec_limits,
             )
         _banner(settings, api.url, tokens, time.monotonic() - started, openshell)
         if sync_source(settings) is not None:
@@ -382,3 +389,12 @@ def down(settings: Settings, *, keep_stack: bool = False) -> int:
             print(f"sandstream down: {exc}", file=sys.stderr)
             return 1
     return 0
+
+
+def _exec_driver(settings: Settings, driver: object) -> ExecDriver | Literal["settings"] | None:
+    """The driver exec runs through (both doors): ``up``'s own when it can exec (Podman's),
+    else one built from the settings (the Kubernetes driver's exec); none behind a routing
+    prefix (the routing driver has no exec)."""
+    if isinstance(driver, ExecDriver):
+        return driver
+    return "settings" if settings.driver_route_prefix is None else None

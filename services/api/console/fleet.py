@@ -61,13 +61,14 @@ class Asked:
     problem: str | None
 
 
-def asked_filters(
+async def asked_filters(
     phase: Annotated[list[str], Query()] = [],  # noqa: B006
     label: str | None = None,
     page_token: str | None = None,
     limit: str | None = None,
 ) -> Asked:
-    """The table's filters from the query (the page's and its live feed's)."""
+    """The table's filters from the query (the page's and its live feed's); a coroutine, as
+    every dependency is (``api_state``)."""
     known = {p.value for p in Phase}
     wrong = [p for p in phase if p not in known]
     size = int(limit) if limit and limit.isdigit() and len(limit) < 4 else PAGE_SIZE

@@ -11,5 +11,6 @@
 - ``providers``: providers (create, list, replace credentials, delete), attach and detach.
 
 - ``logs``: a sandbox's output, read from its runtime, never stored.
+- ``exec``: a command run in a Ready sandbox (one JSON answer, or server-sent events).
 - ``files``: a sandbox's files: upload, download, list, stat, mkdir, remove, move.
 """

@@ -1,0 +1,88 @@
+"""A sandbox's lifecycle as calls (create, get, stop, start, delete, extend) and the rule for
+waiting on a phase: the faces poll ``GET /v1/sandboxes/{name}`` until :func:`settled` says
+the goal is reached or cannot be."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from sandstream_sdk._transport import Call
+from sandstream_sdk.errors import NotFoundError, NotSupportedError, SandboxError
+from sandstream_sdk.models import SandboxInfo
+
+Goal = Literal["Ready", "Stopped", "gone"]
+KEEP_ALIVE = ("sleep", "infinity")  # the main process when the caller names none
+POLL_SECONDS = 0.25
+DEFAULT_WAIT = 120.0
+# The server decides a command within this (?wait=); reaching the phase is waited for after.
+DECIDE_WAIT = 30
+
+
+def new_name() -> str:
+    return f"sb-{secrets.token_hex(5)}"
+
+
+def create_call(
+    name: str,
+    image: str | None,
+    template: str | None,
+    *,
+    command: Sequence[str] | None,
+    env: Mapping[str, str] | None,
+    labels: Mapping[str, str] | None,
+    timeout: float | None,
+) -> Call:
+    if template is not None:
+        raise NotSupportedError(
+            "templates are not supported by sandstream yet: pass image= (a container image)"
+        )
+    if not image:
+        raise ValueError("image: required (the container image the sandbox runs)")
+    spec: dict[str, Any] = {"image": image, "command": list(command or KEEP_ALIVE)}
+    if env:
+        spec["env"] = dict(env)
+    if labels:
+        spec["labels"] = dict(labels)
+    body: dict[str, Any] = {"name": name, "spec": spec}
+    if timeout is not None:
+        body["ttl_seconds"] = timeout
+    return Call("POST", "/v1/sandboxes", {"wait": DECIDE_WAIT}, body, ok=(201, 202))
+
+
+def get_call(name: str) -> Call:
+    return Call("GET", f"/v1/sandboxes/{name}")
+
+
+def command_call(name: str, verb: Literal["stop", "start", "extend"],
+                 body: dict[str, Any] | None = None) -> Call:  # fmt: skip
+    return Call("POST", f"/v1/sandboxes/{name}:{verb}", {"wait": DECIDE_WAIT}, body or {},
+                ok=(200, 202))  # fmt: skip
+
+
+def versioned(expected_version: int | None) -> dict[str, Any]:
+    return {} if expected_version is None else {"expected_version": expected_version}
+
+
+def delete_call(name: str) -> Call:
+    return Call("DELETE", f"/v1/sandboxes/{name}", {"wait": DECIDE_WAIT}, ok=(200, 202))
+
+
+def info_of(body: Any) -> SandboxInfo:
+    return SandboxInfo.model_validate(body)
+
+
+def settled(goal: Goal, info: SandboxInfo | None) -> bool:
+    """True once ``goal`` holds; False while it may still come; SandboxError when the sandbox
+    ended elsewhere (Error, Completed), NotFoundError when it is gone before Ready/Stopped."""
+    if goal == "gone":
+        return info is None
+    if info is None:
+        raise NotFoundError("the sandbox is gone", status=404, code="NOT_FOUND")
+    if info.phase == goal:
+        return True
+    if info.phase in ("Error", "Completed") and goal == "Ready":
+        why = info.reason or (f"exit code {info.exit_code}" if info.exit_code is not None else "")
+        raise SandboxError(f"sandbox {info.name!r} is {info.phase}: {why}".rstrip(": "))
+    return False

@@ -1,0 +1,347 @@
+"""A command inside a Ready sandbox, through the driver's exec (Podman's exec API): the HTTP
+door beside OpenShell's ExecSandbox, held to the same bounds (services/common/exec_sessions.py:
+a deadline, sessions per token, per sandbox and in all) and needing the same scope,
+``sandbox:exec``.
+
+Two forms. By default one JSON answer once the command has ended: both outputs (each cut at
+``exec_output_max_bytes``, the rest read and dropped, the answer saying so) and the exit code.
+With ``?stream=true``, server-sent events as the output comes (``stdout``/``stderr``, data
+``{"data": text}``), then one ``exit`` event (or ``error``), then the end of the stream.
+
+A client that goes away ends the command (either form): the driver's stream is left, and the
+driver ends what it started (SIGTERM, SIGKILL after a grace)."""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Annotated, Any, Final
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from drivers.protocol import DriverError, ExecEvent, ExecExit, ExecOutput
+from events.common import Phase
+from services.api import readmodel
+from services.api.deps import ApiState, Executor, State
+from services.api.errors import ApiError, ErrorBody
+from services.api.models import SSE_EVENT_SCHEMA, NamePath, responses
+from services.api.readmodel import SandboxView
+from services.common.exec_sessions import ExecLimits, ExecTimedOut, within
+
+router = APIRouter()
+
+MAX_ARGS: Final = 4096  # arguments of one command; the body size limit bounds their length
+
+
+class ExecRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    command: list[Annotated[str, Field(max_length=1 << 20)]] = Field(
+        min_length=1, max_length=MAX_ARGS, description="argv: the program, then its arguments"
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="environment variables added")
+    workdir: str | None = Field(
+        default=None, min_length=1, description="absolute working directory (default: the image's)"
+    )
+    timeout: float | None = Field(
+        default=None,
+        gt=0,
+        description="seconds until the command is ended (default and most: the setting "
+        "openshell_exec_timeout_seconds)",
+    )
+    stdin: str | None = Field(
+        default=None,
+        description="the command's input (UTF-8), then its end; null: no input (an immediate "
+        "end of input)",
+    )
+
+    @field_validator("command")
+    @classmethod
+    def _argv(cls, command: list[str]) -> list[str]:
+        if any("\x00" in arg for arg in command):
+            raise ValueError("an argument contains a NUL character")
+        return command
+
+    @field_validator("env")
+    @classmethod
+    def _environment(cls, env: dict[str, str]) -> dict[str, str]:
+        for key, value in env.items():
+            if not key or "=" in key or "\x00" in key:
+                raise ValueError(f"{key!r}: a name must be non-empty, without '=' or NUL")
+            if "\x00" in value:
+                raise ValueError(f"{key!r}: the value contains a NUL character")
+        return env
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, workdir: str | None) -> str | None:
+        if workdir is not None and (not workdir.startswith("/") or "\x00" in workdir):
+            raise ValueError("must be an absolute path, without NUL")
+        return workdir
+
+
+class ExecResult(BaseModel):
+    exit_code: int | None = Field(description="null when the command was ended by the timeout")
+    stdout: str = Field(description="UTF-8, invalid bytes replaced")
+    stderr: str
+    stdout_truncated: bool = Field(description="stdout was longer than the limit: cut there")
+    stderr_truncated: bool
+    timed_out: bool = Field(description="the timeout ended the command")
+
+
+STREAM_DESCRIPTION: Final = (
+    "with `?stream=true`, server-sent events: `event: stdout` / `event: stderr` with data "
+    '`{"data": text}` as the output comes, then `event: exit` with `{"exit_code", '
+    '"timed_out"}` (or `event: error` with `{"code", "message"}`), then the end'
+)
+
+
+@router.post(
+    "/v1/sandboxes/{name}/exec",
+    response_model=ExecResult,
+    responses={
+        200: {
+            "description": "the command ended (JSON); " + STREAM_DESCRIPTION,
+            "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
+        },
+        **responses(401, 403, 404, 413, 422, 503),
+        409: {
+            "model": ErrorBody,
+            "description": "FAILED_PRECONDITION: the sandbox is not Ready (the message names "
+            "its phase), or its runtime is gone or not running",
+        },
+        429: {
+            "model": ErrorBody,
+            "description": "RESOURCE_EXHAUSTED: too many exec sessions (per token, per "
+            "sandbox, or in all)",
+        },
+        501: {
+            "model": ErrorBody,
+            "description": "NOT_IMPLEMENTED: this API's driver cannot exec",
+        },
+    },
+    summary="Run a command in a Ready sandbox (needs sandbox:exec)",
+    tags=["sandboxes"],
+)
+async def sandbox_exec(
+    name: NamePath,
+    body: ExecRequest,
+    principal: Executor,
+    state: State,
+    request: Request,
+    stream: Annotated[bool, Query(description="server-sent events as the output comes")] = False,
+) -> Any:
+    limits = state.exec_limits
+    try:
+        timeout = limits.deadline(body.timeout)
+    except ValueError as exc:
+        raise ApiError(422, "INVALID_ARGUMENT", f"timeout: {exc}") from exc
+    view = await ready_sandbox(state, name)
+    refused = limits.refusal(principal.name, view.name)
+    if refused is not None:
+        raise ApiError(429, "RESOURCE_EXHAUSTED", refused)
+    session = Session(state, limits, principal.name, view, body, timeout, request.receive)
+    if stream:
+        return StreamingResponse(
+            session.events(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    return await session.result(state.settings.exec_output_max_bytes)
+
+
+async def ready_sandbox(state: ApiState, name: str) -> SandboxView:
+    view = await readmodel.get_sandbox(state.pool, name)
+    if view is None:
+        raise ApiError(404, "NOT_FOUND", f"sandbox {name!r} not found")
+    if view.phase is not Phase.READY:
+        raise ApiError(
+            409, "FAILED_PRECONDITION", f"sandbox {name!r} is {view.phase.value}, not Ready"
+        )
+    if state.exec_driver is None:
+        raise ApiError(501, "NOT_IMPLEMENTED", "this API's driver cannot exec")
+    return view
+
+
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+
+
+class Session:
+    """One command's run: its session counted while it runs, its output until the exit, the
+    deadline or the client's leaving."""
+
+    def __init__(
+        self,
+        state: ApiState,
+        limits: ExecLimits,
+        token: str,
+        view: SandboxView,
+        body: ExecRequest,
+        timeout: float,
+        receive: Receive,
+    ) -> None:
+        self.state, self.limits, self.token, self.view = state, limits, token, view
+        self.body, self.timeout, self.receive = body, timeout, receive
+
+    @contextlib.asynccontextmanager
+    async def run(self) -> AsyncIterator[AsyncIterator[ExecEvent | ExecTimedOut]]:
+        """The command's events; RESOURCE_EXHAUSTED when a session opened meanwhile took the
+        last place (the check before the answer began was no reservation). However it ends,
+        the command is ended and only then its session released, in a task of its own: the
+        server cancels an answer whose client left again at every wait of its cleanup."""
+        refused = self.limits.refusal(self.token, self.view.name)
+        if refused is not None:
+            raise ApiError(429, "RESOURCE_EXHAUSTED", refused)
+        driver = self.state.exec_driver
+        assert driver is not None  # ready_sandbox checked
+        counted = contextlib.ExitStack()
+        counted.enter_context(self.limits.session(self.token, self.view.name))
+        stream = driver.exec_stream(
+            self.view.name,
+            self.view.generation,
+            self.body.command,
+            env=self.body.env,
+            workdir=self.body.workdir,
+            stdin=None if self.body.stdin is None else self.body.stdin.encode(),
+        )
+        watched = UntilGone(within(stream, self.timeout), self.receive)
+        try:
+            yield watched.events()
+        finally:
+            ending = asyncio.ensure_future(watched.close(counted))
+            ENDING.add(ending)
+            ending.add_done_callback(ENDING.discard)
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(ending)
+
+    async def result(self, cap: int) -> ExecResult | JSONResponse:
+        outputs = {"stdout": Capped(cap), "stderr": Capped(cap)}
+        exit_code: int | None = None
+        timed_out = False
+        try:
+            async with self.run() as events:
+                async for event in events:
+                    if isinstance(event, ExecOutput):
+                        outputs[event.stream].add(event.data)
+                    elif isinstance(event, ExecExit):
+                        exit_code = event.exit_code
+                    else:
+                        timed_out = True
+        except DriverError as exc:
+            raise driver_error(exc) from exc
+        if exit_code is None and not timed_out:  # the client left: nobody reads this
+            return JSONResponse({"code": "CANCELLED", "message": "the client left"}, 499)
+        out, err = outputs["stdout"], outputs["stderr"]
+        return ExecResult(
+            exit_code=exit_code,
+            stdout=out.text(),
+            stderr=err.text(),
+            stdout_truncated=out.cut,
+            stderr_truncated=err.cut,
+            timed_out=timed_out,
+        )
+
+    async def events(self) -> AsyncIterator[str]:
+        decoders = {s: codecs.getincrementaldecoder("utf-8")("replace") for s in STREAMS}
+        try:
+            async with self.run() as events:
+                async for event in events:
+                    if isinstance(event, ExecOutput):
+                        text = decoders[event.stream].decode(event.data)
+                        if text:
+                            yield sse(event.stream, {"data": text})
+                        continue
+                    for stream, decoder in decoders.items():  # a character cut at the end
+                        if rest := decoder.decode(b"", final=True):
+                            yield sse(stream, {"data": rest})
+                    timed_out = isinstance(event, ExecTimedOut)
+                    code = None if timed_out else getattr(event, "exit_code", None)
+                    yield sse("exit", {"exit_code": code, "timed_out": timed_out})
+        except DriverError as exc:
+            error = driver_error(exc)
+            yield sse("error", {"code": error.code, "message": error.message})
+        except ApiError as exc:
+            yield sse("error", {"code": exc.code, "message": exc.message})
+
+
+STREAMS: Final = ("stdout", "stderr")
+
+
+def sse(event: str, data: dict[str, Any]) -> str:
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n"
+
+
+def driver_error(exc: DriverError) -> ApiError:
+    """The runtime failed: gone or not running (the row may lag a stop or delete) is a
+    precondition; a broken connection to the runtime is worth a retry."""
+    if exc.retryable:
+        return ApiError(503, "UNAVAILABLE", f"exec: {exc.reason}")
+    return ApiError(409, "FAILED_PRECONDITION", f"exec: {exc.reason}")
+
+
+class Capped:
+    """At most ``cap`` bytes of one output; the rest counted as cut, not kept."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.kept = bytearray()
+        self.cut = False
+
+    def add(self, data: bytes) -> None:
+        room = self.cap - len(self.kept)
+        if len(data) > room:
+            self.cut = True
+        self.kept += data[: max(room, 0)]
+
+    def text(self) -> str:
+        return self.kept.decode("utf-8", "replace")
+
+
+ENDING: Final[set[asyncio.Future[None]]] = set()  # cleanups under way (held from the GC)
+
+
+class UntilGone:
+    """The events until they end or the client disconnects; then the wait for the next event
+    is cancelled, which leaves the driver's stream (so the command is ended). Watched here, not
+    left to the server: an answer that has nothing to send would never learn the client left."""
+
+    def __init__(
+        self, source: AsyncGenerator[ExecEvent | ExecTimedOut, None], receive: Receive
+    ) -> None:
+        self.source = source
+        self.gone = asyncio.ensure_future(_disconnected(receive))
+        self.following: asyncio.Future[ExecEvent | ExecTimedOut] | None = None
+
+    async def events(self) -> AsyncIterator[ExecEvent | ExecTimedOut]:
+        while True:
+            self.following = following = asyncio.ensure_future(anext(self.source))
+            await asyncio.wait({following, self.gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not following.done():
+                return  # the client left: close() ends the command
+            try:
+                event = following.result()
+            except StopAsyncIteration:
+                return
+            yield event
+
+    async def close(self, counted: contextlib.ExitStack) -> None:
+        """End the command (if it still runs), then release its session."""
+        try:
+            self.gone.cancel()
+            if self.following is not None and not self.following.done():
+                self.following.cancel()
+                with contextlib.suppress(BaseException):
+                    await self.following
+            await self.source.aclose()
+        finally:
+            counted.close()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

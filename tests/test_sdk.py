@@ -1,0 +1,221 @@
+"""The Python SDK (sdk/python/, import ``sandstream_sdk``) against a real `sandstream up` (a
+subprocess with this module's own topics, schema and port; sandboxes in real Podman
+containers): its README example as written, both faces, the typed errors; that it imports none
+of the server's packages; and that it builds as a wheel that holds it all."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from upkit import SANDSTREAM, Up, running_up
+
+from services.common.settings import PROJECT_ROOT, load_settings
+
+SDK = PROJECT_ROOT / "sdk" / "python"
+sys.path.insert(0, str(SDK))  # the SDK as a user has it: its own distribution's folder
+
+import sandstream_sdk as ss  # noqa: E402
+from sandstream_sdk import AsyncSandbox, Sandbox  # noqa: E402
+
+IMAGE = load_settings().sandbox_image
+SERVER_PACKAGES = {"events", "projections", "drivers", "services"}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def up(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Up]:
+    async with running_up(tmp_path_factory.mktemp("run")) as running:
+        yield running
+
+
+@pytest.fixture
+def connection(up: Up) -> Iterator[dict[str, str]]:
+    """Where the SDK finds the API: the variables it reads, as a user sets them."""
+    variables = {"SANDSTREAM_API_URL": up.url, "SANDSTREAM_TOKEN": up.admin_token()}
+    saved = {k: os.environ.get(k) for k in variables}
+    os.environ.update(variables)
+    yield variables
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def sdk_env(connection: dict[str, str]) -> dict[str, str]:
+    """A process that has the SDK's folder on its path, and not the project's."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return {**env, **connection, "PYTHONPATH": str(SDK)}
+
+
+def readme_example() -> str:
+    text = (SDK / "README.md").read_text()
+    found = re.search(r"## Ten lines\n\n```python\n(.*?)```", text, re.S)
+    assert found, "the README's example"
+    return found.group(1)
+
+
+def test_the_readme_example_is_ten_lines() -> None:
+    assert len(readme_example().strip().splitlines()) == 10
+
+
+async def test_the_readme_example_runs_as_written(up: Up, connection: dict[str, str]) -> None:
+    done = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-c", readme_example()], env=sdk_env(connection),
+        cwd="/", capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[:2] == ["hello from the SDK", "stderr: done"]
+    assert lines[-1] == "['hello.txt']"
+    # Each chunk as it came, after "live: " (chunks two ticks apart are rarely one).
+    assert lines[2].startswith("live: ")
+    assert [line.removeprefix("live: ") for line in lines[2:-1]] == ["tick 1", "tick 2", "tick 3"]
+
+
+def test_the_sdk_imports_none_of_the_servers_packages() -> None:
+    """Every import in the SDK's source is the standard library, httpx, pydantic or itself;
+    and importing it loads nothing of the server."""
+    allowed = set(sys.stdlib_module_names) | {"httpx", "pydantic", "sandstream_sdk"}
+    for path in sorted((SDK / "sandstream_sdk").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
+    probe = "import sys, sandstream_sdk; print(sorted({m.split('.')[0] for m in sys.modules}))"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(SDK)}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, cwd="/", capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    loaded = set(ast.literal_eval(done.stdout))
+    assert "sandstream_sdk" in loaded and not loaded & SERVER_PACKAGES
+
+
+def test_the_sdk_builds_as_a_wheel_with_its_two_dependencies(tmp_path: Path) -> None:
+    """What CI builds: ``pip wheel --no-deps`` of the distribution (offline, no isolation)."""
+    source = tmp_path / "src"
+    shutil.copytree(SDK, source, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "--no-index", "-q", "-w", str(tmp_path / "dist"), str(source)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    (wheel,) = (tmp_path / "dist").glob("sandstream_sdk-*-py3-none-any.whl")
+    with zipfile.ZipFile(wheel) as built:
+        names = set(built.namelist())
+        metadata = built.read(next(n for n in names if n.endswith("/METADATA"))).decode()
+    modules = {f"sandstream_sdk/{p.name}" for p in (SDK / "sandstream_sdk").glob("*.py")}
+    assert modules | {"sandstream_sdk/py.typed"} <= names
+    requires = sorted(re.findall(r"^Requires-Dist: (\w+)", metadata, re.M))
+    assert requires == ["httpx", "pydantic"]
+    assert "Name: sandstream-sdk" in metadata
+
+
+def test_sync_sandbox_commands_files_logs_and_lifecycle(up: Up, connection: dict[str, str]) -> None:
+    sb = Sandbox.create(image=IMAGE, name=up.name("sdk"), env={"WHO": "sdk"}, timeout=600,
+                        command=["sh", "-c", "echo booted; exec sleep 3600"])  # fmt: skip
+    with sb:
+        assert sb.get_info().phase == "Ready" and sb.is_running()
+        result = sb.commands.run('echo "$WHO $X"; echo err >&2', envs={"X": "y"}, cwd="/tmp")
+        assert (result.exit_code, result.stdout, result.stderr) == (0, "sdk y\n", "err\n")
+        assert sb.commands.run(["cat"], stdin="fed").stdout == "fed"
+        with pytest.raises(ss.CommandExitError) as failed:
+            sb.commands.run("echo partial; exit 3")
+        assert (failed.value.exit_code, failed.value.stdout) == (3, "partial\n")
+        assert sb.commands.run("exit 4", check=False).exit_code == 4
+        seen: list[tuple[str, str]] = []
+        streamed = sb.commands.run(
+            "echo a; echo b >&2; echo c", on_stdout=lambda t: seen.append(("out", t)),
+            on_stderr=lambda t: seen.append(("err", t)),
+        )  # fmt: skip
+        assert "".join(t for s, t in seen if s == "out") == streamed.stdout == "a\nc\n"
+        assert ("err", "b\n") in seen
+        with pytest.raises(ss.TimeoutError) as late:
+            sb.commands.run("echo before; sleep 30", timeout=1, on_stdout=lambda t: None)
+        assert late.value.result.stdout == "before\n"
+
+        assert sb.files.write("dir/a.txt", "alpha").type == "file"
+        assert sb.files.read("dir/a.txt") == "alpha"
+        assert sb.files.read("/workspace/dir/a.txt", format="bytes") == b"alpha"
+        assert sb.files.make_dir("dir/sub") is True and sb.files.make_dir("dir/sub") is False
+        assert sorted(e.name for e in sb.files.list("dir")) == ["a.txt", "sub"]
+        assert sb.files.rename("dir/a.txt", "dir/b.txt").name == "b.txt"
+        assert not sb.files.exists("dir/a.txt") and sb.files.exists("dir/b.txt")
+        sb.files.remove("dir")
+        assert not sb.files.exists("dir")
+        with pytest.raises(ss.NotFoundError):
+            sb.files.read("nothing-here")
+
+        assert [line.text for line in sb.logs()] == ["booted"]
+        version = sb.get_info().version
+        with pytest.raises(ss.VersionConflictError):
+            sb.stop(expected_version=version + 100)
+        sb.stop(expected_version=version)
+        assert sb.get_info().phase == "Stopped"
+        with pytest.raises(ss.NotReadyError) as refused:
+            sb.commands.run("true")
+        assert "Stopped" in refused.value.message
+        sb.start()
+        assert sb.commands.run("echo again").stdout == "again\n"
+    with pytest.raises(ss.NotFoundError):
+        Sandbox.connect(sb.name)
+    assert sb.kill() is False  # gone already
+    sb.close()
+
+
+async def test_async_sandbox_runs_streams_and_kills(up: Up, connection: dict[str, str]) -> None:
+    chunks: list[str] = []
+
+    async def collect(text: str) -> None:
+        chunks.append(text)
+
+    async with await AsyncSandbox.create(image=IMAGE, name=up.name("sdk-async")) as sb:
+        assert (await sb.get_info()).phase == "Ready"
+        result = await sb.commands.run("echo one; echo two", on_stdout=collect)
+        assert "".join(chunks) == result.stdout == "one\ntwo\n"
+        await sb.files.write("x.bin", b"\x00\x01")
+        assert await sb.files.read("x.bin", format="bytes") == b"\x00\x01"
+        again = await AsyncSandbox.connect(sb.name)
+        assert (await again.commands.run(["echo", "connected"])).stdout == "connected\n"
+        await again.close()
+    with pytest.raises(ss.NotFoundError):
+        await AsyncSandbox.connect(sb.name)
+
+
+def test_typed_errors_for_name_scope_token_size_and_template(
+    up: Up, connection: dict[str, str]
+) -> None:
+    with pytest.raises(ss.NotSupportedError, match="templates are not supported"):
+        Sandbox.create(template="base")
+    with pytest.raises(ss.AuthenticationError):
+        Sandbox.connect("anything", token="sst_not-a-token")
+    with pytest.raises(ss.NotFoundError):
+        Sandbox.connect(up.name("ghost"))
+    name = up.name("sdk-errors")
+    with Sandbox.create(image=IMAGE, name=name) as sb:
+        with pytest.raises(ss.AlreadyExistsError):
+            Sandbox.create(image=IMAGE, name=name)
+        with pytest.raises(ss.TooLargeError):
+            sb.commands.run("cat", stdin="x" * 600_000)
+        made = subprocess.run(
+            [SANDSTREAM, "token", "create", "sdk-reader", "--scope", "sandbox:read"],
+            env=up.env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert made.returncode == 0, made.stderr
+        limited = Sandbox.connect(name, token=made.stdout.strip())
+        with pytest.raises(ss.ForbiddenError, match="sandbox:exec"):
+            limited.commands.run("true")
+        limited.close()
