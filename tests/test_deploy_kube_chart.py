@@ -120,6 +120,15 @@ async def _sandbox_round_trip(admin: Admin, deployment: kube_chart.ClusterDeploy
         # the same through OpenShell's gRPC API, the API Pod's second container
         assert await _openshell_logs(deployment, token, name) == ["hello from the pod"]
 
+        # a command run in the sandbox's container through the API Pod (pods/exec)
+        body = {"command": ["sh", "-c", "echo in $HOSTNAME; exit 3"]}
+        ran = await api.post(f"/v1/sandboxes/{name}/exec", json=body)
+        assert ran.status_code == 200, ran.text
+        assert (ran.json()["exit_code"], ran.json()["stdout"]) == (
+            3,
+            f"in {name}\n",
+        )
+
         deleted = await api.delete(f"/v1/sandboxes/{name}", params={"wait": 60})
         assert deleted.status_code == 200, deleted.text
 
