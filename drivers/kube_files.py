@@ -25,6 +25,7 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.stream import WsApiClient
 
+from drivers.files import FilesError
 from drivers.files_exec import ExecFiles
 from drivers.kube_config import KubeConfig, api_client
 from drivers.kube_objects import CONTAINER, api_error_message, pod_name
@@ -40,14 +41,14 @@ def exit_of(status: bytes) -> int | str:
     try:
         parsed: dict[str, Any] = json.loads(status)
     except ValueError:
-        return status.decode(errors="replace")[:300]
+        return status.decode(errors="replace")[:1000]
     if parsed.get("status") == "Success":
         return 0
     if parsed.get("reason") == "NonZeroExitCode":
         for cause in parsed.get("details", {}).get("causes", []):
             if cause.get("reason") == "ExitCode" and str(cause.get("message", "")).isdigit():
                 return int(cause["message"])
-    return str(parsed.get("message") or parsed)[:300]
+    return str(parsed.get("message") or parsed)[:1000]
 
 
 class KubeFiles(ExecFiles):
@@ -99,8 +100,23 @@ class KubeFiles(ExecFiles):
     async def read_tar(self, key: str, generation: int, path: str) -> AsyncIterator[bytes]:
         parent, name = posixpath.split(path) if path != "/" else ("/", ".")
         command = ["tar", "-c", "-f", "-", "-C", parent or "/", "--", name]
-        async for chunk in self._run(key, generation, command):
-            yield chunk
+        # A tar that fails (no such path) still writes the archive's end, zeros; held back
+        # until a member shows, so that the failure comes first, never a broken archive.
+        held: bytearray | None = bytearray()
+        try:
+            async for chunk in self._run(key, generation, command):
+                if held is not None:
+                    held += chunk
+                    if not held.strip(b"\0"):
+                        continue
+                    chunk, held = bytes(held), None
+                yield chunk
+        except FilesError as exc:
+            if held is None:
+                raise
+            raise FilesError(exc.kind, f"{path!r}: {exc.message}") from exc  # as Podman's says
+        if held:
+            yield bytes(held)
 
     async def write_tar(
         self, key: str, generation: int, path: str, archive: AsyncIterator[bytes]

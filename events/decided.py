@@ -106,14 +106,17 @@ class SandboxFailed(EventBase):
 
 
 class SandboxOperationFailed(EventBase):
-    """A driver stop or delete failed. After a stop the row follows the phase the backend was
-    observed in; after a delete it stays Deleting (``phase``), its deadline kept for the retry."""
+    """A driver stop or delete failed. A delete stays Deleting (``phase``), its deadline kept
+    for the retry; a stop stays Stopping with the retry's ``deadline`` unless the backend was
+    seen not running (``phase`` Stopped). Decided by older rules, a stop or delete followed the
+    phase the backend was observed in."""
 
     type: Literal["SandboxOperationFailed"]
     operation: Operation
     phase: Phase
     reason: str
     exit_code: int | None = None
+    deadline: Deadline | None = None  # a failed stop's retry (None: kept, or none)
 
 
 class SandboxDeleting(EventBase):
@@ -204,6 +207,15 @@ class SandboxDeleteRetried(EventBase):
     deadline: Deadline
 
 
+class SandboxStopRetried(EventBase):
+    """A failed stop's retry deadline fell due: the stop is asked for again
+    (``deadline.attempt``), and the next deadline is further out (the delete's back-off).
+    Intent: stop, as SandboxStopping."""
+
+    type: Literal["SandboxStopRetried"]
+    deadline: Deadline
+
+
 class SandboxExpired(EventBase):
     """The time to live ended. What it does follows as its own event in the same decision
     (SandboxStopping or SandboxDeleting) when the phase admits it."""
@@ -284,6 +296,7 @@ DecidedEvent = Annotated[
     | SandboxTimedOut
     | SandboxStopEscalated
     | SandboxDeleteRetried
+    | SandboxStopRetried
     | SandboxExpired
     | SandboxExtended
     | SandboxHeld

@@ -16,9 +16,9 @@ from projections.lifecycle import (
     DETACH_NO_RESTART,
     DETACH_TABLE,
     EXIT_KINDS,
-    FOLLOW_OBSERVED,
     HELD,
     KEEP_DELETING,
+    KEEP_STOPPING,
     NO_RESTART,
     OBSERVATION_TABLE,
     PENDING_RESTART_TABLE,
@@ -66,8 +66,8 @@ def render() -> str:
             target = OBSERVATION_TABLE[phase].get(kind)  # type: ignore[call-overload]
             if target is None:
                 cells.append("·")
-            elif target == FOLLOW_OBSERVED:
-                cells.append("observed phase")
+            elif target == KEEP_STOPPING:
+                cells.append("stays unless seen not running")
             elif target == KEEP_DELETING:
                 cells.append("stays, failure recorded")
             else:
@@ -83,7 +83,13 @@ def render() -> str:
         "it) tombstones the row; a runtime seen removed is not that report (another container "
         "may still hold the workspace), and a failed delete stays Deleting (SandboxOperationFailed "
         "with phase Deleting, `reason` naming the retries so far and the next retry), its delete "
-        "deadline kept: the retries go on until the backend confirms.",
+        "deadline kept: the retries go on until the backend confirms. A decided stop is never "
+        "undone either: a failed stop ends the stop (Stopped) only when the backend was seen "
+        "with the runtime not running (exited, created, or absent: gone already); seen running, "
+        "or not seen, it stays Stopping (SandboxOperationFailed with phase Stopping, `reason` "
+        "`StopFailed: still Stopping (...)` naming the retries so far and the next retry), with "
+        "a retry deadline on the delete's back-off: the retries go on until the runtime is "
+        "stopped, or a restart or delete takes over.",
         "",
         "### Holds",
         "",
@@ -183,11 +189,12 @@ def render() -> str:
         "rotations that arrive while its restart is pending, and a second time only when its "
         "launch had already read an older value (it must end up on the newest).",
         "",
-        "A rotation skipped in Error or Stopping is recorded in `awaited` too: that generation "
-        "may be seen running again (a running snapshot lifts Error to Ready; a failed stop "
-        "that finds it running makes it Ready), and then, as after a launch whose read is "
-        "unknown, it restarts at once onto the newest values (AgentRestartSkipped if held). "
-        "`awaited` is kept in Provisioning, Starting, Error and Stopping "
+        "A rotation skipped in Error is recorded in `awaited` too: that generation may be seen "
+        "running again (a running snapshot lifts Error to Ready), and then, as after a launch "
+        "whose read is unknown, it restarts at once onto the newest values (AgentRestartSkipped "
+        "if held). Stopping never leads back to Ready (a failed stop stays Stopping), so a "
+        "rotation skipped there applies at the next start. "
+        "`awaited` is kept in Provisioning, Starting and Error "
         "(`projections.lifecycle.OWED_PHASES`); a new generation or any other phase clears it "
         "(the next start reads the newest values).",
         "",
@@ -216,7 +223,7 @@ def render() -> str:
         "revision 0 (that launch must not have read it). On the launch's result: Ready, and if "
         "its `credentials` name the detached provider (it read the values before the detach) "
         "or are unknown, AgentRestarted at once without it; the running snapshot waits for that "
-        "result, as for an awaited rotation. A detach in Error or Stopping is recorded the same "
+        "result, as for an awaited rotation. A detach in Error is recorded the same "
         "way: if that generation is seen running again, it restarts at once without the "
         "provider.",
     ]

@@ -42,25 +42,28 @@ class Sandbox:
 
 
 @asynccontextmanager
-async def files_api(**settings_update: Any) -> AsyncIterator[Sandbox]:
-    """An API (Podman driver) with one Ready sandbox (a sleeping busybox, read-only root)."""
+async def files_api(
+    token_store: Any = None, admin: str = apikit.ADMIN, **settings_update: Any
+) -> AsyncIterator[Sandbox]:
+    """An API (Podman driver) with one Ready sandbox (a sleeping busybox, read-only root);
+    ``token_store``: its tokens instead of this module's, ``admin`` the value of its admin's."""
     settings = load_settings()
     driver = PodmanDriver(settings.podman_url, stop_timeout=1)
     try:
         async with apikit.running_api(
-            driver, settings_update=settings_update or None, token_store=tokens()
+            driver, settings_update=settings_update or None, token_store=token_store or tokens()
         ) as api:
             name = unique("files")
             body = create_body(name, command=["sleep", "3600"])
             body["spec"]["image"] = api.env.settings.sandbox_image
-            async with api.client() as c:
+            async with api.client(admin) as c:
                 r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
                 assert r.status_code == 201, r.text
             await api.wait_phase(name, "Ready")
             try:
                 yield Sandbox(api, name)
             finally:
-                async with api.client() as c:
+                async with api.client(admin) as c:
                     await c.delete(f"/v1/sandboxes/{name}", params={"wait": 30})
     finally:
         await driver.close()

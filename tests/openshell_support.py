@@ -85,14 +85,13 @@ async def running_gateway(
                 writer=(WRITER, READ, WRITE),
                 executor=(EXECUTOR, READ, EXEC),
             )
-            served = env.settings.model_copy(
-                update={
-                    "openshell_port": 0,
-                    "openshell_exec_timeout_seconds": EXEC_LIMIT,
-                    "openshell_exec_sessions_per_token": EXEC_SESSIONS,
-                    "openshell_exec_sessions": EXEC_TOTAL,
-                }
-            )
+            limits = {
+                "openshell_exec_timeout_seconds": EXEC_LIMIT,
+                "openshell_exec_sessions_per_token": EXEC_SESSIONS,
+                "openshell_exec_sessions": EXEC_TOTAL,
+            }
+            limits.update((k, v) for k, v in settings.items() if k in limits)  # a test's own
+            served = env.settings.model_copy(update={"openshell_port": 0, **limits})
             gateway = CommandGateway(
                 env.pool, pub, feed, max_bytes=env.settings.processor_max_input_bytes
             )

@@ -22,7 +22,7 @@ from kube_support import (
     ns_fixture,  # noqa: F401  (the module's namespace)
 )
 
-from drivers.kube_exec import wrapped
+from drivers.kube_exec import PidLine, _start_failure, reporting_pid, wrapped
 
 
 def test_the_environment_and_working_directory_ride_on_env_and_sh() -> None:
@@ -31,6 +31,21 @@ def test_the_environment_and_working_directory_ride_on_env_and_sh() -> None:
     assert wrapped(["ls"], {"A": "1"}, "/w") == [
         "sh", "-c", 'cd -- "$1" || exit 127; shift; exec "$@"', "sh", "/w", "env", "A=1", "ls",
     ]  # fmt: skip
+
+
+def test_the_wrappers_pid_line_is_taken_out_of_stderr_across_frames() -> None:
+    assert reporting_pid(["ls"]) == ["sh", "-c", 'echo "$$" >&2; exec "$@"', "sh", "ls"]
+    head = PidLine()
+    assert (head.feed(b"12"), head.pending) == (b"", True)
+    assert head.feed(b"34\nfirst") == b"first"
+    assert (head.pid, head.feed(b"more")) == (1234, b"more")
+
+
+def test_a_program_the_runtime_cannot_start_is_126_or_127() -> None:
+    start = "OCI runtime exec failed: exec failed: unable to start container process: "
+    assert _start_failure(start + 'exec: "/nope": stat /nope: no such file or directory') == 127
+    assert _start_failure(start + 'exec: "/etc": permission denied') == 126
+    assert _start_failure("error dialing backend: dial tcp 10.0.0.1:10250: refused") is None
 
 
 @pytest_asyncio.fixture(loop_scope="session")

@@ -7,6 +7,10 @@ observed states. After every step it checks the invariants of the state model; i
 the same inputs in random batch splits, replays them from scratch (decoded from their JSON) and
 rebuilds the rows from the decided events alone, and all of these must agree exactly.
 
+A decided stop or delete is never undone: Stopping leaves only to Stopped (never back to
+Ready or Error while the runtime may run), a restart or Deleting, and a failed stop that saw
+the runtime running stays Stopping with its retry deadline; Deleting leaves only to Deleted.
+
 Time arrives as the scheduler's DeadlineDue messages: for the row's deadline or expiry, for
 deadlines it no longer holds, for other generations, and always twice (a restarted scheduler
 catching up): the repeat must change nothing. Holds must keep start, restart, expiry and the
@@ -15,7 +19,7 @@ completion policy away, and defer a scheduled restart without dropping it.
 Credentials: rotations of attached and unattached providers (with and without a restart), and
 launch reports naming the revisions the launch read (or none: unknown). A rotation restarts
 exactly where ROTATION_TABLE says; one it defers while the generation may yet run on older
-values (a pending launch, Error, Stopping) is awaited in the row, and only then; the row never
+values (a pending launch, Error) is awaited in the row, and only then; the row never
 becomes Ready on values older than awaited (or with a provider detached meanwhile), whether
 through a launch report or a generation seen running again, unless a hold defers the restart;
 a running snapshot never makes a row that awaits a launch's report Ready. Runtime snapshots
@@ -92,11 +96,13 @@ from projections.lifecycle import (
     Message,
     Sandbox,
     admission,
+    awaits_stop_retry,
     detach_action,
     evolve,
     is_held,
     rotation_action,
 )
+from projections.lifecycle.observations import STOPPED_STATES
 
 P = Phase
 KEYS = ("a", "b", "c")
@@ -339,6 +345,24 @@ class LifecycleMachine(RuleBasedStateMachine):
                 and message.operation == "delete"
                 and message.outcome in ("succeeded", "already_absent")
             ), message
+        # A decided stop is never undone: Stopping leaves only to Stopped (the runtime seen
+        # ended, the stop's success, or a failed stop that saw it not running), to a restart's
+        # new generation or to Deleting, never back to Ready or Error while the runtime may run;
+        # a failed stop that saw it running (or nothing) stays Stopping with a retry deadline.
+        if prev.phase is P.STOPPING and new.phase is not P.STOPPING:
+            assert new.phase in (P.STOPPED, P.STARTING, P.DELETING), (new.phase, message)
+            if new.phase is P.STOPPED and isinstance(message, DriverOperationResult):
+                assert message.operation == "stop", message
+                assert message.outcome != "failed" or message.observed in STOPPED_STATES
+        if (
+            prev.phase is P.STOPPING
+            and isinstance(message, DriverOperationResult)
+            and message.operation == "stop"
+            and message.outcome == "failed"
+            and message.generation == prev.generation
+            and message.observed not in STOPPED_STATES
+        ):
+            assert new.phase is P.STOPPING and awaits_stop_retry(new), new
         # Observations never touch another generation than the row's; the ones that move it on
         # are a restart policy's deadline falling due, which starts the next generation, and a
         # launch report whose launch read a provider detached (or a value rotated) while it was

@@ -31,8 +31,8 @@ from events.observations import ObservedState
 from events.outcomes import Code
 from projections.lifecycle import (
     COMMAND_TABLE,
-    FOLLOW_OBSERVED,
     KEEP_DELETING,
+    KEEP_STOPPING,
     OBSERVATION_TABLE,
     PHASE_COLUMNS,
     Admission,
@@ -384,7 +384,7 @@ def test_observation_kind_round_trips_through_the_factory(kind: ObservationKind)
 def test_observation_cell(phase: Phase, kind: ObservationKind) -> None:
     target = OBSERVATION_TABLE[phase].get(kind)
     observed_values: tuple[ObservedState | None, ...] = (
-        OBSERVED if target in (FOLLOW_OBSERVED, KEEP_DELETING) else (None,)
+        OBSERVED if target in (KEEP_STOPPING, KEEP_DELETING) else (None,)
     )
     for observed in observed_values:
         state = row_in(phase)
@@ -411,29 +411,24 @@ def test_observation_cell(phase: Phase, kind: ObservationKind) -> None:
             assert new.reason == event.reason
             assert event.reason.startswith("DeleteFailed: still Deleting (retries so far: 0; ")
             assert event.reason.endswith(": boom")
-        elif target == FOLLOW_OBSERVED:
-            expected_phase = _follow(obs.operation, observed)  # type: ignore[union-attr]
-            assert new.phase is expected_phase
-            if expected_phase is P.DELETED:
-                assert isinstance(event, SandboxDeleted)
-            else:
-                assert isinstance(event, SandboxOperationFailed)
-                assert event.phase is expected_phase and event.reason == "boom"
+        elif target == KEEP_STOPPING:
+            # A decided stop is never undone: only a runtime seen not running ends it.
+            assert isinstance(event, SandboxOperationFailed)
+            assert (event.operation, new.phase) == ("stop", event.phase)
+            if observed in ("created", "exited", "absent"):
+                assert new.phase is P.STOPPED and event.reason == "boom"
+                assert new.deadline is None
+            else:  # running, or not seen
+                assert new.phase is P.STOPPING
+                assert new.deadline is not None and new.deadline.kind == "stop"
+                assert new.deadline.attempt == 0
+                assert new.deadline == event.deadline != state.deadline
+                assert new.reason == event.reason
+                assert event.reason.startswith("StopFailed: still Stopping (retries so far: 0; ")
+                assert event.reason.endswith(": boom")
         else:
             assert new.phase is target
             assert isinstance(event, TARGET_EVENT[target])
-
-
-def _follow(operation: str, observed: ObservedState | None) -> Phase:
-    """Where a failed stop or delete leaves the row, given what the backend looked like."""
-    return {
-        None: P.ERROR,
-        "running": P.READY,
-        "created": P.STOPPED,
-        "exited": P.STOPPED,
-        # Only a delete tombstones; a failed stop with the runtime gone is just stopped.
-        "absent": P.DELETED if operation == "delete" else P.STOPPED,
-    }[observed]
 
 
 @pytest.mark.parametrize(

@@ -67,8 +67,9 @@ def all_events() -> list[DecidedEvent]:
     h.send(f.create(providers=["gh"]), f.attach(provider="aws"), f.detach(provider="gh"))
     # (The launch's report says it did not read the detached provider: Ready, no restart.)
     h.send(f.launched(credentials={"aws": 1}), f.stop())
-    h.send(f.failed(operation="stop", observed="running"))
-    h.send(f.stop(), f.stopped(), f.start(), f.exited(generation=2, exit_code=0))
+    h.send(f.failed(operation="stop", observed="running"))  # still Stopping: a retry
+    h.send(f.due(deadline="stop", due_at=h.row().deadline.due_at))  # type: ignore[union-attr]
+    h.send(f.stopped(), f.start(), f.exited(generation=2, exit_code=0))
     h.send(f.restart(), f.exited(generation=3, exit_code=2))
     h.send(f.delete(), f.deleted(generation=3))
     # Credential rotation: a skip (Stopped), a restart, and the restart's failed launch.

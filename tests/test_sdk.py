@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from harness import eventually
 from upkit import SANDSTREAM, Up, running_up
 
 from services.common.settings import PROJECT_ROOT, load_settings
@@ -174,6 +175,62 @@ def test_sync_sandbox_commands_files_logs_and_lifecycle(up: Up, connection: dict
         Sandbox.connect(sb.name)
     assert sb.kill() is False  # gone already
     sb.close()
+
+
+def test_a_streamed_run_hands_all_output_to_the_callback_and_keeps_a_bounded_part(
+    up: Up, connection: dict[str, str]
+) -> None:
+    """Regression: with a callback, ``commands.run`` kept every byte of the output in the
+    result as well, so a command printing gigabytes (a build, a followed log) grew the
+    caller's memory without bound. Now the callback gets it all and the result keeps 1 MiB
+    per output, saying it was cut."""
+    kept = 1024 * 1024
+    size = 3 * kept
+    seen = [0]
+
+    def count(text: str) -> None:
+        seen[0] += len(text)
+
+    with Sandbox.create(image=IMAGE, name=up.name("sdk-huge")) as sb:
+        result = sb.commands.run(f"head -c {size} /dev/zero | tr '\\0' x; echo done >&2",
+                                 on_stdout=count, timeout=120)  # fmt: skip
+    assert seen[0] == size
+    assert len(result.stdout) == kept and result.stdout_truncated, len(result.stdout)
+    assert set(result.stdout) == {"x"}
+    assert result.stderr == "done\n" and not result.stderr_truncated
+
+
+async def test_a_create_that_never_gets_ready_leaves_no_sandbox_behind(
+    up: Up, connection: dict[str, str]
+) -> None:
+    """Regression: `with Sandbox.create(image=<one that cannot be pulled>) as sb:` raised
+    SandboxError and left the sandbox in Error under its (by default random) name: the block
+    never ran, so nothing killed it, and a retrying program piled them up. Both faces; a name
+    that was taken already is not deleted (the create was not this call's)."""
+    broken = "localhost/no-such-image:1"
+    sync_name, async_name = up.name("sdk-broken"), up.name("sdk-broken")
+    with (
+        pytest.raises(ss.SandboxError, match="is Error"),
+        Sandbox.create(image=broken, name=sync_name),
+    ):
+        pytest.fail("the block runs with a Ready sandbox only")
+    with pytest.raises(ss.SandboxError, match="is Error"):
+        async with await AsyncSandbox.create(image=broken, name=async_name):
+            pytest.fail("the block runs with a Ready sandbox only")
+
+    def gone(name: str) -> bool:
+        try:
+            Sandbox.connect(name).close()
+        except ss.NotFoundError:
+            return True
+        return False
+
+    for name in (sync_name, async_name):
+        await eventually(lambda name=name: gone(name), bool, timeout=60, what=f"{name} gone")
+    with Sandbox.create(image=IMAGE, name=sync_name) as kept:
+        with pytest.raises(ss.AlreadyExistsError):
+            Sandbox.create(image=broken, name=sync_name)
+        assert kept.is_running()
 
 
 async def test_async_sandbox_runs_streams_and_kills(up: Up, connection: dict[str, str]) -> None:

@@ -18,6 +18,7 @@ from events.decided import (
     SandboxExpired,
     SandboxStopEscalated,
     SandboxStopping,
+    SandboxStopRetried,
     SandboxTimedOut,
 )
 from events.observations import DeadlineDue
@@ -28,6 +29,7 @@ from .deadlines import (
     EXIT_EVENTS,
     PROVISIONING_TIMEOUT,
     delete_deadline,
+    retry_deadline,
     stop_deadline,
 )
 from .emit import (
@@ -38,7 +40,7 @@ from .emit import (
     not_current_generation,
     then_decide,
 )
-from .model import Decision, Limits, Message, Sandbox, is_held
+from .model import Decision, Limits, Message, Sandbox, awaits_stop_retry, is_held
 from .restart_policy import (
     apply_restart_policy,
     policy_note,
@@ -54,7 +56,9 @@ from .restart_policy import (
 DEADLINE_TABLE: Final[dict[DeadlineKind, str]] = {
     "launch": "→ Error, reason ProvisioningTimeout; intent: stop the runtime if it came up "
     "(then the completion policy applies)",
-    "stop": "stays Stopping, deadline cleared; intent: kill the runtime now (forced)",
+    "stop": "stays Stopping. Before the stop failed: deadline cleared; intent: kill the runtime "
+    "now (forced). After it failed (`reason` StopFailed): the stop is asked for again, the next "
+    "deadline twice as far out (the delete's back-off), and `reason` counts the retries",
     "delete": "stays Deleting, the delete is asked for again; the next deadline is twice as "
     "far out (up to a ceiling), and `reason` counts the retries",
     "restart": "(Error or Completed: a restart the restart policy scheduled) SandboxStarting "
@@ -140,6 +144,12 @@ def decide_deadline(
             case "launch":
                 event = built(
                     SandboxTimedOut, type="SandboxTimedOut", **common, reason=PROVISIONING_TIMEOUT
+                )
+            case "stop" if awaits_stop_retry(state):
+                again = retry_deadline("stop", state.spec, at, limits, pending.attempt + 1)
+                assert again is not None  # pending exists, so retry deadlines are on
+                event = built(
+                    SandboxStopRetried, type="SandboxStopRetried", **common, deadline=again
                 )
             case "stop":
                 event = new_event(SandboxStopEscalated, common)

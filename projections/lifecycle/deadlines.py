@@ -84,11 +84,19 @@ def stop_deadline(spec: SandboxSpec, at: datetime, limits: Limits) -> Deadline |
     return _deadline("stop", moment_after(at, grace_of(spec, limits) + limits.stop_margin_seconds))
 
 
+def retry_deadline(
+    kind: Literal["stop", "delete"], spec: SandboxSpec, at: datetime, limits: Limits, attempt: int
+) -> Deadline | None:
+    """The back-off of a delete's retries, and of a failed stop's: a stop or delete waits out
+    the grace period first, then ``delete_seconds`` doubling per retry up to the ceiling."""
+    if limits.delete_seconds is None:
+        return None
+    wait = min(limits.delete_seconds * 2**attempt, limits.delete_backoff_max_seconds)
+    return counted_deadline(kind, moment_after(at, grace_of(spec, limits) + wait), attempt)
+
+
 def delete_deadline(
     spec: SandboxSpec, at: datetime, limits: Limits, attempt: int = 0
 ) -> Deadline | None:
     """A delete stops running runtimes first (grace period), then waits with back-off."""
-    if limits.delete_seconds is None:
-        return None
-    wait = min(limits.delete_seconds * 2**attempt, limits.delete_backoff_max_seconds)
-    return counted_deadline("delete", moment_after(at, grace_of(spec, limits) + wait), attempt)
+    return retry_deadline("delete", spec, at, limits, attempt)

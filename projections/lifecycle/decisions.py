@@ -24,6 +24,7 @@ from events.commands import (
 )
 from events.common import (
     Cause,
+    Deadline,
     Hold,
 )
 from events.decided import (
@@ -66,7 +67,7 @@ from .commands import (
     admitting_phases,
 )
 from .deadline_due import completion_policy, decide_deadline
-from .deadlines import delete_deadline, launch_deadline, stop_deadline
+from .deadlines import delete_deadline, launch_deadline, retry_deadline, stop_deadline
 from .emit import (
     common_fields,
     emit_event,
@@ -83,12 +84,22 @@ from .identity import (
     next_generation,
     sandbox_id_for,
 )
-from .model import DEFAULT_LIMITS, DELETE_FAILED, Decision, Limits, Message, P, Sandbox
+from .model import (
+    DEFAULT_LIMITS,
+    DELETE_FAILED,
+    STOP_FAILED,
+    Decision,
+    Limits,
+    Message,
+    P,
+    Sandbox,
+    awaits_stop_retry,
+)
 from .observations import (
-    FOLLOW_OBSERVED,
     KEEP_DELETING,
+    KEEP_STOPPING,
     OBSERVATION_TABLE,
-    OBSERVED_PHASE,
+    STOPPED_STATES,
     ObservationKind,
     Target,
     observation_kind,
@@ -349,7 +360,7 @@ def _decide_observation(
         return ignored(state, f"no effect in phase {state.phase}: {what}")
     if state.awaited and kind == "running" and state.phase in (P.PROVISIONING, P.STARTING):
         return ignored(state, f"{what}: awaiting the launch's report of the values it read")
-    event = _observation_event(state, obs, kind, target, common_fields(state, obs, cause))
+    event = _observation_event(state, obs, kind, target, common_fields(state, obs, cause), limits)
     new_state, events = emit_event(state, event)
     if state.awaited and kind == "launch_succeeded":
         assert isinstance(obs, DriverOperationResult)
@@ -432,17 +443,53 @@ def _agent_restarted(
     )
 
 
-def delete_failure_reason(state: Sandbox, reason: str | None) -> str:
-    """The row's reason after a failed delete: that it is still Deleting, how many retries the
-    delete deadline made so far, when the next one is due, and the driver's reason (the
-    history keeps one per failure)."""
-    deadline = state.deadline
+def failure_reason(
+    prefix: str, phase: P, deadline: Deadline | None, operation: str, reason: str | None
+) -> str:
+    """The row's reason after a failed delete or stop: that it is still Deleting or Stopping,
+    how many retries its deadline made so far, when the next one is due, and the driver's
+    reason (the history keeps one per failure)."""
     then = (
         f"retries so far: {deadline.attempt}; next retry at {deadline.due_at.isoformat()}"
         if deadline is not None
-        else "delete deadlines off; the reconcile loop asks again"
+        else f"{operation} retries off; the reconcile loop asks again"
     )
-    return f"{DELETE_FAILED}: still Deleting ({then}): {reason or 'delete failed'}"
+    return f"{prefix}: still {phase} ({then}): {reason or f'{operation} failed'}"
+
+
+def delete_failure_reason(state: Sandbox, reason: str | None) -> str:
+    return failure_reason(DELETE_FAILED, P.DELETING, state.deadline, "delete", reason)
+
+
+def _stop_failed(
+    state: Sandbox,
+    obs: DriverOperationResult,
+    common: dict,  # type: ignore[type-arg]
+    limits: Limits,
+) -> SandboxOperationFailed:
+    """A failed stop: Stopped when the backend was seen with the runtime not running; else
+    still Stopping, with the pending retry's deadline (a failure of a retried stop) or the
+    first retry's (replacing the escalation's: the stop, kill included, has failed)."""
+    if obs.observed in STOPPED_STATES:
+        phase, deadline, reason = P.STOPPED, None, obs.reason or "stop failed"
+    else:
+        phase = P.STOPPING
+        deadline = (
+            state.deadline
+            if awaits_stop_retry(state)
+            else retry_deadline("stop", state.spec, obs.occurred_at, limits, 0)
+        )
+        reason = failure_reason(STOP_FAILED, phase, deadline, "stop", obs.reason)
+    return built(
+        SandboxOperationFailed,
+        type="SandboxOperationFailed",
+        **common,
+        operation="stop",
+        phase=phase,
+        reason=reason,
+        exit_code=state.exit_code if phase is P.STOPPING else obs.exit_code,
+        deadline=deadline,
+    )
 
 
 def _observation_event(
@@ -451,6 +498,7 @@ def _observation_event(
     kind: ObservationKind,
     target: Target,
     common: dict,  # type: ignore[type-arg]
+    limits: Limits,
 ) -> DecidedEvent:
     exit_code = getattr(obs, "exit_code", None)
     if target == KEEP_DELETING:
@@ -464,23 +512,9 @@ def _observation_event(
             reason=delete_failure_reason(state, obs.reason),
             exit_code=exit_code,
         )
-    if target == FOLLOW_OBSERVED:
-        # A failed stop or delete: the row follows what the backend looks like now.
+    if target == KEEP_STOPPING:
         assert isinstance(obs, DriverOperationResult)
-        phase = OBSERVED_PHASE[obs.observed] if obs.observed else P.ERROR
-        if phase is P.DELETED and obs.operation != "delete":
-            phase = P.STOPPED  # a stop that finds nothing left has stopped it
-        if phase is P.DELETED:
-            return new_event(SandboxDeleted, common)
-        return built(
-            SandboxOperationFailed,
-            type="SandboxOperationFailed",
-            **common,
-            operation=obs.operation,
-            phase=phase,
-            reason=obs.reason or f"{obs.operation} failed",
-            exit_code=exit_code,
-        )
+        return _stop_failed(state, obs, common, limits)
     match target:
         case P.READY:
             return new_event(SandboxReady, common)

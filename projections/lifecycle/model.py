@@ -96,6 +96,21 @@ def awaits_delete_retry(sandbox: Sandbox) -> bool:
     )
 
 
+# The reason of a Stopping row whose last stop failed with the runtime still running (or its
+# state unknown): decisions.stop_failure_reason, and SandboxStopRetried's.
+STOP_FAILED: Final = "StopFailed"
+
+
+def awaits_stop_retry(sandbox: Sandbox) -> bool:
+    """A Stopping row whose stop failed and whose retry deadline will ask again: its deadline
+    is the retry's (not the escalation's), and a pick-up before it would undo the back-off."""
+    return (
+        sandbox.phase is P.STOPPING
+        and sandbox.deadline is not None
+        and (sandbox.reason or "").startswith(STOP_FAILED)
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """How long each guarded phase may last (seconds; None: no deadline). The processor's
@@ -108,7 +123,8 @@ class Limits:
     launch_retry_seconds: float = 600.0
     stop_grace_seconds: float = 10.0  # the driver's grace when the spec sets none
     stop_margin_seconds: float | None = 30.0
-    delete_seconds: float | None = 120.0  # the first retry; each further one waits twice as long
+    # The first retry of a failed delete or stop; each further one waits twice as long.
+    delete_seconds: float | None = 120.0
     delete_backoff_max_seconds: float = 1800.0
     # A generation Ready at least this long before it ends resets the restart back-off.
     restart_reset_seconds: float = 600.0

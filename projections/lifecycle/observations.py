@@ -30,13 +30,16 @@ ObservationKind = Literal[
 ]  # fmt: skip
 
 
-FOLLOW_OBSERVED: Final = "follow observed"  # the phase the backend was seen in after a failure
 # A failed delete: the row stays Deleting and records the failure (its reason and attempt);
 # the delete deadline's retries, or the reconcile loop's pick-up, ask for the delete again.
 KEEP_DELETING: Final = "keep deleting"
+# A failed stop: Stopped when the backend was seen with the runtime not running (exited,
+# created, absent: the stop's aim is met); otherwise the row stays Stopping and records the
+# failure, and the retry deadline (the delete's back-off) or the pick-up asks again.
+KEEP_STOPPING: Final = "keep stopping"
 
 
-Target = Phase | Literal["follow observed", "keep deleting"]
+Target = Phase | Literal["keep deleting", "keep stopping"]
 
 
 _LAUNCHING: dict[ObservationKind, Target] = {
@@ -59,7 +62,7 @@ OBSERVATION_TABLE: Final[dict[Phase, dict[ObservationKind, Target]]] = {
         "removed": P.STOPPED,
         "stop_succeeded": P.STOPPED,
         "stop_absent": P.STOPPED,
-        "stop_failed": FOLLOW_OBSERVED,
+        "stop_failed": KEEP_STOPPING,
     },
     # Stopped: snapshots that describe the stop itself only confirm it. Only an accepted
     # start, restart or delete leaves Stopped.
@@ -81,12 +84,10 @@ OBSERVATION_TABLE: Final[dict[Phase, dict[ObservationKind, Target]]] = {
 }
 
 
-OBSERVED_PHASE: dict[ObservedState, Phase] = {
-    "running": P.READY,
-    "created": P.STOPPED,  # exists, not running: a start recovers it
-    "exited": P.STOPPED,
-    "absent": P.DELETED,
-}
+# What the backend showed after a failed stop that ends the stop: the runtime is not running
+# (exists without running: a start recovers it; absent: gone already). Running, or unknown
+# (None), keeps the row Stopping.
+STOPPED_STATES: Final[frozenset[ObservedState]] = frozenset({"created", "exited", "absent"})
 
 
 def observation_kind(obs: Observation) -> ObservationKind:

@@ -41,11 +41,12 @@ RESTART: Final = "restart"
 
 # The phases whose generation may still be running, or be seen running again, on values older
 # than a rotation (or with a provider detached) decided in them: a pending launch (it may have
-# read before), Error (a running snapshot lifts it to Ready) and Stopping (a failed stop finds
-# it running: Ready again). A rotation or detach that the table defers in these phases is
-# recorded in the row (``awaited``); should that generation become Ready without a launch
-# report that read the newest values, it restarts at once (AgentRestarted; skipped if held).
-OWED_PHASES: Final = (P.PROVISIONING, P.STARTING, P.ERROR, P.STOPPING)
+# read before) and Error (a running snapshot lifts it to Ready). Stopping never leads back to
+# Ready (a decided stop is never undone). A rotation or detach that the table defers in these
+# phases is recorded in the row (``awaited``); should that generation become Ready without a
+# launch report that read the newest values, it restarts at once (AgentRestarted; skipped if
+# held).
+OWED_PHASES: Final = (P.PROVISIONING, P.STARTING, P.ERROR)
 
 
 RESTART_PENDING: Final = "restart already pending: the pending launch reads the newest values"
@@ -55,8 +56,7 @@ ROTATION_TABLE: Final[dict[Phase, str]] = {
     P.PROVISIONING: RESTART_PENDING,
     P.STARTING: RESTART_PENDING,
     P.READY: RESTART,
-    P.STOPPING: "stopping: the new values apply at its next start (at once if a failed stop "
-    "finds it running)",
+    P.STOPPING: "stopping: the new values apply at its next start",
     P.STOPPED: "stopped: the new values apply at its next start",
     P.COMPLETED: "completed: the new values apply at its next start",
     P.ERROR: "in error: the new values apply at its next start (at once if it is seen running "
@@ -115,8 +115,7 @@ DETACH_TABLE: Final[dict[Phase, str]] = {
     P.PROVISIONING: DETACH_PENDING,
     P.STARTING: DETACH_PENDING,
     P.READY: RESTART,
-    P.STOPPING: "stopping: its next start runs without the provider's values (it restarts at "
-    "once if a failed stop finds it running)",
+    P.STOPPING: "stopping: its next start runs without the provider's values",
     P.STOPPED: "stopped: its next start runs without the provider's values",
     P.COMPLETED: "completed: its next start runs without the provider's values",
     P.ERROR: "in error: its next start runs without the provider's values (it restarts at once "

@@ -31,11 +31,12 @@ from events.decided import (
     SandboxStopEscalated,
     SandboxStopped,
     SandboxStopping,
+    SandboxStopRetried,
     SandboxTimedOut,
 )
 from projections.records import maker, replaced
 
-from .model import P, Sandbox
+from .model import STOP_FAILED, P, Sandbox, awaits_stop_retry
 from .providers import OWED_PHASES, restart_reason
 from .restarts import (
     RESTART_CHANGES,
@@ -102,10 +103,11 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
     SandboxFailed: lambda s, e: {"phase": P.ERROR, "exit_code": e.exit_code, "reason": e.reason,
                                  "deadline": None},
     # A failed delete stays Deleting and keeps its deadline (the next retry) and the exit code
-    # of the agent's process; a failed stop, and a failed delete decided by older rules,
-    # follow the observed phase.
+    # of the agent's process; a failed stop that stays Stopping takes the retry's deadline; a
+    # failed stop that ended it, and failures decided by older rules, set the phase they name.
     SandboxOperationFailed: lambda s, e: (
         {"reason": e.reason} if e.phase is P.DELETING
+        else {"reason": e.reason, "deadline": e.deadline} if e.phase is P.STOPPING
         else {"phase": e.phase, "exit_code": e.exit_code, "reason": e.reason, "deadline": None}
     ),
     SandboxDeleting: lambda s, e: {"phase": P.DELETING, "deadline": e.deadline},
@@ -123,15 +125,21 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
     SandboxStopEscalated: lambda s, e: {
         "reason": "StopTimeout: the stop outlived its grace period; killing", "deadline": None
     },
+    SandboxStopRetried: lambda s, e: {
+        "reason": f"{STOP_FAILED}: not stopped yet; retry {e.deadline.attempt} under way",
+        "deadline": e.deadline,
+    },
     SandboxDeleteRetried: lambda s, e: {
         "reason": f"DeleteTimeout: not deleted yet; retry {e.deadline.attempt}",
         "deadline": e.deadline,
     },
-    # In Deleting the row's reason says why the delete is not done yet (DeleteFailed): an
-    # expiry falling due meanwhile changes nothing of that.
-    SandboxExpired: lambda s, e: {"expires_at": None,
-                                  "reason": s.reason if s.phase is P.DELETING
-                                  else f"Expired: time to live ended ({e.policy})"},
+    # In Deleting the row's reason says why the delete is not done yet (DeleteFailed), and in
+    # a failing stop why it is not stopped yet (StopFailed, which also marks its deadline as
+    # the retry's): an expiry falling due meanwhile changes nothing of that.
+    SandboxExpired: lambda s, e: {"expires_at": None, "reason": (
+        s.reason if s.phase is P.DELETING or awaits_stop_retry(s)
+        else f"Expired: time to live ended ({e.policy})"
+    )},
     SandboxExtended: lambda s, e: {"expires_at": e.expires_at},
     SandboxHeld: held_defers,
     SandboxReleased: released,

@@ -63,7 +63,7 @@ def exec_(
                     print("✗ the command ran past its timeout: ended", file=sys.stderr)
                     raise typer.Exit(EXIT_TIMED_OUT)
                 raise typer.Exit(int(data["exit_code"]))
-            elif event == "error":
+            elif event in ("error", "denied"):  # denied: the token lapsed, the command ended
                 fail(f"exec: {data.get('message')} ({data.get('code')})")
     except StreamBroken as exc:
         fail(f"exec: connection lost ({exc}); the command was ended")

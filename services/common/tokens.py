@@ -33,7 +33,7 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -220,11 +220,16 @@ class Grant:
         return checked if isinstance(checked, Denied) else None
 
 
+RECHECK: Final = 1.0  # seconds at most between two checks of an open stream's token
+
+
 async def while_granted(
     items: AsyncIterator[T], grant: Grant, every: float
-) -> AsyncIterator[T | Denied]:
+) -> AsyncGenerator[T | Denied, None]:
     """``items`` for as long as ``grant`` holds: it is checked before each item and every
-    ``every`` seconds while none comes; once it lapses, why (a Denied) is the last item."""
+    ``every`` seconds while none comes; once it lapses, why (a Denied) is the last item.
+    However it ends, ``items`` is left and closed before this closes (an exec's command is
+    ended, a download's runtime stream let go), not left to the garbage collector."""
     source = aiter(items)
     pending: asyncio.Future[T] | None = None
     try:
@@ -246,6 +251,11 @@ async def while_granted(
     finally:
         if pending is not None and not pending.done():
             pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        closing = getattr(source, "aclose", None)
+        if closing is not None:
+            await closing()
 
 
 def grant_of(tokens: TokenStore, headers: Sequence[str], scope: str) -> Grant:

@@ -43,9 +43,10 @@ queue and a worker per sandbox), ``calls`` (one driver call, its row check and r
   escalated (SandboxStopEscalated): the kill runs at once, beside the key's queue, since the
   stop it forces may be the call the queue is waiting for. It reports no result of its own:
   the stop under way (or the watcher) reports the runtime's end.
-- **A retried delete is not run twice.** SandboxDeleteRetried asks for the delete again; while
-  a delete of that incarnation is queued or running here (retrying, or hung in the driver) it
-  is redundant and skipped, so it can never cut the running one's retries short.
+- **A retried delete or stop is not run twice.** SandboxDeleteRetried asks for the delete
+  again, SandboxStopRetried for a failed stop; while a delete of that incarnation (a stop of
+  that generation) is queued or running here (retrying, or hung in the driver) it is
+  redundant and skipped, so it can never cut the running one's retries short.
 - **Shutdown.** ``run`` returns after draining: queued intents are left for the next executor,
   running calls get ``shutdown_grace`` seconds to finish and report, and offsets are committed.
 """

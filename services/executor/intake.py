@@ -15,7 +15,7 @@ from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 
 from events.codec import EVENTS, DecodeError, decode
-from events.decided import SandboxDeleteRetried, SandboxStopEscalated
+from events.decided import SandboxDeleteRetried, SandboxStopEscalated, SandboxStopRetried
 from projections.store import DATABASE_ERRORS
 from services.common import metrics
 from services.common.kafka_clients import kafka_client_args
@@ -111,11 +111,12 @@ class Intake:
         intent = intent_of(event)
         if intent is None:
             return
-        if isinstance(event, SandboxDeleteRetried) and self.queues.deleting(
-            event.key, event.sandbox_id
+        if isinstance(event, SandboxDeleteRetried | SandboxStopRetried) and self.queues.doing(
+            intent
         ):
-            log.info("delete retry %d of %s skipped: its delete is still queued or running",
-                     event.deadline.attempt, event.key)  # fmt: skip
+            log.info("%s retry %d of %s skipped: its %s is still queued or running",
+                     intent.operation, event.deadline.attempt, event.key,
+                     intent.operation)  # fmt: skip
             return
         progress.pending.add(record.offset)
         self.queues.add(WorkItem(intent, tp, record.offset, progress))

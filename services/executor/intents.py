@@ -19,10 +19,11 @@ from events.decided import (
     SandboxDeleting,
     SandboxStarting,
     SandboxStopping,
+    SandboxStopRetried,
     SandboxTimedOut,
 )
 from events.observations import Operation
-from projections.lifecycle import Sandbox, awaits_delete_retry
+from projections.lifecycle import Sandbox, awaits_delete_retry, awaits_stop_retry
 from projections.lifecycle.providers import DETACH_RESTART, ROTATION_RESTART
 
 
@@ -70,7 +71,7 @@ def intent_of(event: DecidedEvent) -> Intent | None:
                 previous_generation=event.previous_generation,
                 for_providers=isinstance(event, AgentRestarted),
             )
-        case SandboxStopping():
+        case SandboxStopping() | SandboxStopRetried():
             return replace(base, operation="stop")
         case SandboxTimedOut():  # a timed-out launch: clean up its runtime if it came up
             return replace(base, operation="stop", cleanup=True)
@@ -99,7 +100,8 @@ def intent_of_row(row: Sandbox, actor: str = "reconciler") -> Intent | None:
                 for_providers=(row.reason or "").startswith((ROTATION_RESTART, DETACH_RESTART)),
             )
         case Phase.STOPPING:
-            return replace(base, operation="stop")
+            # A failed stop waits for its retry deadline, as a failed delete does.
+            return None if awaits_stop_retry(row) else replace(base, operation="stop")
         case Phase.DELETING:
             # A failed delete waits for its deadline's retry: picking it up every other pass
             # would undo the back-off (and add a failure to the history each time).

@@ -8,13 +8,12 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
-from uuid import UUID
 
 from aiokafka import TopicPartition
 
 from events.observations import DriverOperationResult
 from services.executor.calls import DriverCalls
-from services.executor.intents import Dropped, supersedes
+from services.executor.intents import Dropped, Intent, supersedes
 from services.executor.progress import Ownership, WorkItem
 
 log = logging.getLogger("sandstream.executor")
@@ -51,12 +50,15 @@ class SandboxQueues:
         """Intents of ``key`` queued or being executed (retries included) here."""
         return len(self._queues.get(key, ())) + (1 if key in self._active else 0)
 
-    def deleting(self, key: str, sandbox_id: UUID) -> bool:
-        """Whether a delete of this incarnation is queued or running here."""
+    def doing(self, intent: Intent) -> bool:
+        """Whether ``intent``'s operation is queued or running here: a delete of its
+        incarnation, a stop of its generation (a retry of either would be redundant)."""
+        key = intent.key
         items = [*self._queues.get(key, ()), *([self._active[key]] if key in self._active else [])]
         return any(
-            i.intent.operation == "delete"
-            and i.intent.sandbox_id == sandbox_id
+            i.intent.operation == intent.operation
+            and i.intent.sandbox_id == intent.sandbox_id
+            and (intent.operation == "delete" or i.intent.generation == intent.generation)
             and self.ownership.current(i)
             for i in items
         )

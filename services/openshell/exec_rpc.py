@@ -10,6 +10,11 @@ driver's stream early, and the driver ends what it started (the Podman driver: S
 command's process group, SIGKILL after a grace, signalled from the host by the exec session's
 PID, which works for any image where the gateway shares the Podman service's PID namespace;
 drivers/podman_exec_end.py). DEADLINE_EXCEEDED goes out once that is done.
+
+So does a token that lapses while the command runs (checked every second, as WatchSandbox
+does: revoked, expired, no longer holding ``sandbox:exec``): UNAUTHENTICATED (PERMISSION_DENIED
+for the scope), "exec ended: …", once the command is ended. A call let in without a token (the
+local unauthenticated mode) has nothing to re-check.
 """
 
 from __future__ import annotations
@@ -23,12 +28,12 @@ from google.protobuf.duration_pb2 import Duration
 from drivers.protocol import DriverError, ExecExit
 from events.common import Phase
 from services.common.exec_sessions import ExecLimits, ExecTimedOut, within
-from services.common.tokens import EXEC
+from services.common.tokens import EXEC, RECHECK, Denied, while_granted
 from services.openshell import mapping, wire
 from services.openshell.proto import openshell_pb2 as pinned
 from services.openshell.proto.vendored.v0_0_116 import openshell_pb2 as os_0_0
 from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os_0_1
-from services.openshell.service import Context, Door, abort
+from services.openshell.service import Context, Door, abort, status_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +140,13 @@ class ExecRpcs:
                 workdir=request.workdir or None,
                 stdin=request.stdin or None,
             )
+            held = self.door.grant(context, EXEC)
+            events = while_granted(within(stream, timeout), held, RECHECK)
             try:
-                async for event in within(stream, timeout):
+                async for event in events:
+                    if isinstance(event, Denied):
+                        await events.aclose()  # the command is ended before the answer
+                        await abort(context, status_of(event), f"exec ended: {event.message}")
                     if isinstance(event, ExecTimedOut):
                         await abort(
                             context,
@@ -152,6 +162,7 @@ class ExecRpcs:
                 )
                 await abort(context, code, exc.reason)
             finally:
+                await events.aclose()
                 await stream.aclose()
 
 

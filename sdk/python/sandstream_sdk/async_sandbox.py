@@ -4,6 +4,7 @@ calls as the synchronous face, awaited)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from collections.abc import Mapping, Sequence
@@ -41,10 +42,10 @@ class AsyncCommands:
         check: bool = True,
     ) -> CommandResult:
         """Run ``cmd`` (a string through ``sh -c``, or an argv list) and wait for its end.
-        With ``on_stdout``/``on_stderr`` the output is streamed to them as it comes (and all
-        of it kept in the result); without, the result holds each output up to the server's
-        limit (``stdout_truncated`` says when cut). ``timeout`` (seconds; None: the server's
-        limit) ends the command and raises TimeoutError; a non-zero exit raises
+        With ``on_stdout``/``on_stderr`` the output is streamed to them as it comes (its first
+        MiB per output kept in the result); without, the result holds each output up to the
+        server's limit (``stdout_truncated`` says when cut). ``timeout`` (seconds; None: the
+        server's limit) ends the command and raises TimeoutError; a non-zero exit raises
         CommandExitError unless ``check=False``."""
         stream = on_stdout is not None or on_stderr is not None
         call = _commands.run_call(self._sandbox.name, cmd, env=envs, cwd=cwd, timeout=timeout,
@@ -171,12 +172,17 @@ class AsyncSandbox:
             timeout=timeout,
         )  # fmt: skip
         transport = AsyncTransport(Config.of(api_url, token, request_timeout))
+        created = False
         try:
             await transport.send(call)
+            created = True
             info = lifecycle.info_of((await transport.send(lifecycle.get_call(name))).json())
             sandbox = cls(info, transport, wait_timeout)
             await sandbox._until("Ready")
         except BaseException:
+            if created:  # never handed out, so nobody else would delete it
+                with contextlib.suppress(Exception):
+                    await transport.send(lifecycle.delete_call(name))
             await transport.close()
             raise
         return sandbox

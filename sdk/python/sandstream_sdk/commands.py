@@ -5,7 +5,7 @@ comes), shared by both faces."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from sandstream_sdk._transport import Call
 from sandstream_sdk.errors import CommandExitError, SandstreamError, TimeoutError, error_of
@@ -14,6 +14,10 @@ from sandstream_sdk.models import CommandResult
 OutputHandler = Callable[[str], object]
 AsyncOutputHandler = Callable[[str], Awaitable[object] | object]
 SLACK = 30.0  # seconds a JSON answer may take beyond the command's timeout
+# Of each output of a streamed run, the result keeps this much (the callbacks get all of it):
+# as much as the server's JSON answer holds by default, so memory stays bounded however much
+# a command prints.
+KEPT_BYTES: Final = 1024 * 1024
 
 
 def argv(cmd: str | Sequence[str]) -> list[str]:
@@ -45,27 +49,46 @@ def run_call(
     return Call("POST", f"/v1/sandboxes/{name}/exec", params, body, read_timeout=read)
 
 
-class Streamed:
-    """The events of a streamed run, folded into its result."""
+class Kept:
+    """The first ``cap`` bytes of one output; the rest only counted as cut."""
 
-    def __init__(self) -> None:
-        self.out: list[str] = []
-        self.err: list[str] = []
+    def __init__(self, cap: int) -> None:
+        self.cap, self.data, self.cut = cap, bytearray(), False
+
+    def add(self, text: str) -> None:
+        data = text.encode()
+        room = self.cap - len(self.data)
+        self.cut = self.cut or len(data) > room
+        self.data += data[: max(room, 0)]
+
+    def text(self) -> str:
+        return self.data.decode(errors="ignore")  # a character cut at the cap is left out
+
+
+class Streamed:
+    """The events of a streamed run, folded into its result (each output kept up to ``cap``
+    bytes, the result's ``*_truncated`` saying when cut)."""
+
+    def __init__(self, cap: int = KEPT_BYTES) -> None:
+        self.out, self.err = Kept(cap), Kept(cap)
         self.result: CommandResult | None = None
 
     def take(self, event: str, data: Any) -> tuple[str, str] | None:
         """The (stream, text) to hand to a callback, if any; the result once the exit came."""
         if event in ("stdout", "stderr"):
             text = str(data["data"])
-            (self.out if event == "stdout" else self.err).append(text)
+            (self.out if event == "stdout" else self.err).add(text)
             return event, text
         if event == "exit":
             self.result = CommandResult(
-                exit_code=data.get("exit_code"), stdout="".join(self.out),
-                stderr="".join(self.err), timed_out=bool(data.get("timed_out")),
+                exit_code=data.get("exit_code"), stdout=self.out.text(), stderr=self.err.text(),
+                stdout_truncated=self.out.cut, stderr_truncated=self.err.cut,
+                timed_out=bool(data.get("timed_out")),
             )  # fmt: skip
         elif event == "error":
             raise error_of(409 if data.get("code") == "FAILED_PRECONDITION" else 503, data, "")
+        elif event == "denied":  # the token lapsed mid-run: the command was ended
+            raise error_of(int(data.get("status", 401)), data, "")
         return None
 
     def finish(self) -> CommandResult:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -38,10 +39,10 @@ class Commands:
         check: bool = True,
     ) -> CommandResult:
         """Run ``cmd`` (a string through ``sh -c``, or an argv list) and wait for its end.
-        With ``on_stdout``/``on_stderr`` the output is streamed to them as it comes (and all
-        of it kept in the result); without, the result holds each output up to the server's
-        limit (``stdout_truncated`` says when cut). ``timeout`` (seconds; None: the server's
-        limit) ends the command and raises TimeoutError; a non-zero exit raises
+        With ``on_stdout``/``on_stderr`` the output is streamed to them as it comes (its first
+        MiB per output kept in the result); without, the result holds each output up to the
+        server's limit (``stdout_truncated`` says when cut). ``timeout`` (seconds; None: the
+        server's limit) ends the command and raises TimeoutError; a non-zero exit raises
         CommandExitError unless ``check=False``."""
         stream = on_stdout is not None or on_stderr is not None
         call = _commands.run_call(self._sandbox.name, cmd, env=envs, cwd=cwd, timeout=timeout,
@@ -162,12 +163,17 @@ class Sandbox:
             timeout=timeout,
         )  # fmt: skip
         transport = SyncTransport(Config.of(api_url, token, request_timeout))
+        created = False
         try:
             transport.send(call)
+            created = True
             info = lifecycle.info_of(transport.send(lifecycle.get_call(name)).json())
             sandbox = cls(info, transport, wait_timeout)
             sandbox._until("Ready")
         except BaseException:
+            if created:  # never handed out, so nobody else would delete it
+                with contextlib.suppress(Exception):
+                    transport.send(lifecycle.delete_call(name))
             transport.close()
             raise
         return sandbox

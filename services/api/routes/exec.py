@@ -9,7 +9,10 @@ With ``?stream=true``, server-sent events as the output comes (``stdout``/``stde
 ``{"data": text}``), then one ``exit`` event (or ``error``), then the end of the stream.
 
 A client that goes away ends the command (either form): the driver's stream is left, and the
-driver ends what it started (SIGTERM, SIGKILL after a grace)."""
+driver ends what it started (SIGTERM, SIGKILL after a grace). So does a token that lapses while
+the command runs (checked every second, as watches and followed logs do: revoked, expired, no
+longer holding ``sandbox:exec``): the JSON form answers 401 (403 for the scope) instead of the
+result, the stream ends with ``event: denied``."""
 
 from __future__ import annotations
 
@@ -27,11 +30,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from drivers.protocol import DriverError, ExecEvent, ExecExit, ExecOutput
 from events.common import Phase
 from services.api import readmodel
-from services.api.deps import ApiState, Executor, State
+from services.api.deps import ApiState, Executor, State, denial, grant
 from services.api.errors import ApiError, ErrorBody
 from services.api.models import SSE_EVENT_SCHEMA, NamePath, responses
 from services.api.readmodel import SandboxView
+from services.api.routes.watch import denied_body
 from services.common.exec_sessions import ExecLimits, ExecTimedOut, within
+from services.common.tokens import EXEC, RECHECK, Denied, Grant, while_granted
 
 router = APIRouter()
 
@@ -106,10 +111,12 @@ STREAM_DESCRIPTION: Final = (
     response_model=ExecResult,
     responses={
         200: {
-            "description": "the command ended (JSON); " + STREAM_DESCRIPTION,
+            "description": "the command ended (JSON); "
+            + STREAM_DESCRIPTION
+            + "; `event: denied` with {status, code, message} when the token lapses",
             "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
         },
-        **responses(401, 403, 404, 413, 422, 503),
+        **responses(401, 403, 404, 413, 422, 503),  # 401/403 also: the token lapsed mid-run
         409: {
             "model": ErrorBody,
             "description": "FAILED_PRECONDITION: the sandbox is not Ready (the message names "
@@ -145,7 +152,8 @@ async def sandbox_exec(
     refused = limits.refusal(principal.name, view.name)
     if refused is not None:
         raise ApiError(429, "RESOURCE_EXHAUSTED", refused)
-    session = Session(state, limits, principal.name, view, body, timeout, request.receive)
+    held = grant(request, EXEC)
+    session = Session(state, limits, principal.name, view, body, timeout, request.receive, held)
     if stream:
         return StreamingResponse(
             session.events(),
@@ -184,14 +192,16 @@ class Session:
         body: ExecRequest,
         timeout: float,
         receive: Receive,
+        held: Grant,
     ) -> None:
         self.state, self.limits, self.token, self.view = state, limits, token, view
-        self.body, self.timeout, self.receive = body, timeout, receive
+        self.body, self.timeout, self.receive, self.held = body, timeout, receive, held
 
     @contextlib.asynccontextmanager
-    async def run(self) -> AsyncIterator[AsyncIterator[ExecEvent | ExecTimedOut]]:
-        """The command's events; RESOURCE_EXHAUSTED when a session opened meanwhile took the
-        last place (the check before the answer began was no reservation). However it ends,
+    async def run(self) -> AsyncIterator[AsyncIterator[Event]]:
+        """The command's events, a Denied last if the token lapses; RESOURCE_EXHAUSTED when a
+        session opened meanwhile took the last place (the check before the answer began was no
+        reservation). However it ends,
         the command is ended and only then its session released, in a task of its own: the
         server cancels an answer whose client left again at every wait of its cleanup."""
         refused = self.limits.refusal(self.token, self.view.name)
@@ -209,7 +219,8 @@ class Session:
             workdir=self.body.workdir,
             stdin=None if self.body.stdin is None else self.body.stdin.encode(),
         )
-        watched = UntilGone(within(stream, self.timeout), self.receive)
+        granted = while_granted(within(stream, self.timeout), self.held, RECHECK)
+        watched = UntilGone(granted, self.receive)
         try:
             yield watched.events()
         finally:
@@ -230,6 +241,8 @@ class Session:
                         outputs[event.stream].add(event.data)
                     elif isinstance(event, ExecExit):
                         exit_code = event.exit_code
+                    elif isinstance(event, Denied):  # nothing sent yet: the answer is a 401
+                        raise denial(Denied(event.status, f"exec ended: {event.message}"))
                     else:
                         timed_out = True
         except DriverError as exc:
@@ -248,6 +261,7 @@ class Session:
 
     async def events(self) -> AsyncIterator[str]:
         decoders = {s: codecs.getincrementaldecoder("utf-8")("replace") for s in STREAMS}
+        lapsed: Denied | None = None
         try:
             async with self.run() as events:
                 async for event in events:
@@ -256,6 +270,9 @@ class Session:
                         if text:
                             yield sse(event.stream, {"data": text})
                         continue
+                    if isinstance(event, Denied):
+                        lapsed = event
+                        break  # said once the command is ended, below
                     for stream, decoder in decoders.items():  # a character cut at the end
                         if rest := decoder.decode(b"", final=True):
                             yield sse(stream, {"data": rest})
@@ -267,6 +284,8 @@ class Session:
             yield sse("error", {"code": error.code, "message": error.message})
         except ApiError as exc:
             yield sse("error", {"code": exc.code, "message": exc.message})
+        if lapsed is not None:
+            yield sse("denied", denied_body(lapsed, "exec"))
 
 
 STREAMS: Final = ("stdout", "stderr")
@@ -305,19 +324,20 @@ class Capped:
 ENDING: Final[set[asyncio.Future[None]]] = set()  # cleanups under way (held from the GC)
 
 
+Event = ExecEvent | ExecTimedOut | Denied
+
+
 class UntilGone:
     """The events until they end or the client disconnects; then the wait for the next event
     is cancelled, which leaves the driver's stream (so the command is ended). Watched here, not
     left to the server: an answer that has nothing to send would never learn the client left."""
 
-    def __init__(
-        self, source: AsyncGenerator[ExecEvent | ExecTimedOut, None], receive: Receive
-    ) -> None:
+    def __init__(self, source: AsyncGenerator[Event, None], receive: Receive) -> None:
         self.source = source
         self.gone = asyncio.ensure_future(_disconnected(receive))
-        self.following: asyncio.Future[ExecEvent | ExecTimedOut] | None = None
+        self.following: asyncio.Future[Event] | None = None
 
-    async def events(self) -> AsyncIterator[ExecEvent | ExecTimedOut]:
+    async def events(self) -> AsyncIterator[Event]:
         while True:
             self.following = following = asyncio.ensure_future(anext(self.source))
             await asyncio.wait({following, self.gone}, return_when=asyncio.FIRST_COMPLETED)

@@ -3,10 +3,13 @@ download (a file, or a tar of a file or a directory), upload (a file, or a tar e
 a directory), list, stat, mkdir, remove, move. Bodies are streamed both ways, never whole in
 memory. Reads need ``files:read``, writes ``files:write`` (docs/security.md says why neither
 comes with sandbox:read/write). The sandbox must be Ready (409 naming its phase otherwise).
+A transfer under way checks its token every second, as watches do: once it lapses, a download
+is broken off and an upload refused (401/403) with nothing of it left.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import posixpath
 import secrets
@@ -23,7 +26,7 @@ from drivers.protocol import WORKSPACE_PATH
 from drivers.tar_stream import Data, Member, TarError, TarScanner, checked, one_member
 from events.common import Phase
 from services.api import readmodel
-from services.api.deps import FilesReader, FilesWriter, State
+from services.api.deps import FilesReader, FilesWriter, State, denial, grant
 from services.api.errors import ApiError
 from services.api.files_models import (
     FileEntryView,
@@ -35,6 +38,7 @@ from services.api.files_models import (
 )
 from services.api.guard import upload_too_large
 from services.api.models import NamePath
+from services.common.tokens import FILES_READ, FILES_WRITE, RECHECK, Denied, Grant, while_granted
 
 router = APIRouter()
 log = logging.getLogger("sandstream.api.files")
@@ -59,6 +63,23 @@ KEPT: Final = frozenset({"/", WORKSPACE_PATH})
 
 class TooLarge(Exception):
     pass
+
+
+class Lapsed(Exception):
+    """The token of a transfer under way lapsed (revoked, expired, scope dropped)."""
+
+    def __init__(self, denied: Denied, what: str) -> None:
+        super().__init__(f"{what} ended: {denied.message}")
+        self.denied = Denied(denied.status, str(self))
+
+
+async def _granted(chunks: AsyncIterator[bytes], held: Grant, what: str) -> AsyncIterator[bytes]:
+    """``chunks`` while the token holds (the one check watches use); Lapsed once it does not."""
+    async with contextlib.aclosing(while_granted(chunks, held, RECHECK)) as granted:
+        async for chunk in granted:
+            if isinstance(chunk, Denied):
+                raise Lapsed(chunk, what)
+            yield chunk
 
 
 def refused(exc: FilesError) -> ApiError:
@@ -97,7 +118,7 @@ async def ready(state: State, name: str) -> tuple[FileSource, str, int]:
 
 async def _counted(request: Request, limit: int) -> AsyncIterator[bytes]:
     size = 0
-    async for chunk in request.stream():
+    async for chunk in _granted(request.stream(), grant(request, FILES_WRITE), "upload"):
         size += len(chunk)
         if size > limit:
             raise TooLarge
@@ -125,6 +146,7 @@ async def download(
     name: NamePath,
     principal: FilesReader,
     state: State,
+    request: Request,
     path: PathQuery,
     format: Annotated[
         Literal["raw", "tar"], Query(description="raw: the file's bytes; tar: a tar stream")
@@ -137,10 +159,11 @@ async def download(
         first = await anext(chunks, b"")
     except FilesError as exc:
         raise refused(exc) from exc
+    held = grant(request, FILES_READ)
     if format == "tar":
         filename = posixpath.basename(where) or "root"
         return StreamingResponse(
-            _whole(first, chunks),
+            _whole(first, _granted(chunks, held, "download")),
             media_type="application/x-tar",
             headers={"Content-Disposition": f'attachment; filename="{_ascii(filename)}.tar"'},
         )
@@ -165,7 +188,7 @@ async def download(
         raise ApiError(400, "INVALID_ARGUMENT", f"{where!r}: {what} (ask format=tar)")
     after = events[events.index(member) + 1 :]
     return StreamingResponse(
-        _data(member.size, after, scanner, chunks),
+        _data(member.size, after, scanner, _granted(chunks, held, "download")),
         media_type="application/octet-stream",
         headers={"Content-Length": str(member.size)},
     )
@@ -194,7 +217,7 @@ async def _whole(first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[by
         async for chunk in chunks:
             scanner.feed(chunk)
             yield chunk
-    except (FilesError, TarError) as exc:
+    except (FilesError, TarError, Lapsed) as exc:
         raise CutShort(f"archive broke off: {exc}") from exc
     finally:
         await _close(chunks)
@@ -219,7 +242,7 @@ async def _data(
             if chunk is None:
                 raise CutShort(f"file broke off after {sent} of {size} bytes")
             events = scanner.feed(chunk)
-    except (FilesError, TarError) as exc:
+    except (FilesError, TarError, Lapsed) as exc:
         raise CutShort(f"file broke off after {sent} of {size} bytes: {exc}") from exc
     finally:
         await _close(chunks)
@@ -276,6 +299,8 @@ async def upload(
             await _upload_file(source, key, generation, where, request, body)
     except TooLarge:
         raise upload_too_large(limit) from None
+    except Lapsed as exc:
+        raise denial(exc.denied) from None
     except TarError as exc:
         raise ApiError(400, "INVALID_ARGUMENT", f"request body: {exc}") from None
     except ClientDisconnect:

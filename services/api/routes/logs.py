@@ -22,10 +22,9 @@ from services.api.deps import Reader, State, grant
 from services.api.errors import ApiError, query_time
 from services.api.models import NamePath, responses
 from services.api.routes.watch import denied_body
-from services.common.tokens import READ, Denied, while_granted
+from services.common.tokens import READ, RECHECK, Denied, while_granted
 
 router = APIRouter()
-RECHECK = 1.0  # seconds at most between two checks of a followed log's token
 
 
 def line_json(line: LogLine) -> str:
