@@ -45,9 +45,10 @@ bench-peer: stack
 soak: stack
 	.venv/bin/pytest -q -m soak
 
-# The chart's Deployments under podman kube play and the compose file under podman-compose, from
-# the image, each with a sandbox round trip (minutes each: outside `make test`; CI runs both).
-deploy-test: stack helm image
+# The chart's Deployments under podman kube play, the chart installed on the local cluster's real
+# node, and the compose file under podman-compose, from the image, each with a sandbox round trip
+# (minutes each: outside `make test`; CI runs them).
+deploy-test: stack k8s-node helm image
 	.venv/bin/pytest -q -m deploy
 
 # The fault-injection checker, long form (docs/reliability.md); the suite runs a short one.

@@ -1,8 +1,9 @@
 """The pure parts of the image build (services/localstack/image.py), of kube play's adaptation
-of the rendered chart (services/localstack/kube_play.py), and where the migrations are found
+of the rendered chart (services/localstack/kube_play.py), the values of the chart on the local
+cluster's real node (kube_chart.py), and where the migrations are found
 when sandstream runs from its wheel (the image) rather than a checkout. The artifacts themselves
-run in tests/test_helm_chart.py and, with `make deploy-test`, test_deploy_kube_play.py and
-test_deploy_compose.py."""
+run in tests/test_helm_chart.py and, with `make deploy-test`, test_deploy_kube_play.py,
+test_deploy_kube_chart.py and test_deploy_compose.py."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from packaging.requirements import Requirement
 
 from services.common import migrations
 from services.common.settings import PROJECT_ROOT, Settings
-from services.localstack import image, kube_play
+from services.localstack import image, kube_chart, kube_node, kube_play
+from services.localstack import kubernetes as kube_cluster
 
 PYPROJECT = """
 [project]
@@ -126,6 +128,27 @@ def test_the_second_processor_release_has_only_a_processor_on_its_own_port(
     template = {"metadata": {"labels": {}}, "spec": {"containers": []}}
     job = {"metadata": {"name": "j"}, "spec": {"template": template}}
     assert kube_play.job_as_pod(job)["kind"] == "Pod"
+
+
+def test_the_chart_on_the_real_node_uses_the_kubernetes_driver_there_and_the_kubeconfigs_server(
+    settings: Settings, tmp_path: Path
+) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(kube_cluster.render_kubeconfig("https://127.0.0.1:16543", b"ca", "token"))
+    deployment = kube_chart.ClusterDeployment(
+        kube_play.LocalDeployment(settings, release="r"), "ns", kubeconfig
+    )
+    values = kube_chart.chart_values(deployment, "0.1.0")
+    assert values["driver"] == "kubernetes"
+    assert values["kubernetesDriver"]["apiServer"] == {"host": "127.0.0.1", "port": 16543}
+    assert values["hostNetwork"] is True  # Kafka and PostgreSQL on the host's loopback
+    assert values["image"]["pullPolicy"] == "Never"  # imported into containerd, never pulled
+    # the roles and the sandboxes alike on the tainted real node
+    assert values["nodeSelector"] == {kube_node.TAINT_KEY: "true"}
+    assert [t["key"] for t in values["tolerations"]] == [kube_node.TAINT_KEY]
+    assert values["settings"] == {
+        "KUBE_NODE_SELECTOR": kube_node.NODE_LABEL, "KUBE_TOLERATIONS": kube_node.TAINT,
+    }  # fmt: skip
 
 
 def test_migrations_come_from_the_checkout_else_the_installed_wheel(tmp_path: Path) -> None:

@@ -127,12 +127,69 @@ def test_the_podman_driver_mounts_the_socket_into_the_driver_roles_only_run_as_r
         assert pod["securityContext"]["runAsNonRoot"] is not driver_role
 
 
+PLACEMENT = {
+    "nodeSelector": {"sandstream.dev/real-node": "true"},
+    "tolerations": [
+        {"key": "sandstream.dev/real-node", "operator": "Equal", "value": "true",
+         "effect": "NoSchedule"},
+    ],
+}  # fmt: skip
+API_SERVER = {"kubernetesDriver": {"apiServer": {"host": "127.0.0.1", "port": 16443}}}
+
+
+def test_the_placement_values_reach_every_role_and_the_prepare_job(settings: Settings) -> None:
+    objects = render(settings, {**ALL_ROLES, **PLACEMENT})
+    pods = {f"{o['kind']}/{component(o)}": o["spec"]["template"]["spec"]
+            for o in objects if o["kind"] in ("Deployment", "Job")}  # fmt: skip
+    assert len(pods) == len(ROLES) + 1
+    for name, pod in pods.items():
+        assert pod.get("nodeSelector") == PLACEMENT["nodeSelector"], name
+        assert pod.get("tolerations") == PLACEMENT["tolerations"], name
+    # none by default
+    for obj in render(settings, ALL_ROLES):
+        if obj["kind"] in ("Deployment", "Job"):
+            assert not {"nodeSelector", "tolerations"} & set(obj["spec"]["template"]["spec"])
+
+
+def test_no_pod_gets_the_services_variables_which_read_as_sandstream_settings(
+    settings: Settings,
+) -> None:
+    """The kubelet gives a pod ``<SERVICE>_PORT=tcp://<ip>:<port>`` for every Service of its
+    namespace: the release ``sandstream``'s own Service ``sandstream-api`` makes
+    SANDSTREAM_API_PORT, which the roles read as their ``api_port`` setting and refused to start
+    on (found on the real node)."""
+    objects = render(settings, ALL_ROLES, release="sandstream")
+    assert "sandstream-api" in of_kind(objects, "Service")
+    pods = [o["spec"]["template"]["spec"] for o in objects if o["kind"] in ("Deployment", "Job")]
+    assert len(pods) == len(ROLES) + 1
+    assert all(pod.get("enableServiceLinks") is False for pod in pods)
+
+
+def test_the_api_server_address_is_given_to_the_containers_with_the_driver_token(
+    settings: Settings,
+) -> None:
+    """Where the pods cannot reach the kubernetes Service (host network, no kube-proxy), the
+    roles that use the cluster get the apiserver's address; the others get nothing."""
+    for values, expected in ((API_SERVER, {"127.0.0.1", "16443"}), ({}, set())):
+        objects = render(settings, {**ALL_ROLES, **values})
+        for deployment in of_kind(objects, "Deployment").values():
+            pod = deployment["spec"]["template"]["spec"]
+            for container in pod["containers"]:
+                env = env_of(container)
+                found = {env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")}
+                wanted = expected if pod["automountServiceAccountToken"] and expected else {None}
+                assert found == wanted, (component(deployment), container["name"])
+
+
 @pytest.mark.parametrize(
     "variant",
     [
         {
             "driver": "kubernetes",
             "providerSync": {"enabled": True},
+            "hostNetwork": True,
+            **PLACEMENT,
+            **API_SERVER,
             "api": {"tls": {"secretName": "sst-tls"}, "forwardedAllowIps": ["10.0.0.0/8"]},
         },
         {"driver": "podman", "hostNetwork": True, "kafka": {"caConfigMap": "kafka-ca"}},

@@ -30,4 +30,6 @@ schema) for tests and benchmarks. Not used by the running roles. Imports service
 - ``image``: build sandstream's OCI image without any container registry (``make image``).
 - ``kube_play``: run the Helm chart's rendered Deployments on this machine with ``podman kube
   play``, from the image (`make image`), against the local stack's Kafka and PostgreSQL.
+- ``kube_chart``: ``helm install`` of the chart on the local cluster's real node with the
+  ``kubernetes`` driver, from the image imported into the node's containerd.
 """

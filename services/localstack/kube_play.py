@@ -301,8 +301,12 @@ def render(settings: Settings, release: str, values: Mapping[str, Any]) -> list[
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
-def _create_secrets(deployment: LocalDeployment) -> None:
+def secret_data(deployment: LocalDeployment) -> dict[str, dict[str, str]]:
+    """The chart's Secrets by name, each key's value: every role's SCRAM credential from the
+    local stack's credentials file, the PostgreSQL password, a new credentials key, and a new
+    tokens file (its admin token written to ``admin_token_file``)."""
     settings, names = deployment.settings, deployment.secret_names()
+    deployment.home.mkdir(parents=True, exist_ok=True)
     credentials = load_credentials(settings)
     kafka: dict[str, str] = {
         role: json.dumps({role: {"username": c.username, "password": c.password}})
@@ -312,13 +316,17 @@ def _create_secrets(deployment: LocalDeployment) -> None:
     password = settings.pg_password.get_secret_value() if settings.pg_password else ""
     key = base64.b64encode(secrets.token_bytes(32)).decode()
     tokens = ensure_tokens(settings.model_copy(update={"run_dir": deployment.home}))
-    contents: dict[str, dict[str, str]] = {
+    return {
         names["kafka"]: kafka,
         names["postgres"]: {"password": password},
         names["key"]: {"key": key},
         names["tokens"]: {"tokens.json": tokens.tokens_file.read_text()},
     }
-    for name, data in contents.items():
+
+
+def _create_secrets(deployment: LocalDeployment) -> None:
+    settings = deployment.settings
+    for name, data in secret_data(deployment).items():
         _podman(settings, ["secret", "rm", name], check=False)
         path = deployment.home / f".{name}.json"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

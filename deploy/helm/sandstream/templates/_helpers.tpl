@@ -192,6 +192,33 @@ group-readable under an fsGroup (so it travels as an environment variable of thi
       mountPath: /run/sandstream
 {{- end -}}
 
+{{/* The scheduling values every pod of the chart shares. */}}
+{{- define "sandstream.placement" -}}
+{{- with .Values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The Kubernetes API's address for a pod that uses the driver's token, when
+kubernetesDriver.apiServer.host overrides the one the kubelet injects.
+*/}}
+{{- define "sandstream.apiServerEnv" -}}
+{{- with .Values.kubernetesDriver.apiServer }}
+{{- if .host }}
+- name: KUBERNETES_SERVICE_HOST
+  value: {{ .host | quote }}
+- name: KUBERNETES_SERVICE_PORT
+  value: {{ .port | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
 {{/*
 The API's certificate and key from the api.tls.secretName Secret (kubernetes.io/tls), written
 like the tokens file into the run directory, the key with mode 0600: sandstream refuses a key
