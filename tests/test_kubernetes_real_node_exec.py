@@ -421,8 +421,8 @@ async def test_openshell_get_sandbox_logs_reads_the_containers_output(
     box: Sandbox, door: Gateway
 ) -> None:
     """Both generations' GetSandboxLogs (by id, by name): the lines the agent wrote on the
-    node, stdout's and stderr's; ``since`` before the epoch answers them all; ``lines`` is a
-    tail."""
+    node, stdout's and stderr's (both with the target stdout); ``since`` before the epoch
+    answers them all; ``lines`` is a tail."""
     sandbox_id = await box_id(box)
     scope = dm1.WorkspaceSelector(workspace="default")
     asks = [
@@ -437,6 +437,8 @@ async def test_openshell_get_sandbox_logs_reads_the_containers_output(
         answer = await unary(door, "GetSandboxLogs", request, served_pb2.GetSandboxLogsResponse)
         assert sorted(line.message for line in answer.logs) == ["box-err", "box-out"], request
         assert {line.sandbox_id for line in answer.logs} == {sandbox_id}
+        # The kubelet does not tell the streams apart: every line's target is stdout.
+        assert {line.target for line in answer.logs} == {"stdout"}
     last = os0.GetSandboxLogsRequest(sandbox_id=sandbox_id, lines=1)
     answer = await unary(door, "GetSandboxLogs", last, served_pb2.GetSandboxLogsResponse)
     assert [line.message for line in answer.logs] in (["box-out"], ["box-err"]), answer
