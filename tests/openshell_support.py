@@ -73,48 +73,55 @@ async def running_gateway(
         env.settings = env.settings.model_copy(update=settings)
         async with (
             running_plane(env, driver, removing=keys),
-            CommandPublisher(
-                kafka_client_args(env.settings, "api"), topic=env.settings.topic_commands
-            ) as pub,
+            serving_door(env, driver, wrap_logs, token_store, **settings) as (channel, server, gw),
         ):
-            feed = ChangeFeed(env.pool)
-            await feed.start()
-            tokens = token_store or TokenStore.of(
-                admin=(ADMIN, READ, WRITE, EXEC, PROVIDER_READ, PROVIDER_WRITE),
-                reader=(READER, READ),
-                writer=(WRITER, READ, WRITE),
-                executor=(EXECUTOR, READ, EXEC),
-            )
-            limits = {
-                "openshell_exec_timeout_seconds": EXEC_LIMIT,
-                "openshell_exec_sessions_per_token": EXEC_SESSIONS,
-                "openshell_exec_sessions": EXEC_TOTAL,
-            }
-            limits.update((k, v) for k, v in settings.items() if k in limits)  # a test's own
-            served = env.settings.model_copy(update={"openshell_port": 0, **limits})
-            gateway = CommandGateway(
-                env.pool, pub, feed, max_bytes=env.settings.processor_max_input_bytes
-            )
-            logs = log_source(served)
-            door_logs = logs if wrap_logs is None else wrap_logs(logs)
-            server = await start_openshell(
-                served, pool=env.pool, gateway=gateway, tokens=tokens, driver=driver, logs=door_logs
-            )
-            try:
-                async with grpc.aio.insecure_channel(server.address) as channel:
-                    yield Gateway(
-                        openshell_pb2_grpc.OpenShellStub(channel),
-                        channel,
-                        server,
-                        keys,
-                        keys.made,
-                        env,
-                        gateway,
-                    )
-            finally:
-                await feed.close()
-                await server.stop(0)
-                await logs.close()
+            stub = openshell_pb2_grpc.OpenShellStub(channel)
+            yield Gateway(stub, channel, server, keys, keys.made, env, gw)
+
+
+@asynccontextmanager
+async def serving_door(
+    env: Env,
+    driver: object,
+    wrap_logs: Callable[[LogSource], LogSource] | None = None,
+    token_store: TokenStore | None = None,
+    **settings: Any,
+) -> AsyncIterator[tuple[grpc.aio.Channel, RunningOpenShell, CommandGateway]]:
+    """The OpenShell door over ``env``'s plane (running beside it) and ``driver``, with a
+    channel to it: the door of ``running_gateway``, for any driver."""
+    async with CommandPublisher(
+        kafka_client_args(env.settings, "api"), topic=env.settings.topic_commands
+    ) as pub:
+        feed = ChangeFeed(env.pool)
+        await feed.start()
+        tokens = token_store or TokenStore.of(
+            admin=(ADMIN, READ, WRITE, EXEC, PROVIDER_READ, PROVIDER_WRITE),
+            reader=(READER, READ),
+            writer=(WRITER, READ, WRITE),
+            executor=(EXECUTOR, READ, EXEC),
+        )
+        limits = {
+            "openshell_exec_timeout_seconds": EXEC_LIMIT,
+            "openshell_exec_sessions_per_token": EXEC_SESSIONS,
+            "openshell_exec_sessions": EXEC_TOTAL,
+        }
+        limits.update((k, v) for k, v in settings.items() if k in limits)  # a test's own
+        served = env.settings.model_copy(update={"openshell_port": 0, **limits})
+        gateway = CommandGateway(
+            env.pool, pub, feed, max_bytes=env.settings.processor_max_input_bytes
+        )
+        logs = log_source(served)
+        door_logs = logs if wrap_logs is None else wrap_logs(logs)
+        server = await start_openshell(
+            served, pool=env.pool, gateway=gateway, tokens=tokens, driver=driver, logs=door_logs
+        )
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                yield channel, server, gateway
+        finally:
+            await feed.close()
+            await server.stop(0)
+            await logs.close()
 
 
 @pytest.fixture(scope="module", name="gateway")

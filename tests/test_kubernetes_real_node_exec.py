@@ -1,5 +1,6 @@
 """Exec and files of the Kubernetes driver on a real node (kubelet, containerd, runc), through
-the HTTP API: what tests/test_kube_exec.py and tests/test_kube_files.py prove only up to the
+the HTTP API, and logs and exec through OpenShell's door; a provider's rotation seen inside the
+container: what tests/test_kube_exec.py and tests/test_kube_files.py prove only up to the
 apiserver (kwok's node runs no containers). One sandbox on the real node serves the module.
 
 Fails (never skips) when the node is missing (tests/test_kubernetes_real_node.py's fixture).
@@ -8,8 +9,10 @@ Fails (never skips) when the node is missing (tests/test_kubernetes_real_node.py
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,14 +24,19 @@ import pytest
 import pytest_asyncio
 from apikit import create_body, unique
 from files_support import FILES, Sandbox, members_of, tar_of, tokens
+from google.protobuf.timestamp_pb2 import Timestamp
 from harness import eventually
 from kube_support import (
     Admin,
     admin_fixture,  # noqa: F401  (the module's admin client)
     ns_fixture,  # noqa: F401  (the module's namespace)
 )
+from openshell_support import Gateway, auth, serving_door
+from openshell_support import call as unary
+from pydantic import SecretStr
 from test_kubernetes_real_node import (
     IMAGE,
+    logs_of,
     node_driver,
     node_fixture,  # noqa: F401  (the real node, once Ready)
     node_settings,
@@ -37,6 +45,16 @@ from test_kubernetes_real_node import (
 from drivers.kube_exec import EXEC_GRACE
 from services.common.settings import Settings
 from services.localstack.kube_node import PAUSE_IMAGE
+from services.openshell.proto import openshell_pb2 as pb
+from services.openshell.proto import served_pb2
+from services.openshell.proto.openshell_pb2_grpc import OpenShellStub
+from services.openshell.proto.vendored.v0_0_116 import openshell_pb2 as os0
+from services.openshell.proto.vendored.v0_1_5 import datamodel_pb2 as dm1
+from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os1
+
+# The box's agent: two lines of output (one on stderr), then `sleep` as the Pod's PID 1.
+BOX_AGENT = ["sh", "-c", "echo box-out; echo box-err >&2; exec sleep 3600"]
+CREDENTIALS_KEY = SecretStr(base64.b64encode(secrets.token_bytes(32)).decode())
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session", name="box")
@@ -45,19 +63,24 @@ async def box_fixture(
 ) -> AsyncIterator[Sandbox]:
     """An API over the Kubernetes driver with one Ready sandbox on the real node."""
     driver = node_driver(admin, ns)
-    update = node_settings(settings, admin, ns) | {"exec_output_max_bytes": 1 << 20}
+    update = node_settings(settings, admin, ns) | {
+        "exec_output_max_bytes": 1 << 20,
+        "credentials_key": CREDENTIALS_KEY,
+    }
     name = unique("rx")
     try:
         async with apikit.running_api(
             driver, settings_update=update, token_store=tokens()
         ) as running:
-            body = create_body(name, image=IMAGE, command=["sleep", "3600"])
+            body = create_body(name, image=IMAGE, command=BOX_AGENT)
             async with running.client() as c:
                 r = await c.post("/v1/sandboxes", params={"wait": 60}, json=body)
                 assert r.status_code == 201, r.text
             await running.wait_phase(name, "Ready", timeout=60)
             (pod,) = await admin.pods(ns, name)
             assert pod["spec"]["nodeName"] == node
+            async with running.client() as c:  # its output written: the log tests read it
+                await logs_of(c, name, lambda lines: len(lines) == 2)
             yield Sandbox(running, name)
     finally:
         await admin.remove_everything_of(ns, name)
@@ -325,3 +348,119 @@ async def test_an_image_without_sh_runs_the_command_as_given(
         assert '"sh"' not in r.json()["stderr"], r.text
     finally:
         await admin.remove_everything_of(ns, name)
+
+
+# -- providers and OpenShell's door on the real node -----------------------------------------
+
+
+async def test_a_rotation_restarts_the_agent_onto_the_new_value_read_in_the_container(
+    box: Sandbox, admin: Admin, ns: str, node: str
+) -> None:
+    """The whole provider pipeline: a provider attached to a Ready sandbox, its credential
+    updated through the API; the rotation restarts the agent (AgentRestarted), whose Pod's
+    env holds the new value (the kubelet resolves the new generation's Secret): `printenv`
+    through the exec route reads it, and the agent printed it to its log."""
+    name, provider = unique("rp"), unique("rp-p")
+    first, second = f"one-{secrets.token_hex(6)}", f"two-{secrets.token_hex(6)}"
+    show = ["sh", "-c", 'echo "key=$API_KEY"; exec sleep 3600']
+    echo_key = ["sh", "-c", 'echo "$API_KEY"']  # the image (busybox) has no printenv
+    try:
+        async with box.api.client() as c:
+            r = await c.post(
+                "/v1/providers", json={"name": provider, "credentials": {"API_KEY": first}}
+            )
+            assert r.status_code == 201, r.text
+            body = create_body(name, image=IMAGE, command=show)
+            body["providers"] = [provider]
+            r = await c.post("/v1/sandboxes", params={"wait": 60}, json=body)
+            assert r.status_code == 201, r.text
+            await box.api.wait_phase(name, "Ready", timeout=60)
+            sandbox = Sandbox(box.api, name)
+            assert (await run(sandbox, echo_key))["stdout"] == f"{first}\n"
+
+            r = await c.put(
+                f"/v1/providers/{provider}/credentials", json={"credentials": {"API_KEY": second}}
+            )
+            assert r.status_code == 200, r.text
+            await eventually(
+                lambda: c.get(f"/v1/sandboxes/{name}"),
+                lambda resp: (resp.json()["phase"], resp.json()["generation"]) == ("Ready", 2),
+                timeout=60, what=f"{name} restarted at generation 2",
+            )  # fmt: skip
+            history = (await c.get(f"/v1/sandboxes/{name}/history")).json()["items"]
+            assert [e for h in history for e in h["events"]].count("AgentRestarted") == 1
+            (pod,) = await admin.pods(ns, name)
+            assert (pod["metadata"]["name"].endswith("-g2"), pod["spec"]["nodeName"]) == (
+                True, node,
+            )  # fmt: skip
+            assert (await run(sandbox, echo_key))["stdout"] == f"{second}\n"
+            r = await c.get(f"/v1/sandboxes/{name}/logs")
+            assert r.status_code == 200, r.text
+            assert [json.loads(line)["text"] for line in r.text.splitlines()] == [f"key={second}"]
+    finally:
+        await admin.remove_everything_of(ns, name)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session", name="door")
+async def door_fixture(box: Sandbox) -> AsyncIterator[Gateway]:
+    """OpenShell's door beside the box's API, as `sandstream up` serves it: the API's exec
+    driver (the Kubernetes driver's, from the settings) for both doors."""
+    execs = box.api.app.state.api.exec_driver
+    async with serving_door(box.api.env, execs) as (channel, server, commands):
+        stub = OpenShellStub(channel)
+        yield Gateway(stub, channel, server, None, [], box.api.env, commands)
+
+
+async def box_id(box: Sandbox) -> str:
+    async with box.api.client() as c:
+        found: str = (await c.get(f"/v1/sandboxes/{box.name}")).json()["id"]
+    return found
+
+
+async def test_openshell_get_sandbox_logs_reads_the_containers_output(
+    box: Sandbox, door: Gateway
+) -> None:
+    """Both generations' GetSandboxLogs (by id, by name): the lines the agent wrote on the
+    node, stdout's and stderr's (both with the target stdout); ``since`` before the epoch
+    answers them all; ``lines`` is a tail."""
+    sandbox_id = await box_id(box)
+    scope = dm1.WorkspaceSelector(workspace="default")
+    asks = [
+        os0.GetSandboxLogsRequest(sandbox_id=sandbox_id),
+        os0.GetSandboxLogsRequest(sandbox_id=sandbox_id, since_ms=-86_400_000),
+        os1.GetSandboxLogsRequest(sandbox=box.name, workspace_scope=scope),
+        os1.GetSandboxLogsRequest(
+            sandbox=box.name, workspace_scope=scope, since_time=Timestamp(seconds=-86_400)
+        ),
+    ]
+    for request in asks:
+        answer = await unary(door, "GetSandboxLogs", request, served_pb2.GetSandboxLogsResponse)
+        assert sorted(line.message for line in answer.logs) == ["box-err", "box-out"], request
+        assert {line.sandbox_id for line in answer.logs} == {sandbox_id}
+        # The kubelet does not tell the streams apart: every line's target is stdout.
+        assert {line.target for line in answer.logs} == {"stdout"}
+    last = os0.GetSandboxLogsRequest(sandbox_id=sandbox_id, lines=1)
+    answer = await unary(door, "GetSandboxLogs", last, served_pb2.GetSandboxLogsResponse)
+    assert [line.message for line in answer.logs] in (["box-out"], ["box-err"]), answer
+
+
+async def test_openshell_exec_sandbox_runs_in_the_container(box: Sandbox, door: Gateway) -> None:
+    """ExecSandbox on the real node: stdin, environment and workdir reach the command; its
+    stdout and stderr come apart, then its exit code; a missing program is exit 127."""
+    sandbox_id = await box_id(box)
+    script = 'cat; printf "|$GREETING|$(pwd)"; printf err >&2; exit 7'
+    request = pb.ExecSandboxRequest(
+        sandbox_id=sandbox_id, command=["sh", "-c", script], stdin=b"fed",
+        environment={"GREETING": "hello world"}, workdir="/tmp",
+    )  # fmt: skip
+    events = [e async for e in door.stub.ExecSandbox(request, metadata=auth(), timeout=60)]
+    kinds = [e.WhichOneof("payload") for e in events]
+    assert kinds[-1] == "exit" and kinds.count("exit") == 1, kinds
+    assert events[-1].exit.exit_code == 7
+    assert b"".join(e.stdout.data for e in events if e.HasField("stdout")) == (
+        b"fed|hello world|/tmp"
+    )
+    assert b"".join(e.stderr.data for e in events if e.HasField("stderr")) == b"err"
+    missing = pb.ExecSandboxRequest(sandbox_id=sandbox_id, command=["no-such-program"])
+    events = [e async for e in door.stub.ExecSandbox(missing, metadata=auth(), timeout=60)]
+    assert events[-1].exit.exit_code == 127, events
