@@ -1,7 +1,8 @@
-"""``python -m services.bench [all|processor|latency|decided|scaleout|rebuild|profile|fold|stages|
-drivers|peer|kube-requests] [--quick]``: the benchmarks, each printed beside its same-run
+"""``python -m services.bench [all|processor|latency|decided|idle|scaleout|rebuild|profile|fold|
+stages|drivers|peer|kube-requests] [--quick]``: the benchmarks, each printed beside its same-run
 reference (see docs/benchmarks.md). ``latency`` is the latency part of ``processor`` alone;
-``decided`` is request → decided outcome at low load, through the HTTP API; ``peer``
+``decided`` is request → decided outcome at low load, through the HTTP API; ``idle`` (not part
+of ``all``) the broker's CPU for an idle control plane on a broker of its own; ``peer``
 (services/bench/peer.py, ``make bench-peer``) is not part of ``all``: it starts a Kubernetes
 cluster of its own and takes about a quarter of an hour. ``kube-requests``
 (services/bench/kube_requests.py) counts the Kubernetes driver's apiserver requests per
@@ -19,6 +20,7 @@ from services.bench import kube as bench_kube
 from services.bench import kube_requests, peer
 from services.bench.decided import decided_figures
 from services.bench.fold import fold_figures
+from services.bench.idle import idle_figures
 from services.bench.processor import latency, throughput
 from services.bench.profile import profile
 from services.bench.rebuild import rebuild_figures
@@ -32,6 +34,7 @@ CHOICES = (
     "processor",
     "latency",
     "decided",
+    "idle",
     "scaleout",
     "rebuild",
     "profile",
@@ -66,6 +69,8 @@ async def run(
         await latency(settings, rate=latency_rate, seconds=5 if quick else 15)
     if which in ("all", "decided"):
         await decided_figures(settings, 100 if quick else 400)
+    if which == "idle":
+        await idle_figures(settings, 10 if quick else 30)
     if which in ("all", "scaleout"):
         await two_processors(settings, keys)
     if which in ("all", "rebuild"):

@@ -88,6 +88,10 @@ class Settings(BaseSettings):
     # the processor's Python and PostgreSQL work at once; kept only if that write commits.
     processor_decide_ahead: bool = True
     processor_fetch_max_wait_ms: int = Field(default=100, ge=0, le=500)
+    # The same when no partition's records are buffered: every assigned partition is then in
+    # the fetch, which returns as soon as any has a record, so a longer wait costs no latency
+    # and spares the broker most of an idle processor's fetches (services/processor/fetch_wait).
+    processor_idle_fetch_max_wait_ms: int = Field(default=500, ge=0, le=2000)
     executor_group: str = "sandstream-executor"
 
     # PostgreSQL

@@ -17,6 +17,8 @@ into rows, history, outcomes and outbox, exactly once, one module per stage:
   acknowledged or set aside (too large to send).
 - ``ownership``: assignment, revoke and stopped partitions (the rebalance callbacks).
 - ``ahead``: the next poll while a write is in flight: taken, or decided as of that write.
+- ``fetch_wait``: how long a fetch waits at the broker: long when idle, short while a
+  partition's records are buffered.
 - ``failures``: which failure means a lost backend, which a refusal no retry can fix.
 - ``row_cache``: the rows last written, used while their partition's offsets stand.
 - ``rebuild``: the rows rebuilt from the events topic and compared with the live ones.

@@ -21,6 +21,7 @@ from services.common import metrics
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.processor.failures import database_gone, release, terminate
+from services.processor.fetch_wait import adapt_fetch_wait
 from services.processor.intake import (
     Inputs,
     Intake,
@@ -133,6 +134,11 @@ class Polls:
         )
         self.consumer.subscribe(self.intake.topics, listener=listener)
         await self.consumer.start()
+        adapt_fetch_wait(
+            self.consumer,
+            busy_ms=self.settings.processor_fetch_max_wait_ms,
+            idle_ms=self.settings.processor_idle_fetch_max_wait_ms,
+        )
 
     async def next(self) -> Poll:
         """The poll taken during the last write, if any, with what was fetched since (unless
