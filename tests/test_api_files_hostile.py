@@ -151,6 +151,7 @@ async def test_the_read_only_root_answers_a_clear_409(box: Sandbox) -> None:
         ):
             assert (r.status_code, r.json()["code"]) == (409, "PATH_CONFLICT"), r.text
             assert "read-only file system" in r.json()["message"].lower()
+            assert ".sandstream-upload" not in r.json()["message"]  # the path asked, not ours
         r = await c.put(box.url("/content"), params={"path": "/tmp/ok"}, content=b"tmpfs")
         assert r.status_code == 201, r.text
 

@@ -347,6 +347,12 @@ async def _upload_file(
     try:
         await source.write_tar(key, generation, folder, archive)
         await source.replace(key, generation, temporary, where)
+    except FilesError as exc:
+        await source.discard(key, generation, temporary)
+        # The runtime names the temporary file; the caller knows only the path it asked for.
+        named = exc.message.replace(temporary, where)
+        named = named.replace(posixpath.basename(temporary), posixpath.basename(where))
+        raise FilesError(exc.kind, named) from exc
     except BaseException:
         await source.discard(key, generation, temporary)
         raise
