@@ -29,6 +29,7 @@ sys.path.insert(0, str(SDK))  # the SDK as a user has it: its own distribution's
 
 import sandstream_sdk as ss  # noqa: E402
 from sandstream_sdk import AsyncSandbox, Sandbox  # noqa: E402
+from sandstream_sdk.commands import Streamed  # noqa: E402
 from sandstream_sdk.errors import error_of  # noqa: E402
 
 IMAGE = load_settings().sandbox_image
@@ -331,3 +332,21 @@ def test_each_answer_of_the_api_maps_to_its_typed_error(
     alone = error_of(status, None, "from a proxy")
     assert isinstance(alone, ss.ConflictError if status == 409 else kind), status
     assert alone.message == "from a proxy"
+
+
+@pytest.mark.parametrize(
+    ("code", "kind", "status"),
+    [
+        ("FAILED_PRECONDITION", ss.NotReadyError, 409),
+        ("RESOURCE_EXHAUSTED", ss.TooManySessionsError, 429),
+        ("UNAVAILABLE", ss.UnavailableError, 503),
+    ],
+)
+def test_an_error_event_of_a_streamed_run_keeps_the_status_of_its_code(
+    code: str, kind: type[ss.SandstreamError], status: int
+) -> None:
+    """The codes the exec route's stream sends in an ``error`` event (a session limit reached
+    after the answer began, the runtime gone, the runtime unreachable)."""
+    with pytest.raises(kind) as raised:
+        Streamed().take("error", {"code": code, "message": "why"})
+    assert (raised.value.status, raised.value.code, raised.value.message) == (status, code, "why")
