@@ -92,7 +92,10 @@ async def test_list_stat_mkdir_move_and_remove(box: Sandbox) -> None:
         assert (r.status_code, r.json()["code"]) == (404, "NOT_FOUND"), r.text
         assert "/workspace/ops/f.txt" in r.json()["message"]
         r = await c.delete(box.url(), params={"path": "ops/x"})
-        assert (r.status_code, r.json()["code"]) == (409, "FAILED_PRECONDITION"), r.text
+        # The path refuses it, not the sandbox's phase: a code no wait cures, never the
+        # FAILED_PRECONDITION of a sandbox not Ready.
+        assert (r.status_code, r.json()["code"]) == (409, "PATH_CONFLICT"), r.text
+        assert "not empty" in r.json()["message"].lower()
         r = await c.delete(box.url(), params={"path": "ops/x", "recursive": True})
         assert r.status_code == 204, r.text
         r = await c.delete(box.url(), params={"path": "ops/g"})

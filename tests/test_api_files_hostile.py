@@ -116,7 +116,7 @@ async def test_symlinks_pointing_out_resolve_inside_the_sandbox_and_proc_gives_n
             assert identity.encode() not in r.content
         # Writing through a symlink to / stays in the sandbox: the read-only root refuses it.
         r = await c.put(box.url("/content"), params={"path": "sl/root/etc/evil"}, content=b"x")
-        assert (r.status_code, r.json()["code"]) == (409, "FAILED_PRECONDITION"), r.text
+        assert (r.status_code, r.json()["code"]) == (409, "PATH_CONFLICT"), r.text
         # A listing follows the symlink given as the directory; stat and remove take the link.
         assert await names_in(c, box, "sl/dl") == {"one"}
         r = await c.get(box.url("/stat"), params={"path": "sl/root"})
@@ -149,8 +149,9 @@ async def test_the_read_only_root_answers_a_clear_409(box: Sandbox) -> None:
             await c.post(box.url("/mkdir"), json={"path": "/srv/x"}),
             await c.delete(box.url(), params={"path": "/etc/passwd"}),
         ):
-            assert (r.status_code, r.json()["code"]) == (409, "FAILED_PRECONDITION"), r.text
+            assert (r.status_code, r.json()["code"]) == (409, "PATH_CONFLICT"), r.text
             assert "read-only file system" in r.json()["message"].lower()
+            assert ".sandstream-upload" not in r.json()["message"]  # the path asked, not ours
         r = await c.put(box.url("/content"), params={"path": "/tmp/ok"}, content=b"tmpfs")
         assert r.status_code == 201, r.text
 

@@ -269,7 +269,7 @@ async def test_list_stat_mkdir_move_and_remove(box: Sandbox) -> None:
         r = await c.get(box.url("/stat"), params={"path": "ops/f.txt"})
         assert (r.status_code, r.json()["code"]) == (404, "NOT_FOUND"), r.text
         r = await c.delete(box.url(), params={"path": "ops/x"})
-        assert (r.status_code, r.json()["code"]) == (409, "FAILED_PRECONDITION"), r.text
+        assert (r.status_code, r.json()["code"]) == (409, "PATH_CONFLICT"), r.text
         r = await c.delete(box.url(), params={"path": "ops/x", "recursive": True})
         assert r.status_code == 204, r.text
         r = await c.delete(box.url(), params={"path": "ops/g"})

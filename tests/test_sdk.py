@@ -16,6 +16,7 @@ import zipfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import pytest_asyncio
 from harness import eventually
@@ -28,6 +29,8 @@ sys.path.insert(0, str(SDK))  # the SDK as a user has it: its own distribution's
 
 import sandstream_sdk as ss  # noqa: E402
 from sandstream_sdk import AsyncSandbox, Sandbox  # noqa: E402
+from sandstream_sdk.commands import Streamed  # noqa: E402
+from sandstream_sdk.errors import error_of  # noqa: E402
 
 IMAGE = load_settings().sandbox_image
 SERVER_PACKAGES = {"events", "projections", "drivers", "services"}
@@ -252,7 +255,7 @@ async def test_async_sandbox_runs_streams_and_kills(up: Up, connection: dict[str
         await AsyncSandbox.connect(sb.name)
 
 
-def test_typed_errors_for_name_scope_token_size_and_template(
+def test_typed_errors_for_name_scope_token_size_path_and_template(
     up: Up, connection: dict[str, str]
 ) -> None:
     with pytest.raises(ss.NotSupportedError, match="templates are not supported"):
@@ -267,6 +270,27 @@ def test_typed_errors_for_name_scope_token_size_and_template(
             Sandbox.create(image=IMAGE, name=name)
         with pytest.raises(ss.TooLargeError):
             sb.commands.run("cat", stdin="x" * 600_000)
+        # A refusal about the path is its own error, never NotReadyError: the sandbox is
+        # Ready, and code that waits on NotReadyError would wait forever.
+        for call in (
+            lambda: sb.files.write("/etc/motd", "x"),
+            lambda: sb.files.make_dir("/srv/new"),
+            lambda: sb.files.remove("/etc/passwd"),
+        ):
+            with pytest.raises(ss.PathConflictError) as refused:
+                call()
+            assert not isinstance(refused.value, ss.NotReadyError)
+            assert (refused.value.status, refused.value.code) == (409, "PATH_CONFLICT")
+            assert "read-only file system" in refused.value.message.lower()
+        # The SDK sends every upload with its length (an empty one too): no 411 from its own.
+        assert sb.files.write("empty", b"").size == 0
+        # What a body without a length is answered (a proxy's doing) is a clear typed error.
+        headers = {"Authorization": f"Bearer {connection['SANDSTREAM_TOKEN']}"}
+        r = httpx.put(f"{up.url}/v1/sandboxes/{name}/files/content", params={"path": "x"},
+                      content=iter([b"x"]), headers=headers, timeout=30)  # fmt: skip
+        error = error_of(r.status_code, r.json(), r.text)
+        assert isinstance(error, ss.InvalidArgumentError), (r.status_code, r.text)
+        assert "Content-Length" in error.message
         made = subprocess.run(
             [SANDSTREAM, "token", "create", "sdk-reader", "--scope", "sandbox:read"],
             env=up.env, capture_output=True, text=True, timeout=60,
@@ -276,3 +300,53 @@ def test_typed_errors_for_name_scope_token_size_and_template(
         with pytest.raises(ss.ForbiddenError, match="sandbox:exec"):
             limited.commands.run("true")
         limited.close()
+
+
+# What the API answers on the exec and files routes (docs/api.md), and the error each becomes.
+ANSWERS = [
+    (400, "INVALID_ARGUMENT", ss.InvalidArgumentError),
+    (401, "UNAUTHENTICATED", ss.AuthenticationError),
+    (403, "PERMISSION_DENIED", ss.ForbiddenError),
+    (404, "NOT_FOUND", ss.NotFoundError),
+    (409, "ALREADY_EXISTS", ss.AlreadyExistsError),
+    (409, "FAILED_PRECONDITION", ss.NotReadyError),
+    (409, "PATH_CONFLICT", ss.PathConflictError),
+    (411, "LENGTH_REQUIRED", ss.InvalidArgumentError),
+    (412, "FAILED_PRECONDITION", ss.NotReadyError),
+    (413, "PAYLOAD_TOO_LARGE", ss.TooLargeError),
+    (422, "INVALID_ARGUMENT", ss.InvalidArgumentError),
+    (429, "RESOURCE_EXHAUSTED", ss.TooManySessionsError),
+    (501, "NOT_IMPLEMENTED", ss.NotSupportedError),
+    (503, "UNAVAILABLE", ss.UnavailableError),
+]
+
+
+@pytest.mark.parametrize(("status", "code", "kind"), ANSWERS)
+def test_each_answer_of_the_api_maps_to_its_typed_error(
+    status: int, code: str, kind: type[ss.SandstreamError]
+) -> None:
+    error = error_of(status, {"code": code, "message": "why"}, "")
+    assert (type(error), error.status, error.code, error.message) == (kind, status, code, "why")
+    # The same status without the API's body (a proxy's answer) maps by status alone, as
+    # closely as it can: a 409 without its code is the general ConflictError.
+    alone = error_of(status, None, "from a proxy")
+    assert isinstance(alone, ss.ConflictError if status == 409 else kind), status
+    assert alone.message == "from a proxy"
+
+
+@pytest.mark.parametrize(
+    ("code", "kind", "status"),
+    [
+        ("FAILED_PRECONDITION", ss.NotReadyError, 409),
+        ("RESOURCE_EXHAUSTED", ss.TooManySessionsError, 429),
+        ("UNAVAILABLE", ss.UnavailableError, 503),
+    ],
+)
+def test_an_error_event_of_a_streamed_run_keeps_the_status_of_its_code(
+    code: str, kind: type[ss.SandstreamError], status: int
+) -> None:
+    """The codes the exec route's stream sends in an ``error`` event (a session limit reached
+    after the answer began, the runtime gone, the runtime unreachable)."""
+    with pytest.raises(kind) as raised:
+        Streamed().take("error", {"code": code, "message": "why"})
+    assert (raised.value.status, raised.value.code, raised.value.message) == (status, code, "why")

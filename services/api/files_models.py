@@ -68,8 +68,9 @@ _DESCRIBED: Final = {
     401: "missing or invalid token",
     403: "the token lacks files:read (reads) or files:write (writes)",
     404: "NOT_FOUND: no such sandbox, or no such path in it",
-    409: "FAILED_PRECONDITION: the sandbox is not Ready, the path is on a read-only file "
-    "system, the sandbox's permissions refuse it or a directory is not empty; "
+    409: "FAILED_PRECONDITION: the sandbox is not Ready (its phase named) or its runtime is "
+    "not running; PATH_CONFLICT: the path is on a read-only file system, the sandbox's "
+    "permissions refuse it or a directory is not empty (no wait cures it); "
     "ALREADY_EXISTS: mkdir without parents of an existing path",
     411: "LENGTH_REQUIRED: a raw upload without a Content-Length",
     413: "PAYLOAD_TOO_LARGE: the upload is above files_max_upload_bytes",

@@ -49,6 +49,11 @@ def run_call(
     return Call("POST", f"/v1/sandboxes/{name}/exec", params, body, read_timeout=read)
 
 
+# The status of the API's answer that an ``error`` event of a stream stands for (the stream
+# itself began with 200): the runtime gone (409), a session limit reached meanwhile (429).
+_ERROR_STATUS: Final = {"FAILED_PRECONDITION": 409, "RESOURCE_EXHAUSTED": 429}
+
+
 class Kept:
     """The first ``cap`` bytes of one output; the rest only counted as cut."""
 
@@ -86,7 +91,7 @@ class Streamed:
                 timed_out=bool(data.get("timed_out")),
             )  # fmt: skip
         elif event == "error":
-            raise error_of(409 if data.get("code") == "FAILED_PRECONDITION" else 503, data, "")
+            raise error_of(_ERROR_STATUS.get(str(data.get("code")), 503), data, "")
         elif event == "denied":  # the token lapsed mid-run: the command was ended
             raise error_of(int(data.get("status", 401)), data, "")
         return None

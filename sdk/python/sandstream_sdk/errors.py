@@ -43,8 +43,15 @@ class VersionConflictError(ConflictError):
 
 
 class NotReadyError(ConflictError):
-    """FAILED_PRECONDITION: the sandbox is not in a phase that admits the call (commands and
-    files need it Ready; start needs it Stopped, ...). The message names the phase."""
+    """FAILED_PRECONDITION (409 from commands and files, 412 from lifecycle calls): the sandbox
+    is not in a phase that admits the call (commands and files need it Ready; start needs it
+    Stopped, ...), or its runtime is not running. The message names the phase."""
+
+
+class PathConflictError(ConflictError):
+    """409 PATH_CONFLICT: the path itself refuses the file operation (a directory not empty, a
+    read-only file system, the sandbox's own permissions). The sandbox is Ready: waiting or
+    retrying the same call does not help; the message names the path and the reason."""
 
 
 class TooLargeError(SandstreamError):
@@ -52,7 +59,9 @@ class TooLargeError(SandstreamError):
 
 
 class InvalidArgumentError(SandstreamError):
-    """422 (or 400): the request is malformed; the message names the field."""
+    """422 (or 400, or 411 LENGTH_REQUIRED): the request is malformed; the message names the
+    field. The SDK sends every upload with its length, so a 411 is a bug (of a proxy between
+    or of the SDK), never worth a retry."""
 
 
 class TooManySessionsError(SandstreamError):
@@ -95,6 +104,8 @@ _BY_CODE: dict[str, type[SandstreamError]] = {
     "ALREADY_EXISTS": AlreadyExistsError,
     "ABORTED": VersionConflictError,
     "FAILED_PRECONDITION": NotReadyError,
+    "PATH_CONFLICT": PathConflictError,
+    "LENGTH_REQUIRED": InvalidArgumentError,
     "NOT_FOUND": NotFoundError,
     "PAYLOAD_TOO_LARGE": TooLargeError,
     "INVALID_ARGUMENT": InvalidArgumentError,
@@ -110,6 +121,7 @@ _BY_STATUS: dict[int, type[SandstreamError]] = {
     403: ForbiddenError,
     404: NotFoundError,
     409: ConflictError,
+    411: InvalidArgumentError,
     412: NotReadyError,
     413: TooLargeError,
     422: InvalidArgumentError,

@@ -2,7 +2,9 @@
 download (a file, or a tar of a file or a directory), upload (a file, or a tar extracted into
 a directory), list, stat, mkdir, remove, move. Bodies are streamed both ways, never whole in
 memory. Reads need ``files:read``, writes ``files:write`` (docs/security.md says why neither
-comes with sandbox:read/write). The sandbox must be Ready (409 naming its phase otherwise).
+comes with sandbox:read/write). The sandbox must be Ready (409 FAILED_PRECONDITION naming its
+phase otherwise); a refusal about the path itself (a directory not empty, a read-only file
+system, the sandbox's permissions) is 409 PATH_CONFLICT, which no wait cures.
 A transfer under way checks its token every second, as watches do: once it lapses, a download
 is broken off and an upload refused (401/403) with nothing of it left.
 """
@@ -51,9 +53,11 @@ _STATUS: Final = {
     "is_dir": (400, "INVALID_ARGUMENT"),
     "not_dir": (400, "INVALID_ARGUMENT"),
     "invalid": (400, "INVALID_ARGUMENT"),
-    "not_empty": (409, "FAILED_PRECONDITION"),
-    "read_only": (409, "FAILED_PRECONDITION"),
-    "denied": (409, "FAILED_PRECONDITION"),
+    # The path's own state refuses the change: a code of its own, so that a client never
+    # takes it for "the sandbox is not Ready" (FAILED_PRECONDITION), which waiting can cure.
+    "not_empty": (409, "PATH_CONFLICT"),
+    "read_only": (409, "PATH_CONFLICT"),
+    "denied": (409, "PATH_CONFLICT"),
     "not_running": (409, "FAILED_PRECONDITION"),
     "unsupported": (501, "NOT_IMPLEMENTED"),
     "unavailable": (503, "UNAVAILABLE"),
@@ -346,6 +350,12 @@ async def _upload_file(
     try:
         await source.write_tar(key, generation, folder, archive)
         await source.replace(key, generation, temporary, where)
+    except FilesError as exc:
+        await source.discard(key, generation, temporary)
+        # The runtime names the temporary file; the caller knows only the path it asked for.
+        named = exc.message.replace(temporary, where)
+        named = named.replace(posixpath.basename(temporary), posixpath.basename(where))
+        raise FilesError(exc.kind, named) from exc
     except BaseException:
         await source.discard(key, generation, temporary)
         raise
