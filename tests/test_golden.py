@@ -50,10 +50,10 @@ def test_a_copy_of_the_rules_under_another_name_decides_with_its_own_modules(
     copy = tmp_path / "rules_copy"
     shutil.copytree(Path(lifecycle.__file__).parent, copy)
     table = copy / "commands.py"
-    stop_row = '"StopSandbox":    (A,          A,       A,'
+    stop_row = '"StopSandbox":     (A,   A,    A,'
     text = table.read_text()
     assert stop_row in text
-    table.write_text(text.replace(stop_row, '"StopSandbox":    (A,          A,       R,'))
+    table.write_text(text.replace(stop_row, '"StopSandbox":     (A,   A,    R,'))
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
         rules = load_rules("rules_copy")
