@@ -375,7 +375,8 @@ async def test_rejections_map_to_their_status_codes(api: Api) -> None:
             assert start.status_code == 412
             assert start.json()["code"] == "FAILED_PRECONDITION"
             assert start.json()["message"] == (
-                "sandbox must be Stopped, Suspended, Completed, Error to start (current phase: Stopping)"
+                "sandbox must be Stopped, Suspended, Completed, Error to start "
+                "(current phase: Stopping)"
             )
         finally:
             held.release()
