@@ -182,6 +182,9 @@ async def test_the_sandbox_page_shows_a_late_ignored_observation_with_its_reason
 
 async def test_a_stop_from_the_page_reaches_stopped(up: Up, browser: Browser) -> None:
     name = await create(up, "stop")
+    # The page's form carries the version it was loaded at (a stale one is refused): load it
+    # once the sandbox is Ready, as a user who sees Ready and then stops it would.
+    await ready(up, name, 1)
     page = await signed_in(browser, up, up.admin_token())
     await page.goto(f"{up.url}/ui/sandboxes/{name}")
     await wait_phase(page, "Ready")

@@ -145,6 +145,8 @@ async def test_a_rotation_made_while_kafka_is_down_restarts_every_ready_sandbox_
                     assert r.status_code == 201, r.text
                 await a.post(f"/v1/sandboxes/{stopped}:stop", params={"wait": 30})
                 await phase_is(b, stopped, "Stopped", 1)
+                for name in ready:  # a create's wait is for its outcome, not for Ready
+                    await phase_is(b, name, "Ready", 1)
 
                 os.kill(stack.broker.pid, signal.SIGSTOP)
                 try:
