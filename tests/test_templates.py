@@ -224,3 +224,31 @@ async def test_the_cli_writes_templates_and_creates_sandboxes_from_them(api: Api
     assert r.exit_code != 0 and "--image" in said(r), said(r)
     r = await cli(api, "template", "delete", template)
     assert r.exit_code == 0 and "was at revision 2" in r.output, said(r)
+
+
+async def test_of_two_updates_from_the_same_revision_exactly_one_is_written(api: Api) -> None:
+    template = unique("tpl")
+    await make_template(api, template)
+    async with api.client() as c:
+
+        async def update(image: str) -> int:
+            body = {"spec": {**SPEC, "image": image}, "expected_revision": 1}
+            return (await c.put(f"/v1/templates/{template}", json=body)).status_code
+
+        for _ in range(5):  # each round races a pair from the newest revision
+            current = (await c.get(f"/v1/templates/{template}")).json()["revision"]
+
+            async def update_from(image: str, base: int = current) -> int:
+                body = {"spec": {**SPEC, "image": image}, "expected_revision": base}
+                return (await c.put(f"/v1/templates/{template}", json=body)).status_code
+
+            codes = await asyncio.gather(update_from("registry.example/a:1"),
+                                         update_from("registry.example/b:1"))  # fmt: skip
+            assert sorted(codes) == [200, 409], codes
+            after = (await c.get(f"/v1/templates/{template}")).json()["revision"]
+            assert after == current + 1
+        assert await update("registry.example/c:1") == 409  # based on revision 1: stale
+    revisions = await api.env.fetchval(
+        "SELECT count(*) FROM template_revisions WHERE name = $1", template
+    )
+    assert revisions == 6

@@ -74,8 +74,8 @@ async def from_template(
     if not re.fullmatch(SANDBOX_NAME_PATTERN, request.workload_template):
         raise mapping.InvalidRequest("workload_template: not a template name (a DNS label)")
     spec = request.spec
-    given = [f"spec.{d.name}" for d, _ in spec.ListFields()
-             if d.name not in ("environment", "providers", "command")]  # fmt: skip
+    own = ("environment", "providers", "command", "log_level", "tty")  # the sandbox's own
+    given = [f"spec.{d.name}" for d, _ in spec.ListFields() if d.name not in own]
     given += ["annotations"] if request.annotations else []
     if given:
         raise mapping.InvalidRequest(
