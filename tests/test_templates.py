@@ -12,11 +12,13 @@ from typing import Any
 import apikit
 import pytest_asyncio
 from apikit import ADMIN, READER, Api, unique
+from harness import eventually
 from typer.testing import CliRunner, Result
 
 from drivers.fake import FakeDriver
 from events.codec import EVENTS, decode
 from services.cli.main import app
+from services.processor.rebuild import rebuild_and_compare
 
 SPEC = {"image": "registry.example/agent:1", "command": ["sleep", "3600"],
         "env": {"MODE": "base", "KEEP": "1"}, "labels": {"team": "research"},
@@ -252,3 +254,25 @@ async def test_of_two_updates_from_the_same_revision_exactly_one_is_written(api:
         "SELECT count(*) FROM template_revisions WHERE name = $1", template
     )
     assert revisions == 6
+
+
+async def test_the_rows_rebuild_from_the_log_with_every_template_gone(api: Api) -> None:
+    """Replay never reads the template tables: the log keeps each create's full spec and its
+    template reference. (Last in the module: it empties the tables.)"""
+    template, name = unique("tpl"), unique("replay")
+    await make_template(api, template)
+    async with api.client() as c:
+        body = {"name": name, "template": {"name": template},
+                "overrides": {"env": {"MODE": "replayed"}}}  # fmt: skip
+        assert (await c.post("/v1/sandboxes", params={"wait": 30}, json=body)).status_code == 201
+    await api.wait_phase(name, "Ready")
+    await api.env.fetchval("WITH t AS (DELETE FROM templates) DELETE FROM template_revisions")
+    report = await eventually(
+        lambda: rebuild_and_compare(api.env.settings),
+        lambda r: r.equal,
+        timeout=30,
+        what="the rebuild to equal the rows",
+    )
+    assert report.rebuilt == report.live > 0
+    row = await api.env.fetchval("SELECT template FROM sandboxes WHERE key = $1", name)
+    assert json.loads(row) == {"name": template, "revision": 1}
