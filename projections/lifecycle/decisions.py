@@ -295,6 +295,8 @@ def _create(
         ),
         on_expiry=command.on_expiry,
         on_exit=command.on_exit,
+        # Only when set: an event without one is as it always was (fields set included).
+        **({"template": command.template} if command.template is not None else {}),
     )
     new_state, events = emit_event(state, event)
     why = f"sandbox {command.key!r} created at generation {generation}"
