@@ -117,7 +117,9 @@ class Checkpoints:
         return removed
 
     def remove_config(self, container: str) -> None:
-        self.criu_config(container).unlink(missing_ok=True)
+        # Never in the way of the removal it follows (a directory gone or unusable).
+        with contextlib.suppress(OSError):
+            self.criu_config(container).unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)

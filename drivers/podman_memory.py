@@ -86,9 +86,12 @@ def checkpoint(client: PodmanClient, store: Checkpoints, container: Container) -
             stream=True,
             timeout=CHECKPOINT_TIMEOUT,
         )
-        if response.status_code != 200:
-            raise APIError(f"checkpoint answered {response.status_code}: {response.text[:300]}")
-        size = store.save(info.key, info.sandbox_id, response.iter_content(1 << 20), facts)
+        try:
+            if response.status_code != 200:
+                raise APIError(f"checkpoint answered {response.status_code}: {response.text[:300]}")
+            size = store.save(info.key, info.sandbox_id, response.iter_content(1 << 20), facts)
+        finally:
+            response.close()  # however the save ends: an unread stream would hold the container
     except (APIError, NotFound, OSError) as exc:
         store.remove(info.key, info.sandbox_id)
         return f"{NOT_KEPT}: its checkpoint failed: {first_line(exc)}"

@@ -161,6 +161,38 @@ async def test_a_resume_with_changed_launch_arguments_starts_afresh(
     )
 
 
+async def test_a_checkpoint_that_cannot_be_kept_leaves_a_plain_suspend(
+    criu_settings: Settings,
+    keys: Callable[[], str],
+    settings: Settings,
+    podman: PodmanClient,
+    tmp_path: Path,
+) -> None:
+    """The checkpoint directory cannot be made (a file is in its place): the suspend says the
+    memory was not kept and removes the container as a storage-only suspend does, and the
+    resume starts afresh, saying nothing."""
+    (tmp_path / "taken").write_text("")
+    unkept = PodmanDriver(
+        criu_settings.podman_url, stop_timeout=STOP_TIMEOUT, checkpoint_dir=tmp_path / "taken"
+    )
+    try:
+        key = keys()
+        first = spec_for(settings, key, 1, COUNTER)
+        await unkept.launch(first)
+        await counted_past(unkept, key, 1, 5)
+        suspended = await unkept.suspend(key, 1)
+        assert suspended.outcome == "succeeded"
+        assert (suspended.note or "").startswith(
+            "memory not kept (storage only): its checkpoint failed: "
+        ), suspended.note
+        assert containers_of(podman, key) == []
+        assert volumes_of(podman, key) == [volume_name(key, first.sandbox_id)]
+        resumed = await unkept.launch(spec_for(settings, key, 2, COUNTER, first.sandbox_id))
+        assert resumed.started and resumed.note is None
+    finally:
+        await unkept.close()
+
+
 async def test_a_delete_of_a_memory_suspended_sandbox_leaves_no_checkpoint(
     driver: PodmanDriver, keys: Callable[[], str], settings: Settings, podman: PodmanClient
 ) -> None:
