@@ -21,7 +21,7 @@ from drivers.podman_checkpoint import (
     copy_rewritten,
     spec_hash,
 )
-from drivers.podman_objects import Container, container_name
+from drivers.podman_objects import BACKEND_ERRORS, Container, container_name
 from drivers.protocol import DriverError, LaunchSpec
 
 # The notes a suspend and a resume's launch leave in their result (the history shows them).
@@ -31,7 +31,7 @@ NOT_KEPT = "memory not kept (storage only)"
 # Seconds a checkpoint or a restore may take (CRIU writes or reads the agent's whole memory).
 RESTORE_TIMEOUT = CHECKPOINT_TIMEOUT = 300.0
 # What a failed restore may raise: each falls back to a fresh start.
-RESTORE_ERRORS = (APIError, NotFound, DriverError, OSError, tarfile.TarError, ValueError, KeyError)
+RESTORE_ERRORS = (*BACKEND_ERRORS, DriverError, tarfile.TarError, ValueError, KeyError)
 
 
 def restore_or_create(
@@ -43,22 +43,22 @@ def restore_or_create(
 ) -> tuple[str, str | None, bool]:
     """The incarnation's checkpoint restored as this generation's container (running), or a
     container made by ``create`` (not started yet); a note saying which when there was a
-    checkpoint; whether it was restored. The checkpoint is used once: removed either way."""
+    checkpoint; whether it was restored. The checkpoint is used once: removed once either
+    container exists (a create that fails, the backend away, leaves it to the launch's retry)."""
     facts = store.load(spec.key, spec.sandbox_id) if store else None
     if store is None or facts is None:
         return create(spec), None, False
-    try:
-        why_not = restore_refusal(spec, facts, args)
-        if why_not is None:
-            try:
-                restored = restore(client, store, spec, RESTORE_TIMEOUT)
-                return restored, f"{RESTORED} of generation {facts['generation']}", True
-            except RESTORE_ERRORS as exc:
-                why_not = f"its restore failed: {first_line(exc)}"
-        created = create(spec)
-        return created, f"{FRESH}: the memory checkpoint was not restored ({why_not})", False
-    finally:
-        store.remove(spec.key, spec.sandbox_id)
+    why_not = restore_refusal(spec, facts, args)
+    if why_not is None:
+        try:
+            restored = restore(client, store, spec, RESTORE_TIMEOUT)
+            store.remove(spec.key, spec.sandbox_id)
+            return restored, f"{RESTORED} of generation {facts['generation']}", True
+        except RESTORE_ERRORS as exc:
+            why_not = f"its restore failed: {first_line(exc)}"
+    created = create(spec)
+    store.remove(spec.key, spec.sandbox_id)
+    return created, f"{FRESH}: the memory checkpoint was not restored ({why_not})", False
 
 
 def first_line(exc: BaseException) -> str:
@@ -92,7 +92,7 @@ def checkpoint(client: PodmanClient, store: Checkpoints, container: Container) -
             size = store.save(info.key, info.sandbox_id, response.iter_content(1 << 20), facts)
         finally:
             response.close()  # however the save ends: an unread stream would hold the container
-    except (APIError, NotFound, OSError) as exc:
+    except BACKEND_ERRORS as exc:  # a timeout too (requests' errors are OSErrors)
         store.remove(info.key, info.sandbox_id)
         return f"{NOT_KEPT}: its checkpoint failed: {first_line(exc)}"
     return f"memory kept: generation {info.generation} checkpointed ({size // 1024} KiB)"

@@ -26,8 +26,11 @@ from podman import PodmanClient
 from test_driver_podman import containers_of, spec_for, volumes_of
 
 from drivers.podman import PodmanDriver, container_name, volume_name
+from drivers.podman_calls import PodmanCalls
 from drivers.podman_checkpoint import Checkpoints
-from drivers.podman_memory import FRESH, RESTORED
+from drivers.podman_memory import FRESH, RESTORED, restore_or_create
+from drivers.podman_objects import BACKEND_ERRORS
+from drivers.podman_spec import DEFAULT_LIMITS
 from events.common import SandboxSpec
 from services.common.settings import Settings
 from services.localstack import podman_service
@@ -143,6 +146,36 @@ async def test_a_failed_restore_starts_afresh_on_the_same_workspace(
         what="a counter started afresh",
     )
     assert list(driver_checkpoints(driver).glob("*.tar")) == []  # used once
+
+
+async def test_a_resume_that_loses_podman_keeps_the_checkpoint_for_its_retry(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings, tmp_path: Path
+) -> None:
+    """Podman goes away after the launch's listing: the restore and the create both fail (a
+    client and a driver's calls on a socket nobody serves), the launch fails retryable, and the
+    checkpoint stays for the retry, which restores it."""
+    key = keys()
+    first = spec_for(settings, key, 1, COUNTER)
+    await driver.launch(first)
+    before = await counted_past(driver, key, 1, 20)
+    await driver.suspend(key, 1)
+    store = Checkpoints(driver_checkpoints(driver))
+    resume = spec_for(settings, key, 2, COUNTER, first.sandbox_id)
+    nobody = f"unix://{tmp_path / 'nobody.sock'}"
+    away = PodmanCalls(
+        nobody, stop_timeout=STOP_TIMEOUT, request_timeout=5, init=True, limits=DEFAULT_LIMITS
+    )
+    try:
+        with pytest.raises(BACKEND_ERRORS):
+            await asyncio.to_thread(
+                restore_or_create, away.client(), store, resume, away._args(resume), away._create
+            )
+    finally:
+        away.close()
+    assert store.archive(key, first.sandbox_id).exists()
+    retried = await driver.launch(resume)
+    assert retried.note == f"{RESTORED} of generation 1"
+    assert await counter(driver, key, 2) >= before
 
 
 async def test_a_resume_with_changed_launch_arguments_starts_afresh(
