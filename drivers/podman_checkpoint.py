@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import io
 import json
+import os
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,12 +71,13 @@ class Checkpoints:
         return self.root / f"{container}.criu.conf"
 
     def save(self, key: str, sandbox_id: UUID, chunks: Any, facts: dict[str, str]) -> int:
-        """Write the streamed archive, then its facts (a partial archive has none: unused)."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        """Write the streamed archive, then its facts (a partial archive has none: unused).
+        The directory and the archives are the owner's only: they hold the agents' memory."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         target = self.archive(key, sandbox_id)
         partial = target.with_suffix(".partial")
         size = 0
-        with partial.open("wb") as out:
+        with private(partial) as out:
             for chunk in chunks:
                 out.write(chunk)
                 size += len(chunk)
@@ -169,5 +171,10 @@ def rewrite_archive(source: IO[bytes], out: IO[bytes], rewrite: Rewrite) -> None
 
 
 def copy_rewritten(archive: Path, target: Path, rewrite: Rewrite) -> None:
-    with archive.open("rb") as source, target.open("wb") as out:
+    with archive.open("rb") as source, private(target) as out:
         rewrite_archive(source, out, rewrite)
+
+
+def private(path: Path) -> IO[bytes]:
+    """``path`` opened for writing, created with mode 0600 (truncated if it exists)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")

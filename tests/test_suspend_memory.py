@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import stat
 import tarfile
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -226,7 +227,7 @@ async def test_a_checkpoint_that_cannot_be_kept_leaves_a_plain_suspend(
         await unkept.close()
 
 
-async def test_a_delete_of_a_memory_suspended_sandbox_leaves_no_checkpoint(
+async def test_a_memory_checkpoint_is_private_and_a_delete_leaves_none(
     driver: PodmanDriver, keys: Callable[[], str], settings: Settings, podman: PodmanClient
 ) -> None:
     key = keys()
@@ -235,7 +236,9 @@ async def test_a_delete_of_a_memory_suspended_sandbox_leaves_no_checkpoint(
     await counted_past(driver, key, 1, 5)
     await driver.suspend(key, 1)
     store = Checkpoints(driver_checkpoints(driver))
-    assert store.archive(key, first.sandbox_id).exists()
+    # The agent's memory is its owner's only.
+    assert stat.S_IMODE(store.archive(key, first.sandbox_id).stat().st_mode) == 0o600
+    assert stat.S_IMODE(store.root.stat().st_mode) == 0o700
     assert (key, first.sandbox_id) in await driver.incarnations()
     assert await driver.delete(key, first.sandbox_id)
     assert sorted(p.name for p in store.root.iterdir()) == []
