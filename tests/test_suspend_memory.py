@@ -36,7 +36,9 @@ from events.common import SandboxSpec
 from services.common.settings import Settings
 from services.localstack import podman_service
 
-COUNTER = ["sh", "-c", "i=0; while true; do i=$((i+1)); echo $i > /workspace/n; sleep 0.05; done"]
+# Written to a temporary file and renamed, so a reader never sees it empty (truncated).
+TICK = "i=$((i+1)); echo $i > /workspace/n.new; mv /workspace/n.new /workspace/n; sleep 0.05"
+COUNTER = ["sh", "-c", f"i=0; while true; do {TICK}; done"]
 STOP_TIMEOUT = 2.0
 WAIT = 60.0
 
@@ -76,9 +78,10 @@ def keys(podman: PodmanClient) -> Iterator[Callable[[], str]]:
 
 
 async def counter(driver: PodmanDriver, key: str, generation: int) -> int:
-    code, out = await driver.exec(key, generation, ["cat", "/workspace/n"])
+    read = "cat /workspace/n 2>/dev/null || echo 0"  # 0 until the first tick has written it
+    code, out = await driver.exec(key, generation, ["sh", "-c", read])
     assert code == 0, out
-    return int(out.strip() or 0)
+    return int(out)
 
 
 async def counted_past(driver: PodmanDriver, key: str, generation: int, floor: int) -> int:
@@ -313,4 +316,4 @@ def corrupt_checkpoint(archive: Path) -> None:
 
 def read_volume_counter(podman: PodmanClient, key: str, sandbox_id: uuid.UUID) -> int:
     volume = podman.volumes.get(volume_name(key, sandbox_id))
-    return int((Path(volume.attrs["Mountpoint"]) / "n").read_text().strip() or 0)
+    return int((Path(volume.attrs["Mountpoint"]) / "n").read_text())
