@@ -3,7 +3,7 @@
 
 PY := .venv/bin/python
 
-.PHONY: setup stack up down prune lint test bench bench-peer soak chaos k8s k8s-node k8s-down conformance screenshots image helm deploy-test
+.PHONY: setup stack up down prune lint test bench bench-peer soak chaos k8s k8s-node k8s-down conformance screenshots image helm criu deploy-test
 
 setup:  ## install Debian packages and the virtualenv (idempotent)
 	bash compose/bootstrap.sh
@@ -75,6 +75,10 @@ k8s-down:  ## stop the local Kubernetes cluster (and its real node)
 # helm v4 for the chart's tests, built from the Go module proxy beside the cluster's binaries.
 helm: setup  ## build helm if missing (a few minutes the first time)
 	$(PY) -m services.localstack.helm_build
+
+# CRIU 4.1 from Debian trixie's source package, for checkpoints (`make stack` builds it too).
+criu: setup  ## build CRIU if missing (about a minute the first time)
+	$(PY) -m services.localstack.criu_build
 
 # -- sandstream's OCI image (services/localstack/image.py, deploy/image/Containerfile): a Debian
 # 12 base by mmdebstrap (built once per recipe), the dependencies' wheels (downloaded once), the

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the local stack needs: Debian packages (Podman, runc, catatonit, static busybox,
 # PostgreSQL 15, Java 17, Maven; mmdebstrap for the image's Debian base; Chromium for the
-# console's browser tests; containerd and the CNI plugins for the local cluster's real node) and the project's virtualenv (.venv, `pip install -e '.[dev]'`).
+# console's browser tests; containerd and the CNI plugins for the local cluster's real node; the
+# packages CRIU 4.1 is built with, services/localstack/criu_build.py) and the project's virtualenv (.venv, `pip install -e '.[dev]'`).
 # Idempotent and fast when everything is present: apt-get runs only for missing packages, and
 # pip only when pyproject.toml changed since the last install (a stamp file in .venv).
 set -euo pipefail
@@ -10,7 +11,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 PACKAGES=(podman runc catatonit busybox-static postgresql-15 openjdk-17-jre-headless maven openssl
-  mmdebstrap chromium containerd containernetworking-plugins)
+  mmdebstrap chromium containerd containernetworking-plugins
+  build-essential pkg-config libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
+  python3-protobuf libnl-3-dev libcap-dev uuid-dev libnet1-dev libbsd-dev)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do

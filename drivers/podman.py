@@ -11,6 +11,8 @@ watch loop); the rest of the driver is in its own modules (docs/drivers.md):
 - ``podman_objects``: names, a container as read back, Podman's statuses and errors;
 - ``podman_spec``: the create arguments and the confinement (limits, privileges, read-only root);
 - ``podman_secrets``: the provider values as mounted Podman secrets and their wrapper;
+- ``podman_checkpoint``, ``podman_memory``: a suspend's memory checkpoint (CRIU), kept and
+  restored on resume;
 - ``podman_events``: events and listings mapped to observations;
 - ``podman_stream``: the event stream's reader thread.
 """
@@ -23,12 +25,14 @@ import contextlib
 import logging
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 from uuid import UUID
 
 from drivers import podman_exec
 from drivers.daemon_pool import DaemonThreadPool
 from drivers.podman_calls import PodmanCalls
+from drivers.podman_checkpoint import Checkpoints
 from drivers.podman_events import observation_from_event, removed_while_away, snapshot_from_list
 from drivers.podman_exec_end import EXEC_GRACE
 from drivers.podman_objects import (
@@ -81,6 +85,7 @@ class PodmanDriver:
         init: bool = True,
         limits: SandboxResources = DEFAULT_LIMITS,
         exec_grace: float = EXEC_GRACE,
+        checkpoint_dir: Path | None = None,
     ) -> None:
         self.base_url = base_url
         self.exec_grace = exec_grace  # an exec left early: seconds from SIGTERM to SIGKILL
@@ -97,6 +102,8 @@ class PodmanDriver:
             request_timeout=request_timeout,
             init=init,
             limits=limits,
+            # Set: a suspend keeps the agent's memory (drivers/podman_checkpoint.py).
+            checkpoints=Checkpoints(checkpoint_dir) if checkpoint_dir is not None else None,
         )
         self._reconnect_delay = reconnect_delay
         self._max_reconnect_delay = max_reconnect_delay

@@ -15,12 +15,15 @@ from uuid import UUID
 from podman import PodmanClient
 from podman.errors import APIError, NotFound
 
-from drivers.labels import incarnation_of, workspace_labels
+from drivers.labels import incarnation_of
 from drivers.launch_precheck import launch_precheck
+from drivers.podman_checkpoint import Checkpoints
+from drivers.podman_memory import checkpoint, restore_or_create
 from drivers.podman_objects import (
     ALIVE,
     Container,
     container_name,
+    ensure_volume,
     read_container,
     remove_volume,
     volume_name,
@@ -57,8 +60,11 @@ class PodmanCalls:
         request_timeout: float,
         init: bool,
         limits: SandboxResources,
+        checkpoints: Checkpoints | None = None,
     ) -> None:
         self.base_url = base_url
+        # Set: a suspend keeps the agent's memory (drivers/podman_checkpoint.py).
+        self.checkpoints = checkpoints
         self.stop_timeout = stop_timeout
         self.request_timeout = request_timeout
         self.init = init
@@ -124,9 +130,11 @@ class PodmanCalls:
         return sorted(names)
 
     def incarnations(self) -> set[Incarnation]:
-        """The incarnations of our containers and workspace volumes. (Provider secrets carry
+        """The incarnations of our containers, volumes and checkpoints. (Provider secrets carry
         no labels in Podman 4.3: the delete removes them with their containers.)"""
         found = {(c.info.key, c.info.sandbox_id) for c in self.list(None)}
+        if self.checkpoints is not None:
+            found.update(self.checkpoints.held())
         volumes = self.client().volumes.list(filters=[f"label={LABEL_MANAGED_BY}={MANAGED_BY}"])
         for volume in volumes:
             if (incarnation := incarnation_of(volume.attrs.get("Labels"))) is not None:
@@ -177,30 +185,31 @@ class PodmanCalls:
             if container.info.generation == spec.generation:
                 log.warning("replacing %s: it has another identity or incarnation",
                             container.info.runtime_id)  # fmt: skip
-            self._stop_and_remove(container.info.runtime_id, self.grace(container))
-            remove_secrets(self.client(), container.info.key, container.info.generation)
+            self._remove(container, self.grace(container))
         if plan.refusal is not None:
             raise plan.refusal
-        adopted = plan.current is not None
-        runtime_id = plan.current.info.runtime_id if plan.current else self._create(spec)
-        if plan.starts:
+        adopted, note, restored = plan.current is not None, None, False
+        if plan.current is not None:
+            runtime_id = plan.current.info.runtime_id
+        else:
+            runtime_id, note, restored = restore_or_create(
+                self.client(), self.checkpoints, spec, self._args(spec), self._create
+            )
+        if plan.starts and not restored:  # a restored container runs already
             self.client().containers.get(runtime_id).start()
-        return LaunchResult(runtime_id, spec.generation, spec.identity, plan.starts, adopted)
+        started = plan.starts
+        return LaunchResult(runtime_id, spec.generation, spec.identity, started, adopted, note=note)
+
+    def _args(self, spec: LaunchSpec) -> dict[str, Any]:
+        volume = volume_name(spec.key, spec.sandbox_id)
+        return create_args(
+            spec, volume=volume, init=self.init, stop_timeout=self.stop_timeout, limits=self.limits
+        )
 
     def _create(self, spec: LaunchSpec) -> str:
         client = self.client()
-        volume = volume_name(spec.key, spec.sandbox_id)
-        try:
-            client.volumes.get(volume)
-        except NotFound:
-            try:
-                client.volumes.create(volume, labels=workspace_labels(spec.key, spec.sandbox_id))
-            except APIError as exc:
-                if "already exists" not in str(exc):
-                    raise
-        args = create_args(
-            spec, volume=volume, init=self.init, stop_timeout=self.stop_timeout, limits=self.limits
-        )
+        ensure_volume(client, spec.key, spec.sandbox_id)
+        args = self._args(spec)
         if not spec.secrets:
             return self._create_container(spec, args)
         add_secrets(client, spec, args)
@@ -246,14 +255,17 @@ class PodmanCalls:
         return OpResult("succeeded", info.runtime_id, exit_code)
 
     def suspend(self, key: str, generation: int, timeout: float | None) -> OpResult:
-        """Stop and remove the runtimes of ``generation`` and older; the volume stays."""
+        """Stop and remove the runtimes of ``generation`` and older; the volume stays. With a
+        checkpoint store, a running one of ``generation`` is checkpointed first (its memory)."""
         found = [c for c in self.list(key) if c.info.generation <= generation]
         if not found:
             return OpResult("already_absent")
+        note, current = None, found[-1]
+        if self.checkpoints is not None and current.info.generation == generation:
+            note = checkpoint(self.client(), self.checkpoints, current)
         for container in found:
-            self._stop_and_remove(container.info.runtime_id, self.grace(container, timeout))
-            remove_secrets(self.client(), container.info.key, container.info.generation)
-        return OpResult("succeeded", found[-1].info.runtime_id)
+            self._remove(container, self.grace(container, timeout))
+        return OpResult("succeeded", current.info.runtime_id, note=note)
 
     def kill(self, key: str, generation: int) -> OpResult:
         found = self.list(key, generation=generation)
@@ -277,13 +289,13 @@ class PodmanCalls:
     def delete(self, key: str, sandbox_id: UUID | None) -> bool:
         containers = self.list(key, sandbox_id)
         for container in containers:
-            self._stop_and_remove(container.info.runtime_id, self.grace(container))
-            remove_secrets(self.client(), container.info.key, container.info.generation)
+            self._remove(container, self.grace(container))
         volumes = self.volumes(key, sandbox_id)
         client = self.client()
         for volume in volumes:
             remove_volume(client, volume)
-        return bool(containers or volumes)
+        checkpoints = self.checkpoints.remove(key, sandbox_id) if self.checkpoints else False
+        return bool(containers or volumes or checkpoints)
 
     def _alive(self, runtime_id: str) -> bool:
         try:
@@ -325,6 +337,13 @@ class PodmanCalls:
             response.raise_for_status()
             raise APIError(f"unexpected status {response.status_code} from stop")
         return True
+
+    def _remove(self, container: Container, grace: float) -> None:
+        """Stop and remove a container, its provider secrets and its CRIU config file if any."""
+        self._stop_and_remove(container.info.runtime_id, grace)
+        remove_secrets(self.client(), container.info.key, container.info.generation)
+        if self.checkpoints is not None and container.name:
+            self.checkpoints.remove_config(container.name)
 
     def _stop_and_remove(self, runtime_id: str, grace: float) -> None:
         if self._stop_container(runtime_id, grace):

@@ -15,7 +15,7 @@ from uuid import UUID
 from podman import PodmanClient
 from podman.errors import APIError, NotFound, PodmanError
 
-from drivers.labels import parse_labels
+from drivers.labels import parse_labels, workspace_labels
 from drivers.protocol import RuntimeInfo
 from events.observations import RuntimeState
 
@@ -54,6 +54,20 @@ def container_name(key: str, generation: int) -> str:
 
 def volume_name(key: str, sandbox_id: UUID) -> str:
     return f"sandstream-{key}-{sandbox_id.hex[:12]}"
+
+
+def ensure_volume(client: PodmanClient, key: str, sandbox_id: UUID) -> None:
+    """The incarnation's workspace volume, created unless it exists (by a concurrent launch
+    too)."""
+    volume = volume_name(key, sandbox_id)
+    try:
+        client.volumes.get(volume)
+    except NotFound:
+        try:
+            client.volumes.create(volume, labels=workspace_labels(key, sandbox_id))
+        except APIError as exc:
+            if "already exists" not in str(exc):
+                raise
 
 
 def remove_volume(client: PodmanClient, name: str, *, force: bool = False) -> None:

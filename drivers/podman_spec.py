@@ -8,6 +8,7 @@ import math
 from typing import Any, Final
 
 from drivers.labels import runtime_labels
+from drivers.podman_checkpoint import LABEL_SPEC_HASH, spec_hash
 from drivers.podman_objects import container_name
 from drivers.protocol import IDENTITY_ENV, WORKSPACE_PATH, LaunchSpec, grace_period
 from events.common import SandboxResources, SandboxSpec
@@ -73,4 +74,6 @@ def create_args(
     }
     if spec.spec.command:
         args["command"] = list(spec.spec.command)
+    # What a resume's restore of a memory checkpoint must match (drivers/podman_checkpoint.py).
+    args["labels"][LABEL_SPEC_HASH] = spec_hash(args)
     return args

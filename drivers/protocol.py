@@ -97,6 +97,9 @@ class LaunchResult:
     # The revision of each attached provider whose values this launch handed over (set by the
     # executor, which read them; None when unknown, i.e. an adopted runtime).
     credentials: Mapping[str, int] | None = None
+    # What the driver wants the history to say about how it launched (Podman: a suspend's
+    # memory checkpoint restored, or why a fresh start instead); the result's reason.
+    note: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +109,8 @@ class OpResult:
     outcome: StopOutcome
     runtime_id: str | None = None
     exit_code: int | None = None  # of the stopped runtime, when known
+    # A suspend's word for the history (Podman: whether the memory was kept): the reason.
+    note: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,10 +321,10 @@ def operation_result(
             outcome, retryable, reason = "failed", result.retryable, result.reason
             observed, exit_code = result.observed, result.exit_code
         case LaunchResult():
-            identity = result.identity
+            identity, reason = result.identity, result.note
             credentials = dict(result.credentials) if result.credentials is not None else None
         case OpResult():
-            outcome, exit_code = result.outcome, result.exit_code
+            outcome, exit_code, reason = result.outcome, result.exit_code, result.note
         case bool():
             outcome = "succeeded" if result else "already_absent"
     return DriverOperationResult(

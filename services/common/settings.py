@@ -118,6 +118,12 @@ class Settings(BaseSettings):
     podman_socket: Path | None = None
     sandbox_image: str = "localhost/sandstream-base:1"
     stop_timeout_seconds: int = Field(default=10, ge=0)
+    # A suspend checkpoints the agent's memory with CRIU (4.1 or newer on the Podman host's
+    # PATH; the local stack builds one) and a resume restores it, falling back to a fresh
+    # start on the kept workspace (docs/drivers.md). The checkpoints live in
+    # podman_checkpoint_dir (default state_dir/podman/checkpoints), on the Podman host.
+    podman_suspend_memory: bool = False
+    podman_checkpoint_dir: Path | None = None
 
     # Which driver `sandstream up`, `sandstream executor|watcher` and `python -m
     # services.executor` use. "fake": the in-memory fake driver (drivers/fake.py), for tests and
@@ -360,6 +366,10 @@ class Settings(BaseSettings):
     @cached_property
     def podman_socket_path(self) -> Path:
         return self.podman_socket or self.state_dir / "podman" / "podman.sock"
+
+    @property
+    def podman_checkpoint_path(self) -> Path:
+        return self.podman_checkpoint_dir or self.state_dir / "podman" / "checkpoints"
 
     @property
     def podman_url(self) -> str:

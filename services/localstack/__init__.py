@@ -11,7 +11,10 @@ schema) for tests and benchmarks. Not used by the running roles. Imports service
 - ``kafka_broker``: the single broker (jars, storage, start), the project topics, the roles'
   users and ACLs.
 - ``postgres``: the local cluster, our role, database and password, the migrations.
-- ``podman_service``: the Podman API service and the sandbox base image.
+- ``podman_service``: the Podman API service (CRIU first on its PATH) and the sandbox base
+  image.
+- ``criu_build``: build CRIU 4.1 from Debian trixie's source package (apt), cached beside the
+  local cluster's binaries, for checkpoints (a suspend that keeps memory).
 - ``config``: pure helpers: file locations, rendered configs, command lines.
 - ``kafka_auth``: the brokers' SASL/SCRAM and ACLs, one principal per role.
 - ``cluster``, ``cluster_config``: a local KRaft cluster of several nodes (``--brokers N``).

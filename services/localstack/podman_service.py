@@ -1,5 +1,6 @@
-"""The local stack's Podman: the API service on its socket (started and stopped by pid file),
-the environment of podman commands, the sandbox base image built from busybox, its status line."""
+"""The local stack's Podman: the API service on its socket (started and stopped by pid file,
+with the CRIU the stack builds first on its PATH), the environment of podman commands, the
+sandbox base image built from busybox, its status line."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from podman import PodmanClient
 
 from services.common.settings import Settings
 from services.localstack import config as cfg
+from services.localstack.criu_build import build_criu, criu_dir, criu_path
+from services.localstack.kube_build import BuildError
 from services.localstack.processes import (
     ComponentStatus,
     StackError,
@@ -31,8 +34,22 @@ START_TIMEOUT = 30.0
 
 
 def podman_env(settings: Settings) -> dict[str, str]:
-    """The environment for podman commands: ours points CONTAINERS_CONF at compose/podman."""
-    return {**os.environ, "CONTAINERS_CONF": str(settings.containers_conf)}
+    """The environment for podman commands: ours points CONTAINERS_CONF at compose/podman, and
+    puts the CRIU the stack built first on PATH when there is one (runc runs ``criu`` from
+    PATH for a checkpoint or a restore: services/localstack/criu_build.py)."""
+    env = {**os.environ, "CONTAINERS_CONF": str(settings.containers_conf)}
+    if criu_path(settings).exists():
+        env["PATH"] = os.pathsep.join([str(criu_dir(settings)), env.get("PATH", os.defpath)])
+    return env
+
+
+def ensure_criu(settings: Settings) -> None:
+    """Build CRIU if missing. A failure only costs checkpoints (a suspend that keeps memory
+    falls back to keeping storage only), so the stack comes up without it, saying why."""
+    try:
+        build_criu(settings, lambda message: say(f"podman: {message}"))
+    except BuildError as exc:
+        say(f"podman: CRIU not built, so no checkpoints (suspend keeps storage only): {exc}")
 
 
 def _answers(settings: Settings) -> bool:
@@ -65,6 +82,7 @@ def up(settings: Settings) -> None:
             raise StackError(f"podman: socket path too long for a unix socket: {sock}")
         sock.parent.mkdir(parents=True, exist_ok=True)
         sock.unlink(missing_ok=True)
+        ensure_criu(settings)
         started = time.monotonic()
         try:
             proc = spawn(
