@@ -21,6 +21,7 @@ from events.common import (
     ExpiryPolicy,
     Generation,
     Hold,
+    IdleSeconds,
     MaxRestarts,
     Phase,
     ProviderName,
@@ -100,6 +101,9 @@ class SandboxSuspending(EventBase):
 
     type: Literal["SandboxSuspending"]
     deadline: Deadline | None = None
+    # Why, when no operator asked (an idle suspend: ``IdleSuspend: ...``); left out while unset,
+    # so a SuspendSandbox's event serializes as before.
+    reason: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class SandboxSuspended(EventBase):
@@ -291,6 +295,13 @@ class RestartPolicyChanged(EventBase):
     max_restarts: MaxRestarts | None = None
 
 
+class IdleSuspendChanged(EventBase):
+    """SetIdleSuspend accepted: the spec's idle timeout is this now (None: never)."""
+
+    type: Literal["IdleSuspendChanged"]
+    idle_suspend_seconds: IdleSeconds | None = None
+
+
 DecidedEvent = Annotated[
     SandboxCreated
     | SandboxStarting
@@ -319,6 +330,7 @@ DecidedEvent = Annotated[
     | SandboxReleased
     | SandboxRestartScheduled
     | SandboxRestartsExhausted
-    | RestartPolicyChanged,
+    | RestartPolicyChanged
+    | IdleSuspendChanged,
     Field(discriminator="type"),
 ]

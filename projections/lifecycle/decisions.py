@@ -20,6 +20,7 @@ from events.commands import (
     RestartSandbox,
     ResumeSandbox,
     RotateCredentials,
+    SetIdleSuspend,
     SetRestartPolicy,
     StartSandbox,
     StopSandbox,
@@ -35,6 +36,7 @@ from events.decided import (
     AgentRestartFailed,
     AgentRestartSkipped,
     DecidedEvent,
+    IdleSuspendChanged,
     ProviderAttached,
     ProviderDetached,
     RestartPolicyChanged,
@@ -186,6 +188,11 @@ def _decide_command(
             rule = Admission.IDEMPOTENT
     if isinstance(command, SetRestartPolicy) and policy_unchanged(state.spec, command):
         rule = Admission.IDEMPOTENT
+    if (
+        isinstance(command, SetIdleSuspend)
+        and command.idle_suspend_seconds == state.spec.idle_suspend_seconds
+    ):
+        rule = Admission.IDEMPOTENT
     if rule is Admission.IDEMPOTENT:
         why = f"nothing to do: sandbox {command.key!r} is {state.phase}"
         if isinstance(command, AttachProvider | DetachProvider):
@@ -235,6 +242,13 @@ def _decide_command(
                 restart_policy=command.restart_policy,
                 restart_backoff=command.restart_backoff,
                 max_restarts=command.max_restarts,
+            )
+        case SetIdleSuspend():
+            event = built(
+                IdleSuspendChanged,
+                type="IdleSuspendChanged",
+                **common,
+                idle_suspend_seconds=command.idle_suspend_seconds,
             )
         case HoldSandbox():
             hold = built(Hold, by=command.actor, reason=command.reason, since=at)
