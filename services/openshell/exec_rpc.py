@@ -140,7 +140,7 @@ class ExecRpcs:
         if refused is not None:
             await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
         timeout = self.limits.deadline(request.timeout)
-        with self.limits.session(principal.name, view.name):
+        with self.limits.session(principal.name, view.name), self.door.use.using(view.name):
             stream = driver.exec_stream(
                 view.name,
                 view.generation,

@@ -1,4 +1,6 @@
-"""Publish a DeadlineDue for every deadline of a live row that has passed.
+"""Publish a DeadlineDue for every deadline of a live row that has passed, and for every Ready
+row with an idle timeout that the doors' recorded use says is idle (``deadline`` idle, its
+``last_used_at``: the fold decides, projections/lifecycle/idle.py).
 
 Each round reads every due row (indexed queries, in pages of ``batch`` rows by key), publishes
 what it has not published for that row version yet, earliest due first, then sleeps until the
@@ -23,7 +25,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -60,14 +62,37 @@ SELECT least(
 """
 
 
+# Ready sandboxes with an idle timeout whose last sign of use (the row's last change or the
+# doors' recorded use) is older than the timeout plus the doors' flush interval ($2): a use not
+# yet flushed is never taken for idle time. The partial index sandboxes_idle holds only these.
+_IDLE = """
+SELECT key, generation, version, last_used_at, since + make_interval(secs => idle + $2) AS due_at
+FROM (
+    SELECT s.key, s.generation, s.version, u.last_used_at,
+           greatest(s.updated_at, u.last_used_at) AS since,
+           (s.spec->>'idle_suspend_seconds')::float8 AS idle
+    FROM sandboxes s LEFT JOIN sandbox_use u ON u.key = s.key
+    WHERE s.phase = 'Ready' AND s.hold IS NULL AND s.spec ? 'idle_suspend_seconds'
+) AS ready
+WHERE since + make_interval(secs => idle + $2) <= $1
+"""
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
 def deadline_due(
-    key: str, generation: int, version: int, kind: DeadlineKind, due_at: datetime, now: datetime
+    key: str,
+    generation: int,
+    version: int,
+    kind: DeadlineKind,
+    due_at: datetime,
+    now: datetime,
+    last_used_at: datetime | None = None,
 ) -> DeadlineDue:
-    """The message for one due deadline; its id names the row version it was read at."""
+    """The message for one due deadline; its id names the row version it was read at (and,
+    for idle, the time it became idle: a use since makes a new one)."""
     return DeadlineDue(
         type="DeadlineDue",
         observation_id=f"deadline:{key}:{generation}:{kind}:{due_at.isoformat()}:v{version}",
@@ -77,7 +102,16 @@ def deadline_due(
         actor=ACTOR,
         deadline=kind,
         due_at=due_at,
+        last_used_at=last_used_at,
     )
+
+
+def idle_message(record: Any, now: datetime) -> DeadlineDue:
+    """What one idle row calls for (pure): its last use, for the fold to decide on."""
+    return deadline_due(
+        record["key"], record["generation"], record["version"], "idle", record["due_at"], now,
+        record["last_used_at"],
+    )  # fmt: skip
 
 
 def due_messages(record: Any, now: datetime) -> list[DeadlineDue]:
@@ -104,6 +138,10 @@ class Scheduler:
     published: int = 0  # DeadlineDue messages sent since start
     rounds: int = 0  # rounds completed since start
     _sent: set[str] = field(default_factory=set)  # ids sent for rows still due
+    # The idle scan runs at most once per flush interval of the doors' use (what it reads
+    # changes no faster); the ids it found due last time, kept between scans.
+    _next_idle_scan: datetime | None = None
+    _idle_ids: set[str] = field(default_factory=set)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _listener: Any = None
 
@@ -130,6 +168,11 @@ class Scheduler:
         assert self.producer is not None
         now = self.clock()
         due = [m for r in await self.due_rows(now) for m in due_messages(r, now)]
+        if self._next_idle_scan is None or now >= self._next_idle_scan:
+            idle = [idle_message(r, now) for r in await self.idle_rows(now)]
+            self._idle_ids = {m.observation_id for m in idle}
+            self._next_idle_scan = now + timedelta(seconds=self.settings.use_flush_seconds)
+            due += idle
         fresh = sorted(
             (m for m in due if m.observation_id not in self._sent), key=lambda m: m.due_at
         )
@@ -145,7 +188,7 @@ class Scheduler:
             log.info("%s of %s (generation %d) due at %s", message.deadline, message.key,
                      message.generation, message.due_at.isoformat())  # fmt: skip
         # Forget what is no longer due: those rows moved on.
-        self._sent &= {m.observation_id for m in due}
+        self._sent &= {m.observation_id for m in due} | self._idle_ids
         self.rounds += 1
         return len(fresh)
 
@@ -160,8 +203,14 @@ class Scheduler:
                 return rows
             after = page[-1]["key"]
 
+    async def idle_rows(self, now: datetime) -> list[Any]:
+        """Every Ready row idle at ``now`` (by the recorded use, plus the flush interval)."""
+        return list(await self.pool.fetch(_IDLE, now, self.settings.use_flush_seconds))
+
     async def next_due(self) -> datetime | None:
         value: datetime | None = await self.pool.fetchval(_NEXT, self.clock())
+        if self._next_idle_scan is not None:
+            value = self._next_idle_scan if value is None else min(value, self._next_idle_scan)
         return value
 
     async def run(self, stop: asyncio.Event) -> None:

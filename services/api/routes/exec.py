@@ -214,6 +214,7 @@ class Session:
         assert driver is not None  # ready_sandbox checked
         counted = contextlib.ExitStack()
         counted.enter_context(self.limits.session(self.token, self.view.name))
+        counted.enter_context(self.state.use.using(self.view.name))  # idle suspend waits
         stream = driver.exec_stream(
             self.view.name,
             self.view.generation,
