@@ -280,6 +280,14 @@ def create(
     ] = None,
     restart_backoff: RestartBackoffOpt = None,
     max_restarts: MaxRestartsOpt = None,
+    idle_suspend: Annotated[
+        str | None,
+        typer.Option(
+            "--idle-suspend",
+            help="suspend it once Ready and unused (exec, files, logs, a watch of it) this "
+            "long, e.g. 15m; the next exec or file call resumes it (default: never)",
+        ),
+    ] = None,
     command_id: CommandIdOpt = None,
     timeout: TimeoutOpt = 120.0,
     no_wait: NoWaitOpt = False,
@@ -295,6 +303,8 @@ def create(
     if stop_timeout is not None:
         spec["stop_timeout_seconds"] = stop_timeout
     spec.update(restart_body(restart_policy, restart_backoff, max_restarts))
+    if idle_suspend is not None:
+        spec["idle_suspend_seconds"] = duration_seconds(idle_suspend, "--idle-suspend")
     body: dict[str, Any] = {"name": name, "spec": spec, "providers": provider}
     if ttl is not None:
         body["ttl_seconds"] = duration_seconds(ttl, "--ttl")
