@@ -24,4 +24,5 @@ Modules:
 - ``suspend``: whether the configured driver keeps a workspace through a suspend.
 - ``tasks``: named long-running tasks of one process sharing a stop event.
 - ``tokens``: bearer tokens with scopes.
+- ``usage``: use of the sandboxes through the doors, written coarsely for idle suspend.
 """
