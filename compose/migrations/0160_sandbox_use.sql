@@ -5,7 +5,7 @@
 CREATE TABLE sandbox_use (
     key           text PRIMARY KEY,
     last_used_at  timestamptz NOT NULL
-);
+) WITH (fillfactor = 50);  -- room on each page for the next version: updates stay HOT
 -- The scheduler's idle scan: Ready rows with an idle timeout, and nothing else.
 CREATE INDEX sandboxes_idle ON sandboxes (key)
     WHERE phase = 'Ready' AND hold IS NULL AND spec ? 'idle_suspend_seconds';
