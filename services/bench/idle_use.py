@@ -2,7 +2,7 @@
 
 A schema of its own with ``sandboxes`` Ready rows, each with an idle timeout, all of them in
 use. Per flush interval the doors of one API process write one upsert of every sandbox used
-(``UseRecorder.flush``) and the scheduler runs one idle scan (``Scheduler.idle_rows``), which
+(``UseRecorder.flush``) and the scheduler runs one idle scan (``usage.idle_rows``), which
 finds nothing due: busy sandboxes put nothing on the log. Each is timed (the median of
 ``rounds``), with the WAL it writes, and divided by the default flush interval for the
 steady cost per second.
@@ -19,9 +19,8 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 
 from services.common.settings import Settings
-from services.common.usage import UseRecorder
+from services.common.usage import UseRecorder, idle_rows
 from services.localstack.isolation import isolated
-from services.scheduler.scheduler import Scheduler
 
 _ROW = """
 INSERT INTO sandboxes (key, sandbox_id, phase, generation, version, spec, providers, identity,
@@ -46,13 +45,12 @@ async def _timed(pool: asyncpg.Pool[asyncpg.Record], work: object) -> tuple[floa
 
 async def idle_use_figures(settings: Settings, sandboxes: int, rounds: int) -> None:
     flush = Settings().use_flush_seconds
-    async with isolated(settings, "bench") as (s, pool):
+    async with isolated(settings, "bench") as (_, pool):
         names = [f"busy-{i:06d}-{uuid.uuid4().hex[:6]}" for i in range(sandboxes)]
         spec = json.dumps({"image": "img", "idle_suspend_seconds": 900})
         await pool.execute(_ROW, names, spec, datetime.now(UTC))
         await pool.execute("ANALYZE sandboxes")
         use = UseRecorder(pool, flush)
-        scheduler = Scheduler(s, pool)
         flushes, scans = [], []
         for _ in range(rounds):
             for name in names:  # every sandbox used in the interval
@@ -61,7 +59,7 @@ async def idle_use_figures(settings: Settings, sandboxes: int, rounds: int) -> N
             now = datetime.now(UTC) + timedelta(seconds=60)
 
             async def scan(at: datetime = now) -> None:
-                assert await scheduler.idle_rows(at) == []  # all busy: nothing due
+                assert await idle_rows(pool, at, flush) == []  # all busy: nothing due
 
             scans.append(await _timed(pool, scan))
         await pool.execute("ANALYZE sandbox_use")

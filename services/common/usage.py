@@ -6,8 +6,9 @@ sandbox). Nothing is written per call: every ``flush_seconds`` one statement ups
 sandboxes touched since the last flush and those with a session open, at the flush's time,
 into ``sandbox_use``. So a sandbox costs at most one row write per flush interval per API
 process however busy it is, and a session longer than any idle timeout keeps its sandbox awake
-(it is written at every flush while it lasts). The scheduler reads the table and puts what it
-read on the log; the decision is the fold's (projections/lifecycle/idle.py).
+(it is written at every flush while it lasts). The scheduler reads the table (``idle_rows``,
+its idle scan) and puts what it read on the log; the decision is the fold's
+(projections/lifecycle/idle.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from projections.store import DATABASE_ERRORS
 from services.common.database import Pool
@@ -33,6 +34,28 @@ SELECT k, $2 FROM unnest($1::text[]) AS k
 ON CONFLICT (key) DO UPDATE
 SET last_used_at = greatest(sandbox_use.last_used_at, excluded.last_used_at)
 """
+
+
+# Ready sandboxes with an idle timeout whose last sign of use (the row's last change or the
+# doors' recorded use) is older than the timeout plus the doors' flush interval ($2): a use not
+# yet flushed is never taken for idle time. The partial index sandboxes_idle holds only these.
+_IDLE = """
+SELECT key, generation, version, last_used_at, since + make_interval(secs => idle + $2) AS due_at
+FROM (
+    SELECT s.key, s.generation, s.version, u.last_used_at,
+           greatest(s.updated_at, u.last_used_at) AS since,
+           (s.spec->>'idle_suspend_seconds')::float8 AS idle
+    FROM sandboxes s LEFT JOIN sandbox_use u ON u.key = s.key
+    WHERE s.phase = 'Ready' AND s.hold IS NULL AND s.spec ? 'idle_suspend_seconds'
+) AS ready
+WHERE since + make_interval(secs => idle + $2) <= $1
+"""
+
+
+async def idle_rows(pool: Pool, now: datetime, flush_seconds: float) -> list[Any]:
+    """Every Ready row idle at ``now`` by the recorded use (the scheduler's idle scan): key,
+    generation, version, last_used_at, due_at."""
+    return list(await pool.fetch(_IDLE, now, flush_seconds))
 
 
 def utcnow() -> datetime:

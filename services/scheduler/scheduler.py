@@ -39,6 +39,7 @@ from services.common import metrics
 from services.common.database import connect_pool
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
+from services.common.usage import idle_rows
 
 log = logging.getLogger("sandstream.scheduler")
 
@@ -59,22 +60,6 @@ SELECT least(
     (SELECT min(deadline_at) FROM sandboxes WHERE phase <> 'Deleted' AND deadline_at > $1),
     (SELECT min(expires_at) FROM sandboxes
      WHERE phase <> 'Deleted' AND expires_at > $1 AND hold IS NULL))
-"""
-
-
-# Ready sandboxes with an idle timeout whose last sign of use (the row's last change or the
-# doors' recorded use) is older than the timeout plus the doors' flush interval ($2): a use not
-# yet flushed is never taken for idle time. The partial index sandboxes_idle holds only these.
-_IDLE = """
-SELECT key, generation, version, last_used_at, since + make_interval(secs => idle + $2) AS due_at
-FROM (
-    SELECT s.key, s.generation, s.version, u.last_used_at,
-           greatest(s.updated_at, u.last_used_at) AS since,
-           (s.spec->>'idle_suspend_seconds')::float8 AS idle
-    FROM sandboxes s LEFT JOIN sandbox_use u ON u.key = s.key
-    WHERE s.phase = 'Ready' AND s.hold IS NULL AND s.spec ? 'idle_suspend_seconds'
-) AS ready
-WHERE since + make_interval(secs => idle + $2) <= $1
 """
 
 
@@ -205,7 +190,7 @@ class Scheduler:
 
     async def idle_rows(self, now: datetime) -> list[Any]:
         """Every Ready row idle at ``now`` (by the recorded use, plus the flush interval)."""
-        return list(await self.pool.fetch(_IDLE, now, self.settings.use_flush_seconds))
+        return await idle_rows(self.pool, now, self.settings.use_flush_seconds)
 
     async def next_due(self) -> datetime | None:
         value: datetime | None = await self.pool.fetchval(_NEXT, self.clock())
