@@ -40,6 +40,8 @@ async def test_create_and_idle_suspend_set_and_clear_the_timeout() -> None:
         assert changed.exit_code == 0, changed.output
         assert f"Sandbox {name} is suspended after 2h unused" in changed.output
         assert (await spec())["idle_suspend_seconds"] == 7200
+        shown = await run("get", name)
+        assert shown.exit_code == 0 and "suspended after 7200s unused" in shown.output, shown.output
 
         off = await run("idle-suspend", name, "off")
         assert off.exit_code == 0, off.output
