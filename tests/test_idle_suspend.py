@@ -205,6 +205,31 @@ async def test_an_idle_sandbox_is_suspended_at_the_default_flush_interval_and_an
         assert (woken["phase"], woken["generation"]) == ("Ready", 2)
 
 
+async def test_an_exec_begun_after_the_timeout_but_before_the_next_scan_is_not_cut_off(
+    podman_driver: PodmanDriver, settings: Settings
+) -> None:
+    """Regression: a use waited for the next flush, but the scheduler may find a sandbox idle
+    at any moment past its timeout plus one flush (its slack covers only uses before the
+    timeout), so an exec begun in between was killed by a suspend decided on the old record.
+    A session now writes its use when it begins."""
+    idle, flush = 2, Settings().use_flush_seconds
+    async with (
+        _stack(podman_driver, scheduler=True) as (api, _),
+        sandbox(api, settings, "late", idle) as name,
+    ):
+        ready_at = at((await row(api, name))["updated_at"])
+
+        async def idle_for() -> float:
+            return (datetime.now(ready_at.tzinfo) - ready_at).total_seconds()
+
+        await eventually(idle_for, lambda s: s >= idle + 1, what="idle past its timeout")
+        command = ["sh", "-c", f"sleep {2 * flush + 5}; echo done"]
+        result = await stays_ready_while(api, name, asyncio.ensure_future(
+            exec_http(api, name, command)))  # fmt: skip
+        assert (result["exit_code"], result["stdout"]) == (0, "done\n")
+        assert suspended_by_idle(await history(api.env, name)) == []
+
+
 # -- scaled: use_flush_seconds = FLUSH ---------------------------------------------------------
 
 

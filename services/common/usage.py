@@ -100,6 +100,21 @@ class UseRecorder:
             async for item in items:
                 yield item
 
+    async def begin(self, name: str, idle_seconds: int | None) -> None:
+        """A session begins on a sandbox with an idle timeout: its use is written now, not at
+        the next flush. The scheduler may find the sandbox idle at any moment after its timeout
+        (it waits one flush interval past it only for uses before it), so a command begun then
+        would be cut off by a suspend decided on the last flush's record."""
+        if idle_seconds is None or self.pool is None:
+            return
+        try:
+            await self.pool.execute(_UPSERT, [name], self.clock())
+        except DATABASE_ERRORS as exc:
+            self._touched.add(name)
+            log.warning("use of %s not recorded yet (%s); next flush", name, exc)
+        else:
+            self.written += 1
+
     async def flush(self) -> int:
         """Write the sandboxes used since the last flush or in use now; how many. A failed
         write keeps them for the next flush."""

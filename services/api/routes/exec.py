@@ -154,6 +154,7 @@ async def sandbox_exec(
     if refused is not None:
         raise ApiError(429, "RESOURCE_EXHAUSTED", refused)
     held = grant(request, EXEC)
+    await state.use.begin(view.name, view.spec.idle_suspend_seconds)  # seen by the next scan
     session = Session(state, limits, principal.name, view, body, timeout, request.receive, held)
     if stream:
         return StreamingResponse(
