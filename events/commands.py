@@ -14,6 +14,7 @@ from events.common import (
     ExitPolicy,
     ExpiryPolicy,
     HoldReason,
+    IdleSeconds,
     MaxRestarts,
     ProviderName,
     RestartBackoff,
@@ -143,6 +144,14 @@ class SetRestartPolicy(VersionedCommand):
     max_restarts: MaxRestarts | None = None
 
 
+class SetIdleSuspend(VersionedCommand):
+    """Change the idle timeout (None: never idle-suspended). The idle time counts anew from
+    this command."""
+
+    type: Literal["SetIdleSuspend"]
+    idle_suspend_seconds: IdleSeconds | None
+
+
 Command = Annotated[
     CreateSandbox
     | StartSandbox
@@ -157,6 +166,7 @@ Command = Annotated[
     | HoldSandbox
     | ReleaseSandbox
     | ExtendSandbox
-    | SetRestartPolicy,
+    | SetRestartPolicy
+    | SetIdleSuspend,
     Field(discriminator="type"),
 ]

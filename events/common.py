@@ -124,6 +124,9 @@ class RestartBackoff(Strict):
 
 
 MaxRestarts = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# Seconds without use before a Ready sandbox is suspended (the scheduler adds the doors' flush
+# interval, so a use not yet flushed never counts as idle time).
+IdleSeconds = Annotated[int, Field(ge=1, le=365 * 24 * 3600)]
 
 
 class SandboxSpec(Strict):
@@ -152,6 +155,9 @@ class SandboxSpec(Strict):
     restart_policy: RestartPolicy | None = Field(default=None, exclude_if=lambda v: v is None)
     restart_backoff: RestartBackoff | None = Field(default=None, exclude_if=lambda v: v is None)
     max_restarts: MaxRestarts | None = Field(default=None, exclude_if=lambda v: v is None)
+    # Idle suspend: a Ready sandbox unused through sandstream's doors (exec, files, logs, a
+    # watch of it) this long is suspended (None: never). Left out while unset, as above.
+    idle_suspend_seconds: IdleSeconds | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @field_validator("env")
     @classmethod
@@ -165,7 +171,7 @@ class SandboxSpec(Strict):
 
 
 # Lifecycle timers and policies (operator features): kept in the row, decided in the fold.
-DeadlineKind = Literal["launch", "stop", "delete", "restart", "ttl"]
+DeadlineKind = Literal["launch", "stop", "delete", "restart", "ttl", "idle"]
 ExpiryPolicy = Literal["stop", "delete"]  # what a sandbox's time to live ending does
 ExitPolicy = Literal["keep", "delete"]  # what becomes of a sandbox whose main process ended
 TTLSeconds = Annotated[int, Field(ge=1, le=10 * 365 * 24 * 3600)]

@@ -21,6 +21,7 @@ from events.common import (
     ExpiryPolicy,
     Generation,
     Hold,
+    IdleSeconds,
     MaxRestarts,
     Phase,
     ProviderName,
@@ -103,6 +104,9 @@ class SandboxSuspending(EventBase):
 
     type: Literal["SandboxSuspending"]
     deadline: Deadline | None = None
+    # Why, when no operator asked (an idle suspend: ``IdleSuspend: ...``); left out while unset,
+    # so a SuspendSandbox's event serializes as before.
+    reason: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class SandboxSuspended(EventBase):
@@ -294,6 +298,13 @@ class RestartPolicyChanged(EventBase):
     max_restarts: MaxRestarts | None = None
 
 
+class IdleSuspendChanged(EventBase):
+    """SetIdleSuspend accepted: the spec's idle timeout is this now (None: never)."""
+
+    type: Literal["IdleSuspendChanged"]
+    idle_suspend_seconds: IdleSeconds | None = None
+
+
 DecidedEvent = Annotated[
     SandboxCreated
     | SandboxStarting
@@ -322,6 +333,7 @@ DecidedEvent = Annotated[
     | SandboxReleased
     | SandboxRestartScheduled
     | SandboxRestartsExhausted
-    | RestartPolicyChanged,
+    | RestartPolicyChanged
+    | IdleSuspendChanged,
     Field(discriminator="type"),
 ]

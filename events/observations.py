@@ -76,12 +76,17 @@ class DeadlineDue(ObservationBase):
 
     ``deadline`` and ``due_at`` name the deadline exactly as the row held it when the scheduler
     read it, so a repeat (a restarted scheduler catching up) or a deadline the row no longer
-    holds changes nothing. ``generation`` is the row's: an older one is stale.
+    holds changes nothing. ``generation`` is the row's: an older one is stale. An ``idle``
+    deadline is held by no row: it says that a Ready sandbox with an idle timeout was last used
+    at ``last_used_at`` (as the doors recorded it), and the fold decides whether that is idle.
     """
 
     type: Literal["DeadlineDue"]
     deadline: DeadlineKind
     due_at: Timestamp
+    # An idle deadline's evidence: the last use the doors recorded (None: none recorded). Left
+    # out while unset, so other deadlines serialize as before.
+    last_used_at: Timestamp | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 Observation = Annotated[

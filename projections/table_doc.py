@@ -18,6 +18,7 @@ from projections.lifecycle import (
     EXIT_KINDS,
     FOLLOW_OBSERVED,
     HELD,
+    IDLE_TABLE,
     KEEP_DELETING,
     KEEP_STOPPING,
     NO_RESTART,
@@ -117,7 +118,14 @@ def render() -> str:
         "",
         "A DeadlineDue acts only when it names exactly the deadline the row holds (kind and "
         "due time; for ttl the row's expires_at) at the row's generation; anything else, "
-        "including a repeat, is ignored.",
+        "including a repeat, is ignored. An idle DeadlineDue names no deadline of the row: "
+        "the rule below decides it, and a repeat finds the row Suspending (or used since).",
+        "",
+        "### Idle suspend (DeadlineDue idle)",
+        "",
+        "| condition | if not |",
+        "|---|---|",
+        *(f"| {condition} | {effect} |" for condition, effect in IDLE_TABLE.items()),
         "",
         "### Restart policy (spec.restart_policy) by how the current generation ended",
         "",

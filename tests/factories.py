@@ -31,6 +31,7 @@ from events.commands import (
     RestartSandbox,
     ResumeSandbox,
     RotateCredentials,
+    SetIdleSuspend,
     SetRestartPolicy,
     StartSandbox,
     StopSandbox,
@@ -271,6 +272,47 @@ def set_restart_policy(
     )
 
 
+def set_idle_suspend(
+    key: str = KEY,
+    idle_suspend_seconds: int | None = 600,
+    *,
+    command_id: str | None = None,
+    expected_version: int | None = None,
+    actor: str = USER,
+    occurred_at: datetime = T0,
+) -> SetIdleSuspend:
+    base = _base(key, command_id, actor, occurred_at)
+    return SetIdleSuspend(
+        type="SetIdleSuspend",
+        idle_suspend_seconds=idle_suspend_seconds,
+        expected_version=expected_version,
+        **base,
+    )
+
+
+def idle_due(
+    key: str = KEY,
+    occurred_at: datetime = T0,
+    *,
+    last_used_at: datetime | None = None,
+    generation: int = 1,
+    version: int = 0,
+) -> DeadlineDue:
+    """The scheduler's message that a Ready sandbox with an idle timeout looks idle: its last
+    recorded use, read at ``occurred_at``."""
+    return DeadlineDue(
+        type="DeadlineDue",
+        observation_id=f"deadline:{key}:{generation}:idle:{occurred_at.isoformat()}:v{version}",
+        key=key,
+        generation=generation,
+        occurred_at=occurred_at,
+        actor="scheduler",
+        deadline="idle",
+        due_at=occurred_at,
+        last_used_at=last_used_at,
+    )
+
+
 def due(
     key: str = KEY,
     deadline: str = "launch",
@@ -325,6 +367,7 @@ VERSIONED_COMMANDS: dict[str, Callable[..., Command]] = {
     "ReleaseSandbox": release,
     "ExtendSandbox": extend,
     "SetRestartPolicy": set_restart_policy,
+    "SetIdleSuspend": set_idle_suspend,
 }
 COMMAND_BUILDERS: dict[str, Callable[..., Command]] = {
     "CreateSandbox": create,

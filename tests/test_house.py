@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -230,3 +231,18 @@ def test_a_split_package_names_each_of_its_modules_in_its_docstring(package: str
     names = {p.stem for p in _package_modules(package)} - {"__init__", "__main__"}
     names |= {p.parent.name for p in folder.glob("*/__init__.py")}
     assert listed == names
+
+
+_CONFLICT_MARKER = re.compile(r"^(<{7} |>{7} |={7}$)", re.M)
+
+
+def test_no_tracked_text_file_keeps_a_merge_conflict_marker() -> None:
+    """A merge resolved in haste once left three conflicts in docs/state-machine.md."""
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.md", "*.py", "*.sql", "*.yaml", "*.toml", "*.sh"],
+        cwd=PROJECT_ROOT, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    marked = [
+        name for name in tracked if _CONFLICT_MARKER.search((PROJECT_ROOT / name).read_text())
+    ]
+    assert marked == []

@@ -73,6 +73,7 @@ from events.decided import (
     SandboxRestartsExhausted,
     SandboxStarting,
     SandboxStopping,
+    SandboxSuspending,
 )
 from events.observations import (
     DeadlineDue,
@@ -118,6 +119,9 @@ SPECS = (
     SandboxSpec(image=f.IMAGE, restart_policy="Always", max_restarts=1),
     SandboxSpec(image=f.IMAGE, restart_policy="OnFailure", max_restarts=0),
     SandboxSpec(image=f.IMAGE, restart_policy="Always"),
+    SandboxSpec(image=f.IMAGE, idle_suspend_seconds=60),
+    SandboxSpec(image=f.IMAGE, idle_suspend_seconds=1),
+    SandboxSpec(image=f.IMAGE, restart_policy="OnFailure", idle_suspend_seconds=1),
 )
 OBSERVATION_TYPES = (RuntimeSnapshot, RuntimeRemoved, DriverOperationResult, DeadlineDue)
 
@@ -309,7 +313,8 @@ class LifecycleMachine(RuleBasedStateMachine):
                 allowed = {None, "restart"}
             assert (new.deadline.kind if new.deadline else None) in allowed, new
         # Time acts only on the deadline the row holds; a repeat changes nothing.
-        if isinstance(message, DeadlineDue) and events:
+        # (An idle one names none: check_suspend holds it to the idle rule.)
+        if isinstance(message, DeadlineDue) and events and message.deadline != "idle":
             if message.deadline == "ttl":
                 assert prev.expires_at == message.due_at and not is_held(prev)
             else:
@@ -466,6 +471,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         or regresses it; its removal is no exit; a resume starts a new generation of the same
         incarnation."""
         if isinstance(message, SuspendSandbox) and events:
+            assert new.phase is P.SUSPENDING and new.generation == prev.generation
+        # Idle suspend: only a Ready, unheld sandbox with a timeout, idle for all of it (neither
+        # its row nor the recorded use younger), and only into Suspending of that generation.
+        if isinstance(message, DeadlineDue) and message.deadline == "idle" and events:
+            idle = prev.spec.idle_suspend_seconds
+            assert prev.phase is P.READY and prev.hold is None and idle is not None
+            since = max(prev.updated_at, message.last_used_at or prev.updated_at)
+            assert message.occurred_at >= since + timedelta(seconds=idle)
+            assert [type(e) for e in events] == [SandboxSuspending]
             assert new.phase is P.SUSPENDING and new.generation == prev.generation
         # Suspended only leaves through an accepted resume, start, restart or delete, or an
         # expiry whose policy deletes it; no observation of any generation changes it else.
@@ -781,6 +795,34 @@ class LifecycleMachine(RuleBasedStateMachine):
             kind, due_at = "ttl", state.expires_at
         message = f.due(
             key, kind, due_at, generation=gen, occurred_at=due_at + timedelta(seconds=late)
+        )
+        self.send(message)
+        again = self.send(message)
+        assert again.disposition == "ignored" and not again.events
+
+    @rule(
+        key=keys,
+        delta=generation_deltas,
+        after=st.sampled_from([0.0, 0.5, 1.0, 59.0, 60.0, 3600.0]),
+        used=st.sampled_from([None, -10.0, 0.0, 30.0]),
+        timeout=st.sampled_from([None, 1, 60]),
+    )
+    def idle_due(
+        self, key: str, delta: int, after: float, used: float | None, timeout: int | None
+    ) -> None:
+        """The scheduler says a sandbox looks idle (``after`` seconds past its row's last
+        change, its last recorded use ``used`` seconds past it), then says it again; with
+        ``timeout``, a SetIdleSuspend first."""
+        if timeout is not None:
+            self.send(f.set_idle_suspend(key, timeout, command_id=self.command_id(key)))
+        state = self.states.get(key)
+        base = state.updated_at if state is not None else f.at(0)
+        last_used = None if used is None else base + timedelta(seconds=used)
+        message = f.idle_due(
+            key,
+            occurred_at=base + timedelta(seconds=after),
+            last_used_at=last_used,
+            generation=self.generation(key, delta),
         )
         self.send(message)
         again = self.send(message)

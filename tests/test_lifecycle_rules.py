@@ -10,6 +10,7 @@ import pytest
 from events.commands import Command
 from events.common import Phase
 from events.decided import (
+    IdleSuspendChanged,
     ProviderAttached,
     ProviderDetached,
     RestartPolicyChanged,
@@ -67,6 +68,7 @@ VERBS = {
     "ReleaseSandbox": "release",
     "ExtendSandbox": "extend",
     "SetRestartPolicy": "set the restart policy",
+    "SetIdleSuspend": "set the idle timeout",
 }
 ADMITTED_EVENT = {
     "StartSandbox": (SandboxStarting, P.STARTING),
@@ -81,6 +83,7 @@ ADMITTED_EVENT = {
     "ReleaseSandbox": (SandboxReleased, None),
     "ExtendSandbox": (SandboxExtended, None),
     "SetRestartPolicy": (RestartPolicyChanged, None),
+    "SetIdleSuspend": (IdleSuspendChanged, None),
 }
 TARGET_EVENT = {
     P.READY: SandboxReady,

@@ -43,6 +43,7 @@ def all_commands() -> list[Command]:
         f.release(expected_version=2),
         f.extend(ttl_seconds=3600),
         f.set_restart_policy(restart_policy="Always", max_restarts=3, expected_version=4),
+        f.set_idle_suspend(idle_suspend_seconds=900, expected_version=4),
     ]
 
 
@@ -60,6 +61,7 @@ def all_observations() -> list[Observation]:
             exit_code=1,
         ),
         f.due(deadline="ttl", due_at=f.at(60), occurred_at=f.at(61)),
+        f.idle_due(occurred_at=f.at(900), last_used_at=f.at(30)),
     ]
 
 
@@ -91,6 +93,9 @@ def all_events() -> list[DecidedEvent]:
     h.send(f.create(key="r"), f.set_restart_policy("r", max_restarts=1), f.exited("r", exit_code=1))
     h.send(f.due("r", "restart", h.row("r").deadline.due_at))  # type: ignore[union-attr]
     h.send(f.exited("r", generation=2, exit_code=1))
+    # Idle suspend: the timeout set, and an idle sandbox suspended.
+    h.send(f.create(key="i"), f.running(key="i"), f.set_idle_suspend("i", 60))
+    h.send(f.idle_due("i", occurred_at=f.at(61)))
     return h.events()
 
 

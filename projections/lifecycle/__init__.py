@@ -31,6 +31,7 @@ Modules, each one job (the tables first):
 - ``deadlines``: ``PHASE_DEADLINES``, when each deadline falls due.
 - ``deadline_due``: ``DEADLINE_TABLE``, what a due deadline does; the completion policy.
 - ``restart_policy``: whether an exit restarts; ``SetRestartPolicy``.
+- ``idle``: ``IDLE_TABLE``, when a ``DeadlineDue(idle)`` suspends a sandbox nobody uses.
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ from .identity import (
     next_generation,
     sandbox_id_for,
 )
+from .idle import IDLE_TABLE
 from .model import (
     DEFAULT_LIMITS,
     DELETE_FAILED,
+    IDLE_SUSPEND,
     STOP_FAILED,
     Decision,
     Disposition,
@@ -122,6 +125,8 @@ __all__ = [
     "EXIT_KINDS",
     "FOLLOW_OBSERVED",
     "HELD",
+    "IDLE_SUSPEND",
+    "IDLE_TABLE",
     "KEEP_DELETING",
     "KEEP_STOPPING",
     "NO_RESTART",

@@ -55,6 +55,7 @@ COMMAND_TABLE: Final[dict[str, tuple[Admission, ...]]] = {
     "ReleaseSandbox":  (A,   A,    A,    A,    A,    A,    A,    A,    A,    R),
     "ExtendSandbox":   (A,   A,    A,    A,    A,    A,    A,    A,    A,    R),
     "SetRestartPolicy":(A,   A,    A,    A,    A,    A,    A,    A,    A,    R),
+    "SetIdleSuspend":  (A,   A,    A,    A,    A,    A,    A,    A,    A,    R),
 }  # fmt: skip
 
 
@@ -77,6 +78,7 @@ VERB = {
     "ReleaseSandbox": "release",
     "ExtendSandbox": "extend",
     "SetRestartPolicy": "set the restart policy",
+    "SetIdleSuspend": "set the idle timeout",
 }
 
 

@@ -40,6 +40,7 @@ from .emit import (
     not_current_generation,
     then_decide,
 )
+from .idle import decide_idle
 from .model import Decision, Limits, Message, Sandbox, awaits_stop_retry, is_held
 from .restart_policy import (
     apply_restart_policy,
@@ -68,6 +69,9 @@ DEADLINE_TABLE: Final[dict[DeadlineKind, str]] = {
     "ttl": "SandboxExpired, then the policy: stop (when the phase admits a stop) or delete "
     "(when it admits a delete); deferred while held. It keeps counting while Suspended (the "
     "sandbox exists): stop then leaves it Suspended, delete deletes it with its workspace",
+    "idle": "(Ready, with an idle timeout, not held) SandboxSuspending, `reason` IdleSuspend, "
+    "when neither the row nor the recorded use it carries (`last_used_at`) changed within the "
+    "timeout before the message; the row holds no idle deadline (the idle rules below)",
 }
 
 
@@ -110,6 +114,8 @@ def decide_deadline(
     assert state is not None  # not_current_generation answered for a missing row
     at = due.occurred_at
     events: tuple[DecidedEvent, ...]
+    if due.deadline == "idle":
+        return decide_idle(state, due, cause, limits, what)
     if due.deadline == "ttl":
         if state.expires_at != due.due_at:
             return ignored(state, f"not pending: {what}, the row expires at {state.expires_at}")

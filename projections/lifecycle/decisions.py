@@ -20,6 +20,7 @@ from events.commands import (
     RestartSandbox,
     ResumeSandbox,
     RotateCredentials,
+    SetIdleSuspend,
     SetRestartPolicy,
     StartSandbox,
     StopSandbox,
@@ -35,6 +36,7 @@ from events.decided import (
     AgentRestartFailed,
     AgentRestartSkipped,
     DecidedEvent,
+    IdleSuspendChanged,
     ProviderAttached,
     ProviderDetached,
     RestartPolicyChanged,
@@ -129,7 +131,7 @@ from .restart_policy import (
     OBSERVED_EXIT,
     apply_restart_policy,
     policy_note,
-    policy_unchanged,
+    setting_unchanged,
 )
 
 # decide
@@ -184,7 +186,7 @@ def _decide_command(
         attached = command.provider in state.providers
         if attached == isinstance(command, AttachProvider):
             rule = Admission.IDEMPOTENT
-    if isinstance(command, SetRestartPolicy) and policy_unchanged(state.spec, command):
+    if setting_unchanged(state.spec, command):
         rule = Admission.IDEMPOTENT
     if rule is Admission.IDEMPOTENT:
         why = f"nothing to do: sandbox {command.key!r} is {state.phase}"
@@ -235,6 +237,13 @@ def _decide_command(
                 restart_policy=command.restart_policy,
                 restart_backoff=command.restart_backoff,
                 max_restarts=command.max_restarts,
+            )
+        case SetIdleSuspend():
+            event = built(
+                IdleSuspendChanged,
+                type="IdleSuspendChanged",
+                **common,
+                idle_suspend_seconds=command.idle_suspend_seconds,
             )
         case HoldSandbox():
             hold = built(Hold, by=command.actor, reason=command.reason, since=at)

@@ -114,6 +114,15 @@ def awaits_stop_retry(sandbox: Sandbox) -> bool:
     )
 
 
+# The reason of a sandbox the idle rule suspended (Suspending, kept in Suspended): no one
+# asked, so the row says why.
+IDLE_SUSPEND: Final = "IdleSuspend"
+
+
+def idle_suspended(sandbox: Sandbox) -> bool:
+    return (sandbox.reason or "").startswith(IDLE_SUSPEND)
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """How long each guarded phase may last (seconds; None: no deadline). The processor's

@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Final
 
-from events.commands import SetRestartPolicy
+from events.commands import SetIdleSuspend, SetRestartPolicy
 from events.common import (
     Cause,
     SandboxSpec,
@@ -54,7 +54,12 @@ OBSERVED_EXIT: Final[dict[ObservationKind, ExitKind]] = {
 _ENDS_GENERATION: Final = (SandboxCompleted, SandboxFailed, AgentRestartFailed, SandboxTimedOut)
 
 
-def policy_unchanged(spec: SandboxSpec, command: SetRestartPolicy) -> bool:
+def setting_unchanged(spec: SandboxSpec, command: object) -> bool:
+    """A SetRestartPolicy or SetIdleSuspend that would change nothing (idempotent)."""
+    if isinstance(command, SetIdleSuspend):
+        return command.idle_suspend_seconds == spec.idle_suspend_seconds
+    if not isinstance(command, SetRestartPolicy):
+        return False
     return (spec.restart_policy or "Never", spec.restart_backoff, spec.max_restarts) == (
         command.restart_policy,
         command.restart_backoff,

@@ -13,6 +13,7 @@ from events.decided import (
     AgentRestartFailed,
     AgentRestartSkipped,
     DecidedEvent,
+    IdleSuspendChanged,
     ProviderAttached,
     ProviderDetached,
     SandboxCompleted,
@@ -38,7 +39,7 @@ from events.decided import (
 )
 from projections.records import maker, replaced
 
-from .model import STOP_FAILED, P, Sandbox, awaits_stop_retry
+from .model import STOP_FAILED, P, Sandbox, awaits_stop_retry, idle_suspended
 from .providers import OWED_PHASES, restart_reason
 from .restarts import (
     RESTART_CHANGES,
@@ -101,8 +102,11 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
                                 "deadline": None, **restarts_on_ready(s, e)},
     SandboxStopping: lambda s, e: {"phase": P.STOPPING, "deadline": e.deadline},
     SandboxStopped: lambda s, e: {"phase": P.STOPPED, "reason": None, "deadline": None},
-    SandboxSuspending: lambda s, e: {"phase": P.SUSPENDING, "deadline": e.deadline},
-    SandboxSuspended: lambda s, e: {"phase": P.SUSPENDED, "reason": None, "deadline": None},
+    # An idle suspend's reason stays until the resume (an operator's suspend sets none).
+    SandboxSuspending: lambda s, e: {"phase": P.SUSPENDING, "deadline": e.deadline,
+                                     **({"reason": e.reason} if e.reason else {})},
+    SandboxSuspended: lambda s, e: {"phase": P.SUSPENDED, "deadline": None,
+                                    "reason": s.reason if idle_suspended(s) else None},
     SandboxCompleted: lambda s, e: {"phase": P.COMPLETED, "exit_code": e.exit_code,
                                     "reason": None, "deadline": None},
     SandboxFailed: lambda s, e: {"phase": P.ERROR, "exit_code": e.exit_code, "reason": e.reason,
@@ -148,6 +152,9 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
     SandboxExtended: lambda s, e: {"expires_at": e.expires_at},
     SandboxHeld: held_defers,
     SandboxReleased: released,
+    IdleSuspendChanged: lambda s, e: {
+        "spec": s.spec.model_copy(update={"idle_suspend_seconds": e.idle_suspend_seconds})
+    },
     **RESTART_CHANGES,
 }  # fmt: skip
 

@@ -50,6 +50,7 @@ from services.api.routes import (
 from services.common.exec_sessions import ExecLimits
 from services.common.settings import Settings
 from services.common.tokens import TokenStore
+from services.common.usage import UseRecorder
 from services.executor.exec_sources import exec_source
 from services.executor.file_sources import file_source
 from services.executor.log_sources import log_source
@@ -93,6 +94,7 @@ def create_app(
         publish_timeout=publish_timeout,
     )  # fmt: skip
     provider_service = ProviderService(settings, pool, gateway)
+    use = UseRecorder(pool, settings.use_flush_seconds)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -107,10 +109,16 @@ def create_app(
         sweep = asyncio.create_task(
             idempotency.keep_forgetting(pool, retention, asyncio.Event()), name="command ids"
         )
+        # Every API process writes the use its doors saw (idle suspend), once per interval.
+        flushing = asyncio.Event()
+        flusher = asyncio.create_task(use.run(flushing), name="sandbox use")
         try:
             yield
         finally:
-            for task in (relay, sweep):
+            flushing.set()  # the last flush is written, not dropped
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(flusher), 5.0)
+            for task in (relay, sweep, flusher):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -134,7 +142,9 @@ def create_app(
     app.state.tokens = tokens
     app.state.feed = feed
     limits = ExecLimits.of(settings) if exec_limits is None else exec_limits
-    app.state.api = ApiState(settings, pool, feed, gateway, probe, down, logs, files, execs, limits)
+    app.state.api = ApiState(
+        settings, pool, feed, gateway, probe, down, logs, files, execs, limits, use
+    )
     # Last added runs first: metrics see every answer, the guard's 401/403/413 included.
     app.add_middleware(
         GuardMiddleware,

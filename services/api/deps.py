@@ -38,6 +38,7 @@ from services.common.tokens import (
     authorize_header,
     grant_of,
 )
+from services.common.usage import UseRecorder
 
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
 
@@ -184,6 +185,9 @@ class ApiState:
     exec_limits: ExecLimits = field(
         default_factory=lambda: ExecLimits(timeout=1.0, per_token=1, total=1)
     )
+    # Use of the sandboxes through the doors, for idle suspend (shared with OpenShell's door
+    # under `up`; one without a pool records nothing).
+    use: UseRecorder = field(default_factory=lambda: UseRecorder(None, 10.0))
 
 
 async def api_state(request: Request) -> ApiState:

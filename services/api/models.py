@@ -15,6 +15,7 @@ from events.common import (
     ExitPolicy,
     ExpiryPolicy,
     HoldReason,
+    IdleSeconds,
     MaxRestarts,
     ProviderName,
     RestartBackoff,
@@ -211,6 +212,13 @@ class HoldRequest(LifecycleRequest):
 
 class ExtendRequest(LifecycleRequest):
     ttl_seconds: TTLSeconds = Field(description="the sandbox expires this long from now")
+
+
+class IdleSuspendRequest(LifecycleRequest):
+    idle_suspend_seconds: IdleSeconds | None = Field(
+        description="suspend the sandbox once Ready and unused through exec, files, logs or a "
+        "watch of it this long (null: never); the idle time counts anew from this command"
+    )
 
 
 class RestartPolicyRequest(LifecycleRequest):

@@ -11,11 +11,13 @@ Modules:
 - ``fold``: CPU of the decide stage alone.
 - ``idle``: the broker's CPU for an idle control plane on a broker of its own, beside the same
   broker with no client.
+- ``idle_use``: what idle suspend costs PostgreSQL at many busy sandboxes (the doors' flush,
+  the scheduler's idle scan).
 - ``kube``: create and stop latency of the whole pipeline, Podman beside Kubernetes (part of ``make
   bench``).
 - ``kube_requests``: the Kubernetes driver's apiserver requests per sandbox beside bare Pods'.
 - ``main``: ``python -m services.bench
-  [all|processor|latency|decided|idle|scaleout|rebuild|profile|fold|stages|drivers|peer|
+  [all|processor|latency|decided|idle|idle-use|scaleout|rebuild|profile|fold|stages|drivers|peer|
   kube-requests]
   [--quick]``.
 - ``peer``, ``peer_setup``, ``peer_systems``, ``peer_kube``, ``peer_stats``, ``peer_report``:

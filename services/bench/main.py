@@ -1,10 +1,11 @@
-"""``python -m services.bench [all|processor|latency|decided|idle|scaleout|rebuild|profile|fold|
-stages|drivers|peer|kube-requests] [--quick]``: the benchmarks, each printed beside its same-run
-reference (see docs/benchmarks.md). ``latency`` is the latency part of ``processor`` alone;
-``decided`` is request → decided outcome at low load, through the HTTP API; ``idle`` (not part
-of ``all``) the broker's CPU for an idle control plane on a broker of its own; ``peer``
-(services/bench/peer.py, ``make bench-peer``) is not part of ``all``: it starts a Kubernetes
-cluster of its own and takes about a quarter of an hour. ``kube-requests``
+"""``python -m services.bench [all|processor|latency|decided|idle|idle-use|scaleout|rebuild|
+profile|fold|stages|drivers|peer|kube-requests] [--quick]``: the benchmarks, each printed beside
+its same-run reference (see docs/benchmarks.md). ``latency`` is the latency part of
+``processor`` alone; ``decided`` is request → decided outcome at low load, through the HTTP API;
+``idle`` (not part of ``all``) the broker's CPU for an idle control plane on a broker of its
+own; ``idle-use`` (not part of ``all``) what idle suspend costs PostgreSQL at 10,000 busy
+sandboxes; ``peer`` (services/bench/peer.py, ``make bench-peer``) is not part of ``all``: it
+starts a Kubernetes cluster of its own and takes about a quarter of an hour. ``kube-requests``
 (services/bench/kube_requests.py) counts the Kubernetes driver's apiserver requests per
 sandbox beside bare Pods' on the local cluster (`make k8s`), in a minute."""
 
@@ -21,6 +22,7 @@ from services.bench import kube_requests, peer
 from services.bench.decided import decided_figures
 from services.bench.fold import fold_figures
 from services.bench.idle import idle_figures
+from services.bench.idle_use import idle_use_figures
 from services.bench.processor import latency, throughput
 from services.bench.profile import profile
 from services.bench.rebuild import rebuild_figures
@@ -35,6 +37,7 @@ CHOICES = (
     "latency",
     "decided",
     "idle",
+    "idle-use",
     "scaleout",
     "rebuild",
     "profile",
@@ -71,6 +74,8 @@ async def run(
         await decided_figures(settings, 100 if quick else 400)
     if which == "idle":
         await idle_figures(settings, 10 if quick else 30)
+    if which == "idle-use":
+        await idle_use_figures(settings, sandboxes or 10_000, 5 if quick else 20)
     if which in ("all", "scaleout"):
         await two_processors(settings, keys)
     if which in ("all", "rebuild"):
@@ -102,7 +107,8 @@ def main() -> None:
         "--sandboxes",
         type=int,
         default=None,
-        help="peer: sandboxes per burst (default 300); kube-requests: sandboxes (default 30)",
+        help="peer: sandboxes per burst (default 300); kube-requests: sandboxes (default 30); "
+        "idle-use: busy sandboxes (default 10000)",
     )
     parser.add_argument(
         "--rounds", type=int, default=None, help="peer: burst rounds (default 3, --quick 1)"

@@ -113,6 +113,14 @@ def create(
     ] = None,
     restart_backoff: RestartBackoffOpt = None,
     max_restarts: MaxRestartsOpt = None,
+    idle_suspend: Annotated[
+        str | None,
+        typer.Option(
+            "--idle-suspend",
+            help="suspend it once Ready and unused (exec, files, logs, a watch of it) this "
+            "long, e.g. 15m; the next exec or file call resumes it (default: never)",
+        ),
+    ] = None,
     command_id: CommandIdOpt = None,
     timeout: TimeoutOpt = 120.0,
     no_wait: NoWaitOpt = False,
@@ -124,7 +132,7 @@ def create(
         given = {"--image": image, "--stop-timeout": stop_timeout, "--on-expiry": on_expiry,
                  "--on-exit": on_exit, "--restart-policy": restart_policy,
                  "--restart-backoff": restart_backoff, "--max-restarts": max_restarts,
-                 "COMMAND": command or None}  # fmt: skip
+                 "--idle-suspend": idle_suspend, "COMMAND": command or None}  # fmt: skip
         for option, value in given.items():
             if value is not None:
                 raise typer.BadParameter(
@@ -137,6 +145,8 @@ def create(
             raise typer.BadParameter("needed (or --template)", param_hint="--image")
         restart = restart_body(restart_policy, restart_backoff, max_restarts)
         body["spec"] = spec_body(image, command, env, label, stop_timeout, restart)
+        if idle_suspend is not None:
+            body["spec"]["idle_suspend_seconds"] = duration_seconds(idle_suspend, "--idle-suspend")
         body["on_expiry"] = (on_expiry or ExpiryChoice.stop).value
         body["on_exit"] = (on_exit or ExitChoice.keep).value
     if ttl is not None:

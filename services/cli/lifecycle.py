@@ -115,3 +115,23 @@ def restart_policy(
     body = {**_command_body(command_id, expected_version),
             **restart_body(policy, backoff, max_restarts)}  # fmt: skip
     _send(ctx, name, ":restart-policy", body, f"Sandbox {name} restarts: {policy}", timeout, output)
+
+
+@app.command("idle-suspend")
+def idle_suspend(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="the sandbox name")],
+    after: Annotated[
+        str, typer.Argument(help="suspend it once unused this long: 90s, 30m, 2h; off: never")
+    ],
+    command_id: CommandIdOpt = None,
+    expected_version: ExpectedVersionOpt = None,
+    timeout: TimeoutOpt = 60.0,
+    output: OutputOpt = Output.table,
+) -> None:
+    """Set (or turn off) a sandbox's idle timeout: once Ready and unused through exec, files,
+    logs or a watch of it this long, it is suspended; the next exec or file call resumes it."""
+    seconds = None if after.strip().lower() == "off" else duration_seconds(after, "AFTER")
+    body = {**_command_body(command_id, expected_version), "idle_suspend_seconds": seconds}
+    said = f"suspended after {after} unused" if seconds is not None else "never idle-suspended"
+    _send(ctx, name, ":idle-suspend", body, f"Sandbox {name} is {said}", timeout, output)

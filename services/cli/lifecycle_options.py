@@ -117,6 +117,8 @@ def lifecycle_fields(row: dict[str, Any]) -> list[tuple[str, Any]]:
     fields.append(
         ("Held", f"by {hold['by']} since {hold['since']}: {hold['reason']}" if hold else "no")
     )
+    idle = (row.get("spec") or {}).get("idle_suspend_seconds")
+    fields.append(("Idle", f"suspended after {idle}s unused" if idle else "never suspended"))
     return fields + restart_fields(row)
 
 

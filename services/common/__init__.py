@@ -25,4 +25,5 @@ Modules:
 - ``templates``: templates in PostgreSQL and their resolution into a create's full spec.
 - ``tasks``: named long-running tasks of one process sharing a stop event.
 - ``tokens``: bearer tokens with scopes.
+- ``usage``: use of the sandboxes through the doors, written coarsely for idle suspend.
 """

@@ -226,6 +226,10 @@ class Settings(BaseSettings):
     # Wake on access: how long an exec or a file call on a Suspended sandbox waits for its
     # resume to make it Ready before it fails (docs/api.md).
     wake_timeout_seconds: float = Field(default=60.0, gt=0)
+    # Idle suspend: the doors write the sandboxes used (or with a session open) at most this
+    # often, one statement per API process; the scheduler adds it to every idle timeout, so a
+    # use not yet written never counts as idle time (docs/operations.md, "Idle policy").
+    use_flush_seconds: float = Field(default=10.0, gt=0, le=3600)
     # Where clients (the CLI) reach the API; default http(s)://{api_host}:{api_port}.
     api_url: str | None = None
     # TLS: with a certificate (PEM, the chain after it) and its key the API speaks https only.

@@ -140,7 +140,8 @@ class ExecRpcs:
         if refused is not None:
             await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
         timeout = self.limits.deadline(request.timeout)
-        with self.limits.session(principal.name, view.name):
+        await self.door.use.begin(view.name, view.spec.idle_suspend_seconds)  # the next scan
+        with self.limits.session(principal.name, view.name), self.door.use.using(view.name):
             stream = driver.exec_stream(
                 view.name,
                 view.generation,

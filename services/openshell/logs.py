@@ -104,6 +104,7 @@ class LogRpcs:
                 context, grpc.StatusCode.NOT_FOUND, f"workspace {request.workspace!r} not found"
             )
         view = await self.door.resolve(request.reference, context)
+        self.door.use.touch(view.name)  # a use: idle suspend counts from here
         if request.sources and SOURCE not in request.sources:
             return served_pb2.GetSandboxLogsResponse()
         lines = min(request.lines or DEFAULT_LINES, MAX_LINES)

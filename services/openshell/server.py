@@ -33,6 +33,7 @@ from services.common.exec_sessions import ExecLimits
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.common.tokens import SCOPES, TokenStore
+from services.common.usage import UseRecorder
 from services.openshell.handlers import OpenShellService
 from services.openshell.service import Authenticator, Door, Pool
 
@@ -100,10 +101,12 @@ async def start_openshell(
     driver_name: str | None = None,
     logs: LogSource | None = None,
     limits: ExecLimits | None = None,
+    use: UseRecorder | None = None,
 ) -> RunningOpenShell:
     """Start serving; raises OpenShellConfigError or OSError (the port is taken).
     ``driver_name`` (what GetGatewayInfo reports) defaults to ``settings.driver``; ``limits``
-    (the exec sessions' bounds and counts) to new ones of ``settings``."""
+    (the exec sessions' bounds and counts) to new ones of ``settings``; ``use`` (where the
+    door records use, for idle suspend) to one that records nothing."""
     from drivers.protocol import ExecDriver
 
     check_settings(settings)
@@ -120,6 +123,7 @@ async def start_openshell(
         default_image=settings.sandbox_image,
         events_topic=settings.topic_events,
         wake_timeout=settings.wake_timeout_seconds,
+        use=UseRecorder(None, settings.use_flush_seconds) if use is None else use,
     )
     limits = ExecLimits.of(settings) if limits is None else limits
     server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -169,11 +173,15 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         ) as publisher:
             await feed.start()
             gateway = CommandGateway.of_role(settings, pool, publisher, feed)
+            use = UseRecorder(pool, settings.use_flush_seconds)
             running = await start_openshell(
-                settings, pool=pool, gateway=gateway, tokens=tokens, driver=driver, logs=logs
-            )
+                settings, pool=pool, gateway=gateway, tokens=tokens, driver=driver, logs=logs,
+                use=use,
+            )  # fmt: skip
             log.info("OpenShell API on %s", running.address)
-            # Run alone, it forgets the expired command ids it records, as the API does.
+            # Run alone, it records the use it sees (idle suspend) and forgets the expired
+            # command ids it records, as the API does.
+            flusher = asyncio.create_task(use.run(stop), name="sandbox use")
             retention = settings.api_command_retention_hours
             try:
                 await idempotency.keep_forgetting(pool, retention, stop)
@@ -181,6 +189,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             finally:
                 await feed.close()
                 await running.stop()
+                await flusher
     finally:
         await pool.close()
         if driver is not None:

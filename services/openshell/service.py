@@ -20,7 +20,7 @@ import importlib.metadata
 import re
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, NoReturn, TypeAlias
 
 import asyncpg
@@ -47,6 +47,7 @@ from services.common.tokens import (
     grant_of,
     the_header,
 )
+from services.common.usage import UseRecorder
 from services.openshell import mapping
 
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
@@ -211,6 +212,9 @@ class Door:
     events_topic: str  # where the decided events go (the outbox rows the watch reads)
     outcome_wait: float = OUTCOME_WAIT
     wake_timeout: float = 60.0  # an exec on a Suspended sandbox waits this long for Ready
+    # Use of the sandboxes through this door, for idle suspend (the HTTP API's under `up`; one
+    # without a pool records nothing).
+    use: UseRecorder = field(default_factory=lambda: UseRecorder(None, 10.0))
 
     async def authorize(self, context: Context, scope: str) -> Principal:
         checked = self.auth.check(_authorization(context), scope)

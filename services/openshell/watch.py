@@ -143,33 +143,34 @@ class WatchRpcs:
             tasks.append(asyncio.create_task(self._logs(view, request, queue)))
         # The status stream decides when the watch ends; a logs-only watch, its logs.
         last = "logs" if len(tasks) == 1 and request.follow_logs else "status"
-        try:
-            while True:
-                item = await _next(queue)
-                if (lapsed := grant.lapsed()) is not None:
-                    await abort(context, status_of(lapsed), f"watch ended: {lapsed.message}")
-                if item is None:
-                    continue
-                if isinstance(item, served_pb2.SandboxStreamEvent):
-                    yield item
-                    continue
-                if isinstance(item.error, readmodel.VersionsLost):
-                    await abort(
-                        context,
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"changes were lost to this watch: {item.error}; watch again without "
-                        "a cursor to start from the sandbox's state now",
-                    )
-                if item.error is not None:
-                    raise item.error
-                if item.part == last:
-                    return
-        finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+        with self.door.use.using(view.name):  # a use of the sandbox while it lasts
+            try:
+                while True:
+                    item = await _next(queue)
+                    if (lapsed := grant.lapsed()) is not None:
+                        await abort(context, status_of(lapsed), f"watch ended: {lapsed.message}")
+                    if item is None:
+                        continue
+                    if isinstance(item, served_pb2.SandboxStreamEvent):
+                        yield item
+                        continue
+                    if isinstance(item.error, readmodel.VersionsLost):
+                        await abort(
+                            context,
+                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"changes were lost to this watch: {item.error}; watch again without "
+                            "a cursor to start from the sandbox's state now",
+                        )
+                    if item.error is not None:
+                        raise item.error
+                    if item.part == last:
+                        return
+            finally:
+                for task in tasks:
+                    task.cancel()
+                for task in tasks:
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
 
     async def _status(
         self, view: SandboxView, request: WatchRequest, queue: asyncio.Queue[_Item]

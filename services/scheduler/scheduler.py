@@ -1,4 +1,6 @@
-"""Publish a DeadlineDue for every deadline of a live row that has passed.
+"""Publish a DeadlineDue for every deadline of a live row that has passed, and for every Ready
+row with an idle timeout that the doors' recorded use says is idle (``deadline`` idle, its
+``last_used_at``: the fold decides, projections/lifecycle/idle.py).
 
 Each round reads every due row (indexed queries, in pages of ``batch`` rows by key), publishes
 what it has not published for that row version yet, earliest due first, then sleeps until the
@@ -23,7 +25,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -37,6 +39,7 @@ from services.common import metrics
 from services.common.database import connect_pool
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
+from services.common.usage import idle_rows
 
 log = logging.getLogger("sandstream.scheduler")
 
@@ -65,9 +68,16 @@ def utcnow() -> datetime:
 
 
 def deadline_due(
-    key: str, generation: int, version: int, kind: DeadlineKind, due_at: datetime, now: datetime
+    key: str,
+    generation: int,
+    version: int,
+    kind: DeadlineKind,
+    due_at: datetime,
+    now: datetime,
+    last_used_at: datetime | None = None,
 ) -> DeadlineDue:
-    """The message for one due deadline; its id names the row version it was read at."""
+    """The message for one due deadline; its id names the row version it was read at (and,
+    for idle, the time it became idle: a use since makes a new one)."""
     return DeadlineDue(
         type="DeadlineDue",
         observation_id=f"deadline:{key}:{generation}:{kind}:{due_at.isoformat()}:v{version}",
@@ -77,7 +87,16 @@ def deadline_due(
         actor=ACTOR,
         deadline=kind,
         due_at=due_at,
+        last_used_at=last_used_at,
     )
+
+
+def idle_message(record: Any, now: datetime) -> DeadlineDue:
+    """What one idle row calls for (pure): its last use, for the fold to decide on."""
+    return deadline_due(
+        record["key"], record["generation"], record["version"], "idle", record["due_at"], now,
+        record["last_used_at"],
+    )  # fmt: skip
 
 
 def due_messages(record: Any, now: datetime) -> list[DeadlineDue]:
@@ -104,6 +123,10 @@ class Scheduler:
     published: int = 0  # DeadlineDue messages sent since start
     rounds: int = 0  # rounds completed since start
     _sent: set[str] = field(default_factory=set)  # ids sent for rows still due
+    # The idle scan runs at most once per flush interval of the doors' use (what it reads
+    # changes no faster); the ids it found due last time, kept between scans.
+    _next_idle_scan: datetime | None = None
+    _idle_ids: set[str] = field(default_factory=set)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _listener: Any = None
 
@@ -130,6 +153,11 @@ class Scheduler:
         assert self.producer is not None
         now = self.clock()
         due = [m for r in await self.due_rows(now) for m in due_messages(r, now)]
+        if self._next_idle_scan is None or now >= self._next_idle_scan:
+            idle = [idle_message(r, now) for r in await self.idle_rows(now)]
+            self._idle_ids = {m.observation_id for m in idle}
+            self._next_idle_scan = now + timedelta(seconds=self.settings.use_flush_seconds)
+            due += idle
         fresh = sorted(
             (m for m in due if m.observation_id not in self._sent), key=lambda m: m.due_at
         )
@@ -145,7 +173,7 @@ class Scheduler:
             log.info("%s of %s (generation %d) due at %s", message.deadline, message.key,
                      message.generation, message.due_at.isoformat())  # fmt: skip
         # Forget what is no longer due: those rows moved on.
-        self._sent &= {m.observation_id for m in due}
+        self._sent &= {m.observation_id for m in due} | self._idle_ids
         self.rounds += 1
         return len(fresh)
 
@@ -160,8 +188,14 @@ class Scheduler:
                 return rows
             after = page[-1]["key"]
 
+    async def idle_rows(self, now: datetime) -> list[Any]:
+        """Every Ready row idle at ``now`` (by the recorded use, plus the flush interval)."""
+        return await idle_rows(self.pool, now, self.settings.use_flush_seconds)
+
     async def next_due(self) -> datetime | None:
         value: datetime | None = await self.pool.fetchval(_NEXT, self.clock())
+        if self._next_idle_scan is not None:
+            value = self._next_idle_scan if value is None else min(value, self._next_idle_scan)
         return value
 
     async def run(self, stop: asyncio.Event) -> None:

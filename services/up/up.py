@@ -244,6 +244,7 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
                 driver=app.state.api.exec_driver,  # exec's driver and count: one for both doors
                 logs=app.state.api.logs,
                 limits=app.state.api.exec_limits,
+                use=app.state.api.use,  # one record of use for both doors
             )
         _banner(settings, api.url, tokens, time.monotonic() - started, openshell)
         if sync_source(settings) is not None:

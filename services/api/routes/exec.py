@@ -154,6 +154,7 @@ async def sandbox_exec(
     if refused is not None:
         raise ApiError(429, "RESOURCE_EXHAUSTED", refused)
     held = grant(request, EXEC)
+    await state.use.begin(view.name, view.spec.idle_suspend_seconds)  # seen by the next scan
     session = Session(state, limits, principal.name, view, body, timeout, request.receive, held)
     if stream:
         return StreamingResponse(
@@ -214,6 +215,7 @@ class Session:
         assert driver is not None  # ready_sandbox checked
         counted = contextlib.ExitStack()
         counted.enter_context(self.limits.session(self.token, self.view.name))
+        counted.enter_context(self.state.use.using(self.view.name))  # idle suspend waits
         stream = driver.exec_stream(
             self.view.name,
             self.view.generation,

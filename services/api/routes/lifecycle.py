@@ -10,7 +10,13 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from events.commands import ExtendSandbox, HoldSandbox, ReleaseSandbox, SetRestartPolicy
+from events.commands import (
+    ExtendSandbox,
+    HoldSandbox,
+    ReleaseSandbox,
+    SetIdleSuspend,
+    SetRestartPolicy,
+)
 from events.publisher import new_command_id, now
 from services.api import readmodel
 from services.api.deps import Reader, State, Writer
@@ -18,6 +24,7 @@ from services.api.models import (
     COMMAND_RESPONSES,
     ExtendRequest,
     HoldRequest,
+    IdleSuspendRequest,
     LifecycleBody,
     LifecycleRequest,
     NamePath,
@@ -125,6 +132,32 @@ async def set_restart_policy(
         restart_policy=body.restart_policy,
         restart_backoff=body.restart_backoff,
         max_restarts=body.max_restarts,
+    )
+    return await submit(state.gateway, command, wait)
+
+
+@router.post(
+    "/v1/sandboxes/{name}:idle-suspend",
+    response_model=CommandStatus,
+    responses=COMMAND_RESPONSES,
+    summary="Set (or clear) a sandbox's idle timeout",
+    tags=["commands"],
+)
+async def set_idle_suspend(
+    name: NamePath,
+    body: IdleSuspendRequest,
+    principal: Writer,
+    state: State,
+    wait: WaitQuery = None,
+) -> JSONResponse:
+    command = SetIdleSuspend(
+        type="SetIdleSuspend",
+        command_id=body.command_id or new_command_id(),
+        key=name,
+        occurred_at=now(),
+        actor=principal.name,
+        expected_version=body.expected_version,
+        idle_suspend_seconds=body.idle_suspend_seconds,
     )
     return await submit(state.gateway, command, wait)
 

@@ -62,6 +62,7 @@ async def sandbox_logs(
     source = state.logs
     if source is None:
         raise ApiError(503, "UNAVAILABLE", "this API has no log source")
+    state.use.touch(view.name)  # a use: idle suspend counts from here
     lines = source.read(view.name, view.generation, tail=tail, since=since, follow=follow)
     try:
         first = await anext(aiter(lines), None)
@@ -74,8 +75,10 @@ async def sandbox_logs(
         if first is None:
             return
         yield line_json(first)
-        try:
-            async for line in while_granted(lines, held, RECHECK):
+        try:  # in use while it is read (a followed log keeps its sandbox awake)
+            async for line in state.use.while_using(
+                [view.name], while_granted(lines, held, RECHECK)
+            ):
                 if isinstance(line, Denied):
                     yield json.dumps({"denied": denied_body(line, "logs")}) + "\n"
                     return

@@ -83,17 +83,19 @@ async def watch(
     ] = None,
 ) -> StreamingResponse:
     start = _resume_point(cursor, last_event_id)
+    stream = watch_stream(
+        state.pool,
+        state.feed,
+        start,
+        name,
+        include_deleted,
+        timeout,
+        Narrow(incarnation, generation),
+        grant(request, READ),
+    )
     return StreamingResponse(
-        watch_stream(
-            state.pool,
-            state.feed,
-            start,
-            name,
-            include_deleted,
-            timeout,
-            Narrow(incarnation, generation),
-            grant(request, READ),
-        ),
+        # A watch of named sandboxes is a use of them while it lasts; of the fleet, of none.
+        state.use.while_using(name, stream),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
