@@ -52,7 +52,7 @@ from events.common import Cause, Deadline, Phase, SandboxSpec
 from events.outcomes import CommandOutcome
 from events.topics import CHANGES_CHANNEL, partition_for
 from events.trusted import builder
-from projections.chain import GENESIS, content_json
+from projections.chain import GENESIS, chain_of, content_json
 from projections.fold import fold
 from projections.lifecycle import (
     OBSERVATION_TABLE,
@@ -73,13 +73,16 @@ from projections.store import (
     HistoryRow,
     _sandbox_positions,
     mark_published,
+    read_batch,
 )
-from services.bench import cpu
+from services.bench.drained import Drained, timed_drain
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.processor.checkpoints import checkpoint_records
+from services.processor.plan import SLICE
 
 Record: TypeAlias = ConsumerRecord[bytes, bytes]
+Parsed: TypeAlias = tuple[Record, Any, Cause]  # a record, its message and its cause
 _cause = builder(Cause, "topic", "partition", "offset", "message_type", "command_id")
 _OUTCOME = TypeAdapter(CommandOutcome)
 CURSOR_EVERY = 0.1  # s between publish-cursor writes, as the processor
@@ -133,14 +136,20 @@ class Batch:
     history: list[tuple[Any, ...]] = field(default_factory=list)  # HISTORY_COLUMNS order
     outbox: list[tuple[int, str, bytes, bytes]] = field(default_factory=list)
     outcomes: list[bytes] = field(default_factory=list)
+    decided: dict[tuple[str, str], bytes] = field(default_factory=dict)  # the outcomes by id
     changed: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # key: (p, base)
 
 
 class SameWork:
-    """The ceiling's state: rows, outcomes, chain heads, offsets, partition memo (in memory)."""
+    """The ceiling's state: rows (as the processor's row cache), the outcomes and chain heads
+    of the poll being decided and the write in flight, offsets, partition memo."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, max_records: int = 5000) -> None:
         self.commands = settings.topic_commands
+        self.observations = settings.topic_observations
+        # Rows kept between polls, as many as the processor's row cache keeps (and never
+        # fewer than two polls' worth: the write in flight's rows stay).
+        self.capacity = max(settings.processor_row_cache, 2 * max_records)
         self.events = settings.topic_events
         self.checkpoints = settings.topic_checkpoints
         self.partitions = settings.kafka_partitions
@@ -149,13 +158,17 @@ class SameWork:
         self.general: dict[str, Sandbox] = {}  # sandboxes whose rows are not plain
         self.outcomes: dict[tuple[str, str], bytes] = {}  # (key, command id): outcome JSON
         self.heads: dict[str, bytes] = {}
-        self.offsets: dict[tuple[str, int], int] = {}
+        self.offsets: dict[tuple[str, int], int] = {}  # as decided (the write in flight's)
+        self.committed: dict[tuple[str, int], int] = {}  # as committed
+        self.in_flight_outcomes: dict[tuple[str, str], bytes] = {}
+        self.in_flight_chains: set[str] = set()
         self.placed: dict[str, int] = {}
         self.by_rules = 0  # inputs decided through fold (the rest took the common path)
 
     # -- decide ---------------------------------------------------------------------------
 
-    def decide(self, record: Record, batch: Batch) -> None:
+    def parse(self, record: Record) -> Parsed:
+        """The record validated as the processor's intake does, with its cause."""
         is_command = record.topic == self.commands
         adapter: Any = COMMANDS if is_command else OBSERVATIONS
         try:
@@ -170,9 +183,51 @@ class SameWork:
             expected = self.placed[key] = partition_for(key.encode(), self.partitions)
         if record.partition != expected:
             raise Unsupported(f"{key!r} on partition {record.partition}, not {expected}")
-        kind = message.type
         command_id = message.command_id if is_command else None
-        cause = _cause(record.topic, record.partition, record.offset, kind, command_id)
+        cause = _cause(record.topic, record.partition, record.offset, message.type, command_id)
+        return record, message, cause
+
+    # -- read -----------------------------------------------------------------------------
+
+    async def read(
+        self, conn: asyncpg.Connection[asyncpg.Record], parsed: list[Parsed], partitions: set[int]
+    ) -> dict[tuple[str, int], int]:
+        """The processor's per-poll read, one statement of its own (``read_batch``): the stored
+        offsets of the poll's partitions, the rows not kept in memory, the outcomes of its
+        commands and the heads of its chains; decided on as the processor does. Returns the
+        offsets the poll is decided at (those of the write in flight, if it covers them).
+
+        Fencing: a stored offset that is neither what this drain committed nor what its write
+        in flight moves it to means another writer; the ceiling has no rebalance machinery, so
+        it stops (``Unsupported``) where the processor would read again. De-duplication: a
+        command is a repeat if its outcome is stored, in the write in flight or in this poll.
+        Chain heads: as stored, unless the write in flight moves them.
+        """
+        keys = {m.key for _, m, _ in parsed}
+        wanted = [k for k in keys if k not in self.rows and k not in self.general]
+        idents = {(m.key, c.command_id) for _, m, c in parsed if c.command_id is not None}
+        chains = {chain_of(m.key, r.partition) for r, m, _ in parsed}
+        tps = {(t, p) for t in (self.commands, self.observations) for p in partitions}
+        read = await read_batch(conn, tps, wanted, idents, chains)
+        for tp, got in read.offsets.items():
+            if got not in (self.committed.get(tp, 0), self.offsets.get(tp, 0)):
+                raise Unsupported(f"{tp} is at {got}: another writer moved it")
+        for key, sandbox in read.sandboxes.items():
+            if (plain := _plain_row(sandbox)) is not None:
+                self.rows[key] = plain
+            else:
+                self.general[key] = sandbox
+        stored = {k: _OUTCOME.dump_json(o) for k, o in read.outcomes.items()}
+        self.outcomes = {**stored, **self.in_flight_outcomes}
+        for (chain, _), head in read.chain_heads.items():
+            if chain is not None and chain not in self.in_flight_chains and head is not None:
+                self.heads[chain] = head
+        return {tp: self.offsets.get(tp, 0) for tp in tps}
+
+    # -- decide ---------------------------------------------------------------------------
+
+    def decide(self, record: Record, message: Any, cause: Cause, batch: Batch) -> None:
+        key, kind, command_id = message.key, message.type, cause.command_id
         if key in self.general or (command_id is not None and (key, command_id) in self.outcomes):
             return self._general(record, message, cause, batch)
         at: datetime = message.occurred_at
@@ -237,7 +292,7 @@ class SameWork:
                  "sandbox_id": row.sandbox_id, "phase": row.phase,
                  "generation": row.generation, "version": row.version, "identity": row.identity}
             )  # fmt: skip
-            self.outcomes[(key, command_id)] = outcome
+            self.outcomes[(key, command_id)] = batch.decided[(key, command_id)] = outcome
             batch.outcomes.append(outcome)
         self._history(batch, record, message, command_id, "applied", why, row.phase,
                       row.generation, row.version, [event], row.sandbox_id)  # fmt: skip
@@ -292,6 +347,7 @@ class SameWork:
         for outcome in result.outcomes.values():
             dumped = _OUTCOME.dump_json(outcome)
             self.outcomes[(key, outcome.command_id)] = dumped
+            batch.decided[(key, outcome.command_id)] = dumped
             batch.outcomes.append(dumped)
         self._history(
             batch, record, message, command_id, decision.disposition, decision.reason,
@@ -355,20 +411,33 @@ class SameWork:
         records = checkpoint_records(history, offsets, self.checkpoints)
         return [(r.partition, r.topic, r.key or b"", r.value) for r in records]
 
+    def decided(self, batch: Batch, moved: dict[tuple[str, int], int]) -> None:
+        """A poll decided and about to be written: its offsets, outcomes and chains are the
+        write in flight's; its rows are the newest kept, the oldest beyond capacity go."""
+        self.offsets.update(moved)
+        self.in_flight_outcomes = batch.decided
+        self.in_flight_chains = {h[0] for h in batch.history}
+        for key in batch.changed:
+            if key in self.rows:
+                self.rows[key] = self.rows.pop(key)
+        while len(self.rows) > self.capacity:
+            del self.rows[next(iter(self.rows))]
+
     async def write(
         self,
         conn: asyncpg.Connection[asyncpg.Record],
         batch: Batch,
         moved: dict[tuple[str, int], int],
+        expected: dict[tuple[str, int], int],
     ) -> list[int]:
-        """The processor's write of one poll (statement, and COPY above COPY_ABOVE rows); the
-        outbox ids in order."""
+        """The processor's write of one poll (statement, and COPY above COPY_ABOVE rows),
+        compare-and-set from ``expected``; the outbox ids in order."""
         offsets = sorted(moved.items())
         inline = len(batch.history) + len(batch.outbox) <= COPY_ABOVE
         outbox = batch.outbox if inline else []
         args = (
             [t for (t, _), _ in offsets], [p for (_, p), _ in offsets],
-            [self.offsets.get(tp, 0) for tp, _ in offsets], [n for _, n in offsets],
+            [expected[tp] for tp, _ in offsets], [n for _, n in offsets],
             orjson.dumps(self.positions(batch), default=_hex).decode(),
             orjson.dumps([_history_position(h) for h in batch.history] if inline else [],
                          default=_hex).decode(),
@@ -389,7 +458,7 @@ class SameWork:
                     records=[(i, *o) for i, o in zip(ids, batch.outbox, strict=True)],
                     columns=OUTBOX_COLUMNS,
                 )
-        self.offsets.update(moved)
+        self.committed.update(moved)
         return ids
 
 
@@ -448,7 +517,8 @@ def _hex(value: Any) -> str:
 
 @dataclass
 class Publisher:
-    """The outbox to Kafka in commit order, one producer batch per partition per poll; the
+    """The outbox to Kafka in commit order, one producer batch per partition per poll, as the
+    processor's: the acknowledgements awaited off the poll's path (a confirmer task), the
     cursors moved over the acknowledged ids at most every CURSOR_EVERY."""
 
     producer: AIOKafkaProducer
@@ -457,6 +527,7 @@ class Publisher:
         default_factory=list
     )
     written: float = 0.0
+    confirmer: asyncio.Task[None] | None = None
 
     async def publish(
         self, ids: Sequence[int], outbox: Sequence[tuple[int, str, bytes, bytes]]
@@ -478,37 +549,66 @@ class Publisher:
                     batch.append(key=rec[2], value=rec[3], timestamp=None)
             futures.append(await self.producer.send_batch(batch, topic, partition=partition))
         self.pending.append((futures, sent))
-        if time.perf_counter() - self.written >= CURSOR_EVERY:
-            await self.confirm()
+        if self.confirmer is None:
+            self.confirmer = asyncio.create_task(self._confirming())
+        elif self.confirmer.done():
+            self.confirmer.result()  # a failure surfaces here
+            self.confirmer = asyncio.create_task(self._confirming())
 
-    async def confirm(self) -> None:
-        acked: dict[int, list[int]] = defaultdict(list)
-        for futures, sent in self.pending:
-            await asyncio.gather(*futures)
-            for p, ids in sent.items():
-                acked[p] += ids
-        self.pending.clear()
-        await mark_published(self.conn, acked)
-        self.written = time.perf_counter()
+    async def _confirming(self) -> None:
+        while self.pending:
+            wait = self.written + CURSOR_EVERY - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            batches, self.pending = self.pending, []
+            acked: dict[int, list[int]] = defaultdict(list)
+            for futures, sent in batches:
+                await asyncio.gather(*futures)
+                for p, ids in sent.items():
+                    acked[p] += ids
+            await mark_published(self.conn, acked)
+            self.written = time.perf_counter()
+
+    async def finish(self) -> None:
+        """Until everything handed over is acknowledged and its cursor moved."""
+        while self.confirmer is not None and not self.confirmer.done():
+            await self.confirmer
+        if self.confirmer is not None:
+            self.confirmer.result()
+
+
+@dataclass
+class Written:
+    """The write in flight: its task and what it publishes once committed."""
+
+    task: asyncio.Task[list[int]]
+    outbox: list[tuple[int, str, bytes, bytes]]
 
 
 class Drain:
     """The ceiling consuming the environment's input topics into ``settings.pg_schema`` (fresh,
-    migrated), resumable: ``until(n)`` applies inputs until n in all are applied."""
+    migrated), resumable: ``until(n)`` applies inputs until n in all are applied.
+
+    Overlapped as the processor: while a poll's write is in flight the next poll is fetched,
+    read (on a connection of its own) and decided; the write is then awaited, its outbox handed
+    to the producer, and the next write started."""
 
     def __init__(self, settings: Settings, max_records: int = 5000) -> None:
         self.settings = settings
         self.max_records = max_records
-        self.ceiling = SameWork(settings)
+        self.ceiling = SameWork(settings, max_records)
         self.applied = 0
         self.topics = [settings.topic_commands, settings.topic_observations]
+        self.in_flight: Written | None = None
 
     async def __aenter__(self) -> Drain:
         s = self.settings
         session = {"search_path": s.pg_schema}
         self.conn = await asyncpg.connect(s.pg_dsn, server_settings=session)
+        self.read_conn = await asyncpg.connect(s.pg_dsn, server_settings=session)
         self.cursor_conn = await asyncpg.connect(s.pg_dsn, server_settings=session)
-        await self.conn.execute(BATCH_SESSION)
+        for conn in (self.conn, self.read_conn):
+            await conn.execute(BATCH_SESSION)
         self.consumer = AIOKafkaConsumer(
             **kafka_client_args(s, "processor"),
             enable_auto_commit=False,
@@ -531,57 +631,84 @@ class Drain:
         return self
 
     async def __aexit__(self, *_: object) -> None:
+        tasks: list[asyncio.Task[Any] | None] = [self.publisher.confirmer]
+        if self.in_flight is not None:
+            tasks.append(self.in_flight.task)
+        for task in tasks:
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.wait([task])
         await self.consumer.stop()
         await self.producer.stop()
-        await self.conn.close()
-        await self.cursor_conn.close()
+        for conn in (self.conn, self.read_conn, self.cursor_conn):
+            await conn.close()
 
     def backends(self) -> list[int]:
-        return [self.conn.get_server_pid(), self.cursor_conn.get_server_pid()]
+        return [c.get_server_pid() for c in (self.conn, self.read_conn, self.cursor_conn)]
 
     async def poll(self) -> int:
-        """Apply one poll (as the processor: each partition's two topics merged by record
-        time); the inputs applied."""
+        """Fetch, read and decide one poll (as the processor: each partition's two topics
+        merged by record time) while the last one's write is in flight, then hand that one's
+        outbox over and start this one's write; the inputs decided."""
         polled = await self.consumer.getmany(timeout_ms=200, max_records=self.max_records)
         per_partition: dict[int, list[list[Record]]] = defaultdict(list)
         for tp, records in polled.items():
             if records:
                 per_partition[tp.partition].append(records)
         if not per_partition:
+            await self.settle()
             return 0
         ceiling, batch = self.ceiling, Batch()
-        moved: dict[tuple[str, int], int] = {}
-        for p, lists in per_partition.items():
-            for t in self.topics:
-                moved[(t, p)] = ceiling.offsets.get((t, p), 0)
-            for record in heapq.merge(*lists, key=lambda r: r.timestamp):
-                ceiling.decide(record, batch)
-                moved[(record.topic, p)] = record.offset + 1
+        parsed = [
+            ceiling.parse(record)
+            for lists in per_partition.values()
+            for record in heapq.merge(*lists, key=lambda r: r.timestamp)
+        ]
+        expected = await ceiling.read(self.read_conn, parsed, set(per_partition))
+        moved = dict(expected)
+        for i, (record, message, cause) in enumerate(parsed):
+            tp = (record.topic, record.partition)
+            if record.offset < moved[tp]:
+                continue  # applied already (a redelivery): fenced, as the processor does
+            ceiling.decide(record, message, cause, batch)
+            moved[tp] = record.offset + 1
+            if i % SLICE == SLICE - 1:  # the write in flight goes on meanwhile
+                await asyncio.sleep(0)
         batch.outbox += ceiling.checkpoint_records(batch, moved)
-        ids = await ceiling.write(self.conn, batch, moved)
-        await self.publisher.publish(ids, batch.outbox)
+        ceiling.decided(batch, moved)
+        await self.settle()
+        write = ceiling.write(self.conn, batch, moved, expected)
+        self.in_flight = Written(asyncio.create_task(write), batch.outbox)
         self.applied += len(batch.history)
         return len(batch.history)
+
+    async def settle(self) -> None:
+        """The write in flight committed, and its outbox handed to the producer."""
+        if self.in_flight is not None:
+            written, self.in_flight = self.in_flight, None
+            await self.publisher.publish(await written.task, written.outbox)
 
     async def until(self, total: int) -> None:
         """Apply inputs until ``total`` are applied, and publish their outbox."""
         while self.applied < total:
             await self.poll()
-        await self.publisher.confirm()
+        await self.settle()
+        await self.publisher.finish()
 
 
 async def measured_drain(
     settings: Settings, total: int, max_records: int = 5000, broker: int | None = None
-) -> tuple[float, str]:
-    """Apply the environment's whole input log as the processor would; inputs per second from
-    the first committed batch, and the CPU per input of this process, its PostgreSQL backends
-    and the ``broker``."""
+) -> Drained:
+    """Apply the environment's whole input log as the processor would, timed and its CPU
+    counted by the observer that times the processor (``services.bench.drained``)."""
     async with Drain(settings, max_records) as drain:
-        while not await drain.poll():
-            pass
-        started, first = time.perf_counter(), drain.applied
-        marked = cpu.mark(drain.backends(), broker)
-        await drain.until(total)
-        elapsed = time.perf_counter() - started
-        used = cpu.per_input(marked, cpu.mark(drain.backends(), broker), total - first)
-    return ((total - first) / elapsed if elapsed > 0 else float("nan")), used
+        task = asyncio.create_task(drain.until(total))
+        observer = asyncio.create_task(timed_drain(settings, total, drain.backends, broker))
+        done, _ = await asyncio.wait([task, observer], return_when=asyncio.FIRST_COMPLETED)
+        if task in done and task.exception() is not None:
+            observer.cancel()
+            await asyncio.wait([observer])
+            task.result()  # raises
+        drained = await observer
+        await task
+    return drained
