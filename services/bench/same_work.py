@@ -159,7 +159,7 @@ class SameWork:
         self.outcomes: dict[tuple[str, str], bytes] = {}  # (key, command id): outcome JSON
         self.heads: dict[str, bytes] = {}
         self.offsets: dict[tuple[str, int], int] = {}  # as decided (the write in flight's)
-        self.committed: dict[tuple[str, int], int] = {}  # as committed
+        self.in_flight_from: dict[tuple[str, int], int] = {}  # what the write in flight CASes
         self.in_flight_outcomes: dict[tuple[str, str], bytes] = {}
         self.in_flight_chains: set[str] = set()
         self.placed: dict[str, int] = {}
@@ -197,8 +197,9 @@ class SameWork:
         commands and the heads of its chains; decided on as the processor does. Returns the
         offsets the poll is decided at (those of the write in flight, if it covers them).
 
-        Fencing: a stored offset that is neither what this drain committed nor what its write
-        in flight moves it to means another writer; the ceiling has no rebalance machinery, so
+        Fencing: a stored offset that is neither what the write in flight moves it from nor
+        what it moves it to (the read may be from either side of its commit) means another
+        writer; the ceiling has no rebalance machinery, so
         it stops (``Unsupported``) where the processor would read again. De-duplication: a
         command is a repeat if its outcome is stored, in the write in flight or in this poll.
         Chain heads: as stored, unless the write in flight moves them.
@@ -210,8 +211,10 @@ class SameWork:
         tps = {(t, p) for t in (self.commands, self.observations) for p in partitions}
         read = await read_batch(conn, tps, wanted, idents, chains)
         for tp, got in read.offsets.items():
-            if got not in (self.committed.get(tp, 0), self.offsets.get(tp, 0)):
-                raise Unsupported(f"{tp} is at {got}: another writer moved it")
+            now = self.offsets.get(tp, 0)
+            before = self.in_flight_from.get(tp, now)
+            if got not in (before, now):
+                raise Unsupported(f"{tp} is at {got}, not {before} or {now}: another writer")
         for key, sandbox in read.sandboxes.items():
             if (plain := _plain_row(sandbox)) is not None:
                 self.rows[key] = plain
@@ -411,10 +414,13 @@ class SameWork:
         records = checkpoint_records(history, offsets, self.checkpoints)
         return [(r.partition, r.topic, r.key or b"", r.value) for r in records]
 
-    def decided(self, batch: Batch, moved: dict[tuple[str, int], int]) -> None:
+    def decided(
+        self, batch: Batch, moved: dict[tuple[str, int], int], expected: dict[tuple[str, int], int]
+    ) -> None:
         """A poll decided and about to be written: its offsets, outcomes and chains are the
         write in flight's; its rows are the newest kept, the oldest beyond capacity go."""
         self.offsets.update(moved)
+        self.in_flight_from = expected
         self.in_flight_outcomes = batch.decided
         self.in_flight_chains = {h[0] for h in batch.history}
         for key in batch.changed:
@@ -458,7 +464,6 @@ class SameWork:
                     records=[(i, *o) for i, o in zip(ids, batch.outbox, strict=True)],
                     columns=OUTBOX_COLUMNS,
                 )
-        self.committed.update(moved)
         return ids
 
 
@@ -614,6 +619,10 @@ class Drain:
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             fetch_max_wait_ms=s.processor_fetch_max_wait_ms,
+            # The processor's fetch sizes (services/processor/ahead.py): the default 1 MiB a
+            # partition took more fetches for the same log.
+            max_partition_fetch_bytes=4 * 1024 * 1024,
+            fetch_max_bytes=16 * 1024 * 1024,
         )
         self.producer = AIOKafkaProducer(
             **kafka_client_args(s, "processor"),
@@ -675,7 +684,7 @@ class Drain:
             if i % SLICE == SLICE - 1:  # the write in flight goes on meanwhile
                 await asyncio.sleep(0)
         batch.outbox += ceiling.checkpoint_records(batch, moved)
-        ceiling.decided(batch, moved)
+        ceiling.decided(batch, moved, expected)
         await self.settle()
         write = ceiling.write(self.conn, batch, moved, expected)
         self.in_flight = Written(asyncio.create_task(write), batch.outbox)
