@@ -166,7 +166,8 @@ async def _paced_commands(s: Settings, rate: int, seconds: float, processor: int
             for i in range(count)
         ]  # fmt: skip
         payloads = [encode(c) for c in commands]
-        parties = await _parties(s, reader, processor)
+        # Not on `reader`: the collector may be using it (asyncpg refuses a second query).
+        parties = await _parties(s, listener, processor)
         cpu_begin, machine_begin = cpu.process_cpu(processor), cpu.machine_mark(parties)
         begin = time.perf_counter()
         for i, command in enumerate(commands):
@@ -183,11 +184,11 @@ async def _paced_commands(s: Settings, rate: int, seconds: float, processor: int
             await asyncio.sleep(0.05)
         used = cpu.process_cpu(processor) - cpu_begin
         machine = cpu.machine_budget(machine_begin, cpu.machine_mark(parties), count)
-        started = await _write_started(reader)
         finished.set()
         woken.set()
         await collector
         await tail
+        started = await _write_started(reader)
     finally:
         # Every client stops before the caller removes the topics and their ACLs, whatever
         # happened: one left running logs "not authorized" for each topic until it ends.
