@@ -1,13 +1,17 @@
 """The same-work ceiling: the processor's output for the benchmark's log, with the least Python.
 
 Written for the benchmark, never used by the product. It consumes the same input topics as the
-processor (every partition assigned, no group), validates every record as the processor's
-intake does (the same strict pydantic-core validators, the key and partition checks), and per
-poll writes, with the processor's own statement and COPY (projections/store.py), the same
-rows, history entries linked onto their hash chains, command outcomes and outbox records —
-byte for byte what the processor writes for the same decisions (tests/test_bench_same_work.py
-compares every table) — then publishes the outbox and moves the publish cursors as the
-processor does.
+processor (every partition assigned, no group, the processor's fetch sizes), validates every
+record as the processor's intake does (the same strict pydantic-core validators, the key and
+partition checks), reads per poll what the processor reads (``read_batch``: the stored offsets,
+the rows it does not keep, the outcomes of the poll's commands, the chain heads) and decides on
+it (fencing, de-duplication, chains continued from their stored heads), and per poll writes,
+with the processor's own statement and COPY (projections/store.py), the same rows, history
+entries linked onto their hash chains, command outcomes and outbox records — byte for byte
+what the processor writes for the same decisions (tests/test_bench_same_work.py compares every
+table) — then publishes the outbox and moves the publish cursors as the processor does. It
+overlaps as the processor does: a poll's write in flight while the next poll is fetched, read
+and decided; acknowledgements awaited and cursors moved off that path.
 
 Where it saves is the common path of the benchmark's log: a create, a running snapshot, a stop
 and an exited snapshot of a plain sandbox (no providers, time to live, hold or other policy),
@@ -17,14 +21,15 @@ each decided in a few lines from the ceiling's own row state and written out as 
 instead of through the lifecycle tables, models and dataclasses. Anything else (a snapshot
 fetched before its create, a duplicate, a rejection, another command) goes through the
 product's own ``fold`` (projections/), as the processor decides it, and that sandbox stays on
-that path until its row is plain again. It keeps every row in memory (it is the only writer
-of a fresh schema), and has no ownership, rebalance, dead-letter, decide-ahead or retry
-machinery: a record that fails validation stops it (``Unsupported``).
+that path until its row is plain again. It keeps as many rows in memory as the processor's row
+cache, and has no ownership, rebalance, dead-letter or retry machinery: a record that fails
+validation, or offsets another writer moved, stop it (``Unsupported``).
 
 Coupling, kept here: the write statement, the positions it reads a product row at and its COPY
 columns (``projections.store``, two of them private names), the chain's canonical content
 (``projections.chain``), the name-based ids, the deadlines, the observation table and ``fold``
-(``projections.lifecycle``); nothing of services/processor. The common path's reasons and
+(``projections.lifecycle``); of services/processor only its pure checkpoint function and its
+slice size. The common path's reasons and
 event layouts are written out below; the equality test fails when the lifecycle rules change
 them.
 """
