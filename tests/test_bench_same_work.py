@@ -23,7 +23,7 @@ from events.codec import encode
 from events.commands import CreateSandbox
 from events.observations import RuntimeSnapshot
 from events.topics import partition_for
-from services.bench import same_work
+from services.bench import same_work, same_work_drain
 from services.bench.workload import SPEC, T0, lifecycle_messages, produce_all
 from services.common.settings import PROJECT_ROOT, Settings
 from services.localstack.isolation import isolated
@@ -155,8 +155,8 @@ async def test_the_same_work_ceiling_writes_exactly_what_the_processor_writes(
         total = 0
         try:
             async with (
-                same_work.Drain(small_s, max_records=40) as few,
-                same_work.Drain(large_s, max_records=5000) as many,
+                same_work_drain.Drain(small_s, max_records=40) as few,
+                same_work_drain.Drain(large_s, max_records=5000) as many,
             ):
                 for wave in waves(KEYS):
                     await produce_all(s, wave)
@@ -205,7 +205,7 @@ async def test_the_same_work_ceiling_stops_at_a_record_the_processor_would_dead_
     async with isolated(settings, "same", kafka_partitions=4) as (s, _):
         await produce_all(s, [("commands", b"bench-0", b'{"type": "CreateSandbox"}')])
         try:
-            await asyncio.wait_for(same_work.measured_drain(s, 1), 60)
+            await asyncio.wait_for(same_work_drain.measured_drain(s, 1), 60)
         except same_work.Unsupported as exc:
             assert "field 'command_id': Field required" in str(exc)
         else:
@@ -238,11 +238,11 @@ async def test_the_same_work_ceiling_reads_from_either_side_of_its_write_in_flig
                     " ON CONFLICT (topic, partition) DO UPDATE SET next_offset = $3",
                     *tp, stored,
                 )  # fmt: skip
-                expected = await ceiling.read(conn, parsed, {part})
+                expected = await same_work_drain.read(ceiling, conn, parsed, {part})
                 assert expected[tp] == 10  # decided as of the write in flight committed
             await conn.execute("UPDATE input_offsets SET next_offset = 7")
             try:
-                await ceiling.read(conn, parsed, {part})
+                await same_work_drain.read(ceiling, conn, parsed, {part})
             except same_work.Unsupported as exc:
                 assert "another writer" in str(exc)
             else:

@@ -31,6 +31,8 @@ Modules:
 - ``rebuild``: rebuilding the rows from the log: time and memory.
 - ``same_work``: the same-work ceiling: exactly the processor's reads and writes, overlapped as
   the processor's, with the least Python.
+- ``same_work_drain``: the same-work ceiling's per-poll read, its overlapped drain and its
+  measurement.
 - ``scaleout``: throughput as processors join the group.
 - ``stages``: CPU of the processor's pure stages.
 - ``workload``: the generated log the processor benchmarks drain.

@@ -30,7 +30,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from events.codec import encode
 from events.commands import CreateSandbox
 from events.topics import CHANGES_CHANNEL
-from services.bench import ceiling, cpu, same_work
+from services.bench import ceiling, cpu, same_work_drain
 from services.bench.drained import timed_drain
 from services.bench.workload import SPEC, T0, lifecycle_messages, produce_all
 from services.common.kafka_clients import kafka_client_args
@@ -61,7 +61,7 @@ async def throughput(settings: Settings, keys: int, max_records: int) -> None:
         broker = cpu.broker_pid(kafka_paths(s).pid)
         roof, _ = await ceiling.measured_drain(s, total, max_records, broker)
         same_s = s.model_copy(update={"pg_schema": same.pg_schema})
-        work = await same_work.measured_drain(same_s, total, max_records, broker)
+        work = await same_work_drain.measured_drain(same_s, total, max_records, broker)
         processor = Processor(s, pool, max_records=max_records, name="bench")
         await processor.start()
         stop = asyncio.Event()
