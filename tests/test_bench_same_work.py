@@ -16,12 +16,14 @@ from collections import Counter
 from typing import Any
 
 import asyncpg
+from aiokafka import ConsumerRecord
 from harness import eventually
 
 from events.codec import encode
 from events.commands import CreateSandbox
 from events.observations import RuntimeSnapshot
-from services.bench import same_work
+from events.topics import partition_for
+from services.bench import same_work, same_work_drain
 from services.bench.workload import SPEC, T0, lifecycle_messages, produce_all
 from services.common.settings import PROJECT_ROOT, Settings
 from services.localstack.isolation import isolated
@@ -153,8 +155,8 @@ async def test_the_same_work_ceiling_writes_exactly_what_the_processor_writes(
         total = 0
         try:
             async with (
-                same_work.Drain(small_s, max_records=40) as few,
-                same_work.Drain(large_s, max_records=5000) as many,
+                same_work_drain.Drain(small_s, max_records=40) as few,
+                same_work_drain.Drain(large_s, max_records=5000) as many,
             ):
                 for wave in waves(KEYS):
                     await produce_all(s, wave)
@@ -203,8 +205,52 @@ async def test_the_same_work_ceiling_stops_at_a_record_the_processor_would_dead_
     async with isolated(settings, "same", kafka_partitions=4) as (s, _):
         await produce_all(s, [("commands", b"bench-0", b'{"type": "CreateSandbox"}')])
         try:
-            await asyncio.wait_for(same_work.measured_drain(s, 1), 60)
+            await asyncio.wait_for(same_work_drain.measured_drain(s, 1), 60)
         except same_work.Unsupported as exc:
             assert "field 'command_id': Field required" in str(exc)
         else:
             raise AssertionError("the ceiling applied an invalid record")
+
+
+async def test_the_same_work_ceiling_reads_from_either_side_of_its_write_in_flight(
+    settings: Settings,
+) -> None:
+    """Its per-poll read may be answered before or after its write in flight commits (the two
+    are on connections of their own): both are its own offsets. Any other stored offset is
+    another writer's, and it stops rather than decide on it."""
+    async with isolated(settings, "same", kafka_partitions=4) as (s, _):
+        conn = await asyncpg.connect(s.pg_dsn, server_settings={"search_path": s.pg_schema})
+        ceiling = same_work.SameWork(s)
+        key = "bench-0"
+        part = partition_for(key.encode(), s.kafka_partitions)
+        tp = (s.topic_commands, part)
+        # A write in flight moves the commands topic of the key's partition from 5 to 10.
+        ceiling.offsets[tp], ceiling.in_flight_from = 10, {tp: 5}
+        record = ConsumerRecord(
+            s.topic_commands, part, 12, 0, 0, key.encode(), encode(_create(key)), None, 0, 0,
+            [],
+        )  # fmt: skip
+        parsed = [ceiling.parse(record)]
+        try:
+            for stored in (5, 10):  # before its commit, after it
+                await conn.execute(
+                    "INSERT INTO input_offsets (topic, partition, next_offset) VALUES ($1, $2, $3)"
+                    " ON CONFLICT (topic, partition) DO UPDATE SET next_offset = $3",
+                    *tp, stored,
+                )  # fmt: skip
+                expected = await same_work_drain.read(ceiling, conn, parsed, {part})
+                assert expected[tp] == 10  # decided as of the write in flight committed
+            await conn.execute("UPDATE input_offsets SET next_offset = 7")
+            try:
+                await same_work_drain.read(ceiling, conn, parsed, {part})
+            except same_work.Unsupported as exc:
+                assert "another writer" in str(exc)
+            else:
+                raise AssertionError("the ceiling decided on another writer's offsets")
+        finally:
+            await conn.close()
+
+
+def _create(key: str) -> CreateSandbox:
+    return CreateSandbox(type="CreateSandbox", command_id=f"c-{key}", key=key, spec=SPEC,
+                         occurred_at=T0, actor="bench")  # fmt: skip

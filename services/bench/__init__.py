@@ -7,6 +7,8 @@ Modules:
 - ``cpu``: CPU seconds spent per input, beside the wall-clock rates.
 - ``decided``: request → decided outcome at low load through the HTTP API, beside Kafka's and
   PostgreSQL's own round trips.
+- ``drained``: one observer timing every drain (the processor's, the same-work ceiling's)
+  from the first commit until all is committed and published.
 - ``drivers``: driver benchmarks (part of ``make bench``).
 - ``fold``: CPU of the decide stage alone.
 - ``idle``: the broker's CPU for an idle control plane on a broker of its own, beside the same
@@ -29,7 +31,10 @@ Modules:
 - ``processor``: the processor's throughput and latency beside the ceiling and Kafka's own.
 - ``profile``: profile of the processor's hot path.
 - ``rebuild``: rebuilding the rows from the log: time and memory.
-- ``same_work``: the same-work ceiling: exactly the processor's writes with the least Python.
+- ``same_work``: the same-work ceiling: exactly the processor's reads and writes, overlapped as
+  the processor's, with the least Python.
+- ``same_work_drain``: the same-work ceiling's per-poll read, its overlapped drain and its
+  measurement.
 - ``scaleout``: throughput as processors join the group.
 - ``stages``: CPU of the processor's pure stages.
 - ``workload``: the generated log the processor benchmarks drain.

@@ -44,18 +44,41 @@ def broker_pid(pidfile: Path) -> int | None:
         return None
 
 
-def per_input(start: CpuMark, end: CpuMark, inputs: int) -> str:
-    """``N + PostgreSQL M + Kafka K µs CPU/input`` between two marks (a backend that appeared
-    in between counts from its start; a part not known is left out)."""
+@dataclass(frozen=True, slots=True)
+class PerInput:
+    """µs of CPU per input between two marks: this process, its PostgreSQL backends, the
+    broker (None: not known)."""
+
+    process: float
+    postgres: float | None
+    broker: float | None
+
+    def __str__(self) -> str:
+        text = f"{self.process:.0f}"
+        if self.postgres is not None:
+            text += f" + PostgreSQL {self.postgres:.0f}"
+        if self.broker is not None:
+            text += f" + Kafka {self.broker:.0f}"
+        return text + " µs CPU/input"
+
+
+def spent(start: CpuMark, end: CpuMark, inputs: int) -> PerInput | None:
+    """The CPU per input between two marks (a backend that appeared in between counts from
+    its start; a part not known is None); None when nothing was timed."""
     if inputs <= 0:  # everything was in the first batch: nothing timed
-        return "n/a"
-    text = f"{(end.process - start.process) / inputs * 1e6:.0f}"
+        return None
+    postgres = broker = None
     if start.backends is not None and end.backends is not None:
-        spent = sum(cpu - start.backends.get(pid, 0.0) for pid, cpu in end.backends.items())
-        text += f" + PostgreSQL {spent / inputs * 1e6:.0f}"
+        used = sum(cpu - start.backends.get(pid, 0.0) for pid, cpu in end.backends.items())
+        postgres = used / inputs * 1e6
     if start.broker is not None and end.broker is not None:
-        text += f" + Kafka {(end.broker - start.broker) / inputs * 1e6:.0f}"
-    return text + " µs CPU/input"
+        broker = (end.broker - start.broker) / inputs * 1e6
+    return PerInput((end.process - start.process) / inputs * 1e6, postgres, broker)
+
+
+def per_input(start: CpuMark, end: CpuMark, inputs: int) -> str:
+    """``N + PostgreSQL M + Kafka K µs CPU/input`` between two marks (``spent``)."""
+    return str(spent(start, end, inputs) or "n/a")
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 
 import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -30,7 +30,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from events.codec import encode
 from events.commands import CreateSandbox
 from events.topics import CHANGES_CHANNEL
-from services.bench import ceiling, cpu, same_work
+from services.bench import ceiling, cpu, same_work_drain
+from services.bench.drained import timed_drain
 from services.bench.workload import SPEC, T0, lifecycle_messages, produce_all
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
@@ -41,8 +42,16 @@ from services.processor.consumer import Processor
 
 async def throughput(settings: Settings, keys: int, max_records: int) -> None:
     """The minimal ceiling, the same-work ceiling (into a schema of its own), then the
-    processor, on one generated log; prints the three and the processor's ratio to each
-    (absolute figures move 2x between runs here; the ratios are what to steer by)."""
+    processor, on one generated log; prints the three and the processor's ratio to the
+    same-work ceiling in inputs per second and in CPU per input (absolute figures move 2x
+    between runs here; the ratios are what to steer by).
+
+    The processor and the same-work ceiling are like for like: both overlap a poll's write
+    with the next poll's read and decision and publish off the poll's path, both read each
+    poll's offsets, rows, outcomes and chain heads and decide on them, and one observer times
+    both from the first commit until every input is committed and published
+    (``services.bench.drained``). The minimal ceiling (serial, no guarantees but exactly-once)
+    is printed for scale only."""
     async with (
         isolated(settings, "bench") as (s, pool),
         isolated(settings, "bench-same") as (same, _),
@@ -50,59 +59,43 @@ async def throughput(settings: Settings, keys: int, max_records: int) -> None:
         records, total = lifecycle_messages(keys)
         await produce_all(s, records)
         broker = cpu.broker_pid(kafka_paths(s).pid)
-        roof, roof_cpu = await ceiling.measured_drain(s, total, max_records, broker)
+        roof, _ = await ceiling.measured_drain(s, total, max_records, broker)
         same_s = s.model_copy(update={"pg_schema": same.pg_schema})
-        work, work_cpu = await same_work.measured_drain(same_s, total, max_records, broker)
+        work = await same_work_drain.measured_drain(same_s, total, max_records, broker)
         processor = Processor(s, pool, max_records=max_records, name="bench")
         await processor.start()
         stop = asyncio.Event()
         task = asyncio.create_task(processor.run(stop))
-        first, elapsed, used = await timed_drain(
-            pool, total, lambda: _backend_pids(processor), broker
-        )
+        mine = await timed_drain(s, total, lambda: _backend_pids(processor), broker)
         stop.set()
         await task
         await processor.stop()
-        rate = (total - first) / elapsed
         print(
             f"throughput  {total:>7} inputs  max_records={max_records:<6} "
-            f"processor {rate:>9,.0f}/s  same-work ceiling {work:>9,.0f}/s  "
+            f"processor {mine.rate:>9,.0f}/s  same-work ceiling {work.rate:>9,.0f}/s  "
             f"minimal ceiling {roof:>9,.0f}/s\n"
-            f"            processor/same-work {rate / work:.2f}  processor/minimal "
-            f"{rate / roof:.2f}\n"
-            f"            CPU: processor {used}; same-work {work_cpu}; minimal {roof_cpu}"
+            f"            processor/same-work: inputs/s {mine.rate / work.rate:.2f}  "
+            f"CPU per input {_cpu_ratio(work.used, mine.used)}\n"
+            f"            CPU: processor {mine.used or 'n/a'}; same-work {work.used or 'n/a'}"
         )
+
+
+def _cpu_ratio(ceiling_used: cpu.PerInput | None, used: cpu.PerInput | None) -> str:
+    """The ceiling's CPU per input over the processor's (1.0: as lean; the goal is 0.7 or
+    more): of the drainer's own process, and with its PostgreSQL backends."""
+    if ceiling_used is None or used is None:
+        return "n/a"
+    text = f"own {ceiling_used.process / used.process:.2f}"
+    if ceiling_used.postgres is not None and used.postgres is not None:
+        mine = used.process + used.postgres
+        text += f", own + PostgreSQL {(ceiling_used.process + ceiling_used.postgres) / mine:.2f}"
+    return text
 
 
 def _backend_pids(processor: Processor) -> list[int]:
     """The PostgreSQL backends of the processor's batch, decide-ahead and publish-cursor
     connections."""
     return [c.get_server_pid() for c in processor.connections()]
-
-
-async def timed_drain(
-    pool: asyncpg.Pool[asyncpg.Record],
-    total: int,
-    backends: Callable[[], list[int]] = list,
-    broker: int | None = None,
-) -> tuple[int, float, str]:
-    """Wait until ``total`` inputs are applied: (inputs in the first committed batch, seconds
-    from it to the last, the CPU this process, the ``backends`` and the ``broker`` process
-    spent per input meanwhile).
-    The clock starts at the first batch: a group join is not throughput."""
-    while not (first := await applied(pool)):
-        await asyncio.sleep(0.01)
-    started, cpu_started = time.perf_counter(), cpu.mark(backends(), broker)
-    while await applied(pool) < total:
-        await asyncio.sleep(0.05)
-    elapsed = time.perf_counter() - started
-    used = cpu.per_input(cpu_started, cpu.mark(backends(), broker), total - first)
-    return first, elapsed, used
-
-
-async def applied(pool: asyncpg.Pool[asyncpg.Record]) -> int:
-    """Inputs recorded so far (the offsets sum to it, and are cheaper to read than history)."""
-    return int(await pool.fetchval("SELECT coalesce(sum(next_offset), 0) FROM input_offsets"))
 
 
 async def latency(settings: Settings, rate: int, seconds: float) -> None:
@@ -174,7 +167,8 @@ async def _paced_commands(s: Settings, rate: int, seconds: float, processor: int
             for i in range(count)
         ]  # fmt: skip
         payloads = [encode(c) for c in commands]
-        parties = await _parties(s, reader, processor)
+        # Not on `reader`: the collector may be using it (asyncpg refuses a second query).
+        parties = await _parties(s, listener, processor)
         cpu_begin, machine_begin = cpu.process_cpu(processor), cpu.machine_mark(parties)
         begin = time.perf_counter()
         for i, command in enumerate(commands):
@@ -195,6 +189,7 @@ async def _paced_commands(s: Settings, rate: int, seconds: float, processor: int
         woken.set()
         await collector
         await tail
+        started = await _write_started(reader)
     finally:
         # Every client stops before the caller removes the topics and their ACLs, whatever
         # happened: one left running logs "not authorized" for each topic until it ends.
@@ -213,9 +208,46 @@ async def _paced_commands(s: Settings, rate: int, seconds: float, processor: int
         f"latency     {len(ms)}/{count} commands at {rate}/s (sent {achieved:,.0f}/s)  "
         f"command->row p50 {q[49]:.1f} ms  p99 {q[98]:.1f} ms  max {ms[-1]:.1f} ms  |  "
         f"Kafka alone p50 {k[49]:.1f} ms  p99 {k[98]:.1f} ms  |  p99 ratio {q[98] / k[98]:.1f}"
+        f"\n            {_stages(sent, arrived, started, done, q[98])}"
         f"\n            CPU: processor {used / count * 1e6:.0f} µs/command"
         f"\n            machine, while sending: {machine}"
     )
+
+
+def _stages(
+    sent: dict[str, float],
+    arrived: dict[str, float],
+    started: dict[str, float],
+    done: dict[str, float],
+    p99: float,
+) -> str:
+    """Where a command's time goes, for all and for the slowest 1 %: Kafka (send -> Kafka's
+    own reader has it), the processor before its write (-> the write's transaction began:
+    polling, reading, deciding, and the cycle in progress), and the write (-> the row seen
+    committed: the statement, its commit, the NOTIFY)."""
+    timed = [c for c in done if c != "warm" and c in arrived and c in started]
+    slow = [c for c in timed if (done[c] - sent[c]) * 1000 >= p99]
+    parts = {
+        "Kafka": (sent, arrived),
+        "before the write": (arrived, started),
+        "the write": (started, done),
+    }
+    text = []
+    for name, (since, until) in parts.items():
+        every = statistics.median(until[c] - since[c] for c in timed) * 1000
+        tail = statistics.median(until[c] - since[c] for c in slow) * 1000 if slow else math.nan
+        text.append(f"{name} {every:.1f} / {tail:.1f}")
+    return "stages, median of all / of the slowest 1 % (ms): " + ", ".join(text)
+
+
+async def _write_started(conn: asyncpg.Connection[asyncpg.Record]) -> dict[str, float]:
+    """Per command, when the write that decided it began (its transaction's start), on this
+    process's ``perf_counter`` clock (one machine: the wall clocks agree)."""
+    offset = time.time() - time.perf_counter()
+    rows = await conn.fetch(
+        "SELECT command_id, extract(epoch FROM decided_at)::float8 AS at FROM command_outcomes"
+    )
+    return {r["command_id"]: r["at"] - offset for r in rows}
 
 
 async def _parties(

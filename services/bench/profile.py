@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Final
 
-from services.bench.processor import applied
+from services.bench.drained import applied
 from services.bench.workload import lifecycle_messages, produce_all
 from services.common.settings import Settings
 from services.localstack.isolation import isolated

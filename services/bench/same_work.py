@@ -1,13 +1,18 @@
 """The same-work ceiling: the processor's output for the benchmark's log, with the least Python.
 
 Written for the benchmark, never used by the product. It consumes the same input topics as the
-processor (every partition assigned, no group), validates every record as the processor's
-intake does (the same strict pydantic-core validators, the key and partition checks), and per
-poll writes, with the processor's own statement and COPY (projections/store.py), the same
-rows, history entries linked onto their hash chains, command outcomes and outbox records —
-byte for byte what the processor writes for the same decisions (tests/test_bench_same_work.py
-compares every table) — then publishes the outbox and moves the publish cursors as the
-processor does.
+processor (every partition assigned, no group, the processor's fetch sizes), validates every
+record as the processor's intake does (the same strict pydantic-core validators, the key and
+partition checks), reads per poll what the processor reads (``read_batch``: the stored offsets,
+the rows it does not keep, the outcomes of the poll's commands, the chain heads) and decides on
+it (fencing, de-duplication, chains continued from their stored heads), and per poll writes,
+with the processor's own statement and COPY (projections/store.py), the same rows, history
+entries linked onto their hash chains, command outcomes and outbox records — byte for byte
+what the processor writes for the same decisions (tests/test_bench_same_work.py compares every
+table) — then publishes the outbox and moves the publish cursors as the processor does. It
+overlaps as the processor does: a poll's write in flight while the next poll is fetched, read
+and decided; acknowledgements awaited and cursors moved off that path. This module decides and
+writes; the read, the drain and its measurement are services/bench/same_work_drain.py.
 
 Where it saves is the common path of the benchmark's log: a create, a running snapshot, a stop
 and an exited snapshot of a plain sandbox (no providers, time to live, hold or other policy),
@@ -17,26 +22,22 @@ each decided in a few lines from the ceiling's own row state and written out as 
 instead of through the lifecycle tables, models and dataclasses. Anything else (a snapshot
 fetched before its create, a duplicate, a rejection, another command) goes through the
 product's own ``fold`` (projections/), as the processor decides it, and that sandbox stays on
-that path until its row is plain again. It keeps every row in memory (it is the only writer
-of a fresh schema), and has no ownership, rebalance, dead-letter, decide-ahead or retry
-machinery: a record that fails validation stops it (``Unsupported``).
+that path until its row is plain again. It keeps as many rows in memory as the processor's row
+cache, and has no ownership, rebalance, dead-letter or retry machinery: a record that fails
+validation, or offsets another writer moved, stop it (``Unsupported``).
 
 Coupling, kept here: the write statement, the positions it reads a product row at and its COPY
 columns (``projections.store``, two of them private names), the chain's canonical content
 (``projections.chain``), the name-based ids, the deadlines, the observation table and ``fold``
-(``projections.lifecycle``); nothing of services/processor. The common path's reasons and
+(``projections.lifecycle``); of services/processor only its pure checkpoint function and its
+slice size. The common path's reasons and
 event layouts are written out below; the equality test fails when the lifecycle rules change
 them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import heapq
-import time
-from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeAlias
@@ -44,7 +45,7 @@ from uuid import UUID
 
 import asyncpg
 import orjson
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka import ConsumerRecord
 from pydantic import TypeAdapter
 
 from events.codec import COMMANDS, OBSERVATIONS, DecodeError, decode, encode
@@ -66,20 +67,17 @@ from projections.lifecycle import (
 )
 from projections.store import (
     _WRITE_BATCH,
-    BATCH_SESSION,
     COPY_ABOVE,
     HISTORY_COLUMNS,
     OUTBOX_COLUMNS,
     HistoryRow,
     _sandbox_positions,
-    mark_published,
 )
-from services.bench import cpu
-from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.processor.checkpoints import checkpoint_records
 
 Record: TypeAlias = ConsumerRecord[bytes, bytes]
+Parsed: TypeAlias = tuple[Record, Any, Cause]  # a record, its message and its cause
 _cause = builder(Cause, "topic", "partition", "offset", "message_type", "command_id")
 _OUTCOME = TypeAdapter(CommandOutcome)
 CURSOR_EVERY = 0.1  # s between publish-cursor writes, as the processor
@@ -133,14 +131,20 @@ class Batch:
     history: list[tuple[Any, ...]] = field(default_factory=list)  # HISTORY_COLUMNS order
     outbox: list[tuple[int, str, bytes, bytes]] = field(default_factory=list)
     outcomes: list[bytes] = field(default_factory=list)
+    decided: dict[tuple[str, str], bytes] = field(default_factory=dict)  # the outcomes by id
     changed: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # key: (p, base)
 
 
 class SameWork:
-    """The ceiling's state: rows, outcomes, chain heads, offsets, partition memo (in memory)."""
+    """The ceiling's state: rows (as the processor's row cache), the outcomes and chain heads
+    of the poll being decided and the write in flight, offsets, partition memo."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, max_records: int = 5000) -> None:
         self.commands = settings.topic_commands
+        self.observations = settings.topic_observations
+        # Rows kept between polls, as many as the processor's row cache keeps (and never
+        # fewer than two polls' worth: the write in flight's rows stay).
+        self.capacity = max(settings.processor_row_cache, 2 * max_records)
         self.events = settings.topic_events
         self.checkpoints = settings.topic_checkpoints
         self.partitions = settings.kafka_partitions
@@ -149,13 +153,17 @@ class SameWork:
         self.general: dict[str, Sandbox] = {}  # sandboxes whose rows are not plain
         self.outcomes: dict[tuple[str, str], bytes] = {}  # (key, command id): outcome JSON
         self.heads: dict[str, bytes] = {}
-        self.offsets: dict[tuple[str, int], int] = {}
+        self.offsets: dict[tuple[str, int], int] = {}  # as decided (the write in flight's)
+        self.in_flight_from: dict[tuple[str, int], int] = {}  # what the write in flight CASes
+        self.in_flight_outcomes: dict[tuple[str, str], bytes] = {}
+        self.in_flight_chains: set[str] = set()
         self.placed: dict[str, int] = {}
         self.by_rules = 0  # inputs decided through fold (the rest took the common path)
 
     # -- decide ---------------------------------------------------------------------------
 
-    def decide(self, record: Record, batch: Batch) -> None:
+    def parse(self, record: Record) -> Parsed:
+        """The record validated as the processor's intake does, with its cause."""
         is_command = record.topic == self.commands
         adapter: Any = COMMANDS if is_command else OBSERVATIONS
         try:
@@ -170,9 +178,14 @@ class SameWork:
             expected = self.placed[key] = partition_for(key.encode(), self.partitions)
         if record.partition != expected:
             raise Unsupported(f"{key!r} on partition {record.partition}, not {expected}")
-        kind = message.type
         command_id = message.command_id if is_command else None
-        cause = _cause(record.topic, record.partition, record.offset, kind, command_id)
+        cause = _cause(record.topic, record.partition, record.offset, message.type, command_id)
+        return record, message, cause
+
+    # -- decide ---------------------------------------------------------------------------
+
+    def decide(self, record: Record, message: Any, cause: Cause, batch: Batch) -> None:
+        key, kind, command_id = message.key, message.type, cause.command_id
         if key in self.general or (command_id is not None and (key, command_id) in self.outcomes):
             return self._general(record, message, cause, batch)
         at: datetime = message.occurred_at
@@ -237,7 +250,7 @@ class SameWork:
                  "sandbox_id": row.sandbox_id, "phase": row.phase,
                  "generation": row.generation, "version": row.version, "identity": row.identity}
             )  # fmt: skip
-            self.outcomes[(key, command_id)] = outcome
+            self.outcomes[(key, command_id)] = batch.decided[(key, command_id)] = outcome
             batch.outcomes.append(outcome)
         self._history(batch, record, message, command_id, "applied", why, row.phase,
                       row.generation, row.version, [event], row.sandbox_id)  # fmt: skip
@@ -292,6 +305,7 @@ class SameWork:
         for outcome in result.outcomes.values():
             dumped = _OUTCOME.dump_json(outcome)
             self.outcomes[(key, outcome.command_id)] = dumped
+            batch.decided[(key, outcome.command_id)] = dumped
             batch.outcomes.append(dumped)
         self._history(
             batch, record, message, command_id, decision.disposition, decision.reason,
@@ -355,20 +369,36 @@ class SameWork:
         records = checkpoint_records(history, offsets, self.checkpoints)
         return [(r.partition, r.topic, r.key or b"", r.value) for r in records]
 
+    def decided(
+        self, batch: Batch, moved: dict[tuple[str, int], int], expected: dict[tuple[str, int], int]
+    ) -> None:
+        """A poll decided and about to be written: its offsets, outcomes and chains are the
+        write in flight's; its rows are the newest kept, the oldest beyond capacity go."""
+        self.offsets.update(moved)
+        self.in_flight_from = expected
+        self.in_flight_outcomes = batch.decided
+        self.in_flight_chains = {h[0] for h in batch.history}
+        for key in batch.changed:
+            if key in self.rows:
+                self.rows[key] = self.rows.pop(key)
+        while len(self.rows) > self.capacity:
+            del self.rows[next(iter(self.rows))]
+
     async def write(
         self,
         conn: asyncpg.Connection[asyncpg.Record],
         batch: Batch,
         moved: dict[tuple[str, int], int],
+        expected: dict[tuple[str, int], int],
     ) -> list[int]:
-        """The processor's write of one poll (statement, and COPY above COPY_ABOVE rows); the
-        outbox ids in order."""
+        """The processor's write of one poll (statement, and COPY above COPY_ABOVE rows),
+        compare-and-set from ``expected``; the outbox ids in order."""
         offsets = sorted(moved.items())
         inline = len(batch.history) + len(batch.outbox) <= COPY_ABOVE
         outbox = batch.outbox if inline else []
         args = (
             [t for (t, _), _ in offsets], [p for (_, p), _ in offsets],
-            [self.offsets.get(tp, 0) for tp, _ in offsets], [n for _, n in offsets],
+            [expected[tp] for tp, _ in offsets], [n for _, n in offsets],
             orjson.dumps(self.positions(batch), default=_hex).decode(),
             orjson.dumps([_history_position(h) for h in batch.history] if inline else [],
                          default=_hex).decode(),
@@ -389,7 +419,6 @@ class SameWork:
                     records=[(i, *o) for i, o in zip(ids, batch.outbox, strict=True)],
                     columns=OUTBOX_COLUMNS,
                 )
-        self.offsets.update(moved)
         return ids
 
 
@@ -441,147 +470,3 @@ def _hex(value: Any) -> str:
     if isinstance(value, UUID):  # asyncpg's own UUID type
         return str(value)
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
-
-
-# ------------------------------------------------------------------------------ the drain
-
-
-@dataclass
-class Publisher:
-    """The outbox to Kafka in commit order, one producer batch per partition per poll; the
-    cursors moved over the acknowledged ids at most every CURSOR_EVERY."""
-
-    producer: AIOKafkaProducer
-    conn: asyncpg.Connection[asyncpg.Record]
-    pending: list[tuple[list[asyncio.Future[Any]], dict[int, list[int]]]] = field(
-        default_factory=list
-    )
-    written: float = 0.0
-
-    async def publish(
-        self, ids: Sequence[int], outbox: Sequence[tuple[int, str, bytes, bytes]]
-    ) -> None:
-        by_tp: dict[tuple[str, int], list[tuple[int, str, bytes, bytes]]] = defaultdict(list)
-        sent: dict[int, list[int]] = defaultdict(list)
-        for i, rec in zip(ids, outbox, strict=True):
-            by_tp[(rec[1], rec[0])].append(rec)
-            sent[rec[0]].append(i)
-        futures = []
-        for (topic, partition), recs in by_tp.items():
-            batch = self.producer.create_batch()
-            for rec in recs:
-                if batch.append(key=rec[2], value=rec[3], timestamp=None) is None:
-                    futures.append(
-                        await self.producer.send_batch(batch, topic, partition=partition)
-                    )
-                    batch = self.producer.create_batch()
-                    batch.append(key=rec[2], value=rec[3], timestamp=None)
-            futures.append(await self.producer.send_batch(batch, topic, partition=partition))
-        self.pending.append((futures, sent))
-        if time.perf_counter() - self.written >= CURSOR_EVERY:
-            await self.confirm()
-
-    async def confirm(self) -> None:
-        acked: dict[int, list[int]] = defaultdict(list)
-        for futures, sent in self.pending:
-            await asyncio.gather(*futures)
-            for p, ids in sent.items():
-                acked[p] += ids
-        self.pending.clear()
-        await mark_published(self.conn, acked)
-        self.written = time.perf_counter()
-
-
-class Drain:
-    """The ceiling consuming the environment's input topics into ``settings.pg_schema`` (fresh,
-    migrated), resumable: ``until(n)`` applies inputs until n in all are applied."""
-
-    def __init__(self, settings: Settings, max_records: int = 5000) -> None:
-        self.settings = settings
-        self.max_records = max_records
-        self.ceiling = SameWork(settings)
-        self.applied = 0
-        self.topics = [settings.topic_commands, settings.topic_observations]
-
-    async def __aenter__(self) -> Drain:
-        s = self.settings
-        session = {"search_path": s.pg_schema}
-        self.conn = await asyncpg.connect(s.pg_dsn, server_settings=session)
-        self.cursor_conn = await asyncpg.connect(s.pg_dsn, server_settings=session)
-        await self.conn.execute(BATCH_SESSION)
-        self.consumer = AIOKafkaConsumer(
-            **kafka_client_args(s, "processor"),
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            fetch_max_wait_ms=s.processor_fetch_max_wait_ms,
-        )
-        self.producer = AIOKafkaProducer(
-            **kafka_client_args(s, "processor"),
-            enable_idempotence=True,
-            acks="all",
-            linger_ms=2,
-            max_batch_size=256 * 1024,
-        )
-        await self.consumer.start()
-        await self.producer.start()
-        self.consumer.assign(
-            [TopicPartition(t, p) for t in self.topics for p in range(s.kafka_partitions)]
-        )
-        self.publisher = Publisher(self.producer, self.cursor_conn)
-        return self
-
-    async def __aexit__(self, *_: object) -> None:
-        await self.consumer.stop()
-        await self.producer.stop()
-        await self.conn.close()
-        await self.cursor_conn.close()
-
-    def backends(self) -> list[int]:
-        return [self.conn.get_server_pid(), self.cursor_conn.get_server_pid()]
-
-    async def poll(self) -> int:
-        """Apply one poll (as the processor: each partition's two topics merged by record
-        time); the inputs applied."""
-        polled = await self.consumer.getmany(timeout_ms=200, max_records=self.max_records)
-        per_partition: dict[int, list[list[Record]]] = defaultdict(list)
-        for tp, records in polled.items():
-            if records:
-                per_partition[tp.partition].append(records)
-        if not per_partition:
-            return 0
-        ceiling, batch = self.ceiling, Batch()
-        moved: dict[tuple[str, int], int] = {}
-        for p, lists in per_partition.items():
-            for t in self.topics:
-                moved[(t, p)] = ceiling.offsets.get((t, p), 0)
-            for record in heapq.merge(*lists, key=lambda r: r.timestamp):
-                ceiling.decide(record, batch)
-                moved[(record.topic, p)] = record.offset + 1
-        batch.outbox += ceiling.checkpoint_records(batch, moved)
-        ids = await ceiling.write(self.conn, batch, moved)
-        await self.publisher.publish(ids, batch.outbox)
-        self.applied += len(batch.history)
-        return len(batch.history)
-
-    async def until(self, total: int) -> None:
-        """Apply inputs until ``total`` are applied, and publish their outbox."""
-        while self.applied < total:
-            await self.poll()
-        await self.publisher.confirm()
-
-
-async def measured_drain(
-    settings: Settings, total: int, max_records: int = 5000, broker: int | None = None
-) -> tuple[float, str]:
-    """Apply the environment's whole input log as the processor would; inputs per second from
-    the first committed batch, and the CPU per input of this process, its PostgreSQL backends
-    and the ``broker``."""
-    async with Drain(settings, max_records) as drain:
-        while not await drain.poll():
-            pass
-        started, first = time.perf_counter(), drain.applied
-        marked = cpu.mark(drain.backends(), broker)
-        await drain.until(total)
-        elapsed = time.perf_counter() - started
-        used = cpu.per_input(marked, cpu.mark(drain.backends(), broker), total - first)
-    return ((total - first) / elapsed if elapsed > 0 else float("nan")), used

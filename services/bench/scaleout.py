@@ -14,7 +14,7 @@ import re
 import sys
 
 from services.bench import ceiling
-from services.bench.processor import timed_drain
+from services.bench.drained import timed_drain
 from services.bench.workload import lifecycle_messages, produce_all
 from services.common.settings import Settings
 from services.localstack.isolation import isolated
@@ -31,7 +31,7 @@ async def _follow(stream: asyncio.StreamReader, shares: list[set[int]]) -> None:
 
 
 async def two_processors(settings: Settings, keys: int) -> None:
-    async with isolated(settings, "bench") as (s, pool):
+    async with isolated(settings, "bench") as (s, _):
         env = {**os.environ, **s.as_env()}
         procs = [
             await asyncio.create_subprocess_exec(
@@ -53,7 +53,8 @@ async def two_processors(settings: Settings, keys: int) -> None:
             await asyncio.wait_for(_shared_out(shares, s.kafka_partitions), 120)
             records, total = lifecycle_messages(keys)
             await produce_all(s, records)
-            first, elapsed, _ = await timed_drain(pool, total)
+            drained = await timed_drain(s, total)
+            first, elapsed = drained.first, drained.elapsed
         finally:
             for proc in procs:
                 proc.terminate()
