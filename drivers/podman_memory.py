@@ -28,6 +28,9 @@ from drivers.protocol import DriverError, LaunchSpec
 RESTORED = "memory restored from the suspend's checkpoint"
 FRESH = "started afresh on the kept workspace"
 NOT_KEPT = "memory not kept (storage only)"
+# Why neither a suspend keeps nor a resume restores the memory of an agent given provider
+# values: it holds the ones it read, which a rotation or a detach must take away.
+WITH_PROVIDERS = "providers are attached: their values are mounted afresh at each start"
 # Seconds a checkpoint or a restore may take (CRIU writes or reads the agent's whole memory).
 RESTORE_TIMEOUT = CHECKPOINT_TIMEOUT = 300.0
 # What a failed restore may raise: each falls back to a fresh start.
@@ -74,6 +77,8 @@ def checkpoint(client: PodmanClient, store: Checkpoints, container: Container) -
     store.remove(info.key, info.sandbox_id)  # an older one is of an older generation
     try:
         config = client.containers.get(info.runtime_id).attrs.get("Config") or {}
+        if config.get("Secrets"):  # never restorable: refused, or its secrets gone at resume
+            return f"{NOT_KEPT}: {WITH_PROVIDERS}"
         facts = {
             "key": info.key,
             "sandbox_id": str(info.sandbox_id),
@@ -102,7 +107,7 @@ def restore_refusal(spec: LaunchSpec, facts: dict[str, str], args: dict[str, Any
     """Why the checkpoint must not become this launch's container (``args``: its create
     arguments), or None."""
     if spec.secrets:
-        return "providers are attached: their values are mounted afresh at each start"
+        return WITH_PROVIDERS
     if facts.get("spec_hash") != spec_hash(args):
         return "the sandbox's launch arguments changed since the suspend"
     return None

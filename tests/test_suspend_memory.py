@@ -17,6 +17,7 @@ import stat
 import tarfile
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import factories as f
@@ -29,7 +30,13 @@ from test_driver_podman import containers_of, spec_for, volumes_of
 from drivers.podman import PodmanDriver, container_name, volume_name
 from drivers.podman_calls import PodmanCalls
 from drivers.podman_checkpoint import Checkpoints
-from drivers.podman_memory import FRESH, RESTORED, restore_or_create
+from drivers.podman_memory import (
+    FRESH,
+    NOT_KEPT,
+    RESTORED,
+    WITH_PROVIDERS,
+    restore_or_create,
+)
 from drivers.podman_objects import BACKEND_ERRORS
 from drivers.podman_spec import DEFAULT_LIMITS
 from events.common import SandboxSpec
@@ -196,6 +203,30 @@ async def test_a_resume_with_changed_launch_arguments_starts_afresh(
         f"{FRESH}: the memory checkpoint was not restored "
         "(the sandbox's launch arguments changed since the suspend)"
     )
+
+
+async def test_a_suspend_keeps_no_memory_of_an_agent_given_provider_values(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings, podman: PodmanClient
+) -> None:
+    """The agent ran with a provider's value (it read it into its memory); the provider is
+    detached while suspended, so the resume's launch has no secrets: restoring the memory would
+    hand the detached value back to the agent. The suspend keeps no memory of an agent given
+    provider values, so the resume starts afresh."""
+    key = keys()
+    reads = ["sh", "-c", f"tok=$TOKEN; i=0; while true; do {TICK}; done"]
+    first = replace(spec_for(settings, key, 1, reads), secrets={"TOKEN": "s3cret-value"})
+    await driver.launch(first)
+    await counted_past(driver, key, 1, 5)
+    suspended = await driver.suspend(key, 1)
+    assert suspended.outcome == "succeeded"
+    resumed = await driver.launch(spec_for(settings, key, 2, reads, first.sandbox_id))
+    assert resumed.started
+    # Not even written: the agent's memory holds the value, and no resume could restore it.
+    assert suspended.note == f"{NOT_KEPT}: {WITH_PROVIDERS}"
+    assert list(driver_checkpoints(driver).glob("*")) == []
+    assert resumed.note is None  # nothing to restore
+    _, out = await driver.exec(key, 2, ["sh", "-c", "cat /proc/*/environ"])
+    assert "s3cret-value" not in out
 
 
 async def test_a_checkpoint_that_cannot_be_kept_leaves_a_plain_suspend(
