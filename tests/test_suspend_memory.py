@@ -261,6 +261,28 @@ async def test_a_checkpoint_that_cannot_be_kept_leaves_a_plain_suspend(
         await unkept.close()
 
 
+async def test_a_checkpoint_on_a_full_disk_leaves_no_partial_archive(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings, podman: PodmanClient
+) -> None:
+    """The archive's write fails with ENOSPC (its partial file is /dev/full): the suspend says
+    the memory was not kept, and nothing of the agent's memory stays in the directory, where
+    no delete would ever find it."""
+    key = keys()
+    first = spec_for(settings, key, 1, COUNTER)
+    await driver.launch(first)
+    await counted_past(driver, key, 1, 5)
+    store = Checkpoints(driver_checkpoints(driver))
+    store.root.mkdir(mode=0o700)
+    store.archive(key, first.sandbox_id).with_suffix(".partial").symlink_to("/dev/full")
+    suspended = await driver.suspend(key, 1)
+    assert suspended.outcome == "succeeded"
+    assert (suspended.note or "").startswith(
+        f"{NOT_KEPT}: its checkpoint failed: [Errno 28] No space left on device"
+    ), suspended.note
+    assert containers_of(podman, key) == []
+    assert sorted(p.name for p in store.root.iterdir()) == []
+
+
 async def test_a_memory_checkpoint_is_private_and_a_delete_leaves_none(
     driver: PodmanDriver, keys: Callable[[], str], settings: Settings, podman: PodmanClient
 ) -> None:
