@@ -514,3 +514,25 @@ async def test_a_create_from_a_template_retried_by_request_id_gets_its_first_out
     gone = await call(gateway, "CreateSandbox", request, os1.SandboxResponse)
     assert gone.sandbox.metadata.id == first.sandbox.metadata.id
     assert gone.sandbox.created_from_workload_template.resource_version == "1"
+
+
+async def test_a_create_from_a_template_keeps_to_the_tokens_stop_timeout_cap(
+    gateway: Gateway,
+) -> None:
+    """A template's grace period above what the caller may ask for (the server's cap, 600 s
+    here) is refused as over HTTP, naming the field: the template is no way around the cap."""
+    name, template = gateway.new_name(), f"tpl-{uuid.uuid4().hex[:8]}"
+    spec = SandboxSpec(image=gateway.env.settings.sandbox_image, command=["sleep", "infinity"],
+                       stop_timeout_seconds=3600)  # fmt: skip
+    async with gateway.env.pool.acquire() as conn:
+        await templates.create_template(
+            conn, template, TemplateBody(spec=spec), "test", datetime.now(UTC)
+        )
+    request = os1.CreateSandboxRequest(name=name, workspace_scope=SCOPE, workload_template=template)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await call(gateway, "CreateSandbox", request, os1.SandboxResponse, metadata=auth(WRITER))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (raised.value.details() or "").startswith(
+        "workload_template: its stop_timeout_seconds: at most 600 seconds for token"
+    ), raised.value.details()
+    assert await gateway.env.fetchval("SELECT count(*) FROM sandboxes WHERE key = $1", name) == 0

@@ -22,7 +22,7 @@ from services.api.providers import require_existing
 from services.api.readmodel import InvalidArgument
 from services.common import templates
 from services.common.providers import ProviderMissing
-from services.common.tokens import PROVIDER_WRITE, READ, WRITE
+from services.common.tokens import PROVIDER_WRITE, READ, WRITE, stop_timeout_refusal
 from services.openshell import mapping, wire
 from services.openshell.proto import openshell_pb2 as pinned
 from services.openshell.proto import sandbox_pb2, served_pb2
@@ -182,6 +182,10 @@ class SandboxRpcs:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except templates.TemplateMissing as exc:
             await abort(context, grpc.StatusCode.NOT_FOUND, f"workload_template: {exc}")
+        asked = wanted.spec.stop_timeout_seconds  # only a template sets it: the cap holds
+        if (why := stop_timeout_refusal(principal, self.door.max_stop_timeout, asked)) is not None:
+            where = "workload_template: its stop_timeout_seconds"
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {why}")
         if wanted.providers and PROVIDER_WRITE not in principal.scopes:
             await abort(
                 context,

@@ -120,6 +120,7 @@ async def start_openshell(
         default_image=settings.sandbox_image,
         events_topic=settings.topic_events,
         wake_timeout=settings.wake_timeout_seconds,
+        max_stop_timeout=settings.api_max_stop_timeout_seconds,
     )
     limits = ExecLimits.of(settings) if limits is None else limits
     server = grpc.aio.server(options=SERVER_OPTIONS)

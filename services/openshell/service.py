@@ -37,6 +37,7 @@ from services.api.gateway import CommandGateway, CommandTooLarge, PublishFailed,
 from services.api.idempotency import IdempotencyConflict
 from services.api.providers import ProviderService
 from services.api.readmodel import SandboxView
+from services.common.settings import Settings
 from services.common.tokens import (
     READ,
     WRITE,
@@ -210,6 +211,8 @@ class Door:
     default_image: str
     events_topic: str  # where the decided events go (the outbox rows the watch reads)
     outcome_wait: float = OUTCOME_WAIT
+    # The longest grace period a create may ask for, unless its token sets its own.
+    max_stop_timeout: int = Settings.model_fields["api_max_stop_timeout_seconds"].default
     wake_timeout: float = 60.0  # an exec on a Suspended sandbox waits this long for Ready
 
     async def authorize(self, context: Context, scope: str) -> Principal:
