@@ -28,11 +28,14 @@ from openshell_support import (
     call,
     create,
     gateway_fixture,  # noqa: F401  (the module's gateway)
+    running_gateway,
     status_of,
     stream,
     wait_phase,
 )
 from pipeline_support import history
+from pipeline_support import wait_phase as ready_in
+from podman import PodmanClient
 
 from events.commands import CreateSandbox
 from events.common import SandboxSpec
@@ -536,3 +539,37 @@ async def test_a_create_from_a_template_keeps_to_the_tokens_stop_timeout_cap(
         "workload_template: its stop_timeout_seconds: at most 600 seconds for token"
     ), raised.value.details()
     assert await gateway.env.fetchval("SELECT count(*) FROM sandboxes WHERE key = $1", name) == 0
+
+
+async def test_creates_without_a_time_to_live_get_the_servers_default_as_over_http(
+    podman: PodmanClient,
+) -> None:
+    """SANDSTREAM_DEFAULT_TTL_SECONDS is the time to live of every sandbox created without one:
+    a plain create and one from a template that sets none (a template's own wins)."""
+    async with running_gateway(podman, "osttl", default_ttl_seconds=3600) as gw:
+        plain, bare, timed = gw.new_name(), gw.new_name(), gw.new_name()
+        without, with_ttl = f"tpl-{uuid.uuid4().hex[:8]}", f"tpl-{uuid.uuid4().hex[:8]}"
+        spec = SandboxSpec(image=gw.env.settings.sandbox_image, command=["sleep", "infinity"])
+        async with gw.env.pool.acquire() as conn:
+            for template, ttl in ((without, None), (with_ttl, 60)):
+                body = TemplateBody(spec=spec, ttl_seconds=ttl)
+                await templates.create_template(conn, template, body, "test", datetime.now(UTC))
+        await call(gw, "CreateSandbox", os1.CreateSandboxRequest(name=plain, spec=os1.SandboxSpec(),
+                                                                 workspace_scope=SCOPE),
+                   os1.SandboxResponse)  # fmt: skip
+        for name, template in ((bare, without), (timed, with_ttl)):
+            request = os1.CreateSandboxRequest(
+                name=name, workspace_scope=SCOPE, workload_template=template
+            )
+            await call(gw, "CreateSandbox", request, os1.SandboxResponse)
+        lives = {
+            r["key"]: None if r["life"] is None else round(r["life"])
+            for r in await gw.env.fetch(
+                "SELECT key, extract(epoch FROM expires_at - created_at) AS life FROM sandboxes "
+                "WHERE key = ANY($1)",
+                [plain, bare, timed],
+            )
+        }
+        assert lives == {plain: 3600, bare: 3600, timed: 60}
+        for name in lives:  # launched before the plane stops, so its cleanup finds them all
+            await ready_in(gw.env, name, "Ready", timeout=WAIT)

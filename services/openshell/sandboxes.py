@@ -205,7 +205,7 @@ class SandboxRpcs:
             actor=principal.name,
             spec=wanted.spec,
             providers=wanted.providers,
-            ttl_seconds=wanted.ttl_seconds,
+            ttl_seconds=wanted.ttl_seconds or self.door.default_ttl,  # as over HTTP
             on_expiry=wanted.on_expiry,
             on_exit=wanted.on_exit,
             template=wanted.template,

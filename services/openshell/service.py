@@ -213,6 +213,8 @@ class Door:
     outcome_wait: float = OUTCOME_WAIT
     # The longest grace period a create may ask for, unless its token sets its own.
     max_stop_timeout: int = Settings.model_fields["api_max_stop_timeout_seconds"].default
+    # The time to live of a sandbox created without one (settings.default_ttl_seconds).
+    default_ttl: int | None = None
     wake_timeout: float = 60.0  # an exec on a Suspended sandbox waits this long for Ready
 
     async def authorize(self, context: Context, scope: str) -> Principal:
