@@ -74,8 +74,10 @@ def checkpoint(client: PodmanClient, store: Checkpoints, container: Container) -
     info = container.info
     if info.state != "running":
         return f"{NOT_KEPT}: the container was {info.state}, not running"
-    store.remove(info.key, info.sandbox_id)  # an older one is of an older generation
     try:
+        # An older one is of an older generation. A directory that cannot change (read-only)
+        # fails the checkpoint, never the suspend.
+        store.remove(info.key, info.sandbox_id)
         config = client.containers.get(info.runtime_id).attrs.get("Config") or {}
         if config.get("Secrets"):  # never restorable: refused, or its secrets gone at resume
             return f"{NOT_KEPT}: {WITH_PROVIDERS}"
@@ -98,7 +100,8 @@ def checkpoint(client: PodmanClient, store: Checkpoints, container: Container) -
         finally:
             response.close()  # however the save ends: an unread stream would hold the container
     except BACKEND_ERRORS as exc:  # a timeout too (requests' errors are OSErrors)
-        store.remove(info.key, info.sandbox_id)
+        with contextlib.suppress(OSError):  # the directory may be what failed
+            store.remove(info.key, info.sandbox_id)
         return f"{NOT_KEPT}: its checkpoint failed: {first_line(exc)}"
     return f"memory kept: generation {info.generation} checkpointed ({size // 1024} KiB)"
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import io
 import stat
+import subprocess
 import tarfile
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -281,6 +282,30 @@ async def test_a_checkpoint_on_a_full_disk_leaves_no_partial_archive(
     ), suspended.note
     assert containers_of(podman, key) == []
     assert sorted(p.name for p in store.root.iterdir()) == []
+
+
+async def test_a_suspend_on_a_checkpoint_directory_that_turned_read_only_still_suspends(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings, podman: PodmanClient
+) -> None:
+    """An older checkpoint of the incarnation is in a directory nothing can change any more
+    (immutable, as a file system remounted read-only): the suspend cannot remove it, says the
+    memory was not kept and removes the container, rather than failing on every retry."""
+    key = keys()
+    first = spec_for(settings, key, 1, COUNTER)
+    await driver.launch(first)
+    await counted_past(driver, key, 1, 5)
+    store = Checkpoints(driver_checkpoints(driver))
+    store.save(key, first.sandbox_id, [b"older"], {"key": key, "sandbox_id": str(first.sandbox_id)})
+    await asyncio.to_thread(subprocess.run, ["chattr", "+i", str(store.root)], check=True)
+    try:
+        suspended = await driver.suspend(key, 1)
+    finally:
+        await asyncio.to_thread(subprocess.run, ["chattr", "-i", str(store.root)], check=True)
+    assert suspended.outcome == "succeeded"
+    assert (suspended.note or "").startswith(
+        f"{NOT_KEPT}: its checkpoint failed: [Errno 1] Operation not permitted"
+    ), suspended.note
+    assert containers_of(podman, key) == []
 
 
 async def test_a_memory_checkpoint_is_private_and_a_delete_leaves_none(
