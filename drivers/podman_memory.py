@@ -31,6 +31,7 @@ NOT_KEPT = "memory not kept (storage only)"
 # Why neither a suspend keeps nor a resume restores the memory of an agent given provider
 # values: it holds the ones it read, which a rotation or a detach must take away.
 WITH_PROVIDERS = "providers are attached: their values are mounted afresh at each start"
+RESTART_AFRESH = "a restart starts the agent afresh"
 # Seconds a checkpoint or a restore may take (CRIU writes or reads the agent's whole memory).
 RESTORE_TIMEOUT = CHECKPOINT_TIMEOUT = 300.0
 # What a failed restore may raise: each falls back to a fresh start.
@@ -109,6 +110,8 @@ def checkpoint(client: PodmanClient, store: Checkpoints, container: Container) -
 def restore_refusal(spec: LaunchSpec, facts: dict[str, str], args: dict[str, Any]) -> str | None:
     """Why the checkpoint must not become this launch's container (``args``: its create
     arguments), or None."""
+    if spec.afresh:
+        return RESTART_AFRESH
     if spec.secrets:
         return WITH_PROVIDERS
     if facts.get("spec_hash") != spec_hash(args):

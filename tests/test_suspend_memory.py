@@ -34,6 +34,7 @@ from drivers.podman_checkpoint import Checkpoints
 from drivers.podman_memory import (
     FRESH,
     NOT_KEPT,
+    RESTART_AFRESH,
     RESTORED,
     WITH_PROVIDERS,
     restore_or_create,
@@ -366,6 +367,43 @@ async def test_the_history_says_whether_a_resume_restored_the_memory(
         assert reasons[2] == f"{RESTORED} of generation 1"
         assert reasons[3].startswith("memory kept: generation 2 checkpointed")
         assert reasons[4].startswith(f"{FRESH}: the memory checkpoint was not restored (its")
+
+
+async def test_a_restart_of_a_suspended_sandbox_starts_the_agent_afresh(
+    driver: PodmanDriver, podman: PodmanClient
+) -> None:
+    """RestartSandbox admits Suspended; a restart is the agent started again, so its launch
+    does not restore the suspend's memory (a resume or a start would): the counter begins
+    again, and the history says why."""
+    async with isolated_env() as env:
+        keys = PodmanKeys(podman, "memr")
+        key = keys()
+        spec = SandboxSpec(image=env.settings.sandbox_image, command=COUNTER)
+        async with running_plane(env, driver, removing=keys), await env.publisher() as pub:
+            await command(env, pub, f.create(key, sandbox_spec=spec))
+            await wait_phase(env, key, "Ready", timeout=WAIT)
+            before = await counted_past(driver, key, 1, 40)
+            await command(env, pub, f.suspend(key))
+            await wait_phase(env, key, "Suspended", generation=1, timeout=WAIT)
+            await command(env, pub, f.restart(key))
+            await wait_phase(env, key, "Ready", generation=2, timeout=WAIT)
+            await eventually(
+                lambda: counter(driver, key, 2),
+                lambda value: value < before,
+                timeout=WAIT,
+                what="a counter started afresh",
+            )
+            reasons = [
+                h["message"]["reason"]
+                for h in await history(env, key)
+                if h["message_type"] == "DriverOperationResult"
+                and h["message"]["operation"] == "launch"
+                and h["generation"] == 2
+            ]
+        assert reasons == [f"{FRESH}: the memory checkpoint was not restored ({RESTART_AFRESH})"], (
+            reasons
+        )
+        assert list(driver_checkpoints(driver).glob("*.tar")) == []
 
 
 # -- helpers -------------------------------------------------------------------------------------
