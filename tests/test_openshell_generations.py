@@ -573,3 +573,42 @@ async def test_creates_without_a_time_to_live_get_the_servers_default_as_over_ht
         assert lives == {plain: 3600, bare: 3600, timed: 60}
         for name in lives:  # launched before the plane stops, so its cleanup finds them all
             await ready_in(gw.env, name, "Ready", timeout=WAIT)
+
+
+async def test_a_create_from_a_template_names_a_refused_override_in_openshells_terms(
+    gateway: Gateway,
+) -> None:
+    """A label the template sets, changed by the request's labels, is INVALID_ARGUMENT naming
+    ``labels.<key>`` (the request's field), not the HTTP API's ``overrides.labels``; too many
+    variables name ``spec.environment``."""
+    template = f"tpl-{uuid.uuid4().hex[:8]}"
+    spec = SandboxSpec(
+        image=gateway.env.settings.sandbox_image,
+        command=["sleep", "infinity"],
+        labels={"team": "research"},
+        env={f"V{i}": "x" for i in range(200)},
+    )
+    async with gateway.env.pool.acquire() as conn:
+        await templates.create_template(
+            conn, template, TemplateBody(spec=spec), "test", datetime.now(UTC)
+        )
+    cases = [
+        (os1.CreateSandboxRequest(labels={"team": "other"}), "labels.team: template "),
+        (
+            os1.CreateSandboxRequest(
+                spec=os1.SandboxSpec(environment={f"W{i}": "y" for i in range(100)})
+            ),
+            "spec.environment: ",
+        ),
+    ]
+    for request, start in cases:
+        name = gateway.new_name()
+        request.MergeFrom(
+            os1.CreateSandboxRequest(name=name, workspace_scope=SCOPE, workload_template=template)
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await call(gateway, "CreateSandbox", request, os1.SandboxResponse)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (raised.value.details() or "").startswith(start), raised.value.details()
+        count = "SELECT count(*) FROM sandboxes WHERE key = $1"
+        assert await gateway.env.fetchval(count, name) == 0

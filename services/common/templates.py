@@ -90,6 +90,7 @@ class OverrideRefused(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"field {field!r}: {message}")
         self.field = field
+        self.message = message
 
 
 _SELECT: Final = """

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import grpc
 from google.protobuf.message import Message
@@ -64,6 +64,14 @@ def target(raw: bytes, old: type[Message], new: type[Message]) -> Target:
     return Target(m.name, m.workspace, Generation.V0_0)
 
 
+# The overrides resolve() names, as a 0.1 CreateSandbox request gives them.
+_OVERRIDES_HERE: Final = {
+    "overrides.env": "spec.environment",
+    "overrides.labels": "labels",
+    "overrides.command": "spec.command",
+}
+
+
 async def from_template(
     pool: Any, request: os_0_1.CreateSandboxRequest, command_id: str | None
 ) -> mapping.NewSandbox:
@@ -96,8 +104,12 @@ async def from_template(
             made = await templates.resolve(
                 conn, template, overrides, decided, deleted=decided is not None
             )
-    except templates.OverrideRefused as exc:
-        raise mapping.InvalidRequest(str(exc).removeprefix("field ")) from None
+    except templates.OverrideRefused as exc:  # named as this request names it
+        field = exc.field
+        for ours, theirs in _OVERRIDES_HERE.items():
+            if field == ours or field.startswith(f"{ours}."):
+                field = theirs + field.removeprefix(ours)
+        raise mapping.InvalidRequest(f"{field}: {exc.message}") from None
     return mapping.NewSandbox(
         name, made.spec, made.providers, made.ttl_seconds, made.on_expiry, made.on_exit, made.ref
     )
