@@ -612,3 +612,24 @@ async def test_a_create_from_a_template_names_a_refused_override_in_openshells_t
         assert (raised.value.details() or "").startswith(start), raised.value.details()
         count = "SELECT count(*) FROM sandboxes WHERE key = $1"
         assert await gateway.env.fetchval(count, name) == 0
+
+
+async def test_a_create_from_a_template_naming_a_gone_provider_names_the_template(
+    gateway: Gateway,
+) -> None:
+    """A provider the template names, deleted since: NOT_FOUND naming workload_template (the
+    request's spec.providers named nothing)."""
+    name, template, gone = gateway.new_name(), f"tpl-{uuid.uuid4().hex[:8]}", gateway.new_name()
+    spec = SandboxSpec(image=gateway.env.settings.sandbox_image, command=["sleep", "infinity"])
+    async with gateway.env.pool.acquire() as conn:
+        body = TemplateBody(spec=spec, providers=[gone])
+        await templates.create_template(conn, template, body, "test", datetime.now(UTC))
+    request = os1.CreateSandboxRequest(name=name, workspace_scope=SCOPE, workload_template=template)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await call(gateway, "CreateSandbox", request, os1.SandboxResponse)
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+    assert raised.value.details() == (
+        f"workload_template: provider {gone!r} not found (template {template!r} revision 1 "
+        "names it)"
+    )
+    assert await gateway.env.fetchval("SELECT count(*) FROM sandboxes WHERE key = $1", name) == 0

@@ -235,6 +235,14 @@ async def revision_decided(conn: Conn, key: str, command_id: str, name: str) -> 
     return int(found) if found is not None else None
 
 
+def named_by(ref: TemplateRef | None, asked: Sequence[str], provider: str) -> str | None:
+    """How to say that a missing ``provider`` is the template's, not the request's (``asked``):
+    a provider a template names may have been deleted since. None when the request named it."""
+    if ref is None or provider in asked:
+        return None
+    return f"template {ref.name!r} revision {ref.revision} names it"
+
+
 @dataclass(frozen=True, slots=True)
 class Overrides:
     """What one sandbox may change of its template (the module's docstring says the rule)."""

@@ -208,6 +208,11 @@ class SandboxRpcs:
         try:  # as an attach of a missing provider is refused
             await require_existing(self.door.pool, wanted.providers, command_id)
         except ProviderMissing as exc:
+            own = list(decoded.new.spec.providers) if decoded.new is not None else []
+            if (source := templates.named_by(wanted.template, own, exc.name)) is not None:
+                await abort(
+                    context, grpc.StatusCode.NOT_FOUND, f"workload_template: {exc} ({source})"
+                )
             await abort(context, grpc.StatusCode.NOT_FOUND, f"spec.providers: {exc}")
         command = CreateSandbox(
             type="CreateSandbox",

@@ -104,6 +104,8 @@ async def create_sandbox(
         try:  # as an attach of a missing provider is refused
             await require_existing(state.pool, made.providers, body.command_id)
         except ProviderMissing as exc:
+            if (source := templates.named_by(made.ref, body.providers, exc.name)) is not None:
+                raise ApiError(404, "NOT_FOUND", f"field 'template': {exc} ({source})") from exc
             raise ApiError(404, "NOT_FOUND", f"field 'providers': {exc}") from exc
     cap = state.settings.api_max_stop_timeout_seconds
     if (why := stop_timeout_refusal(principal, cap, made.spec.stop_timeout_seconds)) is not None:
