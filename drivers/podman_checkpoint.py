@@ -77,10 +77,15 @@ class Checkpoints:
         target = self.archive(key, sandbox_id)
         partial = target.with_suffix(".partial")
         size = 0
-        with private(partial) as out:
-            for chunk in chunks:
-                out.write(chunk)
-                size += len(chunk)
+        try:
+            with private(partial) as out:
+                for chunk in chunks:
+                    out.write(chunk)
+                    size += len(chunk)
+        except BaseException:  # a full disk, a broken stream: no part of the memory stays
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+            raise
         partial.replace(target)
         self.facts(key, sandbox_id).write_text(json.dumps(facts))
         return size

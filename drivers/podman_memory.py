@@ -28,6 +28,10 @@ from drivers.protocol import DriverError, LaunchSpec
 RESTORED = "memory restored from the suspend's checkpoint"
 FRESH = "started afresh on the kept workspace"
 NOT_KEPT = "memory not kept (storage only)"
+# Why neither a suspend keeps nor a resume restores the memory of an agent given provider
+# values: it holds the ones it read, which a rotation or a detach must take away.
+WITH_PROVIDERS = "providers are attached: their values are mounted afresh at each start"
+RESTART_AFRESH = "a restart starts the agent afresh"
 # Seconds a checkpoint or a restore may take (CRIU writes or reads the agent's whole memory).
 RESTORE_TIMEOUT = CHECKPOINT_TIMEOUT = 300.0
 # What a failed restore may raise: each falls back to a fresh start.
@@ -71,9 +75,13 @@ def checkpoint(client: PodmanClient, store: Checkpoints, container: Container) -
     info = container.info
     if info.state != "running":
         return f"{NOT_KEPT}: the container was {info.state}, not running"
-    store.remove(info.key, info.sandbox_id)  # an older one is of an older generation
     try:
+        # An older one is of an older generation. A directory that cannot change (read-only)
+        # fails the checkpoint, never the suspend.
+        store.remove(info.key, info.sandbox_id)
         config = client.containers.get(info.runtime_id).attrs.get("Config") or {}
+        if config.get("Secrets"):  # never restorable: refused, or its secrets gone at resume
+            return f"{NOT_KEPT}: {WITH_PROVIDERS}"
         facts = {
             "key": info.key,
             "sandbox_id": str(info.sandbox_id),
@@ -93,7 +101,8 @@ def checkpoint(client: PodmanClient, store: Checkpoints, container: Container) -
         finally:
             response.close()  # however the save ends: an unread stream would hold the container
     except BACKEND_ERRORS as exc:  # a timeout too (requests' errors are OSErrors)
-        store.remove(info.key, info.sandbox_id)
+        with contextlib.suppress(OSError):  # the directory may be what failed
+            store.remove(info.key, info.sandbox_id)
         return f"{NOT_KEPT}: its checkpoint failed: {first_line(exc)}"
     return f"memory kept: generation {info.generation} checkpointed ({size // 1024} KiB)"
 
@@ -101,8 +110,10 @@ def checkpoint(client: PodmanClient, store: Checkpoints, container: Container) -
 def restore_refusal(spec: LaunchSpec, facts: dict[str, str], args: dict[str, Any]) -> str | None:
     """Why the checkpoint must not become this launch's container (``args``: its create
     arguments), or None."""
+    if spec.afresh:
+        return RESTART_AFRESH
     if spec.secrets:
-        return "providers are attached: their values are mounted afresh at each start"
+        return WITH_PROVIDERS
     if facts.get("spec_hash") != spec_hash(args):
         return "the sandbox's launch arguments changed since the suspend"
     return None

@@ -65,6 +65,9 @@ class LaunchSpec:
     # this launch. A driver hands them over without putting them on the runtime object (no
     # label, no plain env) and removes them with the runtime. Never in a repr.
     secrets: Mapping[str, str] = field(default_factory=dict, repr=False)
+    # A restart (an operator's, a policy's, a rotation's): the agent starts again, so a driver
+    # that keeps a suspend's memory does not restore it (a start or a resume does).
+    afresh: bool = False
 
     @classmethod
     def from_event(
@@ -80,6 +83,8 @@ class LaunchSpec:
             identity=event.identity,
             spec=event.spec,
             secrets=dict(secrets or {}),
+            afresh=isinstance(event, AgentRestarted)
+            or (isinstance(event, SandboxStarting) and event.reason == "restart"),
         )
 
 

@@ -28,11 +28,14 @@ from openshell_support import (
     call,
     create,
     gateway_fixture,  # noqa: F401  (the module's gateway)
+    running_gateway,
     status_of,
     stream,
     wait_phase,
 )
 from pipeline_support import history
+from pipeline_support import wait_phase as ready_in
+from podman import PodmanClient
 
 from events.commands import CreateSandbox
 from events.common import SandboxSpec
@@ -514,3 +517,119 @@ async def test_a_create_from_a_template_retried_by_request_id_gets_its_first_out
     gone = await call(gateway, "CreateSandbox", request, os1.SandboxResponse)
     assert gone.sandbox.metadata.id == first.sandbox.metadata.id
     assert gone.sandbox.created_from_workload_template.resource_version == "1"
+
+
+async def test_a_create_from_a_template_keeps_to_the_tokens_stop_timeout_cap(
+    gateway: Gateway,
+) -> None:
+    """A template's grace period above what the caller may ask for (the server's cap, 600 s
+    here) is refused as over HTTP, naming the field: the template is no way around the cap."""
+    name, template = gateway.new_name(), f"tpl-{uuid.uuid4().hex[:8]}"
+    spec = SandboxSpec(image=gateway.env.settings.sandbox_image, command=["sleep", "infinity"],
+                       stop_timeout_seconds=3600)  # fmt: skip
+    async with gateway.env.pool.acquire() as conn:
+        await templates.create_template(
+            conn, template, TemplateBody(spec=spec), "test", datetime.now(UTC)
+        )
+    request = os1.CreateSandboxRequest(name=name, workspace_scope=SCOPE, workload_template=template)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await call(gateway, "CreateSandbox", request, os1.SandboxResponse, metadata=auth(WRITER))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (raised.value.details() or "").startswith(
+        "workload_template: its stop_timeout_seconds: at most 600 seconds for token"
+    ), raised.value.details()
+    assert await gateway.env.fetchval("SELECT count(*) FROM sandboxes WHERE key = $1", name) == 0
+
+
+async def test_creates_without_a_time_to_live_get_the_servers_default_as_over_http(
+    podman: PodmanClient,
+) -> None:
+    """SANDSTREAM_DEFAULT_TTL_SECONDS is the time to live of every sandbox created without one:
+    a plain create and one from a template that sets none (a template's own wins)."""
+    async with running_gateway(podman, "osttl", default_ttl_seconds=3600) as gw:
+        plain, bare, timed = gw.new_name(), gw.new_name(), gw.new_name()
+        without, with_ttl = f"tpl-{uuid.uuid4().hex[:8]}", f"tpl-{uuid.uuid4().hex[:8]}"
+        spec = SandboxSpec(image=gw.env.settings.sandbox_image, command=["sleep", "infinity"])
+        async with gw.env.pool.acquire() as conn:
+            for template, ttl in ((without, None), (with_ttl, 60)):
+                body = TemplateBody(spec=spec, ttl_seconds=ttl)
+                await templates.create_template(conn, template, body, "test", datetime.now(UTC))
+        await call(gw, "CreateSandbox", os1.CreateSandboxRequest(name=plain, spec=os1.SandboxSpec(),
+                                                                 workspace_scope=SCOPE),
+                   os1.SandboxResponse)  # fmt: skip
+        for name, template in ((bare, without), (timed, with_ttl)):
+            request = os1.CreateSandboxRequest(
+                name=name, workspace_scope=SCOPE, workload_template=template
+            )
+            await call(gw, "CreateSandbox", request, os1.SandboxResponse)
+        lives = {
+            r["key"]: None if r["life"] is None else round(r["life"])
+            for r in await gw.env.fetch(
+                "SELECT key, extract(epoch FROM expires_at - created_at) AS life FROM sandboxes "
+                "WHERE key = ANY($1)",
+                [plain, bare, timed],
+            )
+        }
+        assert lives == {plain: 3600, bare: 3600, timed: 60}
+        for name in lives:  # launched before the plane stops, so its cleanup finds them all
+            await ready_in(gw.env, name, "Ready", timeout=WAIT)
+
+
+async def test_a_create_from_a_template_names_a_refused_override_in_openshells_terms(
+    gateway: Gateway,
+) -> None:
+    """A label the template sets, changed by the request's labels, is INVALID_ARGUMENT naming
+    ``labels.<key>`` (the request's field), not the HTTP API's ``overrides.labels``; too many
+    variables name ``spec.environment``."""
+    template = f"tpl-{uuid.uuid4().hex[:8]}"
+    spec = SandboxSpec(
+        image=gateway.env.settings.sandbox_image,
+        command=["sleep", "infinity"],
+        labels={"team": "research"},
+        env={f"V{i}": "x" for i in range(200)},
+    )
+    async with gateway.env.pool.acquire() as conn:
+        await templates.create_template(
+            conn, template, TemplateBody(spec=spec), "test", datetime.now(UTC)
+        )
+    cases = [
+        (os1.CreateSandboxRequest(labels={"team": "other"}), "labels.team: template "),
+        (
+            os1.CreateSandboxRequest(
+                spec=os1.SandboxSpec(environment={f"W{i}": "y" for i in range(100)})
+            ),
+            "spec.environment: ",
+        ),
+    ]
+    for request, start in cases:
+        name = gateway.new_name()
+        request.MergeFrom(
+            os1.CreateSandboxRequest(name=name, workspace_scope=SCOPE, workload_template=template)
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await call(gateway, "CreateSandbox", request, os1.SandboxResponse)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (raised.value.details() or "").startswith(start), raised.value.details()
+        count = "SELECT count(*) FROM sandboxes WHERE key = $1"
+        assert await gateway.env.fetchval(count, name) == 0
+
+
+async def test_a_create_from_a_template_naming_a_gone_provider_names_the_template(
+    gateway: Gateway,
+) -> None:
+    """A provider the template names, deleted since: NOT_FOUND naming workload_template (the
+    request's spec.providers named nothing)."""
+    name, template, gone = gateway.new_name(), f"tpl-{uuid.uuid4().hex[:8]}", gateway.new_name()
+    spec = SandboxSpec(image=gateway.env.settings.sandbox_image, command=["sleep", "infinity"])
+    async with gateway.env.pool.acquire() as conn:
+        body = TemplateBody(spec=spec, providers=[gone])
+        await templates.create_template(conn, template, body, "test", datetime.now(UTC))
+    request = os1.CreateSandboxRequest(name=name, workspace_scope=SCOPE, workload_template=template)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await call(gateway, "CreateSandbox", request, os1.SandboxResponse)
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+    assert raised.value.details() == (
+        f"workload_template: provider {gone!r} not found (template {template!r} revision 1 "
+        "names it)"
+    )
+    assert await gateway.env.fetchval("SELECT count(*) FROM sandboxes WHERE key = $1", name) == 0

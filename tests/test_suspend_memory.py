@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import io
 import stat
+import subprocess
 import tarfile
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import factories as f
@@ -29,7 +31,14 @@ from test_driver_podman import containers_of, spec_for, volumes_of
 from drivers.podman import PodmanDriver, container_name, volume_name
 from drivers.podman_calls import PodmanCalls
 from drivers.podman_checkpoint import Checkpoints
-from drivers.podman_memory import FRESH, RESTORED, restore_or_create
+from drivers.podman_memory import (
+    FRESH,
+    NOT_KEPT,
+    RESTART_AFRESH,
+    RESTORED,
+    WITH_PROVIDERS,
+    restore_or_create,
+)
 from drivers.podman_objects import BACKEND_ERRORS
 from drivers.podman_spec import DEFAULT_LIMITS
 from events.common import SandboxSpec
@@ -198,6 +207,30 @@ async def test_a_resume_with_changed_launch_arguments_starts_afresh(
     )
 
 
+async def test_a_suspend_keeps_no_memory_of_an_agent_given_provider_values(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings, podman: PodmanClient
+) -> None:
+    """The agent ran with a provider's value (it read it into its memory); the provider is
+    detached while suspended, so the resume's launch has no secrets: restoring the memory would
+    hand the detached value back to the agent. The suspend keeps no memory of an agent given
+    provider values, so the resume starts afresh."""
+    key = keys()
+    reads = ["sh", "-c", f"tok=$TOKEN; i=0; while true; do {TICK}; done"]
+    first = replace(spec_for(settings, key, 1, reads), secrets={"TOKEN": "s3cret-value"})
+    await driver.launch(first)
+    await counted_past(driver, key, 1, 5)
+    suspended = await driver.suspend(key, 1)
+    assert suspended.outcome == "succeeded"
+    resumed = await driver.launch(spec_for(settings, key, 2, reads, first.sandbox_id))
+    assert resumed.started
+    # Not even written: the agent's memory holds the value, and no resume could restore it.
+    assert suspended.note == f"{NOT_KEPT}: {WITH_PROVIDERS}"
+    assert list(driver_checkpoints(driver).glob("*")) == []
+    assert resumed.note is None  # nothing to restore
+    _, out = await driver.exec(key, 2, ["sh", "-c", "cat /proc/*/environ"])
+    assert "s3cret-value" not in out
+
+
 async def test_a_checkpoint_that_cannot_be_kept_leaves_a_plain_suspend(
     criu_settings: Settings,
     keys: Callable[[], str],
@@ -228,6 +261,52 @@ async def test_a_checkpoint_that_cannot_be_kept_leaves_a_plain_suspend(
         assert resumed.started and resumed.note is None
     finally:
         await unkept.close()
+
+
+async def test_a_checkpoint_on_a_full_disk_leaves_no_partial_archive(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings, podman: PodmanClient
+) -> None:
+    """The archive's write fails with ENOSPC (its partial file is /dev/full): the suspend says
+    the memory was not kept, and nothing of the agent's memory stays in the directory, where
+    no delete would ever find it."""
+    key = keys()
+    first = spec_for(settings, key, 1, COUNTER)
+    await driver.launch(first)
+    await counted_past(driver, key, 1, 5)
+    store = Checkpoints(driver_checkpoints(driver))
+    store.root.mkdir(mode=0o700)
+    store.archive(key, first.sandbox_id).with_suffix(".partial").symlink_to("/dev/full")
+    suspended = await driver.suspend(key, 1)
+    assert suspended.outcome == "succeeded"
+    assert (suspended.note or "").startswith(
+        f"{NOT_KEPT}: its checkpoint failed: [Errno 28] No space left on device"
+    ), suspended.note
+    assert containers_of(podman, key) == []
+    assert sorted(p.name for p in store.root.iterdir()) == []
+
+
+async def test_a_suspend_on_a_checkpoint_directory_that_turned_read_only_still_suspends(
+    driver: PodmanDriver, keys: Callable[[], str], settings: Settings, podman: PodmanClient
+) -> None:
+    """An older checkpoint of the incarnation is in a directory nothing can change any more
+    (immutable, as a file system remounted read-only): the suspend cannot remove it, says the
+    memory was not kept and removes the container, rather than failing on every retry."""
+    key = keys()
+    first = spec_for(settings, key, 1, COUNTER)
+    await driver.launch(first)
+    await counted_past(driver, key, 1, 5)
+    store = Checkpoints(driver_checkpoints(driver))
+    store.save(key, first.sandbox_id, [b"older"], {"key": key, "sandbox_id": str(first.sandbox_id)})
+    await asyncio.to_thread(subprocess.run, ["chattr", "+i", str(store.root)], check=True)
+    try:
+        suspended = await driver.suspend(key, 1)
+    finally:
+        await asyncio.to_thread(subprocess.run, ["chattr", "-i", str(store.root)], check=True)
+    assert suspended.outcome == "succeeded"
+    assert (suspended.note or "").startswith(
+        f"{NOT_KEPT}: its checkpoint failed: [Errno 1] Operation not permitted"
+    ), suspended.note
+    assert containers_of(podman, key) == []
 
 
 async def test_a_memory_checkpoint_is_private_and_a_delete_leaves_none(
@@ -288,6 +367,43 @@ async def test_the_history_says_whether_a_resume_restored_the_memory(
         assert reasons[2] == f"{RESTORED} of generation 1"
         assert reasons[3].startswith("memory kept: generation 2 checkpointed")
         assert reasons[4].startswith(f"{FRESH}: the memory checkpoint was not restored (its")
+
+
+async def test_a_restart_of_a_suspended_sandbox_starts_the_agent_afresh(
+    driver: PodmanDriver, podman: PodmanClient
+) -> None:
+    """RestartSandbox admits Suspended; a restart is the agent started again, so its launch
+    does not restore the suspend's memory (a resume or a start would): the counter begins
+    again, and the history says why."""
+    async with isolated_env() as env:
+        keys = PodmanKeys(podman, "memr")
+        key = keys()
+        spec = SandboxSpec(image=env.settings.sandbox_image, command=COUNTER)
+        async with running_plane(env, driver, removing=keys), await env.publisher() as pub:
+            await command(env, pub, f.create(key, sandbox_spec=spec))
+            await wait_phase(env, key, "Ready", timeout=WAIT)
+            before = await counted_past(driver, key, 1, 40)
+            await command(env, pub, f.suspend(key))
+            await wait_phase(env, key, "Suspended", generation=1, timeout=WAIT)
+            await command(env, pub, f.restart(key))
+            await wait_phase(env, key, "Ready", generation=2, timeout=WAIT)
+            await eventually(
+                lambda: counter(driver, key, 2),
+                lambda value: value < before,
+                timeout=WAIT,
+                what="a counter started afresh",
+            )
+            reasons = [
+                h["message"]["reason"]
+                for h in await history(env, key)
+                if h["message_type"] == "DriverOperationResult"
+                and h["message"]["operation"] == "launch"
+                and h["generation"] == 2
+            ]
+        assert reasons == [f"{FRESH}: the memory checkpoint was not restored ({RESTART_AFRESH})"], (
+            reasons
+        )
+        assert list(driver_checkpoints(driver).glob("*.tar")) == []
 
 
 # -- helpers -------------------------------------------------------------------------------------

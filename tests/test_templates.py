@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from typing import Any
 
 import apikit
@@ -17,7 +18,10 @@ from typer.testing import CliRunner, Result
 
 from drivers.fake import FakeDriver
 from events.codec import EVENTS, decode
+from events.common import SandboxSpec
 from services.cli.main import app
+from services.common import templates
+from services.common.templates import TemplateBody
 from services.processor.rebuild import rebuild_and_compare
 
 SPEC = {"image": "registry.example/agent:1", "command": ["sleep", "3600"],
@@ -303,3 +307,25 @@ async def test_the_rows_rebuild_from_the_log_with_every_template_gone(api: Api) 
     assert report.rebuilt == report.live > 0
     row = await api.env.fetchval("SELECT template FROM sandboxes WHERE key = $1", name)
     assert json.loads(row) == {"name": template, "revision": 1}
+
+
+async def test_a_create_from_a_template_naming_a_gone_provider_names_the_template(
+    api: Api,
+) -> None:
+    """The template names a provider deleted since it was written (stored here as it would
+    be): the create is 404 naming the template, whose provider it is, not a `providers` field
+    the request never had; nothing reaches the log."""
+    template, gone = unique("tpl"), unique("gone")
+    async with api.env.pool.acquire() as conn:
+        body = TemplateBody(spec=SandboxSpec.model_validate(SPEC), providers=[gone])
+        await templates.create_template(conn, template, body, "test", datetime.now(UTC))
+    published = await api.commands_published()
+    async with api.client() as c:
+        r = await c.post(
+            "/v1/sandboxes", json={"name": unique("sb"), "template": {"name": template}}
+        )
+    assert r.status_code == 404, r.text
+    assert r.json()["message"] == (
+        f"field 'template': provider {gone!r} not found (template {template!r} revision 1 names it)"
+    )
+    assert await api.commands_published() == published

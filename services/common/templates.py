@@ -90,6 +90,7 @@ class OverrideRefused(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"field {field!r}: {message}")
         self.field = field
+        self.message = message
 
 
 _SELECT: Final = """
@@ -232,6 +233,14 @@ async def revision_decided(conn: Conn, key: str, command_id: str, name: str) -> 
         name,
     )
     return int(found) if found is not None else None
+
+
+def named_by(ref: TemplateRef | None, asked: Sequence[str], provider: str) -> str | None:
+    """How to say that a missing ``provider`` is the template's, not the request's (``asked``):
+    a provider a template names may have been deleted since. None when the request named it."""
+    if ref is None or provider in asked:
+        return None
+    return f"template {ref.name!r} revision {ref.revision} names it"
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,6 +82,16 @@ class Principal:
     max_stop_timeout: int | None = None  # this token's cap on stop_timeout_seconds, if any
 
 
+def stop_timeout_refusal(principal: Principal, default_cap: int, asked: int | None) -> str | None:
+    """Why ``principal`` may not create a sandbox with a grace period of ``asked`` seconds (its
+    own cap, else ``default_cap``: settings.api_max_stop_timeout_seconds), or None. Every door
+    asks it of the spec a create resolved to, a template's included."""
+    cap = default_cap if principal.max_stop_timeout is None else principal.max_stop_timeout
+    if asked is None or asked <= cap:
+        return None
+    return f"at most {cap} seconds for token {principal.name!r} (asked for {asked})"
+
+
 @dataclass(frozen=True, slots=True)
 class Denied:
     """Why a request is refused: 401 (no valid token) or 403 (a valid one without the scope)."""

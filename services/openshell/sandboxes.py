@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import grpc
 from google.protobuf.message import Message
@@ -22,7 +22,7 @@ from services.api.providers import require_existing
 from services.api.readmodel import InvalidArgument
 from services.common import templates
 from services.common.providers import ProviderMissing
-from services.common.tokens import PROVIDER_WRITE, READ, WRITE
+from services.common.tokens import PROVIDER_WRITE, READ, WRITE, stop_timeout_refusal
 from services.openshell import mapping, wire
 from services.openshell.proto import openshell_pb2 as pinned
 from services.openshell.proto import sandbox_pb2, served_pb2
@@ -64,6 +64,14 @@ def target(raw: bytes, old: type[Message], new: type[Message]) -> Target:
     return Target(m.name, m.workspace, Generation.V0_0)
 
 
+# The overrides resolve() names, as a 0.1 CreateSandbox request gives them.
+_OVERRIDES_HERE: Final = {
+    "overrides.env": "spec.environment",
+    "overrides.labels": "labels",
+    "overrides.command": "spec.command",
+}
+
+
 async def from_template(
     pool: Any, request: os_0_1.CreateSandboxRequest, command_id: str | None
 ) -> mapping.NewSandbox:
@@ -96,8 +104,12 @@ async def from_template(
             made = await templates.resolve(
                 conn, template, overrides, decided, deleted=decided is not None
             )
-    except templates.OverrideRefused as exc:
-        raise mapping.InvalidRequest(str(exc).removeprefix("field ")) from None
+    except templates.OverrideRefused as exc:  # named as this request names it
+        field = exc.field
+        for ours, theirs in _OVERRIDES_HERE.items():
+            if field == ours or field.startswith(f"{ours}."):
+                field = theirs + field.removeprefix(ours)
+        raise mapping.InvalidRequest(f"{field}: {exc.message}") from None
     return mapping.NewSandbox(
         name, made.spec, made.providers, made.ttl_seconds, made.on_expiry, made.on_exit, made.ref
     )
@@ -182,6 +194,10 @@ class SandboxRpcs:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except templates.TemplateMissing as exc:
             await abort(context, grpc.StatusCode.NOT_FOUND, f"workload_template: {exc}")
+        asked = wanted.spec.stop_timeout_seconds  # only a template sets it: the cap holds
+        if (why := stop_timeout_refusal(principal, self.door.max_stop_timeout, asked)) is not None:
+            where = "workload_template: its stop_timeout_seconds"
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {why}")
         if wanted.providers and PROVIDER_WRITE not in principal.scopes:
             await abort(
                 context,
@@ -192,6 +208,11 @@ class SandboxRpcs:
         try:  # as an attach of a missing provider is refused
             await require_existing(self.door.pool, wanted.providers, command_id)
         except ProviderMissing as exc:
+            own = list(decoded.new.spec.providers) if decoded.new is not None else []
+            if (source := templates.named_by(wanted.template, own, exc.name)) is not None:
+                await abort(
+                    context, grpc.StatusCode.NOT_FOUND, f"workload_template: {exc} ({source})"
+                )
             await abort(context, grpc.StatusCode.NOT_FOUND, f"spec.providers: {exc}")
         command = CreateSandbox(
             type="CreateSandbox",
@@ -201,7 +222,7 @@ class SandboxRpcs:
             actor=principal.name,
             spec=wanted.spec,
             providers=wanted.providers,
-            ttl_seconds=wanted.ttl_seconds,
+            ttl_seconds=wanted.ttl_seconds or self.door.default_ttl,  # as over HTTP
             on_expiry=wanted.on_expiry,
             on_exit=wanted.on_exit,
             template=wanted.template,

@@ -124,6 +124,8 @@ async def start_openshell(
         events_topic=settings.topic_events,
         wake_timeout=settings.wake_timeout_seconds,
         use=UseRecorder(None, settings.use_flush_seconds) if use is None else use,
+        max_stop_timeout=settings.api_max_stop_timeout_seconds,
+        default_ttl=settings.default_ttl_seconds,
     )
     limits = ExecLimits.of(settings) if limits is None else limits
     server = grpc.aio.server(options=SERVER_OPTIONS)

@@ -37,6 +37,7 @@ from services.api.gateway import CommandGateway, CommandTooLarge, PublishFailed,
 from services.api.idempotency import IdempotencyConflict
 from services.api.providers import ProviderService
 from services.api.readmodel import SandboxView
+from services.common.settings import Settings
 from services.common.tokens import (
     READ,
     WRITE,
@@ -211,6 +212,10 @@ class Door:
     default_image: str
     events_topic: str  # where the decided events go (the outbox rows the watch reads)
     outcome_wait: float = OUTCOME_WAIT
+    # The longest grace period a create may ask for, unless its token sets its own.
+    max_stop_timeout: int = Settings.model_fields["api_max_stop_timeout_seconds"].default
+    # The time to live of a sandbox created without one (settings.default_ttl_seconds).
+    default_ttl: int | None = None
     wake_timeout: float = 60.0  # an exec on a Suspended sandbox waits this long for Ready
     # Use of the sandboxes through this door, for idle suspend (the HTTP API's under `up`; one
     # without a pool records nothing).

@@ -46,7 +46,7 @@ from services.api.readmodel import CommandStatus
 from services.common import templates
 from services.common.providers import ProviderMissing
 from services.common.suspend import suspend_refusal
-from services.common.tokens import PROVIDER_WRITE
+from services.common.tokens import PROVIDER_WRITE, stop_timeout_refusal
 
 router = APIRouter()
 
@@ -104,17 +104,12 @@ async def create_sandbox(
         try:  # as an attach of a missing provider is refused
             await require_existing(state.pool, made.providers, body.command_id)
         except ProviderMissing as exc:
+            if (source := templates.named_by(made.ref, body.providers, exc.name)) is not None:
+                raise ApiError(404, "NOT_FOUND", f"field 'template': {exc} ({source})") from exc
             raise ApiError(404, "NOT_FOUND", f"field 'providers': {exc}") from exc
-    cap = principal.max_stop_timeout
-    cap = state.settings.api_max_stop_timeout_seconds if cap is None else cap
-    asked = made.spec.stop_timeout_seconds
-    if asked is not None and asked > cap:
-        raise ApiError(
-            422,
-            "INVALID_ARGUMENT",
-            f"field 'spec.stop_timeout_seconds': at most {cap} seconds for token "
-            f"{principal.name!r} (asked for {asked})",
-        )
+    cap = state.settings.api_max_stop_timeout_seconds
+    if (why := stop_timeout_refusal(principal, cap, made.spec.stop_timeout_seconds)) is not None:
+        raise ApiError(422, "INVALID_ARGUMENT", f"field 'spec.stop_timeout_seconds': {why}")
     command = CreateSandbox(
         type="CreateSandbox",
         command_id=body.command_id or new_command_id(),
