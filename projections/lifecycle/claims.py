@@ -51,10 +51,11 @@ ClaimCommand = AdoptSandbox | BindSandboxName | AbandonAdoption | UnbindSandboxN
 CLAIM_COMMANDS: Final = (AdoptSandbox, BindSandboxName, AbandonAdoption, UnbindSandboxName)
 
 
-def step_command_id(claim_id: str, member: str, step: str) -> str:
+def step_command_id(claim_id: str, member: str, sandbox_id: UUID, step: str) -> str:
     """The command id of a claim's step the processor sends: the same at every replay, and
-    another for each member one claim adopted (a retried claim's second is refused its name)."""
-    return str(uuid5(CLAIM_NS, f"{claim_id}/{member}/{step}"))
+    another for each member incarnation one claim adopted (a retried claim's second member is
+    refused its name, not taken for a repeat of the first's)."""
+    return str(uuid5(CLAIM_NS, f"{claim_id}/{member}/{sandbox_id}/{step}"))
 
 
 def decide_claim(
@@ -232,7 +233,9 @@ def follow_ups(
                 built(
                     BindSandboxName,
                     type="BindSandboxName",
-                    command_id=step_command_id(event.claim_id, member.key, "bind"),
+                    command_id=step_command_id(
+                        event.claim_id, member.key, member.sandbox_id, "bind"
+                    ),
                     key=event.claimant,
                     occurred_at=event.occurred_at,
                     actor=event.actor,
@@ -248,7 +251,9 @@ def follow_ups(
                 built(
                     UnbindSandboxName,
                     type="UnbindSandboxName",
-                    command_id=step_command_id(before.claim_id, before.key, "unbind"),
+                    command_id=step_command_id(
+                        before.claim_id, before.key, before.sandbox_id, "unbind"
+                    ),
                     key=before.adopted_as,
                     occurred_at=event.occurred_at,
                     actor=event.actor,
@@ -265,7 +270,9 @@ def follow_ups(
             built(
                 AbandonAdoption,
                 type="AbandonAdoption",
-                command_id=step_command_id(command.claim_id, command.target, "abandon"),
+                command_id=step_command_id(
+                    command.claim_id, command.target, command.sandbox_id, "abandon"
+                ),
                 key=command.target,
                 occurred_at=command.occurred_at,
                 actor=command.actor,
