@@ -246,9 +246,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         # a launch report followed by the restart it calls for, and a detach that restarts.
         limit = len(events) > 1 and isinstance(events[1], SandboxRestartsExhausted)
         assert len(events) <= (3 if limit else 2)
-        if len(events) == 2 and isinstance(message, AbandonAdoption):
+        if isinstance(message, AbandonAdoption) and events:  # then deleted, unless it was
             assert isinstance(events[0], SandboxAdoptionAbandoned)
-            assert isinstance(events[1], SandboxDeleting)
+            assert (len(events) == 2) == (prev is not None and prev.phase is not P.DELETING)
+            assert new is not None and new.phase is P.DELETING and new.adopted_as is None
         elif len(events) == 2 and not is_observation(message):
             assert isinstance(message, DetachProvider), message
             assert isinstance(events[0], ProviderDetached) and isinstance(events[1], AgentRestarted)
@@ -363,11 +364,13 @@ class LifecycleMachine(RuleBasedStateMachine):
         # The tombstone is only reached from Deleting.
         if new.tombstoned and not prev.tombstoned:
             assert prev.phase is P.DELETING, (prev.phase, message)
-        # Stopped only leaves through an accepted start, restart, suspend or delete.
+        # Stopped only leaves through an accepted start, restart, suspend or delete (an
+        # abandoned adoption's included).
         expired = isinstance(message, DeadlineDue) and message.deadline == "ttl"
         if prev.phase is P.STOPPED and new.phase is not P.STOPPED:
             assert expired or isinstance(
-                message, StartSandbox | RestartSandbox | SuspendSandbox | DeleteSandbox
+                message,
+                StartSandbox | RestartSandbox | SuspendSandbox | DeleteSandbox | AbandonAdoption,
             )
             assert d.disposition == "applied"
         self.check_suspend(prev, message, events, new, expired)
@@ -570,14 +573,16 @@ class LifecycleMachine(RuleBasedStateMachine):
         incarnation."""
         if isinstance(message, SuspendSandbox) and events:
             assert new.phase is P.SUSPENDING and new.generation == prev.generation
-        # Suspended only leaves through an accepted resume, start, restart or delete, or an
-        # expiry whose policy deletes it; no observation of any generation changes it else.
+        # Suspended only leaves through an accepted resume, start, restart or delete (an
+        # abandoned adoption's included), or an expiry whose policy deletes it; no observation
+        # of any generation changes it else.
         if prev.phase is P.SUSPENDED:
             if is_observation(message) and events:
                 assert expired, message
             if new.phase is not P.SUSPENDED:
                 assert expired or isinstance(
-                    message, ResumeSandbox | StartSandbox | RestartSandbox | DeleteSandbox
+                    message,
+                    ResumeSandbox | StartSandbox | RestartSandbox | DeleteSandbox | AbandonAdoption,
                 ), message
         # The suspend's stop and removal are no exit: no restart, no completion policy.
         if prev.phase in (P.SUSPENDING, P.SUSPENDED) and is_observation(message):

@@ -162,10 +162,13 @@ def _bind(state: Sandbox | None, command: BindSandboxName, cause: Cause) -> Deci
 def _abandon(
     state: Sandbox | None, command: AbandonAdoption, cause: Cause, limits: Limits
 ) -> Decision:
-    if state is None or state.tombstoned or state.claim_id != command.claim_id:
+    if (
+        state is None
+        or state.tombstoned
+        or state.claim_id != command.claim_id
+        or state.adopted_as is None
+    ):
         return _ok(state, command, f"nothing to do: not adopted by claim {command.claim_id!r}")
-    if state.phase is P.DELETING:
-        return _ok(state, command, "nothing to do: being deleted")
     new_state, events = emit_event(
         state,
         built(
@@ -177,10 +180,11 @@ def _abandon(
             reason=command.reason,
         ),
     )
-    deadline = delete_deadline(state.spec, command.occurred_at, limits)
-    new_state, events = then_decide(
-        new_state, events, command, cause, lambda c: new_event(SandboxDeleting, c, deadline)
-    )
+    if state.phase is not P.DELETING:  # (a delete under way already: it stays)
+        deadline = delete_deadline(state.spec, command.occurred_at, limits)
+        new_state, events = then_decide(
+            new_state, events, command, cause, lambda c: new_event(SandboxDeleting, c, deadline)
+        )
     why = f"adoption as {command.claimant!r} abandoned ({command.reason}): deleting"
     return Decision(new_state, events, "applied", why, outcome_of(command, Code.OK, why, new_state))
 
