@@ -132,9 +132,10 @@ async def test_a_claimed_name_works_at_openshell_the_console_and_the_audit(
         stub = openshell_pb2_grpc.OpenShellStub(channel)
         got = await stub.GetSandbox(pb.GetSandboxRequest(name=name), metadata=auth())
         assert got.sandbox.metadata.name == name
-        request = pb.ExecSandboxRequest(sandbox_id=name, command=["echo", "warm"])
-        events = [e async for e in stub.ExecSandbox(request, metadata=auth(), timeout=60)]
-        assert b"".join(e.stdout.data for e in events if e.HasField("stdout")) == b"warm\n"
+        for reference in (name, got.sandbox.metadata.id):  # by name (0.1), by id (0.0)
+            request = pb.ExecSandboxRequest(sandbox_id=reference, command=["echo", "warm"])
+            events = [e async for e in stub.ExecSandbox(request, metadata=auth(), timeout=60)]
+            assert b"".join(e.stdout.data for e in events if e.HasField("stdout")) == b"warm\n"
         deleted = await stub.DeleteSandbox(pb.DeleteSandboxRequest(name=name), metadata=auth())
         assert deleted.deleted
     await api.wait_phase(member, "Deleted", timeout=60)
