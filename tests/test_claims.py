@@ -22,10 +22,12 @@ from events.observations import RuntimeSnapshot
 from events.publisher import new_command_id, now
 from services.api.claims import claim
 from services.api.gateway import CommandGateway
+from services.audit.verify import verify
 from services.common.settings import load_settings
 from services.executor.backends import podman_driver
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto import openshell_pb2_grpc
+from services.processor.rebuild import rebuild_and_compare
 
 IMAGE = load_settings().sandbox_image
 
@@ -302,3 +304,27 @@ async def test_creates_racing_claims_for_the_same_names_never_both_get_a_name(ap
                            what="every name held by exactly one of its two")  # fmt: skip
     assert set(won.values()) <= {"claim", "create"}
     await cleanup(api, names)
+
+
+async def test_the_log_of_claims_verifies_and_rebuilds_the_rows(api: Api) -> None:
+    """The audit re-decides every input of this module's environment (claims, bindings,
+    abandonments, releases) to the same history, rows and events, and folding the events topic
+    rebuilds every row, bound names included."""
+    pool = new_pool()
+    members = await create_members(gateway_of(api), pool, 2, IMAGE)
+    await all_ready(api.env.pool, members)
+    kept, freed = unique("kept"), unique("freed")
+    assert (await claimed(api, pool, kept)).warm and (await claimed(api, pool, freed)).warm
+    async with api.client() as c:
+        assert (await c.delete(f"/v1/sandboxes/{freed}", params={"wait": 30})).status_code == 200
+    await eventually(lambda: bindings(api.env.pool), lambda b: freed not in b and kept in b,
+                     timeout=60, what="the freed name released")  # fmt: skip
+    report = await verify(api.env.settings)
+    assert report.divergences == [] and report.ok, report.divergences
+    await eventually(
+        lambda: rebuild_and_compare(api.env.settings),
+        lambda r: r.equal,
+        timeout=30,
+        what="the rows rebuilt from the events topic",
+    )
+    await cleanup(api, [kept])
