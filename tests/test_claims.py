@@ -328,3 +328,39 @@ async def test_the_log_of_claims_verifies_and_rebuilds_the_rows(api: Api) -> Non
         what="the rows rebuilt from the events topic",
     )
     await cleanup(api, [kept])
+
+
+async def test_a_watch_of_a_claimed_name_follows_its_member(api: Api) -> None:
+    """``/v1/watch?name=<claimant>`` streams the member's row (under the claimant's name), and
+    never the name's own row; the decided-events stream of the name has the member's
+    adoption and the name's binding."""
+    pool = new_pool()
+    [member] = await create_members(gateway_of(api), pool, 1, IMAGE)
+    await all_ready(api.env.pool, [member])
+    name = unique("watched")
+    assert (await claimed(api, pool, name)).warm
+    async with api.client() as c:
+        events = await apikit.read_events(
+            c, lambda ev: len(apikit.rows(ev)) >= 1, params={"name": name, "timeout": 20}
+        )
+        [row] = apikit.rows(events)
+        assert (row["name"], row["member_key"], row["phase"]) == (name, member, "Ready")
+        r = await c.post(f"/v1/sandboxes/{name}:stop", params={"wait": 30})
+        assert r.status_code == 200, r.text
+        cursor = row["change_seq"]
+        events = await apikit.read_events(
+            c,
+            lambda ev: any(x["phase"] == "Stopped" for x in apikit.rows(ev)),
+            params={"name": name, "cursor": cursor, "timeout": 30},
+        )
+        assert {x["member_key"] for x in apikit.rows(events)} == {member}
+        decided: list[str] = []
+        async with c.stream(
+            "GET", "/v1/watch/events", params={"name": name, "timeout": 3}
+        ) as stream:
+            async for line in stream.aiter_lines():
+                if line.startswith("data: ") and '"type"' in line:
+                    decided.append(line)
+        assert any('"SandboxAdopted"' in d for d in decided)
+        assert any('"SandboxNameBound"' in d for d in decided)
+    await cleanup(api, [name])
