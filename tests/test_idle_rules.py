@@ -74,6 +74,19 @@ def test_a_held_sandbox_is_never_idle_suspended() -> None:
     assert h.row().phase is P.READY
 
 
+def test_a_pools_unclaimed_member_is_never_idle_suspended_and_a_claimed_one_is() -> None:
+    h, member = f.Harness(), "pool-a1b2c3d4"
+    spec = SandboxSpec(image=f.IMAGE, idle_suspend_seconds=IDLE)
+    h.send(f.create(member, sandbox_spec=spec, pool="pool"))
+    h.send(f.running(member, occurred_at=f.at(1)))
+    d = h.send(f.idle_due(member, occurred_at=f.at(10 * IDLE), last_used_at=None))
+    assert d.disposition == "ignored" and "member of pool 'pool'" in d.reason
+    assert h.row(member).phase is P.READY
+    h.send(f.adopt(member, "mine", "c1", occurred_at=f.at(2)))
+    d = h.send(f.idle_due(member, occurred_at=f.at(10 * IDLE), last_used_at=None))
+    assert d.disposition == "applied" and h.row(member).phase is P.SUSPENDING
+
+
 def test_without_a_timeout_nothing_is_idle() -> None:
     h = ready(idle=None)
     d = h.send(f.idle_due(occurred_at=f.at(10_000), last_used_at=None))

@@ -103,7 +103,7 @@ async def test_each_role_can_write_and_read_exactly_the_topics_granted_to_it() -
         # The requirement, spelled out: who may write what.
         writers = {t: {r for r, topic, op in found if topic == t and op == WRITE} for t in s.topics}
         assert writers == {
-            s.topic_commands: {"api", "provider-sync"},
+            s.topic_commands: {"api", "provider-sync", "processor"},  # a claim's next step
             s.topic_observations: {"executor", "watcher", "scheduler"},
             s.topic_events: {"processor"},
             s.topic_deadletter: {"processor"},

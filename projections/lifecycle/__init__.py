@@ -32,6 +32,7 @@ Modules, each one job (the tables first):
 - ``deadline_due``: ``DEADLINE_TABLE``, what a due deadline does; the completion policy.
 - ``restart_policy``: whether an exit restarts; ``SetRestartPolicy``.
 - ``idle``: ``IDLE_TABLE``, when a ``DeadlineDue(idle)`` suspends a sandbox nobody uses.
+- ``claims``: a pool member adopted under a user's name, and the claim steps a decision sends.
 """
 
 from __future__ import annotations

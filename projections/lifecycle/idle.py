@@ -23,6 +23,7 @@ IDLE_TABLE: Final[dict[str, str]] = {
     "the spec has an idle timeout (`idle_suspend_seconds`)": "else ignored: never idle-suspended",
     "the sandbox is Ready": "else ignored: only a running sandbox is idle",
     "it is not held": "else ignored: a held sandbox is never idle-suspended",
+    "it is not a warm pool's unclaimed member": "else ignored: a pool keeps its members Ready",
     "neither its row (any decided change: Ready, an attach, a hold's release, a new timeout) "
     "nor its recorded use (`last_used_at`) is younger than the timeout at the message's time": (
         "else ignored: used since"
@@ -44,6 +45,8 @@ def decide_idle(
     if is_held(state):
         assert state.hold is not None
         return ignored(state, f"{what}: held by {state.hold.by}: never idle-suspended")
+    if state.pool is not None and state.claim_id is None:
+        return ignored(state, f"{what}: a member of pool {state.pool!r}, not claimed yet")
     used = due.last_used_at
     since = state.updated_at if used is None else max(state.updated_at, used)
     idle_until = since + timedelta(seconds=seconds)

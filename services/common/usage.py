@@ -38,7 +38,8 @@ SET last_used_at = greatest(sandbox_use.last_used_at, excluded.last_used_at)
 
 # Ready sandboxes with an idle timeout whose last sign of use (the row's last change or the
 # doors' recorded use) is older than the timeout plus the doors' flush interval ($2): a use not
-# yet flushed is never taken for idle time. The partial index sandboxes_idle holds only these.
+# yet flushed is never taken for idle time. A warm pool's unclaimed member is never idle. The
+# partial index sandboxes_idle holds only these rows (and the members).
 _IDLE = """
 SELECT key, generation, version, last_used_at, since + make_interval(secs => idle + $2) AS due_at
 FROM (
@@ -47,6 +48,7 @@ FROM (
            (s.spec->>'idle_suspend_seconds')::float8 AS idle
     FROM sandboxes s LEFT JOIN sandbox_use u ON u.key = s.key
     WHERE s.phase = 'Ready' AND s.hold IS NULL AND s.spec ? 'idle_suspend_seconds'
+      AND (s.pool IS NULL OR s.claim_id IS NOT NULL)  -- a pool's unclaimed member is never idle
 ) AS ready
 WHERE since + make_interval(secs => idle + $2) <= $1
 """

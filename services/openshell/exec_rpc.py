@@ -136,14 +136,17 @@ class ExecRpcs:
         driver = self.door.driver
         if driver is None:
             await abort(context, grpc.StatusCode.UNIMPLEMENTED, "the driver cannot exec")
-        refused = self.limits.refusal(principal.name, view.name)
+        refused = self.limits.refusal(principal.name, view.member_key)
         if refused is not None:
             await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
         timeout = self.limits.deadline(request.timeout)
-        await self.door.use.begin(view.name, view.spec.idle_suspend_seconds)  # the next scan
-        with self.limits.session(principal.name, view.name), self.door.use.using(view.name):
+        await self.door.use.begin(view.member_key, view.spec.idle_suspend_seconds)  # the next scan
+        with (
+            self.limits.session(principal.name, view.member_key),
+            self.door.use.using(view.member_key),
+        ):
             stream = driver.exec_stream(
-                view.name,
+                view.member_key,
                 view.generation,
                 request.command,
                 env=request.environment,

@@ -104,7 +104,7 @@ class LogRpcs:
                 context, grpc.StatusCode.NOT_FOUND, f"workspace {request.workspace!r} not found"
             )
         view = await self.door.resolve(request.reference, context)
-        self.door.use.touch(view.name)  # a use: idle suspend counts from here
+        self.door.use.touch(view.member_key)  # a use: idle suspend counts from here
         if request.sources and SOURCE not in request.sources:
             return served_pb2.GetSandboxLogsResponse()
         lines = min(request.lines or DEFAULT_LINES, MAX_LINES)
@@ -114,7 +114,7 @@ class LogRpcs:
             if source is None:
                 raise LogsUnavailable("this gateway has no log source")
             async for line in source.read(
-                view.name, view.generation, tail=lines, since=request.since
+                view.member_key, view.generation, tail=lines, since=request.since
             ):
                 found.append(log_message(view, line))
         except LogsUnavailable as exc:

@@ -143,7 +143,7 @@ class WatchRpcs:
             tasks.append(asyncio.create_task(self._logs(view, request, queue)))
         # The status stream decides when the watch ends; a logs-only watch, its logs.
         last = "logs" if len(tasks) == 1 and request.follow_logs else "status"
-        with self.door.use.using(view.name):  # a use of the sandbox while it lasts
+        with self.door.use.using(view.member_key):  # a use of the sandbox while it lasts
             try:
                 while True:
                     item = await _next(queue)
@@ -193,7 +193,7 @@ class WatchRpcs:
                 raise LogsUnavailable("this gateway has no log source")
             # 0: every line; at most MAX_LINES, as GetSandboxLogs' ``lines``.
             tail = min(request.log_tail, MAX_LINES) if request.log_tail else None
-            async for line in source.read(view.name, view.generation, tail=tail, follow=True):
+            async for line in source.read(view.member_key, view.generation, tail=tail, follow=True):
                 await queue.put(served_pb2.SandboxStreamEvent(log=log_message(view, line)))
         except LogsUnavailable as exc:
             warning = served_pb2.SandboxStreamWarning(message=f"logs: {exc}")
@@ -224,7 +224,7 @@ class _StatusStream:
     queue: asyncio.Queue[_Item]
 
     async def run(self) -> None:
-        row = await readmodel.get_row(self.door.pool, self.view.name)
+        row = await readmodel.get_row(self.door.pool, self.view.member_key)
         if row is None or row.sandbox.sandbox_id != self.view.id:
             return  # deleted and created again since it was resolved
         try:
@@ -258,7 +258,7 @@ class _StatusStream:
             horizon = await feed.horizon(mark)
             while horizon is not None and horizon > cursor:
                 rows = await readmodel.changed_rows(
-                    door.pool, cursor, horizon, names=[self.view.name]
+                    door.pool, cursor, horizon, names=[self.view.member_key]
                 )
                 full = len(rows) == readmodel.CHANGES_PAGE
                 cursor = rows[-1].change_seq if full else horizon

@@ -62,8 +62,8 @@ async def sandbox_logs(
     source = state.logs
     if source is None:
         raise ApiError(503, "UNAVAILABLE", "this API has no log source")
-    state.use.touch(view.name)  # a use: idle suspend counts from here
-    lines = source.read(view.name, view.generation, tail=tail, since=since, follow=follow)
+    state.use.touch(view.member_key)  # a use: idle suspend counts from here
+    lines = source.read(view.member_key, view.generation, tail=tail, since=since, follow=follow)
     try:
         first = await anext(aiter(lines), None)
     except LogsUnavailable as exc:
@@ -77,7 +77,7 @@ async def sandbox_logs(
         yield line_json(first)
         try:  # in use while it is read (a followed log keeps its sandbox awake)
             async for line in state.use.while_using(
-                [view.name], while_granted(lines, held, RECHECK)
+                [view.member_key], while_granted(lines, held, RECHECK)
             ):
                 if isinstance(line, Denied):
                     yield json.dumps({"denied": denied_body(line, "logs")}) + "\n"

@@ -28,6 +28,7 @@ from services.api.models import SSE_EVENT_SCHEMA, responses
 from services.api.readmodel import ChangeFeed
 from services.common import metrics
 from services.common.database import Pool
+from services.common.names import resolve_all
 from services.common.tokens import READ, Denied, Grant
 
 log = logging.getLogger("sandstream.api")
@@ -95,7 +96,7 @@ async def watch(
     )
     return StreamingResponse(
         # A watch of named sandboxes is a use of them while it lasts; of the fleet, of none.
-        state.use.while_using(name, stream),
+        state.use.while_using(await resolve_all(state.pool, name), stream),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -287,6 +288,8 @@ async def decided_stream(
     metrics.API_WATCHERS.inc()
     try:
         yield ": sandstream decided events\nretry: 2000\n\n"
+        if names:  # a bound name: its own events (bound, released) and its member's
+            names = sorted({*names, *await resolve_all(pool, names)})
         oldest = await readmodel.retained_from(pool, topic)
         if oldest is not None and cursor < oldest - 1:
             gap = {"cursor": cursor, "retained_from": oldest,
