@@ -21,7 +21,7 @@ from events.decided import (
 )
 from events.trusted import builder
 
-from .model import Limits, P
+from .model import DELETE_FAILED, Limits, P, Sandbox
 
 # Which phases carry a deadline, of which kind. Entering one records it in the row (computed
 # from the entering message's occurred_at and the Limits); leaving it clears it.
@@ -101,3 +101,21 @@ def delete_deadline(
 ) -> Deadline | None:
     """A delete stops running runtimes first (grace period), then waits with back-off."""
     return retry_deadline("delete", spec, at, limits, attempt)
+
+
+def failure_reason(
+    prefix: str, phase: P, deadline: Deadline | None, operation: str, reason: str | None
+) -> str:
+    """The row's reason after a failed delete or stop: that it is still Deleting or Stopping,
+    how many retries its deadline made so far, when the next one is due, and the driver's
+    reason (the history keeps one per failure)."""
+    then = (
+        f"retries so far: {deadline.attempt}; next retry at {deadline.due_at.isoformat()}"
+        if deadline is not None
+        else f"{operation} retries off; the reconcile loop asks again"
+    )
+    return f"{prefix}: still {phase} ({then}): {reason or f'{operation} failed'}"
+
+
+def delete_failure_reason(state: Sandbox, reason: str | None) -> str:
+    return failure_reason(DELETE_FAILED, P.DELETING, state.deadline, "delete", reason)

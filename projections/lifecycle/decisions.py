@@ -28,7 +28,6 @@ from events.commands import (
 )
 from events.common import (
     Cause,
-    Deadline,
     Hold,
 )
 from events.decided import (
@@ -75,7 +74,14 @@ from .commands import (
     admitting_phases,
 )
 from .deadline_due import completion_policy, decide_deadline
-from .deadlines import delete_deadline, launch_deadline, retry_deadline, stop_deadline
+from .deadlines import (
+    delete_deadline,
+    delete_failure_reason,
+    failure_reason,
+    launch_deadline,
+    retry_deadline,
+    stop_deadline,
+)
 from .emit import (
     common_fields,
     emit_event,
@@ -94,7 +100,6 @@ from .identity import (
 )
 from .model import (
     DEFAULT_LIMITS,
-    DELETE_FAILED,
     STOP_FAILED,
     Decision,
     Limits,
@@ -481,24 +486,6 @@ def _agent_restarted(
         identity=identity_for(state.sandbox_id, generation, id_source),
         deadline=launch_deadline(common["occurred_at"], limits, replacing=state.spec),
     )
-
-
-def failure_reason(
-    prefix: str, phase: P, deadline: Deadline | None, operation: str, reason: str | None
-) -> str:
-    """The row's reason after a failed delete or stop: that it is still Deleting or Stopping,
-    how many retries its deadline made so far, when the next one is due, and the driver's
-    reason (the history keeps one per failure)."""
-    then = (
-        f"retries so far: {deadline.attempt}; next retry at {deadline.due_at.isoformat()}"
-        if deadline is not None
-        else f"{operation} retries off; the reconcile loop asks again"
-    )
-    return f"{prefix}: still {phase} ({then}): {reason or f'{operation} failed'}"
-
-
-def delete_failure_reason(state: Sandbox, reason: str | None) -> str:
-    return failure_reason(DELETE_FAILED, P.DELETING, state.deadline, "delete", reason)
 
 
 def _stop_failed(

@@ -94,7 +94,7 @@ def is_held(sandbox: Sandbox | None) -> bool:
     return sandbox is not None and sandbox.hold is not None
 
 
-# The reason of a Deleting row whose last delete failed (decisions.delete_failure_reason).
+# The reason of a Deleting row whose last delete failed (deadlines.delete_failure_reason).
 DELETE_FAILED: Final = "DeleteFailed"
 
 
@@ -109,7 +109,7 @@ def awaits_delete_retry(sandbox: Sandbox) -> bool:
 
 
 # The reason of a Stopping row whose last stop failed with the runtime still running (or its
-# state unknown): decisions.stop_failure_reason, and SandboxStopRetried's.
+# state unknown): deadlines.failure_reason, and SandboxStopRetried's.
 STOP_FAILED: Final = "StopFailed"
 
 
