@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any
@@ -117,6 +118,40 @@ async def test_suspend_without_a_workspace_that_outlives_the_pod_is_refused_with
     # Nothing was sent: the row and its history are as they were.
     assert await row(api, name) == before
     assert "SuspendSandbox" not in [h["message_type"] for h in await history(api.env, name)]
+
+
+async def test_a_call_refused_for_its_own_input_wakes_no_suspended_sandbox(api: Api) -> None:
+    """A files call with a path refused (NUL, too long, the root removed or moved) and an exec
+    refused for the token's session limit: 4xx, and the sandbox stays Suspended with no resume
+    on its history (they were checked only after the wake had resumed it)."""
+    name = unique("refused")
+    await created(api, create_body(name))
+    async with api.client() as c:
+        r = await c.post(f"/v1/sandboxes/{name}:suspend", params={"wait": 30})
+        assert r.status_code == 200, r.text
+        suspended = await phase_is(api, name, "Suspended", 1)
+        files = f"/v1/sandboxes/{name}/files"
+        bad = {"path": "a\0b"}
+        calls = [
+            c.get(f"{files}/content", params=bad),
+            c.get(f"{files}/stat", params=bad),
+            c.get(files, params=bad),
+            c.put(f"{files}/content", params=bad, content=b"x"),
+            c.post(f"{files}/mkdir", json={"path": "x" * 5000}),
+            c.delete(files, params={"path": "/", "recursive": "true"}),
+            c.post(f"{files}/move", json={"source": "/workspace", "destination": "/tmp/w"}),
+        ]
+        for call in calls:
+            r = await call
+            assert r.status_code in (400, 422), r.text
+        limits = api.app.state.api.exec_limits
+        with contextlib.ExitStack() as sessions:  # the token's sessions all open elsewhere
+            for _ in range(limits.per_token):
+                sessions.enter_context(limits.session("admin"))
+            r = await c.post(f"/v1/sandboxes/{name}/exec", json={"command": ["true"]})
+        assert r.status_code == 429, r.text
+    assert await row(api, name) == suspended
+    assert "ResumeSandbox" not in [h["message_type"] for h in await history(api.env, name)]
 
 
 # -- real Podman ----------------------------------------------------------------------------
