@@ -15,7 +15,7 @@ import base64
 import secrets
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -327,6 +327,24 @@ async def test_openshell_exec_wakes_an_idle_suspended_sandbox(
         assert await exec_openshell(openshell, sandbox_id, ["cat", "/workspace/f"]) == b"kept\n"
         woken = await row(api, name)
         assert (woken["phase"], woken["generation"]) == ("Ready", 2)
+
+
+async def test_an_openshell_exec_refused_for_the_tokens_session_limit_wakes_nothing(
+    scaled: tuple[Api, RunningOpenShell], settings: Settings
+) -> None:
+    api, openshell = scaled
+    async with sandbox(api, settings, "osrefused", 1) as name:
+        suspended = await phase_is(api, name, ("Suspended",), timeout=1 + 3 * FLUSH + 30)
+        limits = api.app.state.api.exec_limits  # shared by both doors, as under `up`
+        with ExitStack() as sessions:  # the token's sessions all open elsewhere
+            for _ in range(limits.per_token):
+                sessions.enter_context(limits.session("admin"))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await exec_openshell(openshell, suspended["id"], ["true"])
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await row(api, name) == suspended
+        entries = await history(api.env, name)
+        assert "ResumeSandbox" not in [h["message_type"] for h in entries]
 
 
 async def test_set_idle_suspend_over_http_changes_the_timeout_and_clears_it(
