@@ -25,6 +25,7 @@ from drivers.fake import FakeDriver
 from drivers.kube_objects import WORKSPACE_DIES_WITH_POD
 from drivers.podman import PodmanDriver
 from services.common.settings import Settings
+from services.common.tokens import AUDIT, FILES_READ, READ, SCOPES, TokenStore
 
 # The agent records the value its environment was launched with.
 AGENT = ["sh", "-c", "echo $TOKEN > /tmp/token; exec sleep 3600"]
@@ -152,6 +153,39 @@ async def test_a_call_refused_for_its_own_input_wakes_no_suspended_sandbox(api: 
         assert r.status_code == 429, r.text
     assert await row(api, name) == suspended
     assert "ResumeSandbox" not in [h["message_type"] for h in await history(api.env, name)]
+
+
+FILES_ONLY = "sst_test-files-only"  # files:read and nothing else
+
+
+async def test_a_files_read_token_wakes_a_suspended_sandbox_a_sandbox_read_token_does_not() -> None:
+    """The decision (docs/security.md): waking belongs to the scopes that reach the running
+    sandbox (exec, files); a sandbox:read token's logs, row and list wake nothing."""
+    store = TokenStore.of(
+        admin=(apikit.ADMIN, *(s for s in SCOPES if s != AUDIT)),
+        reader=(apikit.READER, READ),
+        filesonly=(FILES_ONLY, FILES_READ),
+    )
+    async with apikit.running_api(FakeDriver(), token_store=store) as api:
+        name = unique("scope")
+        await created(api, create_body(name))
+        async with api.client() as c:
+            r = await c.post(f"/v1/sandboxes/{name}:suspend", params={"wait": 30})
+            assert r.status_code == 200, r.text
+        suspended = await phase_is(api, name, "Suspended", 1)
+        async with api.client(apikit.READER) as reader:
+            for path in (f"/v1/sandboxes/{name}/logs", f"/v1/sandboxes/{name}", "/v1/sandboxes"):
+                assert (await reader.get(path)).status_code < 500
+            r = await reader.get(f"/v1/sandboxes/{name}/files", params={"path": "/workspace"})
+            assert r.status_code == 403, r.text
+        assert await row(api, name) == suspended
+        async with api.client(FILES_ONLY) as files:
+            await files.get(f"/v1/sandboxes/{name}/files/stat", params={"path": "/workspace"})
+        await phase_is(api, name, "Ready", 2)
+        resumes = [h for h in await history(api.env, name) if h["message_type"] == "ResumeSandbox"]
+        assert [(h["disposition"], h["message"]["actor"]) for h in resumes] == [
+            ("applied", "filesonly")
+        ]
 
 
 # -- real Podman ----------------------------------------------------------------------------
