@@ -188,6 +188,45 @@ async def test_a_files_read_token_wakes_a_suspended_sandbox_a_sandbox_read_token
         ]
 
 
+async def test_no_call_wakes_a_sandbox_whose_time_to_live_ended_while_suspended() -> None:
+    """An expiry (on_expiry stop) finds the sandbox Suspended: an exec or a files call is
+    refused (409, saying so) and resumes nothing, as for a sandbox its expiry stopped; an
+    extend lets the next call wake it. It used to run on, without a time to live."""
+    update = {"scheduler_poll_seconds": 0.5}
+    async with apikit.running_api(FakeDriver(), settings_update=update, with_scheduler=True) as api:
+        name = unique("expired")
+        base = f"/v1/sandboxes/{name}"
+        await created(api, {"name": name, "spec": {"image": "registry.example/agent:1"},
+                            "ttl_seconds": 3600})  # fmt: skip
+        async with api.client() as c:
+            assert (await c.post(f"{base}:suspend", params={"wait": 30})).status_code == 200
+            await phase_is(api, name, "Suspended", 1)
+            r = await c.post(f"{base}:extend", params={"wait": 30}, json={"ttl_seconds": 1})
+            assert r.status_code == 200, r.text
+            expired = await eventually(
+                lambda: row(api, name),
+                lambda v: (v["reason"] or "").startswith("Expired"),
+                what="expired",
+                timeout=30,
+            )
+            assert (expired["phase"], expired["expires_at"]) == ("Suspended", None)
+            calls = [
+                c.get(f"{base}/files/stat", params={"path": "/workspace"}),
+                c.post(f"{base}/exec", json={"command": ["true"]}),
+            ]
+            for call in calls:
+                r = await call
+                assert r.status_code == 409, r.text
+                assert "time to live has ended" in r.json()["message"], r.text
+            assert await row(api, name) == expired
+            entries = await history(api.env, name)
+            assert "ResumeSandbox" not in [h["message_type"] for h in entries]
+            r = await c.post(f"{base}:extend", params={"wait": 30}, json={"ttl_seconds": 3600})
+            assert r.status_code == 200, r.text
+            await c.get(f"{base}/files/stat", params={"path": "/workspace"})
+            await phase_is(api, name, "Ready", 2)
+
+
 # -- real Podman ----------------------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ from typing import Final
 from events.commands import ResumeSandbox
 from events.common import Phase
 from events.publisher import now
+from projections.lifecycle import expired
 from services.api import readmodel
 from services.api.errors import ApiError
 from services.api.gateway import CommandGateway
@@ -40,6 +41,10 @@ async def woken(
     """``view`` itself unless it is Suspended; else the row once its resume made it Ready."""
     if view.phase is not Phase.SUSPENDED:
         return view
+    if expired(view.reason, view.expires_at):  # as a sandbox its expiry stopped: no call starts it
+        raise WakeFailed(
+            "its time to live has ended: resume or start it (sandbox:write), or extend it first"
+        )
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     command = ResumeSandbox(
