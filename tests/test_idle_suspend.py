@@ -20,16 +20,22 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import apikit
+import factories as f
 import grpc
 import pytest
 import pytest_asyncio
 from apikit import Api, create_body, unique
-from harness import eventually
+from harness import eventually, isolated_env
 from openshell_support import auth
-from pipeline_support import history
+from pipeline_support import command, history, running_plane, wait_phase
 from pydantic import SecretStr
 
+from drivers.fake import FakeDriver
 from drivers.podman import PodmanDriver
+from events.codec import OBSERVATIONS, decode
+from events.common import SandboxSpec
+from events.observations import DeadlineDue
+from events.publisher import now
 from services.common.settings import Settings
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto.openshell_pb2_grpc import OpenShellStub
@@ -404,3 +410,43 @@ async def test_a_killed_scheduler_started_again_does_not_suspend_twice(
             assert await second.round() == 0  # started after the fold acted: nothing due
         finally:
             await second.stop()
+
+
+# -- the scheduler's idle message, composed before a wait on Kafka ------------------------------
+
+
+async def test_an_idle_message_whose_read_of_use_went_stale_is_not_sent() -> None:
+    """The scheduler's idle message carries the use it read; publishes before it that waited
+    on Kafka longer than a flush interval (an outage) leave that read stale, and a use since
+    (an exec begun meanwhile) would not have saved the sandbox. Old code sent it all the same
+    (and kept sending it until Kafka took it); now the next scan reads the use again. The
+    clock is the scheduler's own setting: the first reading is the round's, the second the
+    moment of the publish, two flush intervals on."""
+    flush = timedelta(seconds=10)  # the default use_flush_seconds
+    spec = SandboxSpec(image=f.IMAGE, idle_suspend_seconds=1)
+    async with isolated_env() as env, running_plane(env, FakeDriver()):
+        assert env.settings.use_flush_seconds == flush.total_seconds()
+        async with await env.publisher() as pub:
+            await command(env, pub, f.create("idle", sandbox_spec=spec, occurred_at=now()))
+        await wait_phase(env, "idle", "Ready", timeout=60)
+        scan = now() + timedelta(hours=1)  # long idle by then
+        readings = iter([scan])
+        scheduler = Scheduler(
+            env.settings, env.pool, clock=lambda: next(readings, scan + 2 * flush)
+        )
+        await scheduler.start()
+        try:
+            await scheduler.round()
+            assert scheduler.published == 0
+            inputs = [
+                decode(OBSERVATIONS, r.value)
+                for r in await env.read_topic(env.settings.topic_observations)
+            ]
+            assert [m for m in inputs if isinstance(m, DeadlineDue)] == []
+            # The next scan, on a read of use made then, sends it and the fold suspends.
+            scheduler.clock = lambda: scan + 3 * flush
+            await scheduler.round()
+            assert scheduler.published == 1
+        finally:
+            await scheduler.stop()
+        await wait_phase(env, "idle", "Suspended", timeout=60)
