@@ -149,9 +149,8 @@ async def sandbox_exec(
         timeout = limits.deadline(body.timeout)
     except ValueError as exc:
         raise ApiError(422, "INVALID_ARGUMENT", f"timeout: {exc}") from exc
-    _within_limits(limits, principal.name, name)  # before a wake: a refusal resumes nothing
     view = await ready_sandbox(state, name, principal.name)
-    _within_limits(limits, principal.name, view.name)  # sessions may have begun meanwhile
+    _within_limits(limits, principal.name, view.name)  # sessions may have begun in a wake
     held = grant(request, EXEC)
     await state.use.begin(view.name, view.spec.idle_suspend_seconds)  # seen by the next scan
     session = Session(state, limits, principal.name, view, body, timeout, request.receive, held)
@@ -177,6 +176,7 @@ async def ready_sandbox(state: ApiState, name: str, actor: str) -> SandboxView:
         raise ApiError(404, "NOT_FOUND", f"sandbox {name!r} not found")
     if state.exec_driver is None:
         raise ApiError(501, "NOT_IMPLEMENTED", "this API's driver cannot exec")
+    _within_limits(state.exec_limits, actor, view.name)  # a refused call wakes nothing
     view = await woken_for_http(state.gateway, view, actor, state.settings.wake_timeout_seconds)
     if view.phase is not Phase.READY:
         raise ApiError(
