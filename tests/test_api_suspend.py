@@ -179,12 +179,23 @@ async def test_a_files_read_token_wakes_a_suspended_sandbox_a_sandbox_read_token
             r = await reader.get(f"/v1/sandboxes/{name}/files", params={"path": "/workspace"})
             assert r.status_code == 403, r.text
         assert await row(api, name) == suspended
-        async with api.client(FILES_ONLY) as files:
-            await files.get(f"/v1/sandboxes/{name}/files/stat", params={"path": "/workspace"})
+        # A hold keeps it suspended against them (the wake's resume is refused), until released.
+        base = f"/v1/sandboxes/{name}"
+        async with api.client() as c:
+            r = await c.post(f"{base}:hold", params={"wait": 30}, json={"reason": "keep"})
+            assert r.status_code == 200, r.text
+            async with api.client(FILES_ONLY) as files:
+                r = await files.get(f"{base}/files/stat", params={"path": "/workspace"})
+                assert r.status_code == 409 and "refused" in r.json()["message"], r.text
+                assert (await row(api, name))["phase"] == "Suspended"
+                r = await c.post(f"{base}:release", params={"wait": 30})
+                assert r.status_code == 200, r.text
+                await files.get(f"{base}/files/stat", params={"path": "/workspace"})
         await phase_is(api, name, "Ready", 2)
         resumes = [h for h in await history(api.env, name) if h["message_type"] == "ResumeSandbox"]
         assert [(h["disposition"], h["message"]["actor"]) for h in resumes] == [
-            ("applied", "filesonly")
+            ("rejected", "filesonly"),
+            ("applied", "filesonly"),
         ]
 
 
