@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,6 +25,7 @@ from drivers.fake import FakeDriver
 from drivers.kube_objects import WORKSPACE_DIES_WITH_POD
 from drivers.podman import PodmanDriver
 from services.common.settings import Settings
+from services.common.tokens import AUDIT, FILES_READ, READ, SCOPES, TokenStore
 
 # The agent records the value its environment was launched with.
 AGENT = ["sh", "-c", "echo $TOKEN > /tmp/token; exec sleep 3600"]
@@ -117,6 +119,123 @@ async def test_suspend_without_a_workspace_that_outlives_the_pod_is_refused_with
     # Nothing was sent: the row and its history are as they were.
     assert await row(api, name) == before
     assert "SuspendSandbox" not in [h["message_type"] for h in await history(api.env, name)]
+
+
+async def test_a_call_refused_for_its_own_input_wakes_no_suspended_sandbox(api: Api) -> None:
+    """A files call with a path refused (NUL, too long, the root removed or moved) and an exec
+    refused for the token's session limit: 4xx, and the sandbox stays Suspended with no resume
+    on its history (they were checked only after the wake had resumed it)."""
+    name = unique("refused")
+    await created(api, create_body(name))
+    async with api.client() as c:
+        r = await c.post(f"/v1/sandboxes/{name}:suspend", params={"wait": 30})
+        assert r.status_code == 200, r.text
+        suspended = await phase_is(api, name, "Suspended", 1)
+        files = f"/v1/sandboxes/{name}/files"
+        bad = {"path": "a\0b"}
+        calls = [
+            c.get(f"{files}/content", params=bad),
+            c.get(f"{files}/stat", params=bad),
+            c.get(files, params=bad),
+            c.put(f"{files}/content", params=bad, content=b"x"),
+            c.post(f"{files}/mkdir", json={"path": "x" * 5000}),
+            c.delete(files, params={"path": "/", "recursive": "true"}),
+            c.post(f"{files}/move", json={"source": "/workspace", "destination": "/tmp/w"}),
+        ]
+        for call in calls:
+            r = await call
+            assert r.status_code in (400, 422), r.text
+        limits = api.app.state.api.exec_limits
+        with contextlib.ExitStack() as sessions:  # the token's sessions all open elsewhere
+            for _ in range(limits.per_token):
+                sessions.enter_context(limits.session("admin"))
+            r = await c.post(f"/v1/sandboxes/{name}/exec", json={"command": ["true"]})
+        assert r.status_code == 429, r.text
+    assert await row(api, name) == suspended
+    assert "ResumeSandbox" not in [h["message_type"] for h in await history(api.env, name)]
+
+
+FILES_ONLY = "sst_test-files-only"  # files:read and nothing else
+
+
+async def test_a_files_read_token_wakes_a_suspended_sandbox_a_sandbox_read_token_does_not() -> None:
+    """The decision (docs/security.md): waking belongs to the scopes that reach the running
+    sandbox (exec, files); a sandbox:read token's logs, row and list wake nothing."""
+    store = TokenStore.of(
+        admin=(apikit.ADMIN, *(s for s in SCOPES if s != AUDIT)),
+        reader=(apikit.READER, READ),
+        filesonly=(FILES_ONLY, FILES_READ),
+    )
+    async with apikit.running_api(FakeDriver(), token_store=store) as api:
+        name = unique("scope")
+        await created(api, create_body(name))
+        async with api.client() as c:
+            r = await c.post(f"/v1/sandboxes/{name}:suspend", params={"wait": 30})
+            assert r.status_code == 200, r.text
+        suspended = await phase_is(api, name, "Suspended", 1)
+        async with api.client(apikit.READER) as reader:
+            for path in (f"/v1/sandboxes/{name}/logs", f"/v1/sandboxes/{name}", "/v1/sandboxes"):
+                assert (await reader.get(path)).status_code < 500
+            r = await reader.get(f"/v1/sandboxes/{name}/files", params={"path": "/workspace"})
+            assert r.status_code == 403, r.text
+        assert await row(api, name) == suspended
+        # A hold keeps it suspended against them (the wake's resume is refused), until released.
+        base = f"/v1/sandboxes/{name}"
+        async with api.client() as c:
+            r = await c.post(f"{base}:hold", params={"wait": 30}, json={"reason": "keep"})
+            assert r.status_code == 200, r.text
+            async with api.client(FILES_ONLY) as files:
+                r = await files.get(f"{base}/files/stat", params={"path": "/workspace"})
+                assert r.status_code == 409 and "refused" in r.json()["message"], r.text
+                assert (await row(api, name))["phase"] == "Suspended"
+                r = await c.post(f"{base}:release", params={"wait": 30})
+                assert r.status_code == 200, r.text
+                await files.get(f"{base}/files/stat", params={"path": "/workspace"})
+        await phase_is(api, name, "Ready", 2)
+        resumes = [h for h in await history(api.env, name) if h["message_type"] == "ResumeSandbox"]
+        assert [(h["disposition"], h["message"]["actor"]) for h in resumes] == [
+            ("rejected", "filesonly"),
+            ("applied", "filesonly"),
+        ]
+
+
+async def test_no_call_wakes_a_sandbox_whose_time_to_live_ended_while_suspended() -> None:
+    """An expiry (on_expiry stop) finds the sandbox Suspended: an exec or a files call is
+    refused (409, saying so) and resumes nothing, as for a sandbox its expiry stopped; an
+    extend lets the next call wake it. It used to run on, without a time to live."""
+    update = {"scheduler_poll_seconds": 0.5}
+    async with apikit.running_api(FakeDriver(), settings_update=update, with_scheduler=True) as api:
+        name = unique("expired")
+        base = f"/v1/sandboxes/{name}"
+        await created(api, {"name": name, "spec": {"image": "registry.example/agent:1"},
+                            "ttl_seconds": 3600})  # fmt: skip
+        async with api.client() as c:
+            assert (await c.post(f"{base}:suspend", params={"wait": 30})).status_code == 200
+            await phase_is(api, name, "Suspended", 1)
+            r = await c.post(f"{base}:extend", params={"wait": 30}, json={"ttl_seconds": 1})
+            assert r.status_code == 200, r.text
+            expired = await eventually(
+                lambda: row(api, name),
+                lambda v: (v["reason"] or "").startswith("Expired"),
+                what="expired",
+                timeout=30,
+            )
+            assert (expired["phase"], expired["expires_at"]) == ("Suspended", None)
+            calls = [
+                c.get(f"{base}/files/stat", params={"path": "/workspace"}),
+                c.post(f"{base}/exec", json={"command": ["true"]}),
+            ]
+            for call in calls:
+                r = await call
+                assert r.status_code == 409, r.text
+                assert "time to live has ended" in r.json()["message"], r.text
+            assert await row(api, name) == expired
+            entries = await history(api.env, name)
+            assert "ResumeSandbox" not in [h["message_type"] for h in entries]
+            r = await c.post(f"{base}:extend", params={"wait": 30}, json={"ttl_seconds": 3600})
+            assert r.status_code == 200, r.text
+            await c.get(f"{base}/files/stat", params={"path": "/workspace"})
+            await phase_is(api, name, "Ready", 2)
 
 
 # -- real Podman ----------------------------------------------------------------------------

@@ -15,21 +15,27 @@ import base64
 import secrets
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
 import apikit
+import factories as f
 import grpc
 import pytest
 import pytest_asyncio
 from apikit import Api, create_body, unique
-from harness import eventually
+from harness import eventually, isolated_env
 from openshell_support import auth
-from pipeline_support import history
+from pipeline_support import command, history, running_plane, wait_phase
 from pydantic import SecretStr
 
+from drivers.fake import FakeDriver
 from drivers.podman import PodmanDriver
+from events.codec import OBSERVATIONS, decode
+from events.common import SandboxSpec
+from events.observations import DeadlineDue
+from events.publisher import now
 from services.common.settings import Settings
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto.openshell_pb2_grpc import OpenShellStub
@@ -329,6 +335,24 @@ async def test_openshell_exec_wakes_an_idle_suspended_sandbox(
         assert (woken["phase"], woken["generation"]) == ("Ready", 2)
 
 
+async def test_an_openshell_exec_refused_for_the_tokens_session_limit_wakes_nothing(
+    scaled: tuple[Api, RunningOpenShell], settings: Settings
+) -> None:
+    api, openshell = scaled
+    async with sandbox(api, settings, "osrefused", 1) as name:
+        suspended = await phase_is(api, name, ("Suspended",), timeout=1 + 3 * FLUSH + 30)
+        limits = api.app.state.api.exec_limits  # shared by both doors, as under `up`
+        with ExitStack() as sessions:  # the token's sessions all open elsewhere
+            for _ in range(limits.per_token):
+                sessions.enter_context(limits.session("admin"))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await exec_openshell(openshell, suspended["id"], ["true"])
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await row(api, name) == suspended
+        entries = await history(api.env, name)
+        assert "ResumeSandbox" not in [h["message_type"] for h in entries]
+
+
 async def test_set_idle_suspend_over_http_changes_the_timeout_and_clears_it(
     scaled: tuple[Api, RunningOpenShell], settings: Settings
 ) -> None:
@@ -386,3 +410,43 @@ async def test_a_killed_scheduler_started_again_does_not_suspend_twice(
             assert await second.round() == 0  # started after the fold acted: nothing due
         finally:
             await second.stop()
+
+
+# -- the scheduler's idle message, composed before a wait on Kafka ------------------------------
+
+
+async def test_an_idle_message_whose_read_of_use_went_stale_is_not_sent() -> None:
+    """The scheduler's idle message carries the use it read; publishes before it that waited
+    on Kafka longer than a flush interval (an outage) leave that read stale, and a use since
+    (an exec begun meanwhile) would not have saved the sandbox. Old code sent it all the same
+    (and kept sending it until Kafka took it); now the next scan reads the use again. The
+    clock is the scheduler's own setting: the first reading is the round's, the second the
+    moment of the publish, two flush intervals on."""
+    flush = timedelta(seconds=10)  # the default use_flush_seconds
+    spec = SandboxSpec(image=f.IMAGE, idle_suspend_seconds=1)
+    async with isolated_env() as env, running_plane(env, FakeDriver()):
+        assert env.settings.use_flush_seconds == flush.total_seconds()
+        async with await env.publisher() as pub:
+            await command(env, pub, f.create("idle", sandbox_spec=spec, occurred_at=now()))
+        await wait_phase(env, "idle", "Ready", timeout=60)
+        scan = now() + timedelta(hours=1)  # long idle by then
+        readings = iter([scan])
+        scheduler = Scheduler(
+            env.settings, env.pool, clock=lambda: next(readings, scan + 2 * flush)
+        )
+        await scheduler.start()
+        try:
+            await scheduler.round()
+            assert scheduler.published == 0
+            inputs = [
+                decode(OBSERVATIONS, r.value)
+                for r in await env.read_topic(env.settings.topic_observations)
+            ]
+            assert [m for m in inputs if isinstance(m, DeadlineDue)] == []
+            # The next scan, on a read of use made then, sends it and the fold suspends.
+            scheduler.clock = lambda: scan + 3 * flush
+            await scheduler.round()
+            assert scheduler.published == 1
+        finally:
+            await scheduler.stop()
+        await wait_phase(env, "idle", "Suspended", timeout=60)

@@ -20,7 +20,7 @@ from events.decided import (
     SandboxSuspending,
 )
 from events.outcomes import Code
-from projections.lifecycle import ROTATION_TABLE
+from projections.lifecycle import ROTATION_TABLE, expired
 
 P = Phase
 
@@ -126,6 +126,25 @@ def test_time_to_live_keeps_counting_while_suspended(policy: str, phase: Phase) 
     d = h.send(f.due(deadline="ttl", due_at=expires))
     assert isinstance(d.events[0], SandboxExpired)
     assert h.row().phase is phase
+
+
+@pytest.mark.parametrize("when", ["suspending", "suspended"])
+def test_an_expiry_while_suspended_is_kept_on_the_row_until_an_extend(when: str) -> None:
+    """The row says the time to live ended (a wake on access refuses it then), also when it
+    ended during the suspend itself; an extend gives it a time to live again."""
+    h = f.Harness()
+    h.send(f.create(ttl_seconds=60), f.running(occurred_at=f.at(1)), f.suspend(occurred_at=f.at(2)))
+    expires = h.row().expires_at
+    assert expires is not None
+    if when == "suspended":
+        h.send(f.suspended(occurred_at=f.at(3)))
+    h.send(f.due(deadline="ttl", due_at=expires))
+    h.send(f.suspended(occurred_at=f.at(90)))
+    row = h.row()
+    assert row.phase is P.SUSPENDED and expired(row.reason, row.expires_at), row.reason
+    h.send(f.extend(ttl_seconds=600))
+    row = h.row()
+    assert row.phase is P.SUSPENDED and not expired(row.reason, row.expires_at)
 
 
 def test_delete_of_a_suspended_sandbox_deletes_it_workspace_included() -> None:

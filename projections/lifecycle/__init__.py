@@ -65,6 +65,7 @@ from .idle import IDLE_TABLE
 from .model import (
     DEFAULT_LIMITS,
     DELETE_FAILED,
+    EXPIRED,
     IDLE_SUSPEND,
     STOP_FAILED,
     Decision,
@@ -74,6 +75,7 @@ from .model import (
     Sandbox,
     awaits_delete_retry,
     awaits_stop_retry,
+    expired,
     is_held,
 )
 from .observations import (
@@ -124,6 +126,7 @@ __all__ = [
     "DETACH_TABLE",
     "EXIT_EVENTS",
     "EXIT_KINDS",
+    "EXPIRED",
     "FOLLOW_OBSERVED",
     "HELD",
     "IDLE_SUSPEND",
@@ -160,6 +163,7 @@ __all__ = [
     "detach_action",
     "event_id_for",
     "evolve",
+    "expired",
     "grace_of",
     "identity_for",
     "is_held",

@@ -132,6 +132,17 @@ def idle_suspended(sandbox: Sandbox) -> bool:
     return (sandbox.reason or "").startswith(IDLE_SUSPEND)
 
 
+# The reason of a sandbox whose time to live ended where its policy had nothing to stop
+# (Stopped, Suspending, Suspended): kept in Suspended, where a wake on access must not resume
+# it (services/api/wake.py), as no call starts a sandbox stopped by its expiry.
+EXPIRED: Final = "Expired"
+
+
+def expired(reason: str | None, expires_at: datetime | None) -> bool:
+    """Its time to live ended and was not extended since (the row's reason and expiry)."""
+    return expires_at is None and (reason or "").startswith(f"{EXPIRED}:")
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """How long each guarded phase may last (seconds; None: no deadline). The processor's

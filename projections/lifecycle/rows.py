@@ -43,7 +43,15 @@ from events.decided import (
 )
 from projections.records import maker, replaced
 
-from .model import STOP_FAILED, P, Sandbox, awaits_stop_retry, idle_suspended
+from .model import (
+    EXPIRED,
+    STOP_FAILED,
+    P,
+    Sandbox,
+    awaits_stop_retry,
+    expired,
+    idle_suspended,
+)
 from .providers import OWED_PHASES, restart_reason
 from .restarts import (
     RESTART_CHANGES,
@@ -106,6 +114,14 @@ def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
 _Changes = Callable[[Sandbox, Any], dict[str, Any]]
 
 
+def suspended_reason(state: Sandbox) -> str | None:
+    """Suspended keeps a reason that says why it is suspended (an idle suspend's) or that its
+    time to live ended meanwhile (no wake resumes it then); an operator's suspend has none."""
+    if idle_suspended(state) or expired(state.reason, state.expires_at):
+        return state.reason
+    return None
+
+
 _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
     SandboxStarting: lambda s, e: {"phase": P.STARTING, "spec": e.spec, "identity": e.identity,
                                    "exit_code": None, "reason": started_reason(e),
@@ -114,11 +130,11 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
                                 "deadline": None, **restarts_on_ready(s, e)},
     SandboxStopping: lambda s, e: {"phase": P.STOPPING, "deadline": e.deadline},
     SandboxStopped: lambda s, e: {"phase": P.STOPPED, "reason": None, "deadline": None},
-    # An idle suspend's reason stays until the resume (an operator's suspend sets none).
+    # An idle suspend's reason stays until the resume (suspended_reason).
     SandboxSuspending: lambda s, e: {"phase": P.SUSPENDING, "deadline": e.deadline,
                                      **({"reason": e.reason} if e.reason else {})},
     SandboxSuspended: lambda s, e: {"phase": P.SUSPENDED, "deadline": None,
-                                    "reason": s.reason if idle_suspended(s) else None},
+                                    "reason": suspended_reason(s)},
     SandboxCompleted: lambda s, e: {"phase": P.COMPLETED, "exit_code": e.exit_code,
                                     "reason": None, "deadline": None},
     SandboxFailed: lambda s, e: {"phase": P.ERROR, "exit_code": e.exit_code, "reason": e.reason,
@@ -159,7 +175,7 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
     # the retry's): an expiry falling due meanwhile changes nothing of that.
     SandboxExpired: lambda s, e: {"expires_at": None, "reason": (
         s.reason if s.phase is P.DELETING or awaits_stop_retry(s)
-        else f"Expired: time to live ended ({e.policy})"
+        else f"{EXPIRED}: time to live ended ({e.policy})"
     )},
     SandboxExtended: lambda s, e: {"expires_at": e.expires_at},
     SandboxHeld: held_defers,

@@ -3,9 +3,11 @@ it is Ready, within a bounded wait (``wake_timeout_seconds``). Every door that r
 in a sandbox (the HTTP API's exec and files, OpenShell's ExecSandbox) calls ``woken``; a read
 of the row never does.
 
-The resume's command id names the suspended generation (``wake:<id>:<generation>``), so calls
-that find the same suspended sandbox at once are decided as one ResumeSandbox (one published
-twice is a duplicate), and each waits for it.
+The resume's command id names the suspended row as it was read
+(``wake:<id>:<generation>:v<version>``), so calls that find the same suspended sandbox at once
+are decided as one ResumeSandbox (one published twice is a duplicate), and each waits for it.
+The version is in it because a resume can be refused (held): the release changes the row, so
+the next call's resume is a new command, not a duplicate of the refused one.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Final
 from events.commands import ResumeSandbox
 from events.common import Phase
 from events.publisher import now
+from projections.lifecycle import expired
 from services.api import readmodel
 from services.api.errors import ApiError
 from services.api.gateway import CommandGateway
@@ -40,11 +43,15 @@ async def woken(
     """``view`` itself unless it is Suspended; else the row once its resume made it Ready."""
     if view.phase is not Phase.SUSPENDED:
         return view
+    if expired(view.reason, view.expires_at):  # as a sandbox its expiry stopped: no call starts it
+        raise WakeFailed(
+            "its time to live has ended: resume or start it (sandbox:write), or extend it first"
+        )
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     command = ResumeSandbox(
         type="ResumeSandbox",
-        command_id=f"wake:{view.id}:{view.generation}",
+        command_id=f"wake:{view.id}:{view.generation}:v{view.version}",
         key=view.member_key,
         occurred_at=now(),
         actor=actor,

@@ -119,6 +119,10 @@ class ExecRpcs:
                 context, grpc.StatusCode.NOT_FOUND, f"workspace {request.workspace!r} not found"
             )
         view = await self.door.resolve(request.reference, context)
+        driver = self.door.driver
+        if driver is None:
+            await abort(context, grpc.StatusCode.UNIMPLEMENTED, "the driver cannot exec")
+        await self._within_limits(principal.name, view.member_key, context)  # refused: no wake
         try:  # a Suspended sandbox is resumed first (services/api/wake.py)
             view = await woken(self.door.gateway, view, principal.name, self.door.wake_timeout)
         except WakeFailed as exc:
@@ -133,12 +137,7 @@ class ExecRpcs:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"sandbox {view.name!r} is {view.phase.value}, not Ready",
             )
-        driver = self.door.driver
-        if driver is None:
-            await abort(context, grpc.StatusCode.UNIMPLEMENTED, "the driver cannot exec")
-        refused = self.limits.refusal(principal.name, view.member_key)
-        if refused is not None:
-            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+        await self._within_limits(principal.name, view.member_key, context)  # begun meanwhile?
         timeout = self.limits.deadline(request.timeout)
         await self.door.use.begin(view.member_key, view.spec.idle_suspend_seconds)  # the next scan
         with (
@@ -177,6 +176,11 @@ class ExecRpcs:
             finally:
                 await events.aclose()
                 await stream.aclose()
+
+    async def _within_limits(self, token: str, name: str, context: Context) -> None:
+        refused = self.limits.refusal(token, name)
+        if refused is not None:
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
 
 
 def _event(event: object) -> pinned.ExecSandboxEvent:

@@ -29,10 +29,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
+from aiokafka.errors import KafkaError
 
 from events.common import Deadline, DeadlineKind
 from events.observations import DeadlineDue
-from events.publisher import RenewingProducer, publish_until_sent
+from events.publisher import RenewingProducer, publish_observation, publish_until_sent
 from events.topics import CHANGES_CHANNEL
 from projections.store import CONNECTION_ERRORS
 from services.common import metrics
@@ -162,10 +163,12 @@ class Scheduler:
             (m for m in due if m.observation_id not in self._sent), key=lambda m: m.due_at
         )
         for message in fresh:
-            sent = await publish_until_sent(
+            if message.deadline == "idle":  # once, on a fresh read, or the next scan's read
+                if self.stale(message) or not await self.sent_once(message):
+                    continue
+            elif not await publish_until_sent(
                 self.producer, self.settings.topic_observations, message, stop
-            )
-            if not sent:
+            ):
                 break
             self._sent.add(message.observation_id)
             self.published += 1
@@ -176,6 +179,25 @@ class Scheduler:
         self._sent &= {m.observation_id for m in due} | self._idle_ids
         self.rounds += 1
         return len(fresh)
+
+    # An idle message is decided on the use the scheduler read, so it is sent only while that
+    # read is fresh: not kept through a Kafka outage (decided once the broker is back, on use
+    # read before it, it would suspend a sandbox used meanwhile: an exec on a Ready sandbox
+    # needs no Kafka), nor sent after earlier publishes waited longer than a flush interval.
+    # The next idle scan reads the use again and sends what is still idle.
+    def stale(self, message: DeadlineDue) -> bool:
+        age = self.clock() - message.occurred_at
+        return age > timedelta(seconds=self.settings.use_flush_seconds)
+
+    async def sent_once(self, message: DeadlineDue) -> bool:
+        assert self.producer is not None
+        try:
+            await publish_observation(self.producer, self.settings.topic_observations, message)
+        except KafkaError as exc:
+            log.warning("idle %s not sent (%s); the next scan reads its use again",
+                        message.key, exc)  # fmt: skip
+            return False
+        return True
 
     async def due_rows(self, now: datetime) -> list[Any]:
         """Every row with a deadline due at ``now``, read ``batch`` rows at a time."""

@@ -150,11 +150,9 @@ async def sandbox_exec(
     except ValueError as exc:
         raise ApiError(422, "INVALID_ARGUMENT", f"timeout: {exc}") from exc
     view = await ready_sandbox(state, name, principal.name)
-    refused = limits.refusal(principal.name, view.member_key)
-    if refused is not None:
-        raise ApiError(429, "RESOURCE_EXHAUSTED", refused)
+    _within_limits(limits, principal.name, view.member_key)  # sessions may have begun in a wake
     held = grant(request, EXEC)
-    await state.use.begin(view.name, view.spec.idle_suspend_seconds)  # seen by the next scan
+    await state.use.begin(view.member_key, view.spec.idle_suspend_seconds)  # seen by the next scan
     session = Session(state, limits, principal.name, view, body, timeout, request.receive, held)
     if stream:
         return StreamingResponse(
@@ -165,18 +163,25 @@ async def sandbox_exec(
     return await session.result(state.settings.exec_output_max_bytes)
 
 
+def _within_limits(limits: ExecLimits, token: str, name: str) -> None:
+    refused = limits.refusal(token, name)
+    if refused is not None:
+        raise ApiError(429, "RESOURCE_EXHAUSTED", refused)
+
+
 async def ready_sandbox(state: ApiState, name: str, actor: str) -> SandboxView:
     """The Ready sandbox ``name``; a Suspended one is woken first (``services.api.wake``)."""
     view = await readmodel.get_sandbox(state.pool, name)
     if view is None:
         raise ApiError(404, "NOT_FOUND", f"sandbox {name!r} not found")
+    if state.exec_driver is None:
+        raise ApiError(501, "NOT_IMPLEMENTED", "this API's driver cannot exec")
+    _within_limits(state.exec_limits, actor, view.member_key)  # a refused call wakes nothing
     view = await woken_for_http(state.gateway, view, actor, state.settings.wake_timeout_seconds)
     if view.phase is not Phase.READY:
         raise ApiError(
             409, "FAILED_PRECONDITION", f"sandbox {name!r} is {view.phase.value}, not Ready"
         )
-    if state.exec_driver is None:
-        raise ApiError(501, "NOT_IMPLEMENTED", "this API's driver cannot exec")
     return view
 
 
@@ -208,9 +213,7 @@ class Session:
         reservation). However it ends,
         the command is ended and only then its session released, in a task of its own: the
         server cancels an answer whose client left again at every wait of its cleanup."""
-        refused = self.limits.refusal(self.token, self.view.member_key)
-        if refused is not None:
-            raise ApiError(429, "RESOURCE_EXHAUSTED", refused)
+        _within_limits(self.limits, self.token, self.view.member_key)
         driver = self.state.exec_driver
         assert driver is not None  # ready_sandbox checked
         counted = contextlib.ExitStack()

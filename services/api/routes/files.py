@@ -106,10 +106,13 @@ def checked_path(field: str, path: str) -> str:
 
 async def ready(state: State, name: str, actor: str) -> tuple[FileSource, str, int]:
     """The source of a Ready sandbox's files, its key and generation (404, 409, 501 else); a
-    Suspended one is woken first (``services.api.wake``: 409, 504 when that fails)."""
+    Suspended one is woken first (``services.api.wake``: 409, 504 when that fails). The caller
+    checks the request first: a call refused for its own input wakes nothing."""
     view = await readmodel.get_sandbox(state.pool, name)
     if view is None:
         raise ApiError(404, "NOT_FOUND", f"sandbox {name!r} not found")
+    if state.files is None:
+        raise ApiError(501, "NOT_IMPLEMENTED", "this API serves no files")
     view = await woken_for_http(state.gateway, view, actor, state.settings.wake_timeout_seconds)
     if view.phase != Phase.READY:
         raise ApiError(
@@ -118,8 +121,6 @@ async def ready(state: State, name: str, actor: str) -> tuple[FileSource, str, i
             f"sandbox {name!r} is {view.phase.value}: its files are reachable only while it "
             "is Ready",
         )
-    if state.files is None:
-        raise ApiError(501, "NOT_IMPLEMENTED", "this API serves no files")
     state.use.touch(view.member_key)  # a use: idle suspend counts from here
     return source_of(state.files, view.member_key), view.member_key, view.generation
 
@@ -160,8 +161,8 @@ async def download(
         Literal["raw", "tar"], Query(description="raw: the file's bytes; tar: a tar stream")
     ] = "raw",
 ) -> StreamingResponse:
-    source, key, generation = await ready(state, name, principal.name)
     where = checked_path("query parameter 'path'", path)
+    source, key, generation = await ready(state, name, principal.name)
     chunks = aiter(source.read_tar(key, generation, where))
     try:
         first = await anext(chunks, b"")
@@ -292,8 +293,8 @@ async def upload(
         Query(description="raw: the body is the file; tar: a tar extracted into directory path"),
     ] = "raw",
 ) -> FileEntryView:
-    source, key, generation = await ready(state, name, principal.name)
     where = checked_path("query parameter 'path'", path)
+    source, key, generation = await ready(state, name, principal.name)
     limit = state.settings.files_max_upload_bytes
     body = _counted(request, limit)
     existed = await _existing(source, key, generation, where)
@@ -378,8 +379,8 @@ async def _entry(source: FileSource, key: str, generation: int, path: str) -> Fi
 async def list_files(
     name: NamePath, principal: FilesReader, state: State, path: PathQuery = WORKSPACE_PATH
 ) -> FileList:
-    source, key, generation = await ready(state, name, principal.name)
     where = checked_path("query parameter 'path'", path)
+    source, key, generation = await ready(state, name, principal.name)
     limit = state.settings.files_list_max_entries
     try:
         entries, more = await source.list(key, generation, where, limit)
@@ -397,8 +398,9 @@ async def list_files(
 async def stat_file(
     name: NamePath, principal: FilesReader, state: State, path: PathQuery
 ) -> FileEntryView:
+    where = checked_path("query parameter 'path'", path)
     source, key, generation = await ready(state, name, principal.name)
-    return await _entry(source, key, generation, checked_path("query parameter 'path'", path))
+    return await _entry(source, key, generation, where)
 
 
 @router.post(
@@ -411,8 +413,8 @@ async def stat_file(
 async def make_directory(
     name: NamePath, principal: FilesWriter, state: State, body: MkdirRequest
 ) -> FileEntryView:
-    source, key, generation = await ready(state, name, principal.name)
     where = checked_path("field 'path'", body.path)
+    source, key, generation = await ready(state, name, principal.name)
     try:
         await source.mkdir(key, generation, where, body.parents)
     except FilesError as exc:
@@ -435,8 +437,8 @@ async def remove_file(
     path: PathQuery,
     recursive: Annotated[bool, Query(description="remove a directory and all in it")] = False,
 ) -> Response:
-    source, key, generation = await ready(state, name, principal.name)
     where = _changeable("query parameter 'path'", path)
+    source, key, generation = await ready(state, name, principal.name)
     try:
         await source.remove(key, generation, where, recursive)
     except FilesError as exc:
@@ -460,9 +462,9 @@ def _changeable(field: str, path: str) -> str:
 async def move_file(
     name: NamePath, principal: FilesWriter, state: State, body: MoveRequest
 ) -> FileEntryView:
-    source, key, generation = await ready(state, name, principal.name)
     origin = _changeable("field 'source'", body.source)
     target = _changeable("field 'destination'", body.destination)
+    source, key, generation = await ready(state, name, principal.name)
     try:
         await source.move(key, generation, origin, target)
     except FilesError as exc:
