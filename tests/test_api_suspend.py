@@ -254,8 +254,8 @@ class GatedSuspend(PodmanDriver):
 async def test_on_podman_an_exec_and_a_file_call_during_a_suspend_wait_for_it_then_wake_it(
     settings: Settings,
 ) -> None:
-    """A call that meets the sandbox Suspending (an idle suspend just begun) waits for
-    Suspended and resumes it, rather than a 409 for a phase that is about to pass."""
+    """Calls that meet the sandbox Suspending (an idle suspend just begun) wait for Suspended
+    and resume it once, rather than a 409 for a phase that is about to pass."""
     driver = GatedSuspend(settings.podman_url)
     name = unique("wsusp")
     try:
@@ -265,9 +265,12 @@ async def test_on_podman_an_exec_and_a_file_call_during_a_suspend_wait_for_it_th
                 r = await c.post(f"/v1/sandboxes/{name}:suspend", params={"wait": 30})
                 assert r.json()["phase"] == "Suspending", r.text
                 await asyncio.wait_for(driver.entered.wait(), 30)
-                exec_call = asyncio.ensure_future(
-                    c.post(f"/v1/sandboxes/{name}/exec", json={"command": ["echo", "awake"]})
-                )
+                exec_calls = [
+                    asyncio.ensure_future(
+                        c.post(f"/v1/sandboxes/{name}/exec", json={"command": ["echo", "awake"]})
+                    )
+                    for _ in "ab"
+                ]
                 file_call = asyncio.ensure_future(
                     c.put(
                         f"/v1/sandboxes/{name}/files/content",
@@ -277,11 +280,18 @@ async def test_on_podman_an_exec_and_a_file_call_during_a_suspend_wait_for_it_th
                 )
                 assert (await row(api, name))["phase"] == "Suspending"
                 driver.gate.set()
-                ran, put = await asyncio.gather(exec_call, file_call)
-                assert (ran.status_code, ran.json()["stdout"]) == (200, "awake\n"), ran.text
+                *ran, put = await asyncio.gather(*exec_calls, file_call)
+                for each in ran:
+                    assert (each.status_code, each.json()["stdout"]) == (200, "awake\n"), each.text
                 assert put.status_code == 201, put.text
                 woken = await row(api, name)
                 assert (woken["phase"], woken["generation"]) == ("Ready", 2)
+                resumes = [
+                    h["disposition"]
+                    for h in await history(api.env, name)
+                    if h["message_type"] == "ResumeSandbox"
+                ]
+                assert [d for d in resumes if d != "duplicate"] == ["applied"]
             finally:
                 driver.gate.set()
                 await c.delete(f"/v1/sandboxes/{name}", params={"wait": 30})

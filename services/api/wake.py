@@ -45,13 +45,15 @@ async def woken(
         return view
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    view = await _suspended(gateway, view, deadline)
-    if view.phase is not Phase.SUSPENDED:
-        return view  # the suspend failed: the caller answers for the phase it ended in
+    settled = await _suspended(gateway, view, deadline)
+    if settled.generation > view.generation and settled.phase not in SETTLED:
+        return await _ready(gateway, view, deadline, timeout)  # another call woke it meanwhile
+    if settled.phase is not Phase.SUSPENDED:
+        return settled  # the suspend failed: the caller answers for the phase it ended in
     command = ResumeSandbox(
         type="ResumeSandbox",
-        command_id=f"wake:{view.id}:{view.generation}",
-        key=view.name,
+        command_id=f"wake:{settled.id}:{settled.generation}",
+        key=settled.name,
         occurred_at=now(),
         actor=actor,
     )
@@ -60,6 +62,14 @@ async def woken(
         raise WakeFailed(f"its resume was not decided within {timeout:g}s", timed_out=True)
     if not outcome.accepted:
         raise WakeFailed(f"its resume was refused: {outcome.message}")
+    return await _ready(gateway, settled, deadline, timeout)
+
+
+async def _ready(
+    gateway: CommandGateway, view: SandboxView, deadline: float, timeout: float
+) -> SandboxView:
+    """The row once a generation after ``view``'s is Ready, by ``deadline``."""
+    loop = asyncio.get_running_loop()
     while True:
         mark = gateway.feed.mark()
         row = await readmodel.get_sandbox(gateway.pool, view.name)
