@@ -354,3 +354,65 @@ async def test_on_podman_an_exec_or_a_file_call_wakes_a_suspended_sandbox_a_read
             ]
         finally:
             await c.delete(f"/v1/sandboxes/{name}", params={"wait": 30})
+
+
+class GatedSuspend(PodmanDriver):
+    """Real Podman whose suspends wait at ``gate`` first: a suspend in progress on demand."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url, stop_timeout=10)
+        self.entered = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def suspend(self, key: str, generation: int, timeout: float | None = None) -> Any:
+        self.entered.set()
+        await self.gate.wait()
+        return await super().suspend(key, generation, timeout)
+
+
+async def test_on_podman_an_exec_and_a_file_call_during_a_suspend_wait_for_it_then_wake_it(
+    settings: Settings,
+) -> None:
+    """Calls that meet the sandbox Suspending (an idle suspend just begun) wait for Suspended
+    and resume it once, rather than a 409 for a phase that is about to pass."""
+    driver = GatedSuspend(settings.podman_url)
+    name = unique("wsusp")
+    try:
+        async with apikit.running_api(driver) as api, api.client() as c:
+            await created(api, create_body(name, image=settings.sandbox_image, command=AGENT))
+            try:
+                r = await c.post(f"/v1/sandboxes/{name}:suspend", params={"wait": 30})
+                assert r.json()["phase"] == "Suspending", r.text
+                await asyncio.wait_for(driver.entered.wait(), 30)
+                exec_calls = [
+                    asyncio.ensure_future(
+                        c.post(f"/v1/sandboxes/{name}/exec", json={"command": ["echo", "awake"]})
+                    )
+                    for _ in "ab"
+                ]
+                file_call = asyncio.ensure_future(
+                    c.put(
+                        f"/v1/sandboxes/{name}/files/content",
+                        params={"path": "/workspace/g"},
+                        content=b"put\n",
+                    )
+                )
+                assert (await row(api, name))["phase"] == "Suspending"
+                driver.gate.set()
+                *ran, put = await asyncio.gather(*exec_calls, file_call)
+                for each in ran:
+                    assert (each.status_code, each.json()["stdout"]) == (200, "awake\n"), each.text
+                assert put.status_code == 201, put.text
+                woken = await row(api, name)
+                assert (woken["phase"], woken["generation"]) == ("Ready", 2)
+                resumes = [
+                    h["disposition"]
+                    for h in await history(api.env, name)
+                    if h["message_type"] == "ResumeSandbox"
+                ]
+                assert [d for d in resumes if d != "duplicate"] == ["applied"]
+            finally:
+                driver.gate.set()
+                await c.delete(f"/v1/sandboxes/{name}", params={"wait": 30})
+    finally:
+        await driver.close()

@@ -424,3 +424,17 @@ async def test_the_templates_page_lists_them_and_a_sandbox_page_names_its_revisi
         assert '<a href="/ui/templates">Templates</a>' in page
         page = (await browser.get(f"/ui/sandboxes/{name}")).text
         assert f'<a href="/ui/templates#template-{template}">{template}</a> revision 1' in page
+
+
+async def test_a_sandbox_page_shows_its_idle_timeout_or_that_it_never_idles(api: Api) -> None:
+    idle, plain = unique("idle"), unique("noidle")
+    async with api.client() as c:
+        for name, extra in ((idle, {"idle_suspend_seconds": 900}), (plain, {})):
+            body = {"name": name, "spec": {"image": "registry.example/agent:1", **extra}}
+            r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+            assert r.status_code == 201, r.text
+    async with session(api, READER) as browser:
+        page = (await browser.get(f"/ui/sandboxes/{idle}")).text
+        assert "<dt>When idle</dt><dd>suspended after 900 s unused</dd>" in page
+        page = (await browser.get(f"/ui/sandboxes/{plain}")).text
+        assert "<dt>When idle</dt><dd>never suspended</dd>" in page

@@ -450,3 +450,39 @@ async def test_an_idle_message_whose_read_of_use_went_stale_is_not_sent() -> Non
         finally:
             await scheduler.stop()
         await wait_phase(env, "idle", "Suspended", timeout=60)
+
+
+async def test_the_recorded_use_of_a_deleted_sandbox_is_forgotten_by_the_schedulers_scan(
+    settings: Settings,
+) -> None:
+    """The doors' record of a deleted sandbox goes at the scheduler's next idle scan, a use
+    recorded just after the delete too; a live sandbox's stays."""
+    update = {"use_flush_seconds": FLUSH}
+    async with apikit.running_api(FakeDriver(), settings_update=update, with_scheduler=True) as api:
+        gone, kept = unique("ugone"), unique("ukept")
+        async with api.client() as c:
+            for name in (gone, kept):
+                body = create_body(name, idle_suspend_seconds=3600)
+                r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+                assert r.status_code == 201, r.text
+            use = api.app.state.api.use
+            use.touch(gone)
+            use.touch(kept)
+            assert await use.flush() == 2
+            await c.delete(f"/v1/sandboxes/{gone}", params={"wait": 30})
+            await eventually(
+                lambda: c.get(f"/v1/sandboxes/{gone}"),
+                lambda r: r.status_code == 404,
+                what="deleted",
+                timeout=30,
+            )
+            use.touch(gone)  # a door's use recorded after the delete
+            assert await use.flush() == 1
+
+        async def recorded() -> set[str]:
+            rows = await api.env.fetch(
+                "SELECT key FROM sandbox_use WHERE key = ANY($1)", [gone, kept]
+            )
+            return {r["key"] for r in rows}
+
+        assert await eventually(recorded, lambda keys: gone not in keys, timeout=30) == {kept}

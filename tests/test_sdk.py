@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -38,7 +39,10 @@ SERVER_PACKAGES = {"events", "projections", "drivers", "services"}
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def up(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Up]:
-    async with running_up(tmp_path_factory.mktemp("run")) as running:
+    # Idle suspend's flush interval scaled to 1 s (default 10): only the waits change
+    # (tests/test_idle_suspend.py says why the path is the same).
+    flush = {"SANDSTREAM_USE_FLUSH_SECONDS": "1"}
+    async with running_up(tmp_path_factory.mktemp("run"), flush) as running:
         yield running
 
 
@@ -253,6 +257,59 @@ async def test_async_sandbox_runs_streams_and_kills(up: Up, connection: dict[str
         await again.close()
     with pytest.raises(ss.NotFoundError):
         await AsyncSandbox.connect(sb.name)
+
+
+def phase_of(sb: Sandbox, phase: str, timeout: float = 60) -> ss.SandboxInfo:
+    """Poll ``sb`` (reads, which are no use) until it is in ``phase``."""
+    deadline = time.monotonic() + timeout
+    while (info := sb.get_info()).phase != phase and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert info.phase == phase, f"{sb.name} is {info.phase}, not {phase}"
+    return info
+
+
+def test_idle_suspend_then_connect_resumes_and_pause_and_resume_by_hand(
+    up: Up, connection: dict[str, str]
+) -> None:
+    with pytest.raises(ValueError, match="idle_suspend"):
+        Sandbox.create(template="any", idle_suspend=5)
+    with Sandbox.create(image=IMAGE, name=up.name("sdk-idle"), idle_suspend=2) as sb:
+        assert sb.get_info().spec["idle_suspend_seconds"] == 2
+        sb.files.write("kept.txt", "kept")
+        assert phase_of(sb, "Suspended").generation == 1  # the server suspended it, unused
+        again = Sandbox.connect(sb.name)  # E2B's auto_resume: Ready when it returns
+        assert (again.info.phase, again.info.generation) == ("Ready", 2)
+        again.set_idle_suspend(None)
+        assert again.files.read("kept.txt") == "kept"
+        assert again.pause() == sb.name
+        assert (again.info.phase, again.info.generation) == ("Suspended", 2)
+        left = Sandbox.connect(sb.name, auto_resume=False)
+        assert left.info.phase == "Suspended"
+        left.resume()
+        assert (left.info.phase, left.info.generation) == ("Ready", 3)
+        left.resume()  # Ready: nothing to do
+        assert left.get_info().generation == 3
+        assert left.get_info().spec.get("idle_suspend_seconds") is None
+        again.close()
+        left.close()
+
+
+async def test_async_pause_connect_resumes_and_a_command_wakes_it(
+    up: Up, connection: dict[str, str]
+) -> None:
+    async with await AsyncSandbox.create(image=IMAGE, name=up.name("sdk-apause")) as sb:
+        await sb.files.write("kept.txt", "kept")
+        assert await sb.pause() == sb.name and sb.info.phase == "Suspended"
+        again = await AsyncSandbox.connect(sb.name)
+        assert (again.info.phase, again.info.generation) == ("Ready", 2)
+        assert await again.files.read("kept.txt") == "kept"
+        await again.pause()
+        left = await AsyncSandbox.connect(sb.name, auto_resume=False)
+        assert left.info.phase == "Suspended"
+        assert (await left.commands.run("cat kept.txt", cwd="/workspace")).stdout == "kept"
+        assert ((await left.get_info()).phase, left.info.generation) == ("Ready", 3)
+        await again.close()
+        await left.close()
 
 
 def test_create_from_a_template_with_env_and_labels_runs_its_spec(

@@ -1,5 +1,6 @@
 """Wake on access: an exec or a file call on a Suspended sandbox resumes it and proceeds once
-it is Ready, within a bounded wait (``wake_timeout_seconds``). Every door that runs something
+it is Ready, within a bounded wait (``wake_timeout_seconds``); on a Suspending one it waits for
+the suspend to end first, within the same wait. Every door that runs something
 in a sandbox (the HTTP API's exec and files, OpenShell's ExecSandbox) calls ``woken``; a read
 of the row never does.
 
@@ -40,8 +41,10 @@ class WakeFailed(Exception):
 async def woken(
     gateway: CommandGateway, view: SandboxView, actor: str, timeout: float
 ) -> SandboxView:
-    """``view`` itself unless it is Suspended; else the row once its resume made it Ready."""
-    if view.phase is not Phase.SUSPENDED:
+    """``view`` itself unless it is Suspending or Suspended; else the row once its resume made
+    it Ready. A suspend still in progress (an idle suspend that began just before the call) is
+    waited for first, within the same bound, then resumed."""
+    if view.phase not in (Phase.SUSPENDING, Phase.SUSPENDED):
         return view
     if expired(view.reason, view.expires_at):  # as a sandbox its expiry stopped: no call starts it
         raise WakeFailed(
@@ -49,18 +52,31 @@ async def woken(
         )
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    settled = await _suspended(gateway, view, deadline)
+    if settled.generation > view.generation and settled.phase not in SETTLED:
+        return await _ready(gateway, view, deadline, timeout)  # another call woke it meanwhile
+    if settled.phase is not Phase.SUSPENDED:
+        return settled  # the suspend failed: the caller answers for the phase it ended in
     command = ResumeSandbox(
         type="ResumeSandbox",
-        command_id=f"wake:{view.id}:{view.generation}:v{view.version}",
-        key=view.member_key,
+        command_id=f"wake:{settled.id}:{settled.generation}:v{settled.version}",
+        key=settled.member_key,
         occurred_at=now(),
         actor=actor,
     )
-    outcome = (await gateway.submit(command, timeout)).outcome
+    outcome = (await gateway.submit(command, max(deadline - loop.time(), 0.001))).outcome
     if outcome is None:
         raise WakeFailed(f"its resume was not decided within {timeout:g}s", timed_out=True)
     if not outcome.accepted:
         raise WakeFailed(f"its resume was refused: {outcome.message}")
+    return await _ready(gateway, settled, deadline, timeout)
+
+
+async def _ready(
+    gateway: CommandGateway, view: SandboxView, deadline: float, timeout: float
+) -> SandboxView:
+    """The row once a generation after ``view``'s is Ready, by ``deadline``."""
+    loop = asyncio.get_running_loop()
     while True:
         mark = gateway.feed.mark()
         row = await readmodel.get_sandbox(gateway.pool, view.member_key)
@@ -76,6 +92,22 @@ async def woken(
                 f"it was resumed but is not Ready within {timeout:g}s ({row.phase.value})",
                 timed_out=True,
             )
+        await gateway.feed.wait(mark, remaining)
+
+
+async def _suspended(gateway: CommandGateway, view: SandboxView, deadline: float) -> SandboxView:
+    """The row once it is no longer Suspending (the same incarnation), by ``deadline``."""
+    loop = asyncio.get_running_loop()
+    while True:
+        mark = gateway.feed.mark()
+        row = await readmodel.get_sandbox(gateway.pool, view.member_key)
+        if row is None or row.id != view.id:
+            raise WakeFailed("it was deleted while it was being suspended")
+        if row.phase is not Phase.SUSPENDING:
+            return row
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            raise WakeFailed("its suspend did not end in time to resume it", timed_out=True)
         await gateway.feed.wait(mark, remaining)
 
 

@@ -15,8 +15,8 @@ Modules:
   broker with no client.
 - ``idle_use``: what idle suspend costs PostgreSQL at many busy sandboxes (the doors' flush,
   the scheduler's idle scan).
-- ``kube``: create and stop latency of the whole pipeline, Podman beside Kubernetes (part of ``make
-  bench``).
+- ``kube``: create, stop and resume latency of the whole pipeline, Podman beside Kubernetes (part
+  of ``make bench``).
 - ``kube_requests``: the Kubernetes driver's apiserver requests per sandbox beside bare Pods'.
 - ``main``: ``python -m services.bench
   [all|processor|latency|decided|idle|idle-use|scaleout|rebuild|profile|fold|stages|drivers|peer|
@@ -37,5 +37,7 @@ Modules:
   measurement.
 - ``scaleout``: throughput as processors join the group.
 - ``stages``: CPU of the processor's pure stages.
+- ``wake``: resume and wake-on-exec (an HTTP exec on a Suspended sandbox → its first output) on
+  Podman, without and with memory kept by CRIU (part of ``drivers``).
 - ``workload``: the generated log the processor benchmarks drain.
 """

@@ -2,10 +2,10 @@
 
 A schema of its own with ``sandboxes`` Ready rows, each with an idle timeout, all of them in
 use. Per flush interval the doors of one API process write one upsert of every sandbox used
-(``UseRecorder.flush``) and the scheduler runs one idle scan (``usage.idle_rows``), which
-finds nothing due: busy sandboxes put nothing on the log. Each is timed (the median of
-``rounds``), with the WAL it writes, and divided by the default flush interval for the
-steady cost per second.
+(``UseRecorder.flush``) and the scheduler runs one idle scan (``usage.idle_rows``, then
+``usage.forget_deleted``), which finds nothing due and nothing deleted: busy sandboxes put
+nothing on the log. Each is timed (the median of ``rounds``), with the WAL it writes, and
+divided by the default flush interval for the steady cost per second.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 
 from services.common.settings import Settings
-from services.common.usage import UseRecorder, idle_rows
+from services.common.usage import UseRecorder, forget_deleted, idle_rows
 from services.localstack.isolation import isolated
 
 _ROW = """
@@ -60,6 +60,7 @@ async def idle_use_figures(settings: Settings, sandboxes: int, rounds: int) -> N
 
             async def scan(at: datetime = now) -> None:
                 assert await idle_rows(pool, at, flush) == []  # all busy: nothing due
+                assert await forget_deleted(pool, 1000) == 0  # none deleted: nothing to forget
 
             scans.append(await _timed(pool, scan))
         await pool.execute("ANALYZE sandbox_use")

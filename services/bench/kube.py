@@ -2,7 +2,9 @@
 ``make bench``; figures printed, never asserted).
 
 Each sandbox is timed from its command being published to its row reaching the phase:
-CreateSandbox → Ready, then StopSandbox → Stopped, one sandbox at a time. Podman runs real
+CreateSandbox → Ready, then StopSandbox → Stopped, then SuspendSandbox → Suspended and
+ResumeSandbox → Ready (a new generation on the kept workspace: the volume on Podman, the claim
+of the local cluster's storage class on Kubernetes), one sandbox at a time. Podman runs real
 containers (`sleep` under catatonit); Kubernetes is the local cluster of `make k8s`
 (a real kube-apiserver, kwok as the node: no containers, so its figures are the control path
 alone: API calls, scheduling, watch events). The Kubernetes part is left out, with a note,
@@ -12,10 +14,14 @@ when no cluster answers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 from drivers.protocol import Driver
-from events.commands import CreateSandbox, DeleteSandbox, StopSandbox
+from events.commands import CreateSandbox, DeleteSandbox, ResumeSandbox, StopSandbox, SuspendSandbox
 from events.common import SandboxSpec
 from events.publisher import CommandPublisher
 from services.bench.drivers import Figures, Rows, _cmd, timed
@@ -43,6 +49,10 @@ async def create_and_stop(
                     await timed(pub, rows, _cmd(CreateSandbox, k, spec=spec), "Ready") for k in keys
                 ]
                 stopped = [await timed(pub, rows, _cmd(StopSandbox, k), "Stopped") for k in keys]
+                resumed = []
+                for key in keys:  # a Stopped sandbox suspends at once: no runtime to remove
+                    await timed(pub, rows, _cmd(SuspendSandbox, key), "Suspended")
+                    resumed.append(await timed(pub, rows, _cmd(ResumeSandbox, key), "Ready"))
                 for key in keys:
                     await pub.publish(_cmd(DeleteSandbox, key))
                 for key in keys:
@@ -54,18 +64,25 @@ async def create_and_stop(
     return [
         Figures(f"{label}: create → Ready", created),
         Figures(f"{label}: stop → Stopped", stopped),
+        Figures(f"{label}: resume → Ready (kept workspace)", resumed),
     ]
 
 
-async def _kubernetes(settings: Settings) -> list[Figures] | str:
+class NoCluster(Exception):
+    """No usable local cluster: why."""
+
+
+@contextlib.asynccontextmanager
+async def bench_namespace(settings: Settings) -> AsyncIterator[tuple[Path, str, Any]]:
+    """The local cluster's kubeconfig, a namespace of this run's own (its default
+    ServiceAccount made; deleted afterwards) and a CoreV1Api; NoCluster when none answers."""
     from kubernetes_asyncio import client, config
 
-    from drivers.kubernetes import KubeConfig, KubernetesDriver
-    from services.localstack.kubernetes import STORAGE_CLASS, kubeconfig_path
+    from services.localstack.kubernetes import kubeconfig_path
 
     path = settings.kube_config or kubeconfig_path(settings)
     if not path.exists():
-        return f"no kubeconfig at {path} (make k8s)"
+        raise NoCluster(f"no kubeconfig at {path} (make k8s)")
     configuration = client.Configuration()
     await config.load_kube_config(
         config_file=str(path), client_configuration=configuration, persist_config=False
@@ -78,13 +95,24 @@ async def _kubernetes(settings: Settings) -> list[Figures] | str:
                 client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace))
             )
         except Exception as exc:  # any failure here means: no usable cluster
-            return f"no cluster at {configuration.host} ({type(exc).__name__})"
+            raise NoCluster(f"no cluster at {configuration.host} ({type(exc).__name__})") from exc
         try:
             for _ in range(100):  # the controller manager makes the default ServiceAccount
                 accounts = await core.list_namespaced_service_account(namespace)
                 if any(a.metadata.name == "default" for a in accounts.items):
                     break
                 await asyncio.sleep(0.1)
+            yield path, namespace, core
+        finally:
+            await core.delete_namespace(namespace)
+
+
+async def _kubernetes(settings: Settings) -> list[Figures] | str:
+    from drivers.kubernetes import KubeConfig, KubernetesDriver
+    from services.localstack.kubernetes import STORAGE_CLASS
+
+    try:
+        async with bench_namespace(settings) as (path, namespace, _):
             driver = KubernetesDriver(
                 KubeConfig(
                     namespace=namespace,
@@ -94,8 +122,8 @@ async def _kubernetes(settings: Settings) -> list[Figures] | str:
                 )
             )
             return await create_and_stop(settings, "kubernetes", driver, settings.sandbox_image)
-        finally:
-            await core.delete_namespace(namespace)
+    except NoCluster as exc:
+        return str(exc)
 
 
 async def main(settings: Settings) -> None:

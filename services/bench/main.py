@@ -19,6 +19,7 @@ import time
 from services.bench import drivers as bench_drivers
 from services.bench import kube as bench_kube
 from services.bench import kube_requests, peer
+from services.bench import wake as bench_wake
 from services.bench.decided import decided_figures
 from services.bench.fold import fold_figures
 from services.bench.idle import idle_figures
@@ -92,6 +93,7 @@ async def run(
     if which in ("all", "drivers"):
         await bench_drivers.main(settings)
         await bench_kube.main(settings)
+        await bench_wake.main(settings)
 
 
 def main() -> None:

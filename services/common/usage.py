@@ -8,7 +8,9 @@ into ``sandbox_use``. So a sandbox costs at most one row write per flush interva
 process however busy it is, and a session longer than any idle timeout keeps its sandbox awake
 (it is written at every flush while it lasts). The scheduler reads the table (``idle_rows``,
 its idle scan) and puts what it read on the log; the decision is the fold's
-(projections/lifecycle/idle.py).
+(projections/lifecycle/idle.py). The same scan forgets the use of deleted sandboxes
+(``forget_deleted``): a door may record a use just after a delete, so removing the row at the
+delete alone would leave some behind.
 """
 
 from __future__ import annotations
@@ -52,6 +54,23 @@ FROM (
 ) AS ready
 WHERE since + make_interval(secs => idle + $2) <= $1
 """
+
+
+# The use of sandboxes deleted since (a tombstone) or gone from the table: nothing reads it any
+# more. At most $1 rows per call, so a burst of deletes is forgotten over a few scans.
+_FORGET = """
+DELETE FROM sandbox_use WHERE key IN (
+    SELECT u.key FROM sandbox_use u LEFT JOIN sandboxes s ON s.key = u.key
+    WHERE s.key IS NULL OR s.phase = 'Deleted'
+    LIMIT $1
+)
+"""
+
+
+async def forget_deleted(pool: Pool, limit: int) -> int:
+    """Remove the recorded use of up to ``limit`` deleted sandboxes; how many were removed."""
+    status = await pool.execute(_FORGET, limit)
+    return int(status.rsplit(" ", 1)[-1])
 
 
 async def idle_rows(pool: Pool, now: datetime, flush_seconds: float) -> list[Any]:

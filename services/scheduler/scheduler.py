@@ -40,7 +40,7 @@ from services.common import metrics
 from services.common.database import connect_pool
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
-from services.common.usage import idle_rows
+from services.common.usage import forget_deleted, idle_rows
 
 log = logging.getLogger("sandstream.scheduler")
 
@@ -123,6 +123,7 @@ class Scheduler:
     producer: RenewingProducer | None = None
     published: int = 0  # DeadlineDue messages sent since start
     rounds: int = 0  # rounds completed since start
+    forgotten: int = 0  # rows of deleted sandboxes' use removed since start
     _sent: set[str] = field(default_factory=set)  # ids sent for rows still due
     # The idle scan runs at most once per flush interval of the doors' use (what it reads
     # changes no faster); the ids it found due last time, kept between scans.
@@ -159,6 +160,7 @@ class Scheduler:
             self._idle_ids = {m.observation_id for m in idle}
             self._next_idle_scan = now + timedelta(seconds=self.settings.use_flush_seconds)
             due += idle
+            self.forgotten += await forget_deleted(self.pool, self.batch)
         fresh = sorted(
             (m for m in due if m.observation_id not in self._sent), key=lambda m: m.due_at
         )

@@ -156,6 +156,7 @@ class AsyncSandbox:
         command: Sequence[str] | None = None,
         labels: Mapping[str, str] | None = None,
         timeout: float | None = None,
+        idle_suspend: int | None = None,
         api_url: str | None = None,
         token: str | None = None,
         request_timeout: float | None = None,
@@ -166,11 +167,14 @@ class AsyncSandbox:
         its main process (default: ``sleep infinity``, so that it stays up for commands);
         ``name``: default a random ``sb-…``. ``template``: a template's name
         (``NAME`` or ``NAME:REVISION``) instead of ``image``: its spec, with ``env`` added or
-        replaced, ``labels`` added and ``timeout`` as the time to live."""
+        replaced, ``labels`` added and ``timeout`` as the time to live. ``idle_suspend``:
+        seconds without use through sandstream (commands, files, logs) after which the server
+        suspends it; the next command or file call resumes it (not with ``template``, whose
+        spec sets it: use :meth:`set_idle_suspend` after)."""
         name = name or lifecycle.new_name()
         call = lifecycle.create_call(
             name, image, template, command=command, env=env or envs, labels=labels,
-            timeout=timeout,
+            timeout=timeout, idle_suspend=idle_suspend,
         )  # fmt: skip
         transport = AsyncTransport(Config.of(api_url, token, request_timeout))
         created = False
@@ -189,17 +193,22 @@ class AsyncSandbox:
         return sandbox
 
     @classmethod
-    async def connect(cls, name: str, *, api_url: str | None = None, token: str | None = None,
-                request_timeout: float | None = None,
+    async def connect(cls, name: str, *, auto_resume: bool = True, api_url: str | None = None,
+                token: str | None = None, request_timeout: float | None = None,
                 wait_timeout: float = lifecycle.DEFAULT_WAIT) -> AsyncSandbox:  # fmt: skip
-        """The existing sandbox ``name`` (NotFoundError when there is none)."""
+        """The existing sandbox ``name`` (NotFoundError when there is none). A suspended one
+        (Suspended, or Suspending: waited for) is resumed and waited for until Ready, as E2B's
+        connect does with a paused sandbox; ``auto_resume=False`` leaves it as it is."""
         transport = AsyncTransport(Config.of(api_url, token, request_timeout))
         try:
             info = lifecycle.info_of((await transport.send(lifecycle.get_call(name))).json())
+            sandbox = cls(info, transport, wait_timeout)
+            if auto_resume and info.phase in ("Suspending", "Suspended"):
+                await sandbox.resume()
         except BaseException:
             await transport.close()
             raise
-        return cls(info, transport, wait_timeout)
+        return sandbox
 
     async def get_info(self) -> SandboxInfo:
         self.info = lifecycle.info_of(
@@ -226,6 +235,34 @@ class AsyncSandbox:
         body = lifecycle.versioned(expected_version)
         await self._transport.send(lifecycle.command_call(self.name, "start", body))
         await self._until("Ready")
+
+    async def pause(self, *, expected_version: int | None = None) -> str:
+        """Suspend it (E2B's pause) and wait until it is Suspended: its runtime removed, its
+        workspace and everything it is kept; its name, for :meth:`connect`. On Podman with
+        memory kept (the server's setting) its processes resume where they were; else they
+        start afresh on the kept workspace. ``expected_version`` as for :meth:`stop`."""
+        body = lifecycle.versioned(expected_version)
+        await self._transport.send(lifecycle.command_call(self.name, "suspend", body))
+        await self._until("Suspended")
+        return self.name
+
+    async def resume(self) -> None:
+        """Resume it and wait until it is Ready (a Suspending one is waited for first; a
+        Ready one is left as it is). A command or file call resumes it too, on the server."""
+        info = await self.get_info()
+        if info.phase == "Ready":
+            return
+        if info.phase == "Suspending":
+            await self._until("Suspended")
+            info = self.info
+        call = lifecycle.command_call(self.name, "resume", lifecycle.wake_body(info))
+        await self._transport.send(call)
+        await self._until("Ready")
+
+    async def set_idle_suspend(self, seconds: int | None) -> None:
+        """Suspend it after ``seconds`` without use through sandstream; None: never."""
+        body = {"idle_suspend_seconds": seconds}
+        await self._transport.send(lifecycle.command_call(self.name, "idle-suspend", body))
 
     async def kill(self) -> bool:
         """Delete it and wait until it is gone: True, or False when it was gone already."""

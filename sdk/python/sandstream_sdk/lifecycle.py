@@ -1,4 +1,5 @@
-"""A sandbox's lifecycle as calls (create, get, stop, start, delete, extend) and the rule for
+"""A sandbox's lifecycle as calls (create, get, stop, start, suspend, resume, delete, extend,
+idle-suspend) and the rule for
 waiting on a phase: the faces poll ``GET /v1/sandboxes/{name}`` until :func:`settled` says
 the goal is reached or cannot be."""
 
@@ -12,7 +13,8 @@ from sandstream_sdk._transport import Call
 from sandstream_sdk.errors import NotFoundError, SandboxError
 from sandstream_sdk.models import SandboxInfo
 
-Goal = Literal["Ready", "Stopped", "gone"]
+Goal = Literal["Ready", "Stopped", "Suspended", "gone"]
+Verb = Literal["stop", "start", "extend", "suspend", "resume", "idle-suspend"]
 KEEP_ALIVE = ("sleep", "infinity")  # the main process when the caller names none
 POLL_SECONDS = 0.25
 DEFAULT_WAIT = 120.0
@@ -33,8 +35,13 @@ def create_call(
     env: Mapping[str, str] | None,
     labels: Mapping[str, str] | None,
     timeout: float | None,
+    idle_suspend: int | None = None,
 ) -> Call:
     if template is not None:
+        if idle_suspend is not None:
+            raise ValueError(
+                "idle_suspend: the template's spec sets it; create, then set_idle_suspend()"
+            )
         return _from_template(name, image, template, command, env, labels, timeout)
     if not image:
         raise ValueError("image: required (the container image the sandbox runs)")
@@ -43,6 +50,8 @@ def create_call(
         spec["env"] = dict(env)
     if labels:
         spec["labels"] = dict(labels)
+    if idle_suspend is not None:
+        spec["idle_suspend_seconds"] = idle_suspend
     body: dict[str, Any] = {"name": name, "spec": spec}
     if timeout is not None:
         body["ttl_seconds"] = timeout
@@ -80,10 +89,16 @@ def get_call(name: str) -> Call:
     return Call("GET", f"/v1/sandboxes/{name}")
 
 
-def command_call(name: str, verb: Literal["stop", "start", "extend"],
-                 body: dict[str, Any] | None = None) -> Call:  # fmt: skip
+def command_call(name: str, verb: Verb, body: dict[str, Any] | None = None) -> Call:
     return Call("POST", f"/v1/sandboxes/{name}:{verb}", {"wait": DECIDE_WAIT}, body or {},
                 ok=(200, 202))  # fmt: skip
+
+
+def wake_body(info: SandboxInfo) -> dict[str, Any]:
+    """A resume of ``info``'s suspended generation under the command id the server's own wake
+    uses (``wake:<id>:<generation>:v<version>``): a connect, a resume and an exec that find the
+    same suspended sandbox at once are decided as one ResumeSandbox."""
+    return {"command_id": f"wake:{info.id}:{info.generation}:v{info.version}"}
 
 
 def versioned(expected_version: int | None) -> dict[str, Any]:
@@ -107,7 +122,7 @@ def settled(goal: Goal, info: SandboxInfo | None) -> bool:
         raise NotFoundError("the sandbox is gone", status=404, code="NOT_FOUND")
     if info.phase == goal:
         return True
-    if info.phase in ("Error", "Completed") and goal == "Ready":
+    if info.phase in ("Error", "Completed") and goal in ("Ready", "Suspended"):
         why = info.reason or (f"exit code {info.exit_code}" if info.exit_code is not None else "")
         raise SandboxError(f"sandbox {info.name!r} is {info.phase}: {why}".rstrip(": "))
     return False

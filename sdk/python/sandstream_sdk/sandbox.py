@@ -147,6 +147,7 @@ class Sandbox:
         command: Sequence[str] | None = None,
         labels: Mapping[str, str] | None = None,
         timeout: float | None = None,
+        idle_suspend: int | None = None,
         api_url: str | None = None,
         token: str | None = None,
         request_timeout: float | None = None,
@@ -157,11 +158,14 @@ class Sandbox:
         its main process (default: ``sleep infinity``, so that it stays up for commands);
         ``name``: default a random ``sb-…``. ``template``: a template's name
         (``NAME`` or ``NAME:REVISION``) instead of ``image``: its spec, with ``env`` added or
-        replaced, ``labels`` added and ``timeout`` as the time to live."""
+        replaced, ``labels`` added and ``timeout`` as the time to live. ``idle_suspend``:
+        seconds without use through sandstream (commands, files, logs) after which the server
+        suspends it; the next command or file call resumes it (not with ``template``, whose
+        spec sets it: use :meth:`set_idle_suspend` after)."""
         name = name or lifecycle.new_name()
         call = lifecycle.create_call(
             name, image, template, command=command, env=env or envs, labels=labels,
-            timeout=timeout,
+            timeout=timeout, idle_suspend=idle_suspend,
         )  # fmt: skip
         transport = SyncTransport(Config.of(api_url, token, request_timeout))
         created = False
@@ -180,17 +184,22 @@ class Sandbox:
         return sandbox
 
     @classmethod
-    def connect(cls, name: str, *, api_url: str | None = None, token: str | None = None,
-                request_timeout: float | None = None,
+    def connect(cls, name: str, *, auto_resume: bool = True, api_url: str | None = None,
+                token: str | None = None, request_timeout: float | None = None,
                 wait_timeout: float = lifecycle.DEFAULT_WAIT) -> Sandbox:  # fmt: skip
-        """The existing sandbox ``name`` (NotFoundError when there is none)."""
+        """The existing sandbox ``name`` (NotFoundError when there is none). A suspended one
+        (Suspended, or Suspending: waited for) is resumed and waited for until Ready, as E2B's
+        connect does with a paused sandbox; ``auto_resume=False`` leaves it as it is."""
         transport = SyncTransport(Config.of(api_url, token, request_timeout))
         try:
             info = lifecycle.info_of(transport.send(lifecycle.get_call(name)).json())
+            sandbox = cls(info, transport, wait_timeout)
+            if auto_resume and info.phase in ("Suspending", "Suspended"):
+                sandbox.resume()
         except BaseException:
             transport.close()
             raise
-        return cls(info, transport, wait_timeout)
+        return sandbox
 
     def get_info(self) -> SandboxInfo:
         self.info = lifecycle.info_of(self._transport.send(lifecycle.get_call(self.name)).json())
@@ -215,6 +224,34 @@ class Sandbox:
         body = lifecycle.versioned(expected_version)
         self._transport.send(lifecycle.command_call(self.name, "start", body))
         self._until("Ready")
+
+    def pause(self, *, expected_version: int | None = None) -> str:
+        """Suspend it (E2B's pause) and wait until it is Suspended: its runtime removed, its
+        workspace and everything it is kept; its name, for :meth:`connect`. On Podman with
+        memory kept (the server's setting) its processes resume where they were; else they
+        start afresh on the kept workspace. ``expected_version`` as for :meth:`stop`."""
+        body = lifecycle.versioned(expected_version)
+        self._transport.send(lifecycle.command_call(self.name, "suspend", body))
+        self._until("Suspended")
+        return self.name
+
+    def resume(self) -> None:
+        """Resume it and wait until it is Ready (a Suspending one is waited for first; a
+        Ready one is left as it is). A command or file call resumes it too, on the server."""
+        info = self.get_info()
+        if info.phase == "Ready":
+            return
+        if info.phase == "Suspending":
+            self._until("Suspended")
+            info = self.info
+        call = lifecycle.command_call(self.name, "resume", lifecycle.wake_body(info))
+        self._transport.send(call)
+        self._until("Ready")
+
+    def set_idle_suspend(self, seconds: int | None) -> None:
+        """Suspend it after ``seconds`` without use through sandstream; None: never."""
+        body = {"idle_suspend_seconds": seconds}
+        self._transport.send(lifecycle.command_call(self.name, "idle-suspend", body))
 
     def kill(self) -> bool:
         """Delete it and wait until it is gone: True, or False when it was gone already."""
