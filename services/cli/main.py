@@ -16,7 +16,17 @@ from typing import Annotated
 
 import typer
 
-from services.cli import audit, log, operations, processor, providers, roles, sandbox, tokens
+from services.cli import (
+    audit,
+    log,
+    operations,
+    pools,
+    processor,
+    providers,
+    roles,
+    sandbox,
+    tokens,
+)
 from services.cli import exec as _exec  # noqa: F401  (sandbox exec)
 from services.cli import files as _files  # noqa: F401  (sandbox cp, sandbox files ...)
 from services.cli import lifecycle as _lifecycle  # noqa: F401  (sandbox hold/release/extend)
@@ -37,6 +47,7 @@ app.add_typer(audit.app, name="audit")
 app.add_typer(processor.app, name="processor")
 app.add_typer(log.app, name="log")
 app.add_typer(providers.app, name="provider")
+app.add_typer(pools.app, name="pool")
 app.command("provider-sync")(providers.provider_sync)
 for _name, _command in (*operations.COMMANDS, *roles.COMMANDS):
     app.command(_name)(_command)
