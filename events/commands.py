@@ -21,6 +21,7 @@ from events.common import (
     SandboxName,
     SandboxSpec,
     Strict,
+    TemplateRef,
     Timestamp,
     TTLSeconds,
 )
@@ -48,6 +49,9 @@ class CreateSandbox(CommandBase):
     ttl_seconds: TTLSeconds | None = None
     on_expiry: ExpiryPolicy = "stop"
     on_exit: ExitPolicy = "keep"
+    # The template revision the API resolved the spec from; left out while unset, so creates
+    # without one serialize as before.
+    template: TemplateRef | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class StartSandbox(VersionedCommand):

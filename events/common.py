@@ -49,6 +49,10 @@ COMMAND_ID_PATTERN: Final = r"^[A-Za-z0-9._:-]{1,128}$"
 PROVIDER_NAME_PATTERN: Final = r"^[A-Za-z0-9._-]{1,128}$"
 CommandId = Annotated[str, StringConstraints(pattern=COMMAND_ID_PATTERN)]
 ProviderName = Annotated[str, StringConstraints(pattern=PROVIDER_NAME_PATTERN)]
+# A template's name follows the sandbox name's rules (a DNS label): it names pools and shows in
+# sandbox views beside sandbox names.
+TemplateName = Annotated[str, StringConstraints(pattern=SANDBOX_NAME_PATTERN)]
+TemplateRevision = Annotated[int, Field(ge=1, le=INT32_MAX)]
 Actor = Annotated[Text, StringConstraints(min_length=1, max_length=200)]
 Generation = Annotated[int, Field(ge=1, le=INT32_MAX)]  # an `integer` column
 Timestamp = AwareDatetime
@@ -209,6 +213,14 @@ class Hold(Strict):
     by: Actor
     reason: HoldReason
     since: Timestamp
+
+
+class TemplateRef(Strict):
+    """Which template revision a sandbox's spec was resolved from (the spec itself travels in
+    full: nothing reads the template back on replay)."""
+
+    name: TemplateName
+    revision: TemplateRevision
 
 
 class Cause(Strict):

@@ -29,6 +29,7 @@ from events.common import (
     SandboxName,
     SandboxSpec,
     Strict,
+    TemplateRef,
     Timestamp,
 )
 from events.observations import Operation
@@ -57,6 +58,8 @@ class SandboxCreated(EventBase):
     expires_at: Timestamp | None = None
     on_expiry: ExpiryPolicy = "stop"
     on_exit: ExitPolicy = "keep"
+    # The create's template revision (left out while unset: events without one read as before).
+    template: TemplateRef | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class SandboxStarting(EventBase):

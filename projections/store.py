@@ -13,7 +13,7 @@ import asyncpg
 import orjson
 from pydantic import TypeAdapter
 
-from events.common import Deadline, Hold, Phase, Restarts, SandboxSpec
+from events.common import Deadline, Hold, Phase, Restarts, SandboxSpec, TemplateRef
 from events.outcomes import CommandOutcome
 from events.topics import CHANGES_CHANNEL
 from projections.chain import CHAIN_LINKS, ChainId
@@ -43,7 +43,8 @@ DATABASE_ERRORS: tuple[type[Exception], ...] = (asyncpg.PostgresError, *CONNECTI
 
 SANDBOX_COLUMNS = (
     "key, sandbox_id, phase, generation, version, spec, providers, identity, exit_code, reason, "
-    "created_at, updated_at, deadline, expires_at, on_expiry, on_exit, hold, awaited, restarts"
+    "created_at, updated_at, deadline, expires_at, on_expiry, on_exit, hold, awaited, restarts, "
+    "template"
 )
 
 
@@ -74,6 +75,7 @@ def sandbox_from_record(r: Any) -> Sandbox:
         hold=_json_model(Hold, r["hold"]),
         awaited=_json_dict(r["awaited"]),
         restarts=_json_model(Restarts, r["restarts"]),
+        template=_json_model(TemplateRef, r["template"]),
     )
 
 
@@ -118,7 +120,7 @@ SELECT 'row', NULL, NULL, NULL, json_build_object(
     'exit_code', exit_code, 'reason', reason, 'created_at', created_at,
     'updated_at', updated_at, 'deadline', deadline, 'expires_at', expires_at,
     'on_expiry', on_expiry, 'on_exit', on_exit, 'hold', hold, 'awaited', awaited,
-    'restarts', restarts)
+    'restarts', restarts, 'template', template)
 FROM unnest($3::text[]) AS k, LATERAL (SELECT * FROM sandboxes WHERE key = k LIMIT 1) AS s
 UNION ALL
 SELECT 'outcome', NULL, NULL, NULL, o.outcome::json
@@ -314,7 +316,7 @@ WITH moved AS (
            (r->>12)::timestamptz AS expires_at, r->>13 AS on_expiry, r->>14 AS on_exit,
            (r->>15)::bigint AS base, r->16 AS spec, nullif(r->17, 'null') AS deadline,
            nullif(r->18, 'null') AS hold, r->19 AS awaited,
-           nullif(r->20, 'null') AS restarts
+           nullif(r->20, 'null') AS restarts, nullif(r->21, 'null') AS template
     FROM jsonb_array_elements($5::jsonb) AS r
     WHERE (SELECT ok FROM fence)
 ), inserted AS (
@@ -334,7 +336,8 @@ WITH moved AS (
         partition = u.partition, change_seq = nextval('sandbox_changes'),
         deadline = u.deadline, deadline_at = (u.deadline->>'due_at')::timestamptz,
         expires_at = u.expires_at, on_expiry = u.on_expiry, on_exit = u.on_exit,
-        hold = u.hold, awaited = u.awaited, restarts = u.restarts
+        hold = u.hold, awaited = u.awaited, restarts = u.restarts,
+        template = u.template
     FROM decided_rows u
     WHERE u.base IS NOT NULL AND s.key = u.key AND s.version = u.base
     RETURNING 1
@@ -476,6 +479,7 @@ def _sandbox_positions(partition: int, s: Sandbox, base: int | None) -> tuple[An
         orjson.Fragment(s.deadline.model_dump_json()) if s.deadline else None,
         orjson.Fragment(s.hold.model_dump_json()) if s.hold else None, s.awaited,
         orjson.Fragment(s.restarts.model_dump_json()) if s.restarts else None,
+        orjson.Fragment(s.template.model_dump_json()) if s.template else None,
     )  # fmt: skip
 
 

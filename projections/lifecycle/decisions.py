@@ -295,6 +295,7 @@ def _create(
         ),
         on_expiry=command.on_expiry,
         on_exit=command.on_exit,
+        template=command.template,
     )
     new_state, events = emit_event(state, event)
     why = f"sandbox {command.key!r} created at generation {generation}"

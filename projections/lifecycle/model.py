@@ -18,6 +18,7 @@ from events.common import (
     Phase,
     Restarts,
     SandboxSpec,
+    TemplateRef,
 )
 from events.decided import DecidedEvent
 from events.observations import Observation
@@ -70,6 +71,8 @@ class Sandbox:
     awaited: dict[str, int] = field(default_factory=dict, kw_only=True)
     # The restart policy's record (None: nothing to record yet, e.g. under Never).
     restarts: Restarts | None = field(default=None, kw_only=True)
+    # The template revision the create resolved its spec from (None: a full spec was given).
+    template: TemplateRef | None = field(default=None, kw_only=True)
 
     @property
     def tombstoned(self) -> bool:

@@ -68,6 +68,7 @@ def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
             None,  # hold
             {},  # awaited
             None,  # restarts
+            event.template,
         )  # fmt: skip
     if state is None:
         raise ValueError(f"{event.type} for {event.key!r} before SandboxCreated")

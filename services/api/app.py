@@ -42,6 +42,7 @@ from services.api.routes import (
     pools,
     providers,
     sandboxes,
+    templates,
     watch,
 )
 from services.api.routes import (
@@ -57,7 +58,7 @@ from services.executor.log_sources import log_source
 # The order of inclusion is the order of the paths in the OpenAPI document.
 ROUTE_MODULES = (
     commands, lifecycle, sandboxes, logs_routes, exec, files, history, watch, audit, operations,
-    providers, pools,
+    providers, templates, pools,
 )  # fmt: skip
 
 

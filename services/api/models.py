@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Final
 
 from fastapi import Body, Path, Query
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from events.common import (
     INT64_MAX,
@@ -22,6 +22,7 @@ from events.common import (
     SandboxName,
     SandboxResources,
     SandboxSpec,
+    TemplateRevision,
     TTLSeconds,
 )
 from services.api.errors import ErrorBody
@@ -62,11 +63,52 @@ class SandboxSpecRequest(SandboxSpec):
     resources: SandboxResourcesRequest | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
+class TemplateRefRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: SandboxName = Field(description="the template name")
+    revision: TemplateRevision | None = Field(
+        default=None, description="this revision (default: the newest)"
+    )
+
+
+class OverridesRequest(BaseModel):
+    """What a sandbox may change of its template: env added or replaced, labels added (not a
+    label the template sets). The time to live is the request's `ttl_seconds`, providers its
+    `providers` (added to the template's)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    env: dict[str, Annotated[str, StringConstraints(max_length=10_000)]] = Field(
+        default_factory=dict, max_length=256
+    )
+    labels: dict[str, Annotated[str, StringConstraints(max_length=253)]] = Field(
+        default_factory=dict, max_length=64
+    )
+
+    @field_validator("env", "labels")
+    @classmethod
+    def _storable(cls, value: Any) -> Any:
+        _no_nul(value)
+        return value
+
+
 class CreateSandboxRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     name: SandboxName = Field(description="the sandbox name: a DNS label, unique among live ones")
-    spec: SandboxSpecRequest
+    spec: SandboxSpecRequest | None = Field(
+        default=None, description="the full spec (or `template` instead)"
+    )
+    template: TemplateRefRequest | None = Field(
+        default=None,
+        description="make it from this template (instead of `spec`); the sandbox records the "
+        "revision. Of the other fields, only `overrides`, `ttl_seconds` and `providers` "
+        "(added to the template's) may be set with it",
+    )
+    overrides: OverridesRequest | None = Field(
+        default=None, description="with `template`: env added or replaced, labels added"
+    )
     providers: list[ProviderName] = Field(default_factory=list, max_length=64)
     command_id: CommandId | None = Field(
         default=None, description="idempotency key; a retry with the same id gets the same outcome"

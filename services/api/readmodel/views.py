@@ -11,7 +11,16 @@ from uuid import UUID
 
 from pydantic import BaseModel, Field
 
-from events.common import Deadline, ExitPolicy, ExpiryPolicy, Hold, LastExit, Phase, SandboxSpec
+from events.common import (
+    Deadline,
+    ExitPolicy,
+    ExpiryPolicy,
+    Hold,
+    LastExit,
+    Phase,
+    SandboxSpec,
+    TemplateRef,
+)
 from events.outcomes import Code, CommandOutcome
 from projections.lifecycle import Sandbox
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record
@@ -74,6 +83,9 @@ class SandboxView(BaseModel):
     )
     next_restart_at: datetime | None = Field(
         default=None, description="when the restart the restart policy scheduled is due"
+    )
+    template: TemplateRef | None = Field(
+        default=None, description="the template revision its spec was made from (null: none)"
     )
 
 
@@ -222,6 +234,7 @@ def view_of(s: Sandbox, change_seq: int) -> SandboxView:
         next_restart_at=(
             s.deadline.due_at if s.deadline is not None and s.deadline.kind == "restart" else None
         ),
+        template=s.template,
     )
 
 

@@ -27,7 +27,7 @@ from events.common import COMMAND_ID_PATTERN, SANDBOX_NAME_PATTERN, SandboxSpec
 from events.outcomes import CommandOutcome
 from events.publisher import new_command_id, now
 from services.api import idempotency, readmodel
-from services.api.deps import Reader, State, Writer, require_also
+from services.api.deps import ApiState, Reader, State, Writer, require_also
 from services.api.errors import STATUS_OF, ApiError, error_response
 from services.api.gateway import CommandGateway, CommandTooLarge, PublishFailed, PublishForbidden
 from services.api.idempotency import IdempotencyConflict
@@ -37,11 +37,13 @@ from services.api.models import (
     LifecycleBody,
     LifecycleRequest,
     NamePath,
+    OverridesRequest,
     WaitQuery,
     responses,
 )
 from services.api.providers import require_existing
 from services.api.readmodel import CommandStatus
+from services.common import templates
 from services.common.providers import ProviderMissing
 from services.common.suspend import suspend_refusal
 from services.common.tokens import PROVIDER_WRITE
@@ -96,15 +98,16 @@ async def submit(gateway: CommandGateway, command: Command, wait: float | None) 
 async def create_sandbox(
     body: CreateSandboxRequest, principal: Writer, state: State, wait: WaitQuery = None
 ) -> JSONResponse:
-    if body.providers:  # an attached provider's values reach the agent this token controls
+    made = await made_from(body, state)
+    if made.providers:  # an attached provider's values reach the agent this token controls
         require_also(principal, PROVIDER_WRITE, "to attach providers at create")
         try:  # as an attach of a missing provider is refused
-            await require_existing(state.pool, body.providers, body.command_id)
+            await require_existing(state.pool, made.providers, body.command_id)
         except ProviderMissing as exc:
             raise ApiError(404, "NOT_FOUND", f"field 'providers': {exc}") from exc
     cap = principal.max_stop_timeout
     cap = state.settings.api_max_stop_timeout_seconds if cap is None else cap
-    asked = body.spec.stop_timeout_seconds
+    asked = made.spec.stop_timeout_seconds
     if asked is not None and asked > cap:
         raise ApiError(
             422,
@@ -118,13 +121,52 @@ async def create_sandbox(
         key=body.name,
         occurred_at=now(),
         actor=principal.name,
-        spec=SandboxSpec.model_validate(body.spec.model_dump()),
-        providers=body.providers,
-        ttl_seconds=body.ttl_seconds or state.settings.default_ttl_seconds,
-        on_expiry=body.on_expiry,
-        on_exit=body.on_exit,
+        spec=made.spec,
+        providers=made.providers,
+        ttl_seconds=made.ttl_seconds or state.settings.default_ttl_seconds,
+        on_expiry=made.on_expiry,
+        on_exit=made.on_exit,
+        template=made.ref,
     )
     return await submit(state.gateway, command, wait)
+
+
+# The fields a create from a template may not set (the template does).
+_FROM_TEMPLATE: Final = ("spec", "on_expiry", "on_exit")
+
+
+async def made_from(body: CreateSandboxRequest, state: ApiState) -> templates.Resolved:
+    """The create's full spec: the request's own, or its template's with its overrides (the
+    rule in services/common/templates.py). A 4xx names the offending field."""
+    if body.template is None:
+        if body.spec is None:
+            raise ApiError(422, "INVALID_ARGUMENT", "field 'spec': required (or name a template)")
+        if body.overrides is not None:
+            raise ApiError(422, "INVALID_ARGUMENT", "field 'overrides': only with a template")
+        spec = SandboxSpec.model_validate(body.spec.model_dump())
+        return templates.Resolved(
+            spec, list(body.providers), body.ttl_seconds, body.on_expiry, body.on_exit, None
+        )
+    for name in _FROM_TEMPLATE:
+        if name in body.model_fields_set:
+            raise ApiError(
+                422,
+                "INVALID_ARGUMENT",
+                f"field {name!r}: set by template {body.template.name!r}; a create from a "
+                "template may set only overrides.env, overrides.labels, ttl_seconds and "
+                "providers",
+            )
+    asked = body.overrides or OverridesRequest()
+    overrides = templates.Overrides(asked.env, asked.labels, body.ttl_seconds, body.providers)
+    try:
+        async with state.pool.acquire() as conn:
+            return await templates.resolve(
+                conn, body.template.name, overrides, body.template.revision
+            )
+    except templates.TemplateMissing as exc:
+        raise ApiError(404, "NOT_FOUND", f"field 'template': {exc}") from exc
+    except templates.OverrideRefused as exc:
+        raise ApiError(422, "INVALID_ARGUMENT", str(exc)) from exc
 
 
 Lifecycle = (

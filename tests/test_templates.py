@@ -1,0 +1,174 @@
+"""Templates over HTTP on the real stack (Kafka, PostgreSQL; the fake driver): the store with
+revisions and optimistic concurrency, and creates that name a template, whose row, history and
+decided event record the revision while the log keeps the full spec."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import apikit
+import pytest_asyncio
+from apikit import READER, Api, unique
+
+from drivers.fake import FakeDriver
+from events.codec import EVENTS, decode
+
+SPEC = {"image": "registry.example/agent:1", "command": ["sleep", "3600"],
+        "env": {"MODE": "base", "KEEP": "1"}, "labels": {"team": "research"},
+        "resources": {"memory_mib": 256}, "restart_policy": "OnFailure", "max_restarts": 3}  # fmt: skip
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def api() -> AsyncIterator[Api]:
+    async with apikit.running_api(FakeDriver()) as running:
+        yield running
+
+
+async def make_template(api: Api, name: str, **extra: Any) -> dict[str, Any]:
+    async with api.client() as c:
+        r = await c.post("/v1/templates", json={"name": name, "spec": SPEC, **extra})
+    assert r.status_code == 201, r.text
+    return dict(r.json())
+
+
+async def test_templates_are_versioned_and_updates_need_the_newest_revision(api: Api) -> None:
+    name = unique("tpl")
+    made = await make_template(api, name, ttl_seconds=600, description="agents")
+    assert (made["revision"], made["ttl_seconds"], made["spec"]["image"]) == (
+        1, 600, SPEC["image"],
+    )  # fmt: skip
+    async with api.client() as c:
+        r = await c.post("/v1/templates", json={"name": name, "spec": SPEC})
+        assert r.status_code == 409 and r.json()["code"] == "ALREADY_EXISTS", r.text
+        newer = {"spec": {**SPEC, "image": "registry.example/agent:2"}, "expected_revision": 1}
+        r = await c.put(f"/v1/templates/{name}", json=newer)
+        assert r.status_code == 200 and r.json()["revision"] == 2, r.text
+        r = await c.put(f"/v1/templates/{name}", json=newer)  # based on 1: stale now
+        assert r.status_code == 409 and r.json()["code"] == "ABORTED", r.text
+        assert "revision 2, not 1" in r.json()["message"]
+        r = await c.get(f"/v1/templates/{name}")
+        assert (r.json()["revision"], r.json()["spec"]["image"]) == (2, "registry.example/agent:2")
+        r = await c.get(f"/v1/templates/{name}", params={"revision": 1})
+        assert r.json()["spec"]["image"] == SPEC["image"], r.text
+        r = await c.get("/v1/templates")
+        assert [t["revision"] for t in r.json()["items"] if t["name"] == name] == [2]
+        r = await c.delete(f"/v1/templates/{name}", params={"expected_revision": 1})
+        assert r.status_code == 409, r.text
+        r = await c.delete(f"/v1/templates/{name}")
+        assert r.status_code == 200 and r.json() == {"name": name, "revision": 2}, r.text
+        r = await c.get(f"/v1/templates/{name}")
+        assert r.status_code == 404, r.text
+        # Made again, it continues the numbering: {name, revision} always means one spec.
+        r = await c.post("/v1/templates", json={"name": name, "spec": SPEC})
+        assert r.status_code == 201 and r.json()["revision"] == 3, r.text
+
+
+async def test_a_create_from_a_template_gets_its_spec_with_the_overrides_and_records_it(
+    api: Api,
+) -> None:
+    template = unique("tpl")
+    await make_template(api, template, ttl_seconds=600, on_exit="delete")
+    name = unique("sb")
+    body = {"name": name, "template": {"name": template},
+            "overrides": {"env": {"MODE": "claimed", "EXTRA": "x"}, "labels": {"user": "ada"}},
+            "ttl_seconds": 60}  # fmt: skip
+    async with api.client() as c:
+        r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+        assert r.status_code == 201, r.text
+        row = (await c.get(f"/v1/sandboxes/{name}")).json()
+        history = (await c.get(f"/v1/sandboxes/{name}/history")).json()["items"]
+    assert row["template"] == {"name": template, "revision": 1}
+    spec = row["spec"]
+    assert spec["env"] == {"MODE": "claimed", "KEEP": "1", "EXTRA": "x"}
+    assert spec["labels"] == {"team": "research", "user": "ada"}
+    assert (spec["image"], spec["command"], spec["max_restarts"]) == (
+        SPEC["image"], SPEC["command"], 3,
+    )  # fmt: skip
+    assert row["on_exit"] == "delete"  # the template's
+    created = [h for h in history if h["message_type"] == "CreateSandbox"]
+    assert created[0]["message"]["template"] == {"name": template, "revision": 1}
+    assert created[0]["message"]["spec"]["image"] == SPEC["image"]  # the log keeps the full spec
+    records = await api.env.read_topic(api.env.settings.topic_events)
+    events = [decode(EVENTS, r.value) for r in records if r.key == name.encode()]
+    assert events[0].type == "SandboxCreated"
+    assert events[0].template is not None and events[0].template.revision == 1  # type: ignore[union-attr]
+
+
+async def test_a_create_names_a_revision_and_keeps_it_after_updates_and_delete(api: Api) -> None:
+    template = unique("tpl")
+    await make_template(api, template)
+    async with api.client() as c:
+        newer = {"spec": {**SPEC, "image": "registry.example/agent:2"}, "expected_revision": 1}
+        assert (await c.put(f"/v1/templates/{template}", json=newer)).status_code == 200
+        old, new = unique("old"), unique("new")
+        for name, ref in ((old, {"name": template, "revision": 1}), (new, {"name": template})):
+            r = await c.post("/v1/sandboxes", params={"wait": 30},
+                             json={"name": name, "template": ref})  # fmt: skip
+            assert r.status_code == 201, r.text
+        assert (await c.delete(f"/v1/templates/{template}")).status_code == 200
+        rows = {n: (await c.get(f"/v1/sandboxes/{n}")).json() for n in (old, new)}
+    assert rows[old]["template"]["revision"] == 1
+    assert rows[old]["spec"]["image"] == "registry.example/agent:1"
+    assert rows[new]["template"]["revision"] == 2
+    assert rows[new]["spec"]["image"] == "registry.example/agent:2"
+
+
+async def test_a_sandbox_made_from_a_full_spec_records_no_template(api: Api) -> None:
+    name = unique("plain")
+    async with api.client() as c:
+        r = await c.post("/v1/sandboxes", params={"wait": 30}, json=apikit.create_body(name))
+        assert r.status_code == 201, r.text
+        assert (await c.get(f"/v1/sandboxes/{name}")).json()["template"] is None
+
+
+async def test_bad_template_requests_are_refused_naming_the_field(api: Api) -> None:
+    template = unique("tpl")
+    await make_template(api, template)
+    ref = {"name": template}
+    cases: list[tuple[dict[str, Any], int, str]] = [
+        ({"template": {"name": unique("none")}}, 404, "field 'template'"),
+        ({"template": {"name": template, "revision": 9}}, 404, "revision 9 not found"),
+        ({"template": ref, "spec": SPEC}, 422, "field 'spec'"),
+        ({"template": ref, "on_exit": "delete"}, 422, "field 'on_exit'"),
+        ({"template": ref, "overrides": {"labels": {"team": "other"}}}, 422,
+         "field 'overrides.labels.team'"),
+        ({"template": ref, "overrides": {"image": "x"}}, 422, "overrides.image"),
+        ({"template": ref, "overrides": {"env": {"1BAD": "x"}}}, 422, "overrides.env"),
+        ({"spec": SPEC, "overrides": {"env": {"A": "b"}}}, 422, "field 'overrides'"),
+        ({}, 422, "field 'spec'"),
+        ({"template": {"name": "Not_A_Name"}}, 422, "template.name"),
+    ]  # fmt: skip
+    published = await api.commands_published()
+    async with api.client() as c:
+        for extra, status, where in cases:
+            r = await c.post("/v1/sandboxes", json={"name": unique("bad"), **extra})
+            assert r.status_code == status and where in r.json()["message"], (extra, r.text)
+        for body in ({"name": unique("t"), "spec": {**SPEC, "image": ""}},
+                     {"name": unique("t"), "spec": SPEC, "ttl_seconds": 0},
+                     {"name": "Bad Name", "spec": SPEC}):  # fmt: skip
+            r = await c.post("/v1/templates", json=body)
+            assert r.status_code == 422, r.text
+        r = await c.put(f"/v1/templates/{template}", json={"spec": SPEC})
+        assert r.status_code == 422 and "expected_revision" in r.json()["message"], r.text
+        r = await c.put(f"/v1/templates/{unique('none')}", json={"spec": SPEC,
+                                                                 "expected_revision": 1})  # fmt: skip
+        assert r.status_code == 404, r.text
+    assert await api.commands_published() == published  # nothing refused reached the log
+
+
+async def test_templates_take_the_sandbox_scopes_and_providers_need_provider_write(
+    api: Api,
+) -> None:
+    async with api.client(READER) as c:
+        assert (await c.get("/v1/templates")).status_code == 200
+        r = await c.post("/v1/templates", json={"name": unique("tpl"), "spec": SPEC})
+        assert r.status_code == 403, r.text
+    async with api.client(apikit.WRITER) as c:
+        r = await c.post("/v1/templates", json={"name": unique("tpl"), "spec": SPEC,
+                                                "providers": ["github"]})  # fmt: skip
+        assert r.status_code == 403 and "provider:write" in r.json()["message"], r.text
+    async with api.client() as c:
+        r = await c.post("/v1/templates", json={"name": unique("tpl"), "spec": SPEC,
+                                                "providers": [unique("gone")]})  # fmt: skip
+        assert r.status_code == 404 and "field 'providers'" in r.json()["message"], r.text
