@@ -146,8 +146,8 @@ def delete(
     ctx: typer.Context, name: str, revision: RevisionOpt = None, output: OutputOpt = Output.table
 ) -> None:
     """Delete a pool: its unclaimed members are deleted, claimed sandboxes stay."""
-    body = {"expected_revision": revision} if revision is not None else None
-    deleted = client_of(ctx).request("DELETE", f"/v1/pools/{name}", json_body=body).json()
+    params = {"expected_revision": revision} if revision is not None else None
+    deleted = client_of(ctx).request("DELETE", f"/v1/pools/{name}", params=params).json()
     if output is Output.json:
         print_json(deleted)
     else:

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Path
+from fastapi import APIRouter, Path, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -66,12 +66,6 @@ class UpdatePoolRequest(_Strict):
     size: Size | None = None
     strategy: Strategy | None = None
     template: SandboxName | None = None
-
-
-class DeletePoolRequest(_Strict):
-    expected_revision: Revision | None = Field(
-        default=None, description="when given, 409 ABORTED unless it is the newest"
-    )
 
 
 class PathLatency(BaseModel):
@@ -272,9 +266,12 @@ async def delete_pool(
     name: PoolPath,
     principal: Writer,
     state: State,
-    body: Annotated[DeletePoolRequest | None, Body()] = None,
+    expected_revision: Annotated[
+        int | None,
+        Query(ge=1, le=2**31 - 1, description="when given, 409 ABORTED unless it is the newest"),
+    ] = None,
 ) -> PoolView:
     async with state.pool.acquire() as conn:
         with refusals():
-            info = await store.delete_pool(conn, name, body.expected_revision if body else None)
+            info = await store.delete_pool(conn, name, expected_revision)
         return await view(conn, info)
