@@ -73,10 +73,28 @@ class Sandbox:
     restarts: Restarts | None = field(default=None, kw_only=True)
     # The template revision the create resolved its spec from (None: a full spec was given).
     template: TemplateRef | None = field(default=None, kw_only=True)
+    # Claims (docs/adr/0009). A pool member: its pool (kept after adoption, as provenance),
+    # the name it was adopted as and the claim that adopted it.
+    pool: str | None = field(default=None, kw_only=True)
+    adopted_as: str | None = field(default=None, kw_only=True)
+    claim_id: str | None = field(default=None, kw_only=True)
+    # A name bound to an adopted member: this key's row is a tombstone (nothing runs under it)
+    # that points at the member (``claim_id``: the claim that bound it).
+    bound_to: str | None = field(default=None, kw_only=True)
 
     @property
     def tombstoned(self) -> bool:
         return self.phase is P.DELETED
+
+    @property
+    def adoptable(self) -> bool:
+        """A pool member a claim may adopt now: Ready, unheld, not adopted yet."""
+        return (
+            self.pool is not None
+            and self.adopted_as is None
+            and self.phase is P.READY
+            and self.hold is None
+        )
 
 
 def is_held(sandbox: Sandbox | None) -> bool:
@@ -143,3 +161,6 @@ class Decision:
     disposition: Disposition
     reason: str
     outcome: CommandOutcome | None = None
+    # Commands this decision sends onto the commands topic, keyed by another sandbox (a
+    # claim's next step: docs/adr/0009). Their ids are deterministic: a replay sends the same.
+    commands: tuple[Command, ...] = ()

@@ -16,12 +16,15 @@ Modules:
 - ``metrics``: prometheus metrics of the roles (exposed by the API's /metrics under `sandstream up`,
   and by each role process's health endpoint when the roles run as separate processes).
 - ``migrations``: the SQL migration runner.
+- ``pools``: warm pools in PostgreSQL (the pools, the controller's requested creates, the
+  claims served).
 - ``providers``: providers in PostgreSQL.
 - ``secret_files``: secrets kept in files of their own (mode 0600).
 - ``serving``: serving an ASGI app with uvicorn inside the embedding process's event loop (the HTTP
   API, the roles' health endpoints).
 - ``settings``: one settings object for ports, paths and credentials.
 - ``suspend``: whether the configured driver keeps a workspace through a suspend.
+- ``templates``: templates in PostgreSQL and their resolution into a create's spec.
 - ``tasks``: named long-running tasks of one process sharing a stop event.
 - ``tokens``: bearer tokens with scopes.
 """
