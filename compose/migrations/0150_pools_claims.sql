@@ -7,9 +7,11 @@ ALTER TABLE sandboxes ADD COLUMN adopted_as text;
 ALTER TABLE sandboxes ADD COLUMN claim_id text;
 ALTER TABLE sandboxes ADD COLUMN bound_to text;
 
--- A claim's pick: the pool's Ready members not adopted yet.
+-- A claim's pick: the pool's Ready members no claim adopted yet.
 CREATE INDEX sandboxes_pool_ready ON sandboxes (pool, updated_at)
-    WHERE pool IS NOT NULL AND adopted_as IS NULL AND phase = 'Ready';
+    WHERE pool IS NOT NULL AND claim_id IS NULL AND phase = 'Ready';
+-- A retried claim's look-up of the member it adopted.
+CREATE INDEX sandboxes_claim ON sandboxes (claim_id) WHERE claim_id IS NOT NULL;
 -- The doors' resolution of a user's name and the views' of a member's name.
 CREATE INDEX sandboxes_bound_to ON sandboxes (bound_to) WHERE bound_to IS NOT NULL;
 

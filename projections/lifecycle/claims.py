@@ -51,9 +51,10 @@ ClaimCommand = AdoptSandbox | BindSandboxName | AbandonAdoption | UnbindSandboxN
 CLAIM_COMMANDS: Final = (AdoptSandbox, BindSandboxName, AbandonAdoption, UnbindSandboxName)
 
 
-def step_command_id(claim_id: str, step: str) -> str:
-    """The command id of a claim's step the processor sends: the same at every replay."""
-    return str(uuid5(CLAIM_NS, f"{claim_id}/{step}"))
+def step_command_id(claim_id: str, member: str, step: str) -> str:
+    """The command id of a claim's step the processor sends: the same at every replay, and
+    another for each member one claim adopted (a retried claim's second is refused its name)."""
+    return str(uuid5(CLAIM_NS, f"{claim_id}/{member}/{step}"))
 
 
 def decide_claim(
@@ -79,8 +80,12 @@ def adoption_refusal(state: Sandbox | None, claim_id: str) -> str | None:
     """Why this row cannot be adopted by ``claim_id`` (None: it can, or already was by it)."""
     if state is None or state.tombstoned:
         return "not found"
-    if state.adopted_as is not None:
-        return None if state.claim_id == claim_id else f"already adopted (as {state.adopted_as!r})"
+    if state.claim_id is not None:  # adopted (or its adoption abandoned): by this claim?
+        if state.claim_id == claim_id:
+            return None
+        if state.adopted_as is None:
+            return "already adopted by a claim since abandoned (being deleted)"
+        return f"already adopted (as {state.adopted_as!r})"
     if state.pool is None:
         return "not a pool member"
     if state.hold is not None:
@@ -96,7 +101,7 @@ def _adopt(state: Sandbox | None, command: AdoptSandbox, cause: Cause) -> Decisi
         code = Code.NOT_FOUND if refusal == "not found" else Code.FAILED_PRECONDITION
         return rejected(state, command, code, f"sandbox {command.key!r} {refusal}")
     assert state is not None
-    if state.adopted_as is not None:
+    if state.claim_id is not None:
         return _ok(state, command, f"nothing to do: adopted by claim {command.claim_id!r}")
     event = built(
         SandboxAdopted,
@@ -111,14 +116,15 @@ def _adopt(state: Sandbox | None, command: AdoptSandbox, cause: Cause) -> Decisi
     return Decision(new_state, events, "applied", why, outcome_of(command, Code.OK, why, new_state))
 
 
-def name_refusal(state: Sandbox | None, claim_id: str) -> str | None:
-    """Why the name (this key) cannot be bound by ``claim_id`` (None: it can, or already is)."""
+def name_refusal(state: Sandbox | None, claim_id: str, target: str) -> str | None:
+    """Why the name (this key) cannot be bound to ``target`` by ``claim_id`` (None: it can, or
+    already is). A second member one claim adopted (a retried claim) is refused the name too."""
     if state is None:
         return None
     if state.bound_to is not None:
         return (
             None
-            if state.claim_id == claim_id
+            if (state.claim_id, state.bound_to) == (claim_id, target)
             else f"the name is bound to adopted sandbox {state.bound_to!r}"
         )
     if not state.tombstoned:
@@ -127,7 +133,7 @@ def name_refusal(state: Sandbox | None, claim_id: str) -> str | None:
 
 
 def _bind(state: Sandbox | None, command: BindSandboxName, cause: Cause) -> Decision:
-    refusal = name_refusal(state, command.claim_id)
+    refusal = name_refusal(state, command.claim_id, command.target)
     if refusal is not None:
         return rejected(state, command, Code.ALREADY_EXISTS, f"name {command.key!r}: {refusal}")
     if state is not None and state.bound_to is not None:
@@ -226,7 +232,7 @@ def follow_ups(
                 built(
                     BindSandboxName,
                     type="BindSandboxName",
-                    command_id=step_command_id(event.claim_id, "bind"),
+                    command_id=step_command_id(event.claim_id, member.key, "bind"),
                     key=event.claimant,
                     occurred_at=event.occurred_at,
                     actor=event.actor,
@@ -242,7 +248,7 @@ def follow_ups(
                 built(
                     UnbindSandboxName,
                     type="UnbindSandboxName",
-                    command_id=step_command_id(before.claim_id, "unbind"),
+                    command_id=step_command_id(before.claim_id, before.key, "unbind"),
                     key=before.adopted_as,
                     occurred_at=event.occurred_at,
                     actor=event.actor,
@@ -259,7 +265,7 @@ def follow_ups(
             built(
                 AbandonAdoption,
                 type="AbandonAdoption",
-                command_id=step_command_id(command.claim_id, "abandon"),
+                command_id=step_command_id(command.claim_id, command.target, "abandon"),
                 key=command.target,
                 occurred_at=command.occurred_at,
                 actor=command.actor,

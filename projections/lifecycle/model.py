@@ -74,7 +74,8 @@ class Sandbox:
     # The template revision the create resolved its spec from (None: a full spec was given).
     template: TemplateRef | None = field(default=None, kw_only=True)
     # Claims (docs/adr/0009). A pool member: its pool (kept after adoption, as provenance),
-    # the name it was adopted as and the claim that adopted it.
+    # the name it was adopted as (None again once the adoption is abandoned) and the claim that
+    # adopted it (kept: no other claim adopts it).
     pool: str | None = field(default=None, kw_only=True)
     adopted_as: str | None = field(default=None, kw_only=True)
     claim_id: str | None = field(default=None, kw_only=True)
@@ -85,16 +86,6 @@ class Sandbox:
     @property
     def tombstoned(self) -> bool:
         return self.phase is P.DELETED
-
-    @property
-    def adoptable(self) -> bool:
-        """A pool member a claim may adopt now: Ready, unheld, not adopted yet."""
-        return (
-            self.pool is not None
-            and self.adopted_as is None
-            and self.phase is P.READY
-            and self.hold is None
-        )
 
 
 def is_held(sandbox: Sandbox | None) -> bool:

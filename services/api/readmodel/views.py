@@ -48,7 +48,14 @@ class Condition(BaseModel):
 
 class SandboxView(BaseModel):
     id: UUID = Field(description="this incarnation's stable id")
-    name: str
+    name: str = Field(description="the sandbox's name: the claimant's for an adopted pool member")
+    member_key: str = Field(
+        description="the key sandstream keeps the sandbox under (its runtime, history and log "
+        "key): its name, except for an adopted pool member (its generated member key)"
+    )
+    pool: str | None = Field(
+        default=None, description="the warm pool it was created for (kept after its adoption)"
+    )
     phase: Phase
     generation: int = Field(description="bumped by every create, start, restart and resume")
     version: int = Field(description="+1 per accepted change; use as expected_version")
@@ -210,7 +217,9 @@ def view_of(s: Sandbox, change_seq: int) -> SandboxView:
     """The view of a row (as stored, or a version of it rebuilt from its events)."""
     return SandboxView(
         id=s.sandbox_id,
-        name=s.key,
+        name=s.adopted_as or s.key,
+        member_key=s.key,
+        pool=s.pool,
         phase=s.phase,
         generation=s.generation,
         version=s.version,
