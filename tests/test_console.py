@@ -401,3 +401,26 @@ async def test_suspend_and_resume_are_console_actions(api: Api) -> None:
         r = await client.post(f"/ui/sandboxes/{name}/resume", data=resume)
         assert r.status_code == 303, r.text
         assert notice((await client.get(r.headers["location"])).text).startswith("Resume accepted:")
+
+
+async def test_the_templates_page_lists_them_and_a_sandbox_page_names_its_revision(
+    api: Api,
+) -> None:
+    template, name = unique("tpl"), unique("from-tpl")
+    spec = {"image": "registry.example/agent:7", "env": {"TOKEN": SECRET_ENV}}
+    async with api.client() as c:
+        r = await c.post("/v1/templates", json={"name": template, "spec": spec,
+                                                "description": "research agents"})  # fmt: skip
+        assert r.status_code == 201, r.text
+        r = await c.post("/v1/sandboxes", params={"wait": 30},
+                         json={"name": name, "template": {"name": template}})  # fmt: skip
+        assert r.status_code == 201, r.text
+    async with session(api, READER) as browser:
+        page = (await browser.get("/ui/templates")).text
+        row = re.search(rf'<tr id="template-{template}">(.*?)</tr>', page, re.S)
+        assert row, page
+        assert "registry.example/agent:7" in row.group(1) and "research agents" in row.group(1)
+        assert "TOKEN" in row.group(1) and SECRET_ENV not in page  # names only
+        assert '<a href="/ui/templates">Templates</a>' in page
+        page = (await browser.get(f"/ui/sandboxes/{name}")).text
+        assert f'<a href="/ui/templates#template-{template}">{template}</a> revision 1' in page

@@ -28,11 +28,13 @@ from services.openshell.sdk import VERSIONS, sdk_python
 SCRIPT = Path(__file__).with_name("openshell_sdk_lifecycle.py")
 
 
-def run_sdk(python: Path, endpoint: str, name: str) -> dict[str, list[dict[str, Any]]]:
+def run_sdk(
+    python: Path, endpoint: str, name: str, script: Path = SCRIPT
+) -> dict[str, list[dict[str, Any]]]:
     host = endpoint.removeprefix("http://")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     result = subprocess.run(
-        [str(python), str(SCRIPT), host, name],
+        [str(python), str(script), host, name],
         capture_output=True,
         env=env,
         timeout=600,

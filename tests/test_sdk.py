@@ -255,11 +255,30 @@ async def test_async_sandbox_runs_streams_and_kills(up: Up, connection: dict[str
         await AsyncSandbox.connect(sb.name)
 
 
+def test_create_from_a_template_with_env_and_labels_runs_its_spec(
+    up: Up, connection: dict[str, str]
+) -> None:
+    template = up.name("sdk-tpl")
+    spec = {"image": IMAGE, "command": ["sleep", "3600"], "env": {"MODE": "base"},
+            "labels": {"team": "research"}}  # fmt: skip
+    headers = {"Authorization": f"Bearer {connection['SANDSTREAM_TOKEN']}"}
+    made = httpx.post(f"{up.url}/v1/templates", headers=headers,
+                      json={"name": template, "spec": spec})  # fmt: skip
+    assert made.status_code == 201, made.text
+    with Sandbox.create(template=f"{template}:1", env={"MODE": "sdk"}, labels={"who": "sdk"}) as sb:
+        info = sb.get_info()
+        assert info.template == {"name": template, "revision": 1}
+        assert info.labels == {"team": "research", "who": "sdk"}
+        assert sb.commands.run("echo $MODE").stdout == "sdk\n"
+
+
 def test_typed_errors_for_name_scope_token_size_path_and_template(
     up: Up, connection: dict[str, str]
 ) -> None:
-    with pytest.raises(ss.NotSupportedError, match="templates are not supported"):
-        Sandbox.create(template="base")
+    with pytest.raises(ValueError, match="image: set by the template"):
+        Sandbox.create(image=IMAGE, template="base")
+    with pytest.raises(ss.NotFoundError, match="field 'template'"):
+        Sandbox.create(template=up.name("no-such-template"))
     with pytest.raises(ss.AuthenticationError):
         Sandbox.connect("anything", token="sst_not-a-token")
     with pytest.raises(ss.NotFoundError):

@@ -4,19 +4,24 @@ decided event record the revision while the log keeps the full spec."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import apikit
 import pytest_asyncio
-from apikit import READER, Api, unique
+from apikit import ADMIN, READER, Api, unique
+from typer.testing import CliRunner, Result
 
 from drivers.fake import FakeDriver
 from events.codec import EVENTS, decode
+from services.cli.main import app
 
 SPEC = {"image": "registry.example/agent:1", "command": ["sleep", "3600"],
         "env": {"MODE": "base", "KEEP": "1"}, "labels": {"team": "research"},
-        "resources": {"memory_mib": 256}, "restart_policy": "OnFailure", "max_restarts": 3}  # fmt: skip
+        "resources": {"memory_mib": 256}, "restart_policy": "OnFailure",
+        "max_restarts": 3}  # fmt: skip
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -151,8 +156,8 @@ async def test_bad_template_requests_are_refused_naming_the_field(api: Api) -> N
             assert r.status_code == 422, r.text
         r = await c.put(f"/v1/templates/{template}", json={"spec": SPEC})
         assert r.status_code == 422 and "expected_revision" in r.json()["message"], r.text
-        r = await c.put(f"/v1/templates/{unique('none')}", json={"spec": SPEC,
-                                                                 "expected_revision": 1})  # fmt: skip
+        missing = {"spec": SPEC, "expected_revision": 1}
+        r = await c.put(f"/v1/templates/{unique('none')}", json=missing)
         assert r.status_code == 404, r.text
     assert await api.commands_published() == published  # nothing refused reached the log
 
@@ -172,3 +177,78 @@ async def test_templates_take_the_sandbox_scopes_and_providers_need_provider_wri
         r = await c.post("/v1/templates", json={"name": unique("tpl"), "spec": SPEC,
                                                 "providers": [unique("gone")]})  # fmt: skip
         assert r.status_code == 404 and "field 'providers'" in r.json()["message"], r.text
+
+
+async def cli(api: Api, *args: str) -> Result:
+    argv = ["--url", api.url, "--token", ADMIN, *args]
+    return await asyncio.to_thread(CliRunner().invoke, app, argv)
+
+
+def said(result: Result) -> str:
+    return result.output + (str(result.exception) if result.exception else "")
+
+
+async def test_the_cli_writes_templates_and_creates_sandboxes_from_them(api: Api) -> None:
+    template, name = unique("tpl"), unique("cli")
+    r = await cli(api, "template", "create", template, "--image", "registry.example/a:1",
+                  "--env", "MODE=base", "--label", "team=x", "--ttl", "2h",
+                  "--description", "agents", "--", "sleep", "60")  # fmt: skip
+    assert r.exit_code == 0 and f"Created template {template} (revision 1)" in r.output, said(r)
+    r = await cli(api, "template", "update", template, "--image", "registry.example/a:2")
+    assert r.exit_code == 0 and "(revision 2)" in r.output, said(r)
+    r = await cli(api, "template", "update", template, "--image", "x", "--expected-revision", "1")
+    assert r.exit_code != 0 and "is at revision 2, not 1" in said(r), said(r)
+    r = await cli(api, "template", "get", template, "-o", "json")
+    got = json.loads(r.output)
+    # What the update did not name is kept from revision 1.
+    assert (got["revision"], got["spec"]["image"], got["spec"]["command"]) == (
+        2, "registry.example/a:2", ["sleep", "60"],
+    )  # fmt: skip
+    assert (got["spec"]["env"], got["ttl_seconds"], got["description"]) == (
+        {"MODE": "base"}, 7200, "agents",
+    )  # fmt: skip
+    r = await cli(api, "template", "list")
+    assert r.exit_code == 0 and template in r.output, said(r)
+    r = await cli(api, "sandbox", "create", name, "--template", f"{template}:1",
+                  "--env", "MODE=cli", "--label", "who=me", "--no-wait")  # fmt: skip
+    assert r.exit_code == 0, said(r)
+    await api.wait_phase(name, "Ready")
+    r = await cli(api, "sandbox", "get", name)
+    assert f"{template} revision 1" in r.output, said(r)
+    r = await cli(api, "sandbox", "get", name, "-o", "json")
+    spec = json.loads(r.output)["spec"]
+    assert (spec["image"], spec["env"], spec["labels"]) == (
+        "registry.example/a:1", {"MODE": "cli"}, {"team": "x", "who": "me"},
+    )  # fmt: skip
+    r = await cli(api, "sandbox", "create", unique("cli"), "--template", template, "--image", "x")
+    assert r.exit_code != 0 and "--image" in said(r), said(r)
+    r = await cli(api, "template", "delete", template)
+    assert r.exit_code == 0 and "was at revision 2" in r.output, said(r)
+
+
+async def test_of_two_updates_from_the_same_revision_exactly_one_is_written(api: Api) -> None:
+    template = unique("tpl")
+    await make_template(api, template)
+    async with api.client() as c:
+
+        async def update(image: str) -> int:
+            body = {"spec": {**SPEC, "image": image}, "expected_revision": 1}
+            return (await c.put(f"/v1/templates/{template}", json=body)).status_code
+
+        for _ in range(5):  # each round races a pair from the newest revision
+            current = (await c.get(f"/v1/templates/{template}")).json()["revision"]
+
+            async def update_from(image: str, base: int = current) -> int:
+                body = {"spec": {**SPEC, "image": image}, "expected_revision": base}
+                return (await c.put(f"/v1/templates/{template}", json=body)).status_code
+
+            codes = await asyncio.gather(update_from("registry.example/a:1"),
+                                         update_from("registry.example/b:1"))  # fmt: skip
+            assert sorted(codes) == [200, 409], codes
+            after = (await c.get(f"/v1/templates/{template}")).json()["revision"]
+            assert after == current + 1
+        assert await update("registry.example/c:1") == 409  # based on revision 1: stale
+    revisions = await api.env.fetchval(
+        "SELECT count(*) FROM template_revisions WHERE name = $1", template
+    )
+    assert revisions == 6

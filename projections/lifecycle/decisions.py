@@ -306,7 +306,7 @@ def _create(
         ),
         on_expiry=command.on_expiry,
         on_exit=command.on_exit,
-        # Left out while unset, as validation from the JSON leaves them (the fields' exclude_if).
+        # Only when set: an event without one is as it always was (fields set included).
         **({"template": command.template} if command.template is not None else {}),
         **({"pool": command.pool} if command.pool is not None else {}),
     )

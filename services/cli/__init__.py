@@ -7,6 +7,7 @@ Modules:
 
 - ``audit``: `sandstream audit verify | chain | at | explain | export | rebuild | diff | promote`.
 - ``client``: the CLI's client of the HTTP API (errors, retries, exit codes).
+- ``create``: `sandstream sandbox create` (from a spec or a template).
 - ``exec``: `sandstream sandbox exec`.
 - ``files``: `sandstream sandbox cp` and `sandstream sandbox files ls | stat | mkdir | rm | mv`.
 - ``lifecycle``: `sandstream sandbox hold | release | extend`.
@@ -21,5 +22,6 @@ Modules:
 - ``render``: output for people and scripts.
 - ``roles``: `sandstream processor | executor | watcher | scheduler | api`.
 - ``sandbox``: `sandstream sandbox ...`.
+- ``templates``: `sandstream template create | get | list | update | delete`.
 - ``tokens``: `sandstream token ...`.
 """

@@ -25,8 +25,10 @@ from services.cli import (
     providers,
     roles,
     sandbox,
+    templates,
     tokens,
 )
+from services.cli import create as _create  # noqa: F401  (sandbox create)
 from services.cli import exec as _exec  # noqa: F401  (sandbox exec)
 from services.cli import files as _files  # noqa: F401  (sandbox cp, sandbox files ...)
 from services.cli import lifecycle as _lifecycle  # noqa: F401  (sandbox hold/release/extend)
@@ -48,6 +50,7 @@ app.add_typer(processor.app, name="processor")
 app.add_typer(log.app, name="log")
 app.add_typer(providers.app, name="provider")
 app.add_typer(pools.app, name="pool")
+app.add_typer(templates.app, name="template")
 app.command("provider-sync")(providers.provider_sync)
 for _name, _command in (*operations.COMMANDS, *roles.COMMANDS):
     app.command(_name)(_command)

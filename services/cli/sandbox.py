@@ -25,14 +25,7 @@ from services.cli.client import (
     fail,
 )
 from services.cli.lifecycle_options import (
-    ExitChoice,
-    ExpiryChoice,
-    MaxRestartsOpt,
-    RestartBackoffOpt,
-    RestartChoice,
-    duration_seconds,
     lifecycle_fields,
-    restart_body,
 )
 from services.cli.render import (
     Output,
@@ -75,6 +68,10 @@ def pairs(values: list[str], what: str) -> dict[str, str]:
             raise typer.BadParameter(f"expected {what} as KEY=VALUE, got {item!r}")
         result[key] = value
     return result
+
+
+def template_text(ref: dict[str, Any] | None) -> str:
+    return f"{ref['name']} revision {ref['revision']}" if ref else "-"
 
 
 # Lifecycle commands: submit, then wait for the phase asked for
@@ -243,67 +240,6 @@ def _lifecycle(
 # sandbox commands
 
 
-@app.command("create")
-def create(
-    ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help="the sandbox name (a DNS label)")],
-    image: Annotated[str, typer.Option("--image", help="container image", show_default=False)],
-    command: Annotated[
-        list[str] | None, typer.Argument(help="the command to run (after --)", show_default=False)
-    ] = None,
-    label: Annotated[list[str], typer.Option("--label", help="KEY=VALUE (repeatable)")] = [],  # noqa: B006
-    env: Annotated[list[str], typer.Option("--env", help="KEY=VALUE (repeatable)")] = [],  # noqa: B006
-    provider: Annotated[
-        list[str], typer.Option("--provider", help="credential provider (repeatable)")
-    ] = [],  # noqa: B006
-    stop_timeout: Annotated[
-        int | None, typer.Option("--stop-timeout", min=0, help="seconds from SIGTERM to SIGKILL")
-    ] = None,
-    ttl: Annotated[
-        str | None,
-        typer.Option("--ttl", help="time to live, e.g. 90s, 30m, 2h, 7d (default: the server's)"),
-    ] = None,
-    on_expiry: Annotated[
-        ExpiryChoice, typer.Option("--on-expiry", help="what the end of the ttl does")
-    ] = ExpiryChoice.stop,
-    on_exit: Annotated[
-        ExitChoice,
-        typer.Option("--on-exit", help="delete: delete it once its main process ended"),
-    ] = ExitChoice.keep,
-    restart_policy: Annotated[
-        RestartChoice | None,
-        typer.Option(
-            "--restart-policy",
-            help="restart it after its main process ends: OnFailure (non-zero exit, vanished, "
-            "failed launch) or Always (also exit 0); default Never",
-        ),
-    ] = None,
-    restart_backoff: RestartBackoffOpt = None,
-    max_restarts: MaxRestartsOpt = None,
-    command_id: CommandIdOpt = None,
-    timeout: TimeoutOpt = 120.0,
-    no_wait: NoWaitOpt = False,
-    output: OutputOpt = Output.table,
-) -> None:
-    """Create a sandbox and wait until it is Ready."""
-    spec: dict[str, Any] = {
-        "image": image,
-        "command": list(command or []),
-        "env": pairs(env, "--env"),
-        "labels": pairs(label, "--label"),
-    }
-    if stop_timeout is not None:
-        spec["stop_timeout_seconds"] = stop_timeout
-    spec.update(restart_body(restart_policy, restart_backoff, max_restarts))
-    body: dict[str, Any] = {"name": name, "spec": spec, "providers": provider}
-    if ttl is not None:
-        body["ttl_seconds"] = duration_seconds(ttl, "--ttl")
-    body["on_expiry"], body["on_exit"] = on_expiry.value, on_exit.value
-    body["command_id"] = command_id or f"cli-{uuid.uuid4().hex}"  # the same on every retry
-    _lifecycle(ctx, "create", name, "POST", "/v1/sandboxes", body,
-               timeout=timeout, no_wait=no_wait, output=output)  # fmt: skip
-
-
 # Commands that mint a new generation each time they are applied: run twice, they restart
 # twice. By default the CLI sends the version it read as expected_version, so a command that
 # was applied after all (its answer lost) cannot be applied a second time.
@@ -432,6 +368,7 @@ def get(
         ("Env", ", ".join(sorted(spec["env"])) or "-"),
         ("Labels", ", ".join(f"{k}={v}" for k, v in sorted(row["labels"].items())) or "-"),
         ("Providers", ", ".join(row["providers"]) or "-"),
+        ("Template", template_text(row.get("template"))),
         ("Conditions", conditions),
         ("Exit code", dash(row["exit_code"])),
         ("Reason", dash(row["reason"])),

@@ -26,7 +26,7 @@ Modules:
   API, the roles' health endpoints).
 - ``settings``: one settings object for ports, paths and credentials.
 - ``suspend``: whether the configured driver keeps a workspace through a suspend.
-- ``templates``: templates in PostgreSQL and their resolution into a create's spec.
+- ``templates``: templates in PostgreSQL and their resolution into a create's full spec.
 - ``tasks``: named long-running tasks of one process sharing a stop event.
 - ``tokens``: bearer tokens with scopes.
 """

@@ -212,6 +212,9 @@ class Overrides:
     labels: Mapping[str, str] = field(default_factory=dict)
     ttl_seconds: int | None = None
     providers: Sequence[str] = ()
+    # Only OpenShell's door sets it: there a sandbox's command is its own spec's, the
+    # template being the workload (image, environment, resources). The HTTP API refuses it.
+    command: Sequence[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,10 +255,12 @@ def apply(info: TemplateInfo, overrides: Overrides) -> Resolved:
             f"template {info.name!r} sets this label to {base.spec.labels[key]!r}; a sandbox "
             "may add labels, not change the template's",
         )
-    merged = {
+    merged: dict[str, Any] = {
         "env": {**base.spec.env, **overrides.env},
         "labels": {**base.spec.labels, **overrides.labels},
     }
+    if overrides.command is not None:
+        merged["command"] = list(overrides.command)
     try:
         spec = SandboxSpec.model_validate(base.spec.model_dump() | merged)
     except ValidationError as exc:  # e.g. more variables than a spec holds

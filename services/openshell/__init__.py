@@ -22,6 +22,7 @@ Modules:
   cached.
 - ``server``: the OpenShell-compatible gRPC server (grpcio's asyncio server), in `up` or as its own
   role.
+- ``templates``: the 0.1 template RPCs over sandstream's templates.
 - ``service``: the door's plumbing: authentication, command ids, submitting commands.
 - ``watch``: WatchSandbox: every version of the row (the change feed, and the decided events
   for the versions it moved past), logs, resumable cursors.

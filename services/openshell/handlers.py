@@ -25,6 +25,7 @@ from services.openshell.providers import PROVIDER_METHODS, ProviderRpcs
 from services.openshell.sandbox_providers import SandboxProviderRpcs
 from services.openshell.sandboxes import SandboxRpcs
 from services.openshell.service import Context, Door
+from services.openshell.templates import TEMPLATE_METHODS, TemplateRpcs
 from services.openshell.watch import WatchRpcs
 
 log = logging.getLogger("sandstream.openshell")
@@ -42,6 +43,7 @@ UNARY: Final = (
     "DeleteSandbox",
     "GetSandboxLogs",
     *PROVIDER_METHODS,
+    *TEMPLATE_METHODS,
 )
 STREAMING: Final = ("ExecSandbox", "WatchSandbox")
 UNAVAILABLE_MESSAGE: Final = "the gateway's database is unavailable; retry"
@@ -100,6 +102,7 @@ class OpenShellService:
             LogRpcs(door),
             ProviderRpcs(door),
             SandboxProviderRpcs(door),
+            TemplateRpcs(door),
         )
 
     def method(self, name: str) -> Any:

@@ -24,9 +24,12 @@ from pydantic import ValidationError
 from events.common import (
     PROVIDER_NAME_PATTERN,
     SANDBOX_NAME_PATTERN,
+    ExitPolicy,
+    ExpiryPolicy,
     Phase,
     RestartPolicy,
     SandboxSpec,
+    TemplateRef,
 )
 from services.api.readmodel import SandboxView
 from services.openshell.proto import served_pb2
@@ -143,7 +146,11 @@ def sandbox_message(
         status.next_restart_time.CopyFrom(timestamp(view.next_restart_at))
     if view.exit_code is not None and view.phase in (Phase.ERROR, Phase.COMPLETED):
         status.exit_code = view.exit_code
-    return served_pb2.Sandbox(metadata=metadata, spec=spec, status=status)
+    made = served_pb2.Sandbox(metadata=metadata, spec=spec, status=status)
+    if view.template is not None:  # 0.1's provenance: the template's name and revision
+        made.created_from_workload_template.name = view.template.name
+        made.created_from_workload_template.resource_version = str(view.template.revision)
+    return made
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,6 +162,11 @@ class NewSandbox:
     name: str
     spec: SandboxSpec
     providers: list[str]
+    # A create naming a template takes these from it (services/openshell/sandboxes.py).
+    ttl_seconds: int | None = None
+    on_expiry: ExpiryPolicy = "stop"
+    on_exit: ExitPolicy = "keep"
+    template: TemplateRef | None = None
 
 
 def sandbox_name(requested: str, command_id: str | None) -> str:

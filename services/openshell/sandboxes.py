@@ -6,6 +6,7 @@ answered in the served schema, which both generations read (``proto/served.proto
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,11 +14,13 @@ import grpc
 from google.protobuf.message import Message
 
 from events.commands import CreateSandbox, DeleteSandbox, StartSandbox, StopSandbox
+from events.common import SANDBOX_NAME_PATTERN
 from events.outcomes import Code
 from events.publisher import new_command_id, now
 from services.api import readmodel
 from services.api.providers import require_existing
 from services.api.readmodel import InvalidArgument
+from services.common import templates
 from services.common.providers import ProviderMissing
 from services.common.tokens import PROVIDER_WRITE, READ, WRITE
 from services.openshell import mapping, wire
@@ -59,6 +62,40 @@ def target(raw: bytes, old: type[Message], new: type[Message]) -> Target:
         )
     m = decoded.old
     return Target(m.name, m.workspace, Generation.V0_0)
+
+
+async def from_template(
+    pool: Any, request: os_0_1.CreateSandboxRequest, command_id: str | None
+) -> mapping.NewSandbox:
+    """A 0.1 create naming ``workload_template``: the template gives the workload (image,
+    environment, resources, labels) and the rest of a sandbox; the request's own labels and
+    environment are added (a template's label not changed), its providers added, its command
+    replaces the template's. A workload in the request's spec is INVALID_ARGUMENT."""
+    if not re.fullmatch(SANDBOX_NAME_PATTERN, request.workload_template):
+        raise mapping.InvalidRequest("workload_template: not a template name (a DNS label)")
+    spec = request.spec
+    own = ("environment", "providers", "command", "log_level", "tty")  # the sandbox's own
+    given = [f"spec.{d.name}" for d, _ in spec.ListFields() if d.name not in own]
+    given += ["annotations"] if request.annotations else []
+    if given:
+        raise mapping.InvalidRequest(
+            f"{given[0]}: not with workload_template (the template gives it)"
+        )
+    overrides = templates.Overrides(
+        env=dict(spec.environment),
+        labels=dict(request.labels),
+        providers=list(spec.providers),
+        command=list(spec.command) or None,
+    )
+    try:
+        async with pool.acquire() as conn:
+            made = await templates.resolve(conn, request.workload_template, overrides)
+    except templates.OverrideRefused as exc:
+        raise mapping.InvalidRequest(str(exc).removeprefix("field ")) from None
+    name = mapping.sandbox_name(request.name, command_id)
+    return mapping.NewSandbox(
+        name, made.spec, made.providers, made.ttl_seconds, made.on_expiry, made.on_exit, made.ref
+    )
 
 
 class SandboxRpcs:
@@ -115,16 +152,11 @@ class SandboxRpcs:
         if decoded.new is not None:
             request, request_id = decoded.new, decoded.new.request_id
             workspace = mapping.selected_workspace(decoded.new.workspace_scope)
-            unsupported = [
-                f
-                for f in ("workload_template", "service_exposures")
-                if f in {d.name for d, _ in decoded.new.ListFields()}
-            ]
-            if unsupported:
+            if decoded.new.service_exposures:
                 await abort(
                     context,
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{unsupported[0]}: not supported by sandstream",
+                    "service_exposures: not supported by sandstream",
                 )
         else:
             assert decoded.old is not None
@@ -135,11 +167,16 @@ class SandboxRpcs:
                 raise mapping.InvalidRequest(
                     f"workspace {workspace!r}: only {mapping.DEFAULT_WORKSPACE!r} exists"
                 )
-            wanted = mapping.new_sandbox(
-                request, default_image=self.door.default_image, command_id=command_id
-            )
+            if decoded.new is not None and decoded.new.workload_template:
+                wanted = await from_template(self.door.pool, decoded.new, command_id)
+            else:
+                wanted = mapping.new_sandbox(
+                    request, default_image=self.door.default_image, command_id=command_id
+                )
         except mapping.InvalidRequest as exc:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except templates.TemplateMissing as exc:
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"workload_template: {exc}")
         if wanted.providers and PROVIDER_WRITE not in principal.scopes:
             await abort(
                 context,
@@ -159,6 +196,10 @@ class SandboxRpcs:
             actor=principal.name,
             spec=wanted.spec,
             providers=wanted.providers,
+            ttl_seconds=wanted.ttl_seconds,
+            on_expiry=wanted.on_expiry,
+            on_exit=wanted.on_exit,
+            template=wanted.template,
         )
         outcome = await self.door.submit(command, context)
         view = await readmodel.get_sandbox(self.door.pool, wanted.name)

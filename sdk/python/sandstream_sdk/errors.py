@@ -73,7 +73,7 @@ class UnavailableError(SandstreamError):
 
 
 class NotSupportedError(SandstreamError):
-    """501, or an SDK feature the server lacks (templates)."""
+    """501: a feature the server lacks."""
 
 
 class SandboxError(SandstreamError):

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from sandstream_sdk._transport import Call
-from sandstream_sdk.errors import NotFoundError, NotSupportedError, SandboxError
+from sandstream_sdk.errors import NotFoundError, SandboxError
 from sandstream_sdk.models import SandboxInfo
 
 Goal = Literal["Ready", "Stopped", "gone"]
@@ -35,9 +35,7 @@ def create_call(
     timeout: float | None,
 ) -> Call:
     if template is not None:
-        raise NotSupportedError(
-            "templates are not supported by sandstream yet: pass image= (a container image)"
-        )
+        return _from_template(name, image, template, command, env, labels, timeout)
     if not image:
         raise ValueError("image: required (the container image the sandbox runs)")
     spec: dict[str, Any] = {"image": image, "command": list(command or KEEP_ALIVE)}
@@ -46,6 +44,33 @@ def create_call(
     if labels:
         spec["labels"] = dict(labels)
     body: dict[str, Any] = {"name": name, "spec": spec}
+    if timeout is not None:
+        body["ttl_seconds"] = timeout
+    return Call("POST", "/v1/sandboxes", {"wait": DECIDE_WAIT}, body, ok=(201, 202))
+
+
+def _from_template(
+    name: str,
+    image: str | None,
+    template: str,
+    command: Sequence[str] | None,
+    env: Mapping[str, str] | None,
+    labels: Mapping[str, str] | None,
+    timeout: float | None,
+) -> Call:
+    """A create from ``template`` (``NAME`` or ``NAME:REVISION``): env added or replaced,
+    labels added, the time to live set; the image and the command are the template's."""
+    if image is not None or command is not None:
+        what = "image" if image is not None else "command"
+        raise ValueError(f"{what}: set by the template; pass either template= or {what}=")
+    ref, _, revision = template.partition(":")
+    asked: dict[str, Any] = {"name": ref}
+    if revision:
+        if not revision.isdigit():
+            raise ValueError(f"template: expected NAME or NAME:REVISION, got {template!r}")
+        asked["revision"] = int(revision)
+    overrides = {"env": dict(env or {}), "labels": dict(labels or {})}
+    body: dict[str, Any] = {"name": name, "template": asked, "overrides": overrides}
     if timeout is not None:
         body["ttl_seconds"] = timeout
     return Call("POST", "/v1/sandboxes", {"wait": DECIDE_WAIT}, body, ok=(201, 202))

@@ -28,6 +28,7 @@ class SandboxInfo(_Answer):
     created_at: datetime | None = None
     updated_at: datetime | None = None
     expires_at: datetime | None = None
+    template: dict[str, Any] | None = None  # {name, revision} it was made from, if any
 
 
 class CommandResult(_Answer):

@@ -155,8 +155,9 @@ class Sandbox:
         """Create a sandbox running ``image`` and wait until it is Ready. ``timeout``: its
         time to live in seconds (then it is stopped; default: the server's); ``command``:
         its main process (default: ``sleep infinity``, so that it stays up for commands);
-        ``name``: default a random ``sb-…``. ``template`` is not supported yet (raises
-        NotSupportedError): templates do not exist in sandstream."""
+        ``name``: default a random ``sb-…``. ``template``: a template's name
+        (``NAME`` or ``NAME:REVISION``) instead of ``image``: its spec, with ``env`` added or
+        replaced, ``labels`` added and ``timeout`` as the time to live."""
         name = name or lifecycle.new_name()
         call = lifecycle.create_call(
             name, image, template, command=command, env=env or envs, labels=labels,

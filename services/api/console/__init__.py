@@ -9,6 +9,7 @@ Part of the API role (imports common and audit only). docs/console.md says what 
 - ``fleet``: the fleet page: counts per phase, attention list, filtered paged table, chart.
 - ``chart``: the chart of phase counts over the last hours, drawn as SVG.
 - ``sandbox``: the sandbox page (row, conditions, timeline, audit chain) and a command's page.
+- ``catalog``: the templates page (read-only).
 - ``actions``: stop, start, restart, hold, release, delete through the API's route handlers.
 - ``live``: the pages' server-sent events, woken by the API's change feed.
 
@@ -24,7 +25,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.staticfiles import StaticFiles
 
-from services.api.console import actions, fleet, live, login, sandbox
+from services.api.console import actions, catalog, fleet, live, login, sandbox
 from services.api.console.render import html
 from services.api.console.session import ROOT, Refused, SignInNeeded, sign_in_url
 
@@ -33,7 +34,7 @@ STATIC: Final = Path(__file__).parent / "static"
 
 def mount(app: FastAPI) -> None:
     """Serve the console under ``/ui/`` (its routes stay out of the OpenAPI document)."""
-    for module in (login, fleet, sandbox, actions, live):
+    for module in (login, fleet, catalog, sandbox, actions, live):
         app.include_router(module.router)
     app.mount(f"{ROOT}/static", StaticFiles(directory=STATIC), name="console-static")
 

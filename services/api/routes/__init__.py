@@ -9,7 +9,7 @@
 - ``audit``: a sandbox's state at a time or input, explain, the hash chains, export.
 - ``operations``: health, readiness, metrics.
 - ``providers``: providers (create, list, replace credentials, delete), attach and detach.
-- ``templates``: templates (create, list, get, update, delete).
+- ``templates``: templates (create, list, get, update as a new revision, delete).
 - ``pools``: warm pools (create, list, get with the status, update, delete).
 
 - ``logs``: a sandbox's output, read from its runtime, never stored.

@@ -227,26 +227,56 @@ class Sandbox(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     SPEC_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
+    CREATED_FROM_WORKLOAD_TEMPLATE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def metadata(self) -> Global___ObjectMeta: ...
     @_builtins.property
     def spec(self) -> Global___SandboxSpec: ...
     @_builtins.property
     def status(self) -> Global___SandboxStatus: ...
+    @_builtins.property
+    def created_from_workload_template(self) -> Global___SandboxWorkloadTemplateProvenance:
+        """0.1"""
+
     def __init__(
         self,
         *,
         metadata: Global___ObjectMeta | None = ...,
         spec: Global___SandboxSpec | None = ...,
         status: Global___SandboxStatus | None = ...,
+        created_from_workload_template: Global___SandboxWorkloadTemplateProvenance | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["metadata", b"metadata", "spec", b"spec", "status", b"status"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_from_workload_template", b"created_from_workload_template", "metadata", b"metadata", "spec", b"spec", "status", b"status"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["metadata", b"metadata", "spec", b"spec", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_from_workload_template", b"created_from_workload_template", "metadata", b"metadata", "spec", b"spec", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Sandbox: _TypeAlias = Sandbox  # noqa: Y015
+
+@_typing.final
+class SandboxWorkloadTemplateProvenance(_message.Message):
+    """0.1: the template a sandbox was made from (resource_version: the template's revision)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    RESOURCE_VERSION_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    resource_version: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        resource_version: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "resource_version", b"resource_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SandboxWorkloadTemplateProvenance: _TypeAlias = SandboxWorkloadTemplateProvenance  # noqa: Y015
 
 @_typing.final
 class SandboxSpec(_message.Message):
