@@ -188,3 +188,67 @@ async def test_on_replenish_keeps_old_members_until_claimed(api: Api) -> None:
                                 lambda rows: ready(rows) == 3 and ready(rows, 2) == 1,
                                 timeout=60, what="one new member of revision 2")  # fmt: skip
         assert {r["key"] for r in before} <= {r["key"] for r in rows}
+
+
+async def claim(api: Api, name: str, template: str, **more: Any) -> dict[str, Any]:
+    async with api.client() as c:
+        r = await c.post("/v1/sandboxes", json={"name": name, "template": {"name": template},
+                                                **more}, params={"wait": 30})  # fmt: skip
+    assert r.status_code == 201, r.text
+    assert r.headers["location"] == f"/v1/sandboxes/{name}"
+    return dict(r.json())
+
+
+async def test_a_create_from_a_pooled_template_adopts_a_member_and_the_pool_refills(
+    api: Api,
+) -> None:
+    template, pool = unique("tpl"), unique("pool")
+    await make_template(api, template)
+    async with api.client() as c:
+        body = {"name": pool, "template": template, "size": 2}
+        assert (await c.post("/v1/pools", json=body)).status_code == 201
+        before = {r["key"] for r in await settled(api, pool, 2)}
+
+        name = unique("agent")
+        warm = await claim(api, name, template, overrides={"labels": {"task": "t1"}})
+        assert warm["claim"]["warm"] is True and warm["claim"]["pool"] == pool, warm
+        assert warm["claim"]["member"] in before and warm["phase"] == "Ready"
+        got = await c.get(f"/v1/sandboxes/{name}")
+        assert got.status_code == 200, got.text
+        assert got.json()["spec"]["labels"]["task"] == "t1"
+        rows = await settled(api, pool, 2)  # refilled: the claimed member left the pool
+        assert warm["claim"]["member"] not in {r["key"] for r in rows}
+
+        env = await claim(api, unique("agent"), template, overrides={"env": {"K": "v"}})
+        assert env["claim"]["warm"] is False and "env" in env["claim"]["reason"], env
+        assert env["status"] == "accepted" and env["command_type"] == "CreateSandbox"
+
+        r = await c.patch(f"/v1/pools/{pool}", json={"expected_revision": 1, "size": 0})
+        assert r.status_code == 200, r.text
+        await settled(api, pool, 0)
+        empty = await claim(api, unique("agent"), template)
+        assert empty["claim"]["warm"] is False and "no Ready member" in empty["claim"]["reason"]
+
+        status = (await c.get(f"/v1/pools/{pool}")).json()["status"]
+        claims = status["claims"]
+        assert (claims["warm"]["count"], claims["cold"]["count"]) == (1, 2), claims
+        assert abs(claims["hit_rate"] - 1 / 3) < 1e-9
+        assert claims["warm"]["p50_seconds"] is not None and claims["warm"]["p50_seconds"] > 0
+        assert status["claimed"] == 1
+
+        assert (await c.delete(f"/v1/pools/{pool}")).status_code == 200
+        assert api.plane is not None and api.plane.pools is not None
+        rounds = api.plane.pools.rounds
+        await eventually(lambda: api.plane.pools.rounds if api.plane and api.plane.pools else 0,
+                         lambda n: n >= rounds + 3, what="three controller rounds")  # fmt: skip
+        kept = await c.get(f"/v1/sandboxes/{name}")  # the claimed sandbox outlives its pool
+        assert kept.status_code == 200 and kept.json()["phase"] == "Ready", kept.text
+        metrics = await c.get("/metrics")
+        assert f'sandstream_pool_claims_total{{path="warm",pool="{pool}"}} 1.0' in metrics.text
+
+
+async def test_a_create_from_a_template_without_a_pool_says_nothing_of_claims(api: Api) -> None:
+    template = unique("tpl")
+    await make_template(api, template)
+    made = await claim(api, unique("agent"), template)
+    assert "claim" not in made and made["command_type"] == "CreateSandbox", made
