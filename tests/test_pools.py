@@ -5,6 +5,7 @@ what the pool serves; OnReplenish not at all), delete."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -252,3 +253,34 @@ async def test_a_create_from_a_template_without_a_pool_says_nothing_of_claims(ap
     await make_template(api, template)
     made = await claim(api, unique("agent"), template)
     assert "claim" not in made and made["command_type"] == "CreateSandbox", made
+
+
+async def test_a_pool_whose_members_keep_failing_refills_after_a_doubling_pause() -> None:
+    """A bad image must not turn the pool into a create-delete loop on the log: each round of
+    failures pauses the refill (1 s, then 2 s, ...), and the status says why."""
+    driver = FakeDriver()
+    driver.fail("launch", None, "podman: image not known", retryable=False, times=None)
+    async with apikit.running_api(
+        driver, with_scheduler=True, settings_update={"pool_poll_seconds": 0.2}
+    ) as api:
+        template, pool = unique("tpl"), unique("pool")
+        await make_template(api, template)
+        async with api.client() as c:
+            body = {"name": pool, "template": template, "size": 2}
+            assert (await c.post("/v1/pools", json=body)).status_code == 201
+            assert api.plane is not None and api.plane.pools is not None
+            controller = api.plane.pools
+            loop = asyncio.get_running_loop()
+
+            def streak() -> int:
+                return controller._failing.get(pool, (0, 0.0))[0]
+
+            await eventually(streak, lambda n: n >= 1, timeout=30, what="a first failure")
+            first = loop.time()
+            await eventually(streak, lambda n: n >= 3, timeout=30, what="a third failure")
+            assert loop.time() - first >= 1 + 2 - 0.1  # the two pauses in between
+            ever = await api.env.fetchval("SELECT count(*) FROM sandboxes WHERE pool = $1", pool)
+            assert ever <= 2 * 4, ever  # at most one pool's worth per round of failures
+            status = (await c.get(f"/v1/pools/{pool}")).json()["status"]
+            assert "members keep failing" in status["problem"], status
+            assert "image not known" in status["problem"], status

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import secrets
 import string
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -48,14 +49,19 @@ from services.common.kafka_clients import kafka_client_args
 from services.common.pools import POOLS_CHANNEL, Member, PoolInfo, Request
 from services.common.settings import Settings
 from services.common.tasks import first_of
-from services.scheduler.pool_plan import plan
+from services.scheduler.pool_plan import LEAVING, LIVE, plan
 
 log = logging.getLogger("sandstream.pools")
 
 ACTOR: Final = "pool-controller"
+# A pool whose members fail (a bad image, a crashing agent) is refilled after a pause that
+# doubles with each round of failures, up to the cap, and is over once a member is Ready.
+FAILURE_PAUSE: Final = 1.0
+FAILURE_PAUSE_MAX: Final = 60.0
 _ALPHABET: Final = string.ascii_lowercase + string.digits
 _DELETE_IDS: Final = uuid.UUID("5f0c3a59-8a8e-4ad5-93f1-4f5dfa1a2c7e")
 MIN_ROUND_SECONDS: Final = 0.1
+_FAILED: Final = "members keep failing:"
 
 
 def utcnow() -> datetime:
@@ -93,6 +99,7 @@ class PoolController:
     problems: dict[str, str] = field(default_factory=dict)  # pool -> why it cannot fill now
     _sent: set[str] = field(default_factory=set)  # command ids of requests published
     _deleting: dict[str, int] = field(default_factory=dict)  # key -> version a delete was sent at
+    _failing: dict[str, tuple[int, float]] = field(default_factory=dict)  # pool -> streak, until
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _listener: Any = None
 
@@ -151,8 +158,9 @@ class PoolController:
             elif self.problems.get(p.name) == missing:
                 del self.problems[p.name]
             step = plan(p.size, p.strategy, p.template, revision, mine, waiting[p.name])
+            paused = self._pause(p.name, mine, step.deletes)
             await self._delete(step.deletes)
-            if step.creates:
+            if step.creates and not paused:
                 await self._create(p, step.creates)
             _report(p.name, mine, waiting[p.name])
         for name, orphans in by_pool.items():  # pools deleted: their unclaimed members go
@@ -162,14 +170,40 @@ class PoolController:
             await store.set_problems(conn, {p.name: self.problems.get(p.name) for p in pools})
         self.rounds += 1
 
+    def _pause(self, pool: str, members: list[Member], deletes: tuple[Member, ...]) -> bool:
+        """Whether the pool's creates wait out a failure pause (started by members that failed
+        since the last round, ended by one Ready)."""
+        failed = [
+            m for m in deletes if m.phase not in LIVE | LEAVING and m.key not in self._deleting
+        ]
+        streak, until = self._failing.get(pool, (0, 0.0))
+        if any(m.phase == "Ready" for m in members) and not failed:
+            if streak and self.problems.get(pool, "").startswith(_FAILED):
+                del self.problems[pool]
+            self._failing.pop(pool, None)
+            return False
+        if failed:
+            streak += 1
+            pause = min(FAILURE_PAUSE_MAX, FAILURE_PAUSE * 2 ** (streak - 1))
+            until = time.monotonic() + pause
+            self._failing[pool] = (streak, until)
+            m = failed[0]
+            self.problems[pool] = (
+                f"{_FAILED} {len(failed)} member(s) failed ({m.key}: {m.phase}"
+                + (f", {m.reason}" if m.reason else "")
+                + f"); creating again in {pause:g}s"
+            )
+            log.warning("pool %s: %s", pool, self.problems[pool])
+        return time.monotonic() < until
+
     async def _forget_folded(self, conn: Any, asked: list[Request]) -> None:
         """Requests the fold decided are members now (or refused: said in the pool's status)."""
         for r in asked:
             if r.refusal is not None:
                 self.problems[r.pool] = f"create of {r.key} refused: {r.refusal}"
                 log.warning("pool %s: create of %s refused: %s", r.pool, r.key, r.refusal)
-            elif r.folded:  # an accepted create: whatever was refused before is over
-                self.problems.pop(r.pool, None)
+            elif r.folded and self.problems.get(r.pool, "").startswith("create of"):
+                del self.problems[r.pool]  # an accepted create: the refusals are over
         done = [r.key for r in asked if r.folded]
         if done:
             await store.drop_requests(conn, done)
