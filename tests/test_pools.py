@@ -6,15 +6,18 @@ what the pool serves; OnReplenish not at all), delete."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import apikit
 import pytest_asyncio
-from apikit import READER, Api, unique
+from apikit import ADMIN, READER, Api, unique
 from harness import eventually
+from typer.testing import CliRunner, Result
 
 from drivers.fake import FakeDriver
+from services.cli.main import app
 
 SPEC = {"image": "registry.example/agent:1", "command": ["sleep", "3600"]}
 
@@ -284,3 +287,37 @@ async def test_a_pool_whose_members_keep_failing_refills_after_a_doubling_pause(
             status = (await c.get(f"/v1/pools/{pool}")).json()["status"]
             assert "members keep failing" in status["problem"], status
             assert "image not known" in status["problem"], status
+
+
+async def test_the_pool_commands_create_show_scale_and_delete(api: Api) -> None:
+    template, pool = unique("tpl"), unique("pool")
+    await make_template(api, template)
+
+    def said(result: Result) -> str:  # what it printed, and the error main() would print
+        return result.output + (str(result.exception) if result.exception else "")
+
+    async def cli(*args: str) -> Result:
+        argv = ["--url", api.url, "--token", ADMIN, *args]
+        return await asyncio.to_thread(CliRunner().invoke, app, argv)
+
+    made = await cli("pool", "create", pool, "--template", template, "--size", "1")
+    assert made.exit_code == 0, made.output
+    assert f"pool {pool} (revision 1): template {template}" in made.output
+    await settled(api, pool, 1)
+    scaled = await cli("pool", "scale", pool, "2")
+    assert scaled.exit_code == 0 and "size 2" in scaled.output, scaled.output
+    await settled(api, pool, 2)
+    stale = await cli("pool", "scale", pool, "3", "--revision", "1")
+    assert stale.exit_code == 1 and "revision 2, not 1" in said(stale), said(stale)
+    name = unique("agent")
+    claimed = await cli("sandbox", "create", name, "--template", template)
+    assert claimed.exit_code == 0, claimed.output
+    assert f"warm (pool {pool}): adopted" in claimed.output, claimed.output
+    shown = await cli("pool", "get", pool)
+    assert "members: Ready" in shown.output and "hit rate 100%" in shown.output, shown.output
+    listed = await cli("pool", "list", "-o", "json")
+    assert pool in [p["name"] for p in json.loads(listed.output)], listed.output
+    deleted = await cli("pool", "delete", pool)
+    assert deleted.exit_code == 0 and "deleted" in deleted.output, deleted.output
+    missing = await cli("pool", "get", pool)
+    assert missing.exit_code == 1 and "not found" in said(missing), said(missing)
