@@ -36,6 +36,8 @@ from pipeline_support import history
 
 from events.commands import CreateSandbox
 from events.common import SandboxSpec
+from services.common import templates
+from services.common.templates import TemplateBody
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto.vendored.v0_1_5 import datamodel_pb2 as dm1
 from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os1
@@ -485,3 +487,30 @@ async def test_a_create_naming_a_missing_provider_is_not_found_and_creates_nothi
     assert raised.value.code() == grpc.StatusCode.NOT_FOUND
     assert raised.value.details() == f"spec.providers: provider {missing!r} not found"
     assert await gateway.env.fetchval("SELECT count(*) FROM sandboxes WHERE key = $1", name) == 0
+
+
+async def test_a_create_from_a_template_retried_by_request_id_gets_its_first_outcome(
+    gateway: Gateway,
+) -> None:
+    """Also after the template changed or was deleted: the retry resolves to the revision the
+    first create was decided with, so it is the same request."""
+    name, template = gateway.new_name(), f"tpl-{uuid.uuid4().hex[:8]}"
+    async with gateway.env.pool.acquire() as conn:
+        body = TemplateBody(spec=SandboxSpec(image=gateway.env.settings.sandbox_image,
+                                             command=["sleep", "infinity"]))  # fmt: skip
+        await templates.create_template(conn, template, body, "test", datetime.now(UTC))
+    request = os1.CreateSandboxRequest(
+        name=name, workspace_scope=SCOPE, workload_template=template, request_id=str(uuid.uuid4())
+    )
+    first = await call(gateway, "CreateSandbox", request, os1.SandboxResponse)
+    assert first.sandbox.created_from_workload_template.resource_version == "1"
+    async with gateway.env.pool.acquire() as conn:
+        newer = body.model_copy(update={"description": "revision 2"})
+        await templates.update_template(conn, template, newer, 1, "test", datetime.now(UTC))
+    again = await call(gateway, "CreateSandbox", request, os1.SandboxResponse)
+    assert again.sandbox.metadata.id == first.sandbox.metadata.id
+    async with gateway.env.pool.acquire() as conn:
+        await templates.delete_template(conn, template)
+    gone = await call(gateway, "CreateSandbox", request, os1.SandboxResponse)
+    assert gone.sandbox.metadata.id == first.sandbox.metadata.id
+    assert gone.sandbox.created_from_workload_template.resource_version == "1"

@@ -12,11 +12,13 @@ from typing import Any
 import apikit
 import pytest_asyncio
 from apikit import ADMIN, READER, Api, unique
+from harness import eventually
 from typer.testing import CliRunner, Result
 
 from drivers.fake import FakeDriver
 from events.codec import EVENTS, decode
 from services.cli.main import app
+from services.processor.rebuild import rebuild_and_compare
 
 SPEC = {"image": "registry.example/agent:1", "command": ["sleep", "3600"],
         "env": {"MODE": "base", "KEEP": "1"}, "labels": {"team": "research"},
@@ -252,3 +254,52 @@ async def test_of_two_updates_from_the_same_revision_exactly_one_is_written(api:
         "SELECT count(*) FROM template_revisions WHERE name = $1", template
     )
     assert revisions == 6
+
+
+async def test_a_retried_create_gets_its_first_outcome_after_the_template_changed_or_went(
+    api: Api,
+) -> None:
+    template, name = unique("tpl"), unique("retry")
+    await make_template(api, template)
+    body = {"name": name, "template": {"name": template}, "command_id": f"c-{name}"}
+    async with api.client() as c:
+        first = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+        assert first.status_code == 201, first.text
+        newer = {"spec": {**SPEC, "image": "registry.example/agent:2"}, "expected_revision": 1}
+        assert (await c.put(f"/v1/templates/{template}", json=newer)).status_code == 200
+        again = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+        assert again.status_code == 201 and again.json() == first.json(), again.text
+        assert (await c.delete(f"/v1/templates/{template}")).status_code == 200
+        gone = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+        assert gone.status_code == 201 and gone.json() == first.json(), gone.text
+        # A revision stays readable after the template is deleted; a new create is refused.
+        kept = await c.get(f"/v1/templates/{template}", params={"revision": 1})
+        assert kept.status_code == 200 and kept.json()["spec"]["image"] == SPEC["image"]
+        assert (await c.get(f"/v1/templates/{template}")).status_code == 404
+        fresh = {**body, "name": unique("retry"), "command_id": None}
+        r = await c.post("/v1/sandboxes", json=fresh)
+        assert r.status_code == 404 and "field 'template'" in r.json()["message"], r.text
+        row = (await c.get(f"/v1/sandboxes/{name}")).json()
+    assert row["template"] == {"name": template, "revision": 1}
+
+
+async def test_the_rows_rebuild_from_the_log_with_every_template_gone(api: Api) -> None:
+    """Replay never reads the template tables: the log keeps each create's full spec and its
+    template reference. (Last in the module: it empties the tables.)"""
+    template, name = unique("tpl"), unique("replay")
+    await make_template(api, template)
+    async with api.client() as c:
+        body = {"name": name, "template": {"name": template},
+                "overrides": {"env": {"MODE": "replayed"}}}  # fmt: skip
+        assert (await c.post("/v1/sandboxes", params={"wait": 30}, json=body)).status_code == 201
+    await api.wait_phase(name, "Ready")
+    await api.env.fetchval("WITH t AS (DELETE FROM templates) DELETE FROM template_revisions")
+    report = await eventually(
+        lambda: rebuild_and_compare(api.env.settings),
+        lambda r: r.equal,
+        timeout=30,
+        what="the rebuild to equal the rows",
+    )
+    assert report.rebuilt == report.live > 0
+    row = await api.env.fetchval("SELECT template FROM sandboxes WHERE key = $1", name)
+    assert json.loads(row) == {"name": template, "revision": 1}

@@ -111,10 +111,25 @@ def _info(r: Any) -> TemplateInfo:
     )
 
 
-async def get_template(conn: Conn, name: str, revision: int | None = None) -> TemplateInfo | None:
-    """The newest revision of a live template, or the one named (None if either is missing)."""
+# One revision, kept after the template's name was deleted (then "created" is the revision's).
+_REVISION: Final = """
+SELECT r.name, r.revision, r.body, coalesce(t.created_at, r.created_at) AS created_at,
+       r.created_at AS updated_at, coalesce(t.created_by, r.created_by) AS created_by,
+       r.created_by AS updated_by
+FROM template_revisions r LEFT JOIN templates t ON t.name = r.name
+WHERE r.name = $1 AND r.revision = $2
+"""
+
+
+async def get_template(
+    conn: Conn, name: str, revision: int | None = None, *, deleted: bool = False
+) -> TemplateInfo | None:
+    """The newest revision of a live template, or the one named; with ``deleted``, a named
+    revision of a deleted template too (None if missing)."""
     if revision is None:
         row = await conn.fetchrow(_SELECT + "WHERE t.name = $1 AND r.revision = t.revision", name)
+    elif deleted:
+        row = await conn.fetchrow(_REVISION, name, revision)
     else:
         row = await conn.fetchrow(_SELECT + "WHERE t.name = $1 AND r.revision = $2", name, revision)
     return _info(row) if row is not None else None
@@ -204,6 +219,21 @@ async def _add_revision(
     )
 
 
+async def revision_decided(conn: Conn, key: str, command_id: str, name: str) -> int | None:
+    """The revision of template ``name`` a create of ``key`` under ``command_id`` was decided
+    with, if it was: a retry of that create resolves to it again (not to a newer revision,
+    which would make it another request under the same id)."""
+    found = await conn.fetchval(
+        "SELECT message->'template'->>'revision' FROM history WHERE key = $1 "
+        "AND command_id = $2 AND message_type = 'CreateSandbox' "
+        "AND message->'template'->>'name' = $3 ORDER BY id LIMIT 1",
+        key,
+        command_id,
+        name,
+    )
+    return int(found) if found is not None else None
+
+
 @dataclass(frozen=True, slots=True)
 class Overrides:
     """What one sandbox may change of its template (the module's docstring says the rule)."""
@@ -230,11 +260,17 @@ class Resolved:
 
 
 async def resolve(
-    conn: Conn, name: str, overrides: Overrides | None = None, revision: int | None = None
+    conn: Conn,
+    name: str,
+    overrides: Overrides | None = None,
+    revision: int | None = None,
+    *,
+    deleted: bool = False,
 ) -> Resolved:
     """The full spec of a create from template ``name`` (its newest revision unless
-    ``revision``), with ``overrides``. TemplateMissing, OverrideRefused."""
-    info = await get_template(conn, name, revision)
+    ``revision``; a deleted template's only with ``deleted``: the retry of a create decided
+    before the delete), with ``overrides``. TemplateMissing, OverrideRefused."""
+    info = await get_template(conn, name, revision, deleted=deleted)
     if info is None:
         if revision is not None and await get_template(conn, name) is None:
             raise TemplateMissing(name)

@@ -87,12 +87,17 @@ async def from_template(
         providers=list(spec.providers),
         command=list(spec.command) or None,
     )
+    name, template = mapping.sandbox_name(request.name, command_id), request.workload_template
     try:
         async with pool.acquire() as conn:
-            made = await templates.resolve(conn, request.workload_template, overrides)
+            decided = None  # a retry resolves to the revision its first was decided with
+            if command_id is not None:
+                decided = await templates.revision_decided(conn, name, command_id, template)
+            made = await templates.resolve(
+                conn, template, overrides, decided, deleted=decided is not None
+            )
     except templates.OverrideRefused as exc:
         raise mapping.InvalidRequest(str(exc).removeprefix("field ")) from None
-    name = mapping.sandbox_name(request.name, command_id)
     return mapping.NewSandbox(
         name, made.spec, made.providers, made.ttl_seconds, made.on_expiry, made.on_exit, made.ref
     )

@@ -161,10 +161,16 @@ async def made_from(body: CreateSandboxRequest, state: ApiState) -> templates.Re
             )
     asked = body.overrides or OverridesRequest()
     overrides = templates.Overrides(asked.env, asked.labels, body.ttl_seconds, body.providers)
+    ref = body.template
     try:
         async with state.pool.acquire() as conn:
+            revision, decided = ref.revision, None
+            if revision is None and body.command_id is not None:  # a retry: as decided first
+                decided = await templates.revision_decided(
+                    conn, body.name, body.command_id, ref.name
+                )
             return await templates.resolve(
-                conn, body.template.name, overrides, body.template.revision
+                conn, ref.name, overrides, revision or decided, deleted=decided is not None
             )
     except templates.TemplateMissing as exc:
         raise ApiError(404, "NOT_FOUND", f"field 'template': {exc}") from exc

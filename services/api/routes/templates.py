@@ -181,7 +181,8 @@ async def list_templates(principal: Reader, state: State) -> TemplateList:
     "/v1/templates/{template}",
     response_model=TemplateView,
     responses=responses(401, 403, 404, 422, 503),
-    summary="One template: its newest revision, or the one asked for",
+    summary="One template: its newest revision, or the one asked for (kept after the "
+    "template is deleted)",
     tags=["templates"],
 )
 async def get_template(
@@ -193,7 +194,7 @@ async def get_template(
     ] = None,
 ) -> TemplateView:
     async with state.pool.acquire() as conn:
-        info = await templates.get_template(conn, template, revision)
+        info = await templates.get_template(conn, template, revision, deleted=True)
     if info is None:
         raise ApiError(404, "NOT_FOUND", str(TemplateMissing(template, revision)))
     return view(info)
