@@ -358,3 +358,22 @@ async def test_a_delete_read_before_a_claim_adopted_the_member_is_refused(api: A
         assert (outcome.json()["status"], outcome.json()["code"]) == ("rejected", "ABORTED")
         kept = await c.get(f"/v1/sandboxes/{name}")
         assert kept.status_code == 200 and kept.json()["phase"] == "Ready", kept.text
+
+
+async def test_claim_figures_count_every_claim_and_keep_only_the_newest(api: Api) -> None:
+    """A pool's claims are counted forever but kept (for the latency figures) only as the
+    newest 1,000 or so per path: the table must not grow by a row per claim for good."""
+    pool = unique("pool")
+    async with api.env.pool.acquire() as conn:
+        for i in range(1250):
+            await pools_store.record_claim(conn, pool, f"c{i}", True, "adopted", i / 1000)
+        await pools_store.record_claim(conn, pool, "cold", False, "no Ready member", 2.0)
+        stats = await pools_store.claim_stats(conn, pool)
+        kept = await conn.fetchval(
+            "SELECT count(*) FROM pool_claims WHERE pool = $1 AND warm", pool
+        )
+    assert (stats[True].count, stats[False].count) == (1250, 1)
+    assert 1000 <= kept <= 1000 + pools_store.PRUNE_EVERY, kept
+    assert stats[True].p50 is not None  # over the newest 1,000 (0.250 to 1.249 s) only
+    assert abs(stats[True].p50 - 0.7495) < 1e-9, stats[True]
+    assert stats[False].p50 == 2.0

@@ -28,8 +28,16 @@ CREATE TABLE IF NOT EXISTS pool_requests (
 );
 CREATE INDEX IF NOT EXISTS pool_requests_pool ON pool_requests (pool);
 
--- One row per claim the API served from a pool's template: warm (a member adopted) or cold
--- (the fallback create), why, and how long the request took; the pool's status reads them.
+-- The claims the API served from a pool's template, warm (a member adopted) or cold (the
+-- fallback create): a count per path since the pool was created, and the newest claims of
+-- each path (at most about 1,100: older ones are pruned) with why and how long the request
+-- took, which the pool's status takes its latency figures from.
+CREATE TABLE IF NOT EXISTS pool_claim_counts (
+    pool   text NOT NULL,
+    warm   boolean NOT NULL,
+    count  bigint NOT NULL,
+    PRIMARY KEY (pool, warm)
+);
 CREATE TABLE IF NOT EXISTS pool_claims (
     id          bigserial PRIMARY KEY,
     pool        text NOT NULL,
@@ -39,4 +47,4 @@ CREATE TABLE IF NOT EXISTS pool_claims (
     seconds     double precision NOT NULL,
     claimed_at  timestamptz NOT NULL DEFAULT now()
 );
-CREATE INDEX IF NOT EXISTS pool_claims_pool ON pool_claims (pool, id);
+CREATE INDEX IF NOT EXISTS pool_claims_path ON pool_claims (pool, warm, id);
