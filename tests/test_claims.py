@@ -14,6 +14,7 @@ import pytest_asyncio
 from apikit import Api, unique
 from claims_support import adoptions, all_ready, bindings, create_members
 from harness import eventually
+from openshell_support import auth, serving_door
 
 from events.commands import AdoptSandbox, CreateSandbox
 from events.common import SandboxSpec
@@ -23,18 +24,25 @@ from services.api.claims import claim
 from services.api.gateway import CommandGateway
 from services.common.settings import load_settings
 from services.executor.backends import podman_driver
+from services.openshell.proto import openshell_pb2 as pb
+from services.openshell.proto import openshell_pb2_grpc
 
 IMAGE = load_settings().sandbox_image
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def api() -> AsyncIterator[Api]:
-    driver = podman_driver(load_settings())
+async def driver() -> AsyncIterator[Any]:
+    made = podman_driver(load_settings())
     try:
-        async with apikit.running_api(driver) as running:
-            yield running
+        yield made
     finally:
-        await driver.close()
+        await made.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def api(driver: Any) -> AsyncIterator[Api]:
+    async with apikit.running_api(driver) as running:
+        yield running
 
 
 def gateway_of(api: Api) -> CommandGateway:
@@ -97,6 +105,40 @@ async def test_a_claim_adopts_a_ready_member_and_its_name_works_at_every_door(ap
         assert r.status_code == 201, r.text
         assert (await c.get(f"/v1/sandboxes/{name}")).json()["member_key"] == name
     await cleanup(api, [name])
+
+
+async def test_a_claimed_name_works_at_openshell_the_console_and_the_audit(
+    api: Api, driver: Any
+) -> None:
+    """OpenShell's door gets, execs in and deletes the adopted sandbox by the claimant's name;
+    the console's page and the audit's explanation of the name are the member's."""
+    pool = new_pool()
+    [member] = await create_members(gateway_of(api), pool, 1, IMAGE)
+    await all_ready(api.env.pool, [member])
+    name = unique("door")
+    assert (await claimed(api, pool, name)).warm
+    async with api.client(None, follow_redirects=False) as console:
+        r = await console.post("/ui/login", data={"token": apikit.INSPECTOR, "next": "/ui/"})
+        assert r.status_code == 303, r.text
+        page = await console.get(f"/ui/sandboxes/{name}")
+        assert page.status_code == 200, page.text
+        assert f"pool member <code>{member}</code> of pool {pool}, claimed as {name}" in page.text
+        assert f"Adopt(as {name})" in page.text
+    async with api.client(apikit.AUDITOR) as c:
+        r = await c.get(f"/v1/audit/sandboxes/{name}/explain")
+        assert r.status_code == 200, r.text
+        assert "SandboxAdopted" in [e for step in r.json()["inputs"] for e in step["events"]]
+    async with serving_door(api.env, driver) as (channel, _, _):
+        stub = openshell_pb2_grpc.OpenShellStub(channel)
+        got = await stub.GetSandbox(pb.GetSandboxRequest(name=name), metadata=auth())
+        assert got.sandbox.metadata.name == name
+        for reference in (name, got.sandbox.metadata.id):  # by name (0.1), by id (0.0)
+            request = pb.ExecSandboxRequest(sandbox_id=reference, command=["echo", "warm"])
+            events = [e async for e in stub.ExecSandbox(request, metadata=auth(), timeout=60)]
+            assert b"".join(e.stdout.data for e in events if e.HasField("stdout")) == b"warm\n"
+        deleted = await stub.DeleteSandbox(pb.DeleteSandboxRequest(name=name), metadata=auth())
+        assert deleted.deleted
+    await api.wait_phase(member, "Deleted", timeout=60)
 
 
 async def test_a_claim_is_cold_with_no_ready_member_or_with_per_claim_env(api: Api) -> None:
