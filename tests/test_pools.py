@@ -377,3 +377,21 @@ async def test_claim_figures_count_every_claim_and_keep_only_the_newest(api: Api
     assert stats[True].p50 is not None  # over the newest 1,000 (0.250 to 1.249 s) only
     assert abs(stats[True].p50 - 0.7495) < 1e-9, stats[True]
     assert stats[False].p50 == 2.0
+
+
+async def test_a_claim_of_a_taken_name_is_refused_and_not_counted(api: Api) -> None:
+    template, pool = unique("tpl"), unique("pool")
+    await make_template(api, template)
+    async with api.client() as c:
+        body = {"name": pool, "template": template, "size": 1}
+        assert (await c.post("/v1/pools", json=body)).status_code == 201
+        await settled(api, pool, 1)
+        name = unique("agent")
+        r = await c.post("/v1/sandboxes", params={"wait": 30}, json=apikit.create_body(name))
+        assert r.status_code == 201, r.text
+        r = await c.post("/v1/sandboxes", params={"wait": 30},
+                         json={"name": name, "template": {"name": template}})  # fmt: skip
+        assert (r.status_code, r.json()["code"]) == (409, "ALREADY_EXISTS"), r.text
+        assert len(await members(api, pool)) == 1  # no member spent on it
+        claims = (await c.get(f"/v1/pools/{pool}")).json()["status"]["claims"]
+        assert (claims["warm"]["count"], claims["cold"]["count"]) == (0, 0), claims

@@ -77,7 +77,8 @@ async def create_or_claim(
     reason = why_not or "no member adopted"
     answer = _with_claim(await create(), ClaimOutcome(pool=pool.name, warm=False, reason=reason,
                                                       member=None))  # fmt: skip
-    await _count(state, pool, body.name, False, reason, started)
+    if answer.status_code < 300:  # a refused create (the name taken, say) served no claim
+        await _count(state, pool, body.name, False, reason, started)
     return answer
 
 
