@@ -222,10 +222,13 @@ async def test_a_create_from_a_pooled_template_adopts_a_member_and_the_pool_refi
         assert (await c.post("/v1/pools", json=body)).status_code == 201
         before = {r["key"] for r in await settled(api, pool, 2)}
 
-        name = unique("agent")
-        warm = await claim(api, name, template, overrides={"labels": {"task": "t1"}})
+        name, claim_id = unique("agent"), unique("claim")
+        asked = {"overrides": {"labels": {"task": "t1"}}, "command_id": claim_id}
+        warm = await claim(api, name, template, **asked)
         assert warm["claim"]["warm"] is True and warm["claim"]["pool"] == pool, warm
         assert warm["claim"]["member"] in before and warm["phase"] == "Ready"
+        again = await claim(api, name, template, **asked)  # a retry: the same member, once
+        assert again["claim"]["member"] == warm["claim"]["member"], again
         got = await c.get(f"/v1/sandboxes/{name}")
         assert got.status_code == 200, got.text
         assert got.json()["spec"]["labels"]["task"] == "t1"
@@ -366,8 +369,10 @@ async def test_claim_figures_count_every_claim_and_keep_only_the_newest(api: Api
     pool = unique("pool")
     async with api.env.pool.acquire() as conn:
         for i in range(1250):
-            await pools_store.record_claim(conn, pool, f"c{i}", True, "adopted", i / 1000)
-        await pools_store.record_claim(conn, pool, "cold", False, "no Ready member", 2.0)
+            await pools_store.record_claim(conn, pool, f"id{i}", f"c{i}", True, "adopted", i / 1000)
+        await pools_store.record_claim(conn, pool, "x", "cold", False, "no Ready member", 2.0)
+        again = await pools_store.record_claim(conn, pool, "x", "cold", False, "retried", 2.0)
+        assert again is False  # a retried request's claim id is counted once
         stats = await pools_store.claim_stats(conn, pool)
         kept = await conn.fetchval(
             "SELECT count(*) FROM pool_claims WHERE pool = $1 AND warm", pool

@@ -41,6 +41,7 @@ CREATE TABLE IF NOT EXISTS pool_claim_counts (
 CREATE TABLE IF NOT EXISTS pool_claims (
     id          bigserial PRIMARY KEY,
     pool        text NOT NULL,
+    claim_id    text NOT NULL,              -- the create's command id: a retry is not counted again
     claimant    text NOT NULL,
     warm        boolean NOT NULL,
     reason      text NOT NULL,
@@ -48,3 +49,4 @@ CREATE TABLE IF NOT EXISTS pool_claims (
     claimed_at  timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX IF NOT EXISTS pool_claims_path ON pool_claims (pool, warm, id);
+CREATE UNIQUE INDEX IF NOT EXISTS pool_claims_id ON pool_claims (pool, claim_id);

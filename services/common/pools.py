@@ -164,12 +164,16 @@ async def _locked(conn: Conn, name: str, expected_revision: int | None) -> PoolI
 
 
 _RECORD = """
-WITH counted AS (
-    INSERT INTO pool_claim_counts (pool, warm, count) VALUES ($1, $3, 1)
+WITH claimed AS (
+    INSERT INTO pool_claims (pool, claim_id, claimant, warm, reason, seconds)
+    VALUES ($1, $6, $2, $3, $4, $5)
+    ON CONFLICT (pool, claim_id) DO NOTHING
+    RETURNING id
+), counted AS (
+    INSERT INTO pool_claim_counts (pool, warm, count) SELECT $1, $3, 1 FROM claimed
     ON CONFLICT (pool, warm) DO UPDATE SET count = pool_claim_counts.count + 1
 )
-INSERT INTO pool_claims (pool, claimant, warm, reason, seconds) VALUES ($1, $2, $3, $4, $5)
-RETURNING id
+SELECT id FROM claimed
 """
 # The newest LATENCY_WINDOW claims of a path stay; older ones go, every PRUNE_EVERY claims.
 _PRUNE = """
@@ -180,13 +184,14 @@ PRUNE_EVERY: Final = 100
 
 
 async def record_claim(
-    conn: Conn, pool: str, claimant: str, warm: bool, reason: str, seconds: float
-) -> None:
-    """Count a claim and keep it for the latency figures (pruning the oldest now and then)."""
-    async with conn.transaction():
-        claim_id = await conn.fetchval(_RECORD, pool, claimant, warm, reason, seconds)
-    if claim_id % PRUNE_EVERY == 0:
+    conn: Conn, pool: str, claim_id: str, claimant: str, warm: bool, reason: str, seconds: float
+) -> bool:
+    """Count a claim and keep it for the latency figures (pruning the oldest now and then);
+    False for a claim id counted already (a retried request)."""
+    row_id = await conn.fetchval(_RECORD, pool, claimant, warm, reason, seconds, claim_id)
+    if row_id is not None and row_id % PRUNE_EVERY == 0:
         await conn.execute(_PRUNE, pool, warm, LATENCY_WINDOW - 1)
+    return row_id is not None
 
 
 @dataclass(frozen=True, slots=True)
