@@ -50,3 +50,9 @@ CREATE TABLE IF NOT EXISTS pool_claims (
 );
 CREATE INDEX IF NOT EXISTS pool_claims_path ON pool_claims (pool, warm, id);
 CREATE UNIQUE INDEX IF NOT EXISTS pool_claims_id ON pool_claims (pool, claim_id);
+
+-- The pool controller reads every pool's live members at each round (woken by every row
+-- change): an index of the live pool members only, so that a round costs the pools' size, not
+-- the whole table's (old members' tombstones keep `pool` but leave the index).
+CREATE INDEX IF NOT EXISTS sandboxes_pool_live ON sandboxes (pool)
+    WHERE pool IS NOT NULL AND phase <> 'Deleted';
