@@ -22,10 +22,12 @@ from events.observations import RuntimeSnapshot
 from events.publisher import new_command_id, now
 from services.api.claims import claim
 from services.api.gateway import CommandGateway
+from services.audit.verify import verify
 from services.common.settings import load_settings
 from services.executor.backends import podman_driver
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto import openshell_pb2_grpc
+from services.processor.rebuild import rebuild_and_compare
 
 IMAGE = load_settings().sandbox_image
 
@@ -302,3 +304,63 @@ async def test_creates_racing_claims_for_the_same_names_never_both_get_a_name(ap
                            what="every name held by exactly one of its two")  # fmt: skip
     assert set(won.values()) <= {"claim", "create"}
     await cleanup(api, names)
+
+
+async def test_the_log_of_claims_verifies_and_rebuilds_the_rows(api: Api) -> None:
+    """The audit re-decides every input of this module's environment (claims, bindings,
+    abandonments, releases) to the same history, rows and events, and folding the events topic
+    rebuilds every row, bound names included."""
+    pool = new_pool()
+    members = await create_members(gateway_of(api), pool, 2, IMAGE)
+    await all_ready(api.env.pool, members)
+    kept, freed = unique("kept"), unique("freed")
+    assert (await claimed(api, pool, kept)).warm and (await claimed(api, pool, freed)).warm
+    async with api.client() as c:
+        assert (await c.delete(f"/v1/sandboxes/{freed}", params={"wait": 30})).status_code == 200
+    await eventually(lambda: bindings(api.env.pool), lambda b: freed not in b and kept in b,
+                     timeout=60, what="the freed name released")  # fmt: skip
+    report = await verify(api.env.settings)
+    assert report.divergences == [] and report.ok, report.divergences
+    await eventually(
+        lambda: rebuild_and_compare(api.env.settings),
+        lambda r: r.equal,
+        timeout=30,
+        what="the rows rebuilt from the events topic",
+    )
+    await cleanup(api, [kept])
+
+
+async def test_a_watch_of_a_claimed_name_follows_its_member(api: Api) -> None:
+    """``/v1/watch?name=<claimant>`` streams the member's row (under the claimant's name), and
+    never the name's own row; the decided-events stream of the name has the member's
+    adoption and the name's binding."""
+    pool = new_pool()
+    [member] = await create_members(gateway_of(api), pool, 1, IMAGE)
+    await all_ready(api.env.pool, [member])
+    name = unique("watched")
+    assert (await claimed(api, pool, name)).warm
+    async with api.client() as c:
+        events = await apikit.read_events(
+            c, lambda ev: len(apikit.rows(ev)) >= 1, params={"name": name, "timeout": 20}
+        )
+        [row] = apikit.rows(events)
+        assert (row["name"], row["member_key"], row["phase"]) == (name, member, "Ready")
+        r = await c.post(f"/v1/sandboxes/{name}:stop", params={"wait": 30})
+        assert r.status_code == 200, r.text
+        cursor = row["change_seq"]
+        events = await apikit.read_events(
+            c,
+            lambda ev: any(x["phase"] == "Stopped" for x in apikit.rows(ev)),
+            params={"name": name, "cursor": cursor, "timeout": 30},
+        )
+        assert {x["member_key"] for x in apikit.rows(events)} == {member}
+        decided: list[str] = []
+        async with c.stream(
+            "GET", "/v1/watch/events", params={"name": name, "timeout": 3}
+        ) as stream:
+            async for line in stream.aiter_lines():
+                if line.startswith("data: ") and '"type"' in line:
+                    decided.append(line)
+        assert any('"SandboxAdopted"' in d for d in decided)
+        assert any('"SandboxNameBound"' in d for d in decided)
+    await cleanup(api, [name])
