@@ -5,11 +5,13 @@ under the claimant's name, decided in two steps on the log (docs/adr/0009), thro
 from __future__ import annotations
 
 import asyncio
+import itertools
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import apikit
+import pytest
 import pytest_asyncio
 from apikit import Api, unique
 from claims_support import adoptions, all_ready, bindings, create_members
@@ -20,7 +22,7 @@ from events.commands import AdoptSandbox, CreateSandbox
 from events.common import SandboxSpec
 from events.observations import RuntimeSnapshot
 from events.publisher import new_command_id, now
-from services.api.claims import claim
+from services.api.claims import _bound, claim
 from services.api.gateway import CommandGateway
 from services.audit.verify import verify
 from services.common.settings import load_settings
@@ -364,3 +366,59 @@ async def test_a_watch_of_a_claimed_name_follows_its_member(api: Api) -> None:
         assert any('"SandboxAdopted"' in d for d in decided)
         assert any('"SandboxNameBound"' in d for d in decided)
     await cleanup(api, [name])
+
+
+async def test_a_claim_retried_after_its_api_died_finds_its_member(api: Api) -> None:
+    """An API process killed after its claim's adoption was published and decided (the
+    claim's answer lost): the client's retry with the same claim id answers with that member,
+    adopting no other, and so does a second retry once the name is bound."""
+    pool = new_pool()
+    members = await create_members(gateway_of(api), pool, 2, IMAGE)
+    await all_ready(api.env.pool, members)
+    name, claim_id = unique("retry"), str(uuid.uuid4())
+    _, adopt = race_commands(members[0], name, claim_id)
+    await gateway_of(api).publisher.publish(adopt)  # what the killed process managed to send
+    await eventually(lambda: adoptions(api.env.pool, pool), lambda a: len(a) == 1,
+                     what="the published adoption decided")  # fmt: skip
+    retried = await claim(gateway_of(api), pool, name, actor="alice", claim_id=claim_id)
+    assert (retried.warm, retried.member) == (True, members[0]), retried
+    again = await claim(gateway_of(api), pool, name, actor="alice", claim_id=claim_id)
+    assert (again.warm, again.member) == (True, members[0]), again
+    assert [a["key"] for a in await adoptions(api.env.pool, pool)] == [members[0]]
+    await cleanup(api, [name, members[1]])
+
+
+async def test_a_claim_retried_while_its_first_adoption_is_undecided_ends_on_one_member(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retry that starts before the first attempt's adoption is decided may adopt a second
+    member with the same claim id: the name goes to one of them (its partition decides), the
+    other is refused the name and deleted, and the retry answers with the one that holds it."""
+    pool = new_pool()
+    members = await create_members(gateway_of(api), pool, 2, IMAGE)
+    await all_ready(api.env.pool, members)
+    name, claim_id = unique("twice"), str(uuid.uuid4())
+    # The two attempts try the members in opposite orders: each adopts another one.
+    calls = itertools.count()
+
+    def opposite(keys: list[str]) -> None:
+        keys.sort(reverse=next(calls) % 2 == 1)
+
+    monkeypatch.setattr("services.api.claims.random.shuffle", opposite)
+    results = await asyncio.gather(
+        *(claim(gateway_of(api), pool, name, actor="alice", claim_id=claim_id) for _ in "ab")
+    )
+    bound = (await bindings(api.env.pool))[name]
+    assert bound[1] == claim_id
+    assert [(r.warm, r.member) for r in results] == [(True, bound[0])] * 2, results
+    others = [m for m in members if m != bound[0]]
+    [other] = others
+    adopted = [a["key"] for a in await adoptions(api.env.pool, pool)]
+    if other in adopted:  # adopted too (the retry did not see the first adoption): deleted
+        await api.wait_phase(other, "Deleted", timeout=60)
+    # Whichever happened: waiting on another member than the one the name went to, for this
+    # claim, answers with the member that holds the name.
+    deadline = asyncio.get_running_loop().time() + 30
+    late = await _bound(gateway_of(api), other, name, claim_id, deadline)
+    assert (late.warm, late.member) == (True, bound[0]), late
+    await cleanup(api, [name, *([] if other in adopted else [other])])

@@ -169,8 +169,10 @@ async def _bound(
     while True:
         mark = gateway.feed.mark()
         row = await gateway.pool.fetchrow(_NAME, name)
-        if row is not None and (row["bound_to"], row["claim_id"]) == (member, claim_id):
-            return ClaimResult(True, member, f"adopted {member!r}")
+        if row is not None and row["bound_to"] is not None and row["claim_id"] == claim_id:
+            # This claim's name: bound to ``member``, or (a retried claim that raced its own
+            # first adoption) to the member adopted first, the other one being abandoned.
+            return ClaimResult(True, row["bound_to"], f"adopted {row['bound_to']!r}")
         abandoned = await gateway.pool.fetchval(
             "SELECT adopted_as IS NULL FROM sandboxes WHERE key = $1 AND claim_id = $2",
             member,
