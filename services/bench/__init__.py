@@ -19,8 +19,8 @@ Modules:
   of ``make bench``).
 - ``kube_requests``: the Kubernetes driver's apiserver requests per sandbox beside bare Pods'.
 - ``main``: ``python -m services.bench
-  [all|processor|latency|decided|idle|idle-use|scaleout|rebuild|profile|fold|stages|drivers|peer|
-  kube-requests]
+  [all|processor|latency|decided|idle|idle-use|scaleout|rebuild|profile|fold|stages|drivers|
+  peer|kube-requests|warm]
   [--quick]``.
 - ``peer``, ``peer_setup``, ``peer_systems``, ``peer_kube``, ``peer_stats``, ``peer_report``:
   sandstream beside kubernetes-sigs/agent-sandbox and bare Pods on one Kubernetes cluster
@@ -39,5 +39,6 @@ Modules:
 - ``stages``: CPU of the processor's pure stages.
 - ``wake``: resume and wake-on-exec (an HTTP exec on a Suspended sandbox → its first output) on
   Podman, without and with memory kept by CRIU (part of ``drivers``).
+- ``warm``: a warm claim beside a cold create on Podman, each to an exec's answer.
 - ``workload``: the generated log the processor benchmarks drain.
 """

@@ -251,6 +251,7 @@ def role_grants(settings: Settings) -> list[Grant]:
         ("executor", group, s.executor_group, read),
         ("watcher", topic, s.topic_observations, write),
         ("scheduler", topic, s.topic_observations, write),
+        ("scheduler", topic, s.topic_commands, write),  # the pool controller's creates, deletes
         *[("audit", topic, t, read) for t in s.topics],
         ("audit", group, s.processor_group, describe),  # is a processor running?
     ]

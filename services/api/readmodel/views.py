@@ -135,6 +135,15 @@ class HistoryPage(BaseModel):
     next_page_token: str | None
 
 
+class ClaimOutcome(BaseModel):
+    """How a create from a pooled template was served (absent for every other command)."""
+
+    pool: str = Field(description="the warm pool of the template")
+    warm: bool = Field(description="true: a Ready member adopted; false: a cold create")
+    reason: str = Field(description="why (which member, or why none could be adopted)")
+    member: str | None = Field(description="the adopted member's key (warm only)")
+
+
 class CommandStatus(BaseModel):
     command_id: str
     name: str
@@ -150,6 +159,11 @@ class CommandStatus(BaseModel):
         default=None,
         description="the runtime identity of the sandbox's generation right after the decision "
         "(for create, start and restart: the one the command minted)",
+    )
+    claim: ClaimOutcome | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="a create naming a template that has a warm pool: warm or cold, and why",
     )
 
 
