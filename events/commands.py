@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 from typing import Annotated, Literal
+from uuid import UUID
 
-from pydantic import Field
+from pydantic import Field, StringConstraints
 
 from events.common import (
     INT64_MAX,
     SCHEMA_VERSION,
     Actor,
+    ClaimId,
+    ClaimLabels,
     CommandId,
     ExitPolicy,
     ExpiryPolicy,
     HoldReason,
     MaxRestarts,
+    PoolName,
     ProviderName,
     RestartBackoff,
     RestartPolicy,
@@ -22,6 +26,7 @@ from events.common import (
     SandboxSpec,
     Strict,
     TemplateRef,
+    Text,
     Timestamp,
     TTLSeconds,
 )
@@ -52,6 +57,9 @@ class CreateSandbox(CommandBase):
     # The template revision the API resolved the spec from; left out while unset, so creates
     # without one serialize as before.
     template: TemplateRef | None = Field(default=None, exclude_if=lambda v: v is None)
+    # A warm pool's member (its key is generated): it waits Ready until a claim adopts it.
+    # Left out of the JSON while unset, so other creates serialize as before.
+    pool: PoolName | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class StartSandbox(VersionedCommand):
@@ -143,6 +151,52 @@ class SetRestartPolicy(VersionedCommand):
     max_restarts: MaxRestarts | None = None
 
 
+# -- Claims (docs/adr/0009): a claim adopts a Ready pool member in two steps, each decided on
+# its own key and idempotent by claim_id. AdoptSandbox on the member's key; the processor then
+# sends BindSandboxName on the claimant's key; if that name is taken it sends AbandonAdoption
+# back to the member (which is deleted). Deleting an adopted sandbox sends UnbindSandboxName.
+
+
+class AdoptSandbox(CommandBase):
+    """Adopt this pool member (``key``) under the name ``claimant``: accepted only for a Ready,
+    unheld member not adopted yet (or already adopted by this same ``claim_id``)."""
+
+    type: Literal["AdoptSandbox"]
+    claimant: SandboxName
+    claim_id: ClaimId
+    labels: ClaimLabels = Field(default_factory=dict)  # added to the member's, no restart
+
+
+class BindSandboxName(CommandBase):
+    """Bind the name ``key`` to the adopted member ``target`` (sent by the processor after
+    SandboxAdopted): accepted only if no live sandbox and no other claim holds the name."""
+
+    type: Literal["BindSandboxName"]
+    target: SandboxName
+    claim_id: ClaimId
+    sandbox_id: UUID  # the member's incarnation
+    spec: SandboxSpec  # the member's spec as adopted: what the name stands for
+
+
+class AbandonAdoption(CommandBase):
+    """The adoption ``claim_id`` of this member lost its name (sent by the processor after a
+    refused BindSandboxName): the member is deleted and its pool refills."""
+
+    type: Literal["AbandonAdoption"]
+    claimant: SandboxName
+    claim_id: ClaimId
+    reason: Annotated[Text, StringConstraints(max_length=2000)]
+
+
+class UnbindSandboxName(CommandBase):
+    """The adopted member ``target`` is deleted: its name ``key`` is free again (sent by the
+    processor after the member's SandboxDeleted). Only the binding of ``claim_id`` is undone."""
+
+    type: Literal["UnbindSandboxName"]
+    target: SandboxName
+    claim_id: ClaimId
+
+
 Command = Annotated[
     CreateSandbox
     | StartSandbox
@@ -157,6 +211,10 @@ Command = Annotated[
     | HoldSandbox
     | ReleaseSandbox
     | ExtendSandbox
-    | SetRestartPolicy,
+    | SetRestartPolicy
+    | AdoptSandbox
+    | BindSandboxName
+    | AbandonAdoption
+    | UnbindSandboxName,
     Field(discriminator="type"),
 ]

@@ -45,9 +45,15 @@ Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX)]
 # and a Kubernetes object name, so it follows the DNS-label rules.
 SANDBOX_NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 SandboxName = Annotated[str, StringConstraints(pattern=SANDBOX_NAME_PATTERN)]
+# A warm pool's name: its members' keys are ``<pool>-<8 random [a-z0-9]>``, so it follows the
+# sandbox-name rules too.
+PoolName = Annotated[str, StringConstraints(pattern=SANDBOX_NAME_PATTERN)]
 COMMAND_ID_PATTERN: Final = r"^[A-Za-z0-9._:-]{1,128}$"
 PROVIDER_NAME_PATTERN: Final = r"^[A-Za-z0-9._-]{1,128}$"
 CommandId = Annotated[str, StringConstraints(pattern=COMMAND_ID_PATTERN)]
+# A claim's id: every step of one adoption (adopt, bind, abandon, unbind) carries it, and the
+# command ids of the steps the processor sends are derived from it (replays send the same ones).
+ClaimId = Annotated[str, StringConstraints(pattern=COMMAND_ID_PATTERN)]
 ProviderName = Annotated[str, StringConstraints(pattern=PROVIDER_NAME_PATTERN)]
 # A template's name follows the sandbox name's rules (a DNS label): it names pools and shows in
 # sandbox views beside sandbox names.
@@ -124,6 +130,18 @@ class RestartBackoff(Strict):
 
 
 MaxRestarts = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+def _label_keys(value: dict[str, str]) -> dict[str, str]:
+    return _check_keys(value, _LABEL_KEY, "label")
+
+
+# Labels a claim adds to the sandbox it adopts (the spec's label rules).
+ClaimLabels = Annotated[
+    dict[str, Annotated[Text, StringConstraints(max_length=253)]],
+    Field(max_length=64),
+    AfterValidator(_label_keys),
+]
 
 
 class SandboxSpec(Strict):

@@ -16,6 +16,8 @@ from events.common import (
     SCHEMA_VERSION,
     Actor,
     Cause,
+    ClaimId,
+    ClaimLabels,
     Deadline,
     ExitPolicy,
     ExpiryPolicy,
@@ -23,6 +25,7 @@ from events.common import (
     Hold,
     MaxRestarts,
     Phase,
+    PoolName,
     ProviderName,
     RestartBackoff,
     RestartPolicy,
@@ -60,6 +63,8 @@ class SandboxCreated(EventBase):
     on_exit: ExitPolicy = "keep"
     # The create's template revision (left out while unset: events without one read as before).
     template: TemplateRef | None = Field(default=None, exclude_if=lambda v: v is None)
+    # A warm pool's member; left out while unset, so other creates serialize as before.
+    pool: PoolName | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class SandboxStarting(EventBase):
@@ -294,6 +299,49 @@ class RestartPolicyChanged(EventBase):
     max_restarts: MaxRestarts | None = None
 
 
+# -- Claims (docs/adr/0009): adoption on the member's key, the name on the claimant's key.
+
+
+class SandboxAdopted(EventBase):
+    """A Ready pool member adopted by ``claim_id`` for the name ``claimant``: it leaves its pool
+    (the row keeps ``pool`` as provenance) and takes the claim's ``labels``, without a restart.
+    The processor then sends BindSandboxName on the claimant's key."""
+
+    type: Literal["SandboxAdopted"]
+    claimant: SandboxName
+    claim_id: ClaimId
+    labels: ClaimLabels = Field(default_factory=dict)
+
+
+class SandboxAdoptionAbandoned(EventBase):
+    """The claimant's name was refused to this adoption: the member is deleted (a
+    SandboxDeleting follows in the same decision)."""
+
+    type: Literal["SandboxAdoptionAbandoned"]
+    claimant: SandboxName
+    claim_id: ClaimId
+    reason: str
+
+
+class SandboxNameBound(EventBase):
+    """The name ``key`` now stands for the adopted member ``target`` (``sandbox_id`` is the
+    member's). The name's row is a tombstone of its own (no sandbox runs under this key) that
+    points at the member; a create of the name is refused while it does."""
+
+    type: Literal["SandboxNameBound"]
+    target: SandboxName
+    claim_id: ClaimId
+    spec: SandboxSpec
+
+
+class SandboxNameReleased(EventBase):
+    """The member ``target`` the name stood for is deleted: the name is free again."""
+
+    type: Literal["SandboxNameReleased"]
+    target: SandboxName
+    claim_id: ClaimId
+
+
 DecidedEvent = Annotated[
     SandboxCreated
     | SandboxStarting
@@ -322,6 +370,10 @@ DecidedEvent = Annotated[
     | SandboxReleased
     | SandboxRestartScheduled
     | SandboxRestartsExhausted
-    | RestartPolicyChanged,
+    | RestartPolicyChanged
+    | SandboxAdopted
+    | SandboxAdoptionAbandoned
+    | SandboxNameBound
+    | SandboxNameReleased,
     Field(discriminator="type"),
 ]

@@ -44,7 +44,7 @@ DATABASE_ERRORS: tuple[type[Exception], ...] = (asyncpg.PostgresError, *CONNECTI
 SANDBOX_COLUMNS = (
     "key, sandbox_id, phase, generation, version, spec, providers, identity, exit_code, reason, "
     "created_at, updated_at, deadline, expires_at, on_expiry, on_exit, hold, awaited, restarts, "
-    "template"
+    "template, pool, adopted_as, claim_id, bound_to"
 )
 
 
@@ -76,6 +76,10 @@ def sandbox_from_record(r: Any) -> Sandbox:
         awaited=_json_dict(r["awaited"]),
         restarts=_json_model(Restarts, r["restarts"]),
         template=_json_model(TemplateRef, r["template"]),
+        pool=r["pool"],
+        adopted_as=r["adopted_as"],
+        claim_id=r["claim_id"],
+        bound_to=r["bound_to"],
     )
 
 
@@ -120,7 +124,9 @@ SELECT 'row', NULL, NULL, NULL, json_build_object(
     'exit_code', exit_code, 'reason', reason, 'created_at', created_at,
     'updated_at', updated_at, 'deadline', deadline, 'expires_at', expires_at,
     'on_expiry', on_expiry, 'on_exit', on_exit, 'hold', hold, 'awaited', awaited,
-    'restarts', restarts, 'template', template)
+    'restarts', restarts, 'template', template,
+    'pool', pool, 'adopted_as', adopted_as, 'claim_id', claim_id,
+    'bound_to', bound_to)
 FROM unnest($3::text[]) AS k, LATERAL (SELECT * FROM sandboxes WHERE key = k LIMIT 1) AS s
 UNION ALL
 SELECT 'outcome', NULL, NULL, NULL, o.outcome::json
@@ -316,7 +322,8 @@ WITH moved AS (
            (r->>12)::timestamptz AS expires_at, r->>13 AS on_expiry, r->>14 AS on_exit,
            (r->>15)::bigint AS base, r->16 AS spec, nullif(r->17, 'null') AS deadline,
            nullif(r->18, 'null') AS hold, r->19 AS awaited,
-           nullif(r->20, 'null') AS restarts, nullif(r->21, 'null') AS template
+           nullif(r->20, 'null') AS restarts, nullif(r->21, 'null') AS template,
+           r->>22 AS pool, r->>23 AS adopted_as, r->>24 AS claim_id, r->>25 AS bound_to
     FROM jsonb_array_elements($5::jsonb) AS r
     WHERE (SELECT ok FROM fence)
 ), inserted AS (
@@ -337,7 +344,9 @@ WITH moved AS (
         deadline = u.deadline, deadline_at = (u.deadline->>'due_at')::timestamptz,
         expires_at = u.expires_at, on_expiry = u.on_expiry, on_exit = u.on_exit,
         hold = u.hold, awaited = u.awaited, restarts = u.restarts,
-        template = u.template
+        template = u.template,
+        pool = u.pool,
+        adopted_as = u.adopted_as, claim_id = u.claim_id, bound_to = u.bound_to
     FROM decided_rows u
     WHERE u.base IS NOT NULL AND s.key = u.key AND s.version = u.base
     RETURNING 1
@@ -480,6 +489,7 @@ def _sandbox_positions(partition: int, s: Sandbox, base: int | None) -> tuple[An
         orjson.Fragment(s.hold.model_dump_json()) if s.hold else None, s.awaited,
         orjson.Fragment(s.restarts.model_dump_json()) if s.restarts else None,
         orjson.Fragment(s.template.model_dump_json()) if s.template else None,
+        s.pool, s.adopted_as, s.claim_id, s.bound_to,
     )  # fmt: skip
 
 

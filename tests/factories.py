@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from events.commands import (
+    AdoptSandbox,
     AttachProvider,
     Command,
     CreateSandbox,
@@ -311,6 +312,26 @@ def rotate(
     )  # fmt: skip
 
 
+def adopt(
+    key: str = KEY,
+    claimant: str = "claimant",
+    claim_id: str = "claim-1",
+    *,
+    labels: dict[str, str] | None = None,
+    command_id: str | None = None,
+    actor: str = USER,
+    occurred_at: datetime = T0,
+) -> AdoptSandbox:
+    """A claim's adoption of the pool member ``key`` under the name ``claimant``."""
+    return AdoptSandbox(
+        type="AdoptSandbox",
+        **_base(key, command_id, actor, occurred_at),
+        claimant=claimant,
+        claim_id=claim_id,
+        labels=labels or {},
+    )
+
+
 # Builders of the versioned commands by type name (table-driven tests): ``f(key, **kw)``.
 VERSIONED_COMMANDS: dict[str, Callable[..., Command]] = {
     "StartSandbox": start,
@@ -543,6 +564,10 @@ class Harness:
         self.outcomes.update(batch.outcomes)
         self.steps.extend(batch.steps)
         return batch.steps[-1].decision
+
+    def sent(self) -> list[Command]:
+        """Every command the decisions so far sent (a claim's next steps), in order."""
+        return [c for s in self.steps for c in s.decision.commands]
 
     def row(self, key: str = KEY) -> Sandbox:
         state = self.states.get(key)

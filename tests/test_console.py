@@ -424,3 +424,24 @@ async def test_the_templates_page_lists_them_and_a_sandbox_page_names_its_revisi
         assert '<a href="/ui/templates">Templates</a>' in page
         page = (await browser.get(f"/ui/sandboxes/{name}")).text
         assert f'<a href="/ui/templates#template-{template}">{template}</a> revision 1' in page
+
+
+async def test_the_pools_page_shows_each_pool_and_its_claims(api: Api) -> None:
+    template, pool = unique("tpl"), unique("pool")
+    async with api.client() as c:
+        r = await c.post("/v1/templates", json={"name": template, "spec": {"image": "i:1"}})
+        assert r.status_code == 201, r.text
+        r = await c.post("/v1/pools", json={"name": pool, "template": template, "size": 2,
+                                            "strategy": "OnReplenish"})  # fmt: skip
+        assert r.status_code == 201, r.text
+        r = await c.post("/v1/sandboxes", params={"wait": 30},
+                         json={"name": unique("cold"), "template": {"name": template}})  # fmt: skip
+        assert r.status_code == 201 and r.json()["claim"]["warm"] is False, r.text
+    async with session(api, READER) as browser:
+        page = (await browser.get("/ui/pools")).text
+        assert '<a href="/ui/pools">Pools</a>' in page
+        row = re.search(rf'<tr id="pool-{pool}">(.*?)</tr>', page, re.S)
+        assert row, page
+        cells = re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", row.group(1), re.S)
+        assert cells[0] == pool and f'href="/ui/templates#template-{template}"' in cells[1]
+        assert (cells[2], cells[3], cells[9], cells[10]) == ("2", "OnReplenish", "1", "0%")

@@ -103,7 +103,8 @@ async def test_each_role_can_write_and_read_exactly_the_topics_granted_to_it() -
         # The requirement, spelled out: who may write what.
         writers = {t: {r for r, topic, op in found if topic == t and op == WRITE} for t in s.topics}
         assert writers == {
-            s.topic_commands: {"api", "provider-sync"},
+            # a claim's next step (processor), a pool's members (scheduler: its pool controller)
+            s.topic_commands: {"api", "provider-sync", "processor", "scheduler"},
             s.topic_observations: {"executor", "watcher", "scheduler"},
             s.topic_events: {"processor"},
             s.topic_deadletter: {"processor"},
@@ -169,7 +170,7 @@ async def test_a_refused_writer_changes_nothing_in_the_log_or_the_fold() -> None
             forged_removal = f.removed("target")
             attempts = [
                 (as_user(s, "watcher"), s.topic_commands, forged_delete),
-                (as_user(s, "scheduler"), s.topic_commands, forged_delete),
+                (as_user(s, "executor"), s.topic_commands, forged_delete),
                 (as_user(s, "api"), s.topic_observations, forged_removal),
                 (as_user(s, "audit"), s.topic_observations, forged_removal),
                 (as_user(s, "api", sasl_plain_username="nobody"), s.topic_commands, forged_delete),

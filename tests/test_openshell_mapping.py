@@ -52,6 +52,7 @@ def view(phase: Phase, exit_code: int | None = None, **spec: object) -> SandboxV
     return SandboxView(
         id=uuid.UUID(int=7),
         name="box",
+        member_key="box",
         phase=phase,
         generation=2,
         version=9,

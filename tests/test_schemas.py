@@ -43,7 +43,20 @@ def all_commands() -> list[Command]:
         f.release(expected_version=2),
         f.extend(ttl_seconds=3600),
         f.set_restart_policy(restart_policy="Always", max_restarts=3, expected_version=4),
+        f.create("pool-a1b2c3d4", pool="pool"),
+        *claim_commands(),
     ]
+
+
+def claim_commands() -> list[Command]:
+    """A claim's four commands, as the rules send them (adopt, bind, abandon, unbind)."""
+    h = f.Harness()
+    h.send(f.create("p-1", pool="p"), f.running("p-1"), f.create("p-2", pool="p"))
+    h.send(f.running("p-2"), f.create("taken"))
+    h.send(f.adopt("p-1", "mine", "c1", labels={"team": "a"}), f.adopt("p-2", "taken", "c2"))
+    h.send(*h.sent())  # bind "mine"; bind "taken" refused: abandon p-2
+    h.send(*h.sent()[2:], f.delete("p-1"), f.deleted("p-1"))
+    return [f.adopt("p-1", "mine", "c1", labels={"team": "a"}), *h.sent()]
 
 
 def all_observations() -> list[Observation]:
@@ -91,6 +104,13 @@ def all_events() -> list[DecidedEvent]:
     h.send(f.create(key="r"), f.set_restart_policy("r", max_restarts=1), f.exited("r", exit_code=1))
     h.send(f.due("r", "restart", h.row("r").deadline.due_at))  # type: ignore[union-attr]
     h.send(f.exited("r", generation=2, exit_code=1))
+    # Claims: an adoption, its name bound, one abandoned, a name released.
+    h.send(f.create("p-1", pool="p"), f.running("p-1"), f.create("p-2", pool="p"))
+    h.send(f.running("p-2"), f.create("taken"))
+    h.send(f.adopt("p-1", "mine", "c1", labels={"team": "a"}), f.adopt("p-2", "taken", "c2"))
+    h.send(*h.sent())
+    h.send(*h.sent()[2:], f.delete("p-1"), f.deleted("p-1"))
+    h.send(*h.sent()[3:])
     return h.events()
 
 

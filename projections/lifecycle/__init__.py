@@ -31,6 +31,7 @@ Modules, each one job (the tables first):
 - ``deadlines``: ``PHASE_DEADLINES``, when each deadline falls due.
 - ``deadline_due``: ``DEADLINE_TABLE``, what a due deadline does; the completion policy.
 - ``restart_policy``: whether an exit restarts; ``SetRestartPolicy``.
+- ``claims``: a pool member adopted under a user's name, and the claim steps a decision sends.
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ from events.observations import (
 from events.outcomes import Code
 from events.trusted import built
 
+from .claims import CLAIM_COMMANDS, decide_claim, not_found, with_follow_ups
 from .commands import (
     REFUSED_WHILE_HELD,
     VERB,
@@ -138,12 +139,15 @@ from .restart_policy import (
 def decide(
     state: Sandbox | None, message: Message, cause: Cause, limits: Limits = DEFAULT_LIMITS
 ) -> Decision:
-    """The new row, the decided events and the outcome of one input message."""
+    """The new row, the decided events, the outcome and the commands sent of one input."""
+    decision: Decision
     if isinstance(message, DeadlineDue):
-        return decide_deadline(state, message, cause, limits)
-    if isinstance(message, RuntimeSnapshot | RuntimeRemoved | DriverOperationResult):
-        return _decide_observation(state, message, cause, limits)
-    return _decide_command(state, message, cause, limits)
+        decision = decide_deadline(state, message, cause, limits)
+    elif isinstance(message, RuntimeSnapshot | RuntimeRemoved | DriverOperationResult):
+        decision = _decide_observation(state, message, cause, limits)
+    else:
+        decision = _decide_command(state, message, cause, limits)
+    return with_follow_ups(state, message, decision)
 
 
 def _decide_command(
@@ -151,8 +155,10 @@ def _decide_command(
 ) -> Decision:
     if isinstance(command, CreateSandbox):
         return _create(state, command, cause, limits)
+    if isinstance(command, CLAIM_COMMANDS):
+        return decide_claim(state, command, cause, limits)
     if state is None or state.tombstoned:
-        return rejected(state, command, Code.NOT_FOUND, f"sandbox {command.key!r} not found")
+        return rejected(state, command, Code.NOT_FOUND, not_found(state, command.key))
     if isinstance(command, RotateCredentials):
         return _rotate(state, command, cause, limits)
     expected = command.expected_version
@@ -265,8 +271,13 @@ _START_REASON: Final = {
 def _create(
     state: Sandbox | None, command: CreateSandbox, cause: Cause, limits: Limits
 ) -> Decision:
-    if state is not None and not state.tombstoned:
-        why = f"sandbox {command.key!r} already exists (phase: {state.phase})"
+    if state is not None and (not state.tombstoned or state.bound_to is not None):
+        what = (
+            f"phase: {state.phase}"
+            if state.bound_to is None
+            else f"adopted sandbox {state.bound_to!r}"
+        )
+        why = f"sandbox {command.key!r} already exists ({what})"
         return rejected(state, command, Code.ALREADY_EXISTS, why)
     # A re-create after delete starts above the tombstone's generation, so nothing of the old
     # incarnation can ever match the new one.
@@ -297,6 +308,7 @@ def _create(
         on_exit=command.on_exit,
         # Only when set: an event without one is as it always was (fields set included).
         **({"template": command.template} if command.template is not None else {}),
+        **({"pool": command.pool} if command.pool is not None else {}),
     )
     new_state, events = emit_event(state, event)
     why = f"sandbox {command.key!r} created at generation {generation}"

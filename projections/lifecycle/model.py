@@ -73,6 +73,15 @@ class Sandbox:
     restarts: Restarts | None = field(default=None, kw_only=True)
     # The template revision the create resolved its spec from (None: a full spec was given).
     template: TemplateRef | None = field(default=None, kw_only=True)
+    # Claims (docs/adr/0009). A pool member: its pool (kept after adoption, as provenance),
+    # the name it was adopted as (None again once the adoption is abandoned) and the claim that
+    # adopted it (kept: no other claim adopts it).
+    pool: str | None = field(default=None, kw_only=True)
+    adopted_as: str | None = field(default=None, kw_only=True)
+    claim_id: str | None = field(default=None, kw_only=True)
+    # A name bound to an adopted member: this key's row is a tombstone (nothing runs under it)
+    # that points at the member (``claim_id``: the claim that bound it).
+    bound_to: str | None = field(default=None, kw_only=True)
 
     @property
     def tombstoned(self) -> bool:
@@ -143,3 +152,6 @@ class Decision:
     disposition: Disposition
     reason: str
     outcome: CommandOutcome | None = None
+    # Commands this decision sends onto the commands topic, keyed by another sandbox (a
+    # claim's next step: docs/adr/0009). Their ids are deterministic: a replay sends the same.
+    commands: tuple[Command, ...] = ()

@@ -15,6 +15,8 @@ from events.decided import (
     DecidedEvent,
     ProviderAttached,
     ProviderDetached,
+    SandboxAdopted,
+    SandboxAdoptionAbandoned,
     SandboxCompleted,
     SandboxCreated,
     SandboxDeleted,
@@ -24,6 +26,8 @@ from events.decided import (
     SandboxExtended,
     SandboxFailed,
     SandboxHeld,
+    SandboxNameBound,
+    SandboxNameReleased,
     SandboxOperationFailed,
     SandboxReady,
     SandboxReleased,
@@ -69,6 +73,14 @@ def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
             {},  # awaited
             None,  # restarts
             event.template,
+            event.pool, None, None, None,  # pool, adopted_as, claim_id, bound_to
+        )  # fmt: skip
+    if type(event) is SandboxNameBound and state is None:  # a name never used before
+        return _new_row(
+            event.key, event.sandbox_id, P.DELETED, event.generation, event.version,
+            event.spec, (), "", None, None, event.occurred_at, event.occurred_at,
+            None, None, "stop", "keep", None, {}, None, None,
+            None, None, event.claim_id, event.target,
         )  # fmt: skip
     if state is None:
         raise ValueError(f"{event.type} for {event.key!r} before SandboxCreated")
@@ -147,6 +159,23 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
     )},
     SandboxExtended: lambda s, e: {"expires_at": e.expires_at},
     SandboxHeld: held_defers,
+    SandboxAdopted: lambda s, e: {
+        "adopted_as": e.claimant, "claim_id": e.claim_id,
+        "spec": (
+            s.spec.model_copy(update={"labels": {**s.spec.labels, **e.labels}})
+            if e.labels else s.spec
+        ),
+    },
+    # The name went to another: the member is not the claimant's (its claim_id stays, so no
+    # other claim adopts it while it is deleted).
+    SandboxAdoptionAbandoned: lambda s, e: {
+        "adopted_as": None, "reason": f"AdoptionAbandoned: {e.reason}",
+    },
+    SandboxNameBound: lambda s, e: {
+        "sandbox_id": e.sandbox_id, "spec": e.spec, "bound_to": e.target,
+        "claim_id": e.claim_id,
+    },
+    SandboxNameReleased: lambda s, e: {"bound_to": None},
     SandboxReleased: released,
     **RESTART_CHANGES,
 }  # fmt: skip

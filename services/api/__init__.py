@@ -22,6 +22,10 @@ the backend's sources, never a lifecycle call). Imports services.common and serv
 - ``providers``: the provider service, the one place provider writes are decided (updates and
   their receipts, attach, detach, delete) for every door and the provider-sync controller
   (services/provider_sync/).
+- ``claims``: a claim adopts a warm pool's Ready member under the claimant's name, or says why
+  it is cold (docs/adr/0009).
+- ``pool_claims``: the claim path of a create naming a template with a warm pool: adopt a
+  member or create cold, say which and why, count it for the pool's status.
 - ``wake``: wake on access: an exec or file call resumes a Suspended sandbox, waits for Ready.
 - ``provider_outbox``: the commands a provider change owes sandboxes, stored with the change
   until Kafka acknowledges them (docs/adr/0005).

@@ -39,6 +39,7 @@ from services.api.routes import (
     history,
     lifecycle,
     operations,
+    pools,
     providers,
     sandboxes,
     templates,
@@ -57,7 +58,7 @@ from services.executor.log_sources import log_source
 # The order of inclusion is the order of the paths in the OpenAPI document.
 ROUTE_MODULES = (
     commands, lifecycle, sandboxes, logs_routes, exec, files, history, watch, audit, operations,
-    providers, templates,
+    providers, templates, pools,
 )  # fmt: skip
 
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 
 from events.common import COMMAND_ID_PATTERN, PROVIDER_NAME_PATTERN, SANDBOX_NAME_PATTERN
 from events.outcomes import Code
+from services.common.pools import POOL_NAME_PATTERN
 
 log = logging.getLogger("sandstream.api")
 
@@ -30,6 +31,9 @@ _PATTERN_WORDS: Final = {
     "starting and ending with a letter or digit",
     COMMAND_ID_PATTERN: "must be 1-128 characters from A-Z a-z 0-9 . _ : -",
     PROVIDER_NAME_PATTERN: "must be 1-128 characters from A-Z a-z 0-9 . _ -",
+    POOL_NAME_PATTERN: "must be a DNS label of at most 54 characters: lowercase letters, "
+    "digits or '-', starting and ending with a letter or digit (members are named "
+    "<pool>-<8 random>)",
 }
 
 

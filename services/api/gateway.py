@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Final, TypeAlias
+from typing import Any, Final, TypeAlias
 
 import asyncpg
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError, TopicAuthorizationFailedError
 
 from events.codec import encode
-from events.commands import Command
+from events.commands import AdoptSandbox, Command, CreateSandbox
 from events.outcomes import CommandOutcome
 from events.publisher import REFUSED_FOR_ACL, CommandPublisher
 from events.topics import MAX_INPUT_BYTES
@@ -23,6 +23,7 @@ from services.api import idempotency, readmodel
 from services.api.idempotency import IdempotencyConflict
 from services.api.readmodel import ChangeFeed
 from services.common import metrics
+from services.common.names import resolve
 from services.common.settings import Settings
 
 log = logging.getLogger("sandstream.api")
@@ -78,6 +79,16 @@ class CommandTooLarge(Exception):
         )
         self.size = size
         self.limit = limit
+
+
+async def resolved(conn: Any, command: Command) -> Command:
+    """``command`` keyed by the sandbox its name stands for (services.common.names): a name
+    bound to an adopted pool member addresses the member. A create is decided on the name
+    itself (refused there while the name is bound), and a claim's steps name their keys."""
+    if isinstance(command, CreateSandbox | AdoptSandbox):
+        return command
+    key = await resolve(conn, command.key)
+    return command if key == command.key else command.model_copy(update={"key": key})
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +177,7 @@ class CommandGateway:
             metrics.API_COMMANDS.labels(command.type, "too_large").inc()
             raise CommandTooLarge(command, size, self.max_bytes)
         async with self.pool.acquire() as conn:  # one acquisition (each ends in a reset)
+            command = await resolved(conn, command)
             first = await idempotency.record(conn, command)
             known = await readmodel.fetch_outcome(conn, command.command_id, command.key)
         if known is not None and known.command_type != command.type:

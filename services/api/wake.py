@@ -45,7 +45,7 @@ async def woken(
     command = ResumeSandbox(
         type="ResumeSandbox",
         command_id=f"wake:{view.id}:{view.generation}",
-        key=view.name,
+        key=view.member_key,
         occurred_at=now(),
         actor=actor,
     )
@@ -56,7 +56,7 @@ async def woken(
         raise WakeFailed(f"its resume was refused: {outcome.message}")
     while True:
         mark = gateway.feed.mark()
-        row = await readmodel.get_sandbox(gateway.pool, view.name)
+        row = await readmodel.get_sandbox(gateway.pool, view.member_key)
         if row is None or row.id != view.id:
             raise WakeFailed("it was deleted while it was being resumed")
         if row.generation > view.generation and row.phase is Phase.READY:

@@ -16,7 +16,7 @@ Modules:
 - ``kube_requests``: the Kubernetes driver's apiserver requests per sandbox beside bare Pods'.
 - ``main``: ``python -m services.bench
   [all|processor|latency|decided|idle|scaleout|rebuild|profile|fold|stages|drivers|peer|
-  kube-requests]
+  kube-requests|warm]
   [--quick]``.
 - ``peer``, ``peer_setup``, ``peer_systems``, ``peer_kube``, ``peer_stats``, ``peer_report``:
   sandstream beside kubernetes-sigs/agent-sandbox and bare Pods on one Kubernetes cluster
@@ -30,5 +30,6 @@ Modules:
 - ``same_work``: the same-work ceiling: exactly the processor's writes with the least Python.
 - ``scaleout``: throughput as processors join the group.
 - ``stages``: CPU of the processor's pure stages.
+- ``warm``: a warm claim beside a cold create on Podman, each to an exec's answer.
 - ``workload``: the generated log the processor benchmarks drain.
 """

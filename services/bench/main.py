@@ -1,12 +1,14 @@
 """``python -m services.bench [all|processor|latency|decided|idle|scaleout|rebuild|profile|fold|
-stages|drivers|peer|kube-requests] [--quick]``: the benchmarks, each printed beside its same-run
-reference (see docs/benchmarks.md). ``latency`` is the latency part of ``processor`` alone;
+stages|drivers|peer|kube-requests|warm] [--quick]``: the benchmarks, each printed beside its
+same-run reference (see docs/benchmarks.md). ``latency`` is the latency part of ``processor`` alone;
 ``decided`` is request → decided outcome at low load, through the HTTP API; ``idle`` (not part
 of ``all``) the broker's CPU for an idle control plane on a broker of its own; ``peer``
 (services/bench/peer.py, ``make bench-peer``) is not part of ``all``: it starts a Kubernetes
 cluster of its own and takes about a quarter of an hour. ``kube-requests``
 (services/bench/kube_requests.py) counts the Kubernetes driver's apiserver requests per
-sandbox beside bare Pods' on the local cluster (`make k8s`), in a minute."""
+sandbox beside bare Pods' on the local cluster (`make k8s`), in a minute. ``warm``
+(services/bench/warm.py) times a warm claim beside a cold create on Podman, each to an exec's
+answer."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import time
 
 from services.bench import drivers as bench_drivers
 from services.bench import kube as bench_kube
-from services.bench import kube_requests, peer
+from services.bench import kube_requests, peer, warm
 from services.bench.decided import decided_figures
 from services.bench.fold import fold_figures
 from services.bench.idle import idle_figures
@@ -43,6 +45,7 @@ CHOICES = (
     "drivers",
     "peer",
     "kube-requests",
+    "warm",
 )
 
 
@@ -59,6 +62,9 @@ async def run(
         return
     if which == "peer":
         await peer.run(settings, peer_plan or peer.plan(quick))
+        return
+    if which == "warm":
+        await warm.main(settings, sandboxes or (10 if quick else 30))
         return
     print(f"sandstream benchmarks  (partitions={settings.kafka_partitions}, one processor)")
     keys = 5_000 if quick else 25_000

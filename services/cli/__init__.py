@@ -15,6 +15,7 @@ Modules:
 - ``log``: `sandstream log ...`.
 - ``main``: the `sandstream` command.
 - ``operations``: `sandstream status | up | down | rebuild`.
+- ``pools``: `sandstream pool ...`.
 - ``processor``: `sandstream processor [run]`.
 - ``providers``: `sandstream provider ...`, `sandstream sandbox attach|detach` and `sandstream
   provider-sync`.

@@ -20,6 +20,7 @@ from services.cli import (
     audit,
     log,
     operations,
+    pools,
     processor,
     providers,
     roles,
@@ -48,6 +49,7 @@ app.add_typer(audit.app, name="audit")
 app.add_typer(processor.app, name="processor")
 app.add_typer(log.app, name="log")
 app.add_typer(providers.app, name="provider")
+app.add_typer(pools.app, name="pool")
 app.add_typer(templates.app, name="template")
 app.command("provider-sync")(providers.provider_sync)
 for _name, _command in (*operations.COMMANDS, *roles.COMMANDS):

@@ -234,6 +234,10 @@ def _lifecycle(
         out.print(f"✓ Deleted sandbox {name}")
     else:
         out.print(f"✓ {goal.done} sandbox {name} (generation {row['generation']})")
+    claim = outcome.get("claim")
+    if claim and output is not Output.json:  # a create from a template with a warm pool
+        path = "warm" if claim["warm"] else "cold"
+        out.print(f"  {path} (pool {claim['pool']}): {claim['reason']}", markup=False)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,10 @@ Modules:
 - ``metrics``: prometheus metrics of the roles (exposed by the API's /metrics under `sandstream up`,
   and by each role process's health endpoint when the roles run as separate processes).
 - ``migrations``: the SQL migration runner.
+- ``names``: a user's sandbox name resolved at the doors (a claimed name stands for its
+  adopted pool member's key).
+- ``pools``: warm pools in PostgreSQL (the pools, the controller's requested creates, the
+  claims served).
 - ``providers``: providers in PostgreSQL.
 - ``secret_files``: secrets kept in files of their own (mode 0600).
 - ``serving``: serving an ASGI app with uvicorn inside the embedding process's event loop (the HTTP

@@ -26,7 +26,7 @@ Role = Literal[
     "processor",  # read the inputs, write the events and dead letters
     "executor",  # read the events, write the driver calls' outcomes (observations)
     "watcher",  # the driver watcher and the reconcile loop: write observations
-    "scheduler",  # DeadlineDue observations
+    "scheduler",  # DeadlineDue observations; the pool controller's commands
     "audit",  # read-only tools: audit, rebuild, log identity, benchmarks' readers
 ]
 ROLES: tuple[Role, ...] = get_args(Role)

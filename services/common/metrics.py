@@ -122,3 +122,27 @@ SANDBOXES_ATTENTION = Gauge(
     "expiring_soon_seconds (expiring_soon)",
     ["state"],
 )
+POOL_MEMBERS = Gauge(
+    "sandstream_pool_members",
+    "Unclaimed members of each warm pool by phase, as the pool controller last read them "
+    "(Requested: creates asked for and not decided yet)",
+    ["pool", "phase"],
+)
+POOL_COMMANDS = Counter(
+    "sandstream_pool_commands_total",
+    "Commands the pool controller published (create: a new member; delete: a failed, surplus "
+    "or outdated one)",
+    ["command"],
+)
+POOL_CLAIMS = Counter(
+    "sandstream_pool_claims_total",
+    "Creates from a pooled template the API served, by pool and path (warm: a member adopted; "
+    "cold: the fallback create)",
+    ["pool", "path"],
+)
+POOL_CLAIM_SECONDS = Histogram(
+    "sandstream_pool_claim_seconds",
+    "How long the API took to answer a claim, by path (warm or cold)",
+    ["path"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)

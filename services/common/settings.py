@@ -208,6 +208,9 @@ class Settings(BaseSettings):
     default_ttl_seconds: int | None = Field(default=None, ge=1)
     # The scheduler looks for due deadlines at least this often (and on every change).
     scheduler_poll_seconds: float = Field(default=5.0, gt=0)
+    # The pool controller (in the scheduler role) looks at every pool at least this often (and
+    # on every change of a row or a pool).
+    pool_poll_seconds: float = Field(default=2.0, gt=0)
     # `status` and the metrics count sandboxes expiring within this many seconds.
     expiring_soon_seconds: float = Field(default=3600, ge=0)
 

@@ -240,6 +240,7 @@ def role_grants(settings: Settings) -> list[Grant]:
         ("api", topic, s.topic_observations, describe),  # readiness: the inputs' end offsets
         ("provider-sync", topic, s.topic_commands, write),
         ("processor", topic, s.topic_commands, read),
+        ("processor", topic, s.topic_commands, write),  # a claim's next step (docs/adr/0009)
         ("processor", topic, s.topic_observations, read),
         ("processor", topic, s.topic_events, write),
         ("processor", topic, s.topic_deadletter, write),
@@ -250,6 +251,7 @@ def role_grants(settings: Settings) -> list[Grant]:
         ("executor", group, s.executor_group, read),
         ("watcher", topic, s.topic_observations, write),
         ("scheduler", topic, s.topic_observations, write),
+        ("scheduler", topic, s.topic_commands, write),  # the pool controller's creates, deletes
         *[("audit", topic, t, read) for t in s.topics],
         ("audit", group, s.processor_group, describe),  # is a processor running?
     ]

@@ -136,13 +136,13 @@ class ExecRpcs:
         driver = self.door.driver
         if driver is None:
             await abort(context, grpc.StatusCode.UNIMPLEMENTED, "the driver cannot exec")
-        refused = self.limits.refusal(principal.name, view.name)
+        refused = self.limits.refusal(principal.name, view.member_key)
         if refused is not None:
             await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
         timeout = self.limits.deadline(request.timeout)
-        with self.limits.session(principal.name, view.name):
+        with self.limits.session(principal.name, view.member_key):
             stream = driver.exec_stream(
-                view.name,
+                view.member_key,
                 view.generation,
                 request.command,
                 env=request.environment,

@@ -113,7 +113,7 @@ class LogRpcs:
             if source is None:
                 raise LogsUnavailable("this gateway has no log source")
             async for line in source.read(
-                view.name, view.generation, tail=lines, since=request.since
+                view.member_key, view.generation, tail=lines, since=request.since
             ):
                 found.append(log_message(view, line))
         except LogsUnavailable as exc:

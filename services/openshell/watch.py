@@ -192,7 +192,7 @@ class WatchRpcs:
                 raise LogsUnavailable("this gateway has no log source")
             # 0: every line; at most MAX_LINES, as GetSandboxLogs' ``lines``.
             tail = min(request.log_tail, MAX_LINES) if request.log_tail else None
-            async for line in source.read(view.name, view.generation, tail=tail, follow=True):
+            async for line in source.read(view.member_key, view.generation, tail=tail, follow=True):
                 await queue.put(served_pb2.SandboxStreamEvent(log=log_message(view, line)))
         except LogsUnavailable as exc:
             warning = served_pb2.SandboxStreamWarning(message=f"logs: {exc}")
@@ -223,7 +223,7 @@ class _StatusStream:
     queue: asyncio.Queue[_Item]
 
     async def run(self) -> None:
-        row = await readmodel.get_row(self.door.pool, self.view.name)
+        row = await readmodel.get_row(self.door.pool, self.view.member_key)
         if row is None or row.sandbox.sandbox_id != self.view.id:
             return  # deleted and created again since it was resolved
         try:
@@ -257,7 +257,7 @@ class _StatusStream:
             horizon = await feed.horizon(mark)
             while horizon is not None and horizon > cursor:
                 rows = await readmodel.changed_rows(
-                    door.pool, cursor, horizon, names=[self.view.name]
+                    door.pool, cursor, horizon, names=[self.view.member_key]
                 )
                 full = len(rows) == readmodel.CHANGES_PAGE
                 cursor = rows[-1].change_seq if full else horizon

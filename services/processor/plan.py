@@ -97,7 +97,7 @@ def plan_batch(
     steps = iter(result.steps)
     changed: dict[str, tuple[int, Sandbox]] = {}
     chains = Chains(chain_heads) if chain_heads is not None else None
-    events_topic = settings.topic_events
+    events_topic, commands_topic = settings.topic_events, settings.topic_commands
     for item in items:
         record = item.record
         p = record.partition
@@ -112,6 +112,8 @@ def plan_batch(
         state = d.state
         for event in d.events:
             outbox.append(_outbox_record(p, events_topic, event.key.encode(), encode(event)))
+        for command in d.commands:  # a claim's next step, on the other key's partition
+            outbox.append(_outbox_record(p, commands_topic, command.key.encode(), encode(command)))
         if d.events and state is not None:
             changed[state.key] = (p, state)
         message = step.message

@@ -37,6 +37,7 @@ from services.common import metrics
 from services.common.database import connect_pool
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
+from services.scheduler.pool_controller import PoolController
 
 log = logging.getLogger("sandstream.scheduler")
 
@@ -192,9 +193,12 @@ async def _first_of(stop: asyncio.Event, changed: asyncio.Event, timeout: float)
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     pool = await connect_pool(settings)
     scheduler = Scheduler(settings, pool)
+    controller = PoolController(settings, pool)
     try:
         await scheduler.start()
-        await scheduler.run(stop)
+        await controller.start()
+        await asyncio.gather(scheduler.run(stop), controller.run(stop))
     finally:
+        await controller.stop()
         await scheduler.stop()
         await pool.close()

@@ -1,5 +1,5 @@
 """The control plane's own roles in one process: processor, executor, watcher, reconciler,
-scheduler.
+scheduler (with the pool controller).
 
 ``ControlPlane`` is a processor plus a ``DriverSide`` (services/executor/driver_side.py) plus
 the deadline scheduler (services/scheduler/):
@@ -29,6 +29,7 @@ from services.executor.driver_side import DriverSide
 from services.executor.executor import Executor, RetryPolicy
 from services.executor.reconcile import Reconciler
 from services.processor.consumer import Processor
+from services.scheduler.pool_controller import PoolController
 from services.scheduler.scheduler import Scheduler
 
 
@@ -50,6 +51,7 @@ class ControlPlane:
     processor: Processor | None = None
     driver_side: DriverSide | None = None
     scheduler: Scheduler | None = None
+    pools: PoolController | None = None  # the pool controller, beside the scheduler
     # Set once an executor has been assigned its partitions (a new group's starting position,
     # the end of the events topic, is then fixed): `sandstream up` takes commands after that.
     executor_assigned: asyncio.Event = field(default_factory=asyncio.Event)
@@ -69,6 +71,7 @@ class ControlPlane:
             self._tasks.supervise("driver side", self._run_driver_side)
             if self.with_scheduler:
                 self._tasks.supervise("scheduler", self._run_scheduler)
+                self._tasks.supervise("pool controller", self._run_pools)
             return
         self.processor = Processor(self.settings, self.pool)
         await self.processor.start()
@@ -80,6 +83,17 @@ class ControlPlane:
             self.scheduler = Scheduler(self.settings, self.pool)
             await self.scheduler.start()
             self._tasks.spawn("scheduler", self.scheduler.run(self._tasks.stop_event))
+            self.pools = PoolController(self.settings, self.pool)
+            await self.pools.start()
+            self._tasks.spawn("pool controller", self.pools.run(self._tasks.stop_event))
+
+    async def _run_pools(self, stop: asyncio.Event) -> None:
+        controller = self.pools = PoolController(self.settings, self.pool)
+        await controller.start()
+        try:
+            await controller.run(stop)
+        finally:
+            await controller.stop()
 
     async def _run_scheduler(self, stop: asyncio.Event) -> None:
         scheduler = self.scheduler = Scheduler(self.settings, self.pool)
@@ -149,6 +163,8 @@ class ControlPlane:
             await self.driver_side.close()
         if self.scheduler is not None:
             await self.scheduler.stop()
+        if self.pools is not None:
+            await self.pools.stop()
         if self.processor is not None:
             await self.processor.stop()
         if self.owns_pool:

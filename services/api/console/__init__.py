@@ -10,6 +10,7 @@ Part of the API role (imports common and audit only). docs/console.md says what 
 - ``chart``: the chart of phase counts over the last hours, drawn as SVG.
 - ``sandbox``: the sandbox page (row, conditions, timeline, audit chain) and a command's page.
 - ``catalog``: the templates page (read-only).
+- ``pools``: the warm pools page (read-only): each pool's status.
 - ``actions``: stop, start, restart, hold, release, delete through the API's route handlers.
 - ``live``: the pages' server-sent events, woken by the API's change feed.
 
@@ -25,7 +26,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.staticfiles import StaticFiles
 
-from services.api.console import actions, catalog, fleet, live, login, sandbox
+from services.api.console import actions, catalog, fleet, live, login, pools, sandbox
 from services.api.console.render import html
 from services.api.console.session import ROOT, Refused, SignInNeeded, sign_in_url
 
@@ -34,7 +35,7 @@ STATIC: Final = Path(__file__).parent / "static"
 
 def mount(app: FastAPI) -> None:
     """Serve the console under ``/ui/`` (its routes stay out of the OpenAPI document)."""
-    for module in (login, fleet, catalog, sandbox, actions, live):
+    for module in (login, fleet, catalog, pools, sandbox, actions, live):
         app.include_router(module.router)
     app.mount(f"{ROOT}/static", StaticFiles(directory=STATIC), name="console-static")
 

@@ -65,6 +65,7 @@ from services.api.readmodel.versions import (
     versions_after,
 )
 from services.api.readmodel.views import (
+    ClaimOutcome,
     CommandStatus,
     Condition,
     HistoryEntry,
@@ -90,6 +91,7 @@ __all__ = [
     "TREND_WINDOWS",
     "Attention",
     "ChangeFeed",
+    "ClaimOutcome",
     "CommandStatus",
     "Condition",
     "Decided",

@@ -16,6 +16,7 @@ from projections.store import DATABASE_ERRORS
 from services.api.readmodel.horizon import current_horizon
 from services.api.readmodel.views import VIEW_COLUMNS, Row, SandboxView, row_of
 from services.common.database import Pool
+from services.common.names import KEY_OF
 
 log = logging.getLogger("sandstream.api")
 
@@ -105,8 +106,11 @@ class ChangeFeed:
 CHANGES_PAGE: Final = 500  # rows per read of the change feed
 
 
+# A bound name's row (a tombstone pointing at its adopted member) is no change of a sandbox:
+# the member's own row is.
 _CHANGE_FILTERS: Final = (
     "change_seq > $1 AND change_seq <= $2 AND (NOT $4 OR phase <> 'Deleted') "
+    "AND bound_to IS NULL "
     "AND ($6::uuid IS NULL OR sandbox_id = $6) AND ($7::int IS NULL OR generation = $7)"
 )
 CHANGES: Final = (
@@ -115,10 +119,12 @@ CHANGES: Final = (
 )
 # Named rows are probed by key, one per name: a plan made generic (on empty tables) walked the
 # change_seq index from the cursor, i.e. every row changed since, for a stream of one name.
-# OFFSET 0 keeps the probe a probe (not flattened into a join the planner may make a scan).
+# OFFSET 0 keeps the probe a probe (not flattened into a join the planner may make a scan). A
+# name bound to an adopted pool member is probed as that member, as of each read.
 CHANGES_OF_NAMES: Final = (
     f"SELECT {VIEW_COLUMNS} FROM (SELECT DISTINCT name FROM unnest($3::text[]) AS name) AS n "
-    "CROSS JOIN LATERAL (SELECT * FROM sandboxes WHERE key = n.name OFFSET 0) AS s "
+    f"CROSS JOIN LATERAL (SELECT * FROM sandboxes WHERE key = {KEY_OF.format('n.name')} "
+    "OFFSET 0) AS s "
     f"WHERE {_CHANGE_FILTERS} ORDER BY change_seq LIMIT $5"
 )
 

@@ -29,21 +29,26 @@ from services.api.readmodel.views import (
     sandbox_view,
 )
 from services.common.database import Pool
+from services.common.names import KEY_OF, resolve
+
+# The row a name stands for: the adopted member its binding names, or its own (services.common
+# .names).
+_ROW_OF_NAME = f"SELECT {VIEW_COLUMNS} FROM sandboxes WHERE key = {KEY_OF.format('$1::text')}"
 
 
 async def get_sandbox(pool: Pool, name: str, include_deleted: bool = False) -> SandboxView | None:
-    """The live row of ``name`` (or its tombstone, when asked for); None for an unknown name."""
+    """The live row of ``name`` (or its tombstone, when asked for); None for an unknown name.
+    A name bound to an adopted pool member answers with the member's row."""
     record = await pool.fetchrow(
-        f"SELECT {VIEW_COLUMNS} FROM sandboxes WHERE key = $1 AND ($2 OR phase <> 'Deleted')",
-        name,
-        include_deleted,
+        f"{_ROW_OF_NAME} AND ($2 OR phase <> 'Deleted')", name, include_deleted
     )
     return sandbox_view(record) if record is not None else None
 
 
 async def get_row(pool: Pool, name: str) -> Row | None:
-    """The row of ``name`` as stored (also a tombstone), and its position in the change feed."""
-    record = await pool.fetchrow(f"SELECT {VIEW_COLUMNS} FROM sandboxes WHERE key = $1", name)
+    """The row of ``name`` as stored (also a tombstone), and its position in the change feed;
+    the adopted member's for a bound name."""
+    record = await pool.fetchrow(_ROW_OF_NAME, name)
     return row_of(record) if record is not None else None
 
 
@@ -75,8 +80,8 @@ async def list_sandboxes(
         records = await conn.fetch(query, *args)
     items = [sandbox_view(r) for r in records[:limit]]
     token = None
-    if len(records) > limit:
-        token = encode_page_token("sandboxes", filters, items[-1].name)
+    if len(records) > limit:  # pages follow the key (an adopted member's name is another)
+        token = encode_page_token("sandboxes", filters, items[-1].member_key)
     return SandboxList(items=items, next_page_token=token, cursor=cursor or 0)
 
 
@@ -92,7 +97,8 @@ def list_query(
     filter written to hold when not given (an empty label set) still counted in the planner's
     estimate of the matching rows: each page then sorted the whole table instead of walking
     the key index from where it starts (tests/test_read_plans.py)."""
-    clauses = [] if deleted_ok else ["phase <> 'Deleted'"]
+    # A bound name's row is a tombstone pointing at its member, which is listed itself.
+    clauses = ["bound_to IS NULL"] if deleted_ok else ["phase <> 'Deleted'"]
     args: list[Any] = []
     for clause, value in (
         ("phase = ANY(${}::text[])", phases or None),
@@ -134,18 +140,19 @@ async def history(
     if page_token:
         after = decode_page_token(page_token, "history", context)
     after = page_position("page_token", after, int)
+    key = await resolve(pool, name)  # a bound name: its adopted member's history
     records = await pool.fetch(
         f"SELECT {HISTORY_COLUMNS} FROM history WHERE key = $1 AND id > $2 "
         "AND ($4::uuid IS NULL OR sandbox_id = $4) "
         "AND ($5::int IS NULL OR coalesce((message->>'generation')::int, generation) = $5) "
         "ORDER BY id LIMIT $3",
-        name,
+        key,
         after,
         limit + 1,
         incarnation,
         generation,
     )
-    if not records and after == 0 and not await sandbox_exists(pool, name):
+    if not records and after == 0 and not await sandbox_exists(pool, key):
         return None
     items = [history_entry(r) for r in records[:limit]]
     token = None
@@ -160,8 +167,8 @@ async def recent_history(
     """The last ``limit`` entries of a name (before the seq ``before``), oldest first, and
     whether earlier ones exist: the history read backwards through ``history_key``."""
     records = await pool.fetch(
-        f"SELECT {HISTORY_COLUMNS} FROM history WHERE key = $1 AND id < $2 "
-        "ORDER BY id DESC LIMIT $3",
+        f"SELECT {HISTORY_COLUMNS} FROM history WHERE key = {KEY_OF.format('$1::text')} "
+        "AND id < $2 ORDER BY id DESC LIMIT $3",
         name,
         INT64_MAX if before is None else before,
         limit + 1,

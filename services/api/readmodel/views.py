@@ -48,7 +48,14 @@ class Condition(BaseModel):
 
 class SandboxView(BaseModel):
     id: UUID = Field(description="this incarnation's stable id")
-    name: str
+    name: str = Field(description="the sandbox's name: the claimant's for an adopted pool member")
+    member_key: str = Field(
+        description="the key sandstream keeps the sandbox under (its runtime, history and log "
+        "key): its name, except for an adopted pool member (its generated member key)"
+    )
+    pool: str | None = Field(
+        default=None, description="the warm pool it was created for (kept after its adoption)"
+    )
     phase: Phase
     generation: int = Field(description="bumped by every create, start, restart and resume")
     version: int = Field(description="+1 per accepted change; use as expected_version")
@@ -128,6 +135,15 @@ class HistoryPage(BaseModel):
     next_page_token: str | None
 
 
+class ClaimOutcome(BaseModel):
+    """How a create from a pooled template was served (absent for every other command)."""
+
+    pool: str = Field(description="the warm pool of the template")
+    warm: bool = Field(description="true: a Ready member adopted; false: a cold create")
+    reason: str = Field(description="why (which member, or why none could be adopted)")
+    member: str | None = Field(description="the adopted member's key (warm only)")
+
+
 class CommandStatus(BaseModel):
     command_id: str
     name: str
@@ -143,6 +159,11 @@ class CommandStatus(BaseModel):
         default=None,
         description="the runtime identity of the sandbox's generation right after the decision "
         "(for create, start and restart: the one the command minted)",
+    )
+    claim: ClaimOutcome | None = Field(
+        default=None,
+        exclude_if=lambda v: v is None,
+        description="a create naming a template that has a warm pool: warm or cold, and why",
     )
 
 
@@ -210,7 +231,9 @@ def view_of(s: Sandbox, change_seq: int) -> SandboxView:
     """The view of a row (as stored, or a version of it rebuilt from its events)."""
     return SandboxView(
         id=s.sandbox_id,
-        name=s.key,
+        name=s.adopted_as or s.key,
+        member_key=s.key,
+        pool=s.pool,
         phase=s.phase,
         generation=s.generation,
         version=s.version,

@@ -10,6 +10,7 @@
 - ``operations``: health, readiness, metrics.
 - ``providers``: providers (create, list, replace credentials, delete), attach and detach.
 - ``templates``: templates (create, list, get, update as a new revision, delete).
+- ``pools``: warm pools (create, list, get with the status, update, delete).
 
 - ``logs``: a sandbox's output, read from its runtime, never stored.
 - ``exec``: a command run in a Ready sandbox (one JSON answer, or server-sent events).

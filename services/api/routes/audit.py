@@ -21,6 +21,7 @@ from services.api.errors import ApiError, query_time
 from services.api.models import NamePath, responses
 from services.audit import entries, export, timeline
 from services.audit.chains import check_chains
+from services.common.names import resolve
 
 router = APIRouter()
 
@@ -114,8 +115,8 @@ def _step(step: timeline.Step, calls: Sequence[timeline.DriverCall] = ()) -> Aud
 
 
 async def _steps(state: State, name: str) -> list[timeline.Step]:
-    async with state.pool.acquire() as conn:
-        found = await entries.of_sandbox(conn, name)
+    async with state.pool.acquire() as conn:  # a bound name: its adopted member's inputs
+        found = await entries.of_sandbox(conn, await resolve(conn, name))
     if not found:
         raise ApiError(404, "NOT_FOUND", f"sandbox {name!r} has no recorded inputs")
     return timeline.replay(

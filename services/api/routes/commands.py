@@ -26,7 +26,7 @@ from events.commands import (
 from events.common import COMMAND_ID_PATTERN, SANDBOX_NAME_PATTERN, SandboxSpec
 from events.outcomes import CommandOutcome
 from events.publisher import new_command_id, now
-from services.api import idempotency, readmodel
+from services.api import idempotency, pool_claims, readmodel
 from services.api.deps import ApiState, Reader, State, Writer, require_also
 from services.api.errors import STATUS_OF, ApiError, error_response
 from services.api.gateway import CommandGateway, CommandTooLarge, PublishFailed, PublishForbidden
@@ -128,7 +128,10 @@ async def create_sandbox(
         on_exit=made.on_exit,
         template=made.ref,
     )
-    return await submit(state.gateway, command, wait)
+    claimed = await pool_claims.create_or_claim(
+        state, principal, body, command, lambda: submit(state.gateway, command, wait)
+    )
+    return claimed if claimed is not None else await submit(state.gateway, command, wait)
 
 
 # The fields a create from a template may not set (the template does).

@@ -150,7 +150,7 @@ async def sandbox_exec(
     except ValueError as exc:
         raise ApiError(422, "INVALID_ARGUMENT", f"timeout: {exc}") from exc
     view = await ready_sandbox(state, name, principal.name)
-    refused = limits.refusal(principal.name, view.name)
+    refused = limits.refusal(principal.name, view.member_key)
     if refused is not None:
         raise ApiError(429, "RESOURCE_EXHAUSTED", refused)
     held = grant(request, EXEC)
@@ -207,15 +207,15 @@ class Session:
         reservation). However it ends,
         the command is ended and only then its session released, in a task of its own: the
         server cancels an answer whose client left again at every wait of its cleanup."""
-        refused = self.limits.refusal(self.token, self.view.name)
+        refused = self.limits.refusal(self.token, self.view.member_key)
         if refused is not None:
             raise ApiError(429, "RESOURCE_EXHAUSTED", refused)
         driver = self.state.exec_driver
         assert driver is not None  # ready_sandbox checked
         counted = contextlib.ExitStack()
-        counted.enter_context(self.limits.session(self.token, self.view.name))
+        counted.enter_context(self.limits.session(self.token, self.view.member_key))
         stream = driver.exec_stream(
-            self.view.name,
+            self.view.member_key,
             self.view.generation,
             self.body.command,
             env=self.body.env,

@@ -120,7 +120,7 @@ async def ready(state: State, name: str, actor: str) -> tuple[FileSource, str, i
         )
     if state.files is None:
         raise ApiError(501, "NOT_IMPLEMENTED", "this API serves no files")
-    return source_of(state.files, view.name), view.name, view.generation
+    return source_of(state.files, view.member_key), view.member_key, view.generation
 
 
 async def _counted(request: Request, limit: int) -> AsyncIterator[bytes]:

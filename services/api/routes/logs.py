@@ -62,7 +62,7 @@ async def sandbox_logs(
     source = state.logs
     if source is None:
         raise ApiError(503, "UNAVAILABLE", "this API has no log source")
-    lines = source.read(view.name, view.generation, tail=tail, since=since, follow=follow)
+    lines = source.read(view.member_key, view.generation, tail=tail, since=since, follow=follow)
     try:
         first = await anext(aiter(lines), None)
     except LogsUnavailable as exc:

@@ -28,6 +28,7 @@ from services.api.models import SSE_EVENT_SCHEMA, responses
 from services.api.readmodel import ChangeFeed
 from services.common import metrics
 from services.common.database import Pool
+from services.common.names import resolve_all
 from services.common.tokens import READ, Denied, Grant
 
 log = logging.getLogger("sandstream.api")
@@ -285,6 +286,8 @@ async def decided_stream(
     metrics.API_WATCHERS.inc()
     try:
         yield ": sandstream decided events\nretry: 2000\n\n"
+        if names:  # a bound name: its own events (bound, released) and its member's
+            names = sorted({*names, *await resolve_all(pool, names)})
         oldest = await readmodel.retained_from(pool, topic)
         if oldest is not None and cursor < oldest - 1:
             gap = {"cursor": cursor, "retained_from": oldest,

@@ -1,0 +1,185 @@
+"""A claim: a warm pool's Ready member adopted under the claimant's name (docs/adr/0009).
+
+The API picks (the imperative shell): it reads the pool's Ready members no claim adopted yet
+from PostgreSQL, sends ``AdoptSandbox`` to one, and on a refusal (adopted by another claim
+meanwhile, no longer Ready, held) tries the next, reading again once its list is used up. Only
+a read that finds none left ends the claim cold (``warm`` false): the caller then creates the
+claimant's name from the template. The member's key decides the adoption (never twice); the
+name's key decides the name (``BindSandboxName``, sent by the processor): a claim is warm once
+its name is bound to the member it adopted.
+
+Per-claim labels ride on the adoption (the member's row takes them, without a restart).
+Per-claim env and providers do not: the agent already runs with the member's, and giving it
+others means a new process, i.e. a start. Such a claim is cold (``reason`` says so).
+
+The claim id makes a claim idempotent: a claim retried with its id (an API process killed
+mid-claim, a client's retry) finds its name bound, or the member it adopted, and waits for
+that instead of adopting another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+from uuid import UUID
+
+from events.commands import AdoptSandbox
+from events.outcomes import Code
+from events.publisher import now
+from projections.uuids import uuid5
+from services.api.gateway import CommandGateway
+
+# Candidates read at once; a claim tries them in a random order, so concurrent claims spread
+# over the pool's members instead of all asking for the oldest one.
+CANDIDATES: Final = 32
+ADOPT_NS: Final = UUID("8a4f0c2e-1b3d-4e5f-a6b7-c8d9e0f1a2b3")
+
+# The pool's Ready members no claim adopted yet (sandboxes_pool_ready).
+_CANDIDATES: Final = (
+    "SELECT key FROM sandboxes WHERE pool = $1 AND claim_id IS NULL AND phase = 'Ready' "
+    "AND hold IS NULL ORDER BY updated_at LIMIT $2"
+)
+# What the claim finds of the name and of a member it adopted (a retried claim).
+_NAME: Final = "SELECT phase, bound_to, claim_id FROM sandboxes WHERE key = $1"
+_ADOPTED: Final = (
+    "SELECT key, adopted_as, phase FROM sandboxes WHERE pool = $1 AND claim_id = $2 "
+    "ORDER BY updated_at LIMIT 1"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    """A claim's outcome: ``warm`` with the adopted ``member`` (the claimant's name is bound to
+    it), or cold (``member`` None) and why: the caller then creates the name itself."""
+
+    warm: bool
+    member: str | None
+    reason: str
+    attempts: int = 0  # adoptions sent
+
+
+def adopt_command_id(claim_id: str, member: str) -> str:
+    """The adoption's command id: one per (claim, member), so a retried claim's adoption of a
+    member is the same command (its first outcome stands)."""
+    return str(uuid5(ADOPT_NS, f"{claim_id}/{member}"))
+
+
+def cold(reason: str, attempts: int = 0) -> ClaimResult:
+    return ClaimResult(False, None, reason, attempts)
+
+
+async def claim(
+    gateway: CommandGateway,
+    pool: str,
+    name: str,
+    *,
+    actor: str,
+    claim_id: str,
+    labels: Mapping[str, str] | None = None,
+    env: Mapping[str, str] | None = None,
+    providers: Sequence[str] = (),
+    timeout: float = 30.0,
+) -> ClaimResult:
+    """Adopt a Ready member of ``pool`` under ``name`` (warm), or say why not (cold)."""
+    if env:
+        return cold("per-claim env needs a cold start (the member's agent runs with its own)")
+    if providers:
+        return cold("per-claim providers need a cold start (credentials reach an agent at start)")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    settled = await _settled(gateway, pool, name, claim_id, deadline)
+    if settled is not None:
+        return settled
+    attempts = 0
+    while loop.time() < deadline:
+        candidates = await _candidates(gateway, pool)
+        if not candidates:
+            return cold(f"no Ready member of pool {pool!r} is unclaimed", attempts)
+        for member in candidates:
+            attempts += 1
+            outcome = await _adopt(gateway, member, name, actor, claim_id, labels, deadline)
+            if outcome is None:
+                return cold(f"the adoption of {member!r} was not decided in time", attempts)
+            if outcome.accepted:
+                result = await _bound(gateway, member, name, claim_id, deadline)
+                return ClaimResult(result.warm, result.member, result.reason, attempts)
+            if outcome.code not in (Code.FAILED_PRECONDITION, Code.NOT_FOUND):
+                return cold(f"the adoption of {member!r} was refused: {outcome.message}", attempts)
+    return cold(f"no member adopted within {timeout:g}s", attempts)
+
+
+async def _candidates(gateway: CommandGateway, pool: str) -> list[str]:
+    rows = await gateway.pool.fetch(_CANDIDATES, pool, CANDIDATES)
+    keys = [r["key"] for r in rows]
+    random.shuffle(keys)
+    return keys
+
+
+async def _settled(
+    gateway: CommandGateway, pool: str, name: str, claim_id: str, deadline: float
+) -> ClaimResult | None:
+    """What a claim need not (or must not) adopt for: its name bound already (a retried claim),
+    the member it adopted before (a retry: wait for that one), or a name taken (cold: the
+    create the caller makes is refused, and no member is spent on it)."""
+    row = await gateway.pool.fetchrow(_NAME, name)
+    if row is not None and row["bound_to"] is not None:
+        if row["claim_id"] == claim_id:
+            return ClaimResult(True, row["bound_to"], f"adopted {row['bound_to']!r} (retried)")
+        return cold(f"the name {name!r} is taken (adopted sandbox {row['bound_to']!r})")
+    if row is not None and row["phase"] != "Deleted":
+        return cold(f"the name {name!r} is taken (a sandbox in {row['phase']})")
+    adopted = await gateway.pool.fetchrow(_ADOPTED, pool, claim_id)
+    if adopted is not None:
+        return await _bound(gateway, adopted["key"], name, claim_id, deadline)
+    return None
+
+
+async def _adopt(
+    gateway: CommandGateway,
+    member: str,
+    name: str,
+    actor: str,
+    claim_id: str,
+    labels: Mapping[str, str] | None,
+    deadline: float,
+) -> Any:
+    command = AdoptSandbox(
+        type="AdoptSandbox",
+        command_id=adopt_command_id(claim_id, member),
+        key=member,
+        occurred_at=now(),
+        actor=actor,
+        claimant=name,
+        claim_id=claim_id,
+        labels=dict(labels or {}),
+    )
+    wait = max(deadline - asyncio.get_running_loop().time(), 0.001)
+    return (await gateway.submit(command, wait)).outcome
+
+
+async def _bound(
+    gateway: CommandGateway, member: str, name: str, claim_id: str, deadline: float
+) -> ClaimResult:
+    """Wait for the processor's second step: the name bound to ``member`` (warm), or refused
+    and the adoption abandoned (cold: the name is someone else's)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        mark = gateway.feed.mark()
+        row = await gateway.pool.fetchrow(_NAME, name)
+        if row is not None and (row["bound_to"], row["claim_id"]) == (member, claim_id):
+            return ClaimResult(True, member, f"adopted {member!r}")
+        abandoned = await gateway.pool.fetchval(
+            "SELECT adopted_as IS NULL FROM sandboxes WHERE key = $1 AND claim_id = $2",
+            member,
+            claim_id,
+        )
+        if abandoned is not False:  # abandoned (or gone): the name went to another
+            taken = "taken" if row is None or row["bound_to"] is None else "bound to another"
+            return cold(f"the name {name!r} is {taken}: adoption of {member!r} abandoned")
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return cold(f"adopted {member!r}, but its name was not bound in time")
+        await gateway.feed.wait(mark, min(remaining, gateway.poll_interval))

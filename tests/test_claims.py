@@ -1,0 +1,262 @@
+"""Claims on the real stack (Kafka, PostgreSQL, Podman): a warm pool's Ready member adopted
+under the claimant's name, decided in two steps on the log (docs/adr/0009), through
+``services.api.claims.claim`` and the HTTP API's doors."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import apikit
+import pytest_asyncio
+from apikit import Api, unique
+from claims_support import adoptions, all_ready, bindings, create_members
+from harness import eventually
+
+from events.commands import AdoptSandbox, CreateSandbox
+from events.common import SandboxSpec
+from events.observations import RuntimeSnapshot
+from events.publisher import new_command_id, now
+from services.api.claims import claim
+from services.api.gateway import CommandGateway
+from services.common.settings import load_settings
+from services.executor.backends import podman_driver
+
+IMAGE = load_settings().sandbox_image
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def api() -> AsyncIterator[Api]:
+    driver = podman_driver(load_settings())
+    try:
+        async with apikit.running_api(driver) as running:
+            yield running
+    finally:
+        await driver.close()
+
+
+def gateway_of(api: Api) -> CommandGateway:
+    gateway: CommandGateway = api.app.state.api.gateway
+    return gateway
+
+
+def new_pool() -> str:
+    return unique("pool")
+
+
+async def claimed(api: Api, pool: str, name: str, **kw: Any) -> Any:
+    return await claim(gateway_of(api), pool, name, actor="alice", claim_id=str(uuid.uuid4()), **kw)
+
+
+async def cleanup(api: Api, names: list[str]) -> None:
+    async with api.client() as c:
+        for name in names:
+            await c.delete(f"/v1/sandboxes/{name}")
+
+
+async def test_a_claim_adopts_a_ready_member_and_its_name_works_at_every_door(api: Api) -> None:
+    """Warm: the claimant's name reads the member (name and member_key), execs in it, shows
+    the adoption in its history and the claim's labels without a restart; delete by the name
+    deletes the member and frees the name, which a cold create then takes."""
+    pool = new_pool()
+    [member] = await create_members(gateway_of(api), pool, 1, IMAGE, labels={"tier": "warm"})
+    await all_ready(api.env.pool, [member])
+    name = unique("mine")
+    result = await claimed(api, pool, name, labels={"team": "a"})
+    assert (result.warm, result.member) == (True, member), result
+    async with api.client() as c:
+        r = await c.get(f"/v1/sandboxes/{name}")
+        assert r.status_code == 200, r.text
+        view = r.json()
+        assert (view["name"], view["member_key"], view["pool"]) == (name, member, pool)
+        assert view["phase"] == "Ready" and view["generation"] == 1  # not restarted
+        assert view["labels"] == {"tier": "warm", "team": "a"}
+        r = await c.post(f"/v1/sandboxes/{name}/exec", json={"command": ["echo", "hi"]})
+        assert r.status_code == 200 and r.json()["stdout"] == "hi\n", r.text
+        history = (await c.get(f"/v1/sandboxes/{name}/history")).json()["items"]
+        assert "SandboxAdopted" in [e for h in history for e in h["events"]]
+        listed = (await c.get("/v1/sandboxes", params={"label": "team=a"})).json()["items"]
+        assert [(v["name"], v["member_key"]) for v in listed] == [(name, member)]
+        # Commands for the name reach the member.
+        r = await c.post(f"/v1/sandboxes/{name}:hold", json={"reason": "look"}, params={"wait": 30})
+        assert r.status_code == 200 and r.json()["name"] == member, r.text
+        r = await c.post(f"/v1/sandboxes/{name}:release", params={"wait": 30})
+        assert r.status_code == 200, r.text
+        # A create of the bound name is refused.
+        r = await c.post("/v1/sandboxes", json=apikit.create_body(name), params={"wait": 30})
+        assert r.status_code == 409 and "adopted sandbox" in r.json()["message"], r.text
+        r = await c.delete(f"/v1/sandboxes/{name}", params={"wait": 30})
+        assert r.status_code == 200, r.text
+        await api.wait_phase(member, "Deleted", timeout=60)
+        await eventually(lambda: bindings(api.env.pool), lambda b: name not in b,
+                         what="the name released")  # fmt: skip
+        body = apikit.create_body(name, image=IMAGE, command=["sleep", "3600"])
+        r = await c.post("/v1/sandboxes", json=body, params={"wait": 30})
+        assert r.status_code == 201, r.text
+        assert (await c.get(f"/v1/sandboxes/{name}")).json()["member_key"] == name
+    await cleanup(api, [name])
+
+
+async def test_a_claim_is_cold_with_no_ready_member_or_with_per_claim_env(api: Api) -> None:
+    pool = new_pool()
+    result = await claimed(api, pool, unique("c"))
+    assert not result.warm and result.member is None
+    assert "no Ready member" in result.reason
+    [member] = await create_members(gateway_of(api), pool, 1, IMAGE)
+    await all_ready(api.env.pool, [member])
+    result = await claimed(api, pool, unique("c"), env={"TOKEN": "x"})
+    assert not result.warm and "env" in result.reason
+    assert await adoptions(api.env.pool, pool) == []  # the member was left alone
+    await cleanup(api, [member])
+
+
+async def test_concurrent_claims_adopt_exactly_as_many_distinct_members_as_are_ready(
+    api: Api,
+) -> None:
+    """N claims at once against M Ready members: min(N, M) warm, each a distinct member under
+    its own name, the rest cold; no member adopted twice, no name bound twice."""
+    pool, ready, claims = new_pool(), 4, 9
+    members = await create_members(gateway_of(api), pool, ready, IMAGE)
+    await all_ready(api.env.pool, members)
+    names = [unique("n") for _ in range(claims)]
+    results = await asyncio.gather(*(claimed(api, pool, n) for n in names))
+    warm = {n: r.member for n, r in zip(names, results, strict=True) if r.warm}
+    assert len(warm) == min(claims, ready), results
+    assert sorted(warm.values()) == sorted(members)
+    adopted = await adoptions(api.env.pool, pool)
+    assert sorted(a["key"] for a in adopted) == sorted(members)
+    assert {a["adopted_as"]: a["key"] for a in adopted} == warm
+    bound = await bindings(api.env.pool)
+    assert {n: bound[n][0] for n in warm} == warm
+    assert all(n not in bound for n in names if n not in warm)
+    await cleanup(api, list(warm))
+
+
+async def test_a_late_snapshot_from_before_the_adoption_changes_nothing(api: Api) -> None:
+    """A watcher's snapshot of the member taken before its adoption (still ``created``) and
+    delivered after it is ignored: the adopted member stays Ready and adopted."""
+    pool = new_pool()
+    [member] = await create_members(gateway_of(api), pool, 1, IMAGE)
+    await all_ready(api.env.pool, [member])
+    taken = now()
+    name = unique("late")
+    assert (await claimed(api, pool, name)).warm
+    late = [
+        RuntimeSnapshot(type="RuntimeSnapshot", observation_id=f"late-{state}-{member}",
+                        key=member, generation=1, occurred_at=taken, actor="podman-watcher",
+                        state=state)
+        for state in ("created", "running")
+    ]  # fmt: skip
+    await api.env.observe(*late)
+    await eventually(
+        lambda: api.env.fetch(
+            "SELECT disposition FROM history WHERE key = $1 AND message_type = 'RuntimeSnapshot'",
+            member,
+        ),
+        lambda rows: len(rows) >= 2,
+        what="the late snapshots decided",
+    )
+    [row] = await api.env.fetch(
+        "SELECT phase, adopted_as, generation FROM sandboxes WHERE key = $1", member
+    )
+    assert dict(row) == {"phase": "Ready", "adopted_as": name, "generation": 1}
+    await cleanup(api, [name])
+
+
+def race_commands(member: str, name: str, claim_id: str) -> tuple[CreateSandbox, AdoptSandbox]:
+    create = CreateSandbox(
+        type="CreateSandbox", command_id=new_command_id(), key=name, occurred_at=now(),
+        actor="bob", spec=SandboxSpec(image=IMAGE, command=["sleep", "3600"]),
+    )  # fmt: skip
+    adopt = AdoptSandbox(
+        type="AdoptSandbox", command_id=new_command_id(), key=member, occurred_at=now(),
+        actor="alice", claimant=name, claim_id=claim_id,
+    )  # fmt: skip
+    return create, adopt
+
+
+async def test_a_name_created_before_its_claim_binds_abandons_the_adopted_member(
+    api: Api,
+) -> None:
+    """The create is decided first: the member is adopted (its key admits it), the name is
+    refused to it, and the member is deleted; the created sandbox keeps the name."""
+    pool = new_pool()
+    [member] = await create_members(gateway_of(api), pool, 1, IMAGE)
+    await all_ready(api.env.pool, [member])
+    name = unique("race")
+    create, adopt = race_commands(member, name, str(uuid.uuid4()))
+    gateway = gateway_of(api)
+    created = (await gateway.submit(create, 30)).outcome
+    assert created is not None and created.accepted
+    adopted = (await gateway.submit(adopt, 30)).outcome
+    assert adopted is not None and adopted.accepted
+    await api.wait_phase(member, "Deleted", timeout=60)  # abandoned, deleted
+    assert name not in await bindings(api.env.pool)
+    reason = await api.env.fetchval(
+        "SELECT reason FROM history WHERE key = $1 AND message_type = 'AbandonAdoption'", member
+    )
+    assert "a sandbox of that name exists" in reason
+    assert (
+        await gateway_of(api).pool.fetchval("SELECT sandbox_id FROM sandboxes WHERE key = $1", name)
+    ) == created.sandbox_id
+    await cleanup(api, [name])
+
+
+async def test_a_name_bound_by_a_claim_refuses_a_later_create(api: Api) -> None:
+    pool = new_pool()
+    [member] = await create_members(gateway_of(api), pool, 1, IMAGE)
+    await all_ready(api.env.pool, [member])
+    name, claim_id = unique("race"), str(uuid.uuid4())
+    create, adopt = race_commands(member, name, claim_id)
+    gateway = gateway_of(api)
+    assert (await gateway.submit(adopt, 30)).outcome.accepted  # type: ignore[union-attr]
+    await eventually(lambda: bindings(api.env.pool), lambda b: name in b, what="the name bound")
+    created = (await gateway.submit(create, 30)).outcome
+    assert created is not None and created.code == "ALREADY_EXISTS", created
+    assert (await bindings(api.env.pool))[name] == (member, claim_id)
+    assert await api.phase(member) == "Ready"
+    await cleanup(api, [name])
+
+
+async def test_creates_racing_claims_for_the_same_names_never_both_get_a_name(api: Api) -> None:
+    """Rounds of a cold create and a claim of one name sent at once: each name ends held by
+    exactly one of them (a live sandbox of its own, or bound to the member adopted for it),
+    and a member whose claim lost the name is deleted."""
+    pool, rounds = new_pool(), 6
+    members = await create_members(gateway_of(api), pool, rounds, IMAGE)
+    await all_ready(api.env.pool, members)
+    gateway = gateway_of(api)
+    names = [unique("race") for _ in range(rounds)]
+
+    async def race(member: str, name: str) -> Any:
+        create, adopt = race_commands(member, name, str(uuid.uuid4()))
+        return await asyncio.gather(gateway.submit(create, 30), gateway.submit(adopt, 30))
+
+    await asyncio.gather(*(race(m, n) for m, n in zip(members, names, strict=True)))
+
+    async def settled() -> dict[str, str]:
+        rows = await gateway.pool.fetch(
+            "SELECT key, phase, adopted_as, bound_to FROM sandboxes WHERE key = ANY($1)",
+            names + members,
+        )
+        by_key = {r["key"]: r for r in rows}
+        found = {}
+        for member, name in zip(members, names, strict=True):
+            m, n = by_key.get(member), by_key.get(name)
+            if n is not None and n["bound_to"] == member and m["phase"] == "Ready":
+                found[name] = "claim"
+            elif (
+                n is not None
+                and n["bound_to"] is None
+                and n["phase"] != "Deleted"
+                and (m["phase"] == "Deleted" and m["adopted_as"] is None)
+            ):
+                found[name] = "create"
+        return found
+
+    won = await eventually(settled, lambda f: len(f) == rounds, timeout=90,
+                           what="every name held by exactly one of its two")  # fmt: skip
+    assert set(won.values()) <= {"claim", "create"}
+    await cleanup(api, names)

@@ -1,0 +1,323 @@
+"""Warm pools on the real stack (Kafka, PostgreSQL; the fake driver): the /v1/pools store and
+its refusals, and the pool controller keeping a pool at size through ordinary commands: fill,
+replace a failed member, scale up and down, roll on a template change (Recreate never below
+what the pool serves; OnReplenish not at all), delete."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import apikit
+import pytest_asyncio
+from apikit import ADMIN, READER, Api, unique
+from harness import eventually
+from typer.testing import CliRunner, Result
+
+from drivers.fake import FakeDriver
+from services.cli.main import app
+
+SPEC = {"image": "registry.example/agent:1", "command": ["sleep", "3600"]}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def api() -> AsyncIterator[Api]:
+    async with apikit.running_api(
+        FakeDriver(), with_scheduler=True, settings_update={"pool_poll_seconds": 0.5}
+    ) as running:
+        yield running
+
+
+async def make_template(api: Api, name: str, spec: dict[str, Any] | None = None) -> None:
+    async with api.client() as c:
+        r = await c.post("/v1/templates", json={"name": name, "spec": spec or SPEC})
+    assert r.status_code == 201, r.text
+
+
+async def members(api: Api, pool: str) -> list[dict[str, Any]]:
+    """The pool's unclaimed live members: key, phase, template revision."""
+    rows = await api.env.pool.fetch(
+        "SELECT key, phase, (template->>'revision')::int AS revision, generation FROM sandboxes "
+        "WHERE pool = $1 AND phase <> 'Deleted' AND adopted_as IS NULL ORDER BY key",
+        pool,
+    )
+    return [dict(r) for r in rows]
+
+
+def ready(rows: list[dict[str, Any]], revision: int | None = None) -> int:
+    return sum(r["phase"] == "Ready" and revision in (None, r["revision"]) for r in rows)
+
+
+async def settled(api: Api, pool: str, size: int, revision: int = 1) -> list[dict[str, Any]]:
+    """Wait until the pool holds exactly ``size`` members, all Ready, of ``revision``."""
+    return await eventually(
+        lambda: members(api, pool),
+        lambda rows: len(rows) == size and ready(rows, revision) == size,
+        timeout=60,
+        what=f"pool {pool} at {size} Ready members of revision {revision}",
+    )
+
+
+async def test_pool_writes_refuse_bad_input_naming_the_field(api: Api) -> None:
+    template, pool = unique("tpl"), unique("pool")
+    await make_template(api, template)
+    async with api.client() as c:
+        r = await c.post("/v1/pools", json={"name": pool, "template": "nope", "size": 1})
+        assert (r.status_code, r.json()["code"]) == (404, "NOT_FOUND"), r.text
+        assert "field 'template'" in r.json()["message"]
+        r = await c.post("/v1/pools", json={"name": "p" * 55, "template": template, "size": 1})
+        assert r.status_code == 422 and "name" in r.json()["message"], r.text
+        r = await c.post("/v1/pools", json={"name": pool, "template": template, "size": -1})
+        assert r.status_code == 422 and "size" in r.json()["message"], r.text
+        r = await c.post("/v1/pools", json={"name": pool, "template": template, "size": 0,
+                                            "strategy": "Sometimes"})  # fmt: skip
+        assert r.status_code == 422 and "strategy" in r.json()["message"], r.text
+        r = await c.post("/v1/pools", json={"name": pool, "template": template, "size": 0})
+        assert r.status_code == 201, r.text
+        assert r.headers["location"] == f"/v1/pools/{pool}"
+        created = r.json()
+        assert (created["revision"], created["strategy"], created["status"]["ready"]) == (
+            1, "Recreate", 0,
+        )  # fmt: skip
+        r = await c.post("/v1/pools", json={"name": pool, "template": template, "size": 0})
+        assert (r.status_code, r.json()["code"]) == (409, "ALREADY_EXISTS"), r.text
+        r = await c.patch(f"/v1/pools/{pool}", json={"expected_revision": 1})
+        assert r.status_code == 422 and "size" in r.json()["message"], r.text
+        r = await c.patch(f"/v1/pools/{pool}", json={"expected_revision": 1, "size": 0})
+        assert r.status_code == 200 and r.json()["revision"] == 2, r.text
+        r = await c.patch(f"/v1/pools/{pool}", json={"expected_revision": 1, "size": 1})
+        assert (r.status_code, r.json()["code"]) == (409, "ABORTED"), r.text
+        assert "expected_revision" in r.json()["message"]
+        r = await c.patch(f"/v1/pools/{pool}", json={"expected_revision": 2, "template": "nope"})
+        assert r.status_code == 404 and "field 'template'" in r.json()["message"], r.text
+        r = await c.get(f"/v1/pools/{pool}")
+        assert (r.json()["size"], r.json()["revision"]) == (0, 2), r.text
+        assert pool in [p["name"] for p in (await c.get("/v1/pools")).json()["items"]]
+        async with api.client(READER) as reader:
+            assert (await reader.get(f"/v1/pools/{pool}")).status_code == 200
+            denied = await reader.delete(f"/v1/pools/{pool}")
+            assert denied.status_code == 403, denied.text
+        r = await c.delete(f"/v1/pools/{pool}", params={"expected_revision": 1})
+        assert (r.status_code, r.json()["code"]) == (409, "ABORTED"), r.text
+        assert (await c.delete(f"/v1/pools/{pool}")).status_code == 200
+        assert (await c.get(f"/v1/pools/{pool}")).status_code == 404
+        assert (await c.delete(f"/v1/pools/{pool}")).status_code == 404
+
+
+async def test_the_controller_fills_replaces_scales_and_deletes_a_pool(api: Api) -> None:
+    template, pool = unique("tpl"), unique("pool")
+    await make_template(api, template)
+    async with api.client() as c:
+        r = await c.post("/v1/pools", json={"name": pool, "template": template, "size": 3})
+        assert r.status_code == 201, r.text
+        rows = await settled(api, pool, 3)
+        assert all(r["key"].startswith(f"{pool}-") and len(r["key"]) == len(pool) + 9
+                   for r in rows)  # fmt: skip
+
+        failed = rows[0]
+        assert api.plane is not None and isinstance(api.plane.driver, FakeDriver)
+        api.plane.driver.runtime_exited(failed["key"], failed["generation"], exit_code=1)
+        rows = await eventually(
+            lambda: members(api, pool),
+            lambda rows: failed["key"] not in {r["key"] for r in rows} and ready(rows) == 3,
+            timeout=60,
+            what="the failed member deleted and replaced",
+        )
+        history = await api.env.pool.fetch(
+            "SELECT message_type FROM history WHERE key = $1 AND disposition = 'applied'",
+            failed["key"],
+        )
+        assert "DeleteSandbox" in [h["message_type"] for h in history]
+
+        r = await c.patch(f"/v1/pools/{pool}", json={"expected_revision": 1, "size": 5})
+        assert r.status_code == 200, r.text
+        await settled(api, pool, 5)
+        r = await c.patch(f"/v1/pools/{pool}", json={"expected_revision": 2, "size": 1})
+        await settled(api, pool, 1)
+        status = (await c.get(f"/v1/pools/{pool}")).json()["status"]
+        assert (status["members"], status["ready"], status["outdated"]) == ({"Ready": 1}, 1, 0)
+        ever = await api.env.pool.fetchval("SELECT count(*) FROM sandboxes WHERE pool = $1", pool)
+        assert ever == 6  # 3, one replaced, 2 more: nothing created twice
+
+        assert (await c.delete(f"/v1/pools/{pool}")).status_code == 200
+        await eventually(lambda: members(api, pool), lambda rows: rows == [], timeout=60,
+                         what="the deleted pool's members gone")  # fmt: skip
+
+
+async def test_recreate_rolls_members_without_dropping_below_the_pool_size(api: Api) -> None:
+    template, pool = unique("tpl"), unique("pool")
+    await make_template(api, template)
+    async with api.client() as c:
+        r = await c.post("/v1/pools", json={"name": pool, "template": template, "size": 3})
+        assert r.status_code == 201, r.text
+        await settled(api, pool, 3)
+        newer = {"spec": {**SPEC, "image": "registry.example/agent:2"}, "expected_revision": 1}
+        r = await c.put(f"/v1/templates/{template}", json=newer)
+        assert r.status_code == 200, r.text
+        lowest = 3
+
+        async def watch() -> list[dict[str, Any]]:
+            nonlocal lowest
+            rows = await members(api, pool)
+            lowest = min(lowest, ready(rows))
+            return rows
+
+        await eventually(watch, lambda rows: len(rows) == 3 and ready(rows, 2) == 3, timeout=60,
+                         interval=0.02, what="every member rolled to revision 2")  # fmt: skip
+        assert lowest >= 3
+
+
+async def test_on_replenish_keeps_old_members_until_claimed(api: Api) -> None:
+    template, pool = unique("tpl"), unique("pool")
+    await make_template(api, template)
+    async with api.client() as c:
+        body = {"name": pool, "template": template, "size": 2, "strategy": "OnReplenish"}
+        assert (await c.post("/v1/pools", json=body)).status_code == 201
+        before = await settled(api, pool, 2)
+        newer = {"spec": {**SPEC, "image": "registry.example/agent:2"}, "expected_revision": 1}
+        assert (await c.put(f"/v1/templates/{template}", json=newer)).status_code == 200
+        assert api.plane is not None and api.plane.pools is not None
+        rounds = api.plane.pools.rounds
+        await eventually(lambda: api.plane.pools.rounds if api.plane and api.plane.pools else 0,
+                         lambda n: n >= rounds + 3, what="three controller rounds")  # fmt: skip
+        assert await members(api, pool) == before
+        status = (await c.get(f"/v1/pools/{pool}")).json()["status"]
+        assert (status["outdated"], status["template_revision"]) == (2, 2)
+        # Scaling up fills with the current revision; the old members stay.
+        r = await c.patch(f"/v1/pools/{pool}", json={"expected_revision": 1, "size": 3})
+        assert r.status_code == 200, r.text
+        rows = await eventually(lambda: members(api, pool),
+                                lambda rows: ready(rows) == 3 and ready(rows, 2) == 1,
+                                timeout=60, what="one new member of revision 2")  # fmt: skip
+        assert {r["key"] for r in before} <= {r["key"] for r in rows}
+
+
+async def claim(api: Api, name: str, template: str, **more: Any) -> dict[str, Any]:
+    async with api.client() as c:
+        r = await c.post("/v1/sandboxes", json={"name": name, "template": {"name": template},
+                                                **more}, params={"wait": 30})  # fmt: skip
+    assert r.status_code == 201, r.text
+    assert r.headers["location"] == f"/v1/sandboxes/{name}"
+    return dict(r.json())
+
+
+async def test_a_create_from_a_pooled_template_adopts_a_member_and_the_pool_refills(
+    api: Api,
+) -> None:
+    template, pool = unique("tpl"), unique("pool")
+    await make_template(api, template)
+    async with api.client() as c:
+        body = {"name": pool, "template": template, "size": 2}
+        assert (await c.post("/v1/pools", json=body)).status_code == 201
+        before = {r["key"] for r in await settled(api, pool, 2)}
+
+        name = unique("agent")
+        warm = await claim(api, name, template, overrides={"labels": {"task": "t1"}})
+        assert warm["claim"]["warm"] is True and warm["claim"]["pool"] == pool, warm
+        assert warm["claim"]["member"] in before and warm["phase"] == "Ready"
+        got = await c.get(f"/v1/sandboxes/{name}")
+        assert got.status_code == 200, got.text
+        assert got.json()["spec"]["labels"]["task"] == "t1"
+        rows = await settled(api, pool, 2)  # refilled: the claimed member left the pool
+        assert warm["claim"]["member"] not in {r["key"] for r in rows}
+
+        env = await claim(api, unique("agent"), template, overrides={"env": {"K": "v"}})
+        assert env["claim"]["warm"] is False and "env" in env["claim"]["reason"], env
+        assert env["status"] == "accepted" and env["command_type"] == "CreateSandbox"
+
+        r = await c.patch(f"/v1/pools/{pool}", json={"expected_revision": 1, "size": 0})
+        assert r.status_code == 200, r.text
+        await settled(api, pool, 0)
+        empty = await claim(api, unique("agent"), template)
+        assert empty["claim"]["warm"] is False and "no Ready member" in empty["claim"]["reason"]
+
+        status = (await c.get(f"/v1/pools/{pool}")).json()["status"]
+        claims = status["claims"]
+        assert (claims["warm"]["count"], claims["cold"]["count"]) == (1, 2), claims
+        assert abs(claims["hit_rate"] - 1 / 3) < 1e-9
+        assert claims["warm"]["p50_seconds"] is not None and claims["warm"]["p50_seconds"] > 0
+        assert status["claimed"] == 1
+
+        assert (await c.delete(f"/v1/pools/{pool}")).status_code == 200
+        assert api.plane is not None and api.plane.pools is not None
+        rounds = api.plane.pools.rounds
+        await eventually(lambda: api.plane.pools.rounds if api.plane and api.plane.pools else 0,
+                         lambda n: n >= rounds + 3, what="three controller rounds")  # fmt: skip
+        kept = await c.get(f"/v1/sandboxes/{name}")  # the claimed sandbox outlives its pool
+        assert kept.status_code == 200 and kept.json()["phase"] == "Ready", kept.text
+        metrics = await c.get("/metrics")
+        assert f'sandstream_pool_claims_total{{path="warm",pool="{pool}"}} 1.0' in metrics.text
+
+
+async def test_a_create_from_a_template_without_a_pool_says_nothing_of_claims(api: Api) -> None:
+    template = unique("tpl")
+    await make_template(api, template)
+    made = await claim(api, unique("agent"), template)
+    assert "claim" not in made and made["command_type"] == "CreateSandbox", made
+
+
+async def test_a_pool_whose_members_keep_failing_refills_after_a_doubling_pause() -> None:
+    """A bad image must not turn the pool into a create-delete loop on the log: each round of
+    failures pauses the refill (1 s, then 2 s, ...), and the status says why."""
+    driver = FakeDriver()
+    driver.fail("launch", None, "podman: image not known", retryable=False, times=None)
+    async with apikit.running_api(
+        driver, with_scheduler=True, settings_update={"pool_poll_seconds": 0.2}
+    ) as api:
+        template, pool = unique("tpl"), unique("pool")
+        await make_template(api, template)
+        async with api.client() as c:
+            body = {"name": pool, "template": template, "size": 2}
+            assert (await c.post("/v1/pools", json=body)).status_code == 201
+            assert api.plane is not None and api.plane.pools is not None
+            controller = api.plane.pools
+            loop = asyncio.get_running_loop()
+
+            def streak() -> int:
+                return controller._failing.get(pool, (0, 0.0))[0]
+
+            await eventually(streak, lambda n: n >= 1, timeout=30, what="a first failure")
+            first = loop.time()
+            await eventually(streak, lambda n: n >= 3, timeout=30, what="a third failure")
+            assert loop.time() - first >= 1 + 2 - 0.1  # the two pauses in between
+            ever = await api.env.fetchval("SELECT count(*) FROM sandboxes WHERE pool = $1", pool)
+            assert ever <= 2 * 4, ever  # at most one pool's worth per round of failures
+            status = (await c.get(f"/v1/pools/{pool}")).json()["status"]
+            assert "members keep failing" in status["problem"], status
+            assert "image not known" in status["problem"], status
+
+
+async def test_the_pool_commands_create_show_scale_and_delete(api: Api) -> None:
+    template, pool = unique("tpl"), unique("pool")
+    await make_template(api, template)
+
+    def said(result: Result) -> str:  # what it printed, and the error main() would print
+        return result.output + (str(result.exception) if result.exception else "")
+
+    async def cli(*args: str) -> Result:
+        argv = ["--url", api.url, "--token", ADMIN, *args]
+        return await asyncio.to_thread(CliRunner().invoke, app, argv)
+
+    made = await cli("pool", "create", pool, "--template", template, "--size", "1")
+    assert made.exit_code == 0, made.output
+    assert f"pool {pool} (revision 1): template {template}" in made.output
+    await settled(api, pool, 1)
+    scaled = await cli("pool", "scale", pool, "2")
+    assert scaled.exit_code == 0 and "size 2" in scaled.output, scaled.output
+    await settled(api, pool, 2)
+    stale = await cli("pool", "scale", pool, "3", "--revision", "1")
+    assert stale.exit_code == 1 and "revision 2, not 1" in said(stale), said(stale)
+    name = unique("agent")
+    claimed = await cli("sandbox", "create", name, "--template", template)
+    assert claimed.exit_code == 0, claimed.output
+    assert f"warm (pool {pool}): adopted" in claimed.output, claimed.output
+    shown = await cli("pool", "get", pool)
+    assert "members: Ready" in shown.output and "hit rate 100%" in shown.output, shown.output
+    listed = await cli("pool", "list", "-o", "json")
+    assert pool in [p["name"] for p in json.loads(listed.output)], listed.output
+    deleted = await cli("pool", "delete", pool)
+    assert deleted.exit_code == 0 and "deleted" in deleted.output, deleted.output
+    missing = await cli("pool", "get", pool)
+    assert missing.exit_code == 1 and "not found" in said(missing), said(missing)
