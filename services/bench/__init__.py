@@ -24,6 +24,9 @@ Modules:
   the three systems as the load generator sees them; its Kubernetes client; readiness, latency
   figures and the apiserver's counter; the plan, the lines, the medians, the report and the
   goals.
+- ``peer_warm``, ``peer_warm_systems``: the peer benchmark's warm phase: agent-sandbox's warm
+  pool beside a sandstream pool (fill, bursts of claims, refill, a sustained claim rate), and
+  the two pools as the load generator sees them.
 - ``processor``: the processor's throughput and latency beside the ceiling and Kafka's own.
 - ``profile``: profile of the processor's hot path.
 - ``rebuild``: rebuilding the rows from the log: time and memory.
