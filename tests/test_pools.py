@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from typing import Any
 
 import apikit
@@ -18,6 +19,8 @@ from typer.testing import CliRunner, Result
 
 from drivers.fake import FakeDriver
 from services.cli.main import app
+from services.common import pools as pools_store
+from services.scheduler.pool_controller import delete_command
 
 SPEC = {"image": "registry.example/agent:1", "command": ["sleep", "3600"]}
 
@@ -141,9 +144,15 @@ async def test_the_controller_fills_replaces_scales_and_deletes_a_pool(api: Api)
         ever = await api.env.pool.fetchval("SELECT count(*) FROM sandboxes WHERE pool = $1", pool)
         assert ever == 6  # 3, one replaced, 2 more: nothing created twice
 
+        gauge = f'sandstream_pool_members{{phase="Ready",pool="{pool}"}}'
+        await eventually(lambda: c.get("/metrics"), lambda r: f"{gauge} 1.0" in r.text,
+                         what="the pool's gauge at 1 Ready")  # fmt: skip
+
         assert (await c.delete(f"/v1/pools/{pool}")).status_code == 200
         await eventually(lambda: members(api, pool), lambda rows: rows == [], timeout=60,
                          what="the deleted pool's members gone")  # fmt: skip
+        await eventually(lambda: c.get("/metrics"), lambda r: gauge not in r.text,
+                         what="the deleted pool's gauges gone")  # fmt: skip
 
 
 async def test_recreate_rolls_members_without_dropping_below_the_pool_size(api: Api) -> None:
@@ -321,3 +330,31 @@ async def test_the_pool_commands_create_show_scale_and_delete(api: Api) -> None:
     assert deleted.exit_code == 0 and "deleted" in deleted.output, deleted.output
     missing = await cli("pool", "get", pool)
     assert missing.exit_code == 1 and "not found" in said(missing), said(missing)
+
+
+async def test_a_delete_read_before_a_claim_adopted_the_member_is_refused(api: Api) -> None:
+    """The race the row version closes: the controller reads a member, a claim adopts it, then
+    the controller's delete of what it read (a scale-down) arrives. It must be refused, never
+    delete the claimant's sandbox."""
+    template, pool = unique("tpl"), unique("pool")
+    await make_template(api, template)
+    async with api.client() as c:
+        body = {"name": pool, "template": template, "size": 1}
+        assert (await c.post("/v1/pools", json=body)).status_code == 201
+        await settled(api, pool, 1)
+        async with api.env.pool.acquire() as conn:
+            [read] = await pools_store.members(conn, [pool])
+        name = unique("agent")
+        warm = await claim(api, name, template)
+        assert warm["claim"]["member"] == read.key, warm
+        assert api.plane is not None and api.plane.pools is not None
+        await api.plane.pools._delete((read,))  # what the controller read before the claim
+        command_id = delete_command(read, datetime.now(UTC)).command_id
+        outcome = await eventually(
+            lambda: c.get(f"/v1/commands/{command_id}"),
+            lambda r: r.status_code == 200 and r.json()["status"] != "pending",
+            what="the stale delete decided",
+        )
+        assert (outcome.json()["status"], outcome.json()["code"]) == ("rejected", "ABORTED")
+        kept = await c.get(f"/v1/sandboxes/{name}")
+        assert kept.status_code == 200 and kept.json()["phase"] == "Ready", kept.text

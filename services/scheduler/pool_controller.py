@@ -100,6 +100,7 @@ class PoolController:
     _sent: set[str] = field(default_factory=set)  # command ids of requests published
     _deleting: dict[str, int] = field(default_factory=dict)  # key -> version a delete was sent at
     _failing: dict[str, tuple[int, float]] = field(default_factory=dict)  # pool -> streak, until
+    _reported: set[str] = field(default_factory=set)  # pools with gauges set
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _listener: Any = None
 
@@ -168,6 +169,10 @@ class PoolController:
             await self._delete(step.deletes)
         async with self.pool.acquire() as conn:
             await store.set_problems(conn, {p.name: self.problems.get(p.name) for p in pools})
+        _forget_gone(self._reported - {p.name for p in pools})
+        self._reported = {p.name for p in pools}
+        self.problems = {k: v for k, v in self.problems.items() if k in self._reported}
+        self._failing = {k: v for k, v in self._failing.items() if k in self._reported}
         self.rounds += 1
 
     def _pause(self, pool: str, members: list[Member], deletes: tuple[Member, ...]) -> bool:
@@ -270,11 +275,22 @@ class PoolController:
             log.info("pool %s: deleting member %s (%s)", m.pool, m.key, m.phase)
 
 
+REPORTED_PHASES: Final = ("Provisioning", "Starting", "Ready", "Error", "Stopped", "Deleting")
+
+
 def _report(pool: str, members: list[Member], pending: int) -> None:
     counts = Counter(m.phase for m in members)
-    for phase in ("Provisioning", "Starting", "Ready", "Error", "Stopped", "Deleting"):
+    for phase in REPORTED_PHASES:
         metrics.POOL_MEMBERS.labels(pool, phase).set(counts.get(phase, 0))
     metrics.POOL_MEMBERS.labels(pool, "Requested").set(pending)
+
+
+def _forget_gone(pools: set[str]) -> None:
+    """A deleted pool's gauges go with it (they would report its last counts forever)."""
+    for pool in pools:
+        for phase in (*REPORTED_PHASES, "Requested"):
+            with contextlib.suppress(KeyError):
+                metrics.POOL_MEMBERS.remove(pool, phase)
 
 
 async def _wait(stop: asyncio.Event, changed: asyncio.Event, timeout: float) -> None:
