@@ -8,6 +8,7 @@ Modules:
 - ``decided``: request → decided outcome at low load through the HTTP API, beside Kafka's and
   PostgreSQL's own round trips.
 - ``drivers``: driver benchmarks (part of ``make bench``).
+- ``exec_steps``: where an exec's time goes on Podman: the driver's calls, each timed.
 - ``fold``: CPU of the decide stage alone.
 - ``idle``: the broker's CPU for an idle control plane on a broker of its own, beside the same
   broker with no client.
