@@ -277,11 +277,21 @@ async def _run(settings: Settings, plan: Plan) -> None:
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     home = settings.state_dir / "bench" / f"peer-{run_id}"
     home.mkdir(parents=True)
+    cold = (
+        f"bare Pods; cold: bursts of {plan.sandboxes}, sustained "
+        f"{', '.join(map(str, plan.rates))}/s"
+        if "cold" in plan.phases
+        else ""
+    )
+    warm = (
+        f"; warm: pools of {plan.pool}, bursts of {plan.pool} claims, {plan.claim_rate} claims/s"
+        if "warm" in plan.phases
+        else ""
+    )
     print(
-        f"sandstream beside agent-sandbox {agent_sandbox.VERSION} and bare Pods: bursts of "
-        f"{plan.sandboxes}, {plan.rounds} rounds; sustained {', '.join(map(str, plan.rates))}/s "
-        f"for {plan.seconds:.0f} s each  ({os.cpu_count()} cores, load average "
-        f"{_load()} at the start)",
+        f"sandstream beside agent-sandbox {agent_sandbox.VERSION}{' and ' if cold else ''}"
+        f"{cold}{warm}; {plan.rounds} rounds, {plan.seconds:.0f} s per rate  "
+        f"({os.cpu_count()} cores, load average {_load()} at the start)",
         flush=True,
     )
     spec = pod_spec(settings.sandbox_image)

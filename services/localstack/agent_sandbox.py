@@ -106,9 +106,10 @@ def build(settings: Settings, say: Callable[[str], None]) -> AgentSandbox:
         return built
     check_go(MIN_GO, f"agent-sandbox {VERSION}")
     started = time.monotonic()
-    say(f"building agent-sandbox {VERSION} into {built.home} (a first build: ~3 minutes)")
+    first = "" if built.controller.exists() else " (a first build: ~3 minutes)"
+    say(f"building agent-sandbox {VERSION} into {built.home}{first}")
     src = _wrapper(settings, "agent-sandbox", VERSION, {MODULE: VERSION}, [CONTROLLER_PACKAGE])
-    if not built.controller.exists():
+    if first:
         _go_build(settings, src, [CONTROLLER_PACKAGE], built.controller, ["-s -w"], say)
     module_dir = Path(_download(settings, src, f"{MODULE}@{VERSION}")["Dir"]) / "k8s"
     for name in MANIFESTS:
