@@ -103,9 +103,11 @@ def test_the_warm_report_shows_both_medians_and_the_goals() -> None:
     ]
 
 
-def test_agent_sandbox_runs_with_its_extensions_and_their_manifests() -> None:
-    cmd = agent_sandbox.controller_command(Path("/bin/c"), Path("/k"), 1, 2)
+def test_agent_sandbox_runs_with_its_extensions_only_when_asked_and_has_their_manifests() -> None:
+    cmd = agent_sandbox.controller_command(Path("/bin/c"), Path("/k"), 1, 2, extensions=True)
     assert "--extensions" in cmd and "--leader-elect=false" in cmd
+    stock = agent_sandbox.controller_command(Path("/bin/c"), Path("/k"), 1, 2)
+    assert "--extensions" not in stock  # the cold phases run it as it ships
     names = " ".join(agent_sandbox.MANIFESTS)
     for kind in ("sandboxtemplates", "sandboxwarmpools", "sandboxclaims"):
         assert f"extensions.agents.x-k8s.io_{kind}.yaml" in names

@@ -304,7 +304,9 @@ async def _run(settings: Settings, plan: Plan) -> None:
         for namespace in ("bench-pods", "bench-agent"):
             await cluster.admin.ensure_namespace(namespace)
         async with (
-            peer_setup.agent_controller(cluster, home) as controller,
+            peer_setup.agent_controller(
+                cluster, home, extensions="cold" not in plan.phases
+            ) as controller,
             peer_setup.sandstream(kafka, cluster, home, "bench-sandstream") as ours,
         ):
             ours_api = SandstreamApi(
@@ -320,7 +322,7 @@ async def _run(settings: Settings, plan: Plan) -> None:
             try:
                 fixed = {
                     **{name: pids for name, pids in cluster.pids().items()},
-                    "agent-sandbox controller": [controller.proc.pid],
+                    "agent-sandbox controller": [controller.pid],
                     "sandstream up": [ours.proc.pid],
                     "sandstream Kafka": [ours.broker],
                     "bench client": [os.getpid()],
@@ -345,6 +347,9 @@ async def _run(settings: Settings, plan: Plan) -> None:
                 if "cold" in plan.phases:
                     await _phases(bench, systems)
                 if "warm" in plan.phases:
+                    if not controller.extensions:  # the cold phases ran it as it ships
+                        await controller.restart(extensions=True)
+                        fixed["agent-sandbox controller"] = [controller.pid]
                     await _warm_phases(bench, pools)
             finally:
                 for task in watches:

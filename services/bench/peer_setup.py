@@ -6,7 +6,8 @@
   cluster neither slows the run nor counts in the apiserver's figures; stopped afterwards.
 - **agent-sandbox's controller** (services/localstack/agent_sandbox.py builds it): its CRDs
   (Sandbox; the extensions' SandboxTemplate, SandboxWarmPool, SandboxClaim) and ClusterRoles
-  applied, run out of cluster with ``--extensions`` as its own ServiceAccount.
+  applied, run out of cluster as its own ServiceAccount: with its stock flags for the cold
+  phases, restarted with ``--extensions`` for the warm one.
 - **sandstream**: ``sandstream up --driver kubernetes`` in a process of its own, as its own
   ServiceAccount (compose/kubernetes/rbac.yaml) in its namespace, on a Kafka broker of the
   run's own (so that the broker's CPU is sandstream's alone) and the machine's PostgreSQL, in
@@ -218,13 +219,43 @@ async def _until_ok(url: str, proc: subprocess.Popen[bytes], what: str, log: Pat
 
 @dataclass
 class Controller:
-    proc: subprocess.Popen[bytes]
+    """agent-sandbox's controller process; ``restart`` runs it again, with its extensions or
+    without."""
+
+    binary: Path
+    kubeconfig: Path
+    home: Path
+    proc: subprocess.Popen[bytes] | None = None
+    extensions: bool = False
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    async def restart(self, extensions: bool) -> None:
+        await self.stop()
+        probe = free_port()
+        which = "-extensions" if extensions else ""
+        log = self.home / f"agent-sandbox-controller{which}.log"
+        command = agent_sandbox.controller_command(
+            self.binary, self.kubeconfig, free_port(), probe, extensions=extensions
+        )
+        self.proc, self.extensions = _spawn(command, log), extensions
+        await _until_ok(f"http://127.0.0.1:{probe}/readyz", self.proc, "agent-sandbox", log)
+
+    async def stop(self) -> None:
+        if self.proc is not None:
+            await _stop(self.proc)
 
 
 @asynccontextmanager
-async def agent_controller(cluster: Cluster, home: Path) -> AsyncIterator[Controller]:
-    """agent-sandbox's controller with its extensions, their CRDs and roles applied, as its own
-    ServiceAccount."""
+async def agent_controller(
+    cluster: Cluster, home: Path, extensions: bool
+) -> AsyncIterator[Controller]:
+    """agent-sandbox's controller (``extensions``: with them) as its own ServiceAccount, every
+    CRD and role of the module applied (the extensions' too, so that a restart with them
+    needs nothing more)."""
     built = await asyncio.to_thread(agent_sandbox.build, cluster.settings, _say)
     admin = cluster.admin
     for name in agent_sandbox.MANIFESTS:
@@ -245,16 +276,12 @@ async def agent_controller(cluster: Cluster, home: Path) -> AsyncIterator[Contro
     for role in agent_sandbox.ROLES:
         await _bind_cluster_role(admin, role, AGENT_NAMESPACE, AGENT_ACCOUNT)
     _, kubeconfig = await cluster.account(AGENT_NAMESPACE, AGENT_ACCOUNT, home / "agent.kubeconfig")
-    probe = free_port()
-    log = home / "agent-sandbox-controller.log"
-    proc = _spawn(
-        agent_sandbox.controller_command(built.controller, kubeconfig, free_port(), probe), log
-    )
+    controller = Controller(built.controller, kubeconfig, home)
     try:
-        await _until_ok(f"http://127.0.0.1:{probe}/readyz", proc, "agent-sandbox's controller", log)
-        yield Controller(proc)
+        await controller.restart(extensions)
+        yield controller
     finally:
-        await _stop(proc)
+        await controller.stop()
 
 
 def _established(crd: dict[str, object]) -> bool:

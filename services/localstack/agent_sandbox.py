@@ -83,17 +83,17 @@ def missing(settings: Settings) -> list[Path]:
 
 
 def controller_command(
-    binary: Path, kubeconfig: Path, metrics_port: int, probe_port: int
+    binary: Path, kubeconfig: Path, metrics_port: int, probe_port: int, extensions: bool = False
 ) -> list[str]:
     """The controller run out of cluster (pure): one replica, no leader election, its metrics
-    and probes on loopback ports of their own, the extensions on (templates, warm pools,
-    claims), stock settings otherwise (client QPS unlimited, burst 10; the warm pool's and
+    and probes on loopback ports of their own, ``extensions``: its templates, warm pools and
+    claims on; stock settings otherwise (client QPS unlimited, burst 10; the warm pool's and
     the claims' workers, batch and refill rate at their defaults: what a user gets)."""
     return [
         str(binary),
         f"--kubeconfig={kubeconfig}",
         "--leader-elect=false",
-        "--extensions",
+        *(["--extensions"] if extensions else []),
         f"--metrics-bind-address=127.0.0.1:{metrics_port}",
         f"--health-probe-bind-address=127.0.0.1:{probe_port}",
     ]
