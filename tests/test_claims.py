@@ -14,6 +14,7 @@ import pytest_asyncio
 from apikit import Api, unique
 from claims_support import adoptions, all_ready, bindings, create_members
 from harness import eventually
+from openshell_support import auth, serving_door
 
 from events.commands import AdoptSandbox, CreateSandbox
 from events.common import SandboxSpec
@@ -21,20 +22,29 @@ from events.observations import RuntimeSnapshot
 from events.publisher import new_command_id, now
 from services.api.claims import claim
 from services.api.gateway import CommandGateway
+from services.audit.verify import verify
 from services.common.settings import load_settings
 from services.executor.backends import podman_driver
+from services.openshell.proto import openshell_pb2 as pb
+from services.openshell.proto import openshell_pb2_grpc
+from services.processor.rebuild import rebuild_and_compare
 
 IMAGE = load_settings().sandbox_image
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def api() -> AsyncIterator[Api]:
-    driver = podman_driver(load_settings())
+async def driver() -> AsyncIterator[Any]:
+    made = podman_driver(load_settings())
     try:
-        async with apikit.running_api(driver) as running:
-            yield running
+        yield made
     finally:
-        await driver.close()
+        await made.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def api(driver: Any) -> AsyncIterator[Api]:
+    async with apikit.running_api(driver) as running:
+        yield running
 
 
 def gateway_of(api: Api) -> CommandGateway:
@@ -97,6 +107,40 @@ async def test_a_claim_adopts_a_ready_member_and_its_name_works_at_every_door(ap
         assert r.status_code == 201, r.text
         assert (await c.get(f"/v1/sandboxes/{name}")).json()["member_key"] == name
     await cleanup(api, [name])
+
+
+async def test_a_claimed_name_works_at_openshell_the_console_and_the_audit(
+    api: Api, driver: Any
+) -> None:
+    """OpenShell's door gets, execs in and deletes the adopted sandbox by the claimant's name;
+    the console's page and the audit's explanation of the name are the member's."""
+    pool = new_pool()
+    [member] = await create_members(gateway_of(api), pool, 1, IMAGE)
+    await all_ready(api.env.pool, [member])
+    name = unique("door")
+    assert (await claimed(api, pool, name)).warm
+    async with api.client(None, follow_redirects=False) as console:
+        r = await console.post("/ui/login", data={"token": apikit.INSPECTOR, "next": "/ui/"})
+        assert r.status_code == 303, r.text
+        page = await console.get(f"/ui/sandboxes/{name}")
+        assert page.status_code == 200, page.text
+        assert f"pool member <code>{member}</code> of pool {pool}, claimed as {name}" in page.text
+        assert f"Adopt(as {name})" in page.text
+    async with api.client(apikit.AUDITOR) as c:
+        r = await c.get(f"/v1/audit/sandboxes/{name}/explain")
+        assert r.status_code == 200, r.text
+        assert "SandboxAdopted" in [e for step in r.json()["inputs"] for e in step["events"]]
+    async with serving_door(api.env, driver) as (channel, _, _):
+        stub = openshell_pb2_grpc.OpenShellStub(channel)
+        got = await stub.GetSandbox(pb.GetSandboxRequest(name=name), metadata=auth())
+        assert got.sandbox.metadata.name == name
+        for reference in (name, got.sandbox.metadata.id):  # by name (0.1), by id (0.0)
+            request = pb.ExecSandboxRequest(sandbox_id=reference, command=["echo", "warm"])
+            events = [e async for e in stub.ExecSandbox(request, metadata=auth(), timeout=60)]
+            assert b"".join(e.stdout.data for e in events if e.HasField("stdout")) == b"warm\n"
+        deleted = await stub.DeleteSandbox(pb.DeleteSandboxRequest(name=name), metadata=auth())
+        assert deleted.deleted
+    await api.wait_phase(member, "Deleted", timeout=60)
 
 
 async def test_a_claim_is_cold_with_no_ready_member_or_with_per_claim_env(api: Api) -> None:
@@ -260,3 +304,63 @@ async def test_creates_racing_claims_for_the_same_names_never_both_get_a_name(ap
                            what="every name held by exactly one of its two")  # fmt: skip
     assert set(won.values()) <= {"claim", "create"}
     await cleanup(api, names)
+
+
+async def test_the_log_of_claims_verifies_and_rebuilds_the_rows(api: Api) -> None:
+    """The audit re-decides every input of this module's environment (claims, bindings,
+    abandonments, releases) to the same history, rows and events, and folding the events topic
+    rebuilds every row, bound names included."""
+    pool = new_pool()
+    members = await create_members(gateway_of(api), pool, 2, IMAGE)
+    await all_ready(api.env.pool, members)
+    kept, freed = unique("kept"), unique("freed")
+    assert (await claimed(api, pool, kept)).warm and (await claimed(api, pool, freed)).warm
+    async with api.client() as c:
+        assert (await c.delete(f"/v1/sandboxes/{freed}", params={"wait": 30})).status_code == 200
+    await eventually(lambda: bindings(api.env.pool), lambda b: freed not in b and kept in b,
+                     timeout=60, what="the freed name released")  # fmt: skip
+    report = await verify(api.env.settings)
+    assert report.divergences == [] and report.ok, report.divergences
+    await eventually(
+        lambda: rebuild_and_compare(api.env.settings),
+        lambda r: r.equal,
+        timeout=30,
+        what="the rows rebuilt from the events topic",
+    )
+    await cleanup(api, [kept])
+
+
+async def test_a_watch_of_a_claimed_name_follows_its_member(api: Api) -> None:
+    """``/v1/watch?name=<claimant>`` streams the member's row (under the claimant's name), and
+    never the name's own row; the decided-events stream of the name has the member's
+    adoption and the name's binding."""
+    pool = new_pool()
+    [member] = await create_members(gateway_of(api), pool, 1, IMAGE)
+    await all_ready(api.env.pool, [member])
+    name = unique("watched")
+    assert (await claimed(api, pool, name)).warm
+    async with api.client() as c:
+        events = await apikit.read_events(
+            c, lambda ev: len(apikit.rows(ev)) >= 1, params={"name": name, "timeout": 20}
+        )
+        [row] = apikit.rows(events)
+        assert (row["name"], row["member_key"], row["phase"]) == (name, member, "Ready")
+        r = await c.post(f"/v1/sandboxes/{name}:stop", params={"wait": 30})
+        assert r.status_code == 200, r.text
+        cursor = row["change_seq"]
+        events = await apikit.read_events(
+            c,
+            lambda ev: any(x["phase"] == "Stopped" for x in apikit.rows(ev)),
+            params={"name": name, "cursor": cursor, "timeout": 30},
+        )
+        assert {x["member_key"] for x in apikit.rows(events)} == {member}
+        decided: list[str] = []
+        async with c.stream(
+            "GET", "/v1/watch/events", params={"name": name, "timeout": 3}
+        ) as stream:
+            async for line in stream.aiter_lines():
+                if line.startswith("data: ") and '"type"' in line:
+                    decided.append(line)
+        assert any('"SandboxAdopted"' in d for d in decided)
+        assert any('"SandboxNameBound"' in d for d in decided)
+    await cleanup(api, [name])

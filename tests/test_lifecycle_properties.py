@@ -24,6 +24,15 @@ becomes Ready on values older than awaited (or with a provider detached meanwhil
 through a launch report or a generation seen running again, unless a hold defers the restart;
 a running snapshot never makes a row that awaits a launch's report Ready. Runtime snapshots
 include ``stopping`` (a runtime on its way out), which changes nothing anywhere.
+
+Claims (docs/adr/0009): any name may be created as a pool member, and claims adopt members
+under any name (a live one included). The commands a decision sends (bind, abandon, unbind) are
+delivered later, in order per (sending key, receiving key) as the processor's outbox publishes
+them, between any other inputs, and delivered again (at least once). A member is adopted at
+most once and only Ready, unheld and unclaimed; a name is bound only for an adoption with the
+same claim and claimant, never while a sandbox lives under it, and a create of a bound name is
+refused; once every sent command is delivered, each adopted member is either bound under its
+claimant's name or being deleted (abandoned), and each bound name points at its live member.
 """
 
 from __future__ import annotations
@@ -48,6 +57,9 @@ from hypothesis.stateful import (
 
 from events.codec import COMMANDS, OBSERVATIONS, decode, encode
 from events.commands import (
+    AbandonAdoption,
+    AdoptSandbox,
+    BindSandboxName,
     Command,
     CreateSandbox,
     DeleteSandbox,
@@ -65,9 +77,12 @@ from events.decided import (
     AgentRestartSkipped,
     DecidedEvent,
     ProviderDetached,
+    SandboxAdopted,
+    SandboxAdoptionAbandoned,
     SandboxCompleted,
     SandboxCreated,
     SandboxDeleting,
+    SandboxNameBound,
     SandboxReady,
     SandboxRestartScheduled,
     SandboxRestartsExhausted,
@@ -132,6 +147,7 @@ reads = st.one_of(
     st.none(), st.dictionaries(st.sampled_from(PROVIDERS), st.integers(0, 4), max_size=3)
 )
 LAUNCHING = (P.PROVISIONING, P.STARTING)
+CLAIMS = ("k1", "k2", "k3")
 
 
 def newest_read(state: Sandbox, ahead: int = 0) -> dict[str, int]:
@@ -184,6 +200,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.first_outcome: dict[str, CommandOutcome] = {}
         self.incarnations: dict[str, set[UUID]] = defaultdict(set)
         self.serial = 0
+        # Commands the decisions sent, not delivered yet, by (sending key, receiving key): the
+        # outbox publishes them in commit order; and those delivered once (to deliver again).
+        self.sent: dict[tuple[str, str], list[Command]] = defaultdict(list)
+        self.delivered: list[Command] = []
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -208,7 +228,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.pending.append((cause, message))
         if not is_observation(message):
             self.commands[message.key].append(message)  # type: ignore[arg-type]
+        for command in decision.commands:
+            self.sent[(message.key, command.key)].append(command)
         self.check_step(prev, message, decision)
+        self.check_claim(prev, message, decision)
         return decision
 
     # -- the per-step invariants --------------------------------------------------------------
@@ -223,7 +246,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         # a launch report followed by the restart it calls for, and a detach that restarts.
         limit = len(events) > 1 and isinstance(events[1], SandboxRestartsExhausted)
         assert len(events) <= (3 if limit else 2)
-        if len(events) == 2 and not is_observation(message):
+        if isinstance(message, AbandonAdoption) and events:  # then deleted, unless it was
+            assert isinstance(events[0], SandboxAdoptionAbandoned)
+            assert (len(events) == 2) == (prev is not None and prev.phase is not P.DELETING)
+            assert new is not None and new.phase is P.DELETING and new.adopted_as is None
+        elif len(events) == 2 and not is_observation(message):
             assert isinstance(message, DetachProvider), message
             assert isinstance(events[0], ProviderDetached) and isinstance(events[1], AgentRestarted)
         if isinstance(message, DetachProvider) and prev is not None and events:
@@ -286,7 +313,11 @@ class LifecycleMachine(RuleBasedStateMachine):
 
         # A new incarnation only through an accepted create, with a never-seen sandbox_id, at a
         # higher generation than the tombstone: no resurrection.
-        if new is not None and (prev is None or new.sandbox_id != prev.sandbox_id):
+        if new is not None and new.bound_to is not None and events:
+            # A bound name's row: a tombstone naming its member's incarnation.
+            assert isinstance(message, BindSandboxName) and new.tombstoned
+            assert new.sandbox_id == message.sandbox_id
+        elif new is not None and (prev is None or new.sandbox_id != prev.sandbox_id):
             assert isinstance(message, CreateSandbox) and d.disposition == "applied"
             assert isinstance(events[0], SandboxCreated)
             assert new.sandbox_id not in self.incarnations[message.key]
@@ -333,11 +364,13 @@ class LifecycleMachine(RuleBasedStateMachine):
         # The tombstone is only reached from Deleting.
         if new.tombstoned and not prev.tombstoned:
             assert prev.phase is P.DELETING, (prev.phase, message)
-        # Stopped only leaves through an accepted start, restart, suspend or delete.
+        # Stopped only leaves through an accepted start, restart, suspend or delete (an
+        # abandoned adoption's included).
         expired = isinstance(message, DeadlineDue) and message.deadline == "ttl"
         if prev.phase is P.STOPPED and new.phase is not P.STOPPED:
             assert expired or isinstance(
-                message, StartSandbox | RestartSandbox | SuspendSandbox | DeleteSandbox
+                message,
+                StartSandbox | RestartSandbox | SuspendSandbox | DeleteSandbox | AbandonAdoption,
             )
             assert d.disposition == "applied"
         self.check_suspend(prev, message, events, new, expired)
@@ -387,6 +420,79 @@ class LifecycleMachine(RuleBasedStateMachine):
         # A runtime on its way out (stopping) changes nothing anywhere.
         if isinstance(message, RuntimeSnapshot) and message.state == "stopping":
             assert not events, events
+
+    def check_claim(self, prev: Sandbox | None, message: Message, d: Decision) -> None:
+        """Adopted only Ready, unheld and unclaimed, once; a name bound only where no sandbox
+        lives; a bound name refuses creates; a claim, once on a row, stays until its end."""
+        new, events = d.state, d.events
+        for event in events:
+            if isinstance(event, SandboxAdopted):
+                assert isinstance(message, AdoptSandbox) and prev is not None
+                assert prev.phase is P.READY and prev.pool is not None
+                assert prev.claim_id is None and prev.hold is None
+            if isinstance(event, SandboxNameBound):
+                assert isinstance(message, BindSandboxName)
+                assert prev is None or (prev.tombstoned and prev.bound_to is None)
+        bound = prev is not None and prev.bound_to is not None
+        if isinstance(message, CreateSandbox) and bound and d.disposition != "duplicate":
+            assert d.outcome is not None and not d.outcome.accepted
+        if (
+            prev is not None
+            and new is not None
+            and prev.claim_id is not None
+            and (not prev.tombstoned or prev.bound_to is not None)
+        ):
+            # A claim stays on its member until the member's end, and a name's binding until
+            # it is released (the release keeps the claim id as history).
+            assert new.claim_id == prev.claim_id or new.sandbox_id != prev.sandbox_id
+            assert new.pool == prev.pool or new.sandbox_id != prev.sandbox_id
+        if prev is not None and new is not None and prev.adopted_as is not None:
+            same = new.sandbox_id == prev.sandbox_id
+            # The name leaves an adopted member only when its adoption is abandoned.
+            assert not same or new.adopted_as in (prev.adopted_as, None)
+            if same and new.adopted_as is None:
+                assert isinstance(message, AbandonAdoption)
+
+    @invariant()
+    def adopted_at_most_once(self) -> None:
+        """Per member incarnation, at most one adoption; every binding follows its adoption."""
+        adopted: dict[UUID, SandboxAdopted] = {}
+        for event in self.events:
+            if isinstance(event, SandboxAdopted):
+                assert event.sandbox_id not in adopted, event
+                adopted[event.sandbox_id] = event
+        for event in self.events:
+            if isinstance(event, SandboxNameBound):
+                first = adopted[event.sandbox_id]
+                assert (first.key, first.claimant) == (event.target, event.key)
+                assert first.claim_id == event.claim_id
+
+    def deliver_all(self) -> None:
+        """Every sent command delivered (and what that sends in turn), in outbox order."""
+        while any(self.sent.values()):
+            for route in sorted(k for k, v in self.sent.items() if v):
+                while self.sent[route]:
+                    command = self.sent[route].pop(0)
+                    self.delivered.append(command)
+                    self.send(command)
+
+    def check_quiescent_claims(self) -> None:
+        """Nothing in flight: each adopted member is bound under its claimant's name, and
+        each bound name points at the live member its claim adopted (none lost, none twice)."""
+        rows = live(self.states)
+        for key, row in rows.items():
+            if row.adopted_as is not None and not row.tombstoned:
+                name = rows.get(row.adopted_as)
+                assert name is not None and (name.bound_to, name.claim_id) == (
+                    key,
+                    row.claim_id,
+                ), (row, name)
+            if row.claim_id is not None and row.adopted_as is None and row.bound_to is None:
+                assert row.phase in (P.DELETING, P.DELETED), row  # abandoned
+            if row.bound_to is not None:
+                member = rows[row.bound_to]
+                assert not member.tombstoned and member.adopted_as == key
+                assert member.claim_id == row.claim_id
 
     def check_credentials(self, prev: Sandbox, message: Message, d: Decision, new: Sandbox) -> None:
         """Rotations restart exactly where ROTATION_TABLE says; what a pending launch must
@@ -467,14 +573,16 @@ class LifecycleMachine(RuleBasedStateMachine):
         incarnation."""
         if isinstance(message, SuspendSandbox) and events:
             assert new.phase is P.SUSPENDING and new.generation == prev.generation
-        # Suspended only leaves through an accepted resume, start, restart or delete, or an
-        # expiry whose policy deletes it; no observation of any generation changes it else.
+        # Suspended only leaves through an accepted resume, start, restart or delete (an
+        # abandoned adoption's included), or an expiry whose policy deletes it; no observation
+        # of any generation changes it else.
         if prev.phase is P.SUSPENDED:
             if is_observation(message) and events:
                 assert expired, message
             if new.phase is not P.SUSPENDED:
                 assert expired or isinstance(
-                    message, ResumeSandbox | StartSandbox | RestartSandbox | DeleteSandbox
+                    message,
+                    ResumeSandbox | StartSandbox | RestartSandbox | DeleteSandbox | AbandonAdoption,
                 ), message
         # The suspend's stop and removal are no exit: no restart, no completion policy.
         if prev.phase in (P.SUSPENDING, P.SUSPENDED) and is_observation(message):
@@ -540,6 +648,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         on_expiry=st.sampled_from(["stop", "delete"]),
         on_exit=st.sampled_from(["keep", "delete"]),
         spec=st.sampled_from(SPECS),
+        pool=st.sampled_from([None, "p", "p"]),
     )
     def create(
         self,
@@ -549,6 +658,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         on_expiry: str,
         on_exit: str,
         spec: SandboxSpec,
+        pool: str | None,
     ) -> None:
         self.send(
             f.create(
@@ -559,8 +669,53 @@ class LifecycleMachine(RuleBasedStateMachine):
                 ttl_seconds=ttl,
                 on_expiry=on_expiry,
                 on_exit=on_exit,
+                pool=pool,
             )
         )
+
+    # -- claims -------------------------------------------------------------------------------
+
+    @rule(member=keys, claimant=st.sampled_from([*KEYS, "n"]), claim=st.sampled_from(CLAIMS))
+    def adopt(self, member: str, claimant: str, claim: str) -> None:
+        """A claim's adoption of ``member`` for ``claimant`` (a free or a taken name)."""
+        d = self.send(f.adopt(member, claimant, claim, command_id=self.command_id(member)))
+        state = self.states.get(member)
+        if d.outcome is not None and d.outcome.accepted:
+            assert state is not None and state.claim_id == claim
+
+    @rule(member=keys, claimant=st.sampled_from([*KEYS, "n"]), claim=st.sampled_from(CLAIMS))
+    def adopt_when_ready(self, member: str, claimant: str, claim: str) -> None:
+        """A member made Ready first (launched), then adopted: drives the binding's paths."""
+        state = self.states.get(member)
+        if state is not None and state.phase in LAUNCHING:
+            self.send(f.launched(member, state.generation, credentials=newest_read(state)))
+        self.adopt(member, claimant, claim)
+
+    @rule(key=keys)
+    def delete_to_the_end(self, key: str) -> None:
+        """A delete of ``key`` carried through (an adopted member's end frees its name)."""
+        state = self.states.get(key)
+        if state is None or state.tombstoned:
+            return
+        self.send(f.delete(key, command_id=self.command_id(key)))
+        self.send(f.deleted(key, self.generation(key, 0)))
+
+    @precondition(lambda self: any(self.sent.values()))
+    @rule(data=st.data())
+    def deliver(self, data: st.DataObject) -> None:
+        """The next command one key sent another arrives (routes interleave freely)."""
+        route = data.draw(st.sampled_from(sorted(k for k, v in self.sent.items() if v)))
+        command = self.sent[route].pop(0)
+        self.delivered.append(command)
+        self.send(command)
+
+    @precondition(lambda self: bool(self.delivered))
+    @rule(data=st.data())
+    def deliver_again(self, data: st.DataObject) -> None:
+        """A sent command published again (a processor's crash before its publish cursor
+        moved): the first outcome stands."""
+        d = self.send(data.draw(st.sampled_from(self.delivered)))
+        assert d.disposition == "duplicate" and not d.commands
 
     @rule(
         command_type=st.sampled_from(list(COMMAND_TABLE)),
@@ -801,6 +956,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert dumps(self.b_events) == dumps(self.events)
 
     def teardown(self) -> None:
+        self.deliver_all()
+        self.check_quiescent_claims()
         self.flush()
         # Replay everything from scratch, decoded from the wire form: identical results.
         replayed = []

@@ -222,10 +222,13 @@ async def test_a_create_from_a_pooled_template_adopts_a_member_and_the_pool_refi
         assert (await c.post("/v1/pools", json=body)).status_code == 201
         before = {r["key"] for r in await settled(api, pool, 2)}
 
-        name = unique("agent")
-        warm = await claim(api, name, template, overrides={"labels": {"task": "t1"}})
+        name, claim_id = unique("agent"), unique("claim")
+        asked = {"overrides": {"labels": {"task": "t1"}}, "command_id": claim_id}
+        warm = await claim(api, name, template, **asked)
         assert warm["claim"]["warm"] is True and warm["claim"]["pool"] == pool, warm
         assert warm["claim"]["member"] in before and warm["phase"] == "Ready"
+        again = await claim(api, name, template, **asked)  # a retry: the same member, once
+        assert again["claim"]["member"] == warm["claim"]["member"], again
         got = await c.get(f"/v1/sandboxes/{name}")
         assert got.status_code == 200, got.text
         assert got.json()["spec"]["labels"]["task"] == "t1"
@@ -358,3 +361,42 @@ async def test_a_delete_read_before_a_claim_adopted_the_member_is_refused(api: A
         assert (outcome.json()["status"], outcome.json()["code"]) == ("rejected", "ABORTED")
         kept = await c.get(f"/v1/sandboxes/{name}")
         assert kept.status_code == 200 and kept.json()["phase"] == "Ready", kept.text
+
+
+async def test_claim_figures_count_every_claim_and_keep_only_the_newest(api: Api) -> None:
+    """A pool's claims are counted forever but kept (for the latency figures) only as the
+    newest 1,000 or so per path: the table must not grow by a row per claim for good."""
+    pool = unique("pool")
+    async with api.env.pool.acquire() as conn:
+        for i in range(1250):
+            await pools_store.record_claim(conn, pool, f"id{i}", f"c{i}", True, "adopted", i / 1000)
+        await pools_store.record_claim(conn, pool, "x", "cold", False, "no Ready member", 2.0)
+        again = await pools_store.record_claim(conn, pool, "x", "cold", False, "retried", 2.0)
+        assert again is False  # a retried request's claim id is counted once
+        stats = await pools_store.claim_stats(conn, pool)
+        kept = await conn.fetchval(
+            "SELECT count(*) FROM pool_claims WHERE pool = $1 AND warm", pool
+        )
+    assert (stats[True].count, stats[False].count) == (1250, 1)
+    assert 1000 <= kept <= 1000 + pools_store.PRUNE_EVERY, kept
+    assert stats[True].p50 is not None  # over the newest 1,000 (0.250 to 1.249 s) only
+    assert abs(stats[True].p50 - 0.7495) < 1e-9, stats[True]
+    assert stats[False].p50 == 2.0
+
+
+async def test_a_claim_of_a_taken_name_is_refused_and_not_counted(api: Api) -> None:
+    template, pool = unique("tpl"), unique("pool")
+    await make_template(api, template)
+    async with api.client() as c:
+        body = {"name": pool, "template": template, "size": 1}
+        assert (await c.post("/v1/pools", json=body)).status_code == 201
+        await settled(api, pool, 1)
+        name = unique("agent")
+        r = await c.post("/v1/sandboxes", params={"wait": 30}, json=apikit.create_body(name))
+        assert r.status_code == 201, r.text
+        r = await c.post("/v1/sandboxes", params={"wait": 30},
+                         json={"name": name, "template": {"name": template}})  # fmt: skip
+        assert (r.status_code, r.json()["code"]) == (409, "ALREADY_EXISTS"), r.text
+        assert len(await members(api, pool)) == 1  # no member spent on it
+        claims = (await c.get(f"/v1/pools/{pool}")).json()["status"]["claims"]
+        assert (claims["warm"]["count"], claims["cold"]["count"]) == (0, 0), claims

@@ -1,6 +1,7 @@
-"""The pool controller killed (SIGKILL) in the middle of a refill never over-creates: the
-scheduler role runs as its own process on the real stack (Kafka, PostgreSQL), the processor
-in this one with the fake driver."""
+"""The pool controller as it runs: killed (SIGKILL) in the middle of a refill it never
+over-creates (the scheduler role as its own process on the real stack, Kafka and PostgreSQL;
+the processor in this one with the fake driver), and `sandstream up`'s supervised control
+plane runs it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 from datetime import UTC, datetime
 from pathlib import Path
 
-from harness import eventually
+from harness import eventually, isolated_env
 from role_processes import roles_env
 
 from drivers.fake import FakeDriver
@@ -69,3 +70,29 @@ async def test_a_scheduler_killed_mid_refill_creates_each_member_once(tmp_path: 
             if r.value and json.loads(r.value).get("type") == "CreateSandbox"
         }
         assert (ever, len(creates)) == (SIZE, SIZE), f"killed at {at_kill} of {SIZE} asked"
+
+
+async def test_sandstream_ups_supervised_control_plane_runs_the_pool_controller() -> None:
+    """`sandstream up` runs the parts supervised (started again after a crash): the pool
+    controller is one of them, beside the scheduler."""
+    async with isolated_env(pool_poll_seconds=0.2) as env:
+        now = datetime.now(UTC)
+        body = templates.TemplateBody(spec=SandboxSpec(image="registry.example/agent:1"))
+        async with env.pool.acquire() as conn:
+            await templates.create_template(conn, "agent", body, "test", now)
+            await pools.create_pool(conn, "warm", "agent", 2, "OnReplenish", "test", now)
+        plane = ControlPlane(env.settings, FakeDriver(), env.pool, reconcile_interval=3600,
+                             with_scheduler=True, supervised=True)  # fmt: skip
+        await plane.start()
+        try:
+            await eventually(
+                lambda: env.fetchval(
+                    "SELECT count(*) FROM sandboxes WHERE pool = 'warm' AND phase = 'Ready'"
+                ),
+                lambda n: n == 2,
+                timeout=60,
+                what="2 Ready members",
+            )
+            assert plane.down() == {}
+        finally:
+            await plane.stop()

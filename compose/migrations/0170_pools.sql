@@ -28,15 +28,31 @@ CREATE TABLE IF NOT EXISTS pool_requests (
 );
 CREATE INDEX IF NOT EXISTS pool_requests_pool ON pool_requests (pool);
 
--- One row per claim the API served from a pool's template: warm (a member adopted) or cold
--- (the fallback create), why, and how long the request took; the pool's status reads them.
+-- The claims the API served from a pool's template, warm (a member adopted) or cold (the
+-- fallback create): a count per path since the pool was created, and the newest claims of
+-- each path (at most about 1,100: older ones are pruned) with why and how long the request
+-- took, which the pool's status takes its latency figures from.
+CREATE TABLE IF NOT EXISTS pool_claim_counts (
+    pool   text NOT NULL,
+    warm   boolean NOT NULL,
+    count  bigint NOT NULL,
+    PRIMARY KEY (pool, warm)
+);
 CREATE TABLE IF NOT EXISTS pool_claims (
     id          bigserial PRIMARY KEY,
     pool        text NOT NULL,
+    claim_id    text NOT NULL,              -- the create's command id: a retry is not counted again
     claimant    text NOT NULL,
     warm        boolean NOT NULL,
     reason      text NOT NULL,
     seconds     double precision NOT NULL,
     claimed_at  timestamptz NOT NULL DEFAULT now()
 );
-CREATE INDEX IF NOT EXISTS pool_claims_pool ON pool_claims (pool, id);
+CREATE INDEX IF NOT EXISTS pool_claims_path ON pool_claims (pool, warm, id);
+CREATE UNIQUE INDEX IF NOT EXISTS pool_claims_id ON pool_claims (pool, claim_id);
+
+-- The pool controller reads every pool's live members at each round (woken by every row
+-- change): an index of the live pool members only, so that a round costs the pools' size, not
+-- the whole table's (old members' tombstones keep `pool` but leave the index).
+CREATE INDEX IF NOT EXISTS sandboxes_pool_live ON sandboxes (pool)
+    WHERE pool IS NOT NULL AND phase <> 'Deleted';

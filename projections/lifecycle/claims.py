@@ -51,10 +51,11 @@ ClaimCommand = AdoptSandbox | BindSandboxName | AbandonAdoption | UnbindSandboxN
 CLAIM_COMMANDS: Final = (AdoptSandbox, BindSandboxName, AbandonAdoption, UnbindSandboxName)
 
 
-def step_command_id(claim_id: str, member: str, step: str) -> str:
+def step_command_id(claim_id: str, member: str, sandbox_id: UUID, step: str) -> str:
     """The command id of a claim's step the processor sends: the same at every replay, and
-    another for each member one claim adopted (a retried claim's second is refused its name)."""
-    return str(uuid5(CLAIM_NS, f"{claim_id}/{member}/{step}"))
+    another for each member incarnation one claim adopted (a retried claim's second member is
+    refused its name, not taken for a repeat of the first's)."""
+    return str(uuid5(CLAIM_NS, f"{claim_id}/{member}/{sandbox_id}/{step}"))
 
 
 def decide_claim(
@@ -161,10 +162,13 @@ def _bind(state: Sandbox | None, command: BindSandboxName, cause: Cause) -> Deci
 def _abandon(
     state: Sandbox | None, command: AbandonAdoption, cause: Cause, limits: Limits
 ) -> Decision:
-    if state is None or state.tombstoned or state.claim_id != command.claim_id:
+    if (
+        state is None
+        or state.tombstoned
+        or state.claim_id != command.claim_id
+        or state.adopted_as is None
+    ):
         return _ok(state, command, f"nothing to do: not adopted by claim {command.claim_id!r}")
-    if state.phase is P.DELETING:
-        return _ok(state, command, "nothing to do: being deleted")
     new_state, events = emit_event(
         state,
         built(
@@ -176,10 +180,11 @@ def _abandon(
             reason=command.reason,
         ),
     )
-    deadline = delete_deadline(state.spec, command.occurred_at, limits)
-    new_state, events = then_decide(
-        new_state, events, command, cause, lambda c: new_event(SandboxDeleting, c, deadline)
-    )
+    if state.phase is not P.DELETING:  # (a delete under way already: it stays)
+        deadline = delete_deadline(state.spec, command.occurred_at, limits)
+        new_state, events = then_decide(
+            new_state, events, command, cause, lambda c: new_event(SandboxDeleting, c, deadline)
+        )
     why = f"adoption as {command.claimant!r} abandoned ({command.reason}): deleting"
     return Decision(new_state, events, "applied", why, outcome_of(command, Code.OK, why, new_state))
 
@@ -232,7 +237,9 @@ def follow_ups(
                 built(
                     BindSandboxName,
                     type="BindSandboxName",
-                    command_id=step_command_id(event.claim_id, member.key, "bind"),
+                    command_id=step_command_id(
+                        event.claim_id, member.key, member.sandbox_id, "bind"
+                    ),
                     key=event.claimant,
                     occurred_at=event.occurred_at,
                     actor=event.actor,
@@ -248,7 +255,9 @@ def follow_ups(
                 built(
                     UnbindSandboxName,
                     type="UnbindSandboxName",
-                    command_id=step_command_id(before.claim_id, before.key, "unbind"),
+                    command_id=step_command_id(
+                        before.claim_id, before.key, before.sandbox_id, "unbind"
+                    ),
                     key=before.adopted_as,
                     occurred_at=event.occurred_at,
                     actor=event.actor,
@@ -265,7 +274,9 @@ def follow_ups(
             built(
                 AbandonAdoption,
                 type="AbandonAdoption",
-                command_id=step_command_id(command.claim_id, command.target, "abandon"),
+                command_id=step_command_id(
+                    command.claim_id, command.target, command.sandbox_id, "abandon"
+                ),
                 key=command.target,
                 occurred_at=command.occurred_at,
                 actor=command.actor,

@@ -169,7 +169,8 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
     # The name went to another: the member is not the claimant's (its claim_id stays, so no
     # other claim adopts it while it is deleted).
     SandboxAdoptionAbandoned: lambda s, e: {
-        "adopted_as": None, "reason": f"AdoptionAbandoned: {e.reason}",
+        "adopted_as": None,
+        "reason": s.reason if s.phase is P.DELETING else f"AdoptionAbandoned: {e.reason}",
     },
     SandboxNameBound: lambda s, e: {
         "sandbox_id": e.sandbox_id, "spec": e.spec, "bound_to": e.target,

@@ -72,12 +72,13 @@ async def create_or_claim(
         why_not = None if result.warm else result.reason
     if result is not None and result.warm and result.member is not None:
         answer = await _warm(state, body.name, command.command_id, pool, result)
-        await _count(state, pool, body.name, True, result.reason, started)
+        await _count(state, pool, command, True, result.reason, started)
         return answer
     reason = why_not or "no member adopted"
     answer = _with_claim(await create(), ClaimOutcome(pool=pool.name, warm=False, reason=reason,
                                                       member=None))  # fmt: skip
-    await _count(state, pool, body.name, False, reason, started)
+    if answer.status_code < 300:  # a refused create (the name taken, say) served no claim
+        await _count(state, pool, command, False, reason, started)
     return answer
 
 
@@ -133,11 +134,15 @@ def _with_claim(answer: JSONResponse, claim: ClaimOutcome) -> JSONResponse:
 
 
 async def _count(
-    state: ApiState, pool: PoolInfo, name: str, warm: bool, reason: str, started: float
+    state: ApiState, pool: PoolInfo, command: CreateSandbox, warm: bool, reason: str, started: float
 ) -> None:
+    """Count the claim once: a retry of the request (its command id) is not a claim again."""
     seconds = time.perf_counter() - started
-    path = "warm" if warm else "cold"
-    metrics.POOL_CLAIMS.labels(pool.name, path).inc()
-    metrics.POOL_CLAIM_SECONDS.labels(path).observe(seconds)
     async with state.pool.acquire() as conn:
-        await store.record_claim(conn, pool.name, name, warm, reason, seconds)
+        counted = await store.record_claim(
+            conn, pool.name, command.command_id, command.key, warm, reason, seconds
+        )
+    if counted:
+        path = "warm" if warm else "cold"
+        metrics.POOL_CLAIMS.labels(pool.name, path).inc()
+        metrics.POOL_CLAIM_SECONDS.labels(path).observe(seconds)

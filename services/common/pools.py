@@ -163,14 +163,35 @@ async def _locked(conn: Conn, name: str, expected_revision: int | None) -> PoolI
 # --- claims served from a pool's template ---------------------------------------------------
 
 
+_RECORD = """
+WITH claimed AS (
+    INSERT INTO pool_claims (pool, claim_id, claimant, warm, reason, seconds)
+    VALUES ($1, $6, $2, $3, $4, $5)
+    ON CONFLICT (pool, claim_id) DO NOTHING
+    RETURNING id
+), counted AS (
+    INSERT INTO pool_claim_counts (pool, warm, count) SELECT $1, $3, 1 FROM claimed
+    ON CONFLICT (pool, warm) DO UPDATE SET count = pool_claim_counts.count + 1
+)
+SELECT id FROM claimed
+"""
+# The newest LATENCY_WINDOW claims of a path stay; older ones go, every PRUNE_EVERY claims.
+_PRUNE = """
+DELETE FROM pool_claims WHERE pool = $1 AND warm = $2 AND id < (
+    SELECT id FROM pool_claims WHERE pool = $1 AND warm = $2 ORDER BY id DESC OFFSET $3 LIMIT 1)
+"""
+PRUNE_EVERY: Final = 100
+
+
 async def record_claim(
-    conn: Conn, pool: str, claimant: str, warm: bool, reason: str, seconds: float
-) -> None:
-    await conn.execute(
-        "INSERT INTO pool_claims (pool, claimant, warm, reason, seconds) "
-        "VALUES ($1, $2, $3, $4, $5)",
-        pool, claimant, warm, reason, seconds,
-    )  # fmt: skip
+    conn: Conn, pool: str, claim_id: str, claimant: str, warm: bool, reason: str, seconds: float
+) -> bool:
+    """Count a claim and keep it for the latency figures (pruning the oldest now and then);
+    False for a claim id counted already (a retried request)."""
+    row_id = await conn.fetchval(_RECORD, pool, claimant, warm, reason, seconds, claim_id)
+    if row_id is not None and row_id % PRUNE_EVERY == 0:
+        await conn.execute(_PRUNE, pool, warm, LATENCY_WINDOW - 1)
+    return row_id is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,9 +205,7 @@ class PathStats:
     p99: float | None
 
 
-_CLAIMS = """
-SELECT warm, count(*) AS count FROM pool_claims WHERE pool = $1 GROUP BY warm
-"""
+_CLAIMS = "SELECT warm, count FROM pool_claim_counts WHERE pool = $1"
 _LATENCY = """
 SELECT percentile_cont(ARRAY[0.5, 0.9, 0.99]) WITHIN GROUP (ORDER BY seconds) AS q
 FROM (SELECT seconds FROM pool_claims WHERE pool = $1 AND warm = $2
@@ -208,6 +227,7 @@ async def claim_stats(conn: Conn, pool: str) -> dict[bool, PathStats]:
 async def forget_claims(conn: Conn, pool: str) -> None:
     """A deleted pool's claim figures go with it (a new pool of the name starts from zero)."""
     await conn.execute("DELETE FROM pool_claims WHERE pool = $1", pool)
+    await conn.execute("DELETE FROM pool_claim_counts WHERE pool = $1", pool)
 
 
 # --- members ---------------------------------------------------------------------------------

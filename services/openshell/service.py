@@ -192,6 +192,9 @@ async def sandbox_by_id(pool: Pool, sandbox_id: uuid.UUID) -> SandboxView | None
     if record is not None and record["named"] is None:
         record = await pool.fetchrow(BY_ID_UNNAMED, sandbox_id)
     found = record is not None and record["key"] is not None
+    if found and record["bound_to"] is not None:
+        # A claimed name's row carries its adopted member's id: the member is the sandbox.
+        return await readmodel.get_sandbox(pool, record["bound_to"], include_deleted=True)
     return readmodel.sandbox_view(record) if found else None
 
 

@@ -23,6 +23,7 @@ from services.api.deps import ApiState, api_state
 from services.api.errors import ApiError
 from services.api.routes import commands
 from services.audit.chains import check_chains
+from services.common.names import resolve
 
 TIMELINE: Final = 200  # inputs on one page of the timeline
 VERBS: Final = ("stop", "start", "restart", "suspend", "resume", "hold", "release", "delete")
@@ -87,7 +88,7 @@ def outcome_notice(outcome: CommandOutcome | None, command_id: str) -> Notice:
 
 async def chain_state(state: ApiState, name: str) -> ChainState:
     async with state.pool.acquire() as conn:
-        report = await check_chains(conn, name)
+        report = await check_chains(conn, await resolve(conn, name))
     return ChainState(report.intact, report.checked, report.unchained,
                       [b.describe() for b in report.broken])  # fmt: skip
 

@@ -10,6 +10,7 @@ from typing import Any
 from events.outcomes import CommandOutcome
 from events.topics import CHANGES_CHANNEL
 from services.common.database import Pool
+from services.common.names import resolve
 
 
 async def fetch_outcome(
@@ -28,8 +29,10 @@ async def fetch_outcome(
 async def get_outcome(
     pool: Pool, command_id: str, name: str | None = None
 ) -> CommandOutcome | None:
+    """The outcome of a command about ``name`` (a bound name: decided on its member's key)."""
     async with pool.acquire() as conn:
-        return await fetch_outcome(conn, command_id, name)
+        key = await resolve(conn, name) if name is not None else None
+        return await fetch_outcome(conn, command_id, key)
 
 
 async def await_outcome(

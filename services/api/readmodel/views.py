@@ -299,4 +299,6 @@ def input_label(message_type: str | None, message: dict[str, Any] | None) -> str
         return "Removed"
     if kind == "DeadlineDue":
         return f"Deadline({message.get('deadline')})"
+    if kind == "AdoptSandbox":
+        return f"Adopt(as {message.get('claimant')})"
     return kind.removesuffix("Sandbox") if kind != "CreateSandbox" else "Create"

@@ -192,8 +192,8 @@ async def chains(
     state: State,
     name: Annotated[str | None, Query(pattern=SANDBOX_NAME_PATTERN)] = None,
 ) -> ChainAnswer:
-    async with state.pool.acquire() as conn:
-        report = await check_chains(conn, name)
+    async with state.pool.acquire() as conn:  # a bound name: its adopted member's chain
+        report = await check_chains(conn, name and await resolve(conn, name))
     return ChainAnswer(
         intact=report.intact, chains=report.chains, checked=report.checked,
         unchained=report.unchained,
