@@ -400,3 +400,35 @@ async def test_a_claim_of_a_taken_name_is_refused_and_not_counted(api: Api) -> N
         assert len(await members(api, pool)) == 1  # no member spent on it
         claims = (await c.get(f"/v1/pools/{pool}")).json()["status"]["claims"]
         assert (claims["warm"]["count"], claims["cold"]["count"]) == (0, 0), claims
+
+
+async def test_a_roll_to_a_revision_that_fails_keeps_the_old_members_serving() -> None:
+    """Recreate onto a template whose members cannot start: the old Ready members keep serving
+    (nothing old goes before something new is Ready), and the refill's pause keeps doubling
+    although old members are Ready (only a member of the new revision Ready ends it)."""
+    driver = FakeDriver()
+    async with apikit.running_api(
+        driver, with_scheduler=True, settings_update={"pool_poll_seconds": 0.2}
+    ) as api:
+        template, pool = unique("tpl"), unique("pool")
+        await make_template(api, template)
+        async with api.client() as c:
+            body = {"name": pool, "template": template, "size": 2}
+            assert (await c.post("/v1/pools", json=body)).status_code == 201
+            old = {r["key"] for r in await settled(api, pool, 2)}
+            driver.fail("launch", None, "podman: image not known", retryable=False, times=None)
+            newer = {"spec": {**SPEC, "image": "registry.example/agent:2"}, "expected_revision": 1}
+            assert (await c.put(f"/v1/templates/{template}", json=newer)).status_code == 200
+            assert api.plane is not None and api.plane.pools is not None
+            controller = api.plane.pools
+            loop = asyncio.get_running_loop()
+
+            def streak() -> int:
+                return controller._failing.get(pool, (0, 0.0))[0]
+
+            await eventually(streak, lambda n: n >= 1, timeout=30, what="a first failure")
+            first = loop.time()
+            await eventually(streak, lambda n: n >= 3, timeout=30, what="a third failure")
+            assert loop.time() - first >= 1 + 2 - 0.1
+            rows = await members(api, pool)
+            assert {r["key"] for r in rows if r["phase"] == "Ready"} == old

@@ -159,7 +159,8 @@ class PoolController:
             elif self.problems.get(p.name) == missing:
                 del self.problems[p.name]
             step = plan(p.size, p.strategy, p.template, revision, mine, waiting[p.name])
-            paused = self._pause(p.name, mine, step.deletes)
+            fresh = [m for m in mine if (m.template, m.template_revision) == (p.template, revision)]
+            paused = self._pause(p.name, fresh, step.deletes)
             await self._delete(step.deletes)
             if step.creates and not paused:
                 await self._create(p, step.creates)
@@ -175,14 +176,15 @@ class PoolController:
         self._failing = {k: v for k, v in self._failing.items() if k in self._reported}
         self.rounds += 1
 
-    def _pause(self, pool: str, members: list[Member], deletes: tuple[Member, ...]) -> bool:
+    def _pause(self, pool: str, current: list[Member], deletes: tuple[Member, ...]) -> bool:
         """Whether the pool's creates wait out a failure pause (started by members that failed
-        since the last round, ended by one Ready)."""
+        since the last round, ended by a member of the current revision Ready: old members
+        Ready during a roll to a broken revision do not end it)."""
         failed = [
             m for m in deletes if m.phase not in LIVE | LEAVING and m.key not in self._deleting
         ]
         streak, until = self._failing.get(pool, (0, 0.0))
-        if any(m.phase == "Ready" for m in members) and not failed:
+        if any(m.phase == "Ready" for m in current) and not failed:
             if streak and self.problems.get(pool, "").startswith(_FAILED):
                 del self.problems[pool]
             self._failing.pop(pool, None)
