@@ -10,6 +10,7 @@ Modules:
 - ``drained``: one observer timing every drain (the processor's, the same-work ceiling's)
   from the first commit until all is committed and published.
 - ``drivers``: driver benchmarks (part of ``make bench``).
+- ``exec_steps``: where an exec's time goes on Podman: the driver's calls, each timed.
 - ``fold``: CPU of the decide stage alone.
 - ``idle``: the broker's CPU for an idle control plane on a broker of its own, beside the same
   broker with no client.
@@ -28,6 +29,9 @@ Modules:
   the three systems as the load generator sees them; its Kubernetes client; readiness, latency
   figures and the apiserver's counter; the plan, the lines, the medians, the report and the
   goals.
+- ``peer_warm``, ``peer_warm_systems``: the peer benchmark's warm phase: agent-sandbox's warm
+  pool beside a sandstream pool (fill, bursts of claims, refill, a sustained claim rate), and
+  the two pools as the load generator sees them.
 - ``processor``: the processor's throughput and latency beside the ceiling and Kafka's own.
 - ``profile``: profile of the processor's hot path.
 - ``rebuild``: rebuilding the rows from the log: time and memory.

@@ -121,7 +121,23 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=None, help="peer: burst rounds (default 3, --quick 1)"
     )
+    parser.add_argument(
+        "--phases",
+        default="cold,warm",
+        help="peer: cold (bursts of creates, sustained rates), warm (pools and claims), or both",
+    )
+    parser.add_argument(
+        "--pool", type=int, default=None, help="peer: warm pool size and burst (100, --quick 20)"
+    )
+    parser.add_argument(
+        "--claim-rate", type=int, default=10, help="peer: warm claims a second, sustained (10)"
+    )
     args = parser.parse_args()
+    phases = tuple(p for p in args.phases.split(",") if p)
+    if not phases or set(phases) - {"cold", "warm"}:
+        parser.error(f"--phases: cold, warm or cold,warm (got {args.phases!r})")
     collect_less_often()  # as the processor's own process does (the ceiling runs under it too)
-    peer_plan = peer.plan(args.quick, args.sandboxes or 300, args.rounds)
+    peer_plan = peer.plan(
+        args.quick, args.sandboxes or 300, args.rounds, phases, args.pool, args.claim_rate
+    )
     asyncio.run(run(args.which, args.quick, peer_plan=peer_plan, sandboxes=args.sandboxes))

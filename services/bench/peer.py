@@ -25,10 +25,11 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import asyncpg
 
-from services.bench import cpu, peer_setup
+from services.bench import cpu, peer_setup, peer_warm
 from services.bench.peer_kube import Kube
 from services.bench.peer_report import (
     SUSTAINED_P90,
@@ -63,10 +64,18 @@ from services.bench.peer_systems import (
     pod_spec,
     watch_pods,
 )
+from services.bench.peer_warm_systems import (
+    AgentClaims,
+    SandstreamClaims,
+    WarmSystem,
+    watch_claim_pods,
+)
 from services.common.settings import Settings
 from services.localstack import agent_sandbox
 
 __all__ = ["Plan", "plan", "run"]
+
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------------ CPU
@@ -151,7 +160,18 @@ class Bench:
             path = f"/api/v1/namespaces/{system.namespace}/pods"
             await asyncio.gather(*(self.client.get(path, limit=1) for _ in range(CONNECTIONS)))
 
-    async def _all(self, calls: Iterable[Awaitable[None]]) -> None:
+    async def cpu_mark(self) -> Marks:
+        return mark(await self.parties.now())
+
+    async def cpu_since(
+        self, before: Marks, began: float, items: int
+    ) -> tuple[dict[str, float], float]:
+        """CPU seconds per item of each party since ``before`` (taken at ``began``), above
+        idle; and the seconds it spans."""
+        after, lasted = mark(await self.parties.now()), time.perf_counter() - began
+        return above_idle(spent(before, after), self.idle, lasted, items), lasted
+
+    async def all(self, calls: Iterable[Awaitable[None]]) -> None:
         limit = asyncio.Semaphore(CONNECTIONS)
 
         async def one(call: Awaitable[None]) -> None:
@@ -160,7 +180,7 @@ class Bench:
 
         await asyncio.gather(*(one(c) for c in calls))
 
-    async def _request(
+    async def request(
         self, track: Track, table: dict[str, float], call: Callable[[str], Awaitable[None]],
         name: str, answered: dict[str, float] | None = None,
     ) -> None:  # fmt: skip
@@ -173,7 +193,7 @@ class Bench:
             answered[name] = time.perf_counter()
 
     def _create(self, track: Track, system: System, name: str) -> Awaitable[None]:
-        return self._request(track, track.requested, system.create, name, track.answered)
+        return self.request(track, track.requested, system.create, name, track.answered)
 
     async def burst(self, system: System, tag: str) -> BurstFigures:
         track = self.tracks[system.label]
@@ -182,9 +202,9 @@ class Bench:
         names = [f"{tag}-{i}" for i in range(self.plan.sandboxes)]
         requests_before = request_counts(await self.admin.metrics())
         cpu_before, began = mark(await self.parties.now()), time.perf_counter()
-        await self._all(self._create(track, system, n) for n in names)
+        await self.all(self._create(track, system, n) for n in names)
         await track.until(lambda: track.settled(names, track.ready), self.plan.timeout)
-        await self._all(self._request(track, track.deleting, system.delete, n) for n in names)
+        await self.all(self.request(track, track.deleting, system.delete, n) for n in names)
         await track.until(lambda: track.all_gone(names), self.plan.timeout)
         cpu_after, lasted = mark(await self.parties.now()), time.perf_counter() - began
         delta = counts_delta(requests_before, request_counts(await self.admin.metrics()))
@@ -229,7 +249,7 @@ class Bench:
             f"{answers.p90:.2f} s)  {ready_line(summary)}{failures(track, names)}",
             flush=True,
         )
-        await self._all(self._request(track, track.deleting, system.delete, n) for n in names)
+        await self.all(self.request(track, track.deleting, system.delete, n) for n in names)
         await track.until(lambda: track.all_gone(names), self.plan.timeout)
         return summary
 
@@ -237,7 +257,7 @@ class Bench:
 # ------------------------------------------------------------------------------ the run
 
 
-def orders(systems: Sequence[System], rounds: int) -> list[list[System]]:
+def orders(systems: Sequence[T], rounds: int) -> list[list[T]]:
     """Each round's order: as given, then reversed, alternating."""
     return [list(systems) if i % 2 == 0 else list(reversed(systems)) for i in range(rounds)]
 
@@ -257,11 +277,21 @@ async def _run(settings: Settings, plan: Plan) -> None:
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     home = settings.state_dir / "bench" / f"peer-{run_id}"
     home.mkdir(parents=True)
+    cold = (
+        f"bare Pods; cold: bursts of {plan.sandboxes}, sustained "
+        f"{', '.join(map(str, plan.rates))}/s"
+        if "cold" in plan.phases
+        else ""
+    )
+    warm = (
+        f"; warm: pools of {plan.pool}, bursts of {plan.pool} claims, {plan.claim_rate} claims/s"
+        if "warm" in plan.phases
+        else ""
+    )
     print(
-        f"sandstream beside agent-sandbox {agent_sandbox.VERSION} and bare Pods: bursts of "
-        f"{plan.sandboxes}, {plan.rounds} rounds; sustained {', '.join(map(str, plan.rates))}/s "
-        f"for {plan.seconds:.0f} s each  ({os.cpu_count()} cores, load average "
-        f"{_load()} at the start)",
+        f"sandstream beside agent-sandbox {agent_sandbox.VERSION}{' and ' if cold else ''}"
+        f"{cold}{warm}; {plan.rounds} rounds, {plan.seconds:.0f} s per rate  "
+        f"({os.cpu_count()} cores, load average {_load()} at the start)",
         flush=True,
     )
     spec = pod_spec(settings.sandbox_image)
@@ -274,7 +304,9 @@ async def _run(settings: Settings, plan: Plan) -> None:
         for namespace in ("bench-pods", "bench-agent"):
             await cluster.admin.ensure_namespace(namespace)
         async with (
-            peer_setup.agent_controller(cluster, home) as controller,
+            peer_setup.agent_controller(
+                cluster, home, extensions="cold" not in plan.phases
+            ) as controller,
             peer_setup.sandstream(kafka, cluster, home, "bench-sandstream") as ours,
         ):
             ours_api = SandstreamApi(
@@ -290,7 +322,7 @@ async def _run(settings: Settings, plan: Plan) -> None:
             try:
                 fixed = {
                     **{name: pids for name, pids in cluster.pids().items()},
-                    "agent-sandbox controller": [controller.proc.pid],
+                    "agent-sandbox controller": [controller.pid],
                     "sandstream up": [ours.proc.pid],
                     "sandstream Kafka": [ours.broker],
                     "bench client": [os.getpid()],
@@ -298,14 +330,27 @@ async def _run(settings: Settings, plan: Plan) -> None:
                 parties = Parties(fixed, ours.proc.pid, pg, settings.pg_port)
                 tracks = {s.label: Track() for s in systems}
                 bench = Bench(plan, cluster.admin, client, parties, systems, tracks)
-                for s in systems:
+                pools: list[WarmSystem] = [
+                    SandstreamClaims(ours_api),
+                    AgentClaims(client, "bench-agent", spec),
+                ]
+                for s in systems if "cold" in plan.phases else []:
                     track = bench.tracks[s.label]
                     watches.append(asyncio.ensure_future(s.watch(track)))
                     watches.append(
                         asyncio.ensure_future(watch_pods(client, s, track, s.label == FLOOR))
                     )
+                for w in pools if "warm" in plan.phases else []:
+                    watches.append(asyncio.ensure_future(w.watch()))
+                    watches.append(asyncio.ensure_future(watch_claim_pods(client, w)))
                 await bench.measure_idle(plan.idle)
-                await _phases(bench, systems)
+                if "cold" in plan.phases:
+                    await _phases(bench, systems)
+                if "warm" in plan.phases:
+                    if not controller.extensions:  # the cold phases ran it as it ships
+                        await controller.restart(extensions=True)
+                        fixed["agent-sandbox controller"] = [controller.pid]
+                    await _warm_phases(bench, pools)
             finally:
                 for task in watches:
                     task.cancel()
@@ -336,6 +381,28 @@ async def _phases(bench: Bench, systems: Sequence[System]) -> None:
                 continue
             sustained[rate][system.label] = await bench.sustained(system, rate, f"s{rate}")
     print(report(plan, {k: median_figures(v) for k, v in bursts.items()}, sustained))
+
+
+async def _warm_phases(bench: Bench, pools: Sequence[WarmSystem]) -> None:
+    plan = bench.plan
+    print(f"warm: pools of {plan.pool} (the same Pod), filled one after the other", flush=True)
+    fills = {}
+    for w in pools:
+        fills[w.label] = await peer_warm.fill(bench, w)
+    bursts: dict[str, list[peer_warm.WarmFigures]] = {w.label: [] for w in pools}
+    for i, order in enumerate(orders(pools, plan.rounds)):
+        print(f"warm burst round {i + 1} of {plan.rounds} ({plan.pool} claims at once)",
+              flush=True)  # fmt: skip
+        for w in order:
+            bursts[w.label].append(await peer_warm.burst(bench, w, f"wb{i}"))
+    print(f"warm sustained: {plan.claim_rate} claims/s for {plan.seconds:.0f} s", flush=True)
+    steady = {}
+    for w in pools:
+        steady[w.label] = await peer_warm.sustained(bench, w, plan.claim_rate, "ws")
+    for w in pools:
+        await w.delete_pool()
+    medians = {k: peer_warm.median_warm(v) for k, v in bursts.items()}
+    print(peer_warm.warm_report(plan.pool, plan.rounds, medians, fills, plan.claim_rate, steady))
 
 
 def _load() -> str:

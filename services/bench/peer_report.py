@@ -33,11 +33,24 @@ class Plan:
     timeout: float = 300.0  # s a phase may take to be all Ready, or all gone
     settle: float = 60.0  # s a sustained phase waits, after its last create, for the rest
     idle: float = 30.0  # s of idle measured first (each party's background CPU)
+    phases: tuple[str, ...] = ("cold", "warm")  # cold: bursts and rates; warm: pools, claims
+    pool: int = 100  # members of each warm pool, and claims per warm burst
+    claim_rate: int = 10  # claims a second in the warm phase's sustained part
 
 
-def plan(quick: bool, sandboxes: int = 300, rounds: int | None = None) -> Plan:
-    """The full run, or ``quick``: one round of bursts, sustained phases of 10 s."""
+def plan(
+    quick: bool,
+    sandboxes: int = 300,
+    rounds: int | None = None,
+    phases: tuple[str, ...] = ("cold", "warm"),
+    pool: int | None = None,
+    claim_rate: int = 10,
+) -> Plan:
+    """The full run, or ``quick``: one round of bursts, sustained phases of 10 s, pools of 20."""
     return Plan(
+        phases=phases,
+        pool=pool or (20 if quick else 100),
+        claim_rate=claim_rate,
         sandboxes=sandboxes,
         rounds=rounds or (1 if quick else 3),
         seconds=10.0 if quick else 60.0,

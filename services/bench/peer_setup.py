@@ -4,15 +4,18 @@
   etcd, kube-apiserver, controller manager, scheduler, kwok as the node) started fresh from
   empty etcd in a state dir and on ports of the run's own, so that other work on the shared
   cluster neither slows the run nor counts in the apiserver's figures; stopped afterwards.
-- **agent-sandbox's controller** (services/localstack/agent_sandbox.py builds it): its Sandbox
-  CRD and ClusterRole applied, run out of cluster as its own ServiceAccount.
+- **agent-sandbox's controller** (services/localstack/agent_sandbox.py builds it): its CRDs
+  (Sandbox; the extensions' SandboxTemplate, SandboxWarmPool, SandboxClaim) and ClusterRoles
+  applied, run out of cluster as its own ServiceAccount: with its stock flags for the cold
+  phases, restarted with ``--extensions`` for the warm one.
 - **sandstream**: ``sandstream up --driver kubernetes`` in a process of its own, as its own
   ServiceAccount (compose/kubernetes/rbac.yaml) in its namespace, on a Kafka broker of the
   run's own (so that the broker's CPU is sandstream's alone) and the machine's PostgreSQL, in
   an isolated environment (own topics and schema).
-- **The load generator's account**: a ServiceAccount allowed to create and delete Pods and
-  Sandboxes, so that the bench's own requests go through the same API priority and fairness
-  as the controllers' (the admin token is exempt from it).
+- **The load generator's account**: a ServiceAccount allowed to create and delete Pods,
+  Sandboxes, SandboxTemplates, SandboxWarmPools and SandboxClaims, so that the bench's own
+  requests go through the same API priority and fairness as the controllers' (the admin
+  token is exempt from it).
 """
 
 from __future__ import annotations
@@ -142,7 +145,8 @@ async def own_cluster(base: Settings, home: Path) -> AsyncIterator[Cluster]:
 
 
 async def client_account(cluster: Cluster, home: Path) -> str:
-    """The load generator's ServiceAccount (Pods and Sandboxes in every namespace); its token."""
+    """The load generator's ServiceAccount (Pods, Sandboxes and the extensions' objects in
+    every namespace); its token."""
     admin = cluster.admin
     await admin.ensure_namespace(CLIENT_NAMESPACE)
     await admin.create(
@@ -156,6 +160,9 @@ async def client_account(cluster: Cluster, home: Path) -> str:
         {"metadata": {"name": CLIENT_ACCOUNT},
          "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": verbs},
                    {"apiGroups": [agent_sandbox.GROUP], "resources": ["sandboxes"],
+                    "verbs": verbs},
+                   {"apiGroups": [agent_sandbox.EXTENSIONS_GROUP],
+                    "resources": ["sandboxtemplates", "sandboxwarmpools", "sandboxclaims"],
                     "verbs": verbs}]},
         exist_ok=True,
     )  # fmt: skip
@@ -212,41 +219,69 @@ async def _until_ok(url: str, proc: subprocess.Popen[bytes], what: str, log: Pat
 
 @dataclass
 class Controller:
-    proc: subprocess.Popen[bytes]
+    """agent-sandbox's controller process; ``restart`` runs it again, with its extensions or
+    without."""
+
+    binary: Path
+    kubeconfig: Path
+    home: Path
+    proc: subprocess.Popen[bytes] | None = None
+    extensions: bool = False
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    async def restart(self, extensions: bool) -> None:
+        await self.stop()
+        probe = free_port()
+        which = "-extensions" if extensions else ""
+        log = self.home / f"agent-sandbox-controller{which}.log"
+        command = agent_sandbox.controller_command(
+            self.binary, self.kubeconfig, free_port(), probe, extensions=extensions
+        )
+        self.proc, self.extensions = _spawn(command, log), extensions
+        await _until_ok(f"http://127.0.0.1:{probe}/readyz", self.proc, "agent-sandbox", log)
+
+    async def stop(self) -> None:
+        if self.proc is not None:
+            await _stop(self.proc)
 
 
 @asynccontextmanager
-async def agent_controller(cluster: Cluster, home: Path) -> AsyncIterator[Controller]:
-    """agent-sandbox's controller, its CRD and role applied, as its own ServiceAccount."""
+async def agent_controller(
+    cluster: Cluster, home: Path, extensions: bool
+) -> AsyncIterator[Controller]:
+    """agent-sandbox's controller (``extensions``: with them) as its own ServiceAccount, every
+    CRD and role of the module applied (the extensions' too, so that a restart with them
+    needs nothing more)."""
     built = await asyncio.to_thread(agent_sandbox.build, cluster.settings, _say)
     admin = cluster.admin
     for name in agent_sandbox.MANIFESTS:
         for kind, text in yaml_documents(built.manifest(name).read_text()):
             await admin.apply_yaml(kind, text)
-    crd = f"sandboxes.{agent_sandbox.GROUP}"
     async with asyncio.timeout(START_TIMEOUT):
-        while not _established(
-            await admin.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd}")
-        ):
-            await asyncio.sleep(0.1)
+        for crd in agent_sandbox.CRD_NAMES:
+            while not _established(
+                await admin.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd}")
+            ):
+                await asyncio.sleep(0.1)
     await admin.ensure_namespace(AGENT_NAMESPACE)
     await admin.create(
         f"/api/v1/namespaces/{AGENT_NAMESPACE}/serviceaccounts",
         {"metadata": {"name": AGENT_ACCOUNT}},
         exist_ok=True,
     )
-    await _bind_cluster_role(admin, AGENT_ACCOUNT, AGENT_NAMESPACE, AGENT_ACCOUNT)
+    for role in agent_sandbox.ROLES:
+        await _bind_cluster_role(admin, role, AGENT_NAMESPACE, AGENT_ACCOUNT)
     _, kubeconfig = await cluster.account(AGENT_NAMESPACE, AGENT_ACCOUNT, home / "agent.kubeconfig")
-    probe = free_port()
-    log = home / "agent-sandbox-controller.log"
-    proc = _spawn(
-        agent_sandbox.controller_command(built.controller, kubeconfig, free_port(), probe), log
-    )
+    controller = Controller(built.controller, kubeconfig, home)
     try:
-        await _until_ok(f"http://127.0.0.1:{probe}/readyz", proc, "agent-sandbox's controller", log)
-        yield Controller(proc)
+        await controller.restart(extensions)
+        yield controller
     finally:
-        await _stop(proc)
+        await controller.stop()
 
 
 def _established(crd: dict[str, object]) -> bool:

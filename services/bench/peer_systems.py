@@ -217,12 +217,14 @@ class SandstreamApi:
         # A command id of its own: a create sent again is the same command, not a second one.
         body = {"name": name, "command_id": f"create-{name}",
                 "spec": {"image": self.image, "command": COMMAND}}  # fmt: skip
-        await self._send("POST", "/v1/sandboxes", (200, 201, 202), json=body)
+        await self.send("POST", "/v1/sandboxes", (200, 201, 202), json=body)
 
     async def delete(self, name: str) -> None:
-        await self._send("DELETE", f"/v1/sandboxes/{name}", (200, 202, 404))
+        await self.send("DELETE", f"/v1/sandboxes/{name}", (200, 202, 404))
 
-    async def _send(self, method: str, path: str, ok: tuple[int, ...], **kwargs: Any) -> None:
+    async def send(
+        self, method: str, path: str, ok: tuple[int, ...], **kwargs: Any
+    ) -> httpx.Response:
         """Sent again once after a dropped connection (one the server closed while it sat
         idle: uvicorn closes them after 5 s, and a burst's deletes follow a long wait for
         Ready); both requests are idempotent."""
@@ -235,6 +237,7 @@ class SandstreamApi:
                     raise
         if response.status_code not in ok:
             raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+        return response
 
     async def watch(self, track: Track) -> None:
         last_id: str | None = None

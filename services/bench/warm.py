@@ -14,7 +14,8 @@ to the first answer of an exec in the sandbox (``true``, exit code 0):
 
 Also printed: the warm claim's answer alone (request → ``claim.warm``), the figure the pool's
 status reports as its warm latency, and a second exec in the same sandbox (what an exec costs by
-itself). p50 and p90 as the issue asks, and the worst.
+itself). p50 and p90 as the issue asks, and the worst. Then where an exec's time goes
+(services/bench/exec_steps.py: the Podman driver's calls for one exec, timed one by one).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from events.publisher import CommandPublisher
 from services.api.app import create_app
 from services.api.server import start_api
 from services.bench.drivers import Figures, percentile
+from services.bench.exec_steps import exec_steps
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.common.tokens import SCOPES, TokenStore
@@ -65,6 +67,9 @@ async def main(settings: Settings, samples: int) -> None:
             await plane.stop()
             await driver.close()
     for f in figures:
+        print(line(f))
+    print("where an exec's time goes: the Podman driver's calls, one by one, without sandstream")
+    for f in await exec_steps(settings, samples):
         print(line(f))
 
 
