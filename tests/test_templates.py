@@ -329,3 +329,25 @@ async def test_a_create_from_a_template_naming_a_gone_provider_names_the_templat
         f"field 'template': provider {gone!r} not found (template {template!r} revision 1 names it)"
     )
     assert await api.commands_published() == published
+
+
+async def test_a_templates_idle_timeout_reaches_the_sandboxes_made_from_it(api: Api) -> None:
+    """Per-template idle suspend (issue 40): the timeout is part of the spec a template keeps,
+    so every sandbox made from it carries it, and a revision without one makes sandboxes that
+    never idle."""
+    template, idle, plain = unique("tpl"), unique("sb"), unique("sb")
+    async with api.client() as c:
+        spec = {**SPEC, "idle_suspend_seconds": 900}
+        r = await c.post("/v1/templates", json={"name": template, "spec": spec})
+        assert r.status_code == 201, r.text
+        body = {"name": idle, "template": {"name": template}}
+        r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+        assert r.status_code == 201, r.text
+        r = await c.put(f"/v1/templates/{template}", json={"spec": SPEC, "expected_revision": 1})
+        assert r.status_code == 200, r.text
+        body = {"name": plain, "template": {"name": template}}
+        r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+        assert r.status_code == 201, r.text
+        made = [(await c.get(f"/v1/sandboxes/{n}")).json() for n in (idle, plain)]
+    assert made[0]["spec"]["idle_suspend_seconds"] == 900
+    assert made[1]["spec"].get("idle_suspend_seconds") is None
