@@ -29,7 +29,7 @@ from drivers.files import FilesError
 from drivers.files_exec import ExecFiles
 from drivers.kube_config import KubeConfig, api_client
 from drivers.kube_objects import CONTAINER, api_error_message, pod_name
-from drivers.protocol import DriverError, ExecEvent, ExecExit, ExecOutput
+from drivers.protocol import BackendRefused, DriverError, ExecEvent, ExecExit, ExecOutput
 
 PROTOCOL: Final = "v5.channel.k8s.io"
 STDIN, STDOUT, STDERR, ERROR, CLOSE = 0, 1, 2, 3, 255
@@ -49,6 +49,17 @@ def exit_of(status: bytes) -> int | str:
             if cause.get("reason") == "ExitCode" and str(cause.get("message", "")).isdigit():
                 return int(cause["message"])
     return str(parsed.get("message") or parsed)[:1000]
+
+
+def exec_refusal(pod: str, status: int | None, reason: str) -> DriverError:
+    """The apiserver's refusal of an exec: a 403 (sandstream's account may not create
+    ``pods/exec``) is BackendRefused, naming the permission; the rest a plain DriverError."""
+    if status == 403:
+        return BackendRefused(
+            f"exec in Pod {pod}: the cluster refused the exec (403 {reason}); the deployment's "
+            "RBAC must allow create on pods/exec"
+        )
+    return DriverError(f"exec in Pod {pod}: {status} {reason}", retryable=False)
 
 
 class KubeFiles(ExecFiles):
@@ -87,12 +98,10 @@ class KubeFiles(ExecFiles):
         except DriverError as exc:
             raise DriverError(f"exec in Pod {name}: {exc.reason}", retryable=False) from exc
         except ApiException as exc:
-            raise DriverError(f"exec in Pod {name}: {exc.status} {api_error_message(exc.body)}",
-                              retryable=False) from exc  # fmt: skip
+            raise exec_refusal(name, exc.status, api_error_message(exc.body)) from exc
         except aiohttp.WSServerHandshakeError as exc:
             reason = "no such container" if exc.status == 404 else exc.message
-            raise DriverError(f"exec in Pod {name}: {exc.status} {reason}",
-                              retryable=False) from exc  # fmt: skip
+            raise exec_refusal(name, exc.status, reason) from exc
         except aiohttp.ClientError as exc:
             raise DriverError(f"exec in Pod {name}: {type(exc).__name__}: {exc}",
                               retryable=True) from exc  # fmt: skip

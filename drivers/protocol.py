@@ -159,6 +159,15 @@ class DriverError(Exception):
         )
 
 
+class BackendRefused(DriverError):
+    """The backend refused sandstream's own credentials the operation (a Kubernetes 403: the
+    deployment's RBAC lacks it): the deployment's problem, not the caller's, and no retry
+    cures it until an operator grants the permission."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason, retryable=False)
+
+
 @runtime_checkable
 class Driver(Protocol):
     """One container backend. Implementations: PodmanDriver, KubernetesDriver, FakeDriver."""

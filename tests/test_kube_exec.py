@@ -23,6 +23,8 @@ from kube_support import (
 )
 
 from drivers.kube_exec import PidLine, _start_failure, reporting_pid, wrapped
+from drivers.kube_files import exec_refusal
+from services.api.routes.exec import driver_error
 
 
 def test_the_environment_and_working_directory_ride_on_env_and_sh() -> None:
@@ -46,6 +48,19 @@ def test_a_program_the_runtime_cannot_start_is_126_or_127() -> None:
     assert _start_failure(start + 'exec: "/nope": stat /nope: no such file or directory') == 127
     assert _start_failure(start + 'exec: "/etc": permission denied') == 126
     assert _start_failure("error dialing backend: dial tcp 10.0.0.1:10250: refused") is None
+
+
+def test_the_clusters_refusal_of_an_exec_is_a_503_naming_the_rbac_not_a_409() -> None:
+    """A 403 on pods/exec is the deployment's RBAC, not the caller's doing: 503 UNAVAILABLE
+    saying so; the apiserver's other refusals stay 409 FAILED_PRECONDITION."""
+    forbidden = 'pods "sandstream-a-g1" is forbidden: cannot create resource "pods/exec"'
+    refused = driver_error(exec_refusal("sandstream-a-g1", 403, forbidden))
+    assert (refused.status, refused.code) == (503, "UNAVAILABLE")
+    assert "the cluster refused the exec" in refused.message
+    assert "pods/exec" in refused.message and forbidden in refused.message
+    missing = driver_error(exec_refusal("sandstream-a-g1", 404, "no such container"))
+    assert (missing.status, missing.code) == (409, "FAILED_PRECONDITION")
+    assert missing.message == "exec: exec in Pod sandstream-a-g1: 404 no such container"
 
 
 @pytest_asyncio.fixture(loop_scope="session")

@@ -351,3 +351,26 @@ async def test_a_templates_idle_timeout_reaches_the_sandboxes_made_from_it(api: 
         made = [(await c.get(f"/v1/sandboxes/{n}")).json() for n in (idle, plain)]
     assert made[0]["spec"]["idle_suspend_seconds"] == 900
     assert made[1]["spec"].get("idle_suspend_seconds") is None
+
+
+async def test_the_cli_sets_shows_and_clears_a_templates_idle_timeout(api: Api) -> None:
+    """`template create|update --idle-suspend` (issue 40): parsed like `sandbox create`'s,
+    `off` on update clears it, and `template get` shows it as `sandbox get` does."""
+    template, name = unique("tpl"), unique("cli")
+    r = await cli(api, "template", "create", template, "--image", "registry.example/a:1",
+                  "--idle-suspend", "15m")  # fmt: skip
+    assert r.exit_code == 0, said(r)
+    r = await cli(api, "template", "get", template)
+    assert "suspended after 900s unused" in r.output, said(r)
+    r = await cli(api, "sandbox", "create", name, "--template", template)
+    assert r.exit_code == 0, said(r)
+    r = await cli(api, "sandbox", "get", name)
+    assert "suspended after 900s unused" in r.output, said(r)
+    r = await cli(api, "template", "update", template, "--idle-suspend", "soon")
+    assert r.exit_code == 2 and "--idle-suspend" in said(r), said(r)
+    r = await cli(api, "template", "update", template, "--idle-suspend", "off")
+    assert r.exit_code == 0 and "(revision 2)" in r.output, said(r)
+    r = await cli(api, "template", "get", template, "-o", "json")
+    assert json.loads(r.output)["spec"].get("idle_suspend_seconds") is None, r.output
+    r = await cli(api, "template", "get", template)
+    assert "never suspended" in r.output, said(r)

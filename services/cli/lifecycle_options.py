@@ -117,9 +117,14 @@ def lifecycle_fields(row: dict[str, Any]) -> list[tuple[str, Any]]:
     fields.append(
         ("Held", f"by {hold['by']} since {hold['since']}: {hold['reason']}" if hold else "no")
     )
-    idle = (row.get("spec") or {}).get("idle_suspend_seconds")
-    fields.append(("Idle", f"suspended after {idle}s unused" if idle else "never suspended"))
+    fields.append(idle_field(row))
     return fields + restart_fields(row)
+
+
+def idle_field(row: dict[str, Any]) -> tuple[str, str]:
+    """The `get` row of the idle timeout, the same for a sandbox and a template."""
+    idle = (row.get("spec") or {}).get("idle_suspend_seconds")
+    return ("Idle", f"suspended after {idle}s unused" if idle else "never suspended")
 
 
 def restart_fields(row: dict[str, Any]) -> list[tuple[str, Any]]:

@@ -20,6 +20,7 @@ from services.cli.lifecycle_options import (
     RestartBackoffOpt,
     RestartChoice,
     duration_seconds,
+    idle_field,
     restart_body,
 )
 from services.cli.render import Output, OutputOpt, age, err, out, print_json, print_table
@@ -45,6 +46,14 @@ OnExit = Annotated[ExitChoice | None, typer.Option("--on-exit", help="[default: 
 Policy = Annotated[
     RestartChoice | None, typer.Option("--restart-policy", help="Never, OnFailure or Always")
 ]
+IdleSuspend = Annotated[
+    str | None,
+    typer.Option(
+        "--idle-suspend",
+        help="suspend each sandbox made from it once Ready and unused this long, e.g. 15m; "
+        "off: never (default: never)",
+    ),
+]
 Description = Annotated[str | None, typer.Option("--description", help="what it is for")]
 ExpectedRevision = Annotated[
     int | None,
@@ -65,6 +74,7 @@ def _fields(
     on_expiry: ExpiryChoice | None,
     on_exit: ExitChoice | None,
     restart: dict[str, Any],
+    idle_suspend: str | None,
     description: str | None,
 ) -> dict[str, Any]:
     """A template body: ``current`` (empty for a create) with what the options give."""
@@ -82,6 +92,10 @@ def _fields(
     if stop_timeout is not None:
         spec["stop_timeout_seconds"] = stop_timeout
     spec |= restart
+    if idle_suspend is not None and idle_suspend.strip().lower() == "off":
+        spec.pop("idle_suspend_seconds", None)
+    elif idle_suspend is not None:
+        spec["idle_suspend_seconds"] = duration_seconds(idle_suspend, "--idle-suspend")
     kept = ("providers", "ttl_seconds", "on_expiry", "on_exit", "description")
     body: dict[str, Any] = {k: current[k] for k in kept if k in current}
     body["spec"] = spec
@@ -113,6 +127,7 @@ def _show(row: dict[str, Any], output: Output) -> None:
         ("Labels", ", ".join(f"{k}={v}" for k, v in sorted(spec["labels"].items())) or "-"),
         ("Providers", ", ".join(row["providers"]) or "-"),
         ("Restart policy", spec.get("restart_policy") or "Never"),
+        idle_field(row),
         ("TTL", f"{row['ttl_seconds']}s" if row["ttl_seconds"] else "-"),
         ("On expiry / exit", f"{row['on_expiry']} / {row['on_exit']}"),
         ("Created", f"{row['created_at']} by {row['created_by']}"),
@@ -142,6 +157,7 @@ def create(
     restart_policy: Policy = None,
     restart_backoff: RestartBackoffOpt = None,
     max_restarts: MaxRestartsOpt = None,
+    idle_suspend: IdleSuspend = None,
     description: Description = None,
     output: OutputOpt = Output.table,
 ) -> None:
@@ -149,7 +165,7 @@ def create(
     body = _fields({}, image=image, command=command, env=env, label=label, provider=provider,
                    stop_timeout=stop_timeout, ttl=ttl, on_expiry=on_expiry, on_exit=on_exit,
                    restart=restart_body(restart_policy, restart_backoff, max_restarts),
-                   description=description)  # fmt: skip
+                   idle_suspend=idle_suspend, description=description)  # fmt: skip
     row = client_of(ctx).request("POST", "/v1/templates", json_body={"name": name, **body},
                                  ok=(201,)).json()  # fmt: skip
     if output is Output.json:
@@ -174,6 +190,7 @@ def update(
     restart_policy: Policy = None,
     restart_backoff: RestartBackoffOpt = None,
     max_restarts: MaxRestartsOpt = None,
+    idle_suspend: IdleSuspend = None,
     description: Description = None,
     expected_revision: ExpectedRevision = None,
     output: OutputOpt = Output.table,
@@ -185,7 +202,7 @@ def update(
                    provider=provider, stop_timeout=stop_timeout, ttl=ttl, on_expiry=on_expiry,
                    on_exit=on_exit,
                    restart=restart_body(restart_policy, restart_backoff, max_restarts),
-                   description=description)  # fmt: skip
+                   idle_suspend=idle_suspend, description=description)  # fmt: skip
     body["expected_revision"] = expected_revision or current["revision"]
     row = client.request("PUT", f"/v1/templates/{name}", json_body=body).json()
     if output is Output.json:

@@ -27,7 +27,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from drivers.protocol import DriverError, ExecEvent, ExecExit, ExecOutput
+from drivers.protocol import BackendRefused, DriverError, ExecEvent, ExecExit, ExecOutput
 from events.common import Phase
 from services.api import readmodel
 from services.api.deps import ApiState, Executor, State, denial, grant
@@ -305,8 +305,9 @@ def sse(event: str, data: dict[str, Any]) -> str:
 
 def driver_error(exc: DriverError) -> ApiError:
     """The runtime failed: gone or not running (the row may lag a stop or delete) is a
-    precondition; a broken connection to the runtime is worth a retry."""
-    if exc.retryable:
+    precondition; a broken connection to the runtime is worth a retry; the backend refusing
+    sandstream's own account (RBAC) is the deployment's fault, not the caller's."""
+    if exc.retryable or isinstance(exc, BackendRefused):
         return ApiError(503, "UNAVAILABLE", f"exec: {exc.reason}")
     return ApiError(409, "FAILED_PRECONDITION", f"exec: {exc.reason}")
 
