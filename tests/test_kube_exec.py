@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import apikit
+import grpc
 import pytest_asyncio
 from apikit import Api, create_body, unique
 from kube_support import (
@@ -25,6 +26,9 @@ from kube_support import (
 from drivers.kube_exec import PidLine, _start_failure, reporting_pid, wrapped
 from drivers.kube_files import exec_refusal
 from services.api.routes.exec import driver_error
+from services.openshell.exec_rpc import exec_failure_code
+
+UNAVAILABLE, FAILED_PRECONDITION = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_the_environment_and_working_directory_ride_on_env_and_sh() -> None:
@@ -61,6 +65,9 @@ def test_the_clusters_refusal_of_an_exec_is_a_503_naming_the_rbac_not_a_409() ->
     missing = driver_error(exec_refusal("sandstream-a-g1", 404, "no such container"))
     assert (missing.status, missing.code) == (409, "FAILED_PRECONDITION")
     assert missing.message == "exec: exec in Pod sandstream-a-g1: 404 no such container"
+    # OpenShell's ExecSandbox answers alike (it answered FAILED_PRECONDITION before).
+    assert exec_failure_code(exec_refusal("sandstream-a-g1", 403, forbidden)) is UNAVAILABLE
+    assert exec_failure_code(exec_refusal("sandstream-a-g1", 404, "gone")) is FAILED_PRECONDITION
 
 
 @pytest_asyncio.fixture(loop_scope="session")

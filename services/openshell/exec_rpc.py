@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.duration_pb2 import Duration
 
-from drivers.protocol import DriverError, ExecExit
+from drivers.protocol import BackendRefused, DriverError, ExecExit
 from events.common import Phase
 from services.api.wake import WakeFailed, woken
 from services.common.exec_sessions import ExecLimits, ExecTimedOut, within
@@ -167,12 +167,7 @@ class ExecRpcs:
                         )
                     yield _event(event)
             except DriverError as exc:
-                code = (
-                    grpc.StatusCode.UNAVAILABLE
-                    if exc.retryable
-                    else grpc.StatusCode.FAILED_PRECONDITION
-                )
-                await abort(context, code, exc.reason)
+                await abort(context, exec_failure_code(exc), exc.reason)
             finally:
                 await events.aclose()
                 await stream.aclose()
@@ -191,3 +186,12 @@ def _event(event: object) -> pinned.ExecSandboxEvent:
     if stream == "stdout":
         return pinned.ExecSandboxEvent(stdout=pinned.ExecSandboxStdout(data=data))
     return pinned.ExecSandboxEvent(stderr=pinned.ExecSandboxStderr(data=data))
+
+
+def exec_failure_code(exc: DriverError) -> grpc.StatusCode:
+    """A driver's failure as OpenShell's status, as the HTTP door answers it: transient, or the
+    backend refusing sandstream's own account (the deployment's RBAC), UNAVAILABLE; the
+    sandbox's state FAILED_PRECONDITION."""
+    if exc.retryable or isinstance(exc, BackendRefused):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.FAILED_PRECONDITION
