@@ -85,7 +85,7 @@ async def test_an_openshell_create_from_a_pooled_template_claims_as_over_http(
             request = os1.CreateSandboxRequest(name=names[i], workspace_scope=SCOPE,
                                                workload_template=template,
                                                request_id=requests[i], **more)  # fmt: skip
-            answer = await rpc("CreateSandbox", os1.SandboxResponse)(
+            answer: os1.SandboxResponse = await rpc("CreateSandbox", os1.SandboxResponse)(
                 request, metadata=auth(), timeout=90
             )
             return answer.sandbox
