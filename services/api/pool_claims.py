@@ -1,108 +1,162 @@
-"""The claim path of ``POST /v1/sandboxes``: a create naming a template that has a warm pool
-first tries to adopt one of the pool's Ready members (``claims.claim``), and falls back to the
-cold create from the template when none can be; the answer's ``claim`` says which and why
-(docs/pools.md, "Claims from a pool").
+"""The claim path of a create naming a template that has a warm pool, shared by both doors that
+create (``POST /v1/sandboxes`` and OpenShell's CreateSandbox with ``workload_template``): first
+try to adopt one of the pool's Ready members (``claims.claim``), and fall back to the cold create
+from the template when none can be; the outcome says which and why (docs/pools.md, "Claims from
+a pool").
 
 Cold without trying, stated as the reason: a pinned template revision other than the newest
 (members are made from the newest), a time to live (a member keeps none: it waits in the pool
-untimed), per-claim env or providers (``claims.claim`` says why). Every claim served is
-counted for the pool's status (``pool_claims``) and the metrics, with the request's time in the
-API by path.
+untimed), a door's own reason (OpenShell's per-claim command), per-claim env or providers
+(``claims.claim`` says why). Every claim served is counted for the pool's status
+(``pool_claims``) and the metrics, with the request's time in the door by path.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
 from events.commands import CreateSandbox
 from events.outcomes import Code
 from services.api import claims
-from services.api.deps import ApiState
+from services.api.deps import ApiState, Pool
+from services.api.gateway import CommandGateway
 from services.api.models import CreateSandboxRequest
 from services.api.readmodel import ClaimOutcome, CommandStatus
 from services.common import metrics
 from services.common import pools as store
 from services.common.pools import PoolInfo
-from services.common.tokens import Principal
 
 CLAIM_TIMEOUT = 30.0  # seconds a claim may take to adopt and bind before it goes cold
 
 
-async def create_or_claim(
-    state: ApiState,
-    principal: Principal,
-    body: CreateSandboxRequest,
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A create from a pooled template, tried as a claim: warm (``result.member`` adopted under
+    the command's name) or cold and why (the door then sends the create itself)."""
+
+    pool: PoolInfo
+    result: claims.ClaimResult
+    started: float  # perf_counter at the claim's start, for its time by path
+
+    @property
+    def warm(self) -> bool:
+        return self.result.warm and self.result.member is not None
+
+    @property
+    def outcome(self) -> ClaimOutcome:
+        reason = self.result.reason if self.result.warm == self.warm else "no member adopted"
+        member = self.result.member if self.warm else None
+        return ClaimOutcome(pool=self.pool.name, warm=self.warm, reason=reason, member=member)
+
+
+async def claim_first(
+    gateway: CommandGateway,
     command: CreateSandbox,
-    create: Callable[[], Awaitable[JSONResponse]],
-) -> JSONResponse | None:
-    """The answer to a create from a pooled template: a member adopted, or ``create()`` (the
-    cold create). None: the template has no pool, the caller creates as usual."""
+    *,
+    pinned: int | None = None,
+    labels: Mapping[str, str] | None = None,
+    env: Mapping[str, str] | None = None,
+    providers: Sequence[str] = (),
+    cold_because: str | None = None,
+) -> Claim | None:
+    """The claim a create from a template is: ``command``'s name adopting a Ready member of
+    the template's pool (its command id the claim id: a retried request is the same claim), or
+    cold and why. None: no template, or no pool of it (the door creates as usual).
+    ``pinned``: the template revision the request asked for; ``labels``, ``env``,
+    ``providers``: the request's own (beyond the template's); ``cold_because``: a door's own
+    reason to go cold without trying."""
     if command.template is None:
         return None
-    async with state.pool.acquire() as conn:
-        pools = await store.pools_of_template(conn, command.template.name)
-        current = (await store.template_revisions(conn, [command.template.name])).get(
-            command.template.name
-        )
+    name = command.template.name
+    async with gateway.pool.acquire() as conn:
+        pools = await store.pools_of_template(conn, name)
+        current = (await store.template_revisions(conn, [name])).get(name)
     if not pools:
         return None
     started = time.perf_counter()
-    pool, result = pools[0], None
-    why_not = _cold_at_once(state, body, command, current)
-    if why_not is None:
-        for pool in pools:
-            result = await claims.claim(
-                state.gateway,
-                pool.name,
-                body.name,
-                actor=principal.name,
-                claim_id=command.command_id,
-                labels=body.overrides.labels if body.overrides else None,
-                env=body.overrides.env if body.overrides else None,
-                providers=body.providers,
-                timeout=CLAIM_TIMEOUT,
-            )
-            if result.warm:
-                break
-        assert result is not None
-        why_not = None if result.warm else result.reason
-    if result is not None and result.warm and result.member is not None:
-        answer = await _warm(state, body.name, command.command_id, pool, result)
-        await _count(state, pool, command, True, result.reason, started)
-        return answer
-    reason = why_not or "no member adopted"
-    answer = _with_claim(await create(), ClaimOutcome(pool=pool.name, warm=False, reason=reason,
-                                                      member=None))  # fmt: skip
-    if answer.status_code < 300:  # a refused create (the name taken, say) served no claim
-        await _count(state, pool, command, False, reason, started)
-    return answer
+    why_not = cold_because or _cold_at_once(command, pinned, current)
+    if why_not is not None:
+        return Claim(pools[0], claims.cold(why_not), started)
+    for pool in pools:
+        result = await claims.claim(
+            gateway,
+            pool.name,
+            command.key,
+            actor=command.actor,
+            claim_id=command.command_id,
+            labels=labels,
+            env=env,
+            providers=providers,
+            timeout=CLAIM_TIMEOUT,
+        )
+        if result.warm:
+            break
+    return Claim(pool, result, started)
 
 
-def _cold_at_once(
-    state: ApiState, body: CreateSandboxRequest, command: CreateSandbox, current: int | None
-) -> str | None:
-    assert command.template is not None
-    if body.template is not None and body.template.revision not in (None, current):
+def _cold_at_once(command: CreateSandbox, pinned: int | None, current: int | None) -> str | None:
+    if pinned is not None and pinned != current:
         return (
-            f"template revision {command.template.revision} asked for; the pool's members are "
-            f"of the newest ({current})"
+            f"template revision {pinned} asked for; the pool's members are of the newest "
+            f"({current})"
         )
     if command.ttl_seconds is not None:
         return "a time to live needs a cold create (a pool member waits untimed)"
     return None
 
 
-async def _warm(
-    state: ApiState, name: str, claim_id: str, pool: PoolInfo, result: claims.ClaimResult
-) -> JSONResponse:
-    assert result.member is not None
+async def count(pool: Pool, claim: Claim, command: CreateSandbox) -> None:
+    """Count the claim once: a retry of the request (its command id) is not a claim again."""
+    seconds = time.perf_counter() - claim.started
+    served = claim.outcome
+    async with pool.acquire() as conn:
+        counted = await store.record_claim(
+            conn, served.pool, command.command_id, command.key, served.warm, served.reason, seconds
+        )
+    if counted:
+        path = "warm" if served.warm else "cold"
+        metrics.POOL_CLAIMS.labels(served.pool, path).inc()
+        metrics.POOL_CLAIM_SECONDS.labels(path).observe(seconds)
+
+
+async def create_or_claim(
+    state: ApiState,
+    body: CreateSandboxRequest,
+    command: CreateSandbox,
+    create: Callable[[], Awaitable[JSONResponse]],
+) -> JSONResponse | None:
+    """The HTTP answer to a create from a pooled template: a member adopted, or ``create()``
+    (the cold create). None: the template has no pool, the caller creates as usual."""
+    claim = await claim_first(
+        state.gateway,
+        command,
+        pinned=body.template.revision if body.template is not None else None,
+        labels=body.overrides.labels if body.overrides else None,
+        env=body.overrides.env if body.overrides else None,
+        providers=body.providers,
+    )
+    if claim is None:
+        return None
+    if claim.warm:
+        answer = await _warm(state, body.name, command.command_id, claim)
+        await count(state.pool, claim, command)
+        return answer
+    answer = _with_claim(await create(), claim.outcome)
+    if answer.status_code < 300:  # a refused create (the name taken, say) served no claim
+        await count(state.pool, claim, command)
+    return answer
+
+
+async def _warm(state: ApiState, name: str, claim_id: str, claim: Claim) -> JSONResponse:
+    served = claim.outcome
     row = await state.pool.fetchrow(
         "SELECT sandbox_id, phase, generation, version, identity FROM sandboxes WHERE key = $1",
-        result.member,
+        served.member,
     )
     status = CommandStatus(
         command_id=claim_id,
@@ -110,13 +164,13 @@ async def _warm(
         command_type="AdoptSandbox",
         status="accepted",
         code=Code.OK,
-        message=f"sandbox {name!r} is pool member {result.member!r}: {result.reason}",
+        message=f"sandbox {name!r} is pool member {served.member!r}: {served.reason}",
         sandbox_id=row["sandbox_id"] if row else None,
         phase=row["phase"] if row else None,
         generation=row["generation"] if row else None,
         version=row["version"] if row else None,
         identity=row["identity"] if row else None,
-        claim=ClaimOutcome(pool=pool.name, warm=True, reason=result.reason, member=result.member),
+        claim=served,
     )
     return JSONResponse(
         status.model_dump(mode="json"), 201, headers={"Location": f"/v1/sandboxes/{name}"}
@@ -131,18 +185,3 @@ def _with_claim(answer: JSONResponse, claim: ClaimOutcome) -> JSONResponse:
     body["claim"] = claim.model_dump(mode="json")
     headers = {k: v for k, v in answer.headers.items() if k.lower() == "location"}
     return JSONResponse(body, answer.status_code, headers=headers)
-
-
-async def _count(
-    state: ApiState, pool: PoolInfo, command: CreateSandbox, warm: bool, reason: str, started: float
-) -> None:
-    """Count the claim once: a retry of the request (its command id) is not a claim again."""
-    seconds = time.perf_counter() - started
-    async with state.pool.acquire() as conn:
-        counted = await store.record_claim(
-            conn, pool.name, command.command_id, command.key, warm, reason, seconds
-        )
-    if counted:
-        path = "warm" if warm else "cold"
-        metrics.POOL_CLAIMS.labels(pool.name, path).inc()
-        metrics.POOL_CLAIM_SECONDS.labels(path).observe(seconds)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Final
 
 import grpc
@@ -17,9 +18,9 @@ from events.commands import CreateSandbox, DeleteSandbox, StartSandbox, StopSand
 from events.common import SANDBOX_NAME_PATTERN
 from events.outcomes import Code
 from events.publisher import new_command_id, now
-from services.api import readmodel
+from services.api import pool_claims, readmodel
 from services.api.providers import require_existing
-from services.api.readmodel import InvalidArgument
+from services.api.readmodel import ClaimOutcome, InvalidArgument
 from services.common import templates
 from services.common.providers import ProviderMissing
 from services.common.tokens import PROVIDER_WRITE, READ, WRITE, stop_timeout_refusal
@@ -112,6 +113,42 @@ async def from_template(
         raise mapping.InvalidRequest(f"{field}: {exc.message}") from None
     return mapping.NewSandbox(
         name, made.spec, made.providers, made.ttl_seconds, made.on_expiry, made.on_exit, made.ref
+    )
+
+
+async def claim_of(
+    door: Door, request: os_0_1.CreateSandboxRequest, command: CreateSandbox
+) -> pool_claims.Claim | None:
+    """A create naming a pooled ``workload_template`` tried as a claim (the HTTP door's path,
+    the request id its claim id); None for any other create."""
+    if command.template is None:
+        return None
+    spec = request.spec
+    return await pool_claims.claim_first(
+        door.gateway,
+        command,
+        labels=dict(request.labels),
+        env=dict(spec.environment),
+        providers=list(spec.providers),
+        cold_because=(
+            "a per-claim spec.command needs a cold start (the member runs the template's)"
+            if spec.command
+            else None
+        ),
+    )
+
+
+def claim_condition(claim: ClaimOutcome, at: datetime) -> served_pb2.SandboxCondition:
+    """The claim's outcome in the one place a Sandbox message has for it: a condition of the
+    create's answer (``PoolClaim``: True warm, False cold; the reason in its message)."""
+    where = f"pool {claim.pool!r}: "
+    return served_pb2.SandboxCondition(
+        type="PoolClaim",
+        status="True" if claim.warm else "False",
+        reason="Warm" if claim.warm else "Cold",
+        message=where + (claim.reason if claim.warm else f"created cold: {claim.reason}"),
+        last_transition_time=at.isoformat(),
+        transition_time=mapping.timestamp(at),
     )
 
 
@@ -227,15 +264,27 @@ class SandboxRpcs:
             on_exit=wanted.on_exit,
             template=wanted.template,
         )
-        outcome = await self.door.submit(command, context)
-        view = await readmodel.get_sandbox(self.door.pool, wanted.name)
-        if view is None or view.id != outcome.sandbox_id:
+        claim = None
+        if decoded.new is not None:  # a template with a warm pool: a claim first, as over HTTP
+            claim = await claim_of(self.door, decoded.new, command)
+        if claim is not None and claim.warm:
+            view = await readmodel.get_sandbox(self.door.pool, wanted.name)  # the member's row
+            sandbox_id = view.id if view is not None else None
+        else:
+            sandbox_id = (await self.door.submit(command, context)).sandbox_id
+            view = await readmodel.get_sandbox(self.door.pool, wanted.name)
+        if claim is not None:
+            await pool_claims.count(self.door.gateway.pool, claim, command)
+        if view is None or view.id != sandbox_id:
             await abort(
                 context,
                 grpc.StatusCode.NOT_FOUND,
                 f"sandbox {wanted.name!r} was created and is gone already",
             )
-        return served_pb2.SandboxResponse(sandbox=mapping.sandbox_message(view, decoded.generation))
+        made = mapping.sandbox_message(view, decoded.generation)
+        if claim is not None:
+            made.status.conditions.append(claim_condition(claim.outcome, view.updated_at))
+        return served_pb2.SandboxResponse(sandbox=made)
 
     async def _lifecycle(
         self,
