@@ -109,6 +109,29 @@ async def test_pool_writes_refuse_bad_input_naming_the_field(api: Api) -> None:
         assert (await c.delete(f"/v1/pools/{pool}")).status_code == 404
 
 
+async def test_a_pool_of_a_template_naming_providers_needs_provider_write(api: Api) -> None:
+    """Its members get the providers' values, as a create attaching them does: a token
+    without provider:write may not make the controller attach them (it could not directly)."""
+    provider, template, pool = unique("prov"), unique("tpl"), unique("pool")
+    async with api.client() as c:
+        r = await c.post("/v1/providers", json={"name": provider, "credentials": {"T": "v"}})
+        assert r.status_code == 201, r.text
+        body = {"name": template, "spec": SPEC, "providers": [provider]}
+        assert (await c.post("/v1/templates", json=body)).status_code == 201
+        plain = unique("tpl")
+        assert (
+            await c.post("/v1/templates", json={"name": plain, "spec": SPEC})
+        ).status_code == 201
+    async with api.client(apikit.WRITER) as c:
+        r = await c.post("/v1/pools", json={"name": pool, "template": template, "size": 0})
+        assert r.status_code == 403 and "provider:write" in r.json()["message"], r.text
+        r = await c.post("/v1/pools", json={"name": pool, "template": plain, "size": 0})
+        assert r.status_code == 201, r.text
+        update = {"template": template, "expected_revision": 1}
+        r = await c.patch(f"/v1/pools/{pool}", json=update)
+        assert r.status_code == 403 and "provider:write" in r.json()["message"], r.text
+
+
 async def test_the_controller_fills_replaces_scales_and_deletes_a_pool(api: Api) -> None:
     template, pool = unique("tpl"), unique("pool")
     await make_template(api, template)

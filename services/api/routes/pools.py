@@ -3,7 +3,8 @@ only from the newest revision, ``expected_revision``), delete.
 
 A pool is configuration: these routes write the ``pools`` table, and the pool controller (in
 the scheduler role) turns it into commands on the log. Pools take the sandbox scopes, as
-templates do: reading needs sandbox:read, writing sandbox:write.
+templates do: reading needs sandbox:read, writing sandbox:write (and provider:write for a
+template that names providers, whose values its members get).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from events.common import SandboxName
 from events.publisher import now
-from services.api.deps import Reader, State, Writer
+from services.api.deps import Reader, State, Writer, require_also
 from services.api.errors import ApiError
 from services.api.models import responses
 from services.common import pools as store
+from services.common import templates
 from services.common.pools import (
     POOL_NAME_PATTERN,
     POOL_SIZE_MAX,
@@ -32,6 +34,7 @@ from services.common.pools import (
     RevisionMismatch,
     Strategy,
 )
+from services.common.tokens import PROVIDER_WRITE, Principal
 
 router = APIRouter()
 
@@ -168,9 +171,12 @@ async def view(conn: Any, info: PoolInfo) -> PoolView:
     )
 
 
-async def _require_template(conn: Any, name: str) -> None:
-    if not await store.template_revisions(conn, [name]):
+async def _require_template(conn: Any, name: str, principal: Principal) -> None:
+    info = await templates.get_template(conn, name)
+    if info is None:
         raise ApiError(404, "NOT_FOUND", f"field 'template': template {name!r} not found")
+    if info.body.providers:  # its members get those values, as a create attaching them does
+        require_also(principal, PROVIDER_WRITE, "to keep members of a template naming providers")
 
 
 POOL_RESPONSES = responses(401, 403, 404, 409, 413, 422, 503)
@@ -186,7 +192,7 @@ POOL_RESPONSES = responses(401, 403, 404, 409, 413, 422, 503)
 )
 async def create_pool(body: CreatePoolRequest, principal: Writer, state: State) -> JSONResponse:
     async with state.pool.acquire() as conn:
-        await _require_template(conn, body.template)
+        await _require_template(conn, body.template, principal)
         with refusals():
             info = await store.create_pool(
                 conn, body.name, body.template, body.size, body.strategy, principal.name, now()
@@ -240,7 +246,7 @@ async def update_pool(
         )
     async with state.pool.acquire() as conn:
         if body.template is not None:
-            await _require_template(conn, body.template)
+            await _require_template(conn, body.template, principal)
         with refusals():
             info = await store.update_pool(
                 conn,
