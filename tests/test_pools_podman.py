@@ -8,6 +8,7 @@ never reach the log."""
 from __future__ import annotations
 
 import base64
+import json
 import secrets
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -142,3 +143,106 @@ async def test_a_claim_with_a_ttl_is_warm_and_the_sandbox_expires_by_it(api: Api
         await eventually(lambda: rebuild_and_compare(api.env.settings), lambda r: r.equal,
                          timeout=30, what="the rows rebuilt from the events topic")  # fmt: skip
         assert (await c.delete(f"/v1/sandboxes/{name}", params={"wait": 30})).is_success
+
+
+def secret(tag: str) -> str:
+    return f"sekrit-{tag}-{secrets.token_hex(8)}"
+
+
+async def run(c: Any, name: str, script: str) -> str:
+    r = await c.post(f"/v1/sandboxes/{name}/exec", json={"command": ["sh", "-c", script]})
+    assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
+    out: str = r.json()["stdout"]
+    return out
+
+
+async def everything_on_the_log(api: Api) -> tuple[bytes, list[str]]:
+    """Every record of every topic, and every row of every table, as text."""
+    env = api.env
+    records = [r.value or b"" for t in env.settings.topics for r in await env.read_topic(t)]
+    tables = await env.fetch(
+        "SELECT table_name FROM information_schema.tables WHERE table_schema = $1",
+        env.settings.pg_schema,
+    )
+    rows = [
+        str(r[0])
+        for t in tables
+        for r in await env.fetch(f'SELECT t::text FROM "{t["table_name"]}" t')
+    ]
+    return b"\n".join(records), rows
+
+
+async def test_a_claims_env_and_provider_reach_every_exec_warm_and_never_the_log(
+    api: Api, podman: PodmanClient
+) -> None:
+    """Warm on Podman: the member's container is not restarted; every exec gets the claim's
+    env and its provider's values (a rotation's at the next exec, without a restart; after an
+    idle suspend's wake as before); the member's own container keeps the template's env; no
+    value reaches a topic, a table (history included), an API answer or ``podman inspect``."""
+    provider, values = unique("prov"), [secret("v1"), secret("v2")]
+    answers: list[str] = []
+    async with api.client() as c:
+        r = await c.post(
+            "/v1/providers", json={"name": provider, "credentials": {"TOKEN": values[0]}}
+        )
+        assert r.status_code == 201, r.text
+        spec = {**SPEC, "env": {"MODE": "template", "KEEP": "1"}, "idle_suspend_seconds": 3600}
+        template, pool, member = await pooled(api, c, spec)
+        container = podman.containers.get(container_name(member, 1))
+        name = unique("agent")
+        body = {
+            "name": name,
+            "template": {"name": template},
+            "overrides": {"env": {"MODE": "claim", "CLAIM_VAR": "x"}},
+            "providers": [provider],
+        }
+        r = await c.post("/v1/sandboxes", json=body)
+        answers.append(r.text)
+        assert r.status_code == 201, r.text
+        claim = r.json()["claim"]
+        assert claim["warm"] is True and claim["member"] == member, claim
+        assert "reach every exec" in claim["reason"] and "template's environment" in claim["reason"]
+        assert (await c.delete(f"/v1/pools/{pool}")).status_code == 200
+
+        script = 'echo "$MODE $KEEP $CLAIM_VAR $TOKEN"'
+        assert await run(c, name, script) == f"claim 1 x {values[0]}\n"
+        container.reload()  # the same container, never restarted, its own env the template's
+        assert container.status == "running" and container.attrs["RestartCount"] == 0
+        env = container.attrs["Config"]["Env"]
+        assert "MODE=template" in env and not [e for e in env if "CLAIM_VAR" in e], env
+        view = (await c.get(f"/v1/sandboxes/{name}")).json()
+        answers.append(json.dumps(view))
+        assert view["spec"]["env"] == {"MODE": "claim", "KEEP": "1", "CLAIM_VAR": "x"}, view
+        assert provider in view["providers"] and view["generation"] == 1
+
+        # A rotation reaches the next exec, without a restart (the process never read it).
+        r = await c.put(f"/v1/providers/{provider}/credentials",
+                        json={"credentials": {"TOKEN": values[1]}})  # fmt: skip
+        answers.append(r.text)
+        assert r.status_code == 200, r.text
+        [line] = [x for x in r.json()["sandboxes"] if x["sandbox"] == member]
+        assert line["action"] == "skip" and "attached at its claim" in line["reason"], line
+        await eventually(lambda: api.env.fetch("SELECT reason FROM history WHERE key = $1", member),
+                         lambda rows: any("never read it" in (r["reason"] or "") for r in rows),
+                         timeout=30, what="the rotation decided")  # fmt: skip
+        assert await run(c, name, script) == f"claim 1 x {values[1]}\n"
+        assert (await row_of(api, member))["generation"] == 1
+
+        # Suspended, then woken by an exec: the new generation's exec gets them all the same.
+        r = await c.post(f"/v1/sandboxes/{name}:suspend", params={"wait": 30})
+        assert r.status_code == 200, r.text
+        await api.wait_phase(member, "Suspended", timeout=60)
+        assert await run(c, name, script) == f"claim 1 x {values[1]}\n"
+        assert (await row_of(api, member))["generation"] == 2
+
+        inspected = [json.dumps(podman.containers.get(container_name(member, 2)).attrs)]
+        records, rows = await everything_on_the_log(api)
+        assert b"CLAIM_VAR" in records and provider.encode() in records  # names are there
+        for value in values:
+            assert value.encode() not in records, "a value on a topic"
+            assert not [row for row in rows if value in row], "a value in a table"
+            assert not [a for a in answers if value in a], "a value in an API answer"
+            assert not [i for i in inspected if value in i], "a value in podman inspect"
+        assert (await c.delete(f"/v1/sandboxes/{name}", params={"wait": 30})).is_success
+        await api.wait_phase(member, "Deleted", timeout=60)
+        assert (await c.delete(f"/v1/providers/{provider}")).is_success
