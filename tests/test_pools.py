@@ -6,6 +6,7 @@ what the pool serves; OnReplenish not at all), delete."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -258,8 +259,13 @@ async def test_a_create_from_a_pooled_template_adopts_a_member_and_the_pool_refi
         rows = await settled(api, pool, 2)  # refilled: the claimed member left the pool
         assert warm["claim"]["member"] not in {r["key"] for r in rows}
 
-        env = await claim(api, unique("agent"), template, overrides={"env": {"K": "v"}})
-        assert env["claim"]["warm"] is False and "env" in env["claim"]["reason"], env
+        serving = api.app.state.api
+        api.app.state.api = dataclasses.replace(serving, exec_driver=None)
+        try:  # an API that cannot exec cannot deliver a claim's env warm
+            env = await claim(api, unique("agent"), template, overrides={"env": {"K": "v"}})
+        finally:
+            api.app.state.api = serving
+        assert env["claim"]["warm"] is False and "this API cannot exec" in env["claim"]["reason"]
         assert env["status"] == "accepted" and env["command_type"] == "CreateSandbox"
 
         r = await c.patch(f"/v1/pools/{pool}", json={"expected_revision": 1, "size": 0})
