@@ -15,6 +15,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import apikit
+import pytest
 import pytest_asyncio
 from apikit import Api, unique
 from harness import eventually
@@ -23,6 +24,8 @@ from pydantic import SecretStr
 
 from drivers.podman import container_name
 from services.audit.verify import verify
+from services.common.credentials import CredentialKeyError, Vault
+from services.common.exec_env import ExecEnvUnavailable, exec_environment
 from services.common.settings import load_settings
 from services.executor.backends import podman_driver
 from services.processor.rebuild import rebuild_and_compare
@@ -234,6 +237,12 @@ async def test_a_claims_env_and_provider_reach_every_exec_warm_and_never_the_log
         await api.wait_phase(member, "Suspended", timeout=60)
         assert await run(c, name, script) == f"claim 1 x {values[1]}\n"
         assert (await row_of(api, member))["generation"] == 2
+
+        async def no_key() -> Vault:
+            raise CredentialKeyError("no key here")
+
+        with pytest.raises(ExecEnvUnavailable, match="cannot be read: no key here"):
+            await exec_environment(api.env.pool, no_key, member, pool, {})  # refused, not bare
 
         inspected = [json.dumps(podman.containers.get(container_name(member, 2)).attrs)]
         records, rows = await everything_on_the_log(api)
