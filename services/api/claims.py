@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 from uuid import UUID
 
@@ -97,8 +97,8 @@ async def claim(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     settled = await _settled(gateway, pool, name, claim_id, deadline)
-    if settled is not None:
-        return settled
+    if settled is not None:  # a retried claim: its answer says what the first one's said
+        return replace(settled, reason=settled.reason + asked.note()) if settled.warm else settled
     attempts = 0
     while loop.time() < deadline:
         candidates = await _candidates(gateway, pool)
