@@ -17,10 +17,11 @@ import argparse
 import asyncio
 import os
 import time
+from pathlib import Path
 
 from services.bench import drivers as bench_drivers
 from services.bench import kube as bench_kube
-from services.bench import kube_requests, peer, warm
+from services.bench import kube_requests, peer, peer_burst, warm
 from services.bench import wake as bench_wake
 from services.bench.decided import decided_figures
 from services.bench.fold import fold_figures
@@ -49,6 +50,7 @@ CHOICES = (
     "drivers",
     "peer",
     "kube-requests",
+    "burst",
     "warm",
 )
 
@@ -59,8 +61,13 @@ async def run(
     latency_rate: int = 1000,
     peer_plan: peer.Plan | None = None,
     sandboxes: int | None = None,
+    profile_dir: Path | None = None,
 ) -> None:
     settings = Settings()
+    if which == "burst":
+        rounds = peer_plan.rounds if peer_plan else 1
+        await peer_burst.main(settings, sandboxes or 300, rounds, profile_dir)
+        return
     if which == "kube-requests":
         await kube_requests.main(settings, sandboxes or (10 if quick else 30))
         return
@@ -132,6 +139,12 @@ def main() -> None:
     parser.add_argument(
         "--claim-rate", type=int, default=10, help="peer: warm claims a second, sustained (10)"
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="burst: py-spy records `sandstream up` through each burst into this directory",
+    )
     args = parser.parse_args()
     phases = tuple(p for p in args.phases.split(",") if p)
     if not phases or set(phases) - {"cold", "warm"}:
@@ -140,4 +153,7 @@ def main() -> None:
     peer_plan = peer.plan(
         args.quick, args.sandboxes or 300, args.rounds, phases, args.pool, args.claim_rate
     )
-    asyncio.run(run(args.which, args.quick, peer_plan=peer_plan, sandboxes=args.sandboxes))
+    asyncio.run(
+        run(args.which, args.quick, peer_plan=peer_plan, sandboxes=args.sandboxes,
+            profile_dir=args.profile)
+    )  # fmt: skip
