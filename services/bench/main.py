@@ -1,5 +1,5 @@
 """``python -m services.bench [all|processor|latency|decided|idle|idle-use|scaleout|rebuild|
-profile|fold|stages|drivers|peer|kube-requests|warm] [--quick]``: the benchmarks, each printed
+profile|fold|stages|drivers|peer|kube-requests|burst|warm] [--quick]``: the benchmarks, each printed
 beside its same-run reference (see docs/benchmarks.md). ``latency`` is the latency part of
 ``processor`` alone; ``decided`` is request → decided outcome at low load, through the HTTP API;
 ``idle`` (not part of ``all``) the broker's CPU for an idle control plane on a broker of its
@@ -7,7 +7,9 @@ own; ``idle-use`` (not part of ``all``) what idle suspend costs PostgreSQL at 10
 sandboxes; ``peer`` (services/bench/peer.py, ``make bench-peer``) is not part of ``all``: it
 starts a Kubernetes cluster of its own and takes about a quarter of an hour. ``kube-requests``
 (services/bench/kube_requests.py) counts the Kubernetes driver's apiserver requests per
-sandbox beside bare Pods' on the local cluster (`make k8s`), in a minute. ``warm``
+sandbox beside bare Pods' on the local cluster (`make k8s`), in a minute. ``burst``
+(services/bench/peer_burst.py) is the peer bench's cold burst for sandstream beside bare Pods
+alone, with sandstream's CPU, records and rows per sandbox broken down. ``warm``
 (services/bench/warm.py) times a warm claim beside a cold create on Podman, each to an exec's
 answer."""
 
@@ -65,7 +67,7 @@ async def run(
 ) -> None:
     settings = Settings()
     if which == "burst":
-        rounds = peer_plan.rounds if peer_plan else 1
+        rounds = peer_plan.rounds if peer_plan else 3
         await peer_burst.main(settings, sandboxes or 300, rounds, profile_dir)
         return
     if which == "kube-requests":
@@ -122,11 +124,14 @@ def main() -> None:
         "--sandboxes",
         type=int,
         default=None,
-        help="peer: sandboxes per burst (default 300); kube-requests: sandboxes (default 30); "
-        "idle-use: busy sandboxes (default 10000)",
+        help="peer, burst: sandboxes per burst (default 300); kube-requests: sandboxes "
+        "(default 30); idle-use: busy sandboxes (default 10000)",
     )
     parser.add_argument(
-        "--rounds", type=int, default=None, help="peer: burst rounds (default 3, --quick 1)"
+        "--rounds",
+        type=int,
+        default=None,
+        help="peer, burst: burst rounds (default 3, --quick 1)",
     )
     parser.add_argument(
         "--phases",
