@@ -20,6 +20,7 @@ Modules:
 - ``migrations``: the SQL migration runner.
 - ``names``: a user's sandbox name resolved at the doors (a claimed name stands for its
   adopted pool member's key).
+- ``pool_reset``: a pool connection reset on release only when it may carry session state.
 - ``pools``: warm pools in PostgreSQL (the pools, the controller's requested creates, the
   claims served).
 - ``providers``: providers in PostgreSQL.
