@@ -10,7 +10,7 @@ each sandstream burst it prints, per sandbox: the CPU of ``up``, its broker and 
 backends; the records appended to each of its topics; the rows its PostgreSQL schema inserted,
 updated and deleted and the index scans it made (``pg_stat_user_tables``); and the delete's
 time to all gone beside bare Pods'. ``--profile DIR``: py-spy records ``up`` through each of
-sandstream's bursts (raw collapsed stacks, one file a round; py-spy must be installed).
+sandstream's bursts (raw collapsed stacks, one file a round; py-spy comes with the dev install).
 """
 
 from __future__ import annotations
