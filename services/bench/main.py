@@ -9,7 +9,8 @@ starts a Kubernetes cluster of its own and takes about a quarter of an hour. ``k
 (services/bench/kube_requests.py) counts the Kubernetes driver's apiserver requests per
 sandbox beside bare Pods' on the local cluster (`make k8s`), in a minute. ``warm``
 (services/bench/warm.py) times a warm claim beside a cold create on Podman, each to an exec's
-answer."""
+answer. ``scaling`` (services/bench/scaling.py, not part of ``all``) runs the processor and the
+executor as 1, 2 and 4 processes on three brokers of its own."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import time
 
 from services.bench import drivers as bench_drivers
 from services.bench import kube as bench_kube
-from services.bench import kube_requests, peer, warm
+from services.bench import kube_requests, peer, scaling, warm
 from services.bench import wake as bench_wake
 from services.bench.decided import decided_figures
 from services.bench.fold import fold_figures
@@ -50,6 +51,7 @@ CHOICES = (
     "peer",
     "kube-requests",
     "warm",
+    "scaling",
 )
 
 
@@ -69,6 +71,9 @@ async def run(
         return
     if which == "warm":
         await warm.main(settings, sandboxes or (10 if quick else 30))
+        return
+    if which == "scaling":
+        await scaling.main(settings, quick)
         return
     print(f"sandstream benchmarks  (partitions={settings.kafka_partitions}, one processor)")
     keys = 5_000 if quick else 25_000
