@@ -52,7 +52,7 @@ class Plan:
     keys: int = 10_000  # sandboxes of the processor's log (four inputs each)
     creates: int = 3_000  # the executors' backlog
     seconds: float = 10.0  # of each steady rate
-    max_rate: int = 500  # the steady rates: half the single process's drain, at most this
+    max_rate: int = 250  # the steady rates: a quarter of one process's drain, at most this
     partitions: int = 12  # the product's default
     rebalance_delay_ms: int = 3_000  # Kafka's default
     logs: Path | None = None  # the role processes' logs (default: a directory of the run's)
@@ -116,7 +116,7 @@ async def run(settings: Settings, plan: Plan) -> list[Figure]:
             figure = await executor_figure(brokers, count, plan, rate, logs, cap)
             rate = rate or (figure.steady.rate if figure.steady else None)
             figures.append(_shown(figure, idle))
-    _summary(figures)
+    _summary(figures, idle)
     return figures
 
 
@@ -130,11 +130,12 @@ async def _idle_ms(pids: list[int], seconds: float) -> float:
 
 
 def _steady_rate(single: float, plan: Plan, rate: int | None, cap: int | None = None) -> int:
-    """``rate`` if given (the single process's, kept for every count); else below
-    saturation: half what one process drained, at most ``max_rate`` (and ``cap``)."""
+    """``rate`` if given (the single process's, kept for every count); else well below
+    saturation: a quarter of what one process drained (the brokers, PostgreSQL and the load
+    generator share the cores), at most ``max_rate`` (and ``cap``)."""
     if rate is not None:
         return rate
-    return max(10, min(plan.max_rate, cap or plan.max_rate, int(single / 2 / 10) * 10))
+    return max(10, min(plan.max_rate, cap or plan.max_rate, int(single / 4 / 10) * 10))
 
 
 async def processor_figure(
@@ -323,8 +324,7 @@ def _shown(f: Figure, idle_ms: float) -> Figure:
     shares = ", ".join(f"{n:,}" for n in f.shares)
     timed = "command → row" if f.role == "processor" else "create → Ready"
     parts = ", ".join(f"{k} {v:.0f}" for k, v in f.cpu_us.items())
-    seconds, units = f.window
-    idle = idle_ms / 1000 * seconds / max(units, 1) * 1e6  # the brokers' idle share
+    idle, seconds = _idle_share(f, idle_ms), f.window[0]
     busy = "" if f.busy is None else f"; cores {f.busy * 100:.0f} % busy"
     print(
         f"{f.role:<9} {_processes(f.count)}  {f.work:,} {unit} at {f.rate:,.0f}/s  "
@@ -339,7 +339,7 @@ def _shown(f: Figure, idle_ms: float) -> Figure:
     return f
 
 
-def _summary(figures: list[Figure]) -> None:
+def _summary(figures: list[Figure], idle_ms: float) -> None:
     """Each count's rate, p99 and CPU per unit of work beside the single process's."""
     for role in ("processor", "executor"):
         mine = [f for f in figures if f.role == role]
@@ -353,16 +353,27 @@ def _summary(figures: list[Figure]) -> None:
             for f in mine
         )
         print(f"scaling   {role}: {text}")
-        print(f"          {_per_core(one)}")
+        print(f"          {_per_core(one, idle_ms)}")
 
 
-def _per_core(f: Figure) -> str:
+def _per_core(f: Figure, idle_ms: float) -> str:
     """What a core of each party's own would sustain at the single process's CPU per unit of
-    work: where more machines stop (one consumer group: at most as many busy processes as
-    partitions)."""
+    work (Kafka's above its idle rate): where more machines stop (one consumer group: at most
+    as many busy processes as partitions)."""
     unit = "inputs" if f.role == "processor" else "events"
-    rates = ", ".join(f"{party} {1e6 / us:,.0f}" for party, us in f.cpu_us.items() if us > 0)
-    return f"{unit}/s a core of each would sustain, at one process's CPU per unit: {rates}"
+    used = dict(f.cpu_us)
+    used["Kafka"] = used.get("Kafka", 0.0) - _idle_share(f, idle_ms)
+    rates = ", ".join(f"{party} {1e6 / us:,.0f}" for party, us in used.items() if us > 0)
+    return (
+        f"{unit}/s a core of each would sustain, at one process's CPU per unit "
+        f"(Kafka's above its idle rate): {rates}"
+    )
+
+
+def _idle_share(f: Figure, idle_ms: float) -> float:
+    """µs per unit of work of the brokers' idle rate over the figure's CPU window."""
+    seconds, units = f.window
+    return idle_ms / 1000 * seconds / max(units, 1) * 1e6
 
 
 def _processes(count: int) -> str:

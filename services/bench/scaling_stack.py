@@ -10,7 +10,10 @@ replication (3) and min ISR (2). PostgreSQL is the machine's shared one, a schem
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
+import signal
 import tempfile
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -65,6 +68,12 @@ async def three_brokers(
             })  # fmt: skip
             yield Brokers(clients, pids)
         finally:
+            # The run's data is thrown away: no clean shutdown to wait for (a node can take a
+            # minute on a busy machine), then the usual stop finds nothing left running.
+            for node in cc.nodes(nodes):
+                if (pid := cluster.node_pid(node)) is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
             await asyncio.to_thread(cluster.stop, nodes)
 
 
