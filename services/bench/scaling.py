@@ -98,8 +98,8 @@ async def run(settings: Settings, plan: Plan) -> list[Figure]:
     async with three_brokers(settings, plan.partitions, plan.rebalance_delay_ms) as brokers:
         run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
         logs = plan.logs or settings.state_dir / "bench" / f"scaling-{run_id}"
-        idle = await _idle_ms(brokers.pids, plan.idle_seconds)
         await _warm_up(brokers.settings, plan.keys)
+        idle = await _idle_ms(brokers.pids, plan.idle_seconds)
         print(
             f"scaling  three brokers of the run's own (replication 3, min ISR 2), "
             f"{plan.partitions} partitions, the shared PostgreSQL; {os.cpu_count()} cores; "
@@ -359,22 +359,27 @@ def _summary(figures: list[Figure], idle_ms: float) -> None:
             continue
         one = mine[0]
         text = "; ".join(
-            f"{_processes(f.count)}: {f.rate / one.rate:.2f} of one's rate, p99 "
+            f"{_processes(f.count)}: {_ratio(f.rate, one.rate):.2f} of one's rate, p99 "
             f"{f.steady.p(99) if f.steady else float('nan'):.1f} ms, "
-            f"CPU per unit {f.cpu_total / one.cpu_total:.2f} of one's"
+            f"CPU per unit {_ratio(f.cpu_total, one.cpu_total):.2f} of one's"
             for f in mine
         )
         print(f"scaling   {role}: {text}")
         print(f"          {_per_core(one, idle_ms)}")
         cores = os.cpu_count() or 1
         bound = "; ".join(
-            f"{_processes(f.count)} {cores * 1e6 / f.cpu_total:,.0f}/s "
+            f"{_processes(f.count)} {_ratio(cores * 1e6, f.cpu_total):,.0f}/s "
             f"(measured {f.rate * f.cpu_total / cores / 1e6 * 100:.0f} % of it)"
             for f in mine
         )
         print(
             f"          CPU-bound on these {cores} cores alone, at each run's CPU per unit: {bound}"
         )
+
+
+def _ratio(a: float, b: float) -> float:
+    """a / b, NaN when b is 0 (a log drained in its first batch times nothing)."""
+    return a / b if b else float("nan")
 
 
 def _own_share(f: Figure) -> float:
