@@ -1,6 +1,6 @@
 """``python -m services.bench [all|processor|latency|decided|idle|idle-use|scaleout|rebuild|
-profile|fold|stages|drivers|peer|kube-requests|warm] [--quick]``: the benchmarks, each printed
-beside its same-run reference (see docs/benchmarks.md). ``latency`` is the latency part of
+profile|fold|stages|drivers|peer|kube-requests|warm|scaling] [--quick]``: the benchmarks, each
+printed beside its same-run reference (see docs/benchmarks.md). ``latency`` is the latency part of
 ``processor`` alone; ``decided`` is request → decided outcome at low load, through the HTTP API;
 ``idle`` (not part of ``all``) the broker's CPU for an idle control plane on a broker of its
 own; ``idle-use`` (not part of ``all``) what idle suspend costs PostgreSQL at 10,000 busy
