@@ -174,6 +174,12 @@ def _shutdown(response: Any) -> None:
             sock.shutdown(socket.SHUT_RDWR)
 
 
+def _improper(response: Any) -> bool:
+    """Podman 4.3 refuses an exec in a stopped container with a 500 "container state
+    improper" rather than a 409."""
+    return bool(response.status_code == 500 and "state improper" in response.text)
+
+
 def _exec_body(
     command: builtins.list[str],
     env: Mapping[str, str] | None,
@@ -240,7 +246,7 @@ async def exec_stream(
             if created.status_code == 404:
                 settle(NotStarted(f"exec: no container {runtime_id}", retryable=False))
                 return
-            if created.status_code == 409:
+            if created.status_code == 409 or _improper(created):
                 settle(NotStarted("exec: the runtime is not running", retryable=False))
                 return
             created.raise_for_status()

@@ -111,18 +111,25 @@ def probe(
 
 
 def exec_process(
-    own: Mapping[str, Any],
+    config: Mapping[str, Any],
+    runtime_id: str,
     command: builtins.list[str],
     env: Mapping[str, str] | None,
     workdir: str | None,
 ) -> dict[str, Any]:
-    """The exec's OCI process: the container's own (``own``, from its config.json), as
-    Podman's exec derives it."""
-    process = copy.deepcopy(dict(own))
+    """The exec's OCI process: the container's own (from its OCI ``config``), as Podman's
+    exec derives it."""
+    process = copy.deepcopy(dict(config["process"]))
     process["args"] = builtins.list(command)
     process["terminal"] = False
     process.pop("consoleSize", None)
-    process["env"] = [*process.get("env", []), *(f"{k}={v}" for k, v in (env or {}).items())]
+    own = process.get("env") or []
+    default = runtime_id[:12]
+    if config.get("hostname") == default:
+        # No hostname given: Podman names the container's own process's HOSTNAME (the ID's
+        # first 12 characters) when it starts it, not its exec's.
+        own = [entry for entry in own if entry != f"HOSTNAME={default}"]
+    process["env"] = [*own, *(f"{k}={v}" for k, v in (env or {}).items())]
     if workdir:
         process["cwd"] = workdir
     user = process.get("user") or {}
@@ -292,10 +299,10 @@ async def exec_stream(
     if bundle is None:
         raise NotStarted(f"exec: no running container {runtime_id} for runc", retryable=False)
     try:
-        own = json.loads((bundle / "config.json").read_bytes())["process"]
+        config = json.loads((bundle / "config.json").read_bytes())
+        process = exec_process(config, runtime_id, command, env, workdir)
     except (OSError, ValueError, KeyError) as exc:
         raise NotStarted(f"exec: the container's OCI config: {exc}", retryable=False) from exc
-    process = exec_process(own, command, env, workdir)
     loop = asyncio.get_running_loop()
     chunks = OutputBuffer() if buffer is None else buffer
     leaving = threading.Event()

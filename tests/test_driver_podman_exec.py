@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import sys
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import pytest
 from exec_support import running_with
@@ -56,7 +56,7 @@ async def driver(
 def low_level(
     mode: ExecMode, settings: Settings, podman: PodmanClient, container: str,
     command: list[str], *, buffer: OutputBuffer, grace: float = 5.0,
-) -> AsyncIterator[ExecEvent]:  # fmt: skip
+) -> AsyncGenerator[ExecEvent, None]:  # fmt: skip
     """One path's exec_stream, by the container's name (Podman's API) or id (runc)."""
     if mode == "api":
         return podman_exec.exec_stream(
