@@ -14,7 +14,10 @@ watch loop); the rest of the driver is in its own modules (docs/drivers.md):
 - ``podman_checkpoint``, ``podman_memory``: a suspend's memory checkpoint (CRIU), kept and
   restored on resume;
 - ``podman_events``: events and listings mapped to observations;
-- ``podman_stream``: the event stream's reader thread.
+- ``podman_stream``: the event stream's reader thread;
+- ``podman_execs``, ``podman_exec``, ``podman_runc``, ``podman_exec_end``: exec through
+  Podman's API or runc directly (``exec_mode``), the remembered containers, and ending an exec
+  left early.
 """
 
 from __future__ import annotations
@@ -24,19 +27,17 @@ import builtins
 import contextlib
 import logging
 import weakref
-from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 from uuid import UUID
 
-from drivers import podman_exec, podman_runc
 from drivers.daemon_pool import DaemonThreadPool
 from drivers.podman_calls import PodmanCalls
 from drivers.podman_checkpoint import Checkpoints
 from drivers.podman_events import observation_from_event, removed_while_away, snapshot_from_list
-from drivers.podman_exec import NotStarted
 from drivers.podman_exec_end import EXEC_GRACE
+from drivers.podman_execs import PodmanExecs
 from drivers.podman_objects import (
     ACTOR,
     BACKEND_ERRORS,
@@ -70,8 +71,6 @@ log = logging.getLogger("sandstream.drivers.podman")
 
 T = TypeVar("T")
 
-EXEC_IDS = 4096  # (key, generation) -> container id entries the exec path remembers
-
 
 class PodmanDriver:
     """The driver for a Podman API service (``podman system service``)."""
@@ -95,18 +94,11 @@ class PodmanDriver:
         runc_root: Path = RUNC_ROOT,
     ) -> None:
         self.base_url = base_url
-        # How an exec reaches the container: "runtime" runs runc directly, "api" Podman's exec
-        # API, "auto" runc where probe() finds it usable (drivers/podman_runc.py).
-        self.exec_mode: ExecMode = exec_mode
-        self._runc_root = runc_root
-        self._runc: Runc | None = None
-        self._exec_why = ""  # why not runc ("" until probed)
-        self._probed = False
-        self._probing = asyncio.Lock()
-        # The running container of (key, generation) an exec found last: ids are never reused
-        # and a container's labels never change, so an id stays that generation's until the
-        # container is gone; an exec that finds it gone (nothing started) looks again.
-        self._exec_ids: OrderedDict[tuple[str, int], str] = OrderedDict()
+        # How an exec reaches the container: runc directly or Podman's exec API.
+        self.execs = PodmanExecs(
+            base_url, mode=exec_mode, runc_root=runc_root, request_timeout=request_timeout,
+            grace=exec_grace, running=self._running_id,
+        )  # fmt: skip
         self.exec_grace = exec_grace  # an exec left early: seconds from SIGTERM to SIGKILL
         self.stop_timeout = float(stop_timeout)
         self.actor = actor
@@ -278,78 +270,22 @@ class PodmanDriver:
         workdir: str | None = None,
         stdin: bytes | None = None,
     ) -> AsyncGenerator[ExecEvent, None]:
-        """The ExecDriver capability, streamed: through runc (drivers/podman_runc.py) or
-        Podman's exec API (drivers/podman_exec.py), as ``exec_path`` says. The container is
-        the one remembered for (key, generation), else listed; a remembered one found gone
-        (nothing started) is forgotten and the listing asked once."""
-        runc = await self.exec_runtime()
-        for remembered in (self._exec_ids.get((key, generation)), None):
-            runtime_id = remembered or await self._running_id(key, generation)
-            events = self._exec_events(runc, runtime_id, command, env, workdir, stdin)
-            async with contextlib.aclosing(events):  # closed with this one: the command ends
-                try:
-                    first = await anext(events)
-                except NotStarted:
-                    self._forget(key, generation, runtime_id)
-                    if remembered is None:
-                        raise
-                    continue
-                yield first
-                async for event in events:
-                    yield event
-                return
+        """The ExecDriver capability, streamed: through runc or Podman's exec API
+        (drivers/podman_execs.py)."""
+        events = self.execs.stream(key, generation, command, env=env, workdir=workdir, stdin=stdin)
+        async with contextlib.aclosing(events):  # closed with this one: the command ends now
+            async for event in events:
+                yield event
 
     @property
     def exec_path(self) -> str:
-        """Which exec path this driver takes (once probed), and why not runc if not."""
-        if not self._probed:
-            return f"{self.exec_mode} (not probed yet)"
-        if self._runc is not None:
-            return f"runtime ({self._runc.path} --root {self._runc.root})"
-        return f"api ({self._exec_why})"
+        return self.execs.path
 
     async def exec_runtime(self) -> Runc | None:
-        """runc where the exec mode and the host allow it (asked once), else None (Podman's
-        exec API). Mode "runtime" where runc cannot serve: a DriverError at each exec."""
-        async with self._probing:
-            if not self._probed:
-                try:
-                    self._runc, self._exec_why = await asyncio.to_thread(
-                        podman_runc.probe, self.base_url, self.exec_mode, self._runc_root,
-                        self._request_timeout,
-                    )  # fmt: skip
-                except BACKEND_ERRORS as exc:
-                    raise DriverError(f"exec failed: {describe(exc)}", retryable=True) from exc
-                self._probed = True
-                log.info("exec path: %s", self.exec_path)
-        if self._runc is None and self.exec_mode == "runtime":
-            raise DriverError(f"exec through runc is not possible here: {self._exec_why}",
-                              retryable=True)  # fmt: skip
-        return self._runc
-
-    def _exec_events(
-        self,
-        runc: Runc | None,
-        runtime_id: str,
-        command: builtins.list[str],
-        env: Mapping[str, str] | None,
-        workdir: str | None,
-        stdin: bytes | None,
-    ) -> AsyncGenerator[ExecEvent, None]:
-        # "auto": a container runc has no state of here (another state root or namespace than
-        # Podman's, or gone) goes through Podman, which knows which.
-        if runc is not None and (self.exec_mode == "runtime" or runc.bundle(runtime_id)):
-            return podman_runc.exec_stream(
-                runc, runtime_id, command, env=env, workdir=workdir, stdin=stdin,
-                grace=self.exec_grace,
-            )  # fmt: skip
-        return podman_exec.exec_stream(
-            self.base_url, runtime_id, command, env=env, workdir=workdir, stdin=stdin,
-            request_timeout=self._request_timeout, grace=self.exec_grace,
-        )  # fmt: skip
+        return await self.execs.runtime()
 
     async def _running_id(self, key: str, generation: int) -> str:
-        """The generation's running container, listed (and remembered)."""
+        """The generation's running container, listed."""
         found = await self._call(
             self._sync.list, key, None, generation, key=key, generation=None, what="exec",
             exclusive=False,
@@ -357,16 +293,7 @@ class PodmanDriver:
         if not found or found[-1].info.state != "running":
             raise DriverError(f"no running runtime of {key} generation {generation}",
                               retryable=False)  # fmt: skip
-        runtime_id = found[-1].info.runtime_id
-        self._exec_ids[(key, generation)] = runtime_id
-        self._exec_ids.move_to_end((key, generation))
-        while len(self._exec_ids) > EXEC_IDS:
-            self._exec_ids.popitem(last=False)
-        return runtime_id
-
-    def _forget(self, key: str, generation: int, runtime_id: str) -> None:
-        if self._exec_ids.get((key, generation)) == runtime_id:
-            del self._exec_ids[(key, generation)]
+        return found[-1].info.runtime_id
 
     # -- plumbing ----------------------------------------------------------------------------
 

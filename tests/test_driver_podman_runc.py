@@ -221,10 +221,10 @@ async def test_a_generation_replaced_under_a_remembered_container_gets_the_new_o
         key = await launched(identity="first")
         echo = ["sh", "-c", f"echo ${IDENTITY_ENV}"]
         assert out(await collect(driver.exec_stream(key, 1, echo))) == "first\n"
-        remembered = driver._exec_ids[(key, 1)]
+        remembered = driver.execs.ids[(key, 1)]
         await launched(key, identity="second")
         assert out(await collect(driver.exec_stream(key, 1, echo))) == "second\n"
-        assert driver._exec_ids[(key, 1)] != remembered
+        assert driver.execs.ids[(key, 1)] != remembered
         await launched(key, generation=2, identity="third")
         assert out(await collect(driver.exec_stream(key, 2, echo))) == "third\n"
         # The next generation's launch removed the one remembered for generation 1.
