@@ -47,7 +47,7 @@ from drivers.podman_objects import (
     retryable,
     volume_name,
 )
-from drivers.podman_runc import RUNC_ROOT, ExecMode, Runc
+from drivers.podman_runc import RUNC_ROOT, ExecMode
 from drivers.podman_spec import DEFAULT_LIMITS, DEFAULT_STOP_TIMEOUT
 from drivers.podman_stream import EventStream
 from drivers.protocol import (
@@ -276,13 +276,6 @@ class PodmanDriver:
         async with contextlib.aclosing(events):  # closed with this one: the command ends now
             async for event in events:
                 yield event
-
-    @property
-    def exec_path(self) -> str:
-        return self.execs.path
-
-    async def exec_runtime(self) -> Runc | None:
-        return await self.execs.runtime()
 
     async def _running_id(self, key: str, generation: int) -> str:
         """The generation's running container, listed."""

@@ -61,8 +61,8 @@ async def main(settings: Settings, samples: int) -> None:
         server = await start_api(app, "127.0.0.1", 0, access_log=False)
         headers = {"Authorization": f"Bearer {TOKEN}"}
         try:
-            await driver.exec_runtime()
-            print(f"  the driver's exec path: {driver.exec_path} (SANDSTREAM_PODMAN_EXEC)")
+            await driver.execs.runtime()
+            print(f"  the driver's exec path: {driver.execs.path} (SANDSTREAM_PODMAN_EXEC)")
             async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=60) as c:
                 figures = await _run(c, pool, s.sandbox_image, samples)
         finally:
