@@ -19,6 +19,11 @@ in a 0700 directory of its own, removed once runc has started the command (or fa
 runc runs in the foreground (it is the command's parent, and its exit status is the command's,
 128 + the signal for a killed one); the command's stdin, stdout and stderr are runc's pipes,
 read by threads into the bounded OutputBuffer (drivers/podman_exec.py) as Podman's stream is.
+One difference from Podman's exec: runc copies the command's output until it closes, so a
+child the command leaves in the background holding its stdout or stderr holds the exec (and
+its exit code) until that child ends or closes them, or the deadline ends them all; Podman's
+exec answers when the command exits (conmon runs ``runc exec --detach`` and reaps the command
+itself). Redirect a background child's output (``cmd >log 2>&1 &``) to return at once.
 Whether the command started is decided by runc's pid file: written, it runs (output is the
 command's); runc exiting without it failed before starting anything (its stderr is its own
 error). Leaving before the exit ends the command as Podman's path does: SIGTERM to its process
@@ -57,6 +62,7 @@ ExecMode = Literal["auto", "runtime", "api"]
 EXEC_MODES: Final = ("auto", "runtime", "api")
 RUNC_ROOT: Final = Path("/run/runc")  # runc's own default for root, which rootful Podman keeps
 _READ: Final = 65536
+_DRAIN: Final = 16  # reads of what the output holds once runc has exited
 _POLL: Final = 0.001  # seconds between looks at the pid file while runc starts the command
 _START_WAIT: Final = 60.0  # seconds runc may take to start the command or fail
 _GONE: Final = ("container does not exist", "paused", "stopped", "not running")
@@ -195,6 +201,19 @@ class _Run:
             raise
         self.decided = threading.Event()
         self.started = False
+        self.threads: builtins.list[threading.Thread] = []  # the output's readers, once started
+        self.fed = False  # the input's feeder started (it closes the input)
+        # Readable once runc has exited or the caller leaves: wakes the readers.
+        self.wake_r, self.wake_w = os.pipe()
+        self.watcher = threading.Thread(target=self._watch, name="runc-exec-wait", daemon=True)
+
+    def _watch(self) -> None:
+        self.proc.wait()
+        self.wake()
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self.wake_w, b"\0")
 
     def decide(self) -> None:
         """Wait until the command has started (runc wrote its pid file) or runc has exited
@@ -240,13 +259,26 @@ class _Run:
             os.close(pidfd)
 
     def close(self) -> None:
-        """Close the pipes and reap runc in the background; the files go."""
-        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+        """The files go now; the pipes close, and runc is reaped, in the background."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+        threading.Thread(target=self._release, name="runc-exec-reap", daemon=True).start()
+
+    def _release(self) -> None:
+        # Never under a reader (woken, a reader leaves once the caller has): a descriptor
+        # closed under it could be another file's by its next read. The input's feeder closes
+        # the input itself.
+        for thread in self.threads:
+            thread.join()
+        pipes = [self.proc.stdout, self.proc.stderr, None if self.fed else self.proc.stdin]
+        for pipe in pipes:
             if pipe is not None:
                 with contextlib.suppress(OSError):
                     pipe.close()
-        threading.Thread(target=self.proc.wait, name="runc-exec-reap", daemon=True).start()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self.proc.wait()
+        if self.watcher.ident is not None:  # started
+            self.watcher.join()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
 
 
 def _feed(pipe: IO[bytes], data: bytes) -> None:
@@ -258,6 +290,7 @@ def _feed(pipe: IO[bytes], data: bytes) -> None:
 
 
 def _read(
+    run: _Run,
     pipe: IO[bytes],
     stream: Literal["stdout", "stderr"],
     chunks: OutputBuffer,
@@ -265,18 +298,27 @@ def _read(
     leaving: threading.Event,
     ended: Any,
 ) -> None:
-    """One output into the buffer (waiting for room), until its end or the caller leaves."""
+    """One output into the buffer (waiting for room), until its end, the caller leaving, or
+    runc's exit (then what the pipe holds, at most _DRAIN reads: runc copies the command's
+    output to its own until that closes, so this is runc killed, not a command's exit)."""
     fd = pipe.fileno()
     try:
         while not leaving.is_set():
-            if not select.select([fd], [], [], 0.2)[0]:
-                continue
-            data = os.read(fd, _READ)
-            if not data:
+            ready = select.select([fd, run.wake_r], [], [])[0]
+            draining = run.wake_r in ready
+            for _ in range(_DRAIN if draining else 1):
+                if leaving.is_set() or not select.select([fd], [], [], 0)[0]:
+                    break
+                data = os.read(fd, _READ)
+                if not data:
+                    draining = True
+                    break
+                if not chunks.put(loop, ExecOutput(stream, data), leaving):
+                    return
+            if draining:
                 break
-            if not chunks.put(loop, ExecOutput(stream, data), leaving):
-                return
-        ended(None)
+        if not leaving.is_set():
+            ended(None)
     except Exception as exc:  # every failure goes to the caller
         ended(exc)
 
@@ -320,9 +362,12 @@ async def exec_stream(
             exited = True
             return
         if stdin is not None and run.proc.stdin is not None:
+            run.fed = True
             threading.Thread(target=_feed, args=(run.proc.stdin, stdin), daemon=True,
                              name="runc-exec-stdin").start()  # fmt: skip
+        run.watcher.start()
         for reader in readers:
+            run.threads.append(reader)
             reader.start()
         while not isinstance(item := await chunks.get(), _Done):
             yield item
@@ -333,6 +378,7 @@ async def exec_stream(
         yield ExecExit(code)
     finally:
         leaving.set()
+        run.wake()  # a reader waiting for output looks up
         chunks.wake()  # a reader waiting for room reads no further
         if not exited:
             # In a thread of its own: the command is ended even if this wait is cancelled too.
@@ -359,7 +405,7 @@ def _readers(
     return [
         threading.Thread(
             target=_read,
-            args=(pipe, name, chunks, loop, leaving, ended),
+            args=(run, pipe, name, chunks, loop, leaving, ended),
             name=f"runc-exec-{name}",
             daemon=True,
         )

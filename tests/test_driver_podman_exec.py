@@ -159,6 +159,21 @@ async def test_exec_input_the_command_never_reads_still_gives_the_exit_code(
         assert events[-1] == ExecExit(5)
 
 
+async def test_a_background_child_holding_the_output_holds_the_exit_only_on_the_runtime_path(
+    driver: PodmanDriver, running: Callable[[], asyncio.Future[str]], mode: ExecMode
+) -> None:
+    """Podman's exec API answers when the command exits; through runc the exec ends once a
+    child left in the background holding the output closes it (drivers/podman_runc.py)."""
+    key = await running()
+    began = asyncio.get_running_loop().time()
+    stream = driver.exec_stream(key, 1, ["sh", "-c", "sleep 3 & echo hi"])
+    events = await asyncio.wait_for(collect(stream), WAIT)
+    took = asyncio.get_running_loop().time() - began
+    assert joined(events, "stdout") == b"hi\n"
+    assert events[-1] == ExecExit(0)
+    assert took >= 3 if mode == "runtime" else took < 3
+
+
 async def test_exec_output_arrives_while_the_command_still_runs(
     driver: PodmanDriver, running: Callable[[], asyncio.Future[str]]
 ) -> None:

@@ -47,7 +47,12 @@ async def exec_steps(settings: Settings, samples: int) -> list[Figures]:
             return figures
         return figures + await _runtime(runc, container, samples)
     finally:
-        await asyncio.to_thread(container.stop, timeout=1)
+        await asyncio.to_thread(_stop, settings, str(container.id))
+
+
+def _stop(settings: Settings, runtime_id: str) -> None:
+    with PodmanClient(base_url=settings.podman_url, timeout=60) as client:
+        client.containers.get(runtime_id).stop(timeout=1)
 
 
 async def _runtime(runc: Runc, container: Container, samples: int) -> list[Figures]:
