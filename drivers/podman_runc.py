@@ -45,10 +45,10 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Final, Literal
+from typing import IO, Any, Final, Literal, TypeVar
 
 from podman import PodmanClient
 
@@ -57,6 +57,8 @@ from drivers.podman_exec_end import EXEC_GRACE, Ending, end_pinned, parent_of
 from drivers.protocol import DriverError, ExecEvent, ExecExit, ExecOutput
 
 log = logging.getLogger("sandstream.drivers.podman")
+
+T = TypeVar("T")
 
 ExecMode = Literal["auto", "runtime", "api"]
 EXEC_MODES: Final = ("auto", "runtime", "api")
@@ -281,6 +283,35 @@ class _Run:
         os.close(self.wake_w)
 
 
+def _in_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
+    """``fn`` in a daemon thread of its own, its result a future of the running loop: never in
+    the loop's default executor (a few threads), which execs waiting on runc could fill. A
+    cancelled wait leaves the thread running to its end."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # the waiter gets it
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=run, name="runc-exec-call", daemon=True).start()
+    return future
+
+
 def _feed(pipe: IO[bytes], data: bytes) -> None:
     """The command's input, then its end; a command gone already ends the write quietly."""
     with contextlib.suppress(OSError):
@@ -348,11 +379,16 @@ async def exec_stream(
     loop = asyncio.get_running_loop()
     chunks = OutputBuffer() if buffer is None else buffer
     leaving = threading.Event()
-    run = await asyncio.to_thread(_Run, runc, runtime_id, process, stdin is not None)
+    creating = _in_thread(lambda: _Run(runc, runtime_id, process, stdin is not None))
+    try:
+        run = await asyncio.shield(creating)
+    except asyncio.CancelledError:  # runc may start the command still: it is ended then
+        creating.add_done_callback(lambda made: _abandon(made, grace))
+        raise
     readers = _readers(run, chunks, loop, leaving)
     exited = False
     try:
-        await asyncio.to_thread(run.decide)
+        await _in_thread(run.decide)
         if not run.started:
             if run.proc.poll() is None:  # runc hangs: nothing of the command ran
                 run.proc.kill()
@@ -373,7 +409,7 @@ async def exec_stream(
             yield item
         if item.error is not None:
             raise DriverError(f"exec output broke off: {item.error}", retryable=True)
-        code = await asyncio.to_thread(run.proc.wait)
+        code = await _in_thread(run.proc.wait)
         exited = True
         yield ExecExit(code)
     finally:
@@ -382,7 +418,7 @@ async def exec_stream(
         chunks.wake()  # a reader waiting for room reads no further
         if not exited:
             # In a thread of its own: the command is ended even if this wait is cancelled too.
-            await asyncio.to_thread(_end, run, grace)
+            await _in_thread(lambda: _end(run, grace))
         run.close()
 
 
@@ -416,7 +452,7 @@ def _readers(
 async def _failed(run: _Run) -> AsyncGenerator[ExecEvent, None]:
     """runc exited without starting the command: what Podman's exec answers then."""
     assert run.proc.stderr is not None
-    said = await asyncio.to_thread(run.proc.stderr.read)
+    said = await _in_thread(run.proc.stderr.read)
     message = said.decode(errors="replace").strip() or f"runc exited {run.proc.returncode}"
     if any(gone in message for gone in _GONE):
         raise NotStarted(f"exec: {message}", retryable=False)
@@ -425,6 +461,20 @@ async def _failed(run: _Run) -> AsyncGenerator[ExecEvent, None]:
     code = _exit_for(message)
     yield ExecOutput("stderr", f"Error: runc: {message}: {_SUFFIX[code]}\n".encode())
     yield ExecExit(code)
+
+
+def _abandon(made: asyncio.Future[_Run], grace: float) -> None:
+    """A run its caller left while runc was being started: its command ended, its files gone."""
+    if made.cancelled() or made.exception() is not None:
+        return
+    run = made.result()
+
+    def ending() -> None:
+        run.decide()
+        _end(run, grace)
+        run.close()
+
+    threading.Thread(target=ending, name="runc-exec-abandoned", daemon=True).start()
 
 
 def _end(run: _Run, grace: float) -> None:
