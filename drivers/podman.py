@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from uuid import UUID
 
 from drivers.daemon_pool import DaemonThreadPool
-from drivers.podman_calls import PodmanCalls
+from drivers.podman_calls import PodmanCalls, running_id
 from drivers.podman_checkpoint import Checkpoints
 from drivers.podman_events import observation_from_event, removed_while_away, snapshot_from_list
 from drivers.podman_exec_end import EXEC_GRACE
@@ -278,15 +278,15 @@ class PodmanDriver:
                 yield event
 
     async def _running_id(self, key: str, generation: int) -> str:
-        """The generation's running container, listed."""
+        """The generation's running container (podman_calls.running_id)."""
         found = await self._call(
-            self._sync.list, key, None, generation, key=key, generation=None, what="exec",
+            running_id, self._sync, key, generation, key=key, generation=None, what="exec",
             exclusive=False,
         )  # fmt: skip
-        if not found or found[-1].info.state != "running":
+        if found is None:
             raise DriverError(f"no running runtime of {key} generation {generation}",
                               retryable=False)  # fmt: skip
-        return found[-1].info.runtime_id
+        return found
 
     # -- plumbing ----------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ import pytest
 from podman import PodmanClient
 from podman.domain.containers import Container
 
-from drivers import podman_exec, podman_runc
+from drivers import podman, podman_exec, podman_runc
 from drivers.podman import PodmanDriver
 from drivers.podman_objects import container_name
 from drivers.podman_runc import RUNC_ROOT, Runc
@@ -191,22 +191,30 @@ async def test_stdin_reaches_the_command_then_its_end(
     assert events[-1] == ExecExit(0)
 
 
-async def test_an_exec_remembers_the_container_instead_of_listing_again(
+async def test_an_exec_remembers_the_container_and_never_lists_the_key(
     driver: PodmanDriver, launched: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Three execs: one lookup of the container (by its name), no listing of the key's
+    containers at all (the listing read every container of the key on every exec)."""
     key = await launched()
+    lookups: list[object] = []
     listings: list[object] = []
-    listing = driver._sync.list
+    lookup, listing = podman.running_id, driver._sync.list
 
-    def counted(*args: Any) -> Any:
+    def looked_up(*args: Any) -> Any:
+        lookups.append(args)
+        return lookup(*args)
+
+    def listed(*args: Any) -> Any:
         listings.append(args)
         return listing(*args)
 
-    monkeypatch.setattr(driver._sync, "list", counted)
+    monkeypatch.setattr(podman, "running_id", looked_up)
+    monkeypatch.setattr(driver._sync, "list", listed)
     for _ in range(3):
         events = await asyncio.wait_for(collect(driver.exec_stream(key, 1, ["true"])), WAIT)
         assert events[-1] == ExecExit(0)
-    assert len(listings) == 1
+    assert (len(lookups), listings) == (1, [])
 
 
 @pytest.mark.parametrize("mode", ["runtime", "api"])
