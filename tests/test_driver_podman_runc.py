@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import eventually
 from podman import PodmanClient
 from podman.domain.containers import Container
 
@@ -303,3 +305,28 @@ async def test_the_process_file_is_private_and_gone_once_the_command_runs(
     assert not path.exists()  # gone while the command still runs
     await asyncio.wait_for(stream.aclose(), WAIT)
     assert not path.parent.exists()
+
+
+async def test_concurrent_execs_each_get_their_own_output_and_leave_nothing_behind(
+    runc: Runc, containers: Any
+) -> None:
+    """30 execs at once in one container: each its own output and exit code; afterwards no
+    descriptor, thread or process file of theirs is left in this process."""
+    container = containers()
+    fds = len(os.listdir("/proc/self/fd"))
+
+    async def one(i: int) -> list[ExecEvent]:
+        script = f"echo {i}; echo e{i} >&2; exit {i % 7}"
+        return await collect(podman_runc.exec_stream(runc, str(container.id), ["sh", "-c", script]))
+
+    results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(30))), WAIT * 3)
+    for i, events in enumerate(results):
+        assert (out(events), out(events, "stderr")) == (f"{i}\n", f"e{i}\n")
+        assert events[-1] == ExecExit(i % 7)
+
+    def left() -> tuple[int, list[str]]:
+        threads = [t.name for t in threading.enumerate() if t.name.startswith("runc-exec")]
+        return len(os.listdir("/proc/self/fd")), threads
+
+    await eventually(left, lambda now: now == (fds, []), timeout=WAIT,
+                     what="the execs' descriptors and threads gone")  # fmt: skip
