@@ -6,8 +6,10 @@
 - ``podman``: ``PodmanDriver``; its parts ``podman_calls`` (blocking calls), ``podman_objects``
   (names, containers read back, errors), ``podman_spec`` (create arguments, confinement),
   ``podman_secrets`` (provider values), ``podman_events`` (observations), ``podman_stream``
-  (the event stream's thread), ``podman_exec`` (exec), ``podman_checkpoint`` and
-  ``podman_memory`` (a suspend that keeps memory: the checkpoint store, and its calls).
+  (the event stream's thread), ``podman_execs`` (which exec path, the remembered containers),
+  ``podman_exec`` (exec through Podman's API), ``podman_runc`` (exec through runc directly),
+  ``podman_exec_end`` (ending an exec early), ``podman_checkpoint`` and ``podman_memory`` (a
+  suspend that keeps memory: the checkpoint store, and its calls).
 - ``kubernetes``: ``KubernetesDriver``; its parts ``kube_config``, ``kube_api`` (API calls),
   ``kube_waits`` (waiting on one Pod), ``kube_watch`` (what the watch reports), ``kube_objects``
   (the objects, pure), ``kube_exec`` (exec, through the Pod's exec subresource).

@@ -14,7 +14,10 @@ watch loop); the rest of the driver is in its own modules (docs/drivers.md):
 - ``podman_checkpoint``, ``podman_memory``: a suspend's memory checkpoint (CRIU), kept and
   restored on resume;
 - ``podman_events``: events and listings mapped to observations;
-- ``podman_stream``: the event stream's reader thread.
+- ``podman_stream``: the event stream's reader thread;
+- ``podman_execs``, ``podman_exec``, ``podman_runc``, ``podman_exec_end``: exec through
+  Podman's API or runc directly (``exec_mode``), the remembered containers, and ending an exec
+  left early.
 """
 
 from __future__ import annotations
@@ -29,12 +32,12 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 from uuid import UUID
 
-from drivers import podman_exec
 from drivers.daemon_pool import DaemonThreadPool
-from drivers.podman_calls import PodmanCalls
+from drivers.podman_calls import PodmanCalls, running_id
 from drivers.podman_checkpoint import Checkpoints
 from drivers.podman_events import observation_from_event, removed_while_away, snapshot_from_list
 from drivers.podman_exec_end import EXEC_GRACE
+from drivers.podman_execs import PodmanExecs
 from drivers.podman_objects import (
     ACTOR,
     BACKEND_ERRORS,
@@ -44,6 +47,7 @@ from drivers.podman_objects import (
     retryable,
     volume_name,
 )
+from drivers.podman_runc import RUNC_ROOT, ExecMode
 from drivers.podman_spec import DEFAULT_LIMITS, DEFAULT_STOP_TIMEOUT
 from drivers.podman_stream import EventStream
 from drivers.protocol import (
@@ -91,8 +95,15 @@ class PodmanDriver:
         limits: SandboxResources = DEFAULT_LIMITS,
         exec_grace: float = EXEC_GRACE,
         checkpoint_dir: Path | None = None,
+        exec_mode: ExecMode = "auto",
+        runc_root: Path = RUNC_ROOT,
     ) -> None:
         self.base_url = base_url
+        # How an exec reaches the container: runc directly or Podman's exec API.
+        self.execs = PodmanExecs(
+            base_url, mode=exec_mode, runc_root=runc_root, request_timeout=request_timeout,
+            grace=exec_grace, running=self._running_id,
+        )  # fmt: skip
         self.exec_grace = exec_grace  # an exec left early: seconds from SIGTERM to SIGKILL
         self.stop_timeout = float(stop_timeout)
         self.actor = actor
@@ -264,22 +275,23 @@ class PodmanDriver:
         workdir: str | None = None,
         stdin: bytes | None = None,
     ) -> AsyncGenerator[ExecEvent, None]:
-        """The ExecDriver capability: Podman's exec API, streamed (see drivers/podman_exec.py)."""
-        found = await self._call(
-            self._sync.list, key, None, generation, key=key, generation=None, what="exec",
-            exclusive=False,
-        )  # fmt: skip
-        if not found or found[-1].info.state != "running":
-            raise DriverError(f"no running runtime of {key} generation {generation}",
-                              retryable=False)  # fmt: skip
-        runtime_id = found[-1].info.runtime_id
-        events = podman_exec.exec_stream(
-            self.base_url, runtime_id, command, env=env, workdir=workdir, stdin=stdin,
-            request_timeout=self._request_timeout, grace=self.exec_grace,
-        )  # fmt: skip
+        """The ExecDriver capability, streamed: through runc or Podman's exec API
+        (drivers/podman_execs.py)."""
+        events = self.execs.stream(key, generation, command, env=env, workdir=workdir, stdin=stdin)
         async with contextlib.aclosing(events):  # closed with this one: the command ends now
             async for event in events:
                 yield event
+
+    async def _running_id(self, key: str, generation: int) -> str:
+        """The generation's running container (podman_calls.running_id)."""
+        found = await self._call(
+            running_id, self._sync, key, generation, key=key, generation=None, what="exec",
+            exclusive=False,
+        )  # fmt: skip
+        if found is None:
+            raise DriverError(f"no running runtime of {key} generation {generation}",
+                              retryable=False)  # fmt: skip
+        return found
 
     # -- plumbing ----------------------------------------------------------------------------
 

@@ -349,3 +349,14 @@ class PodmanCalls:
         if self._stop_container(runtime_id, grace):
             with contextlib.suppress(NotFound):
                 self.client().containers.remove(runtime_id, force=True)
+
+
+def running_id(calls: PodmanCalls, key: str, generation: int) -> str | None:
+    """The running container of (key, generation): by its name (one inspect), else from the
+    key's listing (every container of the key: slower); None when none runs."""
+    answer = calls.client().api.get(f"/containers/{container_name(key, generation)}/json")
+    found = read_container(answer.json()) if answer.status_code == 200 else None
+    if found is None or (found.info.key, found.info.generation) != (key, generation):
+        listed = calls.list(key, None, generation)
+        found = listed[-1] if listed else None
+    return found.info.runtime_id if found and found.info.state == "running" else None

@@ -40,6 +40,11 @@ _HEADER: Final = struct.Struct(">BxxxL")
 OUTPUT_CHUNKS: Final = 16  # output chunks (frames of Podman's stream) read ahead of the caller
 
 
+class NotStarted(DriverError):
+    """The command never started: the container is gone, stopped or paused. A caller that
+    named the container by a remembered id may look it up again and retry."""
+
+
 class _Done:
     """Queue marker: the output ended (``error`` says why, None for a clean end)."""
 
@@ -169,6 +174,12 @@ def _shutdown(response: Any) -> None:
             sock.shutdown(socket.SHUT_RDWR)
 
 
+def _improper(response: Any) -> bool:
+    """Podman 4.3 refuses an exec in a stopped container with a 500 "container state
+    improper" rather than a 409."""
+    return bool(response.status_code == 500 and "state improper" in response.text)
+
+
 def _exec_body(
     command: builtins.list[str],
     env: Mapping[str, str] | None,
@@ -233,10 +244,10 @@ async def exec_stream(
                 data=json.dumps(_exec_body(command, env, workdir, stdin is not None)),
             )
             if created.status_code == 404:
-                settle(DriverError(f"exec: no container {runtime_id}", retryable=False))
+                settle(NotStarted(f"exec: no container {runtime_id}", retryable=False))
                 return
-            if created.status_code == 409:
-                settle(DriverError("exec: the runtime is not running", retryable=False))
+            if created.status_code == 409 or _improper(created):
+                settle(NotStarted("exec: the runtime is not running", retryable=False))
                 return
             created.raise_for_status()
             exec_id = holder["exec_id"] = str(created.json()["Id"])
@@ -251,7 +262,7 @@ async def exec_stream(
                     timeout=(request_timeout, None),
                 )
             if response.status_code == 409:
-                settle(DriverError("exec: the runtime is not running", retryable=False))
+                settle(NotStarted("exec: the runtime is not running", retryable=False))
                 return
             response.raise_for_status()
             holder["response"] = response

@@ -60,15 +60,21 @@ def end_exec(base_url: str, exec_id: str, *, grace: float, request_timeout: floa
                 return "unreachable"
             if _running(client, exec_id)[0] != pid:  # ended between the look and the pin
                 return "exited"
-            group = _group_of(pid) == pid
-            _signal(pidfd, pid, group, signal.SIGTERM)
-            if _gone(pid, pidfd, group, grace):
-                return "terminated"
-            _signal(pidfd, pid, group, signal.SIGKILL)
-            _gone(pid, pidfd, group, _KILLED_WAIT)
-            return "killed"
+            return end_pinned(pidfd, pid, grace)
         finally:
             os.close(pidfd)
+
+
+def end_pinned(pidfd: int, pid: int, grace: float) -> Ending:
+    """SIGTERM to the command (pinned by ``pidfd``, checked to be the command's by the
+    caller) and its process group if it leads one, SIGKILL after ``grace`` seconds."""
+    group = _group_of(pid) == pid
+    _signal(pidfd, pid, group, signal.SIGTERM)
+    if _gone(pid, pidfd, group, grace):
+        return "terminated"
+    _signal(pidfd, pid, group, signal.SIGKILL)
+    _gone(pid, pidfd, group, _KILLED_WAIT)
+    return "killed"
 
 
 def _running(client: Any, exec_id: str) -> tuple[int | None, str]:
@@ -97,6 +103,15 @@ def _stat(path: str) -> tuple[str, int] | None:
         return None
     fields = text[text.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
     return fields[0], int(fields[2])
+
+
+def parent_of(pid: int) -> int | None:
+    """A process's parent (None: gone)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(text[text.rindex(")") + 2 :].split()[1])
 
 
 def _group_of(pid: int) -> int | None:

@@ -1,4 +1,6 @@
-"""Streamed exec and the core-dump limit of the Podman driver, on the real Podman service.
+"""Streamed exec and the core-dump limit of the Podman driver, on the real Podman service,
+through both exec paths: runc directly ("runtime", drivers/podman_runc.py) and Podman's exec
+API ("api", drivers/podman_exec.py).
 
 Fails (never skips) when the service or the sandbox image is missing (see conftest.py).
 """
@@ -9,17 +11,18 @@ import asyncio
 import contextlib
 import sys
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import pytest
 from exec_support import running_with
 from harness import eventually
 from podman import PodmanClient
 
-from drivers import podman_exec
+from drivers import podman_exec, podman_runc
 from drivers.podman import PodmanDriver
 from drivers.podman_exec import OutputBuffer
 from drivers.podman_objects import container_name
+from drivers.podman_runc import RUNC_ROOT, ExecMode
 from drivers.protocol import (
     DriverError,
     ExecDriver,
@@ -32,13 +35,37 @@ from events.common import SandboxSpec
 from services.common.settings import Settings
 
 WAIT = 20.0
+MODES = ("runtime", "api")
+
+
+@pytest.fixture(params=MODES)
+def mode(request: pytest.FixtureRequest) -> ExecMode:
+    mode: ExecMode = request.param
+    return mode
 
 
 @pytest.fixture
-async def driver(settings: Settings, podman: PodmanClient) -> AsyncIterator[PodmanDriver]:
-    drv = PodmanDriver(settings.podman_url, stop_timeout=1)
+async def driver(
+    settings: Settings, podman: PodmanClient, mode: ExecMode
+) -> AsyncIterator[PodmanDriver]:
+    drv = PodmanDriver(settings.podman_url, stop_timeout=1, exec_mode=mode)
     yield drv
     await drv.close()
+
+
+def low_level(
+    mode: ExecMode, settings: Settings, podman: PodmanClient, container: str,
+    command: list[str], *, buffer: OutputBuffer, grace: float = 5.0,
+) -> AsyncGenerator[ExecEvent, None]:  # fmt: skip
+    """One path's exec_stream, by the container's name (Podman's API) or id (runc)."""
+    if mode == "api":
+        return podman_exec.exec_stream(
+            settings.podman_url, container, command, buffer=buffer, grace=grace
+        )
+    runc, why = podman_runc.probe(settings.podman_url, "runtime", RUNC_ROOT, WAIT)
+    assert runc is not None, why
+    runtime_id = str(podman.containers.get(container).id)
+    return podman_runc.exec_stream(runc, runtime_id, command, buffer=buffer, grace=grace)
 
 
 @pytest.fixture
@@ -132,6 +159,21 @@ async def test_exec_input_the_command_never_reads_still_gives_the_exit_code(
         assert events[-1] == ExecExit(5)
 
 
+async def test_a_background_child_holding_the_output_holds_the_exit_only_on_the_runtime_path(
+    driver: PodmanDriver, running: Callable[[], asyncio.Future[str]], mode: ExecMode
+) -> None:
+    """Podman's exec API answers when the command exits; through runc the exec ends once a
+    child left in the background holding the output closes it (drivers/podman_runc.py)."""
+    key = await running()
+    began = asyncio.get_running_loop().time()
+    stream = driver.exec_stream(key, 1, ["sh", "-c", "sleep 3 & echo hi"])
+    events = await asyncio.wait_for(collect(stream), WAIT)
+    took = asyncio.get_running_loop().time() - began
+    assert joined(events, "stdout") == b"hi\n"
+    assert events[-1] == ExecExit(0)
+    assert took >= 3 if mode == "runtime" else took < 3
+
+
 async def test_exec_output_arrives_while_the_command_still_runs(
     driver: PodmanDriver, running: Callable[[], asyncio.Future[str]]
 ) -> None:
@@ -146,15 +188,18 @@ TOTAL = 20_000_000  # bytes of output, many times the buffer's chunks
 
 
 async def test_output_a_caller_does_not_take_is_read_ahead_only_as_far_as_the_buffer(
-    settings: Settings, running: Callable[[], asyncio.Future[str]]
+    settings: Settings,
+    running: Callable[[], asyncio.Future[str]],
+    mode: ExecMode,
+    podman: PodmanClient,
 ) -> None:
     """Regression: the reading thread queued all the output a caller did not take (an exec of
     ``head -c 300000000 /dev/zero`` read once grew the gateway by 300 MB). Now it waits for room
     once the buffer holds its size, and every byte still arrives once the caller reads."""
     key = await running()
     buffer = OutputBuffer(4)
-    events = podman_exec.exec_stream(
-        settings.podman_url, container_name(key, 1), ["head", "-c", str(TOTAL), "/dev/zero"],
+    events = low_level(
+        mode, settings, podman, container_name(key, 1), ["head", "-c", str(TOTAL), "/dev/zero"],
         buffer=buffer,
     )  # fmt: skip
     async with contextlib.aclosing(events):
@@ -171,14 +216,17 @@ async def test_output_a_caller_does_not_take_is_read_ahead_only_as_far_as_the_bu
 
 
 async def test_leaving_while_the_reading_thread_waits_for_room_ends_the_command(
-    settings: Settings, running: Callable[[], asyncio.Future[str]], podman: PodmanClient
+    settings: Settings,
+    running: Callable[[], asyncio.Future[str]],
+    podman: PodmanClient,
+    mode: ExecMode,
 ) -> None:
     key = await running()
     marker = f"{uuid.uuid4().int % 100_000 + 300_000}"
     buffer = OutputBuffer(2)
     script = f"while :; do head -c 1000000 /dev/zero; done # {marker}"
-    events = podman_exec.exec_stream(
-        settings.podman_url, container_name(key, 1), ["sh", "-c", script], buffer=buffer,
+    events = low_level(
+        mode, settings, podman, container_name(key, 1), ["sh", "-c", script], buffer=buffer,
         grace=0.5,
     )  # fmt: skip
     assert isinstance(await asyncio.wait_for(anext(events), WAIT), ExecOutput)
@@ -212,13 +260,16 @@ async def test_leaving_an_exec_early_terminates_the_command_and_its_background_c
 
 
 async def test_a_command_that_ignores_sigterm_is_killed_after_the_grace(
-    settings: Settings, running: Callable[[], asyncio.Future[str]], podman: PodmanClient
+    settings: Settings,
+    running: Callable[[], asyncio.Future[str]],
+    podman: PodmanClient,
+    mode: ExecMode,
 ) -> None:
     key = await running()
     marker = f"{uuid.uuid4().int % 100_000 + 200_000}"
     # The shell ignores SIGTERM (each short sleep may die of it; the loop goes on).
     script = f'trap "" TERM; echo first; while :; do sleep 1; done # {marker}'
-    impatient = PodmanDriver(settings.podman_url, stop_timeout=1, exec_grace=0.5)
+    impatient = PodmanDriver(settings.podman_url, stop_timeout=1, exec_grace=0.5, exec_mode=mode)
     try:
         stream = impatient.exec_stream(key, 1, ["sh", "-c", script])
         assert await asyncio.wait_for(anext(stream), WAIT) == ExecOutput("stdout", b"first\n")
@@ -228,6 +279,7 @@ async def test_a_command_that_ignores_sigterm_is_killed_after_the_grace(
     assert running_with(podman, container_name(key, 1), marker) == []
 
 
+@pytest.mark.parametrize("mode", ["api"])
 async def test_an_exec_out_of_reach_of_this_pid_namespace_is_not_signalled(
     settings: Settings,
     driver: PodmanDriver,
@@ -235,7 +287,8 @@ async def test_an_exec_out_of_reach_of_this_pid_namespace_is_not_signalled(
     podman: PodmanClient,
 ) -> None:
     """Ending from a process in a PID namespace of its own (as a gateway in a container of
-    its own would be): Podman's PID names nothing there, so nothing is signalled."""
+    its own would be): Podman's PID names nothing there, so nothing is signalled. (Podman's
+    exec API only: the runtime path needs Podman's PID namespace to run at all.)"""
     key = await running()
     marker = f"{uuid.uuid4().int % 100_000 + 400_000}"
     stream = driver.exec_stream(key, 1, ["sh", "-c", f"echo first; sleep {marker}"])

@@ -7,7 +7,12 @@ of the sandbox image of the bench's own, and the ``podman exec`` command beside 
 - ``create``: ``POST /containers/{id}/exec``;
 - ``start``: ``POST /exec/{id}/start`` read to the end of its stream (Podman starts conmon and
   the OCI runtime's exec: the command runs and exits);
-- ``inspect``: ``GET /exec/{id}/json`` (the exit code).
+- ``inspect``: ``GET /exec/{id}/json`` (the exit code);
+
+then the exec through runc directly (drivers/podman_runc.py, the driver's runtime path: the
+process file written, ``runc exec`` run, its output read to the end, the exit code), where
+this process can (``probe``), and ``runc exec`` of the container's own process (no
+``--process``) as the floor.
 """
 
 from __future__ import annotations
@@ -17,11 +22,14 @@ import json
 import subprocess
 import time
 import uuid
+from contextlib import aclosing
 
 from podman import PodmanClient
 from podman.domain.containers import Container
 
+from drivers import podman_runc
 from drivers.podman_exec import frames
+from drivers.podman_runc import Runc
 from services.bench.drivers import Figures
 from services.common.settings import Settings
 
@@ -29,10 +37,46 @@ STEPS = ("list", "create", "start", "inspect")
 
 
 async def exec_steps(settings: Settings, samples: int) -> list[Figures]:
-    return await asyncio.to_thread(_steps, settings, samples)
+    figures, container = await asyncio.to_thread(_steps, settings, samples)
+    try:
+        runc, why = await asyncio.to_thread(
+            podman_runc.probe, settings.podman_url, "runtime", settings.podman_runc_root, 60
+        )
+        if runc is None:
+            print(f"  (no runtime path here: {why})")
+            return figures
+        return figures + await _runtime(runc, container, samples)
+    finally:
+        await asyncio.to_thread(_stop, settings, str(container.id))
 
 
-def _steps(settings: Settings, samples: int) -> list[Figures]:
+def _stop(settings: Settings, runtime_id: str) -> None:
+    with PodmanClient(base_url=settings.podman_url, timeout=60) as client:
+        client.containers.get(runtime_id).stop(timeout=1)
+
+
+async def _runtime(runc: Runc, container: Container, samples: int) -> list[Figures]:
+    """The runtime path's exec, and a bare ``runc exec`` of the container's own process."""
+    driver, bare = [], []
+    runtime_id = str(container.id)
+    for i in range(samples + 2):  # the first two warm up, not counted
+        began = time.perf_counter()
+        async with aclosing(podman_runc.exec_stream(runc, runtime_id, ["true"])) as events:
+            async for _ in events:
+                pass
+        marked = time.perf_counter()
+        argv = [runc.path, "--root", str(runc.root), "exec", runtime_id, "true"]
+        await asyncio.to_thread(subprocess.run, argv, check=True, capture_output=True)
+        if i >= 2:
+            driver.append(marked - began)
+            bare.append(time.perf_counter() - marked)
+    return [
+        Figures("exec through runc: the driver's runtime path", driver),
+        Figures("exec through runc: bare `runc exec`", bare),
+    ]
+
+
+def _steps(settings: Settings, samples: int) -> tuple[list[Figures], Container]:
     client = PodmanClient(base_url=settings.podman_url, timeout=60)
     name = f"bench-exec-{uuid.uuid4().hex[:8]}"
     container = client.containers.run(
@@ -67,7 +111,10 @@ def _steps(settings: Settings, samples: int) -> list[Figures]:
                 times[step].append(ended - began)
             times["all four"].append(marks[4] - marks[0])
             times["podman exec"].append(marks[5] - marks[4])
-    finally:
+    except BaseException:
         container.stop(timeout=1)
+        raise
+    finally:
         client.close()  # type: ignore[no-untyped-call]
-    return [Figures(f"exec on Podman: {step}", values) for step, values in times.items()]
+    figures = [Figures(f"exec on Podman: {step}", values) for step, values in times.items()]
+    return figures, container

@@ -15,7 +15,9 @@ to the first answer of an exec in the sandbox (``true``, exit code 0):
 Also printed: the warm claim's answer alone (request → ``claim.warm``), the figure the pool's
 status reports as its warm latency, and a second exec in the same sandbox (what an exec costs by
 itself). p50 and p90 as the issue asks, and the worst. Then where an exec's time goes
-(services/bench/exec_steps.py: the Podman driver's calls for one exec, timed one by one).
+(services/bench/exec_steps.py: the Podman driver's calls for one exec through Podman's exec
+API, timed one by one, beside ``podman exec``, the driver's runtime path and a bare ``runc
+exec``). ``SANDSTREAM_PODMAN_EXEC=api`` times the sandbox execs through Podman's exec API.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ async def main(settings: Settings, samples: int) -> None:
         server = await start_api(app, "127.0.0.1", 0, access_log=False)
         headers = {"Authorization": f"Bearer {TOKEN}"}
         try:
+            await driver.execs.runtime()
+            print(f"  the driver's exec path: {driver.execs.path} (SANDSTREAM_PODMAN_EXEC)")
             async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=60) as c:
                 figures = await _run(c, pool, s.sandbox_image, samples)
         finally:
@@ -69,6 +73,7 @@ async def main(settings: Settings, samples: int) -> None:
     for f in figures:
         print(line(f))
     print("where an exec's time goes: the Podman driver's calls, one by one, without sandstream")
+    print("(Podman's exec API step by step, `podman exec`, then the runtime path and bare runc)")
     for f in await exec_steps(settings, samples):
         print(line(f))
 

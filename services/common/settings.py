@@ -124,6 +124,11 @@ class Settings(BaseSettings):
     # podman_checkpoint_dir (default state_dir/podman/checkpoints), on the Podman host.
     podman_suspend_memory: bool = False
     podman_checkpoint_dir: Path | None = None
+    # How an exec reaches a container (docs/drivers.md, "Exec"): "runtime" runs Podman's runc
+    # directly (root on the Podman host, rootful Podman with runc), "api" Podman's exec API,
+    # "auto" runc where it can. podman_runc_root: runc's state root as Podman runs it.
+    podman_exec: Literal["auto", "runtime", "api"] = "auto"
+    podman_runc_root: Path = Path("/run/runc")
 
     # Which driver `sandstream up`, `sandstream executor|watcher` and `python -m
     # services.executor` use. "fake": the in-memory fake driver (drivers/fake.py), for tests and

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 def podman_driver(settings: Settings, **kwargs: Any) -> PodmanDriver:
     """A Podman driver for the configured API socket and default stop timeout."""
     kwargs.setdefault("stop_timeout", settings.stop_timeout_seconds)
+    kwargs.setdefault("exec_mode", settings.podman_exec)
+    kwargs.setdefault("runc_root", settings.podman_runc_root)
     if settings.podman_suspend_memory:
         kwargs.setdefault("checkpoint_dir", settings.podman_checkpoint_path)
     return PodmanDriver(settings.podman_url, **kwargs)
