@@ -4,6 +4,8 @@ asserted. Tools for people measuring sandstream locally; imports whatever it mea
 Modules:
 
 - ``ceiling``: a minimal exactly-once projector, the reference the processor is measured against.
+- ``claim``: a warm claim at low load, step by step in the process, beside a row-only
+  command's decided outcome through the same API and Kafka's own round trip.
 - ``cpu``: CPU seconds spent per input, beside the wall-clock rates.
 - ``decided``: request → decided outcome at low load through the HTTP API, beside Kafka's and
   PostgreSQL's own round trips.
@@ -20,7 +22,7 @@ Modules:
   of ``make bench``).
 - ``kube_requests``: the Kubernetes driver's apiserver requests per sandbox beside bare Pods'.
 - ``main``: ``python -m services.bench
-  [all|processor|latency|decided|idle|idle-use|scaleout|rebuild|profile|fold|stages|drivers|
+  [all|processor|latency|decided|claim|idle|idle-use|scaleout|rebuild|profile|fold|stages|drivers|
   peer|kube-requests|warm]
   [--quick]``.
 - ``peer``, ``peer_setup``, ``peer_systems``, ``peer_kube``, ``peer_stats``, ``peer_report``:
