@@ -26,7 +26,7 @@ import builtins
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from typing import Final
+from typing import ClassVar, Final
 
 from drivers.kube_config import KubeConfig
 from drivers.kube_files import KubeFiles
@@ -98,6 +98,13 @@ class PidLine:
 
 class KubeExec:
     """The ExecDriver of the Kubernetes driver's Pods (``sandstream-<key>-g<generation>``)."""
+
+    # An exec's environment becomes part of its argv (``env K=V …``), which is the query of
+    # the apiserver's exec request URL (its logs and audit): no place for a provider's value.
+    exec_env_refusal: ClassVar[str | None] = (
+        "the kubernetes driver cannot pass an exec's environment privately (an exec's argv is "
+        "in the apiserver's request URL)"
+    )
 
     def __init__(self, cfg: KubeConfig, grace: float = EXEC_GRACE) -> None:
         self._pods = KubeFiles(cfg)  # its exec websocket serves commands as it serves files

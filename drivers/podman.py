@@ -26,7 +26,7 @@ import logging
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 from uuid import UUID
 
 from drivers import podman_exec
@@ -70,6 +70,11 @@ T = TypeVar("T")
 
 class PodmanDriver:
     """The driver for a Podman API service (``podman system service``)."""
+
+    # An exec's environment travels in its session's body over the Podman socket, never in a
+    # command line or a URL: a claim's env and providers' values may go that way (protocol's
+    # exec_env_refusal).
+    exec_env_refusal: ClassVar[str | None] = None
 
     def __init__(
         self,

@@ -299,6 +299,19 @@ class ExecDriver(Protocol):
         ...
 
 
+def exec_env_refusal(driver: object | None) -> str | None:
+    """Why ``driver``'s exec cannot carry environment values privately, so that what a claim
+    hands a sandbox through exec alone (its env, its providers' values) must wait for a cold
+    start instead; None: it can (the Podman driver: the values travel in the exec session's
+    body over the Podman socket). A driver says so by its ``exec_env_refusal`` attribute; one
+    that says nothing is taken as unable."""
+    if driver is None:
+        return "this API cannot exec (a claim's env and providers reach a sandbox through exec)"
+    default = f"the {type(driver).__name__} driver's exec does not pass environment values"
+    refusal: str | None = getattr(driver, "exec_env_refusal", default)
+    return refusal
+
+
 def observed_state(state: RuntimeState) -> ObservedState:
     """What a failure reports as the backend's state: a runtime still stopping counts as
     running (the operation that failed did not end it)."""

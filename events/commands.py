@@ -11,6 +11,7 @@ from events.common import (
     INT64_MAX,
     SCHEMA_VERSION,
     Actor,
+    ClaimEnv,
     ClaimId,
     ClaimLabels,
     CommandId,
@@ -174,6 +175,16 @@ class AdoptSandbox(CommandBase):
     claimant: SandboxName
     claim_id: ClaimId
     labels: ClaimLabels = Field(default_factory=dict)  # added to the member's, no restart
+    # The claim's time to live, from this command's occurred_at (None: the member keeps none).
+    # Left out while unset, as the fields below, so claims without them serialize as before.
+    ttl_seconds: TTLSeconds | None = Field(default=None, exclude_if=lambda v: v is None)
+    # The claim's env (added to or replacing the member's spec env) and providers (attached by
+    # name, never their values): delivered to every exec through sandstream's doors; the
+    # member's running process keeps its own environment (docs/pools.md).
+    env: ClaimEnv = Field(default_factory=dict, exclude_if=lambda v: not v)
+    providers: list[ProviderName] = Field(
+        default_factory=list, max_length=64, exclude_if=lambda v: not v
+    )
 
 
 class BindSandboxName(CommandBase):

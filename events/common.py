@@ -147,6 +147,20 @@ ClaimLabels = Annotated[
 ]
 
 
+def _env_keys(value: dict[str, str]) -> dict[str, str]:
+    return _check_keys(value, _ENV_KEY, "environment variable")
+
+
+# Environment variables a claim adds to (or replaces in) the spec of the sandbox it adopts
+# (the spec's env rules). Plain values, on the log as a create's spec env is; never a
+# provider's value (a claim names providers).
+ClaimEnv = Annotated[
+    dict[str, Annotated[Text, StringConstraints(max_length=10_000)]],
+    Field(max_length=256),
+    AfterValidator(_env_keys),
+]
+
+
 class SandboxSpec(Strict):
     image: Annotated[Text, StringConstraints(min_length=1, max_length=500)]
     command: list[Annotated[Text, StringConstraints(max_length=10_000)]] = Field(

@@ -16,6 +16,7 @@ from events.common import (
     SCHEMA_VERSION,
     Actor,
     Cause,
+    ClaimEnv,
     ClaimId,
     ClaimLabels,
     Deadline,
@@ -315,13 +316,20 @@ class IdleSuspendChanged(EventBase):
 
 class SandboxAdopted(EventBase):
     """A Ready pool member adopted by ``claim_id`` for the name ``claimant``: it leaves its pool
-    (the row keeps ``pool`` as provenance) and takes the claim's ``labels``, without a restart.
+    (the row keeps ``pool`` as provenance) and takes the claim's ``labels``, ``env`` and
+    ``providers`` and its expiry, without a restart.
     The processor then sends BindSandboxName on the claimant's key."""
 
     type: Literal["SandboxAdopted"]
     claimant: SandboxName
     claim_id: ClaimId
     labels: ClaimLabels = Field(default_factory=dict)
+    # The claim's time to live, counted from the adoption (None: the member's expiry stands),
+    # its env (merged into the spec: added or replaced) and the providers it attaches (names);
+    # left out while unset, so adoptions without them serialize as before.
+    expires_at: Timestamp | None = Field(default=None, exclude_if=lambda v: v is None)
+    env: ClaimEnv = Field(default_factory=dict, exclude_if=lambda v: not v)
+    providers: list[ProviderName] = Field(default_factory=list, exclude_if=lambda v: not v)
 
 
 class SandboxAdoptionAbandoned(EventBase):

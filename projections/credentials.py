@@ -96,7 +96,7 @@ def plan(
         mine = {p: r for p, r in rotations.items() if p in sandbox.providers}
         if not mine:
             continue
-        action = rotation_action(sandbox, restart)
+        action = rotation_action(sandbox, restart, mine)
         restarts = action == RESTART
         lines.append(
             ReceiptLine(

@@ -44,7 +44,7 @@ DATABASE_ERRORS: tuple[type[Exception], ...] = (asyncpg.PostgresError, *CONNECTI
 SANDBOX_COLUMNS = (
     "key, sandbox_id, phase, generation, version, spec, providers, identity, exit_code, reason, "
     "created_at, updated_at, deadline, expires_at, on_expiry, on_exit, hold, awaited, restarts, "
-    "template, pool, adopted_as, claim_id, bound_to"
+    "template, pool, adopted_as, claim_id, bound_to, claim_providers, adopted_generation"
 )
 
 
@@ -80,6 +80,8 @@ def sandbox_from_record(r: Any) -> Sandbox:
         adopted_as=r["adopted_as"],
         claim_id=r["claim_id"],
         bound_to=r["bound_to"],
+        claim_providers=tuple(r["claim_providers"] or ()),
+        adopted_generation=r["adopted_generation"],
     )
 
 
@@ -126,7 +128,8 @@ SELECT 'row', NULL, NULL, NULL, json_build_object(
     'on_expiry', on_expiry, 'on_exit', on_exit, 'hold', hold, 'awaited', awaited,
     'restarts', restarts, 'template', template,
     'pool', pool, 'adopted_as', adopted_as, 'claim_id', claim_id,
-    'bound_to', bound_to)
+    'bound_to', bound_to, 'claim_providers', claim_providers,
+    'adopted_generation', adopted_generation)
 FROM unnest($3::text[]) AS k, LATERAL (SELECT * FROM sandboxes WHERE key = k LIMIT 1) AS s
 UNION ALL
 SELECT 'outcome', NULL, NULL, NULL, o.outcome::json
@@ -323,7 +326,8 @@ WITH moved AS (
            (r->>15)::bigint AS base, r->16 AS spec, nullif(r->17, 'null') AS deadline,
            nullif(r->18, 'null') AS hold, r->19 AS awaited,
            nullif(r->20, 'null') AS restarts, nullif(r->21, 'null') AS template,
-           r->>22 AS pool, r->>23 AS adopted_as, r->>24 AS claim_id, r->>25 AS bound_to
+           r->>22 AS pool, r->>23 AS adopted_as, r->>24 AS claim_id, r->>25 AS bound_to,
+           string_to_array(r->>26, ',') AS claim_providers, (r->>27)::int AS adopted_generation
     FROM jsonb_array_elements($5::jsonb) AS r
     WHERE (SELECT ok FROM fence)
 ), inserted AS (
@@ -346,7 +350,8 @@ WITH moved AS (
         hold = u.hold, awaited = u.awaited, restarts = u.restarts,
         template = u.template,
         pool = u.pool,
-        adopted_as = u.adopted_as, claim_id = u.claim_id, bound_to = u.bound_to
+        adopted_as = u.adopted_as, claim_id = u.claim_id, bound_to = u.bound_to,
+        claim_providers = u.claim_providers, adopted_generation = u.adopted_generation
     FROM decided_rows u
     WHERE u.base IS NOT NULL AND s.key = u.key AND s.version = u.base
     RETURNING 1
@@ -489,7 +494,8 @@ def _sandbox_positions(partition: int, s: Sandbox, base: int | None) -> tuple[An
         orjson.Fragment(s.hold.model_dump_json()) if s.hold else None, s.awaited,
         orjson.Fragment(s.restarts.model_dump_json()) if s.restarts else None,
         orjson.Fragment(s.template.model_dump_json()) if s.template else None,
-        s.pool, s.adopted_as, s.claim_id, s.bound_to,
+        s.pool, s.adopted_as, s.claim_id, s.bound_to, ",".join(s.claim_providers),
+        s.adopted_generation,
     )  # fmt: skip
 
 

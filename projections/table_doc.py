@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 from projections.lifecycle import (
+    CLAIM_DETACHED,
+    CLAIM_ROTATED,
     COMMAND_TABLE,
     DEADLINE_TABLE,
     DETACH_HELD,
@@ -210,6 +212,12 @@ def render() -> str:
         "(`projections.lifecycle.OWED_PHASES`); a new generation or any other phase clears it "
         "(the next start reads the newest values).",
         "",
+        "A rotation naming only providers a claim attached to a pool member it adopted "
+        "(`claim_providers`), while the adopted generation runs in Ready, restarts nothing: "
+        f"AgentRestartSkipped ({CLAIM_ROTATED}). That process was started before the claim and "
+        "never read them; they reach each exec through the doors (docs/pools.md). Its next "
+        "start reads them, and from then on the table applies.",
+        "",
         "### Detaching a provider (DetachProvider) by phase",
         "",
         "| phase | detaching an attached provider |",
@@ -237,7 +245,8 @@ def render() -> str:
         "or are unknown, AgentRestarted at once without it; the running snapshot waits for that "
         "result, as for an awaited rotation. A detach in Error is recorded the same "
         "way: if that generation is seen running again, it restarts at once without the "
-        "provider.",
+        "provider. Detaching a provider only a claim attached, while the adopted generation "
+        f"runs in Ready, restarts nothing either: ProviderDetached only ({CLAIM_DETACHED}).",
     ]
     return "\n".join(lines)
 

@@ -360,6 +360,9 @@ def adopt(
     claim_id: str = "claim-1",
     *,
     labels: dict[str, str] | None = None,
+    ttl_seconds: int | None = None,
+    env: dict[str, str] | None = None,
+    providers: Sequence[str] = (),
     command_id: str | None = None,
     actor: str = USER,
     occurred_at: datetime = T0,
@@ -371,6 +374,9 @@ def adopt(
         claimant=claimant,
         claim_id=claim_id,
         labels=labels or {},
+        ttl_seconds=ttl_seconds,
+        env=env or {},
+        providers=list(providers),
     )
 
 

@@ -14,7 +14,7 @@ import pytest
 from drivers.kube_objects import PodSettings, pod_manifest
 from drivers.protocol import LaunchSpec
 from events.common import SandboxSpec
-from services.bench import cpu
+from services.bench import cpu, peer_burst
 from services.bench.peer import above_idle, orders
 from services.bench.peer_kube import yaml_documents
 from services.bench.peer_report import Plan, goals, highest_rate, median_figures, plan, report
@@ -242,3 +242,35 @@ async def test_sandstream_requests_are_sent_again_once_after_a_dropped_connectio
     with pytest.raises(httpx.ReadError):
         await api.delete("a")
     await api.close()
+
+
+def test_the_burst_summary_shows_own_cpu_by_process_beside_the_floor_and_the_medians() -> None:
+    ours = BurstFigures(
+        Summary(300, 300, 1.0, 3.0, 4.0, 5.0), 6.0, 7.0, 7.1,
+        {"sandstream up": 0.012, "sandstream Kafka": 0.009, "sandstream PostgreSQL": 0.003,
+         "kube-apiserver": 0.020, "etcd": 0.010, "bench client": 0.5},
+    )  # fmt: skip
+    floor = BurstFigures(
+        Summary(300, 300, 0.5, 1.0, 2.0, 2.5), 3.0, 2.5, 7.0, {"kube-apiserver": 0.015}
+    )
+    lines = peer_burst.summary({FLOOR: [floor], OURS: [ours, ours]}).splitlines()
+    ours_row = next(line for line in lines if line.startswith("1") and "sandstream" in line)
+    # own: up + broker + PostgreSQL (the load generator is no one's); total adds the cluster
+    assert "24.0 (12.0, 9.0, 3.0)" in ours_row and ours_row.split()[-2:] == ["30.0", "54.0"]
+    floor_row = next(line for line in lines if line.startswith("1") and "bare" in line)
+    assert floor_row.split()[-3:] == ["—", "15.0", "15.0"]
+    median_row = next(line for line in lines if line.startswith("median") and "sandstream" in line)
+    assert median_row.split()[2:5] == ["3.00", "s", "6.00"]
+
+
+def test_a_bursts_deletes_are_timed_from_their_requests_and_the_slowest_named() -> None:
+    track = Track()
+    track.deleting = {"b0-1": 10.0, "b0-2": 10.0, "b1-1": 50.0}
+    track.delete_answered = {"b0-1": 11.0, "b0-2": 12.0, "b1-1": 51.0}
+    track.pod_gone = {"b0-1": 12.0, "b0-2": 13.0, "b1-1": 52.0}
+    track.gone = {"b0-1": 13.0, "b0-2": 17.0, "b1-1": 90.0}
+    line = peer_burst.delete_line(track, "b0-")
+    assert "answered 1.00 / 2.00 / 2.00" in line and "reported gone 3.00 / 7.00 / 7.00" in line
+    assert peer_burst.slowest(track, "b0-") == "b0-2"
+    track.pod_gone["b0-3"], track.deleting["b0-3"] = 11.0, 10.0  # never reported gone
+    assert peer_burst.slowest(track, "b0-") == "b0-3"

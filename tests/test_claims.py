@@ -145,15 +145,20 @@ async def test_a_claimed_name_works_at_openshell_the_console_and_the_audit(
     await api.wait_phase(member, "Deleted", timeout=60)
 
 
-async def test_a_claim_is_cold_with_no_ready_member_or_with_per_claim_env(api: Api) -> None:
+async def test_a_claim_is_cold_with_no_ready_member_or_env_its_driver_cannot_deliver(
+    api: Api,
+) -> None:
     pool = new_pool()
     result = await claimed(api, pool, unique("c"))
     assert not result.warm and result.member is None
     assert "no Ready member" in result.reason
     [member] = await create_members(gateway_of(api), pool, 1, IMAGE)
     await all_ready(api.env.pool, [member])
-    result = await claimed(api, pool, unique("c"), env={"TOKEN": "x"})
-    assert not result.warm and "env" in result.reason
+    why = "the kubernetes driver cannot pass an exec's environment privately"
+    result = await claimed(api, pool, unique("c"), env={"TOKEN": "x"}, env_refusal=why)
+    assert not result.warm and result.reason == f"per-claim env: a cold start ({why})"
+    result = await claimed(api, pool, unique("c"), providers=["gh"], env_refusal=why)
+    assert not result.warm and result.reason.startswith("per-claim providers: a cold start")
     assert await adoptions(api.env.pool, pool) == []  # the member was left alone
     await cleanup(api, [member])
 

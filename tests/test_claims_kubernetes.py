@@ -1,6 +1,7 @@
 """Claims on the Kubernetes driver (the local kube-apiserver, kwok as the node): a pool
 member's Pod is adopted as it runs, under the claimant's name, without a new Pod; deleting the
-claimant's name removes the member's Pod and frees the name."""
+claimant's name removes the member's Pod and frees the name. A claim with per-claim env is cold
+there (the driver's exec cannot pass an environment privately)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ from harness import eventually
 from kube_support import (
     Admin,
     admin_fixture,  # noqa: F401  (the module's admin client)
+    driver_config,
     new_driver,
     ns_fixture,  # noqa: F401  (the module's namespace)
 )
 
+from drivers.kube_exec import KubeExec
 from drivers.kube_objects import pod_name
+from drivers.protocol import exec_env_refusal
 from services.api.claims import claim
 from services.api.gateway import CommandGateway
 
@@ -47,6 +51,15 @@ async def claimed_on(driver: Any, admin: Admin, ns: str) -> None:
         assert result.warm and result.member in members, result
         member = result.member
         assert member is not None
+        # Per-claim env through the Kubernetes driver's exec: cold, naming why (the other
+        # member is left alone).
+        refusal = exec_env_refusal(KubeExec(driver_config(admin, ns)))
+        cold = await claim(
+            gateway, pool, unique("kclaim"), actor="alice", claim_id=str(uuid.uuid4()),
+            env={"K": "v"}, env_refusal=refusal,
+        )  # fmt: skip
+        assert not cold.warm and "kubernetes driver" in cold.reason, cold
+        assert "request URL" in cold.reason, cold
         async with api.client() as c:
             view = (await c.get(f"/v1/sandboxes/{name}")).json()
             assert (view["name"], view["member_key"], view["generation"]) == (name, member, 1)

@@ -102,6 +102,7 @@ from events.observations import (
 from events.outcomes import CommandOutcome
 from projections.fold import fold
 from projections.lifecycle import (
+    CLAIM_ROTATED,
     COMMAND_TABLE,
     EXIT_EVENTS,
     OWED_PHASES,
@@ -435,6 +436,15 @@ class LifecycleMachine(RuleBasedStateMachine):
                 assert isinstance(message, AdoptSandbox) and prev is not None
                 assert prev.phase is P.READY and prev.pool is not None
                 assert prev.claim_id is None and prev.hold is None
+                # The claim's TTL counts from the adoption; its env and providers join the
+                # row's without a new generation (the running process keeps its own).
+                ttl = message.ttl_seconds
+                at = message.occurred_at + timedelta(seconds=ttl) if ttl else prev.expires_at
+                assert new is not None and new.expires_at == at
+                assert new.spec.env == {**prev.spec.env, **message.env}
+                assert set(new.providers) == set(prev.providers) | set(message.providers)
+                assert set(new.claim_providers) == set(message.providers) - set(prev.providers)
+                assert new.generation == prev.generation
             if isinstance(event, SandboxNameBound):
                 assert isinstance(message, BindSandboxName)
                 assert prev is None or (prev.tombstoned and prev.bound_to is None)
@@ -513,7 +523,10 @@ class LifecycleMachine(RuleBasedStateMachine):
             if prev.tombstoned or not attached:
                 assert not events
                 return
-            action = rotation_action(prev, message.restart)
+            action = rotation_action(prev, message.restart, attached)
+            if action == CLAIM_ROTATED:  # only values the running process never read
+                assert prev.phase is P.READY and prev.adopted_generation == prev.generation
+                assert set(attached) <= set(prev.claim_providers)
             (event,) = events
             if action == RESTART:
                 assert isinstance(event, AgentRestarted) and event.providers == attached
@@ -689,10 +702,31 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     # -- claims -------------------------------------------------------------------------------
 
-    @rule(member=keys, claimant=st.sampled_from([*KEYS, "n"]), claim=st.sampled_from(CLAIMS))
-    def adopt(self, member: str, claimant: str, claim: str) -> None:
-        """A claim's adoption of ``member`` for ``claimant`` (a free or a taken name)."""
-        d = self.send(f.adopt(member, claimant, claim, command_id=self.command_id(member)))
+    @rule(
+        member=keys,
+        claimant=st.sampled_from([*KEYS, "n"]),
+        claim=st.sampled_from(CLAIMS),
+        ttl=st.none() | st.integers(1, 600),
+        env=st.dictionaries(st.sampled_from(["A", "B"]), st.sampled_from(["1", "2"]), max_size=2),
+        providers=st.lists(st.sampled_from(PROVIDERS), max_size=2, unique=True),
+    )
+    def adopt(
+        self,
+        member: str,
+        claimant: str,
+        claim: str,
+        ttl: int | None = None,
+        env: dict[str, str] | None = None,
+        providers: list[str] | None = None,
+    ) -> None:
+        """A claim's adoption of ``member`` for ``claimant`` (a free or a taken name), with a
+        time to live, env and providers or not."""
+        d = self.send(
+            f.adopt(
+                member, claimant, claim, ttl_seconds=ttl, env=env, providers=providers or (),
+                command_id=self.command_id(member),
+            )
+        )  # fmt: skip
         state = self.states.get(member)
         if d.outcome is not None and d.outcome.accepted:
             assert state is not None and state.claim_id == claim

@@ -129,3 +129,57 @@ async def test_an_openshell_create_from_a_pooled_template_claims_as_over_http(
     async with api.client() as c:
         for name in names:
             assert (await c.delete(f"/v1/sandboxes/{name}", params={"wait": 30})).is_success
+
+
+async def test_an_openshell_claim_with_its_own_environment_is_warm_and_its_exec_sees_it(
+    api: Api, driver: Any
+) -> None:
+    """``spec.environment`` on a create from a pooled template is the claim's env: warm on
+    Podman, and ExecSandbox (the SDK's commands.run) gets it over the member's own; with its
+    own ``spec.command`` the create stays cold for that reason."""
+    template, pool = unique("tpl"), unique("pool")
+    async with api.env.pool.acquire() as conn:
+        spec = SandboxSpec(image=IMAGE, command=SLEEPER, env={"MODE": "template"})
+        await templates.create_template(conn, template, TemplateBody(spec=spec), "test",
+                                        datetime.now(UTC))  # fmt: skip
+        await pools_store.create_pool(
+            conn, pool, template, 1, "Recreate", "test", datetime.now(UTC)
+        )
+    gateway: CommandGateway = api.app.state.api.gateway
+    [member] = await create_members(gateway, pool, 1, IMAGE, env={"MODE": "template"})
+    await all_ready(api.env.pool, [member])
+    name, other = unique("agent"), unique("agent")
+    async with serving_door(api.env, driver) as (channel, _, _):
+        create = channel.unary_unary(
+            PATH + "CreateSandbox",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=os1.SandboxResponse.FromString,
+        )
+        execute = channel.unary_stream(
+            PATH + "ExecSandbox",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=os1.ExecSandboxEvent.FromString,
+        )
+        asked = os1.SandboxSpec(environment={"MODE": "claim"}, command=["sleep", "60"])
+        own = await create(os1.CreateSandboxRequest(name=other, workspace_scope=SCOPE,
+                                                    workload_template=template, spec=asked),
+                           metadata=auth(), timeout=90)  # fmt: skip
+        status, message = claim_of(own.sandbox)
+        assert status == "False" and "per-claim spec.command" in message, message
+
+        asked = os1.SandboxSpec(environment={"MODE": "claim"})
+        made = await create(os1.CreateSandboxRequest(name=name, workspace_scope=SCOPE,
+                                                     workload_template=template, spec=asked),
+                            metadata=auth(), timeout=90)  # fmt: skip
+        status, message = claim_of(made.sandbox)
+        assert status == "True" and f"adopted {member!r}" in message, message
+        assert "reach every exec" in message, message
+        request = os1.ExecSandboxRequest(
+            sandbox=name, workspace_scope=SCOPE, command=["sh", "-c", 'echo "$MODE"']
+        )
+        events = [e async for e in execute(request, metadata=auth(), timeout=60)]
+        out = b"".join(e.stdout.data for e in events if e.HasField("stdout"))
+        assert out == b"claim\n" and events[-1].exit.exit_code == 0, events
+    async with api.client() as c:
+        for each in (name, other):
+            assert (await c.delete(f"/v1/sandboxes/{each}", params={"wait": 30})).is_success

@@ -6,9 +6,10 @@ what the pool serves; OnReplenish not at all), delete."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import apikit
@@ -258,8 +259,13 @@ async def test_a_create_from_a_pooled_template_adopts_a_member_and_the_pool_refi
         rows = await settled(api, pool, 2)  # refilled: the claimed member left the pool
         assert warm["claim"]["member"] not in {r["key"] for r in rows}
 
-        env = await claim(api, unique("agent"), template, overrides={"env": {"K": "v"}})
-        assert env["claim"]["warm"] is False and "env" in env["claim"]["reason"], env
+        serving = api.app.state.api
+        api.app.state.api = dataclasses.replace(serving, exec_driver=None)
+        try:  # an API that cannot exec cannot deliver a claim's env warm
+            env = await claim(api, unique("agent"), template, overrides={"env": {"K": "v"}})
+        finally:
+            api.app.state.api = serving
+        assert env["claim"]["warm"] is False and "this API cannot exec" in env["claim"]["reason"]
         assert env["status"] == "accepted" and env["command_type"] == "CreateSandbox"
 
         r = await c.patch(f"/v1/pools/{pool}", json={"expected_revision": 1, "size": 0})
@@ -284,6 +290,33 @@ async def test_a_create_from_a_pooled_template_adopts_a_member_and_the_pool_refi
         assert kept.status_code == 200 and kept.json()["phase"] == "Ready", kept.text
         metrics = await c.get("/metrics")
         assert f'sandstream_pool_claims_total{{path="warm",pool="{pool}"}} 1.0' in metrics.text
+
+
+async def test_with_a_default_time_to_live_a_claim_is_warm_and_expires_from_its_adoption() -> None:
+    """SANDSTREAM_DEFAULT_TTL_SECONDS applies to a claim as to any create: at the adoption,
+    counted from it (a claim with a TTL went cold before, so under a default none was warm)."""
+    update = {"pool_poll_seconds": 0.5, "default_ttl_seconds": 3600}
+    async with apikit.running_api(FakeDriver(), with_scheduler=True,
+                                  settings_update=update) as api:  # fmt: skip
+        template, pool = unique("tpl"), unique("pool")
+        await make_template(api, template)
+        async with api.client() as c:
+            body = {"name": pool, "template": template, "size": 1}
+            assert (await c.post("/v1/pools", json=body)).status_code == 201
+            await settled(api, pool, 1)
+            before = datetime.now(UTC)
+            warm = await claim(api, unique("agent"), template)
+            assert warm["claim"]["warm"] is True, warm
+            expires = await api.env.fetchval(
+                "SELECT expires_at FROM sandboxes WHERE key = $1", warm["claim"]["member"]
+            )
+            assert expires is not None
+            assert (
+                before + timedelta(seconds=3600)
+                <= expires
+                <= datetime.now(UTC) + timedelta(seconds=3600)
+            )
+            assert (await c.delete(f"/v1/pools/{pool}")).status_code == 200
 
 
 async def test_a_create_from_a_template_without_a_pool_says_nothing_of_claims(api: Api) -> None:

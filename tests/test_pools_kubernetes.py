@@ -1,7 +1,9 @@
 """A warm pool on Kubernetes: the pool controller and a claim with the Kubernetes driver
 against a real kube-apiserver (kwok as the node; `make k8s` starts it): members are Pods, a
 claim adopts one without touching its Pod, a template change rolls the unclaimed ones (new
-Pods before old ones go), and deleting the pool leaves the claimed sandbox's Pod running."""
+Pods before old ones go), and deleting the pool leaves the claimed sandbox's Pod running. A
+claim with per-claim env is cold there (an exec's environment is in the apiserver's request
+URL), one with a time to live warm."""
 
 from __future__ import annotations
 
@@ -44,8 +46,11 @@ async def test_a_pool_of_pods_is_claimed_rolled_and_deleted(admin: Admin, ns: st
 
 
 async def _claimed_rolled_and_deleted(admin: Admin, ns: str, driver: KubernetesDriver) -> None:
+    # The API's own exec is the Kubernetes driver's, as under `sandstream up` with it.
+    update = {"pool_poll_seconds": 0.5, "driver": "kubernetes", "kube_namespace": ns,
+              "kube_config": admin.kubeconfig}  # fmt: skip
     async with apikit.running_api(
-        driver, with_scheduler=True, settings_update={"pool_poll_seconds": 0.5}
+        driver, with_scheduler=True, settings_update=update
     ) as api, api.client() as c:  # fmt: skip
         template, pool = unique("tpl"), unique("kpool")
         r = await c.post("/v1/templates", json={"name": template, "spec": SPEC})
@@ -58,10 +63,20 @@ async def _claimed_rolled_and_deleted(admin: Admin, ns: str, driver: KubernetesD
         for key in first:
             assert len(await admin.pods(ns, key)) == 1, key
 
-        name = unique("agent")
-        r = await c.post("/v1/sandboxes", json={"name": name, "template": {"name": template}})
+        # Per-claim env (or providers) cannot reach a Pod's exec privately: cold, saying why.
+        cold = unique("agent")
+        body = {"name": cold, "template": {"name": template}, "overrides": {"env": {"K": "v"}}}
+        r = await c.post("/v1/sandboxes", json=body)
+        assert r.status_code in (201, 202) and r.json()["claim"]["warm"] is False, r.text
+        assert "kubernetes driver" in r.json()["claim"]["reason"], r.text
+        assert "request URL" in r.json()["claim"]["reason"], r.text
+
+        name = unique("agent")  # with a time to live: warm, the TTL applied at the adoption
+        body = {"name": name, "template": {"name": template}, "ttl_seconds": 3600}
+        r = await c.post("/v1/sandboxes", json=body)
         assert r.status_code == 201 and r.json()["claim"]["warm"] is True, r.text
         member = r.json()["claim"]["member"]
+        assert (await c.get(f"/v1/sandboxes/{name}")).json()["expires_at"] is not None
         pod: list[dict[str, Any]] = await admin.pods(ns, member)
         assert len(pod) == 1
 
@@ -84,5 +99,6 @@ async def _claimed_rolled_and_deleted(admin: Admin, ns: str, driver: KubernetesD
         assert (await c.get(f"/v1/sandboxes/{name}")).json()["phase"] == "Ready"
 
         assert (await c.delete(f"/v1/sandboxes/{name}", params={"wait": 30})).status_code == 200
+        assert (await c.delete(f"/v1/sandboxes/{cold}", params={"wait": 30})).status_code == 200
         await eventually(lambda: admin.pods(ns, member), lambda p: p == [], timeout=90,
                          what="the claimed sandbox's Pod deleted")  # fmt: skip

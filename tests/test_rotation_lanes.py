@@ -4,7 +4,7 @@ lane, where their launch deadlines kept counting: issue "Trust, round four", ite
 A restart's launch first waits out the old generation's grace period G, then launches; its
 deadline lies G + retry window + launch timeout after the decision. In a lane of width w the
 k-th restart (from 0) of one caller ends after (k // w + 1) * G, so it timed out once
-(k // w + 1) * G > G + retry + launch: at the defaults (w 16, retry 600 s, launch 300 s) and a
+(k // w + 1) * G > G + retry + launch: at the old defaults (w 16, retry 600 s, launch 300 s) and a
 600 s grace from the 33rd restart on. The test scales that inequality through the settings
 and nothing else (w 1, G 4 s, retry 1 s, launch 2 s: from the 2nd restart on) and runs the
 same code: the lane is the same semaphore at any width, the deadline the same sum, the

@@ -99,6 +99,43 @@ async def test_a_hundred_stuck_deletes_of_one_caller_do_not_starve_another_calle
             await plane.stop()
 
 
+async def test_one_callers_burst_of_deletes_runs_as_wide_as_the_shared_slots() -> None:
+    """Fake driver with real timing: one caller deletes 100 sandboxes that wait out an hour of
+    grace each. By default 64 deletes run at once (as many as the shared slots: a Kubernetes
+    node removes them in parallel) and the rest wait in the caller's lane; at 16, a burst of
+    300 deletes waited out 19 rounds of the node's removals one after the other."""
+    driver = FakeDriver(real_grace=True)
+    stubborn = SandboxSpec(
+        image="busybox", labels={IGNORES_SIGTERM: "true"}, stop_timeout_seconds=STUCK_FOR
+    )
+    async with isolated_env() as env:
+        plane = ControlPlane(env.settings, driver, env.pool, reconcile_interval=3600)
+        await plane.start()
+        try:
+            async with await env.publisher() as pub:
+                stuck = [f"burst-{i}" for i in range(100)]
+                for key in stuck:
+                    await pub.publish(f.create(key, sandbox_spec=stubborn, actor=HOSTILE))
+                for key in stuck:
+                    await wait_phase(env, key, "Ready")
+                for key in stuck:
+                    await pub.publish(f.delete(key, actor=HOSTILE))
+                executor = plane.executor
+                assert executor is not None
+                await eventually(
+                    lambda: executor.running + executor.waiting,
+                    lambda n: n == 100,
+                    what="every delete running or waiting",
+                )
+                assert (executor.running, executor.waiting) == (64, 36)
+                assert len(driver.calls_for("delete")) == 64
+                assert await deleting(env, stuck) == 100
+        finally:
+            if plane.executor is not None:
+                plane.executor.shutdown_grace = 0.5  # the stuck deletes are abandoned
+            await plane.stop()
+
+
 async def test_stuck_deletes_on_podman_do_not_starve_another_caller(
     podman: PodmanClient,
 ) -> None:

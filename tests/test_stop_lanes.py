@@ -5,7 +5,7 @@ A stop's deadline lies the grace period G plus the margin M after the decision; 
 due the executor kills the runtime at once, beside the sandbox's queue. In a lane of width w
 the k-th stop (from 0) of one caller sent its SIGTERM only after k // w grace periods of the
 stops before it, so from k // w * G > M on the kill came before or early in its own grace
-period: at the defaults (w 16, M 30 s) one caller's stop of 17 agents that take 600 s to stop
+period: at the old defaults (w 16, M 30 s) one caller's stop of 17 agents that take 600 s to stop
 killed the 17th 30 s after its SIGTERM, and the 33rd before it got one. Scaled through the
 settings only (w 1, G 3 s, M 1 s: from the 2nd stop on), the same code: the lane is the same
 semaphore at any width, the deadline the same sum, the scheduler the real one. The fake

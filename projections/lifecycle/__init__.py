@@ -87,6 +87,8 @@ from .observations import (
     observation_kind,
 )
 from .providers import (
+    CLAIM_DETACHED,
+    CLAIM_ROTATED,
     DETACH_HELD,
     DETACH_NO_RESTART,
     DETACH_PENDING,
@@ -114,6 +116,8 @@ from .restarts import (
 from .rows import evolve
 
 __all__ = [
+    "CLAIM_DETACHED",
+    "CLAIM_ROTATED",
     "COMMAND_TABLE",
     "DEADLINE_TABLE",
     "DEFAULT_BACKOFF",

@@ -17,7 +17,7 @@ claim id, so a replay sends the same ones (and the fold drops the repeats as dup
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Final
+from typing import Any, Final
 from uuid import UUID
 
 from events.commands import (
@@ -40,7 +40,7 @@ from events.outcomes import Code
 from events.trusted import built
 from projections.uuids import uuid5
 
-from .deadlines import delete_deadline
+from .deadlines import delete_deadline, moment_after
 from .emit import common_fields, emit_event, new_event, outcome_of, rejected, then_decide
 from .identity import event_id_for
 from .model import Decision, Limits, Message, P, Sandbox
@@ -111,10 +111,25 @@ def _adopt(state: Sandbox | None, command: AdoptSandbox, cause: Cause) -> Decisi
         claimant=command.claimant,
         claim_id=command.claim_id,
         labels=command.labels,
+        **claim_delivery(state, command),
     )
     new_state, events = emit_event(state, event)
     why = f"adopted from pool {state.pool!r} as {command.claimant!r}"
     return Decision(new_state, events, "applied", why, outcome_of(command, Code.OK, why, new_state))
+
+
+def claim_delivery(state: Sandbox, command: AdoptSandbox) -> dict[str, Any]:
+    """What SandboxAdopted records of the claim besides its labels (each only when set): its
+    expiry, its time to live counted from the adoption command's time (as a create's is from
+    the create's); its env; the providers it attaches that the member had not."""
+    fields: dict[str, Any] = {}
+    if command.ttl_seconds is not None:
+        fields["expires_at"] = moment_after(command.occurred_at, command.ttl_seconds)
+    if command.env:
+        fields["env"] = command.env
+    if added := sorted({p for p in command.providers if p not in state.providers}):
+        fields["providers"] = added
+    return fields
 
 
 def name_refusal(state: Sandbox | None, claim_id: str, target: str) -> str | None:

@@ -335,7 +335,7 @@ def _rotate(state: Sandbox, command: RotateCredentials, cause: Cause, limits: Li
     if not attached:
         why = f"nothing to do: {', '.join(named)} not attached to sandbox {command.key!r}"
         return Decision(state, (), "idempotent", why, outcome_of(command, Code.OK, why, state))
-    action = rotation_action(state, command.restart)
+    action = rotation_action(state, command.restart, attached)
     common = common_fields(state, command, cause)
     event: DecidedEvent
     if action == RESTART:
@@ -362,8 +362,8 @@ def _rotate(state: Sandbox, command: RotateCredentials, cause: Cause, limits: Li
 
 def _detach(state: Sandbox, command: DetachProvider, cause: Cause, limits: Limits) -> Decision:
     """ProviderDetached, and in Ready a restart without the provider (DETACH_TABLE)."""
-    action = detach_action(state, command.restart)
     provider = command.provider
+    action = detach_action(state, command.restart, provider)
     new_state, events = emit_event(
         state,
         built(

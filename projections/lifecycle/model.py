@@ -82,6 +82,13 @@ class Sandbox:
     # A name bound to an adopted member: this key's row is a tombstone (nothing runs under it)
     # that points at the member (``claim_id``: the claim that bound it).
     bound_to: str | None = field(default=None, kw_only=True)
+    # A claim that brought env or providers: the providers it attached (those the member had
+    # not) and the generation it was adopted at (None: no such claim). Every exec through
+    # sandstream's doors gets the spec's env and those providers' values (while attached), and
+    # while that generation runs its process never read them (a rotation or detach of only
+    # these restarts nothing: docs/pools.md).
+    claim_providers: tuple[str, ...] = field(default=(), kw_only=True)
+    adopted_generation: int | None = field(default=None, kw_only=True)
 
     @property
     def tombstoned(self) -> bool:

@@ -5,6 +5,7 @@ are stale since.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Final
 
 from events.common import Phase
@@ -84,8 +85,33 @@ def held(state: Sandbox) -> bool:
     return is_held(state)
 
 
-def rotation_action(state: Sandbox, restart: bool) -> str:
-    """RESTART, or why not: the one rule for the processor and for an update's receipt."""
+# A rotation or detach naming only providers a claim attached, while the generation adopted
+# runs: its process never read them (they reach each exec, not the process), so there is
+# nothing to restart; the next exec reads the new values (or none).
+CLAIM_ROTATED: Final = (
+    "attached at its claim: the running process never read it; the next exec reads the new values"
+)
+CLAIM_DETACHED: Final = (
+    "attached at its claim: the running process never read it; execs no longer get its values"
+)
+
+
+def unread_by_process(state: Sandbox, providers: Iterable[str]) -> bool:
+    """Whether ``providers`` (not none) were all attached by a claim after the running
+    generation started (the adopted generation still runs), so its process never read them."""
+    named = set(providers)
+    return (
+        bool(named)
+        and state.adopted_generation == state.generation
+        and named <= set(state.claim_providers)
+    )
+
+
+def rotation_action(state: Sandbox, restart: bool, providers: Iterable[str] = ()) -> str:
+    """RESTART, or why not: the one rule for the processor and for an update's receipt
+    (``providers``: the rotated ones the sandbox has attached)."""
+    if state.phase is P.READY and unread_by_process(state, providers):
+        return CLAIM_ROTATED
     return _restart_rule(state, restart, ROTATION_TABLE, NO_RESTART, HELD)
 
 
@@ -139,8 +165,10 @@ DETACH_HELD: Final = "held: the provider's values leave at its next start"
 DETACH_RESTART: Final = "restarting without detached providers: "
 
 
-def detach_action(state: Sandbox, restart: bool) -> str:
-    """RESTART, or why not: what detaching a provider does to ``state``."""
+def detach_action(state: Sandbox, restart: bool, provider: str | None = None) -> str:
+    """RESTART, or why not: what detaching ``provider`` does to ``state``."""
+    if state.phase is P.READY and provider is not None and unread_by_process(state, [provider]):
+        return CLAIM_DETACHED
     return _restart_rule(state, restart, DETACH_TABLE, DETACH_NO_RESTART, DETACH_HELD)
 
 

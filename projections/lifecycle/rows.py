@@ -83,13 +83,14 @@ def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
             None,  # restarts
             event.template,
             event.pool, None, None, None,  # pool, adopted_as, claim_id, bound_to
+            (), None,  # claim_providers, adopted_generation
         )  # fmt: skip
     if type(event) is SandboxNameBound and state is None:  # a name never used before
         return _new_row(
             event.key, event.sandbox_id, P.DELETED, event.generation, event.version,
             event.spec, (), "", None, None, event.occurred_at, event.occurred_at,
             None, None, "stop", "keep", None, {}, None, None,
-            None, None, event.claim_id, event.target,
+            None, None, event.claim_id, event.target, (), None,
         )  # fmt: skip
     if state is None:
         raise ValueError(f"{event.type} for {event.key!r} before SandboxCreated")
@@ -179,13 +180,7 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
     )},
     SandboxExtended: lambda s, e: {"expires_at": e.expires_at},
     SandboxHeld: held_defers,
-    SandboxAdopted: lambda s, e: {
-        "adopted_as": e.claimant, "claim_id": e.claim_id,
-        "spec": (
-            s.spec.model_copy(update={"labels": {**s.spec.labels, **e.labels}})
-            if e.labels else s.spec
-        ),
-    },
+    SandboxAdopted: lambda s, e: _adopted(s, e),
     # The name went to another: the member is not the claimant's (its claim_id stays, so no
     # other claim adopts it while it is deleted).
     SandboxAdoptionAbandoned: lambda s, e: {
@@ -209,10 +204,30 @@ def _detached(state: Sandbox, event: ProviderDetached) -> dict[str, Any]:
     """The provider leaves the row; in OWED_PHASES it is awaited (revision 0: the generation
     must not have read it, DETACH_PENDING)."""
     changes: dict[str, Any] = {
-        "providers": tuple(p for p in state.providers if p != event.provider)
+        "providers": tuple(p for p in state.providers if p != event.provider),
+        "claim_providers": tuple(p for p in state.claim_providers if p != event.provider),
     }
     if state.phase in OWED_PHASES:
         changes["awaited"] = {event.provider: 0, **state.awaited}
+    return changes
+
+
+def _adopted(state: Sandbox, event: SandboxAdopted) -> dict[str, Any]:
+    """The claim's labels and env merged into the spec (added or replaced), its providers
+    attached, its expiry set (none: the member's stands)."""
+    spec = state.spec
+    if event.labels or event.env:
+        spec = spec.model_copy(
+            update={"labels": {**spec.labels, **event.labels}, "env": {**spec.env, **event.env}}
+        )
+    changes: dict[str, Any] = {"adopted_as": event.claimant, "claim_id": event.claim_id,
+                               "spec": spec}  # fmt: skip
+    if event.env or event.providers:  # what the running process lacks: execs get it
+        changes["providers"] = tuple(sorted({*state.providers, *event.providers}))
+        changes["claim_providers"] = tuple(sorted(event.providers))
+        changes["adopted_generation"] = event.generation
+    if event.expires_at is not None:
+        changes["expires_at"] = event.expires_at
     return changes
 
 

@@ -8,9 +8,11 @@ claimant's name from the template. The member's key decides the adoption (never 
 name's key decides the name (``BindSandboxName``, sent by the processor): a claim is warm once
 its name is bound to the member it adopted.
 
-Per-claim labels ride on the adoption (the member's row takes them, without a restart).
-Per-claim env and providers do not: the agent already runs with the member's, and giving it
-others means a new process, i.e. a start. Such a claim is cold (``reason`` says so).
+Per-claim labels, env, providers and time to live ride on the adoption (the member's row
+takes them, without a restart). The env and the providers' values reach every exec through
+sandstream's doors (services/common/exec_env.py), not the member's running process, which
+keeps the template's environment; only a door whose driver can pass an exec's environment
+privately may claim so warm (``env_refusal``: why not, and the claim is cold).
 
 Concurrent claims in one API process never ask for the same member: a claim skips the members
 this process has an adoption in flight for, and when only such members are left it waits for
@@ -28,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 from uuid import UUID
 from weakref import WeakKeyDictionary
@@ -101,18 +103,22 @@ async def claim(
     labels: Mapping[str, str] | None = None,
     env: Mapping[str, str] | None = None,
     providers: Sequence[str] = (),
+    ttl_seconds: int | None = None,
+    env_refusal: str | None = None,
     timeout: float = 30.0,
 ) -> ClaimResult:
-    """Adopt a Ready member of ``pool`` under ``name`` (warm), or say why not (cold)."""
-    if env:
-        return cold("per-claim env needs a cold start (the member's agent runs with its own)")
-    if providers:
-        return cold("per-claim providers need a cold start (credentials reach an agent at start)")
+    """Adopt a Ready member of ``pool`` under ``name`` (warm), or say why not (cold).
+    ``env_refusal``: why this door cannot deliver per-claim env or providers warm (a claim
+    with either is then cold)."""
+    if (env or providers) and env_refusal is not None:
+        what = "env and providers" if env and providers else "env" if env else "providers"
+        return cold(f"per-claim {what}: a cold start ({env_refusal})")
+    asked = Asked(dict(labels or {}), dict(env or {}), list(providers), ttl_seconds)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     settled, candidates = await _first(gateway, pool, name, claim_id, deadline)
-    if settled is not None:
-        return settled
+    if settled is not None:  # a retried claim: its answer says what the first one's said
+        return replace(settled, reason=settled.reason + asked.note()) if settled.warm else settled
     adopting = _ADOPTING.setdefault(gateway, {})
     attempts = 0
     while loop.time() < deadline:
@@ -130,7 +136,7 @@ async def claim(
             attempts += 1
             adopting[member] = decided = asyncio.Event()
             try:
-                outcome = await _adopt(gateway, member, name, actor, claim_id, labels, deadline)
+                outcome = await _adopt(gateway, member, name, actor, claim_id, asked, deadline)
             finally:
                 del adopting[member]
                 decided.set()
@@ -138,7 +144,8 @@ async def claim(
                 return cold(f"the adoption of {member!r} was not decided in time", attempts)
             if outcome.accepted:
                 result = await _bound(gateway, member, name, claim_id, deadline)
-                return ClaimResult(result.warm, result.member, result.reason, attempts)
+                reason = result.reason + (asked.note() if result.warm else "")
+                return ClaimResult(result.warm, result.member, reason, attempts)
             if outcome.code not in (Code.FAILED_PRECONDITION, Code.NOT_FOUND):
                 return cold(f"the adoption of {member!r} was refused: {outcome.message}", attempts)
         candidates = None
@@ -187,13 +194,33 @@ async def _first(
     return None, _shuffled(list(row["candidates"]))
 
 
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """What a claim gives the member it adopts besides the name."""
+
+    labels: dict[str, str]
+    env: dict[str, str]
+    providers: list[str]
+    ttl_seconds: int | None
+
+    def note(self) -> str:
+        """What the warm answer's reason adds: where the claim's env and providers reach."""
+        if not (self.env or self.providers):
+            return ""
+        return (
+            "; its env and providers reach every exec through sandstream (HTTP, OpenShell, "
+            "the SDK), while the member's own process keeps the template's environment until "
+            "its next start"
+        )
+
+
 async def _adopt(
     gateway: CommandGateway,
     member: str,
     name: str,
     actor: str,
     claim_id: str,
-    labels: Mapping[str, str] | None,
+    asked: Asked,
     deadline: float,
 ) -> Any:
     command = AdoptSandbox(
@@ -204,7 +231,10 @@ async def _adopt(
         actor=actor,
         claimant=name,
         claim_id=claim_id,
-        labels=dict(labels or {}),
+        labels=asked.labels,
+        ttl_seconds=asked.ttl_seconds,
+        env=asked.env,
+        providers=asked.providers,
     )
     wait = max(deadline - asyncio.get_running_loop().time(), 0.001)
     return (await gateway.submit(command, wait)).outcome

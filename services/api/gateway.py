@@ -151,7 +151,7 @@ class CommandGateway:
     ) -> CommandOutcome | None:
         """The command's outcome once decided; None if ``timeout`` passes first.
         ``published``: mark the command published first, on the connection of the first
-        look-up (a pool acquisition fewer: each ends in a reset, a round trip of its own)."""
+        look-up (a pool acquisition fewer)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
@@ -176,7 +176,7 @@ class CommandGateway:
         if size > self.max_bytes:
             metrics.API_COMMANDS.labels(command.type, "too_large").inc()
             raise CommandTooLarge(command, size, self.max_bytes)
-        async with self.pool.acquire() as conn:  # one acquisition (each ends in a reset)
+        async with self.pool.acquire() as conn:  # one acquisition for the three
             command = await resolved(conn, command)
             first = await idempotency.record(conn, command)
             known = await readmodel.fetch_outcome(conn, command.command_id, command.key)

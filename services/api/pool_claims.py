@@ -5,10 +5,12 @@ from the template when none can be; the outcome says which and why (docs/pools.m
 a pool").
 
 Cold without trying, stated as the reason: a pinned template revision other than the newest
-(members are made from the newest), a time to live (a member keeps none: it waits in the pool
-untimed), a door's own reason (OpenShell's per-claim command), per-claim env or providers
-(``claims.claim`` says why). Every claim served is counted for the pool's status
-(``pool_claims``) and the metrics, with the request's time in the door by path.
+(members are made from the newest), a door's own reason (OpenShell's per-claim command),
+per-claim env or providers where the door's driver cannot pass them to an exec privately
+(``claims.claim`` says why: the Kubernetes driver). A claim's time to live (its own, the
+template's, or the default a create gets) is applied at the adoption, counted from it. Every
+claim served is counted for the pool's status (``pool_claims``) and the metrics, with the
+request's time in the door by path.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
+from drivers.protocol import exec_env_refusal
 from events.commands import CreateSandbox
 from events.outcomes import Code
 from services.api import claims
@@ -63,13 +66,15 @@ async def claim_first(
     env: Mapping[str, str] | None = None,
     providers: Sequence[str] = (),
     cold_because: str | None = None,
+    driver: object | None = None,
 ) -> Claim | None:
     """The claim a create from a template is: ``command``'s name adopting a Ready member of
     the template's pool (its command id the claim id: a retried request is the same claim), or
     cold and why. None: no template, or no pool of it (the door creates as usual).
     ``pinned``: the template revision the request asked for; ``labels``, ``env``,
     ``providers``: the request's own (beyond the template's); ``cold_because``: a door's own
-    reason to go cold without trying."""
+    reason to go cold without trying; ``driver``: the door's exec driver (whether it can
+    deliver the claim's env and providers warm)."""
     if command.template is None:
         return None
     name = command.template.name
@@ -94,6 +99,8 @@ async def claim_first(
             labels=labels,
             env=env,
             providers=providers,
+            ttl_seconds=command.ttl_seconds,
+            env_refusal=exec_env_refusal(driver),
             timeout=CLAIM_TIMEOUT,
         )
         if result.warm:
@@ -107,8 +114,6 @@ def _cold_at_once(command: CreateSandbox, pinned: int | None, current: int | Non
             f"template revision {pinned} asked for; the pool's members are of the newest "
             f"({current})"
         )
-    if command.ttl_seconds is not None:
-        return "a time to live needs a cold create (a pool member waits untimed)"
     return None
 
 
@@ -146,6 +151,7 @@ async def create_or_claim(
         labels=body.overrides.labels if body.overrides else None,
         env=body.overrides.env if body.overrides else None,
         providers=body.providers,
+        driver=state.exec_driver,
     )
     if claim is None:
         return None

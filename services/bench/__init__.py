@@ -21,9 +21,11 @@ Modules:
 - ``kube``: create, stop and resume latency of the whole pipeline, Podman beside Kubernetes (part
   of ``make bench``).
 - ``kube_requests``: the Kubernetes driver's apiserver requests per sandbox beside bare Pods'.
+- ``peer_burst``: the peer bench's cold burst for sandstream beside bare Pods alone, with
+  sandstream's CPU, Kafka records and PostgreSQL rows per sandbox and its deletes' time.
 - ``main``: ``python -m services.bench
-  [all|processor|latency|decided|claim|idle|idle-use|scaleout|rebuild|profile|fold|stages|drivers|
-  peer|kube-requests|warm]
+  [all|processor|latency|decided|claim|idle|idle-use|scaleout|rebuild|profile|fold|stages|
+  drivers|peer|kube-requests|burst|warm]
   [--quick]``.
 - ``peer``, ``peer_setup``, ``peer_systems``, ``peer_kube``, ``peer_stats``, ``peer_report``:
   sandstream beside kubernetes-sigs/agent-sandbox and bare Pods on one Kubernetes cluster

@@ -1,15 +1,17 @@
 """``python -m services.bench [all|processor|latency|decided|claim|idle|idle-use|scaleout|
-rebuild|profile|fold|stages|drivers|peer|kube-requests|warm] [--quick]``: the benchmarks, each
-printed beside its same-run reference (see docs/benchmarks.md). ``latency`` is the latency part
-of ``processor`` alone; ``decided`` is request → decided outcome at low load, through the HTTP
-API; ``claim`` (not part of ``all``) a warm claim at low load, step by step, beside
+rebuild|profile|fold|stages|drivers|peer|kube-requests|burst|warm] [--quick]``: the benchmarks,
+each printed beside its same-run reference (see docs/benchmarks.md). ``latency`` is the latency
+part of ``processor`` alone; ``decided`` is request → decided outcome at low load, through the
+HTTP API; ``claim`` (not part of ``all``) a warm claim at low load, step by step, beside
 ``decided``'s figure;
 ``idle`` (not part of ``all``) the broker's CPU for an idle control plane on a broker of its
 own; ``idle-use`` (not part of ``all``) what idle suspend costs PostgreSQL at 10,000 busy
 sandboxes; ``peer`` (services/bench/peer.py, ``make bench-peer``) is not part of ``all``: it
 starts a Kubernetes cluster of its own and takes about a quarter of an hour. ``kube-requests``
 (services/bench/kube_requests.py) counts the Kubernetes driver's apiserver requests per
-sandbox beside bare Pods' on the local cluster (`make k8s`), in a minute. ``warm``
+sandbox beside bare Pods' on the local cluster (`make k8s`), in a minute. ``burst``
+(services/bench/peer_burst.py) is the peer bench's cold burst for sandstream beside bare Pods
+alone, with sandstream's CPU, records and rows per sandbox broken down. ``warm``
 (services/bench/warm.py) times a warm claim beside a cold create on Podman, each to an exec's
 answer."""
 
@@ -19,10 +21,11 @@ import argparse
 import asyncio
 import os
 import time
+from pathlib import Path
 
 from services.bench import drivers as bench_drivers
 from services.bench import kube as bench_kube
-from services.bench import kube_requests, peer, warm
+from services.bench import kube_requests, peer, peer_burst, warm
 from services.bench import wake as bench_wake
 from services.bench.claim import claim_figures
 from services.bench.decided import decided_figures
@@ -53,6 +56,7 @@ CHOICES = (
     "drivers",
     "peer",
     "kube-requests",
+    "burst",
     "warm",
 )
 
@@ -63,8 +67,13 @@ async def run(
     latency_rate: int = 1000,
     peer_plan: peer.Plan | None = None,
     sandboxes: int | None = None,
+    profile_dir: Path | None = None,
 ) -> None:
     settings = Settings()
+    if which == "burst":
+        rounds = peer_plan.rounds if peer_plan else 3
+        await peer_burst.main(settings, sandboxes or 300, rounds, profile_dir)
+        return
     if which == "kube-requests":
         await kube_requests.main(settings, sandboxes or (10 if quick else 30))
         return
@@ -121,11 +130,14 @@ def main() -> None:
         "--sandboxes",
         type=int,
         default=None,
-        help="peer: sandboxes per burst (default 300); kube-requests: sandboxes (default 30); "
-        "idle-use: busy sandboxes (default 10000)",
+        help="peer, burst: sandboxes per burst (default 300); kube-requests: sandboxes "
+        "(default 30); idle-use: busy sandboxes (default 10000)",
     )
     parser.add_argument(
-        "--rounds", type=int, default=None, help="peer: burst rounds (default 3, --quick 1)"
+        "--rounds",
+        type=int,
+        default=None,
+        help="peer, burst: burst rounds (default 3, --quick 1)",
     )
     parser.add_argument(
         "--phases",
@@ -138,6 +150,12 @@ def main() -> None:
     parser.add_argument(
         "--claim-rate", type=int, default=10, help="peer: warm claims a second, sustained (10)"
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="burst: py-spy records `sandstream up` through each burst into this directory",
+    )
     args = parser.parse_args()
     phases = tuple(p for p in args.phases.split(",") if p)
     if not phases or set(phases) - {"cold", "warm"}:
@@ -146,4 +164,7 @@ def main() -> None:
     peer_plan = peer.plan(
         args.quick, args.sandboxes or 300, args.rounds, phases, args.pool, args.claim_rate
     )
-    asyncio.run(run(args.which, args.quick, peer_plan=peer_plan, sandboxes=args.sandboxes))
+    asyncio.run(
+        run(args.which, args.quick, peer_plan=peer_plan, sandboxes=args.sandboxes,
+            profile_dir=args.profile)
+    )  # fmt: skip

@@ -204,7 +204,10 @@ class Bench:
         cpu_before, began = mark(await self.parties.now()), time.perf_counter()
         await self.all(self._create(track, system, n) for n in names)
         await track.until(lambda: track.settled(names, track.ready), self.plan.timeout)
-        await self.all(self.request(track, track.deleting, system.delete, n) for n in names)
+        await self.all(
+            self.request(track, track.deleting, system.delete, n, track.delete_answered)
+            for n in names
+        )
         await track.until(lambda: track.all_gone(names), self.plan.timeout)
         cpu_after, lasted = mark(await self.parties.now()), time.perf_counter() - began
         delta = counts_delta(requests_before, request_counts(await self.admin.metrics()))

@@ -63,6 +63,7 @@ class Track:
     ready: dict[str, float] = field(default_factory=dict)
     pod_ready: dict[str, float] = field(default_factory=dict)
     deleting: dict[str, float] = field(default_factory=dict)
+    delete_answered: dict[str, float] = field(default_factory=dict)  # the delete's answer
     gone: dict[str, float] = field(default_factory=dict)
     pod_gone: dict[str, float] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)

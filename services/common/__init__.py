@@ -5,6 +5,8 @@ Modules:
 
 - ``credentials``: credential values at rest.
 - ``database``: the PostgreSQL pool every role opens.
+- ``exec_env``: the environment of an exec in a pool member a claim adopted with env or
+  providers (the spec's env, the claim's providers' values).
 - ``exec_sessions``: what both exec doors hold a command to (deadline, session limits).
 - ``entrypoint``: run one long-lived service in the foreground until SIGINT or SIGTERM.
 - ``health``: the health endpoint of a role process.
@@ -18,6 +20,7 @@ Modules:
 - ``migrations``: the SQL migration runner.
 - ``names``: a user's sandbox name resolved at the doors (a claimed name stands for its
   adopted pool member's key).
+- ``pool_reset``: a pool connection reset on release only when it may carry session state.
 - ``pools``: warm pools in PostgreSQL (the pools, the controller's requested creates, the
   claims served).
 - ``providers``: providers in PostgreSQL.

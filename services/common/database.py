@@ -8,6 +8,7 @@ from typing import Any, TypeAlias
 
 import asyncpg
 
+from services.common.pool_reset import SessionAware, reset_if_needed
 from services.common.settings import Settings
 
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
@@ -16,6 +17,9 @@ Connection: TypeAlias = "asyncpg.pool.PoolConnectionProxy[asyncpg.Record]"
 
 async def connect_pool(settings: Settings, **kwargs: Any) -> Pool:
     kwargs.setdefault("server_settings", {"search_path": settings.pg_schema})
+    # A connection taken back is reset only if it may carry session state (pool_reset.py).
+    kwargs.setdefault("connection_class", SessionAware)
+    kwargs.setdefault("reset", reset_if_needed)
     pool = await asyncpg.create_pool(settings.pg_dsn, min_size=2, max_size=8, **kwargs)
     assert pool is not None
     return pool

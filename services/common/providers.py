@@ -1,7 +1,8 @@
 """Providers in PostgreSQL: names, types, revisions, encrypted values and their fingerprints.
 
 Nothing here returns a value except ``launch_environment``, which the executor calls for the
-launch of a generation: the values are read (and decrypted) at launch time, never from the log.
+launch of a generation, and ``claim_values``, which the API calls for an exec in a sandbox a
+claim attached providers to: the values are read (and decrypted) then, never from the log.
 """
 
 from __future__ import annotations
@@ -311,3 +312,20 @@ async def launch_environment(conn: Conn, vault: Vault, key: str) -> LaunchValues
         for r in rows
     }
     return LaunchValues(env, {r["name"]: r["revision"] for r in attached})
+
+
+async def claim_values(conn: Conn, vault: Vault, key: str) -> dict[str, str]:
+    """The decrypted values of the providers a claim attached to sandbox ``key`` and still
+    attached, as environment variables (merged as a launch merges them: in name order), for an
+    exec (services/common/exec_env.py). A name with no provider behind it contributes nothing."""
+    rows = await conn.fetch(
+        """SELECT c.provider, c.key, c.nonce, c.ciphertext
+           FROM sandboxes s JOIN provider_credentials c
+             ON c.provider = ANY(s.claim_providers) AND c.provider = ANY(s.providers)
+           WHERE s.key = $1 ORDER BY c.provider, c.key""",
+        key,
+    )
+    return {
+        r["key"]: vault.open(r["provider"], r["key"], Sealed(r["nonce"], r["ciphertext"]))
+        for r in rows
+    }

@@ -177,8 +177,10 @@ class Settings(BaseSettings):
     executor_concurrency: int = Field(default=64, ge=1)  # driver calls in flight at once
     # Slow calls (delete, an operator's restart's launch: they may wait out a grace period) run
     # in their caller's own lane, at most this many at once per caller (token name); stops and
-    # rotation restarts take none (services/executor/intents.py, takes_lane).
-    executor_slow_per_caller: int = Field(default=16, ge=1)
+    # rotation restarts take none (services/executor/intents.py, takes_lane). As many as the
+    # shared slots: a burst of one caller's deletes waits out its removals that many at a time
+    # (16 made 300 deletes on Kubernetes take 19 rounds of the node's removal, docs/benchmarks.md).
+    executor_slow_per_caller: int = Field(default=64, ge=1)
     # Per caller (token name) exceptions to it, e.g. SANDSTREAM_EXECUTOR_SLOW_CALLERS='{"ci": 4}'.
     executor_slow_callers: dict[str, int] = Field(default_factory=dict)
     executor_retry_seconds: float = Field(default=600, ge=0)  # retry transient failures this long

@@ -15,6 +15,7 @@ from events.backoff import Backoff, delay_after, pause, retry
 from events.common import Phase
 from events.decided import DecidedEvent
 from events.observations import DriverOperationResult
+from projections.lifecycle import Sandbox
 from projections.store import CONNECTION_ERRORS
 from services.common import metrics
 from services.common.providers import LaunchValues
@@ -66,7 +67,7 @@ class DriverCalls:
         max_concurrency: int,
         slow_per_caller: int,
         clock: Clock,
-        values: Callable[[str], Awaitable[LaunchValues | None]],
+        values: Callable[[str, Sandbox | None], Awaitable[LaunchValues | None]],
     ) -> None:
         self.settings = settings
         self.driver = driver
@@ -76,7 +77,7 @@ class DriverCalls:
         self.slow_per_caller = slow_per_caller
         self.clock = clock
         # The attached providers' values of a sandbox, read right before its launch (None:
-        # launches get none).
+        # launches get none); given the row the call was just checked against.
         self.values = values
         self.running = 0  # driver calls in progress (in a shared slot or a caller's lane)
         self.waiting = 0  # driver calls waiting for a slot or a lane
@@ -172,7 +173,7 @@ class DriverCalls:
         try:
             if not self.ownership.current(item):
                 return None
-            why = await self._unwanted(item)
+            why, row = await self._unwanted(item)
             if not self.ownership.current(item):
                 return None  # revoked or shutting down meanwhile: left for the next owner
             if why is not None:
@@ -181,20 +182,20 @@ class DriverCalls:
                 return Dropped(why)
             self.running += 1
             try:
-                return await self._driver_call(item.intent)
+                return await self._driver_call(item.intent, row)
             finally:
                 self.running -= 1
         finally:
             if lane is not None:
                 lane.release()
 
-    async def _driver_call(self, intent: Intent) -> CallResult:
+    async def _driver_call(self, intent: Intent, row: Sandbox | None = None) -> CallResult:
         try:
             match intent.operation:
                 case "launch":
                     assert intent.launch is not None
                     # The values are read now, from PostgreSQL: they never travel in the log.
-                    values = await self.values(intent.key)
+                    values = await self.values(intent.key, row)
                     secrets = values.env if values is not None else {}
                     launched = await self.driver.launch(replace(intent.launch, secrets=secrets))
                     if values is None or launched.adopted or not launched.started:
@@ -213,15 +214,17 @@ class DriverCalls:
             log.exception("%s of %s: unexpected driver error", intent.operation, intent.key)
             return DriverError(f"unexpected driver error: {exc!r}", retryable=False)
 
-    async def _unwanted(self, item: WorkItem) -> str | None:
-        """Read the row (retrying while PostgreSQL is unreachable) and judge the intent."""
+    async def _unwanted(self, item: WorkItem) -> tuple[str | None, Sandbox | None]:
+        """Read the row (retrying while PostgreSQL is unreachable) and judge the intent: why
+        it is not wanted (None: it is) and the row read."""
 
-        async def judge() -> str | None:
+        async def judge() -> tuple[str | None, Sandbox | None]:
             try:
-                return unwanted(item.intent, await read_row(self.pool, item.intent.key))
+                row = await read_row(self.pool, item.intent.key)
+                return unwanted(item.intent, row), row
             except CONNECTION_ERRORS:
                 if not self.ownership.current(item):
-                    return "no longer this executor's"
+                    return "no longer this executor's", None
                 raise
 
         backoff = Backoff(0.2, 5.0, log, f"reading the row of {item.intent.key}")

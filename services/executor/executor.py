@@ -181,10 +181,16 @@ class Executor:
         """Commit each owned partition's committable offset (the intake's)."""
         await self.intake.commit()
 
-    async def _values(self, key: str) -> LaunchValues | None:
+    async def _values(self, key: str, row: Sandbox | None) -> LaunchValues | None:
         """The values a launch of ``key`` hands over: read from ``credentials`` when it runs
-        (so a source swapped in after the start is the one used)."""
-        return await self.credentials(key) if self.credentials is not None else None
+        (so a source swapped in after the start is the one used). ``row``, the row the launch
+        was just checked against, attaching no provider: none, without asking (what the
+        source would answer, a PostgreSQL round trip later)."""
+        if self.credentials is None:
+            return None
+        if row is not None and not row.providers:
+            return LaunchValues()
+        return await self.credentials(key)
 
     async def _publish(self, result: DriverOperationResult) -> None:
         assert self.producer is not None  # started

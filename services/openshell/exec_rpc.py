@@ -28,6 +28,8 @@ from google.protobuf.duration_pb2 import Duration
 from drivers.protocol import BackendRefused, DriverError, ExecExit
 from events.common import Phase
 from services.api.wake import WakeFailed, woken
+from services.common.credentials import CredentialKeyError, Vault
+from services.common.exec_env import ExecEnvUnavailable, exec_environment
 from services.common.exec_sessions import ExecLimits, ExecTimedOut, within
 from services.common.tokens import EXEC, RECHECK, Denied, while_granted
 from services.openshell import mapping, wire
@@ -140,6 +142,12 @@ class ExecRpcs:
         await self._within_limits(principal.name, view.member_key, context)  # begun meanwhile?
         timeout = self.limits.deadline(request.timeout)
         await self.door.use.begin(view.member_key, view.spec.idle_suspend_seconds)  # the next scan
+        try:  # a claim's env and providers' values (services/common/exec_env.py)
+            env = await exec_environment(
+                self.door.pool, self._vault, view.member_key, view.pool, request.environment
+            )
+        except ExecEnvUnavailable as exc:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, exc.reason)
         with (
             self.limits.session(principal.name, view.member_key),
             self.door.use.using(view.member_key),
@@ -148,7 +156,7 @@ class ExecRpcs:
                 view.member_key,
                 view.generation,
                 request.command,
-                env=request.environment,
+                env=env,
                 workdir=request.workdir or None,
                 stdin=request.stdin or None,
             )
@@ -171,6 +179,11 @@ class ExecRpcs:
             finally:
                 await events.aclose()
                 await stream.aclose()
+
+    async def _vault(self) -> Vault:
+        if self.door.providers is None:
+            raise CredentialKeyError("this door holds no credentials key")
+        return await self.door.providers.vault()
 
     async def _within_limits(self, token: str, name: str, context: Context) -> None:
         refused = self.limits.refusal(token, name)

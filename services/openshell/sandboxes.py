@@ -135,6 +135,7 @@ async def claim_of(
             if spec.command
             else None
         ),
+        driver=door.driver,
     )
 
 

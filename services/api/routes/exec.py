@@ -36,6 +36,8 @@ from services.api.models import SSE_EVENT_SCHEMA, NamePath, responses
 from services.api.readmodel import SandboxView
 from services.api.routes.watch import denied_body
 from services.api.wake import woken_for_http
+from services.common.credentials import Vault
+from services.common.exec_env import ExecEnvUnavailable, exec_environment
 from services.common.exec_sessions import ExecLimits, ExecTimedOut, within
 from services.common.tokens import EXEC, RECHECK, Denied, Grant, while_granted
 
@@ -153,7 +155,10 @@ async def sandbox_exec(
     _within_limits(limits, principal.name, view.member_key)  # sessions may have begun in a wake
     held = grant(request, EXEC)
     await state.use.begin(view.member_key, view.spec.idle_suspend_seconds)  # seen by the next scan
-    session = Session(state, limits, principal.name, view, body, timeout, request.receive, held)
+    vault = request.app.state.providers.vault  # a claim's providers' values (exec_env)
+    session = Session(
+        state, limits, principal.name, view, body, timeout, request.receive, held, vault
+    )
     if stream:
         return StreamingResponse(
             session.events(),
@@ -202,9 +207,11 @@ class Session:
         timeout: float,
         receive: Receive,
         held: Grant,
+        vault: Callable[[], Awaitable[Vault]],
     ) -> None:
         self.state, self.limits, self.token, self.view = state, limits, token, view
         self.body, self.timeout, self.receive, self.held = body, timeout, receive, held
+        self.vault = vault
 
     @contextlib.asynccontextmanager
     async def run(self) -> AsyncIterator[AsyncIterator[Event]]:
@@ -216,6 +223,12 @@ class Session:
         _within_limits(self.limits, self.token, self.view.member_key)
         driver = self.state.exec_driver
         assert driver is not None  # ready_sandbox checked
+        try:  # a claim's env and providers' values (services/common/exec_env.py)
+            env = await exec_environment(
+                self.state.pool, self.vault, self.view.member_key, self.view.pool, self.body.env
+            )
+        except ExecEnvUnavailable as exc:
+            raise ApiError(503, "UNAVAILABLE", f"exec: {exc.reason}") from exc
         counted = contextlib.ExitStack()
         counted.enter_context(self.limits.session(self.token, self.view.member_key))
         counted.enter_context(self.state.use.using(self.view.member_key))  # idle suspend waits
@@ -223,7 +236,7 @@ class Session:
             self.view.member_key,
             self.view.generation,
             self.body.command,
-            env=self.body.env,
+            env=env,
             workdir=self.body.workdir,
             stdin=None if self.body.stdin is None else self.body.stdin.encode(),
         )
