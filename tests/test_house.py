@@ -41,7 +41,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "roles": {"common", "processor", "executor", "scheduler", "api", "provider_sync", "localstack"},
     "cli": {"common", "api", "provider_sync", "processor", "up", "audit", "roles"},
-    "bench": {"common", "processor", "executor", "api", "up", "localstack"},
+    "bench": {"common", "processor", "executor", "api", "up", "localstack", "chaos"},
     "chaos": {"common", "processor", "executor", "audit", "api", "localstack"},
 }
 # Libraries a lower layer must not reach for: events/ holds schemas and Kafka helpers only.

@@ -25,7 +25,7 @@ Modules:
   sandstream's CPU, Kafka records and PostgreSQL rows per sandbox and its deletes' time.
 - ``main``: ``python -m services.bench
   [all|processor|latency|decided|claim|idle|idle-use|scaleout|rebuild|profile|fold|stages|
-  drivers|peer|kube-requests|burst|warm]
+  drivers|peer|kube-requests|burst|warm|scaling]
   [--quick]``.
 - ``peer``, ``peer_setup``, ``peer_systems``, ``peer_kube``, ``peer_stats``, ``peer_report``:
   sandstream beside kubernetes-sigs/agent-sandbox and bare Pods on one Kubernetes cluster
@@ -44,6 +44,10 @@ Modules:
 - ``same_work_drain``: the same-work ceiling's per-poll read, its overlapped drain and its
   measurement.
 - ``scaleout``: throughput as processors join the group.
+- ``scaling``, ``scaling_stack``, ``steady``: the processor and the executor as 1, 2 and 4
+  processes on three brokers of the run's own (what it starts, the partitions each process
+  got, the CPU of every party), and creates at a steady rate timed to their rows beside
+  Kafka's own latency.
 - ``stages``: CPU of the processor's pure stages.
 - ``wake``: resume and wake-on-exec (an HTTP exec on a Suspended sandbox → its first output) on
   Podman, without and with memory kept by CRIU (part of ``drivers``).

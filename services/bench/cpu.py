@@ -97,17 +97,31 @@ def machine_mark(parties: Mapping[str, Iterable[int]]) -> MachineMark:
 def machine_budget(start: MachineMark, end: MachineMark, commands: int) -> str:
     """``N cores M % busy; CPU per command (µs): party K, ...`` between two marks: a party
     counts the processes read at both (none read: left out); no cores figure off Linux."""
+    spent = party_seconds(start, end)
+    per = ", ".join(f"{name} {cpu / commands * 1e6:.0f}" for name, cpu in spent.items())
+    text = f"CPU per command (µs): {per or 'n/a'}"
+    if (busy := cores_busy(start, end)) is not None:
+        text = f"{os.cpu_count()} cores {busy * 100:.0f} % busy; {text}"
+    return text
+
+
+def party_seconds(start: MachineMark, end: MachineMark) -> dict[str, float]:
+    """Each party's CPU seconds between two marks, over the processes read at both (a party
+    with none is left out)."""
     spent = {}
     for name, before in start.parties.items():
         after = end.parties.get(name, {})
         if pids := before.keys() & after.keys():
             spent[name] = sum(after[pid] - before[pid] for pid in pids)
-    per = ", ".join(f"{name} {cpu / commands * 1e6:.0f}" for name, cpu in spent.items())
-    text = f"CPU per command (µs): {per or 'n/a'}"
-    if start.cores is not None and end.cores is not None:
-        busy, every = (e - s for s, e in zip(start.cores, end.cores, strict=True))
-        text = f"{os.cpu_count()} cores {busy / max(every, 1) * 100:.0f} % busy; {text}"
-    return text
+    return spent
+
+
+def cores_busy(start: MachineMark, end: MachineMark) -> float | None:
+    """The share (0..1) of the cores' time busy between two marks (None off Linux)."""
+    if start.cores is None or end.cores is None:
+        return None
+    busy, every = (e - s for s, e in zip(start.cores, end.cores, strict=True))
+    return busy / max(every, 1)
 
 
 def _cores() -> tuple[int, int] | None:

@@ -1,19 +1,20 @@
 """``python -m services.bench [all|processor|latency|decided|claim|idle|idle-use|scaleout|
-rebuild|profile|fold|stages|drivers|peer|kube-requests|burst|warm] [--quick]``: the benchmarks,
-each printed beside its same-run reference (see docs/benchmarks.md). ``latency`` is the latency
-part of ``processor`` alone; ``decided`` is request → decided outcome at low load, through the
-HTTP API; ``claim`` (not part of ``all``) a warm claim at low load, step by step, beside
-``decided``'s figure;
-``idle`` (not part of ``all``) the broker's CPU for an idle control plane on a broker of its
-own; ``idle-use`` (not part of ``all``) what idle suspend costs PostgreSQL at 10,000 busy
-sandboxes; ``peer`` (services/bench/peer.py, ``make bench-peer``) is not part of ``all``: it
-starts a Kubernetes cluster of its own and takes about a quarter of an hour. ``kube-requests``
+rebuild|profile|fold|stages|drivers|peer|kube-requests|burst|warm|scaling] [--quick]``: the
+benchmarks, each printed beside its same-run reference (see docs/benchmarks.md). ``latency`` is
+the latency part of ``processor`` alone; ``decided`` is request → decided outcome at low load,
+through the HTTP API; ``claim`` (not part of ``all``) a warm claim at low load, step by step,
+beside ``decided``'s figure; ``idle`` (not part of ``all``) the broker's CPU for an idle control
+plane on a broker of its own; ``idle-use`` (not part of ``all``) what idle suspend costs
+PostgreSQL at 10,000 busy sandboxes; ``peer`` (services/bench/peer.py, ``make bench-peer``) is
+not part of ``all``: it starts a Kubernetes cluster of its own and takes about a quarter of an
+hour. ``kube-requests``
 (services/bench/kube_requests.py) counts the Kubernetes driver's apiserver requests per
 sandbox beside bare Pods' on the local cluster (`make k8s`), in a minute. ``burst``
 (services/bench/peer_burst.py) is the peer bench's cold burst for sandstream beside bare Pods
 alone, with sandstream's CPU, records and rows per sandbox broken down. ``warm``
 (services/bench/warm.py) times a warm claim beside a cold create on Podman, each to an exec's
-answer."""
+answer. ``scaling`` (services/bench/scaling.py, not part of ``all``) runs the processor and the
+executor as 1, 2 and 4 processes on three brokers of its own."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from services.bench import drivers as bench_drivers
 from services.bench import kube as bench_kube
-from services.bench import kube_requests, peer, peer_burst, warm
+from services.bench import kube_requests, peer, peer_burst, scaling, warm
 from services.bench import wake as bench_wake
 from services.bench.claim import claim_figures
 from services.bench.decided import decided_figures
@@ -58,6 +59,7 @@ CHOICES = (
     "kube-requests",
     "burst",
     "warm",
+    "scaling",
 )
 
 
@@ -82,6 +84,9 @@ async def run(
         return
     if which == "warm":
         await warm.main(settings, sandboxes or (10 if quick else 30))
+        return
+    if which == "scaling":
+        await scaling.main(settings, quick)
         return
     print(f"sandstream benchmarks  (partitions={settings.kafka_partitions}, one processor)")
     keys = 5_000 if quick else 25_000

@@ -15,6 +15,7 @@ import random
 import socket
 import subprocess
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -69,18 +70,23 @@ def status(settings: Settings) -> list[ComponentStatus]:
     return components
 
 
-def start(settings: Settings) -> dict[int, subprocess.Popen[bytes]]:
-    """Start every node that does not run; return the new processes by node id."""
+def start(
+    settings: Settings, extra: Mapping[str, str] | None = None
+) -> dict[int, subprocess.Popen[bytes]]:
+    """Start every node that does not run; return the new processes by node id. ``extra``:
+    broker properties set on every node (``cluster_config.node_properties``)."""
     kafka_broker.resolve_libs(settings)
     started = {}
     for node in cc.nodes(settings):
-        proc = start_node(settings, node)
+        proc = start_node(settings, node, extra)
         if proc is not None:
             started[node.node_id] = proc
     return started
 
 
-def start_node(settings: Settings, node: cc.Node) -> subprocess.Popen[bytes] | None:
+def start_node(
+    settings: Settings, node: cc.Node, extra: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes] | None:
     """Start ``node`` unless it runs (None then); its storage is formatted on first start."""
     paths = cfg.kafka_paths(node.settings)
     pid = live_pid(paths.pid, str(paths.properties))
@@ -92,7 +98,7 @@ def start_node(settings: Settings, node: cc.Node) -> subprocess.Popen[bytes] | N
         return None
     paths.home.mkdir(parents=True, exist_ok=True)
     template = cfg.KAFKA_PROPERTIES_TEMPLATE.read_text()
-    rendered = cc.node_properties(template, settings, node)
+    rendered = cc.node_properties(template, settings, node, extra)
     properties, jvm_options = kafka_auth.prepare_broker(node.settings, rendered)  # JAAS per node
     write_if_changed(paths.properties, properties)
     shared_id = cc.cluster_home(settings) / "cluster.id"

@@ -11,6 +11,7 @@ that differ in a cluster set afterwards, so the template stays the one source of
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,9 +64,12 @@ def bootstrap_list(settings: Settings) -> str:
     return ",".join(n.address for n in nodes(settings))
 
 
-def node_properties(template: str, settings: Settings, node: Node) -> str:
+def node_properties(
+    template: str, settings: Settings, node: Node, extra: Mapping[str, str] | None = None
+) -> str:
     """Broker ``node``'s server.properties: the template rendered for it, then the keys a
-    cluster sets differently (node id, quorum, replication of data and internal topics)."""
+    cluster sets differently (node id, quorum, replication of data and internal topics), then
+    ``extra`` (a private cluster's own keys, e.g. a benchmark's)."""
     host, _ = first_address(settings)
     voters = ",".join(
         f"{n.node_id}@{host}:{n.settings.kafka_controller_port}" for n in nodes(settings)
@@ -82,4 +86,5 @@ def node_properties(template: str, settings: Settings, node: Node) -> str:
         "share.coordinator.state.topic.replication.factor": rf,
         "share.coordinator.state.topic.min.isr": isr,
     }
-    return cfg.set_properties(cfg.render_server_properties(template, node.settings), overrides)
+    rendered = cfg.render_server_properties(template, node.settings)
+    return cfg.set_properties(rendered, overrides | dict(extra or {}))
