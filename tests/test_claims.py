@@ -185,6 +185,33 @@ async def test_concurrent_claims_adopt_exactly_as_many_distinct_members_as_are_r
     await cleanup(api, list(warm))
 
 
+@pytest.mark.parametrize(("ready", "claims"), [(3, 7), (5, 3)])
+async def test_concurrent_claims_in_one_process_send_one_adoption_per_member_adopted(
+    api: Api, monkeypatch: pytest.MonkeyPatch, ready: int, claims: int
+) -> None:
+    """N claims at once against M Ready members in one API process, all trying the members in
+    the same order: exactly min(N, M) AdoptSandbox commands are sent and decided, one per
+    member adopted (a claim skips the members another claim here asks for, and the claims
+    left over wait for those adoptions and go cold without sending any)."""
+    monkeypatch.setattr("services.api.claims.random.shuffle", list.sort)
+    pool = new_pool()
+    members = await create_members(gateway_of(api), pool, ready, IMAGE)
+    await all_ready(api.env.pool, members)
+    names = [unique("n") for _ in range(claims)]
+    results = await asyncio.gather(*(claimed(api, pool, n) for n in names))
+    assert sum(r.warm for r in results) == min(claims, ready), results
+    assert sum(r.attempts for r in results) == min(claims, ready), results
+    decided = await api.env.pool.fetchval(
+        "SELECT count(*) FROM command_outcomes WHERE command_type = 'AdoptSandbox' "
+        "AND key = ANY($1)",
+        members,
+    )
+    assert decided == min(claims, ready)
+    adopted = {r.member for r in results if r.warm}
+    warm = [n for n, r in zip(names, results, strict=True) if r.warm]
+    await cleanup(api, warm + [m for m in members if m not in adopted])
+
+
 async def test_a_late_snapshot_from_before_the_adoption_changes_nothing(api: Api) -> None:
     """A watcher's snapshot of the member taken before its adoption (still ``created``) and
     delivered after it is ignored: the adopted member stays Ready and adopted."""

@@ -14,6 +14,12 @@ sandstream's doors (services/common/exec_env.py), not the member's running proce
 keeps the template's environment; only a door whose driver can pass an exec's environment
 privately may claim so warm (``env_refusal``: why not, and the claim is cold).
 
+Concurrent claims in one API process never ask for the same member: a claim skips the members
+this process has an adoption in flight for, and when only such members are left it waits for
+one of those adoptions to be decided and reads again (so N claims at once against M Ready
+members send min(N, M) adoptions here; claims in other processes may still collide, and the
+member's fold refuses all but one).
+
 The claim id makes a claim idempotent: a claim retried with its id (an API process killed
 mid-claim, a client's retry) finds its name bound, or the member it adopted, and waits for
 that instead of adopting another.
@@ -27,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final
 from uuid import UUID
+from weakref import WeakKeyDictionary
 
 from events.commands import AdoptSandbox
 from events.outcomes import Code
@@ -40,16 +47,29 @@ CANDIDATES: Final = 32
 ADOPT_NS: Final = UUID("8a4f0c2e-1b3d-4e5f-a6b7-c8d9e0f1a2b3")
 
 # The pool's Ready members no claim adopted yet (sandboxes_pool_ready).
-_CANDIDATES: Final = (
-    "SELECT key FROM sandboxes WHERE pool = $1 AND claim_id IS NULL AND phase = 'Ready' "
-    "AND hold IS NULL ORDER BY updated_at LIMIT $2"
+_READY: Final = (
+    "SELECT key FROM sandboxes WHERE pool = {pool} AND claim_id IS NULL AND phase = 'Ready' "
+    "AND hold IS NULL ORDER BY updated_at LIMIT {limit}"
 )
-# What the claim finds of the name and of a member it adopted (a retried claim).
-_NAME: Final = "SELECT phase, bound_to, claim_id FROM sandboxes WHERE key = $1"
-_ADOPTED: Final = (
-    "SELECT key, adopted_as, phase FROM sandboxes WHERE pool = $1 AND claim_id = $2 "
-    "ORDER BY updated_at LIMIT 1"
-)
+_CANDIDATES: Final = _READY.format(pool="$1", limit="$2")
+# What a claim first finds, in one round trip: the name's row, the member it adopted before (a
+# retried claim) and the candidates.
+_FIRST: Final = f"""
+SELECT n.phase, n.bound_to, n.claim_id,
+       (SELECT key FROM sandboxes WHERE pool = $2 AND claim_id = $3
+        ORDER BY updated_at LIMIT 1) AS adopted,
+       ARRAY({_READY.format(pool="$2", limit="$4")}) AS candidates
+FROM (SELECT) AS one LEFT JOIN sandboxes n ON n.key = $1
+"""
+# The name's row and whether ``member`` is still adopted by the claim (None: gone or another's).
+_BINDING: Final = """
+SELECT n.bound_to, n.claim_id,
+       (SELECT adopted_as IS NULL FROM sandboxes WHERE key = $2 AND claim_id = $3) AS abandoned
+FROM (SELECT) AS one LEFT JOIN sandboxes n ON n.key = $1
+"""
+# Per API process (its gateway): the members an adoption is in flight for, each with an event
+# set once it is decided.
+_ADOPTING: WeakKeyDictionary[CommandGateway, dict[str, asyncio.Event]] = WeakKeyDictionary()
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,17 +116,30 @@ async def claim(
     asked = Asked(dict(labels or {}), dict(env or {}), list(providers), ttl_seconds)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    settled = await _settled(gateway, pool, name, claim_id, deadline)
+    settled, candidates = await _first(gateway, pool, name, claim_id, deadline)
     if settled is not None:  # a retried claim: its answer says what the first one's said
         return replace(settled, reason=settled.reason + asked.note()) if settled.warm else settled
+    adopting = _ADOPTING.setdefault(gateway, {})
     attempts = 0
     while loop.time() < deadline:
-        candidates = await _candidates(gateway, pool)
+        if candidates is None:
+            candidates = await _candidates(gateway, pool)
         if not candidates:
             return cold(f"no Ready member of pool {pool!r} is unclaimed", attempts)
+        if all(member in adopting for member in candidates):
+            await _one_decided([adopting[m] for m in candidates], deadline)
+            candidates = None  # read again: what those adoptions left
+            continue
         for member in candidates:
+            if member in adopting:  # another claim here asks for it: the next one
+                continue
             attempts += 1
-            outcome = await _adopt(gateway, member, name, actor, claim_id, asked, deadline)
+            adopting[member] = decided = asyncio.Event()
+            try:
+                outcome = await _adopt(gateway, member, name, actor, claim_id, asked, deadline)
+            finally:
+                del adopting[member]
+                decided.set()
             if outcome is None:
                 return cold(f"the adoption of {member!r} was not decided in time", attempts)
             if outcome.accepted:
@@ -115,33 +148,50 @@ async def claim(
                 return ClaimResult(result.warm, result.member, reason, attempts)
             if outcome.code not in (Code.FAILED_PRECONDITION, Code.NOT_FOUND):
                 return cold(f"the adoption of {member!r} was refused: {outcome.message}", attempts)
+        candidates = None
     return cold(f"no member adopted within {timeout:g}s", attempts)
 
 
-async def _candidates(gateway: CommandGateway, pool: str) -> list[str]:
-    rows = await gateway.pool.fetch(_CANDIDATES, pool, CANDIDATES)
-    keys = [r["key"] for r in rows]
+async def _one_decided(events: list[asyncio.Event], deadline: float) -> None:
+    """Until one of ``events`` is set, or ``deadline``."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    timeout = max(deadline - asyncio.get_running_loop().time(), 0)
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
+def _shuffled(keys: list[str]) -> list[str]:
     random.shuffle(keys)
     return keys
 
 
-async def _settled(
+async def _candidates(gateway: CommandGateway, pool: str) -> list[str]:
+    rows = await gateway.pool.fetch(_CANDIDATES, pool, CANDIDATES)
+    return _shuffled([r["key"] for r in rows])
+
+
+async def _first(
     gateway: CommandGateway, pool: str, name: str, claim_id: str, deadline: float
-) -> ClaimResult | None:
+) -> tuple[ClaimResult | None, list[str] | None]:
     """What a claim need not (or must not) adopt for: its name bound already (a retried claim),
     the member it adopted before (a retry: wait for that one), or a name taken (cold: the
-    create the caller makes is refused, and no member is spent on it)."""
-    row = await gateway.pool.fetchrow(_NAME, name)
-    if row is not None and row["bound_to"] is not None:
+    create the caller makes is refused, and no member is spent on it); else the candidates,
+    read in the same round trip."""
+    row = await gateway.pool.fetchrow(_FIRST, name, pool, claim_id, CANDIDATES)
+    assert row is not None  # one row, whether the name has one or not
+    bound = row["bound_to"]
+    if bound is not None:
         if row["claim_id"] == claim_id:
-            return ClaimResult(True, row["bound_to"], f"adopted {row['bound_to']!r} (retried)")
-        return cold(f"the name {name!r} is taken (adopted sandbox {row['bound_to']!r})")
-    if row is not None and row["phase"] != "Deleted":
-        return cold(f"the name {name!r} is taken (a sandbox in {row['phase']})")
-    adopted = await gateway.pool.fetchrow(_ADOPTED, pool, claim_id)
-    if adopted is not None:
-        return await _bound(gateway, adopted["key"], name, claim_id, deadline)
-    return None
+            return ClaimResult(True, bound, f"adopted {bound!r} (retried)"), None
+        return cold(f"the name {name!r} is taken (adopted sandbox {bound!r})"), None
+    if row["phase"] is not None and row["phase"] != "Deleted":
+        return cold(f"the name {name!r} is taken (a sandbox in {row['phase']})"), None
+    if row["adopted"] is not None:
+        return await _bound(gateway, row["adopted"], name, claim_id, deadline), None
+    return None, _shuffled(list(row["candidates"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,18 +248,14 @@ async def _bound(
     loop = asyncio.get_running_loop()
     while True:
         mark = gateway.feed.mark()
-        row = await gateway.pool.fetchrow(_NAME, name)
-        if row is not None and row["bound_to"] is not None and row["claim_id"] == claim_id:
+        row = await gateway.pool.fetchrow(_BINDING, name, member, claim_id)
+        assert row is not None  # one row, whether the name has one or not
+        if row["bound_to"] is not None and row["claim_id"] == claim_id:
             # This claim's name: bound to ``member``, or (a retried claim that raced its own
             # first adoption) to the member adopted first, the other one being abandoned.
             return ClaimResult(True, row["bound_to"], f"adopted {row['bound_to']!r}")
-        abandoned = await gateway.pool.fetchval(
-            "SELECT adopted_as IS NULL FROM sandboxes WHERE key = $1 AND claim_id = $2",
-            member,
-            claim_id,
-        )
-        if abandoned is not False:  # abandoned (or gone): the name went to another
-            taken = "taken" if row is None or row["bound_to"] is None else "bound to another"
+        if row["abandoned"] is not False:  # abandoned (or gone): the name went to another
+            taken = "taken" if row["bound_to"] is None else "bound to another"
             return cold(f"the name {name!r} is {taken}: adoption of {member!r} abandoned")
         remaining = deadline - loop.time()
         if remaining <= 0:

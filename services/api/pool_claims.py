@@ -32,7 +32,7 @@ from services.api.models import CreateSandboxRequest
 from services.api.readmodel import ClaimOutcome, CommandStatus
 from services.common import metrics
 from services.common import pools as store
-from services.common.pools import PoolInfo
+from services.common.pools import Conn, PoolInfo
 
 CLAIM_TIMEOUT = 30.0  # seconds a claim may take to adopt and bind before it goes cold
 
@@ -78,9 +78,11 @@ async def claim_first(
     if command.template is None:
         return None
     name = command.template.name
+    current = None  # the template's newest revision: only a pinned one is compared with it
     async with gateway.pool.acquire() as conn:
         pools = await store.pools_of_template(conn, name)
-        current = (await store.template_revisions(conn, [name])).get(name)
+        if pools and pinned is not None:
+            current = (await store.template_revisions(conn, [name])).get(name)
     if not pools:
         return None
     started = time.perf_counter()
@@ -117,12 +119,17 @@ def _cold_at_once(command: CreateSandbox, pinned: int | None, current: int | Non
 
 async def count(pool: Pool, claim: Claim, command: CreateSandbox) -> None:
     """Count the claim once: a retry of the request (its command id) is not a claim again."""
+    async with pool.acquire() as conn:
+        await count_on(conn, claim, command)
+
+
+async def count_on(conn: Conn, claim: Claim, command: CreateSandbox) -> None:
+    """``count`` on a connection the caller holds."""
     seconds = time.perf_counter() - claim.started
     served = claim.outcome
-    async with pool.acquire() as conn:
-        counted = await store.record_claim(
-            conn, served.pool, command.command_id, command.key, served.warm, served.reason, seconds
-        )
+    counted = await store.record_claim(
+        conn, served.pool, command.command_id, command.key, served.warm, served.reason, seconds
+    )
     if counted:
         path = "warm" if served.warm else "cold"
         metrics.POOL_CLAIMS.labels(served.pool, path).inc()
@@ -149,8 +156,9 @@ async def create_or_claim(
     if claim is None:
         return None
     if claim.warm:
-        answer = await _warm(state, body.name, command.command_id, claim)
-        await count(state.pool, claim, command)
+        async with state.pool.acquire() as conn:  # one acquisition (each ends in a reset)
+            answer = await _warm(conn, body.name, command.command_id, claim)
+            await count_on(conn, claim, command)
         return answer
     answer = _with_claim(await create(), claim.outcome)
     if answer.status_code < 300:  # a refused create (the name taken, say) served no claim
@@ -158,9 +166,9 @@ async def create_or_claim(
     return answer
 
 
-async def _warm(state: ApiState, name: str, claim_id: str, claim: Claim) -> JSONResponse:
+async def _warm(conn: Conn, name: str, claim_id: str, claim: Claim) -> JSONResponse:
     served = claim.outcome
-    row = await state.pool.fetchrow(
+    row = await conn.fetchrow(
         "SELECT sandbox_id, phase, generation, version, identity FROM sandboxes WHERE key = $1",
         served.member,
     )

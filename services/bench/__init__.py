@@ -4,6 +4,8 @@ asserted. Tools for people measuring sandstream locally; imports whatever it mea
 Modules:
 
 - ``ceiling``: a minimal exactly-once projector, the reference the processor is measured against.
+- ``claim``: a warm claim at low load, step by step in the process, beside a row-only
+  command's decided outcome through the same API and Kafka's own round trip.
 - ``cpu``: CPU seconds spent per input, beside the wall-clock rates.
 - ``decided``: request → decided outcome at low load through the HTTP API, beside Kafka's and
   PostgreSQL's own round trips.
@@ -22,8 +24,8 @@ Modules:
 - ``peer_burst``: the peer bench's cold burst for sandstream beside bare Pods alone, with
   sandstream's CPU, Kafka records and PostgreSQL rows per sandbox and its deletes' time.
 - ``main``: ``python -m services.bench
-  [all|processor|latency|decided|idle|idle-use|scaleout|rebuild|profile|fold|stages|drivers|
-  peer|kube-requests|burst|warm|scaling]
+  [all|processor|latency|decided|claim|idle|idle-use|scaleout|rebuild|profile|fold|stages|
+  drivers|peer|kube-requests|burst|warm|scaling]
   [--quick]``.
 - ``peer``, ``peer_setup``, ``peer_systems``, ``peer_kube``, ``peer_stats``, ``peer_report``:
   sandstream beside kubernetes-sigs/agent-sandbox and bare Pods on one Kubernetes cluster

@@ -1,11 +1,13 @@
-"""``python -m services.bench [all|processor|latency|decided|idle|idle-use|scaleout|rebuild|
-profile|fold|stages|drivers|peer|kube-requests|burst|warm|scaling] [--quick]``: the benchmarks,
-each printed beside its same-run reference (see docs/benchmarks.md). ``latency`` is the latency
-part of ``processor`` alone; ``decided`` is request → decided outcome at low load, through the
-HTTP API; ``idle`` (not part of ``all``) the broker's CPU for an idle control plane on a broker
-of its own; ``idle-use`` (not part of ``all``) what idle suspend costs PostgreSQL at 10,000 busy
-sandboxes; ``peer`` (services/bench/peer.py, ``make bench-peer``) is not part of ``all``: it
-starts a Kubernetes cluster of its own and takes about a quarter of an hour. ``kube-requests``
+"""``python -m services.bench [all|processor|latency|decided|claim|idle|idle-use|scaleout|
+rebuild|profile|fold|stages|drivers|peer|kube-requests|burst|warm|scaling] [--quick]``: the
+benchmarks, each printed beside its same-run reference (see docs/benchmarks.md). ``latency`` is
+the latency part of ``processor`` alone; ``decided`` is request → decided outcome at low load,
+through the HTTP API; ``claim`` (not part of ``all``) a warm claim at low load, step by step,
+beside ``decided``'s figure; ``idle`` (not part of ``all``) the broker's CPU for an idle control
+plane on a broker of its own; ``idle-use`` (not part of ``all``) what idle suspend costs
+PostgreSQL at 10,000 busy sandboxes; ``peer`` (services/bench/peer.py, ``make bench-peer``) is
+not part of ``all``: it starts a Kubernetes cluster of its own and takes about a quarter of an
+hour. ``kube-requests``
 (services/bench/kube_requests.py) counts the Kubernetes driver's apiserver requests per
 sandbox beside bare Pods' on the local cluster (`make k8s`), in a minute. ``burst``
 (services/bench/peer_burst.py) is the peer bench's cold burst for sandstream beside bare Pods
@@ -26,6 +28,7 @@ from services.bench import drivers as bench_drivers
 from services.bench import kube as bench_kube
 from services.bench import kube_requests, peer, peer_burst, scaling, warm
 from services.bench import wake as bench_wake
+from services.bench.claim import claim_figures
 from services.bench.decided import decided_figures
 from services.bench.fold import fold_figures
 from services.bench.idle import idle_figures
@@ -43,6 +46,7 @@ CHOICES = (
     "processor",
     "latency",
     "decided",
+    "claim",
     "idle",
     "idle-use",
     "scaleout",
@@ -93,6 +97,8 @@ async def run(
         await latency(settings, rate=latency_rate, seconds=5 if quick else 15)
     if which in ("all", "decided"):
         await decided_figures(settings, 100 if quick else 400)
+    if which == "claim":
+        await claim_figures(settings, 50 if quick else 200)
     if which == "idle":
         await idle_figures(settings, 10 if quick else 30)
     if which == "idle-use":

@@ -47,7 +47,11 @@ def new_producer(settings: Settings) -> AIOKafkaProducer:
         **kafka_client_args(settings, "processor"),
         enable_idempotence=True,
         acks="all",
-        linger_ms=2,
+        # No linger: a poll's outbox is handed over in one go (its records join the open
+        # batches before the sender runs), and while a request is in flight the next polls'
+        # records gather behind it anyway; a linger would only delay the commands the outbox
+        # carries to another key (a claim's BindSandboxName waits for it).
+        linger_ms=0,
         max_batch_size=256 * 1024,
         # Its own check (key, value and a record's overhead) never refuses what ``publish``
         # sends: records above kafka_max_record_bytes are set aside before.
