@@ -75,9 +75,8 @@ T = TypeVar("T")
 class PodmanDriver:
     """The driver for a Podman API service (``podman system service``)."""
 
-    # An exec's environment travels in its session's body over the Podman socket, never in a
-    # command line or a URL: a claim's env and providers' values may go that way (protocol's
-    # exec_env_refusal).
+    # An exec's env goes in the session's body (or runc's 0600 process file), never in argv or
+    # a URL: a claim's env and provider values may go that way (protocol's exec_env_refusal).
     exec_env_refusal: ClassVar[str | None] = None
 
     def __init__(
@@ -112,15 +111,12 @@ class PodmanDriver:
         self.init = init
         self.limits = limits
         self._request_timeout = request_timeout
+        # Set: a suspend keeps the agent's memory (drivers/podman_checkpoint.py).
+        checkpoints = Checkpoints(checkpoint_dir) if checkpoint_dir is not None else None
         self._sync = PodmanCalls(
-            base_url,
-            stop_timeout=self.stop_timeout,
-            request_timeout=request_timeout,
-            init=init,
-            limits=limits,
-            # Set: a suspend keeps the agent's memory (drivers/podman_checkpoint.py).
-            checkpoints=Checkpoints(checkpoint_dir) if checkpoint_dir is not None else None,
-        )
+            base_url, stop_timeout=self.stop_timeout, request_timeout=request_timeout, init=init,
+            limits=limits, checkpoints=checkpoints,
+        )  # fmt: skip
         self._reconnect_delay = reconnect_delay
         self._max_reconnect_delay = max_reconnect_delay
         # Podman calls block their thread (a stop for up to the grace period): pools of our
