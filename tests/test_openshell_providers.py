@@ -10,6 +10,7 @@ import base64
 import secrets
 import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from typing import Any
 
 import grpc
@@ -34,6 +35,7 @@ from pydantic import SecretStr
 
 from drivers.podman_secrets import SECRETS_DIR
 from services.api import readmodel
+from services.common import templates
 from services.openshell.proto import openshell_pb2 as pb
 from services.openshell.proto.vendored.v0_0_116 import datamodel_pb2 as dm0
 from services.openshell.proto.vendored.v0_0_116 import openshell_pb2 as os0
@@ -387,3 +389,25 @@ async def test_a_0_1_only_field_inside_the_provider_makes_a_create_0_1(gateway: 
     assert await status_of(
         call(gateway, "GetProvider", os1.GetProviderRequest(name=name), os1.ProviderResponse)
     ) == grpc.StatusCode.NOT_FOUND  # fmt: skip
+
+
+async def test_delete_provider_is_failed_precondition_while_a_template_names_it(
+    gateway: Gateway,
+) -> None:
+    name, template = provider_name(), "osprov-tpl-" + uuid.uuid4().hex[:8]
+    provider = dm1.Provider(metadata=dm1.ObjectMeta(name=name), credentials={"K": secret()})
+    await call(gateway, "CreateProvider", os1.CreateProviderRequest(provider=provider),
+               os1.ProviderResponse)  # fmt: skip
+    body = templates.TemplateBody.model_validate(
+        {"spec": {"image": "registry.example/agent:1"}, "providers": [name]}
+    )
+    async with gateway.env.pool.acquire() as conn:
+        await templates.create_template(conn, template, body, "test", datetime.now(UTC))
+    named = await refused(gateway, "DeleteProvider", os1.DeleteProviderRequest(name=name))
+    assert named.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"is named by template {template!r}" in (named.details() or "")
+    async with gateway.env.pool.acquire() as conn:
+        await templates.delete_template(conn, template)
+    gone = await call(gateway, "DeleteProvider", os1.DeleteProviderRequest(name=name),
+                      os1.DeleteProviderResponse)  # fmt: skip
+    assert gone.outcome == os1.DELETION_OUTCOME_COMPLETED

@@ -7,6 +7,7 @@ never reach the log."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import secrets
@@ -21,9 +22,11 @@ from apikit import Api, unique
 from harness import eventually
 from podman import PodmanClient
 from pydantic import SecretStr
+from typer.testing import CliRunner
 
 from drivers.podman import container_name
 from services.audit.verify import verify
+from services.cli.main import app
 from services.common.credentials import CredentialKeyError, Vault
 from services.common.exec_env import ExecEnvUnavailable, exec_environment
 from services.common.settings import load_settings
@@ -220,6 +223,13 @@ async def test_a_claims_env_and_provider_reach_every_exec_warm_and_never_the_log
         answers.append(json.dumps(view))
         assert view["spec"]["env"] == {"MODE": "claim", "KEEP": "1", "CLAIM_VAR": "x"}, view
         assert provider in view["providers"] and view["generation"] == 1
+        # The views say which providers the claim attached (names: they reach its execs).
+        assert view["claim_providers"] == [provider], view
+        listed = (await c.get("/v1/sandboxes", params={"limit": 500})).json()["items"]
+        assert [s["claim_providers"] for s in listed if s["name"] == name] == [[provider]]
+        argv = ["--url", api.url, "--token", apikit.ADMIN, "sandbox", "get", name]
+        shown = await asyncio.to_thread(CliRunner().invoke, app, argv)
+        assert f"attached by its claim, reaching each exec: {provider}" in shown.output, shown
 
         # A rotation reaches the next exec, without a restart (the process never read it).
         r = await c.put(f"/v1/providers/{provider}/credentials",
@@ -255,6 +265,15 @@ async def test_a_claims_env_and_provider_reach_every_exec_warm_and_never_the_log
             assert not [row for row in rows if value in row], "a value in a table"
             assert not [a for a in answers if value in a], "a value in an API answer"
             assert not [i for i in inspected if value in i], "a value in podman inspect"
+        # Deleted with force, the provider is detached: it leaves both lists and the execs.
+        r = await c.delete(
+            f"/v1/providers/{provider}", params={"force": "true", "no_restart": "true"}
+        )
+        assert r.status_code == 200 and r.json()["detached"] == [member], r.text
+        view = await eventually(lambda: c.get(f"/v1/sandboxes/{name}"),
+                                lambda r: r.json()["claim_providers"] == [], timeout=30,
+                                what="the forced delete's detach decided")  # fmt: skip
+        assert provider not in view.json()["providers"], view.text
+        assert await run(c, name, script) == "claim 1 x \n"
         assert (await c.delete(f"/v1/sandboxes/{name}", params={"wait": 30})).is_success
         await api.wait_phase(member, "Deleted", timeout=60)
-        assert (await c.delete(f"/v1/providers/{provider}")).is_success

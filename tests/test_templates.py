@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
 from typing import Any
 
 import apikit
@@ -18,10 +17,7 @@ from typer.testing import CliRunner, Result
 
 from drivers.fake import FakeDriver
 from events.codec import EVENTS, decode
-from events.common import SandboxSpec
 from services.cli.main import app
-from services.common import templates
-from services.common.templates import TemplateBody
 from services.processor.rebuild import rebuild_and_compare
 
 SPEC = {"image": "registry.example/agent:1", "command": ["sleep", "3600"],
@@ -312,17 +308,21 @@ async def test_the_rows_rebuild_from_the_log_with_every_template_gone(api: Api) 
 async def test_a_create_from_a_template_naming_a_gone_provider_names_the_template(
     api: Api,
 ) -> None:
-    """The template names a provider deleted since it was written (stored here as it would
-    be): the create is 404 naming the template, whose provider it is, not a `providers` field
-    the request never had; nothing reaches the log."""
+    """Revision 1 names a provider that revision 2 dropped, and the provider was deleted since
+    (allowed: no live template names it): a create pinning revision 1 is 404 naming the
+    template, whose provider it is, not a `providers` field the request never had; nothing
+    reaches the log."""
     template, gone = unique("tpl"), unique("gone")
-    async with api.env.pool.acquire() as conn:
-        body = TemplateBody(spec=SandboxSpec.model_validate(SPEC), providers=[gone])
-        await templates.create_template(conn, template, body, "test", datetime.now(UTC))
-    published = await api.commands_published()
     async with api.client() as c:
+        assert (await c.post("/v1/providers", json={"name": gone})).status_code == 201
+        await make_template(api, template, providers=[gone])
+        r = await c.put(f"/v1/templates/{template}", json={"spec": SPEC, "expected_revision": 1})
+        assert r.status_code == 200, r.text
+        assert (await c.delete(f"/v1/providers/{gone}")).status_code == 200
+        published = await api.commands_published()
         r = await c.post(
-            "/v1/sandboxes", json={"name": unique("sb"), "template": {"name": template}}
+            "/v1/sandboxes",
+            json={"name": unique("sb"), "template": {"name": template, "revision": 1}},
         )
     assert r.status_code == 404, r.text
     assert r.json()["message"] == (

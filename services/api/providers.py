@@ -7,8 +7,9 @@ they come through (the HTTP routes, the provider-sync controller, the OpenShell 
 - ``rotate``: rotate one key to its stored value (OpenShell's RotateProviderCredential of a
   static credential): the next revision, with the same restarts and receipt as an update.
 - ``attachment``: the AttachProvider or DetachProvider command a caller may send.
-- ``delete``: delete a provider; forced, detach it from every sandbox (the DetachProvider
-  commands stored in the delete's transaction, then sent).
+- ``delete``: delete a provider (refused while a live template names it, forced or not);
+  forced, detach it from every sandbox (the DetachProvider commands stored in the delete's
+  transaction, then sent).
 - ``relay``: send the stored commands Kafka has not acknowledged yet, until it does (every
   process that holds a ProviderService runs it: docs/adr/0005).
 
@@ -48,7 +49,7 @@ from events.publisher import new_command_id, now
 from projections.credentials import ReceiptLine, plan
 from services.api import idempotency, provider_outbox
 from services.api.gateway import CommandGateway, Pool, PublishFailed, PublishForbidden
-from services.common import metrics, providers
+from services.common import metrics, providers, templates
 from services.common.credentials import Vault, load_key
 from services.common.providers import Applied, Conn, Update
 from services.common.settings import Settings
@@ -72,6 +73,22 @@ class ProviderInUse(Exception):
             f"provider {name!r} is attached to {', '.join(sandboxes)}: detach it first (or, "
             "over HTTP, delete with force=true, which detaches it; the CLI's --force)"
         )
+
+
+class ProviderNamed(ProviderInUse):
+    """A delete, forced or not, of a provider that live templates name: every create and
+    claim from them (and their pools' refills) would fail. Force detaches a provider from
+    sandboxes; taking it out of a template is a template update, so it is refused too."""
+
+    def __init__(self, name: str, templates: list[str]) -> None:
+        Exception.__init__(
+            self,
+            f"provider {name!r} is named by template{'s' if len(templates) > 1 else ''} "
+            f"{', '.join(map(repr, templates))}: update or delete "
+            f"{'them' if len(templates) > 1 else 'it'} first (force detaches a provider from "
+            "sandboxes, never from a template)",
+        )
+        self.templates = templates
 
 
 def require_scopes(principal: Principal, needed_for: str, *scopes: str) -> None:
@@ -317,7 +334,8 @@ class ProviderService:
         restart: bool = True,
         request_id: str | None = None,
     ) -> Deleted:
-        """Delete provider ``name``; refused (ProviderInUse) while attached, unless ``force``:
+        """Delete provider ``name``; refused while a live template names it (ProviderNamed,
+        even with ``force``), and while attached (ProviderInUse) unless ``force``:
         then detached from every sandbox (each Ready one restarting without its values unless
         not ``restart``), which needs the scopes of a detach as well. The DetachProvider
         commands are stored in the delete's transaction, then sent."""
@@ -333,6 +351,11 @@ class ProviderService:
                 return replace(deleted, unsent=unsent)
             if not await providers.delete_provider(conn, name):
                 raise providers.ProviderMissing(name)
+            # After the row's delete (its lock): a template written since is seen here, one
+            # being written waits for this transaction and then finds no provider (hold).
+            named = await templates.naming(conn, name)
+            if named:
+                raise ProviderNamed(name, named)  # rolls the delete back, forced or not
             attached = [s.key for s in await providers.attached_sandboxes(conn, [name])]
             if attached and not force:
                 raise ProviderInUse(name, attached)  # rolls the delete back

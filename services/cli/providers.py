@@ -206,8 +206,8 @@ def delete(
     command_id: CommandIdOpt = None,
     timeout: RetryOpt = 60.0,
 ) -> None:
-    """Delete a provider (refused while attached unless --force; a Ready sandbox it is
-    detached from restarts without its values)."""
+    """Delete a provider (refused while attached unless --force, and while a template names
+    it even with --force; a Ready sandbox it is detached from restarts without its values)."""
     params = {"force": str(force).lower(), "no_restart": str(no_restart).lower()}
     path = f"/v1/providers/{name}"
     result = _write(_client(ctx), "DELETE", path, {}, command_id, timeout, params=params)

@@ -70,6 +70,18 @@ def pairs(values: list[str], what: str) -> dict[str, str]:
     return result
 
 
+def providers_text(row: dict[str, Any]) -> str:
+    """The attached providers' names, saying which a claim attached (their values reach the
+    sandbox's execs: its process was started before the claim)."""
+    text = ", ".join(row["providers"]) or "-"
+    claimed = row.get("claim_providers") or []
+    return (
+        f"{text} (attached by its claim, reaching each exec: {', '.join(claimed)})"
+        if claimed
+        else text
+    )
+
+
 def template_text(ref: dict[str, Any] | None) -> str:
     return f"{ref['name']} revision {ref['revision']}" if ref else "-"
 
@@ -371,7 +383,7 @@ def get(
         ("Command", " ".join(spec["command"]) or "(image default)"),
         ("Env", ", ".join(sorted(spec["env"])) or "-"),
         ("Labels", ", ".join(f"{k}={v}" for k, v in sorted(row["labels"].items())) or "-"),
-        ("Providers", ", ".join(row["providers"]) or "-"),
+        ("Providers", providers_text(row)),
         ("Template", template_text(row.get("template"))),
         ("Conditions", conditions),
         ("Exit code", dash(row["exit_code"])),

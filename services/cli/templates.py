@@ -225,8 +225,8 @@ def get(
 
 @app.command("list")
 def list_(ctx: typer.Context, output: OutputOpt = Output.table) -> None:
-    """List templates (each at its newest revision)."""
-    items = client_of(ctx).request("GET", "/v1/templates").json()["items"]
+    """List templates (each at its newest revision; every page of them)."""
+    items = list(client_of(ctx).pages("/v1/templates", {"limit": 500}))
     if output is Output.json:
         print_json(items)
         return

@@ -263,6 +263,26 @@ async def delete_provider(conn: Conn, name: str) -> bool:
     return True
 
 
+async def hold(conn: Conn, names: Iterable[str]) -> None:
+    """Lock providers ``names`` against a delete until the caller's transaction ends;
+    ProviderMissing for the first that does not exist (or was deleted while this waited). A
+    template naming them is written under this lock: a delete either sees the template and is
+    refused, or ends first and the template's write is refused (docs/pools.md)."""
+    wanted = sorted(set(names))
+    if not wanted:
+        return
+    found = {
+        r["name"]
+        for r in await conn.fetch(
+            "SELECT name FROM providers WHERE name = ANY($1::text[]) ORDER BY name FOR KEY SHARE",
+            wanted,
+        )
+    }
+    for name in wanted:
+        if name not in found:
+            raise ProviderMissing(name)
+
+
 async def _revision_floor(conn: Conn, name: str) -> int:
     floor = await conn.fetchval(
         "SELECT revision FROM provider_revision_floors WHERE name = $1", name

@@ -35,6 +35,7 @@ from events.common import (
     Text,
     TTLSeconds,
 )
+from services.common import providers
 from services.common.providers import Conn
 
 
@@ -136,19 +137,42 @@ async def get_template(
     return _info(row) if row is not None else None
 
 
-async def list_templates(conn: Conn) -> list[TemplateInfo]:
-    rows = await conn.fetch(_SELECT + "WHERE r.revision = t.revision ORDER BY t.name")
+async def list_templates(
+    conn: Conn, *, after: str | None = None, limit: int | None = None
+) -> list[TemplateInfo]:
+    """Live templates at their newest revisions, by name: those after ``after``, at most
+    ``limit`` of them (a page)."""
+    rows = await conn.fetch(
+        _SELECT + "WHERE r.revision = t.revision AND ($1::text IS NULL OR t.name > $1) "
+        "ORDER BY t.name LIMIT $2",
+        after,
+        limit,
+    )
     return [_info(r) for r in rows]
+
+
+async def naming(conn: Conn, provider: str) -> list[str]:
+    """The live templates whose newest revision names ``provider`` (a provider's delete is
+    refused while there are any: every create and claim from them would fail)."""
+    rows = await conn.fetch(
+        "SELECT t.name FROM templates t JOIN template_revisions r "
+        "ON r.name = t.name AND r.revision = t.revision "
+        "WHERE r.body -> 'providers' ? $1 ORDER BY t.name",
+        provider,
+    )
+    return [r["name"] for r in rows]
 
 
 async def create_template(
     conn: Conn, name: str, body: TemplateBody, actor: str, at: datetime
 ) -> TemplateInfo:
-    """A new template at the revision after any its name had before (TemplateExists if live)."""
+    """A new template at the revision after any its name had before (TemplateExists if live;
+    ProviderMissing if a provider it names does not exist, checked under ``providers.hold``)."""
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock(hashtext('template:' || $1))", name)
         if await conn.fetchval("SELECT 1 FROM templates WHERE name = $1", name):
             raise TemplateExists(name)
+        await providers.hold(conn, body.providers)
         revision = await conn.fetchval(
             "SELECT coalesce(max(revision), 0) + 1 FROM template_revisions WHERE name = $1", name
         )
@@ -169,7 +193,8 @@ async def create_template(
 async def update_template(
     conn: Conn, name: str, body: TemplateBody, expected: int, actor: str, at: datetime
 ) -> TemplateInfo:
-    """The next revision, only if ``expected`` is the newest (StaleRevision otherwise)."""
+    """The next revision, only if ``expected`` is the newest (StaleRevision otherwise;
+    ProviderMissing as for a create)."""
     async with conn.transaction():
         current = await conn.fetchval(
             "SELECT revision FROM templates WHERE name = $1 FOR UPDATE", name
@@ -178,6 +203,7 @@ async def update_template(
             raise TemplateMissing(name)
         if current != expected:
             raise StaleRevision(name, expected, current)
+        await providers.hold(conn, body.providers)
         await _add_revision(conn, name, current + 1, body, actor, at)
         await conn.execute(
             "UPDATE templates SET revision = $2, updated_at = $3, updated_by = $4 WHERE name = $1",

@@ -151,7 +151,8 @@ class ProviderRpcs(ProviderCalls):
     async def DeleteProvider(
         self, raw: bytes, context: Context
     ) -> served_pb2.DeleteProviderResponse:
-        """Refused (FAILED_PRECONDITION) while sandboxes have it attached: detach it first."""
+        """Refused (FAILED_PRECONDITION) while sandboxes have it attached (detach it first) or a
+        template names it."""
         principal, decoded, request_id = await self._write(
             raw, os_0_0.DeleteProviderRequest, os_0_1.DeleteProviderRequest, context
         )

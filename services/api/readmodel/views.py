@@ -61,7 +61,13 @@ class SandboxView(BaseModel):
     version: int = Field(description="+1 per accepted change; use as expected_version")
     spec: SandboxSpec
     labels: dict[str, str]
-    providers: list[str]
+    providers: list[str] = Field(description="the providers attached (names; values never)")
+    claim_providers: list[str] = Field(
+        default_factory=list,
+        description="those of `providers` a claim attached to this adopted pool member (names): "
+        "its process was started before the claim, so their values reach each exec, read at "
+        "the exec, and its processes from its next start on",
+    )
     identity: str = Field(description="the current generation's runtime identity (not a secret)")
     conditions: list[Condition]
     exit_code: int | None
@@ -240,6 +246,7 @@ def view_of(s: Sandbox, change_seq: int) -> SandboxView:
         spec=s.spec,
         labels=dict(s.spec.labels),
         providers=list(s.providers),
+        claim_providers=list(s.claim_providers),
         identity=s.identity,
         conditions=conditions(s.phase, s.reason),
         exit_code=s.exit_code,

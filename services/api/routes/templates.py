@@ -28,10 +28,13 @@ from events.common import (
     TTLSeconds,
 )
 from events.publisher import now
+from services.api import readmodel
 from services.api.deps import Reader, State, Writer, require_also
 from services.api.errors import ApiError
 from services.api.models import SandboxSpecRequest, responses
 from services.api.providers import require_existing
+from services.api.readmodel import decode_page_token, encode_page_token
+from services.api.readmodel.pages import page_position
 from services.common import templates
 from services.common.providers import ProviderMissing
 from services.common.templates import (
@@ -91,6 +94,9 @@ class TemplateView(BaseModel):
 
 class TemplateList(BaseModel):
     items: list[TemplateView]
+    next_page_token: str | None = Field(
+        default=None, description="pass as page_token for the next page; absent on the last page"
+    )
 
 
 class DeletedTemplate(BaseModel):
@@ -169,12 +175,25 @@ async def create_template(
     "/v1/templates",
     response_model=TemplateList,
     responses=responses(401, 403, 422, 503),
-    summary="List templates (each at its newest revision)",
+    summary="List templates (each at its newest revision), by name, a page at a time",
     tags=["templates"],
 )
-async def list_templates(principal: Reader, state: State) -> TemplateList:
+async def list_templates(
+    principal: Reader,
+    state: State,
+    limit: Annotated[int, Query(ge=1, le=readmodel.MAX_PAGE)] = 100,
+    page_token: Annotated[str | None, Query(max_length=readmodel.PAGE_TOKEN_MAX_LENGTH)] = None,
+) -> TemplateList:
+    after = None
+    if page_token:
+        after = page_position("page_token", decode_page_token(page_token, "templates", {}), str)
     async with state.pool.acquire() as conn:
-        return TemplateList(items=[view(i) for i in await templates.list_templates(conn)])
+        found = await templates.list_templates(conn, after=after, limit=limit + 1)
+    items = [view(i) for i in found[:limit]]
+    token = None
+    if len(found) > limit:
+        token = encode_page_token("templates", {}, items[-1].name)
+    return TemplateList(items=items, next_page_token=token)
 
 
 @router.get(
