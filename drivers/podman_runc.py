@@ -19,7 +19,7 @@ in a 0700 directory of its own, removed once runc has started the command (or fa
 runc runs detached (``--detach``, as conmon runs it for Podman): the command inherits this
 process's pipes as its stdin, stdout and stderr (read by threads into the bounded OutputBuffer,
 drivers/podman_exec.py, as Podman's stream is) and runc exits once it has started it. This
-process is a child subreaper (``become_subreaper``), so the command, orphaned when runc exits,
+process is a child subreaper (drivers/podman_reaper.py), so the command, orphaned when runc exits,
 becomes its child (the kernel reparents an orphan to the nearest subreaper among its dead
 parent's ancestors in the parent's PID namespace: runc's, the host's), and its exit status is
 read with ``waitpid`` on its PID (128 + the signal for a killed one, as Podman reports). The
@@ -40,7 +40,6 @@ import asyncio
 import builtins
 import contextlib
 import copy
-import ctypes
 import json
 import logging
 import os
@@ -56,6 +55,7 @@ from typing import IO, Any, Final, Literal, TypeVar
 
 from podman import PodmanClient
 
+from drivers import podman_reaper
 from drivers.podman_exec import NotStarted, OutputBuffer, _Done
 from drivers.podman_exec_end import EXEC_GRACE, Ending, end_pinned, parent_of
 from drivers.protocol import DriverError, ExecEvent, ExecExit, ExecOutput
@@ -69,7 +69,6 @@ EXEC_MODES: Final = ("auto", "runtime", "api")
 RUNC_ROOT: Final = Path("/run/runc")  # runc's own default for root, which rootful Podman keeps
 _READ: Final = 65536
 _DRAIN: Final = 16  # reads of what the output holds once the command has exited
-_PR_SET_CHILD_SUBREAPER: Final = 36  # prctl(2), <linux/prctl.h>
 _POLL: Final = 0.001  # seconds between looks at the pid file while runc starts the command
 _START_WAIT: Final = 60.0  # seconds runc may take to start the command or fail
 _GONE: Final = ("container does not exist", "paused", "stopped", "not running")
@@ -93,26 +92,6 @@ class Runc:
             if isinstance(label, str) and label.startswith("bundle="):
                 return Path(label.removeprefix("bundle="))
         return None
-
-
-_subreaper = threading.Lock()
-_subreaping: builtins.list[bool] = []
-
-
-def become_subreaper() -> None:
-    """Make this process a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``), once: an
-    orphan among its descendants (in the host's PID namespace) becomes its child instead of
-    init's. Safe beside asyncio and subprocess: they wait for the PIDs they started only
-    (Python 3.11's ThreadedChildWatcher, ``Popen.wait``), never ``waitpid(-1)``, so an adopted
-    process is reaped by whoever waits for its PID (here: the exec that started it)."""
-    with _subreaper:
-        if _subreaping:
-            return
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(errno)}")
-        _subreaping.append(True)
 
 
 def probe(
@@ -140,8 +119,14 @@ def probe(
         return None, f"Podman's runc ({path}) is not here"
     if not root.is_dir():
         return None, f"runc's state root {root} is not here"
+    others = podman_reaper.strangers()
+    if others:
+        return None, (
+            f"this process has child processes of its own (PIDs {others[:5]}), whose orphans "
+            "it would adopt as the reaper of runc's commands"
+        )
     try:
-        become_subreaper()  # to reap each command runc leaves once it has started it
+        podman_reaper.become()  # to reap each command runc leaves once it has started it
     except OSError as exc:
         return None, f"this process cannot reap runc's commands ({exc})"
     return Runc(path, root), ""
@@ -220,9 +205,8 @@ class _Run:
                 runc.path, "--root", str(runc.root), "exec", "--detach",
                 "--process", str(self.spec), "--pid-file", str(self.pid_file), runtime_id,
             ]  # fmt: skip
-            become_subreaper()
             # A session of its own: a terminal's Ctrl-C to this process is not runc's to forward.
-            self.proc = subprocess.Popen(
+            self.proc = podman_reaper.start_runc(
                 argv,
                 stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -250,6 +234,7 @@ class _Run:
     def _watch(self) -> None:
         try:
             self.proc.wait()  # runc: it exits once the command runs (or failed to start it)
+            podman_reaper.reaped(self.proc.pid)
             self.decided.wait()
             pid = self.pid() if self.started else None
             if pid is not None:

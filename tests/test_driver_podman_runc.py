@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import subprocess
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -395,3 +396,18 @@ async def test_many_execs_leave_no_zombie_child_of_this_process(
     await eventually(children, lambda now: now == [], timeout=WAIT,
                      what="no child (zombie or not) of this process left")  # fmt: skip
     assert children("Z") == []
+
+
+def test_a_process_with_children_of_its_own_keeps_podmans_exec(settings: Settings) -> None:
+    """As their subreaper, this process would adopt the orphans of every child it has (a
+    stack it started: Podman's conmons), zombies nobody reaps: the runtime path is refused
+    while it has a child that is not an exec's."""
+    child = subprocess.Popen(["sleep", "600"])
+    try:
+        found, why = podman_runc.probe(settings.podman_url, "runtime", RUNC_ROOT, WAIT)
+        assert found is None and f"child processes of its own (PIDs [{child.pid}])" in why
+    finally:
+        child.kill()
+        child.wait()
+    found, why = podman_runc.probe(settings.podman_url, "runtime", RUNC_ROOT, WAIT)
+    assert found is not None, why
