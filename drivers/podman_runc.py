@@ -4,8 +4,10 @@ exec API (docs/adr/0010-podman-exec-through-runc.md says why, and what it gives 
 Only where this process can do what conmon does for Podman (``probe``): it runs as root on the
 Podman host, Podman is rootful with runc, and runc's state of the container is under the state
 root Podman runs runc with (rootful Podman 4.3 passes no ``--root``: runc's default,
-``/run/runc``). Anything else (a remote socket, rootless, crun, another namespace) keeps Podman's
-exec API (drivers/podman_exec.py).
+``/run/runc``), and this process has no child processes of its own (it becomes the reaper of
+runc's commands: drivers/podman_reaper.py). Anything else (a remote socket, rootless, crun,
+another namespace, a process that started other processes) keeps Podman's exec API
+(drivers/podman_exec.py).
 
 The process is the one Podman's exec would run: the container's own process from its OCI
 config (``config.json`` in the bundle runc's state names: user, capabilities, no_new_privileges,
