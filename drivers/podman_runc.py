@@ -4,8 +4,10 @@ exec API (docs/adr/0010-podman-exec-through-runc.md says why, and what it gives 
 Only where this process can do what conmon does for Podman (``probe``): it runs as root on the
 Podman host, Podman is rootful with runc, and runc's state of the container is under the state
 root Podman runs runc with (rootful Podman 4.3 passes no ``--root``: runc's default,
-``/run/runc``). Anything else (a remote socket, rootless, crun, another namespace) keeps Podman's
-exec API (drivers/podman_exec.py).
+``/run/runc``), and this process has no child processes of its own (it becomes the reaper of
+runc's commands: drivers/podman_reaper.py). Anything else (a remote socket, rootless, crun,
+another namespace, a process that started other processes) keeps Podman's exec API
+(drivers/podman_exec.py).
 
 The process is the one Podman's exec would run: the container's own process from its OCI
 config (``config.json`` in the bundle runc's state names: user, capabilities, no_new_privileges,
@@ -16,19 +18,22 @@ that Podman adds to the container's own process when it starts it). Seccomp, nam
 cgroups are the container's: runc applies them to every exec. It goes to runc in a 0600 file
 in a 0700 directory of its own, removed once runc has started the command (or failed to).
 
-runc runs in the foreground (it is the command's parent, and its exit status is the command's,
-128 + the signal for a killed one); the command's stdin, stdout and stderr are runc's pipes,
-read by threads into the bounded OutputBuffer (drivers/podman_exec.py) as Podman's stream is.
-One difference from Podman's exec: runc copies the command's output until it closes, so a
-child the command leaves in the background holding its stdout or stderr holds the exec (and
-its exit code) until that child ends or closes them, or the deadline ends them all; Podman's
-exec answers when the command exits (conmon runs ``runc exec --detach`` and reaps the command
-itself). Redirect a background child's output (``cmd >log 2>&1 &``) to return at once.
-Whether the command started is decided by runc's pid file: written, it runs (output is the
-command's); runc exiting without it failed before starting anything (its stderr is its own
-error). Leaving before the exit ends the command as Podman's path does: SIGTERM to its process
-group, SIGKILL after the grace (drivers/podman_exec_end.py), by the PID runc wrote, pinned with
-a pidfd and checked to be runc's child.
+runc runs detached (``--detach``, as conmon runs it for Podman): the command inherits this
+process's pipes as its stdin, stdout and stderr (read by threads into the bounded OutputBuffer,
+drivers/podman_exec.py, as Podman's stream is) and runc exits once it has started it. This
+process is a child subreaper (drivers/podman_reaper.py), so the command, orphaned when runc exits,
+becomes its child (the kernel reparents an orphan to the nearest subreaper among its dead
+parent's ancestors in the parent's PID namespace: runc's, the host's), and its exit status is
+read with ``waitpid`` on its PID (128 + the signal for a killed one, as Podman reports). The
+exec answers when the command exits, as Podman's does: what its output already holds is read
+(a bounded drain), and a child left in the background holding stdout or stderr holds nothing
+(``sh -c "server & echo started"`` answers at once). Only the command itself is reparented
+here: its own orphans stay in the container's PID namespace, whose init adopts them.
+Whether the command started is decided by runc's pid file: written, it runs; runc exiting
+without it failed before starting anything (its stderr is its own error). Leaving before the
+exit ends the command as Podman's path does: SIGTERM to its process group, SIGKILL after the
+grace (drivers/podman_exec_end.py), by the PID runc wrote, pinned with a pidfd once it is this
+process's child, and never reaped while it is being signalled.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from typing import IO, Any, Final, Literal, TypeVar
 
 from podman import PodmanClient
 
+from drivers import podman_reaper
 from drivers.podman_exec import NotStarted, OutputBuffer, _Done
 from drivers.podman_exec_end import EXEC_GRACE, Ending, end_pinned, parent_of
 from drivers.protocol import DriverError, ExecEvent, ExecExit, ExecOutput
@@ -64,7 +70,7 @@ ExecMode = Literal["auto", "runtime", "api"]
 EXEC_MODES: Final = ("auto", "runtime", "api")
 RUNC_ROOT: Final = Path("/run/runc")  # runc's own default for root, which rootful Podman keeps
 _READ: Final = 65536
-_DRAIN: Final = 16  # reads of what the output holds once runc has exited
+_DRAIN: Final = 16  # reads of what the output holds once the command has exited
 _POLL: Final = 0.001  # seconds between looks at the pid file while runc starts the command
 _START_WAIT: Final = 60.0  # seconds runc may take to start the command or fail
 _GONE: Final = ("container does not exist", "paused", "stopped", "not running")
@@ -115,6 +121,16 @@ def probe(
         return None, f"Podman's runc ({path}) is not here"
     if not root.is_dir():
         return None, f"runc's state root {root} is not here"
+    others = podman_reaper.strangers()
+    if others:
+        return None, (
+            f"this process has child processes of its own (PIDs {others[:5]}), whose orphans "
+            "it would adopt as the reaper of runc's commands"
+        )
+    try:
+        podman_reaper.become()  # to reap each command runc leaves once it has started it
+    except OSError as exc:
+        return None, f"this process cannot reap runc's commands ({exc})"
     return Runc(path, root), ""
 
 
@@ -178,7 +194,8 @@ _SUFFIX: Final = {
 
 
 class _Run:
-    """One ``runc exec``: its process, its files, and whether the command started."""
+    """One ``runc exec --detach``: runc's process, its files, whether the command started,
+    and the command's exit code once it has exited (reaped here: runc leaves it to us)."""
 
     def __init__(self, runc: Runc, runtime_id: str, process: dict[str, Any], stdin: bool) -> None:
         self.runtime_id = runtime_id
@@ -187,11 +204,11 @@ class _Run:
         try:
             self.spec = write_private(self.dir, "process.json", json.dumps(process).encode())
             argv = [
-                runc.path, "--root", str(runc.root), "exec", "--process", str(self.spec),
-                "--pid-file", str(self.pid_file), runtime_id,
+                runc.path, "--root", str(runc.root), "exec", "--detach",
+                "--process", str(self.spec), "--pid-file", str(self.pid_file), runtime_id,
             ]  # fmt: skip
             # A session of its own: a terminal's Ctrl-C to this process is not runc's to forward.
-            self.proc = subprocess.Popen(
+            self.proc = podman_reaper.start_runc(
                 argv,
                 stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -205,13 +222,42 @@ class _Run:
         self.started = False
         self.threads: builtins.list[threading.Thread] = []  # the output's readers, once started
         self.fed = False  # the input's feeder started (it closes the input)
-        # Readable once runc has exited or the caller leaves: wakes the readers.
+        self.code: int | None = None  # the command's exit code, once reaped
+        self.lost = ""  # why the command's exit code is out of reach
+        self.pidfd: int | None = None  # the command, pinned once it is this process's child
+        self.pinned = threading.Event()  # pinned, or known never to be
+        self.reaping = threading.Lock()  # held while the command is signalled: not reaped then
+        # Readable once the command has exited (or runc without it) or the caller leaves:
+        # wakes the readers and the input's feeder.
         self.wake_r, self.wake_w = os.pipe()
         self.watcher = threading.Thread(target=self._watch, name="runc-exec-wait", daemon=True)
+        self.watcher.start()
 
     def _watch(self) -> None:
-        self.proc.wait()
-        self.wake()
+        try:
+            self.proc.wait()  # runc: it exits once the command runs (or failed to start it)
+            podman_reaper.reaped(self.proc.pid)
+            self.decided.wait()
+            pid = self.pid() if self.started else None
+            if pid is not None:
+                self._reap(pid)
+        finally:
+            self.pinned.set()
+            self.wake()
+
+    def _reap(self, pid: int) -> None:
+        """Wait for the command (reparented here when runc exited) and read its exit code."""
+        if parent_of(pid) != os.getpid():  # not adopted: its PID is nothing of ours to wait on
+            self.lost = f"the command (PID {pid}) is not this process's child once runc exited"
+            return
+        # An unreaped child: its PID (and its group's number) stay the command's until reaped.
+        self.pidfd = os.pidfd_open(pid)
+        self.pinned.set()
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # exited; not reaped yet
+        with self.reaping:
+            _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        self.code = code if code >= 0 else 128 - code  # killed: 128 + the signal, as Podman
 
     def wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -245,20 +291,14 @@ class _Run:
         """End the command if it still runs (its group: SIGTERM, SIGKILL after ``grace``)."""
         self.decided.wait(_START_WAIT)
         pid = self.pid() if self.started else None
-        if pid is None or self.proc.poll() is not None:
+        if pid is None or not self.pinned.wait(_START_WAIT):
             return "exited"
-        try:
-            pidfd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            return "exited"
-        try:
-            # runc (alive, not reaped: its PID is not reused) is the command's parent: the PID
-            # is still the command's.
-            if parent_of(pid) != self.proc.pid or self.proc.poll() is not None:
+        with self.reaping:  # not reaped meanwhile: its PID and group stay the command's
+            if self.pidfd is None or self.code is not None:
                 return "exited"
-            return end_pinned(pidfd, pid, grace)
-        finally:
-            os.close(pidfd)
+            if select.select([self.pidfd], [], [], 0)[0]:  # exited (a pidfd reads ready)
+                return "exited"
+            return end_pinned(self.pidfd, pid, grace)
 
     def close(self) -> None:
         """The files go now; the pipes close, and runc is reaped, in the background."""
@@ -277,8 +317,9 @@ class _Run:
                 with contextlib.suppress(OSError):
                     pipe.close()
         self.proc.wait()
-        if self.watcher.ident is not None:  # started
-            self.watcher.join()
+        self.watcher.join()  # the command reaped
+        if self.pidfd is not None:
+            os.close(self.pidfd)
         os.close(self.wake_r)
         os.close(self.wake_w)
 
@@ -312,10 +353,17 @@ def _in_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
     return future
 
 
-def _feed(pipe: IO[bytes], data: bytes) -> None:
-    """The command's input, then its end; a command gone already ends the write quietly."""
+def _feed(run: _Run, pipe: IO[bytes], data: bytes) -> None:
+    """The command's input, then its end. Stops at the command's exit or the caller leaving
+    (a background child may hold the input and never read it); a command gone already (no
+    reader left) ends the write quietly."""
+    fd = pipe.fileno()
+    os.set_blocking(fd, False)
+    rest = memoryview(data)
     with contextlib.suppress(OSError):
-        pipe.write(data)
+        while rest and not select.select([run.wake_r], [fd], [])[0]:
+            with contextlib.suppress(BlockingIOError):
+                rest = rest[os.write(fd, rest[:_READ]) :]
     with contextlib.suppress(OSError):
         pipe.close()
 
@@ -330,8 +378,8 @@ def _read(
     ended: Any,
 ) -> None:
     """One output into the buffer (waiting for room), until its end, the caller leaving, or
-    runc's exit (then what the pipe holds, at most _DRAIN reads: runc copies the command's
-    output to its own until that closes, so this is runc killed, not a command's exit)."""
+    the command's exit (then what the pipe holds already, at most _DRAIN reads: a child the
+    command left in the background may hold the pipe open, and is not waited for)."""
     fd = pipe.fileno()
     try:
         while not leaving.is_set():
@@ -399,9 +447,8 @@ async def exec_stream(
             return
         if stdin is not None and run.proc.stdin is not None:
             run.fed = True
-            threading.Thread(target=_feed, args=(run.proc.stdin, stdin), daemon=True,
+            threading.Thread(target=_feed, args=(run, run.proc.stdin, stdin), daemon=True,
                              name="runc-exec-stdin").start()  # fmt: skip
-        run.watcher.start()
         for reader in readers:
             run.threads.append(reader)
             reader.start()
@@ -409,9 +456,13 @@ async def exec_stream(
             yield item
         if item.error is not None:
             raise DriverError(f"exec output broke off: {item.error}", retryable=True)
-        code = await _in_thread(run.proc.wait)
+        await _in_thread(run.watcher.join)  # the command reaped
+        if run.code is None:
+            raise DriverError(
+                f"exec: {run.lost or 'the command exit code is lost'}", retryable=False
+            )
         exited = True
-        yield ExecExit(code)
+        yield ExecExit(run.code)
     finally:
         leaving.set()
         run.wake()  # a reader waiting for output looks up

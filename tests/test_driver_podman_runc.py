@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import subprocess
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -330,3 +331,83 @@ async def test_concurrent_execs_each_get_their_own_output_and_leave_nothing_behi
 
     await eventually(left, lambda now: now == (fds, []), timeout=WAIT,
                      what="the execs' descriptors and threads gone")  # fmt: skip
+
+
+def children(state: str = "") -> list[tuple[int, str]]:
+    """This process's children now (PID, command line), only those in ``state`` if given."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            status = dict(
+                line.split(":\t", 1) for line in (entry / "status").read_text().splitlines()
+            )
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue  # not a process, or gone
+        if int(status["PPid"]) == os.getpid() and status["State"].startswith(state):
+            found.append((int(entry.name), command))
+    return found
+
+
+async def test_the_command_is_this_process_child_once_runc_has_left_it(
+    runc: Runc, containers: Any
+) -> None:
+    """runc exits once it has started the command (``--detach``); the command, in the
+    container's PID namespace, is then this process's child (its subreaper), which reaps it."""
+    container = containers()
+    marker = str(uuid.uuid4().int % 100_000 + 700_000)
+    stream = podman_runc.exec_stream(
+        runc, str(container.id), ["sh", "-c", f"echo first; sleep {marker}; exit 3"]
+    )
+    assert await asyncio.wait_for(anext(stream), WAIT) == ExecOutput("stdout", b"first\n")
+    ours = [command for _, command in children() if f"sleep {marker}" in command]
+    assert ours == [f"sh -c echo first; sleep {marker}; exit 3 "]
+    assert not [command for _, command in children() if "runc" in command]  # runc has gone
+    await asyncio.wait_for(stream.aclose(), WAIT)
+    assert not [command for _, command in children() if marker in command]
+
+
+async def test_many_execs_leave_no_zombie_child_of_this_process(
+    runc: Runc, containers: Any
+) -> None:
+    """Exits, failures to start, input, background children holding the output, deadlines:
+    every command and every runc is reaped."""
+    container = containers()
+    scripts = [
+        "exit 4",
+        "sleep 600 & echo started",
+        "read line; echo $line",
+        "trap '' TERM; echo first; sleep 600",
+    ]
+
+    async def one(i: int) -> list[ExecEvent | ExecTimedOut]:
+        command = ["no-such-program"] if i % 5 == 4 else ["sh", "-c", scripts[i % 5]]
+        events = podman_runc.exec_stream(
+            runc, str(container.id), command, stdin=b"hello\n", grace=0.2
+        )
+        return [event async for event in within(events, 10.0)]
+
+    results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(40))), WAIT * 3)
+    for i, events in enumerate(results):
+        last = events[-1]
+        assert last == [ExecExit(4), ExecExit(0), ExecExit(0), last, ExecExit(127)][i % 5]
+        if i % 5 == 3:
+            assert isinstance(last, ExecTimedOut)
+    await eventually(children, lambda now: now == [], timeout=WAIT,
+                     what="no child (zombie or not) of this process left")  # fmt: skip
+    assert children("Z") == []
+
+
+def test_a_process_with_children_of_its_own_keeps_podmans_exec(settings: Settings) -> None:
+    """As their subreaper, this process would adopt the orphans of every child it has (a
+    stack it started: Podman's conmons), zombies nobody reaps: the runtime path is refused
+    while it has a child that is not an exec's."""
+    child = subprocess.Popen(["sleep", "600"])
+    try:
+        found, why = podman_runc.probe(settings.podman_url, "runtime", RUNC_ROOT, WAIT)
+        assert found is None and f"child processes of its own (PIDs [{child.pid}])" in why
+    finally:
+        child.kill()
+        child.wait()
+    found, why = podman_runc.probe(settings.podman_url, "runtime", RUNC_ROOT, WAIT)
+    assert found is not None, why
