@@ -132,8 +132,9 @@ async def test_a_provider_delete_after_a_templates_uncommitted_write_is_refused(
 async def test_a_template_write_after_a_providers_uncommitted_delete_is_refused(
     api: Api,
 ) -> None:
-    """The provider's delete runs first (its row deleted, the transaction open): a template create and update naming it wait for it, then find no provider
-    (before, both were written naming a provider that no longer existed)."""
+    """The provider's delete runs first (its row deleted, the transaction open): a template
+    create and update naming it wait for it, then find no provider (before, both were written
+    naming a provider that no longer existed)."""
     provider, template = odd("race"), unique("tpl")
     async with api.client() as c:
         assert (await c.post("/v1/providers", json={"name": provider})).status_code == 201
