@@ -23,6 +23,7 @@ from podman import PodmanClient
 from pydantic import SecretStr
 
 from drivers.podman import container_name
+from services.api.readmodel import get_sandbox
 from services.audit.verify import verify
 from services.common.credentials import CredentialKeyError, Vault
 from services.common.exec_env import ExecEnvUnavailable, exec_environment
@@ -245,7 +246,8 @@ async def test_a_claims_env_and_provider_reach_every_exec_warm_and_never_the_log
             raise CredentialKeyError("no key here")
 
         with pytest.raises(ExecEnvUnavailable, match="cannot be read: no key here"):
-            await exec_environment(api.env.pool, no_key, member, pool, {})  # refused, not bare
+            claim = (await get_sandbox(api.env.pool, member)).claim_part  # type: ignore[union-attr]
+            await exec_environment(api.env.pool, no_key, member, claim, {})  # refused, not bare
 
         inspected = [json.dumps(podman.containers.get(container_name(member, 2)).attrs)]
         records, rows = await everything_on_the_log(api)
