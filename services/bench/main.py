@@ -1,5 +1,5 @@
 """``python -m services.bench [all|processor|latency|decided|claim|idle|idle-use|scaleout|
-rebuild|profile|fold|stages|drivers|peer|kube-requests|burst|warm|scaling] [--quick]``: the
+rebuild|profile|fold|stages|drivers|peer|kube-requests|burst|warm|exec|scaling] [--quick]``: the
 benchmarks, each printed beside its same-run reference (see docs/benchmarks.md). ``latency`` is
 the latency part of ``processor`` alone; ``decided`` is request → decided outcome at low load,
 through the HTTP API; ``claim`` (not part of ``all``) a warm claim at low load, step by step,
