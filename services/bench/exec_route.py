@@ -67,7 +67,6 @@ class Timeline:
     def __init__(self) -> None:
         self.began = 0.0
         self.marks: dict[str, float] = {}
-        self.samples: dict[str, list[float]] = {mark: [] for _, mark in STEPS}
 
     def start(self) -> None:
         self.began, self.marks = time.perf_counter(), {}
@@ -75,10 +74,10 @@ class Timeline:
     def mark(self, name: str) -> None:
         self.marks.setdefault(name, (time.perf_counter() - self.began) * 1000)
 
-    def keep(self) -> None:
-        for _, mark in STEPS:
-            if mark in self.marks:
-                self.samples[mark].append(self.marks[mark])
+    def keep(self, into: dict[str, list[float]]) -> None:
+        """This exec's marks, added to ``into`` (a form's samples by mark)."""
+        for mark, at in self.marks.items():
+            into[mark].append(at)
 
 
 def _after(timeline: Timeline, mark: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -223,14 +222,19 @@ async def _run(
     assert driver is not None
     view = await readmodel.get_sandbox(state.pool, name)
     assert view is not None
-    json_form, streamed, alone, runc_path, bare = Timeline(), Timeline(), [], [], []
+    forms: dict[str, dict[str, list[float]]] = {
+        form: {mark: [] for _, mark in STEPS} for form in ("JSON", "stream")
+    }
+    alone: list[float] = []
+    runc_path: list[float] = []
+    bare: list[float] = []
     assert isinstance(driver, PodmanDriver)  # the bench runs on Podman
     execs = driver.execs
     runc = await execs.runtime()
     undo = instrument(timeline, state)
     try:
         for i in range(samples + 2):  # the first two warm up, not counted
-            for form, params in ((json_form, {}), (streamed, {"stream": "true"})):
+            for form, params in (("JSON", {}), ("stream", {"stream": "true"})):
                 timeline.start()
                 r = await c.post(
                     f"/v1/sandboxes/{name}/exec", params=params, json={"command": ["true"]}
@@ -239,10 +243,7 @@ async def _run(
                 assert r.status_code == 200, r.text
                 assert "exit_code" in r.text, r.text
                 if i >= 2:
-                    timeline.keep()
-                    for mark, values in timeline.samples.items():
-                        form.samples[mark] += values[-1:] if values else []
-                timeline.samples = {mark: [] for _, mark in STEPS}
+                    timeline.keep(forms[form])
             began = time.perf_counter()
             async with aclosing(
                 driver.exec_stream(view.member_key, view.generation, ["true"])
@@ -272,9 +273,9 @@ async def _run(
             Figures("the runc path alone (podman_runc)", runc_path),
             Figures("bare `runc exec`", bare),
         ]
-    for label, form in (("JSON", json_form), ("stream", streamed)):
+    for label, marks in forms.items():
         for step, mark in STEPS:
-            values = [v / 1000 for v in form.samples[mark]]
+            values = [v / 1000 for v in marks[mark]]
             if values:
                 figures.append(Figures(f"{label}: {step}", values))
     return figures
