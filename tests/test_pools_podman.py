@@ -25,6 +25,7 @@ from pydantic import SecretStr
 from typer.testing import CliRunner
 
 from drivers.podman import container_name
+from services.api.readmodel import get_sandbox
 from services.audit.verify import verify
 from services.cli.main import app
 from services.common.credentials import CredentialKeyError, Vault
@@ -255,7 +256,8 @@ async def test_a_claims_env_and_provider_reach_every_exec_warm_and_never_the_log
             raise CredentialKeyError("no key here")
 
         with pytest.raises(ExecEnvUnavailable, match="cannot be read: no key here"):
-            await exec_environment(api.env.pool, no_key, member, pool, {})  # refused, not bare
+            claim = (await get_sandbox(api.env.pool, member)).claim_part  # type: ignore[union-attr]
+            await exec_environment(api.env.pool, no_key, member, claim, {})  # refused, not bare
 
         inspected = [json.dumps(podman.containers.get(container_name(member, 2)).attrs)]
         records, rows = await everything_on_the_log(api)

@@ -12,6 +12,8 @@ Modules:
 - ``drained``: one observer timing every drain (the processor's, the same-work ceiling's)
   from the first commit until all is committed and published.
 - ``drivers``: driver benchmarks (part of ``make bench``).
+- ``exec_route``: an exec through the HTTP API on Podman step by step in the process, beside
+  the API's exec driver, the runtime path and a bare ``runc exec`` in the same container.
 - ``exec_steps``: where an exec's time goes on Podman: the driver's calls, each timed.
 - ``fold``: CPU of the decide stage alone.
 - ``idle``: the broker's CPU for an idle control plane on a broker of its own, beside the same
@@ -25,7 +27,7 @@ Modules:
   sandstream's CPU, Kafka records and PostgreSQL rows per sandbox and its deletes' time.
 - ``main``: ``python -m services.bench
   [all|processor|latency|decided|claim|idle|idle-use|scaleout|rebuild|profile|fold|stages|
-  drivers|peer|kube-requests|burst|warm|scaling]
+  drivers|peer|kube-requests|burst|warm|exec|scaling]
   [--quick]``.
 - ``peer``, ``peer_setup``, ``peer_systems``, ``peer_kube``, ``peer_stats``, ``peer_report``:
   sandstream beside kubernetes-sigs/agent-sandbox and bare Pods on one Kubernetes cluster

@@ -1,5 +1,5 @@
 """``python -m services.bench [all|processor|latency|decided|claim|idle|idle-use|scaleout|
-rebuild|profile|fold|stages|drivers|peer|kube-requests|burst|warm|scaling] [--quick]``: the
+rebuild|profile|fold|stages|drivers|peer|kube-requests|burst|warm|exec|scaling] [--quick]``: the
 benchmarks, each printed beside its same-run reference (see docs/benchmarks.md). ``latency`` is
 the latency part of ``processor`` alone; ``decided`` is request → decided outcome at low load,
 through the HTTP API; ``claim`` (not part of ``all``) a warm claim at low load, step by step,
@@ -13,8 +13,10 @@ sandbox beside bare Pods' on the local cluster (`make k8s`), in a minute. ``burs
 (services/bench/peer_burst.py) is the peer bench's cold burst for sandstream beside bare Pods
 alone, with sandstream's CPU, records and rows per sandbox broken down. ``warm``
 (services/bench/warm.py) times a warm claim beside a cold create on Podman, each to an exec's
-answer. ``scaling`` (services/bench/scaling.py, not part of ``all``) runs the processor and the
-executor as 1, 2 and 4 processes on three brokers of its own."""
+answer; ``exec`` (services/bench/exec_route.py, not part of ``all``) an exec through the HTTP
+API step by step, beside the driver's exec alone. ``scaling`` (services/bench/scaling.py, not
+part of ``all``) runs the processor and the executor as 1, 2 and 4 processes on three brokers
+of its own."""
 
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ import time
 from pathlib import Path
 
 from services.bench import drivers as bench_drivers
+from services.bench import exec_route, kube_requests, peer, peer_burst, scaling, warm
 from services.bench import kube as bench_kube
-from services.bench import kube_requests, peer, peer_burst, scaling, warm
 from services.bench import wake as bench_wake
 from services.bench.claim import claim_figures
 from services.bench.decided import decided_figures
@@ -59,6 +61,7 @@ CHOICES = (
     "kube-requests",
     "burst",
     "warm",
+    "exec",
     "scaling",
 )
 
@@ -84,6 +87,9 @@ async def run(
         return
     if which == "warm":
         await warm.main(settings, sandboxes or (10 if quick else 30))
+        return
+    if which == "exec":
+        await exec_route.main(settings, sandboxes or (30 if quick else 100))
         return
     if which == "scaling":
         await scaling.main(settings, quick)

@@ -14,10 +14,13 @@ to the first answer of an exec in the sandbox (``true``, exit code 0):
 
 Also printed: the warm claim's answer alone (request → ``claim.warm``), the figure the pool's
 status reports as its warm latency, and a second exec in the same sandbox (what an exec costs by
-itself). p50 and p90 as the issue asks, and the worst. Then where an exec's time goes
-(services/bench/exec_steps.py: the Podman driver's calls for one exec through Podman's exec
-API, timed one by one, beside ``podman exec``, the driver's runtime path and a bare ``runc
-exec``). ``SANDSTREAM_PODMAN_EXEC=api`` times the sandbox execs through Podman's exec API.
+itself, while the refill the claim started creates a member beside it), then a third once the
+pool is full again (with nothing else running). ``python -m services.bench exec`` breaks the
+HTTP exec into its steps. p50 and p90 as the issue asks, and the worst. Then where an exec's
+time goes (services/bench/exec_steps.py: the Podman driver's calls for one exec through
+Podman's exec API, timed one by one, beside ``podman exec``, the driver's runtime path and a
+bare ``runc exec``). ``SANDSTREAM_PODMAN_EXEC=api`` times the sandbox execs through Podman's
+exec API.
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ async def _run(c: httpx.AsyncClient, db: Any, image: str, samples: int) -> list[
     r = await c.post("/v1/pools", json={"name": "bench", "template": "warm-agent",
                                         "size": POOL_SIZE})  # fmt: skip
     assert r.status_code == 201, r.text
-    warm, claimed, cold, alone = [], [], [], []
+    warm, claimed, cold, alone, quiet = [], [], [], [], []
     names = []
     for i in range(samples + 1):  # the first of each is a warm-up, not counted
         await _pool_full(db)
@@ -112,6 +115,11 @@ async def _run(c: httpx.AsyncClient, db: Any, image: str, samples: int) -> list[
         await _exec(c, name)  # again: what the exec alone costs
         if i:
             alone.append(time.perf_counter() - began)
+        await _pool_full(db)  # the refill this claim started is over: nothing else runs
+        began = time.perf_counter()
+        await _exec(c, name)
+        if i:
+            quiet.append(time.perf_counter() - began)
         cname = f"c-{uuid.uuid4().hex[:8]}"
         began = time.perf_counter()
         body = {"name": cname, "template": {"name": "cold-agent"}}
@@ -130,6 +138,7 @@ async def _run(c: httpx.AsyncClient, db: Any, image: str, samples: int) -> list[
         Figures("warm: claim → answered (adopted)", claimed),
         Figures("cold: create → Ready → exec answered", cold),
         Figures("an exec alone (a Ready sandbox)", alone),
+        Figures("an exec alone, the pool refilled", quiet),
     ]
 
 

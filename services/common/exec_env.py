@@ -10,24 +10,39 @@ variables. The values travel from PostgreSQL through this API process to the dri
 session (the Podman driver: the session's body over the Podman socket) and nowhere else; the
 log holds the providers' names only. Any other sandbox's exec gets the request's variables
 alone, as before (its runtime was started with its spec).
+
+The claim's part (the spec's env, the providers it attached) comes with the row the door read
+to find the sandbox (``ClaimPart``), not from a read of its own: only the providers' values are
+read at the exec, and only when the claim attached some.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Final
+from dataclasses import dataclass
 
+from projections.lifecycle import Sandbox
 from projections.store import CONNECTION_ERRORS
 from services.common import providers
 from services.common.credentials import CredentialKeyError, Vault
 from services.common.providers import Pool
 
-# The claim's part of a member's row: set only for a claim that brought env or providers.
-_ROW: Final = (
-    "SELECT spec->'env' AS env, claim_providers FROM sandboxes "
-    "WHERE key = $1 AND adopted_generation IS NOT NULL"
-)
+
+@dataclass(frozen=True, slots=True)
+class ClaimPart:
+    """The claim's part of an adopted pool member's row: its spec's env (the claim's merged
+    in) and the providers the claim attached."""
+
+    env: Mapping[str, str]
+    providers: tuple[str, ...]
+
+
+def claim_part(row: Sandbox) -> ClaimPart | None:
+    """The claim's part of ``row``; None for a sandbox no claim adopted (its runtime was
+    started with its spec: its execs get the request's variables alone)."""
+    if row.pool is None or row.adopted_generation is None:
+        return None
+    return ClaimPart(dict(row.spec.env), row.claim_providers)
 
 
 class ExecEnvUnavailable(Exception):
@@ -43,21 +58,19 @@ async def exec_environment(
     pool: Pool,
     vault: Callable[[], Awaitable[Vault]],
     key: str,
-    member_of: str | None,
+    claim: ClaimPart | None,
     asked: Mapping[str, str],
 ) -> dict[str, str]:
-    """The environment of an exec in sandbox ``key`` (``member_of``: its pool, None for a
-    sandbox created for no pool, which needs no read) asking for ``asked``."""
-    if member_of is None:
+    """The environment of an exec in sandbox ``key`` (``claim``: the claim's part of the row
+    just read, ``SandboxView.claim``) asking for ``asked``."""
+    if claim is None:
         return dict(asked)
+    env = dict(claim.env)
+    if not claim.providers:
+        return {**env, **asked}
     try:
-        row = await pool.fetchrow(_ROW, key)
-        if row is None:
-            return dict(asked)
-        env: dict[str, str] = json.loads(row["env"]) if row["env"] is not None else {}
-        if row["claim_providers"]:
-            async with pool.acquire() as conn:
-                env.update(await providers.claim_values(conn, await vault(), key))
+        async with pool.acquire() as conn:
+            env.update(await providers.claim_values(conn, await vault(), key))
     except CredentialKeyError as exc:
         raise ExecEnvUnavailable(f"the claim's provider values cannot be read: {exc}") from exc
     except CONNECTION_ERRORS as exc:

@@ -144,7 +144,7 @@ class ExecRpcs:
         await self.door.use.begin(view.member_key, view.spec.idle_suspend_seconds)  # the next scan
         try:  # a claim's env and providers' values (services/common/exec_env.py)
             env = await exec_environment(
-                self.door.pool, self._vault, view.member_key, view.pool, request.environment
+                self.door.pool, self._vault, view.member_key, view.claim_part, request.environment
             )
         except ExecEnvUnavailable as exc:
             await abort(context, grpc.StatusCode.UNAVAILABLE, exc.reason)

@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import Any, Final, Literal
 from uuid import UUID
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
 
 from events.common import (
     Deadline,
@@ -24,6 +24,7 @@ from events.common import (
 from events.outcomes import Code, CommandOutcome
 from projections.lifecycle import Sandbox
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record
+from services.common.exec_env import ClaimPart, claim_part
 
 PROGRESSING = (
     Phase.PROVISIONING, Phase.STARTING, Phase.STOPPING, Phase.SUSPENDING, Phase.DELETING,
@@ -100,6 +101,13 @@ class SandboxView(BaseModel):
     template: TemplateRef | None = Field(
         default=None, description="the template revision its spec was made from (null: none)"
     )
+    # The claim's env and providers, from the same row: what an exec's env needs without a
+    # read of its own (services/common/exec_env.py). Never in an answer.
+    _claim: ClaimPart | None = PrivateAttr(default=None)
+
+    @property
+    def claim_part(self) -> ClaimPart | None:
+        return self._claim
 
 
 class SandboxList(BaseModel):
@@ -235,7 +243,7 @@ def sandbox_view(record: Any) -> SandboxView:
 
 def view_of(s: Sandbox, change_seq: int) -> SandboxView:
     """The view of a row (as stored, or a version of it rebuilt from its events)."""
-    return SandboxView(
+    view = SandboxView(
         id=s.sandbox_id,
         name=s.adopted_as or s.key,
         member_key=s.key,
@@ -266,6 +274,8 @@ def view_of(s: Sandbox, change_seq: int) -> SandboxView:
         ),
         template=s.template,
     )
+    view._claim = claim_part(s)
+    return view
 
 
 def history_entry(r: Any) -> HistoryEntry:

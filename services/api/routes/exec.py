@@ -225,7 +225,11 @@ class Session:
         assert driver is not None  # ready_sandbox checked
         try:  # a claim's env and providers' values (services/common/exec_env.py)
             env = await exec_environment(
-                self.state.pool, self.vault, self.view.member_key, self.view.pool, self.body.env
+                self.state.pool,
+                self.vault,
+                self.view.member_key,
+                self.view.claim_part,
+                self.body.env,
             )
         except ExecEnvUnavailable as exc:
             raise ApiError(503, "UNAVAILABLE", f"exec: {exc.reason}") from exc
