@@ -69,5 +69,7 @@ def test_the_claims_part_is_never_in_an_answer() -> None:
     h.send(f.adopt(MEMBER, "mine", "c1", env={"CLAIM": "x"}, occurred_at=f.at(2)))
     view = view_of(h.row(MEMBER), 1)
     assert view.claim_part is not None
-    assert "claim" not in view.model_dump_json() and "CLAIM" in view.model_dump_json()  # spec
+    answer = view.model_dump()
+    assert "claim_part" not in answer and "CLAIM" in view.model_dump_json()  # in the spec only
+    assert answer["claim_providers"] == []  # the public part: the providers' names
     assert "_claim" not in view.model_json_schema()["properties"]
