@@ -25,14 +25,13 @@ import sys
 import time
 
 import asyncpg
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from events.codec import encode
 from events.commands import CreateSandbox
 from events.topics import CHANGES_CHANNEL
 from services.bench import ceiling, cpu, same_work_drain
 from services.bench.drained import timed_drain
-from services.bench.steady import tail_reader
 from services.bench.workload import SPEC, T0, lifecycle_messages, produce_all
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
@@ -150,7 +149,7 @@ async def _paced_commands(s: Settings, rate: int, seconds: float, processor: int
     # Kafka's own produce -> consume latency at the same rate, in the same run: a plain
     # consumer of the commands topic notes when each command arrives.
     arrived: dict[str, float] = {}
-    kafka_reader = await tail_reader(s)
+    kafka_reader = await _tail_reader(s)
     tail = asyncio.create_task(_note_arrivals(kafka_reader, arrived, finished))
     try:
         # Warm up: wait until the processor has joined and applied a first command.
@@ -265,6 +264,22 @@ async def _parties(
         "Kafka": [] if broker is None else [broker],
         "bench": [os.getpid()],
     }
+
+
+async def _tail_reader(s: Settings) -> AIOKafkaConsumer:
+    """A group-less consumer of the commands topic, positioned at its end."""
+    reader = AIOKafkaConsumer(
+        **kafka_client_args(s, "audit"),
+        enable_auto_commit=False,
+        fetch_max_wait_ms=s.processor_fetch_max_wait_ms,
+    )
+    await reader.start()
+    parts = [TopicPartition(s.topic_commands, p) for p in range(s.kafka_partitions)]
+    reader.assign(parts)
+    await reader.seek_to_end(*parts)
+    for tp in parts:  # resolve the end offsets now, before anything is sent
+        await reader.position(tp)
+    return reader
 
 
 async def _note_arrivals(

@@ -70,7 +70,7 @@ async def steady_creates(
         **kafka_client_args(s, "api"), enable_idempotence=True, acks="all", linger_ms=0
     )
     await producer.start()
-    tail = await tail_reader(s)
+    tail = await _tail_reader(s)
     tasks = [
         asyncio.create_task(_collect(reader, done_sql, pending, done, woken, finished)),
         asyncio.create_task(_note_arrivals(tail, arrived, finished)),
@@ -126,7 +126,7 @@ async def _collect(
             done.setdefault(row["key"], seen_at)
 
 
-async def tail_reader(s: Settings) -> AIOKafkaConsumer:
+async def _tail_reader(s: Settings) -> AIOKafkaConsumer:
     """A group-less consumer of the commands topic, positioned at its end."""
     reader = AIOKafkaConsumer(
         **kafka_client_args(s, "audit"),
