@@ -355,7 +355,8 @@ class SameWork:
                 (key, r.sandbox_id, r.phase, r.generation, r.version, "", r.identity,
                  r.exit_code, r.reason, r.created_at, r.updated_at, p, None, "stop", "keep",
                  base, orjson.Fragment(r.spec),
-                 orjson.Fragment(r.deadline) if r.deadline is not None else None, None, {})
+                 orjson.Fragment(r.deadline) if r.deadline is not None else None, None, {},
+                 None, None, None, None, None, None, "", None)  # restarts .. adopted_generation
             )  # fmt: skip
         return out
 
