@@ -617,13 +617,22 @@ async def test_a_create_from_a_template_names_a_refused_override_in_openshells_t
 async def test_a_create_from_a_template_naming_a_gone_provider_names_the_template(
     gateway: Gateway,
 ) -> None:
-    """A provider the template names, deleted since: NOT_FOUND naming workload_template (the
-    request's spec.providers named nothing)."""
+    """A provider the template names, gone since: NOT_FOUND naming workload_template (the
+    request's spec.providers named nothing). A delete is refused while a live template names
+    the provider and OpenShell's template names no revision, so only an out-of-band removal
+    (a restored or hand-edited database, as here) leaves the template naming a gone one."""
     name, template, gone = gateway.new_name(), f"tpl-{uuid.uuid4().hex[:8]}", gateway.new_name()
     spec = SandboxSpec(image=gateway.env.settings.sandbox_image, command=["sleep", "infinity"])
+    now = datetime.now(UTC)
     async with gateway.env.pool.acquire() as conn:
+        await conn.execute(
+            "INSERT INTO providers (name, type, revision, created_at, updated_at) "
+            "VALUES ($1, 'generic', 1, $2, $2)",
+            gone, now,
+        )  # fmt: skip
         body = TemplateBody(spec=spec, providers=[gone])
-        await templates.create_template(conn, template, body, "test", datetime.now(UTC))
+        await templates.create_template(conn, template, body, "test", now)
+        await conn.execute("DELETE FROM providers WHERE name = $1", gone)
     request = os1.CreateSandboxRequest(name=name, workspace_scope=SCOPE, workload_template=template)
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await call(gateway, "CreateSandbox", request, os1.SandboxResponse)
