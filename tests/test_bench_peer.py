@@ -17,7 +17,16 @@ from events.common import SandboxSpec
 from services.bench import cpu, peer_burst
 from services.bench.peer import above_idle, orders
 from services.bench.peer_kube import yaml_documents
-from services.bench.peer_report import Plan, goals, highest_rate, median_figures, plan, report
+from services.bench.peer_report import (
+    RATES,
+    Plan,
+    Sustained,
+    goals,
+    highest_rate,
+    median_figures,
+    plan,
+    report,
+)
 from services.bench.peer_setup import SANDSTREAM_RBAC
 from services.bench.peer_stats import (
     BurstFigures,
@@ -163,6 +172,13 @@ def test_the_report_shows_the_three_side_by_side_with_ratios_and_the_goals() -> 
     assert highest_rate(sustained, OURS) == 45 and highest_rate(sustained, PEER) == 20
     text = report(Plan(rounds=3), bursts, sustained)
     lines = text.splitlines()
+    # Where each highest rate stands: bounded by the next rate run, or by none run above it.
+    assert (
+        "  sandstream: highest rate with p90 < 1 s: 45/s (not at 90/s: p90 2.00 (800/2700) s)"
+        in lines
+    )
+    assert "  agent-sandbox: highest rate with p90 < 1 s: 20/s (not at 45/s: p90 2.00 s)" in lines
+    assert "  bare Pods: highest rate with p90 < 1 s: 90/s or more (the highest rate run)" in lines
     header = next(line for line in lines if "sandstream/agent-sandbox" in line)
     assert header.split()[:4] == ["bare", "Pods", "agent-sandbox", "sandstream"]
     p90 = next(line for line in lines if line.startswith("request → Ready p90"))
@@ -171,11 +187,37 @@ def test_the_report_shows_the_three_side_by_side_with_ratios_and_the_goals() -> 
     at_90 = next(line for line in lines if line.startswith("90/s"))
     assert "2.00 (800/2700)" in at_90 and "not run" in at_90
     met = goals(bursts, sustained)
-    assert [line.split()[0] for line in met] == ["MET", "MET", "MET", "MET", "MET", "MET"]
+    assert [line.split()[0] for line in met] == ["MET"] * 8
     worse = {**bursts, OURS: _figures(3.5, 9.5, 11.0)}
     assert [line.split()[0] for line in goals(worse, sustained)] == [
-        "MET", "NOT", "NOT", "NOT", "MET", "NOT",
+        "MET", "NOT", "NOT", "NOT", "MET", "MET", "MET", "NOT",
     ]  # fmt: skip
+
+
+def test_the_sustained_goals_of_issue_42_ask_twice_the_peers_rate_and_its_p90_at_20() -> None:
+    bursts = {FLOOR: _figures(2.0, 2.5, 4.0), PEER: _figures(8.0, 9.0, 10.0),
+              OURS: _figures(2.8, 3.5, 5.0)}  # fmt: skip
+    fast, slow = Summary(600, 600, 0.1, 0.2, 0.3, 0.4), Summary(600, 600, 1.0, 2.0, 3.0, 4.0)
+
+    def sustained(ours: list[Summary | None], peer: list[Summary | None]) -> Sustained:
+        return {
+            r: {FLOOR: fast, PEER: p, OURS: o} for r, o, p in zip(RATES, ours, peer, strict=True)
+        }
+
+    def statuses(s: Sustained) -> list[str]:
+        return [line.split()[0] for line in goals(bursts, s)[4:7]]
+
+    # agent-sandbox up to 45/s, sandstream up to 90/s: twice; sandstream's p90 at 20/s 0.2 s
+    # against agent-sandbox's 0.1.
+    ours = [fast] * 6 + [slow, None, None]
+    peer = [Summary(600, 600, 0.05, 0.1, 0.2, 0.3)] * 3 + [slow] + [None] * 5
+    assert RATES[5] == 90 and RATES[2] == 45
+    assert statuses(sustained(ours, peer)) == ["MET", "NOT", "MET"]
+    # sandstream up to 75/s only: above agent-sandbox's, short of twice it.
+    assert statuses(sustained([fast] * 5 + [slow] + [None] * 3, peer)) == ["MET", "NOT", "NOT"]
+    # sandstream not at the lowest rate: nothing met; agent-sandbox not at it: twice "none".
+    assert statuses(sustained([slow] + [None] * 8, [fast] * 9)) == ["NOT", "NOT", "NOT"]
+    assert statuses(sustained([fast] + [slow] + [None] * 7, [slow] + [None] * 8))[2] == "MET"
 
 
 def test_rounds_alternate_the_order_and_medians_combine_them() -> None:
@@ -187,7 +229,8 @@ def test_rounds_alternate_the_order_and_medians_combine_them() -> None:
     assert (med.ready.p90, med.all_ready, med.requests) == (2.0, 2.0, 5.0)
     quick, full = plan(quick=True), plan(quick=False)
     assert (quick.rounds, quick.seconds, full.rounds, full.seconds) == (1, 10.0, 3, 60.0)
-    assert full.rates == (20, 45, 90) and full.sandboxes == 300
+    assert full.rates == RATES == quick.rates and full.sandboxes == 300
+    assert RATES[:3] == (20, 30, 45) and RATES[-1] == 180 and list(RATES) == sorted(RATES)
 
 
 def test_cpu_per_sandbox_leaves_out_what_each_process_spends_idle() -> None:
