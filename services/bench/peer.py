@@ -13,8 +13,8 @@ Phases, each system in turn (the order reversed every other round, a pause befor
 which every process's idle CPU is measured): a **burst** of N creates at once, then N deletes;
 a **sustained** phase at 20, 30, 45, 60, 75, 90, 120, 150 and 180 creates a second (a step
 of a third to a half: the highest rate with p90 under 1 s is known to that step), stopped for
-a system once its p90 is over 1 s. On two shared cores the run is CPU-bound: latencies rank the systems within one run;
-apiserver requests and CPU per sandbox are the sturdier figures.
+a system once its p90 is over 1 s. On two shared cores the run is CPU-bound: latencies rank
+the systems within one run; apiserver requests and CPU per sandbox are the sturdier figures.
 """
 
 from __future__ import annotations
