@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
@@ -176,10 +177,15 @@ class CommandGateway:
         if size > self.max_bytes:
             metrics.API_COMMANDS.labels(command.type, "too_large").inc()
             raise CommandTooLarge(command, size, self.max_bytes)
+        step = metrics.API_COMMAND_STEP_SECONDS
+        began = time.perf_counter()
         async with self.pool.acquire() as conn:  # one acquisition for the three
+            acquired = time.perf_counter()
+            step.labels("pool_wait").observe(acquired - began)
             command = await resolved(conn, command)
             first = await idempotency.record(conn, command)
             known = await readmodel.fetch_outcome(conn, command.command_id, command.key)
+        step.labels("record").observe(time.perf_counter() - acquired)
         if known is not None and known.command_type != command.type:
             # Decided before the API recorded the id (published by another producer).
             raise IdempotencyConflict(
@@ -192,6 +198,7 @@ class CommandGateway:
             if known is None and wait:
                 known = await self.wait_outcome(command.command_id, command.key, wait)
             return Submitted(known, retry=True)
+        sent = time.perf_counter()
         try:
             await asyncio.wait_for(self.publisher.publish(command), self.publish_timeout)
         except MessageSizeTooLargeError as exc:
@@ -208,9 +215,12 @@ class CommandGateway:
             log.warning("publishing %s %s failed: %r", command.type, command.command_id, exc)
             raise PublishFailed(command, exc) from exc
         self.refused = None
+        published = time.perf_counter()
+        step.labels("publish").observe(published - sent)
         metrics.API_COMMANDS.labels(command.type, "published").inc()
         if not wait:
             await idempotency.mark_published(self.pool, command.command_id)
+            step.labels("mark_published").observe(time.perf_counter() - published)
             return Submitted(None, retry=False)
         outcome = await self.wait_outcome(command.command_id, command.key, wait, published=True)
         return Submitted(outcome, retry=False)
