@@ -4,6 +4,7 @@ latency figures, the apiserver's counter, the manifests it applies, the table an
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Any
 from uuid import uuid4
@@ -15,7 +16,7 @@ from drivers.kube_objects import PodSettings, pod_manifest
 from drivers.protocol import LaunchSpec
 from events.common import SandboxSpec
 from services.bench import cpu, peer_burst
-from services.bench.peer import above_idle, orders
+from services.bench.peer import Bench, above_idle, orders
 from services.bench.peer_kube import yaml_documents
 from services.bench.peer_report import (
     RATES,
@@ -42,7 +43,15 @@ from services.bench.peer_stats import (
     summarize,
     top_requests,
 )
-from services.bench.peer_systems import FLOOR, OURS, PEER, SandstreamApi, Track, pod_spec
+from services.bench.peer_systems import (
+    CONNECTIONS,
+    FLOOR,
+    OURS,
+    PEER,
+    SandstreamApi,
+    Track,
+    pod_spec,
+)
 
 RUNNING: dict[str, Any] = {
     "status": {
@@ -317,3 +326,58 @@ def test_a_bursts_deletes_are_timed_from_their_requests_and_the_slowest_named() 
     assert peer_burst.slowest(track, "b0-") == "b0-2"
     track.pod_gone["b0-3"], track.deleting["b0-3"] = 11.0, 10.0  # never reported gone
     assert peer_burst.slowest(track, "b0-") == "b0-3"
+
+
+class _HeldSystem:
+    """A system whose creates are held until released: how many are under way at once."""
+
+    label = "held"
+    namespace = "held"
+
+    def __init__(self, track: Track) -> None:
+        self.track = track
+        self.release = asyncio.Event()
+        self.full = asyncio.Event()  # CONNECTIONS creates under way
+        self.under_way = 0
+        self.most = 0
+
+    async def create(self, name: str) -> None:
+        self.under_way += 1
+        self.most = max(self.most, self.under_way)
+        if self.under_way >= CONNECTIONS:
+            self.full.set()
+        await self.release.wait()
+        self.under_way -= 1
+        self.track.note(self.track.ready, name)
+
+    async def delete(self, name: str) -> None:
+        self.track.note(self.track.gone, name)
+        self.track.note(self.track.pod_gone, name)
+
+
+class _NoKube:
+    async def get(self, path: str, **params: Any) -> None:
+        return None
+
+
+async def test_a_sustained_phase_sends_no_more_creates_at_once_than_its_connections() -> None:
+    """A system that falls behind: the load generator's creates past its 50 connections wait
+    in the bench, counted from their due time, not all at once in httpx's pool (whose queue
+    cost the load generator CPU on every request, in proportion to its length)."""
+    track = Track()
+    system = _HeldSystem(track)
+    count = 4 * CONNECTIONS
+    quick = Plan(seconds=count / 10_000, gap=0.0, settle=60.0, timeout=60.0)
+    bench = Bench(quick, _NoKube(), _NoKube(), None, [system], {system.label: track})  # type: ignore[arg-type, list-item]
+    phase = asyncio.ensure_future(bench.sustained(system, 10_000, "s"))  # type: ignore[arg-type]
+    async with asyncio.timeout(60):  # every create due (noted so), and the first ones sent
+        while len(track.requested) < count:
+            await track.changed.wait()
+            track.changed.clear()
+        await system.full.wait()
+    for _ in range(10):  # every task started has run to its first wait (no timing involved)
+        await asyncio.sleep(0)
+    assert system.under_way == CONNECTIONS
+    system.release.set()
+    summary = await asyncio.wait_for(phase, 60)
+    assert summary.count == count and system.most == CONNECTIONS

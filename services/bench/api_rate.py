@@ -42,6 +42,7 @@ from events.commands import CreateSandbox
 from events.common import SandboxSpec
 from events.publisher import CommandPublisher, now
 from services.bench import cpu
+from services.bench.pacing import open_loop
 from services.bench.peer_setup import _spawn, _stop, _until_ok, free_port
 from services.bench.peer_stats import Summary, summarize
 from services.bench.peer_systems import COMMAND, CONNECTIONS, SandstreamApi
@@ -66,41 +67,28 @@ class Paced:
 
 
 async def paced(rate: int, seconds: float, one: Callable[[int], Awaitable[None]]) -> Paced:
-    """``one(i)`` due at i / rate for ``seconds``, none waiting for another's answer; at most
-    CONNECTIONS at once, as many as the client has connections (the rest wait their turn here,
-    timed from their due time: httpx's own queue costs its process CPU in proportion to its
-    length on every request, so that a long one made the client the bottleneck)."""
+    """``one(i)`` due at i / rate for ``seconds``, open loop, as many at once as the peer
+    bench's client has connections (``pacing.open_loop``)."""
     count = round(rate * seconds)
     done: list[float] = []
     errors: list[str] = []
-    slots = asyncio.Semaphore(CONNECTIONS)
     begin = time.perf_counter()
 
     async def timed(i: int) -> None:
         try:
-            async with slots:
-                await one(i)
+            await one(i)
         except Exception as exc:  # counted: the figures say how many failed
             errors.append(f"{type(exc).__name__}: {exc}"[:200])
             return
         done.append(time.perf_counter() - (begin + i / rate))
 
-    tasks = []
-    for i in range(count):
-        delay = begin + i / rate - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.ensure_future(timed(i)))
-    sending = time.perf_counter() - begin
+    sent, tasks = await open_loop(rate, count, timed, CONNECTIONS)
     await asyncio.gather(*tasks)
     lasted = time.perf_counter() - begin
     return Paced(
-        summarize(done, count),
-        len(errors),
-        (count - 1) / sending if sending > 0 else math.inf,
-        len(done) / lasted,
+        summarize(done, count), len(errors), sent, len(done) / lasted,
         errors[0] if errors else None,
-    )
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ the API's metrics

@@ -31,6 +31,7 @@ from typing import TypeVar
 import asyncpg
 
 from services.bench import cpu, peer_setup, peer_warm
+from services.bench.pacing import open_loop
 from services.bench.peer_kube import Kube
 from services.bench.peer_report import (
     SUSTAINED_P90,
@@ -235,14 +236,10 @@ class Bench:
         await self.warm(system)
         count = round(rate * self.plan.seconds)
         names = [f"{tag}-{i}" for i in range(count)]
-        tasks = []
-        begin = time.perf_counter()
-        for i, name in enumerate(names):
-            delay = begin + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(self._create(track, system, name)))
-        sent = count / max(time.perf_counter() - begin, 1e-9) * (count - 1) / count
+        sent, tasks = await open_loop(
+            rate, count, lambda i: self._create(track, system, names[i]), CONNECTIONS,
+            due=lambda i: track.note(track.requested, names[i]),
+        )  # fmt: skip
         await asyncio.gather(*tasks)
         await track.until(lambda: track.settled(names, track.ready), self.plan.settle)
         requested = {k: track.requested[k] for k in names}
