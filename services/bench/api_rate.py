@@ -10,21 +10,22 @@ due at i / rate, and its latency counts from then, so a lagging sender cannot hi
 
 At each rate, in this order and for the same seconds: ``GET /healthz`` (the API's trivial
 endpoint: what the server process and this client cost at that rate), Kafka's own produce (the
-API's producer settings, acks=all, to a topic nothing consumes), then the creates. For the
-creates: the answers' p50/p90/p99 and the rate they were answered at; from the API's own metrics
+API's producer settings, acks=all, to a topic nothing consumes), then the creates, twice: from
+the peer bench's client (httpx), then from aiohttp with as many connections (a client that costs
+this process a fraction of the CPU per request: when httpx's creates fall behind and aiohttp's
+do not, the load generator was the bottleneck, not the API). For the creates: the answers' p50/p90/p99 and the rate they were answered at; from the API's own metrics
 (``sandstream_api_command_step_seconds``, ``sandstream_api_request_seconds``) the mean time in
 the app and in each step (the pool wait, the idempotency record, the publish until Kafka's
 acknowledgement, the mark as published); ``up``'s CPU over the phase (a second per second is one
 core: its one event loop cannot do more). Between rates the bench waits for every sandbox so far
 to be Ready, so each rate starts from an idle control plane. A rate whose creates were answered
-at under half of it is the last one run.
+at under half of it by both clients is the last one run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import math
 import os
 import sys
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+import aiohttp
 import asyncpg
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -50,7 +52,7 @@ from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.localstack.isolation import isolated
 
-RATES: Final = (50, 100, 200, 400)  # creates a second
+RATES: Final = (50, 100, 200, 400, 800)  # creates a second
 STEPS: Final = ("pool_wait", "record", "publish", "mark_published")
 READY_TIMEOUT: Final = 120.0  # s the control plane may take to make every sandbox Ready
 
@@ -199,12 +201,14 @@ async def api_rate_figures(settings: Settings, quick: bool) -> None:
         publisher = CommandPublisher(
             kafka_client_args(s, "processor"), topic=s.topic_deadletter
         )  # the API's producer settings, to a topic nothing here consumes
+        light = LightClient(up.url, up.token, s.sandbox_image)
         await publisher.__aenter__()
         try:
-            await _rates(s, pool, up, api, publisher, seconds)
+            await _rates(s, pool, up, api, light, publisher, seconds)
         finally:
             await publisher.__aexit__()
             await api.close()
+            await light.close()
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"            (load {load} at the end)")
 
@@ -214,6 +218,7 @@ async def _rates(
     pool: asyncpg.Pool[asyncpg.Record],
     up: Up,
     api: SandstreamApi,
+    light: LightClient,
     publisher: CommandPublisher,
     seconds: float,
 ) -> None:
@@ -227,7 +232,9 @@ async def _rates(
 
     for rate in RATES:
         await asyncio.gather(*(client.get("/healthz") for _ in range(50)))  # open again
+        health_cpu = cpu.process_cpu(up.pid)
         health = await paced(rate, seconds, healthz)
+        health_cpu = (cpu.process_cpu(up.pid) - health_cpu) / max(health.summary.count, 1)
 
         async def produce(i: int, rate: int = rate) -> None:
             command = CreateSandbox(
@@ -237,31 +244,75 @@ async def _rates(
             await publisher.publish(command)
 
         kafka = await paced(rate, seconds, produce)
-        metrics_before = sums(await _metrics(client))
-        cpu_before, began = cpu.process_cpu(up.pid), time.perf_counter()
-        own_before = time.process_time()
-        creates = await paced(rate, seconds, functools.partial(_create, api, rate))
-        lasted = time.perf_counter() - began
-        up_cpu = (cpu.process_cpu(up.pid) - cpu_before) / lasted
-        own_cpu = (time.process_time() - own_before) / lasted
-        metrics_after = sums(await _metrics(client))
-        created += creates.summary.count
         print(f"  {rate}/s", flush=True)
-        print(line("healthz", health))
+        print(line("healthz", health) + f"  `up` CPU {health_cpu * 1000:.2f} ms each")
         print(line("Kafka", kafka) + "  (produce, acks=all)")
-        print(line("creates", creates))
-        print(f"               {where_it_went(metrics_before, metrics_after)}; CPU s/s: "
-              f"`up` {up_cpu:.2f}, the load generator {own_cpu:.2f}", flush=True)  # fmt: skip
-        count = await ready(pool, created)
-        if count < created:
-            print(f"               only {count} of {created} Ready after {READY_TIMEOUT:.0f} s")
-        if creates.answered < rate / 2:
+        kept = False
+        for label, create in (("creates", api.create), ("  aiohttp", light.create)):
+            answered, created = await _creates(
+                up, pool, client, label, create, rate, seconds, created
+            )
+            kept = kept or answered >= rate / 2
+        if not kept:
             print("               (answered at under half the rate: no higher rate run)")
             return
 
 
-def _create(api: SandstreamApi, rate: int, i: int) -> Awaitable[None]:
-    return api.create(f"r{rate}-{i}")
+async def _creates(
+    up: Up,
+    pool: asyncpg.Pool[asyncpg.Record],
+    client: httpx.AsyncClient,
+    label: str,
+    create: Callable[[str], Awaitable[None]],
+    rate: int,
+    seconds: float,
+    created: int,
+) -> tuple[float, int]:
+    """One client's creates at ``rate``, printed; then every sandbox so far waited for to be
+    Ready. The rate they were answered at, and how many sandboxes there are now."""
+    metrics_before = sums(await _metrics(client))
+    cpu_before, began = cpu.process_cpu(up.pid), time.perf_counter()
+    own_before = time.process_time()
+    tag = label.strip()[0]
+    creates = await paced(rate, seconds, lambda i: create(f"{tag}{rate}-{i}"))
+    lasted = time.perf_counter() - began
+    up_used = cpu.process_cpu(up.pid) - cpu_before
+    own_cpu = (time.process_time() - own_before) / lasted
+    metrics_after = sums(await _metrics(client))
+    created += creates.summary.count
+    per_create = up_used / max(creates.summary.count, 1)
+    print(line(label, creates) + f"  `up` CPU {per_create * 1000:.2f} ms each (the API's, "
+          "the processor's and the executor's over the phase)")  # fmt: skip
+    print(f"               {where_it_went(metrics_before, metrics_after)}; CPU s/s: "
+          f"`up` {up_used / lasted:.2f}, the load generator {own_cpu:.2f}", flush=True)  # fmt: skip
+    count = await ready(pool, created)
+    if count < created:
+        print(f"               only {count} of {created} Ready after {READY_TIMEOUT:.0f} s")
+    return creates.answered, created
+
+
+class LightClient:
+    """The same creates through aiohttp (its C parser): a load generator that costs its
+    process a fraction of httpx's CPU per request, as many connections, kept alive 2 s."""
+
+    def __init__(self, url: str, token: str, image: str) -> None:
+        self.image = image
+        self.session = aiohttp.ClientSession(
+            url,
+            headers={"Authorization": f"Bearer {token}"},
+            connector=aiohttp.TCPConnector(limit=CONNECTIONS, keepalive_timeout=2.0),
+        )
+
+    async def create(self, name: str) -> None:
+        body = {"name": name, "command_id": f"create-{name}",
+                "spec": {"image": self.image, "command": COMMAND}}  # fmt: skip
+        async with self.session.post("/v1/sandboxes", json=body) as response:
+            await response.read()
+            if response.status not in (200, 201, 202):
+                raise RuntimeError(f"HTTP {response.status}")
+
+    async def close(self) -> None:
+        await self.session.close()
 
 
 async def _metrics(client: httpx.AsyncClient) -> str:
