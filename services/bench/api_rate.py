@@ -1,19 +1,21 @@
-"""The HTTP API under creates at rising rates (``python -m services.bench api-rate``): is it
-the bottleneck, and where does a create's time go?
+"""The HTTP API under creates at rising rates (``python -m services.bench api-rate``): is it the
+bottleneck, and where does a create's time go?
 
-``sandstream up --no-stack --driver fake`` runs in a process of its own (the API, processor,
+``sandstream up --no-stack`` with the fake driver runs in a process of its own (the API, processor,
 executor, watcher and scheduler in one event loop, as on a machine without a cluster), on the
 shared broker and PostgreSQL with topics and a schema of the run's own. This process is the load
 generator, sending as the peer bench's does (its client: 50 keep-alive connections; each create
-``POST /v1/sandboxes`` with a command id of its own, no ``wait``), open loop: the i-th request is
-due at i / rate, and its latency counts from then, so a lagging sender cannot hide a slow server.
+``POST /v1/sandboxes`` with a command id of its own, no ``wait``), open loop: the i-th request
+is due at i / rate, and its latency counts from then, so a lagging sender cannot hide a slow
+server.
 
 At each rate, in this order and for the same seconds: ``GET /healthz`` (the API's trivial
 endpoint: what the server process and this client cost at that rate), Kafka's own produce (the
 API's producer settings, acks=all, to a topic nothing consumes), then the creates, twice: from
 the peer bench's client (httpx), then from aiohttp with as many connections (a client that costs
 this process a fraction of the CPU per request: when httpx's creates fall behind and aiohttp's
-do not, the load generator was the bottleneck, not the API). For the creates: the answers' p50/p90/p99 and the rate they were answered at; from the API's own metrics
+do not, the load generator was the bottleneck, not the API). For the creates: the answers'
+p50/p90/p99 and the rate they were answered at; from the API's own metrics
 (``sandstream_api_command_step_seconds``, ``sandstream_api_request_seconds``) the mean time in
 the app and in each step (the pool wait, the idempotency record, the publish until Kafka's
 acknowledgement, the mark as published); ``up``'s CPU over the phase (a second per second is one
