@@ -2,7 +2,8 @@
 
 A ``command_id`` names one request: its type, sandbox, caller and body (the fingerprint: a
 sha256 of the command without its id, time and caller). The first request with an id is
-recorded before it is published and marked published once Kafka acknowledged it; a later one
+recorded before it is published and marked published once Kafka acknowledged it (the marks
+of commands acknowledged together in one statement: ``PublishedMarks``); a later one
 with the same id and the same fingerprint is a retry (it gets the first outcome), one with
 another fingerprint is refused, whatever happened to the sandbox in between (a re-created name
 included). ``GET /v1/commands/{id}`` answers 404 for an id that is neither decided nor
@@ -120,15 +121,10 @@ async def claim(
     return first
 
 
-async def record(conn: Conn, command: Command) -> Recorded | None:
-    """Record ``command`` under its id (``claim``)."""
-    mine = fingerprint(command)
-    return await claim(conn, command.command_id, command.key, command.type, command.actor, mine)
-
-
 async def record_and_outcome(conn: Conn, command: Command) -> tuple[Recorded | None, str | None]:
-    """``record``, and the command's outcome (its JSON) if one was decided on its key, in one
-    round trip for a command whose id is new (a known id takes ``claim``'s reads after)."""
+    """Record ``command`` under its id (``claim``), and find its outcome (its JSON) if one was
+    decided on its key: one round trip for a command whose id is new (a known id takes
+    ``claim``'s reads after)."""
     mine = fingerprint(command)
     row = await conn.fetchrow(
         "WITH mine AS (INSERT INTO api_commands (command_id, key, command_type, actor, "
