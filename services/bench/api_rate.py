@@ -47,7 +47,7 @@ from events.common import SandboxSpec
 from events.publisher import CommandPublisher, now
 from services.bench import cpu
 from services.bench.pacing import open_loop
-from services.bench.peer_setup import _spawn, _stop, _until_ok, free_port
+from services.bench.peer_setup import _spawn, _stop, _until_ok, free_port, remove
 from services.bench.peer_stats import Summary, summarize
 from services.bench.peer_systems import COMMAND, CONNECTIONS, SandstreamApi
 from services.common.kafka_clients import kafka_client_args
@@ -213,6 +213,7 @@ async def api_rate_figures(settings: Settings, quick: bool) -> None:
             await light.close()
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"            (load {load} at the end)")
+    remove(home)  # `up`'s log and token (kept when the run failed)
 
 
 async def _rates(
