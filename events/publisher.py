@@ -116,9 +116,11 @@ class CommandPublisher:
     async def __aexit__(self, *exc: object) -> None:
         await self.producer.stop()
 
-    async def publish(self, command: Command) -> tuple[int, int]:
+    async def publish(self, command: Command, encoded: bytes | None = None) -> tuple[int, int]:
+        """``encoded``: the command's bytes (``encode``) when the caller has them already."""
+        value = encode(command) if encoded is None else encoded
         meta = await self.producer.send_and_wait(
-            self.topic, value=encode(command), key=record_key(command.key)
+            self.topic, value=value, key=record_key(command.key)
         )
         return meta.partition, meta.offset
 

@@ -5,8 +5,10 @@ next, instead of a pool acquisition per statement."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
@@ -14,6 +16,7 @@ import factories as f
 from harness import isolated_env
 
 from events.publisher import CommandPublisher
+from services.api import idempotency
 from services.api.gateway import CommandGateway
 from services.api.readmodel import ChangeFeed
 from services.common.kafka_clients import kafka_client_args
@@ -61,3 +64,103 @@ async def test_a_command_waited_for_takes_a_connection_per_look_up_not_per_state
         assert counting.acquired == 3
         published = await env.pool.fetchval("SELECT published FROM api_commands")
         assert published is True
+
+
+@dataclass
+class CountingConnections:
+    """The pool, counting the statements sent on its connections (every one a round trip)."""
+
+    pool: asyncpg.Pool[asyncpg.Record]
+    statements: list[str] = field(default_factory=list)
+
+    @asynccontextmanager
+    async def acquire(self) -> AsyncIterator[Any]:
+        async with self.pool.acquire() as conn:
+            yield _Counted(conn, self.statements)
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.pool, name)
+        return _counted(attribute, self.statements) if name in STATEMENTS else attribute
+
+
+@dataclass
+class _Counted:
+    conn: Any
+    statements: list[str]
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.conn, name)
+        return _counted(attribute, self.statements) if name in STATEMENTS else attribute
+
+
+def _counted(call: Callable[..., Awaitable[Any]], statements: list[str]) -> Any:
+    def counted(sql: str, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        statements.append(sql)
+        return call(sql, *args, **kwargs)
+
+    return counted
+
+
+async def test_a_new_command_is_recorded_with_its_outcome_looked_up_in_one_statement() -> None:
+    """A create answered 202 costs the API two statements, not three: the record and the
+    look-up of an earlier outcome in one, then the mark as published."""
+    async with isolated_env(partitions=2) as env:
+        counting = CountingConnections(env.pool)
+        async with CommandPublisher(
+            kafka_client_args(env.settings, "api"), topic=env.settings.topic_commands
+        ) as publisher:
+            gateway = CommandGateway(counting, publisher, ChangeFeed(env.pool))  # type: ignore[arg-type]
+            command = f.create("sb-one-trip")
+            submitted = await gateway.submit(command, wait=None)
+            assert submitted.outcome is None and not submitted.retry
+            assert len(counting.statements) == 2
+            assert await env.pool.fetchval("SELECT published FROM api_commands") is True
+            again = await gateway.submit(command, wait=None)  # a retry: nothing published again
+        assert again.retry and again.outcome is None
+        assert await env.pool.fetchval("SELECT count(*) FROM api_commands") == 1
+
+
+async def test_creates_acknowledged_together_share_the_statement_that_marks_them() -> None:
+    async with isolated_env(partitions=2) as env:
+        counting = CountingConnections(env.pool)
+        async with CommandPublisher(
+            kafka_client_args(env.settings, "api"), topic=env.settings.topic_commands
+        ) as publisher:
+            gateway = CommandGateway(counting, publisher, ChangeFeed(env.pool))  # type: ignore[arg-type]
+            commands = [f.create(f"sb-shared-{i}") for i in range(20)]
+            await asyncio.gather(*(gateway.submit(c, wait=None) for c in commands))
+        marks = [s for s in counting.statements if s.startswith("UPDATE api_commands")]
+        assert len(counting.statements) == 20 + len(marks) and len(marks) < 20
+        published = await env.pool.fetchval("SELECT count(*) FROM api_commands WHERE published")
+        assert published == 20
+
+
+@dataclass
+class _Failing:
+    """The pool, its statements failing as a connection left broken does while ``fail``."""
+
+    pool: asyncpg.Pool[asyncpg.Record]
+    fail: bool = False
+
+    async def execute(self, *args: Any) -> str:
+        if self.fail:
+            raise asyncpg.exceptions.InternalClientError("another operation is in progress")
+        return await self.pool.execute(*args)
+
+
+async def test_a_failed_mark_fails_every_request_it_carried_and_the_next_one_is_tried() -> None:
+    async with isolated_env(partitions=2) as env:
+        failing = _Failing(env.pool)
+        marks = idempotency.PublishedMarks(failing)  # type: ignore[arg-type]
+        ids = [f"mark-{i}" for i in range(3)]
+        for command_id in [*ids, "mark-later"]:
+            await idempotency.claim(env.pool, command_id, command_id, "CreateSandbox", "a", "f")
+        failing.fail = True
+        results = await asyncio.gather(*(marks.mark(i) for i in ids), return_exceptions=True)
+        assert all(isinstance(r, asyncpg.exceptions.InternalClientError) for r in results)
+        failing.fail = False
+        await marks.mark("mark-later")
+        rows = await env.pool.fetch("SELECT command_id, published FROM api_commands")
+        assert {r["command_id"]: r["published"] for r in rows} == {
+            **dict.fromkeys(ids, False), "mark-later": True,
+        }  # fmt: skip

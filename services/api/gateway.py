@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias
 
@@ -121,6 +122,7 @@ class CommandGateway:
         # Why Kafka refused the last command for want of an ACL; None once one is published.
         self.refused: str | None = None
         self.max_bytes = max_bytes
+        self.marks = idempotency.PublishedMarks(pool)
 
     @classmethod
     def of_role(
@@ -172,14 +174,22 @@ class CommandGateway:
         ``CommandTooLarge`` when it is larger than the processor decides or than a record (before
         anything is recorded or published), ``PublishForbidden`` when Kafka refuses it for want
         of an ACL, ``PublishFailed`` when Kafka does not acknowledge it."""
-        size = len(encode(command))
+        encoded = encode(command)
+        size = len(encoded)
         if size > self.max_bytes:
             metrics.API_COMMANDS.labels(command.type, "too_large").inc()
             raise CommandTooLarge(command, size, self.max_bytes)
-        async with self.pool.acquire() as conn:  # one acquisition for the three
-            command = await resolved(conn, command)
-            first = await idempotency.record(conn, command)
-            known = await readmodel.fetch_outcome(conn, command.command_id, command.key)
+        step = metrics.API_COMMAND_STEP_SECONDS
+        began = time.perf_counter()
+        async with self.pool.acquire() as conn:  # one acquisition for both
+            acquired = time.perf_counter()
+            step.labels("pool_wait").observe(acquired - began)
+            asked, command = command, await resolved(conn, command)
+            first, decided = await idempotency.record_and_outcome(conn, command)
+        step.labels("record").observe(time.perf_counter() - acquired)
+        known = None if decided is None else CommandOutcome.model_validate_json(decided)
+        if command is not asked:  # keyed by the member its name is bound to: encoded again
+            encoded = encode(command)
         if known is not None and known.command_type != command.type:
             # Decided before the API recorded the id (published by another producer).
             raise IdempotencyConflict(
@@ -192,8 +202,9 @@ class CommandGateway:
             if known is None and wait:
                 known = await self.wait_outcome(command.command_id, command.key, wait)
             return Submitted(known, retry=True)
+        sent = time.perf_counter()
         try:
-            await asyncio.wait_for(self.publisher.publish(command), self.publish_timeout)
+            await asyncio.wait_for(self.publisher.publish(command, encoded), self.publish_timeout)
         except MessageSizeTooLargeError as exc:
             metrics.API_COMMANDS.labels(command.type, "too_large").inc()
             raise CommandTooLarge(command) from exc
@@ -208,9 +219,12 @@ class CommandGateway:
             log.warning("publishing %s %s failed: %r", command.type, command.command_id, exc)
             raise PublishFailed(command, exc) from exc
         self.refused = None
+        published = time.perf_counter()
+        step.labels("publish").observe(published - sent)
         metrics.API_COMMANDS.labels(command.type, "published").inc()
         if not wait:
-            await idempotency.mark_published(self.pool, command.command_id)
+            await self.marks.mark(command.command_id)
+            step.labels("mark_published").observe(time.perf_counter() - published)
             return Submitted(None, retry=False)
         outcome = await self.wait_outcome(command.command_id, command.key, wait, published=True)
         return Submitted(outcome, retry=False)

@@ -2,7 +2,8 @@
 
 A ``command_id`` names one request: its type, sandbox, caller and body (the fingerprint: a
 sha256 of the command without its id, time and caller). The first request with an id is
-recorded before it is published and marked published once Kafka acknowledged it; a later one
+recorded before it is published and marked published once Kafka acknowledged it (the marks
+of commands acknowledged together in one statement: ``PublishedMarks``); a later one
 with the same id and the same fingerprint is a retry (it gets the first outcome), one with
 another fingerprint is refused, whatever happened to the sandbox in between (a re-created name
 included). ``GET /v1/commands/{id}`` answers 404 for an id that is neither decided nor
@@ -120,10 +121,27 @@ async def claim(
     return first
 
 
-async def record(conn: Conn, command: Command) -> Recorded | None:
-    """Record ``command`` under its id (``claim``)."""
+async def record_and_outcome(conn: Conn, command: Command) -> tuple[Recorded | None, str | None]:
+    """Record ``command`` under its id (``claim``), and find its outcome (its JSON) if one was
+    decided on its key: one round trip for a command whose id is new (a known id takes
+    ``claim``'s reads after)."""
     mine = fingerprint(command)
-    return await claim(conn, command.command_id, command.key, command.type, command.actor, mine)
+    row = await conn.fetchrow(
+        "WITH mine AS (INSERT INTO api_commands (command_id, key, command_type, actor, "
+        "fingerprint) VALUES ($1, $2, $3, $4, $5) ON CONFLICT (command_id) DO NOTHING "
+        "RETURNING true AS inserted) "
+        "SELECT (SELECT inserted FROM mine) AS inserted, (SELECT outcome FROM command_outcomes "
+        "WHERE command_id = $1 AND key = $2 ORDER BY decided_at LIMIT 1) AS outcome",
+        command.command_id,
+        command.key,
+        command.type,
+        command.actor,
+        mine,
+    )
+    if row["inserted"]:
+        return None, row["outcome"]
+    first = await claim(conn, command.command_id, command.key, command.type, command.actor, mine)
+    return first, row["outcome"]
 
 
 async def keep_outcome(conn: Conn, command_id: str, outcome: Any) -> None:
@@ -135,11 +153,63 @@ async def keep_outcome(conn: Conn, command_id: str, outcome: Any) -> None:
     )
 
 
-async def mark_published(conn: Conn, command_id: str) -> None:
+async def mark_published(conn: Conn, command_ids: str | list[str]) -> None:
+    """Mark the command (or each of the commands) published."""
+    ids = [command_ids] if isinstance(command_ids, str) else command_ids
     await conn.execute(
-        "UPDATE api_commands SET published = true WHERE command_id = $1 AND NOT published",
-        command_id,
+        "UPDATE api_commands SET published = true "
+        "WHERE command_id = ANY($1::text[]) AND NOT published",
+        ids,
     )
+
+
+class PublishedMarks:
+    """Marks commands published once Kafka acknowledged them, one statement for all the
+    commands waiting at once: under load, a create's third statement (and its pool
+    acquisition) is shared by every create acknowledged while the previous one ran. ``mark``
+    returns once its command's mark is committed (or raises what the statement raised)."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self._waiting: dict[str, list[asyncio.Future[None]]] = {}
+        self._marking: asyncio.Task[None] | None = None
+
+    async def mark(self, command_id: str) -> None:
+        done = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(command_id, []).append(done)
+        if self._marking is None:
+            self._marking = asyncio.create_task(self._mark_waiting(), name="published marks")
+        await done
+
+    async def _mark_waiting(self) -> None:
+        batch: dict[str, list[asyncio.Future[None]]] = {}
+        try:
+            while self._waiting:
+                batch, self._waiting = self._waiting, {}
+                try:
+                    await mark_published(self.pool, list(batch))
+                except Exception as exc:
+                    _settle(batch, exc)
+                else:
+                    _settle(batch, None)
+                batch = {}
+        finally:
+            self._marking = None
+            for left in (batch, self._waiting):  # cancelled itself (the loop's end)
+                for futures in left.values():
+                    for done in futures:
+                        done.cancel()
+
+
+def _settle(batch: dict[str, list[asyncio.Future[None]]], exc: Exception | None) -> None:
+    for futures in batch.values():
+        for done in futures:
+            if done.done():  # its request went away
+                continue
+            if exc is None:
+                done.set_result(None)
+            else:
+                done.set_exception(exc)
 
 
 async def forget_expired(pool: Pool, retention_hours: float) -> int:

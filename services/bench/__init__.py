@@ -3,6 +3,9 @@ asserted. Tools for people measuring sandstream locally; imports whatever it mea
 
 Modules:
 
+- ``api_rate``: creates offered to ``sandstream up`` (fake driver) at rising rates, from the
+  peer bench's client and from aiohttp, beside ``/healthz`` and Kafka's own produce, with where
+  each create's time goes in the API.
 - ``ceiling``: a minimal exactly-once projector, the reference the processor is measured against.
 - ``claim``: a warm claim at low load, step by step in the process, beside a row-only
   command's decided outcome through the same API and Kafka's own round trip.
@@ -27,7 +30,7 @@ Modules:
   sandstream's CPU, Kafka records and PostgreSQL rows per sandbox and its deletes' time.
 - ``main``: ``python -m services.bench
   [all|processor|latency|decided|claim|idle|idle-use|scaleout|rebuild|profile|fold|stages|
-  drivers|peer|kube-requests|burst|warm|exec|scaling]
+  drivers|peer|kube-requests|burst|warm|exec|scaling|api-rate]
   [--quick]``.
 - ``peer``, ``peer_setup``, ``peer_systems``, ``peer_kube``, ``peer_stats``, ``peer_report``:
   sandstream beside kubernetes-sigs/agent-sandbox and bare Pods on one Kubernetes cluster
@@ -38,6 +41,8 @@ Modules:
 - ``peer_warm``, ``peer_warm_systems``: the peer benchmark's warm phase: agent-sandbox's warm
   pool beside a sandstream pool (fill, bursts of claims, refill, a sustained claim rate), and
   the two pools as the load generator sees them.
+- ``pacing``: requests offered at a steady rate, open loop, at most as many at once as the
+  client has connections (the peer bench's sustained phases, ``api_rate``).
 - ``processor``: the processor's throughput and latency beside the ceiling and Kafka's own.
 - ``profile``: profile of the processor's hot path.
 - ``rebuild``: rebuilding the rows from the log: time and memory.

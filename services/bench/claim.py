@@ -217,8 +217,8 @@ def watch_polls(t: Timeline, processor: Processor, publisher: CommandPublisher) 
     producer.send = sent
     publish = publisher.publish
 
-    async def acked(command: Any) -> Any:
-        result = await publish(command)
+    async def acked(command: Any, encoded: bytes | None = None) -> Any:
+        result = await publish(command, encoded)
         if command.type == "AdoptSandbox":
             t.mark("adopt_published")
         return result

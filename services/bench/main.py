@@ -1,22 +1,24 @@
 """``python -m services.bench [all|processor|latency|decided|claim|idle|idle-use|scaleout|
-rebuild|profile|fold|stages|drivers|peer|kube-requests|burst|warm|exec|scaling] [--quick]``: the
-benchmarks, each printed beside its same-run reference (see docs/benchmarks.md). ``latency`` is
-the latency part of ``processor`` alone; ``decided`` is request → decided outcome at low load,
-through the HTTP API; ``claim`` (not part of ``all``) a warm claim at low load, step by step,
-beside ``decided``'s figure; ``idle`` (not part of ``all``) the broker's CPU for an idle control
-plane on a broker of its own; ``idle-use`` (not part of ``all``) what idle suspend costs
+rebuild|profile|fold|stages|drivers|peer|kube-requests|burst|warm|exec|scaling|api-rate]
+[--quick]``: the benchmarks, each printed beside its same-run reference (see
+docs/benchmarks.md). ``latency`` is the latency part of ``processor`` alone; ``decided`` is
+request → decided outcome at low load, through the HTTP API; ``claim`` (not part of ``all``) a
+warm claim at low load, step by step, beside ``decided``'s figure; ``idle`` (not part of
+``all``) the broker's CPU for an idle control plane on a broker of its own; ``idle-use`` (not
+part of ``all``) what idle suspend costs
 PostgreSQL at 10,000 busy sandboxes; ``peer`` (services/bench/peer.py, ``make bench-peer``) is
 not part of ``all``: it starts a Kubernetes cluster of its own and takes about a quarter of an
-hour. ``kube-requests``
-(services/bench/kube_requests.py) counts the Kubernetes driver's apiserver requests per
-sandbox beside bare Pods' on the local cluster (`make k8s`), in a minute. ``burst``
-(services/bench/peer_burst.py) is the peer bench's cold burst for sandstream beside bare Pods
-alone, with sandstream's CPU, records and rows per sandbox broken down. ``warm``
+hour. ``kube-requests`` (services/bench/kube_requests.py) counts the Kubernetes driver's
+apiserver requests per sandbox beside bare Pods' on the local cluster (`make k8s`), in a minute.
+``burst`` (services/bench/peer_burst.py) is the peer bench's cold burst for sandstream beside
+bare Pods alone, with sandstream's CPU, records and rows per sandbox broken down. ``warm``
 (services/bench/warm.py) times a warm claim beside a cold create on Podman, each to an exec's
 answer; ``exec`` (services/bench/exec_route.py, not part of ``all``) an exec through the HTTP
 API step by step, beside the driver's exec alone. ``scaling`` (services/bench/scaling.py, not
 part of ``all``) runs the processor and the executor as 1, 2 and 4 processes on three brokers
-of its own."""
+of its own. ``api-rate`` (services/bench/api_rate.py, not part of ``all``) offers creates to
+``sandstream up`` (fake driver) at rising rates, beside its trivial endpoint and Kafka's own
+produce at each rate."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from services.bench import drivers as bench_drivers
 from services.bench import exec_route, kube_requests, peer, peer_burst, scaling, warm
 from services.bench import kube as bench_kube
 from services.bench import wake as bench_wake
+from services.bench.api_rate import api_rate_figures
 from services.bench.claim import claim_figures
 from services.bench.decided import decided_figures
 from services.bench.fold import fold_figures
@@ -63,6 +66,7 @@ CHOICES = (
     "warm",
     "exec",
     "scaling",
+    "api-rate",
 )
 
 
@@ -93,6 +97,9 @@ async def run(
         return
     if which == "scaling":
         await scaling.main(settings, quick)
+        return
+    if which == "api-rate":
+        await api_rate_figures(settings, quick)
         return
     print(f"sandstream benchmarks  (partitions={settings.kafka_partitions}, one processor)")
     keys = 5_000 if quick else 25_000

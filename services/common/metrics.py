@@ -109,6 +109,14 @@ API_COMMANDS = Counter(
     ["type", "result"],
 )
 API_WATCHERS = Gauge("sandstream_api_watch_streams", "Open /v1/watch streams")
+API_COMMAND_STEP_SECONDS = Histogram(
+    "sandstream_api_command_step_seconds",
+    "Where a command's time in the API goes: pool_wait (for one of the API's PostgreSQL "
+    "connections), record (its idempotency record and any earlier outcome), publish (until "
+    "Kafka acknowledged it), mark_published (the record marked so, the pool wait included)",
+    ["step"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
+)
 
 # Operator lifecycle: the scheduler, and the counts `status` shows (set when /metrics is read)
 DEADLINES_FIRED = Counter(
