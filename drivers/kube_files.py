@@ -144,9 +144,12 @@ async def _exchange(socket: Any, stdin: AsyncIterator[bytes] | None) -> AsyncIte
     if stdin is not None:
         sending = asyncio.create_task(_send(socket, stdin))
     exit_code: int | str | None = None
-    cut: BaseException | None = None  # the socket closed under the sender
+    cut: BaseException | None = None  # the socket closed under the sender, or under the reader
     try:
         async for message in socket:
+            if message.type == aiohttp.WSMsgType.ERROR:  # the iteration ends on the next read
+                cut = socket.exception() or ConnectionError("the stream failed")
+                continue
             if message.type != aiohttp.WSMsgType.BINARY or not message.data:
                 continue
             channel, data = message.data[0], bytes(message.data[1:])
@@ -160,7 +163,7 @@ async def _exchange(socket: Any, stdin: AsyncIterator[bytes] | None) -> AsyncIte
             try:
                 await sending  # the upload's own failure (too large, a bad member) is raised
             except (aiohttp.ClientError, ConnectionError) as exc:
-                cut = exc
+                cut = cut or exc
     finally:
         if sending is not None and not sending.done():
             sending.cancel()
@@ -169,8 +172,12 @@ async def _exchange(socket: Any, stdin: AsyncIterator[bytes] | None) -> AsyncIte
     if isinstance(exit_code, str):  # the exec failed: its reason, not the sender's
         raise DriverError(exit_code, retryable=False)
     if cut is not None:
-        raise DriverError(f"the input was cut off: {type(cut).__name__}: {cut}", retryable=True)
-    yield ExecExit(0 if exit_code is None else exit_code)
+        raise DriverError(f"the stream was cut off: {type(cut).__name__}: {cut}", retryable=True)
+    if exit_code is None:
+        # v4 and v5 always end with a status, Success included: a stream without one was
+        # closed early (a reset that discarded the status unread), so the exit is unknown.
+        raise DriverError("the stream ended before the command's exit status", retryable=True)
+    yield ExecExit(exit_code)
 
 
 async def _send(socket: Any, stdin: AsyncIterator[bytes]) -> None:

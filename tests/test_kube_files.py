@@ -33,7 +33,7 @@ from kube_support import (
 
 from drivers.files import FilesError
 from drivers.kube_files import CLOSE, ERROR, STDERR, STDIN, STDOUT, KubeFiles, _exchange, exit_of
-from drivers.protocol import ExecExit, ExecOutput, LaunchSpec
+from drivers.protocol import DriverError, ExecExit, ExecOutput, LaunchSpec
 from events.common import SandboxSpec
 
 
@@ -101,6 +101,40 @@ async def test_a_failing_upload_closes_the_socket_and_is_raised() -> None:
     assert socket.closed and bytes([CLOSE, STDIN]) not in socket.sent
 
 
+class ResetSocket(StandInSocket):
+    """A connection reset after the input: the status, if any was sent, discarded unread."""
+
+    def __init__(self, replies: list[Message]) -> None:
+        super().__init__(replies)
+        self.reset = ConnectionResetError("Connection reset by peer")
+
+    def exception(self) -> BaseException:
+        return self.reset
+
+    async def _messages(self) -> AsyncIterator[Message]:
+        async for reply in super()._messages():
+            yield reply
+        failed = Message(0, b"")
+        failed.type = aiohttp.WSMsgType.ERROR
+        yield failed
+
+
+async def test_a_stream_reset_before_its_status_is_an_error_not_exit_0() -> None:
+    socket = ResetSocket([Message(STDOUT, b"partial")])
+    events: list[object] = []
+    with pytest.raises(DriverError, match="cut off: ConnectionResetError"):
+        async for event in _exchange(socket, chunks(b"tar")):
+            events.append(event)
+    assert events == [ExecOutput("stdout", b"partial")]
+
+
+async def test_a_stream_closed_without_a_status_is_an_error_not_exit_0() -> None:
+    socket = StandInSocket([Message(STDOUT, b"out")])
+    with pytest.raises(DriverError, match="ended before the command's exit status"):
+        async for _ in _exchange(socket, chunks(b"x")):
+            pass
+
+
 def test_the_exit_of_a_status() -> None:
     assert exit_of(b'{"status": "Success"}') == 0
     assert exit_of(FAILED_WITH_2.encode()) == 2
@@ -144,10 +178,10 @@ async def test_a_kwok_pod_serves_no_exec_and_says_so(
                     await call
             assert caught.value.kind in ("not_running", "unavailable"), caught.value.message
             assert f"exec in Pod sandstream-{key}-g1:" in caught.value.message
-            # the kwok node's kubelet (nobody listens), or, for the call with input, the write
-            # the apiserver's closing stream cut off before its error was read
+            # the kwok node's kubelet (nobody listens), or, for the call with input, a stream
+            # the apiserver reset over the unread input, its status discarded: never a success
             said = caught.value.message
-            assert "10250" in said or (call is calls[2] and "the input was cut off" in said), said
+            assert "10250" in said or (call is calls[2] and "the stream" in said), said
         with pytest.raises(FilesError):
             async with asyncio.timeout(30):
                 await anext(aiter(files.read_tar(key, 1, "/workspace")))
