@@ -193,8 +193,10 @@ def pod_manifest(spec: LaunchSpec, settings: PodSettings) -> dict[str, Any]:
         "restartPolicy": "Never",  # an exit is the sandbox's outcome (Completed or Error)
         "terminationGracePeriodSeconds": math.ceil(grace),
         "hostname": spec.key,
-        # The sandbox gets no credentials for the cluster it runs in.
+        # The sandbox gets no credentials for the cluster it runs in, nor the addresses of its
+        # namespace's Services as <SERVICE>_PORT=tcp://... variables (an agent's own settings).
         "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
         "volumes": [workspace],
     }
     if settings.service_account:

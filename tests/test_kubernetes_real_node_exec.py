@@ -68,6 +68,8 @@ async def box_fixture(
         "credentials_key": CREDENTIALS_KEY,
     }
     name = unique("rx")
+    service = {"metadata": {"name": "agentdb"}, "spec": {"ports": [{"port": 5432}]}}
+    await admin.core.create_namespaced_service(ns, service)  # see the service-links test
     try:
         async with apikit.running_api(
             driver, settings_update=update, token_store=tokens()
@@ -122,6 +124,15 @@ async def test_exec_gives_the_exit_code_and_stdout_and_stderr_apart(box: Sandbox
     assert (await run(box, ["true"]))["exit_code"] == 0
     missing = await run(box, ["no-such-program"])  # as `podman exec` says it
     assert missing["exit_code"] == 127 and "no-such-program" in missing["stderr"], missing
+
+
+async def test_the_namespaces_services_are_not_in_the_sandboxs_environment(box: Sandbox) -> None:
+    # The kubelet gives a Pod <SERVICE>_PORT=tcp://<ip>:<port> for every Service of its
+    # namespace unless told not to: addresses of the namespace's services, and values an agent
+    # reading its own AGENTDB_PORT would take for a port number.
+    env = (await run(box, ["env"]))["stdout"]
+    assert "AGENTDB_" not in env, env
+    assert "KUBERNETES_SERVICE_HOST=" in env  # the cluster's own, which the kubelet always gives
 
 
 async def test_exec_takes_stdin_env_and_workdir(box: Sandbox) -> None:
