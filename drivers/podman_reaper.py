@@ -54,9 +54,11 @@ def reaped(runc_pid: int) -> None:
         _runcs.discard(runc_pid)
 
 
-def strangers() -> builtins.list[int]:
-    """This process's children that are not the runtime path's: neither runc started here
-    nor a command runc left (those run in a container's PID namespace)."""
+def strangers() -> builtins.list[tuple[int, str]]:
+    """This process's live children (PID, command name) that are not the runtime path's:
+    neither runc started here nor a command runc left (those run in a container's PID
+    namespace). A zombie is not one: its own children were handed on when it died, so it
+    leaves no orphan to adopt, and whoever started it still reaps it."""
     own_ns = os.readlink("/proc/self/ns/pid")
     me = str(os.getpid())
     found = []
@@ -66,11 +68,12 @@ def strangers() -> builtins.list[int]:
                 continue
             try:
                 text = (entry / "stat").read_text()
-                if text[text.rindex(")") + 2 :].split()[1] != me:
+                state, parent = text[text.rindex(")") + 2 :].split()[:2]
+                if parent != me or state == "Z":
                     continue
                 if os.readlink(entry / "ns" / "pid") != own_ns:
                     continue  # a command in a container
             except (OSError, ValueError):
                 continue  # gone
-            found.append(int(entry.name))
+            found.append((int(entry.name), text[text.index("(") + 1 : text.rindex(")")]))
     return found

@@ -121,11 +121,12 @@ def probe(
         return None, f"Podman's runc ({path}) is not here"
     if not root.is_dir():
         return None, f"runc's state root {root} is not here"
-    others = podman_reaper.strangers()
+    others = podman_reaper.strangers()[:5]
     if others:
+        pids, names = [pid for pid, _ in others], ", ".join(name for _, name in others)
         return None, (
-            f"this process has child processes of its own (PIDs {others[:5]}), whose orphans "
-            "it would adopt as the reaper of runc's commands"
+            f"this process has child processes of its own (PIDs {pids}: {names}), whose "
+            "orphans it would adopt as the reaper of runc's commands"
         )
     try:
         podman_reaper.become()  # to reap each command runc leaves once it has started it

@@ -405,9 +405,26 @@ def test_a_process_with_children_of_its_own_keeps_podmans_exec(settings: Setting
     child = subprocess.Popen(["sleep", "600"])
     try:
         found, why = podman_runc.probe(settings.podman_url, "runtime", RUNC_ROOT, WAIT)
-        assert found is None and f"child processes of its own (PIDs [{child.pid}])" in why
+        assert found is None and f"child processes of its own (PIDs [{child.pid}]: sleep)" in why
     finally:
         child.kill()
         child.wait()
     found, why = podman_runc.probe(settings.podman_url, "runtime", RUNC_ROOT, WAIT)
     assert found is not None, why
+
+
+async def test_a_zombie_child_is_no_reason_to_keep_podmans_exec_and_is_left_to_its_owner(
+    settings: Settings,
+) -> None:
+    """A child that has exited but is not yet reaped (a test before, a Popen not yet waited
+    for) can hand no orphan on: the runtime path is taken, and the child's exit stays its
+    owner's to read."""
+    child = subprocess.Popen(["sh", "-c", "exit 7"])  # noqa: ASYNC220 (a plain child, as a test's)
+    try:
+        stat = Path(f"/proc/{child.pid}/stat")
+        await eventually(lambda: stat.read_text().rsplit(")", 1)[1].split()[0],
+                         lambda state: state == "Z", timeout=WAIT, what="its exit")  # fmt: skip
+        found, why = podman_runc.probe(settings.podman_url, "runtime", RUNC_ROOT, WAIT)
+        assert found is not None, why
+    finally:
+        assert child.wait() == 7
