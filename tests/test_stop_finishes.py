@@ -196,11 +196,15 @@ async def test_on_podman_a_ttl_stop_that_cannot_reach_podman_stays_stopping_unti
                 await env.publisher() as pub,
             ):
                 spec = sandbox_spec(env.settings, SLEEPER, stop_timeout=SCALED_GRACE)
+                # A TTL long enough for a busy machine's start (at a load of 10 a second was
+                # not: the sandbox expired while Provisioning), read from the history, as a poll
+                # of the row can miss a Ready that short
                 create = f.create(
-                    key, sandbox_spec=spec, ttl_seconds=1, on_expiry="stop", occurred_at=now()
+                    key, sandbox_spec=spec, ttl_seconds=5, on_expiry="stop", occurred_at=now()
                 )
                 await command(env, pub, create)
-                await wait_phase(env, key, "Ready", timeout=60)
+                await eventually(lambda: decided(env, key), lambda d: "SandboxReady" in d[1],
+                                 timeout=60, what="the sandbox Ready")  # fmt: skip
 
                 def retried(found: Decided) -> bool:
                     return len(failed_stops(found[0])) >= 2 and "SandboxStopRetried" in found[1]
