@@ -158,7 +158,7 @@ def get(ctx: typer.Context, name: str, output: OutputOpt = Output.table) -> None
 @app.command("list")
 def list_(ctx: typer.Context, output: OutputOpt = Output.table) -> None:
     """Every provider."""
-    items = _client(ctx).request("GET", "/v1/providers").json()["items"]
+    items = list(_client(ctx).pages("/v1/providers", {"limit": 500}))
     if output is Output.json:
         print_json(items)
         return

@@ -88,9 +88,22 @@ def _info(r: Any) -> ProviderInfo:
     )
 
 
-async def list_providers(conn: Conn, names: Iterable[str] | None = None) -> list[ProviderInfo]:
+async def list_providers(
+    conn: Conn,
+    names: Iterable[str] | None = None,
+    *,
+    after: str | None = None,
+    limit: int | None = None,
+) -> list[ProviderInfo]:
+    """The providers named (or all), by name: those after ``after``, at most ``limit`` (a
+    page; both apply to all only)."""
     if names is None:
-        rows = await conn.fetch(_SELECT + " GROUP BY p.name ORDER BY p.name")
+        rows = await conn.fetch(
+            _SELECT + " WHERE ($1::text IS NULL OR p.name > $1) "
+            "GROUP BY p.name ORDER BY p.name LIMIT $2",
+            after,
+            limit,
+        )
     else:
         rows = await conn.fetch(
             _SELECT + " WHERE p.name = ANY($1::text[]) GROUP BY p.name ORDER BY p.name",

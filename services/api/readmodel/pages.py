@@ -7,10 +7,12 @@ import base64
 import binascii
 import hashlib
 import json
-from collections.abc import Sequence
-from typing import Any, Final
+from collections.abc import Callable, Sequence
+from typing import Any, Final, TypeVar
 
 from events.common import INT64_MAX
+
+T = TypeVar("T")
 
 MAX_PAGE: Final = 500  # sandboxes per page of the list
 MAX_HISTORY_PAGE: Final = 1000  # entries per page of a history
@@ -68,6 +70,23 @@ def decode_page_token(token: str, scope: str, filters: Any) -> Any:
             "page_token", "the page token was issued for a different query (filters changed)"
         )
     return after
+
+
+def name_after(scope: str, page_token: str | None) -> str | None:
+    """The name a page of a by-name list (templates, providers) starts after."""
+    if not page_token:
+        return None
+    return page_position("page_token", decode_page_token(page_token, scope, {}), str)  # type: ignore[no-any-return]
+
+
+def name_page(
+    scope: str, found: Sequence[T], limit: int, name: Callable[[T], str]
+) -> tuple[list[T], str | None]:
+    """A page of a by-name list read ``limit + 1`` long, and the token of the next one (None
+    on the last)."""
+    items = list(found[:limit])
+    token = encode_page_token(scope, {}, name(items[-1])) if len(found) > limit else None
+    return items, token
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,12 +18,14 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 
 from events.commands import AttachProvider, DetachProvider
 from events.common import INT64_MAX, PROVIDER_NAME_PATTERN, CommandId, ProviderName
+from services.api import readmodel
 from services.api.deps import ApiState, ProviderReader, ProviderWriter, State, Writer
 from services.api.errors import ApiError
 from services.api.idempotency import IdempotencyConflict
 from services.api.models import COMMAND_RESPONSES, NamePath, WaitQuery, responses
 from services.api.providers import ProviderInUse, ProviderService, Receipt, ScopeMissing
 from services.api.readmodel import CommandStatus
+from services.api.readmodel.pages import name_after, name_page
 from services.api.routes.commands import submit
 from services.common import providers
 from services.common.credentials import CredentialKeyError
@@ -124,6 +126,9 @@ class ProviderView(BaseModel):
 
 class ProviderList(BaseModel):
     items: list[ProviderView]
+    next_page_token: str | None = Field(
+        default=None, description="pass as page_token for the next page; absent on the last page"
+    )
 
 
 class ProviderChangeView(BaseModel):
@@ -288,12 +293,20 @@ async def create_provider(
     "/v1/providers",
     response_model=ProviderList,
     responses=responses(401, 403, 422, 503),
-    summary="List providers",
+    summary="List providers, by name, a page at a time",
     tags=["providers"],
 )
-async def list_providers(principal: ProviderReader, state: State) -> ProviderList:
+async def list_providers(
+    principal: ProviderReader,
+    state: State,
+    limit: Annotated[int, Query(ge=1, le=readmodel.MAX_PAGE)] = 100,
+    page_token: Annotated[str | None, Query(max_length=readmodel.PAGE_TOKEN_MAX_LENGTH)] = None,
+) -> ProviderList:
+    after = name_after("providers", page_token)
     async with state.pool.acquire() as conn:
-        return ProviderList(items=[view(i) for i in await providers.list_providers(conn)])
+        found = await providers.list_providers(conn, after=after, limit=limit + 1)
+    items, token = name_page("providers", found, limit, lambda i: i.name)
+    return ProviderList(items=[view(i) for i in items], next_page_token=token)
 
 
 @router.get(

@@ -33,8 +33,7 @@ from services.api.deps import Reader, State, Writer, require_also
 from services.api.errors import ApiError
 from services.api.models import SandboxSpecRequest, responses
 from services.api.providers import require_existing
-from services.api.readmodel import decode_page_token, encode_page_token
-from services.api.readmodel.pages import page_position
+from services.api.readmodel.pages import name_after, name_page
 from services.common import templates
 from services.common.providers import ProviderMissing
 from services.common.templates import (
@@ -184,16 +183,11 @@ async def list_templates(
     limit: Annotated[int, Query(ge=1, le=readmodel.MAX_PAGE)] = 100,
     page_token: Annotated[str | None, Query(max_length=readmodel.PAGE_TOKEN_MAX_LENGTH)] = None,
 ) -> TemplateList:
-    after = None
-    if page_token:
-        after = page_position("page_token", decode_page_token(page_token, "templates", {}), str)
+    after = name_after("templates", page_token)
     async with state.pool.acquire() as conn:
         found = await templates.list_templates(conn, after=after, limit=limit + 1)
-    items = [view(i) for i in found[:limit]]
-    token = None
-    if len(found) > limit:
-        token = encode_page_token("templates", {}, items[-1].name)
-    return TemplateList(items=items, next_page_token=token)
+    items, token = name_page("templates", found, limit, lambda i: i.name)
+    return TemplateList(items=[view(i) for i in items], next_page_token=token)
 
 
 @router.get(
