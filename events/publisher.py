@@ -6,7 +6,7 @@ import asyncio
 import functools
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -72,6 +72,18 @@ class RenewingProducer:
             self._refused = producer
             raise
 
+    async def send_many(self, topic: str, records: Sequence[tuple[bytes | None, bytes]]) -> None:
+        """Send ``records`` (key, value) and wait for every acknowledgement: handed over all
+        at once, they leave in as few requests as the producer can make of them (one per
+        broker while none is in flight), in order within each partition."""
+        producer = await self._usable()
+        sent = [await producer.send(topic, value=value, key=key) for key, value in records]
+        try:
+            await asyncio.gather(*sent)
+        except REFUSED_FOR_ACL:
+            self._refused = producer
+            raise
+
     async def _usable(self) -> AIOKafkaProducer:
         """The producer, a new one if the broker refused one of its batches. Starting it fails
         while the principal may not produce idempotently at all (ClusterAuthorizationFailedError,
@@ -124,13 +136,13 @@ class CommandPublisher:
         )
         return meta.partition, meta.offset
 
-    async def publish_many(self, commands: list[Command]) -> None:
-        producer = self.producer.current
-        futures = [
-            await producer.send(self.topic, value=encode(c), key=record_key(c.key))
-            for c in commands
-        ]
-        await asyncio.gather(*futures)
+    async def publish_many(self, commands: Sequence[Command]) -> None:
+        """Publish ``commands`` together (``RenewingProducer.send_many``); returns once the
+        broker acknowledged every one."""
+        if not commands:
+            return
+        records = [(record_key(c.key), encode(c)) for c in commands]
+        await self.producer.send_many(self.topic, records)
 
 
 async def publish_observation(
