@@ -159,6 +159,24 @@ async def publish_until_sent(
     stop: asyncio.Event | None = None,
 ) -> bool:
     """Publish, retrying Kafka errors with back-off until sent (True) or ``stop`` (False)."""
-    backoff = Backoff(0.2, 5.0, _log, f"publishing {observation.observation_id}")
-    publish = functools.partial(publish_observation, producer, topic, observation)
+    return await publish_all_until_sent(producer, topic, [observation], stop)
+
+
+async def publish_all_until_sent(
+    producer: RenewingProducer,
+    topic: str,
+    observations: Sequence[Observation],
+    stop: asyncio.Event | None = None,
+) -> bool:
+    """Publish ``observations`` together (each keyed by its sandbox), all of them again after
+    a Kafka error, with back-off, until every one is acknowledged (True) or ``stop`` (False).
+    At least once, as one at a time: a record the broker took before the error is sent again.
+    Callers put no two observations of one sandbox in the same call, so each is acknowledged
+    before the next of its sandbox is sent, whatever fails."""
+    records = [(o.key.encode(), encode(o)) for o in observations]
+    what = f"publishing {observations[0].observation_id}" + (
+        f" and {len(observations) - 1} more" if len(observations) > 1 else ""
+    )
+    backoff = Backoff(0.2, 5.0, _log, what)
+    publish = functools.partial(producer.send_many, topic, records)
     return await retry(publish, backoff=backoff, retry_on=(KafkaError,), stop=stop) is not STOPPED
