@@ -6,7 +6,7 @@ import asyncio
 import functools
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -72,6 +72,18 @@ class RenewingProducer:
             self._refused = producer
             raise
 
+    async def send_many(self, topic: str, records: Sequence[tuple[bytes | None, bytes]]) -> None:
+        """Send ``records`` (key, value) and wait for every acknowledgement: handed over all
+        at once, they leave in as few requests as the producer can make of them (one per
+        broker while none is in flight), in order within each partition."""
+        producer = await self._usable()
+        sent = [await producer.send(topic, value=value, key=key) for key, value in records]
+        try:
+            await asyncio.gather(*sent)
+        except REFUSED_FOR_ACL:
+            self._refused = producer
+            raise
+
     async def _usable(self) -> AIOKafkaProducer:
         """The producer, a new one if the broker refused one of its batches. Starting it fails
         while the principal may not produce idempotently at all (ClusterAuthorizationFailedError,
@@ -124,13 +136,13 @@ class CommandPublisher:
         )
         return meta.partition, meta.offset
 
-    async def publish_many(self, commands: list[Command]) -> None:
-        producer = self.producer.current
-        futures = [
-            await producer.send(self.topic, value=encode(c), key=record_key(c.key))
-            for c in commands
-        ]
-        await asyncio.gather(*futures)
+    async def publish_many(self, commands: Sequence[Command]) -> None:
+        """Publish ``commands`` together (``RenewingProducer.send_many``); returns once the
+        broker acknowledged every one."""
+        if not commands:
+            return
+        records = [(record_key(c.key), encode(c)) for c in commands]
+        await self.producer.send_many(self.topic, records)
 
 
 async def publish_observation(
@@ -147,6 +159,24 @@ async def publish_until_sent(
     stop: asyncio.Event | None = None,
 ) -> bool:
     """Publish, retrying Kafka errors with back-off until sent (True) or ``stop`` (False)."""
-    backoff = Backoff(0.2, 5.0, _log, f"publishing {observation.observation_id}")
-    publish = functools.partial(publish_observation, producer, topic, observation)
+    return await publish_all_until_sent(producer, topic, [observation], stop)
+
+
+async def publish_all_until_sent(
+    producer: RenewingProducer,
+    topic: str,
+    observations: Sequence[Observation],
+    stop: asyncio.Event | None = None,
+) -> bool:
+    """Publish ``observations`` together (each keyed by its sandbox), all of them again after
+    a Kafka error, with back-off, until every one is acknowledged (True) or ``stop`` (False).
+    At least once, as one at a time: a record the broker took before the error is sent again.
+    Callers put no two observations of one sandbox in the same call, so each is acknowledged
+    before the next of its sandbox is sent, whatever fails."""
+    records = [(o.key.encode(), encode(o)) for o in observations]
+    what = f"publishing {observations[0].observation_id}" + (
+        f" and {len(observations) - 1} more" if len(observations) > 1 else ""
+    )
+    backoff = Backoff(0.2, 5.0, _log, what)
+    publish = functools.partial(producer.send_many, topic, records)
     return await retry(publish, backoff=backoff, retry_on=(KafkaError,), stop=stop) is not STOPPED

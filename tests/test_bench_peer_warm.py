@@ -10,7 +10,13 @@ from typing import Any
 from services.bench.peer_report import plan
 from services.bench.peer_stats import Summary
 from services.bench.peer_systems import OURS, PEER, SandstreamApi
-from services.bench.peer_warm import WarmFigures, median_warm, verified, warm_report
+from services.bench.peer_warm import (
+    WarmFigures,
+    kafka_line,
+    median_warm,
+    verified,
+    warm_report,
+)
 from services.bench.peer_warm_systems import POOL, ClaimTrack, SandstreamClaims
 from services.localstack import agent_sandbox
 
@@ -120,3 +126,15 @@ def test_the_quick_plan_runs_small_pools_and_phases_can_be_chosen() -> None:
     assert (quick.pool, full.pool) == (20, 100)
     assert full.phases == ("cold", "warm")
     assert plan(quick=True, phases=("warm",), pool=5).pool == 5
+
+
+def test_the_kafka_line_sums_by_type_and_ranks_by_client() -> None:
+    per_claim = {
+        ("sandstream-processor", "Fetch"): 6.0,
+        ("sandstream-executor", "Fetch"): 2.5,
+        ("sandstream-api", "Produce"): 2.0,
+    }
+    text = kafka_line(per_claim)
+    assert text.startswith("Kafka requests / claim 10.5 (Fetch 8.5, Produce 2.0); by client: ")
+    assert text.endswith("sandstream-processor Fetch 6.0, sandstream-executor Fetch 2.5, "
+                         "sandstream-api Produce 2.0")  # fmt: skip

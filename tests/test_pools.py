@@ -16,6 +16,7 @@ import apikit
 import pytest_asyncio
 from apikit import ADMIN, READER, Api, unique
 from harness import eventually
+from prometheus_client import REGISTRY
 from typer.testing import CliRunner, Result
 
 from drivers.fake import FakeDriver
@@ -177,6 +178,30 @@ async def test_the_controller_fills_replaces_scales_and_deletes_a_pool(api: Api)
                          what="the deleted pool's members gone")  # fmt: skip
         await eventually(lambda: c.get("/metrics"), lambda r: gauge not in r.text,
                          what="the deleted pool's gauges gone")  # fmt: skip
+
+
+def pool_produces() -> float:
+    labels = {"client": "sandstream-pools", "request": "Produce"}
+    return REGISTRY.get_sample_value("sandstream_kafka_requests_total", labels) or 0.0
+
+
+async def test_a_rounds_creates_and_deletes_go_to_kafka_together(api: Api) -> None:
+    """A pool filled (or scaled down) by ten asks Kafka once or twice (one request per round
+    the controller needs), not once per member: each request costs the broker CPU."""
+    template, pool = unique("tpl"), unique("pool")
+    await make_template(api, template)
+    async with api.client() as c:
+        before = pool_produces()
+        r = await c.post("/v1/pools", json={"name": pool, "template": template, "size": 10})
+        assert r.status_code == 201, r.text
+        await settled(api, pool, 10)
+        assert pool_produces() - before <= 3
+        before = pool_produces()
+        r = await c.patch(f"/v1/pools/{pool}", json={"expected_revision": 1, "size": 0})
+        assert r.status_code == 200, r.text
+        await settled(api, pool, 0)
+        assert pool_produces() - before <= 3
+        assert (await c.delete(f"/v1/pools/{pool}")).status_code == 200
 
 
 async def test_recreate_rolls_members_without_dropping_below_the_pool_size(api: Api) -> None:

@@ -35,10 +35,9 @@ class KafkaProbe:
         async with self._lock:
             if self._consumer is None:
                 consumer = AIOKafkaConsumer(
-                    **kafka_client_args(self.settings, "api"),
+                    **kafka_client_args(self.settings, "api", "sandstream-api-readiness"),
                     enable_auto_commit=False,
                     request_timeout_ms=5000,
-                    client_id="sandstream-api-readiness",
                 )
                 try:
                     await consumer.start()

@@ -22,6 +22,7 @@ from events.publisher import CommandPublisher
 from services.api.app import create_app
 from services.api.server import start_api
 from services.common.kafka_clients import kafka_client_args
+from services.common.metrics import KAFKA_REQUESTS
 from services.common.settings import Settings
 from services.common.tokens import TokenStore
 from services.localstack import private_broker
@@ -44,8 +45,29 @@ async def cpu_ms_per_second(pid: int, seconds: float) -> float:
     return (cpu_seconds(pid) - used) / (time.monotonic() - began) * 1000
 
 
-async def with_control_plane(settings: Settings, pid: int, seconds: float) -> float:
-    """The broker's CPU ms a second while the control plane runs idle on it."""
+def kafka_requests() -> dict[tuple[str, str], float]:
+    """The Kafka requests this process's clients sent so far, by (client, request type)."""
+    counts: dict[tuple[str, str], float] = {}
+    for metric in KAFKA_REQUESTS.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                key = (sample.labels["client"], sample.labels["request"])
+                counts[key] = sample.value
+    return counts
+
+
+def requests_line(before: dict[tuple[str, str], float], seconds: float) -> str:
+    """Requests a second since ``before``, the total and the largest by client and type."""
+    after = kafka_requests()
+    delta = {k: (v - before.get(k, 0.0)) / seconds for k, v in after.items()}
+    ranked = sorted(((k, v) for k, v in delta.items() if v > 0), key=lambda kv: -kv[1])
+    top = ", ".join(f"{client} {request} {v:.1f}" for (client, request), v in ranked[:8])
+    return f"{sum(delta.values()):.1f}/s ({top})"
+
+
+async def with_control_plane(settings: Settings, pid: int, seconds: float) -> tuple[float, str]:
+    """The broker's CPU ms a second while the control plane runs idle on it, and the
+    control plane's Kafka requests a second."""
     async with isolated(settings, "bench") as (s, pool):
         plane = ControlPlane(s, FakeDriver(), pool, reconcile_interval=3600)
         await plane.start()
@@ -54,7 +76,9 @@ async def with_control_plane(settings: Settings, pid: int, seconds: float) -> fl
         server = await start_api(create_app(s, pool, publisher, TokenStore.of()), "127.0.0.1", 0)
         try:
             await asyncio.sleep(10)  # joined, first fetches and metadata done
-            return await cpu_ms_per_second(pid, seconds)
+            before = kafka_requests()
+            cpu = await cpu_ms_per_second(pid, seconds)
+            return cpu, requests_line(before, seconds)
         finally:
             await server.stop()
             await publisher.__aexit__()
@@ -81,7 +105,7 @@ async def _idle_figures(settings: Settings, state: Path, seconds: float) -> None
         await with_control_plane(broker_settings, broker.pid, 2 * seconds)
         await asyncio.sleep(5)
         before = await cpu_ms_per_second(broker.pid, seconds)
-        idle = await with_control_plane(broker_settings, broker.pid, seconds)
+        idle, requests = await with_control_plane(broker_settings, broker.pid, seconds)
         await asyncio.sleep(5)
         after = await cpu_ms_per_second(broker.pid, seconds)
     finally:
@@ -91,5 +115,6 @@ async def _idle_figures(settings: Settings, state: Path, seconds: float) -> None
         f"            no client (before)      {before:6.1f} ms/s\n"
         f"            control plane idle      {idle:6.1f} ms/s\n"
         f"            no client (after)       {after:6.1f} ms/s\n"
-        f"            the control plane's share {idle - (before + after) / 2:6.1f} ms/s"
+        f"            the control plane's share {idle - (before + after) / 2:6.1f} ms/s\n"
+        f"            its Kafka requests      {requests}"
     )

@@ -36,7 +36,14 @@ from services.bench import peer_setup
 from services.bench.peer import Bench, Parties, orders
 from services.bench.peer_kube import Kube
 from services.bench.peer_report import CLUSTER_PARTIES, OWN_PARTIES, Plan
-from services.bench.peer_stats import BurstFigures, latencies, median, render_rows, summarize
+from services.bench.peer_stats import (
+    BurstFigures,
+    counts_delta,
+    latencies,
+    median,
+    render_rows,
+    summarize,
+)
 from services.bench.peer_systems import (
     CONNECTIONS,
     FLOOR,
@@ -48,6 +55,7 @@ from services.bench.peer_systems import (
     pod_spec,
     watch_pods,
 )
+from services.bench.peer_warm import kafka_line
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 
@@ -265,6 +273,7 @@ async def main(settings: Settings, sandboxes: int, rounds: int, profile: Path | 
                             continue
                         records = await topic_records(ours.settings)
                         rows = await settled_stats(pg, ours.settings.pg_schema)
+                        requests = await api.kafka_requests()
                         spy = Profiler(ours.proc.pid, profile and profile / f"up-{i + 1}.txt")
                         try:
                             figures[OURS].append(await bench.burst(system, f"b{i}"))
@@ -275,6 +284,9 @@ async def main(settings: Settings, sandboxes: int, rounds: int, profile: Path | 
                         print(f"  {'':<14} the slowest delete's history ({name}):")
                         for line in await history_lines(api, tracks[OURS], name):
                             print(f"  {'':<16} {line}")
+                        sent = counts_delta(requests, await api.kafka_requests())
+                        per = {k: v / sandboxes for k, v in sent.items()}
+                        print(f"  {'':<14} {kafka_line(per, 'sandbox')}")
                         after = await topic_records(ours.settings)
                         print(f"  {'':<14} Kafka records per sandbox: "
                               f"{per_sandbox(records, after, sandboxes)}")  # fmt: skip

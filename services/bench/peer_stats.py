@@ -113,16 +113,21 @@ def median(values: Iterable[float]) -> float:
 # ------------------------------------------------------------------------------ apiserver
 
 
-def request_counts(metrics_text: str) -> dict[tuple[str, str], float]:
-    """``apiserver_request_total`` from the apiserver's /metrics text, summed by (verb,
-    resource) over its other labels (code, scope, component, ...)."""
+def request_counts(
+    metrics_text: str,
+    metric: str = "apiserver_request_total",
+    by: tuple[str, str] = ("verb", "resource"),
+) -> dict[tuple[str, str], float]:
+    """``metric`` from a /metrics text (the apiserver's ``apiserver_request_total`` unless
+    told), summed by the two labels ``by`` over its other labels (code, scope, ...)."""
     counts: dict[tuple[str, str], float] = {}
+    prefix = metric + "{"
     for line in metrics_text.splitlines():
-        if not line.startswith("apiserver_request_total{"):
+        if not line.startswith(prefix):
             continue
-        labels_text, _, value = line[len("apiserver_request_total{") :].rpartition("} ")
+        labels_text, _, value = line[len(prefix) :].rpartition("} ")
         labels = _labels(labels_text)
-        key = (labels.get("verb", ""), labels.get("resource", ""))
+        key = (labels.get(by[0], ""), labels.get(by[1], ""))
         counts[key] = counts.get(key, 0.0) + float(value.split()[0])
     return counts
 

@@ -26,7 +26,13 @@ from drivers.kube_objects import PodSettings, pod_manifest
 from drivers.protocol import LaunchSpec
 from events.common import SandboxSpec
 from services.bench.peer_kube import REQUEST_TIMEOUT, Kube
-from services.bench.peer_stats import pod_ready, row_phase, sandbox_ready, sse_events
+from services.bench.peer_stats import (
+    pod_ready,
+    request_counts,
+    row_phase,
+    sandbox_ready,
+    sse_events,
+)
 from services.localstack import agent_sandbox
 
 CONNECTIONS = 50  # the load generator's connections per system
@@ -239,6 +245,11 @@ class SandstreamApi:
         if response.status_code not in ok:
             raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
         return response
+
+    async def kafka_requests(self) -> dict[tuple[str, str], float]:
+        """The Kafka requests ``up``'s clients sent so far, by (client, request type)."""
+        text = (await self.send("GET", "/metrics", (200,))).text
+        return request_counts(text, "sandstream_kafka_requests_total", ("client", "request"))
 
     async def watch(self, track: Track) -> None:
         last_id: str | None = None

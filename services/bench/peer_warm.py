@@ -19,7 +19,7 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from services.bench.peer_kube import Kube
@@ -65,6 +65,8 @@ class WarmFigures:
     refill: float  # s from the first claim to the pool full again (NaN: never emptied / not)
     requests: float  # apiserver requests per claim
     cpu: dict[str, float]  # party -> CPU s per claim above idle
+    # (client, request type) -> Kafka requests per claim (sandstream's `up`; none for the peer)
+    kafka: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
 def warm_count(system: WarmSystem, names: Sequence[str]) -> int:
@@ -123,12 +125,14 @@ async def burst(bench: Bench, system: WarmSystem, tag: str) -> WarmFigures:
     await system.warm_up(CONNECTIONS)
     names = [f"{tag}-{i}" for i in range(plan.pool)]
     requests_before = request_counts(await bench.admin.metrics())
+    kafka_before = await system.kafka_requests()
     cpu_before, began = await bench.cpu_mark(), time.perf_counter()
     await _claims(bench, system, names)
     await track.until(lambda: track.settled(names, track.ready), plan.timeout)
     await track.until(lambda: track.refilled_at(began, plan.pool) is not None, plan.timeout)
     cpu, _ = await bench.cpu_since(cpu_before, began, len(names))
     delta = counts_delta(requests_before, request_counts(await bench.admin.metrics()))
+    kafka = counts_delta(kafka_before, await system.kafka_requests())
     refilled = track.refilled_at(began, plan.pool)
     requested = {n: track.requested[n] for n in names}
     figures = WarmFigures(
@@ -137,9 +141,12 @@ async def burst(bench: Bench, system: WarmSystem, tag: str) -> WarmFigures:
         refill=math.nan if refilled is None else refilled - began,
         requests=sum(delta.values()) / len(names),
         cpu=cpu,
+        kafka={k: v / len(names) for k, v in kafka.items()},
     )
     print(f"  {system.label:<14} {burst_line(system.label, figures)}", flush=True)
     print(f"  {'':<14} {verified(track, names)}; requests: {top_requests(delta, len(names), 6)}")
+    if kafka:
+        print(f"  {'':<14} {kafka_line(figures.kafka)}")
     await _release(bench, system, names)
     return figures
 
@@ -180,6 +187,19 @@ def burst_line(label: str, f: WarmFigures) -> str:
     )
 
 
+def kafka_line(per_claim: Mapping[tuple[str, str], float], item: str = "claim") -> str:
+    """Kafka requests per claim (or ``item``): the total, by type, and the largest by client
+    and type."""
+    by_type: dict[str, float] = {}
+    for (_, request), n in per_claim.items():
+        by_type[request] = by_type.get(request, 0.0) + n
+    types = ", ".join(f"{t} {n:.1f}" for t, n in sorted(by_type.items(), key=lambda kv: -kv[1]))
+    return (
+        f"Kafka requests / {item} {sum(per_claim.values()):.1f} ({types}); by client: "
+        f"{top_requests(per_claim, 1, 8)}"
+    )
+
+
 def _ms_line(s: Summary) -> str:
     done = "" if s.complete else f"  ONLY {s.count}/{s.expected} Ready"
     return (
@@ -206,6 +226,9 @@ def median_warm(runs: Sequence[WarmFigures]) -> WarmFigures:
         refill=med(lambda r: r.refill),
         requests=med(lambda r: r.requests),
         cpu={p: median(r.cpu.get(p, math.nan) for r in runs) for p in parties},
+        kafka={
+            k: median(r.kafka.get(k, 0.0) for r in runs) for k in {k for r in runs for k in r.kafka}
+        },
     )
 
 
@@ -229,6 +252,7 @@ def warm_report(
     row("served warm", lambda f: f"{f.warm}/{f.ready.expected}")
     row("refill (s)", lambda f: f"{f.refill:.2f}")
     row("apiserver requests / claim", lambda f: f"{f.requests:.1f}")
+    row("Kafka requests / claim", lambda f: f"{sum(f.kafka.values()):.1f}" if f.kafka else "")
     for party in (*OWN_PARTIES[OURS], *OWN_PARTIES[PEER], *CLUSTER_PARTIES):
         row(f"CPU ms / claim: {party}", _cpu_ms(party))
     rows.append(["pool filled from empty (s)", *(f"{fills[s]:.2f}" for s in (OURS, PEER))])

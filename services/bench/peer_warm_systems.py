@@ -82,6 +82,7 @@ class WarmSystem(Protocol):
     async def release(self, name: str) -> None: ...
     async def watch(self) -> None: ...
     async def warm_up(self, connections: int) -> None: ...
+    async def kafka_requests(self) -> dict[tuple[str, str], float]: ...
 
 
 class AgentClaims:
@@ -127,6 +128,9 @@ class AgentClaims:
 
     async def release(self, name: str) -> None:
         await self.kube.delete(f"{self.base}/sandboxclaims/{name}")
+
+    async def kafka_requests(self) -> dict[tuple[str, str], float]:
+        return {}  # no Kafka
 
     async def warm_up(self, connections: int) -> None:
         path = f"{self.base}/sandboxclaims"
@@ -213,6 +217,10 @@ class SandstreamClaims:
 
     async def release(self, name: str) -> None:
         await self.api.send("DELETE", f"/v1/sandboxes/{name}", (200, 202, 404))
+
+    async def kafka_requests(self) -> dict[tuple[str, str], float]:
+        """The Kafka requests ``up``'s clients sent so far, by (client, request type)."""
+        return await self.api.kafka_requests()
 
     async def warm_up(self, connections: int) -> None:
         calls = [self.api.client.get(f"/v1/pools/{POOL}") for _ in range(connections)]

@@ -12,6 +12,7 @@ Modules:
 - ``health``: the health endpoint of a role process.
 - ``kafka_clients``: the Kafka principal each part of sandstream connects as, and the aiokafka
   options for it.
+- ``kafka_requests``: every Kafka request of the process's clients counted by client and type.
 - ``lease``: single-active roles.
 - ``log_filter``: rate-limited logging of the Kafka client.
 - ``log_identity``: which Kafka log the offsets in PostgreSQL belong to.

@@ -16,8 +16,11 @@ from typing import Any, Literal, get_args
 
 from aiokafka.helpers import create_ssl_context
 
+from services.common.kafka_requests import count_requests
 from services.common.secret_files import read_secret_file
 from services.common.settings import Settings
+
+count_requests()  # every client built from these arguments is counted (/metrics)
 
 Role = Literal[
     "admin",  # topics, users and ACLs: the local stack's setup, test environments
@@ -90,13 +93,17 @@ def credential(settings: Settings, role: Role) -> Credential:
     return found
 
 
-def kafka_client_args(settings: Settings, role: Role) -> dict[str, Any]:
+def kafka_client_args(
+    settings: Settings, role: Role, client_id: str | None = None
+) -> dict[str, Any]:
     """Keyword arguments for an aiokafka producer, consumer, admin or plain client that
-    connects as ``role``."""
+    connects as ``role``, with ``client_id`` (default ``sandstream-<role>``): the name the
+    broker's logs and ``sandstream_kafka_requests_total`` know it by."""
     protocol = settings.kafka_security_protocol
     args: dict[str, Any] = {
         "bootstrap_servers": settings.kafka_bootstrap,
         "security_protocol": protocol,
+        "client_id": client_id or default_username(role),
     }
     if protocol in TLS_PROTOCOLS:
         cafile = str(settings.kafka_ssl_cafile) if settings.kafka_ssl_cafile else None

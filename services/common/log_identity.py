@@ -115,7 +115,7 @@ class LogMismatch(RuntimeError):
 async def read_log_identity(connection: Mapping[str, Any], topics: list[str]) -> LogIdentity:
     """The cluster id and the ids of ``topics`` (a missing topic is an error); ``connection``:
     the client's keyword arguments (bootstrap servers, security)."""
-    client = AIOKafkaClient(**connection, client_id="sandstream-log-identity")
+    client = AIOKafkaClient(**{**connection, "client_id": "sandstream-log-identity"})
     try:
         await client.bootstrap()
         return await log_identity_of(client, topics)

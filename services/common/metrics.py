@@ -79,6 +79,13 @@ DRIVER_CALLS = Counter(
     ["operation", "outcome"],
 )
 
+KAFKA_REQUESTS = Counter(
+    "sandstream_kafka_requests_total",
+    "Kafka requests this process's clients sent, by client id (sandstream-<role>, the "
+    "processor's consumer its name) and request type (Produce, Fetch, Heartbeat, ...)",
+    ["client", "request"],
+)
+
 # The HTTP API (services/api.py)
 API_REQUESTS = Counter(
     "sandstream_api_requests_total",

@@ -324,14 +324,16 @@ async def requests(conn: Conn) -> list[Request]:
     ]
 
 
-async def add_request(
-    conn: Conn, key: str, pool: str, command_id: str, command: str, now: datetime
+async def add_requests(
+    conn: Conn, requests: list[tuple[str, str, str, str]], now: datetime
 ) -> None:
-    await conn.execute(
+    """Record creates (key, pool, command id, command JSON) asked for at ``now``, in one
+    round trip."""
+    await conn.executemany(
         "INSERT INTO pool_requests (key, pool, command_id, command, requested_at) "
         "VALUES ($1, $2, $3, $4::jsonb, $5)",
-        key, pool, command_id, command, now,
-    )  # fmt: skip
+        [(*r, now) for r in requests],
+    )
 
 
 async def drop_requests(conn: Conn, keys: list[str]) -> None:

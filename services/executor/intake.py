@@ -69,7 +69,6 @@ class Intake:
             auto_offset_reset="latest",
             session_timeout_ms=self.settings.kafka_session_timeout_ms,
             heartbeat_interval_ms=max(300, self.settings.kafka_session_timeout_ms // 4),
-            client_id="executor",
         )
         self.ownership.consumer = self.consumer
         self.consumer.subscribe([self.settings.topic_events], listener=_Rebalance(self))

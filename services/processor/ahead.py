@@ -117,7 +117,7 @@ class Polls:
     async def start(self, listener: ConsumerRebalanceListener) -> None:
         """Join the processors' group on the input topics."""
         self.consumer = AIOKafkaConsumer(
-            **kafka_client_args(self.settings, "processor"),
+            **kafka_client_args(self.settings, "processor", f"sandstream-{self.name}"),
             group_id=self.settings.processor_group,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
@@ -125,7 +125,6 @@ class Polls:
             max_partition_fetch_bytes=4 * 1024 * 1024,
             fetch_max_wait_ms=self.settings.processor_fetch_max_wait_ms,
             fetch_max_bytes=16 * 1024 * 1024,
-            client_id=self.name,
             request_timeout_ms=self.settings.kafka_request_timeout_ms,
             session_timeout_ms=self.settings.kafka_session_timeout_ms,
             heartbeat_interval_ms=max(300, self.settings.kafka_session_timeout_ms // 4),

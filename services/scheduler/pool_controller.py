@@ -39,7 +39,7 @@ import asyncpg
 from aiokafka.errors import KafkaError
 
 from events.codec import COMMANDS, DecodeError, decode
-from events.commands import CreateSandbox, DeleteSandbox
+from events.commands import Command, CreateSandbox, DeleteSandbox
 from events.publisher import CommandPublisher, new_command_id
 from events.topics import CHANGES_CHANNEL
 from projections.store import CONNECTION_ERRORS
@@ -87,6 +87,25 @@ def delete_command(member: Member, now: datetime) -> DeleteSandbox:
     )
 
 
+def _create_command(p: PoolInfo, resolved: templates.Resolved, now: datetime) -> CreateSandbox:
+    """A create of a new member of ``p`` from its template as resolved now."""
+    return CreateSandbox.model_validate(
+        {
+            "type": "CreateSandbox",
+            "command_id": new_command_id(),
+            "key": member_key(p.name),
+            "occurred_at": now,
+            "actor": ACTOR,
+            "spec": resolved.spec,
+            "providers": resolved.providers,
+            "on_expiry": resolved.on_expiry,
+            "on_exit": resolved.on_exit,
+            "template": resolved.ref,
+            "pool": p.name,
+        }
+    )
+
+
 @dataclass
 class PoolController:
     settings: Settings
@@ -105,7 +124,7 @@ class PoolController:
     _listener: Any = None
 
     async def start(self) -> None:
-        args = kafka_client_args(self.settings, "scheduler")
+        args = kafka_client_args(self.settings, "scheduler", "sandstream-pools")
         self.publisher = CommandPublisher(args, topic=self.settings.topic_commands)
         await self.publisher.__aenter__()
         self._listener = await self.pool.acquire()
@@ -219,6 +238,7 @@ class PoolController:
     async def _send_again(self, pending: list[Request]) -> None:
         """Requests recorded by an earlier controller (or before a failed send) go out again."""
         assert self.publisher is not None
+        again: list[Command] = []
         for r in pending:
             if r.command_id in self._sent:
                 continue
@@ -229,8 +249,9 @@ class PoolController:
                 async with self.pool.acquire() as conn:
                     await store.drop_requests(conn, [r.key])
                 continue
-            await self.publisher.publish(command)
-            self._sent.add(r.command_id)
+            again.append(command)
+        await self.publisher.publish_many(again)
+        self._sent.update(c.command_id for c in again)
 
     async def _create(self, p: PoolInfo, count: int) -> None:
         assert self.publisher is not None
@@ -240,37 +261,25 @@ class PoolController:
             except templates.TemplateMissing as exc:
                 self.problems[p.name] = str(exc)
                 return
-            for _ in range(count):
-                now = self.clock()
-                command = CreateSandbox.model_validate(
-                    {
-                        "type": "CreateSandbox",
-                        "command_id": new_command_id(),
-                        "key": member_key(p.name),
-                        "occurred_at": now,
-                        "actor": ACTOR,
-                        "spec": resolved.spec,
-                        "providers": resolved.providers,
-                        "on_expiry": resolved.on_expiry,
-                        "on_exit": resolved.on_exit,
-                        "template": resolved.ref,
-                        "pool": p.name,
-                    }
-                )
-                body = command.model_dump_json()
-                await store.add_request(conn, command.key, p.name, command.command_id, body, now)
-                await self.publisher.publish(command)
-                self._sent.add(command.command_id)
-                self.creates += 1
-                metrics.POOL_COMMANDS.labels("create").inc()
-                log.info("pool %s: creating member %s", p.name, command.key)
+            now = self.clock()
+            commands = [_create_command(p, resolved, now) for _ in range(count)]
+            rows = [(c.key, p.name, c.command_id, c.model_dump_json()) for c in commands]
+            await store.add_requests(conn, rows, now)
+        # Recorded before published (a restarted controller sends again what it may not have
+        # sent), then published together: one Kafka request for the round, not one each.
+        await self.publisher.publish_many(list(commands))
+        for command in commands:
+            self._sent.add(command.command_id)
+            self.creates += 1
+            metrics.POOL_COMMANDS.labels("create").inc()
+            log.info("pool %s: creating member %s", p.name, command.key)
 
     async def _delete(self, members: tuple[Member, ...]) -> None:
         assert self.publisher is not None
-        for m in members:
-            if self._deleting.get(m.key) == m.version:
-                continue  # asked already at this version; the row has not moved yet
-            await self.publisher.publish(delete_command(m, self.clock()))
+        # Those asked already at this version are left: the row has not moved yet.
+        asking = [m for m in members if self._deleting.get(m.key) != m.version]
+        await self.publisher.publish_many([delete_command(m, self.clock()) for m in asking])
+        for m in asking:
             self._deleting[m.key] = m.version
             self.deletes += 1
             metrics.POOL_COMMANDS.labels("delete").inc()
