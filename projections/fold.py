@@ -14,6 +14,7 @@ from events.commands import CommandBase
 from events.common import Cause
 from events.outcomes import CommandOutcome
 from projections.lifecycle import DEFAULT_LIMITS, Decision, Limits, Message, Sandbox, decide
+from projections.records import maker
 
 OutcomeKey = tuple[str, str]  # (sandbox key, command id)
 # The rules: today's ``decide``, or another release's for "would these rules rewrite history?"
@@ -25,6 +26,9 @@ class Step:
     cause: Cause
     message: Message
     decision: Decision
+
+
+_new_step = maker(Step)  # one per input: Step(...) through its slots
 
 
 @dataclass(slots=True)
@@ -64,5 +68,5 @@ def fold(
                 outcome = decision.outcome
                 result.outcomes[(outcome.key, outcome.command_id)] = outcome
         result.states[message.key] = decision.state
-        result.steps.append(Step(cause, message, decision))
+        result.steps.append(_new_step(cause, message, decision))
     return result

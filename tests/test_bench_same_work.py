@@ -143,8 +143,10 @@ async def test_the_same_work_ceiling_writes_exactly_what_the_processor_writes(
         isolated(settings, "same-large", kafka_partitions=4) as (large, _),
     ):
         # The same log, into schemas of their own: polls small enough for the single
-        # statement, and large enough for the COPY path.
-        small_s = s.model_copy(update={"pg_schema": small.pg_schema})
+        # statement, and large enough for the COPY path. The small polls' drain keeps fewer
+        # rows than the log has sandboxes, as the processor's row cache would: the rows it
+        # lets go are read back.
+        small_s = s.model_copy(update={"pg_schema": small.pg_schema, "processor_row_cache": 50})
         large_s = s.model_copy(update={"pg_schema": large.pg_schema})
         processor = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "services.processor", cwd=PROJECT_ROOT,
@@ -169,7 +171,9 @@ async def test_the_same_work_ceiling_writes_exactly_what_the_processor_writes(
                 # every row is plain again at the end.
                 for drain in (few, many):
                     assert drain.ceiling.by_rules == 2 * len(EARLY) + 2
-                    assert len(drain.ceiling.rows) == KEYS and not drain.ceiling.general
+                    assert not drain.ceiling.general
+                assert len(many.ceiling.rows) == KEYS
+                assert few.ceiling.kept_size == 50 and len(few.ceiling.rows) <= 50
         finally:
             await conn.close()
             processor.terminate()

@@ -22,9 +22,10 @@ each decided in a few lines from the ceiling's own row state and written out as 
 instead of through the lifecycle tables, models and dataclasses. Anything else (a snapshot
 fetched before its create, a duplicate, a rejection, another command) goes through the
 product's own ``fold`` (projections/), as the processor decides it, and that sandbox stays on
-that path until its row is plain again. It keeps as many rows in memory as the processor's row
-cache, and has no ownership, rebalance, dead-letter or retry machinery: a record that fails
-validation, or offsets another writer moved, stop it (``Unsupported``).
+that path until its row is plain again. It keeps in memory the rows the processor's row cache
+keeps (as many, let go in the same order, and read back when next needed), and has no
+ownership, rebalance, dead-letter or retry machinery: a record that fails validation, or
+offsets another writer moved, stop it (``Unsupported``).
 
 Coupling, kept here: the write statement, the positions it reads a product row at and its COPY
 columns (``projections.store``, two of them private names), the chain's canonical content
@@ -133,18 +134,20 @@ class Batch:
     outcomes: list[bytes] = field(default_factory=list)
     decided: dict[tuple[str, str], bytes] = field(default_factory=dict)  # the outcomes by id
     changed: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # key: (p, base)
+    keys: dict[str, int] = field(default_factory=dict)  # every key decided: its partition
 
 
 class SameWork:
     """The ceiling's state: rows (as the processor's row cache), the outcomes and chain heads
     of the poll being decided and the write in flight, offsets, partition memo."""
 
-    def __init__(self, settings: Settings, max_records: int = 5000) -> None:
+    def __init__(self, settings: Settings) -> None:
         self.commands = settings.topic_commands
         self.observations = settings.topic_observations
-        # Rows kept between polls, as many as the processor's row cache keeps (and never
-        # fewer than two polls' worth: the write in flight's rows stay).
-        self.capacity = max(settings.processor_row_cache, 2 * max_records)
+        # Rows kept between polls: those the processor's row cache keeps (``kept``).
+        self.capacity = settings.processor_row_cache
+        self.kept: dict[int, dict[str, None]] = {}  # per partition: keys, oldest use first
+        self.kept_size = 0
         self.events = settings.topic_events
         self.checkpoints = settings.topic_checkpoints
         self.partitions = settings.kafka_partitions
@@ -374,16 +377,40 @@ class SameWork:
         self, batch: Batch, moved: dict[tuple[str, int], int], expected: dict[tuple[str, int], int]
     ) -> None:
         """A poll decided and about to be written: its offsets, outcomes and chains are the
-        write in flight's; its rows are the newest kept, the oldest beyond capacity go."""
+        write in flight's."""
         self.offsets.update(moved)
         self.in_flight_from = expected
         self.in_flight_outcomes = batch.decided
         self.in_flight_chains = {h[0] for h in batch.history}
-        for key in batch.changed:
-            if key in self.rows:
-                self.rows[key] = self.rows.pop(key)
-        while len(self.rows) > self.capacity:
-            del self.rows[next(iter(self.rows))]
+
+    def committed(self, batch: Batch, deciding: Batch | None) -> None:
+        """``batch``'s write committed: its rows are kept as the processor's row cache keeps
+        them (``RowCache.remember``: every key the batch decided, newest last in its
+        partition's order, and over capacity the oldest of the first partitions go), and the
+        rows that cache lets go are read back when next needed, as the processor reads them.
+        Those of ``deciding`` (decided, not written yet) stay until its own write committed:
+        the processor has them from that decision meanwhile (``View.after``)."""
+        if self.capacity <= 0:
+            gone = list(batch.keys)
+        else:
+            for key, partition in batch.keys.items():
+                part = self.kept.setdefault(partition, {})
+                if key in part:
+                    del part[key]  # re-inserted last
+                else:
+                    self.kept_size += 1
+                part[key] = None
+            gone = []
+            for part in self.kept.values():
+                while self.kept_size > self.capacity and part:
+                    key = next(iter(part))
+                    del part[key]
+                    self.kept_size -= 1
+                    gone.append(key)
+        for key in gone:
+            if deciding is None or key not in deciding.keys:
+                self.rows.pop(key, None)
+                self.general.pop(key, None)
 
     async def write(
         self,

@@ -143,7 +143,7 @@ class Written:
     """The write in flight: its task and what it publishes once committed."""
 
     task: asyncio.Task[list[int]]
-    outbox: list[tuple[int, str, bytes, bytes]]
+    batch: Batch
 
 
 class Drain:
@@ -157,7 +157,7 @@ class Drain:
     def __init__(self, settings: Settings, max_records: int = 5000) -> None:
         self.settings = settings
         self.max_records = max_records
-        self.ceiling = SameWork(settings, max_records)
+        self.ceiling = SameWork(settings)
         self.applied = 0
         self.topics = [settings.topic_commands, settings.topic_observations]
         self.in_flight: Written | None = None
@@ -232,6 +232,7 @@ class Drain:
         expected = await read(ceiling, self.read_conn, parsed, set(per_partition))
         moved = dict(expected)
         for i, (record, message, cause) in enumerate(parsed):
+            batch.keys[message.key] = record.partition  # fenced too: the processor's read has it
             tp = (record.topic, record.partition)
             if record.offset < moved[tp]:
                 continue  # applied already (a redelivery): fenced, as the processor does
@@ -241,17 +242,21 @@ class Drain:
                 await asyncio.sleep(0)
         batch.outbox += ceiling.checkpoint_records(batch, moved)
         ceiling.decided(batch, moved, expected)
-        await self.settle()
+        await self.settle(batch)
         write = ceiling.write(self.conn, batch, moved, expected)
-        self.in_flight = Written(asyncio.create_task(write), batch.outbox)
+        self.in_flight = Written(asyncio.create_task(write), batch)
         self.applied += len(batch.history)
         return len(batch.history)
 
-    async def settle(self) -> None:
-        """The write in flight committed, and its outbox handed to the producer."""
+    async def settle(self, deciding: Batch | None = None) -> None:
+        """The write in flight committed, its rows kept as the processor keeps them (those of
+        ``deciding``, the poll decided meanwhile, stay), and its outbox handed to the
+        producer."""
         if self.in_flight is not None:
             written, self.in_flight = self.in_flight, None
-            await self.publisher.publish(await written.task, written.outbox)
+            ids = await written.task
+            self.ceiling.committed(written.batch, deciding)
+            await self.publisher.publish(ids, written.batch.outbox)
 
     async def until(self, total: int) -> None:
         """Apply inputs until ``total`` are applied, and publish their outbox."""

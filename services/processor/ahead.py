@@ -113,6 +113,7 @@ class Polls:
     conn: Any = None  # the connection polls are decided ahead on
     epoch: int = 0
     failure: Exception | None = None  # the poll made ahead failed: raised by the run loop
+    _merged: tuple[Poll, dict[int, list[Record]]] | None = None  # the last poll merged
 
     async def start(self, listener: ConsumerRebalanceListener) -> None:
         """Join the processors' group on the input topics."""
@@ -209,7 +210,7 @@ class Polls:
         if not batch:
             return None
         self.held = batch  # applied next whatever happens to the decision
-        records = self.owned.applicable(by_partition_of(batch))
+        records = self.owned.applicable(self.merged(batch))
         if not records:
             return None
         try:
@@ -232,6 +233,14 @@ class Polls:
             return None
         metrics.DECIDED_AHEAD.labels("decided").inc()
         return Ahead(inputs, decided, epoch)
+
+    def merged(self, batch: Poll) -> dict[int, list[Record]]:
+        """``by_partition_of(batch)``, merged once for a poll decided ahead and then applied."""
+        if self._merged is not None and self._merged[0] is batch:
+            return self._merged[1]
+        merged = by_partition_of(batch)
+        self._merged = (batch, merged)
+        return merged
 
     def reassigning(self) -> bool:
         """Whether the group is rebalancing. A poll then waits for the new assignment, which

@@ -21,17 +21,22 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Final
 
 import orjson
 
-from projections.chain import ChainId, chain_label
+from projections.chain import LABEL_MAX, ChainId, chain_label
 from projections.store import HistoryRow, OutboxRecord
 
 CHECKPOINT_TYPE: Final = "ChainCheckpoint"
 # Heads per record: a label is at most 255 characters, so a record stays far below Kafka's
 # 1 MiB however many chains a batch wrote.
 HEADS_PER_RECORD: Final = 1000
+
+
+_chain = attrgetter("key", "partition")
+_entry_hash = attrgetter("entry_hash")
 
 
 def checkpoint_records(
@@ -42,13 +47,12 @@ def checkpoint_records(
     """The checkpoint records of a batch: ``history`` its rows in write order (linked),
     ``offsets`` its compare-and-set of the input offsets, ``(from, to)`` per (topic,
     partition)."""
-    newest: dict[tuple[str | None, int], bytes | None] = {}
-    for row in history:  # in write order: the last row of a chain is its head
-        newest[(row.key, row.partition)] = row.entry_hash
+    # In write order: the last row of a chain is its head (read in C: a row per input).
+    newest = dict(zip(map(_chain, history), map(_entry_hash, history), strict=True))
     heads: dict[int, list[list[str | None]]] = defaultdict(list)
     for (key, partition), head in newest.items():
         if head is not None:
-            label = chain_label((key, None))[0] if key is not None else None
+            label = key if key is None or len(key) <= LABEL_MAX else chain_label((key, None))[0]
             heads[partition].append([label, head.hex()])
     records = []
     for partition, chains in heads.items():

@@ -39,7 +39,6 @@ from services.processor.intake import (
     Owned,
     Poll,
     Record,
-    by_partition_of,
     check_partition_count,
     check_stored_partitioning,
     input_topics,
@@ -227,7 +226,7 @@ class Processor:
 
     async def process(self, batch: Poll) -> int:
         """Apply one poll's records exactly once; returns how many were applied."""
-        merged = by_partition_of(batch)
+        merged = self.polls.merged(batch)
         if not merged:
             return 0
         applied = await self.process_records(merged, poll_ahead(batch, self.max_records))

@@ -10,6 +10,7 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import asyncpg
@@ -38,6 +39,7 @@ from services.processor.row_cache import RowCache
 
 log = logging.getLogger("sandstream.processor")
 
+_disposition = attrgetter("disposition")
 Applied = tuple[int, list[tuple[int, OutboxRecord]]]  # inputs applied, (outbox id, record)s
 
 
@@ -137,7 +139,7 @@ class Writer:
             ((where[key], key, row) for key, row in decided.result.states.items() if key in where),
             committed,
         )
-        for disposition, count in Counter(h.disposition for h in plan.history).items():
+        for disposition, count in Counter(map(_disposition, plan.history)).items():
             metrics.INPUTS.labels(disposition).inc(count)
         metrics.BATCH_SECONDS.observe(asyncio.get_running_loop().time() - started)
         return len(decided.items), list(zip(ids, plan.outbox, strict=True))
