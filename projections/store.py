@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from functools import partial
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 from uuid import UUID
@@ -492,7 +490,7 @@ def _sandbox_positions(partition: int, s: Sandbox, base: int | None) -> tuple[An
     return (
         s.key, s.sandbox_id, s.phase.value, s.generation, s.version, ",".join(s.providers),
         s.identity, s.exit_code, s.reason, s.created_at, s.updated_at, partition, s.expires_at,
-        s.on_expiry, s.on_exit, base, orjson.Fragment(spec_json(s.spec)),
+        s.on_expiry, s.on_exit, base, orjson.Fragment(encode(s.spec)),
         orjson.Fragment(encode(s.deadline)) if s.deadline else None,
         orjson.Fragment(encode(s.hold)) if s.hold else None, s.awaited,
         orjson.Fragment(encode(s.restarts)) if s.restarts else None,
@@ -500,32 +498,6 @@ def _sandbox_positions(partition: int, s: Sandbox, base: int | None) -> tuple[An
         s.pool, s.adopted_as, s.claim_id, s.bound_to, ",".join(s.claim_providers),
         s.adopted_generation,
     )  # fmt: skip
-
-
-# A spec's JSON, by the spec's id, while the spec lives (the entry goes with it). A row's spec
-# is one object from the command that created it on (a row is copied field by field, and the
-# row cache keeps it between batches), so a sandbox written at each step of its life has its
-# spec serialized once, not at every write: 2-3 µs each, its optional fields' exclusion
-# callbacks in Python.
-_SPEC_JSON: dict[int, tuple[weakref.ref[SandboxSpec], bytes]] = {}
-
-
-def spec_json(spec: SandboxSpec) -> bytes:
-    """``encode(spec)``, kept while ``spec`` lives (models are frozen: its JSON never changes)."""
-    ident = id(spec)
-    kept = _SPEC_JSON.get(ident)
-    if kept is not None and kept[0]() is spec:
-        return kept[1]
-    text = encode(spec)
-    _SPEC_JSON[ident] = (weakref.ref(spec, partial(_spec_gone, ident)), text)
-    return text
-
-
-def _spec_gone(ident: int, ref: weakref.ref[SandboxSpec]) -> None:
-    """A kept spec was freed: its entry goes (unless its id was taken again since)."""
-    kept = _SPEC_JSON.get(ident)
-    if kept is not None and kept[0] is ref:
-        del _SPEC_JSON[ident]
 
 
 def _history_positions(h: HistoryRow) -> tuple[Any, ...]:

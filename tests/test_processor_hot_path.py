@@ -4,7 +4,6 @@ row's spec JSON (kept while the spec lives)."""
 
 from __future__ import annotations
 
-import gc
 import hashlib
 from typing import Any
 
@@ -12,8 +11,6 @@ import factories as f
 import orjson
 from aiokafka import ConsumerRecord
 
-from events.codec import encode
-from events.common import Phase, SandboxSpec
 from projections import store
 from projections.chain import chain_label, chain_of
 from projections.store import HISTORY_COLUMNS, HistoryRow
@@ -76,23 +73,3 @@ def test_a_checkpoint_holds_each_chains_newest_head_labelled_as_the_audit_reads_
 def test_history_rows_go_to_copy_in_its_column_order() -> None:
     row = _entry("a", 3, b"\x09")
     assert store._history_tuples([row]) == [tuple(getattr(row, c) for c in HISTORY_COLUMNS)]
-
-
-def test_a_rows_spec_json_is_its_serialization_kept_only_while_the_spec_lives() -> None:
-    spec = f.spec()
-    row = f.harness_in(Phase.READY).row()
-    written = store._sandbox_positions(0, row, None)[16]
-    assert bytes(orjson.dumps(written)) == row.spec.model_dump_json().encode()
-    assert store.spec_json(spec) == encode(spec) == spec.model_dump_json().encode()
-    assert store.spec_json(spec) is store.spec_json(spec)  # kept: serialized once
-    ident = id(spec)
-    assert ident in store._SPEC_JSON
-    other = SandboxSpec(image="other:1")
-    assert store.spec_json(other) == other.model_dump_json().encode()
-    del spec
-    gc.collect()
-    assert ident not in store._SPEC_JSON  # gone with its spec
-    for _ in range(100):  # specs made and freed: a reused id never answers a freed spec's
-        made = SandboxSpec(image=f"image-{_}:1")
-        assert store.spec_json(made) == made.model_dump_json().encode()
-        del made

@@ -412,42 +412,43 @@ class SameWork:
                 self.rows.pop(key, None)
                 self.general.pop(key, None)
 
-    async def write(
-        self,
-        conn: asyncpg.Connection[asyncpg.Record],
-        batch: Batch,
-        moved: dict[tuple[str, int], int],
-        expected: dict[tuple[str, int], int],
-    ) -> list[int]:
-        """The processor's write of one poll (statement, and COPY above COPY_ABOVE rows),
-        compare-and-set from ``expected``; the outbox ids in order."""
-        offsets = sorted(moved.items())
-        inline = len(batch.history) + len(batch.outbox) <= COPY_ABOVE
-        outbox = batch.outbox if inline else []
-        args = (
-            [t for (t, _), _ in offsets], [p for (_, p), _ in offsets],
-            [expected[tp] for tp, _ in offsets], [n for _, n in offsets],
-            orjson.dumps(self.positions(batch), default=_hex).decode(),
-            orjson.dumps([_history_position(h) for h in batch.history] if inline else [],
-                         default=_hex).decode(),
-            "[" + ",".join(o.decode() for o in batch.outcomes) + "]",
-            [o[0] for o in outbox], [o[1] for o in outbox], [o[2] for o in outbox],
-            [o[3] for o in outbox], 0 if inline else len(batch.outbox), CHANGES_CHANNEL,
-        )  # fmt: skip
-        if inline:
-            ids: list[int] = list(await conn.fetchval(_WRITE_BATCH, *args))
-        else:
-            async with conn.transaction():
-                ids = list(await conn.fetchval(_WRITE_BATCH, *args))
-                await conn.copy_records_to_table(
-                    "history", records=batch.history, columns=HISTORY_COLUMNS
-                )
-                await conn.copy_records_to_table(
-                    "outbox",
-                    records=[(i, *o) for i, o in zip(ids, batch.outbox, strict=True)],
-                    columns=OUTBOX_COLUMNS,
-                )
-        return ids
+
+async def write_poll(
+    work: SameWork,
+    conn: asyncpg.Connection[asyncpg.Record],
+    batch: Batch,
+    moved: dict[tuple[str, int], int],
+    expected: dict[tuple[str, int], int],
+) -> list[int]:
+    """The processor's write of one poll of ``work`` (statement, and COPY above COPY_ABOVE
+    rows), compare-and-set from ``expected``; the outbox ids in order."""
+    offsets = sorted(moved.items())
+    inline = len(batch.history) + len(batch.outbox) <= COPY_ABOVE
+    outbox = batch.outbox if inline else []
+    args = (
+        [t for (t, _), _ in offsets], [p for (_, p), _ in offsets],
+        [expected[tp] for tp, _ in offsets], [n for _, n in offsets],
+        orjson.dumps(work.positions(batch), default=_hex).decode(),
+        orjson.dumps([_history_position(h) for h in batch.history] if inline else [],
+                     default=_hex).decode(),
+        "[" + ",".join(o.decode() for o in batch.outcomes) + "]",
+        [o[0] for o in outbox], [o[1] for o in outbox], [o[2] for o in outbox],
+        [o[3] for o in outbox], 0 if inline else len(batch.outbox), CHANGES_CHANNEL,
+    )  # fmt: skip
+    if inline:
+        ids: list[int] = list(await conn.fetchval(_WRITE_BATCH, *args))
+    else:
+        async with conn.transaction():
+            ids = list(await conn.fetchval(_WRITE_BATCH, *args))
+            await conn.copy_records_to_table(
+                "history", records=batch.history, columns=HISTORY_COLUMNS
+            )
+            await conn.copy_records_to_table(
+                "outbox",
+                records=[(i, *o) for i, o in zip(ids, batch.outbox, strict=True)],
+                columns=OUTBOX_COLUMNS,
+            )
+    return ids
 
 
 def _plain(create: Any) -> bool:

@@ -28,6 +28,7 @@ from services.bench.same_work import (
     SameWork,
     Unsupported,
     _plain_row,
+    write_poll,
 )
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
@@ -243,7 +244,7 @@ class Drain:
         batch.outbox += ceiling.checkpoint_records(batch, moved)
         ceiling.decided(batch, moved, expected)
         await self.settle(batch)
-        write = ceiling.write(self.conn, batch, moved, expected)
+        write = write_poll(ceiling, self.conn, batch, moved, expected)
         self.in_flight = Written(asyncio.create_task(write), batch)
         self.applied += len(batch.history)
         return len(batch.history)
