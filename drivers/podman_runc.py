@@ -29,10 +29,8 @@ exec answers when the command exits, as Podman's does: what its output already h
 (a bounded drain), and a child left in the background holding stdout or stderr holds nothing
 (``sh -c "server & echo started"`` answers at once). Only the command itself is reparented
 here: its own orphans stay in the container's PID namespace, whose init adopts them.
-Whether the command started is decided by runc's pid file once runc has exited (waited for on
-the event loop through a pidfd: no thread between runc's start and the command's output):
-written, it runs; runc exiting without it failed before starting anything (its stderr is its
-own error). Leaving before the
+Whether the command started is decided by runc's pid file: written, it runs; runc exiting
+without it failed before starting anything (its stderr is its own error). Leaving before the
 exit ends the command as Podman's path does: SIGTERM to its process group, SIGKILL after the
 grace (drivers/podman_exec_end.py), by the PID runc wrote, pinned with a pidfd once it is this
 process's child, and never reaped while it is being signalled.
@@ -220,14 +218,6 @@ class _Run:
         except BaseException:
             shutil.rmtree(self.dir, ignore_errors=True)
             raise
-        # runc pinned before anything can reap it: readable once it has exited (None: the
-        # runc_fd could not be opened; then its pid file is polled for, in a thread).
-        try:
-            self.runc_fd: int | None = os.pidfd_open(self.proc.pid)
-        except OSError:
-            self.runc_fd = None
-        self.loop = asyncio.get_running_loop()
-        self.reaped: asyncio.Future[None] = self.loop.create_future()  # the watcher's end
         self.decided = threading.Event()
         self.started = False
         self.threads: builtins.list[threading.Thread] = []  # the output's readers, once started
@@ -254,8 +244,6 @@ class _Run:
         finally:
             self.pinned.set()
             self.wake()
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                self.loop.call_soon_threadsafe(_settle, self.reaped, None, None)
 
     def _reap(self, pid: int) -> None:
         """Wait for the command (reparented here when runc exited) and read its exit code."""
@@ -275,44 +263,23 @@ class _Run:
         with contextlib.suppress(OSError):
             os.write(self.wake_w, b"\0")
 
-    async def runc_exited(self) -> None:
-        """Until runc has exited (with ``--detach`` it does once the command runs, or failed
-        to start it) or ``_START_WAIT`` has passed; then whether the command started is
-        decided. Waited for on the loop: no thread to start and hand back."""
-        if self.runc_fd is None:
-            await _in_thread(self.decide)
-            return
-        exited = self.loop.create_future()
-        self.loop.add_reader(self.runc_fd, _settle, exited, None, None)
-        try:
-            await asyncio.wait_for(exited, _START_WAIT)
-        except TimeoutError:
-            pass
-        finally:
-            self.loop.remove_reader(self.runc_fd)
-        self.settle()
-
     def decide(self) -> None:
         """Wait until the command has started (runc wrote its pid file) or runc has exited
-        without starting it; then the process file goes. In a thread (``runc_exited`` is the
-        loop's way); at once when decided already."""
+        without starting it; then the process file goes."""
         wait = threading.Event()
         deadline = _START_WAIT / _POLL
         while not self.decided.is_set():
-            if self.pid_file.exists() or self.proc.poll() is not None or deadline <= 0:
-                self.settle()
+            if self.pid_file.exists():
+                self.started = True
+            elif self.proc.poll() is not None or deadline <= 0:
+                self.started = self.pid_file.exists()
             else:
                 deadline -= 1
                 wait.wait(_POLL)
-
-    def settle(self) -> None:
-        """Decide now: the command started if runc wrote its pid file. The process file goes."""
-        if self.decided.is_set():
-            return
-        self.started = self.pid_file.exists()
-        with contextlib.suppress(OSError):
-            self.spec.unlink()
-        self.decided.set()
+                continue
+            with contextlib.suppress(OSError):
+                self.spec.unlink()
+            self.decided.set()
 
     def pid(self) -> int | None:
         try:
@@ -353,8 +320,6 @@ class _Run:
         self.watcher.join()  # the command reaped
         if self.pidfd is not None:
             os.close(self.pidfd)
-        if self.runc_fd is not None:
-            os.close(self.runc_fd)
         os.close(self.wake_r)
         os.close(self.wake_w)
 
@@ -366,28 +331,26 @@ def _in_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
 
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
     def run() -> None:
         try:
             result = fn()
         except BaseException as exc:  # the waiter gets it
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                loop.call_soon_threadsafe(_settle, future, None, exc)
+                loop.call_soon_threadsafe(settle, None, exc)
         else:
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_settle, future, result, None)
+                loop.call_soon_threadsafe(settle, result, None)
 
     threading.Thread(target=run, name="runc-exec-call", daemon=True).start()
     return future
-
-
-def _settle(future: asyncio.Future[T], result: T | None, error: BaseException | None) -> None:
-    """``future``'s result or error, unless it has one (or was cancelled)."""
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)  # type: ignore[arg-type]
 
 
 def _feed(run: _Run, pipe: IO[bytes], data: bytes) -> None:
@@ -464,13 +427,16 @@ async def exec_stream(
     loop = asyncio.get_running_loop()
     chunks = OutputBuffer() if buffer is None else buffer
     leaving = threading.Event()
-    # On the loop: runc starts (a vfork and exec, as asyncio's subprocesses start), with no
-    # thread to start and hand back in between, and nothing to cancel half made.
-    run = _Run(runc, runtime_id, process, stdin is not None)
+    creating = _in_thread(lambda: _Run(runc, runtime_id, process, stdin is not None))
+    try:
+        run = await asyncio.shield(creating)
+    except asyncio.CancelledError:  # runc may start the command still: it is ended then
+        creating.add_done_callback(lambda made: _abandon(made, grace))
+        raise
     readers = _readers(run, chunks, loop, leaving)
     exited = False
     try:
-        await run.runc_exited()
+        await _in_thread(run.decide)
         if not run.started:
             if run.proc.poll() is None:  # runc hangs: nothing of the command ran
                 run.proc.kill()
@@ -490,7 +456,7 @@ async def exec_stream(
             yield item
         if item.error is not None:
             raise DriverError(f"exec output broke off: {item.error}", retryable=True)
-        await asyncio.shield(run.reaped)  # the command reaped (the watcher's end)
+        await _in_thread(run.watcher.join)  # the command reaped
         if run.code is None:
             raise DriverError(
                 f"exec: {run.lost or 'the command exit code is lost'}", retryable=False
@@ -548,8 +514,21 @@ async def _failed(run: _Run) -> AsyncGenerator[ExecEvent, None]:
     yield ExecExit(code)
 
 
+def _abandon(made: asyncio.Future[_Run], grace: float) -> None:
+    """A run its caller left while runc was being started: its command ended, its files gone."""
+    if made.cancelled() or made.exception() is not None:
+        return
+    run = made.result()
+
+    def ending() -> None:
+        run.decide()
+        _end(run, grace)
+        run.close()
+
+    threading.Thread(target=ending, name="runc-exec-abandoned", daemon=True).start()
+
+
 def _end(run: _Run, grace: float) -> None:
-    run.decide()  # decided first (at once, unless the caller left while runc was starting)
     try:
         ending = run.end(grace)
     except Exception as exc:  # the caller is leaving already: say it, do not replace why

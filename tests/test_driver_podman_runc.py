@@ -389,68 +389,6 @@ async def test_concurrent_execs_each_get_their_own_output_and_leave_nothing_behi
                      what="the execs' descriptors and threads gone")  # fmt: skip
 
 
-async def test_leaving_while_runc_starts_the_command_ends_it_and_leaves_nothing(
-    runc: Runc, containers: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The caller leaves while runc is still starting the command (its exit awaited on the
-    loop): the command runc then starts is ended, and no file, descriptor or thread of the
-    exec is left behind."""
-    container = containers()
-    marker = f"{uuid.uuid4().int % 10**6 + 10**6}"  # sleep's argument: this test's own
-    fds = len(os.listdir("/proc/self/fd"))
-    made: list[Path] = []
-    starting = asyncio.Event()
-    runc_exited = podman_runc._Run.runc_exited
-
-    async def entered(run: Any) -> None:
-        made.append(run.dir)
-        starting.set()
-        await runc_exited(run)
-
-    started: list[bool] = []
-    settle = podman_runc._Run.settle
-
-    def settled(run: Any) -> None:
-        settle(run)
-        started.append(run.started)
-
-    monkeypatch.setattr(podman_runc._Run, "runc_exited", entered)
-    monkeypatch.setattr(podman_runc._Run, "settle", settled)
-    stream = podman_runc.exec_stream(runc, str(container.id), ["sleep", marker], grace=0.5)
-    first = asyncio.ensure_future(anext(stream))
-    await asyncio.wait_for(starting.wait(), WAIT)
-    first.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await first
-
-    def sleeping() -> list[str]:
-        return [c for _, c in containers_processes() if c == f"sleep {marker} "]
-
-    await eventually(sleeping, lambda found: found == [], timeout=WAIT, what="the command ended")
-    assert started[0] is True  # runc did start it, after the caller had left
-    assert not made[0].exists()
-
-    def left() -> tuple[int, list[str]]:
-        threads = [t.name for t in threading.enumerate() if t.name.startswith("runc-exec")]
-        return len(os.listdir("/proc/self/fd")), threads
-
-    await eventually(left, lambda now: now == (fds, []), timeout=WAIT,
-                     what="the exec's descriptors and threads gone")  # fmt: skip
-
-
-def containers_processes() -> list[tuple[int, str]]:
-    """Every process on the host now (PID, command line), containers' included."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue  # gone
-            found.append((int(entry.name), command))
-    return found
-
-
 def children(state: str = "") -> list[tuple[int, str]]:
     """This process's children now (PID, command line), only those in ``state`` if given."""
     found = []

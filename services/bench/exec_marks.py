@@ -29,7 +29,7 @@ STEPS = (
     ("driver: container looked up (not remembered)", "lookup"),
     ("driver: the container's process read (runc)", "spec"),
     ("driver: runc exec started (runc)", "runc"),
-    ("driver: runc exited, the command started", "started"),
+    ("driver: the command started (runc's pid file)", "started"),
     ("driver: first event", "first"),
     ("driver: last event", "last"),
     ("answer started", "start"),
@@ -113,7 +113,7 @@ def instrument(timeline: Timeline, state: ApiState) -> Callable[[], None]:
         wrap(driver.execs, "_listed", lambda f: _after(timeline, "lookup", f))
         wrap(podman_runc, "exec_process", lambda f: _sync_after(timeline, "spec", f))
         wrap(podman_runc._Run, "__init__", lambda f: _sync_after(timeline, "runc", f))
-        wrap(podman_runc._Run, "runc_exited", lambda f: _after(timeline, "started", f))
+        wrap(podman_runc._Run, "decide", lambda f: _sync_after(timeline, "started", f))
 
     def undo() -> None:
         for owner, attr, original in reversed(saved):
