@@ -136,9 +136,12 @@ class PodmanDriver:
     # -- the protocol ------------------------------------------------------------------------
 
     async def launch(self, spec: LaunchSpec) -> LaunchResult:
-        return await self._call(
+        result = await self._call(
             self._sync.launch, spec, key=spec.key, generation=spec.generation, what="launch"
         )
+        # Its execs (a claim's first, in a pool member) need not look the container up.
+        self.execs.remember(spec.key, spec.generation, result.runtime_id)
+        return result
 
     async def stop(self, key: str, generation: int, timeout: float | None = None) -> OpResult:
         return await self._call(
@@ -206,10 +209,12 @@ class PodmanDriver:
                 backoff.succeeded()
                 listed = {c.info.runtime_id: (c.info.key, c.info.generation) for c in listing}
                 for container in listing:
-                    yield snapshot_from_list(container, actor=self.actor)
+                    yield self._seen(snapshot_from_list(container, actor=self.actor))
                 for runtime_id, (key, generation) in known.items():
                     if runtime_id not in listed:
-                        yield removed_while_away(runtime_id, key, generation, actor=self.actor)
+                        yield self._seen(
+                            removed_while_away(runtime_id, key, generation, actor=self.actor)
+                        )
                 known = listed
                 while (event := await stream.next_event()) is not None:
                     observation = await self._observation(event)
@@ -220,7 +225,7 @@ class PodmanDriver:
                         known.pop(runtime_id, None)
                     else:
                         known[runtime_id] = (observation.key, observation.generation)
-                    yield observation
+                    yield self._seen(observation)
                 if not self._closed:
                     log.warning("podman watch: event stream ended (%s); reconnecting", stream.error)
             finally:
@@ -353,6 +358,19 @@ class PodmanDriver:
             )
         except BACKEND_ERRORS as exc:
             log.info("cannot observe %s after a failure: %s", key, exc)
+
+    def _seen(self, observation: T) -> T:
+        """``observation``, its running or removed container told to the execs' memory."""
+        if isinstance(observation, RuntimeRemoved) and observation.runtime_id:
+            self.execs.forget(observation.key, observation.generation, observation.runtime_id)
+        elif (
+            isinstance(observation, RuntimeSnapshot)
+            and observation.state == "running"
+            and observation.runtime_id
+        ):
+            self.execs.seen_running(observation.key, observation.generation,
+                                    observation.runtime_id)  # fmt: skip
+        return observation
 
     async def _observation(self, event: Mapping[str, Any]) -> WatchObservation | None:
         observation = observation_from_event(event, actor=self.actor)

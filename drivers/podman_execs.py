@@ -3,10 +3,13 @@ API, chosen once by ``exec_mode`` and what ``podman_runc.probe`` finds) and the 
 (key, generation), remembered instead of listed on every exec.
 
 Container IDs are never reused and a container's labels never change, so an ID found for
-(key, generation) stays that generation's until the container is gone. An exec that finds the
-remembered one gone, stopped or paused has started nothing (``NotStarted``): the entry is
-forgotten and the key listed once, which answers as without the memory (another container, or
-"no running runtime"). docs/adr/0010-podman-exec-through-runc.md says why.
+(key, generation) stays that generation's until the container is gone. The driver remembers the
+container it launched (``remember``) and the running ones its watch sees (``seen_running``), so the
+first exec in a pool member a claim adopted in the same process looks nothing up; others are
+looked up once, on the first exec. An exec that finds the remembered one gone, stopped or
+paused has started nothing (``NotStarted``): the entry is forgotten and the key listed once,
+which answers as without the memory (another container, or "no running runtime").
+docs/adr/0010-podman-exec-through-runc.md says why.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ class PodmanExecs:
                 try:
                     first = await anext(events)
                 except NotStarted:
-                    self._forget(key, generation, runtime_id)
+                    self.forget(key, generation, runtime_id)
                     if remembered is None:
                         raise
                     continue
@@ -136,14 +139,27 @@ class PodmanExecs:
             request_timeout=self._request_timeout, grace=self.grace,
         )  # fmt: skip
 
-    async def _listed(self, key: str, generation: int) -> str:
-        runtime_id = await self._running(key, generation)
+    def remember(self, key: str, generation: int, runtime_id: str) -> None:
+        """``runtime_id`` is (key, generation)'s running container: the driver launched it
+        (the newest word: it replaces what was remembered) or found it running."""
         self.ids[(key, generation)] = runtime_id
         self.ids.move_to_end((key, generation))
         while len(self.ids) > REMEMBERED:
             self.ids.popitem(last=False)
-        return runtime_id
 
-    def _forget(self, key: str, generation: int, runtime_id: str) -> None:
+    def seen_running(self, key: str, generation: int, runtime_id: str) -> None:
+        """The driver's watch saw ``runtime_id`` of (key, generation) running: remembered,
+        unless another one is (a launch's newer word beats a late event of the container it
+        replaced; an exec corrects a wrong one)."""
+        if (key, generation) not in self.ids:
+            self.remember(key, generation, runtime_id)
+
+    def forget(self, key: str, generation: int, runtime_id: str) -> None:
+        """Forget ``runtime_id`` as (key, generation)'s, if it is the one remembered."""
         if self.ids.get((key, generation)) == runtime_id:
             del self.ids[(key, generation)]
+
+    async def _listed(self, key: str, generation: int) -> str:
+        runtime_id = await self._running(key, generation)
+        self.remember(key, generation, runtime_id)
+        return runtime_id

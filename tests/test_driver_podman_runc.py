@@ -26,6 +26,7 @@ from podman.domain.containers import Container
 
 from drivers import podman, podman_exec, podman_runc
 from drivers.podman import PodmanDriver
+from drivers.podman_execs import PodmanExecs
 from drivers.podman_objects import container_name
 from drivers.podman_runc import RUNC_ROOT, Runc
 from drivers.protocol import (
@@ -68,11 +69,15 @@ async def launched(driver: PodmanDriver, settings: Settings) -> AsyncIterator[Ca
     """Launches a sandbox's generation (a sleeping main process); deletes its keys after."""
     made: set[str] = set()
 
-    async def launch(key: str | None = None, generation: int = 1, identity: str = "") -> str:
+    async def launch(
+        key: str | None = None, generation: int = 1, identity: str = "",
+        through: PodmanDriver | None = None,
+    ) -> str:  # fmt: skip
         key = key or f"runc-{uuid.uuid4().hex[:10]}"
         made.add(key)
         spec = SandboxSpec(image=settings.sandbox_image, command=["sleep", "3600"])
-        await driver.launch(LaunchSpec(key, uuid.uuid4(), generation, identity or key, spec))
+        launch = LaunchSpec(key, uuid.uuid4(), generation, identity or key, spec)
+        await (through or driver).launch(launch)
         return key
 
     yield launch
@@ -194,12 +199,8 @@ async def test_stdin_reaches_the_command_then_its_end(
     assert events[-1] == ExecExit(0)
 
 
-async def test_an_exec_remembers_the_container_and_never_lists_the_key(
-    driver: PodmanDriver, launched: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Three execs: one lookup of the container (by its name), no listing of the key's
-    containers at all (the listing read every container of the key on every exec)."""
-    key = await launched()
+def counted(driver: PodmanDriver, monkeypatch: pytest.MonkeyPatch) -> tuple[list[Any], list[Any]]:
+    """The driver's lookups of a container by its name and listings of a key, from now on."""
     lookups: list[object] = []
     listings: list[object] = []
     lookup, listing = podman.running_id, driver._sync.list
@@ -214,29 +215,84 @@ async def test_an_exec_remembers_the_container_and_never_lists_the_key(
 
     monkeypatch.setattr(podman, "running_id", looked_up)
     monkeypatch.setattr(driver._sync, "list", listed)
-    for _ in range(3):
+    return lookups, listings
+
+
+async def test_an_exec_remembers_the_container_and_never_lists_the_key(
+    settings: Settings, launched: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three execs through a driver that did not launch the container (an API process of its
+    own): one lookup of the container (by its name), no listing of the key's containers at all
+    (the listing read every container of the key on every exec)."""
+    key = await launched()
+    driver = PodmanDriver(settings.podman_url, stop_timeout=1, exec_mode="runtime")
+    try:
+        lookups, listings = counted(driver, monkeypatch)
+        for _ in range(3):
+            events = await asyncio.wait_for(collect(driver.exec_stream(key, 1, ["true"])), WAIT)
+            assert events[-1] == ExecExit(0)
+        assert (len(lookups), listings) == (1, [])
+    finally:
+        await driver.close()
+
+
+async def test_the_first_exec_in_a_container_the_driver_launched_looks_nothing_up(
+    driver: PodmanDriver, launched: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver that launched the container (``sandstream up``: the executor's driver is
+    the API's) knows it: a claim's first exec in a pool member asks Podman nothing."""
+    key = await launched()
+    lookups, listings = counted(driver, monkeypatch)
+    events = await asyncio.wait_for(collect(driver.exec_stream(key, 1, ["true"])), WAIT)
+    assert events[-1] == ExecExit(0)
+    assert (lookups, listings) == ([], [])
+
+
+async def test_a_container_the_watch_saw_running_is_not_looked_up(
+    settings: Settings, launched: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A driver that did not launch the container but watches (``up`` restarted beside pool
+    members launched before): the watch's listing tells it the running container."""
+    key = await launched()
+    driver = PodmanDriver(settings.podman_url, stop_timeout=1, exec_mode="runtime")
+
+    async def watch() -> None:
+        async for _ in driver.watch():
+            pass
+
+    watching = asyncio.create_task(watch())
+    try:
+        await eventually(lambda: (key, 1) in driver.execs.ids, bool, WAIT, what="the listing")
+        lookups, listings = counted(driver, monkeypatch)
         events = await asyncio.wait_for(collect(driver.exec_stream(key, 1, ["true"])), WAIT)
         assert events[-1] == ExecExit(0)
-    assert (len(lookups), listings) == (1, [])
+        assert (lookups, listings) == ([], [])
+    finally:
+        watching.cancel()
+        await driver.close()
 
 
+@pytest.mark.parametrize("launcher", ["another driver", "the exec's driver"])
 @pytest.mark.parametrize("mode", ["runtime", "api"])
 async def test_a_generation_replaced_under_a_remembered_container_gets_the_new_one(
-    settings: Settings, launched: Callable[..., Any], mode: str
+    settings: Settings, launched: Callable[..., Any], mode: str, launcher: str
 ) -> None:
     """The remembered container of (key, generation) is replaced (a launch of another
     identity removes it and creates a new one): the next exec runs in the new container,
-    never the old; once the next generation replaces it, generation 1 has none."""
+    never the old; once the next generation replaces it, generation 1 has none. Whether the
+    container was remembered at an exec (another driver launched it) or at its launch (the
+    exec's own driver launched every one)."""
     driver = PodmanDriver(settings.podman_url, stop_timeout=1, exec_mode=mode)  # type: ignore[arg-type]
+    through = driver if launcher == "the exec's driver" else None
     try:
-        key = await launched(identity="first")
+        key = await launched(identity="first", through=through)
         echo = ["sh", "-c", f"echo ${IDENTITY_ENV}"]
         assert out(await collect(driver.exec_stream(key, 1, echo))) == "first\n"
         remembered = driver.execs.ids[(key, 1)]
-        await launched(key, identity="second")
+        await launched(key, identity="second", through=through)
         assert out(await collect(driver.exec_stream(key, 1, echo))) == "second\n"
         assert driver.execs.ids[(key, 1)] != remembered
-        await launched(key, generation=2, identity="third")
+        await launched(key, generation=2, identity="third", through=through)
         assert out(await collect(driver.exec_stream(key, 2, echo))) == "third\n"
         # The next generation's launch removed the one remembered for generation 1.
         with pytest.raises(DriverError, match="no running runtime"):
@@ -428,3 +484,23 @@ async def test_a_zombie_child_is_no_reason_to_keep_podmans_exec_and_is_left_to_i
         assert found is not None, why
     finally:
         assert child.wait() == 7
+
+
+async def test_a_late_running_event_never_replaces_the_container_a_launch_remembered() -> None:
+    """The watch's word comes after the launch's: a running event of the container the launch
+    replaced (read late) leaves the new one remembered; its removal forgets only itself."""
+
+    async def never(key: str, generation: int) -> str:
+        raise AssertionError("no lookup expected")
+
+    execs = PodmanExecs("unix:///nowhere", mode="api", runc_root=RUNC_ROOT, request_timeout=1,
+                        grace=1, running=never)  # fmt: skip
+    execs.seen_running("k", 1, "old")
+    assert execs.ids[("k", 1)] == "old"
+    execs.remember("k", 1, "new")  # the launch that replaced it
+    execs.seen_running("k", 1, "old")  # its event, read late
+    execs.forget("k", 1, "old")  # its removal
+    assert execs.ids == {("k", 1): "new"}
+    execs.seen_running("k", 2, "other")  # another generation: its own entry
+    execs.forget("k", 1, "new")
+    assert dict(execs.ids) == {("k", 2): "other"}

@@ -9,8 +9,10 @@ warm claim. Then, one at a time and interleaved so each sees the same load:
   then the streamed form ``?stream=true``), each timed from the client's send to its answer
   read to the end, its steps marked in the process (the route's functions wrapped with timers
   for this run only), in ms from the send: the request at the app, auth and scope, the row
-  read (name resolution), the wake check, the use recorded, the claim's env read, the driver's
-  first and last event, the answer's start and end sent, the answer at the client;
+  read (name resolution), the wake check, the use recorded, the claim's env read, the
+  driver's steps (the container looked up when not remembered; on the runtime path the
+  container's process read, runc started, the command started), its first and last event,
+  the answer's start and end sent, the answer at the client;
 - the API's own exec driver called directly (``exec_stream`` of the same sandbox, read to the
   end): the floor the route adds to.
 """
@@ -18,14 +20,11 @@ warm claim. Then, one at a time and interleaved so each sees the same load:
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any
 
 import httpx
 
@@ -35,131 +34,15 @@ from events.publisher import CommandPublisher
 from services.api import readmodel
 from services.api.app import create_app
 from services.api.deps import ApiState
-from services.api.routes import exec as exec_route
 from services.api.server import start_api
 from services.bench.drivers import Figures
+from services.bench.exec_marks import STEPS, AsgiMarks, Timeline, instrument
 from services.bench.warm import TOKEN, line
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.common.tokens import SCOPES, TokenStore
 from services.localstack.isolation import isolated
 from services.up.control_plane import ControlPlane
-
-# The steps, in the order an exec meets them (the label printed, the mark's name).
-STEPS = (
-    ("request at the app", "app"),
-    ("auth and scope checked", "auth"),
-    ("row read (name resolved)", "row"),
-    ("wake check (Ready: none)", "woken"),
-    ("use recorded (idle suspend)", "use"),
-    ("claim's env read", "env"),
-    ("driver: first event", "first"),
-    ("driver: last event", "last"),
-    ("answer started", "start"),
-    ("answer ended", "end"),
-    ("answer at the client", "client"),
-)
-
-
-class Timeline:
-    """The current exec's steps: the first time each is reached, in ms from its send."""
-
-    def __init__(self) -> None:
-        self.began = 0.0
-        self.marks: dict[str, float] = {}
-
-    def start(self) -> None:
-        self.began, self.marks = time.perf_counter(), {}
-
-    def mark(self, name: str) -> None:
-        self.marks.setdefault(name, (time.perf_counter() - self.began) * 1000)
-
-    def keep(self, into: dict[str, list[float]]) -> None:
-        """This exec's marks, added to ``into`` (a form's samples by mark)."""
-        for mark, at in self.marks.items():
-            into[mark].append(at)
-
-
-def _after(timeline: Timeline, mark: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    async def timed(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return await fn(*args, **kwargs)
-        finally:
-            timeline.mark(mark)
-
-    return timed
-
-
-def _sync_after(timeline: Timeline, mark: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            timeline.mark(mark)
-
-    return timed
-
-
-def instrument(timeline: Timeline, state: ApiState) -> Callable[[], None]:
-    """Wrap the route's steps with timers; the returned function unwraps them."""
-    from services.api import deps
-
-    saved: list[tuple[Any, str, Any]] = []
-
-    def wrap(owner: Any, attr: str, wrapper: Callable[..., Any]) -> None:
-        original = getattr(owner, attr)
-        saved.append((owner, attr, original))
-        setattr(owner, attr, wrapper(original))
-
-    wrap(deps, "check_auth", lambda f: _sync_after(timeline, "auth", f))
-    wrap(readmodel, "get_sandbox", lambda f: _after(timeline, "row", f))
-    wrap(exec_route, "woken_for_http", lambda f: _after(timeline, "woken", f))
-    wrap(state.use, "begin", lambda f: _after(timeline, "use", f))
-    wrap(exec_route, "exec_environment", lambda f: _after(timeline, "env", f))
-    driver = state.exec_driver
-    assert driver is not None
-
-    def stream(original: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
-        async def timed(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-            async with aclosing(original(*args, **kwargs)) as events:  # type: ignore[type-var]
-                async for event in events:
-                    timeline.mark("first")
-                    yield event
-            timeline.mark("last")
-
-        return timed
-
-    wrap(driver, "exec_stream", stream)
-
-    def undo() -> None:
-        for owner, attr, original in reversed(saved):
-            setattr(owner, attr, original)
-
-    return undo
-
-
-class AsgiMarks:
-    """The request's arrival and its answer's start and end marked (an ASGI middleware)."""
-
-    def __init__(self, app: Any, timeline: Timeline) -> None:
-        self.app, self.timeline = app, timeline
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        self.timeline.mark("app")
-
-        async def sending(message: Any) -> None:
-            await send(message)
-            if message["type"] == "http.response.start":
-                self.timeline.mark("start")
-            elif message["type"] == "http.response.body" and not message.get("more_body"):
-                self.timeline.mark("end")
-
-        await self.app(scope, receive, sending)
 
 
 async def main(settings: Settings, samples: int) -> None:

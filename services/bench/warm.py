@@ -12,11 +12,18 @@ to the first answer of an exec in the sandbox (``true``, exit code 0):
 - cold: the same request naming the other template, ``wait``-ed for its outcome, then the
   sandbox polled until Ready, then the exec.
 
+The HTTP API's exec driver is the control plane's own, as in ``sandstream up`` (the executor's
+Podman driver serves both doors' execs there).
+
 Also printed: the warm claim's answer alone (request → ``claim.warm``), the figure the pool's
 status reports as its warm latency, and a second exec in the same sandbox (what an exec costs by
 itself, while the refill the claim started creates a member beside it), then a third once the
-pool is full again (with nothing else running). ``python -m services.bench exec`` breaks the
-HTTP exec into its steps. p50 and p90 as the issue asks, and the worst. Then where an exec's
+pool is full again (with nothing else running), then the driver's runtime path and a bare
+``runc exec`` in the same container at that moment. The three execs' steps are marked in the
+process (services/bench/exec_marks.py's timers: the route's steps, the container looked up,
+runc started, the command started; p50 in ms from the request's send), so the first exec in a
+member is seen beside the later ones of the same run. ``python -m services.bench exec`` breaks
+the HTTP exec into its steps. p50 and p90 as the issue asks, and the worst. Then where an exec's
 time goes (services/bench/exec_steps.py: the Podman driver's calls for one exec through
 Podman's exec API, timed one by one, beside ``podman exec``, the driver's runtime path and a
 bare ``runc exec``). ``SANDSTREAM_PODMAN_EXEC=api`` times the sandbox execs through Podman's
@@ -26,16 +33,24 @@ exec API.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import time
 import uuid
+from collections import defaultdict
+from contextlib import aclosing
 from typing import Any
 
 import httpx
 
+from drivers import podman_runc
+from drivers.podman import PodmanDriver
 from events.publisher import CommandPublisher
+from services.api import readmodel
 from services.api.app import create_app
 from services.api.server import start_api
 from services.bench.drivers import Figures, percentile
+from services.bench.exec_marks import STEPS, AsgiMarks, Timeline, instrument
 from services.bench.exec_steps import exec_steps
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
@@ -60,21 +75,38 @@ async def main(settings: Settings, samples: int) -> None:
         await plane.start()
         publisher = CommandPublisher(kafka_client_args(s, "api"), topic=s.topic_commands)
         await publisher.__aenter__()
-        app = create_app(s, pool, publisher, TokenStore.of(admin=(TOKEN, *SCOPES)))
+        tokens = TokenStore.of(admin=(TOKEN, *SCOPES))
+        app = create_app(s, pool, publisher, tokens, exec_driver=driver)  # as `up` does
+        timeline = Timeline()
+        app.add_middleware(AsgiMarks, timeline=timeline)
         server = await start_api(app, "127.0.0.1", 0, access_log=False)
         headers = {"Authorization": f"Bearer {TOKEN}"}
+        print(f"  load average {_load()}")
         try:
             await driver.execs.runtime()
             print(f"  the driver's exec path: {driver.execs.path} (SANDSTREAM_PODMAN_EXEC)")
-            async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=60) as c:
-                figures = await _run(c, pool, s.sandbox_image, samples)
+            undo = instrument(timeline, app.state.api)
+            try:
+                async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=60) as c:
+                    run = Run(c, pool, driver, timeline)
+                    figures = await run.samples(s.sandbox_image, samples)
+            finally:
+                undo()
         finally:
             await server.stop()
             await publisher.__aexit__()
             await plane.stop()
             await driver.close()
+    print(f"  load average {_load()}")
     for f in figures:
         print(line(f))
+    print("  each exec's steps, p50 in ms from its send (first: right after the claim; second:")
+    print("  at once after it; third: once the pool refilled)")
+    print(f"  {'step':<48}{'first':>9}{'second':>9}{'third':>9}")
+    for step, mark in STEPS:
+        cells = [_p50_ms(run.marks[which][mark]) for which in EXECS]
+        if any(cells):
+            print(f"  {step:<48}" + "".join(f"{c:>9}" for c in cells))
     print("where an exec's time goes: the Podman driver's calls, one by one, without sandstream")
     print("(Podman's exec API step by step, `podman exec`, then the runtime path and bare runc)")
     for f in await exec_steps(settings, samples):
@@ -90,56 +122,117 @@ def line(f: Figures) -> str:
     )
 
 
-async def _run(c: httpx.AsyncClient, db: Any, image: str, samples: int) -> list[Figures]:
-    spec = {"image": image, "command": ["sleep", "3600"], "stop_timeout_seconds": 2}
-    for name in ("warm-agent", "cold-agent"):
-        r = await c.post("/v1/templates", json={"name": name, "spec": spec})
+EXECS = ("first", "second", "third")
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _p50_ms(values: list[float]) -> str:
+    return f"{percentile(sorted(values), 50):.1f}" if values else ""
+
+
+class Run:
+    """The samples of one run, and each exec's marks (``EXECS``: by mark, ms from its send)."""
+
+    def __init__(
+        self, c: httpx.AsyncClient, db: Any, driver: PodmanDriver, timeline: Timeline
+    ) -> None:
+        self.c, self.db, self.driver, self.timeline = c, db, driver, timeline
+        self.marks: dict[str, dict[str, list[float]]] = {
+            which: defaultdict(list) for which in EXECS
+        }
+
+    async def samples(self, image: str, samples: int) -> list[Figures]:
+        c = self.c
+        spec = {"image": image, "command": ["sleep", "3600"], "stop_timeout_seconds": 2}
+        for name in ("warm-agent", "cold-agent"):
+            r = await c.post("/v1/templates", json={"name": name, "spec": spec})
+            assert r.status_code == 201, r.text
+        r = await c.post("/v1/pools", json={"name": "bench", "template": "warm-agent",
+                                            "size": POOL_SIZE})  # fmt: skip
         assert r.status_code == 201, r.text
-    r = await c.post("/v1/pools", json={"name": "bench", "template": "warm-agent",
-                                        "size": POOL_SIZE})  # fmt: skip
-    assert r.status_code == 201, r.text
-    warm, claimed, cold, alone, quiet = [], [], [], [], []
-    names = []
-    for i in range(samples + 1):  # the first of each is a warm-up, not counted
-        await _pool_full(db)
-        name = f"w-{uuid.uuid4().hex[:8]}"
+        warm, claimed, cold, alone, quiet, runc_path, bare = [], [], [], [], [], [], []
+        names = []
+        for i in range(samples + 1):  # the first of each is a warm-up, not counted
+            counted = i > 0
+            await _pool_full(self.db)
+            name = f"w-{uuid.uuid4().hex[:8]}"
+            began = time.perf_counter()
+            r = await c.post(
+                "/v1/sandboxes", json={"name": name, "template": {"name": "warm-agent"}}
+            )
+            answered = time.perf_counter()
+            assert r.status_code == 201 and r.json()["claim"]["warm"], r.text
+            await self._exec(name, "first" if counted else None)
+            if counted:
+                warm.append(time.perf_counter() - began)
+                claimed.append(answered - began)
+            began = time.perf_counter()
+            await self._exec(name, "second" if counted else None)  # what the exec alone costs
+            if counted:
+                alone.append(time.perf_counter() - began)
+            await _pool_full(self.db)  # the refill this claim started is over: nothing else runs
+            began = time.perf_counter()
+            await self._exec(name, "third" if counted else None)
+            if counted:
+                quiet.append(time.perf_counter() - began)
+                runc_path_took, bare_took = await self._runc(name)
+                runc_path.append(runc_path_took)
+                bare.append(bare_took)
+            cname = f"c-{uuid.uuid4().hex[:8]}"
+            began = time.perf_counter()
+            body = {"name": cname, "template": {"name": "cold-agent"}}
+            r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+            assert r.status_code == 201, r.text
+            await _ready(c, cname)
+            await self._exec(cname, None)
+            if counted:
+                cold.append(time.perf_counter() - began)
+            names += [name, cname]
+        for name in names:
+            await c.delete(f"/v1/sandboxes/{name}")
+        await c.delete("/v1/pools/bench")
+        figures = [
+            Figures("warm: claim → exec answered", warm),
+            Figures("warm: claim → answered (adopted)", claimed),
+            Figures("cold: create → Ready → exec answered", cold),
+            Figures("an exec alone (a Ready sandbox)", alone),
+            Figures("an exec alone, the pool refilled", quiet),
+        ]
+        if runc_path:
+            figures += [
+                Figures("then the driver's runtime path alone", runc_path),
+                Figures("then bare `runc exec`", bare),
+            ]
+        return figures
+
+    async def _exec(self, name: str, which: str | None) -> None:
+        """``true`` through the API; its steps kept as ``which`` exec's (None: not kept)."""
+        self.timeline.start()
+        await _exec(self.c, name)
+        self.timeline.mark("client")
+        if which is not None:
+            self.timeline.keep(self.marks[which])
+
+    async def _runc(self, name: str) -> tuple[float, float]:
+        """The driver's runtime path, then a bare ``runc exec``, in ``name``'s container now
+        (both 0 where the driver takes Podman's exec API)."""
+        runc = await self.driver.execs.runtime()
+        view = await readmodel.get_sandbox(self.db, name)
+        assert view is not None
+        runtime_id = self.driver.execs.ids.get((view.member_key, view.generation))
+        if runc is None or runtime_id is None:
+            return 0.0, 0.0
         began = time.perf_counter()
-        r = await c.post("/v1/sandboxes", json={"name": name, "template": {"name": "warm-agent"}})
-        answered = time.perf_counter()
-        assert r.status_code == 201 and r.json()["claim"]["warm"], r.text
-        await _exec(c, name)
-        if i:
-            warm.append(time.perf_counter() - began)
-            claimed.append(answered - began)
-        began = time.perf_counter()
-        await _exec(c, name)  # again: what the exec alone costs
-        if i:
-            alone.append(time.perf_counter() - began)
-        await _pool_full(db)  # the refill this claim started is over: nothing else runs
-        began = time.perf_counter()
-        await _exec(c, name)
-        if i:
-            quiet.append(time.perf_counter() - began)
-        cname = f"c-{uuid.uuid4().hex[:8]}"
-        began = time.perf_counter()
-        body = {"name": cname, "template": {"name": "cold-agent"}}
-        r = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
-        assert r.status_code == 201, r.text
-        await _ready(c, cname)
-        await _exec(c, cname)
-        if i:
-            cold.append(time.perf_counter() - began)
-        names += [name, cname]
-    for name in names:
-        await c.delete(f"/v1/sandboxes/{name}")
-    await c.delete("/v1/pools/bench")
-    return [
-        Figures("warm: claim → exec answered", warm),
-        Figures("warm: claim → answered (adopted)", claimed),
-        Figures("cold: create → Ready → exec answered", cold),
-        Figures("an exec alone (a Ready sandbox)", alone),
-        Figures("an exec alone, the pool refilled", quiet),
-    ]
+        async with aclosing(podman_runc.exec_stream(runc, runtime_id, ["true"])) as events:
+            async for _ in events:
+                pass
+        marked = time.perf_counter()
+        argv = [runc.path, "--root", str(runc.root), "exec", runtime_id, "true"]
+        await asyncio.to_thread(subprocess.run, argv, check=True, capture_output=True)
+        return marked - began, time.perf_counter() - marked
 
 
 async def _pool_full(db: Any, timeout: float = 120) -> None:
