@@ -209,10 +209,10 @@ class PodmanDriver:
                 backoff.succeeded()
                 listed = {c.info.runtime_id: (c.info.key, c.info.generation) for c in listing}
                 for container in listing:
-                    yield self._seen(snapshot_from_list(container, actor=self.actor))
+                    yield self.execs.note(snapshot_from_list(container, actor=self.actor))
                 for runtime_id, (key, generation) in known.items():
                     if runtime_id not in listed:
-                        yield self._seen(
+                        yield self.execs.note(
                             removed_while_away(runtime_id, key, generation, actor=self.actor)
                         )
                 known = listed
@@ -225,7 +225,7 @@ class PodmanDriver:
                         known.pop(runtime_id, None)
                     else:
                         known[runtime_id] = (observation.key, observation.generation)
-                    yield self._seen(observation)
+                    yield self.execs.note(observation)
                 if not self._closed:
                     log.warning("podman watch: event stream ended (%s); reconnecting", stream.error)
             finally:
@@ -296,12 +296,6 @@ class PodmanDriver:
 
     # -- plumbing ----------------------------------------------------------------------------
 
-    def _lock(self, key: str) -> asyncio.Lock:
-        lock = self._locks.get(key)
-        if lock is None:
-            lock = self._locks[key] = asyncio.Lock()
-        return lock
-
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking read in the driver's read pool (like asyncio.to_thread)."""
         return await asyncio.get_running_loop().run_in_executor(self._reads, fn, *args)
@@ -336,7 +330,7 @@ class PodmanDriver:
             raise error from exc
 
     async def _exclusive(self, key: str, fn: Callable[..., T], *args: Any) -> T:
-        lock = self._lock(key)
+        lock = self._locks.setdefault(key, asyncio.Lock())  # kept while someone holds it
         await lock.acquire()
         try:
             future = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -358,19 +352,6 @@ class PodmanDriver:
             )
         except BACKEND_ERRORS as exc:
             log.info("cannot observe %s after a failure: %s", key, exc)
-
-    def _seen(self, observation: T) -> T:
-        """``observation``, its running or removed container told to the execs' memory."""
-        if isinstance(observation, RuntimeRemoved) and observation.runtime_id:
-            self.execs.forget(observation.key, observation.generation, observation.runtime_id)
-        elif (
-            isinstance(observation, RuntimeSnapshot)
-            and observation.state == "running"
-            and observation.runtime_id
-        ):
-            self.execs.seen_running(observation.key, observation.generation,
-                                    observation.runtime_id)  # fmt: skip
-        return observation
 
     async def _observation(self, event: Mapping[str, Any]) -> WatchObservation | None:
         observation = observation_from_event(event, actor=self.actor)

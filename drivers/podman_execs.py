@@ -21,17 +21,19 @@ import logging
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
 
 from drivers import podman_exec, podman_runc
 from drivers.podman_exec import NotStarted
 from drivers.podman_objects import BACKEND_ERRORS, describe
 from drivers.podman_runc import ExecMode, Runc
 from drivers.protocol import DriverError, ExecEvent
+from events.observations import RuntimeRemoved, RuntimeSnapshot
 
 log = logging.getLogger("sandstream.drivers.podman")
 
 REMEMBERED: Final = 4096  # (key, generation) -> container ID entries kept (least recent out)
+Observed = TypeVar("Observed")  # an observation of the watch, handed on as it came
 
 
 class PodmanExecs:
@@ -153,6 +155,19 @@ class PodmanExecs:
         replaced; an exec corrects a wrong one)."""
         if (key, generation) not in self.ids:
             self.remember(key, generation, runtime_id)
+
+    def note(self, observation: Observed) -> Observed:
+        """``observation`` of the driver's watch, its running or removed container told to the
+        memory (``seen_running``, ``forget``)."""
+        if isinstance(observation, RuntimeRemoved) and observation.runtime_id:
+            self.forget(observation.key, observation.generation, observation.runtime_id)
+        elif (
+            isinstance(observation, RuntimeSnapshot)
+            and observation.state == "running"
+            and observation.runtime_id
+        ):
+            self.seen_running(observation.key, observation.generation, observation.runtime_id)
+        return observation
 
     def forget(self, key: str, generation: int, runtime_id: str) -> None:
         """Forget ``runtime_id`` as (key, generation)'s, if it is the one remembered."""

@@ -15,6 +15,8 @@ Modules:
 - ``drained``: one observer timing every drain (the processor's, the same-work ceiling's)
   from the first commit until all is committed and published.
 - ``drivers``: driver benchmarks (part of ``make bench``).
+- ``exec_marks``: an exec's steps marked in the process (the route's functions, the Podman
+  driver's exec steps), for ``exec_route`` and ``warm``.
 - ``exec_route``: an exec through the HTTP API on Podman step by step in the process, beside
   the API's exec driver, the runtime path and a bare ``runc exec`` in the same container.
 - ``exec_steps``: where an exec's time goes on Podman: the driver's calls, each timed.
