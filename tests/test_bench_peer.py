@@ -16,6 +16,7 @@ from drivers.kube_objects import PodSettings, pod_manifest
 from drivers.protocol import LaunchSpec
 from events.common import SandboxSpec
 from services.bench import cpu, peer_burst
+from services.bench.api_rate import Sums
 from services.bench.peer import Bench, above_idle, orders
 from services.bench.peer_kube import yaml_documents
 from services.bench.peer_report import (
@@ -381,3 +382,15 @@ async def test_a_sustained_phase_sends_no_more_creates_at_once_than_its_connecti
     system.release.set()
     summary = await asyncio.wait_for(phase, 60)
     assert summary.count == count and system.most == CONNECTIONS
+
+
+def test_a_bursts_deletes_show_the_spread_of_their_requests_and_the_apis_own_times() -> None:
+    track = Track()
+    track.deleting = {"b0-1": 10.0, "b0-2": 12.5}
+    line = peer_burst.delete_line(track, "b0-")
+    assert "sent over 2.50 s" in line
+    step = "sandstream_api_command_step_seconds"
+    before = Sums({peer_burst.DELETE_ROUTE: (1.0, 2.0), (step, "pool_wait"): (0.5, 10.0)})
+    after = Sums({peer_burst.DELETE_ROUTE: (1.6, 5.0), (step, "pool_wait"): (0.54, 18.0)})
+    line = peer_burst.api_steps(before, after)
+    assert "a delete in the app 200.0 (of 3)" in line and "pool wait 5.0" in line

@@ -9,7 +9,9 @@ created by the load generator as the reference, the order reversed every other r
 each sandstream burst it prints, per sandbox: the CPU of ``up``, its broker and its PostgreSQL
 backends; the records appended to each of its topics; the rows its PostgreSQL schema inserted,
 updated and deleted and the index scans it made (``pg_stat_user_tables``); and the delete's
-time to all gone beside bare Pods'. ``--profile DIR``: py-spy records ``up`` through each of
+time to all gone beside bare Pods', with its steps (the client's spread of the requests, the API's
+answer and its own times, the command and the result in the log, the Pod gone, the row
+Deleted). ``--profile DIR``: py-spy records ``up`` through each of
 sandstream's bursts (raw collapsed stacks, one file a round; py-spy comes with the dev install).
 """
 
@@ -33,6 +35,7 @@ import asyncpg
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from services.bench import peer_setup
+from services.bench.api_rate import STEPS, Sums, sums
 from services.bench.peer import Bench, Parties, orders
 from services.bench.peer_kube import Kube
 from services.bench.peer_report import CLUSTER_PARTIES, OWN_PARTIES, Plan
@@ -131,17 +134,26 @@ class Profiler:
         print(f"  py-spy samples of `up`: {self.path}", flush=True)
 
 
+def from_request(track: Track, names: list[str], done: Mapping[str, float]) -> str:
+    """p50 / p90 / max of ``names``' times from their delete request to ``done``."""
+    s = summarize(latencies({n: track.deleting[n] for n in names}, done), len(names))
+    return f"{s.p50:.2f} / {s.p90:.2f} / {s.max:.2f}"
+
+
 def delete_line(track: Track, prefix: str) -> str:
     """Where a burst's deletes spent their time: the request answered, the Pod gone, the
     system reporting it gone (p50 / p90 from the delete request, seconds)."""
     names = [n for n in track.deleting if n.startswith(prefix)]
 
     def p(done: Mapping[str, float]) -> str:
-        s = summarize(latencies({n: track.deleting[n] for n in names}, done), len(names))
-        return f"{s.p50:.2f} / {s.p90:.2f} / {s.max:.2f}"
+        return from_request(track, names, done)
 
-    return (f"deletes: answered {p(track.delete_answered)}, Pod gone {p(track.pod_gone)}, "
-            f"reported gone {p(track.gone)} s (p50 / p90 / max from the request)")  # fmt: skip
+    sent = [track.deleting[n] for n in names]
+    # The client sends CONNECTIONS at a time: the last delete leaves this long after the first.
+    spread = max(sent) - min(sent) if sent else math.nan
+    return (f"deletes: sent over {spread:.2f} s; answered {p(track.delete_answered)}, "
+            f"Pod gone {p(track.pod_gone)}, reported gone {p(track.gone)} s "
+            "(p50 / p90 / max from the request)")  # fmt: skip
 
 
 def slowest(track: Track, prefix: str) -> str:
@@ -149,6 +161,54 @@ def slowest(track: Track, prefix: str) -> str:
     gone = track.gone_at()
     names = [n for n in track.deleting if n.startswith(prefix)]
     return max(names, key=lambda n: gone.get(n, math.inf) - track.deleting[n])
+
+
+async def recorded_steps(api: SandstreamApi, track: Track, prefix: str) -> str:
+    """The deletes' steps as each sandbox's history recorded them (p50 / p90 / max from the
+    request, s): its ``DeleteSandbox`` in the log (the API's part), its delete's result in the
+    log (the processor's event, the executor's call, the Pod's removal, the driver's cache),
+    the row reported Deleted in the watch (the processor's fold and commit, the change feed)."""
+    names = [n for n in track.deleting if n.startswith(prefix)]
+    offset = time.time() - time.perf_counter()  # recorded_at is wall-clock
+    command: dict[str, float] = {}
+    result: dict[str, float] = {}
+    gate = asyncio.Semaphore(CONNECTIONS)
+
+    async def one(name: str) -> None:
+        async with gate:
+            response = await api.client.get(f"/v1/sandboxes/{name}/history", params={"limit": 100})
+        for item in response.json().get("items", []) if response.status_code == 200 else []:
+            at = datetime.fromisoformat(item["recorded_at"]).timestamp() - offset
+            if item["message_type"] == "DeleteSandbox":
+                command[name] = at
+            elif "delete_" in item["reason"] and item["message_type"] == "DriverOperationResult":
+                result[name] = at
+
+    await asyncio.gather(*(one(n) for n in names))
+    return (
+        f"deletes, as recorded: command in the log {from_request(track, names, command)}, "
+        f"result in the log {from_request(track, names, result)} s (p50 / p90 / max from "
+        "the request)"
+    )
+
+
+DELETE_ROUTE = ("sandstream_api_request_seconds", "DELETE /v1/sandboxes/{name}")
+
+
+async def api_sums(api: SandstreamApi) -> Sums:
+    return sums((await api.send("GET", "/metrics", (200,))).text)
+
+
+def api_steps(before: Sums, after: Sums) -> str:
+    """The API's own times over the burst (creates and deletes together; its step histogram
+    has no command type), beside the deletes' time in the app: is the wait in the app, for
+    the pool, or before the app (the event loop, the server)?"""
+    in_app, n = after.mean_since(before, DELETE_ROUTE)
+    parts = [f"a delete in the app {in_app * 1000:.1f} (of {n:.0f})"]
+    for step in STEPS:
+        mean, _ = after.mean_since(before, ("sandstream_api_command_step_seconds", step))
+        parts.append(f"{step.replace('_', ' ')} {mean * 1000:.1f}")
+    return "the API's mean ms: " + ", ".join(parts) + " (steps: creates and deletes)"
 
 
 async def history_lines(api: SandstreamApi, track: Track, name: str) -> list[str]:
@@ -274,12 +334,16 @@ async def main(settings: Settings, sandboxes: int, rounds: int, profile: Path | 
                         records = await topic_records(ours.settings)
                         rows = await settled_stats(pg, ours.settings.pg_schema)
                         requests = await api.kafka_requests()
+                        api_before = await api_sums(api)
                         spy = Profiler(ours.proc.pid, profile and profile / f"up-{i + 1}.txt")
                         try:
                             figures[OURS].append(await bench.burst(system, f"b{i}"))
                         finally:
                             await spy.stop()
                         print(f"  {'':<14} {delete_line(tracks[OURS], f'b{i}-')}")
+                        steps = await recorded_steps(api, tracks[OURS], f"b{i}-")
+                        print(f"  {'':<14} {steps}")
+                        print(f"  {'':<14} {api_steps(api_before, await api_sums(api))}")
                         name = slowest(tracks[OURS], f"b{i}-")
                         print(f"  {'':<14} the slowest delete's history ({name}):")
                         for line in await history_lines(api, tracks[OURS], name):
