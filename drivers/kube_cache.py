@@ -49,7 +49,9 @@ class PodCache:
         self.listings = 0
         self._live = False  # listed, and the watch not broken since
         self._listed = asyncio.Event()
-        self._tick = asyncio.Event()
+        # The waiters of ``until``, by the uid they wait on (None: any change): a change of one
+        # Pod wakes its own waiters only, not every launch and delete waiting in a burst.
+        self._waiters: dict[str | None, set[asyncio.Event]] = {}
         self._task: asyncio.Task[None] | None = None
 
     # -- reading -----------------------------------------------------------------------------
@@ -87,21 +89,30 @@ class PodCache:
         """A removed Pod's last view (its final status may carry the exit code)."""
         return self._gone.get(uid)
 
-    async def until(self, done: Callable[[], bool], timeout: float) -> bool:
+    async def until(self, done: Callable[[], bool], timeout: float, uid: str | None = None) -> bool:
         """Wait until ``done()`` holds after some change (True), or ``timeout`` passes (False,
-        after a final check). The cache is trusted while it may be stale: a broken watch
+        after a final check); with ``uid``, ``done`` reads that Pod only, and only its changes
+        (and listings) wake the wait. The cache is trusted while it may be stale: a broken watch
         resumes from its version, so a change is late, never lost."""
         self.start()
         deadline = time.monotonic() + timeout
-        while not done():
-            tick = self._tick
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return done()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):
-                    await tick.wait()
-        return True
+        woken = asyncio.Event()
+        waiters = self._waiters.setdefault(uid, set())
+        waiters.add(woken)
+        try:
+            while not done():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return done()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(remaining):
+                        await woken.wait()
+                woken.clear()  # no await since the wake: a later change sets it again
+            return True
+        finally:
+            waiters.discard(woken)
+            if not waiters and self._waiters.get(uid) is waiters:
+                del self._waiters[uid]
 
     # -- writing -----------------------------------------------------------------------------
 
@@ -115,7 +126,7 @@ class PodCache:
         """A Pod the API server answered removed (a delete that took it at once)."""
         if view.uid not in self._gone:
             self._bury(view.uid, view)
-            self._changed()
+            self._changed(view.uid)
 
     def _apply(self, view: PodView) -> None:
         held = self._pods.get(view.uid)
@@ -124,7 +135,7 @@ class PodCache:
             old = version_number(held.resource_version)
         if new is None or old is None or new >= old:
             self._pods[view.uid] = view
-            self._changed()
+            self._changed(view.uid)
 
     def _bury(self, uid: str, last: PodView | None = None) -> None:
         self._gone[uid] = last or self._pods.get(uid)
@@ -132,9 +143,11 @@ class PodCache:
         while len(self._gone) > _TOMBSTONES:
             self._gone.popitem(last=False)
 
-    def _changed(self) -> None:
-        self._tick.set()
-        self._tick = asyncio.Event()
+    def _changed(self, uid: str | None = None) -> None:
+        """Wake the waiters of ``uid`` and those of any change (None: every waiter)."""
+        for key in (None, uid) if uid is not None else list(self._waiters):
+            for woken in self._waiters.get(key, ()):
+                woken.set()
 
     # -- the informer ------------------------------------------------------------------------
 
@@ -169,7 +182,7 @@ class PodCache:
             return
         if kind == "DELETED":
             self._bury(view.uid, view)
-            self._changed()
+            self._changed(view.uid)
         elif view.uid not in self._gone:
             self._apply(view)
 

@@ -80,7 +80,7 @@ async def _await_cached(
         last = seen or cache.last(view.uid) or last
         return seen
 
-    if not await cache.until(lambda: until(current()), timeout):
+    if not await cache.until(lambda: until(current()), timeout, view.uid):
         raise Deadline(current() or last)
     return current(), last
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -269,4 +270,36 @@ async def test_a_relisting_drops_what_it_misses_and_keeps_what_the_driver_wrote_
     cache._listing([view_at("a", "stays", 6)], "20")
     assert [v.uid for v in await cache.views("a", 0) or []] == ["new", "stays"]
     assert cache.pod("gone") is None and cache.version == 20
+    await cache.close()
+
+
+async def test_a_pods_change_wakes_the_waits_on_that_pod_only_and_a_listing_wakes_all() -> None:
+    # A burst's launches and deletes wait on their own Pods: each change once woke all of them.
+    cache = PodCache(KubeApi(KubeConfig()), 0.1, 1.0)
+    uids = [f"u{i}" for i in range(20)]
+    cache._listing([view_at(f"k{i}", uid, 5) for i, uid in enumerate(uids)], "10")
+    checks: Counter[str] = Counter()
+
+    def gone(uid: str) -> Callable[[], bool]:
+        def done() -> bool:
+            checks[uid] += 1
+            return cache.pod(uid) is None
+
+        return done
+
+    waits = [asyncio.ensure_future(cache.until(gone(uid), 30, uid)) for uid in uids]
+    # Each wait's first check, then it waits.
+    await eventually(lambda: len(checks), lambda n: n == len(uids), 5, 0.01, "first checks")
+    assert checks == Counter(uids)
+    cache._event("DELETED", pod_at("k0", "u0", 11))
+    assert await asyncio.wait_for(waits[0], 5) is True
+    # The other waits, woken with it on the old code, would have checked again by now.
+    assert checks == Counter(uids) + Counter(["u0"])
+    cache._listing([view_at(f"k{i}", uid, 5) for i, uid in enumerate(uids) if i != 1], "20")
+    assert await asyncio.wait_for(waits[1], 5) is True
+    assert all(checks[uid] == 2 for uid in uids[1:])  # a listing wakes every wait
+    for wait in waits[2:]:
+        wait.cancel()
+    await asyncio.gather(*waits[2:], return_exceptions=True)
+    assert cache._waiters == {}  # the waits left nothing behind
     await cache.close()
