@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import time
 import uuid
 from contextlib import aclosing
 
 import httpx
 
-from drivers import podman_runc
 from drivers.podman import PodmanDriver
 from events.publisher import CommandPublisher
 from services.api import readmodel
@@ -37,6 +35,7 @@ from services.api.deps import ApiState
 from services.api.server import start_api
 from services.bench.drivers import Figures
 from services.bench.exec_marks import STEPS, AsgiMarks, Timeline, instrument
+from services.bench.exec_steps import runtime_beside_bare
 from services.bench.warm import TOKEN, line
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
@@ -138,16 +137,10 @@ async def _run(
             if runc is None:
                 continue
             runtime_id = execs.ids[(view.member_key, view.generation)]
-            began = time.perf_counter()
-            async with aclosing(podman_runc.exec_stream(runc, runtime_id, ["true"])) as events:
-                async for _ in events:
-                    pass
-            marked = time.perf_counter()
-            argv = [runc.path, "--root", str(runc.root), "exec", runtime_id, "true"]
-            await asyncio.to_thread(subprocess.run, argv, check=True, capture_output=True)
+            through, by_hand = await runtime_beside_bare(runc, runtime_id)
             if i >= 2:
-                runc_path.append(marked - began)
-                bare.append(time.perf_counter() - marked)
+                runc_path.append(through)
+                bare.append(by_hand)
     finally:
         undo()
     figures = [Figures("the API's exec driver alone", alone)]

@@ -55,21 +55,27 @@ def _stop(settings: Settings, runtime_id: str) -> None:
         client.containers.get(runtime_id).stop(timeout=1)
 
 
+async def runtime_beside_bare(runc: Runc, runtime_id: str) -> tuple[float, float]:
+    """Seconds of one ``true`` through the runtime path, then of a bare ``runc exec`` of it."""
+    began = time.perf_counter()
+    async with aclosing(podman_runc.exec_stream(runc, runtime_id, ["true"])) as events:
+        async for _ in events:
+            pass
+    marked = time.perf_counter()
+    argv = [runc.path, "--root", str(runc.root), "exec", runtime_id, "true"]
+    await asyncio.to_thread(subprocess.run, argv, check=True, capture_output=True)
+    return marked - began, time.perf_counter() - marked
+
+
 async def _runtime(runc: Runc, container: Container, samples: int) -> list[Figures]:
     """The runtime path's exec, and a bare ``runc exec`` of the container's own process."""
     driver, bare = [], []
     runtime_id = str(container.id)
     for i in range(samples + 2):  # the first two warm up, not counted
-        began = time.perf_counter()
-        async with aclosing(podman_runc.exec_stream(runc, runtime_id, ["true"])) as events:
-            async for _ in events:
-                pass
-        marked = time.perf_counter()
-        argv = [runc.path, "--root", str(runc.root), "exec", runtime_id, "true"]
-        await asyncio.to_thread(subprocess.run, argv, check=True, capture_output=True)
+        through, alone = await runtime_beside_bare(runc, runtime_id)
         if i >= 2:
-            driver.append(marked - began)
-            bare.append(time.perf_counter() - marked)
+            driver.append(through)
+            bare.append(alone)
     return [
         Figures("exec through runc: the driver's runtime path", driver),
         Figures("exec through runc: bare `runc exec`", bare),

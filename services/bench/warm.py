@@ -34,16 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import time
 import uuid
 from collections import defaultdict
-from contextlib import aclosing
 from typing import Any
 
 import httpx
 
-from drivers import podman_runc
 from drivers.podman import PodmanDriver
 from events.publisher import CommandPublisher
 from services.api import readmodel
@@ -51,7 +48,7 @@ from services.api.app import create_app
 from services.api.server import start_api
 from services.bench.drivers import Figures, percentile
 from services.bench.exec_marks import STEPS, AsgiMarks, Timeline, instrument
-from services.bench.exec_steps import exec_steps
+from services.bench.exec_steps import exec_steps, runtime_beside_bare
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.common.tokens import SCOPES, TokenStore
@@ -225,14 +222,7 @@ class Run:
         runtime_id = self.driver.execs.ids.get((view.member_key, view.generation))
         if runc is None or runtime_id is None:
             return 0.0, 0.0
-        began = time.perf_counter()
-        async with aclosing(podman_runc.exec_stream(runc, runtime_id, ["true"])) as events:
-            async for _ in events:
-                pass
-        marked = time.perf_counter()
-        argv = [runc.path, "--root", str(runc.root), "exec", runtime_id, "true"]
-        await asyncio.to_thread(subprocess.run, argv, check=True, capture_output=True)
-        return marked - began, time.perf_counter() - marked
+        return await runtime_beside_bare(runc, runtime_id)
 
 
 async def _pool_full(db: Any, timeout: float = 120) -> None:
