@@ -24,6 +24,7 @@ from drivers.podman_objects import (
     Container,
     container_name,
     ensure_volume,
+    list_volumes,
     read_container,
     remove_volume,
     volume_name,
@@ -117,7 +118,7 @@ class PodmanCalls:
         Podman 4.3 ORs several label filters on volumes (it ANDs them on containers), so
         the server filters on the key label alone and the rest is checked here.
         """
-        listed = self.client().volumes.list(filters=[f"label={LABEL_KEY}={key}"])
+        listed = list_volumes(self.client(), f"{LABEL_KEY}={key}")
         names = []
         for volume in listed:
             labels = volume.attrs.get("Labels") or {}
@@ -135,7 +136,7 @@ class PodmanCalls:
         found = {(c.info.key, c.info.sandbox_id) for c in self.list(None)}
         if self.checkpoints is not None:
             found.update(self.checkpoints.held())
-        volumes = self.client().volumes.list(filters=[f"label={LABEL_MANAGED_BY}={MANAGED_BY}"])
+        volumes = list_volumes(self.client(), f"{LABEL_MANAGED_BY}={MANAGED_BY}")
         for volume in volumes:
             if (incarnation := incarnation_of(volume.attrs.get("Labels"))) is not None:
                 found.add(incarnation)

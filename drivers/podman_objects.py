@@ -179,3 +179,19 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, APIError) and exc.explanation:
         return f"podman: {exc.explanation}"
     return f"podman: {type(exc).__name__}: {exc}"
+
+
+VOLUME_LIST_ATTEMPTS: Final = 5
+
+
+def list_volumes(client: PodmanClient, label: str) -> list[Any]:
+    """The volumes with ``label``. Podman 4.3 answers a volume list 500 "no such volume" when
+    one of the volumes it matched is removed while it reads them (another delete, in flight):
+    the list is asked again, as each answer is a fresh read, up to VOLUME_LIST_ATTEMPTS times."""
+    for attempt in range(1, VOLUME_LIST_ATTEMPTS + 1):
+        try:
+            return list(client.volumes.list(filters=[f"label={label}"]))
+        except APIError as exc:
+            if "no such volume" not in str(exc) or attempt == VOLUME_LIST_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")

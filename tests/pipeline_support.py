@@ -23,6 +23,7 @@ from podman import PodmanClient
 from podman.errors import NotFound
 
 from drivers.podman import PodmanDriver, remove_volume
+from drivers.podman_objects import list_volumes
 from drivers.protocol import LABEL_KEY, Driver
 from events.codec import encode
 from events.commands import Command
@@ -207,7 +208,7 @@ def containers_of(client: PodmanClient, key: str) -> list[dict[str, str]]:
 
 
 def volumes_of(client: PodmanClient, key: str) -> list[str]:
-    return sorted(v.name for v in client.volumes.list(filters=[f"label={LABEL_KEY}={key}"]))
+    return sorted(v.name for v in list_volumes(client, f"{LABEL_KEY}={key}"))
 
 
 def secrets_of(client: PodmanClient, key: str) -> list[str]:
