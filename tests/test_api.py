@@ -38,7 +38,10 @@ from services.common.settings import Settings
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def api() -> AsyncIterator[Api]:
-    async with apikit.running_api(FakeDriver()) as running:
+    # Observations stamped with the wall clock, as a real driver's are: with the fake's own
+    # clock (2025 on) a watch event deciding Ready before the launch's result would set
+    # the row's updated_at before its created_at.
+    async with apikit.running_api(FakeDriver(clock=lambda: datetime.now(UTC))) as running:
         yield running
 
 
