@@ -16,6 +16,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.client import AIOKafkaClient
 from aiokafka.errors import TopicAuthorizationFailedError
+from harness import eventually
 
 from services.common.kafka_clients import Role, kafka_client_args
 from services.common.log_identity import log_identity_of
@@ -76,13 +77,8 @@ async def granted(settings: Settings, role: Role, topic: str) -> bool:
     """``writes``, asked again for up to 30 s while refused: an ACL reaches each broker through
     the metadata log, so the partition's leader may apply a new grant after the node that
     answered its creation (a grant that never arrives still fails)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 30.0
-    while not await writes(settings, role, topic):
-        if loop.time() > deadline:
-            return False
-        await asyncio.sleep(0.5)  # polling interval: the brokers offer nothing to wait on
-    return True
+    return await eventually(lambda: writes(settings, role, topic), bool, timeout=30.0,
+                            interval=0.5, what=f"{role} granted writes to {topic}")  # fmt: skip
 
 
 async def test_a_role_writes_where_granted_and_is_refused_elsewhere(nodes: Settings) -> None:
