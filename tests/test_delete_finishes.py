@@ -237,12 +237,15 @@ async def test_a_deleted_incarnations_leftovers_are_collected_and_nothing_else()
             r = await c.delete(f"/v1/sandboxes/{gone}", params={"wait": 30})
             assert r.status_code == 200, r.text
             await api.wait_phase(gone, "Deleted")
+            reconciler = api.plane.reconciler  # type: ignore[union-attr]
+            assert reconciler is not None
+            # The loop's first pass (at start, then hourly) must not collect what follows.
+            await eventually(lambda: reconciler.passes, lambda n: n >= 1,
+                             what="the reconcile loop's first pass")  # fmt: skip
             await asyncio.to_thread(zombie_launch, podman, gone, first, image)
             await asyncio.to_thread(zombie_launch, podman, *stranger, image)
             assert await asyncio.to_thread(volume_exists, client, volume_name(gone, first))
 
-            reconciler = api.plane.reconciler  # type: ignore[union-attr]
-            assert reconciler is not None
             await reconciler.run_once()
             await eventually(
                 lambda: asyncio.to_thread(volume_exists, client, volume_name(gone, first)),

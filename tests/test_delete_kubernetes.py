@@ -148,14 +148,17 @@ async def test_a_tombstoned_incarnations_claim_is_collected(
         await command(env, pub, f.delete(key, occurred_at=now()))
         await wait_phase(env, key, "Deleted")
         assert await admin.claims(ns, key) == []
+        reconciler = plane.reconciler
+        assert reconciler is not None
+        # The loop's first pass (at start, then hourly) must not collect what follows.
+        await eventually(lambda: reconciler.passes, lambda n: n >= 1,
+                         what="the reconcile loop's first pass")  # fmt: skip
         # What a launch still running elsewhere would make after the delete: its claim.
         spec = LaunchSpec(key, sandbox_id, 1, "rid-late", SPEC)
         await admin.core.create_namespaced_persistent_volume_claim(
             ns, claim_manifest(spec, driver.cfg.pod_settings)
         )
         assert await admin.claims(ns, key) == [claim_name(key, sandbox_id)]
-        reconciler = plane.reconciler
-        assert reconciler is not None
         await reconciler.run_once()
         await eventually(
             lambda: admin.claims(ns, key), lambda claims: claims == [], timeout=30,

@@ -10,6 +10,7 @@ from prometheus_client import REGISTRY
 
 from services.common.kafka_clients import kafka_client_args
 from services.common.kafka_requests import request_type
+from services.common.settings import load_settings
 
 
 def sent(client: str, request: str) -> float:
@@ -28,10 +29,19 @@ def test_a_request_type_is_named_without_its_version() -> None:
     assert request_type(HeartbeatRequest()) == "Heartbeat"
 
 
+def test_a_clients_id_is_sandstream_and_its_role_unless_given() -> None:
+    settings = load_settings()
+    assert kafka_client_args(settings, "api")["client_id"] == "sandstream-api"
+    assert kafka_client_args(settings, "api", "reader")["client_id"] == "reader"
+
+
 async def test_each_produce_and_fetch_is_counted_under_the_clients_id() -> None:
     async with isolated_env(partitions=1) as env:
         s = env.settings
-        producer = AIOKafkaProducer(**kafka_client_args(s, "api"), acks="all")
+        # Ids of their own: other tests in this process count under the roles' ids.
+        producer = AIOKafkaProducer(
+            **kafka_client_args(s, "api", "sandstream-test-writer"), acks="all"
+        )
         consumer = AIOKafkaConsumer(
             s.topic_commands,
             **kafka_client_args(s, "audit", "sandstream-test-reader"),
@@ -41,12 +51,12 @@ async def test_each_produce_and_fetch_is_counted_under_the_clients_id() -> None:
         await consumer.start()
         try:
             produced, fetched = (
-                sent("sandstream-api", "Produce"),
+                sent("sandstream-test-writer", "Produce"),
                 sent("sandstream-test-reader", "Fetch"),
             )
             for _ in range(3):
                 await producer.send_and_wait(s.topic_commands, b"x", key=b"k")
-            assert sent("sandstream-api", "Produce") == produced + 3
+            assert sent("sandstream-test-writer", "Produce") == produced + 3
             got = await consumer.getmany(timeout_ms=10_000)
             assert sum(len(r) for r in got.values()) >= 1
             await eventually(
@@ -54,7 +64,7 @@ async def test_each_produce_and_fetch_is_counted_under_the_clients_id() -> None:
                 lambda n: n >= 1,
                 what="the reader's fetches counted",
             )
-            assert sent("sandstream-api", "Fetch") == 0.0  # the producer fetches nothing
+            assert sent("sandstream-test-writer", "Fetch") == 0.0  # the producer fetches nothing
         finally:
             await consumer.stop()
             await producer.stop()
