@@ -98,7 +98,8 @@ def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
         state,
         version=event.version,
         generation=event.generation,
-        updated_at=event.occurred_at,
+        # Never back: an input stamped by a clock behind ours (a driver's) may decide.
+        updated_at=max(state.updated_at, event.occurred_at),
         **_changes(state, event),
     )
     # Awaited rotations belong to one generation that may run on older values: a new

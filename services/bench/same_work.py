@@ -240,7 +240,7 @@ class SameWork:
             return self._general(record, message, cause, batch)
         if phase_was is not None:
             row.version += 1
-            row.updated_at = at
+            row.updated_at = max(row.updated_at, at)  # as the processor's evolve
         p = record.partition
         if key not in batch.changed:
             batch.changed[key] = (p, None if phase_was is None else row.version - 1)
