@@ -262,7 +262,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             # The detach rule: the provider leaves the row; a restart exactly where DETACH_TABLE
             # says so, without the provider.
             assert new is not None and message.provider not in new.providers
-            restarts = detach_action(prev, message.restart) == RESTART
+            restarts = detach_action(prev, message.restart, message.provider) == RESTART
             assert (len(events) == 2) == restarts
             if restarts:
                 assert events[1].detached == [message.provider]  # type: ignore[union-attr]
@@ -1071,3 +1071,20 @@ def test_lifecycle_machine_soak() -> None:
             suppress_health_check=list(HealthCheck),
         ),
     )
+
+
+def test_the_machine_expects_no_restart_for_a_detached_provider_only_a_claim_attached() -> None:
+    """The steps Hypothesis found (2026-12-05): the machine's detach rule left the provider
+    out, so it expected a claim's provider, which the adopted process never read, to restart
+    the member on detach; the product (rightly) restarts nothing."""
+    machine = LifecycleMachine()
+    spec = SandboxSpec(image="registry.example/agent:1")
+    machine.create(
+        key="a", providers=[], ttl=None, on_expiry="stop", on_exit="keep", spec=spec, pool="p"
+    )
+    machine.launch_reported(key="a", read=None, delta=0)
+    machine.adopt(member="a", claimant="a", claim="k1", providers=["gh"])
+    machine.act(key="a", choice=5, version=False)  # DetachProvider gh, restart requested
+    assert machine.events[-1].type == "ProviderDetached"
+    assert "gh" not in machine.states["a"].providers  # type: ignore[union-attr]
+    machine.teardown()
