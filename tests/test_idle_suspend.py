@@ -300,6 +300,35 @@ async def test_an_exec_running_longer_than_the_timeout_keeps_it_awake(
         await phase_is(api, name, ("Suspending", "Suspended"), timeout=idle + 3 * FLUSH + 20)
 
 
+async def test_an_upload_lasting_longer_than_the_timeout_keeps_it_awake(
+    scaled: tuple[Api, RunningOpenShell], settings: Settings
+) -> None:
+    api, _ = scaled
+    idle, piece = 2, b"x" * 1024
+    pieces = 8 * idle  # one every half second: 4 idle timeouts
+    async with sandbox(api, settings, "upload", idle) as name, api.client() as c:
+
+        async def slow() -> AsyncIterator[bytes]:
+            for _ in range(pieces):
+                yield piece
+                await asyncio.sleep(0.5)  # the pace of the upload, not a synchronisation
+
+        upload = c.put(
+            f"/v1/sandboxes/{name}/files/content",
+            params={"path": "/workspace/slow.bin"},
+            content=slow(),
+            headers={"Content-Length": str(pieces * len(piece))},
+        )
+        started = time.monotonic()
+        r = await stays_ready_while(api, name, asyncio.ensure_future(upload))
+        assert time.monotonic() - started >= 4 * idle
+        assert r.status_code == 201, r.text
+        assert r.json()["size"] == pieces * len(piece)
+        assert suspended_by_idle(await history(api.env, name)) == []
+        # The timeout was live all along: unused now, it is suspended.
+        await phase_is(api, name, ("Suspending", "Suspended"), timeout=idle + 3 * FLUSH + 20)
+
+
 async def test_a_held_sandbox_is_not_idle_suspended_and_counts_anew_from_its_release(
     scaled: tuple[Api, RunningOpenShell], settings: Settings
 ) -> None:

@@ -114,12 +114,18 @@ class UseRecorder:
         return set(self._open)
 
     async def while_using(self, names: Iterable[str], items: AsyncIterator[T]) -> AsyncIterator[T]:
-        """``items``, the sandboxes ``names`` in use while they are read."""
+        """``items``, the sandboxes ``names`` in use while they are read; ``items`` is closed
+        with it (a download's runtime stream must not wait for the garbage collector)."""
         with ExitStack() as stack:
             for name in set(names):
                 stack.enter_context(self.using(name))
-            async for item in items:
-                yield item
+            try:
+                async for item in items:
+                    yield item
+            finally:
+                closing = getattr(items, "aclose", None)
+                if closing is not None:
+                    await closing()
 
     async def begin(self, name: str, idle_seconds: int | None) -> None:
         """A session begins on a sandbox with an idle timeout: its use is written now, not at

@@ -104,10 +104,14 @@ def checked_path(field: str, path: str) -> str:
         raise ApiError(422, "INVALID_ARGUMENT", f"{field}: {exc}") from None
 
 
-async def ready(state: State, name: str, actor: str) -> tuple[FileSource, str, int]:
+async def ready(
+    state: State, name: str, actor: str, *, transfer: bool = False
+) -> tuple[FileSource, str, int]:
     """The source of a Ready sandbox's files, its key and generation (404, 409, 501 else); a
     Suspended one is woken first (``services.api.wake``: 409, 504 when that fails). The caller
-    checks the request first: a call refused for its own input wakes nothing."""
+    checks the request first: a call refused for its own input wakes nothing. A ``transfer``
+    (an upload or a download, which may outlast the idle timeout) has its use written now, as
+    an exec's is, and holds the sandbox in use while its bytes move."""
     view = await readmodel.get_sandbox(state.pool, name)
     if view is None:
         raise ApiError(404, "NOT_FOUND", f"sandbox {name!r} not found")
@@ -122,6 +126,8 @@ async def ready(state: State, name: str, actor: str) -> tuple[FileSource, str, i
             "is Ready",
         )
     state.use.touch(view.member_key)  # a use: idle suspend counts from here
+    if transfer:  # seen by the next idle scan, not only after the next flush
+        await state.use.begin(view.member_key, view.spec.idle_suspend_seconds)
     return source_of(state.files, view.member_key), view.member_key, view.generation
 
 
@@ -162,8 +168,9 @@ async def download(
     ] = "raw",
 ) -> StreamingResponse:
     where = checked_path("query parameter 'path'", path)
-    source, key, generation = await ready(state, name, principal.name)
-    chunks = aiter(source.read_tar(key, generation, where))
+    source, key, generation = await ready(state, name, principal.name, transfer=True)
+    # In use while the bytes move: a download may outlast the idle timeout.
+    chunks = aiter(state.use.while_using([key], source.read_tar(key, generation, where)))
     try:
         first = await anext(chunks, b"")
     except FilesError as exc:
@@ -294,7 +301,7 @@ async def upload(
     ] = "raw",
 ) -> FileEntryView:
     where = checked_path("query parameter 'path'", path)
-    source, key, generation = await ready(state, name, principal.name)
+    source, key, generation = await ready(state, name, principal.name, transfer=True)
     limit = state.settings.files_max_upload_bytes
     body = _counted(request, limit)
     existed = await _existing(source, key, generation, where)
@@ -302,10 +309,8 @@ async def upload(
         raise ApiError(400, "INVALID_ARGUMENT", f"{where!r}: a directory (upload a tar with "
                        "format=tar to extract into it)")  # fmt: skip
     try:
-        if format == "tar":
-            await source.write_tar(key, generation, where, checked(body))
-        else:
-            await _upload_file(source, key, generation, where, request, body)
+        with state.use.using(key):  # an upload may outlast the idle timeout
+            await _write(source, key, generation, where, request, body, format)
     except TooLarge:
         raise upload_too_large(limit) from None
     except Lapsed as exc:
@@ -319,6 +324,21 @@ async def upload(
         raise refused(exc) from exc
     response.status_code = 201 if existed is None else 200
     return await _entry(source, key, generation, where)
+
+
+async def _write(
+    source: FileSource,
+    key: str,
+    generation: int,
+    where: str,
+    request: Request,
+    body: AsyncIterator[bytes],
+    format: str,
+) -> None:
+    if format == "tar":
+        await source.write_tar(key, generation, where, checked(body))
+    else:
+        await _upload_file(source, key, generation, where, request, body)
 
 
 async def _existing(source: FileSource, key: str, generation: int, path: str) -> FileEntry | None:
