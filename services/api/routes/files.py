@@ -310,7 +310,10 @@ async def upload(
                        "format=tar to extract into it)")  # fmt: skip
     try:
         with state.use.using(key):  # an upload may outlast the idle timeout
-            await _write(source, key, generation, where, request, body, format)
+            if format == "tar":
+                await source.write_tar(key, generation, where, checked(body))
+            else:
+                await _upload_file(source, key, generation, where, request, body)
     except TooLarge:
         raise upload_too_large(limit) from None
     except Lapsed as exc:
@@ -324,21 +327,6 @@ async def upload(
         raise refused(exc) from exc
     response.status_code = 201 if existed is None else 200
     return await _entry(source, key, generation, where)
-
-
-async def _write(
-    source: FileSource,
-    key: str,
-    generation: int,
-    where: str,
-    request: Request,
-    body: AsyncIterator[bytes],
-    format: str,
-) -> None:
-    if format == "tar":
-        await source.write_tar(key, generation, where, checked(body))
-    else:
-        await _upload_file(source, key, generation, where, request, body)
 
 
 async def _existing(source: FileSource, key: str, generation: int, path: str) -> FileEntry | None:
