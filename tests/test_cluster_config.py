@@ -51,6 +51,15 @@ def test_a_node_is_one_voter_of_three_with_replicated_data_and_internal_topics()
     assert p["share.coordinator.state.topic.min.isr"] == "2"
 
 
+def test_only_a_single_node_writes_its_controllers_no_op_records_less_often() -> None:
+    template = cfg.KAFKA_PROPERTIES_TEMPLATE.read_text()
+    single = props(cfg.render_server_properties(template, Settings()))
+    assert single["metadata.max.idle.interval.ms"] == "5000"
+    settings = three()
+    node = props(cc.node_properties(template, settings, cc.nodes(settings)[0]))
+    assert node["metadata.max.idle.interval.ms"] == "500"  # Kafka's default
+
+
 def test_topics_are_replicated_three_times_with_two_in_sync_only_on_a_cluster() -> None:
     assert (cfg.replication_factor(three()), cfg.min_insync_replicas(three())) == (3, 2)
     assert cfg.topic_configs(three())["min.insync.replicas"] == "2"

@@ -43,6 +43,13 @@ def test_the_log_cleaners_buffer_leaves_the_brokers_heap_to_the_broker(tmp_path:
     assert buffer * 8 <= heap
 
 
+def test_the_brokers_jvm_compiles_with_the_first_tier_only(tmp_path: Path) -> None:
+    """C2 cost a fresh local broker half its CPU (docs/benchmarks.md, "The broker's JVM"); the
+    flag sits before the main class, where java reads its own options."""
+    cmd = cfg.kafka_java_command(Settings(state_dir=tmp_path), "kafka.Kafka", "server.properties")
+    assert cmd.index("-XX:TieredStopAtLevel=1") < cmd.index("kafka.Kafka")
+
+
 def test_helpers() -> None:
     assert cfg.split_host_port("127.0.0.1:19092") == ("127.0.0.1", 19092)
     assert cfg.split_host_port("[::1]:5432") == ("::1", 5432)

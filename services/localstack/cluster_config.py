@@ -85,6 +85,9 @@ def node_properties(
         "transaction.state.log.min.isr": isr,
         "share.coordinator.state.topic.replication.factor": rf,
         "share.coordinator.state.topic.min.isr": isr,
+        # Kafka's default back: the single node's longer wait (the template's) is for a quorum
+        # with no other voter or observer to show that its controller is alive.
+        "metadata.max.idle.interval.ms": "500",
     }
     rendered = cfg.render_server_properties(template, node.settings)
     return cfg.set_properties(rendered, overrides | dict(extra or {}))

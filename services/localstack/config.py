@@ -167,6 +167,12 @@ def kafka_java_command(settings: Settings, main_class: str, *args: str) -> list[
     return [
         "java",
         f"-Xmx{settings.kafka_heap}",
+        # The JIT's first tier only (C1): with C2 on, a fresh broker here spent half its CPU
+        # compiling (10 of 20 s over a bench's two bursts of 300, still compiling in the
+        # second), and an idle one kept compiling for minutes; C1's code served the same
+        # requests for no more CPU (docs/benchmarks.md, "The broker's JVM"). A broker of the
+        # local stack, never a production cluster's.
+        "-XX:TieredStopAtLevel=1",
         "-XX:+UseG1GC",
         "-XX:MaxGCPauseMillis=20",
         "-XX:+ExitOnOutOfMemoryError",
