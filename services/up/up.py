@@ -4,7 +4,7 @@
 creates the API tokens if missing, then runs the control plane (processor, executor with the
 Podman driver, watcher, reconciler, deadline scheduler) and the HTTP API in one event loop,
 logging to the terminal until Ctrl-C or SIGTERM, which stop everything cleanly. The stack keeps
-running.
+running. With ``up_api_process`` the API runs in a child process instead (api_process.py).
 ``down`` stops a running ``up`` (through its pid file) and then the stack.
 """
 
