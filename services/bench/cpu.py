@@ -156,6 +156,18 @@ def _backends(pids: Iterable[int]) -> dict[int, float] | None:
     return spent
 
 
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (any of its threads'; none if it is gone)."""
+    found = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as listed:
+                found += [int(child) for child in listed.read().split()]
+    except OSError:
+        return found
+    return found
+
+
 def connected_ports(pid: int, remote_port: int) -> list[int]:
     """The local ports of process ``pid``'s TCP connections to ``remote_port`` (IPv4 and IPv6;
     empty when /proc cannot tell): how a process's PostgreSQL backends are found, by the

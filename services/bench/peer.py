@@ -119,7 +119,9 @@ class Parties:
     pg_port: int
 
     async def now(self) -> dict[str, list[int]]:
-        ports = cpu.connected_ports(self.sandstream_pid, self.pg_port)
+        # `up` and its children (its API's process, when it runs one)
+        pids = [self.sandstream_pid, *cpu.children(self.sandstream_pid)]
+        ports = [port for pid in pids for port in cpu.connected_ports(pid, self.pg_port)]
         rows = await self.pg.fetch(
             "SELECT pid FROM pg_stat_activity WHERE client_port = ANY($1::int[])", ports
         )

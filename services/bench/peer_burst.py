@@ -34,7 +34,7 @@ from pathlib import Path
 import asyncpg
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from services.bench import peer_setup
+from services.bench import cpu, peer_setup
 from services.bench.api_rate import STEPS, Sums, sums
 from services.bench.peer import Bench, Parties, orders
 from services.bench.peer_kube import Kube
@@ -288,8 +288,9 @@ async def main(settings: Settings, sandboxes: int, rounds: int, profile: Path | 
     if profile is not None:
         profile.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240
     plan = Plan(sandboxes=sandboxes, rounds=rounds, gap=5.0, timeout=300.0, idle=10.0)
-    print(f"sandstream beside bare Pods: {rounds} bursts of {sandboxes}  ({os.cpu_count()} "
-          f"cores, load average {_load()} at the start)", flush=True)  # fmt: skip
+    where = "a process of its own" if settings.up_api_process else "`up`'s process"
+    print(f"sandstream beside bare Pods: {rounds} bursts of {sandboxes}, the API in {where}  "
+          f"({os.cpu_count()} cores, load average {_load()} at the start)", flush=True)  # fmt: skip
     spec = pod_spec(settings.sandbox_image)
     async with (
         peer_setup.private_kafka(settings, home / "kafka") as kafka,
@@ -314,7 +315,8 @@ async def main(settings: Settings, sandboxes: int, rounds: int, profile: Path | 
             try:
                 fixed = {
                     **cluster.pids(),
-                    "sandstream up": [ours.proc.pid],
+                    # with its API's process when it runs one (SANDSTREAM_UP_API_PROCESS)
+                    "sandstream up": [ours.proc.pid, *cpu.children(ours.proc.pid)],
                     "sandstream Kafka": [ours.broker],
                     "bench client": [os.getpid()],
                 }

@@ -230,6 +230,9 @@ class Settings(BaseSettings):
     # API
     api_host: str = "127.0.0.1"
     api_port: int = 8787
+    # `sandstream up` serves the API from a child process of its own (services/up/api_process.py)
+    # instead of its own event loop.
+    up_api_process: bool = False
     # How long the API waits for Kafka to acknowledge a command before it answers 503 (a
     # provider change's commands: pending, sent later by the relay).
     api_publish_timeout_seconds: float = Field(default=15.0, gt=0)

@@ -4,6 +4,7 @@ stops it. Imports the role packages it assembles and services.localstack.
 
 Modules:
 
+- ``api_process``: the HTTP API in a child process of its own (``up_api_process``).
 - ``control_plane``: the control plane's own roles in one process.
 - ``up``: `sandstream up` and `sandstream down`.
 """

@@ -4,7 +4,7 @@
 creates the API tokens if missing, then runs the control plane (processor, executor with the
 Podman driver, watcher, reconciler, deadline scheduler) and the HTTP API in one event loop,
 logging to the terminal until Ctrl-C or SIGTERM, which stop everything cleanly. The stack keeps
-running.
+running. With ``up_api_process`` the API runs in a child process instead (api_process.py).
 ``down`` stops a running ``up`` (through its pid file) and then the stack.
 """
 
@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -34,6 +35,7 @@ from services.common.credentials import create_key_file
 from services.common.kafka_clients import kafka_client_args
 from services.common.log_filter import rate_limit_kafka_logs
 from services.common.migrations import apply_migrations
+from services.common.serving import url_of
 from services.common.settings import Settings
 from services.common.tokens import TokenFileError, TokenSetup, TokenStore, ensure_tokens
 from services.executor.backends import describe_driver
@@ -46,6 +48,7 @@ from services.openshell.server import (
     start_openshell,
 )
 from services.provider_sync.controller import ProviderSync, sync_source
+from services.up.api_process import ApiChild
 
 if TYPE_CHECKING:
     from services.up.control_plane import ControlPlane
@@ -133,6 +136,13 @@ def up(settings: Settings, *, start_stack: bool = True) -> int:
     except OpenShellConfigError as exc:
         print(f"sandstream up: {exc}", file=sys.stderr)
         return 1
+    if settings.up_api_process and (settings.openshell_enabled or sync_source(settings)):
+        print(
+            "sandstream up: the API in a process of its own (SANDSTREAM_UP_API_PROCESS) "
+            "runs without OpenShell and the provider sync (--no-openshell)",
+            file=sys.stderr,
+        )
+        return 1
     if not _claim_pid_file(settings):
         print(
             f"sandstream up is already running (pid {running_up(settings)}); "
@@ -216,12 +226,21 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
     pool = None
     publisher = CommandPublisher(kafka_client_args(settings, "api"), topic=settings.topic_commands)
     api = None
+    child: ApiChild | None = None
     openshell: RunningOpenShell | None = None
     code = 0
     try:
         started = time.monotonic()
         plane = await open_control_plane(settings, driver, with_scheduler=True, supervised=True)
         await _executor_joined(plane, signals.stop)
+        if settings.up_api_process:
+            port = sock.getsockname()[1]
+            child = await ApiChild.start(settings, sock)
+            sock.close()  # the child's now
+            url = url_of(settings.api_host, port, "https" if tls else "http")
+            _banner(settings, url, tokens, time.monotonic() - started)
+            code = await _until_stopped(signals, plane, child.ended(), "API process")
+            return code
         pool = await connect_pool(settings)
         await publisher.__aenter__()
         app = create_app(
@@ -251,18 +270,7 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
             sync = functools.partial(_run_provider_sync, settings, app.state.providers)
             plane.supervise("provider sync", sync)
 
-        waiters: dict[asyncio.Future[Any], str] = {
-            asyncio.ensure_future(signals.stop.wait()): "signal",
-            asyncio.ensure_future(plane.stopping.wait()): "control plane",
-            asyncio.ensure_future(asyncio.shield(api.task)): "api",
-        }
-        done, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        for task in pending:
-            task.cancel()
-        why = waiters[next(iter(done))]
-        if why != "signal":
-            log.error("the %s stopped unexpectedly; stopping everything", why)
-            code = 1
+        code = await _until_stopped(signals, plane, asyncio.shield(api.task), "api")
     except (OSError, KafkaError, TokenFileError, asyncpg.PostgresError, RuntimeError) as exc:
         log.error("startup failed: %r", exc)
         code = 1
@@ -270,6 +278,8 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
         log.info("stopping the API, processor, executor, watcher and scheduler")
         if openshell is not None:
             await openshell.stop()
+        if child is not None:
+            await child.stop()
         if api is not None:
             await api.stop()
         else:
@@ -286,6 +296,25 @@ async def _serve(settings: Settings, tokens: TokenSetup) -> int:
             "`sandstream down` stops it"
         )
     return code
+
+
+async def _until_stopped(
+    signals: _Signals, plane: ControlPlane, api: Awaitable[object], what: str
+) -> int:
+    """Wait for a signal (0), or for the control plane or the API to stop by itself (1)."""
+    waiters: dict[asyncio.Future[Any], str] = {
+        asyncio.ensure_future(signals.stop.wait()): "signal",
+        asyncio.ensure_future(plane.stopping.wait()): "control plane",
+        asyncio.ensure_future(api): what,
+    }
+    done, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    why = waiters[next(iter(done))]
+    if why == "signal" or signals.stop.is_set():
+        return 0
+    log.error("the %s stopped unexpectedly; stopping everything", why)
+    return 1
 
 
 async def _run_provider_sync(
