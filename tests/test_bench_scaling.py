@@ -28,4 +28,8 @@ async def test_the_scaling_bench_shares_the_work_out_and_applies_every_input_onc
         assert len(f.shares) == f.count and min(f.shares) > 0, (f.role, f.shares)
         assert sum(f.shares) == (4 * plan.keys if f.role == "processor" else plan.creates)
         assert f.steady is not None and len(f.steady.ms) == f.steady.count, f.steady
-        assert f.cpu_us["Kafka"] > 0 and f.cpu_us[f"{f.role}s"] > 0, f.cpu_us
+        # At this size the processes can drain the whole backlog before the timed window
+        # opens (once they all hold their shares): then nothing is timed, the bench prints
+        # "0 inputs at 0/s", and there is no CPU per input to check.
+        if f.window[1]:
+            assert f.cpu_us["Kafka"] > 0 and f.cpu_us[f"{f.role}s"] > 0, f.cpu_us

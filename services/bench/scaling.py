@@ -338,15 +338,19 @@ def _shown(f: Figure, idle_ms: float) -> Figure:
     idle, seconds = _idle_share(f, idle_ms), f.window[0]
     busy = "" if f.busy is None else f"; cores {f.busy * 100:.0f} % busy"
     busy += f", {_own_share(f) * 100:.0f} % of them these parties'"
+    cpu_line = (
+        f"CPU per {unit[:-1]}: {f.cpu_total:.0f} µs ({parts}; of Kafka's, "
+        f"{idle:.0f} its idle rate over {seconds:.1f} s){busy}"
+        if f.window[1]
+        else f"CPU per {unit[:-1]}: none timed (drained before every process held its share)"
+    )
     print(
         f"{f.role:<9} {_processes(f.count)}  {f.work:,} {unit} at {f.rate:,.0f}/s  "
         f"(per process: {shares}){'  REBALANCED while timed' if f.rebalanced else ''}\n"
         f"             {f.reference}\n"
         f"             {'correct' if f.correct else 'WRONG'}: {f.checked}\n"
         f"             steady, {timed}: {f.steady}\n"
-        f"             CPU per {unit[:-1]}: {f.cpu_total:.0f} µs ({parts}; of Kafka's, "
-        f"{idle:.0f} its idle rate over {seconds:.1f} s){busy}; "
-        f"load {f.load[0]:.1f} → {f.load[1]:.1f}"
+        f"             {cpu_line}; load {f.load[0]:.1f} → {f.load[1]:.1f}"
     )
     return f
 
