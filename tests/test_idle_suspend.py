@@ -304,14 +304,21 @@ async def test_an_upload_lasting_longer_than_the_timeout_keeps_it_awake(
     scaled: tuple[Api, RunningOpenShell], settings: Settings
 ) -> None:
     api, _ = scaled
+    scheduler = api.plane.scheduler  # type: ignore[union-attr]
+    assert scheduler is not None
     idle, piece = 2, b"x" * 1024
-    pieces = 8 * idle  # one every half second: 4 idle timeouts
+    # A piece after each of the scheduler's reads of the use, which come a flush interval
+    # apart at least: the upload outlasts four timeouts, and the reads past the first timeout
+    # would find the sandbox idle were the upload not keeping it in use.
+    pieces = int(4 * idle / FLUSH) + 2
     async with sandbox(api, settings, "upload", idle) as name, api.client() as c:
 
         async def slow() -> AsyncIterator[bytes]:
             for _ in range(pieces):
                 yield piece
-                await asyncio.sleep(0.5)  # the pace of the upload, not a synchronisation
+                scans = scheduler.idle_scans
+                await eventually(lambda: scheduler.idle_scans, lambda n, seen=scans: n > seen,
+                                 timeout=30, what="the scheduler's next idle scan")  # fmt: skip
 
         upload = c.put(
             f"/v1/sandboxes/{name}/files/content",

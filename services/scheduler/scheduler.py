@@ -124,6 +124,7 @@ class Scheduler:
     producer: RenewingProducer | None = None
     published: int = 0  # DeadlineDue messages sent since start
     rounds: int = 0  # rounds completed since start
+    idle_scans: int = 0  # reads of the recorded use since start (one a flush interval at most)
     forgotten: int = 0  # rows of deleted sandboxes' use removed since start
     _sent: set[str] = field(default_factory=set)  # ids sent for rows still due
     # The idle scan runs at most once per flush interval of the doors' use (what it reads
@@ -162,6 +163,7 @@ class Scheduler:
             self._next_idle_scan = now + timedelta(seconds=self.settings.use_flush_seconds)
             due += idle
             self.forgotten += await forget_deleted(self.pool, self.batch)
+            self.idle_scans += 1
         fresh = sorted(
             (m for m in due if m.observation_id not in self._sent), key=lambda m: m.due_at
         )
