@@ -2,13 +2,17 @@
 health endpoints) answer without Nagle's algorithm (uvicorn writes an answer's headers and body
 in two sends, and with Nagle on the body waited for the client's delayed acknowledgement of the
 headers: 40 ms on Linux), and no API request hops to a worker thread (FastAPI runs a plain
-function endpoint or dependency in its thread pool)."""
+function endpoint or dependency in its thread pool). And what a client pays for reusing a
+connection: the servers keep an idle one open longer than httpx (the SDK, the CLI) keeps it, so
+a request sent on it is never met by the server's close (a CI run failed on that race)."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import socket
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import apikit
@@ -18,6 +22,7 @@ from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 from starlette.routing import BaseRoute
 
+from services.common.health import Readiness, start_health
 from services.common.serving import EmbeddedServer, bind, serve_started, url_of
 
 
@@ -48,6 +53,55 @@ async def test_a_served_connection_has_nagle_off() -> None:
     finally:
         server.should_exit = True
         await task
+
+
+async def ask(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: str) -> int:
+    """One HTTP/1.1 request on an open connection; its status (0: the server had closed it)."""
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: test\r\n\r\n".encode())
+    await writer.drain()
+    head = await reader.readuntil(b"\r\n\r\n") if not reader.at_eof() else b""
+    if not head:
+        return 0
+    lines = head.decode().split("\r\n")
+    length = next(int(v) for k, _, v in (h.partition(": ") for h in lines) if k == "content-length")
+    await reader.readexactly(length)
+    return int(lines[0].split()[1])
+
+
+async def still_answers_after_idling(url: str, path: str) -> list[int]:
+    """Statuses of two requests on one connection, the second after it idled a second longer
+    than httpx keeps an idle connection."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        first = await ask(reader, writer, path)
+        await asyncio.sleep((httpx.Limits().keepalive_expiry or 5.0) + 1.0)  # the subject
+        try:
+            second = await ask(reader, writer, path)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            second = 0
+        return [first, second]
+    finally:
+        writer.close()
+
+
+async def test_the_api_keeps_an_idle_connection_open_longer_than_its_clients_do() -> None:
+    async with apikit.running_api(None) as api:
+        assert await still_answers_after_idling(api.url, "/healthz") == [200, 200]
+
+
+async def _ready() -> Readiness:
+    return Readiness(True, "ok", {})
+
+
+async def test_a_health_endpoint_keeps_an_idle_connection_open_longer_than_its_clients_do(
+    tmp_path: Path,
+) -> None:
+    health = await start_health("processor", _ready, "127.0.0.1", 0, None, tmp_path / "none")
+    try:
+        assert await still_answers_after_idling(health.url, "/healthz") == [200, 200]
+    finally:
+        await health.stop()
 
 
 def api_routes(routes: Sequence[BaseRoute]) -> Iterator[APIRoute]:

@@ -15,7 +15,13 @@ from fastapi import FastAPI
 
 from services.api.readmodel import ChangeFeed
 from services.common.secret_files import check_private
-from services.common.serving import EmbeddedServer, bind, serve_started, url_of
+from services.common.serving import (
+    KEEP_ALIVE_SECONDS,
+    EmbeddedServer,
+    bind,
+    serve_started,
+    url_of,
+)
 from services.common.settings import Settings
 
 __all__ = ["ApiServer", "RunningApi", "Tls", "bind", "start_api"]
@@ -83,7 +89,7 @@ async def start_api(
         access_log=access_log,
         lifespan="on",
         timeout_graceful_shutdown=5,
-        timeout_keep_alive=5,
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
         ssl_certfile=tls.certfile if tls else None,
         ssl_keyfile=tls.keyfile if tls else None,
         proxy_headers=bool(trusted_proxies),

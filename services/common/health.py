@@ -30,7 +30,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.common.serving import EmbeddedServer, bind, serve_started, url_of
+from services.common.serving import (
+    KEEP_ALIVE_SECONDS,
+    EmbeddedServer,
+    bind,
+    serve_started,
+    url_of,
+)
 from services.common.tokens import OPS, Denied, TokenStore, authorize_header, sees_operations
 
 # A readiness check answering later than this counts as not ready.
@@ -148,6 +154,7 @@ async def start_health(
         health_app(role, readiness, tokens),
         log_config=None,
         lifespan="off",
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
         proxy_headers=False,  # uvicorn believes X-Forwarded-* from 127.0.0.1 by default
     )
     server = EmbeddedServer(config)

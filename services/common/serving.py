@@ -10,6 +10,12 @@ from collections.abc import Iterator
 
 import uvicorn
 
+# How long an idle kept-alive connection stays open. Longer than the clients' own idle expiry
+# (httpx's, so the SDK's and the CLI's, is 5 s; load balancers' 60 s), so that the client drops
+# an idle connection first: a server that closes it just as a client sends on it fails that
+# request with a read error, and uvicorn's default (5 s) raced httpx's to the millisecond.
+KEEP_ALIVE_SECONDS = 75
+
 
 class EmbeddedServer(uvicorn.Server):
     """uvicorn without its own signal handling: the embedding process owns the signals."""
