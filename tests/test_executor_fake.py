@@ -42,6 +42,7 @@ from events.observations import Operation
 from events.publisher import CommandPublisher
 from events.topics import record_key
 from projections.lifecycle import Sandbox
+from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.executor.calls import RetryPolicy
 from services.executor.driver_side import DriverSide
@@ -119,6 +120,51 @@ async def test_a_blocked_delete_of_a_does_not_delay_b() -> None:
         await wait_phase(env, "a", "Deleted")
         assert len(driver.calls_for("delete", "a")) == 1
         assert await driver.list() == []
+
+
+async def test_a_delete_delivered_again_by_a_rebalance_while_it_is_held_runs_once() -> None:
+    """A's delete is held in the driver when the executor group rebalances (a member joins and
+    leaves): the partition comes back from its committed offset, below the held delete, so the
+    same event is queued again behind it. Once the held call has reported, the copy is not run
+    (the old code deleted twice; a suite run under load hit it when a heartbeat was late)."""
+    driver = FakeDriver()
+    async with isolated_env() as env:
+        await env.start_processor()
+        executor = Executor(env.settings, driver, env.pool, retry=FAST_RETRY, revoke_grace=0.2)
+        stop = asyncio.Event()
+        await executor.start()
+        task = asyncio.create_task(executor.run(stop))
+        try:
+            async with await env.publisher() as pub:
+                await command(env, pub, f.create("a"))
+                await wait_phase(env, "a", "Ready")
+                held = driver.block("delete", "a")
+                await command(env, pub, f.delete("a"))
+                await held.entered()
+
+                joiner = AIOKafkaConsumer(
+                    **kafka_client_args(env.settings, "executor"),
+                    group_id=env.settings.executor_group,
+                )
+                joiner.subscribe([env.settings.topic_events])
+                await joiner.start()
+                await eventually(lambda: joiner.assignment(), bool, what="the joiner's share")
+                await joiner.stop()
+                await eventually(
+                    lambda: (len(executor.ownership.owned), executor.pending("a")),
+                    lambda seen: seen[0] == 4 and seen[1] >= 2,
+                    what="every partition back, A's delete queued again behind the held one",
+                )
+                held.release()
+                await wait_phase(env, "a", "Deleted")
+                await eventually(lambda: executor.pending("a"), lambda n: n == 0,
+                                 what="A's queue done")  # fmt: skip
+        finally:
+            stop.set()
+            await task
+            await executor.stop()
+        assert len(driver.calls_for("delete", "a")) == 1
+        assert executor.queues.repeated >= 1
 
 
 # -- ordering and concurrency ---------------------------------------------------------------------

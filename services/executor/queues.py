@@ -1,12 +1,14 @@
 """One queue and one worker per sandbox: its intents run one at a time in log order, an intent
-a later one makes pointless is skipped, and each reported result is published until sent.
+a later one makes pointless is skipped, each reported result is published until sent, and an
+event delivered again (after a rebalance) whose result this executor already published is not
+run again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 
 from aiokafka import TopicPartition
@@ -20,6 +22,11 @@ log = logging.getLogger("sandstream.executor")
 
 Publish = Callable[[DriverOperationResult], Awaitable[None]]
 
+# How many published results' ids are kept to recognise an event delivered again. A rebalance
+# delivers again what lies above the partition's committed offset, which is below the oldest
+# unfinished intent: a few hundred events even in a burst.
+REPORTED_KEPT = 10_000
+
 
 class SandboxQueues:
     """The sandboxes' queues and workers; a worker ends when its queue is empty."""
@@ -29,11 +36,14 @@ class SandboxQueues:
         self.calls = calls
         self.publish = publish
         self.skipped = 0  # intents skipped because a later one in the queue supersedes them
+        self.repeated = 0  # events delivered again whose result was already published here
         self.crashed: BaseException | None = None  # a worker's unexpected error
         self._queues: dict[str, deque[WorkItem]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._news: dict[str, asyncio.Event] = {}  # set when a key gets work
         self._active: dict[str, WorkItem] = {}  # the intent each worker runs
+        # Result ids of the log's intents whose result this executor published (oldest first).
+        self._reported: OrderedDict[str, None] = OrderedDict()
 
     def add(self, item: WorkItem) -> None:
         key = item.intent.key
@@ -88,6 +98,8 @@ class SandboxQueues:
                 item = queue.popleft()
                 if not current(item):
                     continue  # left unfinished: redelivered to the partition's owner
+                if self._reported_before(item):
+                    continue
                 later = next(
                     (i for i in queue if current(i) and supersedes(i.intent, item.intent)), None
                 )
@@ -118,12 +130,33 @@ class SandboxQueues:
                 # The driver call happened: losing its result would leave the row waiting
                 # forever, so it is retried until sent.
                 await self.publish(result)
+                self._note_reported(item)
                 item.finish()
         finally:
             del self._active[key]
             if item.progress is not None:
                 item.progress.running.discard(item.offset)
                 item.progress.changed.set()
+
+    def _reported_before(self, item: WorkItem) -> bool:
+        """An event delivered again after a rebalance while its first delivery ran here: that
+        run's result is on the log, so the call is not made twice (on the same decision: a
+        second result would only repeat it). Only the log's intents: a row's pick-up is asked
+        for again when the row still wants the operation after its result."""
+        if item.tp is None or item.intent.result_id not in self._reported:
+            return False
+        log.info("%s of %s generation %d delivered again: already done and reported here",
+                 item.intent.operation, item.intent.key, item.intent.generation)  # fmt: skip
+        self.repeated += 1
+        item.finish()
+        return True
+
+    def _note_reported(self, item: WorkItem) -> None:
+        if item.tp is None:
+            return
+        self._reported[item.intent.result_id] = None
+        if len(self._reported) > REPORTED_KEPT:
+            self._reported.popitem(last=False)
 
     def _worker_ended(self, worker: asyncio.Task[None]) -> None:
         if not worker.cancelled() and (exc := worker.exception()) is not None:
