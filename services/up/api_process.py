@@ -118,7 +118,7 @@ async def _serve_child(settings: Settings, fd: int) -> int:
     try:
         await publisher.__aenter__()
         app = create_app(settings, pool, publisher, TokenStore.from_file(settings.tokens_file),
-                         exec_driver=_exec_driver(settings))  # fmt: skip
+                         exec_driver=settings_exec_driver(settings))  # fmt: skip
         api = await start_api(
             app, settings.api_host, settings.api_port, sock=sock, tls=Tls.of(settings),
             trusted_proxies=settings.trusted_proxies,
@@ -145,9 +145,10 @@ def _on_stdin(stop: asyncio.Event) -> None:
         stop.set()
 
 
-def _exec_driver(settings: Settings) -> Literal["settings"] | None:
-    """As in `up` without the plane's driver: the settings' exec driver (none behind a
-    routing prefix)."""
+def settings_exec_driver(settings: Settings) -> Literal["settings"] | None:
+    """The exec driver an API without the plane's driver uses (this child, and `up` when its
+    driver cannot exec): the settings' (none behind a routing prefix: the routing driver has
+    no exec)."""
     return "settings" if settings.driver_route_prefix is None else None
 
 

@@ -48,7 +48,7 @@ from services.openshell.server import (
     start_openshell,
 )
 from services.provider_sync.controller import ProviderSync, sync_source
-from services.up.api_process import ApiChild
+from services.up.api_process import ApiChild, settings_exec_driver
 
 if TYPE_CHECKING:
     from services.up.control_plane import ControlPlane
@@ -427,4 +427,4 @@ def _exec_driver(settings: Settings, driver: object) -> ExecDriver | Literal["se
     prefix (the routing driver has no exec)."""
     if isinstance(driver, ExecDriver):
         return driver
-    return "settings" if settings.driver_route_prefix is None else None
+    return settings_exec_driver(settings)
