@@ -87,13 +87,15 @@ async def launched(driver: PodmanDriver, settings: Settings) -> AsyncIterator[Ca
 
 @pytest.fixture
 def containers(settings: Settings, podman: PodmanClient) -> Any:
-    """Plain containers of the sandbox image made with Podman's options; removed after."""
+    """Plain containers of the sandbox image made with Podman's options; removed after.
+    Removing one stops it first, with its stop timeout: ``sleep`` as PID 1 ignores SIGTERM,
+    so the default (10 s) was spent in full at every teardown; they are killed at once."""
     made: list[Container] = []
 
     def run(**options: Any) -> Container:
         container = podman.containers.run(
             settings.sandbox_image, ["sleep", "3600"], detach=True,
-            name=f"runc-shape-{uuid.uuid4().hex[:8]}", **options,
+            name=f"runc-shape-{uuid.uuid4().hex[:8]}", stop_timeout=0, **options,
         )  # fmt: skip
         assert isinstance(container, Container)
         made.append(container)
