@@ -21,7 +21,7 @@ from harness import Env, eventually, isolated_env
 from drivers.protocol import Driver
 from events.publisher import CommandPublisher
 from services.api.app import create_app
-from services.api.server import Tls, start_api
+from services.api.server import RunningApi, Tls, start_api
 from services.common.kafka_clients import kafka_client_args
 from services.common.tokens import (
     AUDIT,
@@ -63,6 +63,7 @@ class Api:
     url: str
     app: FastAPI
     plane: ControlPlane | None
+    server: RunningApi  # the uvicorn server, in the test's event loop
 
     def client(self, token: str | None = ADMIN, **kwargs: Any) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -126,7 +127,7 @@ async def running_api(
         )
         server = await start_api(app, "127.0.0.1", 0, access_log=False, tls=tls)
         try:
-            yield Api(env, server.url, app, plane)
+            yield Api(env, server.url, app, plane, server)
         finally:
             await server.stop()
             await publisher.__aexit__()
