@@ -27,7 +27,7 @@ lint: setup
 	.venv/bin/mypy
 
 test: stack k8s-node helm lint
-	.venv/bin/pytest -q -n 2 --dist loadfile --durations=15
+	.venv/bin/pytest -q -n 3 --dist loadfile --durations=15
 
 bench: stack k8s
 	$(PY) -m services.bench

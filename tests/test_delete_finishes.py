@@ -68,6 +68,7 @@ def hold_volume(client: PodmanClient, image: str, volume: str, name: str) -> str
         ["sleep", "600"],
         name=name,
         volumes={volume: {"bind": "/held", "mode": "rw"}},
+        stop_timeout=0,  # killed at once on release: `sleep` as PID 1 ignores SIGTERM
     )
     container.start()
     return str(container.id)
