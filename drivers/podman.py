@@ -63,6 +63,7 @@ from drivers.protocol import (
 from events.backoff import Backoff
 from events.common import SandboxResources
 from events.observations import RuntimeRemoved, RuntimeSnapshot
+from events.recent import RecentIds
 
 # The names callers use beside the driver (tests, benchmarks), where they always were.
 __all__ = ["DEFAULT_LIMITS", "PodmanDriver", "container_name", "remove_volume", "volume_name"]
@@ -70,6 +71,10 @@ __all__ = ["DEFAULT_LIMITS", "PodmanDriver", "container_name", "remove_volume", 
 log = logging.getLogger("sandstream.drivers.podman")
 
 T = TypeVar("T")
+
+# Event ids the watch remembers to skip Podman's repeats: more than one rotated event log holds
+# (its default 1 MB is about 1,700 events).
+REPORTED_EVENTS = 4096
 
 
 class PodmanDriver:
@@ -190,8 +195,13 @@ class PodmanDriver:
         The event stream is opened before the listing, so nothing that happens in between is
         lost (it follows the listing, possibly as a duplicate). Runtimes seen before a
         reconnect but missing from the new listing are reported removed (source="list").
+
+        An event already reported is skipped: Podman 4.3's stream sends the newer half of its
+        event log again after rotating it (its ``events_logfile_max_size``), and a start sent
+        again after the runtime's exit would make an exited sandbox look running.
         """
         known: dict[str, tuple[str, int]] = {}  # runtime id -> (key, generation)
+        reported = RecentIds(REPORTED_EVENTS)
         backoff = Backoff(self._reconnect_delay, self._max_reconnect_delay, log, "podman watch")
         while not self._closed:
             stream = EventStream(self.base_url, asyncio.get_running_loop())
@@ -218,7 +228,7 @@ class PodmanDriver:
                 known = listed
                 while (event := await stream.next_event()) is not None:
                     observation = await self._observation(event)
-                    if observation is None:
+                    if observation is None or reported.seen(observation.observation_id):
                         continue
                     runtime_id = observation.runtime_id or ""
                     if isinstance(observation, RuntimeRemoved):

@@ -18,11 +18,14 @@ from pipeline_support import (
     command,
     containers_of,
     history,
+    observations_of,
     podman_env,
+    produce_raw,
     remove_now,
     running_plane,
     sandbox_spec,
     volumes_of,
+    wait_history_at,
     wait_phase,
 )
 from podman import PodmanClient
@@ -198,6 +201,41 @@ def test_a_current_generation_running_under_a_stopped_row_is_reported_and_handed
     assert [(r.key, r.generation) for r in stray_runtimes(rows, runtimes)] == [("s", 3)]
 
 
+def test_an_exited_runtime_under_a_ready_row_is_reported_as_its_exit() -> None:
+    """A Ready row's runtime runs: when the listing shows it exited, the watch lost or
+    misordered its exit (Podman 4.3 replays old events after rotating its log). The pass
+    reports the exit; other phases, generations and incarnations are left alone."""
+    rows = [
+        live("ready", 2, Phase.READY),
+        live("older", 3, Phase.READY),
+        live("other", 2, Phase.READY, sandbox_id=OTHER),
+        live("running", 2, Phase.READY),
+        *(live(p.value, 2, p) for p in (Phase.ERROR, Phase.COMPLETED, Phase.STOPPED)),
+        live("stopping", 2, Phase.STOPPING),
+        live("starting", 2, Phase.STARTING),
+    ]
+    runtimes = [
+        runtime("ready", 2, "exited"),
+        runtime("older", 3),
+        runtime("older", 2, "exited"),  # an older generation's exit: no news
+        runtime("other", 2, "exited", sandbox_id=SID),  # another incarnation: an orphan
+        runtime("running", 2),
+        *(runtime(p.value, 2, "exited") for p in (Phase.ERROR, Phase.COMPLETED, Phase.STOPPED)),
+        runtime("stopping", 2, "exited"),
+        runtime("starting", 2, "exited"),
+    ]
+    exits = [
+        o for o in reconcile(rows, runtimes, NOW) if o.observation_id.startswith("reconcile:exited")
+    ]
+    [report] = exits
+    assert isinstance(report, RuntimeSnapshot)
+    assert (report.key, report.generation, report.state, report.exit_code, report.source) == (
+        "ready", 2, "exited", 143, "reconcile"
+    )  # fmt: skip
+    assert report.observation_id == f"reconcile:exited:{runtime('ready', 2).runtime_id}:exited"
+    assert reconcile(rows, runtimes, NOW).count(report) == 1
+
+
 # -- on the pipeline ------------------------------------------------------------------------------
 
 
@@ -231,6 +269,40 @@ async def test_a_container_removed_while_no_watcher_ran_is_found_by_the_reconcil
             await command(env, pub, f.delete(key))
             await wait_phase(env, key, "Deleted")
             assert volumes_of(podman, key) == []
+
+
+async def test_a_start_replayed_after_the_exit_is_undone_by_the_reconcile_loop(
+    podman: PodmanClient,
+) -> None:
+    """Found in a suite run: Podman 4.3 replays old events after rotating its event log, so
+    the watch reported a sandbox's start again after its exit; the row went back to Ready over
+    an exited container and stayed so (its restart policy never ran). The reconcile loop now
+    reports the exit it sees in the listing: the row is Error again within a pass."""
+    async with podman_env(podman, "replay") as (env, driver, keys), await env.publisher() as pub:
+        key = keys()
+        async with running_plane(env, driver, reconcile_interval=0.5, removing=keys):
+            spec = sandbox_spec(env.settings, ["sh", "-c", "exit 3"])
+            await command(env, pub, f.create(key, sandbox_spec=spec))
+            exited = await wait_phase(env, key, "Error")
+            assert exited["exit_code"] == 3
+            starts = [
+                raw
+                for o, raw in await observations_of(env, key)
+                if isinstance(o, RuntimeSnapshot) and o.state == "running" and o.source == "watch"
+            ]
+            placed = await produce_raw(env, [(key.encode(), starts[0])])  # the replay
+            [replayed] = await wait_history_at(env, placed)
+            assert (replayed["disposition"], replayed["phase"]) == ("applied", "Ready")
+            again = await wait_phase(env, key, "Error")
+            assert (again["generation"], again["exit_code"]) == (1, 3)
+            entries = await history(env, key)
+            at = next(i for i, h in enumerate(entries) if h["offset"] == placed[0][1])
+            message = [h["message"] for h in entries[at + 1 :]]
+            after = [
+                (m.get("source"), m.get("state"), h["disposition"], h["phase"])
+                for m, h in zip(message, entries[at + 1 :], strict=True)
+            ]
+            assert after[0] == ("reconcile", "exited", "applied", "Error"), after
 
 
 async def test_an_orphan_runtime_is_reported_and_recorded_but_never_removed(

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 from aiokafka import TopicPartition
 
 from events.observations import DriverOperationResult
+from events.recent import RecentIds
 from services.executor.calls import DriverCalls
 from services.executor.intents import Dropped, Intent, supersedes
 from services.executor.progress import Ownership, WorkItem
@@ -43,8 +44,8 @@ class SandboxQueues:
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._news: dict[str, asyncio.Event] = {}  # set when a key gets work
         self._active: dict[str, WorkItem] = {}  # the intent each worker runs
-        # Result ids of the log's intents whose result this executor published (oldest first).
-        self._reported: OrderedDict[str, None] = OrderedDict()
+        # Result ids of the log's intents whose result this executor published.
+        self._reported = RecentIds(REPORTED_KEPT)
 
     def add(self, item: WorkItem) -> None:
         key = item.intent.key
@@ -155,9 +156,7 @@ class SandboxQueues:
     def _note_reported(self, item: WorkItem) -> None:
         if item.tp is None:
             return
-        self._reported[item.intent.result_id] = None
-        if len(self._reported) > REPORTED_KEPT:
-            self._reported.popitem(last=False)
+        self._reported.add(item.intent.result_id)
 
     def _worker_ended(self, worker: asyncio.Task[None]) -> None:
         if not worker.cancelled() and (exc := worker.exception()) is not None:

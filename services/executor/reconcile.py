@@ -84,7 +84,12 @@ def reconcile(
       flight) → a ``RuntimeSnapshot`` of it, which the processor records as ignored;
     - *stray*: a runtime of a Stopped row's own generation that runs (``stray_runtimes``) →
       a ``RuntimeSnapshot`` of it (ignored in Stopped: the row stays Stopped, the executor
-      stops the runtime).
+      stops the runtime);
+    - *exited*: a Ready row's own runtime that has exited (``exited_runtimes``) → a
+      ``RuntimeSnapshot`` of it, which the processor takes as the exit it missed (Error or
+      Completed, and the restart policy). The watch normally reports an exit; this catches
+      one it lost or reported out of order (Podman 4.3 replays old events after rotating its
+      event log: a replayed start of an exited runtime made its row Ready again).
 
     Read the rows before listing the runtimes: a runtime launched after the rows were read is
     then at worst reported as an orphan of a newer generation, which the processor ignores or
@@ -105,6 +110,7 @@ def reconcile(
         if orphan:
             out.append(_reported("orphan", rt, now))
     out += [_reported("stray", rt, now) for rt in stray_runtimes(by_key.values(), runtimes)]
+    out += [_reported("exited", rt, now) for rt in exited_runtimes(by_key.values(), runtimes)]
     for row in by_key.values():
         if (
             row.phase in EXPECTS_RUNTIME
@@ -153,6 +159,20 @@ def _reported(difference: str, rt: RuntimeInfo, now: datetime) -> RuntimeSnapsho
         runtime_id=rt.runtime_id,
         source="reconcile",
     )
+
+
+def exited_runtimes(rows: Iterable[LiveRow], runtimes: Iterable[RuntimeInfo]) -> list[RuntimeInfo]:
+    """Runtimes of a Ready row's own incarnation and generation that have exited (pure): a
+    Ready row's runtime runs, so its exit was missed."""
+    by_key = {r.key: r for r in rows}
+    return [
+        rt
+        for rt in runtimes
+        if rt.state == "exited"
+        and (row := by_key.get(rt.key)) is not None
+        and row.phase is Phase.READY
+        and (row.sandbox_id, row.generation) == (rt.sandbox_id, rt.generation)
+    ]
 
 
 def stray_runtimes(rows: Iterable[LiveRow], runtimes: Iterable[RuntimeInfo]) -> list[RuntimeInfo]:
