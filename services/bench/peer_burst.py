@@ -63,7 +63,8 @@ from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 
 Offsets = dict[str, int]  # topic -> records so far (every partition)
-TableStats = dict[str, int]  # "inserted", "updated", "deleted", "index scans", "seq scans"
+TableStats = dict[str, int]  # "inserted", "updated", "deleted", "index scans", "seq scans",
+# and the database's "transactions"
 COLUMNS = ("ins", "upd", "del", "idx", "seq")
 
 
@@ -104,9 +105,16 @@ async def settled_stats(pg: asyncpg.Connection[asyncpg.Record], schema: str) -> 
         await asyncio.sleep(1.0)
         now = await table_stats(pg, schema)
         if now == last:
-            return now
+            break
         last = now
-    return last
+    # Every client's statements outside a transaction block are a transaction each, so this
+    # counts round trips (the database's: run the bench alone; these reads add about ten).
+    return {**last, "transactions": await pg.fetchval(_TRANSACTIONS)}
+
+
+_TRANSACTIONS = (
+    "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()"
+)
 
 
 def per_sandbox(before: Mapping[str, int], after: Mapping[str, int], n: int) -> str:
@@ -342,6 +350,8 @@ async def main(settings: Settings, sandboxes: int, rounds: int, profile: Path | 
                             figures[OURS].append(await bench.burst(system, f"b{i}"))
                         finally:
                             await spy.stop()
+                        # Before the reads below (the recorded steps read every history).
+                        now = await settled_stats(pg, ours.settings.pg_schema)
                         print(f"  {'':<14} {delete_line(tracks[OURS], f'b{i}-')}")
                         steps = await recorded_steps(api, tracks[OURS], f"b{i}-")
                         print(f"  {'':<14} {steps}")
@@ -356,8 +366,8 @@ async def main(settings: Settings, sandboxes: int, rounds: int, profile: Path | 
                         after = await topic_records(ours.settings)
                         print(f"  {'':<14} Kafka records per sandbox: "
                               f"{per_sandbox(records, after, sandboxes)}")  # fmt: skip
-                        now = await settled_stats(pg, ours.settings.pg_schema)
-                        print(f"  {'':<14} PostgreSQL per sandbox (its schema's tables): "
+                        print(f"  {'':<14} PostgreSQL per sandbox (its schema's tables; "
+                              "the database's transactions): "
                               f"{per_sandbox(rows, now, sandboxes)}", flush=True)  # fmt: skip
                 print(f"\nbursts of {sandboxes} (CPU above each process's idle; own: `up`, its "
                       "broker, its PostgreSQL backends)")  # fmt: skip

@@ -23,7 +23,7 @@ from services.common.settings import Settings
 from services.executor.clock import Clock
 from services.executor.intents import Dropped, Intent, is_slow, takes_lane, unwanted
 from services.executor.progress import Ownership, WorkItem
-from services.executor.rows import Pool, read_row
+from services.executor.rows import Pool, RowReader
 
 log = logging.getLogger("sandstream.executor")
 
@@ -72,6 +72,7 @@ class DriverCalls:
         self.settings = settings
         self.driver = driver
         self.pool = pool
+        self.rows = RowReader(pool)  # the rows intents are checked against, read together
         self.ownership = ownership
         self.retry = retry
         self.slow_per_caller = slow_per_caller
@@ -220,7 +221,7 @@ class DriverCalls:
 
         async def judge() -> tuple[str | None, Sandbox | None]:
             try:
-                row = await read_row(self.pool, item.intent.key)
+                row = await self.rows.read(item.intent.key)
                 return unwanted(item.intent, row), row
             except CONNECTION_ERRORS:
                 if not self.ownership.current(item):
@@ -236,7 +237,7 @@ class DriverCalls:
         # A start or restart overtaken by a stop of its own generation may never have run:
         # it still owes the older generations their stop, which would otherwise keep running.
         if intent.operation == "launch" and intent.previous_generation is not None:
-            row = await read_row(self.pool, intent.key)
+            row = await self.rows.read(intent.key)
             if (
                 row is not None
                 and (row.sandbox_id, row.generation) == (intent.sandbox_id, intent.generation)

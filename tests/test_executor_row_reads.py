@@ -1,0 +1,122 @@
+"""The executor reads the rows its intents are checked against together (``RowReader``): the
+reads asked for at one moment, or while a statement is in flight, go in one statement; a read
+is never answered by a statement sent before it was asked for. On a real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import uuid4
+
+import asyncpg
+import pytest
+from harness import isolated_env
+
+from services.executor.rows import RowReader, read_row
+
+
+@dataclass
+class Counted:
+    """The pool, counting the statements of the reader and holding the first one's answer
+    (after it ran) until ``release`` is set, when ``hold`` is."""
+
+    pool: Any
+    hold: bool = False
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    ran: asyncio.Event = field(default_factory=asyncio.Event)
+    keys: list[list[str]] = field(default_factory=list)
+    fail: BaseException | None = None
+
+    async def fetch(self, query: str, keys: list[str]) -> Any:
+        self.keys.append(sorted(keys))
+        if self.fail is not None:
+            failure, self.fail = self.fail, None
+            raise failure
+        records = await self.pool.fetch(query, keys)
+        if self.hold and len(self.keys) == 1:
+            self.ran.set()
+            await self.release.wait()
+        return records
+
+
+async def add_row(pool: Any, key: str, version: int = 1) -> None:
+    await pool.execute(
+        "INSERT INTO sandboxes (key, sandbox_id, phase, generation, version, spec, providers, "
+        "identity, created_at, updated_at, partition, change_seq) "
+        "VALUES ($1, $2, 'Ready', 1, $3, $4, '{}', 'rid-1', now(), now(), 0, 1)",
+        key,
+        uuid4(),
+        version,
+        '{"image": "busybox"}',
+    )
+
+
+async def test_reads_asked_together_go_in_one_statement_each_with_its_own_row() -> None:
+    async with isolated_env() as env:
+        keys = [f"r{i}" for i in range(20)]
+        for i, key in enumerate(keys):
+            await add_row(env.pool, key, version=i + 1)
+        counted = Counted(env.pool)
+        reader = RowReader(counted)  # type: ignore[arg-type]
+        rows = await asyncio.gather(*(reader.read(k) for k in [*keys, "missing", "r3"]))
+        assert counted.keys == [sorted({*keys, "missing"})]
+        assert [r.version if r else None for r in rows] == [*range(1, 21), None, 4]
+        assert rows[0] == await read_row(env.pool, "r0")  # the same row a read of one reads
+
+
+async def test_a_read_asked_while_a_statement_is_in_flight_gets_a_later_one() -> None:
+    async with isolated_env() as env:
+        await add_row(env.pool, "a", version=1)
+        counted = Counted(env.pool, hold=True)
+        reader = RowReader(counted)  # type: ignore[arg-type]
+        first = asyncio.ensure_future(reader.read("a"))
+        await counted.ran.wait()  # the first statement has read version 1
+        await env.pool.execute("UPDATE sandboxes SET version = 5 WHERE key = 'a'")
+        later = [asyncio.ensure_future(reader.read(k)) for k in ("a", "a", "b")]
+        counted.release.set()
+        row = await first
+        assert row is not None and row.version == 1
+        again = await asyncio.gather(*later)
+        assert [r.version if r else None for r in again] == [5, 5, None]
+        assert counted.keys == [["a"], ["a", "b"]]
+
+
+async def test_a_failed_statement_fails_its_reads_and_the_next_read_is_answered() -> None:
+    async with isolated_env() as env:
+        await add_row(env.pool, "a")
+        counted = Counted(env.pool, fail=TimeoutError("no answer"))
+        reader = RowReader(counted)  # type: ignore[arg-type]
+        results = await asyncio.gather(reader.read("a"), reader.read("b"), return_exceptions=True)
+        assert all(isinstance(r, TimeoutError) for r in results), results
+        row = await reader.read("a")
+        assert row is not None and row.key == "a"
+        assert counted.keys == [["a", "b"], ["a"]]
+
+
+async def test_a_caller_that_leaves_does_not_stop_the_others_reads() -> None:
+    async with isolated_env() as env:
+        await add_row(env.pool, "a")
+        counted = Counted(env.pool, hold=True)
+        reader = RowReader(counted)  # type: ignore[arg-type]
+        leaving = asyncio.ensure_future(reader.read("a"))
+        staying = asyncio.ensure_future(reader.read("a"))
+        await counted.ran.wait()
+        leaving.cancel()
+        counted.release.set()
+        row = await staying
+        assert row is not None and row.key == "a"
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+
+
+async def test_the_real_pool_reads_through_the_reader_as_read_row_does() -> None:
+    async with isolated_env() as env:
+        await add_row(env.pool, "a", version=3)
+        reader = RowReader(env.pool)
+        row = await reader.read("a")
+        assert row == await read_row(env.pool, "a")
+        assert reader.statements == 1
+        pool: asyncpg.Pool[asyncpg.Record] = env.pool
+        await pool.execute("DELETE FROM sandboxes WHERE key = 'a'")
+        assert await reader.read("a") is None
