@@ -22,6 +22,9 @@ MAX_INPUT_BYTES = 900_000
 
 # PostgreSQL NOTIFY channel the processor signals after each committed batch.
 CHANGES_CHANNEL = "sandstream_changes"
+# The channel that wakes the pool controller: every pool or template write, and every batch of
+# the processor that wrote a pool member's row (other rows are no news to it).
+POOLS_CHANNEL = "sandstream_pools"
 
 
 def record_key(sandbox_name: str) -> bytes:

@@ -17,7 +17,7 @@ from pydantic import TypeAdapter
 from events.codec import encode
 from events.common import Deadline, Hold, Phase, Restarts, SandboxSpec, TemplateRef
 from events.outcomes import CommandOutcome
-from events.topics import CHANGES_CHANNEL
+from events.topics import CHANGES_CHANNEL, POOLS_CHANNEL
 from projections.chain import CHAIN_LINKS, ChainId
 from projections.lifecycle import Sandbox
 
@@ -389,7 +389,7 @@ WITH moved AS (
     WHERE (SELECT ok FROM fence)
 )
 SELECT ARRAY(SELECT id FROM queued ORDER BY id) || ARRAY(SELECT id FROM reserved ORDER BY id)
-       AS ids, pg_notify($13, ''),
+       AS ids, pg_notify($13, ''), CASE WHEN $14::text IS NOT NULL THEN pg_notify($14, '') END,
        rows_fence((SELECT count(*) FROM inserted) + (SELECT count(*) FROM updated),
                   jsonb_array_length($5::jsonb))
 """
@@ -481,6 +481,7 @@ async def _write_statement(conn: Connection, batch: BatchWrite, *, inline: bool)
         *_columns(outbox, 4),
         0 if inline else len(batch.outbox),  # outbox ids to reserve
         CHANGES_CHANNEL,
+        POOLS_CHANNEL if any(s.pool is not None for _, s in batch.sandboxes) else None,
     )
     return list(ids)
 

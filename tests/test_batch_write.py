@@ -19,7 +19,7 @@ from harness import Env, eventually, isolated_env
 from events.codec import encode
 from events.common import Deadline, Hold, Phase, SandboxSpec
 from events.outcomes import Code, CommandOutcome
-from events.topics import partition_for
+from events.topics import CHANGES_CHANNEL, POOLS_CHANNEL, partition_for
 from projections.chain import chain_rows
 from projections.fold import fold
 from projections.lifecycle import Sandbox
@@ -309,3 +309,30 @@ async def test_every_value_type_round_trips_exactly_through_the_write() -> None:
                     "SELECT deadline, deadline_at, hold FROM sandboxes WHERE key = $1", created.key
                 )
                 assert tuple(stored) == (None, None, None)  # SQL NULLs, not JSON nulls
+
+
+async def test_only_a_batch_that_wrote_a_pool_members_row_wakes_the_pool_controller() -> None:
+    """The pool controller listens on POOLS_CHANNEL, which a batch notifies only when it wrote
+    a pool member's row; every batch notifies CHANGES_CHANNEL. (The controller woke on every
+    commit before: five statements a wake-up, with no pool at all.)"""
+    async with isolated_env(partitions=4) as env, env.pool.acquire() as conn:
+        pid = conn.get_server_pid()
+        heard: list[str] = []
+
+        def hear(_: object, sender: int, channel: str, __: str) -> None:
+            if sender == pid:  # other tests' processors notify the same channels
+                heard.append(channel)
+
+        async with env.pool.acquire() as listener:
+            for channel in (CHANGES_CHANNEL, POOLS_CHANNEL):
+                await listener.add_listener(channel, hear)
+            await write_batch(conn, planned(env, 2))
+            await eventually(lambda: list(heard), lambda h: len(h) >= 1, what="a notification")
+            await clear(env)
+            plan = planned(env, 2)
+            members = [(p, replace(s, pool="warm")) for p, s in plan.sandboxes[:1]]
+            await write_batch(conn, replace(plan, sandboxes=members + plan.sandboxes[1:]))
+            await eventually(lambda: list(heard), lambda h: len(h) >= 3, what="notifications")
+            assert heard == [CHANGES_CHANNEL, CHANGES_CHANNEL, POOLS_CHANNEL]
+            for channel in (CHANGES_CHANNEL, POOLS_CHANNEL):
+                await listener.remove_listener(channel, hear)

@@ -14,6 +14,8 @@ from typing import Any, Final, Literal, TypeAlias, get_args
 
 import orjson
 
+from events.topics import POOLS_CHANNEL
+
 Conn: TypeAlias = Any  # an asyncpg connection or pool connection proxy
 Strategy = Literal["Recreate", "OnReplenish"]
 STRATEGIES: Final[tuple[Strategy, ...]] = get_args(Strategy)
@@ -61,7 +63,6 @@ _COLUMNS = (
     "name, template, size, strategy, revision, created_at, updated_at, created_by, updated_by, "
     "problem"
 )
-POOLS_CHANNEL: Final = "sandstream_pools"  # notified on every pool write: the controller wakes
 
 
 def _info(r: Any) -> PoolInfo:

@@ -35,7 +35,7 @@ from events.common import (
     Text,
     TTLSeconds,
 )
-from services.common import providers
+from services.common import pools, providers
 from services.common.providers import Conn
 
 
@@ -185,6 +185,7 @@ async def create_template(
             at,
             actor,
         )
+        await pools.notify(conn)  # a pool waiting for its template
     found = await get_template(conn, name)
     assert found is not None
     return found
@@ -212,6 +213,7 @@ async def update_template(
             at,
             actor,
         )
+        await pools.notify(conn)  # its pools' members follow the new revision
     found = await get_template(conn, name)
     assert found is not None
     return found
@@ -229,6 +231,7 @@ async def delete_template(conn: Conn, name: str, expected: int | None = None) ->
         if expected is not None and current != expected:
             raise StaleRevision(name, expected, current)
         await conn.execute("DELETE FROM templates WHERE name = $1", name)
+        await pools.notify(conn)
     return int(current)
 
 

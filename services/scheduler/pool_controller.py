@@ -16,8 +16,10 @@ Never touching a claimed member: a delete carries the member's row version as
 ``expected_version``, so a member adopted between the read and the delete is refused
 (ABORTED) rather than deleted; adopted members are not read at all.
 
-Runs in the scheduler role (single-active under its lease), woken by row changes (NOTIFY),
-pool writes (``POOLS_CHANNEL``) and at least every ``pool_poll_seconds``.
+Runs in the scheduler role (single-active under its lease), woken (``POOLS_CHANNEL``) by pool
+and template writes and by the processor's batches that wrote a member's row, and at least
+every ``pool_poll_seconds`` (what no row shows: a refused create, the end of a failure pause).
+Other rows' changes do not wake it: a fleet without pools costs it nothing per commit.
 """
 
 from __future__ import annotations
@@ -41,12 +43,12 @@ from aiokafka.errors import KafkaError
 from events.codec import COMMANDS, DecodeError, decode
 from events.commands import Command, CreateSandbox, DeleteSandbox
 from events.publisher import CommandPublisher, new_command_id
-from events.topics import CHANGES_CHANNEL
+from events.topics import POOLS_CHANNEL
 from projections.store import CONNECTION_ERRORS
 from services.common import metrics, templates
 from services.common import pools as store
 from services.common.kafka_clients import kafka_client_args
-from services.common.pools import POOLS_CHANNEL, Member, PoolInfo, Request
+from services.common.pools import Member, PoolInfo, Request
 from services.common.settings import Settings
 from services.common.tasks import first_of
 from services.scheduler.pool_plan import LEAVING, LIVE, plan
@@ -128,14 +130,12 @@ class PoolController:
         self.publisher = CommandPublisher(args, topic=self.settings.topic_commands)
         await self.publisher.__aenter__()
         self._listener = await self.pool.acquire()
-        for channel in (CHANGES_CHANNEL, POOLS_CHANNEL):
-            await self._listener.add_listener(channel, self._notified)
+        await self._listener.add_listener(POOLS_CHANNEL, self._notified)
 
     async def stop(self) -> None:
         if self._listener is not None:
             with contextlib.suppress(Exception):
-                for channel in (CHANGES_CHANNEL, POOLS_CHANNEL):
-                    await self._listener.remove_listener(channel, self._notified)
+                await self._listener.remove_listener(POOLS_CHANNEL, self._notified)
                 await self.pool.release(self._listener)
             self._listener = None
         if self.publisher is not None:
