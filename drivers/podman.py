@@ -72,8 +72,9 @@ log = logging.getLogger("sandstream.drivers.podman")
 
 T = TypeVar("T")
 
-# Event ids the watch remembers to skip Podman's repeats: more than one rotated event log holds
-# (its default 1 MB is about 1,700 events).
+# Event ids the watch remembers, to skip what Podman 4.3's stream sends again after rotating its
+# event log (the newer half of it; 1 MB by default, about 1,700 events): a start sent again after
+# the runtime's exit would make an exited sandbox look running.
 REPORTED_EVENTS = 4096
 
 
@@ -196,9 +197,7 @@ class PodmanDriver:
         lost (it follows the listing, possibly as a duplicate). Runtimes seen before a
         reconnect but missing from the new listing are reported removed (source="list").
 
-        An event already reported is skipped: Podman 4.3's stream sends the newer half of its
-        event log again after rotating it (its ``events_logfile_max_size``), and a start sent
-        again after the runtime's exit would make an exited sandbox look running.
+        An event reported already is skipped (``REPORTED_EVENTS``).
         """
         known: dict[str, tuple[str, int]] = {}  # runtime id -> (key, generation)
         reported = RecentIds(REPORTED_EVENTS)
