@@ -366,13 +366,24 @@ async def test_the_process_file_is_private_and_gone_once_the_command_runs(
     assert not path.parent.exists()
 
 
+def descriptors() -> set[tuple[str, str]]:
+    """This process's open descriptors with what each is (a pipe's inode tells two apart)."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+        except FileNotFoundError:  # the listing's own, closed since
+            continue
+    return found
+
+
 async def test_concurrent_execs_each_get_their_own_output_and_leave_nothing_behind(
     runc: Runc, containers: Any
 ) -> None:
     """30 execs at once in one container: each its own output and exit code; afterwards no
     descriptor, thread or process file of theirs is left in this process."""
     container = containers()
-    fds = len(os.listdir("/proc/self/fd"))
+    before = descriptors()
 
     async def one(i: int) -> list[ExecEvent]:
         script = f"echo {i}; echo e{i} >&2; exit {i % 7}"
@@ -383,11 +394,11 @@ async def test_concurrent_execs_each_get_their_own_output_and_leave_nothing_behi
         assert (out(events), out(events, "stderr")) == (f"{i}\n", f"e{i}\n")
         assert events[-1] == ExecExit(i % 7)
 
-    def left() -> tuple[int, list[str]]:
+    def left() -> tuple[list[tuple[str, str]], list[str]]:
         threads = [t.name for t in threading.enumerate() if t.name.startswith("runc-exec")]
-        return len(os.listdir("/proc/self/fd")), threads
+        return sorted(descriptors() - before), threads  # an earlier test's may close meanwhile
 
-    await eventually(left, lambda now: now == (fds, []), timeout=WAIT,
+    await eventually(left, lambda now: now == ([], []), timeout=WAIT,
                      what="the execs' descriptors and threads gone")  # fmt: skip
 
 

@@ -107,7 +107,7 @@ async def test_the_batch_write_made_on_empty_tables_updates_rows_found_by_key() 
     plan = await _plan_made_empty(
         _WRITE_BATCH,
         "'{}'::text[], '{}'::int[], '{}'::bigint[], '{}'::bigint[], '[]', '[]', '[]', "
-        "'{}'::int[], '{}'::text[], '{}'::bytea[], '{}'::bytea[], 0, 'changes'",
+        "'{}'::int[], '{}'::text[], '{}'::bytea[], '{}'::bytea[], 0, 'changes', NULL",
         "INSERT INTO sandboxes (key, sandbox_id, phase, generation, version, spec, providers, "
         "identity, created_at, updated_at, partition, change_seq) SELECT 'k' || i, "
         "gen_random_uuid(), 'Ready', 1, 1, '{}', '{}', 'i', now(), now(), 0, i "
