@@ -27,6 +27,7 @@ class Counted:
     ran: asyncio.Event = field(default_factory=asyncio.Event)
     keys: list[list[str]] = field(default_factory=list)
     fail: BaseException | None = None
+    unreadable: bool = False  # answer a record no row can be made from
 
     async def fetch(self, query: str, keys: list[str]) -> Any:
         self.keys.append(sorted(keys))
@@ -34,6 +35,8 @@ class Counted:
             failure, self.fail = self.fail, None
             raise failure
         records = await self.pool.fetch(query, keys)
+        if self.unreadable:
+            return [{"key": k} for k in keys]
         if self.hold and len(self.keys) == 1:
             self.ran.set()
             await self.release.wait()
@@ -120,3 +123,16 @@ async def test_the_real_pool_reads_through_the_reader_as_read_row_does() -> None
         pool: asyncpg.Pool[asyncpg.Record] = env.pool
         await pool.execute("DELETE FROM sandboxes WHERE key = 'a'")
         assert await reader.read("a") is None
+
+
+async def test_a_row_that_cannot_be_read_fails_its_reads_instead_of_leaving_them_waiting() -> None:
+    """A record the row cannot be made from raised outside the statement's error handling:
+    its callers waited forever (read_row raised it to its caller)."""
+    async with isolated_env() as env:
+        counted = Counted(env.pool, unreadable=True)
+        reader = RowReader(counted)  # type: ignore[arg-type]
+        reads = asyncio.gather(reader.read("a"), reader.read("b"), return_exceptions=True)
+        results = await asyncio.wait_for(reads, 10)
+        assert all(isinstance(r, KeyError) for r in results), results
+        counted.unreadable = False
+        assert await reader.read("a") is None  # the next statement is sent and answered

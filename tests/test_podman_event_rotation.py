@@ -75,19 +75,20 @@ def _pings(client: PodmanClient) -> bool:
 ONCE = ["created", "running", "exited", "removed"]
 
 
-async def caught_up(driver: PodmanDriver, seen: list[WatchObservation], image: str) -> list[str]:
+async def caught_up(
+    driver: PodmanDriver, seen: list[WatchObservation], image: str, keys: list[str]
+) -> None:
     """Return once the watch has read past everything before: it reported the creation of a
     marker sandbox made now. Podman 4.3 can also drop an event at a rotation, so a marker not
-    seen within seconds is followed by another. The markers' keys."""
-    markers: list[str] = []
+    seen within seconds is followed by another. Each marker's key goes into ``keys``."""
     for _ in range(5):
-        markers.append(f"rotation-mark-{uuid.uuid4().hex[:8]}")
+        keys.append(marker := f"rotation-mark-{uuid.uuid4().hex[:8]}")
         spec = SandboxSpec(image=image, command=["sleep", "60"])
-        await driver.launch(LaunchSpec(markers[-1], uuid.uuid4(), 1, "rid-mark", spec))
+        await driver.launch(LaunchSpec(marker, uuid.uuid4(), 1, "rid-mark", spec))
         with contextlib.suppress(AssertionError):
-            await eventually(lambda: states(seen, markers[-1]), bool, timeout=5, what="a marker")
-            return markers
-    raise AssertionError(f"the watch saw none of the markers {markers}")
+            await eventually(lambda: states(seen, marker), bool, timeout=5, what="a marker")
+            return
+    raise AssertionError("the watch saw none of the markers")
 
 
 def _exited(runtimes: list[RuntimeInfo]) -> bool:
@@ -122,7 +123,7 @@ async def test_the_events_podman_sends_again_after_rotating_its_log_are_reported
                 await driver.launch(LaunchSpec(key, uuid.uuid4(), 1, f"rid-{key}", spec))
                 await eventually(lambda k=key: driver.get(k), _exited, what=f"{key} exited")  # type: ignore[misc]
                 await driver.delete(key)
-            keys += await caught_up(driver, seen, settings.sandbox_image)
+            await caught_up(driver, seen, settings.sandbox_image, keys)
             assert '"log-rotation"' in log.read_text()  # the log did rotate meanwhile
             ids = [o.observation_id for o in seen if o.source == "watch"]
             assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)

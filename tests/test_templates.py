@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from typing import Any
 
 import apikit
@@ -17,7 +18,10 @@ from typer.testing import CliRunner, Result
 
 from drivers.fake import FakeDriver
 from events.codec import EVENTS, decode
+from events.common import SandboxSpec
+from events.topics import POOLS_CHANNEL
 from services.cli.main import app
+from services.common import templates
 from services.processor.rebuild import rebuild_and_compare
 
 SPEC = {"image": "registry.example/agent:1", "command": ["sleep", "3600"],
@@ -374,3 +378,28 @@ async def test_the_cli_sets_shows_and_clears_a_templates_idle_timeout(api: Api) 
     assert json.loads(r.output)["spec"].get("idle_suspend_seconds") is None, r.output
     r = await cli(api, "template", "get", template)
     assert "never suspended" in r.output, said(r)
+
+
+async def test_a_template_write_wakes_the_pool_controller(api: Api) -> None:
+    """Its create, update and delete notify the pools channel (the controller no longer wakes on
+    every commit, so a template's new revision would otherwise wait for its 2 s poll)."""
+    name = unique("tplwake")
+    body = templates.TemplateBody(spec=SandboxSpec.model_validate(SPEC))
+    async with api.env.pool.acquire() as conn, api.env.pool.acquire() as listener:
+        pid = conn.get_server_pid()
+        heard: list[str] = []
+
+        def hear(_: object, sender: int, channel: str, __: str) -> None:
+            if sender == pid:  # other tests write pools and templates on the same channel
+                heard.append(channel)
+
+        await listener.add_listener(POOLS_CHANNEL, hear)
+        try:
+            at = datetime.now(UTC)
+            await templates.create_template(conn, name, body, "admin", at)
+            await templates.update_template(conn, name, body, 1, "admin", at)
+            await templates.delete_template(conn, name)
+            await eventually(lambda: list(heard), lambda h: len(h) >= 3, what="three notifies")
+            assert heard == [POOLS_CHANNEL] * 3
+        finally:
+            await listener.remove_listener(POOLS_CHANNEL, hear)

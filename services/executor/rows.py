@@ -51,12 +51,12 @@ class RowReader:
                 try:
                     self.statements += 1
                     records = await self.pool.fetch(_ROWS_OF_KEYS, list(asked))
-                except BaseException as exc:
+                    rows = {r["key"]: sandbox_from_record(r) for r in records}
+                except BaseException as exc:  # each caller gets it, as read_row would raise
                     _fail(asked, exc)
                     if not isinstance(exc, Exception):
                         raise
                     continue
-                rows = {r["key"]: sandbox_from_record(r) for r in records}
                 for key, answers in asked.items():
                     for answer in answers:
                         if not answer.done():  # its caller may have gone
