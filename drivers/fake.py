@@ -132,6 +132,7 @@ class _Runtime:
             exit_code=self.exit_code,
             runtime_id=self.runtime_id,
             identity=self.identity,
+            since=self.changed_at,
         )
 
     def snapshot(

@@ -228,7 +228,6 @@ class PodView:
     name: str
     resource_version: str
     terminating: bool  # a deletion timestamp is set: the stop is in progress
-    since: datetime | None  # when it entered its current state, if the status says
     stop_timeout: int | None  # the sandbox's own grace period (its label), if any
     claim: str | None = None  # the workspace claim it mounts, if any
     secret: str | None = None  # the Secret its env refers to (provider values), if any
@@ -236,6 +235,11 @@ class PodView:
     @property
     def uid(self) -> str:
         return self.info.runtime_id
+
+    @property
+    def since(self) -> datetime | None:
+        """When it entered its current state, if the status says."""
+        return self.info.since
 
 
 def _meta(pod: Pod) -> Mapping[str, Any]:
@@ -311,13 +315,13 @@ def read_pod(pod: Pod) -> PodView | None:
         exit_code=exit_code,
         runtime_id=str(meta.get("uid", "")),
         identity=labels.identity,
+        since=since,
     )
     return PodView(
         info=info,
         name=str(meta.get("name", "")),
         resource_version=str(meta.get("resourceVersion", "")),
         terminating=meta.get("deletionTimestamp") is not None,
-        since=since,
         stop_timeout=labels.stop_timeout,
         claim=_claim_of(pod),
         secret=_secret_of(pod),

@@ -110,13 +110,17 @@ class Container:
     """A sandstream container as read from a list or inspect answer."""
 
     info: RuntimeInfo
-    since: datetime | None  # when it entered its current state
     name: str | None
     stop_timeout: int | None = None  # from the stop-timeout label, if any
     # Podman shows a stop under way as "stopping", which is not "terminating": a launch adopts
     # such a container of its generation (it does not replace it), whose exit the watcher then
     # reports.
     terminating: bool = False
+
+    @property
+    def since(self) -> datetime | None:
+        """When it entered its current state."""
+        return self.info.since
 
 
 def read_container(attrs: Mapping[str, Any]) -> Container | None:
@@ -156,10 +160,10 @@ def read_container(attrs: Mapping[str, Any]) -> Container | None:
         exit_code=int(exit_code) if state == "exited" and exit_code is not None else None,
         runtime_id=str(attrs.get("Id", "")),
         identity=labels.identity,
+        since=since[state] or created,
     )
     return Container(
         info,
-        since[state] or created,
         str(name).lstrip("/") if name else None,
         labels.stop_timeout,
     )

@@ -129,6 +129,8 @@ class RuntimeInfo:
     exit_code: int | None  # set when exited
     runtime_id: str
     identity: str | None
+    # When it entered its state, if the backend says (an exit's time for an exited runtime).
+    since: datetime | None = None
 
 
 class DriverError(Exception):

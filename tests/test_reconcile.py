@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import factories as f
@@ -54,7 +54,11 @@ def live(key: str, generation: int, phase: Phase, sandbox_id: uuid.UUID = SID) -
 
 
 def runtime(
-    key: str, generation: int, state: str = "running", sandbox_id: uuid.UUID = SID
+    key: str,
+    generation: int,
+    state: str = "running",
+    sandbox_id: uuid.UUID = SID,
+    since: datetime | None = None,
 ) -> RuntimeInfo:
     return RuntimeInfo(
         key=key,
@@ -64,6 +68,7 @@ def runtime(
         exit_code=143 if state == "exited" else None,
         runtime_id=f"rt-{key}-{generation}-{sandbox_id.hex[-2:]}",
         identity=None,
+        since=since,
     )
 
 
@@ -234,6 +239,21 @@ def test_an_exited_runtime_under_a_ready_row_is_reported_as_its_exit() -> None:
     )  # fmt: skip
     assert report.observation_id == f"reconcile:exited:{runtime('ready', 2).runtime_id}:exited"
     assert reconcile(rows, runtimes, NOW).count(report) == 1
+    assert report.occurred_at == NOW  # the backend gave no exit time
+
+
+def test_a_reported_exit_carries_the_exit_time_not_the_pass_time() -> None:
+    """The restart policy schedules from the exit's occurred_at and resets its back-off by the
+    run's length: a missed exit found by a later pass must carry when it exited (a backend
+    clock ahead of ours is taken as now)."""
+    rows = [live("early", 2, Phase.READY), live("ahead", 2, Phase.READY)]
+    exited_at = NOW - timedelta(seconds=25)
+    runtimes = [
+        runtime("early", 2, "exited", since=exited_at),
+        runtime("ahead", 2, "exited", since=NOW + timedelta(seconds=5)),
+    ]
+    at = {o.key: o.occurred_at for o in reconcile(rows, runtimes, NOW)}
+    assert at == {"early": exited_at, "ahead": NOW}
 
 
 # -- on the pipeline ------------------------------------------------------------------------------
@@ -290,6 +310,7 @@ async def test_a_start_replayed_after_the_exit_is_undone_by_the_reconcile_loop(
                 for o, raw in await observations_of(env, key)
                 if isinstance(o, RuntimeSnapshot) and o.state == "running" and o.source == "watch"
             ]
+            replayed_at = datetime.now(UTC)
             placed = await produce_raw(env, [(key.encode(), starts[0])])  # the replay
             [replayed] = await wait_history_at(env, placed)
             assert (replayed["disposition"], replayed["phase"]) == ("applied", "Ready")
@@ -303,6 +324,8 @@ async def test_a_start_replayed_after_the_exit_is_undone_by_the_reconcile_loop(
                 for m, h in zip(message, entries[at + 1 :], strict=True)
             ]
             assert after[0] == ("reconcile", "exited", "applied", "Error"), after
+            # It carries the container's exit time, from before the replay, not the pass's.
+            assert datetime.fromisoformat(message[0]["occurred_at"]) < replayed_at
 
 
 async def test_an_orphan_runtime_is_reported_and_recorded_but_never_removed(

@@ -110,7 +110,12 @@ def reconcile(
         if orphan:
             out.append(_reported("orphan", rt, now))
     out += [_reported("stray", rt, now) for rt in stray_runtimes(by_key.values(), runtimes)]
-    out += [_reported("exited", rt, now) for rt in exited_runtimes(by_key.values(), runtimes)]
+    # An exit happened when the backend says, not at this pass: the restart's back-off and
+    # its reset count from it (never later than now: a backend's clock may run ahead).
+    out += [
+        _reported("exited", rt, min(rt.since or now, now))
+        for rt in exited_runtimes(by_key.values(), runtimes)
+    ]
     for row in by_key.values():
         if (
             row.phase in EXPECTS_RUNTIME
