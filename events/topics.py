@@ -20,7 +20,9 @@ MAX_RECORD_BYTES = 1_000_000
 # the spec it holds, and the fields the event adds) then fits in MAX_RECORD_BYTES.
 MAX_INPUT_BYTES = 900_000
 
-# PostgreSQL NOTIFY channel the processor signals after each committed batch.
+# PostgreSQL NOTIFY channel the processor signals after each committed batch. Both channels
+# are named per schema (the migrations' notify_channel; services/common/notify_channels.py):
+# these are the base names, the public schema's own.
 CHANGES_CHANNEL = "sandstream_changes"
 # The channel that wakes the pool controller: every pool or template write, and every batch of
 # the processor that wrote a pool member's row (other rows are no news to it).

@@ -389,7 +389,8 @@ WITH moved AS (
     WHERE (SELECT ok FROM fence)
 )
 SELECT ARRAY(SELECT id FROM queued ORDER BY id) || ARRAY(SELECT id FROM reserved ORDER BY id)
-       AS ids, pg_notify($13, ''), CASE WHEN $14::text IS NOT NULL THEN pg_notify($14, '') END,
+       AS ids, pg_notify(notify_channel($13), ''),
+       CASE WHEN $14::text IS NOT NULL THEN pg_notify(notify_channel($14), '') END,
        rows_fence((SELECT count(*) FROM inserted) + (SELECT count(*) FROM updated),
                   jsonb_array_length($5::jsonb))
 """

@@ -710,13 +710,13 @@ async def test_the_watch_never_steps_over_a_change_still_being_written(idle_api:
             try:
                 seq_first = await slow.fetchval(insert, first)  # drawn, not committed
                 seq_second = await env.fetchval(insert, second)  # drawn later, committed
-                await env.fetchval("SELECT pg_notify($1, '')", CHANGES_CHANNEL)
+                await env.fetchval("SELECT pg_notify(notify_channel($1), '')", CHANGES_CHANNEL)
                 assert seq_second > seq_first
                 # The horizon cannot pass the uncommitted change.
                 assert await readmodel.change_horizon(probe, timeout=0.3) is None
             finally:
                 await transaction.commit()
-            await env.fetchval("SELECT pg_notify($1, '')", CHANGES_CHANNEL)
+            await env.fetchval("SELECT pg_notify(notify_channel($1), '')", CHANGES_CHANNEL)
             horizon = await readmodel.change_horizon(probe)
             assert horizon is not None and horizon >= seq_second
             events = await watching

@@ -4,6 +4,7 @@ guarantees: outbox ids in order, nothing written when fenced, refused, or a row 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta, timezone
@@ -34,6 +35,7 @@ from projections.store import (
     unpublished_outbox,
     write_batch,
 )
+from services.common.notify_channels import listen
 from services.processor.failures import refused_for_content
 from services.processor.intake import Parsed, parse
 from services.processor.plan import plan_batch
@@ -316,16 +318,13 @@ async def test_only_a_batch_that_wrote_a_pool_members_row_wakes_the_pool_control
     a pool member's row; every batch notifies CHANGES_CHANNEL. (The controller woke on every
     commit before: five statements a wake-up, with no pool at all.)"""
     async with isolated_env(partitions=4) as env, env.pool.acquire() as conn:
-        pid = conn.get_server_pid()
         heard: list[str] = []
 
-        def hear(_: object, sender: int, channel: str, __: str) -> None:
-            if sender == pid:  # other tests' processors notify the same channels
-                heard.append(channel)
+        def hear(_: object, __: int, channel: str, ___: str) -> None:
+            heard.append(channel)
 
         async with env.pool.acquire() as listener:
-            for channel in (CHANGES_CHANNEL, POOLS_CHANNEL):
-                await listener.add_listener(channel, hear)
+            channels = [await listen(listener, c, hear) for c in (CHANGES_CHANNEL, POOLS_CHANNEL)]
             await write_batch(conn, planned(env, 2))
             await eventually(lambda: list(heard), lambda h: len(h) >= 1, what="a notification")
             await clear(env)
@@ -333,6 +332,61 @@ async def test_only_a_batch_that_wrote_a_pool_members_row_wakes_the_pool_control
             members = [(p, replace(s, pool="warm")) for p, s in plan.sandboxes[:1]]
             await write_batch(conn, replace(plan, sandboxes=members + plan.sandboxes[1:]))
             await eventually(lambda: list(heard), lambda h: len(h) >= 3, what="notifications")
-            assert heard == [CHANGES_CHANNEL, CHANGES_CHANNEL, POOLS_CHANNEL]
-            for channel in (CHANGES_CHANNEL, POOLS_CHANNEL):
+            assert heard == [channels[0], channels[0], channels[1]]
+            for channel in channels:
                 await listener.remove_listener(channel, hear)
+
+
+async def test_a_schemas_commits_wake_only_its_own_listeners() -> None:
+    """NOTIFY channels are per database: every sandstream sharing one under a schema of its own
+    (every test in the suite) woke on all the others' commits (change feeds, the scheduler, the
+    pool controller). Each schema now has channels of its own."""
+    async with isolated_env(partitions=4) as ours, isolated_env(partitions=4) as theirs:
+        heard: dict[str, list[str]] = {"ours": [], "theirs": []}
+
+        def hearing(who: str) -> Any:
+            return lambda _, __, channel, ___: heard[who].append(channel)
+
+        callbacks = {who: hearing(who) for who in heard}
+
+        async with ours.pool.acquire() as a, theirs.pool.acquire() as b:
+            both = (CHANGES_CHANNEL, POOLS_CHANNEL)
+            names = {
+                "ours": [await listen(a, c, callbacks["ours"]) for c in both],
+                "theirs": [await listen(b, c, callbacks["theirs"]) for c in both],
+            }
+            assert set(names["ours"]).isdisjoint(names["theirs"])
+            plan = planned(theirs, 2)
+            members = [(p, replace(s, pool="warm")) for p, s in plan.sandboxes]
+            async with theirs.pool.acquire() as conn:
+                await write_batch(conn, replace(plan, sandboxes=members))
+            await eventually(lambda: list(heard["theirs"]), lambda h: len(h) >= 2, what="theirs")
+            async with ours.pool.acquire() as conn:
+                await write_batch(conn, planned(ours, 2))
+            await eventually(lambda: list(heard["ours"]), lambda h: len(h) >= 1, what="ours")
+            # Ours was committed after theirs: had theirs reached us, it would have come first.
+            assert heard == {"ours": names["ours"][:1], "theirs": names["theirs"]}
+            for conn, who in ((a, "ours"), (b, "theirs")):
+                for channel in names[who]:
+                    await conn.remove_listener(channel, callbacks[who])
+
+
+async def test_a_channel_name_fits_postgresqls_limit_whatever_the_schemas_length() -> None:
+    """PostgreSQL truncates a LISTEN's name over 63 bytes (and refuses such a NOTIFY): a long
+    schema's channel takes the schema's md5; the public schema keeps the bare names."""
+    async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
+        schema = env.settings.pg_schema
+        ask = f'SELECT "{schema}".notify_channel($1)'
+        assert await conn.fetchval(ask, CHANGES_CHANNEL) == f"{CHANGES_CHANNEL}:{schema}"
+        long = "s" * 63
+        async with conn.transaction():
+            await conn.execute(f'CREATE SCHEMA "{long}"')
+            await conn.execute(f'SET LOCAL search_path = "{long}"')
+            named = await conn.fetchval(ask, CHANGES_CHANNEL)
+            await conn.execute("SELECT pg_notify($1, '')", named)  # refused if over the limit
+            await conn.execute("SET LOCAL search_path = public")
+            public = await conn.fetchval(ask, POOLS_CHANNEL)
+            await conn.execute(f'DROP SCHEMA "{long}"')
+        assert named == f"{CHANGES_CHANNEL}:{hashlib.md5(long.encode()).hexdigest()}"
+        assert len(named.encode()) <= 63
+        assert public == POOLS_CHANNEL

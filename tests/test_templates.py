@@ -22,6 +22,7 @@ from events.common import SandboxSpec
 from events.topics import POOLS_CHANNEL
 from services.cli.main import app
 from services.common import templates
+from services.common.notify_channels import listen
 from services.processor.rebuild import rebuild_and_compare
 
 SPEC = {"image": "registry.example/agent:1", "command": ["sleep", "3600"],
@@ -390,16 +391,16 @@ async def test_a_template_write_wakes_the_pool_controller(api: Api) -> None:
         heard: list[str] = []
 
         def hear(_: object, sender: int, channel: str, __: str) -> None:
-            if sender == pid:  # other tests write pools and templates on the same channel
+            if sender == pid:  # this schema's other writers notify it too
                 heard.append(channel)
 
-        await listener.add_listener(POOLS_CHANNEL, hear)
+        channel = await listen(listener, POOLS_CHANNEL, hear)
         try:
             at = datetime.now(UTC)
             await templates.create_template(conn, name, body, "admin", at)
             await templates.update_template(conn, name, body, 1, "admin", at)
             await templates.delete_template(conn, name)
             await eventually(lambda: list(heard), lambda h: len(h) >= 3, what="three notifies")
-            assert heard == [POOLS_CHANNEL] * 3
+            assert heard == [channel] * 3
         finally:
-            await listener.remove_listener(POOLS_CHANNEL, hear)
+            await listener.remove_listener(channel, hear)

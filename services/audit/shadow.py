@@ -271,7 +271,7 @@ async def promote(settings: Settings, shadow: str, rules: Rules = decide) -> Dif
             await live.execute(
                 f"UPDATE {L}.sandboxes SET change_seq = nextval('{L}.sandbox_changes')"
             )
-            await live.execute("SELECT pg_notify($1, '')", CHANGES_CHANNEL)
+            await live.execute("SELECT pg_notify(notify_channel($1), '')", CHANGES_CHANNEL)
         return found
     finally:
         await out.close()

@@ -52,6 +52,7 @@ from events.common import SandboxSpec
 from events.publisher import CommandPublisher
 from events.topics import CHANGES_CHANNEL
 from services.common.kafka_clients import kafka_client_args
+from services.common.notify_channels import listen
 from services.common.settings import Settings
 from services.localstack.isolation import isolated
 from services.up.control_plane import ControlPlane
@@ -102,7 +103,7 @@ class Rows:
             settings.pg_dsn, server_settings={"search_path": settings.pg_schema}
         )
         rows = cls(conn, pool)
-        await conn.add_listener(CHANGES_CHANNEL, rows._notified)
+        await listen(conn, CHANGES_CHANNEL, rows._notified)
         return rows
 
     def _notified(self, *_: object) -> None:

@@ -34,6 +34,7 @@ from services.bench import ceiling, cpu, same_work_drain
 from services.bench.drained import timed_drain
 from services.bench.workload import SPEC, T0, lifecycle_messages, produce_all
 from services.common.kafka_clients import kafka_client_args
+from services.common.notify_channels import listen
 from services.common.settings import Settings
 from services.localstack.config import kafka_paths
 from services.localstack.isolation import isolated
@@ -121,7 +122,7 @@ async def _paced_commands(s: Settings, rate: int, seconds: float, processor: int
     done: dict[str, float] = {}
     woken = asyncio.Event()
     listener = await asyncpg.connect(s.pg_dsn, server_settings={"search_path": s.pg_schema})
-    await listener.add_listener(CHANGES_CHANNEL, lambda *_: woken.set())
+    await listen(listener, CHANGES_CHANNEL, lambda *_: woken.set())
     # Its own connection, not the pool's: a pool connection is reset (a round trip) per use.
     reader = await asyncpg.connect(s.pg_dsn, server_settings={"search_path": s.pg_schema})
     finished = asyncio.Event()

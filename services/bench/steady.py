@@ -20,6 +20,7 @@ from events.commands import CreateSandbox
 from events.topics import CHANGES_CHANNEL
 from services.bench.workload import SPEC, T0
 from services.common.kafka_clients import kafka_client_args
+from services.common.notify_channels import listen
 from services.common.settings import Settings
 
 # The keys among $1 whose row exists (the create decided), or is Ready (launched and seen).
@@ -65,7 +66,7 @@ async def steady_creates(
     listener = await asyncpg.connect(s.pg_dsn, server_settings=session)
     reader = await asyncpg.connect(s.pg_dsn, server_settings=session)
     woken = asyncio.Event()
-    await listener.add_listener(CHANGES_CHANNEL, lambda *_: woken.set())
+    await listen(listener, CHANGES_CHANNEL, lambda *_: woken.set())
     producer = AIOKafkaProducer(
         **kafka_client_args(s, "api"), enable_idempotence=True, acks="all", linger_ms=0
     )

@@ -70,7 +70,7 @@ def _info(r: Any) -> PoolInfo:
 
 
 async def notify(conn: Conn) -> None:
-    await conn.execute("SELECT pg_notify($1, '')", POOLS_CHANNEL)
+    await conn.execute("SELECT pg_notify(notify_channel($1), '')", POOLS_CHANNEL)
 
 
 async def set_problems(conn: Conn, problems: dict[str, str | None]) -> None:

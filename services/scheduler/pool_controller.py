@@ -48,6 +48,7 @@ from projections.store import CONNECTION_ERRORS
 from services.common import metrics, templates
 from services.common import pools as store
 from services.common.kafka_clients import kafka_client_args
+from services.common.notify_channels import listen
 from services.common.pools import Member, PoolInfo, Request
 from services.common.settings import Settings
 from services.common.tasks import first_of
@@ -124,18 +125,19 @@ class PoolController:
     _reported: set[str] = field(default_factory=set)  # pools with gauges set
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _listener: Any = None
+    _channel: str = ""
 
     async def start(self) -> None:
         args = kafka_client_args(self.settings, "scheduler", "sandstream-pools")
         self.publisher = CommandPublisher(args, topic=self.settings.topic_commands)
         await self.publisher.__aenter__()
         self._listener = await self.pool.acquire()
-        await self._listener.add_listener(POOLS_CHANNEL, self._notified)
+        self._channel = await listen(self._listener, POOLS_CHANNEL, self._notified)
 
     async def stop(self) -> None:
         if self._listener is not None:
             with contextlib.suppress(Exception):
-                await self._listener.remove_listener(POOLS_CHANNEL, self._notified)
+                await self._listener.remove_listener(self._channel, self._notified)
                 await self.pool.release(self._listener)
             self._listener = None
         if self.publisher is not None:

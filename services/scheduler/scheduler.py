@@ -39,6 +39,7 @@ from projections.store import CONNECTION_ERRORS
 from services.common import metrics
 from services.common.database import connect_pool
 from services.common.kafka_clients import kafka_client_args
+from services.common.notify_channels import listen
 from services.common.settings import Settings
 from services.common.usage import forget_deleted, idle_rows
 from services.scheduler.pool_controller import PoolController
@@ -133,17 +134,18 @@ class Scheduler:
     _idle_ids: set[str] = field(default_factory=set)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _listener: Any = None
+    _channel: str = ""
 
     async def start(self) -> None:
         self.producer = RenewingProducer(kafka_client_args(self.settings, "scheduler"))
         await self.producer.start()
         self._listener = await self.pool.acquire()
-        await self._listener.add_listener(CHANGES_CHANNEL, self._notified)
+        self._channel = await listen(self._listener, CHANGES_CHANNEL, self._notified)
 
     async def stop(self) -> None:
         if self._listener is not None:
             with contextlib.suppress(Exception):
-                await self._listener.remove_listener(CHANGES_CHANNEL, self._notified)
+                await self._listener.remove_listener(self._channel, self._notified)
                 await self.pool.release(self._listener)
             self._listener = None
         if self.producer is not None:

@@ -17,6 +17,7 @@ from services.api.readmodel.horizon import current_horizon
 from services.api.readmodel.views import VIEW_COLUMNS, Row, SandboxView, row_of
 from services.common.database import Pool
 from services.common.names import KEY_OF
+from services.common.notify_channels import listen
 
 log = logging.getLogger("sandstream.api")
 
@@ -85,7 +86,7 @@ class ChangeFeed:
             try:
                 async with self.pool.acquire() as conn:
                     conn.add_termination_listener(_setter(lost))
-                    await conn.add_listener(CHANGES_CHANNEL, self._notify)
+                    channel = await listen(conn, CHANGES_CHANNEL, self._notify)
                     backoff.succeeded()
                     try:
                         while not self._closed.is_set() and not lost.is_set():
@@ -95,7 +96,7 @@ class ChangeFeed:
                                 break
                     finally:
                         if not conn.is_closed():
-                            await conn.remove_listener(CHANGES_CHANNEL, self._notify)
+                            await conn.remove_listener(channel, self._notify)
                 delay = backoff.next()  # the connection was lost: LISTEN again
             except DATABASE_ERRORS as exc:
                 delay = backoff.failed(exc)

@@ -11,6 +11,7 @@ from events.outcomes import CommandOutcome
 from events.topics import CHANGES_CHANNEL
 from services.common.database import Pool
 from services.common.names import resolve
+from services.common.notify_channels import listen
 
 
 async def fetch_outcome(
@@ -51,7 +52,7 @@ async def await_outcome(
         woken.set()
 
     async with pool.acquire() as conn:
-        await conn.add_listener(CHANGES_CHANNEL, _wake)
+        channel = await listen(conn, CHANGES_CHANNEL, _wake)
         try:
             deadline = asyncio.get_running_loop().time() + timeout
             while True:
@@ -63,4 +64,4 @@ async def await_outcome(
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(woken.wait(), timeout=min(remaining, 0.5))
         finally:
-            await conn.remove_listener(CHANGES_CHANNEL, _wake)
+            await conn.remove_listener(channel, _wake)
