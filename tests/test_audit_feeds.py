@@ -16,6 +16,7 @@ from harness import eventually, isolated_env
 
 from drivers.fake import FakeDriver
 from services.api import readmodel
+from services.api.readmodel.horizon import committed_through
 from services.common.settings import PROJECT_ROOT
 
 
@@ -164,3 +165,29 @@ async def test_the_event_horizon_never_steps_over_an_event_still_being_written()
             await transaction.commit()
         horizon = await readmodel.event_horizon(env.pool)
         assert horizon is not None and horizon >= drawn
+
+
+async def test_a_horizon_with_no_writer_is_one_statement_that_scans_the_locks_after_the_read() -> (
+    None
+):
+    """Both feeds read the sequence, then the writers holding the lock at that moment: one
+    statement since 2026-12-06 (it was two per horizon, read by every watch at every commit).
+    The lock scan must follow the read (a writer that locked and drew in between would be
+    missed): the plan shows it as a subquery run per row of the sequence, not beforehand."""
+    async with isolated_env(partitions=1) as env, env.pool.acquire() as conn:
+        sent: list[str] = []
+
+        class Counting:
+            async def fetchrow(self, query: str, *args: Any) -> Any:
+                sent.append(query)
+                return await conn.fetchrow(query, *args)
+
+            async def fetchval(self, query: str, *args: Any) -> Any:
+                sent.append(query)
+                return await conn.fetchval(query, *args)
+
+        await env.fetchval("SELECT nextval('outbox_id_seq')")
+        assert await committed_through(Counting(), "outbox_id_seq") is not None
+        assert len(sent) == 1
+        plan = "\n".join(r[0] for r in await conn.fetch(f"EXPLAIN VERBOSE {sent[0]}"))
+        assert "SubPlan" in plan and "InitPlan" not in plan, plan

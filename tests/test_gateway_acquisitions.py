@@ -120,6 +120,34 @@ async def test_a_new_command_is_recorded_with_its_outcome_looked_up_in_one_state
         assert await env.pool.fetchval("SELECT count(*) FROM api_commands") == 1
 
 
+async def test_a_delete_of_a_name_standing_for_itself_is_resolved_in_its_record_statement() -> (
+    None
+):
+    """Every command but a create resolves its name (a name bound to a pool member addresses
+    the member): that was a statement of its own before the record, 1.0 per sandbox in a
+    burst. It is now part of the record's statement; a bound name takes one more (below)."""
+    async with isolated_env(partitions=2) as env:
+        counting = CountingConnections(env.pool)
+        async with CommandPublisher(
+            kafka_client_args(env.settings, "api"), topic=env.settings.topic_commands
+        ) as publisher:
+            gateway = CommandGateway(counting, publisher, ChangeFeed(env.pool))  # type: ignore[arg-type]
+            submitted = await gateway.submit(f.delete("sb-del-one-trip"), wait=None)
+            assert submitted.outcome is None and not submitted.retry
+            assert len(counting.statements) == 2
+            await env.pool.execute(
+                "INSERT INTO sandboxes (key, sandbox_id, phase, generation, version, spec, "
+                "providers, identity, created_at, updated_at, partition, change_seq, bound_to) "
+                "SELECT 'sb-bound', gen_random_uuid(), 'Deleted', 0, 1, '{}', '{}', '', now(), "
+                "now(), 0, nextval('sandbox_changes'), 'pool-member-1'"
+            )
+            counting.statements.clear()
+            await gateway.submit(f.delete("sb-bound"), wait=None)
+            assert len(counting.statements) == 3
+        recorded = await env.pool.fetch("SELECT key FROM api_commands ORDER BY key")
+        assert [r["key"] for r in recorded] == ["pool-member-1", "sb-del-one-trip"]
+
+
 async def test_creates_acknowledged_together_share_the_statement_that_marks_them() -> None:
     async with isolated_env(partitions=2) as env:
         counting = CountingConnections(env.pool)

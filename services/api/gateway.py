@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Final, TypeAlias
+from typing import Final, TypeAlias
 
 import asyncpg
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError, TopicAuthorizationFailedError
@@ -24,7 +24,6 @@ from services.api import idempotency, readmodel
 from services.api.idempotency import IdempotencyConflict
 from services.api.readmodel import ChangeFeed
 from services.common import metrics
-from services.common.names import resolve
 from services.common.settings import Settings
 
 log = logging.getLogger("sandstream.api")
@@ -80,16 +79,6 @@ class CommandTooLarge(Exception):
         )
         self.size = size
         self.limit = limit
-
-
-async def resolved(conn: Any, command: Command) -> Command:
-    """``command`` keyed by the sandbox its name stands for (services.common.names): a name
-    bound to an adopted pool member addresses the member. A create is decided on the name
-    itself (refused there while the name is bound), and a claim's steps name their keys."""
-    if isinstance(command, CreateSandbox | AdoptSandbox):
-        return command
-    key = await resolve(conn, command.key)
-    return command if key == command.key else command.model_copy(update={"key": key})
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,8 +173,13 @@ class CommandGateway:
         async with self.pool.acquire() as conn:  # one acquisition for both
             acquired = time.perf_counter()
             step.labels("pool_wait").observe(acquired - began)
-            asked, command = command, await resolved(conn, command)
-            first, decided = await idempotency.record_and_outcome(conn, command)
+            # A create is decided on the name itself (refused there while the name is bound),
+            # and a claim's steps name their keys; other commands address what the name
+            # stands for (services.common.names).
+            asked = command
+            named = not isinstance(command, CreateSandbox | AdoptSandbox)
+            recorded = await idempotency.record_and_outcome(conn, command, resolve=named)
+            command, first, decided = recorded.command, recorded.first, recorded.outcome
         step.labels("record").observe(time.perf_counter() - acquired)
         known = None if decided is None else CommandOutcome.model_validate_json(decided)
         if command is not asked:  # keyed by the member its name is bound to: encoded again

@@ -32,6 +32,7 @@ import asyncpg
 
 from events.backoff import pause
 from events.commands import Command
+from services.common.names import KEY_OF
 
 log = logging.getLogger("sandstream.api")
 
@@ -121,27 +122,54 @@ async def claim(
     return first
 
 
-async def record_and_outcome(conn: Conn, command: Command) -> tuple[Recorded | None, str | None]:
+# Records the command under its id and looks up its outcome on its key. With $6, only when
+# the name $2 stands for itself (services.common.names): a name bound to an adopted member is
+# recorded nothing here, and its key is returned for the caller to record the command as the
+# member's (as before the fold: the record's key and fingerprint are those of the command
+# published).
+_RECORD_AND_OUTCOME: Final = (
+    f"WITH k AS (SELECT CASE WHEN $6 THEN {KEY_OF.format('$2::text')} ELSE $2 END AS key), "
+    "mine AS (INSERT INTO api_commands (command_id, key, command_type, actor, fingerprint) "
+    "SELECT $1, $2, $3, $4, $5 WHERE (SELECT key FROM k) = $2 "
+    "ON CONFLICT (command_id) DO NOTHING RETURNING true AS inserted) "
+    "SELECT (SELECT key FROM k) AS key, (SELECT inserted FROM mine) AS inserted, "
+    "(SELECT outcome FROM command_outcomes WHERE command_id = $1 AND key = $2 "
+    "ORDER BY decided_at LIMIT 1) AS outcome"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Recording:
+    """What ``record_and_outcome`` found: the command as recorded (keyed by the sandbox its
+    name stands for), its first recording when the id was known, its outcome's JSON if any."""
+
+    command: Command
+    first: Recorded | None
+    outcome: str | None
+
+
+async def record_and_outcome(conn: Conn, command: Command, *, resolve: bool) -> Recording:
     """Record ``command`` under its id (``claim``), and find its outcome (its JSON) if one was
     decided on its key: one round trip for a command whose id is new (a known id takes
-    ``claim``'s reads after)."""
+    ``claim``'s reads after). ``resolve``: key it by the sandbox its name stands for first, in
+    the same round trip unless the name is bound to a member (then one more)."""
     mine = fingerprint(command)
     row = await conn.fetchrow(
-        "WITH mine AS (INSERT INTO api_commands (command_id, key, command_type, actor, "
-        "fingerprint) VALUES ($1, $2, $3, $4, $5) ON CONFLICT (command_id) DO NOTHING "
-        "RETURNING true AS inserted) "
-        "SELECT (SELECT inserted FROM mine) AS inserted, (SELECT outcome FROM command_outcomes "
-        "WHERE command_id = $1 AND key = $2 ORDER BY decided_at LIMIT 1) AS outcome",
+        _RECORD_AND_OUTCOME,
         command.command_id,
         command.key,
         command.type,
         command.actor,
         mine,
+        resolve,
     )
+    if row["key"] != command.key:  # bound: recorded as the member's
+        member = command.model_copy(update={"key": row["key"]})
+        return await record_and_outcome(conn, member, resolve=False)
     if row["inserted"]:
-        return None, row["outcome"]
+        return Recording(command, None, row["outcome"])
     first = await claim(conn, command.command_id, command.key, command.type, command.actor, mine)
-    return first, row["outcome"]
+    return Recording(command, first, row["outcome"])
 
 
 async def keep_outcome(conn: Conn, command_id: str, outcome: Any) -> None:

@@ -14,7 +14,7 @@ last milliseconds.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Literal
+from typing import Any, Final, Literal, get_args
 
 from events.backoff import Backoff
 from services.common.database import Pool
@@ -23,24 +23,33 @@ from services.common.database import Pool
 Drawn = Literal["sandbox_changes", "outbox_id_seq"]
 
 
-async def _writers(conn: Any, among: list[str] | None = None) -> list[str]:
-    """Transactions (virtual ids) holding a write lock on this schema's sandboxes table."""
-    found = await conn.fetchval(
+def _writers(seen: str) -> str:
+    """Transactions (virtual ids) holding a write lock on this schema's sandboxes table, among
+    those ``seen`` allows."""
+    return (
         "SELECT coalesce(array_agg(DISTINCT virtualtransaction), '{}') FROM pg_locks "
         "WHERE locktype = 'relation' AND relation = to_regclass('sandboxes') "
-        "AND mode = 'RowExclusiveLock' AND pid <> pg_backend_pid() "
-        "AND ($1::text[] IS NULL OR virtualtransaction = ANY($1::text[]))",
-        among,
+        f"AND mode = 'RowExclusiveLock' AND pid <> pg_backend_pid() AND {seen}"
     )
-    return list(found)
+
+
+_STILL_WRITING: Final = _writers("virtualtransaction = ANY($1::text[])")
+# The sequence and the writers of that moment in one statement. The lock scan must come after
+# the sequence's read (a writer that locks and draws after the scan but before the read would
+# be missed): as a subquery correlated with the sequence's row it is run once that row is read.
+_SEQUENCE_THEN_WRITERS: Final = {
+    sequence: f"SELECT s.last_value, s.is_called, ({_writers('s.is_called IS NOT NULL')}) "
+    f"AS writers FROM {sequence} AS s"
+    for sequence in get_args(Drawn)
+}
 
 
 async def committed_through(conn: Any, sequence: Drawn, timeout: float = 2.0) -> int | None:
     """The highest value of ``sequence`` below which every value is committed (None: the
     writers of the moment it was read did not end within ``timeout``)."""
-    row = await conn.fetchrow(f"SELECT last_value, is_called FROM {sequence}")
+    row = await conn.fetchrow(_SEQUENCE_THEN_WRITERS[sequence])
     last = int(row["last_value"]) if row["is_called"] else 0
-    writers = await _writers(conn)
+    writers = list(row["writers"])
     if writers:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -49,7 +58,7 @@ async def committed_through(conn: Any, sequence: Drawn, timeout: float = 2.0) ->
             if loop.time() > deadline:
                 return None
             await asyncio.sleep(polls.next())  # a commit does not notify before its lock goes
-            writers = await _writers(conn, writers)
+            writers = list(await conn.fetchval(_STILL_WRITING, writers))
     return last
 
 
