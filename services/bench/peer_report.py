@@ -16,6 +16,9 @@ GOAL_FLOOR_FACTOR = 1.5  # sandstream's p90 within 1.5 x the floor's (issue 28)
 SUSTAINED_P90 = 1.0  # s: the sustained goal's bound
 RATES = (20, 30, 45, 60, 75, 90, 120, 150, 180)  # creates a second, sustained
 PEER_RATE_FACTOR = 2  # sandstream's highest sustained rate >= 2 x agent-sandbox's (issue 42)
+PEER_P90_FACTOR = 0.5  # the burst p90 <= 0.5 x agent-sandbox's (issue 42)
+REQUESTS_FLOOR_FACTOR = 1.2  # apiserver requests per sandbox <= 1.2 x bare Pods' (issue 42)
+CPU_PEER_FACTOR = 0.8  # own + cluster CPU per sandbox <= 0.8 x agent-sandbox's (issue 42)
 
 OWN_PARTIES = {
     FLOOR: (),
@@ -71,9 +74,14 @@ def ready_line(s: Summary) -> str:
     )
 
 
-def burst_line(label: str, f: BurstFigures) -> str:
+def cpu_split(label: str, f: BurstFigures) -> tuple[float, float]:
+    """The system's own CPU per sandbox and the cluster's (s), as burst_line prints them."""
     own = sum(f.cpu.get(p, 0.0) for p in OWN_PARTIES[label])
-    cluster = sum(f.cpu.get(p, 0.0) for p in CLUSTER_PARTIES)
+    return own, sum(f.cpu.get(p, 0.0) for p in CLUSTER_PARTIES)
+
+
+def burst_line(label: str, f: BurstFigures) -> str:
+    own, cluster = cpu_split(label, f)
     return (
         f"{ready_line(f.ready)}  all Ready {f.all_ready:.2f} s  all gone {f.all_gone:.2f} s  "
         f"apiserver {f.requests:.1f} req/sandbox  CPU/sandbox: its control plane "
@@ -183,6 +191,7 @@ def goals(bursts: Mapping[str, BurstFigures], sustained: Sustained) -> list[str]
         return f"  {'MET    ' if met else 'NOT MET'}  {text}"
 
     ours_rate, peer_rate = highest_rate(sustained, OURS), highest_rate(sustained, PEER)
+    ours_cpu, peer_cpu = sum(cpu_split(OURS, ours)), sum(cpu_split(PEER, peer))
     low = min(sustained) if sustained else None
     ours_low = sustained[low][OURS] if low is not None else None
     peer_low = sustained[low][PEER] if low is not None else None
@@ -208,4 +217,16 @@ def goals(bursts: Mapping[str, BurstFigures], sustained: Sustained) -> list[str]
         line(ours.requests <= peer.requests,
              f"apiserver requests per sandbox {ours.requests:.1f} <= agent-sandbox's "
              f"{peer.requests:.1f}"),
+        line(ours.ready.p90 <= PEER_P90_FACTOR * peer.ready.p90,
+             f"burst p90 {ours.ready.p90:.2f} s <= {PEER_P90_FACTOR} x agent-sandbox's "
+             f"{peer.ready.p90:.2f} s"),
+        line(ours.all_gone <= peer.all_gone,
+             f"delete → all gone {ours.all_gone:.2f} s <= agent-sandbox's {peer.all_gone:.2f} s"),
+        line(ours.requests <= REQUESTS_FLOOR_FACTOR * floor.requests,
+             f"apiserver requests per sandbox {ours.requests:.1f} <= {REQUESTS_FLOOR_FACTOR} x "
+             f"bare Pods' {floor.requests:.1f}"),
+        line(ours_cpu <= CPU_PEER_FACTOR * peer_cpu,
+             f"CPU per sandbox, own + cluster (the medians' sum) {ours_cpu * 1000:.1f} ms <= "
+             f"{CPU_PEER_FACTOR} x agent-sandbox's {peer_cpu * 1000:.1f} ms "
+             f"({ours_cpu / peer_cpu if peer_cpu else math.nan:.2f} x)"),
     ]  # fmt: skip
