@@ -1,5 +1,6 @@
 """``python -m services.bench [all|processor|latency|decided|claim|idle|idle-use|scaleout|
-rebuild|profile|fold|stages|drivers|peer|kube-requests|burst|warm|exec|scaling|api-rate]
+rebuild|profile|fold|stages|drivers|peer|kube-requests|burst|warm|exec|scaling|api-rate|
+create-steps]
 [--quick]``: the benchmarks, each printed beside its same-run reference (see
 docs/benchmarks.md). ``latency`` is the latency part of ``processor`` alone; ``decided`` is
 request → decided outcome at low load, through the HTTP API; ``claim`` (not part of ``all``) a
@@ -18,7 +19,8 @@ API step by step, beside the driver's exec alone. ``scaling`` (services/bench/sc
 part of ``all``) runs the processor and the executor as 1, 2 and 4 processes on three brokers
 of its own. ``api-rate`` (services/bench/api_rate.py, not part of ``all``) offers creates to
 ``sandstream up`` (fake driver) at rising rates, beside its trivial endpoint and Kafka's own
-produce at each rate."""
+produce at each rate. ``create-steps`` (services/bench/create_steps.py, not part of ``all``)
+times each create's steps at a steady low rate (``--rate``, 20/s) beside bare Pods."""
 
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ import os
 import time
 from pathlib import Path
 
+from services.bench import create_steps, exec_route, kube_requests, peer, peer_burst, scaling, warm
 from services.bench import drivers as bench_drivers
-from services.bench import exec_route, kube_requests, peer, peer_burst, scaling, warm
 from services.bench import kube as bench_kube
 from services.bench import wake as bench_wake
 from services.bench.api_rate import api_rate_figures
@@ -67,6 +69,7 @@ CHOICES = (
     "exec",
     "scaling",
     "api-rate",
+    "create-steps",
 )
 
 
@@ -77,8 +80,13 @@ async def run(
     peer_plan: peer.Plan | None = None,
     sandboxes: int | None = None,
     profile_dir: Path | None = None,
+    rate: int = 20,
 ) -> None:
     settings = Settings()
+    if which == "create-steps":
+        rounds = peer_plan.rounds if peer_plan else 3
+        await create_steps.main(settings, rate, 5.0 if quick else 10.0, rounds)
+        return
     if which == "burst":
         rounds = peer_plan.rounds if peer_plan else 3
         await peer_burst.main(settings, sandboxes or 300, rounds, profile_dir)
@@ -168,6 +176,7 @@ def main() -> None:
     parser.add_argument(
         "--claim-rate", type=int, default=10, help="peer: warm claims a second, sustained (10)"
     )
+    parser.add_argument("--rate", type=int, default=20, help="create-steps: creates a second (20)")
     parser.add_argument(
         "--profile",
         type=Path,
@@ -184,5 +193,5 @@ def main() -> None:
     )
     asyncio.run(
         run(args.which, args.quick, peer_plan=peer_plan, sandboxes=args.sandboxes,
-            profile_dir=args.profile)
+            profile_dir=args.profile, rate=args.rate)
     )  # fmt: skip

@@ -27,9 +27,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -289,16 +290,22 @@ def summary(figures: Mapping[str, list[BurstFigures]]) -> str:
     return render_rows(rows)
 
 
-async def main(settings: Settings, sandboxes: int, rounds: int, profile: Path | None) -> None:
-    run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-    home = settings.state_dir / "bench" / f"burst-{run_id}"
-    home.mkdir(parents=True)
-    if profile is not None:
-        profile.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240
-    plan = Plan(sandboxes=sandboxes, rounds=rounds, gap=5.0, timeout=300.0, idle=10.0)
-    where = "a process of its own" if settings.up_api_process else "`up`'s process"
-    print(f"sandstream beside bare Pods: {rounds} bursts of {sandboxes}, the API in {where}  "
-          f"({os.cpu_count()} cores, load average {_load()} at the start)", flush=True)  # fmt: skip
+@dataclasses.dataclass
+class Stage:
+    """What a run on the burst's set-up works with: sandstream (its API, its settings and
+    process) and bare Pods on a cluster and broker of their own, both watched."""
+
+    bench: Bench
+    api: SandstreamApi
+    ours: Any
+    pg: asyncpg.Connection[asyncpg.Record]
+    tracks: dict[str, Track]
+
+
+@contextlib.asynccontextmanager
+async def stage(settings: Settings, plan: Plan, home: Path) -> AsyncIterator[Stage]:
+    """A Kubernetes cluster and a Kafka broker of their own, ``sandstream up`` on them, bare
+    Pods beside it and both systems watched, warmed up by an untimed burst."""
     spec = pod_spec(settings.sandbox_image)
     async with (
         peer_setup.private_kafka(settings, home / "kafka") as kafka,
@@ -331,47 +338,8 @@ async def main(settings: Settings, sandboxes: int, rounds: int, profile: Path | 
                 bench = Bench(plan, cluster.admin, client,
                               Parties(fixed, ours.proc.pid, pg, settings.pg_port),
                               systems, tracks)  # fmt: skip
-                await warm_up(bench, api, min(50, sandboxes))
-                await bench.measure_idle(plan.idle)
-                figures: dict[str, list[BurstFigures]] = {FLOOR: [], OURS: []}
-                for i, order in enumerate(orders(systems, rounds)):
-                    print(f"round {i + 1} of {rounds}", flush=True)
-                    for system in order:
-                        if system.label == FLOOR:
-                            figures[FLOOR].append(await bench.burst(system, f"b{i}"))
-                            print(f"  {'':<14} {delete_line(tracks[FLOOR], f'b{i}-')}")
-                            continue
-                        records = await topic_records(ours.settings)
-                        rows = await settled_stats(pg, ours.settings.pg_schema)
-                        requests = await api.kafka_requests()
-                        api_before = await api_sums(api)
-                        spy = Profiler(ours.proc.pid, profile and profile / f"up-{i + 1}.txt")
-                        try:
-                            figures[OURS].append(await bench.burst(system, f"b{i}"))
-                        finally:
-                            await spy.stop()
-                        # Before the reads below (the recorded steps read every history).
-                        now = await settled_stats(pg, ours.settings.pg_schema)
-                        print(f"  {'':<14} {delete_line(tracks[OURS], f'b{i}-')}")
-                        steps = await recorded_steps(api, tracks[OURS], f"b{i}-")
-                        print(f"  {'':<14} {steps}")
-                        print(f"  {'':<14} {api_steps(api_before, await api_sums(api))}")
-                        name = slowest(tracks[OURS], f"b{i}-")
-                        print(f"  {'':<14} the slowest delete's history ({name}):")
-                        for line in await history_lines(api, tracks[OURS], name):
-                            print(f"  {'':<16} {line}")
-                        sent = counts_delta(requests, await api.kafka_requests())
-                        per = {k: v / sandboxes for k, v in sent.items()}
-                        print(f"  {'':<14} {kafka_line(per, 'sandbox')}")
-                        after = await topic_records(ours.settings)
-                        print(f"  {'':<14} Kafka records per sandbox: "
-                              f"{per_sandbox(records, after, sandboxes)}")  # fmt: skip
-                        print(f"  {'':<14} PostgreSQL per sandbox (its schema's tables; "
-                              "the database's transactions): "
-                              f"{per_sandbox(rows, now, sandboxes)}", flush=True)  # fmt: skip
-                print(f"\nbursts of {sandboxes} (CPU above each process's idle; own: `up`, its "
-                      "broker, its PostgreSQL backends)")  # fmt: skip
-                print(summary(figures))
+                await warm_up(bench, api, min(50, plan.sandboxes))
+                yield Stage(bench, api, ours, pg, tracks)
             finally:
                 for task in watches:
                     task.cancel()
@@ -379,6 +347,60 @@ async def main(settings: Settings, sandboxes: int, rounds: int, profile: Path | 
                 await pg.close()
                 await api.close()
                 await client.close()
+
+
+async def main(settings: Settings, sandboxes: int, rounds: int, profile: Path | None) -> None:
+    run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    home = settings.state_dir / "bench" / f"burst-{run_id}"
+    home.mkdir(parents=True)
+    if profile is not None:
+        profile.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240
+    plan = Plan(sandboxes=sandboxes, rounds=rounds, gap=5.0, timeout=300.0, idle=10.0)
+    where = "a process of its own" if settings.up_api_process else "`up`'s process"
+    print(f"sandstream beside bare Pods: {rounds} bursts of {sandboxes}, the API in {where}  "
+          f"({os.cpu_count()} cores, load average {_load()} at the start)", flush=True)  # fmt: skip
+    async with stage(settings, plan, home) as on:
+        bench, api, ours, pg, tracks = on.bench, on.api, on.ours, on.pg, on.tracks
+        await bench.measure_idle(plan.idle)
+        figures: dict[str, list[BurstFigures]] = {FLOOR: [], OURS: []}
+        for i, order in enumerate(orders(bench.systems, rounds)):
+            print(f"round {i + 1} of {rounds}", flush=True)
+            for system in order:
+                if system.label == FLOOR:
+                    figures[FLOOR].append(await bench.burst(system, f"b{i}"))
+                    print(f"  {'':<14} {delete_line(tracks[FLOOR], f'b{i}-')}")
+                    continue
+                records = await topic_records(ours.settings)
+                rows = await settled_stats(pg, ours.settings.pg_schema)
+                requests = await api.kafka_requests()
+                api_before = await api_sums(api)
+                spy = Profiler(ours.proc.pid, profile and profile / f"up-{i + 1}.txt")
+                try:
+                    figures[OURS].append(await bench.burst(system, f"b{i}"))
+                finally:
+                    await spy.stop()
+                # Before the reads below (the recorded steps read every history).
+                now = await settled_stats(pg, ours.settings.pg_schema)
+                print(f"  {'':<14} {delete_line(tracks[OURS], f'b{i}-')}")
+                steps = await recorded_steps(api, tracks[OURS], f"b{i}-")
+                print(f"  {'':<14} {steps}")
+                print(f"  {'':<14} {api_steps(api_before, await api_sums(api))}")
+                name = slowest(tracks[OURS], f"b{i}-")
+                print(f"  {'':<14} the slowest delete's history ({name}):")
+                for line in await history_lines(api, tracks[OURS], name):
+                    print(f"  {'':<16} {line}")
+                sent = counts_delta(requests, await api.kafka_requests())
+                per = {k: v / sandboxes for k, v in sent.items()}
+                print(f"  {'':<14} {kafka_line(per, 'sandbox')}")
+                after = await topic_records(ours.settings)
+                print(f"  {'':<14} Kafka records per sandbox: "
+                      f"{per_sandbox(records, after, sandboxes)}")  # fmt: skip
+                print(f"  {'':<14} PostgreSQL per sandbox (its schema's tables; "
+                      "the database's transactions): "
+                      f"{per_sandbox(rows, now, sandboxes)}", flush=True)  # fmt: skip
+        print(f"\nbursts of {sandboxes} (CPU above each process's idle; own: `up`, its "
+              "broker, its PostgreSQL backends)")  # fmt: skip
+        print(summary(figures))
     print(f"(load average {_load()} at the end)")
     peer_setup.remove(home)
 
