@@ -120,9 +120,7 @@ async def test_a_new_command_is_recorded_with_its_outcome_looked_up_in_one_state
         assert await env.pool.fetchval("SELECT count(*) FROM api_commands") == 1
 
 
-async def test_a_delete_of_a_name_standing_for_itself_is_resolved_in_its_record_statement() -> (
-    None
-):
+async def test_a_delete_of_an_unbound_name_is_resolved_in_its_record_statement() -> None:
     """Every command but a create resolves its name (a name bound to a pool member addresses
     the member): that was a statement of its own before the record, 1.0 per sandbox in a
     burst. It is now part of the record's statement; a bound name takes one more (below)."""
