@@ -217,10 +217,14 @@ async def test_sandbox_lifecycle_launch_stop_relaunch_delete(
     try:
         # launch generation 1: running, labelled, with the identity in env and label
         spec1 = spec_for(settings, key, 1, SLEEPER)
+        launched_at = datetime.now(UTC).replace(microsecond=0)  # Podman's times: to the second
         result = await driver.launch(spec1)
         assert result.started and result.generation == 1 and result.identity == spec1.identity
         [info] = await eventually(lambda: driver.get(key), lambda r: len(r) == 1, "gen 1 listed")
+        # Since when it runs: its start, as Podman recorded it.
+        assert info.since is not None and launched_at <= info.since <= datetime.now(UTC)
         assert info == RuntimeInfo(
+            since=info.since,
             key=key,
             sandbox_id=spec1.sandbox_id,
             generation=1,

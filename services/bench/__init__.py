@@ -12,6 +12,8 @@ Modules:
 - ``cpu``: CPU seconds spent per input, beside the wall-clock rates.
 - ``decided``: request → decided outcome at low load through the HTTP API, beside Kafka's and
   PostgreSQL's own round trips.
+- ``create_steps``: where a create's time goes at a steady low rate, step by step from its
+  history, beside bare Pods (the burst's set-up).
 - ``drained``: one observer timing every drain (the processor's, the same-work ceiling's)
   from the first commit until all is committed and published.
 - ``drivers``: driver benchmarks (part of ``make bench``).
@@ -32,7 +34,7 @@ Modules:
   sandstream's CPU, Kafka records and PostgreSQL rows per sandbox and its deletes' time.
 - ``main``: ``python -m services.bench
   [all|processor|latency|decided|claim|idle|idle-use|scaleout|rebuild|profile|fold|stages|
-  drivers|peer|kube-requests|burst|warm|exec|scaling|api-rate]
+  drivers|peer|kube-requests|burst|warm|exec|scaling|api-rate|create-steps]
   [--quick]``.
 - ``peer``, ``peer_setup``, ``peer_systems``, ``peer_kube``, ``peer_stats``, ``peer_report``:
   sandstream beside kubernetes-sigs/agent-sandbox and bare Pods on one Kubernetes cluster

@@ -21,6 +21,8 @@ Modules:
 - ``migrations``: the SQL migration runner.
 - ``names``: a user's sandbox name resolved at the doors (a claimed name stands for its
   adopted pool member's key).
+- ``notify_channels``: LISTEN on a NOTIFY channel under its schema's name (channels are per
+  database; each schema has its own).
 - ``pool_reset``: a pool connection reset on release only when it may carry session state.
 - ``pools``: warm pools in PostgreSQL (the pools, the controller's requested creates, the
   claims served).
