@@ -30,13 +30,25 @@ from services.bench.peer_systems import CONNECTIONS, FLOOR, OURS, SandstreamApi,
 from services.common.settings import Settings
 
 Item = Mapping[str, Any]
+# Steps timed by the message's own time (its producer's clock), not by its commit.
+STAMPED = ("create stamped by the API", "launch returned (executor's clock)")
+
+
+def _launch(item: Item) -> bool:
+    return bool(
+        item["message_type"] == "DriverOperationResult"
+        and item["message"].get("operation") == "launch"
+    )
+
+
 # A step: its name, and how to know it in a history item (None: not from the history).
 STEPS: tuple[tuple[str, Callable[[Item], bool] | None], ...] = (
     ("API answered", None),
+    ("create stamped by the API", lambda i: i["message_type"] == "CreateSandbox"),
     ("create committed", lambda i: i["message_type"] == "CreateSandbox"),
-    ("launch result committed", lambda i: i["message_type"] == "DriverOperationResult"
-     and i["message"].get("operation") == "launch"),
     ("Pod Running+Ready (cluster)", None),
+    ("launch returned (executor's clock)", _launch),
+    ("launch result committed", _launch),
     ("running snapshot committed", lambda i: i["message_type"] == "RuntimeSnapshot"
      and i["message"].get("state") == "running"),
     ("Ready in the watch", None),
@@ -53,10 +65,11 @@ async def history_steps(api: SandstreamApi, names: list[str]) -> dict[str, dict[
         async with gate:
             response = await api.client.get(f"/v1/sandboxes/{name}/history", params={"limit": 100})
         for item in response.json().get("items", []) if response.status_code == 200 else []:
-            at = datetime.fromisoformat(item["recorded_at"]).timestamp() - offset
             for step, known in STEPS:
                 if known and known(item) and name not in found[step]:
-                    found[step][name] = at
+                    stamp = item["message"]["occurred_at"] if step in STAMPED else None
+                    at = datetime.fromisoformat(stamp or item["recorded_at"]).timestamp()
+                    found[step][name] = at - offset
 
     await asyncio.gather(*(one(n) for n in names))
     return found
