@@ -101,21 +101,27 @@ def _counted(call: Callable[..., Awaitable[Any]], statements: list[str]) -> Any:
     return counted
 
 
-async def test_a_new_command_is_recorded_with_its_outcome_looked_up_in_one_statement() -> None:
-    """A create answered 202 costs the API two statements, not three: the record and the
-    look-up of an earlier outcome in one, then the mark as published."""
+@asynccontextmanager
+async def counted_gateway() -> AsyncIterator[tuple[Any, CountingConnections, CommandGateway]]:
+    """An environment of its own and a gateway whose statements are counted."""
     async with isolated_env(partitions=2) as env:
         counting = CountingConnections(env.pool)
         async with CommandPublisher(
             kafka_client_args(env.settings, "api"), topic=env.settings.topic_commands
         ) as publisher:
-            gateway = CommandGateway(counting, publisher, ChangeFeed(env.pool))  # type: ignore[arg-type]
-            command = f.create("sb-one-trip")
-            submitted = await gateway.submit(command, wait=None)
-            assert submitted.outcome is None and not submitted.retry
-            assert len(counting.statements) == 2
-            assert await env.pool.fetchval("SELECT published FROM api_commands") is True
-            again = await gateway.submit(command, wait=None)  # a retry: nothing published again
+            yield env, counting, CommandGateway(counting, publisher, ChangeFeed(env.pool))  # type: ignore[arg-type]
+
+
+async def test_a_new_command_is_recorded_with_its_outcome_looked_up_in_one_statement() -> None:
+    """A create answered 202 costs the API two statements, not three: the record and the
+    look-up of an earlier outcome in one, then the mark as published."""
+    async with counted_gateway() as (env, counting, gateway):
+        command = f.create("sb-one-trip")
+        submitted = await gateway.submit(command, wait=None)
+        assert submitted.outcome is None and not submitted.retry
+        assert len(counting.statements) == 2
+        assert await env.pool.fetchval("SELECT published FROM api_commands") is True
+        again = await gateway.submit(command, wait=None)  # a retry: nothing published again
         assert again.retry and again.outcome is None
         assert await env.pool.fetchval("SELECT count(*) FROM api_commands") == 1
 
@@ -124,37 +130,27 @@ async def test_a_delete_of_an_unbound_name_is_resolved_in_its_record_statement()
     """Every command but a create resolves its name (a name bound to a pool member addresses
     the member): that was a statement of its own before the record, 1.0 per sandbox in a
     burst. It is now part of the record's statement; a bound name takes one more (below)."""
-    async with isolated_env(partitions=2) as env:
-        counting = CountingConnections(env.pool)
-        async with CommandPublisher(
-            kafka_client_args(env.settings, "api"), topic=env.settings.topic_commands
-        ) as publisher:
-            gateway = CommandGateway(counting, publisher, ChangeFeed(env.pool))  # type: ignore[arg-type]
-            submitted = await gateway.submit(f.delete("sb-del-one-trip"), wait=None)
-            assert submitted.outcome is None and not submitted.retry
-            assert len(counting.statements) == 2
-            await env.pool.execute(
-                "INSERT INTO sandboxes (key, sandbox_id, phase, generation, version, spec, "
-                "providers, identity, created_at, updated_at, partition, change_seq, bound_to) "
-                "SELECT 'sb-bound', gen_random_uuid(), 'Deleted', 0, 1, '{}', '{}', '', now(), "
-                "now(), 0, nextval('sandbox_changes'), 'pool-member-1'"
-            )
-            counting.statements.clear()
-            await gateway.submit(f.delete("sb-bound"), wait=None)
-            assert len(counting.statements) == 3
+    async with counted_gateway() as (env, counting, gateway):
+        submitted = await gateway.submit(f.delete("sb-del-one-trip"), wait=None)
+        assert submitted.outcome is None and not submitted.retry
+        assert len(counting.statements) == 2
+        await env.pool.execute(
+            "INSERT INTO sandboxes (key, sandbox_id, phase, generation, version, spec, "
+            "providers, identity, created_at, updated_at, partition, change_seq, bound_to) "
+            "SELECT 'sb-bound', gen_random_uuid(), 'Deleted', 0, 1, '{}', '{}', '', now(), "
+            "now(), 0, nextval('sandbox_changes'), 'pool-member-1'"
+        )
+        counting.statements.clear()
+        await gateway.submit(f.delete("sb-bound"), wait=None)
+        assert len(counting.statements) == 3
         recorded = await env.pool.fetch("SELECT key FROM api_commands ORDER BY key")
         assert [r["key"] for r in recorded] == ["pool-member-1", "sb-del-one-trip"]
 
 
 async def test_creates_acknowledged_together_share_the_statement_that_marks_them() -> None:
-    async with isolated_env(partitions=2) as env:
-        counting = CountingConnections(env.pool)
-        async with CommandPublisher(
-            kafka_client_args(env.settings, "api"), topic=env.settings.topic_commands
-        ) as publisher:
-            gateway = CommandGateway(counting, publisher, ChangeFeed(env.pool))  # type: ignore[arg-type]
-            commands = [f.create(f"sb-shared-{i}") for i in range(20)]
-            await asyncio.gather(*(gateway.submit(c, wait=None) for c in commands))
+    async with counted_gateway() as (env, counting, gateway):
+        commands = [f.create(f"sb-shared-{i}") for i in range(20)]
+        await asyncio.gather(*(gateway.submit(c, wait=None) for c in commands))
         marks = [s for s in counting.statements if s.startswith("UPDATE api_commands")]
         assert len(counting.statements) == 20 + len(marks) and len(marks) < 20
         published = await env.pool.fetchval("SELECT count(*) FROM api_commands WHERE published")
