@@ -244,16 +244,19 @@ def test_an_exited_runtime_under_a_ready_row_is_reported_as_its_exit() -> None:
 
 def test_a_reported_exit_carries_the_exit_time_not_the_pass_time() -> None:
     """The restart policy schedules from the exit's occurred_at and resets its back-off by the
-    run's length: a missed exit found by a later pass must carry when it exited (a backend
-    clock ahead of ours is taken as now)."""
+    run's length: a missed exit found by a later pass must carry when it exited, whether it is
+    the row's own runtime or an orphan (a pass that read the rows before the create and
+    listed after the exit: found in a CI run); a backend clock ahead of ours is taken as now."""
     rows = [live("early", 2, Phase.READY), live("ahead", 2, Phase.READY)]
     exited_at = NOW - timedelta(seconds=25)
     runtimes = [
         runtime("early", 2, "exited", since=exited_at),
         runtime("ahead", 2, "exited", since=NOW + timedelta(seconds=5)),
+        runtime("unread", 1, "exited", since=exited_at),  # its row came after the read
     ]
-    at = {o.key: o.occurred_at for o in reconcile(rows, runtimes, NOW)}
-    assert at == {"early": exited_at, "ahead": NOW}
+    at = {o.observation_id.split(":")[1] + " " + o.key: o.occurred_at
+          for o in reconcile(rows, runtimes, NOW)}  # fmt: skip
+    assert at == {"exited early": exited_at, "exited ahead": NOW, "orphan unread": exited_at}
 
 
 # -- on the pipeline ------------------------------------------------------------------------------

@@ -110,12 +110,7 @@ def reconcile(
         if orphan:
             out.append(_reported("orphan", rt, now))
     out += [_reported("stray", rt, now) for rt in stray_runtimes(by_key.values(), runtimes)]
-    # An exit happened when the backend says, not at this pass: the restart's back-off and
-    # its reset count from it (never later than now: a backend's clock may run ahead).
-    out += [
-        _reported("exited", rt, min(rt.since or now, now))
-        for rt in exited_runtimes(by_key.values(), runtimes)
-    ]
+    out += [_reported("exited", rt, now) for rt in exited_runtimes(by_key.values(), runtimes)]
     for row in by_key.values():
         if (
             row.phase in EXPECTS_RUNTIME
@@ -151,13 +146,17 @@ def stale_runtimes(rows: Iterable[LiveRow], runtimes: Iterable[RuntimeInfo]) -> 
 
 
 def _reported(difference: str, rt: RuntimeInfo, now: datetime) -> RuntimeSnapshot:
-    """A snapshot of ``rt`` reporting a difference (its id names it, deterministically)."""
+    """A snapshot of ``rt`` reporting a difference (its id names it, deterministically), as
+    of when the runtime entered its state, as the watch's are: an exit the processor takes
+    from it (the row's own runtime, or an orphan that is the current one by then) schedules
+    the restart and resets its back-off from the exit, not from this pass. Never later than
+    ``now``: a backend's clock may run ahead."""
     return RuntimeSnapshot(
         type="RuntimeSnapshot",
         observation_id=f"reconcile:{difference}:{rt.runtime_id}:{rt.state}",
         key=rt.key,
         generation=rt.generation,
-        occurred_at=now,
+        occurred_at=min(rt.since or now, now),
         actor="reconciler",
         state=rt.state,
         exit_code=rt.exit_code,
