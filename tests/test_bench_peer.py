@@ -15,7 +15,7 @@ import pytest
 from drivers.kube_objects import PodSettings, pod_manifest
 from drivers.protocol import LaunchSpec
 from events.common import SandboxSpec
-from services.bench import cpu, peer_burst
+from services.bench import cpu, create_steps, peer_burst
 from services.bench.api_rate import Sums
 from services.bench.peer import Bench, above_idle, orders
 from services.bench.peer_kube import yaml_documents
@@ -318,6 +318,29 @@ def test_the_burst_summary_shows_own_cpu_by_process_beside_the_floor_and_the_med
     assert floor_row.split()[-3:] == ["—", "15.0", "15.0"]
     median_row = next(line for line in lines if line.startswith("median") and "sandstream" in line)
     assert median_row.split()[2:5] == ["3.00", "s", "6.00"]
+
+
+def test_a_creates_steps_are_timed_from_its_request_and_count_only_those_seen() -> None:
+    track = Track()
+    track.requested = {"s-1": 10.0, "s-2": 20.0}
+    track.answered = {"s-1": 10.010, "s-2": 20.030}
+    track.pod_ready = {"s-1": 10.030}  # s-2's Pod never seen Ready
+    track.ready = {"s-1": 10.050, "s-2": 20.070}
+    found = {"create stamped by the API": {"s-1": 10.002, "s-2": 20.004},
+             "create committed": {"s-1": 10.008, "s-2": 20.012},
+             "launch returned (executor's clock)": {"s-1": 10.031},
+             "launch result committed": {"s-1": 10.040},
+             "running snapshot committed": {"s-1": 10.041, "s-2": 20.061}}  # fmt: skip
+    table = create_steps.steps_table(track, ["s-1", "s-2"], found).splitlines()[1:]
+    rows = {line.rsplit(None, 3)[0]: line.split()[-3:] for line in table}
+    assert [name for name, _ in create_steps.STEPS] == list(rows)
+    assert rows["create committed"] == ["8.0", "12.0", "2"]
+    assert rows["Pod Running+Ready (cluster)"] == ["30.0", "30.0", "1"]
+    assert rows["Ready in the watch"][2] == "2"
+    assert create_steps.STAMPED == (
+        "create stamped by the API",
+        "launch returned (executor's clock)",
+    )
 
 
 def test_a_bursts_deletes_are_timed_from_their_requests_and_the_slowest_named() -> None:
