@@ -46,7 +46,8 @@ DATABASE_ERRORS: tuple[type[Exception], ...] = (asyncpg.PostgresError, *CONNECTI
 SANDBOX_COLUMNS = (
     "key, sandbox_id, phase, generation, version, spec, providers, identity, exit_code, reason, "
     "created_at, updated_at, deadline, expires_at, on_expiry, on_exit, hold, awaited, restarts, "
-    "template, pool, adopted_as, claim_id, bound_to, claim_providers, adopted_generation"
+    "template, pool, adopted_as, claim_id, bound_to, claim_providers, adopted_generation, "
+    "exited_at"
 )
 
 
@@ -84,6 +85,7 @@ def sandbox_from_record(r: Any) -> Sandbox:
         bound_to=r["bound_to"],
         claim_providers=tuple(r["claim_providers"] or ()),
         adopted_generation=r["adopted_generation"],
+        exited_at=_timestamp(r["exited_at"]) if r["exited_at"] is not None else None,
     )
 
 
@@ -128,10 +130,9 @@ SELECT 'row', NULL, NULL, NULL, json_build_object(
     'exit_code', exit_code, 'reason', reason, 'created_at', created_at,
     'updated_at', updated_at, 'deadline', deadline, 'expires_at', expires_at,
     'on_expiry', on_expiry, 'on_exit', on_exit, 'hold', hold, 'awaited', awaited,
-    'restarts', restarts, 'template', template,
-    'pool', pool, 'adopted_as', adopted_as, 'claim_id', claim_id,
-    'bound_to', bound_to, 'claim_providers', claim_providers,
-    'adopted_generation', adopted_generation)
+    'restarts', restarts, 'template', template, 'pool', pool, 'adopted_as', adopted_as,
+    'claim_id', claim_id, 'bound_to', bound_to, 'claim_providers', claim_providers,
+    'adopted_generation', adopted_generation, 'exited_at', exited_at)
 FROM unnest($3::text[]) AS k, LATERAL (SELECT * FROM sandboxes WHERE key = k LIMIT 1) AS s
 UNION ALL
 SELECT 'outcome', NULL, NULL, NULL, o.outcome::json
@@ -329,7 +330,8 @@ WITH moved AS (
            nullif(r->18, 'null') AS hold, r->19 AS awaited,
            nullif(r->20, 'null') AS restarts, nullif(r->21, 'null') AS template,
            r->>22 AS pool, r->>23 AS adopted_as, r->>24 AS claim_id, r->>25 AS bound_to,
-           string_to_array(r->>26, ',') AS claim_providers, (r->>27)::int AS adopted_generation
+           string_to_array(r->>26, ',') AS claim_providers, (r->>27)::int AS adopted_generation,
+           (r->>28)::timestamptz AS exited_at
     FROM jsonb_array_elements($5::jsonb) AS r
     WHERE (SELECT ok FROM fence)
 ), inserted AS (
@@ -349,11 +351,10 @@ WITH moved AS (
         partition = u.partition, change_seq = nextval('sandbox_changes'),
         deadline = u.deadline, deadline_at = (u.deadline->>'due_at')::timestamptz,
         expires_at = u.expires_at, on_expiry = u.on_expiry, on_exit = u.on_exit,
-        hold = u.hold, awaited = u.awaited, restarts = u.restarts,
-        template = u.template,
-        pool = u.pool,
-        adopted_as = u.adopted_as, claim_id = u.claim_id, bound_to = u.bound_to,
-        claim_providers = u.claim_providers, adopted_generation = u.adopted_generation
+        hold = u.hold, awaited = u.awaited, restarts = u.restarts, template = u.template,
+        pool = u.pool, adopted_as = u.adopted_as, claim_id = u.claim_id, bound_to = u.bound_to,
+        claim_providers = u.claim_providers, adopted_generation = u.adopted_generation,
+        exited_at = u.exited_at
     FROM decided_rows u
     WHERE u.base IS NOT NULL AND s.key = u.key AND s.version = u.base
     RETURNING 1
@@ -498,7 +499,7 @@ def _sandbox_positions(partition: int, s: Sandbox, base: int | None) -> tuple[An
         orjson.Fragment(encode(s.restarts)) if s.restarts else None,
         orjson.Fragment(encode(s.template)) if s.template else None,
         s.pool, s.adopted_as, s.claim_id, s.bound_to, ",".join(s.claim_providers),
-        s.adopted_generation,
+        s.adopted_generation, s.exited_at,
     )  # fmt: skip
 
 

@@ -96,7 +96,13 @@ def render() -> str:
         "or not seen, it stays Stopping (SandboxOperationFailed with phase Stopping, `reason` "
         "`StopFailed: still Stopping (...)` naming the retries so far and the next retry), with "
         "a retry deadline on the delete's back-off: the retries go on until the runtime is "
-        "stopped, or a restart or delete takes over.",
+        "stopped, or a restart or delete takes over. Running lifts Error only when it is "
+        "news: the row keeps the time of the exit that ended its generation (`exited_at`, "
+        "the backend's clock: an exit with its code, including the one a restart policy gave "
+        "up after), and a running of that generation dated no later is late (a reconcile pass "
+        "that listed the runtime before its exit, dated by its start; a start Podman sends "
+        "again when it rotates its event log) and is ignored. Without a known exit (a failed "
+        "launch, a vanished runtime) any running lifts it.",
         "",
         "### Holds",
         "",

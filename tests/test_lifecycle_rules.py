@@ -400,7 +400,9 @@ def test_observation_cell(phase: Phase, kind: ObservationKind) -> None:
     )
     for observed in observed_values:
         state = row_in(phase)
-        obs = f.observation_of_kind(kind, generation=state.generation, observed=observed)
+        obs = f.observation_of_kind(  # newer than the row (an older "running" comes late)
+            kind, generation=state.generation, observed=observed, occurred_at=f.at(60)
+        )
         decision = run(state, obs)
         assert decision.outcome is None
         if target is None:
@@ -509,7 +511,7 @@ def test_failure_reasons_and_exit_codes() -> None:
 
     # Back to Ready clears the failure.
     error = row_in(P.ERROR)
-    decision = run(error, f.running(generation=error.generation))
+    decision = run(error, f.running(generation=error.generation, occurred_at=f.at(60)))
     assert decision.state is not None
     assert (decision.state.exit_code, decision.state.reason) == (None, None)
 

@@ -33,6 +33,7 @@ from podman import PodmanClient
 from drivers.fake import FakeDriver
 from drivers.podman import container_name
 from drivers.protocol import LaunchSpec, RuntimeInfo
+from events.codec import encode
 from events.common import Phase
 from events.observations import RuntimeRemoved, RuntimeSnapshot
 from services.common.kafka_clients import kafka_client_args
@@ -294,13 +295,16 @@ async def test_a_container_removed_while_no_watcher_ran_is_found_by_the_reconcil
             assert volumes_of(podman, key) == []
 
 
-async def test_a_start_replayed_after_the_exit_is_undone_by_the_reconcile_loop(
+async def test_a_replayed_start_lifts_nothing_and_the_reconcile_loop_undoes_ready_over_an_exit(
     podman: PodmanClient,
 ) -> None:
     """Found in a suite run: Podman 4.3 replays old events after rotating its event log, so
     the watch reported a sandbox's start again after its exit; the row went back to Ready over
-    an exited container and stayed so (its restart policy never ran). The reconcile loop now
-    reports the exit it sees in the listing: the row is Error again within a pass."""
+    an exited container and stayed so (its restart policy never ran). A running dated before
+    the exit now lifts nothing (tests/test_late_running.py). Whatever else shows the row Ready
+    over an exited runtime (here a running dated after the exit, as a backend clock ahead of
+    the exit's would), the reconcile loop reports the exit it sees in the listing: the row is
+    Error again within a pass."""
     async with podman_env(podman, "replay") as (env, driver, keys), await env.publisher() as pub:
         key = keys()
         async with running_plane(env, driver, reconcile_interval=0.5, removing=keys):
@@ -308,15 +312,21 @@ async def test_a_start_replayed_after_the_exit_is_undone_by_the_reconcile_loop(
             await command(env, pub, f.create(key, sandbox_spec=spec))
             exited = await wait_phase(env, key, "Error")
             assert exited["exit_code"] == 3
-            starts = [
-                raw
+            [(start, raw)] = [
+                (o, raw)
                 for o, raw in await observations_of(env, key)
                 if isinstance(o, RuntimeSnapshot) and o.state == "running" and o.source == "watch"
             ]
-            replayed_at = datetime.now(UTC)
-            placed = await produce_raw(env, [(key.encode(), starts[0])])  # the replay
+            placed = await produce_raw(env, [(key.encode(), raw)])  # the replay
             [replayed] = await wait_history_at(env, placed)
-            assert (replayed["disposition"], replayed["phase"]) == ("applied", "Ready")
+            assert (replayed["disposition"], replayed["phase"]) == ("ignored", "Error")
+            assert replayed["reason"].startswith("late: ")
+
+            lifted_at = datetime.now(UTC)
+            newer = start.model_copy(update={"observation_id": "newer", "occurred_at": lifted_at})
+            placed = await produce_raw(env, [(key.encode(), encode(newer))])
+            [lifted] = await wait_history_at(env, placed)
+            assert (lifted["disposition"], lifted["phase"]) == ("applied", "Ready")
             again = await wait_phase(env, key, "Error")
             assert (again["generation"], again["exit_code"]) == (1, 3)
             entries = await history(env, key)
@@ -327,8 +337,8 @@ async def test_a_start_replayed_after_the_exit_is_undone_by_the_reconcile_loop(
                 for m, h in zip(message, entries[at + 1 :], strict=True)
             ]
             assert after[0] == ("reconcile", "exited", "applied", "Error"), after
-            # It carries the container's exit time, from before the replay, not the pass's.
-            assert datetime.fromisoformat(message[0]["occurred_at"]) < replayed_at
+            # It carries the container's exit time, from before the lift, not the pass's.
+            assert datetime.fromisoformat(message[0]["occurred_at"]) < lifted_at
 
 
 async def test_an_orphan_runtime_is_reported_and_recorded_but_never_removed(

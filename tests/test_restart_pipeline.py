@@ -10,26 +10,44 @@ from datetime import timedelta
 from pathlib import Path
 
 import factories as f
-from harness import eventually
+from harness import Env, eventually
 from pipeline_support import (
     PodmanKeys,
     command,
     history,
+    observations_of,
     podman_env,
+    produce_raw,
+    row,
     running_plane,
+    wait_history_at,
     wait_phase,
     wait_restart_limit,
 )
 from podman import PodmanClient
 from role_processes import roles_env
 
-from events.codec import EVENTS, decode
+from events.codec import EVENTS, decode, encode
 from events.common import Deadline, RestartBackoff, RestartPolicy, SandboxSpec
 from events.decided import SandboxRestartScheduled, SandboxRestartsExhausted, SandboxStarting
+from events.observations import RuntimeSnapshot
 from events.publisher import now
 
 WAIT = 90.0
 FAST = {"scheduler_poll_seconds": 0.5}
+
+
+def exiting(
+    env: Env, code: int, policy: RestartPolicy, max_restarts: int, max_delay: float = 0.2
+) -> SandboxSpec:
+    """A process that exits with ``code`` at once, under ``policy`` (back-off from 0.2 s)."""
+    return SandboxSpec(
+        image=env.settings.sandbox_image,
+        command=["sh", "-c", f"exit {code}"],
+        restart_policy=policy,
+        restart_backoff=RestartBackoff(initial_seconds=0.2, max_seconds=max_delay),
+        max_restarts=max_restarts,
+    )
 
 
 async def test_a_process_that_always_fails_is_restarted_with_back_off_until_the_limit(
@@ -38,13 +56,7 @@ async def test_a_process_that_always_fails_is_restarted_with_back_off_until_the_
     async with podman_env(podman, "rst") as (env, driver, keys):
         env.settings = env.settings.model_copy(update=FAST)
         key = keys()
-        spec = SandboxSpec(
-            image=env.settings.sandbox_image,
-            command=["sh", "-c", "exit 1"],
-            restart_policy="OnFailure",
-            restart_backoff=RestartBackoff(initial_seconds=0.2, max_seconds=0.5),
-            max_restarts=3,
-        )
+        spec = exiting(env, 1, "OnFailure", max_restarts=3, max_delay=0.5)
         async with (
             running_plane(env, driver, with_scheduler=True, removing=keys),
             await env.publisher() as pub,
@@ -72,6 +84,42 @@ async def test_a_process_that_always_fails_is_restarted_with_back_off_until_the_
         assert all("restart_policy OnFailure" in h["reason"] for h in restarts)
 
 
+async def test_a_reconcile_report_of_the_runtime_running_sent_after_its_exit_lifts_nothing(
+    podman: PodmanClient,
+) -> None:
+    """The report a reconcile pass sends when it listed the runtime running and the exit was
+    decided meanwhile (dated by the runtime's start, as every reconcile report is): the row
+    stays in Error with the limit's reason and the exit is not decided again (a CI run: Ready
+    again, then three SandboxCompleted for two once the next pass found the exit)."""
+    async with podman_env(podman, "rstl") as (env, driver, keys):
+        env.settings = env.settings.model_copy(update=FAST)
+        key = keys()
+        spec = exiting(env, 0, "Always", max_restarts=1)
+        async with (
+            running_plane(env, driver, with_scheduler=True, removing=keys),
+            await env.publisher() as pub,
+        ):
+            await command(env, pub, f.create(key, sandbox_spec=spec, occurred_at=now()))
+            before = await wait_restart_limit(env, key, WAIT)
+            [started] = [
+                o for o, _ in await observations_of(env, key)
+                if isinstance(o, RuntimeSnapshot) and o.generation == 2 and o.state == "running"
+            ]  # fmt: skip
+            late = started.model_copy(
+                update={"observation_id": "late-report", "source": "reconcile"}
+            )
+            placed = await produce_raw(env, [(key.encode(), encode(late))])
+            [decided] = await wait_history_at(env, placed)
+        assert decided["disposition"] == "ignored" and decided["reason"].startswith("late: ")
+        after = await row(env, key)
+        assert after is not None and after["phase"] == "Error"
+        assert after["version"] == before["version"]
+        records = await env.read_topic(env.settings.topic_events)
+        events = [decode(EVENTS, r.value) for r in records if r.key == key.encode()]
+        assert [e.type for e in events].count("SandboxCompleted") == 2
+        assert [e.type for e in events][-1] == "SandboxRestartsExhausted"
+
+
 async def test_always_restarts_an_exit_0_and_never_restarts_no_exit(
     podman: PodmanClient,
 ) -> None:
@@ -81,24 +129,19 @@ async def test_always_restarts_an_exit_0_and_never_restarts_no_exit(
         env.settings = env.settings.model_copy(update=FAST)
         always, never = keys(), keys()
 
-        def spec(policy: RestartPolicy, code: int) -> SandboxSpec:
-            return SandboxSpec(
-                image=env.settings.sandbox_image,
-                command=["sh", "-c", f"exit {code}"],
-                restart_policy=policy,
-                restart_backoff=RestartBackoff(initial_seconds=0.2, max_seconds=0.2),
-                max_restarts=1,
-            )
-
         async with (
             running_plane(env, driver, with_scheduler=True, removing=keys),
             await env.publisher() as pub,
         ):
             await command(
-                env, pub, f.create(never, sandbox_spec=spec("Never", 1), occurred_at=now())
+                env,
+                pub,
+                f.create(never, sandbox_spec=exiting(env, 1, "Never", 1), occurred_at=now()),
             )
             await command(
-                env, pub, f.create(always, sandbox_spec=spec("Always", 0), occurred_at=now())
+                env,
+                pub,
+                f.create(always, sandbox_spec=exiting(env, 0, "Always", 1), occurred_at=now()),
             )
             failed = await wait_phase(env, never, "Error", timeout=WAIT)
             row = await wait_restart_limit(env, always, WAIT)

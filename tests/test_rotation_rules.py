@@ -278,9 +278,10 @@ def test_a_failed_pending_launch_keeps_what_it_awaited_until_the_next_start() ->
 
 def lift_to_ready(h: f.Harness, phase: Phase) -> Decision:
     """What makes a generation in ``phase`` (Error) Ready again without a launch report: a
-    running snapshot. (A failed stop that finds the runtime running stays Stopping.)"""
+    running snapshot dated after the exit that made it Error (one no newer comes late and
+    lifts nothing). (A failed stop that finds the runtime running stays Stopping.)"""
     assert phase is P.ERROR
-    return h.send(f.running(f.KEY, h.row().generation))
+    return h.send(f.running(f.KEY, h.row().generation, occurred_at=f.at(60)))
 
 
 @pytest.mark.parametrize("phase", [P.ERROR], ids=lambda p: p.value)

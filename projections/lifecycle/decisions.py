@@ -118,6 +118,7 @@ from .observations import (
     ObservationKind,
     Target,
     observation_kind,
+    ran_before_its_exit,
 )
 from .providers import (
     DETACH_HELD,
@@ -403,6 +404,8 @@ def _decide_observation(
     target = OBSERVATION_TABLE[state.phase].get(kind)
     if target is None:
         return ignored(state, f"no effect in phase {state.phase}: {what}")
+    if ran_before_its_exit(state, kind, obs):
+        return ignored(state, f"late: {what} from before the exit that ended it")
     if state.awaited and kind == "running" and state.phase in (P.PROVISIONING, P.STARTING):
         return ignored(state, f"{what}: awaiting the launch's report of the values it read")
     event = _observation_event(state, obs, kind, target, common_fields(state, obs, cause), limits)

@@ -89,6 +89,10 @@ class Sandbox:
     # these restarts nothing: docs/pools.md).
     claim_providers: tuple[str, ...] = field(default=(), kw_only=True)
     adopted_generation: int | None = field(default=None, kw_only=True)
+    # When this generation's runtime was seen to exit (the exit's time, the backend's clock;
+    # None while no exit of it is known): a running of it dated no later comes late
+    # (observations.ran_before_its_exit).
+    exited_at: datetime | None = field(default=None, kw_only=True)
 
     @property
     def tombstoned(self) -> bool:

@@ -16,7 +16,7 @@ from events.observations import (
     RuntimeSnapshot,
 )
 
-from .model import P
+from .model import P, Sandbox
 
 # Observations of the current generation: what they do in each phase.
 # Older generations are stale, newer than issued are unknown: both ignored before this table.
@@ -109,6 +109,22 @@ OBSERVATION_TABLE: Final[dict[Phase, dict[ObservationKind, Target]]] = {
         "delete_failed": KEEP_DELETING,
     },
 }
+
+
+def ran_before_its_exit(state: Sandbox, kind: ObservationKind, obs: Observation) -> bool:
+    """A "running" of an Error row's generation dated no later than that generation's exit
+    (``exited_at``): the runtime ran before the exit, not after it. Such a snapshot comes late,
+    not again: a reconcile pass that listed the runtime before the exit and reported after it
+    (dated by its start), or a start Podman's event stream sends again when it rotates its log.
+    Lifting Error on it would show a dead runtime Ready and drop the restart the policy
+    scheduled (two suite runs: four restarts for three, three exits decided for two).
+    """
+    return (
+        kind == "running"
+        and state.phase is P.ERROR
+        and state.exited_at is not None
+        and obs.occurred_at <= state.exited_at
+    )
 
 
 # What the backend showed after a failed stop that ends the stop: the runtime is not running

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from datetime import datetime
 from typing import Any, Final
 
 from events.decided import (
@@ -84,13 +85,14 @@ def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
             event.template,
             event.pool, None, None, None,  # pool, adopted_as, claim_id, bound_to
             (), None,  # claim_providers, adopted_generation
+            None,  # exited_at
         )  # fmt: skip
     if type(event) is SandboxNameBound and state is None:  # a name never used before
         return _new_row(
             event.key, event.sandbox_id, P.DELETED, event.generation, event.version,
             event.spec, (), "", None, None, event.occurred_at, event.occurred_at,
             None, None, "stop", "keep", None, {}, None, None,
-            None, None, event.claim_id, event.target, (), None,
+            None, None, event.claim_id, event.target, (), None, None,
         )  # fmt: skip
     if state is None:
         raise ValueError(f"{event.type} for {event.key!r} before SandboxCreated")
@@ -107,7 +109,22 @@ def evolve(state: Sandbox | None, event: DecidedEvent) -> Sandbox:
     # next start reads the newest), clears them.
     if new.awaited and (new.generation != state.generation or new.phase not in OWED_PHASES):
         new = replace(new, awaited={})
-    return new
+    exited_at = _exited_at(state, new, event)
+    return new if exited_at == new.exited_at else replace(new, exited_at=exited_at)
+
+
+# The events that end a generation by its runtime's exit when they carry an exit code.
+_EXITS: Final = (SandboxCompleted, SandboxFailed, AgentRestartFailed)
+
+
+def _exited_at(state: Sandbox, new: Sandbox, event: DecidedEvent) -> datetime | None:
+    """The exit's time, kept while the row stays in the phase that exit led to (Completed,
+    Error) at that generation; None otherwise (a new generation, Ready again, a delete)."""
+    if isinstance(event, _EXITS) and event.exit_code is not None:
+        return event.occurred_at
+    if new.generation != state.generation or new.phase not in (P.COMPLETED, P.ERROR):
+        return None
+    return state.exited_at
 
 
 # The fields each event sets besides version, generation and updated_at, by the event's type

@@ -359,7 +359,7 @@ class SameWork:
                  r.exit_code, r.reason, r.created_at, r.updated_at, p, None, "stop", "keep",
                  base, orjson.Fragment(r.spec),
                  orjson.Fragment(r.deadline) if r.deadline is not None else None, None, {},
-                 None, None, None, None, None, None, "", None)  # restarts .. adopted_generation
+                 None, None, None, None, None, None, "", None, None)  # restarts .. exited_at
             )  # fmt: skip
         return out
 

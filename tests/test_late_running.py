@@ -1,0 +1,84 @@
+"""A "running" that comes after the exit that ended its generation, dated before that exit, is
+late, not news: it lifts no Error (projections.lifecycle.observations.ran_before_its_exit).
+
+Two suite runs failed on it: a reconcile pass listed a runtime while it ran and reported it
+after the watch's exit had been decided (the report is dated by the runtime's start), and the
+row went from Error back to Ready, which dropped the restart the policy had scheduled (four
+restarts for three) or decided the exit a second time (three SandboxCompleted for two). The
+pipeline side, on real Podman, is in tests/test_restart_pipeline.py."""
+
+from __future__ import annotations
+
+import factories as f
+
+from events.common import Phase, RestartBackoff, SandboxSpec
+
+P = Phase
+
+
+def spec(policy: str | None = None) -> SandboxSpec:
+    return SandboxSpec(
+        image=f.IMAGE,
+        restart_policy=policy,  # type: ignore[arg-type]
+        restart_backoff=RestartBackoff(initial_seconds=1, max_seconds=1),
+        max_restarts=1,
+    )
+
+
+def exited_at_10(policy: str | None, code: int) -> f.Harness:
+    """A sandbox Ready from t=1 whose runtime exited with ``code`` at t=10."""
+    h = f.Harness()
+    h.send(f.create(sandbox_spec=spec(policy), occurred_at=f.at(0)))
+    h.send(f.running(occurred_at=f.at(1)))
+    h.send(f.exited(exit_code=code, occurred_at=f.at(10)))
+    return h
+
+
+def test_a_running_dated_before_the_exit_lifts_no_error_and_keeps_the_scheduled_restart() -> None:
+    h = exited_at_10("OnFailure", 1)
+    before = h.row()
+    assert before.phase is P.ERROR and before.deadline is not None
+    for t in (1, 10):  # the start, and a report dated the exit's own second
+        d = h.send(f.running(occurred_at=f.at(t), source="list"))
+        assert d.disposition == "ignored" and d.events == ()
+        assert d.reason.startswith("late: ") and "from before the exit" in d.reason
+    assert h.row() == before  # still Error, the restart still scheduled
+
+
+def test_a_running_dated_before_the_exit_does_not_decide_an_exhausted_exit_again() -> None:
+    h = exited_at_10("Always", 0)
+    h.send(f.due(deadline="restart", due_at=h.row().deadline.due_at, occurred_at=f.at(11)))  # type: ignore[union-attr]
+    h.send(f.running(generation=2, occurred_at=f.at(12)))
+    h.send(f.exited(generation=2, exit_code=0, occurred_at=f.at(13)))
+    assert (h.row().phase, h.row().generation) == (P.ERROR, 2)  # max_restarts 1: exhausted
+    d = h.send(f.running(generation=2, occurred_at=f.at(12), source="list"))
+    assert d.disposition == "ignored"
+    h.send(f.exited(generation=2, exit_code=0, occurred_at=f.at(13), source="list"))
+    assert [e.type for e in h.events()].count("SandboxCompleted") == 2
+
+
+def test_a_running_after_the_exit_still_lifts_error() -> None:
+    h = exited_at_10(None, 1)
+    d = h.send(f.running(occurred_at=f.at(11)))
+    assert (d.disposition, h.row().phase, h.row().exit_code) == ("applied", P.READY, None)
+
+
+def test_the_exit_time_decides_not_a_later_change_of_the_row() -> None:
+    """A command after the exit (a hold at t=30) does not make a running from between the two
+    late; Ready again forgets the exit, and the rebuild from the log keeps all of it."""
+    h = exited_at_10(None, 1)
+    assert h.row().exited_at == f.at(10)
+    h.send(f.hold(occurred_at=f.at(30)))
+    d = h.send(f.running(occurred_at=f.at(20)))
+    assert (d.disposition, h.row().phase, h.row().exited_at) == ("applied", P.READY, None)
+    assert h.rebuilt() == {f.KEY: h.row()}
+
+
+def test_a_launch_that_failed_without_an_exit_is_still_lifted_by_its_runtime_running() -> None:
+    """No exit code: nothing says the runtime ended, so its running (however dated) is news."""
+    h = f.Harness()
+    h.send(f.create(sandbox_spec=spec(), occurred_at=f.at(0)))
+    h.send(f.result(operation="launch", outcome="failed", reason="timed out", occurred_at=f.at(5)))
+    assert (h.row().phase, h.row().exit_code) == (P.ERROR, None)
+    d = h.send(f.running(occurred_at=f.at(3), source="list"))
+    assert (d.disposition, h.row().phase) == ("applied", P.READY)
