@@ -348,3 +348,29 @@ async def pending_count(conn: Conn, pool: str) -> int:
         pool,
     )
     return value
+
+
+# --- what a controller round reads --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PoolsView:
+    """What a pool controller round plans from, read at one moment."""
+
+    pools: list[PoolInfo]
+    requests: list[Request]
+    members: list[Member]
+    revisions: dict[str, int]  # template name -> current revision
+
+
+async def read_view(conn: Conn) -> PoolsView:
+    """The pools, the creates asked for, the members and the templates' revisions, in one
+    snapshot. Read one statement after another outside it, a member's row committed between
+    the requests and the members counted its create twice: unfolded, and a member (a suite
+    run: 40 members made for a pool of 20, the surplus deleted and made again)."""
+    async with conn.transaction(isolation="repeatable_read", readonly=True):
+        pools = await list_pools(conn)
+        asked = await requests(conn)
+        found = await members(conn)
+        revisions = await template_revisions(conn, sorted({p.template for p in pools}))
+    return PoolsView(pools, asked, found, revisions)

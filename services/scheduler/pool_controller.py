@@ -48,7 +48,7 @@ from projections.store import CONNECTION_ERRORS
 from services.common import metrics, templates
 from services.common import pools as store
 from services.common.kafka_clients import kafka_client_args
-from services.common.notify_channels import listen
+from services.common.notify_channels import Listening
 from services.common.pools import Member, PoolInfo, Request
 from services.common.settings import Settings
 from services.common.tasks import first_of
@@ -124,22 +124,18 @@ class PoolController:
     _failing: dict[str, tuple[int, float]] = field(default_factory=dict)  # pool -> streak, until
     _reported: set[str] = field(default_factory=set)  # pools with gauges set
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
-    _listener: Any = None
-    _channel: str = ""
+    listening: Listening | None = None
 
     async def start(self) -> None:
         args = kafka_client_args(self.settings, "scheduler", "sandstream-pools")
         self.publisher = CommandPublisher(args, topic=self.settings.topic_commands)
         await self.publisher.__aenter__()
-        self._listener = await self.pool.acquire()
-        self._channel = await listen(self._listener, POOLS_CHANNEL, self._notified)
+        self.listening = Listening(self.pool, POOLS_CHANNEL, self._notified, "pool controller")
+        self.listening.start()
 
     async def stop(self) -> None:
-        if self._listener is not None:
-            with contextlib.suppress(Exception):
-                await self._listener.remove_listener(self._channel, self._notified)
-                await self.pool.release(self._listener)
-            self._listener = None
+        if self.listening is not None:
+            await self.listening.close()
         if self.publisher is not None:
             await self.publisher.__aexit__()
 
@@ -159,11 +155,9 @@ class PoolController:
     async def round(self) -> None:
         """Read everything once, then publish what every pool needs."""
         async with self.pool.acquire() as conn:
-            pools = await store.list_pools(conn)
-            asked = await store.requests(conn)
-            await self._forget_folded(conn, asked)
-            members = await store.members(conn)
-            revisions = await store.template_revisions(conn, sorted({p.template for p in pools}))
+            view = await store.read_view(conn)
+            await self._forget_folded(conn, view.requests)
+        pools, asked, members, revisions = view.pools, view.requests, view.members, view.revisions
         pending = [r for r in asked if not r.folded]
         await self._send_again(pending)
         waiting = Counter(r.pool for r in pending)

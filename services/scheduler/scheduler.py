@@ -21,7 +21,6 @@ a first page of them must not hide the deadlines after them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ from projections.store import CONNECTION_ERRORS
 from services.common import metrics
 from services.common.database import connect_pool
 from services.common.kafka_clients import kafka_client_args
-from services.common.notify_channels import listen
+from services.common.notify_channels import Listening
 from services.common.settings import Settings
 from services.common.usage import forget_deleted, idle_rows
 from services.scheduler.pool_controller import PoolController
@@ -133,21 +132,17 @@ class Scheduler:
     _next_idle_scan: datetime | None = None
     _idle_ids: set[str] = field(default_factory=set)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
-    _listener: Any = None
-    _channel: str = ""
+    listening: Listening | None = None
 
     async def start(self) -> None:
         self.producer = RenewingProducer(kafka_client_args(self.settings, "scheduler"))
         await self.producer.start()
-        self._listener = await self.pool.acquire()
-        self._channel = await listen(self._listener, CHANGES_CHANNEL, self._notified)
+        self.listening = Listening(self.pool, CHANGES_CHANNEL, self._notified, "scheduler")
+        self.listening.start()
 
     async def stop(self) -> None:
-        if self._listener is not None:
-            with contextlib.suppress(Exception):
-                await self._listener.remove_listener(self._channel, self._notified)
-                await self.pool.release(self._listener)
-            self._listener = None
+        if self.listening is not None:
+            await self.listening.close()
         if self.producer is not None:
             await self.producer.stop()
 

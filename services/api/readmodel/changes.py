@@ -5,25 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Final, TypedDict, Unpack
 from uuid import UUID
 
-from events.backoff import Backoff, pause
 from events.topics import CHANGES_CHANNEL
-from projections.store import DATABASE_ERRORS
 from services.api.readmodel.horizon import current_horizon
 from services.api.readmodel.views import VIEW_COLUMNS, Row, SandboxView, row_of
 from services.common.database import Pool
 from services.common.names import KEY_OF
-from services.common.notify_channels import listen
-
-log = logging.getLogger("sandstream.api")
-
-
-def _setter(event: asyncio.Event) -> Callable[..., None]:
-    return lambda *_: event.set()
+from services.common.notify_channels import Listening
 
 
 class ChangeFeed:
@@ -34,21 +25,18 @@ class ChangeFeed:
         self.poll_interval = poll_interval
         self._changed = asyncio.Event()
         self._closed = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._listening = Listening(pool, CHANGES_CHANNEL, self._notify, "change feed")
         # The horizon query in flight, and the mark that was current when it began.
         self._horizon: asyncio.Future[int | None] | None = None
         self._horizon_mark: asyncio.Event | None = None
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._listen(), name="change-feed")
+        self._listening.start()
 
     async def close(self) -> None:
         self._closed.set()
         self._changed.set()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._listening.close()
 
     @property
     def closed(self) -> bool:
@@ -78,30 +66,6 @@ class ChangeFeed:
     def _notify(self, *_: object) -> None:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
-
-    async def _listen(self) -> None:
-        backoff = Backoff(0.5, 10.0, log, "change feed LISTEN (watchers poll meanwhile)")
-        while not self._closed.is_set():
-            lost = asyncio.Event()
-            try:
-                async with self.pool.acquire() as conn:
-                    conn.add_termination_listener(_setter(lost))
-                    channel = await listen(conn, CHANGES_CHANNEL, self._notify)
-                    backoff.succeeded()
-                    try:
-                        while not self._closed.is_set() and not lost.is_set():
-                            with contextlib.suppress(TimeoutError):
-                                await asyncio.wait_for(lost.wait(), timeout=5.0)
-                            if conn.is_closed():
-                                break
-                    finally:
-                        if not conn.is_closed():
-                            await conn.remove_listener(channel, self._notify)
-                delay = backoff.next()  # the connection was lost: LISTEN again
-            except DATABASE_ERRORS as exc:
-                delay = backoff.failed(exc)
-            self._notify()  # whatever was missed meanwhile: let watchers look
-            await pause(self._closed, delay)
 
 
 CHANGES_PAGE: Final = 500  # rows per read of the change feed

@@ -1,0 +1,71 @@
+"""The NOTIFY wake-ups survive a lost connection: the scheduler and the pool controller each
+LISTENed once, at start, on a connection of their own, and after losing it ran on their polls
+(5 s, 2 s) until restarted (the change feed listened again already; all three share
+``services.common.notify_channels.Listening`` now). On real PostgreSQL: the listening backend
+is killed, a new one listens, and the next NOTIFY wakes the role."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from harness import Env, eventually, isolated_env
+
+from events.topics import CHANGES_CHANNEL, POOLS_CHANNEL
+from services.common.notify_channels import Listening
+from services.scheduler.pool_controller import PoolController
+from services.scheduler.scheduler import Scheduler
+
+
+async def lose_and_hear_again(
+    env: Env, listening: Listening, base: str, woken: Callable[[], bool]
+) -> None:
+    """Kill the listening backend; once a new one listens, a NOTIFY on ``base`` wakes."""
+    await eventually(lambda: listening.listens, lambda n: n == 1, what="LISTEN")
+    assert listening.pid is not None
+    killed = listening.pid
+    assert await env.pool.fetchval("SELECT pg_terminate_backend($1)", killed)
+    await eventually(
+        lambda: (listening.listens, listening.pid),
+        lambda seen: seen[0] == 2 and seen[1] not in (None, killed),
+        what="LISTEN again on a new connection",
+    )
+    await env.pool.execute("SELECT pg_notify(notify_channel($1), '')", base)
+    await eventually(woken, bool, what="woken by the next NOTIFY")
+
+
+async def test_a_listening_whose_connection_is_lost_listens_again_and_hears_the_next_notify() -> (
+    None
+):
+    async with isolated_env(partitions=1) as env:
+        calls: list[tuple[object, ...]] = []
+        listening = Listening(env.pool, CHANGES_CHANNEL, lambda *a: calls.append(a), "test")
+        listening.start()
+        try:
+            await eventually(lambda: listening.listens, bool, what="LISTEN")
+            before = len(calls)
+            await lose_and_hear_again(
+                env, listening, CHANGES_CHANNEL, lambda: any(len(a) == 4 for a in calls[before:])
+            )
+            # The loss itself woke it once, without a notification (what was missed: look now).
+            assert () in calls[before:]
+        finally:
+            await listening.close()
+
+
+async def test_the_scheduler_and_the_pool_controller_listen_again_after_a_lost_connection() -> None:
+    async with isolated_env(partitions=1) as env:
+        scheduler = Scheduler(env.settings, env.pool)
+        pools = PoolController(env.settings, env.pool)
+        await scheduler.start()
+        await pools.start()
+        try:
+            assert scheduler.listening is not None and pools.listening is not None
+            scheduler._changed.clear()
+            await lose_and_hear_again(
+                env, scheduler.listening, CHANGES_CHANNEL, scheduler._changed.is_set
+            )
+            pools._changed.clear()
+            await lose_and_hear_again(env, pools.listening, POOLS_CHANNEL, pools._changed.is_set)
+        finally:
+            await scheduler.stop()
+            await pools.stop()
