@@ -31,7 +31,6 @@ class RowReader:
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
-        self.statements = 0  # statements sent (each for one or more keys)
         self._asked: dict[str, list[asyncio.Future[Sandbox | None]]] = {}
         self._sending: asyncio.Task[None] | None = None
 
@@ -49,7 +48,6 @@ class RowReader:
             while self._asked:
                 asked, self._asked = self._asked, {}
                 try:
-                    self.statements += 1
                     records = await self.pool.fetch(_ROWS_OF_KEYS, list(asked))
                     rows = {r["key"]: sandbox_from_record(r) for r in records}
                 except BaseException as exc:  # each caller gets it, as read_row would raise
