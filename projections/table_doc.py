@@ -99,10 +99,9 @@ def render() -> str:
         "stopped, or a restart or delete takes over. Running lifts Error only when it is "
         "news: the row keeps the time of the exit that ended its generation (`exited_at`, "
         "the backend's clock: an exit with its code, including the one a restart policy gave "
-        "up after), and a running of that generation dated no later is late (a reconcile pass "
-        "that listed the runtime before its exit, dated by its start; a start Podman sends "
-        "again when it rotates its event log) and is ignored. Without a known exit (a failed "
-        "launch, a vanished runtime) any running lifts it.",
+        "up after), and a running of that generation dated no later is late (e.g. a start "
+        "Podman's event stream sends again when it rotates its log) and is ignored. Without a "
+        "known exit (a failed launch, a vanished runtime) any running lifts it.",
         "",
         "### Holds",
         "",

@@ -1,11 +1,11 @@
 """A "running" that comes after the exit that ended its generation, dated before that exit, is
 late, not news: it lifts no Error (projections.lifecycle.observations.ran_before_its_exit).
 
-Two suite runs failed on it: a reconcile pass listed a runtime while it ran and reported it
-after the watch's exit had been decided (the report is dated by the runtime's start), and the
-row went from Error back to Ready, which dropped the restart the policy had scheduled (four
-restarts for three) or decided the exit a second time (three SandboxCompleted for two). The
-pipeline side, on real Podman, is in tests/test_restart_pipeline.py."""
+Two suite runs failed the way such a running does (likely a start Podman 4.3 sent again after
+rotating its event log): the row went from Error back to Ready, which dropped the restart the
+policy had scheduled (four restarts for three) or decided the exit a second time (three
+SandboxCompleted for two). The pipeline side, on real Podman, is in
+tests/test_restart_pipeline.py."""
 
 from __future__ import annotations
 

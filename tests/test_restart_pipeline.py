@@ -27,7 +27,7 @@ from pipeline_support import (
 from podman import PodmanClient
 from role_processes import roles_env
 
-from events.codec import EVENTS, decode, encode
+from events.codec import EVENTS, decode
 from events.common import Deadline, RestartBackoff, RestartPolicy, SandboxSpec
 from events.decided import SandboxRestartScheduled, SandboxRestartsExhausted, SandboxStarting
 from events.observations import RuntimeSnapshot
@@ -84,13 +84,14 @@ async def test_a_process_that_always_fails_is_restarted_with_back_off_until_the_
         assert all("restart_policy OnFailure" in h["reason"] for h in restarts)
 
 
-async def test_a_reconcile_report_of_the_runtime_running_sent_after_its_exit_lifts_nothing(
+async def test_a_start_sent_again_after_the_exit_lifts_nothing_and_decides_no_exit_again(
     podman: PodmanClient,
 ) -> None:
-    """The report a reconcile pass sends when it listed the runtime running and the exit was
-    decided meanwhile (dated by the runtime's start, as every reconcile report is): the row
-    stays in Error with the limit's reason and the exit is not decided again (a CI run: Ready
-    again, then three SandboxCompleted for two once the next pass found the exit)."""
+    """Generation 2's start sent again after its exit (as Podman 4.3's stream does when it
+    rotates its event log, to a watch that cannot recognise it: one begun after it, or
+    reopened): the row stays in Error with the limit's reason and the exit is not decided
+    again (a CI run: Ready again, then three SandboxCompleted for two once a reconcile pass
+    found the exit)."""
     async with podman_env(podman, "rstl") as (env, driver, keys):
         env.settings = env.settings.model_copy(update=FAST)
         key = keys()
@@ -101,14 +102,11 @@ async def test_a_reconcile_report_of_the_runtime_running_sent_after_its_exit_lif
         ):
             await command(env, pub, f.create(key, sandbox_spec=spec, occurred_at=now()))
             before = await wait_restart_limit(env, key, WAIT)
-            [started] = [
-                o for o, _ in await observations_of(env, key)
+            [start] = [
+                raw for o, raw in await observations_of(env, key)
                 if isinstance(o, RuntimeSnapshot) and o.generation == 2 and o.state == "running"
             ]  # fmt: skip
-            late = started.model_copy(
-                update={"observation_id": "late-report", "source": "reconcile"}
-            )
-            placed = await produce_raw(env, [(key.encode(), encode(late))])
+            placed = await produce_raw(env, [(key.encode(), start)])  # the same record again
             [decided] = await wait_history_at(env, placed)
         assert decided["disposition"] == "ignored" and decided["reason"].startswith("late: ")
         after = await row(env, key)

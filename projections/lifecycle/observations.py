@@ -114,10 +114,10 @@ OBSERVATION_TABLE: Final[dict[Phase, dict[ObservationKind, Target]]] = {
 def ran_before_its_exit(state: Sandbox, kind: ObservationKind, obs: Observation) -> bool:
     """A "running" of an Error row's generation dated no later than that generation's exit
     (``exited_at``): the runtime ran before the exit, not after it. Such a snapshot comes late,
-    not again: a reconcile pass that listed the runtime before the exit and reported after it
-    (dated by its start), or a start Podman's event stream sends again when it rotates its log.
-    Lifting Error on it would show a dead runtime Ready and drop the restart the policy
-    scheduled (two suite runs: four restarts for three, three exits decided for two).
+    not again: e.g. a start Podman 4.3's event stream sends again when it rotates its log, to a
+    watch that cannot recognise it (one begun after it, or reopened). Lifting Error on it would
+    show a dead runtime Ready and drop or repeat the restart policy's decision (the likely
+    cause of two suite runs' failures: four restarts for three, three exits decided for two).
     """
     return (
         kind == "running"
