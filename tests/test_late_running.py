@@ -11,21 +11,21 @@ from __future__ import annotations
 
 import factories as f
 
-from events.common import Phase, RestartBackoff, SandboxSpec
+from events.common import Phase, RestartBackoff, RestartPolicy, SandboxSpec
 
 P = Phase
 
 
-def spec(policy: str | None = None) -> SandboxSpec:
+def spec(policy: RestartPolicy | None = None) -> SandboxSpec:
     return SandboxSpec(
         image=f.IMAGE,
-        restart_policy=policy,  # type: ignore[arg-type]
+        restart_policy=policy,
         restart_backoff=RestartBackoff(initial_seconds=1, max_seconds=1),
         max_restarts=1,
     )
 
 
-def exited_at_10(policy: str | None, code: int) -> f.Harness:
+def exited_at_10(policy: RestartPolicy | None, code: int) -> f.Harness:
     """A sandbox Ready from t=1 whose runtime exited with ``code`` at t=10."""
     h = f.Harness()
     h.send(f.create(sandbox_spec=spec(policy), occurred_at=f.at(0)))

@@ -33,8 +33,6 @@ class Listening:
 
     def __init__(self, pool: Any, base: str, callback: Callable[..., None], what: str) -> None:
         self.pool, self.base, self.callback, self.what = pool, base, callback, what
-        self.listens = 0  # LISTENs made since start
-        self.pid: int | None = None  # the listening connection's backend, while it listens
         self._closed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -56,7 +54,6 @@ class Listening:
                 delay = backoff.next()
             except DATABASE_ERRORS as exc:
                 delay = backoff.failed(exc)
-            self.pid = None
             self.callback()
             await pause(self._closed, delay)
 
@@ -65,7 +62,6 @@ class Listening:
         async with self.pool.acquire() as conn:
             conn.add_termination_listener(lambda *_: lost.set())
             channel = await listen(conn, self.base, self.callback)
-            self.pid, self.listens = conn.get_server_pid(), self.listens + 1
             try:
                 while not self._closed.is_set() and not lost.is_set() and not conn.is_closed():
                     with contextlib.suppress(TimeoutError):

@@ -88,8 +88,8 @@ def reconcile(
     - *exited*: a Ready row's own runtime that has exited (``exited_runtimes``) → a
       ``RuntimeSnapshot`` of it, which the processor takes as the exit it missed (Error or
       Completed, and the restart policy). The watch normally reports an exit; this catches
-      one it lost or reported out of order (Podman 4.3 replays old events after rotating its
-      event log: a replayed start of an exited runtime made its row Ready again).
+      one it lost (a watch that was away, an event Podman 4.3 dropped at a log rotation) or
+      one a late running undid before that lifted nothing (``exited_at``).
 
     Read the rows before listing the runtimes: a runtime launched after the rows were read is
     then at worst reported as an orphan of a newer generation, which the processor ignores or
