@@ -44,6 +44,9 @@ class PodCache:
         self._api = api
         self._delays = (reconnect_delay, max_reconnect_delay)
         self._pods: dict[str, PodView] = {}
+        # The same Pods by key, then uid: a call reads its key's Pods without a scan of all the
+        # namespace's (thousands in a fleet, several reads a launch).
+        self._by_key: dict[str, dict[str, PodView]] = {}
         self._gone: OrderedDict[str, PodView | None] = OrderedDict()  # uid -> its last view
         self.version = 0  # the last resourceVersion the watch delivered (or listed)
         self.listings = 0
@@ -76,7 +79,7 @@ class PodCache:
                     await self._listed.wait()
         if not self._live:
             return None
-        return sort_views([v for v in self._pods.values() if v.info.key == key])
+        return sort_views(list(self._by_key.get(key, {}).values()))
 
     @property
     def live(self) -> bool:
@@ -134,12 +137,28 @@ class PodCache:
         if held is not None:
             old = version_number(held.resource_version)
         if new is None or old is None or new >= old:
-            self._pods[view.uid] = view
+            self._forget(view.uid)
+            self._keep(view)
             self._changed(view.uid)
+
+    def _keep(self, view: PodView) -> None:
+        self._pods[view.uid] = view
+        self._by_key.setdefault(view.info.key, {})[view.uid] = view
+
+    def _forget(self, uid: str) -> None:
+        """Drop ``uid`` from both maps (its key read from the view held: labels may change)."""
+        held = self._pods.pop(uid, None)
+        if held is None:
+            return
+        same = self._by_key.get(held.info.key)
+        if same is not None:
+            same.pop(uid, None)
+            if not same:
+                del self._by_key[held.info.key]
 
     def _bury(self, uid: str, last: PodView | None = None) -> None:
         self._gone[uid] = last or self._pods.get(uid)
-        self._pods.pop(uid, None)
+        self._forget(uid)
         while len(self._gone) > _TOMBSTONES:
             self._gone.popitem(last=False)
 
@@ -161,7 +180,10 @@ class PodCache:
         }
         for uid in set(self._pods) - {v.uid for v in views} - set(kept):
             self._bury(uid)
-        self._pods = {**{v.uid: v for v in views}, **kept}
+        self._pods, self._by_key = {}, {}
+        for view in [*views, *kept.values()]:  # a kept view replaces a listed one
+            self._forget(view.uid)
+            self._keep(view)
         self.version = listed_version
         self.listings += 1
         self._live = True

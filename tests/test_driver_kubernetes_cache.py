@@ -9,6 +9,7 @@ other client uses: its ``apiserver_request_total`` holds exactly the driver's re
 from __future__ import annotations
 
 import asyncio
+import random
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -40,6 +41,7 @@ from drivers.kube_objects import (
     pod_name,
     read_pod,
     secret_manifest,
+    sort_views,
 )
 from drivers.kubernetes import KubeConfig, KubernetesDriver
 from drivers.protocol import DriverError, LaunchSpec
@@ -302,4 +304,33 @@ async def test_a_pods_change_wakes_the_waits_on_that_pod_only_and_a_listing_wake
         wait.cancel()
     await asyncio.gather(*waits[2:], return_exceptions=True)
     assert cache._waiters == {}  # the waits left nothing behind
+    await cache.close()
+
+
+async def test_a_keys_pods_are_its_own_whatever_changes_moved_them() -> None:
+    """The cache reads a key's Pods from an index by key (it scanned every Pod): after any
+    sequence of events, notes, removals, relabellings and relistings, each key's views are
+    exactly the Pods the cache holds under that key."""
+    rng = random.Random(42)
+    cache = PodCache(KubeApi(KubeConfig()), 0.1, 1.0)
+    keys, uids = ["a", "b", "c"], [f"u{i}" for i in range(8)]
+    cache._listing([], "1")
+    version = 1
+    for _ in range(600):
+        version += 1
+        key, uid, step = rng.choice(keys), rng.choice(uids), rng.random()
+        if step < 0.5:  # added, changed or relabelled to ``key``
+            cache._event(rng.choice(["ADDED", "MODIFIED"]), pod_at(key, uid, version))
+        elif step < 0.7:
+            cache.note(view_at(key, uid, version))
+        elif step < 0.9:
+            cache._event("DELETED", pod_at(key, uid, version))
+        else:
+            held = [cache.pod(u) for u in uids]
+            at = str(version)
+            listed = [v for v in held if v is not None and rng.random() < 0.7]
+            cache._listing([replace(v, resource_version=at) for v in listed], at)
+        held = [v for v in (cache.pod(u) for u in uids) if v is not None]
+        for k in keys:
+            assert await cache.views(k, 0) == sort_views([v for v in held if v.info.key == k])
     await cache.close()
