@@ -34,7 +34,7 @@ from events.publisher import now
 
 # 15 s, not less: after the pause the executor's consumer finds its coordinator and rejoins its
 # group before the restart's launch runs, which took more than 2 s, then more than 7 s, in
-# loaded suite runs (a wait the real 300 s never meets; here it is 0.5 s).
+# loaded suite runs (a wait the real 300 s never meets; on a quiet machine it is 0.5 s).
 LAUNCH = 15.0
 WINDOW = {"launch_timeout_seconds": LAUNCH, "executor_retry_seconds": 1.0}
 GRACE = 1
