@@ -233,6 +233,9 @@ class Settings(BaseSettings):
     # `sandstream up` serves the API from a child process of its own (services/up/api_process.py)
     # instead of its own event loop.
     up_api_process: bool = False
+    # `sandstream up` hands each decided event its processor commits to its executor at once,
+    # a Kafka hop sooner than the log delivers it (the log's copy is then not run again).
+    up_handoff: bool = True
     # How long the API waits for Kafka to acknowledge a command before it answers 503 (a
     # provider change's commands: pending, sent later by the relay).
     api_publish_timeout_seconds: float = Field(default=15.0, gt=0)

@@ -27,6 +27,9 @@ queue and a worker per sandbox), ``calls`` (one driver call, its row check and r
   decided work begins: per partition at the decision of its oldest row still waiting for a
   driver call (less a clock margin), else at the end (``Intake.starts``); the reconcile loop
   hands it what the log no longer shows (``pick_up``).
+- **Handed over in `sandstream up`.** The processor beside it hands each event it commits
+  (``Intake.hand``): queued at once, a Kafka hop sooner; the log's copy is finished with it
+  (its offset committed once the item ends), never run again.
 - **Retries.** A failure the driver calls retryable is retried with exponential back-off for
   up to ``RetryPolicy.give_up_after`` seconds; a later intent of the same sandbox ends the
   retries at once (the failure is reported, and the later intent runs). A non-retryable

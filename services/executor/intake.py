@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from datetime import timedelta
 
@@ -15,13 +16,18 @@ from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 
 from events.codec import EVENTS, DecodeError, decode
-from events.decided import SandboxDeleteRetried, SandboxStopEscalated, SandboxStopRetried
+from events.decided import (
+    DecidedEvent,
+    SandboxDeleteRetried,
+    SandboxStopEscalated,
+    SandboxStopRetried,
+)
 from projections.store import DATABASE_ERRORS
 from services.common import metrics
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
 from services.executor.calls import DriverCalls
-from services.executor.intents import intent_of
+from services.executor.intents import Intent, intent_of
 from services.executor.progress import Ownership, PartitionProgress, WorkItem, until_idle
 from services.executor.queues import SandboxQueues
 from services.executor.rows import Pool, progressing_rows
@@ -32,6 +38,11 @@ log = logging.getLogger("sandstream.executor")
 # events' record times are the publisher's clock, the rows' the decision's, so allow for skew
 # between machines (reading earlier is harmless: the row check drops what is done).
 CLOCK_MARGIN = timedelta(minutes=5)
+
+# How many handed-over events wait for their copy from the log at most: one pushed out (its
+# copy never came: a send that failed, a partition revoked) is read like any other event
+# when its copy comes, and the row check or the reported results drop it.
+HANDED_KEPT = 10_000
 
 
 class Intake:
@@ -56,6 +67,11 @@ class Intake:
         self.consumer: AIOKafkaConsumer | None = None
         self.assigned = asyncio.Event()
         self._kills: set[asyncio.Task[None]] = set()
+        # Events handed over in-process, by their bytes, until their copy comes from the log
+        # (None: one that asks nothing); each item gets an offset of its own below -1 (never
+        # one of the log's).
+        self._handed: dict[bytes, WorkItem | None] = {}
+        self._handed_offsets = itertools.count(-2, -1)
 
     async def start(self, assign_timeout: float) -> None:
         """Join the group; returns once partitions are assigned (or after ``assign_timeout``),
@@ -96,6 +112,8 @@ class Intake:
         if progress is None or self.ownership.closing:
             return  # not (or no longer) ours: whoever owns the partition gets it
         progress.highest_seen = max(progress.highest_seen, record.offset)
+        if self._copy_of_handed(progress, record):
+            return
         try:
             event = decode(EVENTS, record.value)
         except (DecodeError, ValidationError) as exc:
@@ -108,17 +126,67 @@ class Intake:
             kill.add_done_callback(self._kills.discard)
             return
         intent = intent_of(event)
-        if intent is None:
+        if intent is not None and self._not_redundant(event, intent):
+            progress.pending.add(record.offset)
+            self.queues.add(WorkItem(intent, tp, record.offset, progress))
+
+    def hand(self, partition: int, value: bytes) -> None:
+        """An event the processor in this process just committed, before it is sent: queued
+        now, a Kafka hop sooner than the log delivers it (``sandstream up``). Its copy from
+        the log is then finished with it, not run again (``_copy_of_handed``); a forced kill
+        waits for the log (it runs beside the queue, where no copy could find it)."""
+        tp = TopicPartition(self.settings.topic_events, partition)
+        progress = self.ownership.owned.get(tp)
+        if progress is None or self.ownership.closing:
+            return  # another executor's (or none's yet): the log delivers it there
+        try:
+            event = decode(EVENTS, value)
+        except (DecodeError, ValidationError):
+            return  # the log's copy is logged and skipped
+        if isinstance(event, SandboxStopEscalated):
             return
+        intent = intent_of(event)
+        if intent is None:  # its copy is dropped unread: it asks nothing either
+            self._keep_handed(value, None)
+        elif self._not_redundant(event, intent):  # else its copy is asked again
+            item = WorkItem(intent, tp, next(self._handed_offsets), progress)
+            self._keep_handed(value, item)
+            self.queues.add(item)
+
+    def _keep_handed(self, value: bytes, item: WorkItem | None) -> None:
+        self._handed[value] = item
+        while len(self._handed) > HANDED_KEPT:
+            del self._handed[next(iter(self._handed))]
+
+    def _copy_of_handed(
+        self, progress: PartitionProgress, record: ConsumerRecord[bytes, bytes]
+    ) -> bool:
+        """Whether ``record`` is the log's copy of an event handed over here: finished
+        with it (at once if it is finished already), so its offset is committed only after
+        the handed item's end, as if it had been read from the log."""
+        if record.value not in self._handed:
+            return False
+        twin = self._handed.pop(record.value)
+        if twin is None:
+            return True  # an event that asks nothing of the driver
+        if twin.progress is not progress:
+            return False  # handed under an assignment since revoked: read it again
+        if not twin.finished:
+            progress.pending.add(record.offset)
+            twin.copies.append(record.offset)
+        return True
+
+    def _not_redundant(self, event: DecidedEvent, intent: Intent) -> bool:
+        """False for a retried delete or stop while the operation it retries is queued or
+        running here (it could only cut that one's retries short)."""
         if isinstance(event, SandboxDeleteRetried | SandboxStopRetried) and self.queues.doing(
             intent
         ):
             log.info("%s retry %d of %s skipped: its %s is still queued or running",
                      intent.operation, event.deadline.attempt, event.key,
                      intent.operation)  # fmt: skip
-            return
-        progress.pending.add(record.offset)
-        self.queues.add(WorkItem(intent, tp, record.offset, progress))
+            return False
+        return True
 
     async def _kill(
         self, event: SandboxStopEscalated, offset: int, progress: PartitionProgress

@@ -39,12 +39,18 @@ class WorkItem:
 
     intent: Intent
     tp: TopicPartition | None = None  # None: picked up from a row, not from the log
-    offset: int = -1
+    offset: int = -1  # below -1: handed over in-process, its offset not known (``Intake.hand``)
     progress: PartitionProgress | None = None
+    # A handed-over item's copies read from the log since: finished with it.
+    copies: list[int] = field(default_factory=list)
+    finished: bool = False
 
     def finish(self) -> None:
+        self.finished = True
         if self.progress is not None:
             self.progress.finish(self.offset)
+            for offset in self.copies:
+                self.progress.finish(offset)
 
 
 @dataclass

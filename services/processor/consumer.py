@@ -44,7 +44,7 @@ from services.processor.intake import (
     input_topics,
 )
 from services.processor.ownership import Ownership, Rebalance
-from services.processor.publish import Publisher
+from services.processor.publish import HandOver, Publisher
 from services.processor.read import Reader
 from services.processor.row_cache import RowCache
 from services.processor.write import Writer
@@ -64,6 +64,9 @@ class Processor:
     _last_lag_commit: float = 0.0
     _lag_commit: asyncio.Task[None] | None = None  # the commit to Kafka in flight, if any
     _resuming: str | None = None  # the backend being waited for after losing it (readiness)
+    # Gets each committed decided event as it is sent (``Publisher.publish``): an executor in
+    # the same process (``sandstream up``); None: the log alone carries them.
+    handoff: HandOver | None = None
 
     def __post_init__(self) -> None:
         s, pool, name = self.settings, self.pool, self.name
@@ -253,7 +256,7 @@ class Processor:
                     log.info("%s: dropping polled records of partitions %s it no longer owns",
                              self.name, dropped)  # fmt: skip
             applied, outbox = await self.writer.apply(self.owned.applicable(by_partition), ahead)
-            await self.publisher.publish(outbox)
+            await self.publisher.publish(outbox, self.handoff)
             return applied
 
     async def drain(self) -> None:
