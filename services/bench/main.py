@@ -1,6 +1,6 @@
 """``python -m services.bench [all|processor|latency|decided|claim|idle|idle-use|scaleout|
 rebuild|profile|fold|stages|drivers|peer|kube-requests|burst|warm|exec|scaling|api-rate|
-create-steps]
+create-steps|handoff]
 [--quick]``: the benchmarks, each printed beside its same-run reference (see
 docs/benchmarks.md). ``latency`` is the latency part of ``processor`` alone; ``decided`` is
 request → decided outcome at low load, through the HTTP API; ``claim`` (not part of ``all``) a
@@ -20,7 +20,9 @@ part of ``all``) runs the processor and the executor as 1, 2 and 4 processes on 
 of its own. ``api-rate`` (services/bench/api_rate.py, not part of ``all``) offers creates to
 ``sandstream up`` (fake driver) at rising rates, beside its trivial endpoint and Kafka's own
 produce at each rate. ``create-steps`` (services/bench/create_steps.py, not part of ``all``)
-times each create's steps at a steady low rate (``--rate``, 20/s) beside bare Pods."""
+times each create's steps at a steady low rate (``--rate``, 20/s) beside bare Pods. ``handoff``
+(services/bench/handoff.py, not part of ``all``) times creates one at a time to Ready with the
+processor's hand-over to the executor and without it, beside Kafka's own round trip."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from services.bench.api_rate import api_rate_figures
 from services.bench.claim import claim_figures
 from services.bench.decided import decided_figures
 from services.bench.fold import fold_figures
+from services.bench.handoff import handoff_figures
 from services.bench.idle import idle_figures
 from services.bench.idle_use import idle_use_figures
 from services.bench.processor import latency, throughput
@@ -70,6 +73,7 @@ CHOICES = (
     "scaling",
     "api-rate",
     "create-steps",
+    "handoff",
 )
 
 
@@ -118,6 +122,8 @@ async def run(
         await latency(settings, rate=latency_rate, seconds=5 if quick else 15)
     if which in ("all", "decided"):
         await decided_figures(settings, 100 if quick else 400)
+    if which == "handoff":
+        await handoff_figures(settings, 50 if quick else 200)
     if which == "claim":
         await claim_figures(settings, 50 if quick else 200)
     if which == "idle":
