@@ -28,6 +28,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 from uuid import UUID
@@ -35,7 +36,12 @@ from uuid import UUID
 from drivers.daemon_pool import DaemonThreadPool
 from drivers.podman_calls import PodmanCalls, running_id
 from drivers.podman_checkpoint import Checkpoints
-from drivers.podman_events import observation_from_event, removed_while_away, snapshot_from_list
+from drivers.podman_events import (
+    known_start,
+    observation_from_event,
+    removed_while_away,
+    snapshot_from_list,
+)
 from drivers.podman_exec_end import EXEC_GRACE
 from drivers.podman_execs import PodmanExecs
 from drivers.podman_objects import (
@@ -197,9 +203,11 @@ class PodmanDriver:
         lost (it follows the listing, possibly as a duplicate). Runtimes seen before a
         reconnect but missing from the new listing are reported removed (source="list").
 
-        An event reported already is skipped (``REPORTED_EVENTS``).
+        An event reported already is skipped (``REPORTED_EVENTS``), and so is a start the
+        watch already knows of, from its listing or an event (``SAME_START``).
         """
         known: dict[str, tuple[str, int]] = {}  # runtime id -> (key, generation)
+        started: dict[str, datetime] = {}  # runtime id -> its start, as listed or reported
         reported = RecentIds(REPORTED_EVENTS)
         backoff = Backoff(self._reconnect_delay, self._max_reconnect_delay, log, "podman watch")
         while not self._closed:
@@ -225,15 +233,21 @@ class PodmanDriver:
                             removed_while_away(runtime_id, key, generation, actor=self.actor)
                         )
                 known = listed
+                started = {c.info.runtime_id: c.started for c in listing if c.started}
                 while (event := await stream.next_event()) is not None:
                     observation = await self._observation(event)
                     if observation is None or reported.seen(observation.observation_id):
                         continue
+                    if known_start(observation, started):
+                        continue
                     runtime_id = observation.runtime_id or ""
                     if isinstance(observation, RuntimeRemoved):
                         known.pop(runtime_id, None)
+                        started.pop(runtime_id, None)
                     else:
                         known[runtime_id] = (observation.key, observation.generation)
+                        if observation.state == "running":
+                            started[runtime_id] = observation.occurred_at
                     yield self.execs.note(observation)
                 if not self._closed:
                     log.warning("podman watch: event stream ended (%s); reconnecting", stream.error)

@@ -5,7 +5,7 @@ times, exit codes), and the removal of a runtime that vanished while the stream 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
 from drivers.labels import parse_labels
@@ -24,6 +24,24 @@ EVENT_STATES: Final[Mapping[str, RuntimeState]] = {
     "unpause": "running",
 }
 EVENT_REMOVE: Final = "remove"
+
+# A start event this close after the start a watch already knows of (from its listing, whose
+# times are whole seconds, or from an event it reported) is that start again: Podman 4.3's
+# stream sends the newer half of its event log again after rotating it, starts from before the
+# watch began among them, and a start between the stream's opening and the listing comes after
+# the listing that shows it. sandstream starts a container once (a new generation is a new
+# container), so only a start by hand a second after the last could be mistaken for one.
+SAME_START: Final = timedelta(seconds=2)
+
+
+def known_start(observation: WatchObservation, started: Mapping[str, datetime]) -> bool:
+    """Whether ``observation`` is a start event of a start ``started`` already holds."""
+    if not isinstance(observation, RuntimeSnapshot) or observation.source != "watch":
+        return False
+    if observation.state != "running":
+        return False
+    known = started.get(observation.runtime_id or "")
+    return known is not None and observation.occurred_at <= known + SAME_START
 
 
 def snapshot_from_list(container: Container, *, actor: str = ACTOR) -> RuntimeSnapshot:

@@ -116,6 +116,7 @@ class Container:
     # such a container of its generation (it does not replace it), whose exit the watcher then
     # reports.
     terminating: bool = False
+    started: datetime | None = None  # its last start (None: never started)
 
     @property
     def since(self) -> datetime | None:
@@ -166,6 +167,7 @@ def read_container(attrs: Mapping[str, Any]) -> Container | None:
         info,
         str(name).lstrip("/") if name else None,
         labels.stop_timeout,
+        started=parse_time(started),
     )
 
 
