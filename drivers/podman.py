@@ -28,7 +28,6 @@ import contextlib
 import logging
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 from uuid import UUID
@@ -37,7 +36,7 @@ from drivers.daemon_pool import DaemonThreadPool
 from drivers.podman_calls import PodmanCalls, running_id
 from drivers.podman_checkpoint import Checkpoints
 from drivers.podman_events import (
-    known_start,
+    SentAgain,
     observation_from_event,
     removed_while_away,
     snapshot_from_list,
@@ -69,7 +68,6 @@ from drivers.protocol import (
 from events.backoff import Backoff
 from events.common import SandboxResources
 from events.observations import RuntimeRemoved, RuntimeSnapshot
-from events.recent import RecentIds
 
 # The names callers use beside the driver (tests, benchmarks), where they always were.
 __all__ = ["DEFAULT_LIMITS", "PodmanDriver", "container_name", "remove_volume", "volume_name"]
@@ -77,11 +75,6 @@ __all__ = ["DEFAULT_LIMITS", "PodmanDriver", "container_name", "remove_volume", 
 log = logging.getLogger("sandstream.drivers.podman")
 
 T = TypeVar("T")
-
-# Event ids the watch remembers, to skip what Podman 4.3's stream sends again after rotating its
-# event log (the newer half of it; 1 MB by default, about 1,700 events): a start sent again after
-# the runtime's exit would make an exited sandbox look running.
-REPORTED_EVENTS = 4096
 
 
 class PodmanDriver:
@@ -201,14 +194,11 @@ class PodmanDriver:
 
         The event stream is opened before the listing, so nothing that happens in between is
         lost (it follows the listing, possibly as a duplicate). Runtimes seen before a
-        reconnect but missing from the new listing are reported removed (source="list").
-
-        An event reported already is skipped (``REPORTED_EVENTS``), and so is a start the
-        watch already knows of, from its listing or an event (``SAME_START``).
+        reconnect but missing from the new listing are reported removed (source="list"); what
+        Podman sends again (an event reported already, a start it knows of) is skipped.
         """
         known: dict[str, tuple[str, int]] = {}  # runtime id -> (key, generation)
-        started: dict[str, datetime] = {}  # runtime id -> its start, as listed or reported
-        reported = RecentIds(REPORTED_EVENTS)
+        had = SentAgain()
         backoff = Backoff(self._reconnect_delay, self._max_reconnect_delay, log, "podman watch")
         while not self._closed:
             stream = EventStream(self.base_url, asyncio.get_running_loop())
@@ -233,21 +223,16 @@ class PodmanDriver:
                             removed_while_away(runtime_id, key, generation, actor=self.actor)
                         )
                 known = listed
-                started = {c.info.runtime_id: c.started for c in listing if c.started}
+                had.listed(listing)
                 while (event := await stream.next_event()) is not None:
                     observation = await self._observation(event)
-                    if observation is None or reported.seen(observation.observation_id):
-                        continue
-                    if known_start(observation, started):
+                    if observation is None or had.seen(observation):
                         continue
                     runtime_id = observation.runtime_id or ""
                     if isinstance(observation, RuntimeRemoved):
                         known.pop(runtime_id, None)
-                        started.pop(runtime_id, None)
                     else:
                         known[runtime_id] = (observation.key, observation.generation)
-                        if observation.state == "running":
-                            started[runtime_id] = observation.occurred_at
                     yield self.execs.note(observation)
                 if not self._closed:
                     log.warning("podman watch: event stream ended (%s); reconnecting", stream.error)

@@ -4,7 +4,7 @@ times, exit codes), and the removal of a runtime that vanished while the stream 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
@@ -12,6 +12,7 @@ from drivers.labels import parse_labels
 from drivers.podman_objects import ACTOR, Container, from_nanos, parse_time
 from drivers.protocol import WatchObservation
 from events.observations import RuntimeRemoved, RuntimeSnapshot, RuntimeState
+from events.recent import RecentIds
 
 # The container events that change what a sandbox looks like; the rest (init, cleanup, kill,
 # exec, exec_died, attach, ...) are ignored. A paused container is reported as the listings
@@ -25,6 +26,11 @@ EVENT_STATES: Final[Mapping[str, RuntimeState]] = {
 }
 EVENT_REMOVE: Final = "remove"
 
+# Event ids a watch remembers, to skip what Podman 4.3's stream sends again after rotating its
+# event log (the newer half of it; 1 MB by default, about 1,700 events): a start sent again after
+# the runtime's exit would make an exited sandbox look running.
+REPORTED_EVENTS: Final = 4096
+
 # A start event this close after the start a watch already knows of (from its listing, whose
 # times are whole seconds, or from an event it reported) is that start again: Podman 4.3's
 # stream sends the newer half of its event log again after rotating it, starts from before the
@@ -32,6 +38,33 @@ EVENT_REMOVE: Final = "remove"
 # the listing that shows it. sandstream starts a container once (a new generation is a new
 # container), so only a start by hand a second after the last could be mistaken for one.
 SAME_START: Final = timedelta(seconds=2)
+
+
+class SentAgain:
+    """What a watch has had already, to skip what Podman 4.3's stream sends again: the ids of
+    the last ``REPORTED_EVENTS`` events it reported, and the start of each runtime it knows of,
+    from its listing or a start event it reported (a start event of it: ``SAME_START``)."""
+
+    def __init__(self) -> None:
+        self._reported = RecentIds(REPORTED_EVENTS)
+        self._starts: dict[str, datetime] = {}
+
+    def listed(self, listing: Sequence[Container]) -> None:
+        self._starts = {c.info.runtime_id: c.started for c in listing if c.started}
+
+    def seen(self, observation: WatchObservation) -> bool:
+        """Whether the watch has had ``observation`` already; else it is noted as reported."""
+        if self._reported.seen(observation.observation_id):
+            return True
+        runtime_id = observation.runtime_id or ""
+        if isinstance(observation, RuntimeRemoved):
+            self._starts.pop(runtime_id, None)
+            return False
+        if known_start(observation, self._starts):
+            return True
+        if observation.state == "running" and observation.source == "watch":
+            self._starts[runtime_id] = observation.occurred_at
+        return False
 
 
 def known_start(observation: WatchObservation, started: Mapping[str, datetime]) -> bool:

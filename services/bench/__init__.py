@@ -23,6 +23,8 @@ Modules:
   the API's exec driver, the runtime path and a bare ``runc exec`` in the same container.
 - ``exec_steps``: where an exec's time goes on Podman: the driver's calls, each timed.
 - ``fold``: CPU of the decide stage alone.
+- ``handoff``: creates one at a time to Ready with the processor's hand-over to the executor
+  and without it (two control planes in one process), beside Kafka's own round trip.
 - ``idle``: the broker's CPU for an idle control plane on a broker of its own, beside the same
   broker with no client.
 - ``idle_use``: what idle suspend costs PostgreSQL at many busy sandboxes (the doors' flush,
@@ -34,7 +36,7 @@ Modules:
   sandstream's CPU, Kafka records and PostgreSQL rows per sandbox and its deletes' time.
 - ``main``: ``python -m services.bench
   [all|processor|latency|decided|claim|idle|idle-use|scaleout|rebuild|profile|fold|stages|
-  drivers|peer|kube-requests|burst|warm|exec|scaling|api-rate|create-steps]
+  drivers|peer|kube-requests|burst|warm|exec|scaling|api-rate|create-steps|handoff]
   [--quick]``.
 - ``peer``, ``peer_setup``, ``peer_systems``, ``peer_kube``, ``peer_stats``, ``peer_report``:
   sandstream beside kubernetes-sigs/agent-sandbox and bare Pods on one Kubernetes cluster
