@@ -36,7 +36,7 @@ REPORTED_EVENTS: Final = 4096
 # stream sends the newer half of its event log again after rotating it, starts from before the
 # watch began among them, and a start between the stream's opening and the listing comes after
 # the listing that shows it. sandstream starts a container once (a new generation is a new
-# container), so only a start by hand a second after the last could be mistaken for one.
+# container), so only a start by hand within ``SAME_START`` of the last could be taken for it.
 SAME_START: Final = timedelta(seconds=2)
 
 

@@ -27,6 +27,7 @@ from projections.lifecycle import decide
 from services.common.settings import Settings
 from services.executor.executor import Executor
 from services.executor.progress import PartitionProgress, WorkItem
+from services.up.control_plane import ControlPlane
 
 
 async def _end(consumer: AIOKafkaConsumer, tp: TopicPartition) -> int:
@@ -37,7 +38,9 @@ async def _end(consumer: AIOKafkaConsumer, tp: TopicPartition) -> int:
 @asynccontextmanager
 async def paused(
     driver: FakeDriver,
-) -> AsyncIterator[tuple[Env, CommandPublisher, Executor, AIOKafkaConsumer, TopicPartition, int]]:
+) -> AsyncIterator[
+    tuple[Env, CommandPublisher, ControlPlane, AIOKafkaConsumer, TopicPartition, int]
+]:
     """A control plane whose executor reads nothing from the log, and where the log's copy
     of the next event of sandbox ``a`` will be (its partition, its offset)."""
     async with pipeline(driver) as (env, plane, pub):
@@ -47,7 +50,7 @@ async def paused(
         tp = executor.ownership.partition_of("a")
         copy_at = await _end(consumer, tp)
         consumer.pause(*consumer.assignment())
-        yield env, pub, executor, consumer, tp, copy_at
+        yield env, pub, plane, consumer, tp, copy_at
 
 
 async def test_a_committed_create_launches_while_the_executors_log_reads_are_paused() -> None:
@@ -55,7 +58,8 @@ async def test_a_committed_create_launches_while_the_executors_log_reads_are_pau
     once the reads resume, is neither run nor checked against the row again, and its offset
     is committed."""
     driver = FakeDriver()
-    async with paused(driver) as (env, pub, executor, consumer, tp, copy_at):
+    async with paused(driver) as (env, pub, plane, consumer, tp, copy_at):
+        executor = executor_of(plane)
         await command(env, pub, f.create("a"))
         await wait_phase(env, "a", "Ready")
         assert executor.ownership.owned[tp].highest_seen < copy_at  # nothing read from the log
@@ -77,7 +81,8 @@ async def test_the_logs_copy_of_a_handed_launch_still_running_waits_for_it() -> 
     """A's launch, handed over, is held in the driver while the log's copy is read: the copy's
     offset is not committed until the launch has reported, and the copy is not run after it."""
     driver = FakeDriver()
-    async with paused(driver) as (env, pub, executor, consumer, tp, copy_at):
+    async with paused(driver) as (env, pub, plane, consumer, tp, copy_at):
+        executor = executor_of(plane)
         held = driver.block("launch", "a")
 
         await command(env, pub, f.create("a"))
@@ -98,6 +103,30 @@ async def test_the_logs_copy_of_a_handed_launch_still_running_waits_for_it() -> 
                          what="the copy finished with the launch")  # fmt: skip
         assert len(driver.calls_for("launch", "a")) == 1
         assert (executor.dropped, executor.queues.repeated) == (0, 0)
+
+
+async def test_a_handed_delete_that_overtakes_an_unread_launch_leaves_nothing_launched() -> None:
+    """A handed event can run before an earlier event of its sandbox that the executor has not
+    read (committed while nothing was handed: here the create, with the hand-over off). A's
+    delete, handed, runs first; the launch, read from the log afterwards, is dropped by the
+    row check: no launch call, the row Deleted."""
+    driver = FakeDriver()
+    async with paused(driver) as (env, pub, plane, consumer, tp, copy_at):
+        executor = executor_of(plane)
+        processor = plane.processor
+        assert processor is not None and processor.handoff is not None
+        handoff, processor.handoff = processor.handoff, None
+        await command(env, pub, f.create("a"))
+        await wait_phase(env, "a", "Provisioning")
+        processor.handoff = handoff
+        await command(env, pub, f.delete("a"))
+        await wait_phase(env, "a", "Deleted")
+        assert executor.ownership.owned[tp].highest_seen < copy_at  # the launch still unread
+
+        consumer.resume(*consumer.assignment())
+        await eventually(lambda: executor.dropped, lambda n: n >= 1, what="the launch dropped")
+        assert driver.calls_for("launch", "a") == []
+        assert len(driver.calls_for("delete", "a")) == 1
 
 
 # -- the intake's bookkeeping -----------------------------------------------------------------
