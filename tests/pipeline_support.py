@@ -25,7 +25,7 @@ from podman.errors import NotFound
 from drivers.podman import PodmanDriver, remove_volume
 from drivers.podman_objects import list_volumes
 from drivers.protocol import LABEL_KEY, Driver
-from events.codec import encode
+from events.codec import EVENTS, decode, encode
 from events.commands import Command
 from events.common import SandboxSpec
 from events.observations import Observation
@@ -183,6 +183,12 @@ async def wait_history_at(
     return found
 
 
+async def events_of(env: Env, key: str) -> list[str]:
+    """The types of ``key``'s decided events now in the events topic, in order."""
+    records = await env.read_topic(env.settings.topic_events)
+    return [decode(EVENTS, r.value).type for r in records if r.key == key.encode()]
+
+
 def encode_all(observations: list[Observation]) -> list[tuple[bytes, bytes]]:
     return [(o.key.encode(), encode(o)) for o in observations]
 
@@ -334,10 +340,11 @@ async def stop_after_removing(plane: ControlPlane, keys: PodmanKeys | None) -> N
         await plane.stop()
 
 
-async def rewind_group(settings: Settings, group: str, offset: int = 0) -> None:
+async def rewind_group(settings: Settings, group: str, offset: int | None = 0) -> None:
     """Commit ``offset`` on every partition of the events topic (``kafka_partitions`` of
-    them) for ``group``: an executor of
-    that group then resumes as if it had crashed long ago (an old committed offset)."""
+    them) for ``group``: an executor of that group then resumes as if it had crashed long ago
+    (an old committed offset). ``None`` commits each partition's end: as if the group had
+    read everything in the topic already."""
     consumer = AIOKafkaConsumer(
         **kafka_client_args(settings, "admin"), group_id=group, enable_auto_commit=False
     )
@@ -345,7 +352,8 @@ async def rewind_group(settings: Settings, group: str, offset: int = 0) -> None:
     try:
         tps = [TopicPartition(settings.topic_events, p) for p in range(settings.kafka_partitions)]
         consumer.assign(tps)
-        await consumer.commit({tp: offset for tp in tps})
+        ends = await consumer.end_offsets(tps) if offset is None else {}
+        await consumer.commit({tp: ends.get(tp, offset or 0) for tp in tps})
     finally:
         await consumer.stop()
 

@@ -234,6 +234,14 @@ async def test_a_deleted_incarnations_leftovers_are_collected_and_nothing_else()
     image = settings.sandbox_image
     try:
         async with apikit.running_api(podman) as api, api.client() as c:
+            reconciler = api.plane.reconciler  # type: ignore[union-attr]
+            assert reconciler is not None
+            # The loop's first pass (at start, then hourly) must not collect what follows. It
+            # ends before the creates: a pass that read the rows before a create and listed the
+            # backend after it would find a sandbox created and deleted meanwhile a deleted
+            # incarnation, and rightly collect it too (a suite run's failure).
+            await eventually(lambda: reconciler.passes, lambda n: n >= 1,
+                             what="the reconcile loop's first pass")  # fmt: skip
             for name in (gone, live):
                 body = create_body(name, command=["sleep", "600"], stop_timeout_seconds=1)
                 body["spec"]["image"] = image
@@ -244,11 +252,6 @@ async def test_a_deleted_incarnations_leftovers_are_collected_and_nothing_else()
             r = await c.delete(f"/v1/sandboxes/{gone}", params={"wait": 30})
             assert r.status_code == 200, r.text
             await api.wait_phase(gone, "Deleted")
-            reconciler = api.plane.reconciler  # type: ignore[union-attr]
-            assert reconciler is not None
-            # The loop's first pass (at start, then hourly) must not collect what follows.
-            await eventually(lambda: reconciler.passes, lambda n: n >= 1,
-                             what="the reconcile loop's first pass")  # fmt: skip
             await asyncio.to_thread(zombie_launch, podman, gone, first, image)
             await asyncio.to_thread(zombie_launch, podman, *stranger, image)
             assert await asyncio.to_thread(volume_exists, client, volume_name(gone, first))

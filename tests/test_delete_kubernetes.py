@@ -141,6 +141,12 @@ async def test_a_tombstoned_incarnations_claim_is_collected(
     key, live = keys(), keys()
     driver = new_driver(admin, ns, stop_timeout=1.0)
     async with pipeline(driver) as (env, plane, pub):
+        reconciler = plane.reconciler
+        assert reconciler is not None
+        # The loop's first pass (at start, then hourly) must not collect what follows: it ends
+        # before the creates (see the Podman twin in test_delete_finishes.py).
+        await eventually(lambda: reconciler.passes, lambda n: n >= 1,
+                         what="the reconcile loop's first pass")  # fmt: skip
         for name in (key, live):
             await command(env, pub, f.create(name, sandbox_spec=SPEC, occurred_at=now()))
             await wait_phase(env, name, "Ready")
@@ -148,11 +154,6 @@ async def test_a_tombstoned_incarnations_claim_is_collected(
         await command(env, pub, f.delete(key, occurred_at=now()))
         await wait_phase(env, key, "Deleted")
         assert await admin.claims(ns, key) == []
-        reconciler = plane.reconciler
-        assert reconciler is not None
-        # The loop's first pass (at start, then hourly) must not collect what follows.
-        await eventually(lambda: reconciler.passes, lambda n: n >= 1,
-                         what="the reconcile loop's first pass")  # fmt: skip
         # What a launch still running elsewhere would make after the delete: its claim.
         spec = LaunchSpec(key, sandbox_id, 1, "rid-late", SPEC)
         await admin.core.create_namespaced_persistent_volume_claim(

@@ -25,6 +25,7 @@ from pipeline_support import (
     caught_up,
     command,
     encode_all,
+    events_of,
     forget_group,
     history,
     phase,
@@ -508,10 +509,12 @@ async def test_a_new_group_that_cannot_look_up_offsets_by_time_joins_at_the_end(
 
 async def test_an_older_generation_left_running_under_a_newer_row_is_stopped() -> None:
     """Found by the chaos checker: generation 1 of x was launched by an executor that died
-    before reporting it; x is then restarted and stopped while no executor runs, so its row
-    is Stopping generation 2 and no event will ask to stop generation 1 again. A new executor
-    group starts at the end of the log: its reconcile loop sees generation 1 still running
-    under the newer row and stops it (before the fix it ran on under a Stopped row)."""
+    before reporting it; x is then restarted and stopped, so its row is Stopping generation 2
+    and no event will ask to stop generation 1 again. The executor group has read the log to
+    its end already (else the restart's dropped launch, read again, stops generation 1 itself,
+    and which path wins is timing: a CI run's failure): its reconcile loop sees generation 1
+    still running under the newer row and stops it (before the fix it ran on under a Stopped
+    row)."""
     driver = FakeDriver()
     async with isolated_env() as env:
         await env.start_processor()
@@ -528,6 +531,9 @@ async def test_an_older_generation_left_running_under_a_newer_row_is_stopped() -
             await command(env, pub, f.stop("x"))
             assert (await row(env, "x") or {}).get("generation") == 2
             assert [(r.generation, r.state) for r in await driver.get("x")] == [(1, "running")]
+            await eventually(lambda: events_of(env, "x"), lambda types: types[-1:] == [
+                "SandboxStopping"], what="the stop's event in the log")  # fmt: skip
+            await rewind_group(env.settings, env.settings.executor_group, offset=None)
             side = DriverSide(
                 env.settings, driver, env.pool, reconcile_interval=0.3, retry=FAST_RETRY
             )

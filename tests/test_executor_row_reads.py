@@ -13,6 +13,13 @@ import asyncpg
 import pytest
 from harness import isolated_env
 
+from drivers.fake import FakeDriver
+from drivers.protocol import LaunchSpec
+from events.common import SandboxSpec
+from services.executor.calls import DriverCalls, RetryPolicy
+from services.executor.clock import utcnow
+from services.executor.intents import Dropped, Intent
+from services.executor.progress import Ownership, PartitionProgress, WorkItem
 from services.executor.rows import RowReader, read_row
 
 
@@ -27,11 +34,12 @@ class Counted:
     ran: asyncio.Event = field(default_factory=asyncio.Event)
     keys: list[list[str]] = field(default_factory=list)
     fail: BaseException | None = None
+    fail_at: int = 1  # the statement (counted from 1) that ``fail`` fails
     unreadable: bool = False  # answer a record no row can be made from
 
     async def fetch(self, query: str, keys: list[str]) -> Any:
         self.keys.append(sorted(keys))
-        if self.fail is not None:
+        if self.fail is not None and len(self.keys) == self.fail_at:
             failure, self.fail = self.fail, None
             raise failure
         records = await self.pool.fetch(query, keys)
@@ -137,3 +145,37 @@ async def test_a_row_that_cannot_be_read_fails_its_reads_instead_of_leaving_them
         assert all(isinstance(r, KeyError) for r in results), results
         counted.unreadable = False
         assert await reader.read("a") is None  # the next statement is sent and answered
+
+
+async def test_a_dropped_restarts_second_row_read_survives_a_lost_connection() -> None:
+    """Found by a chaos run: a restart's launch dropped under a Stopping row reads the row once
+    more, to see whether it still owes generation 1 its stop. That read lost its PostgreSQL
+    connection and, not retried, ended the worker and with it the executor. It is retried
+    now, as the check before it is: the launch is dropped and generation 1 stopped."""
+    async with isolated_env() as env:
+        await add_row(env.pool, "y")
+        await env.pool.execute("UPDATE sandboxes SET phase = 'Stopping', generation = 2")
+        sandbox_id = (await read_row(env.pool, "y")).sandbox_id  # type: ignore[union-attr]
+        spec = SandboxSpec(image="busybox")
+        driver = FakeDriver()
+        await driver.launch(LaunchSpec("y", sandbox_id, 1, "rid-1", spec))
+        lost = asyncpg.exceptions.ConnectionDoesNotExistError("connection was closed")
+        counted = Counted(env.pool, fail=lost, fail_at=2)  # the read after the check
+        ownership = Ownership(env.settings)
+        ownership.owned = {ownership.partition_of("y"): PartitionProgress()}
+
+        async def no_values(key: str, row: object) -> None:
+            raise AssertionError("a dropped launch reads no provider values")
+
+        calls = DriverCalls(
+            env.settings, driver, counted, ownership,  # type: ignore[arg-type]
+            retry=RetryPolicy(), max_concurrency=1, slow_per_caller=1, clock=utcnow,
+            values=no_values,
+        )  # fmt: skip
+        restart = Intent("launch", "y", sandbox_id, 2, "result:y:2", "alice",
+                         launch=LaunchSpec("y", sandbox_id, 2, "rid-1", spec),
+                         previous_generation=1)  # fmt: skip
+        result = await calls.execute(WorkItem(restart), [], asyncio.Event())
+        assert isinstance(result, Dropped), result
+        assert counted.keys == [["y"], ["y"], ["y"]]  # the check, the lost read, its retry
+        assert [(r.generation, r.state) for r in await driver.get("y")] == [(1, "exited")]

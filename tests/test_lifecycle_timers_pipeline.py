@@ -25,6 +25,7 @@ from pipeline_support import (
     SLEEPER,
     command,
     containers_of,
+    events_of,
     history,
     observations_of,
     podman_env,
@@ -101,11 +102,6 @@ async def deadline_results(env: Env, key: str) -> list[tuple[str, str]]:
         for h in await history(env, key)
         if h["message_type"] == "DeadlineDue"
     ]
-
-
-async def events_of(env: Env, key: str) -> list[str]:
-    records = await env.read_topic(env.settings.topic_events)
-    return [decode(EVENTS, r.value).type for r in records if r.key == key.encode()]
 
 
 async def deadline_messages(env: Env) -> list[Any]:

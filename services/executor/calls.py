@@ -9,6 +9,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from drivers.protocol import Driver, DriverError, LaunchResult, OpResult, operation_result
 from events.backoff import Backoff, delay_after, pause, retry
@@ -26,6 +27,8 @@ from services.executor.progress import Ownership, WorkItem
 from services.executor.rows import Pool, RowReader
 
 log = logging.getLogger("sandstream.executor")
+
+T = TypeVar("T")
 
 CallResult = LaunchResult | OpResult | bool | DriverError
 
@@ -178,7 +181,7 @@ class DriverCalls:
             if not self.ownership.current(item):
                 return None  # revoked or shutting down meanwhile: left for the next owner
             if why is not None:
-                await self._dropped(item.intent, why)
+                await self._dropped(item, why)
                 self.dropped += 1
                 return Dropped(why)
             self.running += 1
@@ -216,28 +219,38 @@ class DriverCalls:
             return DriverError(f"unexpected driver error: {exc!r}", retryable=False)
 
     async def _unwanted(self, item: WorkItem) -> tuple[str | None, Sandbox | None]:
-        """Read the row (retrying while PostgreSQL is unreachable) and judge the intent: why
-        it is not wanted (None: it is) and the row read."""
+        """Read the row and judge the intent: why it is not wanted (None: it is) and the row
+        read."""
 
         async def judge() -> tuple[str | None, Sandbox | None]:
+            row = await self.rows.read(item.intent.key)
+            return unwanted(item.intent, row), row
+
+        return await self._reading(item, judge, gone=("no longer this executor's", None))
+
+    async def _reading(self, item: WorkItem, read: Callable[[], Awaitable[T]], gone: T) -> T:
+        """``read()`` from PostgreSQL, retried while it is unreachable (a worker must not end
+        on an outage); ``gone`` once the intent stopped being this executor's meanwhile."""
+
+        async def attempt() -> T:
             try:
-                row = await self.rows.read(item.intent.key)
-                return unwanted(item.intent, row), row
+                return await read()
             except CONNECTION_ERRORS:
                 if not self.ownership.current(item):
-                    return "no longer this executor's", None
+                    return gone
                 raise
 
         backoff = Backoff(0.2, 5.0, log, f"reading the row of {item.intent.key}")
-        return await retry(judge, backoff=backoff, retry_on=CONNECTION_ERRORS)
+        return await retry(attempt, backoff=backoff, retry_on=CONNECTION_ERRORS)
 
-    async def _dropped(self, intent: Intent, why: str) -> None:
+    async def _dropped(self, item: WorkItem, why: str) -> None:
+        intent = item.intent
         log.debug("%s of %s generation %d dropped: %s",
                   intent.operation, intent.key, intent.generation, why)  # fmt: skip
         # A start or restart overtaken by a stop of its own generation may never have run:
         # it still owes the older generations their stop, which would otherwise keep running.
         if intent.operation == "launch" and intent.previous_generation is not None:
-            row = await self.rows.read(intent.key)
+            row = await self._reading(item, lambda: self.rows.read(intent.key), gone=None)
             if (
                 row is not None
                 and (row.sandbox_id, row.generation) == (intent.sandbox_id, intent.generation)
