@@ -303,7 +303,7 @@ class Reconciler:
         """Hand the executor each tombstoned incarnation the backend still holds anything of.
         ``rows`` were read before the listing: a sandbox created after them is no candidate
         while this store has not tombstoned it; one created and deleted during the pass is
-        collected too, a delete of what is already gone or going (harmless, audited)."""
+        collected too: a second delete of what its own delete removed (harmless, audited)."""
         if self.collect is None or not isinstance(self.driver, HoldingsDriver):
             return
         candidates = leftover_candidates(rows, await self.driver.incarnations())
