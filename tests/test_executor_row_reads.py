@@ -5,6 +5,7 @@ is never answered by a statement sent before it was asked for. On a real Postgre
 from __future__ import annotations
 
 import asyncio
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import uuid4
@@ -103,6 +104,32 @@ async def test_a_failed_statement_fails_its_reads_and_the_next_read_is_answered(
         row = await reader.read("a")
         assert row is not None and row.key == "a"
         assert counted.keys == [["a", "b"], ["a"]]
+
+
+async def test_each_read_failed_by_one_statement_raises_its_own_copy_caused_by_it() -> None:
+    """One exception object raised in many tasks gathers their frames: a caller's logged
+    traceback then showed another caller's code. Each read gets a copy of the statement's
+    error (same type and message), caused by it, and its traceback names only its own path."""
+    async with isolated_env() as env:
+        lost = asyncpg.exceptions.ConnectionDoesNotExistError("connection was closed")
+        reader = RowReader(Counted(env.pool, fail=lost))  # type: ignore[arg-type]
+
+        async def first_caller() -> Any:
+            return await reader.read("a")
+
+        async def second_caller() -> Any:
+            return await reader.read("b")
+
+        results = await asyncio.gather(first_caller(), second_caller(), return_exceptions=True)
+        assert [type(r) for r in results] == [type(lost)] * 2, results
+        one, two = results
+        assert one is not two and str(one) == str(two) == "connection was closed"
+        assert one.__cause__ is lost and two.__cause__ is lost
+        frames = [
+            {f.name for f in traceback.extract_tb(r.__traceback__)} for r in (one, two)
+        ]  # fmt: skip
+        assert "first_caller" in frames[0] and "second_caller" not in frames[0], frames
+        assert "second_caller" in frames[1] and "first_caller" not in frames[1], frames
 
 
 async def test_a_caller_that_leaves_does_not_stop_the_others_reads() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 from typing import Final, TypeAlias
 
 import asyncpg
@@ -73,7 +74,19 @@ def _fail(asked: dict[str, list[asyncio.Future[Sandbox | None]]], exc: BaseExcep
             if isinstance(exc, asyncio.CancelledError):
                 answer.cancel()
             else:
-                answer.set_exception(exc)
+                answer.set_exception(_own(exc))
+
+
+def _own(exc: BaseException) -> BaseException:
+    """A copy of ``exc`` for one caller, caused by it: one object raised in many tasks carries
+    whichever task's frames were added last, so a caller's logged traceback could show another
+    caller's code (a CI failure's log pointed at a retried read, not the unretried one)."""
+    try:
+        mine = copy.copy(exc)
+    except Exception:  # an exception that cannot be copied: shared, as before
+        return exc
+    mine.__cause__ = exc
+    return mine
 
 
 # The phases whose row still waits for a driver call (a launch, stop, suspend or delete).
