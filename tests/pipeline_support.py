@@ -352,8 +352,8 @@ async def rewind_group(settings: Settings, group: str, offset: int | None = 0) -
     try:
         tps = [TopicPartition(settings.topic_events, p) for p in range(settings.kafka_partitions)]
         consumer.assign(tps)
-        ends = await consumer.end_offsets(tps) if offset is None else {}
-        await consumer.commit({tp: ends.get(tp, offset or 0) for tp in tps})
+        at = await consumer.end_offsets(tps) if offset is None else dict.fromkeys(tps, offset)
+        await consumer.commit(at)
     finally:
         await consumer.stop()
 
