@@ -28,6 +28,9 @@ HANDOFF = {
     "SANDSTREAM_EXECUTOR_CONCURRENCY": "1",
     "SANDSTREAM_OPENSHELL_ENABLED": "false",
 }
+# Enough launches, one at a time, that the poll for the first container returns long before
+# the last: with 8, a loaded CI machine had them all Ready before the kill.
+BURST = 24
 
 
 def containers_made(podman: PodmanClient, names: list[str]) -> int:
@@ -43,7 +46,7 @@ async def test_up_killed_with_handed_launches_in_flight_ends_with_one_container_
     for run in runs:
         run.mkdir()
     async with isolated_env() as env, running_up(runs[0], HANDOFF, env) as first:
-        names = [first.name("handkill") for _ in range(8)]
+        names = [first.name("handkill") for _ in range(BURST)]
         headers = {"Authorization": f"Bearer {first.admin_token()}"}
         async with httpx.AsyncClient(base_url=first.url, headers=headers, timeout=60) as client:
             for name in names:
