@@ -68,13 +68,21 @@ class SentAgain:
 
 
 def known_start(observation: WatchObservation, started: Mapping[str, datetime]) -> bool:
-    """Whether ``observation`` is a start event of a start ``started`` already holds."""
+    """Whether ``observation`` is a start event of a start ``started`` already holds. Only a
+    start event: an unpause also reports running, and one soon after the start is news (a
+    container paused and unpaused within ``SAME_START`` stayed reported paused)."""
     if not isinstance(observation, RuntimeSnapshot) or observation.source != "watch":
         return False
-    if observation.state != "running":
+    if observation.state != "running" or event_action(observation) != "start":
         return False
     known = started.get(observation.runtime_id or "")
     return known is not None and observation.occurred_at <= known + SAME_START
+
+
+def event_action(observation: WatchObservation) -> str:
+    """The Podman event an observation of the watch was made of (the last part of the id
+    ``observation_from_event`` gives it)."""
+    return observation.observation_id.rpartition(":")[2]
 
 
 def snapshot_from_list(container: Container, *, actor: str = ACTOR) -> RuntimeSnapshot:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import stat
+import traceback
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -663,6 +664,35 @@ async def test_watchers_woken_together_share_one_horizon_query(
         feed._notify()  # a change after it: the next mark needs a query of its own
         await feed.horizon(feed.mark())
         assert len(queries) == 2
+
+
+async def test_watchers_sharing_a_failed_horizon_query_each_raise_their_own_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One error object raised in every watcher gathered all their frames, so one watcher's
+    logged traceback could show another's path. Each gets a copy caused by the query's error."""
+    lost = ConnectionResetError("connection lost")
+
+    async def failing(pool: Any) -> int | None:
+        await asyncio.sleep(0)  # both watchers are waiting on it when it fails
+        raise lost
+
+    monkeypatch.setattr(changes, "current_horizon", failing)
+    feed = readmodel.ChangeFeed(None)  # type: ignore[arg-type]  # the query is replaced
+    mark = feed.mark()
+
+    async def first_watcher() -> int | None:
+        return await feed.horizon(mark)
+
+    async def second_watcher() -> int | None:
+        return await feed.horizon(mark)
+
+    one, two = await asyncio.gather(first_watcher(), second_watcher(), return_exceptions=True)
+    assert isinstance(one, ConnectionResetError) and isinstance(two, ConnectionResetError)
+    assert one is not two and one.__cause__ is lost and two.__cause__ is lost
+    frames = [{f.name for f in traceback.extract_tb(e.__traceback__)} for e in (one, two)]
+    assert "first_watcher" in frames[0] and "second_watcher" not in frames[0], frames
+    assert "second_watcher" in frames[1] and "first_watcher" not in frames[1], frames
 
 
 async def test_watch_ends_at_its_timeout(api: Api) -> None:

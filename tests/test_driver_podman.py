@@ -897,7 +897,7 @@ async def test_a_container_stopping_behind_sandstreams_back_is_reported_stopping
             "reconcile orphan": "stopping",
             "watch listing": "stopping",
         }
-        stopped_row = LiveRow(key, spec.sandbox_id, 1, Phase.STOPPED)
+        stopped_row = LiveRow(key, spec.sandbox_id, 1, Phase.STOPPED, version=1)
         assert stray_runtimes([stopped_row], listed) == []  # on its way out: no second stop
         assert reconcile([stopped_row], listed, datetime.now(UTC)) == []
         with pytest.raises(DriverError, match="no running runtime"):

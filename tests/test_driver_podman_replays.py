@@ -76,11 +76,15 @@ async def test_a_start_sent_again_after_the_exit_is_not_reported_but_a_later_sta
         await watcher.stop()
 
 
-def test_a_start_is_known_within_same_start_of_the_one_the_watch_holds() -> None:
+def test_only_a_start_event_within_same_start_of_the_one_the_watch_holds_is_known() -> None:
     at = datetime(2026, 12, 6, 15, 42, 13, tzinfo=UTC)
 
-    def start(runtime_id: str, occurred_at: datetime, source: str = "watch") -> RuntimeSnapshot:
-        return RuntimeSnapshot(type="RuntimeSnapshot", observation_id=f"o-{occurred_at}",
+    def start(
+        runtime_id: str, occurred_at: datetime, source: str = "watch", action: str = "start"
+    ) -> RuntimeSnapshot:
+        nanos = _nanos(occurred_at)
+        return RuntimeSnapshot(type="RuntimeSnapshot",
+                               observation_id=f"podman:{runtime_id}:{nanos}:{action}",
                                key="k", generation=1, occurred_at=occurred_at, actor="podman",
                                state="running", runtime_id=runtime_id, source=source)  # fmt: skip
 
@@ -92,3 +96,5 @@ def test_a_start_is_known_within_same_start_of_the_one_the_watch_holds() -> None
     assert not known_start(start("r1", at, source="list"), held)  # listings are not events
     exited = start("r1", at).model_copy(update={"state": "exited", "exit_code": 0})
     assert not known_start(exited, held)
+    # Regression: an unpause reports running too; one soon after the start is news.
+    assert not known_start(start("r1", at + timedelta(milliseconds=600), action="unpause"), held)

@@ -22,7 +22,7 @@ P = Phase
 
 def test_candidates_are_the_held_incarnations_no_live_row_is() -> None:
     live, old, stranger = uuid4(), uuid4(), uuid4()
-    rows = [LiveRow("a", live, 3, P.READY)]
+    rows = [LiveRow("a", live, 3, P.READY, version=1)]
     held = {("a", live), ("a", old), ("b", stranger)}
     assert leftover_candidates(rows, held) == {("a", old), ("b", stranger)}
 

@@ -52,7 +52,7 @@ OTHER = uuid.UUID("00000000-0000-4000-8000-0000000000bb")
 
 
 def live(key: str, generation: int, phase: Phase, sandbox_id: uuid.UUID = SID) -> LiveRow:
-    return LiveRow(key, sandbox_id, generation, phase)
+    return LiveRow(key, sandbox_id, generation, phase, version=1)
 
 
 def runtime(
@@ -435,6 +435,37 @@ async def test_a_difference_is_reported_once_while_it_lasts_and_again_when_it_re
             await driver.delete("gone")
             again = await reconciler.run_once()  # gone again: news again
             assert [o.observation_id for o in again] == [o.observation_id for o in first]
+        finally:
+            await producer.stop()
+
+
+async def test_a_difference_that_lasts_while_its_row_changed_is_reported_again() -> None:
+    """Regression (a suite run): the reconciler remembered a difference by observation id
+    alone. A Ready row's missing runtime was reported; the row went Error and, before the next
+    pass, a running dated after it lifted it Ready again: the same difference, the same id, so
+    it was never reported again and the row stayed Ready over nothing. A row's new version
+    makes it news again; the same version does not."""
+    async with isolated_env() as env:
+        spec = sandbox_spec(env.settings, SLEEPER)
+        await env.pool.execute(
+            "INSERT INTO sandboxes (key, sandbox_id, phase, generation, version, spec, "
+            "providers, identity, created_at, updated_at, partition, change_seq) "
+            "VALUES ('gone', $1, 'Ready', 1, 2, $2, '{}', 'rid-1', now(), now(), 0, 1)",
+            SID,
+            spec.model_dump_json(),
+        )
+        producer = AIOKafkaProducer(**kafka_client_args(env.settings, "watcher"))
+        await producer.start()
+        try:
+            reconciler = Reconciler(FakeDriver(), env.pool, producer, env.settings, interval=3600)
+            first = await reconciler.run_once()
+            assert [o.type for o in first] == ["RuntimeRemoved"]
+            assert await reconciler.run_once() == []  # the same row: not news
+            # Decided Error, then lifted Ready (versions 3 and 4), both between two passes.
+            await env.pool.execute("UPDATE sandboxes SET version = 4 WHERE key = 'gone'")
+            again = await reconciler.run_once()
+            assert [o.observation_id for o in again] == [o.observation_id for o in first]
+            assert await reconciler.run_once() == []
         finally:
             await producer.stop()
 

@@ -31,6 +31,7 @@ Modules:
 - ``serving``: serving an ASGI app with uvicorn inside the embedding process's event loop (the HTTP
   API, the roles' health endpoints).
 - ``settings``: one settings object for ports, paths and credentials.
+- ``shared_errors``: one error handed to many waiters, a copy of it for each.
 - ``suspend``: whether the configured driver keeps a workspace through a suspend.
 - ``templates``: templates in PostgreSQL and their resolution into a create's full spec.
 - ``tasks``: named long-running tasks of one process sharing a stop event.

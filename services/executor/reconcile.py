@@ -64,12 +64,17 @@ EXPECTS_RUNTIME = (Phase.READY, Phase.STOPPING)
 LAUNCHING = (Phase.PROVISIONING, Phase.STARTING)
 
 
+# A difference reported: its observation id, and the version of its key's row (None: none).
+Reported = tuple[str, int | None]
+
+
 @dataclass(frozen=True, slots=True)
 class LiveRow:
     key: str
     sandbox_id: UUID
     generation: int
     phase: Phase
+    version: int
 
 
 def reconcile(
@@ -247,19 +252,25 @@ async def deleted_incarnations(
 
 async def live_rows(pool: asyncpg.Pool[asyncpg.Record]) -> list[LiveRow]:
     rows = await pool.fetch(
-        "SELECT key, sandbox_id, generation, phase FROM sandboxes WHERE phase <> 'Deleted'"
+        "SELECT key, sandbox_id, generation, phase, version FROM sandboxes WHERE phase <> 'Deleted'"
     )
-    return [LiveRow(r["key"], r["sandbox_id"], r["generation"], Phase(r["phase"])) for r in rows]
+    return [
+        LiveRow(r["key"], r["sandbox_id"], r["generation"], Phase(r["phase"]), r["version"])
+        for r in rows
+    ]
 
 
 @dataclass
 class Reconciler:
     """Every ``interval`` seconds: read the live rows, list the runtimes, report differences.
 
-    Each difference is reported once while it lasts (by observation id): a vanished runtime
-    stays vanished, and an orphan is audit, not an alarm to repeat every pass. Only the
-    differences of the latest pass are remembered, so the memory is bounded by them, and one
-    that goes away and comes back is reported again.
+    Each difference is reported once while it lasts at its row's version (by observation id
+    and the version of its key's row): a vanished runtime stays vanished, and an orphan is
+    audit, not an alarm to repeat every pass. Only the differences of the latest pass are
+    remembered, so the memory is bounded by them, and one that goes away and comes back is
+    reported again. So is one whose row changed meanwhile: a Ready row whose exit was reported,
+    decided (Error) and undone (a running dated after the exit lifted it Ready again) between
+    two passes still shows the same difference, and only a new report ends it.
     """
 
     driver: Driver
@@ -269,7 +280,7 @@ class Reconciler:
     interval: float
     clock: Clock = utcnow
     passes: int = 0  # completed passes (tests wait on it)
-    reported: set[str] = field(default_factory=set)
+    reported: set[Reported] = field(default_factory=set)
     pickup: Callable[[Sandbox], bool] | None = None  # the executor's pick_up
     # False: only the pick-up (an executor process, when a watcher process reports the
     # differences: it holds the watcher lease, so they are reported once, not by every executor).
@@ -337,13 +348,18 @@ class Reconciler:
             self.passes += 1
             return []
         current = reconcile(rows, runtimes, self.clock())
-        still = {o.observation_id for o in current} & self.reported
+        versions = {r.key: r.version for r in rows}
+
+        def difference(o: Observation) -> Reported:
+            return o.observation_id, versions.get(o.key)
+
+        still = {difference(o) for o in current} & self.reported
         sent = []
         for observation in current:
-            if observation.observation_id in still:
+            if difference(observation) in still:
                 continue
             await publish_observation(self.producer, self.settings.topic_observations, observation)
-            still.add(observation.observation_id)
+            still.add(difference(observation))
             sent.append(observation)
             # Orphans are often another sandstream's containers on the same host: audit only.
             orphan = observation.observation_id.startswith("reconcile:orphan:")

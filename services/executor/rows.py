@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 from typing import Final, TypeAlias
 
 import asyncpg
@@ -11,6 +10,7 @@ import asyncpg
 from events.common import Phase
 from projections.lifecycle import Sandbox
 from projections.store import SANDBOX_COLUMNS, sandbox_from_record
+from services.common.shared_errors import own_copy
 
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
 
@@ -74,19 +74,7 @@ def _fail(asked: dict[str, list[asyncio.Future[Sandbox | None]]], exc: BaseExcep
             if isinstance(exc, asyncio.CancelledError):
                 answer.cancel()
             else:
-                answer.set_exception(_own(exc))
-
-
-def _own(exc: BaseException) -> BaseException:
-    """A copy of ``exc`` for one caller, caused by it: one object raised in many tasks carries
-    whichever task's frames were added last, so a caller's logged traceback could show another
-    caller's code (a CI failure's log pointed at a retried read, not the unretried one)."""
-    try:
-        mine = copy.copy(exc)
-    except Exception:  # an exception that cannot be copied: shared, as before
-        return exc
-    mine.__cause__ = exc
-    return mine
+                answer.set_exception(own_copy(exc))
 
 
 # The phases whose row still waits for a driver call (a launch, stop, suspend or delete).

@@ -15,6 +15,7 @@ from services.api.readmodel.views import VIEW_COLUMNS, Row, SandboxView, row_of
 from services.common.database import Pool
 from services.common.names import KEY_OF
 from services.common.notify_channels import Listening
+from services.common.shared_errors import own_copy
 
 
 class ChangeFeed:
@@ -57,7 +58,10 @@ class ChangeFeed:
             self._horizon = asyncio.ensure_future(current_horizon(self.pool))
             # Its error reaches the watchers awaiting it; none left is not an unhandled error.
             self._horizon.add_done_callback(lambda f: f.cancelled() or f.exception())
-        return await asyncio.shield(self._horizon)  # one watcher leaving cancels nothing
+        try:
+            return await asyncio.shield(self._horizon)  # one watcher leaving cancels nothing
+        except Exception as exc:  # one error object shared by every watcher awaiting it
+            raise own_copy(exc) from exc
 
     async def wait(self, mark: asyncio.Event, timeout: float | None = None) -> None:
         with contextlib.suppress(TimeoutError):
