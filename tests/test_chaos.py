@@ -2,7 +2,8 @@
 workload (a hundred sandboxes on the shared fake, two on real Podman) against two processors,
 two executors and a watcher (processes) on a private three-broker cluster and PostgreSQL,
 with every kind of fault injected at least once; nothing may be lost, duplicated or decided
-differently, and the backend (the fake and Podman) agrees with the rows."""
+differently, and the backend (the fake and Podman) agrees with the rows. Then the same with
+two `sandstream up` processes in place of the roles."""
 
 from __future__ import annotations
 
@@ -15,22 +16,36 @@ from services.chaos.run import Plan, remove_home, run
 from services.common.settings import Settings
 
 SHORT = Plan(seed=5, sandboxes=100, podman=2, duration=30, fault_interval=(1.0, 3.0), partitions=4)
+SHORT_UP = Plan(seed=7, sandboxes=60, podman=2, duration=20, fault_interval=(1.0, 3.0),
+                partitions=4, ups=2)  # fmt: skip
 
 
 async def test_a_short_chaos_run_loses_duplicates_diverges_and_leaves_nothing(
     settings: Settings, podman: PodmanClient
 ) -> None:
-    result = await run(SHORT, settings)
+    await check_run(SHORT, settings, podman)
+
+
+async def test_a_short_chaos_run_of_two_up_processes_loses_duplicates_diverges_and_leaves_nothing(
+    settings: Settings, podman: PodmanClient
+) -> None:
+    """The same under `sandstream up` (the processor handing decided events to the executor
+    beside it), two of them, each killed in turn: the hand-over's crash windows under faults."""
+    await check_run(SHORT_UP, settings, podman)
+
+
+async def check_run(plan: Plan, settings: Settings, podman: PodmanClient) -> None:
+    result = await run(plan, settings)
     table = report.table(result)
     print(table)
     assert all(result.faults[kind] >= 1 for kind in KINDS), table
-    assert result.acknowledged > SHORT.sandboxes, table
+    assert result.acknowledged > plan.sandboxes, table
     assert result.workload["retry"] > 0, table
     # A late observation needs a second generation already decided (the processors may lag
     # behind here), so the short form may have few; the long form has hundreds.
     assert result.inputs > result.commands, table  # the drivers' observations were decided
     assert result.settled, table
-    assert result.backend.podman_rows == SHORT.podman, table  # created, checked on Podman
+    assert result.backend.podman_rows == plan.podman, table  # created, checked on Podman
     assert result.by_actor["podman-watcher"] > 0, table  # the watcher process saw Podman
     assert result.findings == [], table
     left = left_on_podman(podman, result.podman_prefix)

@@ -6,8 +6,10 @@ is killed, a new one listens, and the next NOTIFY wakes the role."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
+import pytest
 from harness import Env, eventually, isolated_env
 
 from events.topics import CHANGES_CHANNEL, POOLS_CHANNEL
@@ -58,6 +60,25 @@ async def test_a_listening_whose_connection_is_lost_listens_again_and_hears_the_
             assert () in calls[before:]
         finally:
             await listening.close()
+
+
+async def test_a_lost_listen_connection_is_not_logged_as_a_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Regression: asyncpg detaches a lost connection's proxy, and asking it ``is_closed()``
+    on the way out raised, so every plain loss was logged as a failed LISTEN ("cannot call
+    Connection.is_closed(): connection has been released back to the pool")."""
+    async with isolated_env(partitions=1) as env:
+        calls: list[tuple[object, ...]] = []
+        listening = Listening(env.pool, CHANGES_CHANNEL, lambda *a: calls.append(a), "test")
+        listening.start()
+        try:
+            with caplog.at_level(logging.INFO, logger="sandstream.notify"):
+                await lose_and_hear_again(env, CHANGES_CHANNEL, lambda: len(calls) > 0)
+        finally:
+            await listening.close()
+        failures = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert failures == []
 
 
 async def test_the_scheduler_and_the_pool_controller_listen_again_after_a_lost_connection() -> None:

@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=Plan.duration,
                         help="seconds of workload under faults")  # fmt: skip
     parser.add_argument("--partitions", type=int, default=Plan.partitions)
+    parser.add_argument("--up", type=int, default=Plan.ups, metavar="N",
+                        help="run N `sandstream up` processes instead of the roles")  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
     # The Kafka client's retries during broker faults are expected; its errors still show,
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("sandstream.api", "asyncpg.pool"):
         logging.getLogger(name).setLevel(logging.ERROR)
     plan = Plan(seed=args.seed, sandboxes=args.sandboxes, podman=args.podman,
-                duration=args.duration, partitions=args.partitions)  # fmt: skip
+                duration=args.duration, partitions=args.partitions, ups=args.up)  # fmt: skip
     result = asyncio.run(run(plan, load_settings()))
     print(report.table(result), flush=True)
     remove_home(result)

@@ -17,13 +17,16 @@ from pathlib import Path
 
 from services.common.settings import PROJECT_ROOT, Settings
 
-# The role commands, ``sandstream processor``, ``executor`` and ``watcher`` (the executors
+# The role commands, ``sandstream processor``, ``executor``, ``watcher`` and ``up`` (the executors
 # and the watcher with SANDSTREAM_DRIVER=fake and SANDSTREAM_FAKE_STATE_FILE: one fake backend
 # they all share, and SANDSTREAM_DRIVER_ROUTE_PREFIX: the run's few names on real Podman).
 COMMANDS = {
     "processor": ["-m", "services.cli", "processor"],
     "executor": ["-m", "services.cli", "executor"],
     "watcher": ["-m", "services.cli", "watcher"],
+    # The whole control plane in one process, as `sandstream up` runs it (the processor handing
+    # its decided events to the executor beside it), on the run's stack instead of the local one.
+    "up": ["-m", "services.cli", "up", "--no-stack"],
 }
 
 

@@ -16,11 +16,15 @@ OBSERVERS = (
 
 def table(result: Result) -> str:
     plan = result.plan
+    roles = (
+        f"{plan.ups} `sandstream up`"
+        if plan.ups
+        else f"{plan.processors} processors, {plan.executors} executors, 1 watcher"
+    )
     lines = [
         f"chaos run: seed {plan.seed}, {plan.sandboxes} sandboxes on the fake and {plan.podman} "
         f"on Podman, {plan.duration:.0f}s of workload under faults, 3 Kafka brokers, "
-        f"{plan.processors} processors, {plan.executors} executors, 1 watcher, "
-        f"{plan.partitions} partitions ({result.elapsed:.0f}s in all)",
+        f"{roles}, {plan.partitions} partitions ({result.elapsed:.0f}s in all)",
         "",
         f"{'faults injected':<34}{sum(result.faults.values()):>8}",
         *(f"  {kind:<32}{result.faults[kind]:>8}" for kind in KINDS),

@@ -55,6 +55,10 @@ class Plan:
     executors: int = 2
     partitions: int = 6
     settle_timeout: float = 240.0
+    # 0: the roles as processes (processors, executors, a watcher). N: N `sandstream up`
+    # processes instead, each the whole control plane with its hand-over; every kill of a
+    # role kills one of them (the watcher's: the first).
+    ups: int = 0
 
 
 @dataclass
@@ -127,6 +131,14 @@ def client_settings(nodes: Settings, podman_socket: Path, podman_prefix: str) ->
     })  # fmt: skip
 
 
+def up_settings(settings: Settings, home: Path, index: int) -> Settings:
+    """One `sandstream up`'s: its own pid file and tokens, its API on a free port, no OpenShell
+    door (the run's API is the checker's own)."""
+    return settings.model_copy(
+        update={"run_dir": home / f"up-{index}", "api_port": 0, "openshell_enabled": False}
+    )
+
+
 async def run(plan: Plan, base: Settings, home: Path | None = None) -> Result:
     started = time.monotonic()
     home = home or Path(tempfile.mkdtemp(prefix="sandstream-chaos-"))
@@ -168,11 +180,22 @@ async def _run_in(
     started: float,
 ) -> Result:
     logs = home / "logs"
-    processors = [RoleProcess("processor", i + 1, settings, logs) for i in range(plan.processors)]
-    executors = [RoleProcess("executor", i + 1, settings, logs) for i in range(plan.executors)]
-    joiner = RoleProcess("processor", plan.processors + 1, settings, logs)
-    watcher = RoleProcess("watcher", 1, settings, logs)
-    roles = [*processors, *executors, watcher, joiner]
+    if plan.ups:
+        ups = [
+            RoleProcess("up", i, up_settings(settings, home, i), logs)
+            for i in range(1, plan.ups + 1)
+        ]
+        processors, executors, watcher = ups, ups, ups[0]
+        lasting = list(ups)
+    else:
+        processors = [
+            RoleProcess("processor", i + 1, settings, logs) for i in range(plan.processors)
+        ]
+        executors = [RoleProcess("executor", i + 1, settings, logs) for i in range(plan.executors)]
+        watcher = RoleProcess("watcher", 1, settings, logs)
+        lasting = [*processors, *executors, watcher]
+    joiner = RoleProcess("processor", len(processors) + 1, settings, logs)
+    roles = [*lasting, joiner]
     rng = random.Random(plan.seed)
     faults = Faults(rng, nodes, settings, processors, executors, watcher, joiner, postgres)
     # The in-process API publishes as the api role; the workload's late observations and the
@@ -189,7 +212,6 @@ async def _run_in(
     assert settings.driver_route_prefix is not None
     prefix = settings.driver_route_prefix
     workload = Workload(settings, client, producer, plan.seed, plan.sandboxes, plan.podman, prefix)
-    lasting = [*processors, *executors, watcher]
     try:
         for role in lasting:
             role.start()

@@ -67,5 +67,7 @@ class Listening:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(lost.wait(), timeout=5.0)
             finally:
-                if not conn.is_closed():
+                # A lost connection's proxy is detached (asyncpg releases it on close): asking
+                # it anything raised, and a plain loss was logged as a failure.
+                if not lost.is_set() and not conn.is_closed():
                     await conn.remove_listener(channel, self.callback)

@@ -61,7 +61,10 @@ class ChangeFeed:
         try:
             return await asyncio.shield(self._horizon)  # one watcher leaving cancels nothing
         except Exception as exc:  # one error object shared by every watcher awaiting it
-            raise own_copy(exc) from exc
+            mine = own_copy(exc)
+            if mine is exc:  # not copyable: shared, as before
+                raise
+            raise mine from exc
 
     async def wait(self, mark: asyncio.Event, timeout: float | None = None) -> None:
         with contextlib.suppress(TimeoutError):
