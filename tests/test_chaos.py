@@ -12,7 +12,7 @@ from podman import PodmanClient
 from drivers.protocol import LABEL_KEY
 from services.chaos import report
 from services.chaos.faults import KINDS
-from services.chaos.run import Plan, remove_home, run
+from services.chaos.run import Plan, Result, remove_home, run
 from services.common.settings import Settings
 
 SHORT = Plan(seed=5, sandboxes=100, podman=2, duration=30, fault_interval=(1.0, 3.0), partitions=4)
@@ -31,10 +31,11 @@ async def test_a_short_chaos_run_of_two_up_processes_loses_duplicates_diverges_a
 ) -> None:
     """The same under `sandstream up` (the processor handing decided events to the executor
     beside it), two of them, each killed in turn: the hand-over's crash windows under faults."""
-    await check_run(SHORT_UP, settings, podman)
+    result = await check_run(SHORT_UP, settings, podman)
+    assert result.handed["queued"] > 0, result.handed  # the hand-over ran
 
 
-async def check_run(plan: Plan, settings: Settings, podman: PodmanClient) -> None:
+async def check_run(plan: Plan, settings: Settings, podman: PodmanClient) -> Result:
     result = await run(plan, settings)
     table = report.table(result)
     print(table)
@@ -51,6 +52,7 @@ async def check_run(plan: Plan, settings: Settings, podman: PodmanClient) -> Non
     left = left_on_podman(podman, result.podman_prefix)
     assert left == [], f"the run left containers or workspaces on Podman: {left}"
     remove_home(result)
+    return result
 
 
 def left_on_podman(podman: PodmanClient, prefix: str) -> list[str]:

@@ -160,7 +160,7 @@ def test_a_handed_events_copy_is_finished_with_it_and_read_again_only_under_a_ne
     executor.ownership.owned = {tp: first}
     launch, ready = _created("sb-1")
 
-    intake.hand(tp.partition, launch)
+    assert intake.hand(tp.partition, launch) == "queued"
     assert [i.intent.operation for i in queued] == ["launch"] and queued[0].offset < -1
     assert first.committable() == 7  # the handed item holds no offset of the log's
 
@@ -169,7 +169,7 @@ def test_a_handed_events_copy_is_finished_with_it_and_read_again_only_under_a_ne
     queued[0].finish()
     assert first.committable() == 8
 
-    intake.hand(tp.partition, ready)  # asks nothing: its copy is dropped unread
+    assert intake.hand(tp.partition, ready) == "asks_nothing"  # its copy is dropped unread
     intake.enqueue(tp, _record(8, ready))
     assert len(queued) == 1 and first.committable() == 9
 
@@ -185,7 +185,8 @@ def test_a_handed_events_copy_is_finished_with_it_and_read_again_only_under_a_ne
     assert len(queued) == 4 and queued[3].offset == 10 and second.committable() == 10
 
     other = next(TopicPartition("ev", p) for p in range(4) if p != tp.partition)
-    intake.hand(other.partition, launch)  # a partition not assigned here: left to the log
+    # A partition not assigned here, or closing: left to the log.
+    assert intake.hand(other.partition, launch) == "not_owned"
     executor.ownership.closing = True
-    intake.hand(tp.partition, launch)  # closing: left to the log
+    assert intake.hand(tp.partition, launch) == "not_owned"
     assert len(queued) == 4

@@ -21,6 +21,12 @@ def table(result: Result) -> str:
         if plan.ups
         else f"{plan.processors} processors, {plan.executors} executors, 1 watcher"
     )
+    handed = [  # the runs of `up` that were stopped at the end log theirs; killed ones do not
+        f"  {'handed over in `up` (last runs)':<32}{sum(result.handed.values()):>8}",
+        f"    {'queued at once':<30}{result.handed['queued']:>8}",
+    ]
+    if not plan.ups:
+        handed = []
     lines = [
         f"chaos run: seed {plan.seed}, {plan.sandboxes} sandboxes on the fake and {plan.podman} "
         f"on Podman, {plan.duration:.0f}s of workload under faults, 3 Kafka brokers, "
@@ -39,6 +45,7 @@ def table(result: Result) -> str:
         *(f"  {what:<32}{result.by_actor[actor]:>8}" for actor, what in OBSERVERS),
         f"{'decided events':<34}{result.events.decided:>8}",
         f"  {'republished after a crash':<32}{result.events.republished:>8}",
+        *handed,
         f"{'settled after healing':<34}{'yes' if result.settled else 'NO':>8}",
         f"{'rows checked against the backend':<34}{result.backend.rows:>8}",
         f"  {'on Podman':<32}{result.backend.podman_rows:>8}",

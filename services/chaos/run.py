@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import secrets
 import shutil
 import tempfile
@@ -77,6 +78,7 @@ class Result:
     podman_prefix: str  # the names of the run's sandboxes on Podman start with it
     settled: bool = True
     by_actor: Counter[str] = field(default_factory=Counter)  # inputs decided, by their actor
+    handed: Counter[str] = field(default_factory=Counter)  # `up`'s hand-overs, by outcome
     notes: list[str] = field(default_factory=list)
 
     def count(self, kind: checks.Kind) -> int:
@@ -277,7 +279,20 @@ async def _run_in(
         podman_prefix=prefix,
         settled=settled,
         by_actor=await _inputs_by_actor(pool),
+        handed=handed_over(lasting) if plan.ups else Counter(),
     )
+
+
+def handed_over(ups: list[RoleProcess]) -> Counter[str]:
+    """What the `up` processes' hand-overs did, by outcome: each run that was stopped (not
+    killed) logs its own counts as it stops (``hand-over: queued=N ...``)."""
+    total: Counter[str] = Counter()
+    for up in ups:
+        for line in up.log.read_text(errors="replace").splitlines():
+            _, found, counts = line.partition("hand-over: ")
+            if found:
+                total.update({k: int(n) for k, _, n in (c.partition("=") for c in counts.split())})
+    return total
 
 
 async def _inputs_by_actor(pool: checks.Pool) -> Counter[str]:
@@ -327,15 +342,28 @@ async def _quiet(settings: Settings, pool: checks.Pool, consumer: AIOKafkaConsum
     return bool(behind == 0 and unpublished == 0 and progressing == 0)
 
 
+# A finding's sandbox ("<kind> <id> of <key>: ..." or "<key> at ..."), and a log position it
+# names ("<topic>[<partition>]@<offset>").
+_KEY = re.compile(r"\bof (\S+): |^(\S+) at ")
+_AT = re.compile(r"([\w.-]+)\[(\d+)\]@(\d+)")
+_HISTORY = (
+    'SELECT key, topic, partition, "offset", message_type, command_id, disposition, reason, '
+    "phase, generation, version, recorded_at FROM history"
+)
+
+
 async def _keep_histories(pool: checks.Pool, findings: list[checks.Finding], path: Path) -> None:
-    """The findings, and the history of each sandbox they name, for a look after the run (the
-    schema is dropped with the run)."""
-    keys = sorted({f.detail.split(":", 1)[0] for f in findings})
-    rows = await pool.fetch(
-        'SELECT key, topic, partition, "offset", message_type, command_id, disposition, '
-        "reason, phase, generation, version FROM history WHERE key = ANY($1) ORDER BY key, id",
-        keys,
-    )
+    """The findings, the history of each sandbox they name, and the inputs decided around each
+    log position they name (when, by their record time), for a look after the run (the schema
+    is dropped with the run)."""
+    keys = sorted({k for f in findings if (m := _KEY.search(f.detail)) for k in m.groups() if k})
+    rows = list(await pool.fetch(f"{_HISTORY} WHERE key = ANY($1) ORDER BY key, id", keys))
+    for topic, partition, offset in {m.groups() for f in findings if (m := _AT.search(f.detail))}:
+        rows += await pool.fetch(
+            f'{_HISTORY} WHERE topic = $1 AND partition = $2 AND "offset" BETWEEN $3 AND $4 '
+            'ORDER BY "offset"',
+            topic, int(partition), int(offset) - 20, int(offset) + 20,
+        )  # fmt: skip
     lines = [f"{f.kind} [{f.check}] {f.detail}" for f in findings] + [""]
     lines += [" | ".join(str(v) for v in r.values()) for r in rows]
     await asyncio.to_thread(path.write_text, "\n".join(lines) + "\n")

@@ -79,6 +79,14 @@ DRIVER_CALLS = Counter(
     ["operation", "outcome"],
 )
 
+HANDED = Counter(
+    "sandstream_executor_handed_total",
+    "Decided events the processor handed to the executor in its process (sandstream up), by "
+    "what became of them (queued: run a Kafka hop before the log delivers them; not_owned: "
+    "another executor's partition, the log delivers them there)",
+    ["outcome"],
+)
+
 KAFKA_REQUESTS = Counter(
     "sandstream_kafka_requests_total",
     "Kafka requests this process's clients sent, by client id (sandstream-<role>, the "

@@ -9,6 +9,7 @@ import contextlib
 import itertools
 import logging
 from datetime import timedelta
+from typing import Literal
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
@@ -43,6 +44,12 @@ CLOCK_MARGIN = timedelta(minutes=5)
 # copy never came: a send that failed, a partition revoked) is read like any other event
 # when its copy comes, and the row check or the reported results drop it.
 HANDED_KEPT = 10_000
+
+
+# What became of an event handed over (``Intake.hand``): queued; not this executor's partition;
+# left to the log's copy (a forced kill, an undecodable event); nothing for the driver; already
+# asked for by a later event.
+Handed = Literal["queued", "not_owned", "left_to_the_log", "asks_nothing", "redundant"]
 
 
 class Intake:
@@ -130,7 +137,7 @@ class Intake:
             progress.pending.add(record.offset)
             self.queues.add(WorkItem(intent, tp, record.offset, progress))
 
-    def hand(self, partition: int, value: bytes) -> None:
+    def hand(self, partition: int, value: bytes) -> Handed:
         """An event the processor in this process just committed, before it is sent: queued
         now, a Kafka hop sooner than the log delivers it (``sandstream up``). Its copy from
         the log is then finished with it, not run again (``_copy_of_handed``); a forced kill
@@ -138,20 +145,23 @@ class Intake:
         tp = TopicPartition(self.settings.topic_events, partition)
         progress = self.ownership.owned.get(tp)
         if progress is None or self.ownership.closing:
-            return  # another executor's (or none's yet): the log delivers it there
+            return "not_owned"  # another executor's (or none's yet): the log delivers it there
         try:
             event = decode(EVENTS, value)
         except (DecodeError, ValidationError):
-            return  # the log's copy is logged and skipped
+            return "left_to_the_log"  # the log's copy is logged and skipped
         if isinstance(event, SandboxStopEscalated):
-            return
+            return "left_to_the_log"
         intent = intent_of(event)
         if intent is None:  # its copy is dropped unread: it asks nothing either
             self._keep_handed(value, None)
-        elif self._not_redundant(event, intent):  # else its copy is asked again
-            item = WorkItem(intent, tp, next(self._handed_offsets), progress)
-            self._keep_handed(value, item)
-            self.queues.add(item)
+            return "asks_nothing"
+        if not self._not_redundant(event, intent):  # its copy is asked again
+            return "redundant"
+        item = WorkItem(intent, tp, next(self._handed_offsets), progress)
+        self._keep_handed(value, item)
+        self.queues.add(item)
+        return "queued"
 
     def _keep_handed(self, value: bytes, item: WorkItem | None) -> None:
         self._handed[value] = item

@@ -20,12 +20,15 @@ comes, is finished with it instead of run again (services/executor/intake.py, ``
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
 
 from drivers.protocol import Driver
+from services.common import metrics
 from services.common.database import connect_pool
 from services.common.settings import Settings
 from services.common.tasks import Run, Tasks, first_of
@@ -35,6 +38,8 @@ from services.executor.reconcile import Reconciler
 from services.processor.consumer import Processor
 from services.scheduler.pool_controller import PoolController
 from services.scheduler.scheduler import Scheduler
+
+log = logging.getLogger("sandstream.up")
 
 
 @dataclass
@@ -60,6 +65,7 @@ class ControlPlane:
     # the end of the events topic, is then fixed): `sandstream up` takes commands after that.
     executor_assigned: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: Tasks = field(default_factory=Tasks)
+    handed: Counter[str] = field(default_factory=Counter)  # the hand-over's, by outcome
 
     @property
     def executor(self) -> Executor | None:
@@ -140,8 +146,9 @@ class ControlPlane:
     def _hand_over(self, partition: int, value: bytes) -> None:
         """A decided event the processor committed, to this process's executor at once."""
         executor = self.executor
-        if executor is not None:
-            executor.intake.hand(partition, value)
+        outcome = "not_owned" if executor is None else executor.intake.hand(partition, value)
+        self.handed[outcome] += 1
+        metrics.HANDED.labels(outcome).inc()
 
     def _new_driver_side(self) -> DriverSide:
         return DriverSide(
@@ -171,6 +178,8 @@ class ControlPlane:
 
     async def stop(self) -> None:
         await self._tasks.finish(cancel_first=("watcher",))
+        if self.handed:  # what the hand-over did in this run (the chaos checker reads it)
+            log.info("hand-over: %s", " ".join(f"{k}={n}" for k, n in sorted(self.handed.items())))
         if self.supervised:  # each part released what it opened
             if self.owns_pool:
                 await self.pool.close()
