@@ -39,6 +39,11 @@ STOPPED_PARTITIONS = Gauge(
     "a dead letter: the record's offset (absent when none is stopped)",
     ["topic", "partition"],
 )
+INPUT_GAPS = Counter(
+    "sandstream_processor_input_gaps_total",
+    "Polls whose records of a partition started above the offset applied (never written: "
+    "the partitions were read again from the stored offsets)",
+)
 PUBLISHED = Counter("sandstream_outbox_published_total", "Outbox records sent to Kafka")
 OUTBOX_GAPS = Counter(
     "sandstream_outbox_gaps_total",

@@ -26,6 +26,7 @@ import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
+from services.common import metrics
 from services.common.database import connect_pool
 from services.common.entrypoint import run_until_signalled
 from services.common.kafka_clients import kafka_client_args
@@ -45,7 +46,7 @@ from services.processor.intake import (
 )
 from services.processor.ownership import Ownership, Rebalance
 from services.processor.publish import HandOver, Publisher
-from services.processor.read import Reader
+from services.processor.read import InputGap, Reader
 from services.processor.row_cache import RowCache
 from services.processor.write import Writer
 
@@ -156,6 +157,11 @@ class Processor:
                     await self.process(batch)
                 elif self.publisher.gaps:
                     await self.republish_gaps()
+            except InputGap as exc:  # records not following the applied offset: none written
+                log.warning("%s: %s; reading its partitions again from the offsets stored in "
+                            "PostgreSQL", self.name, exc)  # fmt: skip
+                metrics.INPUT_GAPS.inc()
+                await self._resume(stop, restart_producer=False)  # retried while a backend is away
             except Exception as exc:
                 lost = backend_lost(exc)
                 if lost is None:

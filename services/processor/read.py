@@ -21,6 +21,32 @@ from services.processor.plan import Decided, View, decide_batch, decide_batch_yi
 from services.processor.row_cache import RowCache
 
 
+class InputGap(RuntimeError):
+    """A poll's records of a partition are not the ones right after the offset the processor
+    has applied it up to, in order, once each: some never reached this batch (writing it would
+    move the offset past them for good: an accepted command lost), or some came twice. Nothing
+    of it is written; the processor reads its partitions again from the stored offsets."""
+
+
+def gaps(items: Sequence[Item], offsets: Mapping[tuple[str, int], int]) -> list[str]:
+    """The partitions whose records in ``items`` at or above their stored offset are not the
+    offsets that follow it, in order (pure). The input topics' offsets are contiguous (no
+    transactions, no compaction), and a poll's records of a partition come in offset order."""
+    unapplied: dict[tuple[str, int], list[int]] = {}
+    for item in items:
+        tp, offset = (item.record.topic, item.record.partition), item.record.offset
+        if offset >= offsets[tp]:
+            unapplied.setdefault(tp, []).append(offset)
+    found = []
+    for (topic, partition), got in sorted(unapplied.items()):
+        applied = offsets[(topic, partition)]
+        if got[0] > applied:
+            found.append(f"{topic}[{partition}] from offset {got[0]}, applied up to {applied}")
+        elif got != list(range(applied, applied + len(got))):
+            found.append(f"{topic}[{partition}] out of sequence after offset {applied}")
+    return found
+
+
 def unapplied(items: Sequence[Item], offsets: Mapping[tuple[str, int], int]) -> list[Item]:
     """The items at or above the stored offsets: those below were applied already (a
     redelivery, or a batch a zombie still holds)."""
@@ -65,6 +91,8 @@ class Reader:
                 if after is not None:
                     return None
                 continue  # cached rows of a partition someone else wrote: read them instead
+            if found := gaps(inputs.items, view.offsets):
+                raise InputGap(f"records missing before the poll's: {'; '.join(found)}")
             items = unapplied(inputs.items, view.offsets)
             if after is None and len(items) < len(inputs.items):
                 metrics.FENCED.inc(len(inputs.items) - len(items))
