@@ -3,7 +3,7 @@ workload (a hundred sandboxes on the shared fake, two on real Podman) against tw
 two executors and a watcher (processes) on a private three-broker cluster and PostgreSQL,
 with every kind of fault injected at least once; nothing may be lost, duplicated or decided
 differently, and the backend (the fake and Podman) agrees with the rows. Then the same with
-two `sandstream up` processes in place of the roles."""
+`sandstream up` in place of the roles."""
 
 from __future__ import annotations
 
@@ -16,8 +16,11 @@ from services.chaos.run import Plan, Result, remove_home, run
 from services.common.settings import Settings
 
 SHORT = Plan(seed=5, sandboxes=100, podman=2, duration=30, fault_interval=(1.0, 3.0), partitions=4)
+# One `up`: its processor and executor own the same partitions (but while the rebalance
+# fault's joiner holds some), so every run of it hands events over; with two, a run's
+# processor and executor can own disjoint halves and hand nothing its executor takes.
 SHORT_UP = Plan(seed=7, sandboxes=60, podman=2, duration=20, fault_interval=(1.0, 3.0),
-                partitions=4, ups=2)  # fmt: skip
+                partitions=4, ups=1)  # fmt: skip
 
 
 async def test_a_short_chaos_run_loses_duplicates_diverges_and_leaves_nothing(
@@ -26,13 +29,13 @@ async def test_a_short_chaos_run_loses_duplicates_diverges_and_leaves_nothing(
     await check_run(SHORT, settings, podman)
 
 
-async def test_a_short_chaos_run_of_two_up_processes_loses_duplicates_diverges_and_leaves_nothing(
+async def test_a_short_chaos_run_of_sandstream_up_loses_duplicates_diverges_and_leaves_nothing(
     settings: Settings, podman: PodmanClient
 ) -> None:
     """The same under `sandstream up` (the processor handing decided events to the executor
-    beside it), two of them, each killed in turn: the hand-over's crash windows under faults."""
+    beside it), killed by every kill fault: the hand-over's crash windows under faults."""
     result = await check_run(SHORT_UP, settings, podman)
-    assert result.handed["queued"] > 0, result.handed  # the hand-over ran
+    assert result.runs_queued > 0, result.handed  # the hand-over ran (killed runs count too)
 
 
 async def check_run(plan: Plan, settings: Settings, podman: PodmanClient) -> Result:

@@ -24,6 +24,7 @@ def table(result: Result) -> str:
     handed = [  # the runs of `up` that were stopped at the end log theirs; killed ones do not
         f"  {'handed over in `up` (last runs)':<32}{sum(result.handed.values()):>8}",
         f"    {'queued at once':<30}{result.handed['queued']:>8}",
+        f"  {'runs of `up` that queued some':<32}{result.runs_queued:>8}",
     ]
     if not plan.ups:
         handed = []
@@ -46,6 +47,7 @@ def table(result: Result) -> str:
         f"{'decided events':<34}{result.events.decided:>8}",
         f"  {'republished after a crash':<32}{result.events.republished:>8}",
         *handed,
+        f"{'polls refused: a gap before them':<34}{result.input_gaps:>8}",
         f"{'settled after healing':<34}{'yes' if result.settled else 'NO':>8}",
         f"{'rows checked against the backend':<34}{result.backend.rows:>8}",
         f"  {'on Podman':<32}{result.backend.podman_rows:>8}",

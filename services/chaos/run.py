@@ -40,6 +40,8 @@ from services.executor.reconcile import Reconciler
 from services.localstack import cluster
 from services.localstack import cluster_config as cc
 from services.localstack.isolation import isolated
+from services.processor.consumer import INPUT_GAP_LOGGED
+from services.up.control_plane import FIRST_QUEUED_LOGGED
 
 TOKEN = "sst_chaos-admin"
 SETTLE_CHECKS = 3  # consecutive quiet checks, a second apart
@@ -79,6 +81,8 @@ class Result:
     settled: bool = True
     by_actor: Counter[str] = field(default_factory=Counter)  # inputs decided, by their actor
     handed: Counter[str] = field(default_factory=Counter)  # `up`'s hand-overs, by outcome
+    input_gaps: int = 0  # polls the processors refused: not following the applied offsets
+    runs_queued: int = 0  # runs of `up` (killed ones too) that queued a handed event
     notes: list[str] = field(default_factory=list)
 
     def count(self, kind: checks.Kind) -> int:
@@ -280,16 +284,26 @@ async def _run_in(
         settled=settled,
         by_actor=await _inputs_by_actor(pool),
         handed=handed_over(lasting) if plan.ups else Counter(),
+        input_gaps=sum(_logged(role, INPUT_GAP_LOGGED) for role in roles),
+        runs_queued=sum(_logged(up, FIRST_QUEUED_LOGGED) for up in lasting) if plan.ups else 0,
     )
+
+
+def _logged(role: RoleProcess, text: str) -> int:
+    """How many lines of ``role``'s log (every run of it) contain ``text``."""
+    try:
+        return role.log.read_text(errors="replace").count(text)
+    except OSError:
+        return 0
 
 
 def handed_over(ups: list[RoleProcess]) -> Counter[str]:
     """What the `up` processes' hand-overs did, by outcome: each run that was stopped (not
-    killed) logs its own counts as it stops (``hand-over: queued=N ...``)."""
+    killed) logs its own counts as it stops (``hand-over counts: queued=N ...``)."""
     total: Counter[str] = Counter()
     for up in ups:
         for line in up.log.read_text(errors="replace").splitlines():
-            _, found, counts = line.partition("hand-over: ")
+            _, found, counts = line.partition("hand-over counts: ")
             if found:
                 total.update({k: int(n) for k, _, n in (c.partition("=") for c in counts.split())})
     return total

@@ -52,6 +52,10 @@ from services.processor.write import Writer
 
 log = logging.getLogger("sandstream.processor")
 
+# What the processor logs when it refuses a poll that does not follow its applied offsets
+# (the chaos checker counts these lines).
+INPUT_GAP_LOGGED = "reading its partitions again from the offsets stored in PostgreSQL"
+
 
 @dataclass
 class Processor:
@@ -158,8 +162,7 @@ class Processor:
                 elif self.publisher.gaps:
                     await self.republish_gaps()
             except InputGap as exc:  # records not following the applied offset: none written
-                log.warning("%s: %s; reading its partitions again from the offsets stored in "
-                            "PostgreSQL", self.name, exc)  # fmt: skip
+                log.warning("%s: %s; %s", self.name, exc, INPUT_GAP_LOGGED)
                 metrics.INPUT_GAPS.inc()
                 await self._resume(stop, restart_producer=False)  # retried while a backend is away
             except Exception as exc:

@@ -41,6 +41,9 @@ from services.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("sandstream.up")
 
+# Logged once a run of `up` has queued a handed event (the chaos checker counts these lines).
+FIRST_QUEUED_LOGGED = "hand-over: the first decided event queued at once"
+
 
 @dataclass
 class ControlPlane:
@@ -149,6 +152,8 @@ class ControlPlane:
         outcome = "not_owned" if executor is None else executor.intake.hand(partition, value)
         self.handed[outcome] += 1
         metrics.HANDED.labels(outcome).inc()
+        if outcome == "queued" and self.handed[outcome] == 1:  # a killed run logs no summary
+            log.info(FIRST_QUEUED_LOGGED)
 
     def _new_driver_side(self) -> DriverSide:
         return DriverSide(
@@ -179,7 +184,9 @@ class ControlPlane:
     async def stop(self) -> None:
         await self._tasks.finish(cancel_first=("watcher",))
         if self.handed:  # what the hand-over did in this run (the chaos checker reads it)
-            log.info("hand-over: %s", " ".join(f"{k}={n}" for k, n in sorted(self.handed.items())))
+            log.info(
+                "hand-over counts: %s", " ".join(f"{k}={n}" for k, n in sorted(self.handed.items()))
+            )
         if self.supervised:  # each part released what it opened
             if self.owns_pool:
                 await self.pool.close()
