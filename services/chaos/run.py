@@ -36,12 +36,12 @@ from services.common.secret_files import create_secret_file, read_secret_file
 from services.common.settings import Settings
 from services.common.tokens import SCOPES, TokenStore
 from services.executor.backends import driver_from_settings, podman_driver
+from services.executor.intake import FIRST_QUEUED_LOGGED
 from services.executor.reconcile import Reconciler
 from services.localstack import cluster
 from services.localstack import cluster_config as cc
 from services.localstack.isolation import isolated
 from services.processor.consumer import INPUT_GAP_LOGGED
-from services.up.control_plane import FIRST_QUEUED_LOGGED
 
 TOKEN = "sst_chaos-admin"
 SETTLE_CHECKS = 3  # consecutive quiet checks, a second apart

@@ -50,6 +50,8 @@ HANDED_KEPT = 10_000
 # left to the log's copy (a forced kill, an undecodable event); nothing for the driver; already
 # asked for by a later event.
 Handed = Literal["queued", "not_owned", "left_to_the_log", "asks_nothing", "redundant"]
+# Logged once a run of `up` has queued a handed event (the chaos checker counts these lines).
+FIRST_QUEUED_LOGGED = "hand-over: the first decided event queued at once"
 
 
 class Intake:

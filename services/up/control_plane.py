@@ -34,15 +34,13 @@ from services.common.settings import Settings
 from services.common.tasks import Run, Tasks, first_of
 from services.executor.driver_side import DriverSide
 from services.executor.executor import Executor, RetryPolicy
+from services.executor.intake import FIRST_QUEUED_LOGGED
 from services.executor.reconcile import Reconciler
 from services.processor.consumer import Processor
 from services.scheduler.pool_controller import PoolController
 from services.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("sandstream.up")
-
-# Logged once a run of `up` has queued a handed event (the chaos checker counts these lines).
-FIRST_QUEUED_LOGGED = "hand-over: the first decided event queued at once"
 
 
 @dataclass
