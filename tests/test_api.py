@@ -672,9 +672,10 @@ async def test_watchers_sharing_a_failed_horizon_query_each_raise_their_own_copy
     """One error object raised in every watcher gathered all their frames, so one watcher's
     logged traceback could show another's path. Each gets a copy caused by the query's error."""
     lost = ConnectionResetError("connection lost")
+    queries: list[object] = []
 
     async def failing(pool: Any) -> int | None:
-        await asyncio.sleep(0)  # both watchers are waiting on it when it fails
+        queries.append(pool)  # runs after both watchers awaited it: one query for the two
         raise lost
 
     monkeypatch.setattr(changes, "current_horizon", failing)
@@ -688,6 +689,7 @@ async def test_watchers_sharing_a_failed_horizon_query_each_raise_their_own_copy
         return await feed.horizon(mark)
 
     one, two = await asyncio.gather(first_watcher(), second_watcher(), return_exceptions=True)
+    assert len(queries) == 1  # the error is one shared object: each watcher raised a copy
     assert isinstance(one, ConnectionResetError) and isinstance(two, ConnectionResetError)
     assert one is not two and one.__cause__ is lost and two.__cause__ is lost
     frames = [{f.name for f in traceback.extract_tb(e.__traceback__)} for e in (one, two)]

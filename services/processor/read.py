@@ -92,7 +92,7 @@ class Reader:
                     return None
                 continue  # cached rows of a partition someone else wrote: read them instead
             if found := gaps(inputs.items, view.offsets):
-                raise InputGap(f"records missing before the poll's: {'; '.join(found)}")
+                raise InputGap(f"a poll not following the applied offsets: {'; '.join(found)}")
             items = unapplied(inputs.items, view.offsets)
             if after is None and len(items) < len(inputs.items):
                 metrics.FENCED.inc(len(inputs.items) - len(items))
