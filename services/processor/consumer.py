@@ -285,14 +285,23 @@ class Processor:
         """At most once a second, commit the poll's offsets to Kafka in the background.
 
         PostgreSQL holds the authoritative offsets; this commit only lets Kafka tooling show
-        the group's lag, so the next poll does not wait for its round trip to the broker.
+        the group's lag, so the next poll does not wait for its round trip to the broker. Only
+        the partitions whose records were applied: the poll's records of a partition revoked
+        or stopped meanwhile were not, and Kafka's offset must never pass PostgreSQL's (a
+        consumer assigned the partition starts fetching at Kafka's before it is sought).
         """
         now = asyncio.get_running_loop().time()
         busy = self._lag_commit is not None and not self._lag_commit.done()
         if busy or now - self._last_lag_commit < 1.0:
             return
+        offsets = {
+            tp: records[-1].offset + 1
+            for tp, records in batch.items()
+            if records and self.owned.applies(tp.partition)
+        }
+        if not offsets:
+            return
         self._last_lag_commit = now
-        offsets = {tp: records[-1].offset + 1 for tp, records in batch.items() if records}
         self._lag_commit = asyncio.create_task(self._commit_offsets(offsets))
 
     async def _commit_offsets(self, offsets: dict[TopicPartition, int]) -> None:

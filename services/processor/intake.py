@@ -229,15 +229,16 @@ class Owned:
     # offset). Paused until an operator skips or retries the record.
     stopped: dict[int, tuple[str, int]] = field(default_factory=dict)
 
+    def applies(self, partition: int) -> bool:
+        """Whether records of ``partition`` are applied: it is owned and not stopped."""
+        return (self.partitions is None or partition in self.partitions) and (
+            partition not in self.stopped
+        )
+
     def applicable(self, by_partition: Mapping[int, Sequence[Record]]) -> list[Record]:
         """The records to apply, partition by partition: those of partitions owned and not
         stopped."""
-        return [
-            r
-            for p in sorted(by_partition)
-            if (self.partitions is None or p in self.partitions) and p not in self.stopped
-            for r in by_partition[p]
-        ]
+        return [r for p in sorted(by_partition) if self.applies(p) for r in by_partition[p]]
 
 
 class PartitionCountChanged(RuntimeError):

@@ -55,9 +55,16 @@ class Ownership:
     _last_stop_check: float = 0.0
 
     async def on_assigned(self, assigned: set[TopicPartition]) -> None:
-        """Resume each assigned partition from the offsets stored with the rows."""
+        """Resume each assigned partition from the offsets stored with the rows.
+
+        Paused until sought, before anything yields: a newly assigned partition has no position,
+        so the consumer takes Kafka's committed offset meanwhile and fetches from there, and the
+        run loop would hand a poll from there on (held until this callback is done) to the
+        write. Where that is above PostgreSQL's, the records between would be skipped.
+        """
         consumer = self.polls.consumer
         assert consumer is not None
+        consumer.pause(*assigned)
         partitions = {tp.partition for tp in assigned}
         async with self.lock:
             self.owned.partitions = set()  # owned again only once sought and republished
@@ -86,7 +93,7 @@ class Ownership:
                     "skip them silently; see docs/operations.md"
                 )
                 log.error("%s: %s", self.name, self.inputs_lost)
-                consumer.pause(*assigned)  # nothing more until it stops
+                # Left paused: nothing more until it stops.
             mine = {tp.partition for tp in assigned}
             for p in list(self.owned.stopped):
                 self._unpause(p)
@@ -95,6 +102,8 @@ class Ownership:
                     self._pause(s.partition, s.topic, s.offset)
             for p in sorted(partitions):
                 await self.publisher.publish_pending(p)
+            if not lost:
+                consumer.resume(*(tp for tp in assigned if tp.partition not in self.owned.stopped))
             self.owned.partitions = partitions
             self.assign_failure = None
             self.joined = True
