@@ -22,6 +22,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from harness import Env, eventually, isolated_env
 from prometheus_client import REGISTRY
 
+from projections.stopped import retry_record
 from services.common.kafka_clients import kafka_client_args
 from services.processor.consumer import Processor
 from services.processor.read import InputGap, gaps
@@ -208,3 +209,29 @@ async def _commit_kafka_offset(env: Env, tp: TopicPartition, offset: int) -> Non
         await consumer.commit({tp: offset})
     finally:
         await consumer.stop()
+
+
+async def test_a_partition_released_while_the_processor_resumes_is_not_left_paused() -> None:
+    """An operator's retry that lands while the processor starts over from PostgreSQL (after a
+    lost backend or a refused poll): the partition is fetched again, not left paused with no
+    stop on record for `resume_released` to find."""
+    async with isolated_env(partitions=1) as env:
+        async with await env.publisher() as pub:
+            await pub.publish_many([f.create("released-0")])
+        records = await env.read_topic(env.settings.topic_commands)
+        processor = Processor(env.settings, env.pool, name="released")
+        await processor.start()
+        try:
+            await eventually(lambda: processor.ownership.joined, bool, what="assigned")
+            consumer = processor.consumer
+            assert consumer is not None
+            tp = TopicPartition(env.settings.topic_commands, 0)
+            await processor.ownership.stop_partition(records[0], "refused for the test")
+            assert tp in consumer.paused()
+            async with env.pool.acquire() as conn:
+                await retry_record(conn, tp.topic, 0, records[0].offset)
+            await processor.ownership.on_assigned(set(consumer.assignment()))  # as `_resume`
+            assert processor.owned.stopped == {}
+            assert tp not in consumer.paused()
+        finally:
+            await processor.stop()
