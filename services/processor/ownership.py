@@ -100,10 +100,10 @@ class Ownership:
             for s in stopped:  # a stopped partition stays stopped across owners and restarts
                 if s.partition in mine:
                     self._pause(s.partition, s.topic, s.offset)
+            if not lost:  # fetched from the stored offsets while the outbox is republished
+                consumer.resume(*(tp for tp in assigned if tp.partition not in self.owned.stopped))
             for p in sorted(partitions):
                 await self.publisher.publish_pending(p)
-            if not lost:
-                consumer.resume(*(tp for tp in assigned if tp.partition not in self.owned.stopped))
             self.owned.partitions = partitions
             self.assign_failure = None
             self.joined = True
