@@ -9,7 +9,7 @@ import json
 from datetime import UTC, datetime
 from pathlib import Path
 
-from harness import eventually, isolated_env
+from harness import Env, eventually, isolated_env
 from role_processes import roles_env
 
 from drivers.fake import FakeDriver
@@ -45,14 +45,7 @@ async def test_a_scheduler_killed_mid_refill_creates_each_member_once(tmp_path: 
         plane = ControlPlane(env.settings, FakeDriver(), env.pool, reconcile_interval=3600)
         await plane.start()
         try:
-            await eventually(
-                lambda: env.fetchval(
-                    "SELECT count(*) FROM sandboxes WHERE pool = 'warm' AND phase = 'Ready'"
-                ),
-                lambda n: n == SIZE,
-                timeout=90,
-                what=f"{SIZE} Ready members",
-            )
+            await ready_members(env, SIZE, timeout=90)
             await eventually(requested, lambda n: n == 0, what="every request folded")
             status = await third.readiness()
             rounds = status.get("pool_rounds", 0)
@@ -85,14 +78,53 @@ async def test_sandstream_ups_supervised_control_plane_runs_the_pool_controller(
                              with_scheduler=True, supervised=True)  # fmt: skip
         await plane.start()
         try:
-            await eventually(
-                lambda: env.fetchval(
-                    "SELECT count(*) FROM sandboxes WHERE pool = 'warm' AND phase = 'Ready'"
-                ),
-                lambda n: n == 2,
-                timeout=60,
-                what="2 Ready members",
-            )
+            await ready_members(env, 2, timeout=60)
             assert plane.down() == {}
         finally:
             await plane.stop()
+
+
+async def test_two_control_planes_on_one_database_run_one_pool_controller() -> None:
+    """Two `sandstream up` on one database (two hosts, or one replacing another): the
+    ``scheduler`` lease lets one of them run the pool controller, as between `sandstream
+    scheduler` processes. Both running it could fill the same gap twice."""
+    async with isolated_env(pool_poll_seconds=0.2, lease_check_seconds=0.2) as env:
+        now = datetime.now(UTC)
+        body = templates.TemplateBody(spec=SandboxSpec(image="registry.example/agent:1"))
+        async with env.pool.acquire() as conn:
+            await templates.create_template(conn, "agent", body, "test", now)
+            await pools.create_pool(conn, "warm", "agent", SIZE, "Recreate", "test", now)
+        backend = FakeDriver()  # one backend, as two hosts' `up` would share
+        planes = [plane_with_scheduler(env, backend) for _ in range(2)]
+        for plane in planes:
+            await plane.start()
+        try:
+            await ready_members(env, SIZE, timeout=90)
+            running = [p for p in planes if p.pools is not None]
+            assert len(running) == 1, f"{len(running)} planes run a pool controller"
+            [active] = running
+            [standby] = [p for p in planes if p is not active]
+            await active.stop()
+            planes.remove(active)
+            await eventually(lambda: standby.pools, bool, what="the standby taking over")
+        finally:
+            for plane in planes:
+                await plane.stop()
+        ever = await env.fetchval("SELECT count(*) FROM sandboxes WHERE pool = 'warm'")
+        assert ever == SIZE
+
+
+def plane_with_scheduler(env: Env, driver: FakeDriver) -> ControlPlane:
+    return ControlPlane(env.settings, driver, env.pool, reconcile_interval=3600,
+                        with_scheduler=True)  # fmt: skip
+
+
+async def ready_members(env: Env, count: int, timeout: float) -> None:
+    await eventually(
+        lambda: env.fetchval(
+            "SELECT count(*) FROM sandboxes WHERE pool = 'warm' AND phase = 'Ready'"
+        ),
+        lambda n: n == count,
+        timeout=timeout,
+        what=f"{count} Ready members",
+    )

@@ -13,4 +13,5 @@ Modules:
 - ``pool_controller``: keep every warm pool at its size with ordinary commands.
 - ``pool_plan``: what one pool needs now (pure).
 - ``scheduler``: publish a DeadlineDue for every deadline of a live row that has passed.
+- ``scheduling``: both together, the work of whoever holds the ``scheduler`` lease.
 """

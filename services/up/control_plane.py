@@ -30,6 +30,7 @@ import asyncpg
 from drivers.protocol import Driver
 from services.common import metrics
 from services.common.database import connect_pool
+from services.common.lease import Lease
 from services.common.settings import Settings
 from services.common.tasks import Run, Tasks, first_of
 from services.executor.driver_side import DriverSide
@@ -39,6 +40,7 @@ from services.executor.reconcile import Reconciler
 from services.processor.consumer import Processor
 from services.scheduler.pool_controller import PoolController
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.scheduling import LEASE, Scheduling
 
 log = logging.getLogger("sandstream.up")
 
@@ -60,8 +62,9 @@ class ControlPlane:
     supervised: bool = False
     processor: Processor | None = None
     driver_side: DriverSide | None = None
-    scheduler: Scheduler | None = None
-    pools: PoolController | None = None  # the pool controller, beside the scheduler
+    # The deadline scheduler and the pool controller, run while this plane holds the
+    # ``scheduler`` lease (another `up` or `sandstream scheduler` on the database then waits).
+    scheduling: Scheduling | None = None
     # Set once an executor has been assigned its partitions (a new group's starting position,
     # the end of the events topic, is then fixed): `sandstream up` takes commands after that.
     executor_assigned: asyncio.Event = field(default_factory=asyncio.Event)
@@ -76,13 +79,20 @@ class ControlPlane:
     def reconciler(self) -> Reconciler | None:
         return self.driver_side.reconciler if self.driver_side else None
 
+    @property
+    def scheduler(self) -> Scheduler | None:
+        return self.scheduling.scheduler if self.scheduling else None
+
+    @property
+    def pools(self) -> PoolController | None:
+        return self.scheduling.pools if self.scheduling else None
+
     async def start(self) -> None:
         if self.supervised:
             self._tasks.supervise("processor", self._run_processor)
             self._tasks.supervise("driver side", self._run_driver_side)
             if self.with_scheduler:
-                self._tasks.supervise("scheduler", self._run_scheduler)
-                self._tasks.supervise("pool controller", self._run_pools)
+                self._tasks.supervise("scheduler", self._run_scheduling)
             return
         self.processor = self._new_processor()
         await self.processor.start()
@@ -91,28 +101,14 @@ class ControlPlane:
         await self.driver_side.start(self._tasks)
         self._note_assignment(self.driver_side)
         if self.with_scheduler:
-            self.scheduler = Scheduler(self.settings, self.pool)
-            await self.scheduler.start()
-            self._tasks.spawn("scheduler", self.scheduler.run(self._tasks.stop_event))
-            self.pools = PoolController(self.settings, self.pool)
-            await self.pools.start()
-            self._tasks.spawn("pool controller", self.pools.run(self._tasks.stop_event))
+            self._tasks.spawn("scheduler", self._run_scheduling(self._tasks.stop_event))
 
-    async def _run_pools(self, stop: asyncio.Event) -> None:
-        controller = self.pools = PoolController(self.settings, self.pool)
-        await controller.start()
-        try:
-            await controller.run(stop)
-        finally:
-            await controller.stop()
-
-    async def _run_scheduler(self, stop: asyncio.Event) -> None:
-        scheduler = self.scheduler = Scheduler(self.settings, self.pool)
-        await scheduler.start()
-        try:
-            await scheduler.run(stop)
-        finally:
-            await scheduler.stop()
+    async def _run_scheduling(self, stop: asyncio.Event) -> None:
+        """The scheduler and the pool controller while this plane holds the ``scheduler``
+        lease, as `sandstream scheduler` does: two pool controllers on one database would
+        both fill the same gap (services/scheduler/scheduling.py)."""
+        scheduling = self.scheduling = Scheduling(self.settings, self.pool)
+        await Lease(self.settings, LEASE).run(stop, scheduling.work)
 
     async def _run_processor(self, stop: asyncio.Event) -> None:
         processor = self.processor = self._new_processor()
@@ -191,10 +187,6 @@ class ControlPlane:
             return
         if self.driver_side is not None:
             await self.driver_side.close()
-        if self.scheduler is not None:
-            await self.scheduler.stop()
-        if self.pools is not None:
-            await self.pools.stop()
         if self.processor is not None:
             await self.processor.stop()
         if self.owns_pool:
