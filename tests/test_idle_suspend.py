@@ -456,8 +456,9 @@ async def test_an_idle_message_whose_read_of_use_went_stale_is_not_sent() -> Non
     on Kafka longer than a flush interval (an outage) leave that read stale, and a use since
     (an exec begun meanwhile) would not have saved the sandbox. Old code sent it all the same
     (and kept sending it until Kafka took it); now the next scan reads the use again. The
-    clock is the scheduler's own setting: the first reading is the round's, the second the
-    moment of the publish, two flush intervals on."""
+    clock is the scheduler's own setting: a first round two flush intervals before the scan
+    (a scheduler holds its first idle scan that long), then the scan's round, then the moment
+    of the publish, two flush intervals on."""
     flush = timedelta(seconds=10)  # the default use_flush_seconds
     spec = SandboxSpec(image=f.IMAGE, idle_suspend_seconds=1)
     async with isolated_env() as env, running_plane(env, FakeDriver()):
@@ -466,14 +467,16 @@ async def test_an_idle_message_whose_read_of_use_went_stale_is_not_sent() -> Non
             await command(env, pub, f.create("idle", sandbox_spec=spec, occurred_at=now()))
         await wait_phase(env, "idle", "Ready", timeout=60)
         scan = now() + timedelta(hours=1)  # long idle by then
-        readings = iter([scan])
+        readings = iter([scan - 2 * flush, scan])
         scheduler = Scheduler(
             env.settings, env.pool, clock=lambda: next(readings, scan + 2 * flush)
         )
         await scheduler.start()
         try:
             await scheduler.round()
-            assert scheduler.published == 0
+            assert scheduler.idle_scans == 0
+            await scheduler.round()
+            assert (scheduler.idle_scans, scheduler.published) == (1, 0)
             inputs = [
                 decode(OBSERVATIONS, r.value)
                 for r in await env.read_topic(env.settings.topic_observations)

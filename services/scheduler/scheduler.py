@@ -131,6 +131,13 @@ class Scheduler:
     # changes no faster); the ids it found due last time, kept between scans.
     _next_idle_scan: datetime | None = None
     _idle_ids: set[str] = field(default_factory=set)
+    # Set at start and when a read of PostgreSQL fails: the first idle scan after is held two
+    # flush intervals from the next read that succeeds. While PostgreSQL is out of reach the
+    # doors cannot write the use they see (an exec running all along records nothing), so
+    # until each has flushed once since (its first flush may fail as PostgreSQL comes back:
+    # two intervals), the recorded use is as old as the outage, and a sandbox in use through
+    # an outage longer than its timeout would be taken for idle.
+    _use_unsettled: bool = True
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     listening: Listening | None = None
 
@@ -153,14 +160,22 @@ class Scheduler:
         """Publish what is due and not yet published for its row version; returns how many."""
         assert self.producer is not None
         now = self.clock()
-        due = [m for r in await self.due_rows(now) for m in due_messages(r, now)]
-        if self._next_idle_scan is None or now >= self._next_idle_scan:
-            idle = [idle_message(r, now) for r in await self.idle_rows(now)]
-            self._idle_ids = {m.observation_id for m in idle}
-            self._next_idle_scan = now + timedelta(seconds=self.settings.use_flush_seconds)
-            due += idle
-            self.forgotten += await forget_deleted(self.pool, self.batch)
-            self.idle_scans += 1
+        flush = timedelta(seconds=self.settings.use_flush_seconds)
+        try:
+            due = [m for r in await self.due_rows(now) for m in due_messages(r, now)]
+            if self._use_unsettled:
+                self._use_unsettled = False
+                self._next_idle_scan = now + 2 * flush
+            if self._next_idle_scan is None or now >= self._next_idle_scan:
+                idle = [idle_message(r, now) for r in await self.idle_rows(now)]
+                self._idle_ids = {m.observation_id for m in idle}
+                self._next_idle_scan = now + flush
+                due += idle
+                self.forgotten += await forget_deleted(self.pool, self.batch)
+                self.idle_scans += 1
+        except CONNECTION_ERRORS:
+            self._use_unsettled = True
+            raise
         fresh = sorted(
             (m for m in due if m.observation_id not in self._sent), key=lambda m: m.due_at
         )
@@ -231,6 +246,7 @@ class Scheduler:
                 upcoming = await self.next_due()
             except CONNECTION_ERRORS as exc:  # PostgreSQL restarts: try again next round
                 log.warning("scheduler: PostgreSQL unavailable (%s); retrying", exc)
+                self._use_unsettled = True
                 upcoming = None
             if upcoming is not None:
                 wait = min(wait, max(0.0, (upcoming - self.clock()).total_seconds()))
