@@ -52,8 +52,14 @@ def test_decided_events_must_all_be_published_in_order_and_repeats_are_counted()
     assert checks.event_findings(decided, {"a": ["e1", "e2", "e1", "e3", "e2"]}) == ([], 2)
     found, _ = checks.event_findings(decided, {"a": ["e1", "e3"]})
     assert kinds(found) == [("lost", "events")]
-    found, _ = checks.event_findings(decided, {"a": ["e2", "e1", "e3"]})
+    found, _ = checks.event_findings(
+        decided, {"a": ["e2", "e1", "e2", "e3"]}, {"a": ["0@4", "0@5", "0@6", "0@7"]}
+    )
     assert kinds(found) == [("divergence", "events")]
+    # The evidence: each publication's version and place, repeats marked.
+    assert found[0].detail == (
+        "a: published out of order: decided v1..v3; on the topic v2@0@4 v1@0@5 v2@0@6(again) v3@0@7"
+    )
     found, _ = checks.event_findings({"a": [("e1", 1), ("e2", 3)]}, {"a": ["e1", "e2"]})
     assert kinds(found) == [("divergence", "events")]
     found, _ = checks.event_findings(decided, {"a": ["e1", "e2", "e3"], "b": ["x"]})

@@ -9,6 +9,7 @@ its inputs from PostgreSQL (the run's schema), the log or the backend. The audit
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -144,12 +145,17 @@ async def rebuild(settings: Settings) -> list[Finding]:
 
 
 def event_findings(
-    decided: Mapping[str, Sequence[tuple[str, int]]], published: Mapping[str, Sequence[str]]
+    decided: Mapping[str, Sequence[tuple[str, int]]],
+    published: Mapping[str, Sequence[str]],
+    where: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[list[Finding], int]:
     """``decided``: per sandbox its (event id, version) in decision order (the outbox);
     ``published``: per sandbox the event ids on sandbox.events in offset order. Every decided
     event is published, first publications in decision order, versions contiguous; a repeat of
-    an event already published (after a processor crash) is counted, not a finding."""
+    an event already published (after a processor crash) is counted, not a finding.
+    ``where``: per sandbox the place (``partition@offset``) of each of ``published``'s
+    records, for the evidence."""
+    where = where or {}
     found: list[Finding] = []
     republished = 0
     for key in sorted(decided.keys() | published.keys()):
@@ -167,8 +173,20 @@ def event_findings(
         if extra:
             found.append(Finding("divergence", "events", f"{key}: events nobody decided"))
         if not missing and not extra and first != want:
-            found.append(Finding("divergence", "events", f"{key}: published out of order"))
+            found.append(Finding("divergence", "events", f"{key}: published out of order: "
+                                 f"{_order(decided[key], seen, where.get(key, ()))}"))  # fmt: skip
     return found, republished
+
+
+def _order(decided: Sequence[tuple[str, int]], seen: Sequence[str], where: Sequence[str]) -> str:
+    """The evidence of an order finding: each publication's version and place on the topic,
+    in offset order (a repeat marked), beside the versions in decision order."""
+    version = dict(decided)
+    marks, shown = [], set()
+    for eid, place in itertools.zip_longest(seen, where, fillvalue="?"):
+        marks.append(f"v{version[eid]}@{place}" + ("(again)" if eid in shown else ""))
+        shown.add(eid)
+    return f"decided v{decided[0][1]}..v{decided[-1][1]}; on the topic {' '.join(marks)}"
 
 
 async def events(settings: Settings, pool: Pool) -> tuple[list[Finding], EventStats]:
@@ -179,14 +197,16 @@ async def events(settings: Settings, pool: Pool) -> tuple[list[Finding], EventSt
         event = decode(EVENTS, r["value"])
         decided[event.key].append((str(event.event_id), event.version))
     published: dict[str, list[str]] = defaultdict(list)
+    where: dict[str, list[str]] = defaultdict(list)
     on_topic = 0
     async for record in read_to_end(
         kafka_client_args(settings, "admin"), settings.topic_events, settings.kafka_partitions
     ):
         event = decode(EVENTS, record.value)
         published[event.key].append(str(event.event_id))
+        where[event.key].append(f"{record.partition}@{record.offset}")
         on_topic += 1
-    found, republished = event_findings(decided, published)
+    found, republished = event_findings(decided, published, where)
     return found, EventStats(len(records), on_topic, republished)
 
 

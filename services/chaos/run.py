@@ -358,7 +358,7 @@ async def _quiet(settings: Settings, pool: checks.Pool, consumer: AIOKafkaConsum
 
 # A finding's sandbox ("<kind> <id> of <key>: ..." or "<key> at ..."), and a log position it
 # names ("<topic>[<partition>]@<offset>").
-_KEY = re.compile(r"\bof (\S+): |^(\S+) at ")
+_KEY = re.compile(r"\bof (\S+): |^(\S+) at |^(\S+): ")
 _AT = re.compile(r"([\w.-]+)\[(\d+)\]@(\d+)")
 _HISTORY = (
     'SELECT key, topic, partition, "offset", message_type, command_id, disposition, reason, '
