@@ -199,14 +199,6 @@ async def read_batch(
     return read
 
 
-async def stored_offsets(conn: Connection, topics: Sequence[str]) -> dict[tuple[str, int], int]:
-    rows = await conn.fetch(
-        "SELECT topic, partition, next_offset FROM input_offsets WHERE topic = ANY($1)",
-        list(topics),
-    )
-    return {(r["topic"], r["partition"]): r["next_offset"] for r in rows}
-
-
 @dataclass(frozen=True, slots=True)
 class HistoryRow:
     key: str | None
@@ -301,20 +293,24 @@ def _columns(rows: Sequence[tuple[Any, ...]], width: int) -> list[list[Any]]:
 # can contain a comma) travel comma-joined, as they always have.
 #
 # `moved` runs first (every other CTE waits for `fence`): it moves each offset only if it still
-# is the value the batch was read at, taking the offset row locks, so writers of one partition
-# are serialized. A writer that lost a race (or a zombie after a rebalance) moves fewer rows
-# than it expected and offsets_fence() aborts the whole statement: nothing is written. Offsets
-# only move forward (never below what was read). The NOTIFY (delivered at commit) wakes
-# outcome waiters and watchers.
+# is the value the batch was read at, and its owner epoch the one the writer's assignment raised
+# ($15, aligned with the offsets; empty or NULL: not checked), taking the offset row locks, so
+# writers of one partition are serialized. A writer that lost a race (or a zombie after a
+# rebalance) moves fewer rows than it expected and offsets_fence() aborts the whole statement:
+# nothing is written. Offsets only move forward (never below what was read). The NOTIFY
+# (delivered at commit) wakes outcome waiters and watchers.
 _WRITE_BATCH = f"""
 WITH moved AS (
-    INSERT INTO input_offsets AS o (topic, partition, next_offset)
-    SELECT t, p, n FROM unnest($1::text[], $2::int[], $3::bigint[], $4::bigint[])
-         AS u(t, p, e, n) ORDER BY t, p
+    INSERT INTO input_offsets AS o (topic, partition, next_offset, owner_epoch)
+    SELECT t, p, n, coalesce(ep, 0)
+    FROM unnest($1::text[], $2::int[], $3::bigint[], $4::bigint[], $15::bigint[])
+         AS u(t, p, e, n, ep) ORDER BY t, p
     ON CONFLICT (topic, partition) DO UPDATE SET next_offset = EXCLUDED.next_offset,
         updated_at = now()
-    WHERE o.next_offset = (SELECT e FROM unnest($1::text[], $2::int[], $3::bigint[]) AS x(t, p, e)
-                           WHERE x.t = o.topic AND x.p = o.partition)
+    WHERE (o.next_offset, o.owner_epoch) = (
+        SELECT e, coalesce(ep, o.owner_epoch)
+        FROM unnest($1::text[], $2::int[], $3::bigint[], $15::bigint[]) AS x(t, p, e, ep)
+        WHERE x.t = o.topic AND x.p = o.partition)
     RETURNING 1
 ), fence AS (
     SELECT offsets_fence((SELECT count(*) FROM moved), cardinality($1::text[])) AS ok
@@ -420,20 +416,25 @@ COPY_ABOVE: Final = 500
 
 
 async def write_batch(
-    conn: Connection, batch: BatchWrite, copy_above: int = COPY_ABOVE
+    conn: Connection,
+    batch: BatchWrite,
+    copy_above: int = COPY_ABOVE,
+    epochs: Mapping[TopicPartitionKey, int] | None = None,
 ) -> list[int]:
     """Write a decided batch atomically; returns the outbox ids in order.
 
     Raises OffsetsMoved (and writes nothing) if the offsets are no longer those it was read at,
-    ChainMoved if a chain head it links onto is no longer its chain's head.
+    or (``epochs``: per partition, the epoch the writer's assignment raised, ``claim_partitions``)
+    another assignment raised a partition's epoch since; ChainMoved if a chain head it links
+    onto is no longer its chain's head.
     """
     try:
         if len(batch.history) + len(batch.outbox) <= copy_above:
-            return await _write_statement(conn, batch, inline=True)
+            return await _write_statement(conn, batch, inline=True, epochs=epochs)
         async with conn.transaction():
             # The statement first: it moves the offsets by compare-and-set (taking their
             # locks) before anything is copied, so a fenced writer copies nothing.
-            ids = await _write_statement(conn, batch, inline=False)
+            ids = await _write_statement(conn, batch, inline=False, epochs=epochs)
             await conn.copy_records_to_table(
                 "history", records=_history_tuples(batch.history), columns=HISTORY_COLUMNS
             )
@@ -468,10 +469,17 @@ def _history_tuples(history: Sequence[HistoryRow]) -> list[tuple[Any, ...]]:
 _OUTCOMES: Final = TypeAdapter(list[CommandOutcome])
 
 
-async def _write_statement(conn: Connection, batch: BatchWrite, *, inline: bool) -> list[int]:
+async def _write_statement(
+    conn: Connection,
+    batch: BatchWrite,
+    *,
+    inline: bool,
+    epochs: Mapping[TopicPartitionKey, int] | None = None,
+) -> list[int]:
     """The batch's statement; with ``inline`` false, its history and outbox are left out and
     as many outbox ids as it has records are reserved for the caller to copy them in with."""
     offsets = [(t, p, e, n) for (t, p), (e, n) in sorted(batch.offsets.items())]
+    owned = [epochs.get((t, p)) for t, p, _, _ in offsets] if epochs else []
     bases = batch.decided_from
     outbox = [(o.partition, o.topic, o.key, o.value) for o in batch.outbox] if inline else []
     ids = await conn.fetchval(
@@ -484,6 +492,7 @@ async def _write_statement(conn: Connection, batch: BatchWrite, *, inline: bool)
         0 if inline else len(batch.outbox),  # outbox ids to reserve
         CHANGES_CHANNEL,
         POOLS_CHANNEL if any(s.pool is not None for _, s in batch.sandboxes) else None,
+        owned,
     )
     return list(ids)
 
@@ -528,73 +537,3 @@ def _to_json(value: Any) -> str:
 
 # The cursor as a bound of the index scan: a join would read the partition's whole outbox,
 # published or not, and the outbox is kept after publishing.
-_UNPUBLISHED = """
-SELECT id, topic, key, value FROM outbox
-WHERE partition = $1
-  AND id > coalesce((SELECT published_id FROM outbox_cursor WHERE partition = $1), 0)
-ORDER BY id
-"""
-
-
-async def set_aside_outbox(
-    conn: Connection, records: Sequence[tuple[int, OutboxRecord]], reason: str
-) -> None:
-    """Record outbox records that will never be sent (``outbox_set_aside``); once is enough."""
-    await conn.executemany(
-        "INSERT INTO outbox_set_aside (outbox_id, partition, topic, key, size, reason) "
-        "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (outbox_id) DO NOTHING",
-        [(i, r.partition, r.topic, r.key, len(r.key or b"") + len(r.value), reason)
-         for i, r in records],
-    )  # fmt: skip
-
-
-async def unpublished_outbox(conn: Connection, partition: int) -> list[tuple[int, OutboxRecord]]:
-    rows = await conn.fetch(_UNPUBLISHED, partition)
-    return [(r["id"], OutboxRecord(partition, r["topic"], r["key"], r["value"])) for r in rows]
-
-
-# The cursor of a partition moves over the outbox ids a publisher had acknowledged, but never
-# past an id of that partition it did not send (a record another owner committed and did not
-# publish): it stops below the first such gap, so nothing committed is ever skipped.
-_MARK_PUBLISHED = """
-WITH acked AS (
-    SELECT * FROM unnest($1::int[], $2::bigint[]) AS a(p, id)
-), cur AS (
-    SELECT ps.p, coalesce(c.published_id, 0) AS at
-    FROM (SELECT DISTINCT p FROM acked) ps LEFT JOIN outbox_cursor c ON c.partition = ps.p
-), gap AS (
-    -- The first unacknowledged id above the cursor is among the first n + 1 ids above it
-    -- (n: the distinct acknowledged ids above it), so only those are read, through
-    -- outbox_partition: a cost of the acknowledged ids, not of the outbox's size.
-    SELECT cur.p, min(o.id) AS first_missing
-    FROM cur CROSS JOIN LATERAL (
-        SELECT id FROM outbox WHERE partition = cur.p AND id > cur.at ORDER BY id
-        LIMIT (SELECT count(DISTINCT a.id) FROM acked a WHERE a.p = cur.p AND a.id > cur.at) + 1
-    ) AS o
-    WHERE NOT EXISTS (SELECT 1 FROM acked a WHERE a.p = cur.p AND a.id = o.id)
-    GROUP BY cur.p
-), target AS (
-    SELECT cur.p, max(a.id) AS to_id
-    FROM cur JOIN acked a ON a.p = cur.p AND a.id > cur.at
-    LEFT JOIN gap g ON g.p = cur.p
-    WHERE g.first_missing IS NULL OR a.id < g.first_missing
-    GROUP BY cur.p
-), moved AS (
-    INSERT INTO outbox_cursor (partition, published_id) SELECT p, to_id FROM target
-    ON CONFLICT (partition) DO UPDATE SET published_id =
-        GREATEST(outbox_cursor.published_id, EXCLUDED.published_id)
-)
-SELECT g.p AS partition, g.first_missing FROM gap g
-WHERE g.first_missing < (SELECT max(a.id) FROM acked a WHERE a.p = g.p)
-"""
-
-
-async def mark_published(conn: Connection, acked: Mapping[int, Sequence[int]]) -> dict[int, int]:
-    """Move the publish cursors over acknowledged outbox ids (``acked``: input partition to
-    ids). Returns, per partition whose cursor had to stop early, the first id below the
-    acknowledged ones that was never acknowledged (it must be published again)."""
-    items = [(p, i) for p, ids in sorted(acked.items()) for i in ids]
-    if not items:
-        return {}
-    rows = await conn.fetch(_MARK_PUBLISHED, [p for p, _ in items], [i for _, i in items])
-    return {r["partition"]: r["first_missing"] for r in rows}

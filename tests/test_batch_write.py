@@ -24,6 +24,7 @@ from events.topics import CHANGES_CHANNEL, POOLS_CHANNEL, partition_for
 from projections.chain import chain_rows
 from projections.fold import fold
 from projections.lifecycle import Sandbox
+from projections.outbox import unpublished_outbox
 from projections.store import (
     HISTORY_COLUMNS,
     BatchWrite,
@@ -32,7 +33,6 @@ from projections.store import (
     OutboxRecord,
     RowVersionMoved,
     read_batch,
-    unpublished_outbox,
     write_batch,
 )
 from services.common.notify_channels import listen

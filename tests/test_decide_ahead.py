@@ -106,11 +106,11 @@ def hold_first_write(
     write_batch = write.write_batch
     held = [True]
 
-    async def writing(conn: Any, batch: Any) -> list[int]:
+    async def writing(conn: Any, batch: Any, **kw: Any) -> list[int]:
         if held.pop() if held else False:
             await asyncio.wait_for(decided.wait(), 30)
             await meanwhile()
-        return await write_batch(conn, batch)
+        return await write_batch(conn, batch, **kw)
 
     monkeypatch.setattr(write, "write_batch", writing)
 
@@ -137,10 +137,10 @@ def hold_write_until_fetched(monkeypatch: pytest.MonkeyPatch, processor: Process
     write_batch = write.write_batch
     held = [True]
 
-    async def writing(conn: Any, batch: Any) -> list[int]:
+    async def writing(conn: Any, batch: Any, **kw: Any) -> list[int]:
         if held.pop() if held else False:
             await eventually(lambda: processor.polls.held, bool, what="the next poll to be taken")
-        return await write_batch(conn, batch)
+        return await write_batch(conn, batch, **kw)
 
     monkeypatch.setattr(write, "write_batch", writing)
 

@@ -14,7 +14,8 @@ import workload
 from harness import Env, eventually, isolated_env
 from pg_goodbye import behind_holding_proxy, say_goodbye
 
-from projections.store import SANDBOX_COLUMNS, mark_published, sandbox_from_record
+from projections.outbox import mark_published
+from projections.store import SANDBOX_COLUMNS, sandbox_from_record
 from services.common import metrics
 from services.common.database import connect_pool
 from services.common.kafka_clients import kafka_client_args

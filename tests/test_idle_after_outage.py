@@ -31,6 +31,8 @@ from services.common.usage import UseRecorder
 from services.localstack.private_broker import free_port
 from services.scheduler.scheduler import Scheduler
 
+FLUSH = timedelta(seconds=10)  # the default use_flush_seconds
+
 
 class Clock:
     """A settable wall clock shared by the scheduler and the doors' recorder."""
@@ -57,6 +59,19 @@ async def behind_proxy(env: Env) -> AsyncIterator[tuple[Pool, TcpProxy]]:
         await proxy.cut()
 
 
+@asynccontextmanager
+async def ready_on_a_plane(key: str, idle: int) -> AsyncIterator[Env]:
+    """A control plane with the fake driver (no scheduler of its own) and a Ready sandbox
+    ``key`` with idle timeout ``idle``; its environment at the default flush interval."""
+    spec = SandboxSpec(image=f.IMAGE, idle_suspend_seconds=idle)
+    async with isolated_env() as env, running_plane(env, FakeDriver()):
+        assert env.settings.use_flush_seconds == FLUSH.total_seconds()
+        async with await env.publisher() as pub:
+            await command(env, pub, f.create(key, sandbox_spec=spec, occurred_at=now()))
+        await wait_phase(env, key, "Ready", timeout=60)
+        yield env
+
+
 async def idle_messages(env: Env, key: str) -> list[DeadlineDue]:
     return [
         m for m in (
@@ -70,13 +85,8 @@ async def idle_messages(env: Env, key: str) -> list[DeadlineDue]:
 async def test_a_session_open_through_an_outage_longer_than_the_timeout_is_not_taken_for_idle() -> (
     None
 ):
-    flush = timedelta(seconds=10)  # the default use_flush_seconds
-    spec = SandboxSpec(image=f.IMAGE, idle_suspend_seconds=60)
-    async with isolated_env() as env, running_plane(env, FakeDriver()):
-        assert env.settings.use_flush_seconds == flush.total_seconds()
-        async with await env.publisher() as pub:
-            await command(env, pub, f.create("busy", sandbox_spec=spec, occurred_at=now()))
-        await wait_phase(env, "busy", "Ready", timeout=60)
+    flush = FLUSH
+    async with ready_on_a_plane("busy", 60) as env:
         async with behind_proxy(env) as (pool, proxy):
             clock = Clock(now())
             use = UseRecorder(pool, flush.total_seconds(), clock=clock)

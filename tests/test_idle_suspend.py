@@ -20,20 +20,20 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import apikit
-import factories as f
 import grpc
 import pytest
 import pytest_asyncio
 from apikit import Api, create_body, unique
-from harness import eventually, isolated_env
+from harness import eventually
 from openshell_support import auth
-from pipeline_support import command, history, running_plane, wait_phase
+from pipeline_support import history, wait_phase
 from pydantic import SecretStr
+from test_idle_after_outage import FLUSH as FLUSH_DEFAULT
+from test_idle_after_outage import ready_on_a_plane
 
 from drivers.fake import FakeDriver
 from drivers.podman import PodmanDriver
 from events.codec import OBSERVATIONS, decode
-from events.common import SandboxSpec
 from events.observations import DeadlineDue
 from events.publisher import now
 from services.common.settings import Settings
@@ -459,13 +459,8 @@ async def test_an_idle_message_whose_read_of_use_went_stale_is_not_sent() -> Non
     clock is the scheduler's own setting: a first round two flush intervals before the scan
     (a scheduler holds its first idle scan that long), then the scan's round, then the moment
     of the publish, two flush intervals on."""
-    flush = timedelta(seconds=10)  # the default use_flush_seconds
-    spec = SandboxSpec(image=f.IMAGE, idle_suspend_seconds=1)
-    async with isolated_env() as env, running_plane(env, FakeDriver()):
-        assert env.settings.use_flush_seconds == flush.total_seconds()
-        async with await env.publisher() as pub:
-            await command(env, pub, f.create("idle", sandbox_spec=spec, occurred_at=now()))
-        await wait_phase(env, "idle", "Ready", timeout=60)
+    flush = FLUSH_DEFAULT
+    async with ready_on_a_plane("idle", 1) as env:
         scan = now() + timedelta(hours=1)  # long idle by then
         readings = iter([scan - 2 * flush, scan])
         scheduler = Scheduler(

@@ -9,7 +9,8 @@ compared with it, and switched in atomically with the processor fenced.
 - ``diff``: decisions, rows and command outcomes that differ, and how far the live is ahead.
 - ``promote``: in one transaction on the live schema: lock its input offsets (the processor's
   writes wait; reads go on), catch the shadow up to them, refuse if they differ and a processor
-  is running, copy the live outbox records not yet published, poison the old offsets (a writer
+  is running, copy the live outbox records not yet published and the owner epochs (the running
+  processors' assignments stand), poison the old offsets (a writer
   that still reaches the old tables fails its compare-and-set), move the live tables to
   ``<shadow>_previous`` and the shadow's into the live schema, carry the id sequences over and
   renumber the change feed so watchers see every row once. A waiting processor write is then
@@ -254,6 +255,12 @@ async def promote(settings: Settings, shadow: str, rules: Rules = decide) -> Dif
                 f"SELECT o.partition, o.topic, o.key, o.value FROM {L}.outbox o "
                 f"LEFT JOIN {L}.outbox_cursor c USING (partition) "
                 "WHERE o.id > coalesce(c.published_id, 0) ORDER BY o.id"
+            )
+            # The running processors' assignments carry over: their batches check the epochs.
+            await live.execute(
+                f"INSERT INTO {S}.input_offsets (topic, partition, next_offset, owner_epoch) "
+                f"SELECT topic, partition, 0, owner_epoch FROM {L}.input_offsets "
+                "ON CONFLICT (topic, partition) DO UPDATE SET owner_epoch = EXCLUDED.owner_epoch"
             )
             await live.execute(f"UPDATE {L}.input_offsets SET next_offset = -1")
             await live.execute(f"CREATE SCHEMA {P}")

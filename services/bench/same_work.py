@@ -435,6 +435,7 @@ async def write_poll(
         [o[0] for o in outbox], [o[1] for o in outbox], [o[2] for o in outbox],
         [o[3] for o in outbox], 0 if inline else len(batch.outbox), CHANGES_CHANNEL,
         None,  # no pools channel: the workload has no pool members
+        list[int](),  # no owner epochs: one writer, fenced by its offsets (one comparison)
     )  # fmt: skip
     if inline:
         ids: list[int] = list(await conn.fetchval(_WRITE_BATCH, *args))

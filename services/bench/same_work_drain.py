@@ -17,7 +17,8 @@ import asyncpg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from projections.chain import chain_of
-from projections.store import BATCH_SESSION, mark_published, read_batch
+from projections.outbox import mark_published
+from projections.store import BATCH_SESSION, read_batch
 from services.bench.drained import Drained, timed_drain
 from services.bench.same_work import (
     _OUTCOME,

@@ -228,6 +228,10 @@ class Owned:
     # Stopped at a record PostgreSQL refused even as a dead letter: partition -> (topic,
     # offset). Paused until an operator skips or retries the record.
     stopped: dict[int, tuple[str, int]] = field(default_factory=dict)
+    # The owner epoch this processor's assignment raised, per (topic, partition): its batches
+    # move the offsets only while it is still the stored one (projections/offsets.py). Empty
+    # when driven directly: the offsets alone fence its writes.
+    epochs: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def applies(self, partition: int) -> bool:
         """Whether records of ``partition`` are applied: it is owned and not stopped."""

@@ -16,8 +16,8 @@ from aiokafka.abc import ConsumerRebalanceListener
 
 from events.codec import storable
 from events.deadletter import key_text
+from projections.offsets import claim_partitions, stored_offsets
 from projections.stopped import record_stop, stopped_partitions
-from projections.store import stored_offsets
 from services.common import metrics
 from services.common.log_identity import check_log_identity, log_identity_of
 from services.processor.ahead import Polls
@@ -75,6 +75,12 @@ class Ownership:
             self.rows.clear()  # rows are read again until this processor writes them
             self.polls.drop_held()  # every assigned partition is sought below
             async with self.pool.acquire() as conn:
+                # First: a previous owner still writing (it learns of the rebalance late)
+                # commits nothing from here on, so the offsets and the outbox read below hold
+                # everything it committed, published before anything this processor decides.
+                self.owned.epochs = await claim_partitions(
+                    conn, [(tp.topic, tp.partition) for tp in assigned]
+                )
                 stored = await stored_offsets(conn, self.topics)
                 stopped = await stopped_partitions(conn, self.topics)
             starts = await consumer.beginning_offsets(list(assigned)) if assigned else {}
@@ -123,9 +129,29 @@ class Ownership:
                 if self.owned.partitions is not None:
                     self.owned.partitions -= partitions
                     metrics.ASSIGNED_PARTITIONS.labels("processor").set(len(self.owned.partitions))
+                self.owned.epochs = {
+                    tp: e for tp, e in self.owned.epochs.items() if tp[1] not in partitions
+                }
                 self.rows.clear()
                 self.polls.discard_ahead()  # held records of revoked partitions are not applied
         log.info("%s released partitions %s", self.name, sorted(partitions))
+
+    def taken_over(self, epochs: dict[tuple[str, int], int]) -> set[int]:
+        """The partitions another assignment took since this one's (``epochs``: the stored
+        ones of those it wrote), let go at once: this processor has not heard of the rebalance
+        yet, and any batch of them it writes would be fenced. Their records are dropped until
+        an assignment gives them back."""
+        moved = {tp[1] for tp, e in epochs.items() if self.owned.epochs.get(tp, e) != e}
+        if moved:
+            self.owned.epochs = {tp: e for tp, e in self.owned.epochs.items() if tp[1] not in moved}
+            if self.owned.partitions is not None:
+                self.owned.partitions -= moved
+            self.rows.clear()
+            self.polls.discard_ahead()
+            log.warning("%s: partitions %s were assigned to another processor since this one's "
+                        "assignment; letting them go before the rebalance reaches it",
+                        self.name, sorted(moved))  # fmt: skip
+        return moved
 
     def raise_assign_failure(self) -> None:
         if self.assign_failure is not None:

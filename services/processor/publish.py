@@ -19,7 +19,8 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, KafkaTimeoutError
 
 from events.topics import partition_for
-from projections.store import OutboxRecord, mark_published, set_aside_outbox, unpublished_outbox
+from projections.outbox import mark_published, set_aside_outbox, unpublished_outbox
+from projections.store import OutboxRecord
 from services.common import metrics
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings

@@ -15,6 +15,7 @@ from typing import Any
 
 import asyncpg
 
+from projections.offsets import owner_epochs
 from projections.store import (
     ChainMoved,
     OffsetsMoved,
@@ -31,7 +32,7 @@ from services.processor.failures import (
     release,
     terminate,
 )
-from services.processor.intake import Intake, Record
+from services.processor.intake import Inputs, Intake, Record
 from services.processor.ownership import Ownership
 from services.processor.plan import Decided
 from services.processor.read import Reader, batch_connection
@@ -108,7 +109,14 @@ class Writer:
                 ids = await self._write(decided, poll)
             except OffsetsMoved as exc:
                 metrics.WRITE_CONFLICTS.inc()
-                log.info("%s: another writer moved the offsets, deciding again: %s", self.name, exc)
+                if moved := await self._taken_over(inputs):
+                    records = [r for r in records if r.partition not in moved]
+                    if not records:
+                        return 0, []
+                    inputs = self.intake.inputs(records, dead_letter)
+                else:
+                    log.info("%s: another writer moved the offsets, deciding again: %s",
+                             self.name, exc)  # fmt: skip
                 self.rows.clear()
                 decided = None
                 continue
@@ -144,6 +152,15 @@ class Writer:
         metrics.BATCH_SECONDS.observe(asyncio.get_running_loop().time() - started)
         return len(decided.items), list(zip(ids, plan.outbox, strict=True))
 
+    async def _taken_over(self, inputs: Inputs) -> set[int]:
+        """After a refused write: the partitions of ``inputs`` another assignment took (their
+        owner epoch moved), let go (``Ownership.taken_over``)."""
+        mine = self.ownership.owned.epochs
+        if not mine:
+            return set()
+        stored = await owner_epochs(self.conn, [tp for tp in inputs.partitions if tp in mine])
+        return self.ownership.taken_over(stored)
+
     async def _write(self, decided: Decided, poll: PollAhead) -> list[int]:
         """Write a decided batch; meanwhile take the next poll (FETCH) and decide it (DECIDE).
 
@@ -153,7 +170,8 @@ class Writer:
         its records are decided again from what PostgreSQL then holds. Its write also compares
         and sets the offsets this one moves them to, so it never lands on another state.
         """
-        write = asyncio.ensure_future(write_batch(self.conn, decided.plan))
+        epochs = self.ownership.owned.epochs
+        write = asyncio.ensure_future(write_batch(self.conn, decided.plan, epochs=epochs))
         try:
             ahead = await self.polls.during(write, decided, poll)
             ids = await write
