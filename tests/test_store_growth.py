@@ -9,15 +9,8 @@ from typing import Any
 
 from harness import Env, isolated_env
 
-from projections.store import (
-    _MARK_PUBLISHED,
-    _READ_BATCH,
-    _UNPUBLISHED,
-    _WRITE_BATCH,
-    BATCH_SESSION,
-    mark_published,
-    unpublished_outbox,
-)
+from projections.outbox import _MARK_PUBLISHED, _UNPUBLISHED, mark_published, unpublished_outbox
+from projections.store import _READ_BATCH, _WRITE_BATCH, BATCH_SESSION
 
 PUBLISHED = 20_000  # outbox rows of partition 0 below its cursor
 
@@ -107,7 +100,8 @@ async def test_the_batch_write_made_on_empty_tables_updates_rows_found_by_key() 
     plan = await _plan_made_empty(
         _WRITE_BATCH,
         "'{}'::text[], '{}'::int[], '{}'::bigint[], '{}'::bigint[], '[]', '[]', '[]', "
-        "'{}'::int[], '{}'::text[], '{}'::bytea[], '{}'::bytea[], 0, 'changes', NULL",
+        "'{}'::int[], '{}'::text[], '{}'::bytea[], '{}'::bytea[], 0, 'changes', NULL, "
+        "'{}'::bigint[]",
         "INSERT INTO sandboxes (key, sandbox_id, phase, generation, version, spec, providers, "
         "identity, created_at, updated_at, partition, change_seq) SELECT 'k' || i, "
         "gen_random_uuid(), 'Ready', 1, 1, '{}', '{}', 'i', now(), now(), 0, i "
