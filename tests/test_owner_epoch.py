@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import factories as f
 import pytest
-from harness import Env, isolated_env
+from harness import Env, eventually, isolated_env
 from test_exactly_once import HeldProducer, _started_producer, publish
 
 from events.codec import EVENTS, decode
-from projections.offsets import claim_partitions
+from projections.offsets import claim_partitions, owner_epochs
 from projections.store import BatchWrite, OffsetsMoved, write_batch
 from services.processor.consumer import Processor
 
@@ -82,3 +82,20 @@ async def test_a_batch_written_with_an_older_epoch_is_refused_and_one_without_is
             await write_batch(conn, BatchWrite([], [], [], [], {tp: (0, 1)}), epochs=second)
             await write_batch(conn, BatchWrite([], [], [], [], {tp: (1, 2)}))
         assert await env.fetchval("SELECT next_offset FROM input_offsets") == 2
+
+
+async def test_a_group_assignment_raises_the_epochs_that_fence_the_previous_owner() -> None:
+    """The rebalance callback itself raises the epochs (the tests above make the assignment by
+    hand): a batch written under the epochs of an assignment made before it is refused."""
+    async with isolated_env(partitions=1) as env:
+        tps = [(env.settings.topic_commands, 0), (env.settings.topic_observations, 0)]
+        async with env.pool.acquire() as conn:
+            before = await claim_partitions(conn, tps)  # the previous owner's assignment
+        processor = await env.start_processor()
+        await eventually(lambda: processor.ownership.joined, bool, what="the assignment")
+        async with env.pool.acquire() as conn:
+            stored = await owner_epochs(conn, tps)
+            assert processor.owned.epochs == stored
+            assert all(stored[tp] > before[tp] for tp in tps)
+            with pytest.raises(OffsetsMoved):
+                await write_batch(conn, BatchWrite([], [], [], [], {tps[0]: (0, 0)}), epochs=before)
