@@ -50,7 +50,7 @@ async def check_run(plan: Plan, settings: Settings, podman: PodmanClient) -> Res
     assert result.inputs > result.commands, table  # the drivers' observations were decided
     assert result.settled, table
     assert result.backend.podman_rows == plan.podman, table  # created, checked on Podman
-    assert result.by_actor["podman-watcher"] > 0, table  # the watcher process saw Podman
+    assert result.watcher_sees_podman, table  # after every fault, the watcher sees Podman
     assert result.findings == [], table
     left = left_on_podman(podman, result.podman_prefix)
     assert left == [], f"the run left containers or workspaces on Podman: {left}"

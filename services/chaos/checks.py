@@ -292,6 +292,15 @@ async def agreeing_runtimes(
         await asyncio.sleep(every)
 
 
+async def observed_running(pool: Pool, sandbox_id: object, generation: int, actor: str) -> bool:
+    """Whether an observation by ``actor`` of the generation running was decided."""
+    query = (
+        "SELECT EXISTS (SELECT 1 FROM history WHERE sandbox_id = $1 AND message->>'actor' = $2"
+        " AND (message->>'generation')::int = $3 AND message->>'state' = 'running')"
+    )
+    return bool(await pool.fetchval(query, sandbox_id, actor, generation))
+
+
 async def backend_rows(pool: Pool) -> list[dict[str, Any]]:
     """What the backend check compares the runtimes with, of every row."""
     records = await pool.fetch("SELECT key, sandbox_id, generation, phase FROM sandboxes")

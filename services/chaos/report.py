@@ -14,6 +14,10 @@ OBSERVERS = (
 )
 
 
+def _yes(held: bool | None) -> str:
+    return {True: "yes", False: "NO", None: "-"}[held]
+
+
 def table(result: Result) -> str:
     plan = result.plan
     roles = (
@@ -49,6 +53,7 @@ def table(result: Result) -> str:
         *handed,
         f"{'polls refused: a gap before them':<34}{result.input_gaps:>8}",
         f"{'settled after healing':<34}{'yes' if result.settled else 'NO':>8}",
+        f"{'watcher saw Podman after healing':<34}{_yes(result.watcher_sees_podman):>8}",
         f"{'rows checked against the backend':<34}{result.backend.rows:>8}",
         f"  {'on Podman':<32}{result.backend.podman_rows:>8}",
         f"    {'containers running':<30}{result.backend.podman_running:>8}",

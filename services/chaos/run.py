@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from drivers.podman_objects import ACTOR as PODMAN_WATCHER
 from drivers.protocol import RuntimeInfo
 from events.publisher import CommandPublisher
 from services.api.app import create_app
@@ -45,6 +46,9 @@ from services.processor.consumer import INPUT_GAP_LOGGED
 
 TOKEN = "sst_chaos-admin"
 SETTLE_CHECKS = 3  # consecutive quiet checks, a second apart
+# The probe's command from each phase a settled sandbox can rest in, towards Ready.
+TO_READY = {"Stopped": "start", "Suspended": "start", "Completed": "start", "Error": "start",
+            "Deleted": "create"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,9 @@ class Result:
     handed: Counter[str] = field(default_factory=Counter)  # `up`'s hand-overs, by outcome
     input_gaps: int = 0  # polls the processors refused: not following the applied offsets
     runs_queued: int = 0  # runs of `up` (killed ones too) that queued a handed event
+    # After healing, the watcher process saw a Podman sandbox brought to Ready (None: the run
+    # has none on Podman).
+    watcher_sees_podman: bool | None = None
     notes: list[str] = field(default_factory=list)
 
     def count(self, kind: checks.Kind) -> int:
@@ -90,7 +97,7 @@ class Result:
 
     @property
     def ok(self) -> bool:
-        return self.settled and not self.findings
+        return self.settled and not self.findings and self.watcher_sees_podman is not False
 
 
 @asynccontextmanager
@@ -231,6 +238,7 @@ async def _run_in(
             if not role.running():
                 role.start()
         await faults.wait_in_sync()
+        watched = await watcher_sees_podman(workload, pool, plan.settle_timeout)
         settled = await settle(settings, pool, plan.settle_timeout)
         # One reconcile pass, through the driver the roles use (the fake and Podman).
         driver = driver_from_settings(settings)
@@ -286,7 +294,38 @@ async def _run_in(
         handed=handed_over(lasting) if plan.ups else Counter(),
         input_gaps=sum(_logged(role, INPUT_GAP_LOGGED) for role in roles),
         runs_queued=sum(_logged(up, FIRST_QUEUED_LOGGED) for up in lasting) if plan.ups else 0,
+        watcher_sees_podman=watched,
     )
+
+
+async def watcher_sees_podman(workload: Workload, pool: checks.Pool, timeout: float) -> bool | None:
+    """After healing, one of the run's Podman sandboxes brought to Ready through the API (a
+    create or a start, as its phase needs), until the watcher process's observation of that
+    generation running is decided; False at the timeout, None with no Podman sandboxes.
+
+    Whether the workload's own Podman sandboxes ever ran is up to the timing: a slow start
+    under faults can see every launch superseded. This shows the watcher sees Podman after
+    every fault, whatever the timing."""
+    if not workload.podman_names:
+        return None
+    key = workload.podman_names[0]
+    sent: set[tuple[object, ...]] = set()  # (phase, sandbox id, generation) acknowledged from
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        row = await pool.fetchrow("SELECT phase, generation, sandbox_id FROM sandboxes "
+                                  "WHERE key = $1", key)  # fmt: skip
+        phase, sandbox_id, generation = (
+            (row["phase"], row["sandbox_id"], row["generation"]) if row else ("Deleted", None, 0)
+        )
+        if phase == "Ready" and await checks.observed_running(
+            pool, sandbox_id, generation, PODMAN_WATCHER
+        ):
+            return True
+        kind, state = TO_READY.get(phase), (phase, sandbox_id, generation)
+        if kind is not None and state not in sent and await workload.send(key, kind):
+            sent.add(state)
+        await asyncio.sleep(0.5)  # a poll: the row and history move as the roles decide
+    return False
 
 
 def _logged(role: RoleProcess, text: str) -> int:

@@ -94,6 +94,13 @@ class Workload:
             kind = rng.choices(LIFECYCLE, weights=(3, 3, 2, 1))[0]
             await self._command(rng, key, kind)
 
+    async def send(self, key: str, kind: str) -> bool:
+        """One command outside the seeded workers (the end's probe), recorded like theirs;
+        whether the API acknowledged it."""
+        cid = f"chaos-{self.seed}-probe-{len(self.sent)}"
+        await self._command(random.Random(), key, kind, cid)
+        return self.sent[cid].acknowledged
+
     async def _command(self, rng: random.Random, key: str, kind: str, cid: str = "") -> None:
         cid = cid or f"chaos-{self.seed}-{uuid.UUID(int=rng.getrandbits(128)).hex[:16]}"
         sent = self.sent.setdefault(cid, Sent(cid, key, kind))
