@@ -10,18 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import uvicorn
 from fastapi import FastAPI
 
 from services.api.readmodel import ChangeFeed
 from services.common.secret_files import check_private
-from services.common.serving import (
-    KEEP_ALIVE_SECONDS,
-    EmbeddedServer,
-    bind,
-    serve_started,
-    url_of,
-)
+from services.common.serving import EmbeddedServer, bind, http_config, serve_started, url_of
 from services.common.settings import Settings
 
 __all__ = ["ApiServer", "RunningApi", "Tls", "bind", "start_api"]
@@ -83,13 +76,11 @@ async def start_api(
     address)."""
     sock = sock or bind(host, port)
     actual = sock.getsockname()[1]
-    config = uvicorn.Config(
+    config = http_config(
         app,
-        log_config=None,
         access_log=access_log,
         lifespan="on",
         timeout_graceful_shutdown=5,
-        timeout_keep_alive=KEEP_ALIVE_SECONDS,
         ssl_certfile=tls.certfile if tls else None,
         ssl_keyfile=tls.keyfile if tls else None,
         proxy_headers=bool(trusted_proxies),

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -31,9 +30,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from services.common.serving import (
-    KEEP_ALIVE_SECONDS,
     EmbeddedServer,
     bind,
+    http_config,
     serve_started,
     url_of,
 )
@@ -150,11 +149,9 @@ async def start_health(
     actual = sock.getsockname()[1]
     tokens = _tokens(tokens_file)
     _quiet_probes()
-    config = uvicorn.Config(
+    config = http_config(
         health_app(role, readiness, tokens),
-        log_config=None,
         lifespan="off",
-        timeout_keep_alive=KEEP_ALIVE_SECONDS,
         proxy_headers=False,  # uvicorn believes X-Forwarded-* from 127.0.0.1 by default
     )
     server = EmbeddedServer(config)
