@@ -252,10 +252,43 @@ async def test_on_replenish_keeps_old_members_until_claimed(api: Api) -> None:
         assert {r["key"] for r in before} <= {r["key"] for r in rows}
 
 
-async def claim(api: Api, name: str, template: str, **more: Any) -> dict[str, Any]:
+async def test_a_claim_pinning_the_newest_revision_adopts_no_outdated_member(api: Api) -> None:
+    """An OnReplenish pool keeps serving its outdated members to claims that pin no revision;
+    a claim pinning the newest one must not get one (it did: a member of revision 1 under a
+    request for revision 2, its spec the older one)."""
+    template, pool = unique("tpl"), unique("pool")
+    await make_template(api, template)
     async with api.client() as c:
-        r = await c.post("/v1/sandboxes", json={"name": name, "template": {"name": template},
-                                                **more}, params={"wait": 30})  # fmt: skip
+        body = {"name": pool, "template": template, "size": 1, "strategy": "OnReplenish"}
+        assert (await c.post("/v1/pools", json=body)).status_code == 201
+        [old] = await settled(api, pool, 1)
+        newer = {"spec": {**SPEC, "image": "registry.example/agent:2"}, "expected_revision": 1}
+        assert (await c.put(f"/v1/templates/{template}", json=newer)).status_code == 200
+
+        cold = await claim(api, unique("agent"), template, revision=2)
+        assert cold["claim"]["warm"] is False, cold
+        assert "of template revision 2" in cold["claim"]["reason"], cold
+        assert [r["key"] for r in await members(api, pool)] == [old["key"]]  # not spent
+
+        r = await c.patch(f"/v1/pools/{pool}", json={"expected_revision": 1, "size": 2})
+        assert r.status_code == 200, r.text
+        rows = await eventually(lambda: members(api, pool), lambda rows: ready(rows, 2) == 1,
+                                timeout=60, what="a member of revision 2")  # fmt: skip
+        [fresh] = [row["key"] for row in rows if row["revision"] == 2]
+        name = unique("agent")
+        warm = await claim(api, name, template, revision=2)
+        assert warm["claim"]["warm"] is True and warm["claim"]["member"] == fresh, warm
+        got = (await c.get(f"/v1/sandboxes/{name}")).json()
+        assert got["template"] == {"name": template, "revision": 2}, got
+
+
+async def claim(
+    api: Api, name: str, template: str, revision: int | None = None, **more: Any
+) -> dict[str, Any]:
+    named = {"name": template} | ({} if revision is None else {"revision": revision})
+    async with api.client() as c:
+        r = await c.post("/v1/sandboxes", json={"name": name, "template": named, **more},
+                         params={"wait": 30})  # fmt: skip
     assert r.status_code == 201, r.text
     assert r.headers["location"] == f"/v1/sandboxes/{name}"
     return dict(r.json())

@@ -46,19 +46,21 @@ from services.api.gateway import CommandGateway
 CANDIDATES: Final = 32
 ADOPT_NS: Final = UUID("8a4f0c2e-1b3d-4e5f-a6b7-c8d9e0f1a2b3")
 
-# The pool's Ready members no claim adopted yet (sandboxes_pool_ready).
+# The pool's Ready members no claim adopted yet (sandboxes_pool_ready), of the template
+# revision a claim pinned if it did (an OnReplenish pool, or a Recreate roll, serves older ones).
 _READY: Final = (
     "SELECT key FROM sandboxes WHERE pool = {pool} AND claim_id IS NULL AND phase = 'Ready' "
-    "AND hold IS NULL ORDER BY updated_at LIMIT {limit}"
+    "AND hold IS NULL AND ({revision}::int IS NULL OR (template->>'revision')::int = {revision}) "
+    "ORDER BY updated_at LIMIT {limit}"
 )
-_CANDIDATES: Final = _READY.format(pool="$1", limit="$2")
+_CANDIDATES: Final = _READY.format(pool="$1", limit="$2", revision="$3")
 # What a claim first finds, in one round trip: the name's row, the member it adopted before (a
 # retried claim) and the candidates.
 _FIRST: Final = f"""
 SELECT n.phase, n.bound_to, n.claim_id,
        (SELECT key FROM sandboxes WHERE pool = $2 AND claim_id = $3
         ORDER BY updated_at LIMIT 1) AS adopted,
-       ARRAY({_READY.format(pool="$2", limit="$4")}) AS candidates
+       ARRAY({_READY.format(pool="$2", limit="$4", revision="$5")}) AS candidates
 FROM (SELECT) AS one LEFT JOIN sandboxes n ON n.key = $1
 """
 # The name's row and whether ``member`` is still adopted by the claim (None: gone or another's).
@@ -105,27 +107,30 @@ async def claim(
     providers: Sequence[str] = (),
     ttl_seconds: int | None = None,
     env_refusal: str | None = None,
+    revision: int | None = None,
     timeout: float = 30.0,
 ) -> ClaimResult:
     """Adopt a Ready member of ``pool`` under ``name`` (warm), or say why not (cold).
     ``env_refusal``: why this door cannot deliver per-claim env or providers warm (a claim
-    with either is then cold)."""
+    with either is then cold); ``revision``: the template revision the claim pinned (only a
+    member of it is adopted)."""
     if (env or providers) and env_refusal is not None:
         what = "env and providers" if env and providers else "env" if env else "providers"
         return cold(f"per-claim {what}: a cold start ({env_refusal})")
     asked = Asked(dict(labels or {}), dict(env or {}), list(providers), ttl_seconds)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    settled, candidates = await _first(gateway, pool, name, claim_id, deadline)
+    settled, candidates = await _first(gateway, pool, name, claim_id, revision, deadline)
     if settled is not None:  # a retried claim: its answer says what the first one's said
         return replace(settled, reason=settled.reason + asked.note()) if settled.warm else settled
     adopting = _ADOPTING.setdefault(gateway, {})
     attempts = 0
     while loop.time() < deadline:
         if candidates is None:
-            candidates = await _candidates(gateway, pool)
+            candidates = await _candidates(gateway, pool, revision)
         if not candidates:
-            return cold(f"no Ready member of pool {pool!r} is unclaimed", attempts)
+            of = "" if revision is None else f" of template revision {revision}"
+            return cold(f"no Ready member of pool {pool!r}{of} is unclaimed", attempts)
         if all(member in adopting for member in candidates):
             await _one_decided([adopting[m] for m in candidates], deadline)
             candidates = None  # read again: what those adoptions left
@@ -168,19 +173,24 @@ def _shuffled(keys: list[str]) -> list[str]:
     return keys
 
 
-async def _candidates(gateway: CommandGateway, pool: str) -> list[str]:
-    rows = await gateway.pool.fetch(_CANDIDATES, pool, CANDIDATES)
+async def _candidates(gateway: CommandGateway, pool: str, revision: int | None) -> list[str]:
+    rows = await gateway.pool.fetch(_CANDIDATES, pool, CANDIDATES, revision)
     return _shuffled([r["key"] for r in rows])
 
 
 async def _first(
-    gateway: CommandGateway, pool: str, name: str, claim_id: str, deadline: float
+    gateway: CommandGateway,
+    pool: str,
+    name: str,
+    claim_id: str,
+    revision: int | None,
+    deadline: float,
 ) -> tuple[ClaimResult | None, list[str] | None]:
     """What a claim need not (or must not) adopt for: its name bound already (a retried claim),
     the member it adopted before (a retry: wait for that one), or a name taken (cold: the
     create the caller makes is refused, and no member is spent on it); else the candidates,
     read in the same round trip."""
-    row = await gateway.pool.fetchrow(_FIRST, name, pool, claim_id, CANDIDATES)
+    row = await gateway.pool.fetchrow(_FIRST, name, pool, claim_id, CANDIDATES, revision)
     assert row is not None  # one row, whether the name has one or not
     bound = row["bound_to"]
     if bound is not None:

@@ -101,6 +101,7 @@ async def claim_first(
             providers=providers,
             ttl_seconds=command.ttl_seconds,
             env_refusal=exec_env_refusal(driver),
+            revision=pinned,
             timeout=CLAIM_TIMEOUT,
         )
         if result.warm:
