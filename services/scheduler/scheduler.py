@@ -40,6 +40,7 @@ from services.common.database import connect_pool
 from services.common.kafka_clients import kafka_client_args
 from services.common.notify_channels import Listening
 from services.common.settings import Settings
+from services.common.suspend import suspend_refusal
 from services.common.usage import forget_deleted, idle_rows
 from services.scheduler.pool_controller import PoolController
 
@@ -138,6 +139,7 @@ class Scheduler:
     # two intervals), the recorded use is as old as the outage, and a sandbox in use through
     # an outage longer than its timeout would be taken for idle.
     _use_unsettled: bool = True
+    _unsuspendable: set[str] = field(default_factory=set)  # said once: idle, not suspendable
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     listening: Listening | None = None
 
@@ -167,7 +169,8 @@ class Scheduler:
                 self._use_unsettled = False
                 self._next_idle_scan = now + 2 * flush
             if self._next_idle_scan is None or now >= self._next_idle_scan:
-                idle = [idle_message(r, now) for r in await self.idle_rows(now)]
+                rows = await self.idle_rows(now)
+                idle = [idle_message(r, now) for r in rows if self.may_suspend(r["key"])]
                 self._idle_ids = {m.observation_id for m in idle}
                 self._next_idle_scan = now + flush
                 due += idle
@@ -226,6 +229,17 @@ class Scheduler:
             if len(page) < self.batch:
                 return rows
             after = page[-1]["key"]
+
+    def may_suspend(self, key: str) -> bool:
+        """Whether the backend keeps ``key``'s workspace through a suspend: else its idle
+        timeout is not acted on (said once), since each suspend would fail and leave it Ready,
+        to be found idle again. The API refuses such a timeout; an older row may have one."""
+        why = suspend_refusal(self.settings, key)
+        if why is not None and key not in self._unsuspendable:
+            self._unsuspendable.add(key)
+            log.warning("idle timeout of %s not acted on: it cannot be suspended here (%s)",
+                        key, why)  # fmt: skip
+        return why is None
 
     async def idle_rows(self, now: datetime) -> list[Any]:
         """Every Ready row idle at ``now`` (by the recorded use, plus the flush interval)."""

@@ -45,6 +45,7 @@ from services.api.providers import require_existing
 from services.api.readmodel import CommandStatus
 from services.common import templates
 from services.common.providers import ProviderMissing
+from services.common.settings import Settings
 from services.common.suspend import suspend_refusal
 from services.common.tokens import PROVIDER_WRITE, stop_timeout_refusal
 
@@ -110,6 +111,9 @@ async def create_sandbox(
     cap = state.settings.api_max_stop_timeout_seconds
     if (why := stop_timeout_refusal(principal, cap, made.spec.stop_timeout_seconds)) is not None:
         raise ApiError(422, "INVALID_ARGUMENT", f"field 'spec.stop_timeout_seconds': {why}")
+    if made.spec.idle_suspend_seconds is not None:
+        field = "template" if body.template is not None else "spec.idle_suspend_seconds"
+        idle_refusal(state.settings, body.name, field)
     command = CreateSandbox(
         type="CreateSandbox",
         command_id=body.command_id or new_command_id(),
@@ -127,6 +131,15 @@ async def create_sandbox(
         state, body, command, lambda: submit(state.gateway, command, wait)
     )
     return claimed if claimed is not None else await submit(state.gateway, command, wait)
+
+
+def idle_refusal(settings: Settings, name: str, field: str) -> None:
+    """A 422 naming ``field`` when ``name`` has an idle timeout it cannot be suspended for:
+    each idle suspend would fail and leave it Ready, to be found idle again (the scheduler
+    skips such a sandbox too)."""
+    if (why := suspend_refusal(settings, name)) is not None:
+        raise ApiError(422, "INVALID_ARGUMENT", f"field '{field}': an idle timeout suspends "
+                       f"the sandbox, and {name!r} cannot be suspended here: {why}")  # fmt: skip
 
 
 # The fields a create from a template may not set (the template does).

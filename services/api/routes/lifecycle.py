@@ -33,7 +33,7 @@ from services.api.models import (
     responses,
 )
 from services.api.readmodel import Attention, CommandStatus
-from services.api.routes.commands import submit
+from services.api.routes.commands import idle_refusal, submit
 
 router = APIRouter()
 
@@ -150,6 +150,8 @@ async def set_idle_suspend(
     state: State,
     wait: WaitQuery = None,
 ) -> JSONResponse:
+    if body.idle_suspend_seconds is not None:
+        idle_refusal(state.settings, name, "idle_suspend_seconds")
     command = SetIdleSuspend(
         type="SetIdleSuspend",
         command_id=body.command_id or new_command_id(),
