@@ -121,6 +121,39 @@ async def test_suspend_without_a_workspace_that_outlives_the_pod_is_refused_with
     assert "SuspendSandbox" not in [h["message_type"] for h in await history(api.env, name)]
 
 
+async def test_an_idle_timeout_for_a_sandbox_that_cannot_be_suspended_is_refused_naming_the_field(
+    api: Api,
+) -> None:
+    """Each idle suspend of it would fail and leave it Ready, to be found idle again for as
+    long as it lived: the API refuses the timeout itself, wherever it comes from."""
+    name = unique(KUBE + "idle")
+    async with api.client() as c:
+        r = await c.post("/v1/sandboxes", json=create_body(name, idle_suspend_seconds=60))
+        assert r.status_code == 422, r.text
+        message = r.json()["message"]
+        assert message.startswith("field 'spec.idle_suspend_seconds': ") and (
+            WORKSPACE_DIES_WITH_POD in message
+        ), message
+        template = unique("tpl")
+        spec = {"image": "registry.example/agent:1", "idle_suspend_seconds": 60}
+        made = await c.post("/v1/templates", json={"name": template, "spec": spec})
+        assert made.status_code == 201, made.text
+        r = await c.post("/v1/sandboxes", json={"name": name, "template": {"name": template}})
+        assert r.status_code == 422 and r.json()["message"].startswith("field 'template': ")
+        assert (await c.get(f"/v1/sandboxes/{name}")).status_code == 404  # nothing was sent
+
+        await created(api, create_body(name))
+        r = await c.post(f"/v1/sandboxes/{name}:idle-suspend", json={"idle_suspend_seconds": 60})
+        assert r.status_code == 422, r.text
+        assert r.json()["message"].startswith("field 'idle_suspend_seconds': "), r.text
+        r = await c.post(f"/v1/sandboxes/{name}:idle-suspend", json={"idle_suspend_seconds": None})
+        assert r.status_code < 300, r.text  # clearing one is no suspend
+
+        other = unique("idle")  # a name the backend can suspend takes one
+        r = await c.post("/v1/sandboxes", json={"name": other, "template": {"name": template}})
+        assert r.status_code < 300, r.text
+
+
 async def test_a_call_refused_for_its_own_input_wakes_no_suspended_sandbox(api: Api) -> None:
     """A files call with a path refused (NUL, too long, the root removed or moved) and an exec
     refused for the token's session limit: 4xx, and the sandbox stays Suspended with no resume
@@ -197,6 +230,70 @@ async def test_a_files_read_token_wakes_a_suspended_sandbox_a_sandbox_read_token
             ("rejected", "filesonly"),
             ("applied", "filesonly"),
         ]
+
+
+async def test_two_tokens_calling_one_suspended_sandbox_at_once_are_both_answered() -> None:
+    """Each caller's wake sends a resume of its own: calls of two tokens that found the same
+    suspended row sent one command id, and the second was refused as a reuse of another's
+    id (a 500). Three rounds, both calls sent at once in each."""
+    store = TokenStore.of(
+        admin=(apikit.ADMIN, *(s for s in SCOPES if s != AUDIT)), filesonly=(FILES_ONLY, FILES_READ)
+    )
+    async with apikit.running_api(FakeDriver(), token_store=store) as api:
+        name = unique("two")
+        await created(api, create_body(name))
+        stat = (f"/v1/sandboxes/{name}/files/stat", {"path": "/workspace"})
+        async with api.client() as admin, api.client(FILES_ONLY) as files:
+            for generation in (1, 2, 3):
+                r = await admin.post(f"/v1/sandboxes/{name}:suspend", params={"wait": 30})
+                assert r.status_code == 200, r.text
+                await phase_is(api, name, "Suspended", generation)
+                answers = await asyncio.gather(
+                    admin.get(stat[0], params=stat[1]), files.get(stat[0], params=stat[1])
+                )
+                # Both got past the wake to the runtime (the fake driver's sandboxes have none
+                # for the API's files door to reach).
+                assert [(a.status_code, "runtime is not running" in a.text) for a in answers] == [
+                    (409, True),
+                    (409, True),
+                ], [a.text for a in answers]
+                await phase_is(api, name, "Ready", generation + 1)
+        resumes = [h for h in await history(api.env, name) if h["message_type"] == "ResumeSandbox"]
+        assert {h["disposition"] for h in resumes} <= {"applied", "idempotent", "duplicate"}
+        assert {h["message"]["actor"] for h in resumes} == {"admin", "filesonly"}
+
+
+async def test_a_call_that_finds_a_sandbox_resuming_waits_for_it_like_the_call_that_woke_it(
+    api: Api,
+) -> None:
+    """A call a moment after the one that woke the sandbox found it Starting (the resume
+    decided, its launch under way) and was answered 409 "Starting, not Ready" at once; it now
+    waits for the resumed generation, as the waking call does."""
+    name = unique("inflight")
+    await created(api, create_body(name))
+    driver = api.plane.driver if api.plane is not None else None
+    assert isinstance(driver, FakeDriver)
+    launches = driver.block("launch", name)
+    stat = (f"/v1/sandboxes/{name}/files/stat", {"path": "/workspace"})
+    async with api.client() as c:
+        r = await c.post(f"/v1/sandboxes/{name}:suspend", params={"wait": 30})
+        assert r.status_code == 200, r.text
+        await phase_is(api, name, "Suspended", 1)
+        waking = asyncio.create_task(c.get(stat[0], params=stat[1]))
+        await launches.entered(timeout=30)  # resumed: generation 2 Starting, its launch held
+        assert (await row(api, name))["phase"] == "Starting"
+        later = asyncio.create_task(c.get(stat[0], params=stat[1]))
+        # While the launch is held the later call has no answer to give (the old code's 409
+        # came at once); two seconds bound the look.
+        done, _ = await asyncio.wait({later}, timeout=2)
+        assert not done, later.result().text
+        launches.release()
+        for answer in (await waking, await later):
+            # Past the wake to the runtime (none for the API's files door on the fake driver).
+            assert answer.status_code == 409 and "runtime is not running" in answer.text, (
+                answer.text
+            )
+    await phase_is(api, name, "Ready", 2)
 
 
 async def test_no_call_wakes_a_sandbox_whose_time_to_live_ended_while_suspended() -> None:

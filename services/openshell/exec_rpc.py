@@ -128,9 +128,12 @@ class ExecRpcs:
         try:  # a Suspended sandbox is resumed first (services/api/wake.py)
             view = await woken(self.door.gateway, view, principal.name, self.door.wake_timeout)
         except WakeFailed as exc:
-            late = exc.timed_out
             status = (
-                grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.FAILED_PRECONDITION
+                grpc.StatusCode.DEADLINE_EXCEEDED
+                if exc.timed_out
+                else grpc.StatusCode.UNAVAILABLE
+                if exc.unavailable
+                else grpc.StatusCode.FAILED_PRECONDITION
             )
             await abort(context, status, f"sandbox {view.name!r} was Suspended and {exc.reason}")
         if view.phase is not Phase.READY:

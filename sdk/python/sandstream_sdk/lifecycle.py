@@ -95,10 +95,12 @@ def command_call(name: str, verb: Verb, body: dict[str, Any] | None = None) -> C
 
 
 def wake_body(info: SandboxInfo) -> dict[str, Any]:
-    """A resume of ``info``'s suspended generation under the command id the server's own wake
-    uses (``wake:<id>:<generation>:v<version>``): a connect, a resume and an exec that find the
-    same suspended sandbox at once are decided as one ResumeSandbox."""
-    return {"command_id": f"wake:{info.id}:{info.generation}:v{info.version}"}
+    """A resume of ``info``'s suspended generation under a command id of this call alone
+    (``resume:<id>:<generation>:v<version>:<random>``): the transport's retries of it are one
+    command, and no other caller's is refused as a reuse of its id (a command id belongs to its
+    first sender). A resume that finds the sandbox resuming already is decided as idempotent."""
+    call = secrets.token_hex(6)
+    return {"command_id": f"resume:{info.id}:{info.generation}:v{info.version}:{call}"}
 
 
 def versioned(expected_version: int | None) -> dict[str, Any]:
