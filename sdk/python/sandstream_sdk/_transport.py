@@ -17,6 +17,10 @@ import httpx
 from sandstream_sdk.errors import AuthenticationError, UnavailableError, error_of
 
 DEFAULT_URL = "http://127.0.0.1:8787"
+# The server's default SANDSTREAM_WAKE_TIMEOUT_SECONDS: a call that wakes a suspended sandbox
+# (a command, a files call) may wait that long before its own work begins, so its read
+# timeout is that much longer (a server with a longer wake needs ``request_timeout`` raised).
+WAKE_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,8 @@ def _token_file() -> str | None:
 @dataclass(frozen=True)
 class Call:
     """One request: what to send, the statuses that mean success, and its read timeout
-    (``None``: as long as the answer takes; ``"default"``: the config's request timeout)."""
+    (``None``: as long as the answer takes; ``"default"``: the config's request timeout),
+    plus the server's wake bound when the call can wake a suspended sandbox (``wakes``)."""
 
     method: str
     path: str
@@ -66,6 +71,7 @@ class Call:
     content: bytes | None = None
     ok: tuple[int, ...] = (200,)
     read_timeout: float | str | None = "default"
+    wakes: bool = False
 
     def request_args(self, config: Config) -> dict[str, Any]:
         args: dict[str, Any] = {"params": self.params}
@@ -74,8 +80,12 @@ class Call:
         if self.content is not None:
             args["content"] = self.content
             args["headers"] = {"Content-Type": "application/octet-stream"}
-        if not isinstance(self.read_timeout, str):
-            args["timeout"] = httpx.Timeout(config.request_timeout, read=self.read_timeout)
+        read = config.request_timeout if self.read_timeout == "default" else self.read_timeout
+        assert not isinstance(read, str), self.read_timeout
+        if self.wakes and read is not None:
+            read += WAKE_SECONDS
+        if self.wakes or self.read_timeout != "default":
+            args["timeout"] = httpx.Timeout(config.request_timeout, read=read)
         return args
 
 

@@ -46,7 +46,7 @@ def run_call(
         body["stdin"] = stdin
     read = None if stream or timeout is None else timeout + SLACK
     params = {"stream": "true"} if stream else {}
-    return Call("POST", f"/v1/sandboxes/{name}/exec", params, body, read_timeout=read)
+    return Call("POST", f"/v1/sandboxes/{name}/exec", params, body, read_timeout=read, wakes=True)
 
 
 # The status of the API's answer that an ``error`` event of a stream stands for (the stream

@@ -15,34 +15,38 @@ def _files(name: str, tail: str = "") -> str:
 
 def write_call(name: str, path: str, data: str | bytes) -> Call:
     content = data.encode() if isinstance(data, str) else bytes(data)
-    return Call("PUT", _files(name, "/content"), {"path": path}, content=content, ok=(200, 201))
+    return Call(
+        "PUT", _files(name, "/content"), {"path": path}, content=content, ok=(200, 201), wakes=True
+    )
 
 
 def read_call(name: str, path: str) -> Call:
-    return Call("GET", _files(name, "/content"), {"path": path})
+    return Call("GET", _files(name, "/content"), {"path": path}, wakes=True)
 
 
 def list_call(name: str, path: str) -> Call:
-    return Call("GET", _files(name), {"path": path})
+    return Call("GET", _files(name), {"path": path}, wakes=True)
 
 
 def stat_call(name: str, path: str) -> Call:
-    return Call("GET", _files(name, "/stat"), {"path": path})
+    return Call("GET", _files(name, "/stat"), {"path": path}, wakes=True)
 
 
 def mkdir_call(name: str, path: str) -> Call:
     return Call("POST", _files(name, "/mkdir"), json={"path": path, "parents": True},
-                ok=(200, 201))  # fmt: skip
+                ok=(200, 201), wakes=True)  # fmt: skip
 
 
 def remove_call(name: str, path: str) -> Call:
     """A file, or a directory with all in it (as E2B's ``remove``)."""
-    return Call("DELETE", _files(name), {"path": path, "recursive": "true"}, ok=(200, 204))
+    return Call(
+        "DELETE", _files(name), {"path": path, "recursive": "true"}, ok=(200, 204), wakes=True
+    )
 
 
 def move_call(name: str, source: str, destination: str) -> Call:
     body = {"source": source, "destination": destination}
-    return Call("POST", _files(name, "/move"), json=body)
+    return Call("POST", _files(name, "/move"), json=body, wakes=True)
 
 
 def entry_of(body: Any) -> EntryInfo:

@@ -1,0 +1,60 @@
+"""The SDK's calls that can wake a suspended sandbox (a command, a files call) wait for the
+server's wake bound on top of their own timeout. Before, a files call's read timeout was the
+request timeout alone (60 s, as long as the server's whole wake), and a command's its run
+plus 30 s: a wake longer than that was reported as "cannot reach the API".
+
+Scaled: a request timeout of one second, and a wake held three seconds (the resumed
+generation's launch held in the fake driver), through the same code as 60 s and longer."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import apikit
+from apikit import create_body, unique
+from harness import eventually
+
+from drivers.fake import FakeDriver
+from services.common.settings import PROJECT_ROOT
+
+sys.path.insert(0, str(PROJECT_ROOT / "sdk" / "python"))  # the SDK as a user has it
+
+from sandstream_sdk import AsyncSandbox
+from sandstream_sdk.errors import UnavailableError
+
+REQUEST_TIMEOUT = 1.0
+WAKE_HELD = 3 * REQUEST_TIMEOUT
+
+
+async def test_a_files_call_waits_out_a_wake_longer_than_its_request_timeout() -> None:
+    driver = FakeDriver()
+    async with apikit.running_api(driver) as api, api.client() as c:
+        name = unique("sdkwake")
+        r = await c.post("/v1/sandboxes", json=create_body(name), params={"wait": 30})
+        assert r.status_code == 201, r.text
+        await eventually(lambda: c.get(f"/v1/sandboxes/{name}"),
+                         lambda r: r.json()["phase"] == "Ready", what="Ready")  # fmt: skip
+        r = await c.post(f"/v1/sandboxes/{name}:suspend", params={"wait": 30})
+        assert r.status_code == 200, r.text
+        await eventually(lambda: c.get(f"/v1/sandboxes/{name}"),
+                         lambda r: r.json()["phase"] == "Suspended", what="Suspended")  # fmt: skip
+        launches = driver.block("launch", name)
+        sb = await AsyncSandbox.connect(
+            name, auto_resume=False, api_url=api.url, token=apikit.ADMIN,
+            request_timeout=REQUEST_TIMEOUT,
+        )  # fmt: skip
+        try:
+            reading = asyncio.create_task(sb.files.read("/workspace/f"))
+            await launches.entered(timeout=30)  # woken: the resumed generation's launch held
+            await asyncio.sleep(WAKE_HELD)  # a wake longer than the request timeout: the case
+            launches.release()
+            try:
+                await reading
+                raise AssertionError("the fake driver's sandboxes have no runtime to read")
+            except UnavailableError as exc:  # the old read timeout
+                raise AssertionError(f"the call gave up during the wake: {exc}") from exc
+            except Exception as exc:  # past the wake, at the runtime
+                assert "runtime is not running" in str(exc), exc
+        finally:
+            await sb.close()
