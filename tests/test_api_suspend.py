@@ -154,10 +154,16 @@ async def test_an_idle_timeout_for_a_sandbox_that_cannot_be_suspended_is_refused
         assert r.status_code < 300, r.text
 
 
+async def unsized() -> AsyncIterator[bytes]:
+    """A body sent chunked: no Content-Length."""
+    yield b"x"
+
+
 async def test_a_call_refused_for_its_own_input_wakes_no_suspended_sandbox(api: Api) -> None:
-    """A files call with a path refused (NUL, too long, the root removed or moved) and an exec
-    refused for the token's session limit: 4xx, and the sandbox stays Suspended with no resume
-    on its history (they were checked only after the wake had resumed it)."""
+    """A files call with a path refused (NUL, too long, the root removed or moved; a raw
+    upload onto the workspace directory or without a Content-Length) and an exec refused for
+    the token's session limit: 4xx, and the sandbox stays Suspended with no resume on its
+    history (they were checked only after the wake had resumed it)."""
     name = unique("refused")
     await created(api, create_body(name))
     async with api.client() as c:
@@ -174,10 +180,12 @@ async def test_a_call_refused_for_its_own_input_wakes_no_suspended_sandbox(api: 
             c.post(f"{files}/mkdir", json={"path": "x" * 5000}),
             c.delete(files, params={"path": "/", "recursive": "true"}),
             c.post(f"{files}/move", json={"source": "/workspace", "destination": "/tmp/w"}),
+            c.put(f"{files}/content", params={"path": "/workspace"}, content=b"x"),
+            c.put(f"{files}/content", params={"path": "/workspace/f"}, content=unsized()),
         ]
         for call in calls:
             r = await call
-            assert r.status_code in (400, 422), r.text
+            assert r.status_code in (400, 411, 422), r.text
         limits = api.app.state.api.exec_limits
         with contextlib.ExitStack() as sessions:  # the token's sessions all open elsewhere
             for _ in range(limits.per_token):

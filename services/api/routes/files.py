@@ -301,6 +301,8 @@ async def upload(
     ] = "raw",
 ) -> FileEntryView:
     where = checked_path("query parameter 'path'", path)
+    if format == "raw":
+        declared = _raw_refusal(request, where)
     source, key, generation = await ready(state, name, principal.name, transfer=True)
     limit = state.settings.files_max_upload_bytes
     body = _counted(request, limit)
@@ -313,7 +315,7 @@ async def upload(
             if format == "tar":
                 await source.write_tar(key, generation, where, checked(body))
             else:
-                await _upload_file(source, key, generation, where, request, body)
+                await _upload_file(source, key, generation, where, declared, body)
     except TooLarge:
         raise upload_too_large(limit) from None
     except Lapsed as exc:
@@ -338,25 +340,31 @@ async def _existing(source: FileSource, key: str, generation: int, path: str) ->
         raise refused(exc) from exc
 
 
-async def _upload_file(
-    source: FileSource,
-    key: str,
-    generation: int,
-    where: str,
-    request: Request,
-    body: AsyncIterator[bytes],
-) -> None:
-    """The body as a file at ``where``: extracted under a temporary name beside it, then
-    renamed over it, so no reader sees a part and a failed upload leaves nothing."""
+def _raw_refusal(request: Request, where: str) -> int:
+    """A raw upload's declared length; refused for its own input before any wake (411 with
+    no Content-Length, 400 for the root or the workspace directory itself)."""
     declared = request.headers.get("content-length")
     if declared is None or not declared.isdigit():
         raise ApiError(411, "LENGTH_REQUIRED", "a raw upload needs a Content-Length header "
                        "(send a tar with format=tar to stream one of unknown length)")  # fmt: skip
     if where in KEPT:
         raise ApiError(400, "INVALID_ARGUMENT", f"{where!r}: a directory (not a file path)")
+    return int(declared)
+
+
+async def _upload_file(
+    source: FileSource,
+    key: str,
+    generation: int,
+    where: str,
+    declared: int,
+    body: AsyncIterator[bytes],
+) -> None:
+    """The body as a file at ``where``: extracted under a temporary name beside it, then
+    renamed over it, so no reader sees a part and a failed upload leaves nothing."""
     folder = posixpath.dirname(where)
     temporary = posixpath.join(folder, f".sandstream-upload-{secrets.token_hex(8)}")
-    archive = one_member(posixpath.basename(temporary), int(declared), body)
+    archive = one_member(posixpath.basename(temporary), declared, body)
     try:
         await source.write_tar(key, generation, folder, archive)
         await source.replace(key, generation, temporary, where)
