@@ -231,6 +231,7 @@ class PodView:
     stop_timeout: int | None  # the sandbox's own grace period (its label), if any
     claim: str | None = None  # the workspace claim it mounts, if any
     secret: str | None = None  # the Secret its env refers to (provider values), if any
+    pull_failure: str | None = None  # why its image cannot be pulled (pull_failure), if so
 
     @property
     def uid(self) -> str:
@@ -255,6 +256,21 @@ def parse_time(value: object) -> datetime | None:
     except ValueError:
         return None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+# A sandbox container waiting for one of these cannot start until the image or the registry
+# changes: the kubelet has failed a pull and backs off (it retries for ever), or the name is
+# invalid, or the policy forbids a pull. A launch fails on it at once, not at its timeout.
+PULL_FAILED: Final = frozenset({"ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
+
+
+def pull_failure(pod: Pod) -> str | None:
+    """The kubelet's reason and message when the sandbox container's image cannot be pulled."""
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if cs.get("name") == CONTAINER and waiting.get("reason") in PULL_FAILED:
+            return f"{waiting['reason']}: {waiting.get('message') or 'no message'}"
+    return None
 
 
 def pod_state(pod: Pod) -> tuple[RuntimeState, int | None, datetime | None]:
@@ -325,6 +341,7 @@ def read_pod(pod: Pod) -> PodView | None:
         stop_timeout=labels.stop_timeout,
         claim=_claim_of(pod),
         secret=_secret_of(pod),
+        pull_failure=pull_failure(pod) if runtime_state == "created" else None,
     )
 
 

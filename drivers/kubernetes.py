@@ -35,7 +35,7 @@ import logging
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 from uuid import UUID
 
 from kubernetes_asyncio import config
@@ -209,7 +209,7 @@ class KubernetesDriver:
             started, _ = await await_pod(
                 self._api,
                 current,
-                lambda v: v is None or v.info.state != "created",
+                lambda v: v is None or v.info.state != "created" or v.pull_failure is not None,
                 self.cfg.launch_timeout,
                 self._cache,
             )
@@ -224,9 +224,23 @@ class KubernetesDriver:
             raise DriverError(
                 f"pod {current.name} was removed while it started", retryable=True, observed=None
             )
+        if started.pull_failure is not None:
+            self._unpullable(spec, started)
         if cached and not adopted:
             await self._recheck(spec, current)
         return LaunchResult(started.uid, spec.generation, spec.identity, True, adopted=adopted)
+
+    @staticmethod
+    def _unpullable(spec: LaunchSpec, pod: PodView) -> NoReturn:
+        """Fail for good a launch whose image cannot be pulled, in the kubelet's words. The Pod
+        stays (Pending: the kubelet tries again now and then) until a start replaces it or a
+        delete removes it: removed now, its removal would race this failure to the processor
+        and could name the wrong cause ("runtime removed outside sandstream")."""
+        raise DriverError(
+            f"pod {pod.name} cannot pull image {spec.spec.image!r} ({pod.pull_failure})",
+            retryable=False,
+            observed="created",
+        )
 
     async def _recheck(self, spec: LaunchSpec, created: PodView) -> None:
         """The launch's rules again, over the key's Pods as of after its create: the cache it

@@ -185,6 +185,33 @@ async def test_lifecycle_with_a_real_container_sigkill_after_the_grace_and_its_e
         await admin.remove_everything_of(ns, name)
 
 
+async def test_an_image_that_cannot_be_pulled_fails_the_create_at_once_in_the_kubelets_words(
+    api: tuple[apikit.Api, HoldingDriver], admin: Admin, ns: str, node: str
+) -> None:
+    """The kubelet retries a failed pull for ever (ErrImagePull, then ImagePullBackOff) and the
+    Pod stays Pending: the launch waited out its timeout (60 s here, 120 s by default), failed
+    as retryable, and the executor tried again, for minutes in all. Now the back-off fails it
+    for good with the kubelet's message (its Pod stays Pending until a delete or a start)."""
+    running, _ = api
+    name = unique("pull")
+    image = "localhost/sandstream-no-such-image:1"
+    try:
+        async with running.client() as c:
+            body = create_body(name, image=image, command=["sleep", "60"])
+            created = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
+            assert created.status_code == 201, created.text
+            await running.wait_phase(name, "Error", timeout=45)  # under the launch's 60 s
+            reason = (await c.get(f"/v1/sandboxes/{name}")).json()["reason"]
+            assert f"cannot pull image {image!r}" in reason and "ImagePullBackOff" in reason, reason
+            assert [p["status"]["phase"] for p in await admin.pods(ns, name)] == ["Pending"]
+            delete = await c.delete(f"/v1/sandboxes/{name}", params={"wait": 60})
+            assert delete.status_code == 200, delete.text
+            await running.wait_phase(name, "Deleted", timeout=60)
+            assert await admin.pod_names(ns, name) == []
+    finally:
+        await admin.remove_everything_of(ns, name)
+
+
 async def logs_of(
     c: httpx.AsyncClient, name: str, done: Callable[[list[str]], bool], timeout: float = 30.0
 ) -> list[str]:
