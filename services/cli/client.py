@@ -46,6 +46,9 @@ class Connection:
     token_file: Path | None
 
 
+REQUEST_SECONDS = 30.0  # one request's timeout
+
+
 class Client:
     def __init__(self, settings: Settings, conn: Connection, *, need_token: bool = True) -> None:
         self.url = (conn.url or settings.api_base_url).rstrip("/")
@@ -61,8 +64,11 @@ class Client:
                 fail(f"no API token: {exc}. {hint} (it writes one).")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(
-            base_url=self.url, headers=headers, timeout=30.0, verify=_verify(settings)
+            base_url=self.url, headers=headers, timeout=REQUEST_SECONDS, verify=_verify(settings)
         )
+        # A call that can wake a suspended sandbox (files; exec streams have no read timeout)
+        # may wait the server's wake bound first: this one's setting, default the server's.
+        self.waking = REQUEST_SECONDS + settings.wake_timeout_seconds
 
     def request(
         self,

@@ -49,7 +49,7 @@ def _files(name: str) -> str:
 def _remote_stat(client: Client, name: str, path: str) -> dict[str, Any] | None:
     try:
         entry: dict[str, Any] = client.request(
-            "GET", _files(name) + "/stat", params={"path": path}
+            "GET", _files(name) + "/stat", params={"path": path}, timeout=client.waking
         ).json()
     except ApiFailure as exc:
         # 404 for the path, not for the sandbox ("sandbox 'x' not found")
@@ -284,7 +284,9 @@ def list_files(
     output: OutputOpt = Output.table,
 ) -> None:
     """List a directory of the sandbox."""
-    answer = client_of(ctx).request("GET", _files(name), params={"path": path}).json()
+    client = client_of(ctx)
+    listed = client.request("GET", _files(name), params={"path": path}, timeout=client.waking)
+    answer = listed.json()
     if output == Output.json:
         print_json(answer)
         return
@@ -298,7 +300,11 @@ def stat_file(
     ctx: typer.Context, name: NameArg, path: PathArg, output: OutputOpt = Output.table
 ) -> None:
     """Show one path's entry (a symlink as itself)."""
-    entry = client_of(ctx).request("GET", _files(name) + "/stat", params={"path": path}).json()
+    client = client_of(ctx)
+    stat = client.request(
+        "GET", _files(name) + "/stat", params={"path": path}, timeout=client.waking
+    )
+    entry = stat.json()
     if output == Output.json:
         print_json(entry)
         return
@@ -316,7 +322,10 @@ def make_directory(
 ) -> None:
     """Make a directory (and its missing parents)."""
     body = {"path": path, "parents": not no_parents}
-    entry = client_of(ctx).request("POST", _files(name) + "/mkdir", json_body=body, ok=(201,))
+    client = client_of(ctx)
+    entry = client.request(
+        "POST", _files(name) + "/mkdir", json_body=body, ok=(201,), timeout=client.waking
+    )
     out.print(f"made {name}:{entry.json()['path']}")
 
 
@@ -331,7 +340,8 @@ def remove(
 ) -> None:
     """Remove a file, a symlink, an empty directory, or (-r) a directory and all in it."""
     params = {"path": path, "recursive": "true" if recursive else "false"}
-    client_of(ctx).request("DELETE", _files(name), params=params, ok=(204,))
+    client = client_of(ctx)
+    client.request("DELETE", _files(name), params=params, ok=(204,), timeout=client.waking)
     out.print(f"removed {name}:{path}")
 
 
@@ -339,5 +349,8 @@ def remove(
 def move(ctx: typer.Context, name: NameArg, source: PathArg, destination: PathArg) -> None:
     """Rename a path (a file or an empty directory at the destination is replaced)."""
     body = {"source": source, "destination": destination}
-    entry = client_of(ctx).request("POST", _files(name) + "/move", json_body=body).json()
+    client = client_of(ctx)
+    entry = client.request(
+        "POST", _files(name) + "/move", json_body=body, timeout=client.waking
+    ).json()
     out.print(f"moved {name}:{source} -> {name}:{entry['path']}")
