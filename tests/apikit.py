@@ -9,15 +9,16 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI
 from harness import Env, eventually, isolated_env
 
+from drivers.fake import FakeDriver
 from drivers.protocol import Driver
 from events.publisher import CommandPublisher
 from services.api.app import create_app
@@ -55,6 +56,9 @@ def tokens() -> TokenStore:
 
 def unique(prefix: str = "sb") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -184,3 +188,28 @@ def rows(events: list[Event]) -> list[dict[str, Any]]:
 
 def create_body(name: str, **spec: Any) -> dict[str, Any]:
     return {"name": name, "spec": {"image": "registry.example/agent:1", **spec}}
+
+
+async def suspended(c: httpx.AsyncClient, name: str) -> None:
+    """A sandbox ``name`` created (the image of ``create_body``), Ready, then Suspended."""
+
+    async def phase() -> str:
+        return str((await c.get(f"/v1/sandboxes/{name}")).json()["phase"])
+
+    r = await c.post("/v1/sandboxes", json=create_body(name), params={"wait": 30})
+    assert r.status_code == 201, r.text
+    await eventually(phase, lambda p: p == "Ready", what=f"{name} Ready")
+    r = await c.post(f"/v1/sandboxes/{name}:suspend", params={"wait": 30})
+    assert r.status_code == 200, r.text
+    await eventually(phase, lambda p: p == "Suspended", what=f"{name} Suspended")
+
+
+async def during_a_held_wake(driver: FakeDriver, name: str, call: Awaitable[T], held: float) -> T:
+    """``call`` (one that wakes suspended ``name``) while the resumed generation's launch is
+    held ``held`` seconds: a wake that long (the point of the tests that use it)."""
+    launches = driver.block("launch", name)
+    running = asyncio.ensure_future(call)
+    await launches.entered(timeout=30)
+    await asyncio.sleep(held)
+    launches.release()
+    return await running

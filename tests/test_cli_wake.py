@@ -9,8 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import apikit
-from apikit import create_body, unique
-from harness import eventually
+from apikit import unique
 from typer.testing import CliRunner
 
 from drivers.fake import FakeDriver
@@ -24,21 +23,10 @@ async def test_a_files_command_waits_out_a_wake_longer_than_its_request_timeout(
     driver = FakeDriver()
     async with apikit.running_api(driver) as api, api.client() as c:
         name = unique("cliwake")
-        r = await c.post("/v1/sandboxes", json=create_body(name), params={"wait": 30})
-        assert r.status_code == 201, r.text
-        await eventually(lambda: c.get(f"/v1/sandboxes/{name}"),
-                         lambda r: r.json()["phase"] == "Ready", what="Ready")  # fmt: skip
-        r = await c.post(f"/v1/sandboxes/{name}:suspend", params={"wait": 30})
-        assert r.status_code == 200, r.text
-        await eventually(lambda: c.get(f"/v1/sandboxes/{name}"),
-                         lambda r: r.json()["phase"] == "Suspended", what="Suspended")  # fmt: skip
-        launches = driver.block("launch", name)
+        await apikit.suspended(c, name)
         argv = ["--url", api.url, "--token", apikit.ADMIN, "sandbox", "files", "stat", name, "f"]
-        stat = asyncio.create_task(asyncio.to_thread(CliRunner().invoke, app, argv))
-        await launches.entered(timeout=30)  # woken: the resumed generation's launch held
-        await asyncio.sleep(HELD)  # a wake longer than a request's timeout: the case
-        launches.release()
-        result = await stat
+        stat = asyncio.to_thread(CliRunner().invoke, app, argv)
+        result = await apikit.during_a_held_wake(driver, name, stat, HELD)
         said = result.output + (str(result.exception) if result.exception else "")
         assert "cannot reach the API" not in said, said
         # Past the wake, at the runtime (the fake driver's sandboxes have none for the API's

@@ -8,12 +8,10 @@ generation's launch held in the fake driver), through the same code as 60 s and 
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
 import apikit
-from apikit import create_body, unique
-from harness import eventually
+from apikit import unique
 
 from drivers.fake import FakeDriver
 from services.common.settings import PROJECT_ROOT
@@ -31,26 +29,15 @@ async def test_a_files_call_waits_out_a_wake_longer_than_its_request_timeout() -
     driver = FakeDriver()
     async with apikit.running_api(driver) as api, api.client() as c:
         name = unique("sdkwake")
-        r = await c.post("/v1/sandboxes", json=create_body(name), params={"wait": 30})
-        assert r.status_code == 201, r.text
-        await eventually(lambda: c.get(f"/v1/sandboxes/{name}"),
-                         lambda r: r.json()["phase"] == "Ready", what="Ready")  # fmt: skip
-        r = await c.post(f"/v1/sandboxes/{name}:suspend", params={"wait": 30})
-        assert r.status_code == 200, r.text
-        await eventually(lambda: c.get(f"/v1/sandboxes/{name}"),
-                         lambda r: r.json()["phase"] == "Suspended", what="Suspended")  # fmt: skip
-        launches = driver.block("launch", name)
+        await apikit.suspended(c, name)
         sb = await AsyncSandbox.connect(
             name, auto_resume=False, api_url=api.url, token=apikit.ADMIN,
             request_timeout=REQUEST_TIMEOUT,
         )  # fmt: skip
         try:
-            reading = asyncio.create_task(sb.files.read("/workspace/f"))
-            await launches.entered(timeout=30)  # woken: the resumed generation's launch held
-            await asyncio.sleep(WAKE_HELD)  # a wake longer than the request timeout: the case
-            launches.release()
+            reading = sb.files.read("/workspace/f")
             try:
-                await reading
+                await apikit.during_a_held_wake(driver, name, reading, WAKE_HELD)
                 raise AssertionError("the fake driver's sandboxes have no runtime to read")
             except UnavailableError as exc:  # the old read timeout
                 raise AssertionError(f"the call gave up during the wake: {exc}") from exc
