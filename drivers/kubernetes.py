@@ -214,33 +214,16 @@ class KubernetesDriver:
                 self._cache,
             )
         except Deadline:
-            raise DriverError(
-                f"pod {current.name} not running {self.cfg.launch_timeout:.0f}s after its "
-                "creation (unschedulable, or its image cannot be pulled)",
-                retryable=True,
-                observed="created",
-            ) from None
+            raise not_running(current, self.cfg.launch_timeout) from None
         if started is None:
             raise DriverError(
                 f"pod {current.name} was removed while it started", retryable=True, observed=None
             )
         if started.pull_failure is not None:
-            self._unpullable(spec, started)
+            unpullable(spec, started)
         if cached and not adopted:
             await self._recheck(spec, current)
         return LaunchResult(started.uid, spec.generation, spec.identity, True, adopted=adopted)
-
-    @staticmethod
-    def _unpullable(spec: LaunchSpec, pod: PodView) -> NoReturn:
-        """Fail for good a launch whose image cannot be pulled, in the kubelet's words. The Pod
-        stays (Pending: the kubelet tries again now and then) until a start replaces it or a
-        delete removes it: removed now, its removal would race this failure to the processor
-        and could name the wrong cause ("runtime removed outside sandstream")."""
-        raise DriverError(
-            f"pod {pod.name} cannot pull image {spec.spec.image!r} ({pod.pull_failure})",
-            retryable=False,
-            observed="created",
-        )
 
     async def _recheck(self, spec: LaunchSpec, created: PodView) -> None:
         """The launch's rules again, over the key's Pods as of after its create: the cache it
@@ -388,3 +371,26 @@ class KubernetesDriver:
                 error.observed = "absent"
         except (*TRANSPORT_ERRORS, ApiStatusError) as exc:
             log.info("cannot observe %s after a failure: %s", key, describe(exc))
+
+
+def not_running(pod: PodView, timeout: float) -> DriverError:
+    """A launch whose Pod is still Pending at its timeout: retryable (it may yet be
+    scheduled, or its image still be downloading)."""
+    return DriverError(
+        f"pod {pod.name} not running {timeout:.0f}s after its creation (unschedulable, or its "
+        "image still downloading)",
+        retryable=True,
+        observed="created",
+    )
+
+
+def unpullable(spec: LaunchSpec, pod: PodView) -> NoReturn:
+    """Fail for good a launch whose image cannot be pulled, in the kubelet's words. The Pod
+    stays (Pending: the kubelet tries again now and then) until a start replaces it or a
+    delete removes it: removed now, its removal would race this failure to the processor and
+    could name the wrong cause ("runtime removed outside sandstream")."""
+    raise DriverError(
+        f"pod {pod.name} cannot pull image {spec.spec.image!r} ({pod.pull_failure})",
+        retryable=False,
+        observed="created",
+    )
