@@ -206,10 +206,13 @@ async def suspended(c: httpx.AsyncClient, name: str) -> None:
 
 async def during_a_held_wake(driver: FakeDriver, name: str, call: Awaitable[T], held: float) -> T:
     """``call`` (one that wakes suspended ``name``) while the resumed generation's launch is
-    held ``held`` seconds: a wake that long (the point of the tests that use it)."""
+    held ``held`` seconds: a wake that long (the point of the tests that use it). The call must
+    still be waiting when the hold ends: one that gave up during the wake fails here."""
     launches = driver.block("launch", name)
     running = asyncio.ensure_future(call)
     await launches.entered(timeout=30)
-    await asyncio.sleep(held)
+    done, _ = await asyncio.wait({running}, timeout=held)
     launches.release()
+    if done:
+        raise AssertionError(f"the call ended during the held wake: {running.exception()!r}")
     return await running

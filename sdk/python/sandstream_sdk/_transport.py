@@ -80,8 +80,7 @@ class Call:
         if self.content is not None:
             args["content"] = self.content
             args["headers"] = {"Content-Type": "application/octet-stream"}
-        read = config.request_timeout if self.read_timeout == "default" else self.read_timeout
-        assert not isinstance(read, str), self.read_timeout
+        read = config.request_timeout if isinstance(self.read_timeout, str) else self.read_timeout
         if self.wakes and read is not None:
             read += WAKE_SECONDS
         if self.wakes or self.read_timeout != "default":
