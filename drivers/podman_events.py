@@ -89,12 +89,13 @@ def snapshot_from_list(container: Container, *, actor: str = ACTOR) -> RuntimeSn
     """A source="list" snapshot; its id is stable while the container's state is unchanged."""
     info, since = container.info, container.since
     stamp = int(since.timestamp()) if since else 0
+    now = datetime.now(UTC)  # a listed exit's time is the end of its second: never past now
     return RuntimeSnapshot(
         type="RuntimeSnapshot",
         observation_id=f"podman-list:{info.runtime_id}:{info.state}:{stamp}",
         key=info.key,
         generation=info.generation,
-        occurred_at=since or datetime.now(UTC),
+        occurred_at=min(since, now) if since else now,
         actor=actor,
         state=info.state,
         exit_code=info.exit_code,

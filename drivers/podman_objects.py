@@ -100,6 +100,19 @@ def parse_time(value: object) -> datetime | None:
     return None
 
 
+def latest_in_second(value: object) -> datetime | None:
+    """A list item's exit time (whole unix seconds) as the last instant of its second.
+
+    The watch dates a start to the nanosecond, a listing an exit only to the second: a runtime
+    that exits in the second it started would show a listed exit before its own start, and a
+    start Podman sends again would then lift the Error as news (ran_before_its_exit). The end
+    of the second is an upper bound of the exit; readers bound it by their own clock. The cost:
+    a runtime started again behind sandstream's back in that same second reads as late.
+    """
+    second = parse_time(value)
+    return second + timedelta(microseconds=999_999) if second is not None else None
+
+
 def from_nanos(nanos: int) -> datetime:
     seconds, rest = divmod(nanos, 1_000_000_000)
     return datetime.fromtimestamp(seconds, UTC) + timedelta(microseconds=rest // 1000)
@@ -131,6 +144,7 @@ def read_container(attrs: Mapping[str, Any]) -> Container | None:
     if labels is None or labels.sandbox_id is None:
         return None
     raw_state = attrs.get("State")
+    inspected = isinstance(raw_state, Mapping)  # a list item's State is a string
     if isinstance(raw_state, Mapping):
         status = str(raw_state.get("Status", ""))
         exit_code = raw_state.get("ExitCode")
@@ -149,7 +163,7 @@ def read_container(attrs: Mapping[str, Any]) -> Container | None:
         "created": created,
         "running": parse_time(started),
         "stopping": parse_time(started),
-        "exited": parse_time(finished),
+        "exited": parse_time(finished) if inspected else latest_in_second(finished),
     }
     names = attrs.get("Names")
     name = attrs.get("Name") or (names[0] if names else None)

@@ -9,9 +9,18 @@ tests/test_restart_pipeline.py."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+from typing import Any
+
 import factories as f
 
+from drivers.labels import runtime_labels
+from drivers.podman_events import observation_from_event, snapshot_from_list
+from drivers.podman_objects import Container, read_container
+from drivers.protocol import LaunchSpec
 from events.common import Phase, RestartBackoff, RestartPolicy, SandboxSpec
+from events.observations import RuntimeSnapshot
+from services.executor.reconcile import LiveRow, reconcile
 
 P = Phase
 
@@ -82,3 +91,61 @@ def test_a_launch_that_failed_without_an_exit_is_still_lifted_by_its_runtime_run
     assert (h.row().phase, h.row().exit_code) == (P.ERROR, None)
     d = h.send(f.running(occurred_at=f.at(3), source="list"))
     assert (d.disposition, h.row().phase) == ("applied", P.READY)
+
+
+def listed_exit(h: f.Harness, exited_at: int) -> Container:
+    """The row's runtime as a Podman 4.3 list item shows it exited with code 3: its times in
+    whole unix seconds (only the fields the driver reads)."""
+    row = h.row()
+    spec = LaunchSpec(row.key, row.sandbox_id, row.generation, "rid", SandboxSpec(image="x"))
+    attrs: dict[str, Any] = {
+        "Id": "c0ffee", "Names": ["sbx"], "Created": exited_at - 1,
+        "Labels": runtime_labels(spec), "State": "exited", "ExitCode": 3,
+        "StartedAt": exited_at, "ExitedAt": exited_at,
+    }  # fmt: skip
+    container = read_container(attrs)
+    assert container is not None
+    return container
+
+
+def watched_start(h: f.Harness, nanos: int) -> RuntimeSnapshot:
+    """The watch's report of the row's runtime starting, dated to the nanosecond."""
+    row = h.row()
+    labels = runtime_labels(
+        LaunchSpec(row.key, row.sandbox_id, row.generation, "rid", SandboxSpec(image="x"))
+    )
+    event = {"Type": "container", "Action": "start", "timeNano": nanos,
+             "Actor": {"ID": "c0ffee", "Attributes": labels}}  # fmt: skip
+    start = observation_from_event(event)
+    assert isinstance(start, RuntimeSnapshot) and start.state == "running"
+    return start
+
+
+def test_a_start_sent_again_lifts_no_error_decided_by_a_listed_exit_of_its_own_second() -> None:
+    """Found in CI (the replayed-start test of tests/test_reconcile.py): a runtime exited in
+    the second it started, and the reconcile loop's listing reported the exit before the
+    watch's `died`. A list item dates an exit to the whole second, so the exit (12:00:05)
+    came before the watch's start (12:00:05.4): Podman sending that start again lifted the
+    Error to Ready. A listed exit now counts as the end of its second, bounded by the reader's
+    clock; the watcher's own listing after a reconnect reads it the same way."""
+    second = int(f.at(5).timestamp())
+    for report in ("reconcile", "watcher"):
+        h = f.Harness()
+        h.send(f.create(sandbox_spec=spec(), occurred_at=f.at(0)))
+        start = watched_start(h, second * 1_000_000_000 + 400_000_000)
+        assert h.send(start).disposition == "applied"
+        row = h.row()
+        container = listed_exit(h, second)
+        if report == "reconcile":
+            live = LiveRow(row.key, row.sandbox_id, row.generation, row.phase, row.version)
+            [exit_seen] = reconcile([live], [container.info], now=f.at(5.9))
+        else:
+            exit_seen = snapshot_from_list(container)
+        assert h.send(exit_seen).disposition == "applied"
+        assert (h.row().phase, h.row().exit_code) == (P.ERROR, 3)
+        again = h.send(start.model_copy(update={"observation_id": "sent-again"}))
+        assert (again.disposition, h.row().phase) == ("ignored", P.ERROR), report
+        assert again.reason.startswith("late: ")
+        # The pass's clock bounds the end of the second; the watcher's (now) is past it.
+        bound = f.at(5.9) if report == "reconcile" else f.at(6) - timedelta(microseconds=1)
+        assert exit_seen.occurred_at == bound
