@@ -3,6 +3,7 @@ revision, unclaimed members and pending creates. The real-stack runs are in test
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from hypothesis import given
@@ -104,3 +105,13 @@ def test_a_plan_never_drops_ready_members_below_the_size_nor_overfills(
     if strategy == "OnReplenish":
         assert live_after + pending + step.creates == max(size, live_after + pending)
     assert current + pending + step.creates <= max(size, current + pending)
+
+
+def test_a_held_member_is_set_aside_neither_counted_nor_deleted() -> None:
+    """No claim takes a held member: the pool makes another in its place, and deletes none
+    while held (a failed one, a surplus one), nor counts one as a failure."""
+    held_ready = dataclasses.replace(m("Ready"), held=True)
+    held_failed = dataclasses.replace(m("Error"), held=True)
+    step = plan(2, "Recreate", "t", 1, [held_ready, held_failed, m("Ready")], 0)
+    assert (step.creates, step.deletes) == (1, ())
+    assert plan(0, "OnReplenish", "t", 1, [held_ready], 0).deletes == ()

@@ -282,6 +282,46 @@ async def test_a_claim_pinning_the_newest_revision_adopts_no_outdated_member(api
         assert got["template"] == {"name": template, "revision": 2}, got
 
 
+async def test_outdated_members_serve_claims_of_their_revision_with_its_time_to_live(
+    api: Api,
+) -> None:
+    """A review found both. A claim pinning an older revision went cold at once, though Ready
+    members of it were there to adopt. An unpinned claim adopting an outdated member got the
+    newest revision's time to live with the older revision's member."""
+    template, pool = unique("tpl"), unique("pool")
+    async with api.client() as c:
+        r = await c.post("/v1/templates", json={"name": template, "spec": SPEC,
+                                                "ttl_seconds": 600})  # fmt: skip
+        assert r.status_code == 201, r.text
+        body = {"name": pool, "template": template, "size": 2, "strategy": "OnReplenish"}
+        assert (await c.post("/v1/pools", json=body)).status_code == 201
+        old = {row["key"] for row in await settled(api, pool, 2)}
+        newer = {"spec": {**SPEC, "image": "registry.example/agent:2"}, "ttl_seconds": 7200,
+                 "expected_revision": 1}  # fmt: skip
+        assert (await c.put(f"/v1/templates/{template}", json=newer)).status_code == 200
+
+        async def expires_in(name: str) -> float:
+            got = (await c.get(f"/v1/sandboxes/{name}")).json()
+            expires = datetime.fromisoformat(got["expires_at"])
+            return (expires - datetime.now(UTC)).total_seconds()
+
+        unpinned = unique("agent")
+        made = await claim(api, unpinned, template)  # only revision 1 is Ready yet
+        assert made["claim"]["warm"] is True and made["claim"]["member"] in old, made
+        first = made["claim"]["member"]
+        assert 500 < await expires_in(unpinned) <= 600  # revision 1's, not 7200
+        pinned = unique("agent")
+        made = await claim(api, pinned, template, revision=1)
+        assert made["claim"]["warm"] is True, made
+        assert made["claim"]["member"] in old - {first}, made
+        got = (await c.get(f"/v1/sandboxes/{pinned}")).json()
+        assert got["template"] == {"name": template, "revision": 1}, got
+        assert 500 < await expires_in(pinned) <= 600
+        again = await claim(api, unique("agent"), template, revision=1)  # none of it left
+        assert again["claim"]["warm"] is False, again
+        assert "of template revision 1" in again["claim"]["reason"], again
+
+
 async def claim(
     api: Api, name: str, template: str, revision: int | None = None, **more: Any
 ) -> dict[str, Any]:
@@ -413,6 +453,54 @@ async def test_a_pool_whose_members_keep_failing_refills_after_a_doubling_pause(
             status = (await c.get(f"/v1/pools/{pool}")).json()["status"]
             assert "members keep failing" in status["problem"], status
             assert "image not known" in status["problem"], status
+
+
+async def test_a_held_member_is_replaced_and_an_operators_stop_is_no_failure(api: Api) -> None:
+    """A review found both. A held member counted as serving, though no claim takes it: the
+    pool quietly served one fewer. A member an operator stopped (or suspended) counted as a
+    failure: the pool paused its creates and said its members keep failing."""
+    template, pool = unique("tpl"), unique("pool")
+    await make_template(api, template)
+    async with api.client() as c:
+        body = {"name": pool, "template": template, "size": 1}
+        assert (await c.post("/v1/pools", json=body)).status_code == 201
+        [held] = await settled(api, pool, 1)
+        r = await c.post(f"/v1/sandboxes/{held['key']}:hold", params={"wait": 30},
+                         json={"reason": "looking at it"})  # fmt: skip
+        assert r.status_code == 200, r.text
+        rows = await eventually(
+            lambda: members(api, pool),
+            lambda rows: ready(rows) == 2,
+            timeout=30,
+            what="a Ready member made in the held one's place",
+        )
+        status = (await c.get(f"/v1/pools/{pool}")).json()["status"]
+        assert (status["ready"], status["held"]) == (1, 1), status
+        [other] = [m for m in rows if m["key"] != held["key"]]
+        made = await claim(api, unique("agent"), template)
+        assert (made["claim"]["warm"], made["claim"]["member"]) == (True, other["key"]), made
+        await eventually(
+            lambda: members(api, pool),
+            lambda rows: ready(rows) == 2,
+            timeout=30,
+            what="the claimed member replaced",
+        )
+        stopped = next(m for m in await members(api, pool) if m["key"] != held["key"])
+        r = await c.post(f"/v1/sandboxes/{stopped['key']}:stop", params={"wait": 30})
+        assert r.status_code == 200, r.text
+        await eventually(
+            lambda: members(api, pool),
+            lambda rows: stopped["key"] not in {m["key"] for m in rows} and ready(rows) == 2,
+            timeout=30,
+            what="the stopped member deleted and replaced",
+        )
+        assert api.plane is not None and api.plane.pools is not None
+        assert pool not in api.plane.pools._failing
+        status = (await c.get(f"/v1/pools/{pool}")).json()["status"]
+        assert status["problem"] is None, status
+        r = await c.post(f"/v1/sandboxes/{held['key']}:release", params={"wait": 30})
+        assert r.status_code == 200, r.text
+        await settled(api, pool, 1)  # released: an extra, deleted
 
 
 async def test_the_pool_commands_create_show_scale_and_delete(api: Api) -> None:

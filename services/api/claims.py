@@ -108,12 +108,15 @@ async def claim(
     ttl_seconds: int | None = None,
     env_refusal: str | None = None,
     revision: int | None = None,
+    revision_ttls: Mapping[int, int | None] | None = None,
     timeout: float = 30.0,
 ) -> ClaimResult:
     """Adopt a Ready member of ``pool`` under ``name`` (warm), or say why not (cold).
     ``env_refusal``: why this door cannot deliver per-claim env or providers warm (a claim
     with either is then cold); ``revision``: the template revision the claim pinned (only a
-    member of it is adopted)."""
+    member of it is adopted); ``revision_ttls``: the time to live by the member's template
+    revision, when it is not ``ttl_seconds`` whatever the member (an unpinned claim without
+    its own)."""
     if (env or providers) and env_refusal is not None:
         what = "env and providers" if env and providers else "env" if env else "providers"
         return cold(f"per-claim {what}: a cold start ({env_refusal})")
@@ -141,7 +144,8 @@ async def claim(
             attempts += 1
             adopting[member] = decided = asyncio.Event()
             try:
-                outcome = await _adopt(gateway, member, name, actor, claim_id, asked, deadline)
+                given = await _for_member(gateway, member, asked, revision_ttls)
+                outcome = await _adopt(gateway, member, name, actor, claim_id, given, deadline)
             finally:
                 del adopting[member]
                 decided.set()
@@ -222,6 +226,24 @@ class Asked:
             "the SDK), while the member's own process keeps the template's environment until "
             "its next start"
         )
+
+
+async def _for_member(
+    gateway: CommandGateway,
+    member: str,
+    asked: Asked,
+    ttls: Mapping[int, int | None] | None,
+) -> Asked:
+    """``asked`` with the time to live of ``member``'s template revision, where it differs (an
+    outdated member: its own revision's TTL, as the rest of what it runs is its revision's).
+    Read only when the revisions' TTLs differ."""
+    if not ttls or set(ttls.values()) == {asked.ttl_seconds}:
+        return asked
+    revision = await gateway.pool.fetchval(
+        "SELECT (template->>'revision')::int FROM sandboxes WHERE key = $1", member
+    )
+    ttl = ttls.get(revision, asked.ttl_seconds) if revision is not None else asked.ttl_seconds
+    return asked if ttl == asked.ttl_seconds else replace(asked, ttl_seconds=ttl)
 
 
 async def _adopt(

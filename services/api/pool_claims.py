@@ -4,11 +4,13 @@ try to adopt one of the pool's Ready members (``claims.claim``), and fall back t
 from the template when none can be; the outcome says which and why (docs/pools.md, "Claims from
 a pool").
 
-Cold without trying, stated as the reason: a pinned template revision other than the newest
-(members are made from the newest), a door's own reason (OpenShell's per-claim command),
+Cold without trying, stated as the reason: a door's own reason (OpenShell's per-claim command),
 per-claim env or providers where the door's driver cannot pass them to an exec privately
-(``claims.claim`` says why: the Kubernetes driver). A claim's time to live (its own, the
-template's, or the default a create gets) is applied at the adoption, counted from it. Every
+(``claims.claim`` says why: the Kubernetes driver). A claim pinning a template revision adopts
+only a member of it (an older one's are served while a roll or ``OnReplenish`` keeps them). A
+claim's time to live (its own, else the template's, else the default a create gets) is applied
+at the adoption, counted from it; without its own, an unpinned claim takes the TTL of the
+revision of the member it adopts, as the rest of what it gets is that member's. Every
 claim served is counted for the pool's status (``pool_claims``) and the metrics, with the
 request's time in the door by path.
 """
@@ -30,7 +32,7 @@ from services.api.deps import ApiState, Pool
 from services.api.gateway import CommandGateway
 from services.api.models import CreateSandboxRequest
 from services.api.readmodel import ClaimOutcome, CommandStatus
-from services.common import metrics
+from services.common import metrics, templates
 from services.common import pools as store
 from services.common.pools import Conn, PoolInfo
 
@@ -67,6 +69,8 @@ async def claim_first(
     providers: Sequence[str] = (),
     cold_because: str | None = None,
     driver: object | None = None,
+    own_ttl: int | None = None,
+    default_ttl: int | None = None,
 ) -> Claim | None:
     """The claim a create from a template is: ``command``'s name adopting a Ready member of
     the template's pool (its command id the claim id: a retried request is the same claim), or
@@ -74,21 +78,21 @@ async def claim_first(
     ``pinned``: the template revision the request asked for; ``labels``, ``env``,
     ``providers``: the request's own (beyond the template's); ``cold_because``: a door's own
     reason to go cold without trying; ``driver``: the door's exec driver (whether it can
-    deliver the claim's env and providers warm)."""
+    deliver the claim's env and providers warm); ``own_ttl``: the request's own time to live;
+    ``default_ttl``: a create's when neither it nor its template sets one."""
     if command.template is None:
         return None
     name = command.template.name
-    current = None  # the template's newest revision: only a pinned one is compared with it
+    ttls = None  # by revision: an unpinned claim without its own TTL takes its member's
     async with gateway.pool.acquire() as conn:
         pools = await store.pools_of_template(conn, name)
-        if pools and pinned is not None:
-            current = (await store.template_revisions(conn, [name])).get(name)
+        if pools and pinned is None and own_ttl is None:
+            ttls = await templates.revision_ttls(conn, name, default_ttl)
     if not pools:
         return None
     started = time.perf_counter()
-    why_not = cold_because or _cold_at_once(command, pinned, current)
-    if why_not is not None:
-        return Claim(pools[0], claims.cold(why_not), started)
+    if cold_because is not None:
+        return Claim(pools[0], claims.cold(cold_because), started)
     for pool in pools:
         result = await claims.claim(
             gateway,
@@ -102,20 +106,12 @@ async def claim_first(
             ttl_seconds=command.ttl_seconds,
             env_refusal=exec_env_refusal(driver),
             revision=pinned,
+            revision_ttls=ttls,
             timeout=CLAIM_TIMEOUT,
         )
         if result.warm:
             break
     return Claim(pool, result, started)
-
-
-def _cold_at_once(command: CreateSandbox, pinned: int | None, current: int | None) -> str | None:
-    if pinned is not None and pinned != current:
-        return (
-            f"template revision {pinned} asked for; the pool's members are of the newest "
-            f"({current})"
-        )
-    return None
 
 
 async def count(pool: Pool, claim: Claim, command: CreateSandbox) -> None:
@@ -153,6 +149,8 @@ async def create_or_claim(
         env=body.overrides.env if body.overrides else None,
         providers=body.providers,
         driver=state.exec_driver,
+        own_ttl=body.ttl_seconds,
+        default_ttl=state.settings.default_ttl_seconds,
     )
     if claim is None:
         return None

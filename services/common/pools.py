@@ -235,13 +235,13 @@ async def forget_claims(conn: Conn, pool: str) -> None:
 
 # A pool's live members: its sandboxes not yet claimed (adopted ones have left the pool).
 _MEMBERS = """
-SELECT key, pool, phase, version, template, reason
+SELECT key, pool, phase, version, template, reason, hold IS NOT NULL AS held
 FROM sandboxes
 WHERE pool = ANY($1::text[]) AND phase <> 'Deleted' AND adopted_as IS NULL
 ORDER BY key
 """
 _ALL_MEMBERS = """
-SELECT key, pool, phase, version, template, reason
+SELECT key, pool, phase, version, template, reason, hold IS NOT NULL AS held
 FROM sandboxes
 WHERE pool IS NOT NULL AND phase <> 'Deleted' AND adopted_as IS NULL
 ORDER BY key
@@ -257,6 +257,7 @@ class Member:
     template: str | None  # the template (name, revision) it was created from
     template_revision: int | None
     reason: str | None
+    held: bool = False  # an operator's hold: no claim takes it, the controller leaves it be
 
 
 def _member(r: Any) -> Member:
@@ -265,7 +266,7 @@ def _member(r: Any) -> Member:
     revision = ref.get("revision")
     return Member(
         r["key"], r["pool"], r["phase"], r["version"], ref.get("name"),
-        int(revision) if revision is not None else None, r["reason"],
+        int(revision) if revision is not None else None, r["reason"], bool(r["held"]),
     )  # fmt: skip
 
 

@@ -249,6 +249,17 @@ async def _add_revision(
     )
 
 
+async def revision_ttls(conn: Conn, name: str, default: int | None) -> dict[int, int | None]:
+    """The time to live a create from each revision of template ``name`` gets (the
+    revision's own, else ``default``)."""
+    rows = await conn.fetch(
+        "SELECT revision, (body->>'ttl_seconds')::int AS ttl FROM template_revisions "
+        "WHERE name = $1",
+        name,
+    )
+    return {r["revision"]: r["ttl"] or default for r in rows}
+
+
 async def revision_decided(conn: Conn, key: str, command_id: str, name: str) -> int | None:
     """The revision of template ``name`` a create of ``key`` under ``command_id`` was decided
     with, if it was: a retry of that create resolves to it again (not to a newer revision,

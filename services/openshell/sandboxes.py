@@ -136,6 +136,7 @@ async def claim_of(
             else None
         ),
         driver=door.driver,
+        default_ttl=door.default_ttl,
     )
 
 

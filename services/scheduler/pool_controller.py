@@ -52,7 +52,7 @@ from services.common.notify_channels import Listening
 from services.common.pools import Member, PoolInfo, Request
 from services.common.settings import Settings
 from services.common.tasks import first_of
-from services.scheduler.pool_plan import LEAVING, LIVE, plan
+from services.scheduler.pool_plan import FAILED, plan
 
 log = logging.getLogger("sandstream.pools")
 
@@ -174,7 +174,11 @@ class PoolController:
             elif self.problems.get(p.name) == missing:
                 del self.problems[p.name]
             step = plan(p.size, p.strategy, p.template, revision, mine, waiting[p.name])
-            fresh = [m for m in mine if (m.template, m.template_revision) == (p.template, revision)]
+            fresh = [
+                m
+                for m in mine
+                if not m.held and (m.template, m.template_revision) == (p.template, revision)
+            ]
             paused = self._pause(p.name, fresh, step.deletes)
             await self._delete(step.deletes)
             if step.creates and not paused:
@@ -195,9 +199,7 @@ class PoolController:
         """Whether the pool's creates wait out a failure pause (started by members that failed
         since the last round, ended by a member of the current revision Ready: old members
         Ready during a roll to a broken revision do not end it)."""
-        failed = [
-            m for m in deletes if m.phase not in LIVE | LEAVING and m.key not in self._deleting
-        ]
+        failed = [m for m in deletes if m.phase in FAILED and m.key not in self._deleting]
         streak, until = self._failing.get(pool, (0, 0.0))
         if any(m.phase == "Ready" for m in current) and not failed:
             if streak and self.problems.get(pool, "").startswith(_FAILED):

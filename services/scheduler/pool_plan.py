@@ -6,7 +6,12 @@ The rules (docs/pools.md, "Warm pools"):
 
 - A member is *live* while Provisioning, Starting or Ready; Deleting ones are on their way out
   and count for nothing; any other phase (Error, Stopping, Stopped, Completed, Suspending,
-  Suspended) is a failed member: deleted, and replaced like a missing one.
+  Suspended) is a member out of service: deleted, and replaced like a missing one. Only an
+  exit (Error, Completed) is a *failure*, which pauses the pool's creates (the controller);
+  a stop or suspend is someone's decision.
+- A *held* member (an operator's hold) is set aside: no claim takes it, so it serves nothing
+  and is replaced, and nothing deletes it while held; once released it counts again (as an
+  extra, if the pool is full by then).
 - A member is *current* when it came from the template's current revision, else *old*.
 - ``Recreate``: create until ``size`` current members are live or asked for; delete an old
   member that is not Ready at once, and an old Ready one only while the Ready members left
@@ -29,6 +34,8 @@ from services.common.pools import Member, Strategy
 
 LIVE: Final = frozenset({"Provisioning", "Starting", "Ready"})
 LEAVING: Final = frozenset({"Deleting"})
+# The phases of a member whose runtime exited: what the failure pause counts.
+FAILED: Final = frozenset({"Error", "Completed"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +55,7 @@ def plan(
     """``template``, ``revision``: the template the pool names and its current revision
     (None: the template is gone, create nothing); ``pending``: creates asked for and not folded
     yet (they count as members on their way)."""
+    members = [m for m in members if not m.held]
     failed = [m for m in members if m.phase not in LIVE | LEAVING]
     live = [m for m in members if m.phase in LIVE]
     current = [m for m in live if revision is not None and _of(m, template, revision)]

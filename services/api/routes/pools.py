@@ -86,7 +86,11 @@ class ClaimsView(BaseModel):
 
 class PoolStatus(BaseModel):
     members: dict[str, int] = Field(description="unclaimed members by phase")
-    ready: int = Field(description="unclaimed members Ready: what a claim can adopt now")
+    ready: int = Field(description="unclaimed members Ready, not held: what a claim can adopt now")
+    held: int = Field(
+        description="unclaimed members an operator holds: no claim takes them, so the pool "
+        "makes others in their place (they count among `members`)"
+    )
     requested: int = Field(description="creates asked for and not decided yet")
     outdated: int = Field(description="unclaimed live members of another template revision")
     template_revision: int | None = Field(description="the template's current revision")
@@ -135,7 +139,8 @@ async def status(conn: Any, info: PoolInfo) -> PoolStatus:
     total = warm.count + cold.count
     return PoolStatus(
         members=counts,
-        ready=counts.get("Ready", 0),
+        ready=sum(m.phase == "Ready" and not m.held for m in members),
+        held=sum(m.held for m in members),
         requested=await store.pending_count(conn, info.name),
         outdated=sum(
             m.phase != "Deleting" and (m.template, m.template_revision) != (info.template, revision)
