@@ -43,14 +43,32 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sandstream.openshell")
 
-SERVER_OPTIONS: Final = (
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
-    ("grpc.http2.max_ping_strikes", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
-    # grpc-core binds with SO_REUSEPORT by default: a second `up` would share the port and
-    # get half of the first one's calls instead of failing to start.
-    ("grpc.so_reuseport", 0),
-)
+# A connection must finish its handshake (TLS, then HTTP/2's preface and SETTINGS) within this,
+# as an HTTP request head must arrive within 30 s (services/common/serving.py): grpc-core's own
+# default is 120 s.
+HANDSHAKE_SECONDS: Final = 30.0
+# A connection with no call open this long is closed (GOAWAY; a client reconnects at its next
+# call). Pings do not count as use, so without it a client that stopped calling (or never
+# authenticated a call) held its connection for ever; an open watch or exec stream is a call.
+IDLE_SECONDS: Final = 300.0
+
+
+def server_options(
+    handshake_seconds: float = HANDSHAKE_SECONDS, idle_seconds: float = IDLE_SECONDS
+) -> tuple[tuple[str, int], ...]:
+    return (
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # grpc-core binds with SO_REUSEPORT by default: a second `up` would share the port and
+        # get half of the first one's calls instead of failing to start.
+        ("grpc.so_reuseport", 0),
+        ("grpc.server_handshake_timeout_ms", int(handshake_seconds * 1000)),
+        ("grpc.max_connection_idle_ms", int(idle_seconds * 1000)),
+    )
+
+
+SERVER_OPTIONS: Final = server_options()
 STOP_GRACE: Final = 5.0  # seconds running calls get to finish when the server stops
 
 
