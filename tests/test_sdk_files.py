@@ -3,7 +3,9 @@
 real Podman containers). A file far larger than a bound is handed on in chunks while the
 client's traced memory stays under the bound; a stream left after its first chunk has taken
 no more than a chunk; a refused read raises its typed error before any byte; a suspended
-sandbox is woken; a body broken off (the token revoked) raises, never ends short.
+sandbox is woken; a body broken off (the token revoked) raises, never ends short. And the
+CLI's ``sandbox cp`` out of a sandbox, which streamed already: its peak resident memory for
+the large file is that for a small one.
 
 Before, ``files.read`` was the SDK's only way to read a file, and it holds the whole file in
 memory (``read_stream`` and ``download`` are new API: these tests fail on the old code with
@@ -180,3 +182,28 @@ def test_a_stream_broken_off_raises_instead_of_ending_short(
                     pass
         assert chunks.received < SIZE and f"of {SIZE} bytes" in broken.value.message
         limited.close()
+
+
+def peak_rss_of(argv: list[str], env: dict[str, str]) -> int:
+    """The peak resident memory (bytes) of one process run to its end: its own, from wait4."""
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    out, err = process.communicate()
+    assert process.returncode == 0, (argv, out, err)
+    return usage.ru_maxrss * 1024  # Linux: KiB
+
+
+def test_the_cli_copies_a_large_file_out_in_the_memory_of_a_small_one(
+    up: Up, connection: dict[str, str], tmp_path: Path
+) -> None:
+    with Sandbox.create(image=IMAGE, name=up.name("sdk-cp")) as sb:
+        digest = sb.commands.run(MAKE_BIG, cwd="/workspace", timeout=120).stdout.split()[0]
+        sb.files.write("small.txt", "small")
+        env = {**up.env, **connection}
+        small = peak_rss_of([SANDSTREAM, "sandbox", "cp", f"{sb.name}:small.txt",
+                             str(tmp_path)], env)  # fmt: skip
+        large = peak_rss_of([SANDSTREAM, "sandbox", "cp", f"{sb.name}:big.bin",
+                             str(tmp_path)], env)  # fmt: skip
+    assert sha256_of(tmp_path / "big.bin") == digest
+    assert large - small < BOUND, f"{large - small} bytes more for the large file"
