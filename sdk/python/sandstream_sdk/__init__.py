@@ -27,12 +27,14 @@ from sandstream_sdk.errors import (
     UnavailableError,
     VersionConflictError,
 )
+from sandstream_sdk.files import AsyncFileChunks, FileChunks
 from sandstream_sdk.models import CommandResult, EntryInfo, LogLine, SandboxInfo
 from sandstream_sdk.sandbox import Commands, Files, Sandbox
 
 __all__ = [
     "AlreadyExistsError",
     "AsyncCommands",
+    "AsyncFileChunks",
     "AsyncFiles",
     "AsyncSandbox",
     "AuthenticationError",
@@ -41,6 +43,7 @@ __all__ = [
     "Commands",
     "ConflictError",
     "EntryInfo",
+    "FileChunks",
     "Files",
     "ForbiddenError",
     "InvalidArgumentError",

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from datetime import datetime
+from pathlib import Path
 from types import TracebackType
 from typing import Literal, overload
 
@@ -88,8 +90,40 @@ class AsyncFiles:
     @overload
     async def read(self, path: str, format: Literal["bytes"]) -> bytes: ...
     async def read(self, path: str, format: str = "text") -> str | bytes:
+        """The whole file, in memory (a large one: :meth:`read_stream`, :meth:`download`)."""
         response = await self._send(_files.read_call(self._sandbox.name, path))
         return _files.decoded(response.content, format)
+
+    @contextlib.asynccontextmanager
+    async def read_stream(
+        self, path: str, *, chunk_size: int = _files.CHUNK_SIZE
+    ) -> AsyncIterator[_files.AsyncFileChunks]:
+        """The file's bytes in chunks as they arrive (``async with ... as chunks: async for
+        chunk in chunks``); as the synchronous face's ``read_stream``."""
+        call = _files.stream_call(self._sandbox.name, path, chunk_size)
+        async with self._sandbox._transport.stream(call) as response:
+            yield _files.AsyncFileChunks(response, path, chunk_size)
+
+    async def download(
+        self,
+        path: str,
+        local_path: str | os.PathLike[str],
+        *,
+        chunk_size: int = _files.CHUNK_SIZE,
+    ) -> Path:
+        """Stream the file to ``local_path``; as the synchronous face's ``download`` (each
+        chunk is written to the local file as it arrives, from the event loop's thread)."""
+        target, partial = _files.landing(path, local_path)
+        try:
+            # The stream's errors come first: no part is made for a download refused.
+            async with self.read_stream(path, chunk_size=chunk_size) as chunks:
+                with partial.open("wb") as handle:
+                    async for chunk in chunks:
+                        handle.write(chunk)
+            partial.replace(target)
+        finally:
+            partial.unlink(missing_ok=True)
+        return target
 
     async def list(self, path: str = ".") -> list[EntryInfo]:
         return _files.entries_of(

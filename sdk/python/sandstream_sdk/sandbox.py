@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
+from pathlib import Path
 from types import TracebackType
 from typing import Literal, overload
 
@@ -83,8 +85,51 @@ class Files:
     @overload
     def read(self, path: str, format: Literal["bytes"]) -> bytes: ...
     def read(self, path: str, format: str = "text") -> str | bytes:
+        """The whole file, in memory (a large one: :meth:`read_stream`, :meth:`download`)."""
         response = self._send(_files.read_call(self._sandbox.name, path))
         return _files.decoded(response.content, format)
+
+    @contextlib.contextmanager
+    def read_stream(
+        self, path: str, *, chunk_size: int = _files.CHUNK_SIZE
+    ) -> Iterator[_files.FileChunks]:
+        """The file's bytes in chunks as they arrive, never the whole file in memory::
+
+            with sb.files.read_stream("data.bin") as chunks:
+                for chunk in chunks:
+                    ...
+
+        The ``with`` raises what :meth:`read` raises (NotFoundError, NotReadyError, ...)
+        before any byte, and waits for a suspended sandbox's wake as it does; a body broken
+        off midway raises UnavailableError. Leaving the block early closes the connection:
+        the rest is not read."""
+        call = _files.stream_call(self._sandbox.name, path, chunk_size)
+        with self._sandbox._transport.stream(call) as response:
+            yield _files.FileChunks(response, path, chunk_size)
+
+    def download(
+        self,
+        path: str,
+        local_path: str | os.PathLike[str],
+        *,
+        chunk_size: int = _files.CHUNK_SIZE,
+    ) -> Path:
+        """Stream the file to ``local_path`` (an existing directory receives it under its own
+        name) and return where it landed. It is written to ``.NAME.part`` beside it and
+        renamed over it once whole: a failed download leaves nothing, not a part."""
+        target, partial = _files.landing(path, local_path)
+        try:
+            # The stream's errors come first: no part is made for a download refused.
+            with (
+                self.read_stream(path, chunk_size=chunk_size) as chunks,
+                partial.open("wb") as handle,
+            ):
+                for chunk in chunks:
+                    handle.write(chunk)
+            partial.replace(target)
+        finally:
+            partial.unlink(missing_ok=True)
+        return target
 
     def list(self, path: str = ".") -> list[EntryInfo]:
         return _files.entries_of(self._send(_files.list_call(self._sandbox.name, path)).json())
