@@ -33,6 +33,14 @@ ErrorKind = Literal[
     "unavailable",  # the backend is unreachable or failed
 ]
 MAX_PATH: Final = 4096
+UPLOAD_PREFIX: Final = ".sandstream-upload-"  # a raw upload's temporary file, beside its path
+
+
+def upload_prefix(generation: int) -> str:
+    """The start of the names of the temporary files that raw uploads into ``generation``'s
+    runtime write (then a random part): an upload cut off with its runtime (a stop, a suspend,
+    a restart) leaves one that only a runtime of another generation finds, so it is stale."""
+    return f"{UPLOAD_PREFIX}g{generation}-"
 
 
 class FilesError(Exception):
@@ -143,7 +151,9 @@ class FileSource(Protocol):
 
     async def replace(self, key: str, generation: int, temporary: str, path: str) -> None:
         """Rename the uploaded ``temporary`` over ``path`` (a file); if ``path`` is a
-        directory, fail with ``is_dir`` and remove ``temporary``."""
+        directory, fail with ``is_dir`` and remove ``temporary``. Once renamed, remove the
+        temporary files of other generations' uploads beside ``path`` (:func:`upload_prefix`:
+        stale, their runtime went away mid-upload), never those of this generation's."""
         ...
 
     async def discard(self, key: str, generation: int, temporary: str) -> None:

@@ -1,6 +1,7 @@
 """File operations run as commands inside a runtime, through a backend's exec: stat, list,
-mkdir, remove, move and an upload's final rename, with the image's ``stat``, ``find``,
-``mkdir``, ``rm``, ``rmdir``, ``mv`` and ``sh``. A backend supplies ``_events`` (its exec);
+mkdir, remove, move and an upload's final rename (which removes other generations' stale
+temporary files beside it), with the image's ``stat``, ``find``, ``mkdir``, ``rm``, ``rmdir``,
+``mv`` and ``sh``. A backend supplies ``_events`` (its exec);
 failures are read from the tool's message (``kind_of``), and an exit of 126 or 127 (the tool
 is missing) is ``unsupported``. Paths are passed as arguments, after ``--``, never spliced
 into a shell script.
@@ -17,7 +18,15 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Final
 
-from drivers.files import EntryType, FileEntry, FilesError, first_line, kind_of
+from drivers.files import (
+    UPLOAD_PREFIX,
+    EntryType,
+    FileEntry,
+    FilesError,
+    first_line,
+    kind_of,
+    upload_prefix,
+)
 from drivers.protocol import DriverError, ExecEvent, ExecExit
 
 STAT_FORMAT: Final = "%f %s %Y %n"  # raw mode (hex), size, mtime, name: one line per entry
@@ -25,8 +34,18 @@ _STAT_LINE: Final = re.compile(r"^([0-9a-f]+) (\d+) (\d+) (.*)$", re.DOTALL)
 MAX_ERROR_OUTPUT: Final = 64 * 1024  # the most stderr kept of a command (its message)
 # A non-recursive remove: rmdir for a directory (never what a symlink points to), rm otherwise.
 _REMOVE_ONE: Final = 'if [ -d "$1" ] && [ ! -L "$1" ]; then exec rmdir -- "$1"; fi; exec rm -- "$1"'
-# The rename of an upload over its path; a failure removes the upload.
-_REPLACE: Final = 'mv -f -T -- "$1" "$2" || { rc=$?; rm -f -- "$1"; exit "$rc"; }'
+# The rename of an upload over its path (a failure removes the upload), then the removal of
+# the temporary files beside it named as upload_prefix names them but not with this
+# generation's prefix ($3): other generations' uploads, cut off with their runtime. The sweep
+# never fails the upload.
+_REPLACE: Final = (
+    'mv -f -T -- "$1" "$2" || { rc=$?; rm -f -- "$1"; exit "$rc"; }\n'
+    f'for f in "${{1%/*}}"/{UPLOAD_PREFIX}g[0-9]*; do\n'
+    '  case "${f##*/}" in "$3"*) continue ;; esac\n'
+    '  if [ -f "$f" ] && [ ! -L "$f" ]; then rm -f -- "$f" || :; fi\n'
+    "done\n"
+    "exit 0"
+)
 
 
 def _type(raw_mode: int) -> EntryType:
@@ -181,7 +200,8 @@ class ExecFiles(ABC):
         await self._call(key, generation, ["mv", "-T", "--", source, destination])
 
     async def replace(self, key: str, generation: int, temporary: str, path: str) -> None:
-        await self._call(key, generation, ["sh", "-c", _REPLACE, "sh", temporary, path])
+        prefix = upload_prefix(generation)
+        await self._call(key, generation, ["sh", "-c", _REPLACE, "sh", temporary, path, prefix])
 
     async def discard(self, key: str, generation: int, temporary: str) -> None:
         """Remove a failed upload's temporary file (best effort: a failure is ignored)."""

@@ -1,6 +1,7 @@
 """Tar archives as byte streams, never whole in memory: the members of a stream read as its
 chunks arrive (:class:`TarScanner`), a one-member archive written around a stream of bytes
-(:func:`one_member`), and the rules an uploaded archive's members must keep (:func:`check`).
+(:func:`one_member`), and the rules an uploaded archive's members must keep (:func:`check`
+for each member alone, :class:`ArchiveRules` for the links the members before it made).
 
 Headers are parsed with the standard library's ``tarfile.TarInfo.frombuf``; pax extended
 headers and GNU long names are applied to the member they precede. A pax or long-name header
@@ -19,6 +20,7 @@ from typing import Final, Literal
 BLOCK: Final = tarfile.BLOCKSIZE
 END: Final = bytes(2 * BLOCK)  # the end-of-archive marker: two zero blocks
 MAX_META: Final = 1024 * 1024  # the most bytes a pax or long-name header may hold
+MAX_LINK_PATHS: Final = 250_000  # the most paths an archive's symlinks may reach (each is kept)
 _META_TYPES: Final = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME,
                       tarfile.GNUTYPE_LONGLINK, tarfile.SOLARIS_XHDTYPE)  # fmt: skip
 
@@ -195,11 +197,16 @@ def one_member(
     return archive()
 
 
+def _parts(path: str) -> list[str]:
+    return [part for part in path.split("/") if part not in ("", ".")]
+
+
 def check(member: Member) -> None:
     """The rules an uploaded archive's members keep (TarError naming the member otherwise):
     relative names without ``..``; regular files, directories and symlinks, and hard links to
     another member of the archive; no devices or FIFOs; a symlink's target relative, and
-    staying inside the directory the archive is extracted into."""
+    staying inside the directory the archive is extracted into, by name (:class:`ArchiveRules`
+    adds the rules of the links the members before it made)."""
     name = member.name
     shown = repr(name)
     if name.startswith("/") or ".." in name.split("/"):
@@ -207,6 +214,8 @@ def check(member: Member) -> None:
     if member.type == "other":
         raise TarError(f"tar member {shown}: not a file, directory or link (device, FIFO, ...)")
     if member.type in ("symlink", "hardlink"):
+        if not _parts(name):
+            raise TarError(f"tar member {shown}: a link in place of the directory itself")
         target = member.linkname
         if target.startswith("/"):
             raise TarError(f"tar member {shown}: a link to an absolute path ({target!r})")
@@ -216,16 +225,101 @@ def check(member: Member) -> None:
             raise TarError(f"tar member {shown}: a link out of the directory ({target!r})")
 
 
+class ArchiveRules:
+    """The rules of one archive's members in order (:func:`check`, and those of the links the
+    members before made). Its extractor (Podman's archive API, ``tar -x`` in a Pod) follows a
+    symlink already extracted, so names alone do not tell where a member lands: ``a -> .`` then
+    ``a/b -> ..`` (each inside by name) put ``a/b/x`` beside the directory, not in it.
+
+    So no member's path, no hard link's target and no symlink's target may pass through a
+    symlink of the archive (one may be a target's last component: it is followed, and its own
+    target is checked against its own directory); and no symlink may be made where an earlier
+    symlink's target passes, which would send that one somewhere else. Then every target is
+    resolved through real directories only, and its name tells where it leads. A symlink
+    already in the sandbox's directory is not known here (the sandbox's own).
+
+    Paths are kept as a tree of numbered nodes (0 the directory extracted into): only those a
+    symlink's name or target walks, at most ``max_paths`` of them."""
+
+    def __init__(self, max_paths: int = MAX_LINK_PATHS) -> None:
+        self._max_paths = max_paths
+        self._nodes: dict[tuple[int, str], int] = {}  # (parent, name): the child's node
+        self._links: set[int] = set()  # the symlink members so far
+        self._passed: dict[int, str] = {}  # a directory a symlink's target passes: that link
+
+    def check(self, member: Member) -> None:
+        check(member)
+        shown, link = repr(member.name), member.type == "symlink"
+        parts, target = _parts(member.name), _parts(member.linkname)
+        if link and len(self._nodes) + len(parts) + len(target) > self._max_paths:
+            raise TarError(f"tar member {shown}: the archive's symlinks reach more than "
+                           f"{self._max_paths} paths")  # fmt: skip
+        at: list[tuple[int | None, str]] = [(0, "")]
+        through = self._walk(parts, at, make=link)
+        if through is not None:
+            raise TarError(f"tar member {shown}: its path passes through {through!r}, a "
+                           "symlink of the archive")  # fmt: skip
+        if member.type == "hardlink":
+            through = self._walk(target, [(0, "")])
+            if through is not None:
+                raise TarError(f"tar member {shown}: a hard link through {through!r}, a "
+                               f"symlink of the archive ({member.linkname!r})")  # fmt: skip
+        node = at[-1][0]
+        if not link or node is None:
+            return
+        earlier = self._passed.get(node)
+        if earlier is not None:
+            raise TarError(f"tar member {shown}: a symlink where the target of the symlink "
+                           f"{earlier!r} passes (it would lead that one elsewhere)")  # fmt: skip
+        self._links.add(node)
+        at.pop()  # a symlink's target starts from its directory
+        through = self._walk(target, at, make=True, passer=member.name)
+        if through is not None:
+            raise TarError(f"tar member {shown}: a link through {through!r}, a symlink of "
+                           f"the archive ({member.linkname!r})")  # fmt: skip
+
+    def _walk(
+        self,
+        steps: list[str],
+        at: list[tuple[int | None, str]],
+        *,
+        make: bool = False,
+        passer: str | None = None,
+    ) -> str | None:
+        """Walk ``steps`` from ``at`` (the nodes and names from the top, changed in place;
+        None for a path no symlink walked); the first symlink of the archive passed through
+        (the last step is not), or None. ``make``: the nodes are made; ``passer``: the
+        directories passed are marked as passed by that link."""
+        for index, step in enumerate(steps):
+            if step == "..":
+                if len(at) > 1:  # '..' out of the top: check() refused it
+                    at.pop()
+                continue
+            parent = at[-1][0]
+            node = None if parent is None else self._nodes.get((parent, step))
+            if node is None and parent is not None and make:
+                node = self._nodes[parent, step] = len(self._nodes) + 1
+            at.append((node, step))
+            if index == len(steps) - 1 or node is None:
+                continue
+            if node in self._links:
+                return "/".join(name for _, name in at[1:])
+            if passer is not None:
+                self._passed.setdefault(node, passer)
+        return None
+
+
 def checked(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """``chunks`` passed on unchanged, each member checked (:func:`check`) before the chunk
-    that holds its header goes on; the stream must end with a whole archive."""
+    """``chunks`` passed on unchanged, each member checked (:class:`ArchiveRules`) before the
+    chunk that holds its header goes on; the stream must end with a whole archive."""
 
     async def passed() -> AsyncIterator[bytes]:
         scanner = TarScanner()
+        rules = ArchiveRules()
         async for chunk in chunks:
             for event in scanner.feed(chunk):
                 if isinstance(event, Member):
-                    check(event)
+                    rules.check(event)
             yield chunk
         if not scanner.ended:
             raise TarError("tar: the archive ended before its end marker")

@@ -200,6 +200,33 @@ async def test_a_tar_member_out_of_the_directory_or_a_device_is_refused_naming_i
             assert r.status_code == 404, r.text
 
 
+@pytest.mark.parametrize(
+    "members",
+    [
+        [("a", "symlink", "."), ("a/b", "symlink", ".."), ("a/b/escaped", "file", "x")],
+        [
+            ("d/up", "symlink", ".."),
+            ("d/up/up2", "symlink", ".."),
+            ("d/up/up2/escaped", "file", "x"),
+        ],
+    ],
+)
+async def test_a_member_through_a_symlink_of_the_archive_is_refused_naming_it(
+    box: Sandbox, members: list[tuple[str, str, str]]
+) -> None:
+    """Each member is inside by name, but Podman follows the links already extracted: the
+    last would land beside the directory, not in it."""
+    folder = f"chain-{abs(hash(tuple(members))) % 10_000}"
+    async with box.api.client(FILES) as c:
+        r = await c.post(box.url("/mkdir"), json={"path": f"{folder}/in", "parents": True})
+        assert r.status_code == 201, r.text
+        r = await c.put(box.url("/content"), params={"path": f"{folder}/in", "format": "tar"},
+                        content=tar_of(members))  # fmt: skip
+        assert r.status_code == 400 and r.json()["code"] == "INVALID_ARGUMENT", r.text
+        assert f"{members[1][0]!r}: its path passes through" in r.json()["message"], r.text
+        assert await names_in(c, box, folder) == {"in"}
+
+
 async def test_a_body_that_is_no_tar_is_refused(box: Sandbox) -> None:
     async with box.api.client(FILES) as c:
         r = await c.put(
@@ -487,6 +514,50 @@ async def test_a_sandbox_deleted_mid_upload_answers_a_4xx_or_503_not_a_500(
             r = await upload
             assert r.status_code in (409, 503), r.text
             assert r.json()["code"] in ("FAILED_PRECONDITION", "UNAVAILABLE")
+
+
+async def test_the_part_an_upload_cut_off_by_a_restart_left_goes_with_the_next_upload(
+    podman: PodmanClient,
+) -> None:
+    """A restart removes the runtime mid-upload, and with it the exec that would remove the
+    part: the next upload into the folder (a later generation) removes it, and never the part
+    of an upload of its own generation still under way."""
+    async with files_api() as box:
+        paused, resume = asyncio.Event(), asyncio.Event()
+
+        async def slowly() -> AsyncIterator[bytes]:
+            yield b"a" * 100_000
+            paused.set()
+            await resume.wait()
+            yield b"b" * 100_000
+
+        async def listed() -> set[str]:
+            r = await c.get(box.url(), params={"path": "cut"})
+            return {e["name"] for e in r.json().get("entries", [])}
+
+        async with box.api.client(FILES) as c, box.api.client(apikit.ADMIN) as admin:
+            sized = {"Content-Length": "200000"}
+            put = c.put(box.url("/content"), params={"path": "cut/f.bin"}, content=slowly(),
+                        headers=sized)  # fmt: skip
+            upload = asyncio.create_task(put)
+            await paused.wait()
+            await eventually(listed, lambda names: bool(names), what="the upload to begin")
+            r = await admin.post(f"/v1/sandboxes/{box.name}:restart", params={"wait": 30}, json={})
+            assert r.status_code == 200 and r.json()["generation"] == 2, r.text
+            await box.api.wait_phase(box.name, "Ready")
+            resume.set()
+            assert (await upload).status_code in (409, 503)
+            [part] = await listed()
+            assert part.startswith(".sandstream-upload-"), part
+            under_way = ".sandstream-upload-g2-0123456789abcdef"  # an upload into generation 2
+            container = podman.containers.get(container_name(box.name, 2))
+            code, out = await asyncio.to_thread(
+                container.exec_run, ["touch", f"/workspace/cut/{under_way}"]
+            )
+            assert code == 0, out
+            r = await c.put(box.url("/content"), params={"path": "cut/next.txt"}, content=b"next")
+            assert r.status_code == 201, r.text
+            assert await listed() == {"next.txt", under_way}
 
 
 async def test_a_declared_length_above_the_limit_is_refused_before_a_byte_is_sent(

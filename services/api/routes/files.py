@@ -23,7 +23,14 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from drivers.files import FileEntry, FilesError, FileSource, sandbox_path, source_of
+from drivers.files import (
+    FileEntry,
+    FilesError,
+    FileSource,
+    sandbox_path,
+    source_of,
+    upload_prefix,
+)
 from drivers.protocol import WORKSPACE_PATH
 from drivers.tar_stream import Data, Member, TarError, TarScanner, checked, one_member
 from events.common import Phase
@@ -361,9 +368,11 @@ async def _upload_file(
     body: AsyncIterator[bytes],
 ) -> None:
     """The body as a file at ``where``: extracted under a temporary name beside it, then
-    renamed over it, so no reader sees a part and a failed upload leaves nothing."""
+    renamed over it, so no reader sees a part and a failed upload leaves nothing (an upload
+    cut off with its runtime cannot remove its part: the name tells its generation, and the
+    next upload into the folder at a later generation removes it)."""
     folder = posixpath.dirname(where)
-    temporary = posixpath.join(folder, f".sandstream-upload-{secrets.token_hex(8)}")
+    temporary = posixpath.join(folder, upload_prefix(generation) + secrets.token_hex(8))
     archive = one_member(posixpath.basename(temporary), declared, body)
     try:
         await source.write_tar(key, generation, folder, archive)
