@@ -2,14 +2,23 @@
 (Kubernetes without a storage class: the default chart). Each idle suspend failed, put the
 sandbox back to Ready, and the next scan found it idle again, for as long as it lived. The API
 now refuses such a timeout (tests/test_api_suspend.py); the scheduler does not act on one a
-row already has (real PostgreSQL and Kafka, the processor deciding)."""
+row already has (real PostgreSQL and Kafka, the processor deciding).
+
+A warm pool of a template with an idle timeout was accepted where its members cannot be
+suspended, and every claim from it was then refused (422, as a create with the timeout is). The
+API now refuses such a pool when it is written, and a template update (or re-create) that
+would give such a pool's template an idle timeout (through the API, on the real store)."""
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
+import apikit
+from apikit import unique
 from test_idle_after_outage import FLUSH, Clock, idle_messages, ready_on_a_plane
 
+from drivers.kube_objects import WORKSPACE_DIES_WITH_POD
 from events.publisher import now
 from services.scheduler.scheduler import Scheduler
 
@@ -38,3 +47,60 @@ async def test_the_scheduler_sends_no_idle_message_for_a_sandbox_it_cannot_suspe
         # The same row where the backend can suspend it: the scan finds it idle.
         await scan(Scheduler(env.settings, env.pool, clock=clock), clock)
         assert [m.key for m in await idle_messages(env, key)] == [key]
+
+
+KUBE = "kube-"  # names routed to a Kubernetes backend without a storage class
+ROUTED = {"driver_route_prefix": KUBE, "driver_route": "kubernetes"}
+IDLE_SPEC = {"image": "registry.example/agent:1", "idle_suspend_seconds": 60}
+PLAIN_SPEC = {"image": "registry.example/agent:1"}
+
+
+def refused(r: Any, field: str) -> str:
+    assert r.status_code == 422, r.text
+    message = str(r.json()["message"])
+    assert r.json()["code"] == "INVALID_ARGUMENT", r.text
+    assert message.startswith(f"field '{field}': ") and WORKSPACE_DIES_WITH_POD in message, message
+    return message
+
+
+async def test_a_pool_whose_members_cannot_take_its_templates_idle_timeout_is_refused() -> None:
+    async with apikit.running_api(None, settings_update=ROUTED) as api, api.client() as c:
+        idle, plain = unique("tpl-idle"), unique("tpl-plain")
+        for name, spec in ((idle, IDLE_SPEC), (plain, PLAIN_SPEC)):
+            r = await c.post("/v1/templates", json={"name": name, "spec": spec})
+            assert r.status_code == 201, r.text
+        # A pool whose members run on the backend that cannot suspend: refused, nothing kept.
+        kube_pool = unique(KUBE + "p")
+        r = await c.post("/v1/pools", json={"name": kube_pool, "template": idle, "size": 1})
+        assert f"pool {kube_pool!r}" in refused(r, "template")
+        assert (await c.get(f"/v1/pools/{kube_pool}")).status_code == 404
+        # Of a template without one it is kept; pointing it at the idle template is refused.
+        r = await c.post("/v1/pools", json={"name": kube_pool, "template": plain, "size": 1})
+        assert r.status_code == 201, r.text
+        body = {"expected_revision": 1, "template": idle}
+        refused(await c.patch(f"/v1/pools/{kube_pool}", json=body), "template")
+        r = await c.get(f"/v1/pools/{kube_pool}")
+        assert (r.json()["template"], r.json()["revision"]) == (plain, 1), r.text
+        # Its template taking an idle timeout is refused, naming the pool; nothing written.
+        update = {"expected_revision": 1, "spec": IDLE_SPEC}
+        message = refused(await c.put(f"/v1/templates/{plain}", json=update),
+                          "spec.idle_suspend_seconds")  # fmt: skip
+        assert f"pool {kube_pool!r}" in message, message
+        assert (await c.get(f"/v1/templates/{plain}")).json()["revision"] == 1
+        # ... and so is the template created again under its name after a delete.
+        assert (await c.delete(f"/v1/templates/{plain}")).status_code == 200
+        r = await c.post("/v1/templates", json={"name": plain, "spec": IDLE_SPEC})
+        refused(r, "spec.idle_suspend_seconds")
+        r = await c.post("/v1/templates", json={"name": plain, "spec": PLAIN_SPEC})
+        assert r.status_code == 201, r.text
+        # Other changes of that pool are not refused.
+        r = await c.patch(f"/v1/pools/{kube_pool}", json={"expected_revision": 1, "size": 0})
+        assert r.status_code == 200, r.text
+        # Where the members can be suspended, the idle template is fine, and so are its
+        # updates (the refused pool holds nothing of it).
+        other = unique("p")
+        r = await c.post("/v1/pools", json={"name": other, "template": idle, "size": 1})
+        assert r.status_code == 201, r.text
+        spec = {**IDLE_SPEC, "idle_suspend_seconds": 120}
+        r = await c.put(f"/v1/templates/{idle}", json={"expected_revision": 1, "spec": spec})
+        assert r.status_code == 200, r.text

@@ -452,12 +452,12 @@ def test_observation_cell(phase: Phase, kind: ObservationKind) -> None:
 
 def _follow(observed: ObservedState | None) -> Phase:
     """Where a failed suspend leaves the row, given what the backend looked like (the
-    runtime gone: suspended, the workspace kept)."""
+    runtime not running: suspended, the workspace kept)."""
     return {
         None: P.ERROR,
         "running": P.READY,
-        "created": P.STOPPED,
-        "exited": P.STOPPED,
+        "created": P.SUSPENDED,
+        "exited": P.SUSPENDED,
         "absent": P.SUSPENDED,
     }[observed]
 

@@ -21,6 +21,7 @@ from events.decided import (
 )
 from events.outcomes import Code
 from projections.lifecycle import ROTATION_TABLE, expired
+from projections.lifecycle.model import idle_suspended
 
 P = Phase
 
@@ -185,11 +186,62 @@ def test_a_delete_racing_a_suspend_wins() -> None:
 
 
 def test_a_failed_suspend_follows_what_the_backend_was_seen_in() -> None:
-    for observed, phase in (("running", P.READY), ("exited", P.STOPPED), ("absent", P.SUSPENDED)):
+    seen = (("running", P.READY), ("created", P.SUSPENDED), ("exited", P.SUSPENDED),
+            ("absent", P.SUSPENDED), (None, P.ERROR))  # fmt: skip
+    for observed, phase in seen:
         h = f.Harness()
         h.send(f.create(), f.running(), f.suspend())
         h.send(f.failed(operation="suspend", observed=observed))  # type: ignore[arg-type]
         assert h.row().phase is phase, observed
+
+
+@pytest.mark.parametrize("observed", ["exited", "created"])
+def test_a_failed_idle_suspend_that_left_the_runtime_not_running_is_suspended(
+    observed: str,
+) -> None:
+    """An idle suspend whose removal failed after its stop (the backend saw the runtime
+    exited) left the row Stopped: no wake resumed it, no restart policy restarted it. Nothing
+    runs, the workspace is kept: it is Suspended, says why, and a wake's resume starts it. The
+    exit was the suspend's stop: neither the restart nor the completion policy acts on it."""
+    spec = SandboxSpec(image=f.IMAGE, idle_suspend_seconds=60, restart_policy="Always")
+    h = f.Harness()
+    h.send(f.create(sandbox_spec=spec, on_exit="delete"), f.running(occurred_at=f.at(1)))
+    h.send(f.idle_due(occurred_at=f.at(61)))
+    assert h.row().phase is P.SUSPENDING
+    failure = f.failed(operation="suspend", observed=observed, exit_code=143, reason="busy")  # type: ignore[arg-type]
+    d = h.send(failure)
+    assert [e.type for e in d.events] == ["SandboxOperationFailed"], d.events
+    row = h.row()
+    assert (row.phase, row.exit_code, row.deadline) == (P.SUSPENDED, None, None)
+    assert idle_suspended(row) and (row.reason or "").endswith("; the suspend failed: busy")
+    d = h.send(f.resume(occurred_at=f.at(70)))  # what a wake on access sends
+    assert d.outcome is not None and d.outcome.accepted, d.outcome
+    assert (h.row().phase, h.row().generation) == (P.STARTING, 2)
+    assert h.rebuilt()[f.KEY] == h.row()
+
+
+def test_an_operators_failed_suspend_that_left_the_runtime_exited_is_suspended() -> None:
+    """What was asked for is done but the runtime's removal: Suspended, resumable; its row
+    says what failed (the reconcile loop removes a runtime left under a Suspended row)."""
+    h = f.Harness()
+    h.send(f.create(), f.running(), f.suspend())
+    h.send(f.failed(operation="suspend", observed="exited", exit_code=0, reason="busy"))
+    assert (h.row().phase, h.row().reason) == (P.SUSPENDED, "busy")
+    assert h.send(f.resume()).disposition == "applied"
+
+
+@pytest.mark.parametrize("observed", ["exited", "absent"])
+def test_an_expiry_during_a_suspend_that_failed_is_kept_on_the_row(observed: str) -> None:
+    """The time to live ended while Suspending and the suspend then failed with the runtime
+    not running: Suspended, and still no wake on access resumes it."""
+    h = f.Harness()
+    h.send(f.create(ttl_seconds=60), f.running(occurred_at=f.at(1)), f.suspend(occurred_at=f.at(2)))
+    expires = h.row().expires_at
+    assert expires is not None
+    h.send(f.due(deadline="ttl", due_at=expires))
+    h.send(f.failed(operation="suspend", observed=observed, occurred_at=f.at(90)))  # type: ignore[arg-type]
+    row = h.row()
+    assert row.phase is P.SUSPENDED and expired(row.reason, row.expires_at), row.reason
 
 
 def test_resume_is_refused_while_held_and_suspend_is_not() -> None:

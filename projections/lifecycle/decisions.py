@@ -113,10 +113,10 @@ from .observations import (
     KEEP_DELETING,
     KEEP_STOPPING,
     OBSERVATION_TABLE,
-    OBSERVED_PHASE,
     STOPPED_STATES,
     ObservationKind,
     Target,
+    failed_suspend,
     observation_kind,
     ran_before_its_exit,
 )
@@ -546,16 +546,16 @@ def _observation_event(
         assert isinstance(obs, DriverOperationResult)
         return _stop_failed(state, obs, common, limits)
     if target == FOLLOW_OBSERVED:
-        # A failed suspend takes the phase the backend was seen in; none left: Suspended.
+        # A failed suspend takes the phase the backend was seen in; not running: Suspended.
         assert isinstance(obs, DriverOperationResult)
-        phase = OBSERVED_PHASE[obs.observed] if obs.observed else P.ERROR
+        phase, reason, exit_code = failed_suspend(state, obs)
         return built(
             SandboxOperationFailed,
             type="SandboxOperationFailed",
             **common,
             operation=obs.operation,
-            phase=P.SUSPENDED if phase is P.DELETED else phase,
-            reason=obs.reason or f"{obs.operation} failed",
+            phase=phase,
+            reason=reason,
             exit_code=exit_code,
         )
     match target:

@@ -16,7 +16,7 @@ from events.observations import (
     RuntimeSnapshot,
 )
 
-from .model import P, Sandbox
+from .model import P, Sandbox, expired, idle_suspended
 
 # Observations of the current generation: what they do in each phase.
 # Older generations are stale, newer than issued are unknown: both ignored before this table.
@@ -41,20 +41,39 @@ KEEP_STOPPING: Final = "keep stopping"
 
 
 # A failed suspend: the row takes the phase the backend was seen in (a runtime still running
-# is Ready again and usable; none left is Suspended). Unlike a stop or a delete, a suspend is
+# is Ready again and usable; none running is Suspended). Unlike a stop or a delete, a suspend is
 # not retried: it frees compute and loses nothing when it fails, so asking again is the caller's.
 FOLLOW_OBSERVED: Final = "follow observed"
 
 
 Target = Phase | Literal["keep deleting", "keep stopping", "follow observed"]
 
-# The phase a failed suspend leaves, by what the backend was seen as (FOLLOW_OBSERVED).
+# The phase a failed suspend leaves, by what the backend was seen as (FOLLOW_OBSERVED). A
+# runtime left that does not run (created, or exited: the suspend's stop, or an exit during
+# Suspending, which is no exit of the agent either way) is Suspended, as after a removal: its
+# compute is free and its workspace kept; the reconcile loop removes a runtime left under a
+# Suspended row, and a resume (a wake) starts the next generation. (Stopped, before: no wake
+# resumed it and no restart policy restarted it.)
 OBSERVED_PHASE: Final[dict[ObservedState, Phase]] = {
     "running": P.READY,
-    "created": P.STOPPED,  # exists, not running: a start recovers it
-    "exited": P.STOPPED,
-    "absent": P.DELETED,
+    "created": P.SUSPENDED,
+    "exited": P.SUSPENDED,
+    "absent": P.SUSPENDED,
 }
+
+
+def failed_suspend(state: Sandbox, obs: DriverOperationResult) -> tuple[Phase, str, int | None]:
+    """The phase, reason and exit code a failed suspend of ``state`` leaves (not seen: Error).
+    Suspended keeps the exit code the row had, as a suspend that succeeded does, and the
+    reason that says why it is suspended or that its time to live ended (a wake must not
+    resume that one), the failure after it."""
+    reason = obs.reason or f"{obs.operation} failed"
+    phase = OBSERVED_PHASE[obs.observed] if obs.observed else P.ERROR
+    if phase is not P.SUSPENDED:
+        return phase, reason, obs.exit_code
+    if idle_suspended(state) or expired(state.reason, state.expires_at):
+        reason = f"{state.reason}; the suspend failed: {reason}"
+    return phase, reason, state.exit_code
 
 
 _LAUNCHING: dict[ObservationKind, Target] = {
@@ -84,7 +103,8 @@ OBSERVATION_TABLE: Final[dict[Phase, dict[ObservationKind, Target]]] = {
     P.STOPPED: {},
     # Suspending: only the runtime's removal (seen, or the suspend's own result) suspends. Its
     # exit is the suspend's stop, no exit of the agent: the restart and completion policies
-    # never see it. A failed suspend follows what the backend was seen in (absent: Suspended).
+    # never see it. A failed suspend follows what the backend was seen in: running is Ready,
+    # anything else seen (exited, created, absent) Suspended.
     P.SUSPENDING: {
         "removed": P.SUSPENDED,
         "suspend_succeeded": P.SUSPENDED,

@@ -34,6 +34,8 @@ from services.common.pools import (
     RevisionMismatch,
     Strategy,
 )
+from services.common.settings import Settings
+from services.common.suspend import members_suspend_refusal
 from services.common.tokens import PROVIDER_WRITE, Principal
 
 router = APIRouter()
@@ -176,12 +178,29 @@ async def view(conn: Any, info: PoolInfo) -> PoolView:
     )
 
 
-async def _require_template(conn: Any, name: str, principal: Principal) -> None:
+async def _require_template(
+    conn: Any, name: str, principal: Principal, settings: Settings, pool: str
+) -> None:
+    """The pool's template exists, the principal may keep members of it, and its idle timeout
+    (if any) can be acted on for the pool's members. Call it in the transaction that writes the
+    pool: the template row is locked against an update until then (the update's own check,
+    routes/templates.py, sees this pool)."""
+    await conn.execute("SELECT 1 FROM templates WHERE name = $1 FOR SHARE", name)
     info = await templates.get_template(conn, name)
     if info is None:
         raise ApiError(404, "NOT_FOUND", f"field 'template': template {name!r} not found")
     if info.body.providers:  # its members get those values, as a create attaching them does
         require_also(principal, PROVIDER_WRITE, "to keep members of a template naming providers")
+    idle = info.body.spec.idle_suspend_seconds
+    if idle is not None and (why := members_suspend_refusal(settings, pool)) is not None:
+        raise ApiError(
+            422,
+            "INVALID_ARGUMENT",
+            f"field 'template': template {name!r} has an idle timeout "
+            f"(spec.idle_suspend_seconds {idle}), which suspends a claimed member, and the "
+            f"members of pool {pool!r} cannot be suspended here: {why} (every claim from the "
+            "pool would be refused)",
+        )
 
 
 POOL_RESPONSES = responses(401, 403, 404, 409, 413, 422, 503)
@@ -197,11 +216,12 @@ POOL_RESPONSES = responses(401, 403, 404, 409, 413, 422, 503)
 )
 async def create_pool(body: CreatePoolRequest, principal: Writer, state: State) -> JSONResponse:
     async with state.pool.acquire() as conn:
-        await _require_template(conn, body.template, principal)
-        with refusals():
-            info = await store.create_pool(
-                conn, body.name, body.template, body.size, body.strategy, principal.name, now()
-            )
+        async with conn.transaction():
+            await _require_template(conn, body.template, principal, state.settings, body.name)
+            with refusals():
+                info = await store.create_pool(
+                    conn, body.name, body.template, body.size, body.strategy, principal.name, now()
+                )
         created = await view(conn, info)
     return JSONResponse(
         created.model_dump(mode="json"), 201, headers={"Location": f"/v1/pools/{body.name}"}
@@ -250,19 +270,20 @@ async def update_pool(
             422, "INVALID_ARGUMENT", "body: give at least one of 'size', 'strategy', 'template'"
         )
     async with state.pool.acquire() as conn:
-        if body.template is not None:
-            await _require_template(conn, body.template, principal)
-        with refusals():
-            info = await store.update_pool(
-                conn,
-                name,
-                expected_revision=body.expected_revision,
-                actor=principal.name,
-                now=now(),
-                size=body.size,
-                strategy=body.strategy,
-                template=body.template,
-            )
+        async with conn.transaction():
+            if body.template is not None:
+                await _require_template(conn, body.template, principal, state.settings, name)
+            with refusals():
+                info = await store.update_pool(
+                    conn,
+                    name,
+                    expected_revision=body.expected_revision,
+                    actor=principal.name,
+                    now=now(),
+                    size=body.size,
+                    strategy=body.strategy,
+                    template=body.template,
+                )
         return await view(conn, info)
 
 

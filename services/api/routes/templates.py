@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query
 from fastapi.responses import JSONResponse
@@ -34,8 +34,10 @@ from services.api.errors import ApiError
 from services.api.models import SandboxSpecRequest, responses
 from services.api.providers import require_existing
 from services.api.readmodel.pages import name_after, name_page
-from services.common import templates
+from services.common import pools, templates
 from services.common.providers import ProviderMissing
+from services.common.settings import Settings
+from services.common.suspend import members_suspend_refusal
 from services.common.templates import (
     StaleRevision,
     TemplateBody,
@@ -150,6 +152,29 @@ async def _body(fields: TemplateFields, principal: Principal, state: State) -> T
     )
 
 
+async def _refuse_unsuspendable_pools(
+    conn: Any, name: str, body: TemplateBody, settings: Settings
+) -> None:
+    """A 422 naming the idle timeout when a warm pool keeps members of template ``name`` that
+    cannot be suspended here: every claim from it would be refused (routes/pools.py refuses
+    such a pool when it is written). Call it in the transaction that writes the template,
+    with its row locked: a pool written meanwhile waits for the template (its check reads the
+    revision written here)."""
+    idle = body.spec.idle_suspend_seconds
+    if idle is None:
+        return
+    for pool in await pools.pools_of_template(conn, name):
+        if (why := members_suspend_refusal(settings, pool.name)) is not None:
+            raise ApiError(
+                422,
+                "INVALID_ARGUMENT",
+                f"field 'spec.idle_suspend_seconds': template {name!r} keeps warm pool "
+                f"{pool.name!r}, whose members cannot be suspended here: {why} (every claim "
+                "from the pool would be refused); clear the timeout, or point the pool at "
+                "another template first",
+            )
+
+
 @router.post(
     "/v1/templates",
     status_code=201,
@@ -163,7 +188,9 @@ async def create_template(
 ) -> JSONResponse:
     with refusals():
         stored = await _body(body, principal, state)
-        async with state.pool.acquire() as conn:
+        async with state.pool.acquire() as conn, conn.transaction():
+            # A pool may name a template deleted since: its claims follow this one.
+            await _refuse_unsuspendable_pools(conn, body.name, stored, state.settings)
             info = await templates.create_template(conn, body.name, stored, principal.name, now())
     return JSONResponse(
         view(info).model_dump(mode="json"), 201, headers={"Location": f"/v1/templates/{info.name}"}
@@ -226,7 +253,12 @@ async def update_template(
 ) -> TemplateView:
     with refusals():
         stored = await _body(body, principal, state)
-        async with state.pool.acquire() as conn:
+        async with state.pool.acquire() as conn, conn.transaction():
+            newest = await conn.fetchval(
+                "SELECT revision FROM templates WHERE name = $1 FOR UPDATE", template
+            )
+            if newest == body.expected_revision:  # else the store's 404 or 409 answers
+                await _refuse_unsuspendable_pools(conn, template, stored, state.settings)
             info = await templates.update_template(
                 conn, template, stored, body.expected_revision, principal.name, now()
             )
