@@ -10,7 +10,7 @@ from typing import Any
 from harness import eventually
 
 from events.commands import CreateSandbox
-from events.common import SandboxSpec
+from events.common import SandboxSpec, TemplateRef
 from events.publisher import new_command_id, now
 from services.api.gateway import CommandGateway
 
@@ -23,9 +23,15 @@ def member_key(pool: str) -> str:
 
 
 async def create_members(
-    gateway: CommandGateway, pool: str, count: int, image: str, **spec: Any
+    gateway: CommandGateway,
+    pool: str,
+    count: int,
+    image: str,
+    template: TemplateRef | None = None,
+    **spec: Any,
 ) -> list[str]:
-    """``count`` members of ``pool``, created and accepted (not yet Ready)."""
+    """``count`` members of ``pool``, created and accepted (not yet Ready); made from
+    ``template`` as the controller's are (a door's claim adopts only such members)."""
     keys = [member_key(pool) for _ in range(count)]
     for key in keys:
         command = CreateSandbox(
@@ -36,6 +42,7 @@ async def create_members(
             actor="pool-controller",
             spec=SandboxSpec(image=image, command=SLEEPER, **spec),
             pool=pool,
+            template=template,
         )
         outcome = (await gateway.submit(command, 30)).outcome
         assert outcome is not None and outcome.accepted, outcome

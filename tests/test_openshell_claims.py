@@ -16,7 +16,7 @@ from apikit import Api, unique
 from claims_support import SLEEPER, adoptions, all_ready, create_members
 from openshell_support import PATH, auth, serving_door
 
-from events.common import SandboxSpec
+from events.common import SandboxSpec, TemplateRef
 from services.api.gateway import CommandGateway
 from services.common import pools as pools_store
 from services.common import templates
@@ -66,7 +66,7 @@ async def test_an_openshell_create_from_a_pooled_template_claims_as_over_http(
             conn, pool, template, 2, "Recreate", "test", datetime.now(UTC)
         )
     gateway: CommandGateway = api.app.state.api.gateway
-    members = await create_members(gateway, pool, 2, IMAGE)
+    members = await create_members(gateway, pool, 2, IMAGE, TemplateRef(name=template, revision=1))
     await all_ready(api.env.pool, members)
     ids = {r["key"]: str(r["sandbox_id"]) for r in await api.env.pool.fetch(
         "SELECT key, sandbox_id FROM sandboxes WHERE key = ANY($1)", members)}  # fmt: skip
@@ -146,7 +146,8 @@ async def test_an_openshell_claim_with_its_own_environment_is_warm_and_its_exec_
             conn, pool, template, 1, "Recreate", "test", datetime.now(UTC)
         )
     gateway: CommandGateway = api.app.state.api.gateway
-    [member] = await create_members(gateway, pool, 1, IMAGE, env={"MODE": "template"})
+    ref = TemplateRef(name=template, revision=1)
+    [member] = await create_members(gateway, pool, 1, IMAGE, ref, env={"MODE": "template"})
     await all_ready(api.env.pool, [member])
     name, other = unique("agent"), unique("agent")
     async with serving_door(api.env, driver) as (channel, _, _):

@@ -134,6 +134,47 @@ async def test_a_pool_of_a_template_naming_providers_needs_provider_write(api: A
         assert r.status_code == 403 and "provider:write" in r.json()["message"], r.text
 
 
+async def test_a_claim_adopts_only_a_member_its_token_could_create(api: Api) -> None:
+    """A review found it: a claim was checked against the newest revision of the template it
+    named, then adopted any Ready member of the pool. A token without provider:write removed
+    the providers from a template whose outdated members still had them attached, and got one
+    of those by a claim (its per-claim env reaches each exec, and the member's next start);
+    and a pool pointed at another template served the first one's members to claims of the
+    second. A claim now adopts only a member of the template it names, of a revision the
+    token could create from itself."""
+    provider, template, other, pool = unique("prov"), unique("tpl"), unique("tpl"), unique("pool")
+    async with api.client() as c:
+        r = await c.post("/v1/providers", json={"name": provider, "credentials": {"T": "v"}})
+        assert r.status_code == 201, r.text
+        body = {"name": template, "spec": SPEC, "providers": [provider]}
+        assert (await c.post("/v1/templates", json=body)).status_code == 201
+        body = {"name": pool, "template": template, "size": 1, "strategy": "OnReplenish"}
+        assert (await c.post("/v1/pools", json=body)).status_code == 201
+        [member] = await settled(api, pool, 1)
+    async with api.client(apikit.WRITER) as c:
+        plain = {"spec": SPEC, "providers": [], "expected_revision": 1}
+        assert (await c.put(f"/v1/templates/{template}", json=plain)).status_code == 200
+        name = unique("agent")
+        made = await claim(api, name, template, token=apikit.WRITER)
+        assert made["claim"]["warm"] is False, made
+        assert f"revision 1: it attaches providers ({provider})" in made["claim"]["reason"]
+    async with api.client() as c:
+        got = (await c.get(f"/v1/sandboxes/{name}")).json()
+        assert (got["providers"], got["template"]["revision"]) == ([], 2), got
+    assert member["key"] in {m["key"] for m in await members(api, pool)}  # not spent
+
+    async with api.client() as c:
+        assert (
+            await c.post("/v1/templates", json={"name": other, "spec": SPEC})
+        ).status_code == 201
+        r = await c.patch(f"/v1/pools/{pool}", json={"template": other, "expected_revision": 1})
+        assert r.status_code == 200, r.text
+    for revision in (None, 1):  # the other template's revision 1 is not the first one's
+        made = await claim(api, unique("agent"), other, revision)
+        assert made["claim"]["warm"] is False, made  # its only member is the first one's
+    assert member["key"] in {m["key"] for m in await members(api, pool)}
+
+
 async def test_the_controller_fills_replaces_scales_and_deletes_a_pool(api: Api) -> None:
     template, pool = unique("tpl"), unique("pool")
     await make_template(api, template)
@@ -323,10 +364,15 @@ async def test_outdated_members_serve_claims_of_their_revision_with_its_time_to_
 
 
 async def claim(
-    api: Api, name: str, template: str, revision: int | None = None, **more: Any
+    api: Api,
+    name: str,
+    template: str,
+    revision: int | None = None,
+    token: str = ADMIN,
+    **more: Any,
 ) -> dict[str, Any]:
     named = {"name": template} | ({} if revision is None else {"revision": revision})
-    async with api.client() as c:
+    async with api.client(token) as c:
         r = await c.post("/v1/sandboxes", json={"name": name, "template": named, **more},
                          params={"wait": 30})  # fmt: skip
     assert r.status_code == 201, r.text

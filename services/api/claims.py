@@ -46,21 +46,23 @@ from services.api.gateway import CommandGateway
 CANDIDATES: Final = 32
 ADOPT_NS: Final = UUID("8a4f0c2e-1b3d-4e5f-a6b7-c8d9e0f1a2b3")
 
-# The pool's Ready members no claim adopted yet (sandboxes_pool_ready), of the template
-# revision a claim pinned if it did (an OnReplenish pool, or a Recreate roll, serves older ones).
+# The pool's Ready members no claim adopted yet (sandboxes_pool_ready), made from the template
+# the claim names, of a revision the claim may have (an OnReplenish pool, or a Recreate roll,
+# serves older ones; a pool pointed at another template keeps the old one's members a while).
 _READY: Final = (
     "SELECT key FROM sandboxes WHERE pool = {pool} AND claim_id IS NULL AND phase = 'Ready' "
-    "AND hold IS NULL AND ({revision}::int IS NULL OR (template->>'revision')::int = {revision}) "
+    "AND hold IS NULL AND ({template}::text IS NULL OR (template->>'name' = {template} "
+    "AND (template->>'revision')::int = ANY({revisions}::int[]))) "
     "ORDER BY updated_at LIMIT {limit}"
 )
-_CANDIDATES: Final = _READY.format(pool="$1", limit="$2", revision="$3")
+_CANDIDATES: Final = _READY.format(pool="$1", limit="$2", template="$3", revisions="$4")
 # What a claim first finds, in one round trip: the name's row, the member it adopted before (a
 # retried claim) and the candidates.
 _FIRST: Final = f"""
 SELECT n.phase, n.bound_to, n.claim_id,
        (SELECT key FROM sandboxes WHERE pool = $2 AND claim_id = $3
         ORDER BY updated_at LIMIT 1) AS adopted,
-       ARRAY({_READY.format(pool="$2", limit="$4", revision="$5")}) AS candidates
+       ARRAY({_READY.format(pool="$2", limit="$4", template="$5", revisions="$6")}) AS candidates
 FROM (SELECT) AS one LEFT JOIN sandboxes n ON n.key = $1
 """
 # The name's row and whether ``member`` is still adopted by the claim (None: gone or another's).
@@ -107,32 +109,34 @@ async def claim(
     providers: Sequence[str] = (),
     ttl_seconds: int | None = None,
     env_refusal: str | None = None,
-    revision: int | None = None,
-    revision_ttls: Mapping[int, int | None] | None = None,
+    template: str | None = None,
+    revisions: Mapping[int, int | None] | None = None,
+    pinned: int | None = None,
     timeout: float = 30.0,
 ) -> ClaimResult:
     """Adopt a Ready member of ``pool`` under ``name`` (warm), or say why not (cold).
     ``env_refusal``: why this door cannot deliver per-claim env or providers warm (a claim
-    with either is then cold); ``revision``: the template revision the claim pinned (only a
-    member of it is adopted); ``revision_ttls``: the time to live by the member's template
-    revision, when it is not ``ttl_seconds`` whatever the member (an unpinned claim without
-    its own)."""
+    with either is then cold); ``template``, ``revisions``: only a member made from that
+    template, of one of those revisions (the ones the claimant may have: ``pool_claims``), is
+    adopted, with the time to live given for its revision (None: any member, ``ttl_seconds``);
+    ``pinned``: the revision the request named, for the cold reason."""
     if (env or providers) and env_refusal is not None:
         what = "env and providers" if env and providers else "env" if env else "providers"
         return cold(f"per-claim {what}: a cold start ({env_refusal})")
     asked = Asked(dict(labels or {}), dict(env or {}), list(providers), ttl_seconds)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    settled, candidates = await _first(gateway, pool, name, claim_id, revision, deadline)
+    among = None if revisions is None else sorted(revisions)
+    settled, candidates = await _first(gateway, pool, name, claim_id, template, among, deadline)
     if settled is not None:  # a retried claim: its answer says what the first one's said
         return replace(settled, reason=settled.reason + asked.note()) if settled.warm else settled
     adopting = _ADOPTING.setdefault(gateway, {})
     attempts = 0
     while loop.time() < deadline:
         if candidates is None:
-            candidates = await _candidates(gateway, pool, revision)
+            candidates = await _candidates(gateway, pool, template, among)
         if not candidates:
-            of = "" if revision is None else f" of template revision {revision}"
+            of = "" if pinned is None else f" of template revision {pinned}"
             return cold(f"no Ready member of pool {pool!r}{of} is unclaimed", attempts)
         if all(member in adopting for member in candidates):
             await _one_decided([adopting[m] for m in candidates], deadline)
@@ -144,7 +148,7 @@ async def claim(
             attempts += 1
             adopting[member] = decided = asyncio.Event()
             try:
-                given = await _for_member(gateway, member, asked, revision_ttls)
+                given = await _for_member(gateway, member, asked, revisions)
                 outcome = await _adopt(gateway, member, name, actor, claim_id, given, deadline)
             finally:
                 del adopting[member]
@@ -177,8 +181,10 @@ def _shuffled(keys: list[str]) -> list[str]:
     return keys
 
 
-async def _candidates(gateway: CommandGateway, pool: str, revision: int | None) -> list[str]:
-    rows = await gateway.pool.fetch(_CANDIDATES, pool, CANDIDATES, revision)
+async def _candidates(
+    gateway: CommandGateway, pool: str, template: str | None, revisions: list[int] | None
+) -> list[str]:
+    rows = await gateway.pool.fetch(_CANDIDATES, pool, CANDIDATES, template, revisions)
     return _shuffled([r["key"] for r in rows])
 
 
@@ -187,14 +193,15 @@ async def _first(
     pool: str,
     name: str,
     claim_id: str,
-    revision: int | None,
+    template: str | None,
+    revisions: list[int] | None,
     deadline: float,
 ) -> tuple[ClaimResult | None, list[str] | None]:
     """What a claim need not (or must not) adopt for: its name bound already (a retried claim),
     the member it adopted before (a retry: wait for that one), or a name taken (cold: the
     create the caller makes is refused, and no member is spent on it); else the candidates,
     read in the same round trip."""
-    row = await gateway.pool.fetchrow(_FIRST, name, pool, claim_id, CANDIDATES, revision)
+    row = await gateway.pool.fetchrow(_FIRST, name, pool, claim_id, CANDIDATES, template, revisions)
     assert row is not None  # one row, whether the name has one or not
     bound = row["bound_to"]
     if bound is not None:
@@ -234,15 +241,18 @@ async def _for_member(
     asked: Asked,
     ttls: Mapping[int, int | None] | None,
 ) -> Asked:
-    """``asked`` with the time to live of ``member``'s template revision, where it differs (an
-    outdated member: its own revision's TTL, as the rest of what it runs is its revision's).
-    Read only when the revisions' TTLs differ."""
-    if not ttls or set(ttls.values()) == {asked.ttl_seconds}:
+    """``asked`` with the time to live given for ``member``'s template revision (an outdated
+    member: its own revision's, as the rest of what it runs is its revision's). Read only
+    when the revisions' TTLs differ."""
+    if not ttls:
         return asked
-    revision = await gateway.pool.fetchval(
-        "SELECT (template->>'revision')::int FROM sandboxes WHERE key = $1", member
-    )
-    ttl = ttls.get(revision, asked.ttl_seconds) if revision is not None else asked.ttl_seconds
+    given = set(ttls.values())
+    if len(given) > 1:
+        revision = await gateway.pool.fetchval(
+            "SELECT (template->>'revision')::int FROM sandboxes WHERE key = $1", member
+        )
+        given = {ttls.get(revision, asked.ttl_seconds)}
+    [ttl] = given
     return asked if ttl == asked.ttl_seconds else replace(asked, ttl_seconds=ttl)
 
 

@@ -4,22 +4,28 @@ try to adopt one of the pool's Ready members (``claims.claim``), and fall back t
 from the template when none can be; the outcome says which and why (docs/pools.md, "Claims from
 a pool").
 
+A member is what its template revision made it, which need not be the newest: an outdated
+member (a roll, ``OnReplenish``, a pool pointed at another template) has its own revision's
+providers, grace period and idle timeout. So a claim adopts only a member of the template it
+names, of a revision the claimant could create from itself: the checks a door makes of a
+create's spec (providers need ``provider:write``, the token's cap on the grace period, an idle
+timeout only where the name can be suspended, the template's labels not changed) are made of
+each revision the members run (``vetted``), and a pinned revision admits only itself. A claim's
+time to live (its own, else that revision's, else the default a create gets) is applied at the
+adoption, counted from it.
+
 Cold without trying, stated as the reason: a door's own reason (OpenShell's per-claim command),
 per-claim env or providers where the door's driver cannot pass them to an exec privately
-(``claims.claim`` says why: the Kubernetes driver). A claim pinning a template revision adopts
-only a member of it (an older one's are served while a roll or ``OnReplenish`` keeps them). A
-claim's time to live (its own, else the template's, else the default a create gets) is applied
-at the adoption, counted from it; without its own, an unpinned claim takes the TTL of the
-revision of the member it adopts, as the rest of what it gets is that member's. Every
-claim served is counted for the pool's status (``pool_claims``) and the metrics, with the
-request's time in the door by path.
+(``claims.claim`` says why: the Kubernetes driver), no member of a revision the claimant may
+have (each refused revision and why). Every claim served is counted for the pool's status
+(``pool_claims``) and the metrics, with the request's time in the door by path.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
@@ -35,8 +41,62 @@ from services.api.readmodel import ClaimOutcome, CommandStatus
 from services.common import metrics, templates
 from services.common import pools as store
 from services.common.pools import Conn, PoolInfo
+from services.common.suspend import suspend_refusal
+from services.common.tokens import PROVIDER_WRITE, Principal, stop_timeout_refusal
 
 CLAIM_TIMEOUT = 30.0  # seconds a claim may take to adopt and bind before it goes cold
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who claims, as a door knows it: what the checks of a create's spec need."""
+
+    principal: Principal
+    max_stop_timeout: int  # the cap for a token without its own
+    default_ttl: int | None  # a create's time to live when neither it nor its template sets one
+    unsuspendable: str | None = None  # why the claimant's name cannot be suspended here
+
+
+def member_refusal(made: templates.Resolved, caller: Caller) -> str | None:
+    """Why ``caller`` may not have a sandbox made as ``made`` (None: it may): the checks both
+    doors make of a create's spec, made of a member's revision."""
+    if made.providers and PROVIDER_WRITE not in caller.principal.scopes:
+        return f"it attaches providers ({', '.join(made.providers)}), which needs {PROVIDER_WRITE}"
+    why = stop_timeout_refusal(
+        caller.principal, caller.max_stop_timeout, made.spec.stop_timeout_seconds
+    )
+    if why is not None:
+        return f"its stop_timeout_seconds: {why}"
+    if made.spec.idle_suspend_seconds is not None and caller.unsuspendable is not None:
+        return f"its idle timeout: the sandbox could not be suspended ({caller.unsuspendable})"
+    return None
+
+
+def vetted(
+    found: Sequence[templates.TemplateInfo],
+    overrides: templates.Overrides,
+    caller: Caller,
+    pinned: int | None,
+) -> tuple[dict[int, int | None], list[str]]:
+    """Of the revisions the members run (``found``), those ``caller`` may have with its
+    ``overrides`` (only ``pinned`` if set), each with the time to live its adoption sets; and
+    why each other one may not be (pure)."""
+    allowed: dict[int, int | None] = {}
+    refused: list[str] = []
+    for info in found:
+        if pinned is not None and info.revision != pinned:
+            continue
+        try:
+            made = templates.apply(info, overrides)
+        except templates.OverrideRefused as exc:
+            why: str | None = str(exc)
+        else:
+            why = member_refusal(made, caller)
+        if why is None:
+            allowed[info.revision] = made.ttl_seconds or caller.default_ttl
+        else:
+            refused.append(f"revision {info.revision}: {why}")
+    return allowed, refused
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,37 +122,35 @@ class Claim:
 async def claim_first(
     gateway: CommandGateway,
     command: CreateSandbox,
+    caller: Caller,
+    overrides: templates.Overrides,
     *,
     pinned: int | None = None,
-    labels: Mapping[str, str] | None = None,
-    env: Mapping[str, str] | None = None,
-    providers: Sequence[str] = (),
     cold_because: str | None = None,
     driver: object | None = None,
-    own_ttl: int | None = None,
-    default_ttl: int | None = None,
 ) -> Claim | None:
     """The claim a create from a template is: ``command``'s name adopting a Ready member of
     the template's pool (its command id the claim id: a retried request is the same claim), or
     cold and why. None: no template, or no pool of it (the door creates as usual).
-    ``pinned``: the template revision the request asked for; ``labels``, ``env``,
-    ``providers``: the request's own (beyond the template's); ``cold_because``: a door's own
-    reason to go cold without trying; ``driver``: the door's exec driver (whether it can
-    deliver the claim's env and providers warm); ``own_ttl``: the request's own time to live;
-    ``default_ttl``: a create's when neither it nor its template sets one."""
+    ``caller``: who claims; ``overrides``: the request's own labels, env, providers and time
+    to live (beyond the template's); ``pinned``: the template revision the request asked for;
+    ``cold_because``: a door's own reason to go cold without trying; ``driver``: the door's
+    exec driver (whether it can deliver the claim's env and providers warm)."""
     if command.template is None:
         return None
     name = command.template.name
-    ttls = None  # by revision: an unpinned claim without its own TTL takes its member's
     async with gateway.pool.acquire() as conn:
         pools = await store.pools_of_template(conn, name)
-        if pools and pinned is None and own_ttl is None:
-            ttls = await templates.revision_ttls(conn, name, default_ttl)
+        found = await templates.member_revisions(conn, name, [p.name for p in pools])
     if not pools:
         return None
     started = time.perf_counter()
     if cold_because is not None:
         return Claim(pools[0], claims.cold(cold_because), started)
+    allowed, refused = vetted(found, overrides, caller, pinned)
+    if not allowed and refused:
+        why = "no member of a revision this request may have: " + "; ".join(refused)
+        return Claim(pools[0], claims.cold(why), started)
     for pool in pools:
         result = await claims.claim(
             gateway,
@@ -100,13 +158,14 @@ async def claim_first(
             command.key,
             actor=command.actor,
             claim_id=command.command_id,
-            labels=labels,
-            env=env,
-            providers=providers,
+            labels=overrides.labels,
+            env=overrides.env,
+            providers=overrides.providers,
             ttl_seconds=command.ttl_seconds,
             env_refusal=exec_env_refusal(driver),
-            revision=pinned,
-            revision_ttls=ttls,
+            template=name,
+            revisions=allowed,
+            pinned=pinned,
             timeout=CLAIM_TIMEOUT,
         )
         if result.warm:
@@ -135,22 +194,28 @@ async def count_on(conn: Conn, claim: Claim, command: CreateSandbox) -> None:
 
 async def create_or_claim(
     state: ApiState,
+    principal: Principal,
     body: CreateSandboxRequest,
     command: CreateSandbox,
     create: Callable[[], Awaitable[JSONResponse]],
 ) -> JSONResponse | None:
     """The HTTP answer to a create from a pooled template: a member adopted, or ``create()``
     (the cold create). None: the template has no pool, the caller creates as usual."""
+    settings = state.settings
+    caller = Caller(
+        principal,
+        settings.api_max_stop_timeout_seconds,
+        settings.default_ttl_seconds,
+        suspend_refusal(settings, body.name),
+    )
+    asked = body.overrides
+    overrides = templates.Overrides(
+        asked.env if asked else {}, asked.labels if asked else {}, body.ttl_seconds,
+        body.providers,
+    )  # fmt: skip
+    pinned = body.template.revision if body.template is not None else None
     claim = await claim_first(
-        state.gateway,
-        command,
-        pinned=body.template.revision if body.template is not None else None,
-        labels=body.overrides.labels if body.overrides else None,
-        env=body.overrides.env if body.overrides else None,
-        providers=body.providers,
-        driver=state.exec_driver,
-        own_ttl=body.ttl_seconds,
-        default_ttl=state.settings.default_ttl_seconds,
+        state.gateway, command, caller, overrides, pinned=pinned, driver=state.exec_driver
     )
     if claim is None:
         return None

@@ -249,15 +249,24 @@ async def _add_revision(
     )
 
 
-async def revision_ttls(conn: Conn, name: str, default: int | None) -> dict[int, int | None]:
-    """The time to live a create from each revision of template ``name`` gets (the
-    revision's own, else ``default``)."""
-    rows = await conn.fetch(
-        "SELECT revision, (body->>'ttl_seconds')::int AS ttl FROM template_revisions "
-        "WHERE name = $1",
-        name,
-    )
-    return {r["revision"]: r["ttl"] or default for r in rows}
+# The revisions of a template that unclaimed members of some pools were made from.
+_MEMBER_REVISIONS: Final = """
+SELECT r.name, r.revision, r.body, coalesce(t.created_at, r.created_at) AS created_at,
+       r.created_at AS updated_at, coalesce(t.created_by, r.created_by) AS created_by,
+       r.created_by AS updated_by
+FROM template_revisions r LEFT JOIN templates t ON t.name = r.name
+WHERE r.name = $1 AND r.revision IN (
+    SELECT DISTINCT (s.template->>'revision')::int FROM sandboxes s
+    WHERE s.pool = ANY($2::text[]) AND s.template->>'name' = $1 AND s.claim_id IS NULL
+      AND s.phase <> 'Deleted')
+ORDER BY r.revision
+"""
+
+
+async def member_revisions(conn: Conn, name: str, pools: Sequence[str]) -> list[TemplateInfo]:
+    """The revisions of template ``name`` that the unclaimed members of ``pools`` run: what a
+    claim of one of them would get (a roll or ``OnReplenish`` keeps older ones serving)."""
+    return [_info(r) for r in await conn.fetch(_MEMBER_REVISIONS, name, list(pools))]
 
 
 async def revision_decided(conn: Conn, key: str, command_id: str, name: str) -> int | None:

@@ -23,7 +23,7 @@ from services.api.providers import require_existing
 from services.api.readmodel import ClaimOutcome, InvalidArgument
 from services.common import templates
 from services.common.providers import ProviderMissing
-from services.common.tokens import PROVIDER_WRITE, READ, WRITE, stop_timeout_refusal
+from services.common.tokens import PROVIDER_WRITE, READ, WRITE, Principal, stop_timeout_refusal
 from services.openshell import mapping, wire
 from services.openshell.proto import openshell_pb2 as pinned
 from services.openshell.proto import sandbox_pb2, served_pb2
@@ -73,6 +73,17 @@ _OVERRIDES_HERE: Final = {
 }
 
 
+def overrides_of(request: os_0_1.CreateSandboxRequest) -> templates.Overrides:
+    """What a 0.1 create naming ``workload_template`` changes of the template."""
+    spec = request.spec
+    return templates.Overrides(
+        env=dict(spec.environment),
+        labels=dict(request.labels),
+        providers=list(spec.providers),
+        command=list(spec.command) or None,
+    )
+
+
 async def from_template(
     pool: Any, request: os_0_1.CreateSandboxRequest, command_id: str | None
 ) -> mapping.NewSandbox:
@@ -90,12 +101,7 @@ async def from_template(
         raise mapping.InvalidRequest(
             f"{given[0]}: not with workload_template (the template gives it)"
         )
-    overrides = templates.Overrides(
-        env=dict(spec.environment),
-        labels=dict(request.labels),
-        providers=list(spec.providers),
-        command=list(spec.command) or None,
-    )
+    overrides = overrides_of(request)
     name, template = mapping.sandbox_name(request.name, command_id), request.workload_template
     try:
         async with pool.acquire() as conn:
@@ -117,26 +123,24 @@ async def from_template(
 
 
 async def claim_of(
-    door: Door, request: os_0_1.CreateSandboxRequest, command: CreateSandbox
+    door: Door, principal: Principal, request: os_0_1.CreateSandboxRequest, command: CreateSandbox
 ) -> pool_claims.Claim | None:
     """A create naming a pooled ``workload_template`` tried as a claim (the HTTP door's path,
     the request id its claim id); None for any other create."""
     if command.template is None:
         return None
-    spec = request.spec
+    caller = pool_claims.Caller(principal, door.max_stop_timeout, door.default_ttl)
     return await pool_claims.claim_first(
         door.gateway,
         command,
-        labels=dict(request.labels),
-        env=dict(spec.environment),
-        providers=list(spec.providers),
+        caller,
+        overrides_of(request),
         cold_because=(
             "a per-claim spec.command needs a cold start (the member runs the template's)"
-            if spec.command
+            if request.spec.command
             else None
         ),
         driver=door.driver,
-        default_ttl=door.default_ttl,
     )
 
 
@@ -268,7 +272,7 @@ class SandboxRpcs:
         )
         claim = None
         if decoded.new is not None:  # a template with a warm pool: a claim first, as over HTTP
-            claim = await claim_of(self.door, decoded.new, command)
+            claim = await claim_of(self.door, principal, decoded.new, command)
         if claim is not None and claim.warm:
             view = await readmodel.get_sandbox(self.door.pool, wanted.name)  # the member's row
             sandbox_id = view.id if view is not None else None

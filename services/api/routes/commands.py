@@ -128,7 +128,7 @@ async def create_sandbox(
         template=made.ref,
     )
     claimed = await pool_claims.create_or_claim(
-        state, body, command, lambda: submit(state.gateway, command, wait)
+        state, principal, body, command, lambda: submit(state.gateway, command, wait)
     )
     return claimed if claimed is not None else await submit(state.gateway, command, wait)
 
