@@ -295,6 +295,24 @@ async def test_hostile_bodies_are_refused_naming_the_field_or_run(api: Api, sand
     assert (r.status_code, r.json()["stdout"].strip()) == (200, "1000"), r.text
 
 
+async def test_a_stdin_that_is_no_utf8_is_422_and_holds_no_session(api: Api, sandbox: str) -> None:
+    """Regression: a lone surrogate in stdin (a JSON escape can make one) failed to encode once
+    the session was counted: 500, and each such request kept a place of the sandbox's
+    sessions. Now a 422 naming the field, before any session."""
+    raw = json.dumps({"command": ["cat"], "stdin": "\udc80"})  # sent as the escape \udc80
+    async with api.client() as c:
+        for _ in range(PER_SANDBOX + 1):
+            r = await c.post(
+                f"/v1/sandboxes/{sandbox}/exec",
+                content=raw,
+                headers={"Content-Type": "application/json"},
+            )
+            assert (r.status_code, r.json()["code"]) == (422, "INVALID_ARGUMENT"), r.text
+            assert "'stdin" in r.json()["message"] and "surrogate" in r.text, r.text
+    r = await exec_json(api, sandbox, command=["cat"], stdin="ok")
+    assert (r.status_code, r.json()["stdout"]) == (200, "ok"), r.text
+
+
 async def test_on_a_driver_without_exec_it_is_not_implemented() -> None:
     """With ``driver=fake`` the API has no exec-capable driver: a Ready sandbox's exec is 501,
     not a socket's error."""

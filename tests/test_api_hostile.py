@@ -14,11 +14,14 @@ from apikit import Api, create_body, unique
 
 from drivers.fake import FakeDriver
 from events.codec import encode
+from events.common import SandboxSpec
 from events.publisher import CommandPublisher, now
 from services.api import readmodel
 from services.api.gateway import CommandGateway, CommandTooLarge
 from services.api.readmodel import ChangeFeed
+from services.common import templates
 from services.common.kafka_clients import kafka_client_args
+from services.common.templates import TemplateBody
 
 # The filters a plain list's page token is bound to.
 LIST_FILTERS = {"phase": [], "eq": {}, "has": [], "deleted": False}
@@ -44,6 +47,37 @@ async def test_a_create_asking_for_more_grace_than_its_token_may_is_refused(api:
         ok = await c.post("/v1/sandboxes", params={"wait": 30}, json=body)
         assert ok.status_code == 201, ok.text
     assert await api.commands_published() == before + 1
+
+
+async def test_a_template_or_pool_asking_for_more_grace_than_its_token_may_is_refused(
+    api: Api,
+) -> None:
+    """A template (and a pool of it) bypassed the cap: the pool controller creates the members
+    itself, unchecked. Now a template write and a pool naming a template are held to it."""
+    spec, big = {"image": "registry.example/agent:1"}, {"stop_timeout_seconds": 31}
+    async with api.client() as c:
+        name = unique("tpl")
+        r = await c.post("/v1/templates", json={"name": name, "spec": spec | big})
+        assert r.status_code == 422 and r.json()["code"] == "INVALID_ARGUMENT", r.text
+        assert r.json()["message"].startswith("field 'spec.stop_timeout_seconds': at most 30")
+        r = await c.post("/v1/templates", json={"name": name, "spec": spec})
+        assert r.status_code == 201, r.text
+        r = await c.put(f"/v1/templates/{name}", json={"expected_revision": 1, "spec": spec | big})
+        assert r.status_code == 422 and "'spec.stop_timeout_seconds'" in r.text, r.text
+        # One written before the cap (or by a token with a higher one): no pool of it.
+        slow = unique("tpl-slow")
+        async with api.env.pool.acquire() as conn:
+            body = TemplateBody(spec=SandboxSpec.model_validate(spec | big))
+            await templates.create_template(conn, slow, body, "t", now())
+        pool = unique("pool")
+        r = await c.post("/v1/pools", json={"name": pool, "template": slow, "size": 0})
+        assert r.status_code == 422 and r.json()["code"] == "INVALID_ARGUMENT", r.text
+        assert r.json()["message"].startswith("field 'template': ") and "at most 30" in r.text
+        r = await c.post("/v1/pools", json={"name": pool, "template": name, "size": 0})
+        assert r.status_code == 201, r.text
+        r = await c.patch(f"/v1/pools/{pool}", json={"expected_revision": 1, "template": slow})
+        assert r.status_code == 422 and "field 'template': " in r.text, r.text
+        assert (await c.get(f"/v1/pools/{pool}")).json()["template"] == name
 
 
 # -- authentication first, bodies bounded ---------------------------------------------------------

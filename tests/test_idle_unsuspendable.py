@@ -7,7 +7,8 @@ row already has (real PostgreSQL and Kafka, the processor deciding).
 A warm pool of a template with an idle timeout was accepted where its members cannot be
 suspended, and every claim from it was then refused (422, as a create with the timeout is). The
 API now refuses such a pool when it is written, and a template update (or re-create) that
-would give such a pool's template an idle timeout (through the API, on the real store)."""
+would give such a pool's template an idle timeout (through the API, on the real store). The
+OpenShell door refuses a create from a template with an idle timeout as the HTTP one does."""
 
 from __future__ import annotations
 
@@ -15,11 +16,23 @@ from datetime import timedelta
 from typing import Any
 
 import apikit
+import grpc
+import pytest
 from apikit import unique
+from harness import isolated_env
 from test_idle_after_outage import FLUSH, Clock, idle_messages, ready_on_a_plane
 
 from drivers.kube_objects import WORKSPACE_DIES_WITH_POD
+from events.common import SandboxSpec
 from events.publisher import now
+from services.api.gateway import CommandGateway
+from services.api.readmodel import ChangeFeed
+from services.common import templates
+from services.common.templates import TemplateBody
+from services.common.tokens import READ, WRITE, TokenStore
+from services.openshell.proto.vendored.v0_1_5 import datamodel_pb2 as dm1
+from services.openshell.proto.vendored.v0_1_5 import openshell_pb2 as os1
+from services.openshell.server import start_openshell
 from services.scheduler.scheduler import Scheduler
 
 
@@ -104,3 +117,39 @@ async def test_a_pool_whose_members_cannot_take_its_templates_idle_timeout_is_re
         spec = {**IDLE_SPEC, "idle_suspend_seconds": 120}
         r = await c.put(f"/v1/templates/{idle}", json={"expected_revision": 1, "spec": spec})
         assert r.status_code == 200, r.text
+
+
+async def test_an_openshell_create_from_a_template_with_an_idle_timeout_is_refused_here() -> None:
+    """The HTTP door refused the create (422), OpenShell's CreateSandbox took it: a
+    ``workload_template`` with an idle timeout, for a name that cannot be suspended, is now
+    INVALID_ARGUMENT naming it (the gateway has no publisher: nothing gets that far)."""
+    async with isolated_env(partitions=1) as env:
+        idle = unique("tpl-idle")
+        async with env.pool.acquire() as conn:
+            body = TemplateBody(spec=SandboxSpec.model_validate(IDLE_SPEC))
+            await templates.create_template(conn, idle, body, "t", now())
+        served = env.settings.model_copy(update={**ROUTED, "openshell_port": 0})
+        gateway = CommandGateway(env.pool, None, ChangeFeed(env.pool))  # type: ignore[arg-type]
+        tokens = TokenStore.of(admin=(apikit.ADMIN, READ, WRITE))
+        door = await start_openshell(served, pool=env.pool, gateway=gateway, tokens=tokens,
+                                     driver=None)  # fmt: skip
+        try:
+            async with grpc.aio.insecure_channel(door.address) as channel:
+                create = channel.unary_unary(
+                    "/openshell.v1.OpenShell/CreateSandbox",
+                    request_serializer=lambda m: m.SerializeToString(),
+                    response_deserializer=os1.SandboxResponse.FromString,
+                )
+                request = os1.CreateSandboxRequest(
+                    name=unique(KUBE + "sb"),
+                    workspace_scope=dm1.WorkspaceSelector(workspace="default"),
+                    workload_template=idle,
+                )
+                metadata = [("authorization", f"Bearer {apikit.ADMIN}")]
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await create(request, metadata=metadata, timeout=30)
+        finally:
+            await door.stop(0)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value
+    details = raised.value.details() or ""
+    assert details.startswith("workload_template: ") and WORKSPACE_DIES_WITH_POD in details

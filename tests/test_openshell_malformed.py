@@ -174,6 +174,83 @@ async def test_an_execution_timeout_out_of_range_is_invalid_argument(
     assert words in (raised.value.details() or "")
 
 
+EXEC_CASES = [
+    ({"command": ["echo", "a\x00b"]}, "command"),
+    ({"command": ["true"], "environment": {"": "x"}}, "environment"),
+    ({"command": ["true"], "environment": {"A=B": "x"}}, "environment"),
+    ({"command": ["true"], "environment": {"C": "\x00"}}, "environment"),
+    ({"command": ["true"], "workdir": "tmp"}, "workdir"),
+    ({"command": ["true"], "workdir": "/\x00"}, "workdir"),
+]
+
+
+@pytest.mark.parametrize(
+    "case", EXEC_CASES, ids=["argv-nul", "env-empty", "env-equals", "env-nul", "relative", "nul"]
+)
+async def test_an_exec_the_http_door_refuses_is_invalid_argument(
+    gateway: Gateway, case: tuple[dict[str, object], str]
+) -> None:
+    """ExecSandbox skipped the HTTP door's checks of argv, environment and workdir (its 422):
+    the same checks now, before the sandbox is looked up (none exists here: it was
+    NOT_FOUND)."""
+    fields, field = case
+    for request in (
+        os1.ExecSandboxRequest(sandbox=SANDBOX, workspace_scope=SCOPE, **fields),
+        os0.ExecSandboxRequest(sandbox_id=SANDBOX, **fields),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            async for _ in stream(gateway, "ExecSandbox", request, Message):
+                pass
+        await invalid_argument(raised.value, field)
+
+
+@pytest.mark.parametrize("provider", ["a\x00b", "p" * 129], ids=["nul", "long"])
+async def test_a_provider_name_beside_a_template_is_invalid_argument(
+    gateway: Gateway, provider: str
+) -> None:
+    """A create with ``workload_template`` took ``spec.providers`` unchecked: a NUL reached
+    PostgreSQL (INTERNAL), a name too long was NOT_FOUND. Checked as a create without one
+    checks them."""
+    template = f"tpl-{secrets.token_hex(4)}"
+    made = os1.SandboxWorkloadTemplate(metadata=dm1.ObjectMeta(name=template))
+    await call(
+        gateway,
+        "CreateSandboxTemplate",
+        os1.CreateSandboxTemplateRequest(template=made, workspace_scope=SCOPE),
+        Message,
+    )
+    request = os1.CreateSandboxRequest(
+        name="with-providers",
+        workspace_scope=SCOPE,
+        workload_template=template,
+        spec=os1.SandboxSpec(providers=[provider]),
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await call(gateway, "CreateSandbox", request, Message)
+    await invalid_argument(raised.value, "spec.providers")
+
+
+async def test_a_negative_template_page_size_is_invalid_argument(gateway: Gateway) -> None:
+    """It was INTERNAL (a negative slice, then the last of no items)."""
+    request = os1.ListSandboxTemplatesRequest(page_size=-1, workspace_scope=SCOPE)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await call(gateway, "ListSandboxTemplates", request, Message)
+    await invalid_argument(raised.value, "page_size")
+
+
+@pytest.mark.parametrize("resource", ["cpu", "memory"])
+async def test_a_huge_template_quantity_is_invalid_argument(
+    gateway: Gateway, resource: str
+) -> None:
+    """A megabyte of digits overflowed Decimal's context: INTERNAL."""
+    template = os1.SandboxWorkloadTemplate(metadata=dm1.ObjectMeta(name="huge-quantity"))
+    setattr(template.spec.workload.resources, resource, "9" * 1_000_000)
+    request = os1.CreateSandboxTemplateRequest(template=template, workspace_scope=SCOPE)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await call(gateway, "CreateSandboxTemplate", request, Message)
+    await invalid_argument(raised.value, f"spec.workload.resources.{resource}")
+
+
 LONG = "a" * 20_000
 WIDE = "\u20ac" * 20_000  # three bytes each in UTF-8, nine once percent-encoded in a trailer
 

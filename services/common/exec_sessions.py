@@ -2,6 +2,8 @@
 ExecSandbox) hold a command to: a deadline, and at most so many sessions open at once per
 token, per sandbox and in all (each session holds a thread reading the runtime's stream while
 it runs). ``sandstream up`` gives both doors one :class:`ExecLimits`, so the counts are shared.
+Both check a command's argv, environment and working directory alike too (``check_*``: a
+ValueError saying what is wrong, which each door answers naming its field).
 """
 
 from __future__ import annotations
@@ -14,6 +16,41 @@ from dataclasses import dataclass, field
 
 from drivers.protocol import ExecEvent
 from services.common.settings import Settings
+
+
+def check_argv(command: list[str]) -> list[str]:
+    """``command``, or ValueError: no argument may hold a NUL (the runtime cannot pass one)."""
+    if any("\x00" in arg for arg in command):
+        raise ValueError("an argument contains a NUL character")
+    return command
+
+
+def check_env(env: dict[str, str]) -> dict[str, str]:
+    """``env``, or ValueError: each name non-empty, without '=' or NUL; no NUL in a value."""
+    for key, value in env.items():
+        if not key or "=" in key or "\x00" in key:
+            raise ValueError(f"{key!r}: a name must be non-empty, without '=' or NUL")
+        if "\x00" in value:
+            raise ValueError(f"{key!r}: the value contains a NUL character")
+    return env
+
+
+def check_workdir(workdir: str | None) -> str | None:
+    """``workdir`` (None: the image's), or ValueError: an absolute path, without NUL."""
+    if workdir is not None and (not workdir.startswith("/") or "\x00" in workdir):
+        raise ValueError("must be an absolute path, without NUL")
+    return workdir
+
+
+def check_stdin(stdin: str | None) -> str | None:
+    """``stdin`` (text, sent as UTF-8; None: none), or ValueError: a lone surrogate has no
+    UTF-8 encoding. A NUL is input like any other character."""
+    try:
+        if stdin is not None:
+            stdin.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must not contain a lone surrogate (not encodable as UTF-8)") from None
+    return stdin
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,7 +85,8 @@ class Principal:
 def stop_timeout_refusal(principal: Principal, default_cap: int, asked: int | None) -> str | None:
     """Why ``principal`` may not create a sandbox with a grace period of ``asked`` seconds (its
     own cap, else ``default_cap``: settings.api_max_stop_timeout_seconds), or None. Every door
-    asks it of the spec a create resolved to, a template's included."""
+    asks it of the spec a create resolved to, a template's included; the HTTP API also of a
+    template it writes and of a warm pool's template (the controller creates the members)."""
     cap = default_cap if principal.max_stop_timeout is None else principal.max_stop_timeout
     if asked is None or asked <= cap:
         return None

@@ -19,7 +19,7 @@ local unauthenticated mode) has nothing to re-check.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -30,7 +30,14 @@ from events.common import Phase
 from services.api.wake import WakeFailed, woken
 from services.common.credentials import CredentialKeyError, Vault
 from services.common.exec_env import ExecEnvUnavailable, exec_environment
-from services.common.exec_sessions import ExecLimits, ExecTimedOut, within
+from services.common.exec_sessions import (
+    ExecLimits,
+    ExecTimedOut,
+    check_argv,
+    check_env,
+    check_workdir,
+    within,
+)
 from services.common.tokens import EXEC, RECHECK, Denied, while_granted
 from services.openshell import mapping, wire
 from services.openshell.proto import openshell_pb2 as pinned
@@ -109,6 +116,16 @@ class ExecRpcs:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not request.command:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "command: required")
+        checks: tuple[tuple[str, Callable[[], object]], ...] = (  # the HTTP door's (its 422)
+            ("command", lambda: check_argv(request.command)),
+            ("environment", lambda: check_env(request.environment)),
+            ("workdir", lambda: check_workdir(request.workdir or None)),
+        )
+        for field, check in checks:
+            try:
+                check()
+            except ValueError as exc:
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {exc}")
         limit = self.limits.timeout
         if request.timeout is not None and request.timeout > limit:
             await abort(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Final, TypeAlias
@@ -239,11 +239,18 @@ def new_sandbox(
         for ours, theirs in _FIELDS_OF_SPEC.items():
             message = message.replace(f"{ours}:", f"{theirs}:").replace(f"{ours}.", f"{theirs}.")
         raise InvalidRequest(message) from None
-    providers = list(spec.providers)
+    providers = checked_providers(spec.providers)
+    return NewSandbox(sandbox_name(request.name, command_id), checked, providers)
+
+
+def checked_providers(names: Iterable[str]) -> list[str]:
+    """A create's ``spec.providers`` (with or without a template); InvalidRequest for a name no
+    provider can have (the HTTP API's pattern)."""
+    providers = list(names)
     for provider in providers:
         if not re.fullmatch(PROVIDER_NAME_PATTERN, provider):
             raise InvalidRequest(f"spec.providers: invalid provider name {provider!r}")
-    return NewSandbox(sandbox_name(request.name, command_id), checked, providers)
+    return providers
 
 
 def requested_restart_policy(request: CreateRequest) -> RestartPolicy | None:

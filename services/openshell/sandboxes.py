@@ -79,7 +79,7 @@ def overrides_of(request: os_0_1.CreateSandboxRequest) -> templates.Overrides:
     return templates.Overrides(
         env=dict(spec.environment),
         labels=dict(request.labels),
-        providers=list(spec.providers),
+        providers=mapping.checked_providers(spec.providers),
         command=list(spec.command) or None,
     )
 
@@ -129,7 +129,9 @@ async def claim_of(
     the request id its claim id); None for any other create."""
     if command.template is None:
         return None
-    caller = pool_claims.Caller(principal, door.max_stop_timeout, door.default_ttl)
+    caller = pool_claims.Caller(
+        principal, door.max_stop_timeout, door.default_ttl, door.unsuspendable(command.key)
+    )
     return await pool_claims.claim_first(
         door.gateway,
         command,
@@ -241,6 +243,14 @@ class SandboxRpcs:
         if (why := stop_timeout_refusal(principal, self.door.max_stop_timeout, asked)) is not None:
             where = "workload_template: its stop_timeout_seconds"
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {why}")
+        idle = wanted.spec.idle_suspend_seconds  # only a template sets it, as the grace above
+        if idle is not None and (why := self.door.unsuspendable(wanted.name)) is not None:
+            await abort(  # as over HTTP (routes/commands.py, idle_refusal)
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"workload_template: its idle_suspend_seconds ({idle}) suspends the sandbox, "
+                f"and {wanted.name!r} cannot be suspended here: {why}",
+            )
         if wanted.providers and PROVIDER_WRITE not in principal.scopes:
             await abort(
                 context,
@@ -272,7 +282,8 @@ class SandboxRpcs:
         )
         claim = None
         if decoded.new is not None:  # a template with a warm pool: a claim first, as over HTTP
-            claim = await claim_of(self.door, principal, decoded.new, command)
+            async with self.door.refusals(command, context):  # its adoption is published too
+                claim = await claim_of(self.door, principal, decoded.new, command)
         if claim is not None and claim.warm:
             view = await readmodel.get_sandbox(self.door.pool, wanted.name)  # the member's row
             sandbox_id = view.id if view is not None else None

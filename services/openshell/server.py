@@ -14,6 +14,7 @@ accepts pings every 5 s with or without calls and never counts strikes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from services.common.entrypoint import run_until_signalled
 from services.common.exec_sessions import ExecLimits
 from services.common.kafka_clients import kafka_client_args
 from services.common.settings import Settings
+from services.common.suspend import suspend_refusal
 from services.common.tokens import SCOPES, TokenStore
 from services.common.usage import UseRecorder
 from services.openshell.handlers import OpenShellService
@@ -144,6 +146,7 @@ async def start_openshell(
         use=UseRecorder(None, settings.use_flush_seconds) if use is None else use,
         max_stop_timeout=settings.api_max_stop_timeout_seconds,
         default_ttl=settings.default_ttl_seconds,
+        unsuspendable=functools.partial(suspend_refusal, settings),
     )
     limits = ExecLimits.of(settings) if limits is None else limits
     server = grpc.aio.server(options=SERVER_OPTIONS)

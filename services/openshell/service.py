@@ -19,7 +19,7 @@ import contextlib
 import importlib.metadata
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, NoReturn, TypeAlias
 
@@ -224,6 +224,9 @@ class Door:
     # Use of the sandboxes through this door, for idle suspend (the HTTP API's under `up`; one
     # without a pool records nothing).
     use: UseRecorder = field(default_factory=lambda: UseRecorder(None, 10.0))
+    # Why a sandbox of a name cannot be suspended here (services/common/suspend.py): a create
+    # with an idle timeout is refused then, as over HTTP. By default every one can.
+    unsuspendable: Callable[[str], str | None] = lambda _name: None
 
     async def authorize(self, context: Context, scope: str) -> Principal:
         checked = self.auth.check(_authorization(context), scope)
@@ -260,8 +263,27 @@ class Door:
         command id, else published once and awaited. Rejections end the RPC with their status
         (unless ``reject`` is False), as do the gateway's refusals, mapped like the HTTP API
         maps them."""
-        try:
+        async with self.refusals(command, context):
             submitted = await self.gateway.submit(command, self.outcome_wait)
+        outcome = submitted.outcome
+        if outcome is None:
+            await abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"the command was published but not decided within {self.outcome_wait:.0f}s; "
+                f"retry with the same request_id (or metadata {COMMAND_ID_KEY}) "
+                f"{command.command_id}",
+            )
+        if reject and not outcome.accepted:
+            await abort(context, STATUS_OF[outcome.code], outcome.message)
+        return outcome
+
+    @contextlib.asynccontextmanager
+    async def refusals(self, command: Command, context: Context) -> AsyncIterator[None]:
+        """The gateway's refusals of what it publishes within (``command``, or a claim's
+        adoption for it, whose id is the request's) as the RPC's status."""
+        try:
+            yield
         except PublishForbidden as exc:  # INTERNAL, not the retryable UNAVAILABLE
             await abort(context, grpc.StatusCode.INTERNAL, str(exc))
         except PublishFailed:
@@ -275,18 +297,6 @@ class Door:
             await abort(context, grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except CommandTooLarge as exc:
             await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        outcome = submitted.outcome
-        if outcome is None:
-            await abort(
-                context,
-                grpc.StatusCode.UNAVAILABLE,
-                f"the command was published but not decided within {self.outcome_wait:.0f}s; "
-                f"retry with the same request_id (or metadata {COMMAND_ID_KEY}) "
-                f"{command.command_id}",
-            )
-        if reject and not outcome.accepted:
-            await abort(context, STATUS_OF[outcome.code], outcome.message)
-        return outcome
 
     async def check_name(self, name: str, workspace: str | None, context: Context) -> None:
         """A sandbox name in the one workspace; NOT_FOUND for another workspace or a name no

@@ -15,7 +15,7 @@ to write, as over HTTP.
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, DecimalException
 from typing import Final, TypeVar
 
 import grpc
@@ -39,7 +39,9 @@ TEMPLATE_METHODS: Final = (
 )
 DEFAULT_PAGE, MAX_PAGE = 100, 500
 M = TypeVar("M", bound=Message)
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([A-Za-z]*)$")
+# At most 30 digits each side of the point: far beyond any machine, and within what Decimal's
+# context takes (a megabyte of digits overflowed it: INTERNAL).
+_QUANTITY = re.compile(r"^([0-9]{1,30}(?:\.[0-9]{1,30})?)([A-Za-z]{0,2})$")
 _MEMORY_UNITS: Final = {
     "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
@@ -52,8 +54,11 @@ def cpu_millicores(text: str) -> int:
     found = _QUANTITY.match(text.strip())
     if found is None or found.group(2) not in ("", "m"):
         raise mapping.InvalidRequest(f"spec.workload.resources.cpu: {text!r} is no CPU quantity")
-    value = Decimal(found.group(1))
-    return int(value if found.group(2) == "m" else value * 1000)
+    try:
+        value = Decimal(found.group(1))
+        return int(value if found.group(2) == "m" else value * 1000)
+    except DecimalException:
+        raise mapping.InvalidRequest(f"spec.workload.resources.cpu: {text!r}") from None
 
 
 def memory_mib(text: str) -> int:
@@ -65,7 +70,7 @@ def memory_mib(text: str) -> int:
         )
     try:
         total = Decimal(found.group(1)) * _MEMORY_UNITS[found.group(2)]
-    except InvalidOperation:
+    except DecimalException:
         raise mapping.InvalidRequest(f"spec.workload.resources.memory: {text!r}") from None
     return int(-(-total // _MIB))
 
@@ -179,6 +184,8 @@ class TemplateRpcs:
         selector matches the templates' labels."""
         await self.door.authorize(context, READ)
         request = await self._read(raw, os_0_1.ListSandboxTemplatesRequest, context)
+        if request.page_size < 0:  # as ListSandboxes
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "page_size: negative")
         if mapping.selected_workspace(request.workspace_scope) not in (
             None, "", mapping.DEFAULT_WORKSPACE,
         ):  # fmt: skip

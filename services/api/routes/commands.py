@@ -62,18 +62,27 @@ def outcome_response(outcome: CommandOutcome, created: bool) -> JSONResponse:
     return JSONResponse(body, status, headers=headers)
 
 
+# What the gateway raises for a command it did not publish (or may not have).
+REFUSALS: Final = (PublishForbidden, PublishFailed, IdempotencyConflict, CommandTooLarge)
+
+
+def refused(exc: Exception, command_id: str, message: str) -> JSONResponse:
+    """The answer to one of REFUSALS for the request's command ``command_id``."""
+    if isinstance(exc, PublishForbidden):  # 500, not the retryable 503: an operator must act
+        return error_response(500, "KAFKA_FORBIDDEN", message, command_id=command_id)
+    if isinstance(exc, PublishFailed):
+        return error_response(503, "UNAVAILABLE", message, command_id=command_id)
+    if isinstance(exc, IdempotencyConflict):
+        return error_response(409, "IDEMPOTENCY_CONFLICT", message, command_id=command_id)
+    return error_response(413, "PAYLOAD_TOO_LARGE", message)
+
+
 async def submit(gateway: CommandGateway, command: Command, wait: float | None) -> JSONResponse:
     created = isinstance(command, CreateSandbox)
     try:
         submitted = await gateway.submit(command, wait)
-    except PublishForbidden as exc:  # a 500, not the retryable 503: only an operator can fix it
-        return error_response(500, "KAFKA_FORBIDDEN", str(exc), command_id=exc.command_id)
-    except PublishFailed as exc:
-        return error_response(503, "UNAVAILABLE", str(exc), command_id=exc.command_id)
-    except IdempotencyConflict as exc:
-        return error_response(409, "IDEMPOTENCY_CONFLICT", str(exc), command_id=exc.command_id)
-    except CommandTooLarge as exc:
-        return error_response(413, "PAYLOAD_TOO_LARGE", str(exc))
+    except REFUSALS as exc:
+        return refused(exc, command.command_id, str(exc))
     if submitted.outcome is not None:
         return outcome_response(submitted.outcome, created)
     body = readmodel.pending_status(
@@ -127,9 +136,19 @@ async def create_sandbox(
         on_exit=made.on_exit,
         template=made.ref,
     )
-    claimed = await pool_claims.create_or_claim(
-        state, principal, body, command, lambda: submit(state.gateway, command, wait)
-    )
+    try:
+        claimed = await pool_claims.create_or_claim(
+            state, principal, body, command, lambda: submit(state.gateway, command, wait)
+        )
+    except REFUSALS as exc:  # the claim's adoption of a member (a command of its own)
+        message = f"claiming a member of the template's warm pool: {exc}"
+        if isinstance(exc, PublishFailed):  # retried, the create is the same claim
+            message = (
+                "claiming a member of the template's warm pool: Kafka did not acknowledge the "
+                "adoption; it may still be applied: retry with the same command_id "
+                f"{command.command_id!r}"
+            )
+        return refused(exc, command.command_id, message)
     return claimed if claimed is not None else await submit(state.gateway, command, wait)
 
 

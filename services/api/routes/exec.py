@@ -38,7 +38,15 @@ from services.api.routes.watch import denied_body
 from services.api.wake import woken_for_http
 from services.common.credentials import Vault
 from services.common.exec_env import ExecEnvUnavailable, exec_environment
-from services.common.exec_sessions import ExecLimits, ExecTimedOut, within
+from services.common.exec_sessions import (
+    ExecLimits,
+    ExecTimedOut,
+    check_argv,
+    check_env,
+    check_stdin,
+    check_workdir,
+    within,
+)
 from services.common.tokens import EXEC, RECHECK, Denied, Grant, while_granted
 
 router = APIRouter()
@@ -68,29 +76,11 @@ class ExecRequest(BaseModel):
         "end of input)",
     )
 
-    @field_validator("command")
-    @classmethod
-    def _argv(cls, command: list[str]) -> list[str]:
-        if any("\x00" in arg for arg in command):
-            raise ValueError("an argument contains a NUL character")
-        return command
-
-    @field_validator("env")
-    @classmethod
-    def _environment(cls, env: dict[str, str]) -> dict[str, str]:
-        for key, value in env.items():
-            if not key or "=" in key or "\x00" in key:
-                raise ValueError(f"{key!r}: a name must be non-empty, without '=' or NUL")
-            if "\x00" in value:
-                raise ValueError(f"{key!r}: the value contains a NUL character")
-        return env
-
-    @field_validator("workdir")
-    @classmethod
-    def _workdir(cls, workdir: str | None) -> str | None:
-        if workdir is not None and (not workdir.startswith("/") or "\x00" in workdir):
-            raise ValueError("must be an absolute path, without NUL")
-        return workdir
+    # One check for both doors (services/common/exec_sessions.py), OpenShell's ExecSandbox too.
+    _argv = field_validator("command")(staticmethod(check_argv))
+    _environment = field_validator("env")(staticmethod(check_env))
+    _workdir = field_validator("workdir")(staticmethod(check_workdir))
+    _stdin = field_validator("stdin")(staticmethod(check_stdin))
 
 
 class ExecResult(BaseModel):
@@ -233,6 +223,7 @@ class Session:
             )
         except ExecEnvUnavailable as exc:
             raise ApiError(503, "UNAVAILABLE", f"exec: {exc.reason}") from exc
+        stdin = None if self.body.stdin is None else self.body.stdin.encode()  # before counting
         counted = contextlib.ExitStack()
         counted.enter_context(self.limits.session(self.token, self.view.member_key))
         counted.enter_context(self.state.use.using(self.view.member_key))  # idle suspend waits
@@ -242,7 +233,7 @@ class Session:
             self.body.command,
             env=env,
             workdir=self.body.workdir,
-            stdin=None if self.body.stdin is None else self.body.stdin.encode(),
+            stdin=stdin,
         )
         granted = while_granted(within(stream, self.timeout), self.held, RECHECK)
         watched = UntilGone(granted, self.receive)

@@ -36,7 +36,7 @@ from services.common.pools import (
 )
 from services.common.settings import Settings
 from services.common.suspend import members_suspend_refusal
-from services.common.tokens import PROVIDER_WRITE, Principal
+from services.common.tokens import PROVIDER_WRITE, Principal, stop_timeout_refusal
 
 router = APIRouter()
 
@@ -181,7 +181,8 @@ async def view(conn: Any, info: PoolInfo) -> PoolView:
 async def _require_template(
     conn: Any, name: str, principal: Principal, settings: Settings, pool: str
 ) -> None:
-    """The pool's template exists, the principal may keep members of it, and its idle timeout
+    """The pool's template exists, the principal may keep members of it (its providers, its
+    grace period: the token's cap on a create's stop_timeout_seconds), and its idle timeout
     (if any) can be acted on for the pool's members. Call it in the transaction that writes the
     pool: the template row is locked against an update until then (the update's own check,
     routes/templates.py, sees this pool)."""
@@ -191,6 +192,15 @@ async def _require_template(
         raise ApiError(404, "NOT_FOUND", f"field 'template': template {name!r} not found")
     if info.body.providers:  # its members get those values, as a create attaching them does
         require_also(principal, PROVIDER_WRITE, "to keep members of a template naming providers")
+    grace, cap = info.body.spec.stop_timeout_seconds, settings.api_max_stop_timeout_seconds
+    # The pool controller creates the members unchecked: the cap holds here, as at a create.
+    if (why := stop_timeout_refusal(principal, cap, grace)) is not None:
+        raise ApiError(
+            422,
+            "INVALID_ARGUMENT",
+            f"field 'template': template {name!r} has spec.stop_timeout_seconds {grace}, "
+            f"more than this token's creates may ask for: {why}",
+        )
     idle = info.body.spec.idle_suspend_seconds
     if idle is not None and (why := members_suspend_refusal(settings, pool)) is not None:
         raise ApiError(

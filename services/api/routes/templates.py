@@ -45,7 +45,7 @@ from services.common.templates import (
     TemplateInfo,
     TemplateMissing,
 )
-from services.common.tokens import PROVIDER_WRITE, Principal
+from services.common.tokens import PROVIDER_WRITE, Principal, stop_timeout_refusal
 
 router = APIRouter()
 
@@ -139,6 +139,9 @@ def refusals() -> Iterator[None]:
 
 
 async def _body(fields: TemplateFields, principal: Principal, state: State) -> TemplateBody:
+    asked, cap = fields.spec.stop_timeout_seconds, state.settings.api_max_stop_timeout_seconds
+    if (why := stop_timeout_refusal(principal, cap, asked)) is not None:  # as a create's
+        raise ApiError(422, "INVALID_ARGUMENT", f"field 'spec.stop_timeout_seconds': {why}")
     if fields.providers:  # every sandbox made from it gets their values
         require_also(principal, PROVIDER_WRITE, "to name providers in a template")
         await require_existing(state.pool, fields.providers)
