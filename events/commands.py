@@ -83,6 +83,10 @@ class ResumeSandbox(VersionedCommand):
     """Bring a suspended sandbox back: a new generation on the same workspace."""
 
     type: Literal["ResumeSandbox"]
+    # Sent by a wake on access (an exec or files call), not asked for by an operator: refused
+    # while the sandbox's time to live has ended. Left out of the JSON while unset, so other
+    # resumes serialize as before.
+    wake: bool = Field(default=False, exclude_if=lambda v: not v)
 
 
 class RestartSandbox(VersionedCommand):

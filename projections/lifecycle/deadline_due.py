@@ -16,6 +16,7 @@ from events.decided import (
     SandboxDeleteRetried,
     SandboxDeleting,
     SandboxExpired,
+    SandboxOperationFailed,
     SandboxStopEscalated,
     SandboxStopping,
     SandboxStopRetried,
@@ -41,7 +42,16 @@ from .emit import (
     then_decide,
 )
 from .idle import decide_idle
-from .model import Decision, Limits, Message, Sandbox, awaits_stop_retry, is_held
+from .model import (
+    Decision,
+    Limits,
+    Message,
+    P,
+    Sandbox,
+    awaits_stop_retry,
+    expired,
+    is_held,
+)
 from .restart_policy import (
     apply_restart_policy,
     policy_note,
@@ -58,9 +68,10 @@ DEADLINE_TABLE: Final[dict[DeadlineKind, str]] = {
     "launch": "→ Error, reason ProvisioningTimeout; intent: stop the runtime if it came up "
     "(then the completion policy applies)",
     "stop": "stays Stopping (or Suspending). Before the stop failed: deadline cleared; "
-    "intent: kill the runtime now (forced). After it failed (Stopping, `reason` StopFailed): "
-    "the stop is asked for again, the next deadline twice as far out (the delete's back-off), "
-    "and `reason` counts the retries",
+    "intent: kill the runtime now (forced); `reason` StopTimeout, but Suspending keeps an "
+    "IdleSuspend or Expired reason (Suspended keeps it). After it failed (Stopping, `reason` "
+    "StopFailed): the stop is asked for again, the next deadline twice as far out (the "
+    "delete's back-off), and `reason` counts the retries",
     "delete": "stays Deleting, the delete is asked for again; the next deadline is twice as "
     "far out (up to a ceiling), and `reason` counts the retries",
     "restart": "(Error or Completed: a restart the restart policy scheduled) SandboxStarting "
@@ -68,7 +79,9 @@ DEADLINE_TABLE: Final[dict[DeadlineKind, str]] = {
     "deferred while held",
     "ttl": "SandboxExpired, then the policy: stop (when the phase admits a stop) or delete "
     "(when it admits a delete); deferred while held. It keeps counting while Suspended (the "
-    "sandbox exists): stop then leaves it Suspended, delete deletes it with its workspace",
+    "sandbox exists): stop then leaves it Suspended, delete deletes it with its workspace. "
+    "During Suspending, stop waits for the suspend (`reason` Expired): a suspend that then "
+    "fails leaving it Ready or Error goes on to Stopping (unless held)",
     "idle": "(Ready, with an idle timeout, not held) SandboxSuspending, `reason` IdleSuspend, "
     "when neither the row nor the recorded use it carries (`last_used_at`) changed within the "
     "timeout before the message; the row holds no idle deadline (the idle rules below)",
@@ -103,6 +116,32 @@ def completion_policy(
     if state.on_exit != "delete" or is_held(state) or not isinstance(events[-1], EXIT_EVENTS):
         return state, events
     return _delete_now(state, events, message, cause, limits)
+
+
+def owed_stop(
+    state: Sandbox,
+    new_state: Sandbox,
+    events: tuple[DecidedEvent, ...],
+    message: Message,
+    cause: Cause,
+    limits: Limits,
+) -> tuple[Sandbox, tuple[DecidedEvent, ...]]:
+    """The stop a time to live that ended during Suspending (``on_expiry`` stop: the row's
+    reason says Expired) still owes the sandbox. A failed suspend that leaves it Ready (the
+    runtime running) or Error (not seen) goes on to Stopping, as the expiry does in Ready;
+    held, it stays (a hold keeps the policies off, as it defers an expiry)."""
+    if (
+        state.phase is not P.SUSPENDING
+        or new_state.phase not in (P.READY, P.ERROR)
+        or not isinstance(events[-1], SandboxOperationFailed)
+        or not expired(state.reason, state.expires_at)
+        or is_held(new_state)
+    ):
+        return new_state, events
+    deadline = stop_deadline(new_state.spec, message.occurred_at, limits)
+    return then_decide(
+        new_state, events, message, cause, lambda c: new_event(SandboxStopping, c, deadline)
+    )
 
 
 def decide_deadline(

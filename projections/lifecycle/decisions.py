@@ -66,14 +66,8 @@ from events.outcomes import Code
 from events.trusted import built
 
 from .claims import CLAIM_COMMANDS, decide_claim, not_found, with_follow_ups
-from .commands import (
-    REFUSED_WHILE_HELD,
-    VERB,
-    Admission,
-    admission,
-    admitting_phases,
-)
-from .deadline_due import completion_policy, decide_deadline
+from .commands import Admission, admission, refusal
+from .deadline_due import completion_policy, decide_deadline, owed_stop
 from .deadlines import (
     delete_deadline,
     delete_failure_reason,
@@ -176,19 +170,9 @@ def _decide_command(
         )
         return rejected(state, command, Code.ABORTED, why)
 
-    verb = VERB[command.type]
+    if (refused := refusal(state, command)) is not None:
+        return rejected(state, command, Code.FAILED_PRECONDITION, refused)
     rule = admission(command.type, state.phase)
-    if rule is Admission.REJECT:
-        allowed = ", ".join(p.value for p in admitting_phases(command.type))
-        why = f"sandbox must be {allowed} to {verb} (current phase: {state.phase})"
-        return rejected(state, command, Code.FAILED_PRECONDITION, why)
-    if command.type in REFUSED_WHILE_HELD and state.hold is not None:
-        hold = state.hold
-        why = (
-            f"sandbox {command.key!r} is held by {hold.by} since {hold.since.isoformat()}: "
-            f"{hold.reason} (release it to {verb})"
-        )
-        return rejected(state, command, Code.FAILED_PRECONDITION, why)
     held = state.hold is not None
     if isinstance(command, HoldSandbox | ReleaseSandbox) and held == isinstance(
         command, HoldSandbox
@@ -410,6 +394,7 @@ def _decide_observation(
         return ignored(state, f"{what}: awaiting the launch's report of the values it read")
     event = _observation_event(state, obs, kind, target, common_fields(state, obs, cause), limits)
     new_state, events = emit_event(state, event)
+    new_state, events = owed_stop(state, new_state, events, obs, cause, limits)
     if state.awaited and kind == "launch_succeeded":
         assert isinstance(obs, DriverOperationResult)
         new_state, events = _restart_if_stale(

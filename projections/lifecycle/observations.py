@@ -66,14 +66,13 @@ def failed_suspend(state: Sandbox, obs: DriverOperationResult) -> tuple[Phase, s
     """The phase, reason and exit code a failed suspend of ``state`` leaves (not seen: Error).
     Suspended keeps the exit code the row had, as a suspend that succeeded does, and the
     reason that says why it is suspended or that its time to live ended (a wake must not
-    resume that one), the failure after it."""
+    resume that one), the failure after it. A time to live that ended is kept in Ready and
+    Error too: the stop it owes follows (deadline_due.owed_stop)."""
     reason = obs.reason or f"{obs.operation} failed"
     phase = OBSERVED_PHASE[obs.observed] if obs.observed else P.ERROR
-    if phase is not P.SUSPENDED:
-        return phase, reason, obs.exit_code
-    if idle_suspended(state) or expired(state.reason, state.expires_at):
+    if expired(state.reason, state.expires_at) or (phase is P.SUSPENDED and idle_suspended(state)):
         reason = f"{state.reason}; the suspend failed: {reason}"
-    return phase, reason, state.exit_code
+    return phase, reason, state.exit_code if phase is P.SUSPENDED else obs.exit_code
 
 
 _LAUNCHING: dict[ObservationKind, Target] = {

@@ -178,9 +178,12 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
                                       "reason": e.reason, "deadline": None},
     SandboxTimedOut: lambda s, e: {"phase": P.ERROR, "exit_code": None, "reason": e.reason,
                                    "deadline": None},
-    SandboxStopEscalated: lambda s, e: {
-        "reason": "StopTimeout: the stop outlived its grace period; killing", "deadline": None
-    },
+    # A suspend's kill keeps the reason Suspended keeps (an idle suspend's, an expiry's): a
+    # wake must not resume a sandbox whose time to live ended.
+    SandboxStopEscalated: lambda s, e: {"deadline": None, "reason": (
+        s.reason if s.phase is P.SUSPENDING and suspended_reason(s)
+        else "StopTimeout: the stop outlived its grace period; killing"
+    )},
     SandboxStopRetried: lambda s, e: {
         "reason": f"{STOP_FAILED}: not stopped yet; retry {e.deadline.attempt} under way",
         "deadline": e.deadline,

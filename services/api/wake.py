@@ -12,6 +12,10 @@ duplicate), and each waits for it. The version is in it because a resume can be 
 duplicate of the refused one. The caller is in it because a command id is its first sender's
 (services/api/idempotency.py): another token's call reusing it was refused as a conflict, a
 500; now each caller's resume is its own, the later decided as idempotent (already resuming).
+
+A sandbox whose time to live ended is not woken: checked on the row as the call read it, again
+on the row once a suspend it waited for ended, and by the processor, which refuses the resume
+(it says it is a wake: ``ResumeSandbox.wake``) when the expiry was decided first.
 """
 
 from __future__ import annotations
@@ -55,10 +59,7 @@ async def woken(
         return await _ready(gateway, view, view.generation - 1, loop.time() + timeout, timeout)
     if view.phase not in (Phase.SUSPENDING, Phase.SUSPENDED):
         return view
-    if expired(view.reason, view.expires_at):  # as a sandbox its expiry stopped: no call starts it
-        raise WakeFailed(
-            "its time to live has ended: resume or start it (sandbox:write), or extend it first"
-        )
+    _not_expired(view)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     settled = await _suspended(gateway, view, deadline)
@@ -66,6 +67,7 @@ async def woken(
         return await _ready(gateway, view, view.generation, deadline, timeout)  # another woke it
     if settled.phase is not Phase.SUSPENDED:
         return settled  # the suspend failed: the caller answers for the phase it ended in
+    _not_expired(settled)  # its time to live may have ended while the suspend went on
     caller = hashlib.sha256(actor.encode()).hexdigest()[:16]
     command = ResumeSandbox(
         type="ResumeSandbox",
@@ -73,6 +75,7 @@ async def woken(
         key=settled.member_key,
         occurred_at=now(),
         actor=actor,
+        wake=True,  # the rule refuses it too if the time to live ends before it is decided
     )
     try:
         outcome = (await gateway.submit(command, max(deadline - loop.time(), 0.001))).outcome
@@ -83,6 +86,14 @@ async def woken(
     if not outcome.accepted:
         raise WakeFailed(f"its resume was refused: {outcome.message}")
     return await _ready(gateway, settled, settled.generation, deadline, timeout)
+
+
+def _not_expired(view: SandboxView) -> None:
+    """As a sandbox its expiry stopped, one whose time to live ended is started by no call."""
+    if expired(view.reason, view.expires_at):
+        raise WakeFailed(
+            "its time to live has ended: resume or start it (sandbox:write), or extend it first"
+        )
 
 
 async def _resuming(gateway: CommandGateway, view: SandboxView) -> bool:
