@@ -190,6 +190,26 @@ def create_body(name: str, **spec: Any) -> dict[str, Any]:
     return {"name": name, "spec": {"image": "registry.example/agent:1", **spec}}
 
 
+async def row(api: Api, name: str) -> dict[str, Any]:
+    """The sandbox's view (a 200 asserted)."""
+    async with api.client() as c:
+        r = await c.get(f"/v1/sandboxes/{name}")
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+async def phase_is(api: Api, name: str, phase: str, generation: int) -> dict[str, Any]:
+    """The view once it shows ``phase`` at ``generation`` (within 60 s)."""
+    return dict(
+        await eventually(
+            lambda: row(api, name),
+            lambda v: (v["phase"], v["generation"]) == (phase, generation),
+            what=f"{name} {phase} at generation {generation}",
+            timeout=60,
+        )
+    )
+
+
 async def suspended(c: httpx.AsyncClient, name: str) -> None:
     """A sandbox ``name`` created (the image of ``create_body``), Ready, then Suspended."""
 

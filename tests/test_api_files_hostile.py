@@ -465,15 +465,13 @@ async def test_a_slow_writer_holds_no_other_request_back(box: Sandbox) -> None:
     archive = tar_of([("slow.txt", "file", "s" * 100_000)])
     paused, resume = asyncio.Event(), asyncio.Event()
 
-    async def slowly() -> AsyncIterator[bytes]:
-        yield archive[:30_000]
-        paused.set()
-        await resume.wait()
-        yield archive[30_000:]
-
     async with box.api.client(FILES) as c, box.api.client(FILES) as other:
         upload = asyncio.create_task(
-            c.put(box.url("/content"), params={"path": "slow", "format": "tar"}, content=slowly())
+            c.put(
+                box.url("/content"),
+                params={"path": "slow", "format": "tar"},
+                content=held_body(paused, resume, archive, 30_000),
+            )
         )
         await paused.wait()
         r = await other.get(box.url("/stat"), params={"path": "/workspace"})
@@ -486,24 +484,31 @@ async def test_a_slow_writer_holds_no_other_request_back(box: Sandbox) -> None:
         assert r.content == b"s" * 100_000
 
 
+async def held_body(
+    paused: asyncio.Event,
+    resume: asyncio.Event,
+    body: bytes = b"a" * 100_000 + b"b" * 100_000,
+    at: int = 100_000,
+) -> AsyncIterator[bytes]:
+    """``body`` held after its first ``at`` bytes: ``paused`` set, until ``resume``."""
+    yield body[:at]
+    paused.set()
+    await resume.wait()
+    yield body[at:]
+
+
 async def test_a_sandbox_deleted_mid_upload_answers_a_4xx_or_503_not_a_500(
     podman: PodmanClient,
 ) -> None:
     async with files_api() as box:
         paused, resume = asyncio.Event(), asyncio.Event()
 
-        async def slowly() -> AsyncIterator[bytes]:
-            yield b"a" * 100_000
-            paused.set()
-            await resume.wait()
-            yield b"b" * 100_000
-
         async with box.api.client(FILES) as c:
             upload = asyncio.create_task(
                 c.put(
                     box.url("/content"),
                     params={"path": "gone.bin"},
-                    content=slowly(),
+                    content=held_body(paused, resume),
                     headers={"Content-Length": "200000"},
                 )
             )
@@ -525,20 +530,14 @@ async def test_the_part_an_upload_cut_off_by_a_restart_left_goes_with_the_next_u
     async with files_api() as box:
         paused, resume = asyncio.Event(), asyncio.Event()
 
-        async def slowly() -> AsyncIterator[bytes]:
-            yield b"a" * 100_000
-            paused.set()
-            await resume.wait()
-            yield b"b" * 100_000
-
         async def listed() -> set[str]:
             r = await c.get(box.url(), params={"path": "cut"})
             return {e["name"] for e in r.json().get("entries", [])}
 
         async with box.api.client(FILES) as c, box.api.client(apikit.ADMIN) as admin:
             sized = {"Content-Length": "200000"}
-            put = c.put(box.url("/content"), params={"path": "cut/f.bin"}, content=slowly(),
-                        headers=sized)  # fmt: skip
+            put = c.put(box.url("/content"), params={"path": "cut/f.bin"},
+                        content=held_body(paused, resume), headers=sized)  # fmt: skip
             upload = asyncio.create_task(put)
             await paused.wait()
             await eventually(listed, lambda names: bool(names), what="the upload to begin")

@@ -14,7 +14,7 @@ from typing import Any
 
 import apikit
 import pytest_asyncio
-from apikit import Api, create_body, unique
+from apikit import Api, create_body, phase_is, row, unique
 from harness import eventually
 from pipeline_support import history
 from podman import PodmanClient
@@ -37,24 +37,6 @@ async def api() -> AsyncIterator[Api]:
     update = {"driver_route_prefix": KUBE, "driver_route": "kubernetes"}
     async with apikit.running_api(FakeDriver(), settings_update=update) as running:
         yield running
-
-
-async def row(api: Api, name: str) -> dict[str, Any]:
-    async with api.client() as c:
-        r = await c.get(f"/v1/sandboxes/{name}")
-    assert r.status_code == 200, r.text
-    return dict(r.json())
-
-
-async def phase_is(api: Api, name: str, phase: str, generation: int) -> dict[str, Any]:
-    return dict(
-        await eventually(
-            lambda: row(api, name),
-            lambda v: (v["phase"], v["generation"]) == (phase, generation),
-            what=f"{name} {phase} at generation {generation}",
-            timeout=60,
-        )
-    )
 
 
 async def created(api: Api, body: dict[str, Any]) -> dict[str, Any]:

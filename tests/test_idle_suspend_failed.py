@@ -10,35 +10,14 @@ It is Suspended now, its row still saying it was an idle suspend, and the next c
 
 from __future__ import annotations
 
-from typing import Any
-
 import apikit
-from apikit import Api, create_body, unique
-from harness import eventually
+from apikit import create_body, phase_is, row, unique
 from pipeline_support import history
 
 from drivers.fake import FakeDriver
 
 IDLE = 1  # seconds
 SCALED = {"use_flush_seconds": 1.0, "scheduler_poll_seconds": 0.5}
-
-
-async def row(api: Api, name: str) -> dict[str, Any]:
-    async with api.client() as c:
-        r = await c.get(f"/v1/sandboxes/{name}")
-    assert r.status_code == 200, r.text
-    return dict(r.json())
-
-
-async def phase_is(api: Api, name: str, phase: str, generation: int) -> dict[str, Any]:
-    return dict(
-        await eventually(
-            lambda: row(api, name),
-            lambda v: (v["phase"], v["generation"]) == (phase, generation),
-            what=f"{name} {phase} at generation {generation}",
-            timeout=60,
-        )
-    )
 
 
 async def test_an_idle_suspend_that_failed_with_the_runtime_exited_is_woken_by_the_next_call() -> (

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from harness import eventually
-from upkit import SANDSTREAM, Up, running_up
+from upkit import SANDSTREAM, Up, running_up, sdk_environment
 
 from services.common.settings import PROJECT_ROOT, load_settings
 
@@ -49,15 +49,7 @@ async def up(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Up]:
 @pytest.fixture
 def connection(up: Up) -> Iterator[dict[str, str]]:
     """Where the SDK finds the API: the variables it reads, as a user sets them."""
-    variables = {"SANDSTREAM_API_URL": up.url, "SANDSTREAM_TOKEN": up.admin_token()}
-    saved = {k: os.environ.get(k) for k in variables}
-    os.environ.update(variables)
-    yield variables
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    yield from sdk_environment(up)
 
 
 def sdk_env(connection: dict[str, str]) -> dict[str, str]:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from upkit import SANDSTREAM, Up, running_up
+from upkit import SANDSTREAM, Up, running_up, sdk_environment
 
 from services.common.settings import PROJECT_ROOT, load_settings
 
@@ -50,15 +50,7 @@ async def up(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Up]:
 @pytest.fixture
 def connection(up: Up) -> Iterator[dict[str, str]]:
     """Where the SDK finds the API: the variables it reads, as a user sets them."""
-    variables = {"SANDSTREAM_API_URL": up.url, "SANDSTREAM_TOKEN": up.admin_token()}
-    saved = {k: os.environ.get(k) for k in variables}
-    os.environ.update(variables)
-    yield variables
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    yield from sdk_environment(up)
 
 
 @contextmanager

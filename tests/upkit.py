@@ -9,9 +9,10 @@ Import it as ``import upkit`` (pytest puts ``tests/`` on ``sys.path``).
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,3 +150,17 @@ async def _removed(env: Env, names: list[str]) -> None:
     finally:
         await driver.close()
     assert not failed, f"could not remove {failed}"
+
+
+def sdk_environment(up: Up) -> Iterator[dict[str, str]]:
+    """The variables the SDK reads to find ``up``'s API, set while the generator is open (as
+    a user sets them), then restored."""
+    variables = {"SANDSTREAM_API_URL": up.url, "SANDSTREAM_TOKEN": up.admin_token()}
+    saved = {k: os.environ.get(k) for k in variables}
+    os.environ.update(variables)
+    yield variables
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
