@@ -224,6 +224,10 @@ class SandboxStopEscalated(EventBase):
     at once (the stop under way is not waited for)."""
 
     type: Literal["SandboxStopEscalated"]
+    # The kill of a suspend whose row's reason says why it suspends or that its time to live
+    # ended: the row keeps that reason (a wake must not resume an expired sandbox). Decided,
+    # not derived when folded, so an escalation recorded before the field folds as it did.
+    keeps_reason: bool = Field(default=False, exclude_if=lambda v: not v)
 
 
 class SandboxDeleteRetried(EventBase):

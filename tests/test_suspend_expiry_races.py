@@ -24,6 +24,7 @@ from events.common import Phase, SandboxSpec
 from events.outcomes import Code
 from projections.lifecycle import expired
 from projections.lifecycle.model import idle_suspended
+from projections.lifecycle.rows import evolve
 
 P = Phase
 
@@ -57,13 +58,31 @@ def test_a_failed_suspend_after_an_expiry_during_suspending_goes_on_to_stopping(
     assert h.rebuilt()[f.KEY] == h.row()
 
 
-def test_a_failed_suspend_after_an_expiry_and_a_hold_stays_ready() -> None:
-    """A hold keeps the policies off (as it defers an expiry): the owed stop is not made."""
+def test_a_failed_suspend_after_an_expiry_and_a_hold_stays_ready_until_the_release() -> None:
+    """A hold keeps the policies off (as it defers an expiry): the owed stop is not made while
+    held, and is made at the release. (A review found it lost: the expiry had cleared
+    ``expires_at``, so nothing came due again and the sandbox ran on for ever.)"""
     h = suspending_when_it_expires()
     h.send(f.hold(occurred_at=f.at(102)))
     d = h.send(f.failed(operation="suspend", observed="running", occurred_at=f.at(105)))
     assert [e.type for e in d.events] == ["SandboxOperationFailed"]
     assert h.row().phase is P.READY
+    d = h.send(f.release(occurred_at=f.at(110)))
+    assert [e.type for e in d.events] == ["SandboxReleased", "SandboxStopping"], d.events
+    row = h.row()
+    assert row.phase is P.STOPPING and row.deadline is not None and row.deadline.kind == "stop"
+    assert h.rebuilt()[f.KEY] == row
+
+
+def test_a_release_of_a_sandbox_that_owes_no_stop_stops_nothing() -> None:
+    for h in (f.Harness(), suspending_when_it_expires()):
+        if not h.steps:
+            h.send(f.create(ttl_seconds=100, occurred_at=f.at(0)), f.running(occurred_at=f.at(1)))
+        h.send(f.hold(occurred_at=f.at(102)))
+        before = h.row().phase
+        d = h.send(f.release(occurred_at=f.at(110)))
+        assert [e.type for e in d.events] == ["SandboxReleased"]
+        assert h.row().phase is before  # Ready; Suspending (its suspend decides)
 
 
 def test_an_extend_after_the_expiry_lifts_the_owed_stop() -> None:
@@ -123,6 +142,23 @@ def test_the_kill_of_a_suspend_keeps_the_reason_suspended_keeps(why: str) -> Non
     assert (row.phase, row.reason) == (P.SUSPENDED, reason)
     assert expired(row.reason, row.expires_at) if why == "expired" else idle_suspended(row)
     assert h.rebuilt()[f.KEY] == row
+
+
+def test_a_suspends_kill_recorded_before_it_kept_the_reason_folds_as_it_was_decided() -> None:
+    """The rebuild from the log must give the rows that were written: an escalation recorded
+    before the decision said ``keeps_reason`` (its JSON has no such field) folds to the
+    StopTimeout reason it had, and only a decided ``keeps_reason`` keeps the row's."""
+    h = idle_suspending()
+    deadline = h.row().deadline
+    assert deadline is not None
+    [kill] = h.send(f.due(deadline="stop", due_at=deadline.due_at)).events
+    before = type(kill).model_validate(kill.model_dump(mode="json", exclude={"keeps_reason"}))
+    rows: dict[str, Any] = {}
+    for event in [before if e is kill else e for e in h.events()]:
+        rows[event.key] = evolve(rows.get(event.key), event)
+    assert (rows[f.KEY].reason or "").startswith("StopTimeout:"), rows[f.KEY].reason
+    assert kill.model_dump(mode="json")["keeps_reason"] is True
+    assert h.rebuilt()[f.KEY].reason == h.row().reason  # as decided now: kept
 
 
 def test_the_kill_of_an_operators_stop_still_says_so() -> None:

@@ -51,6 +51,7 @@ from .model import (
     awaits_stop_retry,
     expired,
     is_held,
+    suspended_reason,
 )
 from .restart_policy import (
     apply_restart_policy,
@@ -144,6 +145,26 @@ def owed_stop(
     )
 
 
+def owed_at_release(
+    new_state: Sandbox,
+    events: tuple[DecidedEvent, ...],
+    message: Message,
+    cause: Cause,
+    limits: Limits,
+) -> tuple[Sandbox, tuple[DecidedEvent, ...]]:
+    """The stop ``owed_stop`` left to a hold, made at its release (as a deferred expiry is):
+    a sandbox Ready or Error whose reason still says its time to live ended (stop) goes on to
+    Stopping. Nothing else would: its ``expires_at`` was cleared by the expiry."""
+    if new_state.phase not in (P.READY, P.ERROR) or not expired(
+        new_state.reason, new_state.expires_at
+    ):
+        return new_state, events
+    deadline = stop_deadline(new_state.spec, message.occurred_at, limits)
+    return then_decide(
+        new_state, events, message, cause, lambda c: new_event(SandboxStopping, c, deadline)
+    )
+
+
 def decide_deadline(
     state: Sandbox | None, due: DeadlineDue, cause: Cause, limits: Limits
 ) -> Decision:
@@ -199,7 +220,10 @@ def decide_deadline(
                     SandboxStopRetried, type="SandboxStopRetried", **common, deadline=again
                 )
             case "stop":
-                event = new_event(SandboxStopEscalated, common)
+                # Set only when true: left out, the field is unset, as validation builds it.
+                keeps = state.phase is P.SUSPENDING and suspended_reason(state) is not None
+                kept = {"keeps_reason": True} if keeps else {}
+                event = built(SandboxStopEscalated, type="SandboxStopEscalated", **common, **kept)
             case "delete":
                 again = delete_deadline(state.spec, at, limits, pending.attempt + 1)
                 assert again is not None  # pending exists, so delete deadlines are on

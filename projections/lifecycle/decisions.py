@@ -67,7 +67,7 @@ from events.trusted import built
 
 from .claims import CLAIM_COMMANDS, decide_claim, not_found, with_follow_ups
 from .commands import Admission, admission, refusal
-from .deadline_due import completion_policy, decide_deadline, owed_stop
+from .deadline_due import completion_policy, decide_deadline, owed_at_release, owed_stop
 from .deadlines import (
     delete_deadline,
     delete_failure_reason,
@@ -256,6 +256,8 @@ def _decide_command(
         case _:
             raise AssertionError(command)
     new_state, events = emit_event(state, event)
+    if isinstance(command, ReleaseSandbox):
+        new_state, events = owed_at_release(new_state, events, command, cause, limits)
     why = f"{command.type} accepted: sandbox {command.key!r} is {new_state.phase}"
     return Decision(new_state, events, "applied", why, outcome_of(command, Code.OK, why, new_state))
 

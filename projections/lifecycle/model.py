@@ -154,6 +154,14 @@ def expired(reason: str | None, expires_at: datetime | None) -> bool:
     return expires_at is None and (reason or "").startswith(f"{EXPIRED}:")
 
 
+def suspended_reason(state: Sandbox) -> str | None:
+    """Suspended keeps a reason that says why it is suspended (an idle suspend's) or that its
+    time to live ended meanwhile (no wake resumes it then); an operator's suspend has none."""
+    if idle_suspended(state) or expired(state.reason, state.expires_at):
+        return state.reason
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """How long each guarded phase may last (seconds; None: no deadline). The processor's

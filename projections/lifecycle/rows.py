@@ -50,8 +50,7 @@ from .model import (
     P,
     Sandbox,
     awaits_stop_retry,
-    expired,
-    idle_suspended,
+    suspended_reason,
 )
 from .providers import OWED_PHASES, restart_reason
 from .restarts import (
@@ -133,14 +132,6 @@ def _exited_at(state: Sandbox, new: Sandbox, event: DecidedEvent) -> datetime | 
 _Changes = Callable[[Sandbox, Any], dict[str, Any]]
 
 
-def suspended_reason(state: Sandbox) -> str | None:
-    """Suspended keeps a reason that says why it is suspended (an idle suspend's) or that its
-    time to live ended meanwhile (no wake resumes it then); an operator's suspend has none."""
-    if idle_suspended(state) or expired(state.reason, state.expires_at):
-        return state.reason
-    return None
-
-
 _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
     SandboxStarting: lambda s, e: {"phase": P.STARTING, "spec": e.spec, "identity": e.identity,
                                    "exit_code": None, "reason": started_reason(e),
@@ -178,10 +169,10 @@ _CHANGES: Final[dict[type[DecidedEvent], _Changes]] = {
                                       "reason": e.reason, "deadline": None},
     SandboxTimedOut: lambda s, e: {"phase": P.ERROR, "exit_code": None, "reason": e.reason,
                                    "deadline": None},
-    # A suspend's kill keeps the reason Suspended keeps (an idle suspend's, an expiry's): a
-    # wake must not resume a sandbox whose time to live ended.
+    # A suspend's kill keeps the reason Suspended keeps (an idle suspend's, an expiry's), when
+    # the decision says so: a wake must not resume a sandbox whose time to live ended.
     SandboxStopEscalated: lambda s, e: {"deadline": None, "reason": (
-        s.reason if s.phase is P.SUSPENDING and suspended_reason(s)
+        s.reason if e.keeps_reason
         else "StopTimeout: the stop outlived its grace period; killing"
     )},
     SandboxStopRetried: lambda s, e: {
