@@ -162,8 +162,8 @@ def _verdict(goal: Goal, row: dict[str, Any], outcome: dict[str, Any]) -> bool |
     phase = row["phase"]
     if goal.phase == "Ready" and row["generation"] < (outcome.get("generation") or 0):
         return False
-    if phase == goal.phase:
-        return True
+    if phase == goal.phase or (goal.phase == "Stopped" and phase == "Suspended"):
+        return True  # a stop has nothing to do where nothing runs (the server said so)
     if phase in SETTLED:
         why = f"sandbox {row['name']} is {phase}"
         if row.get("reason"):

@@ -20,7 +20,7 @@ from sandstream_sdk import commands as _commands
 from sandstream_sdk import files as _files
 from sandstream_sdk import lifecycle
 from sandstream_sdk._transport import AsyncTransport, Call, Config, SseParser
-from sandstream_sdk.errors import NotFoundError, TimeoutError
+from sandstream_sdk.errors import NotFoundError, NotReadyError, TimeoutError
 from sandstream_sdk.logs import lines_of, logs_call
 from sandstream_sdk.models import CommandResult, EntryInfo, LogLine, SandboxInfo
 
@@ -232,13 +232,14 @@ class AsyncSandbox:
                 wait_timeout: float = lifecycle.DEFAULT_WAIT) -> AsyncSandbox:  # fmt: skip
         """The existing sandbox ``name`` (NotFoundError when there is none). A suspended one
         (Suspended, or Suspending: waited for) is resumed and waited for until Ready, as E2B's
-        connect does with a paused sandbox; ``auto_resume=False`` leaves it as it is."""
+        connect does with a paused sandbox (not one whose time to live ended: NotReadyError,
+        as for a wake on access); ``auto_resume=False`` leaves it as it is."""
         transport = AsyncTransport(Config.of(api_url, token, request_timeout))
         try:
             info = lifecycle.info_of((await transport.send(lifecycle.get_call(name))).json())
             sandbox = cls(info, transport, wait_timeout)
             if auto_resume and info.phase in ("Suspending", "Suspended"):
-                await sandbox.resume()
+                await sandbox._resume(implicit=True)
         except BaseException:
             await transport.close()
             raise
@@ -282,15 +283,22 @@ class AsyncSandbox:
 
     async def resume(self) -> None:
         """Resume it and wait until it is Ready (a Suspending one is waited for first; a
-        Ready one is left as it is). A command or file call resumes it too, on the server."""
+        Ready one, or one another caller resumes, is waited for only). A command or file call
+        resumes it too, on the server."""
+        await self._resume(implicit=False)
+
+    async def _resume(self, *, implicit: bool) -> None:
+        """``implicit`` (``connect``): a sandbox whose time to live ended is not brought back
+        (NotReadyError), as the server's wake on access does not."""
         info = await self.get_info()
-        if info.phase == "Ready":
-            return
-        if info.phase == "Suspending":
-            await self._until("Suspended")
+        if info.phase == "Suspending":  # it may end Suspended, or Ready (the suspend failed)
+            await self._until("suspend settled")
             info = self.info
-        call = lifecycle.command_call(self.name, "resume", lifecycle.wake_body(info))
-        await self._transport.send(call)
+        if implicit and (why := lifecycle.expired_while_suspended(info)) is not None:
+            raise NotReadyError(why, status=412, code="FAILED_PRECONDITION")
+        if lifecycle.resumable(info):
+            call = lifecycle.command_call(self.name, "resume", lifecycle.wake_body(info))
+            await self._transport.send(call)
         await self._until("Ready")
 
     async def set_idle_suspend(self, seconds: int | None) -> None:

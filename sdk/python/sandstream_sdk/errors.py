@@ -114,6 +114,7 @@ _BY_CODE: dict[str, type[SandstreamError]] = {
     "UNAUTHENTICATED": AuthenticationError,
     "PERMISSION_DENIED": ForbiddenError,
     "NOT_IMPLEMENTED": NotSupportedError,
+    "DEADLINE_EXCEEDED": TimeoutError,  # the server's wait ran out (a wake on access)
 }
 _BY_STATUS: dict[int, type[SandstreamError]] = {
     400: InvalidArgumentError,
@@ -128,6 +129,7 @@ _BY_STATUS: dict[int, type[SandstreamError]] = {
     429: TooManySessionsError,
     501: NotSupportedError,
     503: UnavailableError,
+    504: TimeoutError,
 }
 
 

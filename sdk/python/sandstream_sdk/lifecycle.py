@@ -13,7 +13,8 @@ from sandstream_sdk._transport import Call
 from sandstream_sdk.errors import NotFoundError, SandboxError
 from sandstream_sdk.models import SandboxInfo
 
-Goal = Literal["Ready", "Stopped", "Suspended", "gone"]
+# "suspend settled": no longer Suspending (Suspended, or Ready again after a failed suspend).
+Goal = Literal["Ready", "Stopped", "Suspended", "gone", "suspend settled"]
 Verb = Literal["stop", "start", "extend", "suspend", "resume", "idle-suspend"]
 KEEP_ALIVE = ("sleep", "infinity")  # the main process when the caller names none
 POLL_SECONDS = 0.25
@@ -124,7 +125,33 @@ def settled(goal: Goal, info: SandboxInfo | None) -> bool:
         raise NotFoundError("the sandbox is gone", status=404, code="NOT_FOUND")
     if info.phase == goal:
         return True
+    if goal == "suspend settled":
+        return info.phase != "Suspending"
+    if goal == "Stopped" and info.phase == "Suspended":
+        return True  # nothing runs: the server answers a stop "nothing to do"
     if info.phase in ("Error", "Completed") and goal in ("Ready", "Suspended"):
         why = info.reason or (f"exit code {info.exit_code}" if info.exit_code is not None else "")
         raise SandboxError(f"sandbox {info.name!r} is {info.phase}: {why}".rstrip(": "))
     return False
+
+
+def resumable(info: SandboxInfo) -> bool:
+    """Whether a resume is what ``info`` needs to run again: Suspended. Ready, Provisioning or
+    Starting (another caller's resume, a wake) need only a wait for Ready; any other phase is
+    left to the server's answer to the resume."""
+    return info.phase not in ("Ready", "Provisioning", "Starting")
+
+
+def expired_while_suspended(info: SandboxInfo) -> str | None:
+    """Why an implicit resume (``connect``) must not bring ``info`` back: its time to live
+    ended (the server refuses a wake of it; an explicit :meth:`resume` may still)."""
+    if (
+        info.phase == "Suspended"
+        and info.expires_at is None
+        and (info.reason or "").startswith("Expired:")
+    ):
+        return (
+            f"sandbox {info.name!r} is Suspended and its time to live ended: give it one "
+            "(set_timeout) or resume() it explicitly"
+        )
+    return None

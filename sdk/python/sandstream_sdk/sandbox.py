@@ -17,7 +17,7 @@ from sandstream_sdk import commands as _commands
 from sandstream_sdk import files as _files
 from sandstream_sdk import lifecycle
 from sandstream_sdk._transport import Call, Config, SseParser, SyncTransport
-from sandstream_sdk.errors import NotFoundError, TimeoutError
+from sandstream_sdk.errors import NotFoundError, NotReadyError, TimeoutError
 from sandstream_sdk.logs import lines_of, logs_call
 from sandstream_sdk.models import CommandResult, EntryInfo, LogLine, SandboxInfo
 
@@ -234,13 +234,14 @@ class Sandbox:
                 wait_timeout: float = lifecycle.DEFAULT_WAIT) -> Sandbox:  # fmt: skip
         """The existing sandbox ``name`` (NotFoundError when there is none). A suspended one
         (Suspended, or Suspending: waited for) is resumed and waited for until Ready, as E2B's
-        connect does with a paused sandbox; ``auto_resume=False`` leaves it as it is."""
+        connect does with a paused sandbox (not one whose time to live ended: NotReadyError,
+        as for a wake on access); ``auto_resume=False`` leaves it as it is."""
         transport = SyncTransport(Config.of(api_url, token, request_timeout))
         try:
             info = lifecycle.info_of(transport.send(lifecycle.get_call(name)).json())
             sandbox = cls(info, transport, wait_timeout)
             if auto_resume and info.phase in ("Suspending", "Suspended"):
-                sandbox.resume()
+                sandbox._resume(implicit=True)
         except BaseException:
             transport.close()
             raise
@@ -282,15 +283,22 @@ class Sandbox:
 
     def resume(self) -> None:
         """Resume it and wait until it is Ready (a Suspending one is waited for first; a
-        Ready one is left as it is). A command or file call resumes it too, on the server."""
+        Ready one, or one another caller resumes, is waited for only). A command or file call
+        resumes it too, on the server."""
+        self._resume(implicit=False)
+
+    def _resume(self, *, implicit: bool) -> None:
+        """``implicit`` (``connect``): a sandbox whose time to live ended is not brought back
+        (NotReadyError), as the server's wake on access does not."""
         info = self.get_info()
-        if info.phase == "Ready":
-            return
-        if info.phase == "Suspending":
-            self._until("Suspended")
+        if info.phase == "Suspending":  # it may end Suspended, or Ready (the suspend failed)
+            self._until("suspend settled")
             info = self.info
-        call = lifecycle.command_call(self.name, "resume", lifecycle.wake_body(info))
-        self._transport.send(call)
+        if implicit and (why := lifecycle.expired_while_suspended(info)) is not None:
+            raise NotReadyError(why, status=412, code="FAILED_PRECONDITION")
+        if lifecycle.resumable(info):
+            call = lifecycle.command_call(self.name, "resume", lifecycle.wake_body(info))
+            self._transport.send(call)
         self._until("Ready")
 
     def set_idle_suspend(self, seconds: int | None) -> None:
