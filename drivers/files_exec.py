@@ -25,7 +25,6 @@ from drivers.files import (
     FilesError,
     first_line,
     kind_of,
-    upload_prefix,
 )
 from drivers.protocol import DriverError, ExecEvent, ExecExit
 
@@ -35,13 +34,16 @@ MAX_ERROR_OUTPUT: Final = 64 * 1024  # the most stderr kept of a command (its me
 # A non-recursive remove: rmdir for a directory (never what a symlink points to), rm otherwise.
 _REMOVE_ONE: Final = 'if [ -d "$1" ] && [ ! -L "$1" ]; then exec rmdir -- "$1"; fi; exec rm -- "$1"'
 # The rename of an upload over its path (a failure removes the upload), then the removal of
-# the temporary files beside it named as upload_prefix names them but not with this
-# generation's prefix ($3): other generations' uploads, cut off with their runtime. The sweep
-# never fails the upload.
+# the temporary files beside it named as upload_prefix names them for an *older* generation
+# than this one ($3): uploads cut off with their runtime. Never this generation's (an upload
+# under way), nor a newer one's (a runtime killed at once can still run its last exec while
+# its successor's Pod starts on a Kubernetes node). The sweep never fails the upload.
 _REPLACE: Final = (
     'mv -f -T -- "$1" "$2" || { rc=$?; rm -f -- "$1"; exit "$rc"; }\n'
     f'for f in "${{1%/*}}"/{UPLOAD_PREFIX}g[0-9]*; do\n'
-    '  case "${f##*/}" in "$3"*) continue ;; esac\n'
+    f'  n=${{f##*/{UPLOAD_PREFIX}g}}; n=${{n%%-*}}\n'
+    '  case "$n" in ""|*[!0-9]*) continue ;; esac\n'
+    '  [ "$n" -lt "$3" ] || continue\n'
     '  if [ -f "$f" ] && [ ! -L "$f" ]; then rm -f -- "$f" || :; fi\n'
     "done\n"
     "exit 0"
@@ -200,8 +202,8 @@ class ExecFiles(ABC):
         await self._call(key, generation, ["mv", "-T", "--", source, destination])
 
     async def replace(self, key: str, generation: int, temporary: str, path: str) -> None:
-        prefix = upload_prefix(generation)
-        await self._call(key, generation, ["sh", "-c", _REPLACE, "sh", temporary, path, prefix])
+        script = ["sh", "-c", _REPLACE, "sh", temporary, path, str(generation)]
+        await self._call(key, generation, script)
 
     async def discard(self, key: str, generation: int, temporary: str) -> None:
         """Remove a failed upload's temporary file (best effort: a failure is ignored)."""

@@ -13,7 +13,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 from uuid import UUID
 
@@ -309,6 +309,10 @@ def pod_state(pod: Pod) -> tuple[RuntimeState, int | None, datetime | None]:
     return "running", None, None
 
 
+def _bounded(since: datetime | None, now: datetime) -> datetime:
+    return min(since, now) if since is not None else now
+
+
 def read_pod(pod: Pod) -> PodView | None:
     """The view of one of our Pods; None for a Pod without (valid) sandstream labels."""
     meta = _meta(pod)
@@ -318,7 +322,10 @@ def read_pod(pod: Pod) -> PodView | None:
     runtime_state, exit_code, since = pod_state(pod)
     deleting = parse_time(meta.get("deletionTimestamp"))
     if deleting is not None and runtime_state != "exited":
-        since = deleting  # the stop in progress began then
+        # The stop in progress began then: the deletion timestamp is the request's time plus
+        # the grace period (when the kubelet will kill), not when the stop began.
+        grace = meta.get("deletionGracePeriodSeconds")
+        since = deleting - timedelta(seconds=grace if isinstance(grace, int) else 0)
         if runtime_state == "running":
             # Still running, but on its way out: a stopping runtime, never "running" (which
             # would lift an Error row to Ready, the shape of Scenario 5's incident).
@@ -392,7 +399,10 @@ def snapshot(
         observation_id=f"{prefix}:{info.runtime_id}:{view.resource_version}:{info.state}",
         key=info.key,
         generation=info.generation,
-        occurred_at=view.since or now or datetime.now(UTC),
+        # Never past the reader's clock: a node's clock may run ahead of it, and an exit the
+        # reconcile loop reports is bounded by its own (reconcile._reported), so a start
+        # dated later than the exit of its own generation would lift the Error again.
+        occurred_at=_bounded(view.since, now or datetime.now(UTC)),
         actor=actor,
         state=info.state,
         exit_code=info.exit_code,

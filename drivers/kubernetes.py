@@ -254,6 +254,16 @@ class KubernetesDriver:
         # A stop removes the Pod and keeps the claim (an emptyDir would die with the Pod).
         if self._pods.storage_class is None:
             raise DriverError(WORKSPACE_DIES_WITH_POD, retryable=False)
+        view = await self._pods_of.generation(key, generation)
+        if view is not None and view.claim is None:
+            # Made before a storage class was set: its workspace is an emptyDir all the same.
+            raise DriverError(
+                f"pod {view.name} mounts no workspace claim (made before a storage class was "
+                "set): its workspace is an emptyDir removed with the Pod, so a suspend would "
+                "lose it",
+                retryable=False,
+                observed=observed_state(view.info.state),
+            )
         return await self._stop(key, generation, timeout)
 
     async def _kill(self, key: str, generation: int) -> OpResult:

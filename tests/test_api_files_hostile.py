@@ -526,7 +526,8 @@ async def test_the_part_an_upload_cut_off_by_a_restart_left_goes_with_the_next_u
 ) -> None:
     """A restart removes the runtime mid-upload, and with it the exec that would remove the
     part: the next upload into the folder (a later generation) removes it, and never the part
-    of an upload of its own generation still under way."""
+    of an upload of its own generation still under way, nor one of a newer generation (a
+    runtime killed at once can run its last exec beside its successor's)."""
     async with files_api() as box:
         paused, resume = asyncio.Event(), asyncio.Event()
 
@@ -549,14 +550,16 @@ async def test_the_part_an_upload_cut_off_by_a_restart_left_goes_with_the_next_u
             [part] = await listed()
             assert part.startswith(".sandstream-upload-"), part
             under_way = ".sandstream-upload-g2-0123456789abcdef"  # an upload into generation 2
+            newer = ".sandstream-upload-g12-0123456789abcdef"  # g12 is not g1: kept too
             container = podman.containers.get(container_name(box.name, 2))
-            code, out = await asyncio.to_thread(
-                container.exec_run, ["touch", f"/workspace/cut/{under_way}"]
-            )
-            assert code == 0, out
+            for name in (under_way, newer):
+                code, out = await asyncio.to_thread(
+                    container.exec_run, ["touch", f"/workspace/cut/{name}"]
+                )
+                assert code == 0, out
             r = await c.put(box.url("/content"), params={"path": "cut/next.txt"}, content=b"next")
             assert r.status_code == 201, r.text
-            assert await listed() == {"next.txt", under_way}
+            assert await listed() == {"next.txt", under_way, newer}
 
 
 async def test_a_declared_length_above_the_limit_is_refused_before_a_byte_is_sent(

@@ -14,6 +14,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,22 @@ def test_a_pod_being_deleted_does_not_lift_an_error_row_to_ready() -> None:
         assert view is not None
         assert h.send(snapshot(view, source="watch")).disposition == "ignored", phase
         assert h.row().phase is phase
+
+
+def test_a_stopping_pod_is_dated_when_its_stop_began_and_nothing_after_the_readers_clock() -> None:
+    """A review found both. A Pod's deletion timestamp is its delete's time plus the grace
+    period (when the kubelet will kill), so a stopping runtime was dated up to a grace period
+    ahead. And a watch snapshot took the node's times as they were: a node clock ahead of the
+    control plane's dated a start after the exit the reconcile loop reported (bounded by its
+    own clock), and a start sent again then lifted the Error."""
+    pod = pod_dict("Running", deleting=True)  # deletion timestamp 00:01:00
+    pod["metadata"]["deletionGracePeriodSeconds"] = 30
+    view = read_pod(pod)
+    assert view is not None and view.since == datetime(2026, 1, 1, 0, 0, 30, tzinfo=UTC)
+    running = read_pod(pod_dict("Running"))  # started 00:00:01 by the node's clock
+    assert running is not None
+    ours = datetime(2026, 1, 1, 0, 0, 0, 500_000, tzinfo=UTC)
+    assert snapshot(running, source="watch", now=ours).occurred_at == ours
 
 
 def test_labels_and_selectors_follow_kubernetes_rules() -> None:

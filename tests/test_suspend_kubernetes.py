@@ -53,3 +53,22 @@ async def test_suspend_without_a_storage_class_is_refused_and_touches_nothing(
         assert await admin.pod_names(ns, key) == [pod_name(key, 1)]
     finally:
         await driver.close()
+
+
+async def test_suspend_of_a_pod_made_before_a_storage_class_was_set_is_refused(
+    driver: KubernetesDriver, admin: Admin, ns: str, keys: Keys
+) -> None:
+    """A review found it: the driver asked its setting only, so a Pod launched while no
+    storage class was set (an emptyDir workspace) was suspended once one was: the Pod went,
+    its workspace with it, and the resume got an empty claim."""
+    before = new_driver(admin, ns, storage_class=None)
+    try:
+        key = keys()
+        await before.launch(launch_spec(key))
+    finally:
+        await before.close()
+    with pytest.raises(DriverError) as refused:
+        await driver.suspend(key, 1)  # this driver has a storage class
+    assert "mounts no workspace claim" in refused.value.reason, refused.value.reason
+    assert (refused.value.retryable, refused.value.observed) == (False, "running")
+    assert await admin.pod_names(ns, key) == [pod_name(key, 1)]

@@ -17,6 +17,7 @@ from events.decided import (
     SandboxCreated,
     SandboxDeleteRetried,
     SandboxDeleting,
+    SandboxFailed,
     SandboxStarting,
     SandboxStopping,
     SandboxStopRetried,
@@ -41,7 +42,7 @@ class Intent:
     actor: str  # whose command it serves: the lane it runs in when slow
     launch: LaunchSpec | None = None
     previous_generation: int | None = None  # a start's or restart's older generation
-    cleanup: bool = False  # a stop after a timed-out launch: wanted while the row is Error
+    cleanup: bool = False  # a stop after a failed or timed-out launch: wanted while Error
     # A stop of a runtime of an older generation than its row's (the reconcile loop's
     # ``stop_stale``): wanted while the row is at a newer generation and not launching.
     stale: bool = False
@@ -78,6 +79,12 @@ def intent_of(event: DecidedEvent) -> Intent | None:
         case SandboxSuspending():
             return replace(base, operation="suspend")
         case SandboxTimedOut():  # a timed-out launch: clean up its runtime if it came up
+            return replace(base, operation="stop", cleanup=True)
+        case SandboxFailed(exit_code=None):
+            # A launch that failed (no exit: nothing ran) may leave a runtime that never ran:
+            # a Kubernetes Pod whose image cannot be pulled stays Pending, holding its node's
+            # resources and its Secret, and would lift the row to Ready by itself if a later
+            # pull succeeded. Stopped once the failure is decided (never racing it).
             return replace(base, operation="stop", cleanup=True)
         case SandboxDeleting() | SandboxDeleteRetried():
             return replace(base, operation="delete")
