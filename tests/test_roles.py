@@ -298,21 +298,26 @@ async def test_a_lease_holder_whose_session_ends_stops_its_work_and_one_holder_f
 
             return run
 
+        def holding() -> list[tuple[bool, bool]]:
+            """Each lease: held, and its work running (the work starts just after the lease
+            says held: a CI run read the two in between)."""
+            return [(x.held, i in working and not working[i].is_set())
+                    for i, x in enumerate(leases)]  # fmt: skip
+
+        def one_working(state: list[tuple[bool, bool]]) -> bool:
+            return sorted(h for h, _ in state) == [False, True] and all(w for h, w in state if h)
+
         stop = asyncio.Event()
         tasks = [asyncio.create_task(lease.run(stop, work(i))) for i, lease in enumerate(leases)]
         try:
-            await eventually(lambda: [x.held for x in leases], lambda h: sorted(h) == [False, True],
-                             what="one holder")  # fmt: skip
+            await eventually(holding, one_working, what="one holder, its work running")
             holder = 0 if leases[0].held else 1
             assert list(working) == [holder]
             conn = leases[holder]._conn
             assert conn is not None
             await env.pool.execute("SELECT pg_terminate_backend($1)", conn.get_server_pid())
             await eventually(lambda: ended, lambda e: e == [holder], what="the holder's work ended")
-            await eventually(lambda: [x.held for x in leases], lambda h: sorted(h) == [False, True],
-                             what="one holder again")  # fmt: skip
-            again = 0 if leases[0].held else 1
-            assert not working[again].is_set()  # its work runs
+            await eventually(holding, one_working, what="one holder again, its work running")
             assert sum(x.acquisitions for x in leases) == 2
         finally:
             stop.set()
