@@ -41,7 +41,7 @@ _REMOVE_ONE: Final = 'if [ -d "$1" ] && [ ! -L "$1" ]; then exec rmdir -- "$1"; 
 _REPLACE: Final = (
     'mv -f -T -- "$1" "$2" || { rc=$?; rm -f -- "$1"; exit "$rc"; }\n'
     f'for f in "${{1%/*}}"/{UPLOAD_PREFIX}g[0-9]*; do\n'
-    f'  n=${{f##*/{UPLOAD_PREFIX}g}}; n=${{n%%-*}}\n'
+    f"  n=${{f##*/{UPLOAD_PREFIX}g}}; n=${{n%%-*}}\n"
     '  case "$n" in ""|*[!0-9]*) continue ;; esac\n'
     '  [ "$n" -lt "$3" ] || continue\n'
     '  if [ -f "$f" ] && [ ! -L "$f" ]; then rm -f -- "$f" || :; fi\n'
