@@ -256,14 +256,7 @@ class KubernetesDriver:
             raise DriverError(WORKSPACE_DIES_WITH_POD, retryable=False)
         view = await self._pods_of.generation(key, generation)
         if view is not None and view.claim is None:
-            # Made before a storage class was set: its workspace is an emptyDir all the same.
-            raise DriverError(
-                f"pod {view.name} mounts no workspace claim (made before a storage class was "
-                "set): its workspace is an emptyDir removed with the Pod, so a suspend would "
-                "lose it",
-                retryable=False,
-                observed=observed_state(view.info.state),
-            )
+            raise claimless(view)
         return await self._stop(key, generation, timeout)
 
     async def _kill(self, key: str, generation: int) -> OpResult:
@@ -391,6 +384,17 @@ def not_running(pod: PodView, timeout: float) -> DriverError:
         "image still downloading)",
         retryable=True,
         observed="created",
+    )
+
+
+def claimless(pod: PodView) -> DriverError:
+    """The refusal to suspend a Pod that mounts no workspace claim: launched before a storage
+    class was set, its workspace is an emptyDir all the same, removed with the Pod."""
+    return DriverError(
+        f"pod {pod.name} mounts no workspace claim (made before a storage class was set): its "
+        "workspace is an emptyDir removed with the Pod, so a suspend would lose it",
+        retryable=False,
+        observed=observed_state(pod.info.state),
     )
 
 

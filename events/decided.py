@@ -130,6 +130,10 @@ class SandboxFailed(EventBase):
     type: Literal["SandboxFailed"]
     reason: str
     exit_code: int | None = None
+    # Decided on its launch's own failed report (nothing of the generation ran): the executor
+    # then removes what the launch left (a Kubernetes Pod whose image cannot be pulled stays
+    # Pending). Left out when unset, so failures recorded before it read as they did.
+    launch_failed: bool = Field(default=False, exclude_if=lambda v: not v)
 
 
 class SandboxOperationFailed(EventBase):

@@ -293,8 +293,13 @@ async def test_a_non_retryable_failure_is_reported_at_once() -> None:
         failed = await wait_phase(env, "n", "Error")
         assert "image not known" in failed["reason"]
         assert len(driver.calls_for("launch", "n")) == 1
-        [result] = await driver_results(env, "n")
-        assert (result["message"]["outcome"], result["message"]["retryable"]) == ("failed", False)
+        results = await eventually(lambda: driver_results(env, "n"), lambda r: len(r) == 2,
+                                   what="the launch's result and its cleanup stop's")  # fmt: skip
+        assert sorted(r["message"]["operation"] for r in results) == ["launch", "stop"]
+        [launch] = [r for r in results if r["message"]["operation"] == "launch"]
+        assert (launch["message"]["outcome"], launch["message"]["retryable"]) == ("failed", False)
+        # The cleanup stop of what the launch left changes nothing of the row.
+        assert (await wait_phase(env, "n", "Error"))["version"] == failed["version"]
 
 
 async def test_retries_give_up_and_a_failed_stop_stays_stopping() -> None:

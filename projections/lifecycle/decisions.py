@@ -579,7 +579,7 @@ def _observation_event(
                 "removed": "runtime removed outside sandstream",
             }
             reason = getattr(obs, "reason", None) or reasons.get(kind, f"{kind.replace('_', ' ')}")
-            return built(
-                SandboxFailed, type="SandboxFailed", **common, reason=reason, exit_code=exit_code
-            )
+            launch = {"launch_failed": True} if kind == "launch_failed" else {}  # set when true
+            return built(SandboxFailed, type="SandboxFailed", **common, reason=reason,
+                         exit_code=exit_code, **launch)  # fmt: skip
     raise AssertionError(f"no event leads to {target}")

@@ -80,11 +80,13 @@ def intent_of(event: DecidedEvent) -> Intent | None:
             return replace(base, operation="suspend")
         case SandboxTimedOut():  # a timed-out launch: clean up its runtime if it came up
             return replace(base, operation="stop", cleanup=True)
-        case SandboxFailed(exit_code=None):
-            # A launch that failed (no exit: nothing ran) may leave a runtime that never ran:
-            # a Kubernetes Pod whose image cannot be pulled stays Pending, holding its node's
+        case SandboxFailed(launch_failed=True):
+            # A launch that reported its failure may leave a runtime that never ran: a
+            # Kubernetes Pod whose image cannot be pulled stays Pending, holding its node's
             # resources and its Secret, and would lift the row to Ready by itself if a later
-            # pull succeeded. Stopped once the failure is decided (never racing it).
+            # pull succeeded. Stopped once the failure is decided (never racing it). Not after
+            # any other failure: a launch still under way (a restore that fell back to a fresh
+            # container) must not lose the runtime it is starting.
             return replace(base, operation="stop", cleanup=True)
         case SandboxDeleting() | SandboxDeleteRetried():
             return replace(base, operation="delete")
