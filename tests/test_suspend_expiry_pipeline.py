@@ -14,11 +14,13 @@ import asyncio
 from typing import Any
 
 import apikit
+import pytest
 from apikit import Api, create_body, unique
 from harness import eventually
 from pipeline_support import history
 
 from drivers.fake import FakeDriver
+from services.api import wake
 
 SCALED = {"scheduler_poll_seconds": 0.5}
 
@@ -31,8 +33,8 @@ async def row(api: Api, name: str) -> dict[str, Any]:
 
 
 async def suspending_then_expired(api: Api, driver: FakeDriver, name: str) -> Any:
-    """``name`` Ready, then Suspending with its suspend held, then its time to live ended
-    (an extend to one second): the held suspend's handle."""
+    """``name`` Ready, then Suspending with its suspend held: the held suspend's handle
+    (``expire`` then ends its time to live)."""
     suspends = driver.block("suspend", name)
     body = create_body(name)
     body["ttl_seconds"] = 3600
@@ -89,16 +91,25 @@ async def test_an_exec_that_waited_out_a_suspend_in_which_the_sandbox_expired_wa
     async with apikit.running_api(driver, settings_update=SCALED, with_scheduler=True) as api:
         name = unique("wakeexp")
         suspends = await suspending_then_expired(api, driver, name)
-        async with api.client() as c:
-            # The call reads the row Suspending, not expired yet, and waits for the suspend.
-            call = asyncio.ensure_future(
-                c.post(f"/v1/sandboxes/{name}/exec", json={"command": ["true"]})
-            )
-            await asyncio.sleep(0.5)
-            await expire(api, name)
-            assert not call.done()
-            suspends.release()
-            r = await call
+        waiting = asyncio.Event()
+        wait_out = wake._suspended
+
+        async def seen_waiting(*args: Any) -> Any:
+            waiting.set()  # the call read the row Suspending, not expired, and waits
+            return await wait_out(*args)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(wake, "_suspended", seen_waiting)
+            async with api.client() as c:
+                call = asyncio.ensure_future(
+                    c.post(f"/v1/sandboxes/{name}/exec", json={"command": ["true"]})
+                )
+                async with asyncio.timeout(30):
+                    await waiting.wait()
+                await expire(api, name)
+                assert not call.done()
+                suspends.release()
+                r = await call
         assert r.status_code == 409, r.text
         assert "time to live has ended" in r.json()["message"], r.text
         after = await row(api, name)

@@ -119,6 +119,29 @@ def completion_policy(
     return _delete_now(state, events, message, cause, limits)
 
 
+def _stop_now(
+    state: Sandbox,
+    events: tuple[DecidedEvent, ...],
+    message: Message,
+    cause: Cause,
+    limits: Limits,
+) -> tuple[Sandbox, tuple[DecidedEvent, ...]]:
+    deadline = stop_deadline(state.spec, message.occurred_at, limits)
+    return then_decide(
+        state, events, message, cause, lambda c: new_event(SandboxStopping, c, deadline)
+    )
+
+
+def _owes_stop(state: Sandbox) -> bool:
+    """Ready or Error, unheld, and its reason still says its time to live ended (stop): the
+    expiry fell during a suspend that then failed (its ``expires_at`` cleared)."""
+    return (
+        state.phase in (P.READY, P.ERROR)
+        and expired(state.reason, state.expires_at)
+        and not is_held(state)
+    )
+
+
 def owed_stop(
     state: Sandbox,
     new_state: Sandbox,
@@ -128,21 +151,17 @@ def owed_stop(
     limits: Limits,
 ) -> tuple[Sandbox, tuple[DecidedEvent, ...]]:
     """The stop a time to live that ended during Suspending (``on_expiry`` stop: the row's
-    reason says Expired) still owes the sandbox. A failed suspend that leaves it Ready (the
-    runtime running) or Error (not seen) goes on to Stopping, as the expiry does in Ready;
-    held, it stays (a hold keeps the policies off, as it defers an expiry)."""
+    reason says Expired, and a failed suspend keeps it) still owes the sandbox. A failed
+    suspend that leaves it Ready (the runtime running) or Error (not seen) goes on to Stopping,
+    as the expiry does in Ready; held, it stays (a hold keeps the policies off, as it defers an
+    expiry) until the release (``owed_at_release``)."""
     if (
         state.phase is not P.SUSPENDING
-        or new_state.phase not in (P.READY, P.ERROR)
         or not isinstance(events[-1], SandboxOperationFailed)
-        or not expired(state.reason, state.expires_at)
-        or is_held(new_state)
+        or not _owes_stop(new_state)
     ):
         return new_state, events
-    deadline = stop_deadline(new_state.spec, message.occurred_at, limits)
-    return then_decide(
-        new_state, events, message, cause, lambda c: new_event(SandboxStopping, c, deadline)
-    )
+    return _stop_now(new_state, events, message, cause, limits)
 
 
 def owed_at_release(
@@ -152,17 +171,11 @@ def owed_at_release(
     cause: Cause,
     limits: Limits,
 ) -> tuple[Sandbox, tuple[DecidedEvent, ...]]:
-    """The stop ``owed_stop`` left to a hold, made at its release (as a deferred expiry is):
-    a sandbox Ready or Error whose reason still says its time to live ended (stop) goes on to
-    Stopping. Nothing else would: its ``expires_at`` was cleared by the expiry."""
-    if new_state.phase not in (P.READY, P.ERROR) or not expired(
-        new_state.reason, new_state.expires_at
-    ):
+    """The stop ``owed_stop`` left to a hold, made at its release (as a deferred expiry is).
+    Nothing else would: its ``expires_at`` was cleared by the expiry."""
+    if not _owes_stop(new_state):
         return new_state, events
-    deadline = stop_deadline(new_state.spec, message.occurred_at, limits)
-    return then_decide(
-        new_state, events, message, cause, lambda c: new_event(SandboxStopping, c, deadline)
-    )
+    return _stop_now(new_state, events, message, cause, limits)
 
 
 def decide_deadline(
@@ -194,14 +207,7 @@ def decide_deadline(
         if policy == "delete" and admission("DeleteSandbox", new_state.phase) is Admission.ADMIT:
             new_state, events = _delete_now(new_state, events, due, cause, limits)
         elif policy == "stop" and admission("StopSandbox", new_state.phase) is Admission.ADMIT:
-            deadline = stop_deadline(new_state.spec, at, limits)
-            new_state, events = then_decide(
-                new_state,
-                events,
-                due,
-                cause,
-                lambda c: new_event(SandboxStopping, c, deadline),
-            )
+            new_state, events = _stop_now(new_state, events, due, cause, limits)
     else:
         pending = state.deadline
         if pending is None or (pending.kind, pending.due_at) != (due.deadline, due.due_at):

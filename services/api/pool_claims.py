@@ -141,7 +141,9 @@ async def claim_first(
     name = command.template.name
     async with gateway.pool.acquire() as conn:
         pools = await store.pools_of_template(conn, name)
-        found = await templates.member_revisions(conn, name, [p.name for p in pools])
+        found = (
+            await templates.member_revisions(conn, name, [p.name for p in pools]) if pools else []
+        )
     if not pools:
         return None
     started = time.perf_counter()
@@ -192,6 +194,14 @@ async def count_on(conn: Conn, claim: Claim, command: CreateSandbox) -> None:
         metrics.POOL_CLAIM_SECONDS.labels(path).observe(seconds)
 
 
+def request_overrides(body: CreateSandboxRequest) -> templates.Overrides:
+    """What a create from a template over HTTP changes of the template (the rule:
+    services/common/templates.py)."""
+    asked = body.overrides
+    env, labels = (asked.env, asked.labels) if asked is not None else ({}, {})
+    return templates.Overrides(env, labels, body.ttl_seconds, body.providers)
+
+
 async def create_or_claim(
     state: ApiState,
     principal: Principal,
@@ -208,11 +218,7 @@ async def create_or_claim(
         settings.default_ttl_seconds,
         suspend_refusal(settings, body.name),
     )
-    asked = body.overrides
-    overrides = templates.Overrides(
-        asked.env if asked else {}, asked.labels if asked else {}, body.ttl_seconds,
-        body.providers,
-    )  # fmt: skip
+    overrides = request_overrides(body)
     pinned = body.template.revision if body.template is not None else None
     claim = await claim_first(
         state.gateway, command, caller, overrides, pinned=pinned, driver=state.exec_driver

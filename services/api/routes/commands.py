@@ -37,7 +37,6 @@ from services.api.models import (
     LifecycleBody,
     LifecycleRequest,
     NamePath,
-    OverridesRequest,
     WaitQuery,
     responses,
 )
@@ -186,8 +185,7 @@ async def made_from(body: CreateSandboxRequest, state: ApiState) -> templates.Re
                 "template may set only overrides.env, overrides.labels, ttl_seconds and "
                 "providers",
             )
-    asked = body.overrides or OverridesRequest()
-    overrides = templates.Overrides(asked.env, asked.labels, body.ttl_seconds, body.providers)
+    overrides = pool_claims.request_overrides(body)
     ref = body.template
     try:
         async with state.pool.acquire() as conn:
